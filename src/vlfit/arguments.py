@@ -1,0 +1,97 @@
+"""Command-line arguments: the names run_bridgetower.py uses, plus vlfit's input-pipeline flags.
+
+Parsed with ``transformers.HfArgumentParser((ModelArguments, DataArguments, TrainingArguments))``, so every
+``TrainingArguments`` flag works as well, and one JSON or YAML file can hold them all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vlfit.data.image_transforms import IMAGE_PIPELINES
+from vlfit.models.presets import PRESETS
+
+
+@dataclass
+class ModelArguments:
+    """Which model to fine-tune, and what to freeze."""
+
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "BridgeTowerForContrastiveLearning checkpoint: a local folder or a hub id."}
+    )
+    model_preset: str | None = field(
+        default=None,
+        metadata={
+            "help": f"Build a BridgeTower with random weights instead: one of {', '.join(PRESETS)}. "
+            "A byte-level BPE tokenizer is trained on the training captions unless --tokenizer_name is given."
+        },
+    )
+    tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer to use instead of the model's."})
+    image_processor_name: str | None = field(
+        default=None, metadata={"help": "Image processor (mean, std) to use instead of the model's."}
+    )
+    cache_dir: str | None = field(default=None, metadata={"help": "Where downloaded models and datasets are cached."})
+    model_revision: str = field(default="main", metadata={"help": "Model branch, tag or commit."})
+    token: str | None = field(default=None, metadata={"help": "Hub token for private models or datasets."})
+    freeze_vision_model: bool = field(default=False, metadata={"help": "Do not train the vision encoder."})
+    freeze_text_model: bool = field(default=False, metadata={"help": "Do not train the text encoder."})
+    freeze_text_pooler: bool = field(
+        default=True, metadata={"help": "Do not train the text pooler (the contrastive loss never reaches it)."}
+    )
+
+
+@dataclass
+class DataArguments:
+    """Where the image-text pairs come from and how images are turned into model inputs."""
+
+    dataset_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "A hub dataset id (e.g. jmhessel/newyorker_caption_contest), a folder written by save_to_disk "
+            "(e.g. by `vlfit make-data`), or a folder of parquet files (e.g. by `vlfit prepare`)."
+        },
+    )
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset config (e.g. matching)."})
+    dataset_revision: str | None = field(default=None, metadata={"help": "Hub dataset branch, tag or commit."})
+    data_dir: str | None = field(default=None, metadata={"help": "data_dir passed to datasets.load_dataset."})
+    train_file: str | None = field(
+        default=None,
+        metadata={"help": "Training data: parquet, jsonl/json or csv (image paths relative to it), or .tar shards."},
+    )
+    validation_file: str | None = field(default=None, metadata={"help": "Validation data, same formats."})
+    test_file: str | None = field(default=None, metadata={"help": "Test data, same formats."})
+    image_column: str = field(default="image", metadata={"help": "Column holding images (bytes, paths or PIL)."})
+    caption_column: str = field(default="image_description", metadata={"help": "Column holding the captions."})
+    id_column: str | None = field(
+        default=None, metadata={"help": "Column with sample ids (default: instance_id or id if present, else row)."}
+    )
+    max_seq_length: int = field(default=128, metadata={"help": "Captions are truncated to this many tokens."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N training samples."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Use only the first N evaluation samples."})
+    preprocessing_num_workers: int | None = field(
+        default=None, metadata={"help": "Accepted for run_bridgetower.py compatibility; vlfit preprocesses lazily."}
+    )
+    image_pipeline: str = field(
+        default="fast",
+        metadata={
+            "help": "fast: DCT-scaled decode and uint8 resize in workers, normalize on the device. "
+            "reference: run_bridgetower.py's Pillow/float pipeline, all on the CPU.",
+            "choices": list(IMAGE_PIPELINES),
+        },
+    )
+    decode_on_device: bool = field(
+        default=False,
+        metadata={"help": "Workers only read bytes; JPEGs are decoded on the GPU with nvJPEG (CPU fallback)."},
+    )
+    random_resized_crop: bool = field(default=False, metadata={"help": "Random resized crop (fast pipeline)."})
+    horizontal_flip: bool = field(default=False, metadata={"help": "Random horizontal flip, on the device."})
+    eval_split: str = field(default="validation", metadata={"help": "Split that --do_eval evaluates."})
+    eval_pool_size: int | None = field(
+        default=None, metadata={"help": "Recall@k over candidate pools of this many pairs (default: the whole split)."}
+    )
+
+    def __post_init__(self) -> None:
+        if self.image_pipeline not in IMAGE_PIPELINES:
+            raise ValueError(
+                f"unknown --image_pipeline {self.image_pipeline!r}; choose one of: {', '.join(IMAGE_PIPELINES)}"
+            )

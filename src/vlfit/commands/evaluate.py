@@ -1,0 +1,24 @@
+"""``vlfit eval``: recall@1/5/10 both ways and matching accuracy of a model on one split."""
+
+from __future__ import annotations
+
+import json
+
+from vlfit.commands.train import parse_arguments
+from vlfit.training.run import run
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``vlfit eval``: the same flags as ``vlfit train``; ``--eval_split`` picks the split.
+
+    Metrics are written to ``--output_dir`` (default: the model folder) as ``eval_results.json``.
+    """
+    argv = list(argv or [])
+    model_args, data_args, training_args = parse_arguments(argv, prog="vlfit eval")
+    if "--output_dir" not in argv and model_args.model_name_or_path:
+        training_args.output_dir = model_args.model_name_or_path
+    training_args.do_train, training_args.do_eval = False, True
+    results = run(model_args, data_args, training_args)
+    if training_args.should_log:
+        print(json.dumps(results, indent=1))
+    return 0

@@ -1,0 +1,34 @@
+"""``vlfit train``: fine-tune with HfArgumentParser((ModelArguments, DataArguments, TrainingArguments))."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from transformers import HfArgumentParser, TrainingArguments
+
+from vlfit.arguments import DataArguments, ModelArguments
+from vlfit.training.run import run
+
+
+def parse_arguments(
+    argv: list[str] | None, prog: str = "vlfit train"
+) -> tuple[ModelArguments, DataArguments, TrainingArguments]:
+    """Parse flags, or a single ``.json``/``.yaml``/``.yml`` file holding them all."""
+    parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments), prog=prog)
+    if argv is not None and len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
+        path = os.path.abspath(argv[0])
+        if path.endswith(".json"):
+            return parser.parse_json_file(json_file=path)  # type: ignore[return-value]
+        return parser.parse_yaml_file(yaml_file=path)  # type: ignore[return-value]
+    return parser.parse_args_into_dataclasses(args=argv)  # type: ignore[return-value]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``vlfit train``."""
+    model_args, data_args, training_args = parse_arguments(argv)
+    training_args.do_train = True  # `vlfit train` always trains; --do_eval adds an evaluation afterwards
+    results = run(model_args, data_args, training_args)
+    if training_args.should_log:
+        print(json.dumps({k: v for k, v in results.items() if isinstance(v, (int, float))}, indent=1))
+    return 0

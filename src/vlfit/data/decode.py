@@ -1,0 +1,134 @@
+"""CPU image decoding: libjpeg-turbo with DCT-domain scaling for JPEG, Pillow for everything else.
+
+Every decoder returns RGB with EXIF orientation applied (as Pillow's ``ImageOps.exif_transpose`` does), so the
+pipelines agree on what a valid image looks like whatever its encoding.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+
+import numpy as np
+from PIL import Image, ImageOps
+
+try:
+    import simplejpeg
+except ImportError:  # the device machine may lack it; Pillow's draft mode is the fallback
+    simplejpeg = None
+
+JPEG_MAGIC = b"\xff\xd8\xff"
+# Decompression-bomb guard: refuse images whose header declares more pixels than this (about 16k x 11k).
+MAX_IMAGE_PIXELS = 178_956_970
+
+
+class DecodeError(ValueError):
+    """An image cannot be decoded; the message names the sample and the reason."""
+
+
+def is_jpeg(data: bytes) -> bool:
+    """True when ``data`` starts with the JPEG start-of-image marker."""
+    return data[:3] == JPEG_MAGIC
+
+
+def jpeg_exif_orientation(data: bytes) -> int:
+    """Read the EXIF orientation (1..8) of a JPEG from its APP1 segment without decoding; 1 when absent.
+
+    Only the marker segments before the first scan are walked, so this costs microseconds.
+    """
+    pos, end = 2, len(data)
+    while pos + 4 <= end and data[pos] == 0xFF:
+        marker = data[pos + 1]
+        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:  # markers without a length field
+            pos += 2
+            continue
+        if marker == 0xDA:  # start of scan: no EXIF after this point
+            break
+        (length,) = struct.unpack(">H", data[pos + 2 : pos + 4])
+        if marker == 0xE1 and data[pos + 4 : pos + 10] == b"Exif\x00\x00":
+            return _tiff_orientation(data[pos + 10 : pos + 2 + length])
+        pos += 2 + length
+    return 1
+
+
+def _tiff_orientation(tiff: bytes) -> int:
+    if len(tiff) < 8 or tiff[:2] not in (b"II", b"MM"):
+        return 1
+    endian = "<" if tiff[:2] == b"II" else ">"
+    (ifd,) = struct.unpack(endian + "I", tiff[4:8])
+    if ifd + 2 > len(tiff):
+        return 1
+    (count,) = struct.unpack(endian + "H", tiff[ifd : ifd + 2])
+    for i in range(count):
+        entry = ifd + 2 + 12 * i
+        if entry + 12 > len(tiff):
+            break
+        tag, kind = struct.unpack(endian + "HH", tiff[entry : entry + 4])
+        if tag == 0x0112 and kind == 3:
+            (value,) = struct.unpack(endian + "H", tiff[entry + 8 : entry + 10])
+            return value if 1 <= value <= 8 else 1
+    return 1
+
+
+def apply_orientation(hwc: np.ndarray, orientation: int) -> np.ndarray:
+    """Transpose an HWC array as EXIF ``orientation`` asks (the same result as ``ImageOps.exif_transpose``)."""
+    if orientation == 2:
+        return hwc[:, ::-1]
+    if orientation == 3:
+        return hwc[::-1, ::-1]
+    if orientation == 4:
+        return hwc[::-1]
+    if orientation == 5:
+        return hwc.transpose(1, 0, 2)
+    if orientation == 6:
+        return np.rot90(hwc, k=-1)
+    if orientation == 7:
+        return np.rot90(hwc, k=1)[::-1]
+    if orientation == 8:
+        return np.rot90(hwc, k=1)
+    return hwc
+
+
+def decode_pil(data: bytes, sample_id: str = "?", draft_size: int | None = None) -> Image.Image:
+    """Decode any format Pillow reads into an RGB image with EXIF orientation applied.
+
+    Args:
+        data: Encoded image bytes.
+        sample_id: Named in errors.
+        draft_size: For JPEG, let libjpeg downscale by 1/2, 1/4 or 1/8 while keeping both sides at least this.
+    """
+    try:
+        image = Image.open(io.BytesIO(data))
+        width, height = image.size
+        if width * height > MAX_IMAGE_PIXELS:
+            raise DecodeError(f"sample {sample_id}: image declares {width}x{height} pixels, over the bomb limit")
+        if draft_size is not None and image.format == "JPEG":
+            image.draft("RGB", (draft_size, draft_size))
+        image = ImageOps.exif_transpose(image)
+        return image.convert("RGB")
+    except DecodeError:
+        raise
+    except Exception as err:  # Pillow raises many types for corrupt data
+        raise DecodeError(f"sample {sample_id}: cannot decode image ({type(err).__name__}: {err})") from err
+
+
+def decode_scaled(data: bytes, min_side: int, sample_id: str = "?") -> np.ndarray:
+    """Decode to an RGB HWC uint8 array, using DCT scaling to the smallest scale whose sides are still >= min_side.
+
+    JPEG goes through libjpeg-turbo (simplejpeg) when installed, else Pillow's draft mode; other formats, and JPEGs
+    libjpeg-turbo cannot convert to RGB (CMYK, YCCK), go through Pillow.
+    """
+    if simplejpeg is not None and is_jpeg(data):
+        try:
+            height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+        except Exception as err:
+            raise DecodeError(f"sample {sample_id}: corrupt JPEG header ({err})") from err
+        if height * width > MAX_IMAGE_PIXELS:
+            raise DecodeError(f"sample {sample_id}: image declares {width}x{height} pixels, over the bomb limit")
+        if colorspace not in ("CMYK", "YCCK"):
+            try:
+                pixels = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=min_side, min_width=min_side)
+            except Exception as err:
+                raise DecodeError(f"sample {sample_id}: cannot decode JPEG ({err})") from err
+            return apply_orientation(pixels, jpeg_exif_orientation(data))
+    return np.asarray(decode_pil(data, sample_id, draft_size=min_side))

@@ -1,0 +1,124 @@
+"""Per-sample CPU stage: encoded bytes in, model-sized pixels out. Runs inside DataLoader workers.
+
+Three pipelines, selected by ``--image_pipeline`` / ``--decode_on_device``:
+
+- ``reference``: what run_bridgetower.py does: Pillow decode, float, bicubic resize, center crop, normalize.
+  Output: float32 ``[3, S, S]``, normalized.
+- ``fast``: DCT-scaled decode, then antialiased resize and crop on **uint8**. Output: uint8 ``[3, S, S]``;
+  normalization happens per batch on the device (``device_stage``), so 4x fewer bytes cross the worker pipe
+  and the host-to-device copy.
+- device decode: no decode at all here; the encoded bytes travel to the device stage.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torchvision.transforms as T
+import torchvision.transforms.v2.functional as F
+from torchvision.transforms import InterpolationMode
+
+from vlfit.data.decode import decode_pil, decode_scaled
+
+IMAGE_PIPELINES = ("fast", "reference")
+
+
+def resize_crop_uint8(
+    image: torch.Tensor, size: int, crop_box: tuple[int, int, int, int] | None = None
+) -> torch.Tensor:
+    """Resize the short side to ``size`` (bicubic, antialiased) and center crop to ``size x size``, staying uint8.
+
+    Device-agnostic: the CPU stage and the device-decode stage share it.
+
+    Args:
+        image: uint8 ``[3, H, W]``. A channels-last view (what ``permute`` of an HWC array gives) is fastest on CPU.
+        size: Output side.
+        crop_box: ``(top, left, height, width)`` to cut first (random resized crop); the result is then resized to
+            exactly ``size x size`` instead of short-side resize + center crop.
+    """
+    batch = image.unsqueeze(0)
+    if crop_box is not None:
+        top, left, height, width = crop_box
+        batch = batch[..., top : top + height, left : left + width]
+        out = F.resize(batch, [size, size], interpolation=InterpolationMode.BICUBIC, antialias=True)
+    else:
+        out = F.resize(batch, [size], interpolation=InterpolationMode.BICUBIC, antialias=True)
+        out = F.center_crop(out, [size, size])
+    return out[0].contiguous()
+
+
+def hwc_to_chw_view(pixels: np.ndarray) -> torch.Tensor:
+    """A ``[3, H, W]`` uint8 view of an HWC array without copying (channels-last strides)."""
+    return torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1)
+
+
+class FastImageTransform:
+    """bytes -> uint8 ``[3, S, S]``: DCT-scaled decode, uint8 resize and crop.
+
+    Args:
+        image_size: Model input side.
+        random_resized_crop: Sample a crop of ``scale`` of the area and ``ratio`` aspect before resizing.
+        scale: Area range for the random crop.
+        ratio: Aspect-ratio range for the random crop.
+    """
+
+    def __init__(
+        self,
+        image_size: int,
+        random_resized_crop: bool = False,
+        scale: tuple[float, float] = (0.5, 1.0),
+        ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    ) -> None:
+        self.image_size = image_size
+        self.random_resized_crop = random_resized_crop
+        self.scale = scale
+        self.ratio = ratio
+
+    def __call__(self, data: bytes, sample_id: str = "?") -> torch.Tensor:
+        image = hwc_to_chw_view(decode_scaled(data, self.image_size, sample_id))
+        box = None
+        if self.random_resized_crop:
+            box = tuple(T.RandomResizedCrop.get_params(image, list(self.scale), list(self.ratio)))
+        return resize_crop_uint8(image, self.image_size, box)  # type: ignore[arg-type]
+
+
+class ReferenceImageTransform:
+    """bytes -> normalized float32 ``[3, S, S]``, as run_bridgetower.py computes it (Pillow, float, bicubic)."""
+
+    def __init__(self, image_size: int, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
+        self.image_size = image_size
+        self.transforms = torch.nn.Sequential(
+            T.Resize([image_size], interpolation=InterpolationMode.BICUBIC, antialias=True),
+            T.CenterCrop(image_size),
+            T.Normalize(list(mean), list(std)),
+        )
+
+    def __call__(self, data: bytes, sample_id: str = "?") -> torch.Tensor:
+        image = T.functional.to_tensor(decode_pil(data, sample_id))
+        with torch.no_grad():
+            return self.transforms(image)
+
+
+class EncodedImage:
+    """Encoded bytes passed through to the device stage untouched.
+
+    Deliberately not a tensor and without ``.to``: accelerate and the Trainer move tensors to the device, but
+    nvJPEG wants its inputs on the CPU.
+    """
+
+    __slots__ = ("data", "sample_id")
+
+    def __init__(self, data: bytes, sample_id: str) -> None:
+        self.data = data
+        self.sample_id = sample_id
+
+    def tensor(self) -> torch.Tensor:
+        """The bytes as a 1-D uint8 CPU tensor (what ``torchvision.io.decode_jpeg`` takes)."""
+        return torch.frombuffer(bytearray(self.data), dtype=torch.uint8)
+
+
+class PassThroughEncoded:
+    """bytes -> ``EncodedImage`` (device decode: workers read and tokenize only)."""
+
+    def __call__(self, data: bytes, sample_id: str = "?") -> EncodedImage:
+        return EncodedImage(data, sample_id)

@@ -1,0 +1,1 @@
+"""Evaluation: retrieval recall@k and caption-choice matching accuracy."""

@@ -1,0 +1,86 @@
+"""Embed a split and score it: text<->image recall@1/5/10 and New Yorker ``matching`` accuracy."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from vlfit.data.device_stage import DeviceStage
+from vlfit.evaluation.metrics import label_to_index, matching_accuracy, pooled_recall_at_k
+from vlfit.models.encoders import encode_image, encode_text
+
+logger = logging.getLogger(__name__)
+
+
+@torch.no_grad()
+def evaluate_retrieval(
+    model: Any,
+    batches: Iterable[dict[str, Any]],
+    *,
+    stage: DeviceStage,
+    device: torch.device,
+    tokenizer: Any,
+    max_seq_length: int,
+    pool_size: int | None = None,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> dict[str, float]:
+    """Embed every batch with the unimodal encoders and compute retrieval and matching metrics.
+
+    Args:
+        model: A ``BridgeTowerForContrastiveLearning`` (or a wrapper exposing it as ``.module``).
+        batches: Collated batches (with ``caption_choices`` and ``label`` when the split has them).
+        stage: The device stage (normalization; decode on device).
+        device: Where the model runs.
+        tokenizer: Tokenizes caption choices.
+        max_seq_length: Truncation for caption choices.
+        pool_size: Candidate pool for recall (``None``: the whole split).
+        autocast: Mixed-precision context for the forward passes.
+        gather: Concatenates a tensor across processes (``accelerator.gather_for_metrics``) in distributed runs.
+
+    Returns:
+        ``t2i_recall@k``, ``i2t_recall@k``, ``chance_recall@1``, ``pool_size``, ``num_samples`` and, when caption
+        choices exist, ``matching_accuracy`` and ``chance_matching_accuracy``.
+    """
+    model = getattr(model, "module", model)
+    was_training = model.training
+    model.eval()
+    dtype = next(model.parameters()).dtype
+    texts, images, choices, labels = [], [], [], []
+    has_choices = True
+    for batch in batches:
+        batch = stage(batch, device, dtype, train=False)
+        with autocast():
+            texts.append(encode_text(model, batch["input_ids"].to(device), batch["attention_mask"].to(device)).float())
+            images.append(encode_image(model, batch["pixel_values"]).float())
+            batch_choices, batch_labels = batch.get("caption_choices"), batch.get("label")
+            if has_choices and batch_choices and batch_labels and all(c for c in batch_choices):
+                num_choices = len(batch_choices[0])
+                flat = [str(c) for sample in batch_choices for c in sample]
+                tokens = tokenizer(
+                    flat, max_length=max_seq_length, truncation=True, padding="longest", return_tensors="pt"
+                ).to(device)
+                embeds = encode_text(model, tokens["input_ids"], tokens["attention_mask"]).float()
+                choices.append(embeds.view(len(batch_choices), num_choices, -1))
+                labels.append(torch.tensor([label_to_index(x) for x in batch_labels], device=device))
+            else:
+                has_choices = False
+    if was_training:
+        model.train()
+    text_embeds, image_embeds = torch.cat(texts), torch.cat(images)
+    if gather is not None:
+        text_embeds, image_embeds = gather(text_embeds), gather(image_embeds)
+    metrics = pooled_recall_at_k(text_embeds.cpu(), image_embeds.cpu(), pool_size)
+    if has_choices and choices:
+        choice_embeds, label_index = torch.cat(choices), torch.cat(labels)
+        if gather is not None:
+            choice_embeds, label_index = gather(choice_embeds), gather(label_index)
+        metrics["matching_accuracy"] = matching_accuracy(image_embeds.cpu(), choice_embeds.cpu(), label_index.cpu())
+        metrics["chance_matching_accuracy"] = 1.0 / choice_embeds.shape[1]
+    else:
+        logger.info("split has no usable caption_choices/label columns: matching accuracy skipped")
+    return metrics

@@ -1,0 +1,1 @@
+"""Models: BridgeTower presets and loading, offline tokenizers, unimodal encoders for retrieval."""

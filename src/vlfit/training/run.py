@@ -1,0 +1,180 @@
+"""Fine-tune and/or evaluate: sources -> model bundle -> datasets -> VlfitTrainer. One function, both commands."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+import torch
+import transformers
+from transformers import TrainingArguments, set_seed
+from transformers.trainer_utils import get_last_checkpoint
+
+from vlfit.arguments import DataArguments, ModelArguments
+from vlfit.data.dataset import ImageTextCollator, ImageTextDataset, build_image_transform
+from vlfit.data.device_stage import DeviceStage
+from vlfit.data.sources import ImageTextSource, open_splits
+from vlfit.models.loading import load_model_bundle
+from vlfit.training.trainer import VlfitTrainer
+
+logger = logging.getLogger("vlfit")
+
+EVAL_COLUMNS = ("caption_choices", "label")
+
+
+def setup_logging(training_args: TrainingArguments) -> None:
+    """Log to stdout at the Trainer's per-process level (main process: info)."""
+    logging.basicConfig(
+        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
+        datefmt="%H:%M:%S",
+        handlers=[logging.StreamHandler(sys.stdout)],
+    )
+    level = training_args.get_process_log_level()
+    if training_args.should_log and level > logging.INFO:
+        level = logging.INFO
+    logger.setLevel(level)
+    logging.getLogger("vlfit").setLevel(level)
+    transformers.utils.logging.set_verbosity(max(level, logging.WARNING))
+
+
+def _limit(source: ImageTextSource, max_samples: int | None) -> ImageTextSource:
+    if max_samples is None or max_samples >= len(source):
+        return source
+    return source.select(range(max_samples))
+
+
+def _require_split(splits: dict[str, ImageTextSource], name: str, flag: str) -> ImageTextSource:
+    if name not in splits:
+        raise ValueError(f"{flag} needs a {name!r} split; the data has: {', '.join(splits) or 'none'}")
+    return splits[name]
+
+
+def run(model_args: ModelArguments, data_args: DataArguments, training_args: TrainingArguments) -> dict[str, Any]:
+    """Train (``--do_train``) and/or evaluate (``--do_eval``) as the arguments say.
+
+    Returns:
+        The train metrics (prefixed ``train_``) and eval metrics (prefixed ``eval_``) that were computed.
+    """
+    setup_logging(training_args)
+    if not (training_args.do_train or training_args.do_eval):
+        raise ValueError("nothing to do: pass --do_train and/or --do_eval")
+    # vlfit's collator decides the batch columns; the Trainer must not drop the ones the model signature lacks.
+    training_args.remove_unused_columns = False
+    set_seed(training_args.seed)
+
+    splits = open_splits(
+        dataset_name=data_args.dataset_name,
+        dataset_config_name=data_args.dataset_config_name,
+        dataset_revision=data_args.dataset_revision,
+        data_dir=data_args.data_dir,
+        cache_dir=model_args.cache_dir,
+        token=model_args.token,
+        train_file=data_args.train_file,
+        validation_file=data_args.validation_file,
+        test_file=data_args.test_file,
+        image_column=data_args.image_column,
+        caption_column=data_args.caption_column,
+        id_column=data_args.id_column,
+        extra_columns=EVAL_COLUMNS,
+    )
+    train_source = eval_source = None
+    if training_args.do_train:
+        train_source = _limit(_require_split(splits, "train", "--do_train"), data_args.max_train_samples)
+    if training_args.do_eval:
+        eval_source = _limit(_require_split(splits, data_args.eval_split, "--do_eval"), data_args.max_eval_samples)
+    caption_source = train_source or splits.get("train") or eval_source
+
+    bundle = load_model_bundle(
+        model_name_or_path=model_args.model_name_or_path,
+        model_preset=model_args.model_preset,
+        tokenizer_name=model_args.tokenizer_name,
+        image_processor_name=model_args.image_processor_name,
+        cache_dir=model_args.cache_dir,
+        model_revision=model_args.model_revision,
+        token=model_args.token,
+        captions=caption_source.captions if caption_source is not None else None,
+        max_seq_length=data_args.max_seq_length,
+        freeze_vision_model=model_args.freeze_vision_model,
+        freeze_text_model=model_args.freeze_text_model,
+        freeze_text_pooler=model_args.freeze_text_pooler,
+    )
+    decode_on_device = data_args.decode_on_device
+    if decode_on_device and training_args.device.type != "cuda":
+        logger.warning(
+            "--decode_on_device needs an NVIDIA GPU (nvJPEG) and the training device is %s: "
+            "decoding on the CPU with the %s pipeline instead",
+            training_args.device.type,
+            data_args.image_pipeline,
+        )
+        decode_on_device = False
+    transform_kwargs = {
+        "image_size": bundle.image_size,
+        "mean": bundle.image_mean,
+        "std": bundle.image_std,
+        "decode_on_device": decode_on_device,
+    }
+    train_dataset = eval_dataset = None
+    if train_source is not None:
+        train_dataset = ImageTextDataset(
+            train_source,
+            build_image_transform(
+                data_args.image_pipeline, random_resized_crop=data_args.random_resized_crop, **transform_kwargs
+            ),
+        )
+    if eval_source is not None:
+        eval_dataset = ImageTextDataset(
+            eval_source, build_image_transform(data_args.image_pipeline, **transform_kwargs)
+        )
+
+    trainer = VlfitTrainer(
+        model=bundle.model,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        data_collator=ImageTextCollator(bundle.tokenizer, data_args.max_seq_length, keep_columns=EVAL_COLUMNS),
+        processing_class=bundle.tokenizer,
+        device_stage=DeviceStage(
+            bundle.image_size, bundle.image_mean, bundle.image_std, horizontal_flip=data_args.horizontal_flip
+        ),
+        max_seq_length=data_args.max_seq_length,
+        eval_pool_size=data_args.eval_pool_size,
+    )
+    logger.info(
+        "model %s: %.1fM parameters, image %d px, pipeline %s%s, %s",
+        model_args.model_name_or_path or f"preset {model_args.model_preset}",
+        sum(p.numel() for p in bundle.model.parameters()) / 1e6,
+        bundle.image_size,
+        data_args.image_pipeline,
+        " + device decode" if decode_on_device else "",
+        f"{len(train_dataset)} training samples" if train_dataset is not None else "no training",
+    )
+
+    results: dict[str, Any] = {}
+    if training_args.do_train:
+        checkpoint = training_args.resume_from_checkpoint
+        if checkpoint is None and os.path.isdir(training_args.output_dir):
+            checkpoint = get_last_checkpoint(training_args.output_dir)
+            if checkpoint is not None:
+                logger.info("resuming from %s (pass a new --output_dir to start over)", checkpoint)
+        train_result = trainer.train(resume_from_checkpoint=checkpoint)
+        trainer.save_model()
+        if trainer.is_world_process_zero():
+            bundle.image_processor.save_pretrained(training_args.output_dir)
+        metrics = dict(train_result.metrics)
+        window = [h for h in trainer.state.log_history if "samples_per_second" in h]
+        if window:
+            metrics["train_data_wait_share"] = sum(h["data_wait_share"] for h in window) / len(window)
+        trainer.log_metrics("train", metrics)
+        trainer.save_metrics("train", metrics)
+        trainer.save_state()
+        results.update({k if k.startswith("train_") else f"train_{k}": v for k, v in metrics.items()})
+    if training_args.do_eval:
+        metrics = trainer.evaluate()
+        trainer.log_metrics("eval", metrics)
+        trainer.save_metrics("eval", metrics)
+        results.update(metrics)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    return results
