@@ -70,8 +70,8 @@ class ImageTextDataset(Dataset):
 class ImageTextCollator:
     """Stacks images into one ``[B, 3, H, W]`` tensor (uint8 or float) and tokenizes captions in one call.
 
-    Captions are padded to the longest in the batch (to a multiple of 8), not to ``max_seq_length``: shorter
-    sequences are cheaper for every layer.
+    Captions are padded to the longest in the batch (to a multiple of 8 when ``max_seq_length`` is one), not to
+    ``max_seq_length``: shorter sequences are cheaper for every layer.
 
     Args:
         tokenizer: A transformers tokenizer.
@@ -91,7 +91,8 @@ class ImageTextCollator:
             max_length=self.max_seq_length,
             truncation=True,
             padding="longest",
-            pad_to_multiple_of=8,
+            # transformers refuses a truncation length that is not a multiple of pad_to_multiple_of.
+            pad_to_multiple_of=8 if self.max_seq_length % 8 == 0 else None,
             return_tensors="pt",
         )
         batch: dict[str, Any] = {"input_ids": text["input_ids"], "attention_mask": text["attention_mask"]}

@@ -83,7 +83,7 @@ def apply_orientation(hwc: np.ndarray, orientation: int) -> np.ndarray:
     if orientation == 6:
         return np.rot90(hwc, k=-1)
     if orientation == 7:
-        return np.rot90(hwc, k=1)[::-1]
+        return np.rot90(hwc, k=-1)[::-1]
     if orientation == 8:
         return np.rot90(hwc, k=1)
     return hwc
@@ -105,6 +105,9 @@ def decode_pil(data: bytes, sample_id: str = "?", draft_size: int | None = None)
         if draft_size is not None and image.format == "JPEG":
             image.draft("RGB", (draft_size, draft_size))
         image = ImageOps.exif_transpose(image)
+        if image.mode.startswith("I;16"):
+            # Pillow clips 16-bit samples to 255 when converting to RGB (a white image); keep the high byte instead.
+            image = Image.fromarray((np.asarray(image, dtype=np.uint16) >> 8).astype(np.uint8))
         return image.convert("RGB")
     except DecodeError:
         raise
@@ -131,4 +134,5 @@ def decode_scaled(data: bytes, min_side: int, sample_id: str = "?") -> np.ndarra
             except Exception as err:
                 raise DecodeError(f"sample {sample_id}: cannot decode JPEG ({err})") from err
             return apply_orientation(pixels, jpeg_exif_orientation(data))
-    return np.asarray(decode_pil(data, sample_id, draft_size=min_side))
+    # np.array copies: Pillow's buffer is read-only, and torch warns on non-writable arrays.
+    return np.array(decode_pil(data, sample_id, draft_size=min_side))

@@ -99,7 +99,7 @@ def _orient_chw(pixels: torch.Tensor, orientation: int) -> torch.Tensor:
     elif orientation == 6:
         hwc = torch.rot90(hwc, k=-1, dims=(0, 1))
     elif orientation == 7:
-        hwc = torch.rot90(hwc, k=1, dims=(0, 1)).flip(0)
+        hwc = torch.rot90(hwc, k=-1, dims=(0, 1)).flip(0)
     elif orientation == 8:
         hwc = torch.rot90(hwc, k=1, dims=(0, 1))
     return hwc.permute(2, 0, 1)
@@ -126,13 +126,12 @@ class DeviceStage:
         self.mean = torch.tensor(mean, dtype=torch.float32)
         self.std = torch.tensor(std, dtype=torch.float32)
         self.horizontal_flip = horizontal_flip
-        self._stats_device: torch.device | None = None
+        self._stats: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _stats_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._stats_device != device:
-            self.mean, self.std = self.mean.to(device), self.std.to(device)
-            self._stats_device = device
-        return self.mean, self.std
+        if device not in self._stats:
+            self._stats[device] = (self.mean.to(device), self.std.to(device))
+        return self._stats[device]
 
     def __call__(
         self, batch: dict[str, Any], device: torch.device, dtype: torch.dtype = torch.float32, train: bool = True

@@ -1,0 +1,279 @@
+"""Tests for vlfit.data.device_stage on CPU tensors (the same code runs on CUDA), plus CUDA-only checks."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageOps
+
+from tests.data.image_factory import (
+    cmyk_jpeg_bytes,
+    exif_jpeg_bytes,
+    grayscale_jpeg_bytes,
+    jpeg_bytes,
+    png_rgb_bytes,
+    png_rgba_bytes,
+    progressive_jpeg_bytes,
+    psnr,
+    webp_bytes,
+)
+from vlfit.data.decode import DecodeError, apply_orientation
+from vlfit.data.device_stage import (
+    CudaPrefetcher,
+    DeviceStage,
+    _orient_chw,
+    decode_resize_batch,
+    normalize_uint8,
+    random_horizontal_flip,
+)
+from vlfit.data.image_transforms import EncodedImage, FastImageTransform
+from vlfit.models.presets import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+
+MEAN = torch.tensor(OPENAI_CLIP_MEAN)
+STD = torch.tensor(OPENAI_CLIP_STD)
+SIZE = 48
+MIN_PSNR_DB = 30.0
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+
+def random_uint8(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def mixed_batch() -> list[EncodedImage]:
+    """Every kind of input the device stage meets: batched-JPEG, CPU-fallback and EXIF-rotated samples."""
+    datas = [
+        jpeg_bytes(320, 240, subsampling=2, seed=1),
+        progressive_jpeg_bytes(200, 300, seed=2),
+        png_rgba_bytes(150, 100, seed=3),
+        cmyk_jpeg_bytes(180, 120, seed=4),
+        exif_jpeg_bytes(240, 160, 6, seed=5),
+        exif_jpeg_bytes(240, 160, 7, seed=6),
+        grayscale_jpeg_bytes(100, 80, seed=7),
+        webp_bytes(90, 120, seed=8),
+    ]
+    return [EncodedImage(data, f"s{i}") for i, data in enumerate(datas)]
+
+
+def oriented_png(data: bytes) -> bytes:
+    """Re-encode a JPEG losslessly with Pillow's idea of its EXIF orientation applied (an independent reference)."""
+    buffer = io.BytesIO()
+    ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB").save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------- normalize / flip
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5, 7), (1, 3, 1, 1), (4, 3, 16, 16)])
+def test_normalize_uint8_matches_formula(shape: tuple[int, ...]) -> None:
+    pixels = random_uint8(*shape)
+    pixels[0, :, 0, 0] = 0
+    pixels[-1, :, -1, -1] = 255
+    out = normalize_uint8(pixels, MEAN, STD, torch.float32)
+    expected = (pixels.double() / 255 - MEAN.double().view(1, 3, 1, 1)) / STD.double().view(1, 3, 1, 1)
+    assert out.dtype == torch.float32 and out.shape == pixels.shape
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
+
+
+def test_normalize_uint8_output_dtype() -> None:
+    pixels = random_uint8(2, 3, 8, 8)
+    expected = normalize_uint8(pixels, MEAN, STD, torch.float32)
+    for dtype in (torch.bfloat16, torch.float16):
+        out = normalize_uint8(pixels, MEAN, STD, dtype)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=1e-2)
+
+
+def test_random_horizontal_flip_flips_exactly_the_drawn_images() -> None:
+    pixels = random_uint8(64, 3, 4, 6, seed=1)
+    out = random_horizontal_flip(pixels, generator=torch.Generator().manual_seed(123))
+    drawn = torch.rand(64, generator=torch.Generator().manual_seed(123)) < 0.5
+    flipped = pixels.flip(-1)
+    assert out.shape == pixels.shape and out.dtype == pixels.dtype
+    for i in range(64):
+        assert torch.equal(out[i], flipped[i] if drawn[i] else pixels[i])
+        assert not torch.equal(flipped[i], pixels[i])  # so "flipped or not" is decidable
+    assert 0 < int(drawn.sum()) < 64
+    assert torch.equal(pixels, random_uint8(64, 3, 4, 6, seed=1))  # input untouched
+
+
+def test_random_horizontal_flip_is_reproducible_and_works_on_float() -> None:
+    pixels = torch.randn(16, 3, 5, 5)
+    a = random_horizontal_flip(pixels, generator=torch.Generator().manual_seed(7))
+    b = random_horizontal_flip(pixels, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(a, b)
+    same = [torch.equal(a[i], pixels[i]) for i in range(16)]
+    mirrored = [torch.equal(a[i], pixels[i].flip(-1)) for i in range(16)]
+    assert all(s or m for s, m in zip(same, mirrored, strict=True))
+
+
+# ---------------------------------------------------------------------------------------------- device decode
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_orient_chw_matches_apply_orientation(orientation: int) -> None:
+    hwc = random_uint8(5, 7, 3, seed=orientation).numpy()
+    chw = torch.from_numpy(hwc).permute(2, 0, 1)
+    expected = apply_orientation(hwc, orientation)
+    np.testing.assert_array_equal(_orient_chw(chw, orientation).permute(1, 2, 0).numpy(), expected)
+
+
+def test_decode_resize_batch_matches_cpu_transform() -> None:
+    images = mixed_batch()
+    out = decode_resize_batch(images, SIZE, "cpu")
+    assert out.shape == (len(images), 3, SIZE, SIZE)
+    assert out.dtype == torch.uint8
+    fast = FastImageTransform(SIZE)
+    for i, image in enumerate(images):
+        value = psnr(out[i].numpy(), fast(image.data, image.sample_id).numpy(), peak=255)
+        assert value >= MIN_PSNR_DB, f"sample {i}: {value:.1f} dB"
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_decode_resize_batch_applies_exif_orientation(orientation: int) -> None:
+    data = exif_jpeg_bytes(160, 96, orientation, seed=orientation)
+    out = decode_resize_batch([EncodedImage(data, "e"), EncodedImage(jpeg_bytes(64, 64), "plain")], SIZE, "cpu")
+    expected = FastImageTransform(SIZE)(oriented_png(data))
+    assert psnr(out[0].numpy(), expected.numpy(), peak=255) >= MIN_PSNR_DB
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [b"\xff\xd8\xff\xe0" + b"\x00" * 64, jpeg_bytes(128, 128)[:3000], b"", b"garbage"],
+    ids=["jpeg-magic-garbage", "truncated-jpeg", "empty", "garbage"],
+)
+def test_decode_resize_batch_names_the_corrupt_sample(bad: bytes) -> None:
+    images = mixed_batch()[:3]
+    images.insert(1, EncodedImage(bad, "bad-7"))
+    with pytest.raises(DecodeError, match="sample bad-7"):
+        decode_resize_batch(images, SIZE, "cpu")
+
+
+def test_decode_resize_batch_outputs_are_not_aliased() -> None:
+    first_images = [EncodedImage(jpeg_bytes(96, 64, seed=s), f"a{s}") for s in range(3)]
+    first = decode_resize_batch(first_images, SIZE, "cpu")
+    kept = first.clone()
+    second = decode_resize_batch(
+        [EncodedImage(png_rgb_bytes(64, 96, seed=s + 10), f"b{s}") for s in range(3)], SIZE, "cpu"
+    )
+    assert torch.equal(first, kept)
+    assert first.data_ptr() != second.data_ptr()
+    assert not torch.equal(first, second)
+    again = decode_resize_batch(first_images, SIZE, "cpu")
+    assert torch.equal(again, kept)  # deterministic
+
+
+def test_decode_resize_batch_does_not_modify_inputs() -> None:
+    images = mixed_batch()[:2]
+    before = [image.data for image in images]
+    decode_resize_batch(images, SIZE, "cpu")
+    assert [image.data for image in images] == before
+
+
+# ---------------------------------------------------------------------------------------------- DeviceStage
+
+
+def _text(batch_size: int) -> dict[str, torch.Tensor]:
+    return {
+        "input_ids": torch.arange(batch_size * 8).view(batch_size, 8),
+        "attention_mask": torch.ones(batch_size, 8, dtype=torch.long),
+    }
+
+
+def test_device_stage_normalizes_uint8_to_model_dtype() -> None:
+    pixels = random_uint8(4, 3, SIZE, SIZE, seed=3)
+    stage = DeviceStage(SIZE, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
+    batch = {"pixel_values": pixels, "sample_ids": ["a", "b", "c", "d"], **_text(4)}
+    out = stage(batch, torch.device("cpu"), torch.bfloat16, train=False)
+    assert out["pixel_values"].dtype == torch.bfloat16
+    assert out["pixel_values"].shape == (4, 3, SIZE, SIZE)
+    expected = normalize_uint8(pixels, MEAN, STD, torch.float32)
+    torch.testing.assert_close(out["pixel_values"].float(), expected, atol=2e-2, rtol=1e-2)
+    assert out["sample_ids"] == ["a", "b", "c", "d"]
+    assert torch.equal(out["input_ids"], batch["input_ids"])
+    assert batch["pixel_values"] is pixels  # the input batch is not modified
+    assert out is not batch
+
+
+def test_device_stage_leaves_reference_pixels_normalized_as_they_were() -> None:
+    pixels = torch.randn(3, 3, SIZE, SIZE)
+    stage = DeviceStage(SIZE, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
+    out = stage({"pixel_values": pixels, **_text(3)}, torch.device("cpu"), torch.float32, train=False)
+    assert torch.equal(out["pixel_values"], pixels)
+    out = stage({"pixel_values": pixels, **_text(3)}, torch.device("cpu"), torch.bfloat16, train=False)
+    assert torch.equal(out["pixel_values"], pixels.to(torch.bfloat16))
+
+
+def test_device_stage_decodes_encoded_images() -> None:
+    images = mixed_batch()[:4]
+    stage = DeviceStage(SIZE, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
+    batch = {"encoded_images": images, "sample_ids": [image.sample_id for image in images], **_text(4)}
+    out = stage(batch, torch.device("cpu"), torch.float32, train=False)
+    assert "encoded_images" not in out
+    assert "encoded_images" in batch  # popped from the copy only
+    expected = normalize_uint8(decode_resize_batch(images, SIZE, "cpu"), MEAN, STD, torch.float32)
+    assert torch.equal(out["pixel_values"], expected)
+
+
+def test_device_stage_moves_tensors_to_the_device() -> None:
+    stage = DeviceStage(SIZE, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, horizontal_flip=True)
+    batch = {"pixel_values": random_uint8(2, 3, 8, 8), "ids": ["x", "y"], **_text(2)}
+    meta = torch.device("meta")  # a device that is not the CPU, on every machine
+    out = stage(batch, meta, torch.bfloat16, train=True)
+    assert out["pixel_values"].device == meta and out["pixel_values"].dtype == torch.bfloat16
+    assert out["input_ids"].device == meta and out["attention_mask"].device == meta
+    assert out["ids"] == ["x", "y"]
+    assert batch["pixel_values"].device.type == "cpu"
+
+
+@pytest.mark.parametrize(("horizontal_flip", "train"), [(True, True), (True, False), (False, True), (False, False)])
+def test_device_stage_flips_only_in_training_with_flip(horizontal_flip: bool, train: bool) -> None:
+    pixels = random_uint8(64, 3, 4, 6, seed=5)
+    expected = normalize_uint8(pixels, MEAN, STD, torch.float32)
+    stage = DeviceStage(4, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, horizontal_flip=horizontal_flip)
+    torch.manual_seed(0)
+    out = stage({"pixel_values": pixels}, torch.device("cpu"), torch.float32, train=train)["pixel_values"]
+    same = sum(torch.equal(out[i], expected[i]) for i in range(64))
+    mirrored = sum(torch.equal(out[i], expected[i].flip(-1)) for i in range(64))
+    assert same + mirrored == 64
+    if horizontal_flip and train:
+        assert 0 < mirrored < 64
+    else:
+        assert mirrored == 0
+
+
+# ---------------------------------------------------------------------------------------------- CUDA only
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_decode_resize_batch_on_cuda_matches_cpu() -> None:
+    images = mixed_batch()
+    cuda = decode_resize_batch(images, SIZE, "cuda")
+    cpu = decode_resize_batch(images, SIZE, "cpu")
+    assert cuda.device.type == "cuda" and cuda.shape == cpu.shape
+    for i in range(len(images)):
+        assert psnr(cuda[i].cpu().numpy(), cpu[i].numpy(), peak=255) >= MIN_PSNR_DB
+    bad = [*images[:2], EncodedImage(b"\xff\xd8\xff\xe0" + b"\x00" * 64, "bad-3")]
+    with pytest.raises(DecodeError, match="sample bad-3"):
+        decode_resize_batch(bad, SIZE, "cuda")
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_prefetcher_yields_every_batch_staged() -> None:
+    device = torch.device("cuda")
+    stage = DeviceStage(8, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
+    batches = [{"pixel_values": random_uint8(2, 3, 8, 8, seed=i), **_text(2)} for i in range(3)]
+    out = list(CudaPrefetcher(iter(batches), stage, device, torch.bfloat16))
+    assert len(out) == 3
+    for batch, staged in zip(batches, out, strict=True):
+        assert staged["_device_ready"] is True
+        assert staged["pixel_values"].device.type == "cuda" and staged["pixel_values"].dtype == torch.bfloat16
+        expected = normalize_uint8(batch["pixel_values"], MEAN, STD, torch.float32)
+        torch.testing.assert_close(staged["pixel_values"].float().cpu(), expected, atol=2e-2, rtol=1e-2)
