@@ -62,6 +62,8 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Tra
         raise ValueError("nothing to do: pass --do_train and/or --do_eval")
     # vlfit's collator decides the batch columns; the Trainer must not drop the ones the model signature lacks.
     training_args.remove_unused_columns = False
+    # Pinned host memory only helps host-to-GPU copies.
+    training_args.dataloader_pin_memory = training_args.dataloader_pin_memory and training_args.device.type == "cuda"
     set_seed(training_args.seed)
 
     splits = open_splits(

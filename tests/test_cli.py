@@ -1,0 +1,96 @@
+"""End to end through the real CLI: make-data -> train (tiny preset) -> eval, on a synthetic dataset."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from vlfit.cli import main
+
+
+def test_make_data_train_eval_end_to_end(tmp_path, capsys):
+    data = tmp_path / "data"
+    assert main(["make-data", "--output_dir", str(data), "--num_samples", "60", "--min_long_side", "200",
+                 "--max_long_side", "400", "--num_proc", "1"]) == 0  # fmt: skip
+    out = tmp_path / "model"
+    common = ["--dataset_name", str(data), "--report_to", "none", "--per_device_eval_batch_size", "16"]
+    assert main(["train", "--model_preset", "tiny", "--output_dir", str(out), "--max_steps", "10",
+                 "--per_device_train_batch_size", "8", "--logging_steps", "5", "--dataloader_num_workers", "1",
+                 "--save_strategy", "no", "--do_eval", *common]) == 0  # fmt: skip
+
+    state = json.loads((out / "trainer_state.json").read_text())
+    logged = [h for h in state["log_history"] if "loss" in h]
+    assert [h["step"] for h in logged] == [5, 10]
+    for entry in logged:
+        assert entry["samples_per_second"] > 0
+        assert 0.0 <= entry["data_wait_share"] <= 1.0
+    eval_results = json.loads((out / "eval_results.json").read_text())
+    assert eval_results["eval_num_samples"] == 6  # the validation split of 60 samples
+    assert 0.0 <= eval_results["eval_t2i_recall@1"] <= 1.0
+    assert eval_results["eval_chance_recall@1"] == pytest.approx(1 / 6)
+    assert "eval_matching_accuracy" in eval_results
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json"):
+        assert (out / name).exists(), name
+
+    capsys.readouterr()
+    assert main(["eval", "--model_name_or_path", str(out), "--eval_split", "test", "--eval_pool_size", "3",
+                 *common]) == 0  # fmt: skip
+    test_results = json.loads((out / "eval_results.json").read_text())
+    assert test_results["eval_num_samples"] == 6  # the test split
+    assert test_results["eval_pool_size"] == 3
+    assert test_results["eval_chance_recall@1"] == pytest.approx(1 / 3)
+
+
+def test_train_from_a_json_file_of_flags(tmp_path, synthetic_dataset_dir):
+    out = tmp_path / "model"
+    flags = {
+        "model_preset": "tiny",
+        "dataset_name": synthetic_dataset_dir,
+        "output_dir": str(out),
+        "max_steps": 2,
+        "per_device_train_batch_size": 4,
+        "report_to": "none",
+        "save_strategy": "no",
+        "image_pipeline": "reference",
+    }
+    config = tmp_path / "flags.json"
+    config.write_text(json.dumps(flags))
+    assert main(["train", str(config)]) == 0
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == 2
+
+
+def test_unknown_command_lists_the_commands(capsys):
+    assert main(["fly"]) == 2
+    err = capsys.readouterr().err
+    assert "'fly'" in err and "make-data" in err and "train" in err
+
+
+def test_missing_column_lists_existing_columns(tmp_path, synthetic_dataset_dir):
+    with pytest.raises(ValueError, match=r"caption_text.*image_description"):
+        main(["train", "--model_preset", "tiny", "--dataset_name", synthetic_dataset_dir, "--caption_column",
+              "caption_text", "--output_dir", str(tmp_path / "o"), "--report_to", "none"])  # fmt: skip
+
+
+def test_unknown_preset_and_pipeline_are_named(tmp_path, synthetic_dataset_dir):
+    base = [
+        "train",
+        "--dataset_name",
+        synthetic_dataset_dir,
+        "--output_dir",
+        str(tmp_path / "o"),
+        "--report_to",
+        "none",
+    ]
+    with pytest.raises(ValueError, match="unknown --model_preset 'medium'"):
+        main([*base, "--model_preset", "medium"])
+    with pytest.raises(SystemExit):
+        main([*base, "--model_preset", "tiny", "--image_pipeline", "turbo"])
+
+
+def test_python_dash_m_runs_the_cli():
+    # torchrun and accelerate launch start `python -m vlfit ...`.
+    done = subprocess.run([sys.executable, "-m", "vlfit", "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0
+    assert "make-data" in done.stdout and "eval" in done.stdout
