@@ -94,3 +94,16 @@ def test_python_dash_m_runs_the_cli():
     done = subprocess.run([sys.executable, "-m", "vlfit", "--help"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0
     assert "make-data" in done.stdout and "eval" in done.stdout
+
+
+def test_demo_runs_end_to_end_and_reuses_its_data(tmp_path, capsys):
+    argv = ["demo", "--output_dir", str(tmp_path), "--num_samples", "40", "--model_preset", "tiny",
+            "--num_train_epochs", "1", "--per_device_train_batch_size", "8", "--eval_pool_size", "4",
+            "--dataloader_num_workers", "0"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "generating 40 synthetic samples" in out
+    assert "text->image recall@1" in out and "(chance 0.250, pool of 4)" in out
+    assert "training throughput" in out and " 0.0 samples/s" not in out
+    assert main(argv) == 0
+    assert "reusing synthetic data" in capsys.readouterr().out

@@ -42,7 +42,10 @@ def resize_crop_uint8(
         batch = batch[..., top : top + height, left : left + width]
         out = F.resize(batch, [size, size], interpolation=InterpolationMode.BICUBIC, antialias=True)
     else:
-        out = F.resize(batch, [size], interpolation=InterpolationMode.BICUBIC, antialias=True)
+        # Prepared data is stored at the model's short side already: crop only.
+        out = batch
+        if min(batch.shape[-2:]) != size:
+            out = F.resize(batch, [size], interpolation=InterpolationMode.BICUBIC, antialias=True)
         out = F.center_crop(out, [size, size])
     return out[0].contiguous()
 

@@ -71,6 +71,8 @@ def evaluate_retrieval(
                 has_choices = False
     if was_training:
         model.train()
+    if not texts:
+        raise ValueError("the evaluation split has no samples; check --eval_split and --max_eval_samples")
     text_embeds, image_embeds = torch.cat(texts), torch.cat(images)
     if gather is not None:
         text_embeds, image_embeds = gather(text_embeds), gather(image_embeds)

@@ -165,9 +165,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Tra
         if trainer.is_world_process_zero():
             bundle.image_processor.save_pretrained(training_args.output_dir)
         metrics = dict(train_result.metrics)
-        window = [h for h in trainer.state.log_history if "samples_per_second" in h]
-        if window:
-            metrics["train_data_wait_share"] = sum(h["data_wait_share"] for h in window) / len(window)
+        metrics["train_data_wait_share"] = trainer.throughput.total()["data_wait_share"]
         trainer.log_metrics("train", metrics)
         trainer.save_metrics("train", metrics)
         trainer.save_state()

@@ -1,4 +1,4 @@
-"""Samples/s and data-wait share between two logging steps."""
+"""Samples/s and data-wait share, per logging window and over the whole run."""
 
 from __future__ import annotations
 
@@ -6,30 +6,35 @@ import time
 
 
 class ThroughputMeter:
-    """Accumulates time blocked waiting for batches and samples served, per logging window.
+    """Accumulates time blocked waiting for batches and samples served.
 
-    ``data_wait_share`` is the time spent blocked in ``next()`` on the loader divided by the wall time of the
-    window: 0 means the model never waited for data; near 1 means the input pipeline is the bottleneck.
+    ``data_wait_share`` is the time spent blocked in ``next()`` on the loader divided by wall time: 0 means the
+    model never waited for data; near 1 means the input pipeline is the bottleneck.
     """
 
     def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.window_start = time.perf_counter()
-        self.wait_seconds = 0.0
-        self.samples = 0
+        self.start = self.window_start = time.perf_counter()
+        self.wait_seconds = self.window_wait_seconds = 0.0
+        self.samples = self.window_samples = 0
 
     def add(self, wait_seconds: float, samples: int) -> None:
         self.wait_seconds += wait_seconds
+        self.window_wait_seconds += wait_seconds
         self.samples += samples
+        self.window_samples += samples
 
     def window(self) -> dict[str, float]:
-        """Return the window's figures and start a new window."""
-        elapsed = max(time.perf_counter() - self.window_start, 1e-9)
-        figures = {
-            "samples_per_second": self.samples / elapsed,
-            "data_wait_share": min(self.wait_seconds / elapsed, 1.0),
-        }
-        self.reset()
+        """Figures since the previous call (or the start); starts a new window."""
+        figures = _figures(self.window_samples, self.window_wait_seconds, time.perf_counter() - self.window_start)
+        self.window_start = time.perf_counter()
+        self.window_wait_seconds, self.window_samples = 0.0, 0
         return figures
+
+    def total(self) -> dict[str, float]:
+        """Figures since the meter was made."""
+        return _figures(self.samples, self.wait_seconds, time.perf_counter() - self.start)
+
+
+def _figures(samples: int, wait_seconds: float, elapsed: float) -> dict[str, float]:
+    elapsed = max(elapsed, 1e-9)
+    return {"samples_per_second": samples / elapsed, "data_wait_share": min(wait_seconds / elapsed, 1.0)}

@@ -54,6 +54,10 @@ class VlfitTrainer(Trainer):
     def _model_dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        self.throughput = ThroughputMeter()  # the clock starts with training, not with construction
+        return super().train(*args, **kwargs)
+
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> tuple[list, Any]:
         start = time.perf_counter()
         if self.args.device.type == "cuda":
@@ -87,6 +91,15 @@ class VlfitTrainer(Trainer):
         if "loss" in logs:
             logs.update(self.throughput.window())
         super().log(logs, start_time)
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        # Retrieval scores every sample: --dataloader_drop_last is for training batches only.
+        drop_last = self.args.dataloader_drop_last
+        self.args.dataloader_drop_last = False
+        try:
+            return super().get_eval_dataloader(eval_dataset)
+        finally:
+            self.args.dataloader_drop_last = drop_last
 
     def evaluate(
         self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
