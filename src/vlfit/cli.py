@@ -8,6 +8,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "make-data": ("vlfit.commands.make_data", "write a synthetic New-Yorker-like captioned dataset"),
     "train": ("vlfit.commands.train", "fine-tune BridgeTower contrastively (every TrainingArguments flag works)"),
+    "prepare": ("vlfit.commands.prepare", "re-encode images at training resolution into parquet shards (resumable)"),
     "eval": ("vlfit.commands.evaluate", "text<->image recall@1/5/10 and matching accuracy on a split"),
     "demo": ("vlfit.commands.demo", "make data, fine-tune the small preset on the CPU, evaluate, summarize"),
 }

@@ -26,27 +26,26 @@ IMAGE_PIPELINES = ("fast", "reference")
 def resize_crop_uint8(
     image: torch.Tensor, size: int, crop_box: tuple[int, int, int, int] | None = None
 ) -> torch.Tensor:
-    """Resize the short side to ``size`` (bicubic, antialiased) and center crop to ``size x size``, staying uint8.
+    """Center crop to a square and resize it to ``size x size`` (bicubic, antialiased), staying uint8.
 
-    Device-agnostic: the CPU stage and the device-decode stage share it.
+    Cropping first is what "resize the short side, then center crop" computes, but only the pixels that survive
+    the crop are resampled (a quarter fewer for 4:3 images). Device-agnostic: the CPU stage and the device-decode
+    stage share it.
 
     Args:
         image: uint8 ``[3, H, W]``. A channels-last view (what ``permute`` of an HWC array gives) is fastest on CPU.
         size: Output side.
-        crop_box: ``(top, left, height, width)`` to cut first (random resized crop); the result is then resized to
-            exactly ``size x size`` instead of short-side resize + center crop.
+        crop_box: ``(top, left, height, width)`` to cut instead of the central square (random resized crop).
     """
-    batch = image.unsqueeze(0)
-    if crop_box is not None:
-        top, left, height, width = crop_box
-        batch = batch[..., top : top + height, left : left + width]
-        out = F.resize(batch, [size, size], interpolation=InterpolationMode.BICUBIC, antialias=True)
-    else:
-        # Prepared data is stored at the model's short side already: crop only.
-        out = batch
-        if min(batch.shape[-2:]) != size:
-            out = F.resize(batch, [size], interpolation=InterpolationMode.BICUBIC, antialias=True)
-        out = F.center_crop(out, [size, size])
+    height, width = image.shape[-2:]
+    if crop_box is None:
+        side = min(height, width)
+        crop_box = ((height - side) // 2, (width - side) // 2, side, side)
+    top, left, crop_height, crop_width = crop_box
+    region = image[..., top : top + crop_height, left : left + crop_width]
+    if crop_height == crop_width == size:  # prepared data is stored at the model's size already: crop only
+        return region.contiguous()
+    out = F.resize(region.unsqueeze(0), [size, size], interpolation=InterpolationMode.BICUBIC, antialias=True)
     return out[0].contiguous()
 
 

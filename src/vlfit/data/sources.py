@@ -328,8 +328,10 @@ class TarSource(ImageTextSource):
         return state
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # interpreter shutdown may already have torn down os
+        try:  # noqa: SIM105 - at interpreter shutdown module globals such as contextlib may already be gone
             self.close()
+        except Exception:
+            pass
 
     def close(self) -> None:
         """Close the file descriptors this process opened (they reopen on the next read)."""

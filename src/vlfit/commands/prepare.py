@@ -1,0 +1,189 @@
+"""``vlfit prepare``: re-encode a dataset's images at training resolution into local parquet shards.
+
+Reads the same data-location flags as ``vlfit train``; the output folder is then passed to ``vlfit train
+--dataset_name <output_dir>`` with the same column flags.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import HfArgumentParser
+
+from vlfit.arguments import DataArguments
+from vlfit.data.prepare import (
+    DEFAULT_EXTRA_COLUMNS,
+    DEFAULT_JPEG_QUALITY,
+    DEFAULT_SHARD_SIZE,
+    format_report,
+    prepare_dataset,
+    resolve_short_side,
+)
+from vlfit.data.sources import open_splits, resolve_files
+
+
+def _data_help(name: str) -> dict[str, Any]:
+    """The help text ``vlfit train`` shows for a data flag, so both commands describe it the same way."""
+    return dict(DataArguments.__dataclass_fields__[name].metadata)
+
+
+def _default_num_proc() -> int:
+    return min(2, os.cpu_count() or 1)
+
+
+@dataclass
+class DataLocationArguments:
+    """The data-location flags of ``vlfit train`` (a subset of ``DataArguments``)."""
+
+    dataset_name: str | None = field(default=None, metadata=_data_help("dataset_name"))
+    dataset_config_name: str | None = field(default=None, metadata=_data_help("dataset_config_name"))
+    dataset_revision: str | None = field(default=None, metadata=_data_help("dataset_revision"))
+    data_dir: str | None = field(default=None, metadata=_data_help("data_dir"))
+    train_file: str | None = field(default=None, metadata=_data_help("train_file"))
+    validation_file: str | None = field(default=None, metadata=_data_help("validation_file"))
+    test_file: str | None = field(default=None, metadata=_data_help("test_file"))
+    image_column: str = field(default="image", metadata=_data_help("image_column"))
+    caption_column: str = field(default="image_description", metadata=_data_help("caption_column"))
+    id_column: str | None = field(default=None, metadata=_data_help("id_column"))
+
+
+@dataclass
+class PrepareArguments:
+    """Flags of ``vlfit prepare`` besides the data location."""
+
+    output_dir: str = field(
+        metadata={"help": "Folder for the parquet shards and vlfit_prepare.json (created; resumed if it exists)."}
+    )
+    short_side: int | None = field(
+        default=None, metadata={"help": "Short side of the output images in pixels (or use --model_preset)."}
+    )
+    model_preset: str | None = field(
+        default=None, metadata={"help": "Take the short side from this preset's image size (e.g. tiny: 64)."}
+    )
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Take the short side from this checkpoint's vision_config.image_size."}
+    )
+    model_revision: str = field(default="main", metadata={"help": "Checkpoint branch, tag or commit."})
+    cache_dir: str | None = field(default=None, metadata={"help": "Where downloaded configs and datasets are cached."})
+    token: str | None = field(default=None, metadata={"help": "Hub token for private models or datasets."})
+    jpeg_quality: int = field(
+        default=DEFAULT_JPEG_QUALITY, metadata={"help": "JPEG quality of the output, 1..100 (4:2:0 chroma)."}
+    )
+    shard_size: int = field(default=DEFAULT_SHARD_SIZE, metadata={"help": "Samples per parquet shard."})
+    num_proc: int = field(
+        default_factory=_default_num_proc,
+        metadata={"help": "Worker processes (one shard at a time each); the default is min(2, CPU count)."},
+    )
+    splits: str | None = field(
+        default=None, metadata={"help": "Comma-separated splits to prepare (default: every split of the data)."}
+    )
+    extra_columns: str = field(
+        default=",".join(DEFAULT_EXTRA_COLUMNS),
+        metadata={"help": "Comma-separated columns copied along when present (evaluation reads these)."},
+    )
+    progress: bool = field(default=True, metadata={"help": "Show a progress bar."})
+
+
+def _split_list(text: str | None) -> list[str]:
+    return [part.strip() for part in (text or "").split(",") if part.strip()]
+
+
+def _source_description(data: DataLocationArguments) -> dict[str, Any]:
+    """What identifies the source, with local paths made absolute so a re-run from elsewhere compares equal."""
+    name = data.dataset_name
+    description: dict[str, Any] = {
+        "dataset_name": os.path.abspath(name) if name and os.path.exists(name) else name,
+        "dataset_config_name": data.dataset_config_name,
+        "dataset_revision": data.dataset_revision,
+        "data_dir": data.data_dir,
+    }
+    for flag in ("train_file", "validation_file", "test_file"):
+        spec = getattr(data, flag)
+        description[flag] = [os.path.abspath(p) for p in resolve_files(spec)] if spec else None
+    return description
+
+
+def _check_output_dir(output_dir: str, data: DataLocationArguments) -> None:
+    # A parquet folder is read recursively: shards written inside the source would join it on the next run.
+    if data.dataset_name and os.path.isdir(data.dataset_name):
+        source = os.path.realpath(data.dataset_name)
+        target = os.path.realpath(output_dir)
+        if target == source or target.startswith(source + os.sep):
+            raise ValueError(
+                f"--output_dir {output_dir!r} is inside the source dataset {data.dataset_name!r}; "
+                "pick a folder outside it"
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``vlfit prepare``: open the splits, re-encode them and print a report.
+
+    Args:
+        argv: Command-line arguments after ``prepare`` (``sys.argv[1:]`` when None).
+
+    Returns:
+        The exit status, 0 on success.
+
+    Raises:
+        ValueError: for a missing or ambiguous short side, an unknown split, a setting out of range, or an
+            output folder holding other data (``ManifestMismatchError``).
+        PrepareError: naming the split and sample when an image cannot be read or decoded.
+    """
+    parser = HfArgumentParser(
+        (PrepareArguments, DataLocationArguments),
+        prog="vlfit prepare",
+        description="Re-encode a dataset's images with their short side at the training resolution (no crop) into "
+        "parquet shards, so training decodes several times fewer pixels. Resumable: re-run the same command to "
+        "finish an interrupted run. Train on the result with `vlfit train --dataset_name <output_dir>`.",
+    )
+    args, data = parser.parse_args_into_dataclasses(args=sys.argv[1:] if argv is None else argv)
+    short_side = resolve_short_side(
+        args.short_side,
+        args.model_preset,
+        args.model_name_or_path,
+        cache_dir=args.cache_dir,
+        revision=args.model_revision,
+        token=args.token,
+    )
+    _check_output_dir(args.output_dir, data)
+    extra_columns = _split_list(args.extra_columns)
+    description = _source_description(data)
+    splits = open_splits(
+        dataset_name=data.dataset_name,
+        dataset_config_name=data.dataset_config_name,
+        dataset_revision=data.dataset_revision,
+        data_dir=data.data_dir,
+        cache_dir=args.cache_dir,
+        token=args.token,
+        train_file=data.train_file,
+        validation_file=data.validation_file,
+        test_file=data.test_file,
+        image_column=data.image_column,
+        caption_column=data.caption_column,
+        id_column=data.id_column,
+        extra_columns=extra_columns,
+    )
+    wanted = _split_list(args.splits) or list(splits)
+    unknown = [s for s in wanted if s not in splits]
+    if unknown:
+        raise ValueError(f"--splits: no split named {', '.join(unknown)}; the data has: {', '.join(splits)}")
+    summary = prepare_dataset(
+        {split: splits[split] for split in wanted},
+        args.output_dir,
+        short_side=short_side,
+        jpeg_quality=args.jpeg_quality,
+        shard_size=args.shard_size,
+        num_proc=args.num_proc,
+        image_column=data.image_column,
+        caption_column=data.caption_column,
+        id_column=data.id_column,
+        extra_columns=extra_columns,
+        source_description=description,
+        progress=args.progress,
+    )
+    print(format_report(summary))
+    print(f"train on it with: vlfit train --dataset_name {summary.output_dir} (and the same column flags)")
+    return 0
