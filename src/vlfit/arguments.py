@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from transformers import TrainingArguments
+
 from vlfit.data.image_transforms import IMAGE_PIPELINES
 from vlfit.models.presets import PRESETS
 
@@ -95,3 +97,8 @@ class DataArguments:
             raise ValueError(
                 f"unknown --image_pipeline {self.image_pipeline!r}; choose one of: {', '.join(IMAGE_PIPELINES)}"
             )
+
+
+@dataclass
+class VlfitTrainingArguments(TrainingArguments):
+    """Every ``transformers.TrainingArguments`` flag, plus vlfit's training options."""

@@ -10,9 +10,9 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
-from transformers import HfArgumentParser, TrainingArguments
+from transformers import HfArgumentParser
 
-from vlfit.arguments import DataArguments, ModelArguments
+from vlfit.arguments import DataArguments, ModelArguments, VlfitTrainingArguments
 from vlfit.data.synthetic import SyntheticConfig, make_dataset, save_dataset
 from vlfit.training.run import run
 
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     data_dir = ensure_synthetic_data(
         os.path.join(args.output_dir, "data"), SyntheticConfig(num_samples=args.num_samples, seed=args.seed)
     )
-    training_args = TrainingArguments(
+    training_args = VlfitTrainingArguments(
         output_dir=os.path.join(args.output_dir, "model"),
         do_train=True,
         do_eval=True,

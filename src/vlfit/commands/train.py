@@ -1,21 +1,21 @@
-"""``vlfit train``: fine-tune with HfArgumentParser((ModelArguments, DataArguments, TrainingArguments))."""
+"""``vlfit train``: fine-tune with HfArgumentParser((ModelArguments, DataArguments, VlfitTrainingArguments))."""
 
 from __future__ import annotations
 
 import json
 import os
 
-from transformers import HfArgumentParser, TrainingArguments
+from transformers import HfArgumentParser
 
-from vlfit.arguments import DataArguments, ModelArguments
+from vlfit.arguments import DataArguments, ModelArguments, VlfitTrainingArguments
 from vlfit.training.run import run
 
 
 def parse_arguments(
     argv: list[str] | None, prog: str = "vlfit train"
-) -> tuple[ModelArguments, DataArguments, TrainingArguments]:
+) -> tuple[ModelArguments, DataArguments, VlfitTrainingArguments]:
     """Parse flags, or a single ``.json``/``.yaml``/``.yml`` file holding them all."""
-    parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments), prog=prog)
+    parser = HfArgumentParser((ModelArguments, DataArguments, VlfitTrainingArguments), prog=prog)
     if argv is not None and len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
         path = os.path.abspath(argv[0])
         if path.endswith(".json"):

@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import TrainingArguments, set_seed
+from transformers import set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
-from vlfit.arguments import DataArguments, ModelArguments
+from vlfit.arguments import DataArguments, ModelArguments, VlfitTrainingArguments
 from vlfit.data.dataset import ImageTextCollator, ImageTextDataset, build_image_transform
 from vlfit.data.device_stage import DeviceStage
 from vlfit.data.sources import ImageTextSource, open_splits
@@ -24,7 +24,7 @@ logger = logging.getLogger("vlfit")
 EVAL_COLUMNS = ("caption_choices", "label")
 
 
-def setup_logging(training_args: TrainingArguments) -> None:
+def setup_logging(training_args: VlfitTrainingArguments) -> None:
     """Log to stdout at the Trainer's per-process level (main process: info)."""
     logging.basicConfig(
         format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
@@ -51,7 +51,7 @@ def _require_split(splits: dict[str, ImageTextSource], name: str, flag: str) -> 
     return splits[name]
 
 
-def run(model_args: ModelArguments, data_args: DataArguments, training_args: TrainingArguments) -> dict[str, Any]:
+def run(model_args: ModelArguments, data_args: DataArguments, training_args: VlfitTrainingArguments) -> dict[str, Any]:
     """Train (``--do_train``) and/or evaluate (``--do_eval``) as the arguments say.
 
     Returns:
