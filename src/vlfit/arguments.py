@@ -6,7 +6,8 @@ Parsed with ``transformers.HfArgumentParser((ModelArguments, DataArguments, Trai
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from transformers import TrainingArguments
 
@@ -43,8 +44,8 @@ class ModelArguments:
 
 
 @dataclass
-class DataArguments:
-    """Where the image-text pairs come from and how images are turned into model inputs."""
+class DataLocationArguments:
+    """Where the image-text pairs come from and which columns hold them (shared by train, eval and prepare)."""
 
     dataset_name: str | None = field(
         default=None,
@@ -67,6 +68,16 @@ class DataArguments:
     id_column: str | None = field(
         default=None, metadata={"help": "Column with sample ids (default: instance_id or id if present, else row)."}
     )
+
+    def source_kwargs(self) -> dict[str, Any]:
+        """The data-location and column flags as keyword arguments of ``vlfit.data.sources.open_splits``."""
+        return {f.name: getattr(self, f.name) for f in fields(DataLocationArguments)}
+
+
+@dataclass
+class DataArguments(DataLocationArguments):
+    """Data location plus how samples are turned into model inputs."""
+
     max_seq_length: int = field(default=128, metadata={"help": "Captions are truncated to this many tokens."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N training samples."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Use only the first N evaluation samples."})

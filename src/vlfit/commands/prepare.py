@@ -13,7 +13,7 @@ from typing import Any
 
 from transformers import HfArgumentParser
 
-from vlfit.arguments import DataArguments
+from vlfit.arguments import DataLocationArguments
 from vlfit.data.prepare import (
     DEFAULT_EXTRA_COLUMNS,
     DEFAULT_JPEG_QUALITY,
@@ -25,29 +25,8 @@ from vlfit.data.prepare import (
 from vlfit.data.sources import open_splits, resolve_files
 
 
-def _data_help(name: str) -> dict[str, Any]:
-    """The help text ``vlfit train`` shows for a data flag, so both commands describe it the same way."""
-    return dict(DataArguments.__dataclass_fields__[name].metadata)
-
-
 def _default_num_proc() -> int:
     return min(2, os.cpu_count() or 1)
-
-
-@dataclass
-class DataLocationArguments:
-    """The data-location flags of ``vlfit train`` (a subset of ``DataArguments``)."""
-
-    dataset_name: str | None = field(default=None, metadata=_data_help("dataset_name"))
-    dataset_config_name: str | None = field(default=None, metadata=_data_help("dataset_config_name"))
-    dataset_revision: str | None = field(default=None, metadata=_data_help("dataset_revision"))
-    data_dir: str | None = field(default=None, metadata=_data_help("data_dir"))
-    train_file: str | None = field(default=None, metadata=_data_help("train_file"))
-    validation_file: str | None = field(default=None, metadata=_data_help("validation_file"))
-    test_file: str | None = field(default=None, metadata=_data_help("test_file"))
-    image_column: str = field(default="image", metadata=_data_help("image_column"))
-    caption_column: str = field(default="image_description", metadata=_data_help("caption_column"))
-    id_column: str | None = field(default=None, metadata=_data_help("id_column"))
 
 
 @dataclass
@@ -152,19 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     extra_columns = _split_list(args.extra_columns)
     description = _source_description(data)
     splits = open_splits(
-        dataset_name=data.dataset_name,
-        dataset_config_name=data.dataset_config_name,
-        dataset_revision=data.dataset_revision,
-        data_dir=data.data_dir,
-        cache_dir=args.cache_dir,
-        token=args.token,
-        train_file=data.train_file,
-        validation_file=data.validation_file,
-        test_file=data.test_file,
-        image_column=data.image_column,
-        caption_column=data.caption_column,
-        id_column=data.id_column,
-        extra_columns=extra_columns,
+        **data.source_kwargs(), cache_dir=args.cache_dir, token=args.token, extra_columns=extra_columns
     )
     wanted = _split_list(args.splits) or list(splits)
     unknown = [s for s in wanted if s not in splits]

@@ -179,6 +179,8 @@ class CudaPrefetcher:
         except StopIteration:
             self._next, self._exhausted = None, True
             return
+        # accelerate may already have copied the batch's tensors on the compute stream: order after that copy.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             self._next = self.stage(batch, self.device, self.dtype)
         self._next["_device_ready"] = True  # the Trainer must not run the stage again

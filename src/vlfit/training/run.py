@@ -67,19 +67,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Vlf
     set_seed(training_args.seed)
 
     splits = open_splits(
-        dataset_name=data_args.dataset_name,
-        dataset_config_name=data_args.dataset_config_name,
-        dataset_revision=data_args.dataset_revision,
-        data_dir=data_args.data_dir,
-        cache_dir=model_args.cache_dir,
-        token=model_args.token,
-        train_file=data_args.train_file,
-        validation_file=data_args.validation_file,
-        test_file=data_args.test_file,
-        image_column=data_args.image_column,
-        caption_column=data_args.caption_column,
-        id_column=data_args.id_column,
-        extra_columns=EVAL_COLUMNS,
+        **data_args.source_kwargs(), cache_dir=model_args.cache_dir, token=model_args.token, extra_columns=EVAL_COLUMNS
     )
     train_source = eval_source = None
     if training_args.do_train:
