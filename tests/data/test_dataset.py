@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from tests.data.image_factory import jpeg_bytes, png_rgb_bytes
+from vlfit.data.bad_samples import BadSampleError
 from vlfit.data.dataset import ImageTextCollator, ImageTextDataset, build_image_transform
 from vlfit.data.decode import DecodeError
 from vlfit.data.image_transforms import (
@@ -26,8 +27,8 @@ CAPTIONS = [
     "a red square on a white background",
     "a green circle next to a blue triangle",
     "two yellow stars above a purple line",
-    None,
-    "",
+    "an orange ring",  # None, "" and whitespace captions are bad samples: see tests/robustness
+    "three small dots",
     "a very long caption " + "with many many words " * 20,
 ]
 
@@ -119,9 +120,10 @@ def test_dataset_sample_fields() -> None:
 def test_dataset_propagates_decode_errors_with_the_id() -> None:
     source = FakeSource(2)
     source.records[1] = Record(id="broken-1", image=b"\xff\xd8\xff nope", caption="x")
-    dataset = ImageTextDataset(source, _transform("fast"))
-    with pytest.raises(DecodeError, match="broken-1"):
+    dataset = ImageTextDataset(source, _transform("fast"), bad_sample_policy="raise")
+    with pytest.raises(BadSampleError, match="broken-1") as caught:
         dataset[1]
+    assert isinstance(caught.value.__cause__, DecodeError)
 
 
 # ---------------------------------------------------------------------------------------------- collator
@@ -135,7 +137,8 @@ def _batch(tokenizer, pipeline: str, decode_on_device: bool = False, **collator_
 
 def test_collator_fast_batch(tokenizer) -> None:
     batch = _batch(tokenizer, "fast")
-    assert set(batch) == {"input_ids", "attention_mask", "pixel_values", "sample_ids"}
+    assert set(batch) == {"input_ids", "attention_mask", "pixel_values", "sample_ids", "bad_samples"}
+    assert batch["bad_samples"] == []
     assert batch["pixel_values"].shape == (6, 3, SIZE, SIZE)
     assert batch["pixel_values"].dtype == torch.uint8
     assert batch["sample_ids"] == [f"id{i}" for i in range(6)]
@@ -193,8 +196,8 @@ def test_collator_short_batch_is_not_padded_to_max(tokenizer) -> None:
 def test_collator_none_caption_is_empty_text(tokenizer) -> None:
     dataset = ImageTextDataset(FakeSource(), _transform("fast"))
     collator = ImageTextCollator(tokenizer, 64)
-    none_batch = collator([dataset[3]])  # caption None
-    empty_batch = collator([dataset[4]])  # caption ""
+    none_batch = collator([{**dataset[3], "caption": None}])
+    empty_batch = collator([{**dataset[4], "caption": ""}])
     assert torch.equal(none_batch["input_ids"], empty_batch["input_ids"])
     expected = tokenizer("")["input_ids"]
     n = int(none_batch["attention_mask"][0].sum())

@@ -10,7 +10,7 @@ import io
 import struct
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 try:
     import simplejpeg
@@ -98,10 +98,7 @@ def decode_pil(data: bytes, sample_id: str = "?", draft_size: int | None = None)
         draft_size: For JPEG, let libjpeg downscale by 1/2, 1/4 or 1/8 while keeping both sides at least this.
     """
     try:
-        image = Image.open(io.BytesIO(data))
-        width, height = image.size
-        if width * height > MAX_IMAGE_PIXELS:
-            raise DecodeError(f"sample {sample_id}: image declares {width}x{height} pixels, over the bomb limit")
+        image = _open_pil(data, sample_id)
         if draft_size is not None and image.format == "JPEG":
             image.draft("RGB", (draft_size, draft_size))
         image = ImageOps.exif_transpose(image)
@@ -113,6 +110,55 @@ def decode_pil(data: bytes, sample_id: str = "?", draft_size: int | None = None)
         raise
     except Exception as err:  # Pillow raises many types for corrupt data
         raise DecodeError(f"sample {sample_id}: cannot decode image ({type(err).__name__}: {err})") from err
+
+
+def _open_pil(data: bytes, sample_id: str) -> Image.Image:
+    """``Image.open`` (header only) with the emptiness, format and bomb checks every path shares."""
+    if not data:
+        raise DecodeError(f"sample {sample_id}: image is empty (0 bytes)")
+    try:
+        image = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError as err:
+        # Pillow's own message names a BytesIO object, which tells the user nothing.
+        raise DecodeError(
+            f"sample {sample_id}: not an image format Pillow can read ({len(data)} bytes starting {data[:8]!r})"
+        ) from err
+    except Image.DecompressionBombError as err:  # Pillow's own guard fires first for the largest declared sizes
+        raise DecodeError(f"sample {sample_id}: image is over the bomb limit ({err})") from err
+    width, height = image.size
+    if width * height > MAX_IMAGE_PIXELS:
+        raise DecodeError(f"sample {sample_id}: image declares {width}x{height} pixels, over the bomb limit")
+    return image
+
+
+def check_image_header(data: bytes, sample_id: str = "?") -> tuple[int, int]:
+    """Read an image's declared size without decoding it; refuse what no decoder would accept.
+
+    Costs microseconds (only the header is parsed), so device-decode workers run it on every sample: data that
+    is empty, not an image, or declares more than ``MAX_IMAGE_PIXELS`` is found while the dataset can still
+    replace the sample. Corruption after the header is only found by decoding.
+
+    Returns:
+        ``(width, height)`` as the header declares them (before EXIF orientation).
+
+    Raises:
+        DecodeError: naming the sample and the reason.
+    """
+    if simplejpeg is not None and is_jpeg(data):
+        try:
+            height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+        except Exception as err:
+            raise DecodeError(f"sample {sample_id}: corrupt JPEG header ({err})") from err
+    else:
+        try:
+            width, height = _open_pil(data, sample_id).size
+        except DecodeError:
+            raise
+        except Exception as err:  # Pillow raises many types for corrupt headers
+            raise DecodeError(f"sample {sample_id}: corrupt image header ({type(err).__name__}: {err})") from err
+    if width * height > MAX_IMAGE_PIXELS:
+        raise DecodeError(f"sample {sample_id}: image declares {width}x{height} pixels, over the bomb limit")
+    return width, height
 
 
 def decode_scaled(data: bytes, min_side: int, sample_id: str = "?") -> np.ndarray:

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 import torchvision
 
-from vlfit.data.decode import decode_scaled, is_jpeg, jpeg_exif_orientation
+from vlfit.data.bad_samples import RAISE_HINT, BadSampleError, describe_error
+from vlfit.data.decode import DecodeError, check_image_header, decode_scaled, is_jpeg, jpeg_exif_orientation
 from vlfit.data.image_transforms import EncodedImage, hwc_to_chw_view, resize_crop_uint8
 
 logger = logging.getLogger(__name__)
@@ -46,41 +47,87 @@ def decode_resize_batch(images: list[EncodedImage], size: int, device: torch.dev
 
     JPEGs are decoded together by ``torchvision.io.decode_jpeg`` (nvJPEG on CUDA). Samples it refuses (PNG, WebP,
     CMYK JPEG, corrupt data) fall back to the CPU decoder one by one, so one odd file never fails the batch.
-    EXIF orientation is applied on both paths.
+    EXIF orientation is applied on both paths. JPEG headers are checked first: a declared decompression bomb
+    never reaches ``decode_jpeg``, which would allocate the full declared size.
 
     Returns:
         uint8 ``[B, 3, size, size]`` on ``device``.
+
+    Raises:
+        DecodeError: naming the first sample that no decoder accepts.
     """
-    device = torch.device(device)
+    pixels, _ = _decode_resize(images, size, torch.device(device), skip_bad=False)
+    return pixels
+
+
+def decode_resize_batch_skipping_bad(
+    images: list[EncodedImage], size: int, device: torch.device | str
+) -> tuple[torch.Tensor, list[tuple[int, str, str]]]:
+    """``decode_resize_batch``, leaving out the images no decoder accepts instead of failing the batch.
+
+    Returns:
+        uint8 ``[B - k, 3, size, size]`` for the images that decoded (in order), and ``(index, sample id, reason)``
+        for each of the ``k`` that did not.
+    """
+    return _decode_resize(images, size, torch.device(device), skip_bad=True)
+
+
+def _decode_resize(
+    images: list[EncodedImage], size: int, device: torch.device, skip_bad: bool
+) -> tuple[torch.Tensor, list[tuple[int, str, str]]]:
     out = torch.empty((len(images), 3, size, size), dtype=torch.uint8, device=device)
-    jpeg_index = [i for i, image in enumerate(images) if is_jpeg(image.data)]
-    decoded: dict[int, torch.Tensor] = {}
-    if jpeg_index:
-        tensors = [images[i].tensor() for i in jpeg_index]
-        try:
-            results = torchvision.io.decode_jpeg(tensors, mode=torchvision.io.ImageReadMode.RGB, device=device)
-            if device.type == "cuda":
-                # decode_jpeg runs on an internal stream: wait for it before any kernel reads the outputs.
-                torch.cuda.synchronize(device)
-            decoded = dict(zip(jpeg_index, results, strict=True))
-        except RuntimeError:
-            # One bad JPEG fails the batched call; decode individually to find which ones to send to the CPU.
-            for i, tensor in zip(jpeg_index, tensors, strict=True):
-                try:
-                    decoded[i] = torchvision.io.decode_jpeg(
-                        tensor, mode=torchvision.io.ImageReadMode.RGB, device=device
-                    )
-                except RuntimeError:
-                    continue
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+    decoded = _decode_jpegs(images, device)
+    failed: list[tuple[int, str, str]] = []
     for i, image in enumerate(images):
-        if i in decoded:
-            pixels = _orient_chw(decoded[i], jpeg_exif_orientation(image.data))
-        else:
-            pixels = hwc_to_chw_view(decode_scaled(image.data, size, image.sample_id)).to(device)
+        try:
+            if i in decoded:
+                pixels = _orient_chw(decoded[i], jpeg_exif_orientation(image.data))
+            else:
+                pixels = hwc_to_chw_view(decode_scaled(image.data, size, image.sample_id)).to(device)
+        except DecodeError as err:
+            if not skip_bad:
+                raise
+            failed.append((i, image.sample_id, describe_error(err, image.sample_id)[1]))
+            continue
         out[i] = resize_crop_uint8(pixels, size)
-    return out
+    if failed:
+        bad_rows = {i for i, _, _ in failed}
+        keep = torch.tensor([i for i in range(len(images)) if i not in bad_rows], dtype=torch.long, device=device)
+        out = out.index_select(0, keep)
+    return out, failed
+
+
+def _decode_jpegs(images: list[EncodedImage], device: torch.device) -> dict[int, torch.Tensor]:
+    """Decode what ``torchvision.io.decode_jpeg`` accepts; the rest is left for the CPU decoder (and its errors)."""
+    jpeg_index = []
+    for i, image in enumerate(images):
+        if not is_jpeg(image.data):
+            continue
+        try:
+            check_image_header(image.data, image.sample_id)
+        except DecodeError:
+            continue  # the CPU decoder raises the same error, naming the sample
+        jpeg_index.append(i)
+    if not jpeg_index:
+        return {}
+    decoded: dict[int, torch.Tensor] = {}
+    tensors = [images[i].tensor() for i in jpeg_index]
+    try:
+        results = torchvision.io.decode_jpeg(tensors, mode=torchvision.io.ImageReadMode.RGB, device=device)
+        if device.type == "cuda":
+            # decode_jpeg runs on an internal stream: wait for it before any kernel reads the outputs.
+            torch.cuda.synchronize(device)
+        return dict(zip(jpeg_index, results, strict=True))
+    except Exception:  # RuntimeError mostly, but whatever torchvision raises, the CPU decoder gets the last word
+        # One bad JPEG fails the batched call; decode individually to find which ones to send to the CPU.
+        for i, tensor in zip(jpeg_index, tensors, strict=True):
+            try:
+                decoded[i] = torchvision.io.decode_jpeg(tensor, mode=torchvision.io.ImageReadMode.RGB, device=device)
+            except Exception:
+                continue
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return decoded
 
 
 def _orient_chw(pixels: torch.Tensor, orientation: int) -> torch.Tensor:
@@ -108,11 +155,17 @@ def _orient_chw(pixels: torch.Tensor, orientation: int) -> torch.Tensor:
 class DeviceStage:
     """Turns a collated batch into model inputs on ``device``.
 
+    With device decode, a sample whose bytes passed the worker's header check but fail to decode is found only
+    here, after the batch was formed, so it cannot be replaced: with ``bad_sample_policy="skip"`` its row is
+    dropped from every per-sample field of the batch (which shrinks by one) and reported in
+    ``batch["device_bad_samples"]``; with ``"raise"`` a ``BadSampleError`` names it.
+
     Args:
         image_size: Model input side (used by device decode).
         mean: Normalization mean (the model's image processor's).
         std: Normalization std.
         horizontal_flip: Randomly flip images (training only).
+        bad_sample_policy: ``skip`` or ``raise`` (see ``vlfit.data.bad_samples``).
     """
 
     def __init__(
@@ -121,11 +174,13 @@ class DeviceStage:
         mean: tuple[float, ...],
         std: tuple[float, ...],
         horizontal_flip: bool = False,
+        bad_sample_policy: str = "raise",
     ) -> None:
         self.image_size = image_size
         self.mean = torch.tensor(mean, dtype=torch.float32)
         self.std = torch.tensor(std, dtype=torch.float32)
         self.horizontal_flip = horizontal_flip
+        self.bad_sample_policy = bad_sample_policy
         self._stats: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _stats_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,7 +197,7 @@ class DeviceStage:
             for key, value in batch.items()
         }
         if "encoded_images" in batch:
-            pixels = decode_resize_batch(batch.pop("encoded_images"), self.image_size, device)
+            batch, pixels = self._decode(batch, device)
         else:
             pixels = batch["pixel_values"]
         if pixels.dtype == torch.uint8:
@@ -154,6 +209,49 @@ class DeviceStage:
             pixels = random_horizontal_flip(pixels)
         batch["pixel_values"] = pixels
         return batch
+
+    def _decode(self, batch: dict[str, Any], device: torch.device) -> tuple[dict[str, Any], torch.Tensor]:
+        images = batch.pop("encoded_images")
+        if self.bad_sample_policy != "skip":
+            try:
+                return batch, decode_resize_batch(images, self.image_size, device)
+            except DecodeError as err:
+                sample_id, reason = describe_error(err, "?")
+                raise BadSampleError.for_sample(sample_id, reason, RAISE_HINT) from err
+        pixels, failed = decode_resize_batch_skipping_bad(images, self.image_size, device)
+        if not failed:
+            return batch, pixels
+        if len(failed) == len(images):
+            raise BadSampleError.for_sample(
+                ", ".join(sample_id for _, sample_id, _ in failed),
+                f"all {len(images)} images of the batch failed to decode on {device.type} (first: {failed[0][2]}); "
+                "the data looks mostly unreadable",
+            )
+        for _, sample_id, reason in failed:
+            logger.warning("skipped bad sample %s at device decode (dropped from its batch): %s", sample_id, reason)
+        batch = _drop_rows(batch, {i for i, _, _ in failed}, len(images))
+        batch["device_bad_samples"] = [(sample_id, reason) for _, sample_id, reason in failed]
+        return batch, pixels
+
+
+# Batch fields that are not one entry per sample (every other tensor or list in a collated batch is).
+_NOT_PER_SAMPLE = frozenset({"bad_samples", "device_bad_samples"})
+
+
+def _drop_rows(batch: dict[str, Any], rows: set[int], batch_size: int) -> dict[str, Any]:
+    """Remove ``rows`` from every per-sample tensor and list of a collated batch."""
+    keep = [i for i in range(batch_size) if i not in rows]
+    out: dict[str, Any] = {}
+    for key, value in batch.items():
+        if key in _NOT_PER_SAMPLE:
+            out[key] = value
+        elif isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch_size:
+            out[key] = value.index_select(0, torch.tensor(keep, dtype=torch.long, device=value.device))
+        elif isinstance(value, (list, tuple)) and len(value) == batch_size:
+            out[key] = [value[i] for i in keep]
+        else:
+            out[key] = value
+    return out
 
 
 class CudaPrefetcher:

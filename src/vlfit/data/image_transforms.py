@@ -18,7 +18,7 @@ import torchvision.transforms as T
 import torchvision.transforms.v2.functional as F
 from torchvision.transforms import InterpolationMode
 
-from vlfit.data.decode import decode_pil, decode_scaled
+from vlfit.data.decode import check_image_header, decode_pil, decode_scaled
 
 IMAGE_PIPELINES = ("fast", "reference")
 
@@ -120,7 +120,13 @@ class EncodedImage:
 
 
 class PassThroughEncoded:
-    """bytes -> ``EncodedImage`` (device decode: workers read and tokenize only)."""
+    """bytes -> ``EncodedImage`` (device decode: workers read and tokenize only).
+
+    The header is checked here (microseconds, no decode): a sample that is empty, not an image or a declared
+    decompression bomb raises ``DecodeError`` in the worker, where the dataset can still replace it, instead of
+    at device-decode time, where the batch is already formed.
+    """
 
     def __call__(self, data: bytes, sample_id: str = "?") -> EncodedImage:
+        check_image_header(data, sample_id)
         return EncodedImage(data, sample_id)

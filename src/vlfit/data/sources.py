@@ -116,6 +116,8 @@ class ImageTextSource(ABC):
 def _as_caption(value: Any) -> str | None:
     if value is None or (isinstance(value, float) and math.isnan(value)):  # CSV readers turn empty cells into NaN
         return None
+    if isinstance(value, bytes):  # a binary column: decode it (str() would give "b'...'"), as tar captions are
+        return value.decode("utf-8", errors="replace")
     return value if isinstance(value, str) else str(value)
 
 
@@ -382,10 +384,9 @@ class TarSource(ImageTextSource):
         return meta if isinstance(meta, dict) else {}
 
     def _text(self, row: int, offset: int, size: int) -> str:
-        try:
-            return self._read_member(row, offset, size).decode("utf-8").strip()
-        except UnicodeDecodeError as err:
-            raise BadRecordError(f"sample {self._keys[row]}: text member is not UTF-8: {err}") from err
+        # Invalid UTF-8 becomes U+FFFD rather than a bad sample: web captions often carry a few mis-encoded
+        # bytes in otherwise good text (see vlfit.data.bad_samples).
+        return self._read_member(row, offset, size).decode("utf-8", errors="replace").strip()
 
     def _caption(self, row: int, meta: dict[str, Any] | None) -> str | None:
         offset, size = self._text_loc[row]

@@ -1,0 +1,117 @@
+"""Preemption: on SIGTERM or SIGINT, finish the current step, save a complete checkpoint and exit non-zero.
+
+Schedulers (Slurm, Kubernetes, spot instances) send SIGTERM some time before killing a job; Ctrl-C sends SIGINT.
+``PreemptionCallback`` turns either into "save and stop at the end of this optimizer step": the checkpoint the
+Trainer then writes holds the model, optimizer, scheduler, RNG states and the step count that fixes the data
+position, so ``--resume_from_checkpoint`` (or simply rerunning with the same ``--output_dir``) continues exactly.
+``run()`` raises ``TrainingPreempted`` afterwards so that the process exits non-zero (128 + signal number, the
+shell's convention) instead of looking like a finished run.
+
+A second signal while the step finishes restores the previous handler and re-delivers the signal: the usual way
+to force an immediate exit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+import torch
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+PREEMPTION_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
+
+
+class TrainingPreempted(RuntimeError):
+    """Training stopped early on a signal after saving a checkpoint.
+
+    Attributes:
+        signum: The signal received.
+        checkpoint: The checkpoint folder saved at the stop (``None`` if none could be found).
+        exit_code: ``128 + signum``, what a shell reports for a process ended by that signal.
+    """
+
+    def __init__(self, signum: int, checkpoint: str | None, step: int) -> None:
+        self.signum = signum
+        self.checkpoint = checkpoint
+        self.exit_code = 128 + signum
+        name = signal.Signals(signum).name
+        where = f"saved checkpoint {checkpoint}" if checkpoint else "no checkpoint was found"
+        super().__init__(
+            f"training stopped by {name} at step {step}: {where}. Rerun the same command (or pass "
+            f"--resume_from_checkpoint {checkpoint or '<checkpoint>'}) to continue from there."
+        )
+
+
+class PreemptionCallback(TrainerCallback):
+    """Installs SIGTERM/SIGINT handlers for the duration of training and stops at the next step end.
+
+    Handlers can only be installed from the main thread; elsewhere (a notebook running training in a thread) the
+    callback does nothing and signals keep their usual effect.
+
+    Attributes:
+        received: The first signal received during training, or ``None``.
+        stopped_at_step: The global step at which training was stopped for it, or ``None``.
+    """
+
+    def __init__(self, signals: tuple[signal.Signals, ...] = PREEMPTION_SIGNALS) -> None:
+        self.signals = signals
+        self.received: int | None = None
+        self.stopped_at_step: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is not None:
+            # Second signal: the user (or scheduler) does not want to wait for the checkpoint.
+            self.uninstall()
+            signal.raise_signal(signum)
+            return
+        self.received = signum
+        # os.write, not print or logging: a signal handler may interrupt a write to the same stream.
+        message = f"\nvlfit: received {signal.Signals(signum).name}: saving a checkpoint at the end of this step\n"
+        os.write(2, message.encode())
+
+    def uninstall(self) -> None:
+        """Put back the handlers that were there before training (safe to call more than once)."""
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self.received = None
+        self.stopped_at_step = None
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in self.signals:
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        if self._stop_requested(args):
+            if self.received is None:  # another process got the signal: stop together, with its signal number
+                self.received = int(signal.SIGTERM)
+            control.should_save = True
+            control.should_training_stop = True
+            self.stopped_at_step = state.global_step
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self.uninstall()
+
+    def _stop_requested(self, args: TrainingArguments) -> bool:
+        """Whether this process, or in a distributed run any process, received a signal.
+
+        Every process must stop at the same step, or the ones still training wait forever in the next collective:
+        the flag is reduced across processes at each step end (one scalar; negligible next to a training step).
+        """
+        requested = self.received is not None
+        if args.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            flag = torch.tensor([1 if requested else 0], device=args.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            requested = bool(flag.item())
+        return requested

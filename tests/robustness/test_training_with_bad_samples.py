@@ -1,0 +1,145 @@
+"""``vlfit train`` on dirty data: bad samples are replaced, counted in logs, metrics and ``bad_samples.jsonl``,
+left out of evaluation, bounded by ``--max_bad_fraction``, or stop the run under ``--bad_sample_policy raise``."""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import datasets
+import pytest
+from transformers import TrainingArguments
+
+from tests.robustness.bad_corpus import ListSource, bad_images, valid_images
+from tests.training.train_runs import single_torch_thread
+from vlfit.cli import main
+from vlfit.data.bad_samples import BadSampleError, TooManyBadSamplesError
+from vlfit.data.dataset import ImageTextCollator, ImageTextDataset
+from vlfit.data.device_stage import DeviceStage
+from vlfit.data.image_transforms import PassThroughEncoded
+from vlfit.data.records import Record
+from vlfit.models.loading import load_model_bundle
+from vlfit.training.trainer import VlfitTrainer
+
+TRAIN_ROWS = 60
+BAD_TRAIN = {7: ("image", "zero_bytes"), 23: ("caption", "   "), 41: ("image", "jpeg_truncated")}
+BAD_EVAL = {2: ("image", "random_bytes"), 5: ("caption", None)}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    with single_torch_thread():
+        yield
+
+
+def _split(rows: int, bad: dict, prefix: str) -> datasets.Dataset:
+    valid = [image.data for image in valid_images() if image.name.startswith("jpeg_b")] * rows
+    broken = {image.name: image.data for image in bad_images()}
+    images, captions = [], []
+    for i in range(rows):
+        kind, what = bad.get(i, (None, None))
+        images.append({"bytes": broken[what] if kind == "image" else valid[i], "path": None})
+        captions.append(what if kind == "caption" else f"a picture number {i} of a red thing")
+    return datasets.Dataset.from_dict(
+        {"image": images, "caption": captions, "id": [f"{prefix}-{i}" for i in range(rows)]},
+        features=datasets.Features(
+            {"image": datasets.Image(), "caption": datasets.Value("string"), "id": datasets.Value("string")}
+        ),
+    )
+
+
+@pytest.fixture(scope="module")
+def dirty_dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("dirty") / "data"
+    splits = {"train": _split(TRAIN_ROWS, BAD_TRAIN, "t"), "validation": _split(12, BAD_EVAL, "v")}
+    datasets.DatasetDict(splits).save_to_disk(str(path))
+    return str(path)
+
+
+def _argv(data: str, out: Path, *extra: str) -> list[str]:
+    return [
+        "train", "--model_preset", "tiny", "--dataset_name", data, "--caption_column", "caption",
+        "--output_dir", str(out), "--report_to", "none", "--per_device_train_batch_size", "8",
+        "--save_strategy", "no", "--disable_tqdm", "true", "--logging_steps", "2", *extra,
+    ]  # fmt: skip
+
+
+def test_bad_samples_are_replaced_counted_reported_and_left_out_of_eval(tmp_path: Path, dirty_dataset: str) -> None:
+    out = tmp_path / "run"
+    # One epoch: 60 samples plus the bad ones read, under the 100 needed before --max_bad_fraction 0.01 is judged.
+    assert main([*_argv(dirty_dataset, out, "--num_train_epochs", "1", "--do_eval")]) == 0
+    bad_ids = {f"t-{i}" for i in BAD_TRAIN}
+    records = [json.loads(line) for line in (out / "bad_samples.jsonl").read_text().splitlines()]
+    assert {r["id"] for r in records} == bad_ids  # every bad sample's own index is read once per epoch
+    reasons = {r["id"]: r["reason"] for r in records}
+    # Empty bytes in an Image column read as "no image at all" to the source, before any decoder sees them.
+    assert (
+        reasons["t-7"] == "image value has neither bytes nor path" and reasons["t-23"] == "caption is whitespace only"
+    )
+    assert "Premature end" in reasons["t-41"]
+    assert all(r["stage"] == "worker" and 1 <= r["step"] <= 8 for r in records)
+
+    metrics = json.loads((out / "train_results.json").read_text())
+    assert metrics["train_bad_samples"] == len(records)
+    assert metrics["train_bad_sample_fraction"] == pytest.approx(len(records) / (TRAIN_ROWS + len(records)))
+    state = json.loads((out / "trainer_state.json").read_text())
+    counts = [entry["bad_samples"] for entry in state["log_history"] if "loss" in entry]
+    assert counts == sorted(counts) and counts[-1] <= len(records)  # cumulative in every logged step
+
+    evaluated = json.loads((out / "eval_results.json").read_text())
+    assert evaluated["eval_bad_samples"] == len(BAD_EVAL)
+    assert evaluated["eval_num_samples"] == 12 - len(BAD_EVAL)  # left out, not replaced by duplicates
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the preemption handlers were removed
+
+
+def test_max_bad_fraction_stops_the_run_with_the_ids(tmp_path: Path, dirty_dataset: str) -> None:
+    out = tmp_path / "run"
+    argv = _argv(dirty_dataset, out, "--num_train_epochs", "3", "--max_bad_fraction", "0.02")
+    with pytest.raises(TooManyBadSamplesError, match=r"samples read so far were bad .* over --max_bad_fraction 0.02"):
+        main(argv)
+    records = [json.loads(line) for line in (out / "bad_samples.jsonl").read_text().splitlines()]
+    assert {r["id"] for r in records} <= {f"t-{i}" for i in BAD_TRAIN} and len(records) >= 3
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_raise_policy_stops_at_the_first_bad_sample_even_through_workers(tmp_path: Path, dirty_dataset: str) -> None:
+    argv = _argv(dirty_dataset, tmp_path / "run", "--max_steps", "8", "--bad_sample_policy", "raise")
+    with pytest.raises(BadSampleError, match=r"bad sample t-(7|23|41): .*--bad_sample_policy skip"):
+        main([*argv, "--dataloader_num_workers", "2"])
+
+
+def test_flags_are_validated(tmp_path: Path, dirty_dataset: str) -> None:
+    with pytest.raises(ValueError, match=r"--max_bad_fraction must be between 0 and 1, got 1.5"):
+        main(_argv(dirty_dataset, tmp_path / "run", "--max_bad_fraction", "1.5"))
+    with pytest.raises(SystemExit):  # argparse choices
+        main(_argv(dirty_dataset, tmp_path / "run", "--bad_sample_policy", "ignore"))
+
+
+def test_device_decode_drops_and_counts_what_only_decoding_finds(tmp_path: Path) -> None:
+    """Device decode (run on the CPU here): the worker's header check replaces what it can; a JPEG corrupt after
+    its header is dropped from its batch at decode time and counted as a device-stage bad sample."""
+    jpeg = next(image for image in valid_images() if image.name == "jpeg_baseline").data
+    broken = {image.name: image.data for image in bad_images()}
+    records = [Record(id=f"ok-{i}", image=jpeg, caption=f"picture {i}") for i in range(12)]
+    records[3] = Record(id="late", image=broken["jpeg_truncated"], caption="picture 3")
+    records[9] = Record(id="early", image=broken["random_bytes"], caption="picture 9")
+    bundle = load_model_bundle(
+        model_name_or_path=None, model_preset="tiny", captions=lambda: [r.caption for r in records]
+    )
+    args = TrainingArguments(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, max_steps=3, per_device_train_batch_size=4,
+        remove_unused_columns=False, save_strategy="no", dataloader_pin_memory=False,
+    )  # fmt: skip
+    trainer = VlfitTrainer(
+        model=bundle.model,
+        args=args,
+        train_dataset=ImageTextDataset(ListSource(records), PassThroughEncoded()),  # type: ignore[arg-type]
+        data_collator=ImageTextCollator(bundle.tokenizer, 32),
+        device_stage=DeviceStage(bundle.image_size, bundle.image_mean, bundle.image_std, bad_sample_policy="skip"),
+    )
+    trainer.train()
+    stages = {record.id: record.stage for record in trainer.bad_samples.records}
+    assert stages == {"early": "worker", "late": "device"}
+    assert trainer.bad_samples.samples_read == 12 + 1  # 12 rows delivered + 1 replaced in the worker

@@ -1,0 +1,121 @@
+"""Helpers to run ``vlfit train`` on the tiny preset, in-process or as a child process that gets a signal."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@contextlib.contextmanager
+def single_torch_thread() -> Iterator[None]:
+    """Run torch on one thread: on a shared, loaded machine two OpenMP threads per step can be ten times slower
+    (each parallel region waits for a descheduled thread), and runs compared with each other must use the same
+    thread count anyway."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def tiny_train_argv(data: str, output_dir: Path | str, *extra: str, steps: int = 20, workers: int = 0) -> list[str]:
+    """``vlfit train`` flags for a short, deterministic CPU run that logs every step."""
+    return [
+        "--model_preset", "tiny", "--dataset_name", data, "--output_dir", str(output_dir), "--report_to", "none",
+        "--max_steps", str(steps), "--per_device_train_batch_size", "6", "--logging_steps", "1",
+        "--dataloader_num_workers", str(workers), "--disable_tqdm", "true", "--seed", "11", *extra,
+    ]  # fmt: skip
+
+
+def logged_losses(output_dir: Path | str, state_file: str = "trainer_state.json") -> dict[int, float]:
+    """``{step: loss}`` from a run's (or a checkpoint's) ``trainer_state.json``."""
+    state = json.loads((Path(output_dir) / state_file).read_text())
+    losses: dict[int, float] = {}
+    for entry in state["log_history"]:
+        if "loss" in entry:
+            assert entry["step"] not in losses, f"step {entry['step']} logged twice"
+            losses[entry["step"]] = entry["loss"]
+    return losses
+
+
+@dataclass
+class SignalledRun:
+    """What a child ``vlfit train`` did after being signalled."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    steps_logged_before_signal: int
+
+
+def train_until_signal(
+    argv: list[str], *, after_steps: int, sig: signal.Signals = signal.SIGTERM, timeout: float = 240
+) -> SignalledRun:
+    """Run ``vlfit train`` in a new process group; signal the whole group once ``after_steps`` losses were printed.
+
+    The whole group gets the signal, DataLoader workers included, as with Ctrl-C in a terminal or a scheduler
+    signalling every process of a job. Fails (after killing the group) when the run ends or stalls first.
+    """
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}  # as single_torch_thread, in the child
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vlfit", "train", *argv],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+    out: list[str] = []
+    err: list[str] = []
+
+    def pump(stream, sink: list[str], forward: queue.Queue | None) -> None:
+        for line in stream:
+            sink.append(line)
+            if forward is not None:
+                forward.put(line)
+        if forward is not None:
+            forward.put(None)
+
+    threads = [
+        threading.Thread(target=pump, args=(proc.stdout, out, lines), daemon=True),
+        threading.Thread(target=pump, args=(proc.stderr, err, None), daemon=True),
+    ]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout
+    logged = 0
+    try:
+        while logged < after_steps:
+            line = lines.get(timeout=max(deadline - time.monotonic(), 0.1))
+            if line is None:
+                raise AssertionError(f"training ended before step {after_steps}:\n{''.join(err)[-3000:]}")
+            if line.startswith("{'loss'"):  # the Trainer prints each step's logs (--disable_tqdm true)
+                logged += 1
+        os.killpg(proc.pid, sig)
+        proc.wait(timeout=max(deadline - time.monotonic(), 1))
+    except (queue.Empty, subprocess.TimeoutExpired) as stalled:
+        raise AssertionError(f"training stalled or did not exit:\n{''.join(err)[-3000:]}") from stalled
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for thread in threads:
+            thread.join(timeout=10)
+    return SignalledRun(proc.returncode, "".join(out), "".join(err), logged)
