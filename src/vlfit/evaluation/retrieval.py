@@ -41,6 +41,8 @@ def evaluate_retrieval(
         pool_size: Candidate pool for recall (``None``: the whole split).
         autocast: Mixed-precision context for the forward passes.
         gather: Concatenates a tensor across processes (``accelerator.gather_for_metrics``) in distributed runs.
+            Called once per batch, as it must be: at the last batch it drops the samples the distributed sampler
+            repeated to even out the processes' shares.
 
     Returns:
         ``t2i_recall@k``, ``i2t_recall@k``, ``chance_recall@1``, ``pool_size``, ``num_samples`` and, when caption
@@ -52,11 +54,13 @@ def evaluate_retrieval(
     dtype = next(model.parameters()).dtype
     texts, images, choices, labels = [], [], [], []
     has_choices = True
+    gather = gather or (lambda tensor: tensor)
     for batch in batches:
         batch = stage(batch, device, dtype, train=False)
         with autocast():
-            texts.append(encode_text(model, batch["input_ids"].to(device), batch["attention_mask"].to(device)).float())
-            images.append(encode_image(model, batch["pixel_values"]).float())
+            text_embeds = encode_text(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))
+            texts.append(gather(text_embeds.float()))
+            images.append(gather(encode_image(model, batch["pixel_values"]).float()))
             batch_choices, batch_labels = batch.get("caption_choices"), batch.get("label")
             if has_choices and batch_choices and batch_labels and all(c for c in batch_choices):
                 num_choices = len(batch_choices[0])
@@ -65,8 +69,8 @@ def evaluate_retrieval(
                     flat, max_length=max_seq_length, truncation=True, padding="longest", return_tensors="pt"
                 ).to(device)
                 embeds = encode_text(model, tokens["input_ids"], tokens["attention_mask"]).float()
-                choices.append(embeds.view(len(batch_choices), num_choices, -1))
-                labels.append(torch.tensor([label_to_index(x) for x in batch_labels], device=device))
+                choices.append(gather(embeds.view(len(batch_choices), num_choices, -1)))
+                labels.append(gather(torch.tensor([label_to_index(x) for x in batch_labels], device=device)))
             else:
                 has_choices = False
     if was_training:
@@ -74,13 +78,9 @@ def evaluate_retrieval(
     if not texts:
         raise ValueError("the evaluation split has no samples; check --eval_split and --max_eval_samples")
     text_embeds, image_embeds = torch.cat(texts), torch.cat(images)
-    if gather is not None:
-        text_embeds, image_embeds = gather(text_embeds), gather(image_embeds)
     metrics = pooled_recall_at_k(text_embeds.cpu(), image_embeds.cpu(), pool_size)
     if has_choices and choices:
         choice_embeds, label_index = torch.cat(choices), torch.cat(labels)
-        if gather is not None:
-            choice_embeds, label_index = gather(choice_embeds), gather(label_index)
         metrics["matching_accuracy"] = matching_accuracy(image_embeds.cpu(), choice_embeds.cpu(), label_index.cpu())
         metrics["chance_matching_accuracy"] = 1.0 / choice_embeds.shape[1]
     else:

@@ -10,9 +10,14 @@ class ThroughputMeter:
 
     ``data_wait_share`` is the time spent blocked in ``next()`` on the loader divided by wall time: 0 means the
     model never waited for data; near 1 means the input pipeline is the bottleneck.
+
+    Args:
+        processes: Processes training in step (DDP), each serving as many samples as this one: samples/s is
+            reported for all of them together, the data-wait share for this one.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, processes: int = 1) -> None:
+        self.processes = processes
         self.start = self.window_start = time.perf_counter()
         self.wait_seconds = self.window_wait_seconds = 0.0
         self.samples = self.window_samples = 0
@@ -25,14 +30,16 @@ class ThroughputMeter:
 
     def window(self) -> dict[str, float]:
         """Figures since the previous call (or the start); starts a new window."""
-        figures = _figures(self.window_samples, self.window_wait_seconds, time.perf_counter() - self.window_start)
+        figures = _figures(
+            self.window_samples * self.processes, self.window_wait_seconds, time.perf_counter() - self.window_start
+        )
         self.window_start = time.perf_counter()
         self.window_wait_seconds, self.window_samples = 0.0, 0
         return figures
 
     def total(self) -> dict[str, float]:
         """Figures since the meter was made."""
-        return _figures(self.samples, self.wait_seconds, time.perf_counter() - self.start)
+        return _figures(self.samples * self.processes, self.wait_seconds, time.perf_counter() - self.start)
 
 
 def _figures(samples: int, wait_seconds: float, elapsed: float) -> dict[str, float]:

@@ -1,0 +1,152 @@
+"""The contrastive loss: equal to BridgeTower's own loss locally, and with global negatives in a 2-process gloo run
+equal (loss and every gradient, through DDP) to one process on the concatenated batch."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+from transformers import BridgeTowerForContrastiveLearning
+
+from vlfit.models.presets import preset_config
+from vlfit.training.contrastive_loss import contrastive_loss, expose_logit_scale
+
+# Rows [0, 3) on rank 0 and [3, 6) on rank 1, then an uneven split: [0, 4) and [4, 6).
+SPLITS = {"even": (0, 3, 6), "uneven": (0, 4, 6)}
+
+
+def _model(state_dict: dict[str, torch.Tensor] | None = None) -> BridgeTowerForContrastiveLearning:
+    torch.manual_seed(0)
+    model = BridgeTowerForContrastiveLearning(preset_config("tiny"))
+    if state_dict is not None:
+        model.load_state_dict(state_dict)
+    return model.eval()  # no dropout: the two runs must compute the same function
+
+
+def _inputs(n: int = 6) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    attention_mask = torch.ones(n, 10, dtype=torch.long)
+    attention_mask[1::3, 7:] = 0  # some padded captions
+    return {
+        "input_ids": torch.randint(3, 1024, (n, 10), generator=generator),
+        "attention_mask": attention_mask,
+        "pixel_values": torch.randn(n, 3, 64, 64, generator=generator),
+    }
+
+
+def _rows(inputs: dict[str, torch.Tensor], start: int, stop: int) -> dict[str, torch.Tensor]:
+    return {key: value[start:stop] for key, value in inputs.items()}
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _worker(rank: int, world: int, init_file: str, payload_path: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        payload = torch.load(payload_path)
+        model = _model(payload["state_dict"])
+        expose_logit_scale(model)
+        # As the Trainer wraps it: find_unused_parameters, since the text pooler gets no gradient.
+        ddp = DistributedDataParallel(model, find_unused_parameters=True)
+        results = {}
+        for name, bounds in SPLITS.items():
+            model.zero_grad(set_to_none=True)
+            outputs = ddp(**_rows(payload["inputs"], bounds[rank], bounds[rank + 1]), return_loss=False)
+            loss = contrastive_loss(
+                outputs.text_embeds, outputs.image_embeds, outputs.cross_embeds, outputs.logit_scale, gather=True
+            )
+            loss.backward()
+            results[name] = {"loss": loss.detach(), "grads": _grads(model)}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_local_loss_matches_bridgetower_loss_and_gradients():
+    model = _model()
+    inputs = _inputs()
+    reference = model(**inputs, return_loss=True)
+    reference.loss.backward()
+    reference_grads = _grads(model)
+    model.zero_grad(set_to_none=True)
+
+    outputs = model(**inputs, return_loss=False)
+    assert outputs.loss is None
+    loss = contrastive_loss(outputs.text_embeds, outputs.image_embeds, outputs.cross_embeds, model.logit_scale.exp())
+    loss.backward()
+    torch.testing.assert_close(loss, reference.loss, rtol=0, atol=1e-6)
+    grads = _grads(model)
+    assert grads.keys() == reference_grads.keys() and "logit_scale" in grads
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, reference_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+    # Without a process group, global negatives are the local batch.
+    again = contrastive_loss(
+        outputs.text_embeds, outputs.image_embeds, outputs.cross_embeds, model.logit_scale.exp(), gather=True
+    )
+    torch.testing.assert_close(again, loss)
+
+
+def test_exposed_logit_scale_is_in_the_outputs_and_carries_gradient():
+    model = _model()
+    expose_logit_scale(model)
+    expose_logit_scale(model)  # idempotent: one hook
+    outputs = model(**_inputs(2), return_loss=False)
+    torch.testing.assert_close(outputs.logit_scale, model.logit_scale.exp())
+    outputs.logit_scale.backward()
+    assert model.logit_scale.grad is not None
+    assert len(model._forward_hooks) == 1
+
+
+def test_global_negatives_on_two_processes_equal_one_process_on_the_concatenated_batch(tmp_path):
+    inputs = _inputs()
+    model = _model()
+    torch.save({"state_dict": model.state_dict(), "inputs": inputs}, tmp_path / "payload.pt")
+    mp.spawn(
+        _worker, args=(2, str(tmp_path / "init"), str(tmp_path / "payload.pt"), str(tmp_path)), nprocs=2, join=True
+    )
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+
+    reference = model(**inputs, return_loss=True)
+    reference.loss.backward()
+    reference_grads = _grads(model)
+
+    for name, bounds in SPLITS.items():
+        # The Trainer logs the mean over processes; DDP averages the gradients.
+        loss = (ranks[0][name]["loss"] + ranks[1][name]["loss"]) / 2
+        torch.testing.assert_close(loss, reference.loss.detach(), rtol=0, atol=2e-6, msg=name)
+        for rank in ranks:
+            grads = rank[name]["grads"]
+            assert grads.keys() == reference_grads.keys(), name
+            for param, grad in grads.items():
+                torch.testing.assert_close(grad, reference_grads[param], rtol=1e-4, atol=1e-6, msg=f"{name} {param}")
+
+        # The same split with per-process negatives is a different loss: the comparison above can fail.
+        local = []
+        with torch.no_grad():
+            for rank in range(2):
+                local.append(model(**_rows(inputs, bounds[rank], bounds[rank + 1]), return_loss=True).loss)
+        assert abs(float(sum(local) / 2 - reference.loss.detach())) > 1e-2, name
+
+
+@pytest.mark.parametrize("negatives", ["local", "global"])
+def test_loss_is_float32_under_bf16_autocast(negatives):
+    model = _model()
+    expose_logit_scale(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outputs = model(**_inputs(3), return_loss=False)
+        loss = contrastive_loss(
+            outputs.text_embeds,
+            outputs.image_embeds,
+            outputs.cross_embeds,
+            outputs.logit_scale,
+            gather=negatives == "global",
+        )
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)

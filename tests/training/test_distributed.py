@@ -1,0 +1,181 @@
+"""Multi-process training on CPUs: `vlfit train` under torchrun (2 gloo processes), and the launch checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+
+import datasets
+import pytest
+import torch
+from transformers import AutoImageProcessor, AutoTokenizer, BridgeTowerForContrastiveLearning
+
+from tests.training.recording import weights_digest
+from vlfit.arguments import VlfitTrainingArguments
+from vlfit.cli import main
+from vlfit.training import throughput
+from vlfit.training.distributed import describe_launch
+from vlfit.training.throughput import ThroughputMeter
+
+RECORDING = str(Path(__file__).with_name("recording.py"))
+NUM_SAMPLES = 30  # not a multiple of the global batch of 2 x 4: the epoch has an uneven tail
+TIMEOUT = 240  # a guard against hangs, far above the time a run takes
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env["OMP_NUM_THREADS"] = "1"
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_CPU"):
+        env.pop(name, None)
+    env.update(extra)
+    return env
+
+
+def _torchrun_train(record_dir: Path, flags: list[str]) -> list[dict]:
+    record_dir.mkdir()
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(_free_port()), RECORDING, "train", *flags]  # fmt: skip
+    done = subprocess.run(
+        command, env=_env(VLFIT_RECORD_DIR=str(record_dir)), capture_output=True, text=True, timeout=TIMEOUT
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [json.loads((record_dir / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def _common(dataset_dir: str, output_dir: Path) -> list[str]:
+    return ["--model_preset", "tiny", "--dataset_name", dataset_dir, "--max_train_samples", str(NUM_SAMPLES),
+            "--output_dir", str(output_dir), "--num_train_epochs", "2", "--per_device_train_batch_size", "4",
+            "--report_to", "none", "--save_strategy", "no", "--dataloader_num_workers", "1",
+            "--logging_steps", "2"]  # fmt: skip
+
+
+def _ids_per_epoch(records: list[dict]) -> dict[int, Counter]:
+    seen: dict[int, Counter] = {}
+    for record in records:
+        for batch in record["batches"]:
+            seen.setdefault(batch["epoch"], Counter()).update(batch["ids"])
+    return seen
+
+
+@pytest.fixture(scope="module")
+def train_ids(synthetic_dataset_dir) -> set[str]:
+    return set(datasets.load_from_disk(synthetic_dataset_dir)["train"]["instance_id"][:NUM_SAMPLES])
+
+
+def test_torchrun_two_processes_global_negatives_shard_the_data_and_rank0_writes_the_checkpoint(
+    tmp_path, synthetic_dataset_dir, train_ids, capsys
+):
+    out = tmp_path / "model"
+    flags = [*_common(synthetic_dataset_dir, out), "--contrastive_negatives", "global", "--do_eval"]
+    records = _torchrun_train(tmp_path / "records", flags)
+
+    assert [r["world_size"] for r in records] == [2, 2]
+    assert [r["should_save"] for r in records] == [True, False]  # only rank 0 writes
+    # Each process reads its own share: 4 steps of 4 per epoch. 30 samples fill 3.75 global batches of 8, so
+    # the last global batch repeats 2 samples from the start of the epoch; every sample is seen at least once.
+    for record in records:
+        assert [len(b["ids"]) for b in record["batches"]] == [4] * 8
+    seen = _ids_per_epoch(records)
+    assert sorted(seen) == [0, 1]
+    for epoch, counts in seen.items():
+        assert set(counts) == train_ids, epoch
+        assert sum(counts.values()) == NUM_SAMPLES + 2, epoch
+    assert records[0]["batches"][0]["ids"] != records[0]["batches"][4]["ids"]  # each epoch is reshuffled
+    # DDP kept the processes' weights equal, and both trained the same tokenizer.
+    assert records[0]["weights_sha256"] == records[1]["weights_sha256"]
+    assert records[0]["vocab_sha256"] == records[1]["vocab_sha256"]
+    assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in records)
+
+    # The checkpoint rank 0 wrote loads back and holds the trained weights.
+    model = BridgeTowerForContrastiveLearning.from_pretrained(out)
+    assert weights_digest(model.state_dict()) == records[0]["weights_sha256"]
+    assert AutoTokenizer.from_pretrained(out)("two red circles")["input_ids"]
+    assert AutoImageProcessor.from_pretrained(out).size
+
+    # Distributed evaluation scores each validation sample once, like one process does.
+    distributed = json.loads((out / "eval_results.json").read_text())
+    assert distributed["eval_num_samples"] == 8
+    capsys.readouterr()
+    assert main(["eval", "--model_name_or_path", str(out), "--dataset_name", synthetic_dataset_dir,
+                 "--output_dir", str(tmp_path / "eval"), "--report_to", "none"]) == 0  # fmt: skip
+    single = json.loads((tmp_path / "eval" / "eval_results.json").read_text())
+    for key in ("eval_num_samples", "eval_t2i_recall@5", "eval_i2t_recall@5", "eval_matching_accuracy"):
+        assert distributed[key] == pytest.approx(single[key]), key
+
+
+def test_torchrun_drop_last_reads_each_sample_at_most_once_and_bf16_autocasts(
+    tmp_path, synthetic_dataset_dir, train_ids
+):
+    flags = [*_common(synthetic_dataset_dir, tmp_path / "model"), "--dataloader_drop_last", "--bf16"]
+    records = _torchrun_train(tmp_path / "records", flags)
+    for record in records:
+        assert [len(b["ids"]) for b in record["batches"]] == [4] * 6
+        assert record["matmul_dtypes"] == ["torch.bfloat16"]
+        assert torch.isfinite(torch.tensor(record["losses"])).all()
+    for epoch, counts in _ids_per_epoch(records).items():
+        # 3 full global batches of 8: the 6 samples of the incomplete one are left out, none is repeated.
+        assert set(counts) <= train_ids and len(counts) == 24 and max(counts.values()) == 1, epoch
+
+
+def test_unreachable_rendezvous_fails_within_ddp_timeout(tmp_path, synthetic_dataset_dir):
+    port = _free_port()  # nobody listens there
+    env = _env(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    command = [sys.executable, "-m", "vlfit", "train", *_common(synthetic_dataset_dir, tmp_path / "o"),
+               "--ddp_timeout", "3"]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode != 0
+    assert f"could not form the gloo process group with 127.0.0.1:{port} within --ddp_timeout 3 s" in done.stderr
+    assert not (tmp_path / "o").exists()  # nothing was done
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without GPUs")
+def test_nccl_without_gpus_is_refused_before_any_work(tmp_path):
+    with pytest.raises(ValueError, match="--ddp_backend nccl needs GPUs and this machine has no GPU"):
+        VlfitTrainingArguments(output_dir=str(tmp_path), ddp_backend="nccl", report_to="none")
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="checks a machine without accelerators")
+def test_a_machine_without_accelerators_trains_on_cpu_and_accepts_bf16(tmp_path):
+    # transformers alone refuses --bf16 here without --use_cpu, and treats torchrun processes as separate runs.
+    args = VlfitTrainingArguments(output_dir=str(tmp_path), bf16=True, report_to="none")
+    assert args.use_cpu and args.device.type == "cpu"
+
+
+def test_unknown_negatives_are_named(tmp_path):
+    with pytest.raises(ValueError, match="unknown --contrastive_negatives 'batch'"):
+        VlfitTrainingArguments(output_dir=str(tmp_path), contrastive_negatives="batch", report_to="none")
+
+
+def _launch_args(**overrides: object) -> SimpleNamespace:
+    values = {"world_size": 2, "process_index": 0, "device": "cpu", "per_device_train_batch_size": 8,
+              "dataloader_drop_last": False, "contrastive_negatives": "global"}  # fmt: skip
+    return SimpleNamespace(**{**values, **overrides})
+
+
+def test_drop_last_without_one_full_global_batch_is_refused():
+    describe_launch(_launch_args(dataloader_drop_last=True), 16)
+    describe_launch(_launch_args(), 10)  # without drop_last the tail is padded
+    with pytest.raises(ValueError, match="10 training samples and a global batch of 16"):
+        describe_launch(_launch_args(dataloader_drop_last=True), 10)
+
+
+def test_throughput_counts_the_samples_of_every_process(monkeypatch):
+    clock = iter([0.0, 2.0, 2.0, 4.0])
+    monkeypatch.setattr(throughput.time, "perf_counter", lambda: next(clock))
+    meter = ThroughputMeter(processes=2)  # DDP: each of 2 processes serves 10 samples per window
+    meter.add(0.5, 10)
+    assert meter.window() == {"samples_per_second": 10.0, "data_wait_share": 0.25}
+    meter.add(0.5, 10)
+    assert meter.total() == {"samples_per_second": 10.0, "data_wait_share": 0.25}
