@@ -11,6 +11,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prepare": ("vlfit.commands.prepare", "re-encode images at training resolution into parquet shards (resumable)"),
     "eval": ("vlfit.commands.evaluate", "text<->image recall@1/5/10 and matching accuracy on a split"),
     "demo": ("vlfit.commands.demo", "make data, fine-tune the small preset on the CPU, evaluate, summarize"),
+    "bench": ("vlfit.commands.bench", "input-pipeline throughput sweep: the bottleneck and the settings to use"),
 }
 
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from transformers import HfArgumentParser
 
 from vlfit.arguments import DataArguments, ModelArguments, VlfitTrainingArguments
+from vlfit.bench.auto import probe_num_workers, take_auto_workers
+from vlfit.training.preemption import TrainingPreempted
 from vlfit.training.run import run
 
 
@@ -25,10 +28,21 @@ def parse_arguments(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``vlfit train``."""
+    """Entry point of ``vlfit train``.
+
+    Returns 0, or ``128 + signal`` (143 for SIGTERM, 130 for SIGINT) when a signal stopped training after saving
+    a checkpoint, as a shell reports a process killed by that signal: schedulers then see the job as interrupted.
+    """
+    argv, auto_workers = take_auto_workers(argv)  # `--dataloader_num_workers auto`: parse as 0, then probe
     model_args, data_args, training_args = parse_arguments(argv)
+    if auto_workers:
+        training_args.dataloader_num_workers = probe_num_workers(model_args, data_args, training_args)
     training_args.do_train = True  # `vlfit train` always trains; --do_eval adds an evaluation afterwards
-    results = run(model_args, data_args, training_args)
+    try:
+        results = run(model_args, data_args, training_args)
+    except TrainingPreempted as stop:
+        print(f"vlfit train: {stop}", file=sys.stderr)
+        return stop.exit_code
     if training_args.should_log:
         print(json.dumps({k: v for k, v in results.items() if isinstance(v, (int, float))}, indent=1))
     return 0

@@ -19,9 +19,13 @@ import os
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import datasets
 import numpy as np
 from PIL import Image, ImageDraw
+
+try:
+    import datasets
+except ImportError:  # make_record needs only numpy and Pillow (vlfit bench on a machine without datasets)
+    datasets = None  # type: ignore[assignment]
 
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
 LETTERS = "ABCDE"
@@ -70,7 +74,7 @@ _SIZE_RANGE = {1: (0.18, 0.25), 2: (0.15, 0.21), 3: (0.12, 0.17)}
 # Circumradius / extent per kind, used for placement (containment and non-overlap).
 _RADIUS_FACTOR = {"circle": 0.5, "square": 0.5 * math.sqrt(2), "triangle": 0.66, "cross": 0.53}
 
-FEATURES = datasets.Features(
+FEATURES = datasets and datasets.Features(  # None without the datasets package
     {
         "image": datasets.Image(),
         "image_description": datasets.Value("string"),

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The throughput study on one NVIDIA GPU: BridgeTower-large shapes (random init), bf16, batch 48, contrastive
+# training steps, for the reference, fast and device pipelines x 0/1/2 DataLoader workers, plus the compute
+# ceiling, the per-stage breakdown and the recommended settings. Writes bench.json, bench.md, bench.png and
+# bench.log to OUT_DIR. Runs from this checkout (no install) and needs no network.
+#
+#   bash benchmarks/gpu.sh OUT_DIR
+#
+# Needs: python3 with torch (CUDA build, GPU visible), torchvision, transformers, tokenizers, numpy and pillow.
+# Optional, each with a fallback: simplejpeg (else the fast path decodes JPEGs with Pillow's DCT-scaled draft
+# mode; bench.json says which), psutil (else /proc), matplotlib (else a plainer chart drawn with Pillow), datasets
+# (only for --dataset_name and the prepared pipeline, which this script does not run). Wheels put in
+# benchmarks/wheels/ (say simplejpeg built for the machine's Python) are installed into a temporary folder first,
+# without touching the machine's packages.
+#
+# Time: about 4-5 minutes on an H100-class GPU with 16 cores (an estimate: not yet run on one). The sweep is
+# interrupted after VLFIT_BENCH_BUDGET_S seconds (default 420, so the whole script stays under 8 minutes) and then
+# writes what it measured (bench.json has "complete": false).
+#
+# Environment: PYTHON (default python3); VLFIT_BENCH_BUDGET_S; VLFIT_BENCH_ARGS (replaces the sweep flags below);
+# VLFIT_BENCH_ALLOW_CPU=1 runs without a GPU (for testing this script only).
+set -euo pipefail
+
+OUT=${1:?usage: bash benchmarks/gpu.sh OUT_DIR}
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PY=${PYTHON:-python3}
+BUDGET=${VLFIT_BENCH_BUDGET_S:-420}
+DEFAULT_ARGS="--model_preset large --pipelines reference,fast,device --workers 0,1,2 --mode train --bf16
+  --per_device_train_batch_size 48 --steps 10 --warmup_steps 3 --repeats 2 --max_config_seconds 40 --auto"
+ARGS=${VLFIT_BENCH_ARGS:-$DEFAULT_ARGS}
+
+mkdir -p "$OUT"
+export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+if compgen -G "$ROOT/benchmarks/wheels/*.whl" >/dev/null; then
+  SITE=$(mktemp -d)
+  trap 'rm -rf "$SITE"' EXIT
+  "$PY" -m pip install --quiet --no-index --no-deps --target "$SITE" "$ROOT"/benchmarks/wheels/*.whl
+  export PYTHONPATH="$PYTHONPATH:$SITE"
+fi
+
+"$PY" - <<'EOF'
+import importlib
+import os
+import sys
+
+required = ("torch", "torchvision", "transformers", "tokenizers", "numpy", "PIL")
+missing = []
+for name in required:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        missing.append(name)
+if missing:
+    sys.exit(f"gpu.sh: missing required packages: {', '.join(missing)}")
+import torch
+
+found = {}
+for name in ("simplejpeg", "psutil", "matplotlib", "datasets"):
+    try:
+        importlib.import_module(name)
+        found[name] = "yes"
+    except ImportError:
+        found[name] = "no"
+gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+print(f"gpu.sh: python {sys.version.split()[0]}, torch {torch.__version__}, GPU {gpu}; optional: "
+      + ", ".join(f"{k} {v}" for k, v in found.items()))
+if gpu == "none" and os.environ.get("VLFIT_BENCH_ALLOW_CPU") != "1":
+    sys.exit("gpu.sh: torch sees no CUDA GPU (set VLFIT_BENCH_ALLOW_CPU=1 to run on the CPU anyway)")
+EOF
+
+# SIGINT makes vlfit bench stop and write its partial results; SIGKILL follows a minute later if it hangs.
+LIMIT=()
+if command -v timeout >/dev/null; then
+  LIMIT=(timeout --signal=INT --kill-after=60 "$BUDGET")
+else
+  echo "gpu.sh: no 'timeout' command here: the sweep runs without a time limit"
+fi
+set +e
+# shellcheck disable=SC2086  # ARGS is a list of flags
+${LIMIT[@]+"${LIMIT[@]}"} "$PY" -m vlfit bench --output_dir "$OUT" $ARGS 2>&1 | tee "$OUT/bench.log"
+status=${PIPESTATUS[0]}
+set -e
+case $status in
+  0) ;;
+  124 | 130) echo "gpu.sh: the sweep was stopped after ${BUDGET} s; partial results are in $OUT" ;;
+  *) echo "gpu.sh: vlfit bench failed (exit $status); see $OUT/bench.log" >&2; exit "$status" ;;
+esac
+for name in bench.json bench.md; do
+  test -s "$OUT/$name" || { echo "gpu.sh: $OUT/$name was not written" >&2; exit 1; }
+done
+echo "gpu.sh: wrote $(cd "$OUT" && ls bench.* | tr '\n' ' ')to $OUT"

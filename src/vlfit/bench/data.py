@@ -1,0 +1,249 @@
+"""The samples a benchmark cycles through, and what each pipeline reads.
+
+By default the samples are synthetic New-Yorker-like JPEGs (``vlfit.data.synthetic``) held in memory, so a sweep
+needs no download and no ``datasets`` package, and every machine reads them the same way. ``--dataset_name`` /
+``--train_file`` use any source ``vlfit train`` reads instead (that path needs ``datasets``). The ``prepared``
+pipeline runs the same samples through ``vlfit.data.prepare.prepare_dataset`` at the model's image size once,
+into a cache folder, and reads the parquet shards back like ``vlfit train --dataset_name prepared/`` does.
+
+A sweep decodes ``num_samples`` distinct images and serves them cyclically: decoding the same bytes again costs
+the same as decoding new ones, since nothing in the pipeline caches pixels.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import multiprocessing
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from vlfit.data.records import Record
+
+# Columns that evaluation reads besides image and caption; carried along so prepared data matches the source.
+EXTRA_COLUMNS: tuple[str, ...] = ("caption_choices", "label")
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """What one benchmark pipeline means for the loader.
+
+    Args:
+        name: The name used in flags and tables.
+        image_pipeline: The worker-side transform (``--image_pipeline`` of ``vlfit train``).
+        decode_on_device: Workers only read bytes; the device stage decodes (``--decode_on_device``).
+        prepared: Images come from the ``prepare_dataset`` copy at the model's resolution.
+        needs_cuda: Only meaningful with an NVIDIA GPU (nvJPEG).
+    """
+
+    name: str
+    image_pipeline: str
+    decode_on_device: bool = False
+    prepared: bool = False
+    needs_cuda: bool = False
+
+
+PIPELINES: dict[str, PipelineSpec] = {
+    "reference": PipelineSpec("reference", "reference"),
+    "fast": PipelineSpec("fast", "fast"),
+    "prepared": PipelineSpec("prepared", "fast", prepared=True),
+    "device": PipelineSpec("device", "fast", decode_on_device=True, needs_cuda=True),
+}
+
+
+def get_pipeline(name: str) -> PipelineSpec:
+    """Look a pipeline up by name.
+
+    Raises:
+        ValueError: naming the unknown pipeline and listing the valid ones.
+    """
+    try:
+        return PIPELINES[name]
+    except KeyError:
+        raise ValueError(f"unknown pipeline {name!r}; choose from: {', '.join(PIPELINES)}") from None
+
+
+@functools.cache
+def datasets_available() -> bool:
+    """Whether the ``datasets`` package imports (needed for ``--dataset_name`` and the ``prepared`` pipeline)."""
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class MemorySource:
+    """Records held in memory, with the interface ``ImageTextDataset`` and ``prepare_dataset`` use.
+
+    Args:
+        records: The samples.
+        name: A description used in messages and in the prepared data's manifest.
+    """
+
+    def __init__(self, records: Sequence[Record], name: str = "in-memory records") -> None:
+        self._records = list(records)
+        self.name = name
+        extras = list(self._records[0].extra) if self._records else []
+        self.column_names = ["image", "image_description", "instance_id", *extras]
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __getitem__(self, index: int) -> Record:
+        return self._records[index]
+
+    def __iter__(self) -> Iterator[Record]:
+        return iter(self._records)
+
+    def __repr__(self) -> str:
+        return f"MemorySource({self.name}, {len(self)} records)"
+
+    def captions(self) -> list[str | None]:
+        """Every caption, in index order."""
+        return [record.caption for record in self._records]
+
+    def select(self, indices: Sequence[int]) -> MemorySource:
+        """A source holding the records at ``indices``, in that order (repeats allowed)."""
+        return MemorySource([self._records[int(i)] for i in indices], self.name)
+
+
+def _synthetic_record(index: int, config: Any) -> Record:
+    from vlfit.data.synthetic import make_record
+
+    row = make_record(index, config)
+    return Record(
+        id=row["instance_id"],
+        image=row["image"]["bytes"],
+        caption=row["image_description"],
+        extra={name: row[name] for name in EXTRA_COLUMNS},
+    )
+
+
+def synthetic_source(
+    num_samples: int,
+    *,
+    seed: int = 0,
+    min_long_side: int = 600,
+    max_long_side: int = 1400,
+    num_proc: int = 1,
+) -> MemorySource:
+    """Generate ``num_samples`` synthetic New-Yorker-like samples in memory (no ``datasets`` needed).
+
+    Args:
+        num_samples: Distinct samples to make.
+        seed: Base seed; each record depends only on it and its index.
+        min_long_side: Smallest long side of an image in pixels.
+        max_long_side: Largest long side of an image in pixels.
+        num_proc: Processes that render images.
+
+    Returns:
+        The samples, ids ``synthetic-{seed}-{index}``.
+    """
+    from vlfit.data.synthetic import SyntheticConfig
+
+    if num_samples < 1:
+        raise ValueError(f"--num_samples must be at least 1, got {num_samples}")
+    config = SyntheticConfig(
+        num_samples=max(num_samples, 3),
+        validation_fraction=0.0,
+        test_fraction=0.0,
+        seed=seed,
+        min_long_side=min_long_side,
+        max_long_side=max_long_side,
+    )
+    make = functools.partial(_synthetic_record, config=config)
+    workers = max(1, min(num_proc, num_samples // 8))
+    if workers == 1:
+        records = [make(i) for i in range(num_samples)]
+    else:
+        method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+        with multiprocessing.get_context(method).Pool(workers) as pool:
+            records = pool.map(make, range(num_samples), chunksize=max(1, num_samples // (4 * workers)))
+    name = f"synthetic seed {seed}, {num_samples} images, long side {min_long_side}-{max_long_side} px"
+    return MemorySource(records, name)
+
+
+def dataset_source(
+    *,
+    split: str,
+    num_samples: int,
+    dataset_name: str | None = None,
+    dataset_config_name: str | None = None,
+    train_file: str | None = None,
+    image_column: str = "image",
+    caption_column: str = "image_description",
+    cache_dir: str | None = None,
+    token: str | None = None,
+) -> Any:
+    """The first ``num_samples`` records of one split of any source ``vlfit train`` reads.
+
+    Raises:
+        ValueError: when the split is missing, or the ``datasets`` package is not installed.
+    """
+    if not datasets_available():
+        raise ValueError(
+            "--dataset_name / --train_file need the `datasets` package; install it, or leave both out to "
+            "benchmark on synthetic data"
+        )
+    from vlfit.data.sources import open_splits
+
+    splits = open_splits(
+        dataset_name=dataset_name,
+        dataset_config_name=dataset_config_name,
+        train_file=train_file,
+        image_column=image_column,
+        caption_column=caption_column,
+        cache_dir=cache_dir,
+        token=token,
+        extra_columns=EXTRA_COLUMNS,
+    )
+    if split not in splits:
+        raise ValueError(f"split {split!r} not found; the data has: {', '.join(splits) or 'none'}")
+    source = splits[split]
+    if len(source) == 0:
+        raise ValueError(f"split {split!r} is empty")
+    return source.select(range(min(num_samples, len(source))))
+
+
+def cycled(source: Any, length: int) -> Any:
+    """``source`` repeated until it holds ``length`` records (index ``i`` serves record ``i % len(source)``)."""
+    return source.select(np.arange(length, dtype=np.int64) % len(source))
+
+
+def source_key(description: dict[str, Any]) -> str:
+    """A short stable name for a source description (cache folder names)."""
+    text = json.dumps(description, sort_keys=True, default=str)
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def prepared_source(source: Any, *, image_size: int, cache_dir: str, key: str, num_proc: int = 1) -> Any:
+    """``source`` re-encoded by ``prepare_dataset`` at ``image_size`` (kept in ``cache_dir``), read back as parquet.
+
+    A folder from an earlier run with the same key is reused (``prepare_dataset`` resumes and checks settings).
+
+    Raises:
+        ValueError: when the ``datasets`` package is not installed.
+    """
+    if not datasets_available():
+        raise ValueError("the prepared pipeline needs the `datasets` package (parquet shards); install it")
+    from vlfit.data.prepare import prepare_dataset
+    from vlfit.data.sources import open_splits
+
+    output_dir = os.path.join(cache_dir, f"prepared-{image_size}px-{key}")
+    prepare_dataset(
+        {"train": source},
+        output_dir,
+        short_side=image_size,
+        num_proc=max(1, min(num_proc, len(source) // 64)),
+        source_description={"bench_source": key},
+        progress=False,
+    )
+    return open_splits(
+        dataset_name=output_dir, cache_dir=os.path.join(cache_dir, "hf-datasets"), extra_columns=EXTRA_COLUMNS
+    )["train"]

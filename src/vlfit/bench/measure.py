@@ -1,0 +1,361 @@
+"""Measurement loops: timed windows over a loader, the compute ceiling, peak memory, and stage-timing helpers.
+
+A window runs ``warmup`` steps (excluded, like optimum-habana's ``throughput_warmup_steps``), then *settles*:
+up to ``num_workers * prefetch_factor + 1`` more excluded steps that end at the first step that had to wait for
+data. Warm-up steps are slow (worker start, first kernels) and let the workers fill the prefetch queue; timing
+from a full queue would credit the data path with batches made during warm-up. A step that waits means the queue
+is empty, which is the steady state of a data-bound run; a compute-bound run never waits and its queue stays full
+at both ends of the window, which is its steady state. Then ``steps`` steps are timed.
+
+Time blocked in ``next()`` is data wait, exactly as ``VlfitTrainer`` counts it (``ThroughputMeter``): on CUDA that
+includes launching the next batch's device stage on the side stream (``CudaPrefetcher``), on CPU it does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vlfit.data.device_stage import CudaPrefetcher, DeviceStage
+from vlfit.training.throughput import ThroughputMeter
+
+# What VlfitTrainer.compute_loss passes the model (not imported: the Trainer module needs accelerate).
+MODEL_INPUTS = ("input_ids", "attention_mask", "pixel_values")
+
+# A settle step that spends more than this share of its time waiting for data found the prefetch queue empty.
+STARVED_WAIT_SHARE = 0.2
+
+PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Window:
+    """One timed window.
+
+    Args:
+        samples_per_second: Samples served (and trained on, in train mode) per second of wall time.
+        data_wait_share: Share of the window spent blocked waiting for the next batch, in [0, 1].
+        seconds: Length of the window.
+        steps: Timed steps.
+        settle_steps: Excluded steps after warm-up (see the module docstring).
+    """
+
+    samples_per_second: float
+    data_wait_share: float
+    seconds: float
+    steps: int
+    settle_steps: int = 0
+
+
+def summarize(windows: list[Window]) -> dict[str, Any]:
+    """Median, min and max samples/s and the median data-wait share of repeated windows."""
+    rates = [w.samples_per_second for w in windows]
+    return {
+        "samples_per_second": statistics.median(rates),
+        "samples_per_second_min": min(rates),
+        "samples_per_second_max": max(rates),
+        "data_wait_share": statistics.median(w.data_wait_share for w in windows),
+        "repeats": [round(rate, 3) for rate in rates],
+        "settle_steps": [w.settle_steps for w in windows],
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- memory
+
+
+def _proc_rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _proc_children(pid: int) -> list[int]:
+    children: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children.extend(int(c) for c in f.read().split())
+    return children
+
+
+def host_rss_bytes(pid: int | None = None) -> int | None:
+    """RSS of a process plus all its descendants (the DataLoader workers), or None when it cannot be read.
+
+    Uses psutil when installed, else ``/proc`` (Linux). Pages shared between the main process and forked workers
+    count once per process, so the sum overstates what the processes hold together.
+    """
+    pid = os.getpid() if pid is None else pid
+    try:
+        import psutil
+    except ImportError:
+        psutil = None
+    if psutil is not None:
+        total = 0
+        process = psutil.Process(pid)
+        for member in [process, *process.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                total += member.memory_info().rss
+        return total
+    try:
+        total, todo = 0, [pid]
+        while todo:
+            current = todo.pop()
+            with contextlib.suppress(OSError):
+                total += _proc_rss_bytes(current)
+            todo.extend(_proc_children(current))
+        return total
+    except (OSError, ValueError):
+        return None
+
+
+class PeakHostMemory:
+    """Samples ``host_rss_bytes`` in a background thread; ``peak_bytes`` is the largest reading.
+
+    Args:
+        interval_s: Seconds between readings.
+    """
+
+    def __init__(self, interval_s: float = 0.05) -> None:
+        self.interval_s = interval_s
+        self.peak_bytes: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="vlfit-bench-rss", daemon=True)
+
+    def _read(self) -> None:
+        value = host_rss_bytes()
+        if value is not None:
+            self.peak_bytes = max(self.peak_bytes or 0, value)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._read()
+
+    def __enter__(self) -> PeakHostMemory:
+        self._read()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._read()
+
+
+def reset_device_peak(device: torch.device) -> None:
+    """Start a new peak-memory reading on CUDA (nothing to do elsewhere)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def device_peak_bytes(device: torch.device) -> int | None:
+    """``torch.cuda.max_memory_allocated`` since the last reset; None off CUDA."""
+    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work, so wall-clock times cover it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------------------------------- train step
+
+
+class TrainStep:
+    """One optimizer step of contrastive fine-tuning, as ``VlfitTrainer`` runs it.
+
+    Forward with ``return_loss=True`` under autocast (bf16 or fp16 when asked; the weights stay fp32, as with
+    ``--bf16``), backward, gradient clipping at 1.0 (the Trainer's ``max_grad_norm``) and AdamW.
+
+    Args:
+        model: A ``BridgeTowerForContrastiveLearning`` on ``device``.
+        device: Where the model is.
+        precision: ``fp32``, ``bf16`` or ``fp16`` (autocast dtype).
+        learning_rate: AdamW learning rate (the study's 1e-5).
+    """
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, precision: str, learning_rate: float = 1e-5):
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {precision!r}; choose from: {', '.join(PRECISIONS)}")
+        self.model = model
+        self.device = device
+        self.precision = precision
+        self.parameters = [p for p in model.parameters() if p.requires_grad]
+        # The Trainer's default optimizer is fused AdamW where the device supports it.
+        fused = device.type == "cuda"
+        self.optimizer = torch.optim.AdamW(self.parameters, lr=learning_rate, fused=fused)
+        self.model.train()
+
+    @property
+    def input_dtype(self) -> torch.dtype:
+        """The dtype the device stage hands the model (its weights' dtype; autocast casts inside)."""
+        return next(self.model.parameters()).dtype
+
+    def autocast(self, precision: str | None = None) -> contextlib.AbstractContextManager:
+        """Autocast for ``precision`` (default: this step's), or a no-op for fp32."""
+        dtype = PRECISIONS[precision or self.precision]
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    def __call__(self, batch: dict[str, Any], precision: str | None = None) -> torch.Tensor:
+        with self.autocast(precision):
+            loss = self.model(**{key: batch[key] for key in MODEL_INPUTS}, return_loss=True).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.parameters, 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+# --------------------------------------------------------------------------------------------------- windows
+
+
+def staged_batches(
+    loader_iter: Iterator[dict[str, Any]], stage: DeviceStage, device: torch.device, dtype: torch.dtype
+) -> Iterator[tuple[float, dict[str, Any]]]:
+    """Yield ``(seconds blocked in next(), model-ready batch)``, the way ``VlfitTrainer`` feeds the model.
+
+    On CUDA the next batch's device stage runs on a side stream (``CudaPrefetcher``), so it is part of ``next()``;
+    elsewhere the device stage runs after ``next()`` returns and is not data wait.
+    """
+    if device.type == "cuda":
+        start = time.perf_counter()
+        prefetcher = CudaPrefetcher(loader_iter, stage, device, dtype)  # blocks for the first batch
+        first = True
+        while True:
+            if not first:
+                start = time.perf_counter()
+            try:
+                batch = next(prefetcher)
+            except StopIteration:
+                return
+            yield time.perf_counter() - start, batch
+            first = False
+    else:
+        while True:
+            start = time.perf_counter()
+            try:
+                batch = next(loader_iter)
+            except StopIteration:
+                return
+            waited = time.perf_counter() - start
+            yield waited, stage(batch, device, dtype)
+
+
+def timed_window(
+    batches: Iterator[tuple[float, dict[str, Any]]],
+    step: Callable[[dict[str, Any]], Any] | None,
+    *,
+    device: torch.device,
+    batch_size: int,
+    warmup_steps: int,
+    steps: int,
+    max_settle_steps: int,
+) -> Window:
+    """Warm up, settle, then time ``steps`` steps (see the module docstring).
+
+    Args:
+        batches: ``(wait seconds, batch)`` pairs from ``staged_batches``.
+        step: The training step; None measures the data path alone (loader mode).
+        device: Where the batches land (synchronized at the window's ends).
+        batch_size: Samples per batch.
+        warmup_steps: Excluded steps first.
+        steps: Timed steps.
+        max_settle_steps: Most excluded steps spent waiting for the prefetch queue to drain.
+
+    Raises:
+        RuntimeError: when the loader runs out of batches before the window ends.
+    """
+
+    def advance() -> tuple[float, float]:
+        started = time.perf_counter()
+        try:
+            waited, batch = next(batches)
+        except StopIteration:
+            raise RuntimeError("the loader ran out of batches before the timed window ended") from None
+        if step is not None:
+            step(batch)
+        return waited, time.perf_counter() - started
+
+    for _ in range(warmup_steps):
+        advance()
+    settle = 0
+    for _ in range(max_settle_steps):
+        synchronize(device)
+        waited, took = advance()
+        settle += 1
+        if waited > STARVED_WAIT_SHARE * took:
+            break
+    synchronize(device)
+    meter = ThroughputMeter()
+    for _ in range(steps):
+        waited, _ = advance()
+        meter.add(waited, batch_size)
+    synchronize(device)
+    figures = meter.total()
+    seconds = time.perf_counter() - meter.start
+    return Window(figures["samples_per_second"], figures["data_wait_share"], seconds, steps, settle)
+
+
+def compute_window(
+    batch: dict[str, Any],
+    step: Callable[[dict[str, Any]], Any],
+    *,
+    device: torch.device,
+    batch_size: int,
+    warmup_steps: int,
+    steps: int,
+) -> Window:
+    """The compute ceiling: ``step`` on the same model-ready batch again and again (no data path at all)."""
+    for _ in range(warmup_steps):
+        step(batch)
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step(batch)
+    synchronize(device)
+    seconds = max(time.perf_counter() - start, 1e-9)
+    return Window(steps * batch_size / seconds, 0.0, seconds, steps)
+
+
+# ----------------------------------------------------------------------------------------------- stage profile
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """Run with ``count`` torch intra-op threads (as each loader worker does), then restore the previous count."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+class StageClock:
+    """Accumulates seconds per named stage."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str, device: torch.device | None = None) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if device is not None:
+                synchronize(device)
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def per_batch_ms(self, batches: int) -> dict[str, float]:
+        """Milliseconds per batch of each stage."""
+        return {name: 1000.0 * value / max(batches, 1) for name, value in self.seconds.items()}

@@ -1,0 +1,284 @@
+"""``vlfit bench``: input-pipeline throughput on this machine, the bottleneck, and the settings to train with.
+
+Sweeps pipelines (reference, fast, prepared, device) x DataLoader workers in loader and/or train mode against the
+compute ceiling, and writes a table, ``bench.json``, ``bench.md`` and ``bench.png`` to ``--output_dir``.
+Partial results are written after every configuration, and an interrupted run (Ctrl-C, SIGTERM) writes what it
+has before exiting.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import signal
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import HfArgumentParser
+
+from vlfit.bench.data import (
+    PIPELINES,
+    dataset_source,
+    datasets_available,
+    get_pipeline,
+    source_key,
+    synthetic_source,
+)
+from vlfit.bench.report import finalize, format_terminal, write_outputs
+from vlfit.bench.sweep import (
+    MODES,
+    BenchSession,
+    SweepPlan,
+    available_cores,
+    default_pipelines,
+    default_precision,
+    default_workers,
+    run_sweep,
+)
+
+logger = logging.getLogger("vlfit.bench")
+
+
+@dataclass
+class BenchArguments:
+    """Flags of ``vlfit bench``."""
+
+    output_dir: str = field(default="runs/bench", metadata={"help": "Where bench.json, bench.md and bench.png go."})
+    mode: str = field(
+        default="train",
+        metadata={
+            "help": "loader (data path and device stage only), train (forward, backward, optimizer step), or "
+            "both: loader,train."
+        },
+    )
+    pipelines: str | None = field(
+        default=None,
+        metadata={
+            "help": f"Comma-separated, from {', '.join(PIPELINES)} (default: all this machine can run: device "
+            "needs CUDA, prepared the datasets package)."
+        },
+    )
+    workers: str | None = field(
+        default=None,
+        metadata={"help": "Comma-separated DataLoader worker counts (default: 0,1,2 then powers of two <= cores)."},
+    )
+    prefetch_factors: str = field(default="2", metadata={"help": "Comma-separated DataLoader prefetch factors."})
+    model_preset: str | None = field(
+        default=None, metadata={"help": "Random-init preset (default: tiny on CPU, large on a GPU)."}
+    )
+    model_name_or_path: str | None = field(default=None, metadata={"help": "A checkpoint instead of a preset."})
+    tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer to use instead of the model's."})
+    per_device_train_batch_size: int = field(default=48, metadata={"help": "Batch size (the study's 48)."})
+    steps: int = field(default=10, metadata={"help": "Timed steps per window."})
+    warmup_steps: int = field(
+        default=3, metadata={"help": "Steps excluded at the start of each window (throughput_warmup_steps)."}
+    )
+    repeats: int = field(default=3, metadata={"help": "Windows per configuration: median, min and max reported."})
+    bf16: bool = field(default=False, metadata={"help": "bf16 autocast (the default on CUDA GPUs that support it)."})
+    fp32: bool = field(default=False, metadata={"help": "fp32 even on a GPU."})
+    compare_bf16: bool = field(
+        default=False, metadata={"help": "Also measure the compute ceiling in the other precision (fp32/bf16 ratio)."}
+    )
+    auto: bool = field(
+        default=False,
+        metadata={"help": "Also try --auto_prefetch_factors on the best configuration; print the vlfit train flags."},
+    )
+    auto_prefetch_factors: str = field(default="2,4", metadata={"help": "Prefetch factors --auto tries."})
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "Any dataset vlfit train reads (default: synthetic New-Yorker-like JPEGs)."}
+    )
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset config."})
+    train_file: str | None = field(default=None, metadata={"help": "Data files instead of --dataset_name."})
+    split: str = field(default="train", metadata={"help": "Split of --dataset_name to read."})
+    image_column: str = field(default="image", metadata={"help": "Column holding images."})
+    caption_column: str = field(default="image_description", metadata={"help": "Column holding captions."})
+    token: str | None = field(default=None, metadata={"help": "Hub token."})
+    num_samples: int = field(
+        default=192, metadata={"help": "Distinct samples (generated, or the first N of the split), served cyclically."}
+    )
+    synthetic_min_long_side: int = field(default=600, metadata={"help": "Synthetic images: smallest long side."})
+    synthetic_max_long_side: int = field(default=1400, metadata={"help": "Synthetic images: largest long side."})
+    max_seq_length: int = field(default=128, metadata={"help": "Caption truncation length."})
+    profile_batches: int = field(default=2, metadata={"help": "Batches timed per stage (0: no stage breakdown)."})
+    max_config_seconds: float | None = field(
+        default=None, metadata={"help": "Stop repeating a configuration after this many seconds."}
+    )
+    device: str | None = field(default=None, metadata={"help": "cuda or cpu (default: cuda when available)."})
+    cache_dir: str | None = field(
+        default=None, metadata={"help": "Keep prepared data here for later runs (default: a temporary folder)."}
+    )
+    num_proc: int | None = field(
+        default=None, metadata={"help": "Processes for generating and preparing data (default: min(cores, 8))."}
+    )
+    seed: int = field(default=0, metadata={"help": "Seed for data, sampling order and model initialization."})
+    png: bool = field(default=True, metadata={"help": "Write bench.png."})
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not values:
+        raise ValueError(f"{flag} is empty")
+    return values
+
+
+def _names(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def resolve_plan(args: BenchArguments, device: torch.device) -> SweepPlan:
+    """The sweep the flags ask for on ``device``, with machine-dependent defaults filled in."""
+    if args.bf16 and args.fp32:
+        raise ValueError("--bf16 and --fp32 exclude each other")
+    precision = "bf16" if args.bf16 else "fp32" if args.fp32 else default_precision(device)
+    pipelines = _names(args.pipelines) if args.pipelines else default_pipelines(device)
+    for name in pipelines:
+        spec = get_pipeline(name)
+        if spec.prepared and not datasets_available():
+            raise ValueError("the prepared pipeline needs the `datasets` package; leave it out or install datasets")
+        if spec.needs_cuda and device.type != "cuda":
+            logger.warning("pipeline %s on %s: the device stage decodes on the CPU, in the main process", name, device)
+    return SweepPlan(
+        pipelines=pipelines,
+        workers=_ints(args.workers, "--workers") if args.workers else default_workers(),
+        prefetch_factors=_ints(args.prefetch_factors, "--prefetch_factors"),
+        modes=_names(args.mode),
+        batch_size=args.per_device_train_batch_size,
+        steps=args.steps,
+        warmup_steps=args.warmup_steps,
+        repeats=args.repeats,
+        precision=precision,
+        profile_batches=args.profile_batches,
+        compare_bf16=args.compare_bf16,
+        auto=args.auto,
+        auto_prefetch_factors=_ints(args.auto_prefetch_factors, "--auto_prefetch_factors"),
+        max_config_seconds=args.max_config_seconds,
+        max_seq_length=args.max_seq_length,
+        seed=args.seed,
+    )
+
+
+def open_source(args: BenchArguments, num_proc: int) -> tuple[Any, dict[str, Any]]:
+    """The distinct samples and a description of them (for the results and cache folder names)."""
+    if args.dataset_name or args.train_file:
+        description = {
+            "dataset_name": os.path.abspath(args.dataset_name)
+            if args.dataset_name and os.path.exists(args.dataset_name)
+            else args.dataset_name,
+            "dataset_config_name": args.dataset_config_name,
+            "train_file": args.train_file,
+            "split": args.split,
+            "num_samples": args.num_samples,
+            "columns": [args.image_column, args.caption_column],
+        }
+        source = dataset_source(
+            split=args.split,
+            num_samples=args.num_samples,
+            dataset_name=args.dataset_name,
+            dataset_config_name=args.dataset_config_name,
+            train_file=args.train_file,
+            image_column=args.image_column,
+            caption_column=args.caption_column,
+            token=args.token,
+        )
+        return source, description
+    source = synthetic_source(
+        args.num_samples,
+        seed=args.seed,
+        min_long_side=args.synthetic_min_long_side,
+        max_long_side=args.synthetic_max_long_side,
+        num_proc=num_proc,
+    )
+    return source, {"synthetic": f"seed {args.seed}", "num_samples": args.num_samples,
+                    "long_side": [args.synthetic_min_long_side, args.synthetic_max_long_side]}  # fmt: skip
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _setup_logging() -> None:
+    package = logging.getLogger("vlfit")
+    if not package.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+        package.addHandler(handler)
+    package.setLevel(logging.INFO)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``vlfit bench``; returns 0, or 130 when interrupted (partial outputs are written)."""
+    from vlfit.models.loading import load_model_bundle
+
+    parser = HfArgumentParser(BenchArguments, prog="vlfit bench", description=__doc__)
+    (args,) = parser.parse_args_into_dataclasses(args=sys.argv[1:] if argv is None else argv)
+    _setup_logging()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    for mode in _names(args.mode):
+        if mode not in MODES:
+            raise ValueError(f"unknown --mode {mode!r}; choose from: {', '.join(MODES)}")
+    plan = resolve_plan(args, device)
+    preset = args.model_preset
+    if preset is None and args.model_name_or_path is None:
+        preset = "large" if device.type == "cuda" else "tiny"
+    num_proc = args.num_proc or max(1, min(available_cores(), 8))
+
+    logger.info("sweep on %s: pipelines %s, workers %s, modes %s", device, plan.pipelines, plan.workers, plan.modes)
+    source, description = open_source(args, num_proc)
+    torch.manual_seed(args.seed)
+    bundle = load_model_bundle(
+        model_name_or_path=args.model_name_or_path,
+        model_preset=preset,
+        tokenizer_name=args.tokenizer_name,
+        captions=source.captions,
+        max_seq_length=args.max_seq_length,
+    )
+    parameters = sum(p.numel() for p in bundle.model.parameters()) / 1e6
+    name = f"preset {preset}" if preset else args.model_name_or_path
+    info = {
+        "model": f"{name} ({parameters:.1f}M parameters, {bundle.image_size} px)",
+        "model_flags": ["--model_preset", preset] if preset else ["--model_name_or_path", args.model_name_or_path],
+        "data": getattr(source, "name", None) or "; ".join(f"{k} {v}" for k, v in description.items() if v),
+        "device": str(device),
+    }
+    output_dir = args.output_dir
+
+    def write_partial(results: dict[str, Any]) -> None:
+        write_outputs(finalize(copy.deepcopy(results)), output_dir, png=False)
+
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    results: dict[str, Any] | None = None
+    partial: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="vlfit-bench-") as temp:
+        session = BenchSession(
+            source,
+            bundle,
+            device,
+            plan,
+            cache_dir=args.cache_dir or temp,
+            source_key=source_key(description),
+            num_proc=num_proc,
+        )
+        del bundle
+        try:
+            results = run_sweep(session, info=info, on_progress=lambda r: (partial.update(r), write_partial(r)))
+        except KeyboardInterrupt:
+            logger.warning("interrupted: writing the results measured so far to %s", output_dir)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            session.close()
+    measured = results if results is not None else partial
+    if "compute" not in measured:
+        logger.warning("interrupted before anything was measured")
+        return 130
+    final = finalize(measured)
+    paths = write_outputs(final, output_dir, png=args.png)
+    print(format_terminal(final))
+    print("\nwrote " + ", ".join(paths.values()))
+    return 0 if results is not None else 130
