@@ -11,8 +11,11 @@ from typing import Any
 
 from transformers import TrainingArguments
 
+from vlfit.data.bad_samples import BAD_SAMPLE_POLICIES, MIN_SAMPLES_FOR_BAD_FRACTION
 from vlfit.data.image_transforms import IMAGE_PIPELINES
 from vlfit.models.presets import PRESETS
+from vlfit.training.contrastive_loss import CONTRASTIVE_NEGATIVES
+from vlfit.training.distributed import prepare_launch
 
 
 @dataclass
@@ -102,14 +105,58 @@ class DataArguments(DataLocationArguments):
     eval_pool_size: int | None = field(
         default=None, metadata={"help": "Recall@k over candidate pools of this many pairs (default: the whole split)."}
     )
+    bad_sample_policy: str = field(
+        default="skip",
+        metadata={
+            "help": "What to do with a sample whose image cannot be read or decoded or whose caption is missing, "
+            "empty or whitespace. skip: training replaces it by another sample (batches keep their size), "
+            "evaluation leaves it out; each is logged and listed in bad_samples.jsonl. raise: stop with an error "
+            "naming the sample.",
+            "choices": list(BAD_SAMPLE_POLICIES),
+        },
+    )
+    max_bad_fraction: float = field(
+        default=0.01,
+        metadata={
+            "help": "With --bad_sample_policy skip, stop training once more than this fraction of the samples read "
+            f"so far were bad (judged after max({MIN_SAMPLES_FOR_BAD_FRACTION}, 1/fraction) samples). "
+            "0: the first bad sample stops the run; 1: never stop."
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.image_pipeline not in IMAGE_PIPELINES:
             raise ValueError(
                 f"unknown --image_pipeline {self.image_pipeline!r}; choose one of: {', '.join(IMAGE_PIPELINES)}"
             )
+        if self.bad_sample_policy not in BAD_SAMPLE_POLICIES:
+            raise ValueError(
+                f"unknown --bad_sample_policy {self.bad_sample_policy!r}; choose one of: "
+                f"{', '.join(BAD_SAMPLE_POLICIES)}"
+            )
+        if not 0.0 <= self.max_bad_fraction <= 1.0:
+            raise ValueError(f"--max_bad_fraction must be between 0 and 1, got {self.max_bad_fraction}")
 
 
 @dataclass
 class VlfitTrainingArguments(TrainingArguments):
     """Every ``transformers.TrainingArguments`` flag, plus vlfit's training options."""
+
+    contrastive_negatives: str = field(
+        default="local",
+        metadata={
+            "help": "local: each process scores its captions against its own batch's images (what one process does "
+            "with --per_device_train_batch_size). global: against the images of every process's batch (all-gathered "
+            "with gradient), so the negatives are the whole global batch; same as local with one process.",
+            "choices": list(CONTRASTIVE_NEGATIVES),
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.contrastive_negatives not in CONTRASTIVE_NEGATIVES:
+            raise ValueError(
+                f"unknown --contrastive_negatives {self.contrastive_negatives!r}; choose one of: "
+                f"{', '.join(CONTRASTIVE_NEGATIVES)}"
+            )
+        prepare_launch(self)  # before TrainingArguments.__post_init__ sets up devices and the process group
+        super().__post_init__()

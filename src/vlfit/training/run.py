@@ -10,13 +10,16 @@ from typing import Any
 import torch
 import transformers
 from transformers import set_seed
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from vlfit.arguments import DataArguments, ModelArguments, VlfitTrainingArguments
+from vlfit.data.bad_samples import BAD_SAMPLES_REPORT
 from vlfit.data.dataset import ImageTextCollator, ImageTextDataset, build_image_transform
 from vlfit.data.device_stage import DeviceStage
 from vlfit.data.sources import ImageTextSource, open_splits
 from vlfit.models.loading import load_model_bundle
+from vlfit.training.distributed import describe_launch
+from vlfit.training.preemption import PreemptionCallback, TrainingPreempted
 from vlfit.training.trainer import VlfitTrainer
 
 logger = logging.getLogger("vlfit")
@@ -56,6 +59,11 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Vlf
 
     Returns:
         The train metrics (prefixed ``train_``) and eval metrics (prefixed ``eval_``) that were computed.
+
+    Raises:
+        TrainingPreempted: SIGTERM or SIGINT stopped training; the message names the checkpoint saved at the stop.
+        TooManyBadSamplesError: more than ``--max_bad_fraction`` of the samples read were bad.
+        BadSampleError: a bad sample under ``--bad_sample_policy raise``.
     """
     setup_logging(training_args)
     if not (training_args.do_train or training_args.do_eval):
@@ -75,6 +83,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Vlf
     if training_args.do_eval:
         eval_source = _limit(_require_split(splits, data_args.eval_split, "--do_eval"), data_args.max_eval_samples)
     caption_source = train_source or splits.get("train") or eval_source
+    describe_launch(training_args, len(train_source) if train_source is not None else None)
 
     bundle = load_model_bundle(
         model_name_or_path=model_args.model_name_or_path,
@@ -112,10 +121,15 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Vlf
             build_image_transform(
                 data_args.image_pipeline, random_resized_crop=data_args.random_resized_crop, **transform_kwargs
             ),
+            bad_sample_policy=data_args.bad_sample_policy,
         )
     if eval_source is not None:
+        # No substitutes in evaluation: recall over a pool holding some pairs twice would not be comparable.
         eval_dataset = ImageTextDataset(
-            eval_source, build_image_transform(data_args.image_pipeline, **transform_kwargs)
+            eval_source,
+            build_image_transform(data_args.image_pipeline, **transform_kwargs),
+            bad_sample_policy=data_args.bad_sample_policy,
+            substitute=False,
         )
 
     trainer = VlfitTrainer(
@@ -126,11 +140,18 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Vlf
         data_collator=ImageTextCollator(bundle.tokenizer, data_args.max_seq_length, keep_columns=EVAL_COLUMNS),
         processing_class=bundle.tokenizer,
         device_stage=DeviceStage(
-            bundle.image_size, bundle.image_mean, bundle.image_std, horizontal_flip=data_args.horizontal_flip
+            bundle.image_size,
+            bundle.image_mean,
+            bundle.image_std,
+            horizontal_flip=data_args.horizontal_flip,
+            bad_sample_policy=data_args.bad_sample_policy,
         ),
         max_seq_length=data_args.max_seq_length,
         eval_pool_size=data_args.eval_pool_size,
+        max_bad_fraction=data_args.max_bad_fraction,
     )
+    preemption = PreemptionCallback()
+    trainer.add_callback(preemption)
     logger.info(
         "model %s: %.1fM parameters, image %d px, pipeline %s%s, %s",
         model_args.model_name_or_path or f"preset {model_args.model_preset}",
@@ -148,12 +169,34 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Vlf
             checkpoint = get_last_checkpoint(training_args.output_dir)
             if checkpoint is not None:
                 logger.info("resuming from %s (pass a new --output_dir to start over)", checkpoint)
-        train_result = trainer.train(resume_from_checkpoint=checkpoint)
+        try:
+            train_result = trainer.train(resume_from_checkpoint=checkpoint)
+        finally:
+            preemption.uninstall()  # when training raised, on_train_end never ran
+            trainer.write_bad_samples_report()
+        if preemption.stopped_at_step is not None:
+            assert preemption.received is not None
+            saved = os.path.join(training_args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{preemption.stopped_at_step}")
+            raise TrainingPreempted(
+                preemption.received, saved if os.path.isdir(saved) else None, preemption.stopped_at_step
+            )
+        if preemption.received is not None:
+            logger.warning("a stop signal arrived as training was finishing: training completed, saving as usual")
         trainer.save_model()
         if trainer.is_world_process_zero():
             bundle.image_processor.save_pretrained(training_args.output_dir)
         metrics = dict(train_result.metrics)
         metrics["train_data_wait_share"] = trainer.throughput.total()["data_wait_share"]
+        metrics["train_bad_samples"] = trainer.bad_samples.count
+        metrics["train_bad_sample_fraction"] = trainer.bad_samples.fraction
+        if trainer.bad_samples.count:
+            logger.warning(
+                "%d bad samples were skipped (%.2f%% of %d read); ids and reasons: %s",
+                trainer.bad_samples.count,
+                100 * trainer.bad_samples.fraction,
+                trainer.bad_samples.samples_read,
+                os.path.join(training_args.output_dir, BAD_SAMPLES_REPORT),
+            )
         trainer.log_metrics("train", metrics)
         trainer.save_metrics("train", metrics)
         trainer.save_state()
