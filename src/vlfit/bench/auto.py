@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import shlex
 import tempfile
+from dataclasses import asdict
 from typing import Any
 
 from vlfit.bench.data import get_pipeline
@@ -164,17 +165,7 @@ def probe_num_workers(
         seed=training_args.seed,
     )
     splits = open_splits(
-        dataset_name=data_args.dataset_name,
-        dataset_config_name=data_args.dataset_config_name,
-        dataset_revision=data_args.dataset_revision,
-        data_dir=data_args.data_dir,
-        cache_dir=model_args.cache_dir,
-        token=model_args.token,
-        train_file=data_args.train_file,
-        image_column=data_args.image_column,
-        caption_column=data_args.caption_column,
-        id_column=data_args.id_column,
-        extra_columns=EVAL_COLUMNS,
+        **data_args.source_kwargs(), cache_dir=model_args.cache_dir, token=model_args.token, extra_columns=EVAL_COLUMNS
     )
     if "train" not in splits:
         raise ValueError(f"--dataloader_num_workers auto needs a 'train' split; the data has: {', '.join(splits)}")
@@ -183,20 +174,7 @@ def probe_num_workers(
         source = source.select(range(min(data_args.max_train_samples, len(source))))
     # A few batches' worth of distinct samples, served cyclically: decoding them again costs the same.
     source = source.select(range(min(len(source), 4 * plan.batch_size)))
-    bundle = load_model_bundle(
-        model_name_or_path=model_args.model_name_or_path,
-        model_preset=model_args.model_preset,
-        tokenizer_name=model_args.tokenizer_name,
-        image_processor_name=model_args.image_processor_name,
-        cache_dir=model_args.cache_dir,
-        model_revision=model_args.model_revision,
-        token=model_args.token,
-        captions=source.captions,
-        max_seq_length=data_args.max_seq_length,
-        freeze_vision_model=model_args.freeze_vision_model,
-        freeze_text_model=model_args.freeze_text_model,
-        freeze_text_pooler=model_args.freeze_text_pooler,
-    )
+    bundle = load_model_bundle(**asdict(model_args), captions=source.captions, max_seq_length=data_args.max_seq_length)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="vlfit-probe-") as cache_dir:
         session = BenchSession(source, bundle, device, plan, cache_dir=cache_dir, source_key="probe")

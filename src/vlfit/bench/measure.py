@@ -329,17 +329,6 @@ def compute_window(
 # ----------------------------------------------------------------------------------------------- stage profile
 
 
-@contextlib.contextmanager
-def torch_threads(count: int) -> Iterator[None]:
-    """Run with ``count`` torch intra-op threads (as each loader worker does), then restore the previous count."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
 class StageClock:
     """Accumulates seconds per named stage."""
 

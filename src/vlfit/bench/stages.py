@@ -20,11 +20,12 @@ import torch
 import torchvision.transforms.functional as TF
 
 from vlfit.bench.data import PipelineSpec
-from vlfit.bench.measure import StageClock, synchronize, torch_threads
+from vlfit.bench.measure import StageClock, synchronize
 from vlfit.data.dataset import ImageTextCollator
 from vlfit.data.decode import decode_pil, decode_scaled
 from vlfit.data.device_stage import DeviceStage
 from vlfit.data.image_transforms import EncodedImage, ReferenceImageTransform, hwc_to_chw_view, resize_crop_uint8
+from vlfit.threads import torch_threads
 
 WORKER_STAGES: tuple[str, ...] = ("read", "decode", "resize/crop", "collate")
 MAIN_STAGES: tuple[str, ...] = ("host->device copy", "device stage", "compute")

@@ -20,7 +20,7 @@ import multiprocessing
 import os
 import re
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 from vlfit.data.decode import decode_scaled, is_jpeg, simplejpeg
 from vlfit.data.image_transforms import hwc_to_chw_view
 from vlfit.data.sources import ArrowSource, ImageTextSource
+from vlfit.threads import torch_threads
 
 MANIFEST_NAME = "vlfit_prepare.json"
 MANIFEST_VERSION = 1
@@ -413,16 +414,6 @@ def _run_task(task: _ShardTask) -> tuple[_ShardTask, ShardStats]:
     return task, stats
 
 
-@contextlib.contextmanager
-def _torch_threads(count: int) -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
 def _pool_context() -> multiprocessing.context.BaseContext:
     # fork shares the opened sources with the workers for free; spawn pickles them (memory-mapped data by path).
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
@@ -745,7 +736,7 @@ def prepare_dataset(
     try:
         workers = min(num_proc, len(todo))
         if workers <= 1:
-            with _torch_threads(1):
+            with torch_threads(1):
                 for task in todo:
                     record(task, _build_shard(task, sources[task.split], output_dir, short_side, jpeg_quality))
         else:

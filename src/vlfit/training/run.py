@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -86,18 +87,9 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Vlf
     describe_launch(training_args, len(train_source) if train_source is not None else None)
 
     bundle = load_model_bundle(
-        model_name_or_path=model_args.model_name_or_path,
-        model_preset=model_args.model_preset,
-        tokenizer_name=model_args.tokenizer_name,
-        image_processor_name=model_args.image_processor_name,
-        cache_dir=model_args.cache_dir,
-        model_revision=model_args.model_revision,
-        token=model_args.token,
+        **asdict(model_args),
         captions=caption_source.captions if caption_source is not None else None,
         max_seq_length=data_args.max_seq_length,
-        freeze_vision_model=model_args.freeze_vision_model,
-        freeze_text_model=model_args.freeze_text_model,
-        freeze_text_pooler=model_args.freeze_text_pooler,
     )
     decode_on_device = data_args.decode_on_device
     if decode_on_device and training_args.device.type != "cuda":
