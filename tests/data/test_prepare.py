@@ -6,7 +6,6 @@ import io
 import json
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import datasets
@@ -31,15 +30,6 @@ from vlfit.data.synthetic import SyntheticConfig, make_dataset, save_dataset
 SHORT_SIDE = 64
 SHARD_SIZE = 8
 EXTRAS = ("caption_choices", "label")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _quiet_datasets() -> Iterator[None]:
-    were_disabled = datasets.are_progress_bars_disabled()
-    datasets.disable_progress_bars()
-    yield
-    if not were_disabled:
-        datasets.enable_progress_bars()
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import json
 import os
 import pickle
 import tarfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import datasets
@@ -24,15 +23,6 @@ from vlfit.data.sources import ArrowSource, ImageTextSource, TarSource, expand_b
 
 COLOURS = [(220, 30, 30), (30, 200, 40), (40, 50, 230), (240, 220, 20)]
 CAPTIONS = ["a red square", "a green square", "a blue square", "a yellow square"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _quiet_datasets() -> Iterator[None]:
-    were_disabled = datasets.are_progress_bars_disabled()
-    datasets.disable_progress_bars()
-    yield
-    if not were_disabled:
-        datasets.enable_progress_bars()
 
 
 def _jpeg(colour: tuple[int, int, int]) -> bytes:
