@@ -141,6 +141,7 @@ def test_collator_fast_batch(tokenizer) -> None:
     assert batch["bad_samples"] == []
     assert batch["pixel_values"].shape == (6, 3, SIZE, SIZE)
     assert batch["pixel_values"].dtype == torch.uint8
+    assert batch["pixel_values"].is_contiguous(memory_format=torch.channels_last)  # stacked as HWC, no transpose
     assert batch["sample_ids"] == [f"id{i}" for i in range(6)]
     assert batch["input_ids"].dtype == torch.long
     assert batch["input_ids"].shape == batch["attention_mask"].shape

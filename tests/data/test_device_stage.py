@@ -80,6 +80,14 @@ def test_normalize_uint8_matches_formula(shape: tuple[int, ...]) -> None:
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
 
 
+def test_normalize_uint8_gives_contiguous_nchw_from_channels_last() -> None:
+    pixels = random_uint8(2, 3, 6, 9, seed=4)
+    channels_last = pixels.contiguous(memory_format=torch.channels_last)
+    out = normalize_uint8(channels_last, MEAN, STD, torch.float32)
+    assert out.is_contiguous()
+    assert torch.equal(out, normalize_uint8(pixels, MEAN, STD, torch.float32))
+
+
 def test_normalize_uint8_output_dtype() -> None:
     pixels = random_uint8(2, 3, 8, 8)
     expected = normalize_uint8(pixels, MEAN, STD, torch.float32)

@@ -26,6 +26,7 @@ from vlfit.data.image_transforms import (
     ReferenceImageTransform,
     hwc_to_chw_view,
     resize_crop_uint8,
+    stack_images,
 )
 from vlfit.models.presets import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
@@ -61,7 +62,7 @@ def test_fast_transform_shape_and_dtype(width: int, height: int, size: int) -> N
     out = FastImageTransform(size)(data)
     assert out.shape == (3, size, size)
     assert out.dtype == torch.uint8
-    assert out.is_contiguous()
+    assert out.permute(1, 2, 0).is_contiguous()  # an HWC buffer: stack_images batches it without a transpose
     crop = FastImageTransform(size, random_resized_crop=True)(data)
     assert crop.shape == (3, size, size)
     assert crop.dtype == torch.uint8
@@ -120,6 +121,49 @@ def test_resize_crop_uint8_crop_box() -> None:
     # Identity without a box either, when the image already has the model size.
     square = hwc_to_chw_view(textured_array(24, 24))
     assert torch.equal(resize_crop_uint8(square, 24), square.contiguous())
+
+
+@pytest.mark.parametrize("box", [None, (3, 17, 41, 52)])
+def test_resize_crop_uint8_is_the_same_in_every_layout(box) -> None:
+    """Channels-last (the CPU fast path) and contiguous CHW (nvJPEG's layout) give identical pixels."""
+    array = textured_array(97, 61)
+    channels_last = resize_crop_uint8(hwc_to_chw_view(array), 33, box)
+    chw = resize_crop_uint8(hwc_to_chw_view(array).contiguous(), 33, box)
+    assert channels_last.permute(1, 2, 0).is_contiguous()
+    assert chw.is_contiguous()
+    assert torch.equal(channels_last, chw)
+
+
+def test_resize_crop_uint8_matches_torchvision_resize() -> None:
+    """The CPU path calls torch's kernel directly; it must be what torchvision's uint8 resize gives."""
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms.v2.functional import resize
+
+    array = textured_array(160, 120)
+    expected = resize(
+        torch.from_numpy(array).permute(2, 0, 1)[:, :, 20:140].contiguous(),
+        [50, 50],
+        interpolation=InterpolationMode.BICUBIC,
+        antialias=True,
+    )
+    assert torch.equal(resize_crop_uint8(hwc_to_chw_view(array), 50), expected)
+
+
+def test_stack_images_keeps_channels_last_and_values() -> None:
+    images = [resize_crop_uint8(hwc_to_chw_view(textured_array(40 + i, 30, seed=i)), 16) for i in range(4)]
+    batch = stack_images(images)
+    assert batch.shape == (4, 3, 16, 16)
+    assert batch.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(batch, torch.stack([image.contiguous() for image in images]))
+
+
+def test_stack_images_other_layouts_stack_as_usual() -> None:
+    chw = [torch.randn(3, 5, 7) for _ in range(3)]
+    batch = stack_images(chw)
+    assert batch.is_contiguous()
+    assert torch.equal(batch, torch.stack(chw))
+    mixed = [hwc_to_chw_view(textured_array(7, 5)), torch.zeros(3, 5, 7, dtype=torch.uint8)]
+    assert torch.equal(stack_images(mixed), torch.stack(mixed))
 
 
 def test_hwc_to_chw_view_shares_memory() -> None:

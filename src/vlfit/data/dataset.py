@@ -23,7 +23,13 @@ from vlfit.data.bad_samples import (
     substitute_index,
 )
 from vlfit.data.decode import DecodeError
-from vlfit.data.image_transforms import EncodedImage, FastImageTransform, PassThroughEncoded, ReferenceImageTransform
+from vlfit.data.image_transforms import (
+    EncodedImage,
+    FastImageTransform,
+    PassThroughEncoded,
+    ReferenceImageTransform,
+    stack_images,
+)
 from vlfit.data.records import BadRecordError
 
 if TYPE_CHECKING:  # sources need the datasets package; the loader itself does not (vlfit bench on a bare GPU box)
@@ -191,7 +197,7 @@ class ImageTextCollator:
         if isinstance(images[0], EncodedImage):
             batch["encoded_images"] = images
         else:
-            batch["pixel_values"] = torch.stack(images)
+            batch["pixel_values"] = stack_images(images)
         batch["sample_ids"] = [sample["id"] for sample in samples]
         batch["bad_samples"] = bad_samples
         for column in self.keep_columns:

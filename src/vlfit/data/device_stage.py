@@ -25,14 +25,17 @@ def normalize_uint8(pixels: torch.Tensor, mean: torch.Tensor, std: torch.Tensor,
     """``(pixels / 255 - mean) / std`` as one fused multiply-add, in ``dtype``.
 
     Args:
-        pixels: uint8 ``[B, 3, H, W]``.
+        pixels: uint8 ``[B, 3, H, W]``, any memory layout.
         mean: ``[3]`` float on the same device.
         std: ``[3]`` float on the same device.
         dtype: Output dtype (the model's).
     """
     scale = (1.0 / (255.0 * std)).view(1, -1, 1, 1)
     shift = (-mean / std).view(1, -1, 1, 1)
-    return torch.addcmul(shift, pixels.float(), scale).to(dtype)
+    # The CPU stage batches channels-last (no transpose on the host); the model gets contiguous NCHW, made in the
+    # same pass as the conversion to float.
+    as_float = pixels.to(torch.float32, memory_format=torch.contiguous_format)
+    return torch.addcmul(shift, as_float, scale).to(dtype)
 
 
 def random_horizontal_flip(pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -12,6 +12,8 @@ Three pipelines, selected by ``--image_pipeline`` / ``--decode_on_device``:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 import torchvision.transforms as T
@@ -36,17 +38,44 @@ def resize_crop_uint8(
         image: uint8 ``[3, H, W]``. A channels-last view (what ``permute`` of an HWC array gives) is fastest on CPU.
         size: Output side.
         crop_box: ``(top, left, height, width)`` to cut instead of the central square (random resized crop).
+
+    Returns:
+        uint8 ``[3, size, size]``, channels-last (an HWC buffer) when ``image`` is, else contiguous.
     """
     height, width = image.shape[-2:]
     if crop_box is None:
         side = min(height, width)
         crop_box = ((height - side) // 2, (width - side) // 2, side, side)
     top, left, crop_height, crop_width = crop_box
-    region = image[..., top : top + crop_height, left : left + crop_width]
+    region = image[..., top : top + crop_height, left : left + crop_width].unsqueeze(0)
+    # Decoders give HWC (channels-last) pixels. Kept channels-last and made dense, the crop takes torch's
+    # vectorized uint8 resampling path on CPU (about 1.5x faster than on the strided crop or on CHW), and the
+    # result needs no transposing copy: ``stack_images`` batches it as it is.
+    memory_format = torch.channels_last if image.stride(-3) == 1 else torch.contiguous_format
+    region = region.contiguous(memory_format=memory_format)
+    if memory_format == torch.channels_last:
+        # A size-1 batch dimension can carry any stride; torch then reads a channels-last view whose batch stride is
+        # not its size as ambiguous and allocates a contiguous output (pytorch#68430). Restating it is free.
+        region = region.as_strided(region.shape, (region.numel(), *region.stride()[1:]))
     if crop_height == crop_width == size:  # prepared data is stored at the model's size already: crop only
-        return region.contiguous()
-    out = F.resize(region.unsqueeze(0), [size, size], interpolation=InterpolationMode.BICUBIC, antialias=True)
-    return out[0].contiguous()
+        return region[0]
+    if region.device.type == "cpu":
+        # torch's native uint8 kernel, which torchvision's resize also calls on CPU (its checks cost 0.05 ms an image).
+        return torch.nn.functional.interpolate(region, size=(size, size), mode="bicubic", antialias=True)[0]
+    # Elsewhere (nvJPEG output on CUDA) torch has no uint8 bicubic: torchvision resamples in float and rounds back.
+    return F.resize(region, [size, size], interpolation=InterpolationMode.BICUBIC, antialias=True)[0]
+
+
+def stack_images(images: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Batch ``[3, H, W]`` images into ``[B, 3, H, W]`` with one plain copy per image.
+
+    Channels-last images (what ``resize_crop_uint8`` returns on CPU) are stacked as HWC, so the batch is
+    channels-last too and no pixel is transposed on the host; the device stage produces the model's layout.
+    Other images are stacked as they are.
+    """
+    if all(image.dim() == 3 and image.permute(1, 2, 0).is_contiguous() for image in images):
+        return torch.stack([image.permute(1, 2, 0) for image in images]).permute(0, 3, 1, 2)
+    return torch.stack(list(images))
 
 
 def hwc_to_chw_view(pixels: np.ndarray) -> torch.Tensor:
