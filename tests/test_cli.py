@@ -5,8 +5,10 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from vlfit.cli import main
+from vlfit.commands.train import parse_arguments, parse_train_arguments
 
 
 def test_make_data_train_eval_end_to_end(tmp_path, capsys):
@@ -107,3 +109,29 @@ def test_demo_runs_end_to_end_and_reuses_its_data(tmp_path, capsys):
     assert "training throughput" in out and " 0.0 samples/s" not in out
     assert main(argv) == 0
     assert "reusing synthetic data" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+def test_flags_file_accepts_auto_workers(tmp_path, suffix):
+    flags = {"model_preset": "tiny", "output_dir": str(tmp_path / "o"), "dataloader_num_workers": "auto"}
+    path = tmp_path / f"flags{suffix}"
+    path.write_text(json.dumps(flags) if suffix == ".json" else yaml.safe_dump(flags))
+    model_args, _, training_args, auto = parse_train_arguments([str(path)])
+    assert auto and training_args.dataloader_num_workers == 0  # parsed as 0; the probe sets the real count
+    assert model_args.model_preset == "tiny"
+    path.write_text(json.dumps({**flags, "dataloader_num_workers": 3}) if suffix == ".json" else "- not a mapping")
+    if suffix == ".json":
+        assert parse_train_arguments([str(path)])[3] is False
+        assert parse_train_arguments([str(path)])[2].dataloader_num_workers == 3
+    else:
+        with pytest.raises(ValueError, match="expected a mapping"):
+            parse_train_arguments([str(path)])
+
+
+def test_command_line_auto_workers_and_eval_flags_file(tmp_path):
+    argv = ["--model_preset", "tiny", "--output_dir", str(tmp_path), "--dataloader_num_workers", "auto"]
+    assert parse_train_arguments(argv)[3] is True
+    path = tmp_path / "eval.yaml"
+    path.write_text(yaml.safe_dump({"model_preset": "tiny", "output_dir": str(tmp_path), "eval_split": "test"}))
+    _, data_args, _ = parse_arguments([str(path)], prog="vlfit eval")
+    assert data_args.eval_split == "test"

@@ -137,7 +137,8 @@ def _batch(tokenizer, pipeline: str, decode_on_device: bool = False, **collator_
 
 def test_collator_fast_batch(tokenizer) -> None:
     batch = _batch(tokenizer, "fast")
-    assert set(batch) == {"input_ids", "attention_mask", "pixel_values", "sample_ids", "bad_samples"}
+    assert set(batch) == {"input_ids", "attention_mask", "pixel_values", "sample_ids", "positions", "bad_samples"}
+    assert batch["positions"] == list(range(6))
     assert batch["bad_samples"] == []
     assert batch["pixel_values"].shape == (6, 3, SIZE, SIZE)
     assert batch["pixel_values"].dtype == torch.uint8

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 from transformers import TrainingArguments
 
 from tests.robustness.bad_corpus import ListSource, bad_images, valid_images
-from tests.training.train_runs import single_torch_thread
+from tests.training.train_runs import single_torch_thread, torchrun_command, torchrun_env
 from vlfit.cli import main
 from vlfit.data.bad_samples import BadSampleError, TooManyBadSamplesError
 from vlfit.data.dataset import ImageTextCollator, ImageTextDataset
@@ -92,6 +93,33 @@ def test_bad_samples_are_replaced_counted_reported_and_left_out_of_eval(tmp_path
     assert evaluated["eval_bad_samples"] == len(BAD_EVAL)
     assert evaluated["eval_num_samples"] == 12 - len(BAD_EVAL)  # left out, not replaced by duplicates
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the preemption handlers were removed
+
+
+def test_distributed_evaluation_with_bad_samples_equals_one_process(tmp_path: Path, dirty_dataset: str) -> None:
+    """Two processes whose batches lose different numbers of bad samples score the split as one process does.
+
+    12 validation rows, batches of 4 over 2 processes: rank 0 reads rows 0-3 (row 2 bad) and 8-11, rank 1 reads
+    4-7 (row 5 bad) and then rows 0-3 again to even out the batches. Each valid row must count once.
+    """
+    model = tmp_path / "model"
+    assert main([*_argv(dirty_dataset, model, "--max_steps", "2")]) == 0
+    flags = ["--model_name_or_path", str(model), "--dataset_name", dirty_dataset, "--caption_column", "caption",
+             "--report_to", "none", "--per_device_eval_batch_size", "4", "--dataloader_num_workers", "0"]  # fmt: skip
+    assert main(["eval", *flags, "--output_dir", str(tmp_path / "one")]) == 0
+    done = subprocess.run(
+        torchrun_command("-m", "vlfit", "eval", *flags, "--output_dir", str(tmp_path / "two")),
+        env=torchrun_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    one = json.loads((tmp_path / "one" / "eval_results.json").read_text())
+    two = json.loads((tmp_path / "two" / "eval_results.json").read_text())
+    assert two["eval_num_samples"] == one["eval_num_samples"] == 12 - len(BAD_EVAL)
+    assert two["eval_bad_samples"] == one["eval_bad_samples"] == len(BAD_EVAL)
+    for key in ("eval_t2i_recall@1", "eval_i2t_recall@1", "eval_t2i_recall@5", "eval_i2t_recall@5"):
+        assert two[key] == pytest.approx(one[key], abs=1e-6), key
 
 
 def test_max_bad_fraction_stops_the_run_with_the_ids(tmp_path: Path, dirty_dataset: str) -> None:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from collections import Counter
@@ -17,6 +15,7 @@ import torch
 from transformers import AutoImageProcessor, AutoTokenizer, BridgeTowerForContrastiveLearning
 
 from tests.training.recording import weights_digest
+from tests.training.train_runs import free_port, torchrun_command, torchrun_env
 from vlfit.arguments import VlfitTrainingArguments
 from vlfit.cli import main
 from vlfit.training import throughput
@@ -28,27 +27,14 @@ NUM_SAMPLES = 30  # not a multiple of the global batch of 2 x 4: the epoch has a
 TIMEOUT = 240  # a guard against hangs, far above the time a run takes
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    env["OMP_NUM_THREADS"] = "1"
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_CPU"):
-        env.pop(name, None)
-    env.update(extra)
-    return env
-
-
 def _torchrun_train(record_dir: Path, flags: list[str]) -> list[dict]:
     record_dir.mkdir()
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(_free_port()), RECORDING, "train", *flags]  # fmt: skip
     done = subprocess.run(
-        command, env=_env(VLFIT_RECORD_DIR=str(record_dir)), capture_output=True, text=True, timeout=TIMEOUT
+        torchrun_command(RECORDING, "train", *flags),
+        env=torchrun_env(VLFIT_RECORD_DIR=str(record_dir)),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return [json.loads((record_dir / f"rank{rank}.json").read_text()) for rank in range(2)]
@@ -130,8 +116,8 @@ def test_torchrun_drop_last_reads_each_sample_at_most_once_and_bf16_autocasts(
 
 
 def test_unreachable_rendezvous_fails_within_ddp_timeout(tmp_path, synthetic_dataset_dir):
-    port = _free_port()  # nobody listens there
-    env = _env(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    port = free_port()  # nobody listens there
+    env = torchrun_env(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     command = [sys.executable, "-m", "vlfit", "train", *_common(synthetic_dataset_dir, tmp_path / "o"),
                "--ddp_timeout", "3"]  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT)

@@ -1,4 +1,5 @@
-"""Helpers to run ``vlfit train`` on the tiny preset, in-process or as a child process that gets a signal."""
+"""Helpers to run ``vlfit train`` on the tiny preset: in-process, as a child process that gets a signal, or as two
+processes under torchrun."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +20,29 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (for a rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun_env(**extra: str) -> dict[str, str]:
+    """This environment, offline, one torch thread, without the variables of an enclosing distributed launch."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env["OMP_NUM_THREADS"] = "1"
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_CPU"):
+        env.pop(name, None)
+    env.update(extra)
+    return env
+
+
+def torchrun_command(*args: str, nproc: int = 2) -> list[str]:
+    """``python -m torch.distributed.run`` with ``nproc`` processes on a free port, then ``args``."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_port", str(free_port()), *args]  # fmt: skip
 
 
 @contextlib.contextmanager

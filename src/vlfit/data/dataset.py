@@ -60,7 +60,8 @@ def build_image_transform(
 
 
 class ImageTextDataset(Dataset):
-    """Turns source records into ``{"image", "caption", "id", "bad_samples"}`` samples by running the transform.
+    """Turns source records into ``{"image", "caption", "id", "position", "bad_samples"}`` samples by running the
+    transform (``position`` is the index asked for).
 
     Decoding happens here, in the DataLoader worker that asks for the sample. Each worker limits torch to one
     thread: N workers on N cores is the parallelism, and intra-op threads would only oversubscribe the cores.
@@ -120,6 +121,7 @@ class ImageTextDataset(Dataset):
                     return {"id": sample_id, "image": None, "caption": None, "bad_samples": skipped}
                 continue
             sample["bad_samples"] = skipped
+            sample["position"] = index  # the row asked for (evaluation merges processes' results by it)
             return sample
         raise BadSampleError.for_sample(
             skipped[0][0],
@@ -199,6 +201,7 @@ class ImageTextCollator:
         else:
             batch["pixel_values"] = stack_images(images)
         batch["sample_ids"] = [sample["id"] for sample in samples]
+        batch["positions"] = [sample.get("position", i) for i, sample in enumerate(samples)]
         batch["bad_samples"] = bad_samples
         for column in self.keep_columns:
             batch[column] = [sample.get(column) for sample in samples]

@@ -1,14 +1,23 @@
-"""Embed a split and score it: text<->image recall@1/5/10 and New Yorker ``matching`` accuracy."""
+"""Embed a split and score it: text<->image recall@1/5/10 and New Yorker ``matching`` accuracy.
+
+Three steps, one way: each process embeds the batches it reads (``embed_split``), the processes' parts are merged
+into one split in dataset order with each sample once (``merge_splits``), and the merged split is scored
+(``score_split``). Nothing is exchanged between processes per batch: the only collective is the one gather of the
+parts at the end, so processes whose batches lost different numbers of bad samples, or that read different
+numbers of batches, cannot fall out of step.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from vlfit.data.bad_samples import BadSampleInfo
 from vlfit.data.device_stage import DeviceStage
 from vlfit.evaluation.metrics import label_to_index, matching_accuracy, pooled_recall_at_k
 from vlfit.models.encoders import encode_image, encode_text
@@ -16,7 +25,126 @@ from vlfit.models.encoders import encode_image, encode_text
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class EmbeddedSplit:
+    """Embeddings of (part of) an evaluation split, one row per valid sample, on the CPU.
+
+    Attributes:
+        positions: Each row's index in the split (``batch["positions"]``): what merging orders and de-duplicates by.
+        texts: Per batch, caption embeddings ``[b, d]``.
+        images: Per batch, image embeddings ``[b, d]``.
+        choices: Per batch, embeddings of the caption choices ``[b, c, d]``; ``None`` once a batch had none usable.
+        labels: Per batch, the index of the right choice ``[b]``; ``None`` with ``choices``.
+        bad_samples: ``(id, reason)`` of every sample left out.
+    """
+
+    positions: list[int] = field(default_factory=list)
+    texts: list[torch.Tensor] = field(default_factory=list)
+    images: list[torch.Tensor] = field(default_factory=list)
+    choices: list[torch.Tensor] | None = field(default_factory=list)
+    labels: list[torch.Tensor] | None = field(default_factory=list)
+    bad_samples: list[BadSampleInfo] = field(default_factory=list)
+
+
 @torch.no_grad()
+def embed_split(
+    model: Any,
+    batches: Iterable[dict[str, Any]],
+    *,
+    stage: DeviceStage,
+    device: torch.device,
+    tokenizer: Any,
+    max_seq_length: int,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> EmbeddedSplit:
+    """Embed every batch with the model's unimodal encoders.
+
+    Batches are collated evaluation batches: ``positions`` and ``sample_ids`` per sample, ``bad_samples`` for the
+    samples left out while collating, and ``caption_choices``/``label`` when the split has them. Batches left
+    empty by bad samples are skipped; samples the device stage drops (device decode) are counted as bad.
+    """
+    model = getattr(model, "module", model)
+    was_training = model.training
+    model.eval()
+    dtype = next(model.parameters()).dtype
+    part = EmbeddedSplit()
+    for batch in batches:
+        part.bad_samples.extend(batch.pop("bad_samples", []))
+        if not len(batch["sample_ids"]):
+            continue
+        batch = stage(batch, device, dtype, train=False)
+        part.bad_samples.extend(batch.pop("device_bad_samples", []))
+        part.positions.extend(int(position) for position in batch["positions"])
+        with autocast():
+            text_embeds = encode_text(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))
+            part.texts.append(text_embeds.float().cpu())
+            part.images.append(encode_image(model, batch["pixel_values"]).float().cpu())
+            batch_choices, batch_labels = batch.get("caption_choices"), batch.get("label")
+            if part.choices is None:
+                continue
+            if not (batch_choices and batch_labels and all(batch_choices)):
+                part.choices = part.labels = None
+                continue
+            flat = [str(choice) for sample in batch_choices for choice in sample]
+            tokens = tokenizer(
+                flat, max_length=max_seq_length, truncation=True, padding="longest", return_tensors="pt"
+            ).to(device)
+            embeds = encode_text(model, tokens["input_ids"], tokens["attention_mask"]).float().cpu()
+            part.choices.append(embeds.view(len(batch_choices), len(batch_choices[0]), -1))
+            part.labels.append(torch.tensor([label_to_index(label) for label in batch_labels]))  # type: ignore[union-attr]
+    if was_training:
+        model.train()
+    return part
+
+
+def merge_splits(parts: list[EmbeddedSplit]) -> EmbeddedSplit:
+    """One split from the processes' parts: rows in position order, each position once.
+
+    A distributed sampler pads the last round of batches by repeating samples from the start of the split (so
+    every process gets the same number of batches); those repeats, and the repeated bad-sample reports, are
+    dropped here. Caption choices are kept only if every part that has samples has them.
+    """
+    positions = [position for part in parts for position in part.positions]
+    merged = EmbeddedSplit(bad_samples=list(dict.fromkeys(bad for part in parts for bad in part.bad_samples)))
+    if not positions:
+        merged.choices = merged.labels = None
+        return merged
+    order = sorted(range(len(positions)), key=positions.__getitem__)  # stable: the first copy of a position wins
+    keep = [row for i, row in enumerate(order) if i == 0 or positions[row] != positions[order[i - 1]]]
+    rows = torch.tensor(keep, dtype=torch.long)
+    merged.positions = [positions[row] for row in keep]
+    merged.texts = [torch.cat([t for part in parts for t in part.texts]).index_select(0, rows)]
+    merged.images = [torch.cat([t for part in parts for t in part.images]).index_select(0, rows)]
+    with_samples = [part for part in parts if part.positions]
+    if all(part.choices is not None for part in with_samples):
+        merged.choices = [torch.cat([t for part in with_samples for t in part.choices]).index_select(0, rows)]  # type: ignore[union-attr]
+        merged.labels = [torch.cat([t for part in with_samples for t in part.labels]).index_select(0, rows)]  # type: ignore[union-attr]
+    else:
+        merged.choices = merged.labels = None
+    return merged
+
+
+def score_split(split: EmbeddedSplit, pool_size: int | None = None) -> dict[str, float]:
+    """Recall@k both ways over pools of ``pool_size`` (``None``: the whole split) and matching accuracy.
+
+    Returns:
+        ``t2i_recall@k``, ``i2t_recall@k``, ``chance_recall@1``, ``pool_size``, ``num_samples``, ``bad_samples``
+        and, when caption choices exist, ``matching_accuracy`` and ``chance_matching_accuracy``.
+    """
+    if not split.positions:
+        raise ValueError("the evaluation split has no samples; check --eval_split and --max_eval_samples")
+    text_embeds, image_embeds = torch.cat(split.texts), torch.cat(split.images)
+    metrics = pooled_recall_at_k(text_embeds, image_embeds, pool_size)
+    if split.choices:
+        choice_embeds, label_index = torch.cat(split.choices), torch.cat(split.labels)  # type: ignore[arg-type]
+        metrics["matching_accuracy"] = matching_accuracy(image_embeds, choice_embeds, label_index)
+        metrics["chance_matching_accuracy"] = 1.0 / choice_embeds.shape[1]
+    else:
+        logger.info("split has no usable caption_choices/label columns: matching accuracy skipped")
+    metrics["bad_samples"] = len(split.bad_samples)
+    return metrics
+
+
 def evaluate_retrieval(
     model: Any,
     batches: Iterable[dict[str, Any]],
@@ -27,62 +155,29 @@ def evaluate_retrieval(
     max_seq_length: int,
     pool_size: int | None = None,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-    gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> dict[str, float]:
-    """Embed every batch with the unimodal encoders and compute retrieval and matching metrics.
+    gather_parts: Callable[[EmbeddedSplit], list[EmbeddedSplit]] | None = None,
+) -> tuple[dict[str, float], list[BadSampleInfo]]:
+    """Embed this process's batches, merge the processes' parts and score the split.
 
     Args:
         model: A ``BridgeTowerForContrastiveLearning`` (or a wrapper exposing it as ``.module``).
-        batches: Collated batches (with ``caption_choices`` and ``label`` when the split has them).
+        batches: Collated evaluation batches (see ``embed_split``).
         stage: The device stage (normalization; decode on device).
         device: Where the model runs.
         tokenizer: Tokenizes caption choices.
         max_seq_length: Truncation for caption choices.
         pool_size: Candidate pool for recall (``None``: the whole split).
         autocast: Mixed-precision context for the forward passes.
-        gather: Concatenates a tensor across processes (``accelerator.gather_for_metrics``) in distributed runs.
-            Called once per batch, as it must be: at the last batch it drops the samples the distributed sampler
-            repeated to even out the processes' shares.
+        gather_parts: In distributed runs, every process's part, in rank order (one collective; every process
+            must call it). ``None``: this process read the whole split.
 
     Returns:
-        ``t2i_recall@k``, ``i2t_recall@k``, ``chance_recall@1``, ``pool_size``, ``num_samples`` and, when caption
-        choices exist, ``matching_accuracy`` and ``chance_matching_accuracy``.
+        The metrics (see ``score_split``), the same on every process, and the ``(id, reason)`` of the samples
+        left out.
     """
-    model = getattr(model, "module", model)
-    was_training = model.training
-    model.eval()
-    dtype = next(model.parameters()).dtype
-    texts, images, choices, labels = [], [], [], []
-    has_choices = True
-    gather = gather or (lambda tensor: tensor)
-    for batch in batches:
-        batch = stage(batch, device, dtype, train=False)
-        with autocast():
-            text_embeds = encode_text(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))
-            texts.append(gather(text_embeds.float()))
-            images.append(gather(encode_image(model, batch["pixel_values"]).float()))
-            batch_choices, batch_labels = batch.get("caption_choices"), batch.get("label")
-            if has_choices and batch_choices and batch_labels and all(c for c in batch_choices):
-                num_choices = len(batch_choices[0])
-                flat = [str(c) for sample in batch_choices for c in sample]
-                tokens = tokenizer(
-                    flat, max_length=max_seq_length, truncation=True, padding="longest", return_tensors="pt"
-                ).to(device)
-                embeds = encode_text(model, tokens["input_ids"], tokens["attention_mask"]).float()
-                choices.append(gather(embeds.view(len(batch_choices), num_choices, -1)))
-                labels.append(gather(torch.tensor([label_to_index(x) for x in batch_labels], device=device)))
-            else:
-                has_choices = False
-    if was_training:
-        model.train()
-    if not texts:
-        raise ValueError("the evaluation split has no samples; check --eval_split and --max_eval_samples")
-    text_embeds, image_embeds = torch.cat(texts), torch.cat(images)
-    metrics = pooled_recall_at_k(text_embeds.cpu(), image_embeds.cpu(), pool_size)
-    if has_choices and choices:
-        choice_embeds, label_index = torch.cat(choices), torch.cat(labels)
-        metrics["matching_accuracy"] = matching_accuracy(image_embeds.cpu(), choice_embeds.cpu(), label_index.cpu())
-        metrics["chance_matching_accuracy"] = 1.0 / choice_embeds.shape[1]
-    else:
-        logger.info("split has no usable caption_choices/label columns: matching accuracy skipped")
-    return metrics
+    part = embed_split(
+        model, batches, stage=stage, device=device, tokenizer=tokenizer, max_seq_length=max_seq_length,
+        autocast=autocast,
+    )  # fmt: skip
+    split = merge_splits(gather_parts(part) if gather_parts is not None else [part])
+    return score_split(split, pool_size), split.bad_samples

@@ -22,16 +22,16 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
+from accelerate.utils import gather_object
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 
 from vlfit.data.bad_samples import BAD_SAMPLES_REPORT, BadSampleLedger, TooManyBadSamplesError
 from vlfit.data.device_stage import CudaPrefetcher, DeviceStage
-from vlfit.evaluation.retrieval import evaluate_retrieval
+from vlfit.evaluation.retrieval import EmbeddedSplit, evaluate_retrieval
 from vlfit.training.contrastive_loss import contrastive_loss, expose_logit_scale
 from vlfit.training.throughput import ThroughputMeter
 
@@ -241,34 +241,29 @@ class VlfitTrainer(Trainer):
     def evaluate(
         self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
     ) -> dict[str, float]:
-        loader = self.get_eval_dataloader(eval_dataset)
-        skipped: list[tuple[str, str]] = []
-
-        def batches() -> Iterator[dict[str, Any]]:
-            # Evaluation datasets leave bad samples out (no substitutes: the pool must hold each pair once).
-            for batch in loader:
-                skipped.extend(batch.pop("bad_samples", []))
-                if len(batch["sample_ids"]):
-                    yield batch
-
-        metrics = evaluate_retrieval(
+        metrics, skipped = evaluate_retrieval(
             self.model,
-            batches(),
+            self.get_eval_dataloader(eval_dataset),
             stage=self.device_stage,
             device=self.args.device,
             tokenizer=self.processing_class,
             max_seq_length=self.max_seq_length,
             pool_size=self.eval_pool_size,
             autocast=self.autocast_smart_context_manager,
-            gather=self.accelerator.gather_for_metrics if self.accelerator.num_processes > 1 else None,
+            gather_parts=gather_parts if self.accelerator.num_processes > 1 else None,
         )
-        for sample_id, reason in skipped:
-            logger.warning("evaluation left out bad sample %s: %s", sample_id, reason)
-        metrics["bad_samples"] = len(skipped)
+        if self.is_world_process_zero():
+            for sample_id, reason in skipped:
+                logger.warning("evaluation left out bad sample %s: %s", sample_id, reason)
         metrics = {f"{metric_key_prefix}_{key}": value for key, value in metrics.items()}
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
+
+
+def gather_parts(part: EmbeddedSplit) -> list[EmbeddedSplit]:
+    """Every process's evaluation part, in rank order (a collective: every process calls it once)."""
+    return gather_object([part])
 
 
 def remove_partial_checkpoints(run_dir: str) -> list[str]:
