@@ -36,7 +36,7 @@ import torch
 from PIL import Image
 
 from vlfit.data.image_transforms import FastImageTransform, ReferenceImageTransform
-from vlfit.data.prepare import prepare_image
+from vlfit.data.reencode import prepare_image
 from vlfit.data.synthetic import SyntheticConfig, make_record
 from vlfit.models.presets import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 

@@ -24,7 +24,8 @@ from vlfit.data.prepare import (
     prepare_dataset,
     resolve_short_side,
 )
-from vlfit.data.sources import ImageTextSource, open_splits
+from vlfit.data.source_base import ImageTextSource
+from vlfit.data.sources import open_splits
 from vlfit.data.synthetic import SyntheticConfig, make_dataset, save_dataset
 
 SHORT_SIDE = 64

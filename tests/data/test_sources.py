@@ -1,4 +1,5 @@
-"""Tests for vlfit.data.sources: every storage format, built locally, yields the stored bytes unchanged."""
+"""Tests for vlfit.data.sources (with the tar source and file patterns it uses): every storage format, built
+locally, yields the stored bytes unchanged."""
 
 from __future__ import annotations
 
@@ -18,8 +19,11 @@ import pytest
 from PIL import Image
 
 from vlfit.data import sources
+from vlfit.data.file_patterns import expand_braces, resolve_files
 from vlfit.data.records import Record
-from vlfit.data.sources import ArrowSource, ImageTextSource, TarSource, expand_braces, open_splits, resolve_files
+from vlfit.data.source_base import ImageTextSource
+from vlfit.data.sources import ArrowSource, open_splits
+from vlfit.data.tar_source import TarSource
 
 COLOURS = [(220, 30, 30), (30, 200, 40), (40, 50, 230), (240, 220, 20)]
 CAPTIONS = ["a red square", "a green square", "a blue square", "a yellow square"]

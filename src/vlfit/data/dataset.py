@@ -33,7 +33,7 @@ from vlfit.data.image_transforms import (
 from vlfit.data.records import BadRecordError
 
 if TYPE_CHECKING:  # sources need the datasets package; the loader itself does not (vlfit bench on a bare GPU box)
-    from vlfit.data.sources import ImageTextSource
+    from vlfit.data.source_base import ImageTextSource
 
 ImageTransform = Callable[[bytes, str], "torch.Tensor | EncodedImage"]
 

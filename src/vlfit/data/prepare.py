@@ -2,9 +2,10 @@
 
 Each image is decoded with DCT scaling, resized so its short side equals the training resolution (aspect kept, no
 crop, so a random resized crop at train time still sees the whole frame) and re-encoded as a metadata-free 4:2:0
-JPEG. Captions, ids and extra columns are copied unchanged. Training then decodes several times fewer pixels per
-sample. The output folder holds ``{split}-{shard:05d}-of-{num_shards:05d}.parquet`` files (the image column is a
-``datasets.Image`` feature) and a manifest, and reads back with ``open_splits(dataset_name=output_dir)``.
+JPEG (``vlfit.data.reencode``). Captions, ids and extra columns are copied unchanged. Training then decodes
+several times fewer pixels per sample. The output folder holds ``{split}-{shard:05d}-of-{num_shards:05d}.parquet``
+files (the image column is a ``datasets.Image`` feature) and a manifest, and reads back with
+``open_splits(dataset_name=output_dir)``.
 
 Runs are resumable: every shard is written to a temporary file and renamed into place when complete, and a re-run
 builds only the shards that are missing. A re-run with different settings is refused.
@@ -13,7 +14,6 @@ builds only the shards that are missing. A re-run with different settings is ref
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import math
 import multiprocessing
@@ -25,27 +25,21 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import datasets
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-import torchvision.transforms.v2.functional as F
-from PIL import Image
-from torchvision.transforms import InterpolationMode
 from tqdm.auto import tqdm
 
-from vlfit.data.decode import decode_scaled, is_jpeg, simplejpeg
-from vlfit.data.image_transforms import hwc_to_chw_view
-from vlfit.data.sources import ArrowSource, ImageTextSource
+from vlfit.data.reencode import CHROMA_SUBSAMPLING, DEFAULT_JPEG_QUALITY, JPEG_ENCODER, prepare_image
+from vlfit.data.source_base import ImageTextSource
+from vlfit.data.sources import ArrowSource
 from vlfit.threads import torch_threads
 
 MANIFEST_NAME = "vlfit_prepare.json"
 MANIFEST_VERSION = 1
 # The columns training and evaluation read besides image, caption and id.
 DEFAULT_EXTRA_COLUMNS: tuple[str, ...] = ("caption_choices", "label")
-DEFAULT_JPEG_QUALITY = 95
 DEFAULT_SHARD_SIZE = 1000
-CHROMA_SUBSAMPLING = "4:2:0"
 # Rows per parquet row group: small, so a reader never has to buffer many images at once.
 _ROW_GROUP_SIZE = 100
 # Temporary files of shards and of the manifest: `.{final name}.{pid}.tmp`.
@@ -62,143 +56,6 @@ class PrepareError(ValueError):
 
 class ManifestMismatchError(ValueError):
     """The output folder was prepared with other settings or from another source."""
-
-
-# ------------------------------------------------------------------------------------------------ one image
-
-
-@dataclass(frozen=True)
-class PreparedImage:
-    """One re-encoded image and the pixel counts behind it.
-
-    Args:
-        data: The JPEG bytes (no EXIF: orientation is already applied to the pixels).
-        width: Output width.
-        height: Output height.
-        source_pixels: Pixels of the stored image at full size.
-        decoded_pixels: Pixels actually decoded from the stored image (after DCT scaling).
-        small: True when the stored image's short side was already at or below the target: kept at its size.
-    """
-
-    data: bytes
-    width: int
-    height: int
-    source_pixels: int
-    decoded_pixels: int
-    small: bool
-
-
-def encode_jpeg(pixels: np.ndarray, quality: int = DEFAULT_JPEG_QUALITY) -> bytes:
-    """Encode an RGB HWC uint8 array as a baseline 4:2:0 JPEG without metadata.
-
-    Uses libjpeg-turbo through simplejpeg when installed (accurate DCT), else Pillow.
-
-    Args:
-        pixels: RGB HWC uint8 array.
-        quality: JPEG quality, 1..100.
-
-    Returns:
-        The encoded bytes.
-    """
-    pixels = np.ascontiguousarray(pixels)
-    if simplejpeg is not None:
-        return simplejpeg.encode_jpeg(pixels, quality=quality, colorspace="RGB", colorsubsampling="420", fastdct=False)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels, "RGB").save(buffer, format="JPEG", quality=quality, subsampling=2)  # 2 = 4:2:0
-    return buffer.getvalue()
-
-
-def _stored_size(data: bytes) -> tuple[int, int]:
-    """Full-size (width, height) from the header alone (as stored, before EXIF orientation); (0, 0) if unreadable."""
-    if simplejpeg is not None and is_jpeg(data):
-        with contextlib.suppress(Exception):
-            height, width, _, _ = simplejpeg.decode_jpeg_header(data)
-            return width, height
-    with contextlib.suppress(Exception), Image.open(io.BytesIO(data)) as image:
-        return image.size
-    return 0, 0
-
-
-def output_size(width: int, height: int, short_side: int) -> tuple[int, int]:
-    """The (width, height) an image of ``width x height`` is stored at: short side ``short_side``, aspect kept.
-
-    This is the size torchvision's ``Resize([short_side])`` gives the full-size image (the long side truncated, as
-    the reference pipeline resizes it), so the aspect ratio is kept to within a pixel. Images whose short side is
-    already at or below ``short_side`` keep their size (no upscaling).
-
-    Args:
-        width: Image width.
-        height: Image height.
-        short_side: Target short side in pixels.
-
-    Returns:
-        The output (width, height).
-    """
-    short, long = min(width, height), max(width, height)
-    if short <= short_side:
-        return width, height
-    new_long = int(short_side * long / short)
-    return (new_long, short_side) if width >= height else (short_side, new_long)
-
-
-def resize_uint8(pixels: np.ndarray, width: int, height: int) -> np.ndarray:
-    """Resize an RGB HWC uint8 array to ``width x height`` (bicubic, antialiased, staying uint8).
-
-    Args:
-        pixels: RGB HWC uint8 array.
-        width: Output width.
-        height: Output height.
-
-    Returns:
-        A C-contiguous RGB HWC uint8 array.
-    """
-    chw = hwc_to_chw_view(pixels)
-    out = F.resize(chw.unsqueeze(0), [height, width], interpolation=InterpolationMode.BICUBIC, antialias=True)[0]
-    return np.ascontiguousarray(out.permute(1, 2, 0).numpy())
-
-
-def prepare_image(
-    data: bytes, short_side: int, jpeg_quality: int = DEFAULT_JPEG_QUALITY, sample_id: str = "?"
-) -> PreparedImage:
-    """Decode (DCT-scaled, EXIF orientation applied), shrink to ``short_side`` and re-encode one image.
-
-    The output size comes from the stored image's full size (see ``output_size``), not from the DCT-scaled array,
-    whose sides libjpeg rounds up (its aspect ratio can be off by more than a pixel at the output size). Images
-    whose short side is already at or below ``short_side`` are not upscaled: they are re-encoded at their size.
-
-    Args:
-        data: The stored image bytes (any format the decoders read).
-        short_side: Short side of the output in pixels.
-        jpeg_quality: JPEG quality of the output, 1..100.
-        sample_id: Named in decode errors.
-
-    Returns:
-        The re-encoded image and its pixel counts.
-
-    Raises:
-        DecodeError: naming ``sample_id`` when the image cannot be decoded.
-    """
-    pixels = decode_scaled(data, short_side, sample_id)
-    decoded_height, decoded_width = pixels.shape[:2]
-    width, height = _stored_size(data)
-    if not width * height:
-        width, height = decoded_width, decoded_height
-    # The header size is before EXIF orientation: take the ratio from it and the long axis from the decoded array.
-    short, long = min(width, height), max(width, height)
-    if decoded_width >= decoded_height:
-        target = output_size(long, short, short_side)
-    else:
-        target = output_size(short, long, short_side)
-    if short > short_side and target != (decoded_width, decoded_height):
-        pixels = resize_uint8(pixels, *target)
-    return PreparedImage(
-        data=encode_jpeg(pixels, jpeg_quality),
-        width=pixels.shape[1],
-        height=pixels.shape[0],
-        source_pixels=width * height,
-        decoded_pixels=decoded_width * decoded_height,
-        small=short <= short_side,
-    )
 
 
 def resolve_short_side(
@@ -674,7 +531,7 @@ def prepare_dataset(
         manifest = {"format_version": MANIFEST_VERSION, "settings": settings, "splits": {}}
     else:
         _check_compatible(output_dir, manifest, settings)
-    manifest["encoder"] = "simplejpeg" if simplejpeg is not None else "pillow"
+    manifest["encoder"] = JPEG_ENCODER
 
     tasks: list[_ShardTask] = []
     for split, source in sources.items():

@@ -1,33 +1,26 @@
-"""Map-style image-text sources: Arrow-backed datasets and WebDataset tar shards, yielding encoded bytes only.
+"""Opening a dataset's splits as image-text sources: hub datasets, ``save_to_disk`` folders, parquet folders and
+files, JSON lines/CSV with image paths (all Arrow-backed, ``ArrowSource``) and WebDataset tar shards (``TarSource``).
 
-Every source has a length and integer indexing (so samplers can shard and resume exactly), reads image bytes
-without decoding them, and is safe to pickle or use after ``fork`` (file handles are opened lazily per process).
+Sources yield encoded bytes only; see ``vlfit.data.source_base`` for the interface they share.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import glob
-import json
-import math
-import operator
 import os
 import re
-import tarfile
-from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import datasets
 import numpy as np
 
-from vlfit.data.records import BadRecordError, Record, image_value_to_bytes
+from vlfit.data.file_patterns import resolve_files
+from vlfit.data.records import Record, image_value_to_bytes
+from vlfit.data.source_base import ImageTextSource, as_caption
+from vlfit.data.tar_source import TarSource
 
 SUPPORTED_FILE_EXTENSIONS: tuple[str, ...] = (".parquet", ".jsonl", ".json", ".csv", ".tar")
 _BUILDER_FOR_EXTENSION = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
-WEBDATASET_IMAGE_EXTENSIONS: tuple[str, ...] = ("jpg", "jpeg", "png", "webp")
 # Split names recognised in local parquet folders, from file-name prefixes (`train-*.parquet`) or folder names.
 KNOWN_SPLIT_NAMES: tuple[str, ...] = ("train", "validation", "valid", "val", "dev", "test", "eval")
 _HUB_SHARD_NAME = re.compile(r"^(?P<split>[\w.]+?)-\d+-of-\d+")
@@ -39,86 +32,6 @@ class _Columns:
     caption: str
     id: str | None
     extras: tuple[str, ...]
-
-
-class ImageTextSource(ABC):
-    """A map-style collection of image-text records.
-
-    Subclasses implement ``_read`` and ``_read_captions`` on *underlying* row numbers; this class maps the
-    public (possibly ``select``-ed) indices onto them.
-
-    Attributes:
-        column_names: The columns (or, for tar shards, member extensions) the underlying data has.
-        name: A human-readable description (split and files) used in error messages.
-    """
-
-    column_names: list[str]
-    name: str
-
-    def __init__(self, *, name: str, column_names: Sequence[str], num_rows: int) -> None:
-        self.name = name
-        self.column_names = list(column_names)
-        self._num_rows = num_rows
-        self._rows: np.ndarray | None = None  # None = identity mapping onto the underlying rows
-
-    def __len__(self) -> int:
-        return self._num_rows if self._rows is None else len(self._rows)
-
-    def __getitem__(self, index: int) -> Record:
-        """Return the record at ``index`` (negative indices count from the end)."""
-        return self._read(self._underlying_row(index))
-
-    def __iter__(self) -> Iterator[Record]:
-        for i in range(len(self)):
-            yield self[i]
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name}, {len(self)} records)"
-
-    def captions(self) -> list[str | None]:
-        """Return every caption in index order without reading image bytes (for tokenizer training, stats)."""
-        return self._read_captions(self._rows)
-
-    def select(self, indices: Sequence[int]) -> ImageTextSource:
-        """Return a source holding only ``indices`` (in that order); ids stay those of the original rows.
-
-        Args:
-            indices: Positions in this source; negative values count from the end.
-
-        Raises:
-            IndexError: when an index is out of range.
-        """
-        positions = np.asarray(indices, dtype=np.int64).reshape(-1)
-        n = len(self)
-        if positions.size and (positions.min() < -n or positions.max() >= n):
-            raise IndexError(f"{self.name}: select() index out of range for {n} records")
-        positions = np.where(positions < 0, positions + n, positions)
-        subset = copy.copy(self)
-        subset._rows = positions if self._rows is None else self._rows[positions]
-        return subset
-
-    def _underlying_row(self, index: int) -> int:
-        i = operator.index(index)
-        n = len(self)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"{self.name}: index {index} out of range for {n} records")
-        return i if self._rows is None else int(self._rows[i])
-
-    @abstractmethod
-    def _read(self, row: int) -> Record: ...
-
-    @abstractmethod
-    def _read_captions(self, rows: np.ndarray | None) -> list[str | None]: ...
-
-
-def _as_caption(value: Any) -> str | None:
-    if value is None or (isinstance(value, float) and math.isnan(value)):  # CSV readers turn empty cells into NaN
-        return None
-    if isinstance(value, bytes):  # a binary column: decode it (str() would give "b'...'"), as tar captions are
-        return value.decode("utf-8", errors="replace")
-    return value if isinstance(value, str) else str(value)
 
 
 class ArrowSource(ImageTextSource):
@@ -203,292 +116,14 @@ class ArrowSource(ImageTextSource):
         sample_id = str(values[cols.id]) if cols.id is not None else f"{self._split}-{row}"
         image = image_value_to_bytes(values[cols.image], base_dir=self._base_dir(row), sample_id=sample_id)
         extra = {c: values[c] for c in cols.extras}
-        return Record(id=sample_id, image=image, caption=_as_caption(values[cols.caption]), extra=extra)
+        return Record(id=sample_id, image=image, caption=as_caption(values[cols.caption]), extra=extra)
 
     def _read_captions(self, rows: np.ndarray | None) -> list[str | None]:
         # Arrow format reads only the caption column, leaving image bytes untouched.
         column = self._dataset.select_columns([self._columns.caption]).with_format("arrow")[:].column(0)
         if rows is not None:
             column = column.take(rows)
-        return [_as_caption(v) for v in column.to_pylist()]
-
-
-def _split_member_name(name: str) -> tuple[str, str] | None:
-    """WebDataset grouping: key = path up to the first dot of the basename, extension = the rest."""
-    folder, base = os.path.split(name)
-    if "." not in base or base.startswith("."):
-        return None
-    stem, ext = base.split(".", 1)
-    return (f"{folder}/{stem}" if folder else stem), ext
-
-
-class TarSource(ImageTextSource):
-    """A source over WebDataset tar shards, read in place (no extraction) by offset.
-
-    Members are grouped into samples by key (the member path up to the first dot of its basename). The image is
-    the member whose extension equals ``image_column`` if there is one, else the first of
-    ``jpg``/``jpeg``/``png``/``webp``. The caption is the member whose extension equals ``caption_column``, else
-    the ``.txt`` member, else ``json[caption_column]``. Extra columns come from a member with that extension
-    (parsed as JSON when possible) or from the ``.json`` member. The id is the key.
-
-    Args:
-        shards: Paths of uncompressed ``.tar`` files.
-        name: Description used in error messages.
-        image_column: Preferred image member extension (ignored when no member has it).
-        caption_column: Caption member extension, or the key in the ``.json`` member.
-        extra_columns: Values copied into ``Record.extra`` when present.
-
-    Raises:
-        ValueError: when a sample has no image member (naming shard and key), or no caption source exists.
-    """
-
-    def __init__(
-        self,
-        shards: Sequence[str],
-        *,
-        name: str,
-        image_column: str = "image",
-        caption_column: str = "txt",
-        extra_columns: Sequence[str] = (),
-    ) -> None:
-        self._shards = [os.path.abspath(s) for s in shards]
-        self._caption_column = caption_column
-        self._extra_columns = tuple(extra_columns)
-        keys: list[str] = []
-        shard_ids: list[int] = []
-        # Per sample: (offset, size) of the image, caption-text and json members; (-1, 0) when absent.
-        image_loc: list[tuple[int, int]] = []
-        text_loc: list[tuple[int, int]] = []
-        json_loc: list[tuple[int, int]] = []
-        extra_loc: list[list[tuple[int, int]]] = []
-        extensions: dict[str, None] = {}
-        for shard_id, shard in enumerate(self._shards):
-            for key, members in self._index_shard(shard):
-                extensions.update(dict.fromkeys(members))
-                image_ext = image_column if image_column in members else None
-                image_ext = image_ext or next((e for e in WEBDATASET_IMAGE_EXTENSIONS if e in members), None)
-                if image_ext is None:
-                    raise ValueError(
-                        f"{name}: sample {key!r} in shard {shard} has no image member (found extensions "
-                        f"{sorted(members)}; expected one of {list(WEBDATASET_IMAGE_EXTENSIONS)})"
-                    )
-                text_ext = caption_column if caption_column in members else "txt"
-                keys.append(key)
-                shard_ids.append(shard_id)
-                image_loc.append(members[image_ext])
-                text_loc.append(members.get(text_ext, (-1, 0)))
-                json_loc.append(members.get("json", (-1, 0)))
-                extra_loc.append([members.get(c, (-1, 0)) for c in self._extra_columns])
-        super().__init__(name=name, column_names=list(extensions), num_rows=len(keys))
-        self._keys = keys
-        self._shard_ids = np.asarray(shard_ids, dtype=np.int32)
-        self._image_loc = np.asarray(image_loc, dtype=np.int64).reshape(-1, 2)
-        self._text_loc = np.asarray(text_loc, dtype=np.int64).reshape(-1, 2)
-        self._json_loc = np.asarray(json_loc, dtype=np.int64).reshape(-1, 2)
-        self._extra_loc = np.asarray(extra_loc, dtype=np.int64).reshape(len(keys), len(self._extra_columns), 2)
-        self._pid: int | None = None
-        self._fds: dict[int, int] = {}
-        self._check_caption_source(name, extensions)
-
-    @staticmethod
-    def _index_shard(shard: str) -> list[tuple[str, dict[str, tuple[int, int]]]]:
-        samples: dict[str, dict[str, tuple[int, int]]] = {}
-        try:
-            with tarfile.open(shard, mode="r:") as archive:
-                for member in archive:
-                    if not member.isfile():
-                        continue
-                    parts = _split_member_name(member.name)
-                    if parts is None:
-                        continue
-                    key, ext = parts
-                    samples.setdefault(key, {})[ext.lower()] = (member.offset_data, member.size)
-        except tarfile.TarError as err:
-            raise ValueError(f"cannot index tar shard {shard} (only uncompressed .tar is supported): {err}") from err
-        return list(samples.items())
-
-    def _check_caption_source(self, name: str, extensions: dict[str, None]) -> None:
-        if len(self) == 0 or (self._text_loc[:, 0] >= 0).any():
-            return
-        if not (self._json_loc[:, 0] >= 0).any():
-            raise ValueError(
-                f"{name}: no caption found: samples have no {self._caption_column!r} or 'txt' member and no 'json' "
-                f"member; member extensions present: {list(extensions)}"
-            )
-        # Check one json member now, so a wrong caption_column fails at open time rather than mid-training.
-        first = int(np.argmax(self._json_loc[:, 0] >= 0))
-        meta = self._load_json(first)
-        if self._caption_column not in meta:
-            raise ValueError(
-                f"{name}: caption key {self._caption_column!r} not found in the json of sample "
-                f"{self._keys[first]!r} ({self._shards[self._shard_ids[first]]}); keys present: {sorted(meta)}"
-            )
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_pid"], state["_fds"] = None, {}  # descriptors belong to the pickling process
-        return state
-
-    def __del__(self) -> None:
-        try:  # noqa: SIM105 - at interpreter shutdown module globals such as contextlib may already be gone
-            self.close()
-        except Exception:
-            pass
-
-    def close(self) -> None:
-        """Close the file descriptors this process opened (they reopen on the next read)."""
-        fds = getattr(self, "_fds", {})
-        for fd in fds.values():
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        fds.clear()
-
-    def _fd(self, shard_id: int) -> int:
-        if self._pid != os.getpid():
-            # After fork the inherited descriptors share offsets with the parent; close our copies and reopen.
-            self.close()
-            self._pid = os.getpid()
-        fd = self._fds.get(shard_id)
-        if fd is None:
-            fd = os.open(self._shards[shard_id], os.O_RDONLY | getattr(os, "O_BINARY", 0))
-            kept = self._fds.setdefault(shard_id, fd)
-            if kept != fd:  # another thread opened it first
-                os.close(fd)
-                fd = kept
-        return fd
-
-    def _read_member(self, row: int, offset: int, size: int) -> bytes:
-        shard_id = int(self._shard_ids[row])
-        fd = self._fd(shard_id)
-        if hasattr(os, "pread"):  # positional read: no shared seek position between threads
-            data = os.pread(fd, size, offset)
-        else:  # pragma: no cover - Windows
-            os.lseek(fd, offset, os.SEEK_SET)
-            data = os.read(fd, size)
-        if len(data) != size:
-            raise BadRecordError(
-                f"sample {self._keys[row]}: shard {self._shards[shard_id]} is truncated "
-                f"(read {len(data)} of {size} bytes at offset {offset})"
-            )
-        return data
-
-    def _load_json(self, row: int) -> dict[str, Any]:
-        offset, size = self._json_loc[row]
-        if offset < 0:
-            return {}
-        raw = self._read_member(row, int(offset), int(size))
-        try:
-            meta = json.loads(raw)
-        except ValueError as err:
-            raise BadRecordError(f"sample {self._keys[row]}: invalid json member: {err}") from err
-        return meta if isinstance(meta, dict) else {}
-
-    def _text(self, row: int, offset: int, size: int) -> str:
-        # Invalid UTF-8 becomes U+FFFD rather than a bad sample: web captions often carry a few mis-encoded
-        # bytes in otherwise good text (see vlfit.data.bad_samples).
-        return self._read_member(row, offset, size).decode("utf-8", errors="replace").strip()
-
-    def _caption(self, row: int, meta: dict[str, Any] | None) -> str | None:
-        offset, size = self._text_loc[row]
-        if offset >= 0:
-            return self._text(row, int(offset), int(size))
-        if meta is None:
-            meta = self._load_json(row)
-        return _as_caption(meta.get(self._caption_column))
-
-    def _read(self, row: int) -> Record:
-        offset, size = self._image_loc[row]
-        image = self._read_member(row, int(offset), int(size))
-        meta = self._load_json(row) if self._json_loc[row, 0] >= 0 else {}
-        extra: dict[str, Any] = {}
-        for j, column in enumerate(self._extra_columns):
-            e_offset, e_size = self._extra_loc[row, j]
-            if e_offset >= 0:
-                text = self._text(row, int(e_offset), int(e_size))
-                try:
-                    extra[column] = json.loads(text)
-                except ValueError:
-                    extra[column] = text
-            elif column in meta:
-                extra[column] = meta[column]
-        return Record(id=self._keys[row], image=image, caption=self._caption(row, meta), extra=extra)
-
-    def _read_captions(self, rows: np.ndarray | None) -> list[str | None]:
-        order = range(self._num_rows) if rows is None else (int(r) for r in rows)
-        return [self._caption(row, None) for row in order]
-
-
-# ----------------------------------------------------------------------------------------------- file patterns
-
-
-def _split_top_level(spec: str) -> list[str]:
-    """Split a comma-separated list, leaving commas inside ``{a,b}`` braces alone."""
-    parts, depth, current = [], 0, []
-    for char in spec:
-        if char == "," and depth == 0:
-            parts.append("".join(current))
-            current = []
-            continue
-        depth += char == "{"
-        depth -= char == "}" and depth > 0
-        current.append(char)
-    parts.append("".join(current))
-    return [p.strip() for p in parts if p.strip()]
-
-
-def expand_braces(pattern: str) -> list[str]:
-    """Expand shell-style braces: ``a-{000..002}.tar`` and ``{train,extra}.tar`` (zero padding is kept).
-
-    Args:
-        pattern: A path pattern; text without braces is returned unchanged.
-
-    Returns:
-        The expanded patterns, in order.
-    """
-    match = re.search(r"\{([^{}]*)\}", pattern)
-    if match is None:
-        return [pattern]
-    head, tail, body = pattern[: match.start()], pattern[match.end() :], match.group(1)
-    numeric = re.fullmatch(r"(\d+)\.\.(\d+)", body)
-    if numeric:
-        first, last = numeric.groups()
-        width = len(first) if first.startswith("0") or len(first) == len(last) else 0
-        step = 1 if int(last) >= int(first) else -1
-        options = [str(i).zfill(width) for i in range(int(first), int(last) + step, step)]
-    elif "," in body:
-        options = body.split(",")
-    else:
-        return [head + "{" + body + "}" + t for t in expand_braces(tail)]
-    return [expanded for option in options for expanded in expand_braces(head + option + tail)]
-
-
-def resolve_files(spec: str) -> list[str]:
-    """Turn a file spec (path, glob, ``{a..b}`` braces, or a comma-separated list of these) into file paths.
-
-    Args:
-        spec: The spec as given on the command line.
-
-    Returns:
-        Existing file paths; glob matches are sorted, duplicates removed, order otherwise kept.
-
-    Raises:
-        FileNotFoundError: naming the pattern that matched nothing or the file that does not exist.
-    """
-    files: dict[str, None] = {}
-    for part in _split_top_level(spec):
-        for pattern in expand_braces(os.path.expanduser(part)):
-            if glob.has_magic(pattern):
-                matches = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
-                if not matches:
-                    raise FileNotFoundError(f"no files match the pattern {pattern!r} (from {spec!r})")
-                files.update(dict.fromkeys(matches))
-            elif os.path.isfile(pattern):
-                files[pattern] = None
-            else:
-                raise FileNotFoundError(f"file not found: {pattern!r} (from {spec!r})")
-    if not files:
-        raise FileNotFoundError(f"no files given in {spec!r}")
-    return list(files)
+        return [as_caption(v) for v in column.to_pylist()]
 
 
 def _file_extension(path: str) -> str:

@@ -17,7 +17,8 @@ from vlfit.arguments import DataArguments, ModelArguments, VlfitTrainingArgument
 from vlfit.data.bad_samples import BAD_SAMPLES_REPORT
 from vlfit.data.dataset import ImageTextCollator, ImageTextDataset, build_image_transform
 from vlfit.data.device_stage import DeviceStage
-from vlfit.data.sources import ImageTextSource, open_splits
+from vlfit.data.source_base import ImageTextSource
+from vlfit.data.sources import open_splits
 from vlfit.models.loading import load_model_bundle
 from vlfit.training.distributed import describe_launch
 from vlfit.training.preemption import PreemptionCallback, TrainingPreempted
