@@ -122,6 +122,25 @@ def test_distributed_evaluation_with_bad_samples_equals_one_process(tmp_path: Pa
         assert two[key] == pytest.approx(one[key], abs=1e-6), key
 
 
+def test_distributed_training_counts_every_process_bad_samples(tmp_path: Path, dirty_dataset: str) -> None:
+    """Each process reports the bad samples it read; the run's metrics sum them over the processes."""
+    out = tmp_path / "run"
+    done = subprocess.run(
+        torchrun_command("-m", "vlfit", *_argv(dirty_dataset, out, "--num_train_epochs", "1")),
+        env=torchrun_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    reports = [out / "bad_samples.jsonl", out / "bad_samples_1.jsonl"]
+    records = [json.loads(line) for report in reports for line in report.read_text().splitlines()]
+    # Every bad row is read by one process at least (a process may read one again in the epoch's padded tail).
+    assert {r["id"] for r in records} == {f"t-{i}" for i in BAD_TRAIN}
+    metrics = json.loads((out / "train_results.json").read_text())
+    assert metrics["train_bad_samples"] == len(records)
+
+
 def test_max_bad_fraction_stops_the_run_with_the_ids(tmp_path: Path, dirty_dataset: str) -> None:
     out = tmp_path / "run"
     argv = _argv(dirty_dataset, out, "--num_train_epochs", "3", "--max_bad_fraction", "0.02")

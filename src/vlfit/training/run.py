@@ -180,16 +180,17 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Vlf
             bundle.image_processor.save_pretrained(training_args.output_dir)
         metrics = dict(train_result.metrics)
         metrics["train_data_wait_share"] = trainer.throughput.total()["data_wait_share"]
-        metrics["train_bad_samples"] = trainer.bad_samples.count
-        metrics["train_bad_sample_fraction"] = trainer.bad_samples.fraction
-        if trainer.bad_samples.count:
+        bad, read = trainer.bad_sample_totals()  # every process's, summed
+        metrics["train_bad_samples"] = bad
+        metrics["train_bad_sample_fraction"] = bad / read if read else 0.0
+        if bad and trainer.is_world_process_zero():
+            reports = os.path.join(training_args.output_dir, BAD_SAMPLES_REPORT)
+            if training_args.world_size > 1:
+                reports += " (and bad_samples_N.jsonl for process N)"
             logger.warning(
-                "%d bad samples were skipped (%.2f%% of %d read); ids and reasons: %s",
-                trainer.bad_samples.count,
-                100 * trainer.bad_samples.fraction,
-                trainer.bad_samples.samples_read,
-                os.path.join(training_args.output_dir, BAD_SAMPLES_REPORT),
-            )
+                "%d bad samples were skipped (%.2f%% of %d read); ids and reasons: %s", bad, 100 * bad / read, read,
+                reports,
+            )  # fmt: skip
         trainer.log_metrics("train", metrics)
         trainer.save_metrics("train", metrics)
         trainer.save_state()

@@ -134,6 +134,15 @@ class VlfitTrainer(Trainer):
             self.write_bad_samples_report()
             raise
 
+    def bad_sample_totals(self) -> tuple[int, int]:
+        """Bad samples skipped and samples read, summed over every process (a collective in distributed runs)."""
+        totals = torch.tensor(
+            [self.bad_samples.count, self.bad_samples.samples_read], dtype=torch.long, device=self.args.device
+        )
+        if self.accelerator.num_processes > 1:
+            totals = self.accelerator.reduce(totals, reduction="sum")
+        return int(totals[0]), int(totals[1])
+
     def write_bad_samples_report(self) -> str:
         """Write this process's bad samples to ``bad_samples.jsonl`` in the output folder; returns the path."""
         os.makedirs(self.args.output_dir, exist_ok=True)
