@@ -33,7 +33,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vlfit: unknown command {command!r}; choose one of: {', '.join(COMMANDS)}\n\n{usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[command][0])
-    return int(module.main(rest) or 0)
+    try:
+        return int(module.main(rest) or 0)
+    finally:
+        # A process group left to interpreter exit can abort the process after its work is done (gloo's threads).
+        dist = sys.modules.get("torch.distributed")  # not imported: no process group to close
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
