@@ -33,13 +33,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vlfit: unknown command {command!r}; choose one of: {', '.join(COMMANDS)}\n\n{usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[command][0])
-    try:
-        return int(module.main(rest) or 0)
-    finally:
-        # A process group left to interpreter exit can abort the process after its work is done (gloo's threads).
-        dist = sys.modules.get("torch.distributed")  # not imported: no process group to close
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+    code = int(module.main(rest) or 0)
+    # A process group left to interpreter exit can abort the process after its work is done (gloo's worker threads
+    # outlive the interpreter: SIGABRT, pytorch#190489). Only after a normal return: a process that raised may
+    # have peers still inside a collective, which destroying the group could hang.
+    dist = sys.modules.get("torch.distributed")  # not imported: no process group to close
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    return code
 
 
 if __name__ == "__main__":
