@@ -341,6 +341,10 @@ def test_gpu_script_runs_on_a_cpu_without_datasets_simplejpeg_or_matplotlib(tmp_
     assert results["settings"]["chart_renderer"] == "pillow"
     assert len(results["rows"]) == 4 and all(row["samples_per_second"] > 0 for row in results["rows"])
     assert (out / "bench.png").stat().st_size > 0 and (out / "bench.log").stat().st_size > 0
+    # The CUDA tests ran first and, without a GPU, reported every one of them skipped.
+    tests_log = (out / "cuda_tests.log").read_text()
+    assert "SKIPPED" in tests_log and "needs an NVIDIA GPU" in tests_log and "failed" not in tests_log
+    assert "gpu.sh: CUDA tests exit 0" in done.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")

@@ -14,7 +14,6 @@ from tests.data.image_factory import (
     exif_jpeg_bytes,
     grayscale_jpeg_bytes,
     jpeg_bytes,
-    png_rgb_bytes,
     png_rgba_bytes,
     progressive_jpeg_bytes,
     psnr,
@@ -162,17 +161,19 @@ def test_decode_resize_batch_names_the_corrupt_sample(bad: bytes) -> None:
         decode_resize_batch(images, SIZE, "cpu")
 
 
-def test_decode_resize_batch_outputs_are_not_aliased() -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, needs_cuda])])
+def test_decode_resize_batch_outputs_are_not_aliased(device: str) -> None:
+    """A batch's pixels survive decoding the next batch (nvJPEG decodes on a stream of its own)."""
     first_images = [EncodedImage(jpeg_bytes(96, 64, seed=s), f"a{s}") for s in range(3)]
-    first = decode_resize_batch(first_images, SIZE, "cpu")
+    first = decode_resize_batch(first_images, SIZE, device)
     kept = first.clone()
     second = decode_resize_batch(
-        [EncodedImage(png_rgb_bytes(64, 96, seed=s + 10), f"b{s}") for s in range(3)], SIZE, "cpu"
+        [EncodedImage(jpeg_bytes(64, 96, seed=s + 10), f"b{s}") for s in range(3)], SIZE, device
     )
     assert torch.equal(first, kept)
     assert first.data_ptr() != second.data_ptr()
     assert not torch.equal(first, second)
-    again = decode_resize_batch(first_images, SIZE, "cpu")
+    again = decode_resize_batch(first_images, SIZE, device)
     assert torch.equal(again, kept)  # deterministic
 
 
@@ -274,14 +275,20 @@ def test_decode_resize_batch_on_cuda_matches_cpu() -> None:
 
 @pytest.mark.cuda
 @needs_cuda
-def test_cuda_prefetcher_yields_every_batch_staged() -> None:
+@pytest.mark.parametrize("layout", ["nchw", "channels_last_pinned"])
+def test_cuda_prefetcher_yields_every_batch_staged(layout: str) -> None:
+    """As the Trainer feeds it: the CPU stage's channels-last batches, pinned by the DataLoader, or plain NCHW."""
     device = torch.device("cuda")
     stage = DeviceStage(8, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
     batches = [{"pixel_values": random_uint8(2, 3, 8, 8, seed=i), **_text(2)} for i in range(3)]
+    if layout == "channels_last_pinned":
+        for batch in batches:
+            batch["pixel_values"] = batch["pixel_values"].contiguous(memory_format=torch.channels_last).pin_memory()
     out = list(CudaPrefetcher(iter(batches), stage, device, torch.bfloat16))
     assert len(out) == 3
     for batch, staged in zip(batches, out, strict=True):
         assert staged["_device_ready"] is True
         assert staged["pixel_values"].device.type == "cuda" and staged["pixel_values"].dtype == torch.bfloat16
+        assert staged["pixel_values"].is_contiguous()
         expected = normalize_uint8(batch["pixel_values"], MEAN, STD, torch.float32)
         torch.testing.assert_close(staged["pixel_values"].float().cpu(), expected, atol=2e-2, rtol=1e-2)
