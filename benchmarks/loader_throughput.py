@@ -22,6 +22,7 @@ runs them all in this process instead, for comparison.
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import json
 import multiprocessing
@@ -36,7 +37,7 @@ import torch
 from PIL import Image
 
 from vlfit.data.image_transforms import FastImageTransform, ReferenceImageTransform
-from vlfit.data.reencode import prepare_image
+from vlfit.data.reencode import DEFAULT_JPEG_QUALITY, prepare_image
 from vlfit.data.synthetic import SyntheticConfig, make_record
 from vlfit.models.presets import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
@@ -74,10 +75,9 @@ class PipelineProcess:
     """A pipeline timed in a process of its own (forked: it inherits the images and this process's imports)."""
 
     def __init__(self, function: Callable[[bytes], object], images: list[bytes]) -> None:
-        self.conn, child = multiprocessing.get_context("fork").Pipe()
-        self.process = multiprocessing.get_context("fork").Process(
-            target=serve_rounds, args=(function, images, child), daemon=True
-        )
+        context = multiprocessing.get_context("fork")
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=serve_rounds, args=(function, images, child), daemon=True)
         self.process.start()
 
     def round(self) -> float:
@@ -100,7 +100,7 @@ def main() -> None:
     torch.set_num_threads(1)
 
     originals = new_yorker_like_jpegs(args.images)
-    prepared = [prepare_image(data, args.size, 95).data for data in originals]
+    prepared = [prepare_image(data, args.size, DEFAULT_JPEG_QUALITY).data for data in originals]
     reference = ReferenceImageTransform(args.size, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
     fast = FastImageTransform(args.size)
     size = args.size
@@ -123,10 +123,7 @@ def main() -> None:
         runners = {}
         for function, images in pipelines.values():  # warm-up: allocator, codec tables, lazy imports
             function(images[0])
-        timers = {
-            name: (lambda f=function, i=images: images_per_second(f, i))
-            for name, (function, images) in pipelines.items()
-        }
+        timers = {name: functools.partial(images_per_second, *pipeline) for name, pipeline in pipelines.items()}
     else:
         runners = {name: PipelineProcess(function, images) for name, (function, images) in pipelines.items()}
         timers = {name: runner.round for name, runner in runners.items()}

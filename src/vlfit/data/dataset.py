@@ -201,7 +201,8 @@ class ImageTextCollator:
         else:
             batch["pixel_values"] = stack_images(images)
         batch["sample_ids"] = [sample["id"] for sample in samples]
-        batch["positions"] = [sample.get("position", i) for i, sample in enumerate(samples)]
+        if all("position" in sample for sample in samples):  # ImageTextDataset's samples (evaluation needs them)
+            batch["positions"] = [sample["position"] for sample in samples]
         batch["bad_samples"] = bad_samples
         for column in self.keep_columns:
             batch[column] = [sample.get(column) for sample in samples]

@@ -112,13 +112,17 @@ def merge_splits(parts: list[EmbeddedSplit]) -> EmbeddedSplit:
     order = sorted(range(len(positions)), key=positions.__getitem__)  # stable: the first copy of a position wins
     keep = [row for i, row in enumerate(order) if i == 0 or positions[row] != positions[order[i - 1]]]
     rows = torch.tensor(keep, dtype=torch.long)
+    with_samples = [part for part in parts if part.positions]  # parts without rows have no batches to concatenate
+
+    def kept_rows(per_part: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        return [torch.cat([batch for batches in per_part for batch in batches]).index_select(0, rows)]
+
     merged.positions = [positions[row] for row in keep]
-    merged.texts = [torch.cat([t for part in parts for t in part.texts]).index_select(0, rows)]
-    merged.images = [torch.cat([t for part in parts for t in part.images]).index_select(0, rows)]
-    with_samples = [part for part in parts if part.positions]
-    if all(part.choices is not None for part in with_samples):
-        merged.choices = [torch.cat([t for part in with_samples for t in part.choices]).index_select(0, rows)]  # type: ignore[union-attr]
-        merged.labels = [torch.cat([t for part in with_samples for t in part.labels]).index_select(0, rows)]  # type: ignore[union-attr]
+    merged.texts = kept_rows([part.texts for part in with_samples])
+    merged.images = kept_rows([part.images for part in with_samples])
+    if all(part.choices is not None and part.labels is not None for part in with_samples):
+        merged.choices = kept_rows([part.choices for part in with_samples])  # type: ignore[misc]
+        merged.labels = kept_rows([part.labels for part in with_samples])  # type: ignore[misc]
     else:
         merged.choices = merged.labels = None
     return merged
