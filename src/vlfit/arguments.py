@@ -13,9 +13,11 @@ from transformers import TrainingArguments
 
 from vlfit.data.bad_samples import BAD_SAMPLE_POLICIES, MIN_SAMPLES_FOR_BAD_FRACTION
 from vlfit.data.image_transforms import IMAGE_PIPELINES
+from vlfit.launch import prepare_launch
 from vlfit.models.presets import PRESETS
-from vlfit.training.contrastive_loss import CONTRASTIVE_NEGATIVES
-from vlfit.training.distributed import prepare_launch
+
+# Where a contrastive loss takes its negatives from (``--contrastive_negatives``).
+CONTRASTIVE_NEGATIVES = ("local", "global")
 
 
 @dataclass

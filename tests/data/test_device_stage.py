@@ -20,14 +20,8 @@ from tests.data.image_factory import (
     webp_bytes,
 )
 from vlfit.data.decode import DecodeError, apply_orientation
-from vlfit.data.device_stage import (
-    CudaPrefetcher,
-    DeviceStage,
-    _orient_chw,
-    decode_resize_batch,
-    normalize_uint8,
-    random_horizontal_flip,
-)
+from vlfit.data.device_decode import _orient_chw, decode_resize_batch
+from vlfit.data.device_stage import CudaPrefetcher, DeviceStage, normalize_uint8, random_horizontal_flip
 from vlfit.data.image_transforms import EncodedImage, FastImageTransform
 from vlfit.models.presets import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 

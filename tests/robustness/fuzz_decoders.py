@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from tests.data.image_factory import exif_jpeg_bytes, jpeg_bytes, progressive_jpeg_bytes
 from vlfit.data import decode
 from vlfit.data.decode import DecodeError, check_image_header, decode_pil, decode_scaled
-from vlfit.data.device_stage import decode_resize_batch
+from vlfit.data.device_decode import decode_resize_batch
 from vlfit.data.image_transforms import EncodedImage, FastImageTransform, ReferenceImageTransform
 
 SIZE = 32

@@ -12,7 +12,7 @@ import torch
 from tests.data.image_factory import psnr
 from tests.robustness.bad_corpus import CorpusImage, bad_images, expected_png, valid_images
 from vlfit.data.decode import DecodeError
-from vlfit.data.device_stage import decode_resize_batch, decode_resize_batch_skipping_bad
+from vlfit.data.device_decode import decode_resize_batch, decode_resize_batch_skipping_bad
 from vlfit.data.image_transforms import EncodedImage, FastImageTransform, PassThroughEncoded, ReferenceImageTransform
 
 SIZE = 32

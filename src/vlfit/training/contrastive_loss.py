@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.bridgetower.modeling_bridgetower import BridgeTowerContrastiveOutput
 
-CONTRASTIVE_NEGATIVES = ("local", "global")
 _HOOK_ATTRIBUTE = "_vlfit_logit_scale_hook"
 
 
