@@ -39,7 +39,7 @@ from PIL import Image
 from vlfit.data.image_transforms import FastImageTransform, ReferenceImageTransform
 from vlfit.data.reencode import DEFAULT_JPEG_QUALITY, prepare_image
 from vlfit.data.synthetic import SyntheticConfig, make_record
-from vlfit.models.presets import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+from vlfit.models.family import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
 
 def new_yorker_like_jpegs(count: int, width: int = 1024, height: int = 768, quality: int = 90) -> list[bytes]:

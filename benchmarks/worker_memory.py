@@ -13,12 +13,12 @@ import argparse
 import tempfile
 
 import psutil
-from torch.utils.data import DataLoader
+import torch
 
-from vlfit.data.dataset import ImageTextCollator, ImageTextDataset, build_image_transform
+from vlfit.data.pipeline import InputPipeline, LoaderSettings, PipelineOptions
 from vlfit.data.sources import open_splits
 from vlfit.data.synthetic import SyntheticConfig, make_dataset, save_dataset
-from vlfit.models.presets import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+from vlfit.models.family import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, InputSpec
 from vlfit.models.tokenizer import train_caption_tokenizer
 
 
@@ -38,20 +38,17 @@ def main() -> None:
         indices = [i % len(source) for i in range(args.samples)]
         source = source.select(indices)
         tokenizer = train_caption_tokenizer(source.captions(), vocab_size=1024)
-        transform = build_image_transform(
-            "fast", image_size=args.image_size, mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD
-        )
-        loader = DataLoader(
-            ImageTextDataset(source, transform),
+        inputs = InputSpec(args.image_size, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, tokenizer, max_seq_length=64)
+        pipeline = InputPipeline(inputs, PipelineOptions(), torch.device("cpu"))
+        loader = pipeline.loader(
+            pipeline.dataset(source, train=True),
             batch_size=args.batch_size,
-            num_workers=args.workers,
-            collate_fn=ImageTextCollator(tokenizer, 64),
-            persistent_workers=True,
+            settings=LoaderSettings(num_workers=args.workers, persistent_workers=True),
         )
         samples: dict[int, list[tuple[int, float, float]]] = {}
         served = 0
         for step, batch in enumerate(loader):
-            served += len(batch["input_ids"])
+            served += len(batch)
             if step % args.every == 0:
                 for child in psutil.Process().children(recursive=True):
                     info = child.memory_full_info()

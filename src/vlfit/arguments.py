@@ -14,7 +14,7 @@ from transformers import TrainingArguments
 from vlfit.data.bad_samples import BAD_SAMPLE_POLICIES, MIN_SAMPLES_FOR_BAD_FRACTION
 from vlfit.data.image_transforms import IMAGE_PIPELINES
 from vlfit.launch import prepare_launch
-from vlfit.models.presets import PRESETS
+from vlfit.models.registry import preset_names
 
 # Where a contrastive loss takes its negatives from (``--contrastive_negatives``).
 CONTRASTIVE_NEGATIVES = ("local", "global")
@@ -25,12 +25,13 @@ class ModelArguments:
     """Which model to fine-tune, and what to freeze."""
 
     model_name_or_path: str | None = field(
-        default=None, metadata={"help": "BridgeTowerForContrastiveLearning checkpoint: a local folder or a hub id."}
+        default=None,
+        metadata={"help": "A checkpoint of a supported model family (BridgeTower): a local folder or a hub id."},
     )
     model_preset: str | None = field(
         default=None,
         metadata={
-            "help": f"Build a BridgeTower with random weights instead: one of {', '.join(PRESETS)}. "
+            "help": f"Build a model with random weights instead: one of {', '.join(preset_names())}. "
             "A byte-level BPE tokenizer is trained on the training captions unless --tokenizer_name is given."
         },
     )

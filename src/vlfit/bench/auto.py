@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import shlex
 import tempfile
-from dataclasses import asdict
 from typing import Any
 
 from vlfit.bench.data import get_pipeline
@@ -116,24 +115,31 @@ def take_auto_workers(argv: list[str] | None) -> tuple[list[str] | None, bool]:
 
 
 def probe_num_workers(
+    source: Any,
+    blueprint: Any,
     model_args: Any,
-    data_args: Any,
     training_args: Any,
     *,
+    decode_on_device: bool = False,
+    image_pipeline: str = "fast",
     candidates: list[int] | None = None,
     steps: int = 5,
     warmup_steps: int = 2,
 ) -> int:
     """Measure a few training steps with each worker count and return the one ``choose`` picks.
 
-    Uses the run's data (training split), model, pipeline, batch size, precision, prefetch factor and device.
+    Uses the run's training split, model blueprint (its tokenizer is reused, not trained again), pipeline, batch
+    size, precision, prefetch factor and device; the model is built for the probe and freed before returning.
     Worker counts are tried in increasing order and the probe stops once adding workers stops paying
-    (``PROBE_MIN_GAIN``). The model and optimizer are freed before returning.
+    (``PROBE_MIN_GAIN``).
 
     Args:
-        model_args: ``vlfit.arguments.ModelArguments``.
-        data_args: ``vlfit.arguments.DataArguments``.
+        source: The training split.
+        blueprint: The model's ``vlfit.models.loading.ModelBlueprint``.
+        model_args: ``vlfit.arguments.ModelArguments`` (to build the model the same way training will).
         training_args: ``vlfit.arguments.VlfitTrainingArguments``.
+        decode_on_device: ``--decode_on_device``.
+        image_pipeline: ``--image_pipeline``.
         candidates: Worker counts to try (default: 0, 1, 2, then powers of two up to the core count).
         steps: Timed steps per worker count.
         warmup_steps: Excluded steps per worker count.
@@ -142,13 +148,10 @@ def probe_num_workers(
         The worker count.
     """
     from vlfit.bench.sweep import BenchSession, SweepPlan, default_workers
-    from vlfit.data.sources import open_splits
-    from vlfit.models.loading import load_model_bundle
-    from vlfit.training.run import EVAL_COLUMNS, setup_logging
+    from vlfit.models.loading import build_model
 
-    setup_logging(training_args)
     device = training_args.device
-    pipeline = "device" if data_args.decode_on_device and device.type == "cuda" else data_args.image_pipeline
+    pipeline = "device" if decode_on_device and device.type == "cuda" else image_pipeline
     prefetch = training_args.dataloader_prefetch_factor or 2
     candidates = sorted(set(candidates if candidates is not None else default_workers()))
     plan = SweepPlan(
@@ -161,24 +164,23 @@ def probe_num_workers(
         repeats=1,
         precision="bf16" if training_args.bf16 else "fp16" if training_args.fp16 else "fp32",
         profile_batches=0,
-        max_seq_length=data_args.max_seq_length,
+        max_seq_length=blueprint.inputs.max_seq_length,
         seed=training_args.seed,
     )
-    splits = open_splits(
-        **data_args.source_kwargs(), cache_dir=model_args.cache_dir, token=model_args.token, extra_columns=EVAL_COLUMNS
-    )
-    if "train" not in splits:
-        raise ValueError(f"--dataloader_num_workers auto needs a 'train' split; the data has: {', '.join(splits)}")
-    source = splits["train"]
-    if data_args.max_train_samples is not None:
-        source = source.select(range(min(data_args.max_train_samples, len(source))))
     # A few batches' worth of distinct samples, served cyclically: decoding them again costs the same.
     source = source.select(range(min(len(source), 4 * plan.batch_size)))
-    bundle = load_model_bundle(**asdict(model_args), captions=source.captions, max_seq_length=data_args.max_seq_length)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="vlfit-probe-") as cache_dir:
-        session = BenchSession(source, bundle, device, plan, cache_dir=cache_dir, source_key="probe")
-        del bundle
+        session = BenchSession(
+            source,
+            blueprint.inputs,
+            device,
+            plan,
+            model=build_model(blueprint, model_args),
+            family=blueprint.family,
+            cache_dir=cache_dir,
+            source_key="probe",
+        )
         try:
             for workers in candidates:
                 row = session.measure("train", pipeline, workers, prefetch if workers else None)

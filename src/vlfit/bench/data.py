@@ -23,10 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from vlfit.data.pipeline import EVAL_COLUMNS
 from vlfit.data.records import Record
-
-# Columns that evaluation reads besides image and caption; carried along so prepared data matches the source.
-EXTRA_COLUMNS: tuple[str, ...] = ("caption_choices", "label")
 
 
 @dataclass(frozen=True)
@@ -121,7 +119,7 @@ def _synthetic_record(index: int, config: Any) -> Record:
         id=row["instance_id"],
         image=row["image"]["bytes"],
         caption=row["image_description"],
-        extra={name: row[name] for name in EXTRA_COLUMNS},
+        extra={name: row[name] for name in EVAL_COLUMNS},
     )
 
 
@@ -201,7 +199,7 @@ def dataset_source(
         caption_column=caption_column,
         cache_dir=cache_dir,
         token=token,
-        extra_columns=EXTRA_COLUMNS,
+        extra_columns=EVAL_COLUMNS,
     )
     if split not in splits:
         raise ValueError(f"split {split!r} not found; the data has: {', '.join(splits) or 'none'}")
@@ -245,5 +243,5 @@ def prepared_source(source: Any, *, image_size: int, cache_dir: str, key: str, n
         progress=False,
     )
     return open_splits(
-        dataset_name=output_dir, cache_dir=os.path.join(cache_dir, "hf-datasets"), extra_columns=EXTRA_COLUMNS
+        dataset_name=output_dir, cache_dir=os.path.join(cache_dir, "hf-datasets"), extra_columns=EVAL_COLUMNS
     )["train"]

@@ -7,8 +7,9 @@ from a full queue would credit the data path with batches made during warm-up. A
 is empty, which is the steady state of a data-bound run; a compute-bound run never waits and its queue stays full
 at both ends of the window, which is its steady state. Then ``steps`` steps are timed.
 
-Time blocked in ``next()`` is data wait, exactly as ``VlfitTrainer`` counts it (``ThroughputMeter``): on CUDA that
-includes launching the next batch's device stage on the side stream (``CudaPrefetcher``), on CPU it does not.
+Time blocked in ``next()`` is data wait, exactly as ``VlfitTrainer`` counts it: both take batches through the input
+pipeline's ``DeviceFeed``, whose ``last_wait`` on CUDA includes launching the next batch's device stage on the side
+stream, and on CPU does not.
 """
 
 from __future__ import annotations
@@ -24,11 +25,10 @@ from typing import Any
 
 import torch
 
-from vlfit.data.device_stage import CudaPrefetcher, DeviceStage
+from vlfit.data.batch import Batch
+from vlfit.data.pipeline import DeviceFeed
+from vlfit.models.family import ModelFamily
 from vlfit.training.throughput import ThroughputMeter
-
-# What VlfitTrainer.compute_loss passes the model (not imported: the Trainer module needs accelerate).
-MODEL_INPUTS = ("input_ids", "attention_mask", "pixel_values")
 
 # A settle step that spends more than this share of its time waiting for data found the prefetch queue empty.
 STARVED_WAIT_SHARE = 0.2
@@ -171,20 +171,29 @@ def synchronize(device: torch.device) -> None:
 class TrainStep:
     """One optimizer step of contrastive fine-tuning, as ``VlfitTrainer`` runs it.
 
-    Forward with ``return_loss=True`` under autocast (bf16 or fp16 when asked; the weights stay fp32, as with
+    The family's contrastive loss under autocast (bf16 or fp16 when asked; the weights stay fp32, as with
     ``--bf16``), backward, gradient clipping at 1.0 (the Trainer's ``max_grad_norm``) and AdamW.
 
     Args:
-        model: A ``BridgeTowerForContrastiveLearning`` on ``device``.
+        model: The model, on ``device``.
+        family: Its model family (the contrastive loss).
         device: Where the model is.
         precision: ``fp32``, ``bf16`` or ``fp16`` (autocast dtype).
         learning_rate: AdamW learning rate (the study's 1e-5).
     """
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, precision: str, learning_rate: float = 1e-5):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        family: ModelFamily,
+        device: torch.device,
+        precision: str,
+        learning_rate: float = 1e-5,
+    ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"unknown precision {precision!r}; choose from: {', '.join(PRECISIONS)}")
         self.model = model
+        self.family = family
         self.device = device
         self.precision = precision
         self.parameters = [p for p in model.parameters() if p.requires_grad]
@@ -205,9 +214,9 @@ class TrainStep:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
-    def __call__(self, batch: dict[str, Any], precision: str | None = None) -> torch.Tensor:
+    def __call__(self, batch: Batch, precision: str | None = None) -> torch.Tensor:
         with self.autocast(precision):
-            loss = self.model(**{key: batch[key] for key in MODEL_INPUTS}, return_loss=True).loss
+            loss = self.family.contrastive_loss(self.model, batch.inputs)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.parameters, 1.0)
         self.optimizer.step()
@@ -218,41 +227,16 @@ class TrainStep:
 # --------------------------------------------------------------------------------------------------- windows
 
 
-def staged_batches(
-    loader_iter: Iterator[dict[str, Any]], stage: DeviceStage, device: torch.device, dtype: torch.dtype
-) -> Iterator[tuple[float, dict[str, Any]]]:
-    """Yield ``(seconds blocked in next(), model-ready batch)``, the way ``VlfitTrainer`` feeds the model.
-
-    On CUDA the next batch's device stage runs on a side stream (``CudaPrefetcher``), so it is part of ``next()``;
-    elsewhere the device stage runs after ``next()`` returns and is not data wait.
-    """
-    if device.type == "cuda":
-        start = time.perf_counter()
-        prefetcher = CudaPrefetcher(loader_iter, stage, device, dtype)  # blocks for the first batch
-        first = True
-        while True:
-            if not first:
-                start = time.perf_counter()
-            try:
-                batch = next(prefetcher)
-            except StopIteration:
-                return
-            yield time.perf_counter() - start, batch
-            first = False
-    else:
-        while True:
-            start = time.perf_counter()
-            try:
-                batch = next(loader_iter)
-            except StopIteration:
-                return
-            waited = time.perf_counter() - start
-            yield waited, stage(batch, device, dtype)
+def staged_batches(feed: DeviceFeed) -> Iterator[tuple[float, Batch]]:
+    """Yield ``(seconds blocked in next(), model-ready batch)`` from the pipeline's feed, as ``VlfitTrainer`` takes
+    them (see the module docstring)."""
+    for batch in feed:
+        yield feed.last_wait, batch
 
 
 def timed_window(
-    batches: Iterator[tuple[float, dict[str, Any]]],
-    step: Callable[[dict[str, Any]], Any] | None,
+    batches: Iterator[tuple[float, Batch]],
+    step: Callable[[Batch], Any] | None,
     *,
     device: torch.device,
     batch_size: int,
@@ -306,8 +290,8 @@ def timed_window(
 
 
 def compute_window(
-    batch: dict[str, Any],
-    step: Callable[[dict[str, Any]], Any],
+    batch: Batch,
+    step: Callable[[Batch], Any],
     *,
     device: torch.device,
     batch_size: int,

@@ -21,10 +21,10 @@ import torchvision.transforms.functional as TF
 
 from vlfit.bench.data import PipelineSpec
 from vlfit.bench.measure import StageClock, synchronize
-from vlfit.data.dataset import ImageTextCollator
+from vlfit.data.dataset import Sample
 from vlfit.data.decode import decode_pil, decode_scaled
-from vlfit.data.device_stage import DeviceStage
 from vlfit.data.image_transforms import EncodedImage, ReferenceImageTransform, hwc_to_chw_view, resize_crop_uint8
+from vlfit.data.pipeline import InputPipeline
 from vlfit.threads import torch_threads
 
 WORKER_STAGES: tuple[str, ...] = ("read", "decode", "resize/crop", "collate")
@@ -48,16 +48,11 @@ def _cpu_images(spec: PipelineSpec, records: list[Any], image_size: int, mean, s
 
 def profile_stages(
     spec: PipelineSpec,
+    pipeline: InputPipeline,
     source: Any,
     *,
     batches: int,
     batch_size: int,
-    image_size: int,
-    mean: tuple[float, ...],
-    std: tuple[float, ...],
-    collator: ImageTextCollator,
-    stage: DeviceStage,
-    device: torch.device,
     dtype: torch.dtype,
     compute_ms: float | None,
 ) -> dict[str, Any]:
@@ -65,15 +60,10 @@ def profile_stages(
 
     Args:
         spec: The pipeline.
+        pipeline: Its input pipeline (image size, mean, std, collator, device stage, device).
         source: Its records (the prepared copy for ``prepared``).
         batches: Batches to time (after one untimed batch that warms caches and lazy imports).
         batch_size: Samples per batch.
-        image_size: Model input side.
-        mean: Normalization mean.
-        std: Normalization std.
-        collator: Builds batches (tokenizes captions).
-        stage: The device stage.
-        device: Where the model runs.
         dtype: The dtype the device stage produces.
         compute_ms: Milliseconds per training step from the compute ceiling (None: not measured).
 
@@ -81,6 +71,7 @@ def profile_stages(
         ``stages_ms`` (milliseconds per batch of each stage; stages a pipeline lacks are 0), ``worker_ms`` and
         ``main_ms`` (their sums), ``largest_worker_stage`` and ``batches``.
     """
+    inputs, device = pipeline.inputs, pipeline.device
     clock = StageClock()
     for number in range(batches + 1):
         if number == 1:
@@ -89,23 +80,19 @@ def profile_stages(
         with torch_threads(1):
             with clock("read"):
                 records = [source[(start + i) % len(source)] for i in range(batch_size)]
-            images = _cpu_images(spec, records, image_size, mean, std, clock)
+            images = _cpu_images(spec, records, inputs.image_size, inputs.image_mean, inputs.image_std, clock)
             samples = [
-                {"image": image, "caption": record.caption, "id": record.id, **record.extra}
-                for image, record in zip(images, records, strict=True)
+                Sample(record.id, start + i, image=image, caption=record.caption, columns=dict(record.extra))
+                for i, (image, record) in enumerate(zip(images, records, strict=True))
             ]
             with clock("collate"):
-                batch = collator(samples)
+                batch = pipeline.collator(samples)
         with clock("host->device copy", device):
-            pin = device.type == "cuda"
-            batch = {
-                key: (value.pin_memory() if pin else value).to(device, non_blocking=True)
-                if isinstance(value, torch.Tensor)
-                else value
-                for key, value in batch.items()
-            }
+            if device.type == "cuda":
+                batch = batch.pin_memory()
+            batch = batch.to(device, non_blocking=True)
         with clock("device stage", device):
-            stage(batch, device, dtype)
+            pipeline.device_stage(batch, device, dtype)
         synchronize(device)
     stages = {name: 0.0 for name in (*WORKER_STAGES, *MAIN_STAGES)}
     stages.update(clock.per_batch_ms(batches))

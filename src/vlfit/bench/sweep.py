@@ -16,13 +16,13 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
-from vlfit.bench.data import cycled, datasets_available, get_pipeline, prepared_source
+from vlfit.bench.data import PipelineSpec, cycled, datasets_available, get_pipeline, prepared_source
 from vlfit.bench.measure import (
     PeakHostMemory,
     TrainStep,
@@ -35,8 +35,9 @@ from vlfit.bench.measure import (
     timed_window,
 )
 from vlfit.bench.stages import profile_stages
-from vlfit.data.dataset import ImageTextCollator, ImageTextDataset, build_image_transform
-from vlfit.data.device_stage import DeviceStage
+from vlfit.data.batch import Batch
+from vlfit.data.pipeline import InputPipeline, LoaderSettings, PipelineOptions
+from vlfit.models.family import InputSpec, ModelFamily
 
 logger = logging.getLogger(__name__)
 
@@ -155,13 +156,16 @@ def configurations(plan: SweepPlan) -> list[tuple[str, str, int, int | None]]:
 
 
 class BenchSession:
-    """Samples, model and optimizer shared by every configuration of a sweep.
+    """Samples, input pipelines and (in train mode) model and optimizer shared by every configuration of a sweep.
 
     Args:
         source: The distinct samples (a ``MemorySource`` or an ``ImageTextSource``).
-        bundle: The model bundle (``vlfit.models.loading.ModelBundle``); the model is moved to ``device``.
+        inputs: The model's input spec (image size, mean, std, tokenizer).
         device: Where the model runs.
         plan: The sweep settings (batch size, steps, precision, ...).
+        model: The model (moved to ``device``), needed for train mode and the compute ceiling; ``None`` for a
+            loader-only sweep, which then never builds one.
+        family: The model's family (its contrastive loss); with ``model``.
         cache_dir: Where the prepared copy of the samples goes.
         source_key: Names the samples in cache folders.
         num_proc: Processes for preparing data.
@@ -170,26 +174,43 @@ class BenchSession:
     def __init__(
         self,
         source: Any,
-        bundle: Any,
+        inputs: InputSpec,
         device: torch.device,
         plan: SweepPlan,
         *,
+        model: torch.nn.Module | None = None,
+        family: ModelFamily | None = None,
         cache_dir: str,
         source_key: str,
         num_proc: int = 1,
     ) -> None:
+        if "train" in plan.modes and model is None:
+            raise ValueError("train mode needs the model")
         self.source = source
-        self.bundle = bundle
+        self.inputs = replace(inputs, max_seq_length=plan.max_seq_length)
         self.device = device
         self.plan = plan
         self.cache_dir = cache_dir
         self.source_key = source_key
         self.num_proc = num_proc
-        self.step = TrainStep(bundle.model.to(device), device, plan.precision)
-        self.stage = DeviceStage(bundle.image_size, bundle.image_mean, bundle.image_std)
-        self.collator = ImageTextCollator(bundle.tokenizer, plan.max_seq_length)
+        self.step = None if model is None else TrainStep(model.to(device), family, device, plan.precision)
+        self._pipelines: dict[str, InputPipeline] = {}
         self._sources: dict[str, Any] = {}
-        self._ready_batch: dict[str, Any] | None = None
+        self._ready_batch: Batch | None = None
+
+    @property
+    def input_dtype(self) -> torch.dtype:
+        """The dtype the device stage hands the model (its weights'; float32 without a model)."""
+        return self.step.input_dtype if self.step is not None else torch.float32
+
+    def pipeline(self, name: str) -> InputPipeline:
+        """The input pipeline of a benchmark pipeline (``device`` decodes in the main process on a CPU device)."""
+        if name not in self._pipelines:
+            spec: PipelineSpec = get_pipeline(name)
+            options = PipelineOptions(image_pipeline=spec.image_pipeline, decode_on_device=spec.decode_on_device)
+            self._pipelines[name] = InputPipeline(self.inputs, options, self.device, keep_columns=(),
+                                                  cpu_device_decode=True)  # fmt: skip
+        return self._pipelines[name]
 
     def source_for(self, pipeline: str) -> Any:
         """The records ``pipeline`` reads (the prepared copy is made on first use)."""
@@ -199,7 +220,7 @@ class BenchSession:
                 started = time.perf_counter()
                 self._sources[pipeline] = prepared_source(
                     self.source,
-                    image_size=self.bundle.image_size,
+                    image_size=self.inputs.image_size,
                     cache_dir=self.cache_dir,
                     key=self.source_key,
                     num_proc=self.num_proc,
@@ -214,27 +235,19 @@ class BenchSession:
         return self.plan.warmup_steps + workers * (prefetch or 2) + 1 + self.plan.steps + 2
 
     def loader(self, pipeline: str, workers: int, prefetch: int | None) -> DataLoader:
-        """A DataLoader built as the Trainer builds it for ``vlfit train`` with these settings."""
-        spec = get_pipeline(pipeline)
-        transform = build_image_transform(
-            spec.image_pipeline,
-            image_size=self.bundle.image_size,
-            mean=self.bundle.image_mean,
-            std=self.bundle.image_std,
-            decode_on_device=spec.decode_on_device,
-        )
+        """The DataLoader ``vlfit train`` would use with these settings, over the samples served cyclically."""
+        input_pipeline = self.pipeline(pipeline)
         length = self.window_length(workers, prefetch) * self.plan.batch_size
-        dataset = ImageTextDataset(cycled(self.source_for(pipeline), length), transform)
-        return DataLoader(
+        dataset = input_pipeline.dataset(cycled(self.source_for(pipeline), length), train=True)
+        settings = LoaderSettings(
+            num_workers=workers, prefetch_factor=prefetch, pin_memory=self.device.type == "cuda", drop_last=True
+        )
+        return input_pipeline.loader(
             dataset,
             batch_size=self.plan.batch_size,
+            settings=settings,
             shuffle=True,
             generator=torch.Generator().manual_seed(self.plan.seed),
-            num_workers=workers,
-            prefetch_factor=prefetch if workers else None,
-            collate_fn=self.collator,
-            pin_memory=self.device.type == "cuda",
-            drop_last=True,
         )
 
     def measure(self, mode: str, pipeline: str, workers: int, prefetch: int | None) -> dict[str, Any]:
@@ -246,8 +259,8 @@ class BenchSession:
         started = time.perf_counter()
         with PeakHostMemory() as host:
             for _ in range(self.plan.repeats):
-                loader_iter = iter(loader)
-                batches = staged_batches(loader_iter, self.stage, self.device, self.step.input_dtype)
+                feed = self.pipeline(pipeline).feed(iter(loader), self.input_dtype, train=True)
+                batches = staged_batches(feed)
                 try:
                     windows.append(
                         timed_window(
@@ -262,7 +275,7 @@ class BenchSession:
                     )
                 finally:
                     batches.close()
-                    del batches, loader_iter  # shuts the workers down before the next window starts them
+                    del batches, feed  # shuts the workers down before the next window starts them
                 limit = self.plan.max_config_seconds
                 if limit is not None and time.perf_counter() - started > limit:
                     break
@@ -278,15 +291,17 @@ class BenchSession:
             "seconds": round(time.perf_counter() - started, 2),
         }
 
-    def ready_batch(self) -> dict[str, Any]:
+    def ready_batch(self) -> Batch:
         """One model-ready batch (fast pipeline, no workers) for the compute ceiling."""
         pipeline = "fast" if "fast" in self.plan.pipelines else self.plan.pipelines[0]
         batch = next(iter(self.loader(pipeline, 0, None)))
-        staged = self.stage(batch, self.device, self.step.input_dtype)
-        return {key: value for key, value in staged.items() if isinstance(value, torch.Tensor)}
+        return self.pipeline(pipeline).to_device(batch, self.input_dtype, train=True)
 
     def compute(self, precision: str | None = None, repeats: int | None = None) -> dict[str, Any]:
         """A reading of the compute ceiling: training steps on one ready batch, repeated (no data path)."""
+        step = self.step
+        if step is None:
+            raise ValueError("the compute ceiling needs the model (train mode)")
         if self._ready_batch is None:
             self._ready_batch = self.ready_batch()
         batch = self._ready_batch
@@ -295,7 +310,7 @@ class BenchSession:
         windows = [
             compute_window(
                 batch,
-                lambda b: self.step(b, precision),
+                lambda b: step(b, precision),
                 device=self.device,
                 batch_size=self.plan.batch_size,
                 warmup_steps=max(self.plan.warmup_steps, 1),
@@ -319,22 +334,17 @@ class BenchSession:
         """Per-stage milliseconds per batch of ``pipeline`` (see ``vlfit.bench.stages``)."""
         return profile_stages(
             get_pipeline(pipeline),
+            self.pipeline(pipeline),
             self.source_for(pipeline),
             batches=self.plan.profile_batches,
             batch_size=self.plan.batch_size,
-            image_size=self.bundle.image_size,
-            mean=self.bundle.image_mean,
-            std=self.bundle.image_std,
-            collator=self.collator,
-            stage=self.stage,
-            device=self.device,
-            dtype=self.step.input_dtype,
+            dtype=self.input_dtype,
             compute_ms=compute_ms,
         )
 
     def close(self) -> None:
         """Free the model and optimizer (device memory too)."""
-        del self.step, self.bundle
+        self.step = None
         self._ready_batch = None
         gc.collect()
         if self.device.type == "cuda":
@@ -436,7 +446,8 @@ def run_sweep(
         if on_progress is not None:
             on_progress(results)
 
-    readings = [session.compute()]
+    with_model = session.step is not None  # a loader-only sweep has no model: no compute ceiling, no verdict
+    readings = [session.compute()] if with_model else []
 
     def record_ceiling() -> None:
         best = max(readings, key=lambda reading: reading["samples_per_second"])
@@ -453,8 +464,9 @@ def run_sweep(
         results["rows"].append(row)
         progress()
 
-    record_ceiling()
-    logger.info("compute ceiling: %.1f samples/s (%s)", readings[0]["samples_per_second"], plan.precision)
+    if with_model:
+        record_ceiling()
+        logger.info("compute ceiling: %.1f samples/s (%s)", readings[0]["samples_per_second"], plan.precision)
     progress()
     for config in configurations(plan):
         measure(config)
@@ -467,11 +479,13 @@ def run_sweep(
             for prefetch in plan.auto_prefetch_factors:
                 if prefetch not in done:
                     measure((best["mode"], best["pipeline"], best["workers"], prefetch))
-    readings.append(session.compute())
-    record_ceiling()
+    if with_model:
+        readings.append(session.compute())
+        record_ceiling()
+    step_ms = results["compute"]["step_ms"] if with_model else None
     for pipeline in plan.pipelines if plan.profile_batches else []:
-        results["stages"][pipeline] = session.profile(pipeline, results["compute"]["step_ms"])
-    if plan.compare_bf16:
+        results["stages"][pipeline] = session.profile(pipeline, step_ms)
+    if plan.compare_bf16 and with_model:
         # Both precisions back to back, so that the machine's load is the same for the two readings.
         other = "bf16" if plan.precision == "fp32" else "fp32"
         by_precision = {p: session.compute(p)["samples_per_second"] for p in (plan.precision, other)}

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from transformers import HfArgumentParser
 
+from vlfit.arguments import ModelArguments
 from vlfit.bench.data import (
     PIPELINES,
     dataset_source,
@@ -39,6 +40,7 @@ from vlfit.bench.sweep import (
     default_workers,
     run_sweep,
 )
+from vlfit.models.loading import build_model, resolve_model
 
 logger = logging.getLogger("vlfit.bench")
 
@@ -214,8 +216,6 @@ def _setup_logging() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``vlfit bench``; returns 0, or 130 when interrupted (partial outputs are written)."""
-    from vlfit.models.loading import load_model_bundle
-
     parser = HfArgumentParser(BenchArguments, prog="vlfit bench", description=__doc__)
     (args,) = parser.parse_args_into_dataclasses(args=sys.argv[1:] if argv is None else argv)
     _setup_logging()
@@ -232,17 +232,16 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("sweep on %s: pipelines %s, workers %s, modes %s", device, plan.pipelines, plan.workers, plan.modes)
     source, description = open_source(args, num_proc)
     torch.manual_seed(args.seed)
-    bundle = load_model_bundle(
-        model_name_or_path=args.model_name_or_path,
-        model_preset=preset,
-        tokenizer_name=args.tokenizer_name,
-        captions=source.captions,
-        max_seq_length=args.max_seq_length,
+    model_args = ModelArguments(
+        model_name_or_path=args.model_name_or_path, model_preset=preset, tokenizer_name=args.tokenizer_name
     )
-    parameters = sum(p.numel() for p in bundle.model.parameters()) / 1e6
+    blueprint = resolve_model(model_args, captions=source.captions, max_seq_length=args.max_seq_length)
+    # Loader mode needs the input spec only: the model (4 GB for the large preset) is built for train mode alone.
+    model = build_model(blueprint, model_args) if "train" in plan.modes else None
     name = f"preset {preset}" if preset else args.model_name_or_path
+    size = f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, " if model is not None else ""
     info = {
-        "model": f"{name} ({parameters:.1f}M parameters, {bundle.image_size} px)",
+        "model": f"{name} ({size}{blueprint.inputs.image_size} px)",
         "model_flags": ["--model_preset", preset] if preset else ["--model_name_or_path", args.model_name_or_path],
         "data": getattr(source, "name", None) or "; ".join(f"{k} {v}" for k, v in description.items() if v),
         "device": str(device),
@@ -258,14 +257,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="vlfit-bench-") as temp:
         session = BenchSession(
             source,
-            bundle,
+            blueprint.inputs,
             device,
             plan,
+            model=model,
+            family=blueprint.family,
             cache_dir=args.cache_dir or temp,
             source_key=source_key(description),
             num_proc=num_proc,
         )
-        del bundle
+        del model
         try:
             results = run_sweep(session, info=info, on_progress=lambda r: (partial.update(r), write_partial(r)))
         except KeyboardInterrupt:
@@ -274,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, previous)
             session.close()
     measured = results if results is not None else partial
-    if "compute" not in measured:
+    if "compute" not in measured and not measured.get("rows"):
         logger.warning("interrupted before anything was measured")
         return 130
     final = finalize(measured)

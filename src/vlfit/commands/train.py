@@ -13,7 +13,7 @@ from transformers import HfArgumentParser
 from vlfit.arguments import DataArguments, ModelArguments, VlfitTrainingArguments
 from vlfit.bench.auto import probe_num_workers, take_auto_workers
 from vlfit.training.preemption import TrainingPreempted
-from vlfit.training.run import run
+from vlfit.training.run import run, setup_run
 
 
 def is_flags_file(argv: list[str] | None) -> bool:
@@ -69,11 +69,19 @@ def main(argv: list[str] | None = None) -> int:
     """
     # `--dataloader_num_workers auto`: parsed as 0, then a short probe picks the count.
     model_args, data_args, training_args, auto_workers = parse_train_arguments(argv)
-    if auto_workers:
-        training_args.dataloader_num_workers = probe_num_workers(model_args, data_args, training_args)
     training_args.do_train = True  # `vlfit train` always trains; --do_eval adds an evaluation afterwards
+    setup = setup_run(model_args, data_args, training_args)  # data, tokenizer and pipeline, made once
+    if auto_workers:
+        training_args.dataloader_num_workers = probe_num_workers(
+            setup.train_source,
+            setup.blueprint,
+            model_args,
+            training_args,
+            decode_on_device=setup.pipeline.options.decode_on_device,
+            image_pipeline=data_args.image_pipeline,
+        )
     try:
-        results = run(model_args, data_args, training_args)
+        results = run(model_args, data_args, training_args, setup=setup)
     except TrainingPreempted as stop:
         print(f"vlfit train: {stop}", file=sys.stderr)
         return stop.exit_code

@@ -8,22 +8,16 @@ whitespace. Captions are never bad for their bytes: invalid UTF-8 is decoded wit
 Policies:
 
 - ``skip`` (default): the dataset replaces the bad sample by a deterministic substitute (``substitute_index``),
-  so training batches keep their size, and reports ``(id, reason)`` in the batch's ``bad_samples`` list; the
-  trainer counts them in its logs, metrics and ``bad_samples.jsonl``.
+  so training batches keep their size, and reports it in the batch's ``bad_samples``; the training run counts
+  them in its logs, metrics and ``bad_samples.jsonl`` (``vlfit.training.bad_sample_ledger``).
 - ``raise``: the first bad sample stops the run with ``BadSampleError`` naming the sample and the reason.
 
-``--max_bad_fraction`` bounds ``skip``: the run stops with ``TooManyBadSamplesError`` once more than that fraction
-of the samples read so far were bad. The fraction is only judged after ``min_samples_for_fraction`` samples, so a
-single bad sample early in a run never reads as a high rate.
+``--max_bad_fraction`` bounds ``skip`` (judged by the training run's ledger once ``MIN_SAMPLES_FOR_BAD_FRACTION``
+samples were read, so a single bad sample early in a run never reads as a high rate).
 """
 
 from __future__ import annotations
 
-import json
-import math
-import os
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass
 from typing import Any
 
 BAD_SAMPLE_POLICIES: tuple[str, ...] = ("skip", "raise")
@@ -32,9 +26,6 @@ BAD_SAMPLE_POLICIES: tuple[str, ...] = ("skip", "raise")
 MIN_SAMPLES_FOR_BAD_FRACTION = 100
 # How many substitutes ``skip`` tries for one index before concluding the data is mostly unreadable.
 MAX_SUBSTITUTE_ATTEMPTS = 16
-# Name of the ledger file: in ``--output_dir`` (one line per bad sample) and in each checkpoint (to resume counts).
-BAD_SAMPLES_REPORT = "bad_samples.jsonl"
-BAD_SAMPLES_CHECKPOINT_FILE = "bad_samples.json"
 
 # What ``--bad_sample_policy raise`` tells the user to do.
 RAISE_HINT = (
@@ -43,7 +34,7 @@ RAISE_HINT = (
 )
 
 BadSampleInfo = tuple[str, str]
-"""``(sample id, reason)`` as carried in a batch's ``bad_samples`` list."""
+"""``(sample id, reason)``."""
 
 
 class BadSampleError(ValueError):
@@ -67,10 +58,6 @@ class BadSampleError(ValueError):
     def for_sample(cls, sample_id: str, reason: str, hint: str = "") -> BadSampleError:
         """``bad sample <id>: <reason>. <hint>``."""
         return cls(f"bad sample {sample_id}: {reason}" + (f". {hint}" if hint else ""), sample_id, reason)
-
-
-class TooManyBadSamplesError(RuntimeError):
-    """More than ``--max_bad_fraction`` of the samples read so far were bad."""
 
 
 class BadCaptionError(ValueError):
@@ -130,121 +117,3 @@ def _splitmix64(value: int) -> int:
     value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & mask
     value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & mask
     return value ^ (value >> 31)
-
-
-def min_samples_for_fraction(max_bad_fraction: float) -> int:
-    """How many samples must have been read before ``max_bad_fraction`` is enforced."""
-    if max_bad_fraction <= 0:
-        return 1  # zero tolerance: the first bad sample is already too many
-    return max(MIN_SAMPLES_FOR_BAD_FRACTION, math.ceil(1.0 / max_bad_fraction))
-
-
-@dataclass(frozen=True)
-class BadSampleRecord:
-    """One skipped sample, as written to ``bad_samples.jsonl``.
-
-    Attributes:
-        id: The sample id.
-        reason: Why it was skipped.
-        step: The optimizer step whose batch it would have been in (1-based).
-        stage: ``worker`` (replaced by a substitute) or ``device`` (dropped from its batch at device decode).
-    """
-
-    id: str
-    reason: str
-    step: int
-    stage: str = "worker"
-
-
-class BadSampleLedger:
-    """Counts samples read and bad samples skipped during a run, and enforces ``--max_bad_fraction``.
-
-    Args:
-        max_bad_fraction: Largest tolerated share of bad samples among those read (1.0: never abort).
-    """
-
-    def __init__(self, max_bad_fraction: float = 1.0) -> None:
-        self.max_bad_fraction = max_bad_fraction
-        self.samples_read = 0
-        self.records: list[BadSampleRecord] = []
-
-    @property
-    def count(self) -> int:
-        """Number of bad samples so far."""
-        return len(self.records)
-
-    @property
-    def fraction(self) -> float:
-        """Bad samples over samples read (0 before anything was read)."""
-        return self.count / self.samples_read if self.samples_read else 0.0
-
-    def add(self, bad: Iterable[BadSampleInfo], *, rows: int, step: int, stage: str = "worker") -> list[BadSampleInfo]:
-        """Record one batch's bad samples.
-
-        Args:
-            bad: ``(id, reason)`` pairs.
-            rows: Samples the batch delivered. Worker-stage bad samples were read in addition to these (each was
-                replaced), device-stage ones are among them (each was dropped), so only the former add to the
-                number read.
-            step: The optimizer step the batch belongs to.
-            stage: ``worker`` or ``device``.
-
-        Returns:
-            The pairs recorded (for logging).
-        """
-        pairs = [(str(sample_id), str(reason)) for sample_id, reason in bad]
-        self.samples_read += rows + (len(pairs) if stage == "worker" else 0)
-        self.records.extend(BadSampleRecord(sample_id, reason, step, stage) for sample_id, reason in pairs)
-        return pairs
-
-    def check(self) -> None:
-        """Raise ``TooManyBadSamplesError`` when the bad fraction is over the limit (once enough were read)."""
-        if self.max_bad_fraction >= 1.0 or not self.records:
-            return
-        if self.samples_read < min_samples_for_fraction(self.max_bad_fraction):
-            return
-        if self.fraction > self.max_bad_fraction:
-            first = "; ".join(f"{r.id} ({r.reason})" for r in self.records[:3])
-            raise TooManyBadSamplesError(
-                f"{self.count} of the {self.samples_read} samples read so far were bad ({self.fraction:.1%}), over "
-                f"--max_bad_fraction {self.max_bad_fraction:g}. First ones: {first}. Every skipped id and reason is "
-                f"in {BAD_SAMPLES_REPORT} in the output folder: fix or filter the data, or raise --max_bad_fraction."
-            )
-
-    def state_dict(self) -> dict[str, Any]:
-        """A JSON-serializable snapshot (saved in checkpoints so that a resumed run keeps counting)."""
-        return {"samples_read": self.samples_read, "records": [asdict(r) for r in self.records]}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a ``state_dict`` snapshot."""
-        self.samples_read = int(state.get("samples_read", 0))
-        self.records = [BadSampleRecord(**r) for r in state.get("records", [])]
-
-    def save(self, folder: str, process_index: int = 0) -> None:
-        """Write the snapshot into ``folder`` (a checkpoint), one file per process."""
-        with open(os.path.join(folder, _checkpoint_file(process_index)), "w", encoding="utf-8") as f:
-            json.dump(self.state_dict(), f)
-
-    def load(self, folder: str, process_index: int = 0) -> bool:
-        """Restore the snapshot a checkpoint holds; False (and nothing changed) when it holds none."""
-        path = os.path.join(folder, _checkpoint_file(process_index))
-        if not os.path.isfile(path):
-            return False
-        with open(path, encoding="utf-8") as f:
-            self.load_state_dict(json.load(f))
-        return True
-
-    def write_report(self, path: str) -> None:
-        """Write one JSON line per bad sample to ``path`` (replaced atomically)."""
-        temp = f"{path}.tmp"
-        with open(temp, "w", encoding="utf-8") as f:
-            for record in self.records:
-                f.write(json.dumps(asdict(record), ensure_ascii=False) + "\n")
-        os.replace(temp, path)
-
-
-def _checkpoint_file(process_index: int) -> str:
-    if process_index == 0:
-        return BAD_SAMPLES_CHECKPOINT_FILE
-    stem, ext = os.path.splitext(BAD_SAMPLES_CHECKPOINT_FILE)
-    return f"{stem}_{process_index}{ext}"

@@ -1,4 +1,5 @@
-"""Map-style torch dataset over a source, and the collate function that builds uint8 batches and tokenizes."""
+"""Map-style torch dataset over a source (decoding happens here, in the worker), and the collator that builds a
+``Batch``: uint8 (or float) pixels stacked, captions tokenized in one call."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import contextlib
 import multiprocessing
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,51 +19,45 @@ from vlfit.data.bad_samples import (
     RAISE_HINT,
     BadCaptionError,
     BadSampleError,
-    BadSampleInfo,
     clean_caption,
     describe_error,
     substitute_index,
 )
+from vlfit.data.batch import BadSample, Batch
 from vlfit.data.decode import DecodeError
-from vlfit.data.image_transforms import (
-    EncodedImage,
-    FastImageTransform,
-    PassThroughEncoded,
-    ReferenceImageTransform,
-    stack_images,
-)
+from vlfit.data.image_transforms import EncodedImage, stack_images
 from vlfit.data.records import BadRecordError
 
 if TYPE_CHECKING:  # sources need the datasets package; the loader itself does not (vlfit bench on a bare GPU box)
     from vlfit.data.source_base import ImageTextSource
 
 ImageTransform = Callable[[bytes, str], "torch.Tensor | EncodedImage"]
+"""bytes and sample id -> the image a sample carries (pixels, or ``EncodedImage`` for device decode)."""
 
 
-def build_image_transform(
-    pipeline: str,
-    *,
-    image_size: int,
-    mean: tuple[float, ...],
-    std: tuple[float, ...],
-    decode_on_device: bool = False,
-    random_resized_crop: bool = False,
-) -> ImageTransform:
-    """The worker-side image transform for ``--image_pipeline`` (``fast`` or ``reference``) or device decode."""
-    if decode_on_device:
-        return PassThroughEncoded()
-    if pipeline == "fast":
-        return FastImageTransform(image_size, random_resized_crop=random_resized_crop)
-    if pipeline == "reference":
-        if random_resized_crop:
-            raise ValueError("--random_resized_crop is a fast-pipeline option; the reference pipeline has none")
-        return ReferenceImageTransform(image_size, mean, std)
-    raise ValueError(f"unknown --image_pipeline {pipeline!r}; choose one of: fast, reference")
+@dataclass
+class Sample:
+    """One sample as a worker makes it, before collation.
+
+    Attributes:
+        id: The sample's id.
+        position: The dataset index asked for (a substitute keeps the index it stands in for).
+        image: Pixels or encoded bytes; None for the placeholder of a bad sample left out (evaluation).
+        caption: The caption text (None for a placeholder).
+        columns: Extra columns of the record (``caption_choices``, ``label``).
+        bad_samples: Bad samples met while making this one (the sample itself, for a placeholder).
+    """
+
+    id: str
+    position: int
+    image: torch.Tensor | EncodedImage | None
+    caption: str | None
+    columns: dict[str, Any] = field(default_factory=dict)
+    bad_samples: list[BadSample] = field(default_factory=list)
 
 
 class ImageTextDataset(Dataset):
-    """Turns source records into ``{"image", "caption", "id", "position", "bad_samples"}`` samples by running the
-    transform (``position`` is the index asked for).
+    """Turns source records into ``Sample``s by running the image transform.
 
     Decoding happens here, in the DataLoader worker that asks for the sample. Each worker limits torch to one
     thread: N workers on N cores is the parallelism, and intra-op threads would only oversubscribe the cores.
@@ -70,10 +66,10 @@ class ImageTextDataset(Dataset):
     ``vlfit.data.bad_samples``) follow ``bad_sample_policy``:
 
     - ``skip`` with ``substitute=True`` (training): the sample at ``substitute_index(index, 1)`` (then 2, ...) is
-      returned instead, so batches keep their size, and every ``(id, reason)`` skipped on the way is listed in the
+      returned instead, so batches keep their size, and every bad sample skipped on the way is listed in the
       returned sample's ``bad_samples``.
     - ``skip`` with ``substitute=False`` (evaluation: metrics over the valid pairs only, no duplicates): a
-      placeholder with ``image=None`` and the ``(id, reason)`` in ``bad_samples``; the collator leaves it out.
+      placeholder with ``image=None`` listing the sample in ``bad_samples``; the collator leaves it out.
     - ``raise``: ``BadSampleError`` naming the sample and the reason.
 
     Args:
@@ -103,9 +99,9 @@ class ImageTextDataset(Dataset):
     def __len__(self) -> int:
         return len(self.source)
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
+    def __getitem__(self, index: int) -> Sample:
         self._set_up_worker()
-        skipped: list[BadSampleInfo] = []
+        skipped: list[BadSample] = []
         position = index
         for attempt in range(MAX_SUBSTITUTE_ATTEMPTS + 1):
             if attempt:
@@ -116,29 +112,25 @@ class ImageTextDataset(Dataset):
                 sample_id, reason = describe_error(err, fallback_id=f"row {position}")
                 if self.bad_sample_policy == "raise":
                     raise BadSampleError.for_sample(sample_id, reason, RAISE_HINT) from err
-                skipped.append((sample_id, reason))
+                skipped.append(BadSample(sample_id, reason))
                 if not self.substitute:
-                    return {"id": sample_id, "image": None, "caption": None, "bad_samples": skipped}
+                    return Sample(sample_id, index, image=None, caption=None, bad_samples=skipped)
                 continue
-            sample["bad_samples"] = skipped
-            sample["position"] = index  # the row asked for (evaluation merges processes' results by it)
+            sample.position = index  # the row asked for (evaluation merges processes' results by it)
+            sample.bad_samples = skipped
             return sample
         raise BadSampleError.for_sample(
-            skipped[0][0],
-            f"{skipped[0][1]}; and the {MAX_SUBSTITUTE_ATTEMPTS} substitutes tried for it were bad too "
-            f"({'; '.join(f'{i}: {r}' for i, r in skipped[1:4])}, ...): the data looks mostly unreadable",
+            skipped[0].id,
+            f"{skipped[0].reason}; and the {MAX_SUBSTITUTE_ATTEMPTS} substitutes tried for it were bad too "
+            f"({'; '.join(f'{b.id}: {b.reason}' for b in skipped[1:4])}, ...): the data looks mostly unreadable",
         )
 
-    def _load(self, position: int) -> dict[str, Any]:
+    def _load(self, position: int) -> Sample:
         record = self.source[position]
         # The caption is checked first: it is free, and a bad one makes decoding the image pointless.
         caption = clean_caption(record.caption, record.id)
-        return {
-            "image": self.image_transform(record.image, record.id),
-            "caption": caption,
-            "id": record.id,
-            **record.extra,
-        }
+        image = self.image_transform(record.image, record.id)
+        return Sample(record.id, position, image=image, caption=caption, columns=dict(record.extra))
 
     def _set_up_worker(self) -> None:
         """Once per DataLoader worker process: one torch thread, and a session of its own.
@@ -159,18 +151,17 @@ class ImageTextDataset(Dataset):
 
 
 class ImageTextCollator:
-    """Stacks images into one ``[B, 3, H, W]`` tensor (uint8 or float) and tokenizes captions in one call.
+    """Stacks images into one ``[B, 3, H, W]`` tensor (uint8 or float), tokenizes captions in one call, and returns
+    a ``Batch``.
 
     Captions are padded to the longest in the batch (to a multiple of 8 when ``max_seq_length`` is one), not to
-    ``max_seq_length``: shorter sequences are cheaper for every layer.
-
-    ``batch["bad_samples"]`` lists the ``(id, reason)`` of every sample skipped while making the batch (the trainer
-    counts them); placeholders of skipped samples (``image`` None) are left out of the batch.
+    ``max_seq_length``: shorter sequences are cheaper for every layer. Placeholders of bad samples (``image`` None)
+    are left out; every bad sample met while making the batch is listed in ``Batch.bad_samples``.
 
     Args:
         tokenizer: A transformers tokenizer.
         max_seq_length: Truncation length.
-        keep_columns: Extra sample keys to pass through as lists (for evaluation).
+        keep_columns: Extra record columns to carry as per-row lists (for evaluation).
     """
 
     def __init__(self, tokenizer: Any, max_seq_length: int, keep_columns: Sequence[str] = ()) -> None:
@@ -178,15 +169,13 @@ class ImageTextCollator:
         self.max_seq_length = max_seq_length
         self.keep_columns = tuple(keep_columns)
 
-    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
-        bad_samples = [pair for sample in samples for pair in sample.get("bad_samples", ())]
-        # Placeholders of skipped samples (evaluation datasets, which do not substitute) are left out.
-        samples = [sample for sample in samples if sample["image"] is not None]
+    def __call__(self, samples: list[Sample]) -> Batch:
+        bad_samples = [bad for sample in samples for bad in sample.bad_samples]
+        samples = [sample for sample in samples if sample.image is not None]
         if not samples:
-            return {"sample_ids": [], "bad_samples": bad_samples}
-        captions = [sample["caption"] or "" for sample in samples]
+            return Batch.empty(bad_samples)
         text = self.tokenizer(
-            captions,
+            [sample.caption or "" for sample in samples],
             max_length=self.max_seq_length,
             truncation=True,
             padding="longest",
@@ -194,16 +183,18 @@ class ImageTextCollator:
             pad_to_multiple_of=8 if self.max_seq_length % 8 == 0 else None,
             return_tensors="pt",
         )
-        batch: dict[str, Any] = {"input_ids": text["input_ids"], "attention_mask": text["attention_mask"]}
-        images = [sample["image"] for sample in samples]
+        inputs = {"input_ids": text["input_ids"], "attention_mask": text["attention_mask"]}
+        images = [sample.image for sample in samples]
+        encoded = None
         if isinstance(images[0], EncodedImage):
-            batch["encoded_images"] = images
+            encoded = images
         else:
-            batch["pixel_values"] = stack_images(images)
-        batch["sample_ids"] = [sample["id"] for sample in samples]
-        if all("position" in sample for sample in samples):  # ImageTextDataset's samples (evaluation needs them)
-            batch["positions"] = [sample["position"] for sample in samples]
-        batch["bad_samples"] = bad_samples
-        for column in self.keep_columns:
-            batch[column] = [sample.get(column) for sample in samples]
-        return batch
+            inputs["pixel_values"] = stack_images(images)
+        return Batch(
+            inputs=inputs,
+            sample_ids=[sample.id for sample in samples],
+            positions=[sample.position for sample in samples],
+            bad_samples=bad_samples,
+            encoded_images=encoded,  # type: ignore[arg-type]
+            columns={name: [sample.columns.get(name) for sample in samples] for name in self.keep_columns},
+        )

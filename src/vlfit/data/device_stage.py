@@ -1,19 +1,21 @@
 """Per-batch device stage: runs on the training device after the host-to-device copy.
 
 uint8 -> float, normalize with the model's mean and std, random horizontal flip, and (with ``--decode_on_device``)
-JPEG decode with nvJPEG plus resize and crop. The functions are device-agnostic: the same code runs on CPU
-tensors in tests and on CUDA tensors in training.
+JPEG decode on the device plus resize and crop (``vlfit.data.device_decode``). The functions are device-agnostic:
+the same code runs on CPU tensors in tests and on CUDA tensors in training. ``CudaPrefetcher`` runs the stage of
+the next batch on a side stream while the current one computes.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import replace
 
 import torch
 
 from vlfit.data.bad_samples import RAISE_HINT, BadSampleError, describe_error
+from vlfit.data.batch import DEVICE, BadSample, Batch
 from vlfit.data.decode import DecodeError
 from vlfit.data.device_decode import decode_resize_batch, decode_resize_batch_skipping_bad
 
@@ -45,12 +47,12 @@ def random_horizontal_flip(pixels: torch.Tensor, generator: torch.Generator | No
 
 
 class DeviceStage:
-    """Turns a collated batch into model inputs on ``device``.
+    """Turns a collated ``Batch`` into model inputs on ``device``.
 
     With device decode, a sample whose bytes passed the worker's header check but fail to decode is found only
     here, after the batch was formed, so it cannot be replaced: with ``bad_sample_policy="skip"`` its row is
-    dropped from every per-sample field of the batch (which shrinks by one) and reported in
-    ``batch["device_bad_samples"]``; with ``"raise"`` a ``BadSampleError`` names it.
+    dropped from the batch (which shrinks by one) and listed in ``Batch.bad_samples`` with stage ``device``; with
+    ``"raise"`` a ``BadSampleError`` names it.
 
     Args:
         image_size: Model input side (used by device decode).
@@ -81,17 +83,13 @@ class DeviceStage:
         return self._stats[device]
 
     def __call__(
-        self, batch: dict[str, Any], device: torch.device, dtype: torch.dtype = torch.float32, train: bool = True
-    ) -> dict[str, Any]:
-        """Return a new batch whose ``pixel_values`` are normalized ``dtype`` on ``device``."""
-        batch = {
-            key: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
-            for key, value in batch.items()
-        }
-        if "encoded_images" in batch:
-            batch, pixels = self._decode(batch, device)
-        else:
-            pixels = batch["pixel_values"]
+        self, batch: Batch, device: torch.device, dtype: torch.dtype = torch.float32, train: bool = True
+    ) -> Batch:
+        """Return the batch with normalized ``dtype`` pixels on ``device`` (``on_device`` set)."""
+        batch = batch.to(device, non_blocking=True)
+        if batch.encoded_images is not None:
+            batch = self._decode(batch, device)
+        pixels = batch.inputs["pixel_values"]
         if pixels.dtype == torch.uint8:
             mean, std = self._stats_on(pixels.device)
             pixels = normalize_uint8(pixels, mean, std, dtype)
@@ -99,51 +97,31 @@ class DeviceStage:
             pixels = pixels.to(dtype)
         if train and self.horizontal_flip:
             pixels = random_horizontal_flip(pixels)
-        batch["pixel_values"] = pixels
-        return batch
+        return replace(batch, inputs={**batch.inputs, "pixel_values": pixels}, on_device=True)
 
-    def _decode(self, batch: dict[str, Any], device: torch.device) -> tuple[dict[str, Any], torch.Tensor]:
-        images = batch.pop("encoded_images")
+    def _decode(self, batch: Batch, device: torch.device) -> Batch:
+        images = batch.encoded_images
+        assert images is not None
         if self.bad_sample_policy != "skip":
             try:
-                return batch, decode_resize_batch(images, self.image_size, device)
+                pixels = decode_resize_batch(images, self.image_size, device)
             except DecodeError as err:
                 sample_id, reason = describe_error(err, "?")
                 raise BadSampleError.for_sample(sample_id, reason, RAISE_HINT) from err
+            return replace(batch, inputs={**batch.inputs, "pixel_values": pixels}, encoded_images=None)
         pixels, failed = decode_resize_batch_skipping_bad(images, self.image_size, device)
-        if not failed:
-            return batch, pixels
-        if len(failed) == len(images):
+        if failed and len(failed) == len(images):
             raise BadSampleError.for_sample(
                 ", ".join(sample_id for _, sample_id, _ in failed),
                 f"all {len(images)} images of the batch failed to decode on {device.type} (first: {failed[0][2]}); "
                 "the data looks mostly unreadable",
             )
-        for _, sample_id, reason in failed:
-            logger.warning("skipped bad sample %s at device decode (dropped from its batch): %s", sample_id, reason)
-        batch = _drop_rows(batch, {i for i, _, _ in failed}, len(images))
-        batch["device_bad_samples"] = [(sample_id, reason) for _, sample_id, reason in failed]
-        return batch, pixels
-
-
-# Batch fields that are not one entry per sample (every other tensor or list in a collated batch is).
-_NOT_PER_SAMPLE = frozenset({"bad_samples", "device_bad_samples"})
-
-
-def _drop_rows(batch: dict[str, Any], rows: set[int], batch_size: int) -> dict[str, Any]:
-    """Remove ``rows`` from every per-sample tensor and list of a collated batch."""
-    keep = [i for i in range(batch_size) if i not in rows]
-    out: dict[str, Any] = {}
-    for key, value in batch.items():
-        if key in _NOT_PER_SAMPLE:
-            out[key] = value
-        elif isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch_size:
-            out[key] = value.index_select(0, torch.tensor(keep, dtype=torch.long, device=value.device))
-        elif isinstance(value, (list, tuple)) and len(value) == batch_size:
-            out[key] = [value[i] for i in keep]
-        else:
-            out[key] = value
-    return out
+        if failed:
+            bad_rows = {i for i, _, _ in failed}
+            batch = batch.select([i for i in range(len(images)) if i not in bad_rows])
+            dropped = [BadSample(sample_id, reason, DEVICE) for _, sample_id, reason in failed]
+            batch = replace(batch, bad_samples=[*batch.bad_samples, *dropped])
+        return replace(batch, inputs={**batch.inputs, "pixel_values": pixels}, encoded_images=None)
 
 
 class CudaPrefetcher:
@@ -153,13 +131,16 @@ class CudaPrefetcher:
     waits for the side stream only when it takes the batch.
     """
 
-    def __init__(self, batches: Iterator[dict[str, Any]], stage: DeviceStage, device: torch.device, dtype) -> None:
+    def __init__(
+        self, batches: Iterator[Batch], stage: DeviceStage, device: torch.device, dtype: torch.dtype, train: bool
+    ) -> None:
         self.batches = batches
         self.stage = stage
         self.device = device
         self.dtype = dtype
+        self.train = train
         self.stream = torch.cuda.Stream(device=device)
-        self._next: dict[str, Any] | None = None
+        self._next: Batch | None = None
         self._exhausted = False
         self._preload()
 
@@ -169,23 +150,25 @@ class CudaPrefetcher:
         except StopIteration:
             self._next, self._exhausted = None, True
             return
+        if not len(batch):  # every sample was bad: nothing to copy or decode
+            self._next = replace(batch, on_device=True)
+            return
         # accelerate may already have copied the batch's tensors on the compute stream: order after that copy.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            self._next = self.stage(batch, self.device, self.dtype)
-        self._next["_device_ready"] = True  # the Trainer must not run the stage again
+            self._next = self.stage(batch, self.device, self.dtype, train=self.train)
 
     def __iter__(self) -> CudaPrefetcher:
         return self
 
-    def __next__(self) -> dict[str, Any]:
+    def __next__(self) -> Batch:
         if self._exhausted and self._next is None:
             raise StopIteration
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
         batch = self._next
         assert batch is not None
-        for value in batch.values():
-            if isinstance(value, torch.Tensor) and value.is_cuda:
+        for value in batch.inputs.values():
+            if value.is_cuda:
                 # The tensor was made on the side stream; tell the allocator the compute stream uses it too.
                 value.record_stream(torch.cuda.current_stream(self.device))
         self._preload()

@@ -17,10 +17,9 @@ from typing import Any
 
 import torch
 
-from vlfit.data.bad_samples import BadSampleInfo
-from vlfit.data.device_stage import DeviceStage
+from vlfit.data.batch import BadSample, Batch
 from vlfit.evaluation.metrics import label_to_index, matching_accuracy, pooled_recall_at_k
-from vlfit.models.encoders import encode_image, encode_text
+from vlfit.models.family import ModelFamily
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +29,12 @@ class EmbeddedSplit:
     """Embeddings of (part of) an evaluation split, one row per valid sample, on the CPU.
 
     Attributes:
-        positions: Each row's index in the split (``batch["positions"]``): what merging orders and de-duplicates by.
+        positions: Each row's index in the split (``Batch.positions``): what merging orders and de-duplicates by.
         texts: Per batch, caption embeddings ``[b, d]``.
         images: Per batch, image embeddings ``[b, d]``.
         choices: Per batch, embeddings of the caption choices ``[b, c, d]``; ``None`` once a batch had none usable.
         labels: Per batch, the index of the right choice ``[b]``; ``None`` with ``choices``.
-        bad_samples: ``(id, reason)`` of every sample left out.
+        bad_samples: Every sample left out.
     """
 
     positions: list[int] = field(default_factory=list)
@@ -43,43 +42,40 @@ class EmbeddedSplit:
     images: list[torch.Tensor] = field(default_factory=list)
     choices: list[torch.Tensor] | None = field(default_factory=list)
     labels: list[torch.Tensor] | None = field(default_factory=list)
-    bad_samples: list[BadSampleInfo] = field(default_factory=list)
+    bad_samples: list[BadSample] = field(default_factory=list)
 
 
 @torch.no_grad()
 def embed_split(
+    family: ModelFamily,
     model: Any,
-    batches: Iterable[dict[str, Any]],
+    batches: Iterable[Batch],
     *,
-    stage: DeviceStage,
-    device: torch.device,
     tokenizer: Any,
     max_seq_length: int,
+    device: torch.device,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> EmbeddedSplit:
-    """Embed every batch with the model's unimodal encoders.
+    """Embed every batch with the family's unimodal encoders.
 
-    Batches are collated evaluation batches: ``positions`` and ``sample_ids`` per sample, ``bad_samples`` for the
-    samples left out while collating, and ``caption_choices``/``label`` when the split has them. Batches left
-    empty by bad samples are skipped; samples the device stage drops (device decode) are counted as bad.
+    Batches are model-ready evaluation batches (the pipeline's device feed): rows with their dataset positions,
+    the samples left out as bad in ``bad_samples``, and ``caption_choices``/``label`` columns when the split has
+    them. Batches left empty by bad samples add only their bad samples.
     """
     model = getattr(model, "module", model)
     was_training = model.training
     model.eval()
-    dtype = next(model.parameters()).dtype
     part = EmbeddedSplit()
     for batch in batches:
-        part.bad_samples.extend(batch.pop("bad_samples", []))
-        if not len(batch["sample_ids"]):
+        part.bad_samples.extend(batch.bad_samples)
+        if not len(batch):
             continue
-        batch = stage(batch, device, dtype, train=False)
-        part.bad_samples.extend(batch.pop("device_bad_samples", []))
-        part.positions.extend(int(position) for position in batch["positions"])
+        part.positions.extend(int(position) for position in batch.positions)
         with autocast():
-            text_embeds = encode_text(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))
+            text_embeds = family.encode_text(model, batch["input_ids"], batch["attention_mask"])
             part.texts.append(text_embeds.float().cpu())
-            part.images.append(encode_image(model, batch["pixel_values"]).float().cpu())
-            batch_choices, batch_labels = batch.get("caption_choices"), batch.get("label")
+            part.images.append(family.encode_image(model, batch["pixel_values"]).float().cpu())
+            batch_choices, batch_labels = batch.columns.get("caption_choices"), batch.columns.get("label")
             if part.choices is None:
                 continue
             if not (batch_choices and batch_labels and all(batch_choices)):
@@ -89,7 +85,7 @@ def embed_split(
             tokens = tokenizer(
                 flat, max_length=max_seq_length, truncation=True, padding="longest", return_tensors="pt"
             ).to(device)
-            embeds = encode_text(model, tokens["input_ids"], tokens["attention_mask"]).float().cpu()
+            embeds = family.encode_text(model, tokens["input_ids"], tokens["attention_mask"]).float().cpu()
             part.choices.append(embeds.view(len(batch_choices), len(batch_choices[0]), -1))
             part.labels.append(torch.tensor([label_to_index(label) for label in batch_labels]))  # type: ignore[union-attr]
     if was_training:
@@ -150,38 +146,36 @@ def score_split(split: EmbeddedSplit, pool_size: int | None = None) -> dict[str,
 
 
 def evaluate_retrieval(
+    family: ModelFamily,
     model: Any,
-    batches: Iterable[dict[str, Any]],
+    batches: Iterable[Batch],
     *,
-    stage: DeviceStage,
-    device: torch.device,
     tokenizer: Any,
     max_seq_length: int,
+    device: torch.device,
     pool_size: int | None = None,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     gather_parts: Callable[[EmbeddedSplit], list[EmbeddedSplit]] | None = None,
-) -> tuple[dict[str, float], list[BadSampleInfo]]:
+) -> tuple[dict[str, float], list[BadSample]]:
     """Embed this process's batches, merge the processes' parts and score the split.
 
     Args:
-        model: A ``BridgeTowerForContrastiveLearning`` (or a wrapper exposing it as ``.module``).
-        batches: Collated evaluation batches (see ``embed_split``).
-        stage: The device stage (normalization; decode on device).
-        device: Where the model runs.
+        family: The model family (its unimodal encoders).
+        model: The model (or a wrapper exposing it as ``.module``).
+        batches: Model-ready evaluation batches (see ``embed_split``).
         tokenizer: Tokenizes caption choices.
         max_seq_length: Truncation for caption choices.
+        device: Where the model runs.
         pool_size: Candidate pool for recall (``None``: the whole split).
         autocast: Mixed-precision context for the forward passes.
         gather_parts: In distributed runs, every process's part, in rank order (one collective; every process
             must call it). ``None``: this process read the whole split.
 
     Returns:
-        The metrics (see ``score_split``), the same on every process, and the ``(id, reason)`` of the samples
-        left out.
+        The metrics (see ``score_split``), the same on every process, and the samples left out.
     """
     part = embed_split(
-        model, batches, stage=stage, device=device, tokenizer=tokenizer, max_seq_length=max_seq_length,
-        autocast=autocast,
-    )  # fmt: skip
+        family, model, batches, tokenizer=tokenizer, max_seq_length=max_seq_length, device=device, autocast=autocast
+    )
     split = merge_splits(gather_parts(part) if gather_parts is not None else [part])
     return score_split(split, pool_size), split.bad_samples

@@ -1,1 +1,1 @@
-"""Models: BridgeTower presets and loading, offline tokenizers, unimodal encoders for retrieval."""
+"""Models: the family interface, one module per family (BridgeTower), the registry, loading and tokenizers."""

@@ -1,133 +1,175 @@
-"""Load a BridgeTower checkpoint (local folder or hub id) or build a preset, with its tokenizer and image processor."""
+"""Load a checkpoint (local folder or hub id) or build a preset, with its tokenizer and image processor.
+
+Two steps, so that what needs no weights never builds them: ``resolve_model`` finds the family, the config, the
+tokenizer (trained on the captions for a preset) and the image processor, which is all the input pipeline needs
+(``InputSpec``); ``load_model_bundle`` adds the model itself.
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import (
-    AutoImageProcessor,
-    AutoTokenizer,
-    BridgeTowerForContrastiveLearning,
-    BridgeTowerImageProcessor,
-    PreTrainedTokenizerBase,
-)
+from torch import nn
+from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
-from vlfit.models.presets import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, get_preset, preset_config
+from vlfit.models.family import InputSpec, ModelFamily
+from vlfit.models.registry import family_for_config, family_for_preset
 from vlfit.models.tokenizer import train_caption_tokenizer
+
+if TYPE_CHECKING:
+    from vlfit.arguments import ModelArguments
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class ModelBundle:
-    """A model with everything that defines its inputs: the single place image size, mean and std come from."""
+class ModelBlueprint:
+    """Everything about a model but its weights.
 
-    model: BridgeTowerForContrastiveLearning
-    tokenizer: PreTrainedTokenizerBase
+    Attributes:
+        family: The model family.
+        config: The transformers config.
+        inputs: Image size, mean, std and tokenizer (what the input pipeline needs).
+        image_processor: Saved beside fine-tuned checkpoints.
+        checkpoint: The folder or hub id to load weights from; None for a preset (random init).
+        preset: The preset's name, or None for a checkpoint.
+    """
+
+    family: ModelFamily
+    config: Any
+    inputs: InputSpec
     image_processor: Any
+    checkpoint: str | None = None
+    preset: str | None = None
+
+    @property
+    def description(self) -> str:
+        """``preset tiny`` or the checkpoint."""
+        return f"preset {self.preset}" if self.preset else str(self.checkpoint)
+
+
+@dataclass
+class ModelBundle:
+    """A model with its family and everything that defines its inputs."""
+
+    model: nn.Module
+    blueprint: ModelBlueprint
+
+    @property
+    def family(self) -> ModelFamily:
+        return self.blueprint.family
+
+    @property
+    def inputs(self) -> InputSpec:
+        return self.blueprint.inputs
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.blueprint.inputs.tokenizer
+
+    @property
+    def image_processor(self) -> Any:
+        return self.blueprint.image_processor
 
     @property
     def image_size(self) -> int:
-        size = self.model.config.vision_config.image_size
-        return int(size[0] if isinstance(size, (list, tuple)) else size)
+        return self.blueprint.inputs.image_size
 
-    @property
-    def image_mean(self) -> tuple[float, float, float]:
-        return tuple(float(x) for x in self.image_processor.image_mean)  # type: ignore[return-value]
 
-    @property
-    def image_std(self) -> tuple[float, float, float]:
-        return tuple(float(x) for x in self.image_processor.image_std)  # type: ignore[return-value]
+def _hub_kwargs(args: ModelArguments) -> dict[str, Any]:
+    kwargs = {"cache_dir": args.cache_dir, "revision": args.model_revision, "token": args.token}
+    if getattr(args, "trust_remote_code", False):
+        kwargs["trust_remote_code"] = True
+    return kwargs
 
-    def save_pretrained(self, output_dir: str) -> None:
-        """Save model, tokenizer and image processor so ``--model_name_or_path output_dir`` loads all three."""
-        self.model.save_pretrained(output_dir)
-        self.tokenizer.save_pretrained(output_dir)
-        self.image_processor.save_pretrained(output_dir)
+
+def resolve_model(
+    args: ModelArguments,
+    *,
+    captions: Callable[[], Iterable[str | None]] | None = None,
+    max_seq_length: int = 128,
+) -> ModelBlueprint:
+    """The family, config, tokenizer and image processor of ``--model_name_or_path`` or ``--model_preset``.
+
+    Args:
+        args: ``--model_name_or_path`` or ``--model_preset`` (exactly one), ``--config_name``,
+            ``--tokenizer_name``, ``--image_processor_name``, ``--use_fast_tokenizer`` and the hub settings.
+        captions: Returns the training captions; a preset without ``--tokenizer_name`` trains its tokenizer on them.
+        max_seq_length: Longest tokenized caption.
+
+    Raises:
+        ValueError: for neither or both of checkpoint and preset, an unknown preset or model type, or a tokenizer
+            larger than the model's vocabulary.
+    """
+    checkpoint, preset = args.model_name_or_path, args.model_preset
+    if (checkpoint is None) == (preset is None):
+        raise ValueError(
+            "pass exactly one of --model_name_or_path (a checkpoint folder or hub id) or --model_preset "
+            f"(random init); got model_name_or_path={checkpoint!r}, model_preset={preset!r}"
+        )
+    hub = _hub_kwargs(args)
+    tokenizer_kwargs = {**hub, "use_fast": getattr(args, "use_fast_tokenizer", True)}
+    config_name = getattr(args, "config_name", None)
+    if checkpoint is not None:
+        config = AutoConfig.from_pretrained(config_name or checkpoint, **hub)
+        family = family_for_config(config)
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name or checkpoint, **tokenizer_kwargs)
+        image_processor = AutoImageProcessor.from_pretrained(args.image_processor_name or checkpoint, **hub)
+    else:
+        family = family_for_preset(preset)  # type: ignore[arg-type]
+        config = AutoConfig.from_pretrained(config_name, **hub) if config_name else family.preset_config(preset)
+        if args.tokenizer_name is not None:
+            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name, **tokenizer_kwargs)
+        else:
+            if captions is None:
+                raise ValueError(f"preset {preset!r} needs training captions or --tokenizer_name")
+            logger.info("training a byte-level BPE tokenizer on the training captions (no --tokenizer_name given)")
+            tokenizer = train_caption_tokenizer(
+                captions(), vocab_size=family.preset_tokenizer_vocab_size(preset), model_max_length=max_seq_length
+            )
+        image_processor = (
+            AutoImageProcessor.from_pretrained(args.image_processor_name, **hub)
+            if args.image_processor_name
+            else family.preset_image_processor(preset)
+        )
+    vocab = family.vocab_size(config)
+    if vocab is not None and len(tokenizer) > vocab:
+        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model embeds only {vocab}")
+    inputs = InputSpec(
+        image_size=family.image_size(config),
+        image_mean=tuple(float(x) for x in image_processor.image_mean),  # type: ignore[arg-type]
+        image_std=tuple(float(x) for x in image_processor.image_std),  # type: ignore[arg-type]
+        tokenizer=tokenizer,
+        max_seq_length=max_seq_length,
+    )
+    return ModelBlueprint(family, config, inputs, image_processor, checkpoint=checkpoint, preset=preset)
+
+
+def build_model(blueprint: ModelBlueprint, args: ModelArguments) -> nn.Module:
+    """The blueprint's model: the checkpoint's weights, or random ones for a preset; frozen as the flags say."""
+    family = blueprint.family
+    if blueprint.checkpoint is not None:
+        model = family.from_pretrained(blueprint.checkpoint, config=blueprint.config, **_hub_kwargs(args))
+    else:
+        model = family.build(blueprint.config)
+    family.freeze(
+        model,
+        vision=getattr(args, "freeze_vision_model", False),
+        text=getattr(args, "freeze_text_model", False),
+        text_pooler=getattr(args, "freeze_text_pooler", True),
+    )
+    return model
 
 
 def load_model_bundle(
+    args: ModelArguments,
     *,
-    model_name_or_path: str | None,
-    model_preset: str | None,
-    tokenizer_name: str | None = None,
-    image_processor_name: str | None = None,
-    cache_dir: str | None = None,
-    model_revision: str | None = None,
-    token: str | None = None,
     captions: Callable[[], Iterable[str | None]] | None = None,
     max_seq_length: int = 128,
-    freeze_vision_model: bool = False,
-    freeze_text_model: bool = False,
-    freeze_text_pooler: bool = True,
 ) -> ModelBundle:
-    """Load a checkpoint with ``from_pretrained`` or build a preset with random weights.
-
-    Args:
-        model_name_or_path: Local folder or hub id of a ``BridgeTowerForContrastiveLearning`` checkpoint.
-        model_preset: One of ``tiny|small|base|large`` (random init); exclusive with ``model_name_or_path``.
-        tokenizer_name: A tokenizer to load instead of the checkpoint's (or instead of training one for a preset).
-        image_processor_name: An image processor to load instead of the checkpoint's.
-        cache_dir: ``from_pretrained`` cache folder.
-        model_revision: Branch, tag or commit of the checkpoint.
-        token: Hub token.
-        captions: Returns the training captions; a preset without ``tokenizer_name`` trains its tokenizer on them.
-        max_seq_length: Longest tokenized caption.
-        freeze_vision_model: Disable gradients of the vision encoder.
-        freeze_text_model: Disable gradients of the text encoder.
-        freeze_text_pooler: Disable gradients of the text pooler. The contrastive loss never reaches it, and
-            DistributedDataParallel fails on parameters without gradients, so this defaults to on.
-    """
-    if (model_name_or_path is None) == (model_preset is None):
-        raise ValueError(
-            "pass exactly one of --model_name_or_path (a checkpoint folder or hub id) or --model_preset "
-            f"(random init; one of: tiny, small, base, large); got model_name_or_path={model_name_or_path!r}, "
-            f"model_preset={model_preset!r}"
-        )
-    hub_kwargs = {"cache_dir": cache_dir, "revision": model_revision, "token": token}
-    if model_name_or_path is not None:
-        model = BridgeTowerForContrastiveLearning.from_pretrained(model_name_or_path, **hub_kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_name or model_name_or_path, **hub_kwargs)
-        image_processor = AutoImageProcessor.from_pretrained(image_processor_name or model_name_or_path, **hub_kwargs)
-    else:
-        preset = get_preset(model_preset)  # type: ignore[arg-type]
-        model = BridgeTowerForContrastiveLearning(preset_config(model_preset))  # type: ignore[arg-type]
-        if tokenizer_name is not None:
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer_name, **hub_kwargs)
-        else:
-            if captions is None:
-                raise ValueError(f"preset {model_preset!r} needs training captions or --tokenizer_name")
-            logger.info("training a byte-level BPE tokenizer on the training captions (no --tokenizer_name given)")
-            tokenizer = train_caption_tokenizer(
-                captions(), vocab_size=preset.tokenizer_vocab_size or preset.vocab_size, model_max_length=max_seq_length
-            )
-        if len(tokenizer) > preset.vocab_size:
-            raise ValueError(
-                f"tokenizer has {len(tokenizer)} tokens but preset {model_preset!r} embeds only {preset.vocab_size}"
-            )
-        if image_processor_name is not None:
-            image_processor = AutoImageProcessor.from_pretrained(image_processor_name, **hub_kwargs)
-        else:
-            image_processor = BridgeTowerImageProcessor(
-                size={"shortest_edge": preset.image_size},
-                crop_size={"shortest_edge": preset.image_size},
-                image_mean=list(OPENAI_CLIP_MEAN),
-                image_std=list(OPENAI_CLIP_STD),
-            )
-    _freeze(model, vision=freeze_vision_model, text=freeze_text_model, text_pooler=freeze_text_pooler)
-    return ModelBundle(model=model, tokenizer=tokenizer, image_processor=image_processor)
-
-
-def _freeze(model: BridgeTowerForContrastiveLearning, *, vision: bool, text: bool, text_pooler: bool) -> None:
-    # Freezing (rather than deleting the pooler as some scripts do) keeps saved checkpoints complete.
-    tower = model.bridgetower
-    if vision:
-        tower.vision_model.requires_grad_(False)
-    if text:
-        tower.text_model.requires_grad_(False)
-    pooler = getattr(tower.text_model, "pooler", None)
-    if text_pooler and pooler is not None:
-        pooler.requires_grad_(False)
+    """``resolve_model`` then ``build_model``: a model with its family, tokenizer and image processor."""
+    blueprint = resolve_model(args, captions=captions, max_seq_length=max_seq_length)
+    return ModelBundle(build_model(blueprint, args), blueprint)

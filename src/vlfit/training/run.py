@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from dataclasses import asdict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,19 +14,16 @@ from transformers import set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from vlfit.arguments import DataArguments, ModelArguments, VlfitTrainingArguments
-from vlfit.data.bad_samples import BAD_SAMPLES_REPORT
-from vlfit.data.dataset import ImageTextCollator, ImageTextDataset, build_image_transform
-from vlfit.data.device_stage import DeviceStage
+from vlfit.data.pipeline import EVAL_COLUMNS, InputPipeline, PipelineOptions
 from vlfit.data.source_base import ImageTextSource
 from vlfit.data.sources import open_splits
-from vlfit.models.loading import load_model_bundle
+from vlfit.models.loading import ModelBlueprint, build_model, resolve_model
+from vlfit.training.bad_sample_ledger import BAD_SAMPLES_REPORT
 from vlfit.training.distributed import describe_launch
 from vlfit.training.preemption import PreemptionCallback, TrainingPreempted
 from vlfit.training.trainer import VlfitTrainer
 
 logger = logging.getLogger("vlfit")
-
-EVAL_COLUMNS = ("caption_choices", "label")
 
 
 def setup_logging(training_args: VlfitTrainingArguments) -> None:
@@ -56,26 +53,29 @@ def _require_split(splits: dict[str, ImageTextSource], name: str, flag: str) -> 
     return splits[name]
 
 
-def run(model_args: ModelArguments, data_args: DataArguments, training_args: VlfitTrainingArguments) -> dict[str, Any]:
-    """Train (``--do_train``) and/or evaluate (``--do_eval``) as the arguments say.
+@dataclass
+class RunSetup:
+    """What a run is made of before any model weights exist: the data, the model's blueprint and the pipeline.
 
-    Returns:
-        The train metrics (prefixed ``train_``) and eval metrics (prefixed ``eval_``) that were computed.
-
-    Raises:
-        TrainingPreempted: SIGTERM or SIGINT stopped training; the message names the checkpoint saved at the stop.
-        TooManyBadSamplesError: more than ``--max_bad_fraction`` of the samples read were bad.
-        BadSampleError: a bad sample under ``--bad_sample_policy raise``.
+    Attributes:
+        train_source: The training split (``None`` without ``--do_train``).
+        eval_source: The evaluation split (``None`` without ``--do_eval``).
+        blueprint: The model's family, config, tokenizer and image processor.
+        pipeline: The input pipeline every loader of the run comes from.
     """
+
+    train_source: ImageTextSource | None
+    eval_source: ImageTextSource | None
+    blueprint: ModelBlueprint
+    pipeline: InputPipeline
+
+
+def setup_run(model_args: ModelArguments, data_args: DataArguments, training_args: VlfitTrainingArguments) -> RunSetup:
+    """Open the splits, resolve the model (training a preset's tokenizer once) and build the input pipeline."""
     setup_logging(training_args)
     if not (training_args.do_train or training_args.do_eval):
         raise ValueError("nothing to do: pass --do_train and/or --do_eval")
-    # vlfit's collator decides the batch columns; the Trainer must not drop the ones the model signature lacks.
-    training_args.remove_unused_columns = False
-    # Pinned host memory only helps host-to-GPU copies.
-    training_args.dataloader_pin_memory = training_args.dataloader_pin_memory and training_args.device.type == "cuda"
     set_seed(training_args.seed)
-
     splits = open_splits(
         **data_args.source_kwargs(), cache_dir=model_args.cache_dir, token=model_args.token, extra_columns=EVAL_COLUMNS
     )
@@ -85,74 +85,64 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Vlf
     if training_args.do_eval:
         eval_source = _limit(_require_split(splits, data_args.eval_split, "--do_eval"), data_args.max_eval_samples)
     caption_source = train_source or splits.get("train") or eval_source
-    describe_launch(training_args, len(train_source) if train_source is not None else None)
-
-    bundle = load_model_bundle(
-        **asdict(model_args),
+    blueprint = resolve_model(
+        model_args,
         captions=caption_source.captions if caption_source is not None else None,
         max_seq_length=data_args.max_seq_length,
     )
-    decode_on_device = data_args.decode_on_device
-    if decode_on_device and training_args.device.type != "cuda":
-        logger.warning(
-            "--decode_on_device needs an NVIDIA GPU (nvJPEG) and the training device is %s: "
-            "decoding on the CPU with the %s pipeline instead",
-            training_args.device.type,
-            data_args.image_pipeline,
-        )
-        decode_on_device = False
-    transform_kwargs = {
-        "image_size": bundle.image_size,
-        "mean": bundle.image_mean,
-        "std": bundle.image_std,
-        "decode_on_device": decode_on_device,
-    }
-    train_dataset = eval_dataset = None
-    if train_source is not None:
-        train_dataset = ImageTextDataset(
-            train_source,
-            build_image_transform(
-                data_args.image_pipeline, random_resized_crop=data_args.random_resized_crop, **transform_kwargs
-            ),
-            bad_sample_policy=data_args.bad_sample_policy,
-        )
-    if eval_source is not None:
-        # No substitutes in evaluation: recall over a pool holding some pairs twice would not be comparable.
-        eval_dataset = ImageTextDataset(
-            eval_source,
-            build_image_transform(data_args.image_pipeline, **transform_kwargs),
-            bad_sample_policy=data_args.bad_sample_policy,
-            substitute=False,
-        )
+    pipeline = InputPipeline(blueprint.inputs, PipelineOptions.from_arguments(data_args), training_args.device)
+    return RunSetup(train_source, eval_source, blueprint, pipeline)
 
+
+def run(
+    model_args: ModelArguments,
+    data_args: DataArguments,
+    training_args: VlfitTrainingArguments,
+    setup: RunSetup | None = None,
+) -> dict[str, Any]:
+    """Train (``--do_train``) and/or evaluate (``--do_eval``) as the arguments say.
+
+    Args:
+        model_args: The model flags.
+        data_args: The data flags.
+        training_args: The training flags.
+        setup: What ``setup_run`` made of the same arguments (made here when None).
+
+    Returns:
+        The train metrics (prefixed ``train_``) and eval metrics (prefixed ``eval_``) that were computed.
+
+    Raises:
+        TrainingPreempted: SIGTERM or SIGINT stopped training; the message names the checkpoint saved at the stop.
+        TooManyBadSamplesError: more than ``--max_bad_fraction`` of the samples read were bad.
+        BadSampleError: a bad sample under ``--bad_sample_policy raise``.
+    """
+    setup = setup or setup_run(model_args, data_args, training_args)
+    train_source, eval_source, pipeline = setup.train_source, setup.eval_source, setup.pipeline
+    describe_launch(training_args, len(train_source) if train_source is not None else None)
+    set_seed(training_args.seed)  # the same initial weights whatever ran since setup (e.g. a worker probe)
+    model = build_model(setup.blueprint, model_args)
+    family = setup.blueprint.family
     trainer = VlfitTrainer(
-        model=bundle.model,
+        model=model,
         args=training_args,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        data_collator=ImageTextCollator(bundle.tokenizer, data_args.max_seq_length, keep_columns=EVAL_COLUMNS),
-        processing_class=bundle.tokenizer,
-        device_stage=DeviceStage(
-            bundle.image_size,
-            bundle.image_mean,
-            bundle.image_std,
-            horizontal_flip=data_args.horizontal_flip,
-            bad_sample_policy=data_args.bad_sample_policy,
-        ),
-        max_seq_length=data_args.max_seq_length,
+        train_dataset=pipeline.dataset(train_source, train=True) if train_source is not None else None,
+        eval_dataset=pipeline.dataset(eval_source, train=False) if eval_source is not None else None,
+        processing_class=pipeline.inputs.tokenizer,
+        pipeline=pipeline,
+        family=family,
         eval_pool_size=data_args.eval_pool_size,
         max_bad_fraction=data_args.max_bad_fraction,
     )
     preemption = PreemptionCallback()
     trainer.add_callback(preemption)
     logger.info(
-        "model %s: %.1fM parameters, image %d px, pipeline %s%s, %s",
-        model_args.model_name_or_path or f"preset {model_args.model_preset}",
-        sum(p.numel() for p in bundle.model.parameters()) / 1e6,
-        bundle.image_size,
-        data_args.image_pipeline,
-        " + device decode" if decode_on_device else "",
-        f"{len(train_dataset)} training samples" if train_dataset is not None else "no training",
+        "model %s (%s): %.1fM parameters, image %d px, pipeline %s, %s",
+        setup.blueprint.description,
+        family.name,
+        sum(p.numel() for p in model.parameters()) / 1e6,
+        pipeline.inputs.image_size,
+        pipeline.description,
+        f"{len(train_source)} training samples" if train_source is not None else "no training",
     )
 
     results: dict[str, Any] = {}
@@ -177,7 +167,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, training_args: Vlf
             logger.warning("a stop signal arrived as training was finishing: training completed, saving as usual")
         trainer.save_model()
         if trainer.is_world_process_zero():
-            bundle.image_processor.save_pretrained(training_args.output_dir)
+            setup.blueprint.image_processor.save_pretrained(training_args.output_dir)
         metrics = dict(train_result.metrics)
         metrics["train_data_wait_share"] = trainer.throughput.total()["data_wait_share"]
         bad, read = trainer.bad_sample_totals()  # every process's, summed

@@ -1,19 +1,20 @@
-"""``transformers.Trainer`` with vlfit's device stage, data-wait accounting and retrieval evaluation.
+"""``transformers.Trainer`` fed by vlfit's input pipeline, with data-wait accounting and retrieval evaluation.
 
 The Trainer (through accelerate) keeps owning device placement, distributed sampling, mixed precision and
 checkpoints; vlfit hooks in at these points:
 
-- ``get_batch_samples`` is the one place the training loop calls ``next()`` on the loader: time spent there is
-  data wait. On CUDA the device stage of the next batch is started there too, on a side stream.
-- ``_prepare_inputs`` runs the device stage (uint8 -> normalized float, flip, or nvJPEG decode) on CPU runs.
+- ``get_train_dataloader`` / ``get_eval_dataloader`` ask the ``InputPipeline`` for the loader (the only place
+  vlfit builds one) and hand it to accelerate as the Trainer would.
+- ``get_batch_samples`` is the one place the training loop takes batches: through the pipeline's device feed,
+  so batches arrive on the device, normalized (on CUDA the next one's device stage runs on a side stream), and
+  the time blocked there is data wait.
+- ``compute_loss`` is the model family's contrastive loss, with local or global negatives.
 - ``evaluate`` computes recall@k and matching accuracy instead of a validation loss.
-- ``compute_loss`` is BridgeTower's own loss, or with ``--contrastive_negatives global`` the same loss over the
-  embeddings of every process (``vlfit.training.contrastive_loss``).
 
-It also keeps the run's ledger of bad samples (reported in the batches, see ``vlfit.data.bad_samples``: counted
-in the logs, saved in checkpoints, bounded by ``--max_bad_fraction``) and writes checkpoints atomically: each is
-written into a hidden staging folder and renamed into place once complete, so a kill during saving never leaves
-a ``checkpoint-N`` folder that resuming (``get_last_checkpoint``) would take for a complete one.
+It also keeps the run's ledger of bad samples (reported in each ``Batch``: counted in the logs, saved in
+checkpoints, bounded by ``--max_bad_fraction``) and writes checkpoints atomically: each is written into a hidden
+staging folder and renamed into place once complete, so a kill during saving never leaves a ``checkpoint-N``
+folder that resuming (``get_last_checkpoint``) would take for a complete one.
 """
 
 from __future__ import annotations
@@ -21,21 +22,26 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import time
+from functools import partial
 from typing import Any
 
 import torch
 from accelerate.utils import gather_object
 from transformers import Trainer
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints, seed_worker
 
-from vlfit.data.bad_samples import BAD_SAMPLES_REPORT, BadSampleLedger, TooManyBadSamplesError
-from vlfit.data.device_stage import CudaPrefetcher, DeviceStage
+from vlfit.data.batch import Batch
+from vlfit.data.pipeline import DeviceFeed, InputPipeline, LoaderSettings
 from vlfit.evaluation.retrieval import EmbeddedSplit, evaluate_retrieval
-from vlfit.training.contrastive_loss import contrastive_loss, expose_logit_scale
+from vlfit.models.family import ModelFamily
+from vlfit.training.bad_sample_ledger import (
+    BAD_SAMPLES_REPORT,
+    BadSampleLedger,
+    TooManyBadSamplesError,
+    process_file_name,
+)
 from vlfit.training.throughput import ThroughputMeter
 
-MODEL_INPUTS = ("input_ids", "attention_mask", "pixel_values")
 # Checkpoints are staged in ``<output_dir>/.partial-checkpoint-N/checkpoint-N``: the name matches neither
 # ``get_last_checkpoint``'s ``^checkpoint-\d+$`` nor the ``checkpoint-*`` glob of checkpoint rotation.
 STAGING_PREFIX = ".partial-"
@@ -47,30 +53,31 @@ class VlfitTrainer(Trainer):
     """A Trainer for contrastive image-text fine-tuning.
 
     Args:
-        device_stage: Turns collated batches into model inputs on the device.
-        max_seq_length: Truncation length for caption choices in evaluation.
+        pipeline: Builds the loaders and brings batches to the device.
+        family: The model family (its contrastive loss and unimodal encoders).
         eval_pool_size: Candidate pool for recall@k (``None``: the whole split).
         max_bad_fraction: Stop training once more than this fraction of the samples read were bad.
-        *args, **kwargs: As ``transformers.Trainer``.
+        *args, **kwargs: As ``transformers.Trainer`` (``train_dataset`` / ``eval_dataset`` are the pipeline's
+            datasets).
     """
 
     def __init__(
         self,
         *args: Any,
-        device_stage: DeviceStage,
-        max_seq_length: int = 128,
+        pipeline: InputPipeline,
+        family: ModelFamily,
         eval_pool_size: int | None = None,
         max_bad_fraction: float = 1.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self.device_stage = device_stage
-        self.max_seq_length = max_seq_length
+        self.pipeline = pipeline
+        self.family = family
         self.eval_pool_size = eval_pool_size
         self.throughput = ThroughputMeter(self.args.world_size)
-        self.bad_samples = BadSampleLedger(max_bad_fraction)
-        self._prefetch_source: Any = None
-        self._prefetcher: CudaPrefetcher | None = None
+        self.bad_samples = BadSampleLedger(max_bad_fraction, log=True)
+        self._feed_source: Any = None
+        self._feed: DeviceFeed | None = None
         self._staging_run_dir: str | None = None
 
     @property
@@ -79,7 +86,8 @@ class VlfitTrainer(Trainer):
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         self.throughput = ThroughputMeter(self.args.world_size)  # the clock starts with training, not with construction
-        self.bad_samples = BadSampleLedger(self.bad_samples.max_bad_fraction)
+        self.bad_samples = BadSampleLedger(self.bad_samples.max_bad_fraction, log=True)
+        self.family.prepare_for_training(self.model)
         checkpoint = resume_from_checkpoint
         if checkpoint is True:
             checkpoint = get_last_checkpoint(self.args.output_dir)
@@ -88,44 +96,73 @@ class VlfitTrainer(Trainer):
             self.bad_samples.load(checkpoint, self.args.process_index)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
+    # ------------------------------------------------------------------------------------------------ loaders
+
+    def get_train_dataloader(self) -> Any:
+        if self.train_dataset is None:
+            raise ValueError("training needs a training split")
+        loader = self.pipeline.loader(
+            self.train_dataset,
+            batch_size=self._train_batch_size,
+            settings=LoaderSettings.from_training_args(self.args),
+            sampler=self._get_train_sampler(),
+            worker_init_fn=partial(
+                seed_worker, num_workers=self.args.dataloader_num_workers, rank=self.args.process_index
+            ),
+        )
+        return self.accelerator.prepare(loader)
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("evaluation needs an evaluation split")
+        loader = self.pipeline.loader(
+            dataset,
+            batch_size=self.args.eval_batch_size,
+            # Retrieval scores every sample: --dataloader_drop_last is for training batches only.
+            settings=LoaderSettings.from_training_args(self.args, drop_last=False),
+            sampler=self._get_eval_sampler(dataset),
+        )
+        return self.accelerator.prepare(loader)
+
+    # ------------------------------------------------------------------------------------------------ batches
+
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> tuple[list, Any]:
-        start = time.perf_counter()
-        if self.args.device.type == "cuda":
-            if self._prefetch_source is not epoch_iterator:
-                self._prefetch_source = epoch_iterator
-                self._prefetcher = CudaPrefetcher(
-                    epoch_iterator, self.device_stage, self.args.device, self._model_dtype
-                )
-            epoch_iterator = self._prefetcher
-        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self.throughput.add(time.perf_counter() - start, sum(len(b["input_ids"]) for b in batches))
-        self._account_bad_samples(batches)
-        return batches, num_items
-
-    def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        if not inputs.get("_device_ready"):
-            inputs = super()._prepare_inputs(inputs)
-            inputs = self.device_stage(inputs, self.args.device, self._model_dtype, train=self.model.training)
-            if "device_bad_samples" in inputs and self.model.training:
-                # Found at device decode, after get_batch_samples counted the batch's rows: only the drops add.
-                self.bad_samples.add(inputs.pop("device_bad_samples"), rows=0, step=self._reading_step, stage="device")
-                self._check_bad_fraction()
-        return inputs
-
-    @property
-    def _reading_step(self) -> int:
-        """The 1-based step whose batches are being read."""
-        return self.state.global_step + 1
-
-    def _account_bad_samples(self, batches: list[dict[str, Any]]) -> None:
+        if self._feed_source is not epoch_iterator:
+            self._feed_source = epoch_iterator
+            self._feed = self.pipeline.feed(epoch_iterator, self._model_dtype, train=True)
+        assert self._feed is not None
+        batches: list[Batch] = []
+        waited = 0.0
+        for _ in range(num_batches):
+            try:
+                batches.append(next(self._feed))
+            except StopIteration:
+                break
+            waited += self._feed.last_wait
+        self.throughput.add(waited, sum(len(batch) for batch in batches))
         for batch in batches:
-            bad = batch.pop("bad_samples", [])
-            device_bad = batch.pop("device_bad_samples", [])  # present when the device stage ran already (CUDA)
-            rows = len(batch["input_ids"]) + len(device_bad)
-            for sample_id, reason in self.bad_samples.add(bad, rows=rows, step=self._reading_step):
-                logger.warning("skipped bad sample %s (replaced in its batch): %s", sample_id, reason)
-            self.bad_samples.add(device_bad, rows=0, step=self._reading_step, stage="device")
+            self.bad_samples.add(batch.bad_samples, rows=len(batch), step=self.state.global_step + 1)
         self._check_bad_fraction()
+        # The contrastive loss is a mean over the batch: no token count to normalize by (num_items_in_batch).
+        return batches, None
+
+    def _prepare_inputs(self, inputs: Batch) -> Batch:  # type: ignore[override]
+        return self.pipeline.to_device(inputs, self._model_dtype, train=self.model.training)
+
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: Batch,
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> Any:
+        if return_outputs:
+            raise NotImplementedError("vlfit evaluates by retrieval (evaluate), not by prediction outputs")
+        global_negatives = getattr(self.args, "contrastive_negatives", "local") == "global"
+        return self.family.contrastive_loss(model, inputs.inputs, global_negatives=global_negatives)
+
+    # ------------------------------------------------------------------------------------------- bad samples
 
     def _check_bad_fraction(self) -> None:
         try:
@@ -146,33 +183,9 @@ class VlfitTrainer(Trainer):
     def write_bad_samples_report(self) -> str:
         """Write this process's bad samples to ``bad_samples.jsonl`` in the output folder; returns the path."""
         os.makedirs(self.args.output_dir, exist_ok=True)
-        name = BAD_SAMPLES_REPORT
-        if self.args.process_index > 0:
-            stem, ext = os.path.splitext(name)
-            name = f"{stem}_{self.args.process_index}{ext}"
-        path = os.path.join(self.args.output_dir, name)
+        path = os.path.join(self.args.output_dir, process_file_name(BAD_SAMPLES_REPORT, self.args.process_index))
         self.bad_samples.write_report(path)
         return path
-
-    def compute_loss(
-        self,
-        model: torch.nn.Module,
-        inputs: dict[str, Any],
-        return_outputs: bool = False,
-        num_items_in_batch: Any = None,
-    ) -> Any:
-        model_inputs = {key: inputs[key] for key in MODEL_INPUTS}
-        if getattr(self.args, "contrastive_negatives", "local") != "global":
-            outputs = model(**model_inputs, return_loss=True)
-            return (outputs.loss, outputs) if return_outputs else outputs.loss
-        expose_logit_scale(self.accelerator.unwrap_model(model))
-        outputs = model(**model_inputs, return_loss=False)
-        # DataParallel (several GPUs, one process) stacks one copy of the scalar per replica.
-        logit_scale = outputs.logit_scale.mean()
-        loss = contrastive_loss(
-            outputs.text_embeds, outputs.image_embeds, outputs.cross_embeds, logit_scale, gather=True
-        )
-        return (loss, outputs) if return_outputs else loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:
@@ -238,32 +251,26 @@ class VlfitTrainer(Trainer):
     def _checkpoint_name(self) -> str:
         return f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
 
-    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
-        # Retrieval scores every sample: --dataloader_drop_last is for training batches only.
-        drop_last = self.args.dataloader_drop_last
-        self.args.dataloader_drop_last = False
-        try:
-            return super().get_eval_dataloader(eval_dataset)
-        finally:
-            self.args.dataloader_drop_last = drop_last
-
     def evaluate(
         self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
     ) -> dict[str, float]:
+        loader = self.get_eval_dataloader(eval_dataset)
         metrics, skipped = evaluate_retrieval(
+            self.family,
             self.model,
-            self.get_eval_dataloader(eval_dataset),
-            stage=self.device_stage,
+            self.pipeline.feed(loader, self._model_dtype, train=False),
+            tokenizer=self.pipeline.inputs.tokenizer,
+            max_seq_length=self.pipeline.inputs.max_seq_length,
             device=self.args.device,
-            tokenizer=self.processing_class,
-            max_seq_length=self.max_seq_length,
             pool_size=self.eval_pool_size,
             autocast=self.autocast_smart_context_manager,
             gather_parts=gather_parts if self.accelerator.num_processes > 1 else None,
         )
         if self.is_world_process_zero():
-            for sample_id, reason in skipped:
-                logger.warning("evaluation left out bad sample %s: %s", sample_id, reason)
+            for bad in skipped[:10]:
+                logger.warning("evaluation left out bad sample %s: %s", bad.id, bad.reason)
+            if len(skipped) > 10:
+                logger.warning("evaluation left out %d bad samples in all", len(skipped))
         metrics = {f"{metric_key_prefix}_{key}": value for key, value in metrics.items()}
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)

@@ -1,0 +1,249 @@
+"""``InputPipeline``: the one object that turns a source into model-ready batches, and the one place a DataLoader
+is built.
+
+Built once from the model's ``InputSpec`` (image size, mean, std, tokenizer), the pipeline options
+(``--image_pipeline``, ``--decode_on_device``, augmentation, ``--bad_sample_policy``) and the device. It owns the
+choice of CPU transform, the collator, the DataLoader settings, the device stage and the CUDA prefetcher:
+
+    source --dataset()--> ImageTextDataset --loader()--> Batch (host) --feed()--> Batch (on the device)
+
+The trainer, ``vlfit eval``, the bench and the worker probe all go through it (in the spirit of composer's
+``DataSpec`` and timm's ``create_loader``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from vlfit.data.batch import Batch
+from vlfit.data.dataset import ImageTextCollator, ImageTextDataset, ImageTransform
+from vlfit.data.device_stage import CudaPrefetcher, DeviceStage
+from vlfit.data.image_transforms import FastImageTransform, PassThroughEncoded, ReferenceImageTransform
+
+if TYPE_CHECKING:
+    from vlfit.data.source_base import ImageTextSource
+    from vlfit.models.family import InputSpec
+
+logger = logging.getLogger(__name__)
+
+# Columns evaluation reads besides image and caption (New Yorker ``matching``): carried through batches.
+EVAL_COLUMNS: tuple[str, ...] = ("caption_choices", "label")
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """How samples become model inputs (the data flags of ``vlfit train``).
+
+    Attributes:
+        image_pipeline: ``fast`` (DCT-scaled decode, uint8 resize in workers, normalize on the device) or
+            ``reference`` (run_bridgetower.py's Pillow/float pipeline, all on the CPU).
+        decode_on_device: Workers only read bytes; the device stage decodes (CUDA only; elsewhere the CPU
+            pipeline is used, with a warning).
+        random_resized_crop: Random resized crop in training (fast pipeline).
+        horizontal_flip: Random horizontal flip in training, on the device.
+        bad_sample_policy: ``skip`` or ``raise`` (see ``vlfit.data.bad_samples``).
+    """
+
+    image_pipeline: str = "fast"
+    decode_on_device: bool = False
+    random_resized_crop: bool = False
+    horizontal_flip: bool = False
+    bad_sample_policy: str = "skip"
+
+    @classmethod
+    def from_arguments(cls, data_args: Any) -> PipelineOptions:
+        """The options of ``vlfit.arguments.DataArguments`` (or anything with the same fields)."""
+        return cls(
+            image_pipeline=data_args.image_pipeline,
+            decode_on_device=data_args.decode_on_device,
+            random_resized_crop=data_args.random_resized_crop,
+            horizontal_flip=data_args.horizontal_flip,
+            bad_sample_policy=data_args.bad_sample_policy,
+        )
+
+
+@dataclass(frozen=True)
+class LoaderSettings:
+    """DataLoader settings (the ``--dataloader_*`` flags of ``TrainingArguments``)."""
+
+    num_workers: int = 0
+    prefetch_factor: int | None = None
+    pin_memory: bool = False
+    persistent_workers: bool = False
+    multiprocessing_context: str | None = None
+    in_order: bool = True
+    drop_last: bool = False
+
+    @classmethod
+    def from_training_args(cls, args: Any, *, drop_last: bool | None = None) -> LoaderSettings:
+        """The settings of ``transformers.TrainingArguments``; pinned memory only where it helps (CUDA copies)."""
+        return cls(
+            num_workers=args.dataloader_num_workers,
+            prefetch_factor=args.dataloader_prefetch_factor,
+            pin_memory=bool(args.dataloader_pin_memory) and args.device.type == "cuda",
+            persistent_workers=args.dataloader_persistent_workers,
+            multiprocessing_context=getattr(args, "dataloader_multiprocessing_context", None),
+            in_order=getattr(args, "dataloader_in_order", True),
+            drop_last=args.dataloader_drop_last if drop_last is None else drop_last,
+        )
+
+
+class DeviceFeed:
+    """Model-ready batches on the device, from an iterator of host batches.
+
+    On CUDA the next batch's device stage runs on a side stream while the current one computes
+    (``CudaPrefetcher``); elsewhere it runs right after the batch arrives. ``last_wait`` is the time the last
+    ``next()`` was blocked waiting for the loader: on CUDA that includes launching the next batch's device stage
+    (it is what the compute stream waits behind), on CPU it does not.
+
+    Batches left without rows (every sample bad) pass through untouched.
+    """
+
+    def __init__(
+        self, batches: Iterable[Batch], stage: DeviceStage, device: torch.device, dtype: torch.dtype, train: bool
+    ) -> None:
+        self._batches = iter(batches)
+        self.stage = stage
+        self.device = device
+        self.dtype = dtype
+        self.train = train
+        self.last_wait = 0.0
+        self._prefetcher: CudaPrefetcher | None = None
+
+    def __iter__(self) -> DeviceFeed:
+        return self
+
+    def __next__(self) -> Batch:
+        start = time.perf_counter()
+        if self.device.type == "cuda":
+            if self._prefetcher is None:  # made on first use: it blocks for the first batch
+                self._prefetcher = CudaPrefetcher(self._batches, self.stage, self.device, self.dtype, self.train)
+            batch = next(self._prefetcher)
+            self.last_wait = time.perf_counter() - start
+            return batch
+        batch = next(self._batches)
+        self.last_wait = time.perf_counter() - start
+        if not len(batch):
+            return replace(batch, on_device=True)
+        return self.stage(batch, self.device, self.dtype, train=self.train)
+
+
+class InputPipeline:
+    """Source records -> model-ready ``Batch`` objects on the device.
+
+    Args:
+        inputs: The model's input spec (image size, mean, std, tokenizer, max_seq_length).
+        options: CPU transform, device decode, augmentation and bad-sample policy.
+        device: Where the model runs.
+        keep_columns: Extra columns carried per row (evaluation's caption choices and labels).
+        cpu_device_decode: Let ``decode_on_device`` decode in the main process on a CPU device (the bench
+            measures that path; training uses the CPU pipeline instead, decoding in the workers).
+    """
+
+    def __init__(
+        self,
+        inputs: InputSpec,
+        options: PipelineOptions,
+        device: torch.device,
+        keep_columns: tuple[str, ...] = EVAL_COLUMNS,
+        cpu_device_decode: bool = False,
+    ) -> None:
+        if options.image_pipeline not in ("fast", "reference"):
+            raise ValueError(f"unknown --image_pipeline {options.image_pipeline!r}; choose one of: fast, reference")
+        if options.random_resized_crop and options.image_pipeline != "fast":
+            raise ValueError("--random_resized_crop is a fast-pipeline option; the reference pipeline has none")
+        if options.decode_on_device and device.type != "cuda" and not cpu_device_decode:
+            logger.warning(
+                "--decode_on_device needs an NVIDIA GPU and the device is %s: decoding on the CPU with the %s "
+                "pipeline instead",
+                device.type,
+                options.image_pipeline,
+            )
+            options = replace(options, decode_on_device=False)
+        self.inputs = inputs
+        self.options = options
+        self.device = device
+        self.collator = ImageTextCollator(inputs.tokenizer, inputs.max_seq_length, keep_columns=keep_columns)
+        self.device_stage = DeviceStage(
+            inputs.image_size,
+            inputs.image_mean,
+            inputs.image_std,
+            horizontal_flip=options.horizontal_flip,
+            bad_sample_policy=options.bad_sample_policy,
+        )
+
+    @property
+    def description(self) -> str:
+        """``fast``, ``reference`` or ``fast + device decode``."""
+        return self.options.image_pipeline + (" + device decode" if self.options.decode_on_device else "")
+
+    def image_transform(self, *, train: bool) -> ImageTransform:
+        """The worker-side transform: bytes -> uint8 pixels (fast), normalized floats (reference) or encoded."""
+        spec, options = self.inputs, self.options
+        if options.decode_on_device:
+            return PassThroughEncoded()
+        if options.image_pipeline == "fast":
+            return FastImageTransform(spec.image_size, random_resized_crop=train and options.random_resized_crop)
+        return ReferenceImageTransform(spec.image_size, spec.image_mean, spec.image_std)
+
+    def dataset(self, source: ImageTextSource, *, train: bool) -> ImageTextDataset:
+        """The map-style dataset over ``source``.
+
+        Training replaces bad samples by substitutes (batches keep their size); evaluation leaves them out, since
+        recall over a pool holding some pairs twice would not be comparable.
+        """
+        return ImageTextDataset(
+            source,
+            self.image_transform(train=train),
+            bad_sample_policy=self.options.bad_sample_policy,
+            substitute=train,
+        )
+
+    def loader(
+        self,
+        dataset: ImageTextDataset,
+        *,
+        batch_size: int,
+        settings: LoaderSettings = LoaderSettings(),
+        sampler: Sampler | None = None,
+        shuffle: bool = False,
+        generator: torch.Generator | None = None,
+        worker_init_fn: Callable[[int], None] | None = None,
+    ) -> DataLoader:
+        """The DataLoader over ``dataset``: the only place vlfit builds one."""
+        workers = settings.num_workers
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            shuffle=shuffle if sampler is None else None,
+            generator=generator,
+            num_workers=workers,
+            collate_fn=self.collator,
+            pin_memory=settings.pin_memory,
+            drop_last=settings.drop_last,
+            worker_init_fn=worker_init_fn,
+            prefetch_factor=settings.prefetch_factor if workers else None,
+            persistent_workers=settings.persistent_workers and workers > 0,
+            multiprocessing_context=settings.multiprocessing_context if workers else None,
+            in_order=settings.in_order,
+        )
+
+    def feed(self, batches: Iterable[Batch], dtype: torch.dtype, *, train: bool) -> DeviceFeed:
+        """Model-ready batches on the device (see ``DeviceFeed``)."""
+        return DeviceFeed(batches, self.device_stage, self.device, dtype, train)
+
+    def to_device(self, batch: Batch, dtype: torch.dtype, *, train: bool) -> Batch:
+        """One batch through the device stage (batches a feed already staged are returned as they are)."""
+        if batch.on_device:
+            return batch
+        if not len(batch):
+            return replace(batch, on_device=True)
+        return self.device_stage(batch, self.device, dtype, train=train)

@@ -1,0 +1,253 @@
+"""BridgeTower: presets with the real checkpoints' shapes, unimodal embeddings, and its contrastive loss.
+
+``BridgeTowerForContrastiveLearning`` takes its text and image contrastive embeddings from the *last layers of the
+unimodal encoders*; only the third (cross) embedding needs the fused tower. Retrieval over N images and N captions
+therefore needs N text passes and N image passes, not N^2 fused passes: ``encode_text`` and ``encode_image``
+follow the model's forward step by step (tests check they match it).
+
+Its loss averages three one-directional InfoNCE terms over L2-normalized embeddings: text -> image,
+text -> cross-modal and image -> cross-modal, each with logits scaled by ``logit_scale.exp()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import BridgeTowerConfig, BridgeTowerForContrastiveLearning, BridgeTowerImageProcessor
+from transformers.masking_utils import create_bidirectional_mask
+from transformers.models.bridgetower.modeling_bridgetower import BridgeTowerContrastiveOutput
+
+from vlfit.models.family import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ModelFamily
+from vlfit.models.losses import info_nce
+
+_HOOK_ATTRIBUTE = "_vlfit_logit_scale_hook"
+
+
+@dataclass(frozen=True)
+class BridgeTowerPreset:
+    """Sizes of one BridgeTower architecture.
+
+    The unimodal encoders must have at least ``cross_layers`` layers: BridgeTower bridges their top
+    ``cross_layers`` layers into the cross-modal encoder. Vision attention heads are ``vision_hidden // 64``.
+    """
+
+    text_hidden: int
+    text_layers: int
+    text_heads: int
+    text_intermediate: int
+    vocab_size: int
+    max_positions: int
+    vision_hidden: int
+    vision_layers: int
+    patch_size: int
+    image_size: int
+    cross_hidden: int
+    cross_layers: int
+    cross_heads: int
+    contrastive_hidden: int = 512
+    logit_scale_init_value: float = 2.6592
+    tokenizer_vocab_size: int | None = None  # size of the BPE trained for this preset when no tokenizer is given
+
+
+PRESETS: dict[str, BridgeTowerPreset] = {
+    # A few hundred thousand parameters: a training step in well under a second on one CPU core.
+    "tiny": BridgeTowerPreset(
+        text_hidden=64, text_layers=2, text_heads=2, text_intermediate=128, vocab_size=1024, max_positions=130,
+        vision_hidden=64, vision_layers=2, patch_size=16, image_size=64,
+        cross_hidden=64, cross_layers=2, cross_heads=2, contrastive_hidden=64, tokenizer_vocab_size=1024,
+    ),
+    # Learns the synthetic captioned dataset in a few CPU minutes (`make demo`).
+    "small": BridgeTowerPreset(
+        text_hidden=192, text_layers=4, text_heads=4, text_intermediate=768, vocab_size=4096, max_positions=130,
+        vision_hidden=192, vision_layers=4, patch_size=16, image_size=128,
+        cross_hidden=192, cross_layers=2, cross_heads=4, contrastive_hidden=128, tokenizer_vocab_size=4096,
+    ),
+    # ViT-B/16 at 288 with RoBERTa-base text: the shapes of BridgeTower/bridgetower-base.
+    "base": BridgeTowerPreset(
+        text_hidden=768, text_layers=12, text_heads=12, text_intermediate=3072, vocab_size=50265, max_positions=514,
+        vision_hidden=768, vision_layers=12, patch_size=16, image_size=288,
+        cross_hidden=768, cross_layers=6, cross_heads=12,
+    ),
+    # The shapes of BridgeTower/bridgetower-large-itm-mlm-itc (about 866M parameters).
+    "large": BridgeTowerPreset(
+        text_hidden=1024, text_layers=24, text_heads=16, text_intermediate=4096, vocab_size=50265, max_positions=514,
+        vision_hidden=1024, vision_layers=24, patch_size=14, image_size=294,
+        cross_hidden=1024, cross_layers=6, cross_heads=16,
+    ),
+}  # fmt: skip
+
+
+def preset_config(name: str) -> BridgeTowerConfig:
+    """Build the ``BridgeTowerConfig`` of a preset.
+
+    ``contrastive_hidden_size`` and ``logit_scale_init_value`` are passed explicitly: transformers 5 does not
+    fill them in from defaults for a config built from parts.
+    """
+    p = PRESETS[name]
+    return BridgeTowerConfig(
+        text_config={
+            "vocab_size": p.vocab_size,
+            "hidden_size": p.text_hidden,
+            "num_hidden_layers": p.text_layers,
+            "num_attention_heads": p.text_heads,
+            "intermediate_size": p.text_intermediate,
+            "max_position_embeddings": p.max_positions,
+        },
+        vision_config={
+            "hidden_size": p.vision_hidden,
+            "num_hidden_layers": p.vision_layers,
+            "patch_size": p.patch_size,
+            "image_size": p.image_size,
+        },
+        hidden_size=p.cross_hidden,
+        num_hidden_layers=p.cross_layers,
+        num_attention_heads=p.cross_heads,
+        contrastive_hidden_size=p.contrastive_hidden,
+        logit_scale_init_value=p.logit_scale_init_value,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ embeddings
+
+
+@torch.no_grad()
+def encode_text(
+    model: BridgeTowerForContrastiveLearning, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
+    """L2-normalized text embeddings ``[B, contrastive_hidden_size]``."""
+    tower = model.bridgetower
+    hidden = tower.text_model.embeddings(input_ids=input_ids)
+    mask = create_bidirectional_mask(
+        config=tower.config, inputs_embeds=hidden[:, 0:1, :], attention_mask=attention_mask
+    )
+    for layer in tower.text_model.encoder.layer:
+        hidden = layer(hidden, mask)
+    return nn.functional.normalize(model.itc_text_head(hidden[:, 0, :]), dim=-1, p=2)
+
+
+@torch.no_grad()
+def encode_image(model: BridgeTowerForContrastiveLearning, pixel_values: torch.Tensor) -> torch.Tensor:
+    """L2-normalized image embeddings ``[B, contrastive_hidden_size]`` from normalized pixels."""
+    tower = model.bridgetower
+    visual = tower.vision_model.visual
+    hidden = visual.forward_pre(pixel_values.type(tower.vision_model.dtype))
+    for block in visual.transformer.resblocks:
+        hidden = block(hidden)
+    hidden = visual.forward_post(hidden.type(tower.vision_model.dtype))
+    token_type = tower.token_type_embeddings(torch.ones(1, dtype=torch.long, device=hidden.device))
+    hidden = tower.cross_modal_image_transform(hidden) + token_type.expand_as(hidden)
+    return nn.functional.normalize(model.itc_image_head(hidden[:, 0, :]), dim=-1, p=2)
+
+
+# ---------------------------------------------------------------------------------------------------- the loss
+
+
+@dataclass
+class ContrastiveOutputWithScale(BridgeTowerContrastiveOutput):
+    """``BridgeTowerContrastiveOutput`` plus ``logit_scale`` (the multiplier, ``exp`` of the parameter).
+
+    A declared field rather than an added key: DDP and accelerate rebuild outputs from their fields.
+    """
+
+    logit_scale: torch.Tensor | None = None
+
+
+def _add_logit_scale(module: nn.Module, args: tuple, output: Any) -> ContrastiveOutputWithScale:
+    return ContrastiveOutputWithScale(**output, logit_scale=module.logit_scale.exp())
+
+
+def expose_logit_scale(model: nn.Module) -> None:
+    """Make ``model``'s forward return a ``ContrastiveOutputWithScale`` (with ``logit_scale.exp()``).
+
+    The loss computed outside the model needs the scale from inside the forward: DDP (with
+    ``find_unused_parameters``) treats a parameter that no forward output depends on as unused and fails when its
+    gradient arrives later, and FSDP only holds the unsharded parameter during the forward. Idempotent.
+
+    Args:
+        model: A ``BridgeTowerForContrastiveLearning`` (unwrapped from DDP/FSDP).
+    """
+    if getattr(model, _HOOK_ATTRIBUTE, None) is None:
+        setattr(model, _HOOK_ATTRIBUTE, model.register_forward_hook(_add_logit_scale))
+
+
+def loss_terms(outputs: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """BridgeTower's three ``(queries, candidates)`` terms: text->image, text->cross, image->cross."""
+    return [
+        (outputs.text_embeds, outputs.image_embeds),
+        (outputs.text_embeds, outputs.cross_embeds),
+        (outputs.image_embeds, outputs.cross_embeds),
+    ]
+
+
+# --------------------------------------------------------------------------------------------------- the family
+
+
+class BridgeTowerFamily(ModelFamily):
+    """``BridgeTowerForContrastiveLearning`` checkpoints and the presets above."""
+
+    name = "bridgetower"
+    model_types = ("bridgetower",)
+
+    def preset_names(self) -> tuple[str, ...]:
+        return tuple(PRESETS)
+
+    def preset_config(self, preset: str) -> BridgeTowerConfig:
+        return preset_config(preset)
+
+    def preset_tokenizer_vocab_size(self, preset: str) -> int:
+        p = PRESETS[preset]
+        return p.tokenizer_vocab_size or p.vocab_size
+
+    def preset_image_processor(self, preset: str) -> BridgeTowerImageProcessor:
+        size = PRESETS[preset].image_size
+        return BridgeTowerImageProcessor(
+            size={"shortest_edge": size},
+            crop_size={"shortest_edge": size},
+            image_mean=list(OPENAI_CLIP_MEAN),
+            image_std=list(OPENAI_CLIP_STD),
+        )
+
+    def build(self, config: Any) -> BridgeTowerForContrastiveLearning:
+        return BridgeTowerForContrastiveLearning(config)
+
+    def from_pretrained(self, name_or_path: str, **hub_kwargs: Any) -> BridgeTowerForContrastiveLearning:
+        return BridgeTowerForContrastiveLearning.from_pretrained(name_or_path, **hub_kwargs)
+
+    def image_size(self, config: Any) -> int:
+        size = config.vision_config.image_size
+        return int(size[0] if isinstance(size, (list, tuple)) else size)
+
+    def freeze(self, model: nn.Module, *, vision: bool, text: bool, text_pooler: bool) -> None:
+        # Freezing (rather than deleting the pooler as some scripts do) keeps saved checkpoints complete. The
+        # contrastive loss never reaches the text pooler, and DDP fails on parameters without gradients.
+        tower = model.bridgetower
+        if vision:
+            tower.vision_model.requires_grad_(False)
+        if text:
+            tower.text_model.requires_grad_(False)
+        pooler = getattr(tower.text_model, "pooler", None)
+        if text_pooler and pooler is not None:
+            pooler.requires_grad_(False)
+
+    def encode_text(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return encode_text(model, input_ids, attention_mask)  # type: ignore[arg-type]
+
+    def encode_image(self, model: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
+        return encode_image(model, pixel_values)  # type: ignore[arg-type]
+
+    def prepare_for_training(self, model: nn.Module) -> None:
+        expose_logit_scale(model)
+
+    def contrastive_loss(
+        self, model: nn.Module, inputs: Mapping[str, torch.Tensor], *, global_negatives: bool = False
+    ) -> torch.Tensor:
+        model_inputs = {key: inputs[key] for key in self.model_inputs}
+        if not global_negatives:
+            return model(**model_inputs, return_loss=True).loss  # the model's own loss
+        outputs = model(**model_inputs, return_loss=False)
+        # DataParallel (several GPUs, one process) stacks one copy of the scalar per replica.
+        return info_nce(loss_terms(outputs), outputs.logit_scale.mean(), gather=True)

@@ -1,0 +1,132 @@
+"""The model interface: what training, evaluation and the bench need from a vision-language model family.
+
+A family (BridgeTower today; CLIP and SigLIP are meant to follow) is one module that implements ``ModelFamily``
+and registers itself in ``vlfit.models.registry``. Nothing in ``vlfit.data``, ``vlfit.training`` or
+``vlfit.evaluation`` names a family: they read the image spec and tokenizer from an ``InputSpec``, embed with
+``encode_text`` / ``encode_image`` and train with ``contrastive_loss``. A contributor adding a family writes:
+
+- its presets (random-init architectures with the real checkpoints' shapes) and how to build each config;
+- ``from_pretrained`` and ``build`` (random init) of the model class, and a default image processor for presets;
+- ``image_size`` (from the config), ``encode_text``, ``encode_image`` (L2-normalized embeddings, the ones the
+  contrastive loss compares) and ``contrastive_loss`` with local or global negatives (``vlfit.models.losses``
+  has InfoNCE over any set of (query, candidate) embedding pairs, gathered across processes when asked);
+- ``freeze`` for the ``--freeze_*`` flags.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+# CLIP's pixel statistics, which CLIP-derived vision towers (BridgeTower's among them) normalize with.
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """Everything the input pipeline needs from a model, and nothing that needs the model's weights.
+
+    The single place image size, mean, std and the tokenizer come from: a checkpoint's config and processors,
+    or a preset's.
+
+    Attributes:
+        image_size: Side of the square images the vision tower takes.
+        image_mean: Per-channel normalization mean (0..1 pixel scale).
+        image_std: Per-channel normalization std.
+        tokenizer: A transformers tokenizer.
+        max_seq_length: Captions are truncated to this many tokens.
+    """
+
+    image_size: int
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+    tokenizer: Any
+    max_seq_length: int = 128
+
+
+class ModelFamily(ABC):
+    """One model family: presets, loading, unimodal embeddings and the contrastive loss.
+
+    Attributes:
+        name: Shown in logs and reports.
+        model_types: The transformers ``config.model_type`` values a checkpoint of this family has.
+        model_inputs: The keys of a batch's model inputs the forward takes.
+    """
+
+    name: ClassVar[str]
+    model_types: ClassVar[tuple[str, ...]]
+    model_inputs: ClassVar[tuple[str, ...]] = ("input_ids", "attention_mask", "pixel_values")
+
+    # ----------------------------------------------------------------------------------------- presets, loading
+
+    @abstractmethod
+    def preset_names(self) -> tuple[str, ...]:
+        """The presets this family builds with random weights (names are unique across families)."""
+
+    @abstractmethod
+    def preset_config(self, preset: str) -> Any:
+        """The transformers config of ``preset``."""
+
+    @abstractmethod
+    def preset_tokenizer_vocab_size(self, preset: str) -> int:
+        """Vocabulary size of the tokenizer trained for ``preset`` when none is given."""
+
+    @abstractmethod
+    def preset_image_processor(self, preset: str) -> Any:
+        """The image processor (mean, std) of ``preset``."""
+
+    @abstractmethod
+    def build(self, config: Any) -> nn.Module:
+        """The model with random weights."""
+
+    @abstractmethod
+    def from_pretrained(self, name_or_path: str, **hub_kwargs: Any) -> nn.Module:
+        """Load a checkpoint (``hub_kwargs``: cache_dir, revision, token, trust_remote_code, config)."""
+
+    @abstractmethod
+    def image_size(self, config: Any) -> int:
+        """Input image side of a model with ``config``."""
+
+    def vocab_size(self, config: Any) -> int | None:
+        """Token embeddings of the text tower (a tokenizer must not exceed it), or None when unknown."""
+        text_config = getattr(config, "text_config", config)
+        return getattr(text_config, "vocab_size", None)
+
+    def freeze(self, model: nn.Module, *, vision: bool, text: bool, text_pooler: bool) -> None:  # noqa: B027
+        """Disable gradients of the named towers (the default freezes nothing)."""
+
+    # -------------------------------------------------------------------------------- embeddings and the loss
+
+    @abstractmethod
+    def encode_text(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """L2-normalized caption embeddings ``[B, D]`` (the ones the contrastive loss compares)."""
+
+    @abstractmethod
+    def encode_image(self, model: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
+        """L2-normalized image embeddings ``[B, D]`` from normalized pixels."""
+
+    def prepare_for_training(self, model: nn.Module) -> None:  # noqa: B027
+        """Called once on the unwrapped model before training (e.g. to install forward hooks)."""
+
+    @abstractmethod
+    def contrastive_loss(
+        self, model: nn.Module, inputs: Mapping[str, torch.Tensor], *, global_negatives: bool = False
+    ) -> torch.Tensor:
+        """The training loss of one batch.
+
+        Args:
+            model: The model as training calls it (possibly wrapped by DDP or FSDP: call it, do not reach inside).
+            inputs: ``model_inputs`` on the model's device.
+            global_negatives: Score against every process's batch (all-gathered with gradient), so the negatives
+                are the whole global batch; with one process this equals the local loss.
+
+        Returns:
+            A scalar; with global negatives, this process's share such that averaging over processes (as DDP
+            does with gradients) gives the loss of the concatenated batch.
+        """
