@@ -1,4 +1,4 @@
-"""Tests for vlfit.data.dataset: the map-style dataset, the collator and the transform factory."""
+"""Tests for vlfit.data.dataset: the map-style dataset and the collator that makes a ``Batch``."""
 
 from __future__ import annotations
 
@@ -10,16 +10,12 @@ from torch.utils.data import DataLoader
 
 from tests.data.image_factory import jpeg_bytes, png_rgb_bytes
 from vlfit.data.bad_samples import BadSampleError
-from vlfit.data.dataset import ImageTextCollator, ImageTextDataset, build_image_transform
+from vlfit.data.batch import Batch
+from vlfit.data.dataset import ImageTextCollator, ImageTextDataset
 from vlfit.data.decode import DecodeError
-from vlfit.data.image_transforms import (
-    EncodedImage,
-    FastImageTransform,
-    PassThroughEncoded,
-    ReferenceImageTransform,
-)
+from vlfit.data.image_transforms import EncodedImage, FastImageTransform, PassThroughEncoded, ReferenceImageTransform
 from vlfit.data.records import Record
-from vlfit.models.presets import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+from vlfit.models.family import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from vlfit.models.tokenizer import train_caption_tokenizer
 
 SIZE = 32
@@ -72,34 +68,11 @@ def tokenizer():
 
 
 def _transform(pipeline: str, decode_on_device: bool = False):
-    return build_image_transform(
-        pipeline, image_size=SIZE, mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD, decode_on_device=decode_on_device
-    )
-
-
-# ---------------------------------------------------------------------------------------------- factory
-
-
-def test_build_image_transform_choices() -> None:
-    assert isinstance(_transform("fast"), FastImageTransform)
-    assert isinstance(_transform("reference"), ReferenceImageTransform)
-    assert isinstance(_transform("fast", decode_on_device=True), PassThroughEncoded)
-    crop = build_image_transform(
-        "fast", image_size=SIZE, mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD, random_resized_crop=True
-    )
-    assert isinstance(crop, FastImageTransform) and crop.random_resized_crop
-
-
-def test_build_image_transform_rejects_unknown_pipeline() -> None:
-    with pytest.raises(ValueError, match=r"'turbo'.*fast, reference"):
-        _transform("turbo")
-
-
-def test_build_image_transform_rejects_crop_for_reference() -> None:
-    with pytest.raises(ValueError, match="random_resized_crop"):
-        build_image_transform(
-            "reference", image_size=SIZE, mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD, random_resized_crop=True
-        )
+    if decode_on_device:
+        return PassThroughEncoded()
+    if pipeline == "fast":
+        return FastImageTransform(SIZE)
+    return ReferenceImageTransform(SIZE, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
 
 
 # ---------------------------------------------------------------------------------------------- dataset
@@ -110,11 +83,11 @@ def test_dataset_sample_fields() -> None:
     dataset = ImageTextDataset(source, _transform("fast"))
     assert len(dataset) == 6
     sample = dataset[2]
-    assert sample["id"] == "id2"
-    assert sample["caption"] == CAPTIONS[2]
-    assert sample["label"] == 2 and sample["caption_choices"] == ["choice 2", "other"]
-    assert sample["image"].shape == (3, SIZE, SIZE) and sample["image"].dtype == torch.uint8
-    assert torch.equal(sample["image"], FastImageTransform(SIZE)(source[2].image))
+    assert sample.id == "id2" and sample.position == 2 and sample.bad_samples == []
+    assert sample.caption == CAPTIONS[2]
+    assert sample.columns["label"] == 2 and sample.columns["caption_choices"] == ["choice 2", "other"]
+    assert sample.image.shape == (3, SIZE, SIZE) and sample.image.dtype == torch.uint8
+    assert torch.equal(sample.image, FastImageTransform(SIZE)(source[2].image))
 
 
 def test_dataset_propagates_decode_errors_with_the_id() -> None:
@@ -129,7 +102,7 @@ def test_dataset_propagates_decode_errors_with_the_id() -> None:
 # ---------------------------------------------------------------------------------------------- collator
 
 
-def _batch(tokenizer, pipeline: str, decode_on_device: bool = False, **collator_kwargs) -> dict[str, Any]:
+def _batch(tokenizer, pipeline: str, decode_on_device: bool = False, **collator_kwargs) -> Batch:
     dataset = ImageTextDataset(FakeSource(), _transform(pipeline, decode_on_device))
     collator = ImageTextCollator(tokenizer, collator_kwargs.pop("max_seq_length", 64), **collator_kwargs)
     return collator([dataset[i] for i in range(len(dataset))])
@@ -137,13 +110,14 @@ def _batch(tokenizer, pipeline: str, decode_on_device: bool = False, **collator_
 
 def test_collator_fast_batch(tokenizer) -> None:
     batch = _batch(tokenizer, "fast")
-    assert set(batch) == {"input_ids", "attention_mask", "pixel_values", "sample_ids", "positions", "bad_samples"}
-    assert batch["positions"] == list(range(6))
-    assert batch["bad_samples"] == []
+    assert isinstance(batch, Batch) and len(batch) == 6 and not batch.on_device
+    assert set(batch.inputs) == {"input_ids", "attention_mask", "pixel_values"}
+    assert batch.positions == list(range(6))
+    assert batch.bad_samples == [] and batch.encoded_images is None and batch.columns == {}
     assert batch["pixel_values"].shape == (6, 3, SIZE, SIZE)
     assert batch["pixel_values"].dtype == torch.uint8
     assert batch["pixel_values"].is_contiguous(memory_format=torch.channels_last)  # stacked as HWC, no transpose
-    assert batch["sample_ids"] == [f"id{i}" for i in range(6)]
+    assert batch.sample_ids == [f"id{i}" for i in range(6)]
     assert batch["input_ids"].dtype == torch.long
     assert batch["input_ids"].shape == batch["attention_mask"].shape
 
@@ -158,10 +132,10 @@ def test_collator_reference_batch(tokenizer) -> None:
 def test_collator_device_decode_batch(tokenizer) -> None:
     batch = _batch(tokenizer, "fast", decode_on_device=True)
     assert "pixel_values" not in batch
-    images = batch["encoded_images"]
+    images = batch.encoded_images
     assert isinstance(images, list) and len(images) == 6
     assert all(isinstance(image, EncodedImage) for image in images)
-    assert [image.sample_id for image in images] == batch["sample_ids"]
+    assert [image.sample_id for image in images] == batch.sample_ids
     assert images[0].data == FakeSource()[0].image
 
 
@@ -198,8 +172,10 @@ def test_collator_short_batch_is_not_padded_to_max(tokenizer) -> None:
 def test_collator_none_caption_is_empty_text(tokenizer) -> None:
     dataset = ImageTextDataset(FakeSource(), _transform("fast"))
     collator = ImageTextCollator(tokenizer, 64)
-    none_batch = collator([{**dataset[3], "caption": None}])
-    empty_batch = collator([{**dataset[4], "caption": ""}])
+    none_sample, empty_sample = dataset[3], dataset[4]
+    none_sample.caption, empty_sample.caption = None, ""
+    none_batch = collator([none_sample])
+    empty_batch = collator([empty_sample])
     assert torch.equal(none_batch["input_ids"], empty_batch["input_ids"])
     expected = tokenizer("")["input_ids"]
     n = int(none_batch["attention_mask"][0].sum())
@@ -208,9 +184,9 @@ def test_collator_none_caption_is_empty_text(tokenizer) -> None:
 
 def test_collator_keep_columns(tokenizer) -> None:
     batch = _batch(tokenizer, "fast", keep_columns=("label", "caption_choices", "missing"))
-    assert batch["label"] == list(range(6))
-    assert batch["caption_choices"][3] == ["choice 3", "other"]
-    assert batch["missing"] == [None] * 6
+    assert batch.columns["label"] == list(range(6))
+    assert batch.columns["caption_choices"][3] == ["choice 3", "other"]
+    assert batch.columns["missing"] == [None] * 6
 
 
 # ---------------------------------------------------------------------------------------------- DataLoader
@@ -223,9 +199,9 @@ def test_dataloader_with_workers(tokenizer) -> None:
     )
     batches = list(loader)
     assert len(batches) == 2
-    ids = [sample_id for batch in batches for sample_id in batch["sample_ids"]]
+    ids = [sample_id for batch in batches for sample_id in batch.sample_ids]
     assert ids == [f"id{i}" for i in range(8)]
-    assert [label for batch in batches for label in batch["label"]] == list(range(8))
+    assert [label for batch in batches for label in batch.columns["label"]] == list(range(8))
     for batch in batches:
         pixels = batch["pixel_values"]
         assert pixels.dtype == torch.uint8 and pixels.shape == (4, 3 * SIZE * SIZE + 1)

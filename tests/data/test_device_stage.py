@@ -19,11 +19,12 @@ from tests.data.image_factory import (
     psnr,
     webp_bytes,
 )
+from vlfit.data.batch import Batch
 from vlfit.data.decode import DecodeError, apply_orientation
 from vlfit.data.device_decode import _orient_chw, decode_resize_batch
 from vlfit.data.device_stage import CudaPrefetcher, DeviceStage, normalize_uint8, random_horizontal_flip
 from vlfit.data.image_transforms import EncodedImage, FastImageTransform
-from vlfit.models.presets import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+from vlfit.models.family import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
 MEAN = torch.tensor(OPENAI_CLIP_MEAN)
 STD = torch.tensor(OPENAI_CLIP_STD)
@@ -181,23 +182,28 @@ def test_decode_resize_batch_does_not_modify_inputs() -> None:
 # ---------------------------------------------------------------------------------------------- DeviceStage
 
 
-def _text(batch_size: int) -> dict[str, torch.Tensor]:
-    return {
-        "input_ids": torch.arange(batch_size * 8).view(batch_size, 8),
-        "attention_mask": torch.ones(batch_size, 8, dtype=torch.long),
+def _batch(pixels: torch.Tensor | None = None, encoded: list[EncodedImage] | None = None) -> Batch:
+    size = len(pixels) if pixels is not None else len(encoded or [])
+    inputs = {
+        "input_ids": torch.arange(size * 8).view(size, 8),
+        "attention_mask": torch.ones(size, 8, dtype=torch.long),
     }
+    if pixels is not None:
+        inputs["pixel_values"] = pixels
+    ids = [f"s{i}" for i in range(size)]
+    return Batch(inputs=inputs, sample_ids=ids, positions=list(range(size)), encoded_images=encoded)
 
 
 def test_device_stage_normalizes_uint8_to_model_dtype() -> None:
     pixels = random_uint8(4, 3, SIZE, SIZE, seed=3)
     stage = DeviceStage(SIZE, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
-    batch = {"pixel_values": pixels, "sample_ids": ["a", "b", "c", "d"], **_text(4)}
+    batch = _batch(pixels)
     out = stage(batch, torch.device("cpu"), torch.bfloat16, train=False)
-    assert out["pixel_values"].dtype == torch.bfloat16
+    assert out["pixel_values"].dtype == torch.bfloat16 and out.on_device and not batch.on_device
     assert out["pixel_values"].shape == (4, 3, SIZE, SIZE)
     expected = normalize_uint8(pixels, MEAN, STD, torch.float32)
     torch.testing.assert_close(out["pixel_values"].float(), expected, atol=2e-2, rtol=1e-2)
-    assert out["sample_ids"] == ["a", "b", "c", "d"]
+    assert out.sample_ids == ["s0", "s1", "s2", "s3"]
     assert torch.equal(out["input_ids"], batch["input_ids"])
     assert batch["pixel_values"] is pixels  # the input batch is not modified
     assert out is not batch
@@ -206,31 +212,31 @@ def test_device_stage_normalizes_uint8_to_model_dtype() -> None:
 def test_device_stage_leaves_reference_pixels_normalized_as_they_were() -> None:
     pixels = torch.randn(3, 3, SIZE, SIZE)
     stage = DeviceStage(SIZE, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
-    out = stage({"pixel_values": pixels, **_text(3)}, torch.device("cpu"), torch.float32, train=False)
+    out = stage(_batch(pixels), torch.device("cpu"), torch.float32, train=False)
     assert torch.equal(out["pixel_values"], pixels)
-    out = stage({"pixel_values": pixels, **_text(3)}, torch.device("cpu"), torch.bfloat16, train=False)
+    out = stage(_batch(pixels), torch.device("cpu"), torch.bfloat16, train=False)
     assert torch.equal(out["pixel_values"], pixels.to(torch.bfloat16))
 
 
 def test_device_stage_decodes_encoded_images() -> None:
     images = mixed_batch()[:4]
     stage = DeviceStage(SIZE, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
-    batch = {"encoded_images": images, "sample_ids": [image.sample_id for image in images], **_text(4)}
+    batch = _batch(encoded=images)
     out = stage(batch, torch.device("cpu"), torch.float32, train=False)
-    assert "encoded_images" not in out
-    assert "encoded_images" in batch  # popped from the copy only
+    assert out.encoded_images is None and len(out) == 4
+    assert batch.encoded_images is images  # the input batch is not modified
     expected = normalize_uint8(decode_resize_batch(images, SIZE, "cpu"), MEAN, STD, torch.float32)
     assert torch.equal(out["pixel_values"], expected)
 
 
 def test_device_stage_moves_tensors_to_the_device() -> None:
     stage = DeviceStage(SIZE, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, horizontal_flip=True)
-    batch = {"pixel_values": random_uint8(2, 3, 8, 8), "ids": ["x", "y"], **_text(2)}
+    batch = _batch(random_uint8(2, 3, 8, 8))
     meta = torch.device("meta")  # a device that is not the CPU, on every machine
     out = stage(batch, meta, torch.bfloat16, train=True)
     assert out["pixel_values"].device == meta and out["pixel_values"].dtype == torch.bfloat16
     assert out["input_ids"].device == meta and out["attention_mask"].device == meta
-    assert out["ids"] == ["x", "y"]
+    assert out.sample_ids == ["s0", "s1"]
     assert batch["pixel_values"].device.type == "cpu"
 
 
@@ -240,7 +246,7 @@ def test_device_stage_flips_only_in_training_with_flip(horizontal_flip: bool, tr
     expected = normalize_uint8(pixels, MEAN, STD, torch.float32)
     stage = DeviceStage(4, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, horizontal_flip=horizontal_flip)
     torch.manual_seed(0)
-    out = stage({"pixel_values": pixels}, torch.device("cpu"), torch.float32, train=train)["pixel_values"]
+    out = stage(_batch(pixels), torch.device("cpu"), torch.float32, train=train)["pixel_values"]
     same = sum(torch.equal(out[i], expected[i]) for i in range(64))
     mirrored = sum(torch.equal(out[i], expected[i].flip(-1)) for i in range(64))
     assert same + mirrored == 64
@@ -274,14 +280,15 @@ def test_cuda_prefetcher_yields_every_batch_staged(layout: str) -> None:
     """As the Trainer feeds it: the CPU stage's channels-last batches, pinned by the DataLoader, or plain NCHW."""
     device = torch.device("cuda")
     stage = DeviceStage(8, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
-    batches = [{"pixel_values": random_uint8(2, 3, 8, 8, seed=i), **_text(2)} for i in range(3)]
+    batches = [_batch(random_uint8(2, 3, 8, 8, seed=i)) for i in range(3)]
     if layout == "channels_last_pinned":
         for batch in batches:
-            batch["pixel_values"] = batch["pixel_values"].contiguous(memory_format=torch.channels_last).pin_memory()
-    out = list(CudaPrefetcher(iter(batches), stage, device, torch.bfloat16))
+            pixels = batch.inputs["pixel_values"]
+            batch.inputs["pixel_values"] = pixels.contiguous(memory_format=torch.channels_last).pin_memory()
+    out = list(CudaPrefetcher(iter(batches), stage, device, torch.bfloat16, train=False))
     assert len(out) == 3
     for batch, staged in zip(batches, out, strict=True):
-        assert staged["_device_ready"] is True
+        assert staged.on_device
         assert staged["pixel_values"].device.type == "cuda" and staged["pixel_values"].dtype == torch.bfloat16
         assert staged["pixel_values"].is_contiguous()
         expected = normalize_uint8(batch["pixel_values"], MEAN, STD, torch.float32)

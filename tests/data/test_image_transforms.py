@@ -28,7 +28,7 @@ from vlfit.data.image_transforms import (
     resize_crop_uint8,
     stack_images,
 )
-from vlfit.models.presets import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+from vlfit.models.family import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
 MEAN = torch.tensor(OPENAI_CLIP_MEAN)
 STD = torch.tensor(OPENAI_CLIP_STD)

@@ -18,19 +18,17 @@ from tests.robustness.bad_corpus import ListSource, bad_images, captions, valid_
 from vlfit.data.bad_samples import (
     MAX_SUBSTITUTE_ATTEMPTS,
     BadSampleError,
-    BadSampleLedger,
-    TooManyBadSamplesError,
     clean_caption,
     describe_error,
-    min_samples_for_fraction,
     substitute_index,
 )
-from vlfit.data.dataset import ImageTextCollator, ImageTextDataset, build_image_transform
+from vlfit.data.batch import DEVICE, BadSample, Batch
+from vlfit.data.dataset import ImageTextCollator, ImageTextDataset
 from vlfit.data.device_stage import DeviceStage
-from vlfit.data.image_transforms import EncodedImage
+from vlfit.data.image_transforms import EncodedImage, FastImageTransform, PassThroughEncoded, ReferenceImageTransform
 from vlfit.data.records import Record
 from vlfit.data.sources import ArrowSource, open_splits
-from vlfit.models.presets import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+from vlfit.models.family import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from vlfit.models.tokenizer import train_caption_tokenizer
 
 SIZE = 32
@@ -61,13 +59,12 @@ def tokenizer() -> Any:
 
 
 def _dataset(records: list[Record], pipeline: str, **kwargs: Any) -> ImageTextDataset:
-    transform = build_image_transform(
-        "fast" if pipeline == "device" else pipeline,
-        image_size=SIZE,
-        mean=OPENAI_CLIP_MEAN,
-        std=OPENAI_CLIP_STD,
-        decode_on_device=pipeline == "device",
-    )
+    transforms = {
+        "fast": FastImageTransform(SIZE),
+        "reference": ReferenceImageTransform(SIZE, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD),
+        "device": PassThroughEncoded(),
+    }
+    transform = transforms[pipeline]
     return ImageTextDataset(ListSource(records), transform, **kwargs)  # type: ignore[arg-type]
 
 
@@ -90,14 +87,14 @@ def test_skip_keeps_batch_size_and_reports_every_bad_sample(tokenizer: Any, pipe
     rows, reported, device_reported = 0, {}, {}
     for batch in loader:
         expected_rows = min(5, len(records) - rows)
-        assert len(batch["sample_ids"]) == expected_rows == batch["input_ids"].shape[0]
+        assert len(batch) == expected_rows == batch["input_ids"].shape[0]
         rows += expected_rows
-        assert not set(batch["sample_ids"]) & (set(bad) - late), "a bad sample reached a batch"
-        reported.update(batch["bad_samples"])
+        assert not set(batch.sample_ids) & (set(bad) - late), "a bad sample reached a batch"
+        reported.update((b.id, b.reason) for b in batch.bad_samples)
         staged = stage(batch, torch.device("cpu"))
-        device_reported.update(staged.get("device_bad_samples", []))
-        n = len(staged["sample_ids"])
-        assert not set(staged["sample_ids"]) & set(bad)
+        device_reported.update((b.id, b.reason) for b in staged.bad_samples if b.stage == DEVICE)
+        n = len(staged)
+        assert not set(staged.sample_ids) & set(bad)
         assert staged["pixel_values"].shape == (n, 3, SIZE, SIZE) and staged["input_ids"].shape[0] == n
     assert rows == len(records)
     assert set(reported) == set(bad) - late
@@ -111,16 +108,16 @@ def test_substitutes_are_deterministic_and_bad_chains_are_followed() -> None:
     first, second = _dataset(records, "fast"), _dataset(records, "fast")
     for index, record in enumerate(records):
         a, b = first[index], second[index]
-        assert a["id"] == b["id"] and torch.equal(a["image"], b["image"])
+        assert a.id == b.id and torch.equal(a.image, b.image)
         if record.id in bad:
-            assert a["bad_samples"][0][0] == record.id and a["id"] not in bad
+            assert a.bad_samples[0].id == record.id and a.id not in bad
             # The substitute is the first usable sample of the fixed sequence of candidates.
             candidates = [substitute_index(index, k, len(records)) for k in range(1, MAX_SUBSTITUTE_ATTEMPTS + 1)]
             first_good = next(c for c in candidates if records[c].id not in bad)
-            assert a["id"] == records[first_good].id
-            assert len(a["bad_samples"]) == 1 + candidates.index(first_good)
+            assert a.id == records[first_good].id and a.position == index
+            assert len(a.bad_samples) == 1 + candidates.index(first_good)
         else:
-            assert a["id"] == record.id and a["bad_samples"] == []
+            assert a.id == record.id and a.bad_samples == []
 
 
 def test_substitute_index_is_in_range_and_never_the_index_itself() -> None:
@@ -146,12 +143,12 @@ def test_evaluation_leaves_bad_samples_out(tokenizer: Any) -> None:
     dataset = _dataset(records, "fast", substitute=False)
     collator = ImageTextCollator(tokenizer, MAX_SEQ, keep_columns=("label",))
     batch = collator([dataset[i] for i in range(len(dataset))])
-    assert batch["sample_ids"] == [r.id for r in records if r.id not in bad]
+    assert batch.sample_ids == [r.id for r in records if r.id not in bad]
     assert batch["pixel_values"].shape[0] == batch["input_ids"].shape[0] == len(records) - len(bad)
-    assert dict(batch["bad_samples"]).keys() == bad.keys()
+    assert {b.id for b in batch.bad_samples} == bad.keys()
     only_bad = [i for i, r in enumerate(records) if r.id in bad][:3]
     empty = collator([dataset[i] for i in only_bad])
-    assert empty["sample_ids"] == [] and len(empty["bad_samples"]) == 3
+    assert len(empty) == 0 and empty.sample_ids == [] and len(empty.bad_samples) == 3
 
 
 # ---------------------------------------------------------------------------------------------- raise
@@ -164,7 +161,7 @@ def test_raise_names_the_sample_the_reason_and_the_way_out(pipeline: str) -> Non
     seen = 0
     for index, record in enumerate(records):
         if record.id not in bad or (pipeline == "device" and record.id == "img-jpeg_truncated"):
-            assert dataset[index]["id"] == record.id
+            assert dataset[index].id == record.id
             continue
         with pytest.raises(BadSampleError) as caught:
             dataset[index]
@@ -183,16 +180,16 @@ def test_unknown_policy_is_refused() -> None:
 # ---------------------------------------------------------------------------------------------- device stage
 
 
-def _encoded_batch(tokenizer: Any, datas: list[tuple[str, bytes]]) -> dict[str, Any]:
+def _encoded_batch(tokenizer: Any, datas: list[tuple[str, bytes]]) -> Batch:
     text = tokenizer([f"caption of {i}" for i, _ in datas], padding="longest", return_tensors="pt")
-    return {
-        "input_ids": text["input_ids"],
-        "attention_mask": text["attention_mask"],
-        "encoded_images": [EncodedImage(data, sample_id) for sample_id, data in datas],
-        "sample_ids": [sample_id for sample_id, _ in datas],
-        "label": list(range(len(datas))),
-        "bad_samples": [("earlier", "caption is empty")],
-    }
+    return Batch(
+        inputs={"input_ids": text["input_ids"], "attention_mask": text["attention_mask"]},
+        sample_ids=[sample_id for sample_id, _ in datas],
+        positions=list(range(len(datas))),
+        bad_samples=[BadSample("earlier", "caption is empty")],
+        encoded_images=[EncodedImage(data, sample_id) for sample_id, data in datas],
+        columns={"label": list(range(len(datas)))},
+    )
 
 
 def test_device_stage_skip_drops_the_rows_of_undecodable_images(tokenizer: Any) -> None:
@@ -202,11 +199,11 @@ def test_device_stage_skip_drops_the_rows_of_undecodable_images(tokenizer: Any) 
     full_ids = batch["input_ids"].clone()
     stage = DeviceStage(SIZE, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, bad_sample_policy="skip")
     out = stage(batch, torch.device("cpu"))
-    assert out["sample_ids"] == ["a", "b"] and out["label"] == [0, 2]
+    assert out.sample_ids == ["a", "b"] and out.columns["label"] == [0, 2] and out.positions == [0, 2]
     assert torch.equal(out["input_ids"], full_ids[[0, 2]])
-    assert out["pixel_values"].shape == (2, 3, SIZE, SIZE)
-    assert [sample_id for sample_id, _ in out["device_bad_samples"]] == ["t", "z"]
-    assert out["bad_samples"] == [("earlier", "caption is empty")]  # not a per-sample field: untouched
+    assert out["pixel_values"].shape == (2, 3, SIZE, SIZE) and out.on_device and out.encoded_images is None
+    assert out.bad_samples[0] == BadSample("earlier", "caption is empty")  # found in a worker: kept as it was
+    assert [(b.id, b.stage) for b in out.bad_samples[1:]] == [("t", DEVICE), ("z", DEVICE)]
 
 
 def test_device_stage_raise_and_all_bad(tokenizer: Any) -> None:
@@ -240,7 +237,7 @@ def test_long_caption_is_truncated_by_the_tokenizer(tokenizer: Any) -> None:
     assert isinstance(long.value, str) and len(long.value) == 10_000
     dataset = _dataset([Record(id="long", image=valid_images()[0].data, caption=long.value)], "fast")
     sample = dataset[0]
-    assert sample["bad_samples"] == [] and sample["caption"] == long.value
+    assert sample.bad_samples == [] and sample.caption == long.value
     batch = ImageTextCollator(tokenizer, MAX_SEQ)([sample])
     assert batch["input_ids"].shape == (1, MAX_SEQ) and int(batch["attention_mask"].sum()) == MAX_SEQ
 
@@ -262,13 +259,11 @@ def test_invalid_utf8_captions_are_decoded_with_replacement_in_every_source(tmp_
     for source in (arrow, tar):
         assert source[0].caption == "a caf\ufffd on the corner"
         assert source.captions() == ["a caf\ufffd on the corner"]
-        sample = ImageTextDataset(source, build_image_transform("fast", image_size=SIZE, mean=(0,) * 3, std=(1,) * 3))[
-            0
-        ]
-        assert sample["bad_samples"] == [] and sample["caption"] == "a caf\ufffd on the corner"
+        sample = ImageTextDataset(source, FastImageTransform(SIZE))[0]
+        assert sample.bad_samples == [] and sample.caption == "a caf\ufffd on the corner"
 
 
-# ---------------------------------------------------------------------------------------------- ledger
+# ---------------------------------------------------------------------------------------------- errors
 
 
 def test_describe_error_splits_vlfit_messages() -> None:
@@ -277,41 +272,3 @@ def test_describe_error_splits_vlfit_messages() -> None:
         "image is empty (0 bytes)",
     )
     assert describe_error(ValueError("weird"), "row 3") == ("row 3", "weird")
-
-
-def test_max_bad_fraction_is_judged_only_after_enough_samples() -> None:
-    assert min_samples_for_fraction(0.01) == 100 and min_samples_for_fraction(0.001) == 1000
-    assert min_samples_for_fraction(0.5) == 100 and min_samples_for_fraction(0.0) == 1
-    ledger = BadSampleLedger(max_bad_fraction=0.01)
-    ledger.add([("x", "caption is empty")], rows=8, step=1)  # 1 bad of 9 read: 11%, but only 9 samples
-    ledger.check()
-    for step in range(2, 13):
-        ledger.add([], rows=8, step=step)
-    ledger.check()  # 1 of 97: still under 100 read
-    ledger.add([("y", "image is empty (0 bytes)")], rows=8, step=13)  # 2 of 106: 1.9%
-    with pytest.raises(TooManyBadSamplesError, match=r"2 of the 106 samples read so far were bad \(1\.9%\).*x \("):
-        ledger.check()
-    never = BadSampleLedger(max_bad_fraction=1.0)
-    never.add([("z", "r")] * 50, rows=0, step=1)
-    never.check()
-    zero = BadSampleLedger(max_bad_fraction=0.0)
-    zero.add([("z", "r")], rows=7, step=1)
-    with pytest.raises(TooManyBadSamplesError):
-        zero.check()
-
-
-def test_ledger_counts_device_drops_as_read_once(tmp_path: Path) -> None:
-    ledger = BadSampleLedger()
-    ledger.add([("w", "worker")], rows=4, step=1)  # 4 delivered + 1 replaced
-    ledger.add([("d", "device")], rows=0, step=1, stage="device")  # one of the 4 delivered, dropped later
-    assert ledger.samples_read == 5 and ledger.count == 2 and ledger.fraction == pytest.approx(0.4)
-    ledger.save(str(tmp_path))
-    restored = BadSampleLedger()
-    assert restored.load(str(tmp_path)) and restored.state_dict() == ledger.state_dict()
-    assert not BadSampleLedger().load(str(tmp_path / "missing"))
-    ledger.write_report(str(tmp_path / "bad.jsonl"))
-    lines = (tmp_path / "bad.jsonl").read_text().splitlines()
-    assert lines == [
-        '{"id": "w", "reason": "worker", "step": 1, "stage": "worker"}',
-        '{"id": "d", "reason": "device", "step": 1, "stage": "device"}',
-    ]

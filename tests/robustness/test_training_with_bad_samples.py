@@ -15,13 +15,13 @@ from transformers import TrainingArguments
 
 from tests.robustness.bad_corpus import ListSource, bad_images, valid_images
 from tests.training.train_runs import single_torch_thread, torchrun_command, torchrun_env
+from vlfit.arguments import ModelArguments
 from vlfit.cli import main
-from vlfit.data.bad_samples import BadSampleError, TooManyBadSamplesError
-from vlfit.data.dataset import ImageTextCollator, ImageTextDataset
-from vlfit.data.device_stage import DeviceStage
-from vlfit.data.image_transforms import PassThroughEncoded
+from vlfit.data.bad_samples import BadSampleError
+from vlfit.data.pipeline import InputPipeline, PipelineOptions
 from vlfit.data.records import Record
 from vlfit.models.loading import load_model_bundle
+from vlfit.training.bad_sample_ledger import TooManyBadSamplesError
 from vlfit.training.trainer import VlfitTrainer
 
 TRAIN_ROWS = 60
@@ -172,19 +172,19 @@ def test_device_decode_drops_and_counts_what_only_decoding_finds(tmp_path: Path)
     records = [Record(id=f"ok-{i}", image=jpeg, caption=f"picture {i}") for i in range(12)]
     records[3] = Record(id="late", image=broken["jpeg_truncated"], caption="picture 3")
     records[9] = Record(id="early", image=broken["random_bytes"], caption="picture 9")
-    bundle = load_model_bundle(
-        model_name_or_path=None, model_preset="tiny", captions=lambda: [r.caption for r in records]
-    )
+    bundle = load_model_bundle(ModelArguments(model_preset="tiny"), captions=lambda: [r.caption for r in records])
     args = TrainingArguments(
         output_dir=str(tmp_path), report_to="none", use_cpu=True, max_steps=3, per_device_train_batch_size=4,
-        remove_unused_columns=False, save_strategy="no", dataloader_pin_memory=False,
+        save_strategy="no", dataloader_pin_memory=False,
     )  # fmt: skip
+    # Device decode on a CPU device: the bench's CPU seam of the path nvJPEG runs on a GPU.
+    pipeline = InputPipeline(bundle.inputs, PipelineOptions(decode_on_device=True), args.device, cpu_device_decode=True)
     trainer = VlfitTrainer(
         model=bundle.model,
         args=args,
-        train_dataset=ImageTextDataset(ListSource(records), PassThroughEncoded()),  # type: ignore[arg-type]
-        data_collator=ImageTextCollator(bundle.tokenizer, 32),
-        device_stage=DeviceStage(bundle.image_size, bundle.image_mean, bundle.image_std, bad_sample_policy="skip"),
+        train_dataset=pipeline.dataset(ListSource(records), train=True),  # type: ignore[arg-type]
+        pipeline=pipeline,
+        family=bundle.family,
     )
     trainer.train()
     stages = {record.id: record.stage for record in trainer.bad_samples.records}

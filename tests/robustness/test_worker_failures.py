@@ -64,10 +64,10 @@ def test_exception_in_worker_names_the_worker() -> None:
 # `vlfit train` whose image transform kills its worker process when it reaches one sample.
 KILL_WORKER_AT_SAMPLE = """
 import os, signal, sys
-import vlfit.training.run as run_module
-build = run_module.build_image_transform
-def build_dying_transform(*args, **kwargs):
-    transform = build(*args, **kwargs)
+from vlfit.data.pipeline import InputPipeline
+build = InputPipeline.image_transform
+def build_dying_transform(self, *, train):
+    transform = build(self, train=train)
     def dying(data, sample_id="?"):
         if sample_id == sys.argv[1]:
             if sys.argv[2] == "exit":
@@ -75,7 +75,7 @@ def build_dying_transform(*args, **kwargs):
             os.kill(os.getpid(), signal.SIGKILL)
         return transform(data, sample_id)
     return dying
-run_module.build_image_transform = build_dying_transform
+InputPipeline.image_transform = build_dying_transform
 from vlfit.cli import main
 sys.exit(main(sys.argv[3:]))
 """

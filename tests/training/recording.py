@@ -16,6 +16,7 @@ import torch
 
 import vlfit.training.run as run_module
 from vlfit.cli import main
+from vlfit.data.batch import Batch
 from vlfit.training.trainer import VlfitTrainer
 
 
@@ -37,12 +38,12 @@ class RecordingTrainer(VlfitTrainer):
         self.losses: list[float] = []
         self._hooked = False
 
-    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+    def compute_loss(self, model: torch.nn.Module, inputs: Batch, *args: Any, **kwargs: Any) -> Any:
         if not self._hooked:
             layer = self.accelerator.unwrap_model(model).itc_text_head.fc
             layer.register_forward_hook(lambda module, args, out: self.matmul_dtypes.add(str(out.dtype)))
             self._hooked = True
-        self.batches.append({"epoch": int(self.state.epoch or 0), "ids": list(inputs["sample_ids"])})
+        self.batches.append({"epoch": int(self.state.epoch or 0), "ids": list(inputs.sample_ids)})
         loss = super().compute_loss(model, inputs, *args, **kwargs)
         self.losses.append(float((loss[0] if isinstance(loss, tuple) else loss).detach()))
         return loss

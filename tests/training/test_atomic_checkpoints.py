@@ -14,8 +14,10 @@ from transformers import TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 from tests.training.train_runs import REPO, logged_losses, single_torch_thread, tiny_train_argv
+from vlfit.arguments import ModelArguments
 from vlfit.cli import main
-from vlfit.data.device_stage import DeviceStage
+from vlfit.data.batch import BadSample
+from vlfit.data.pipeline import InputPipeline, PipelineOptions
 from vlfit.models.loading import load_model_bundle
 from vlfit.training.trainer import VlfitTrainer
 
@@ -76,18 +78,15 @@ def test_kill_during_save_leaves_no_checkpoint_that_resume_would_take(
 
 
 def test_same_step_saved_twice_rotation_and_leftovers(tmp_path: Path) -> None:
-    bundle = load_model_bundle(model_name_or_path=None, model_preset="tiny", captions=lambda: ["a cat", "a dog"] * 20)
+    bundle = load_model_bundle(ModelArguments(model_preset="tiny"), captions=lambda: ["a cat", "a dog"] * 20)
     args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, save_total_limit=2)
-    trainer = VlfitTrainer(
-        model=bundle.model,
-        args=args,
-        device_stage=DeviceStage(bundle.image_size, bundle.image_mean, bundle.image_std),
-    )
+    pipeline = InputPipeline(bundle.inputs, PipelineOptions(), args.device)
+    trainer = VlfitTrainer(model=bundle.model, args=args, pipeline=pipeline, family=bundle.family)
     trainer.create_optimizer_and_scheduler(num_training_steps=10)
     leftover = tmp_path / ".partial-checkpoint-1" / "checkpoint-1"
     leftover.mkdir(parents=True)
     (leftover / "model.safetensors").write_bytes(b"half a file")
-    trainer.bad_samples.add([("x", "caption is empty")], rows=4, step=2)
+    trainer.bad_samples.add([BadSample("x", "caption is empty")], rows=4, step=2)
     for step in (2, 3, 3, 4):  # step 3 twice: e.g. a stop requested on a step that also saves
         trainer.state.global_step = step
         trainer._save_checkpoint(trainer.model, None)
@@ -95,6 +94,6 @@ def test_same_step_saved_twice_rotation_and_leftovers(tmp_path: Path) -> None:
     for step in (3, 4):
         for name in (*COMPLETE, "bad_samples.json"):
             assert (tmp_path / f"checkpoint-{step}" / name).is_file(), name
-    resumed = VlfitTrainer(model=bundle.model, args=args, device_stage=trainer.device_stage)
+    resumed = VlfitTrainer(model=bundle.model, args=args, pipeline=pipeline, family=bundle.family)
     assert resumed.bad_samples.load(str(tmp_path / "checkpoint-4"))
     assert resumed.bad_samples.state_dict() == trainer.bad_samples.state_dict()

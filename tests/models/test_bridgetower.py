@@ -1,8 +1,12 @@
+"""BridgeTower's family module: presets with the real checkpoints' shapes, unimodal encoders equal to the model's
+forward, and the family registered under its model type and preset names."""
+
 import pytest
 import torch
-from transformers import BridgeTowerForContrastiveLearning
+from transformers import BridgeTowerConfig, BridgeTowerForContrastiveLearning
 
-from vlfit.models.presets import PRESETS, get_preset, preset_config
+from vlfit.models.bridgetower import PRESETS, BridgeTowerFamily, encode_image, encode_text, preset_config
+from vlfit.models.registry import family_for_config, family_for_preset
 
 
 def count_parameters_on_meta(name: str) -> int:
@@ -35,7 +39,7 @@ def test_base_is_vit_b16_at_288_with_roberta_base_text():
 
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_every_preset_bridges_no_more_layers_than_its_encoders_have(name):
-    preset = get_preset(name)
+    preset = PRESETS[name]
     assert preset.cross_layers <= min(preset.text_layers, preset.vision_layers)
     assert preset.text_hidden % preset.text_heads == 0
     assert preset.vision_hidden % 64 == 0  # BridgeTower's vision tower uses hidden // 64 heads
@@ -65,4 +69,26 @@ def test_tiny_forward_gives_contrastive_outputs_of_the_configured_width():
 
 def test_unknown_preset_names_the_choices():
     with pytest.raises(ValueError, match=r"'huge'.*tiny, small, base, large"):
-        get_preset("huge")
+        family_for_preset("huge")
+
+
+def test_the_registry_finds_bridgetower_by_preset_and_by_model_type():
+    assert isinstance(family_for_preset("tiny"), BridgeTowerFamily)
+    assert isinstance(family_for_config(BridgeTowerConfig()), BridgeTowerFamily)
+    with pytest.raises(ValueError, match=r"model type 'bert' is not supported.*bridgetower"):
+        family_for_config(type("Config", (), {"model_type": "bert"})())
+
+
+def test_unimodal_encoders_match_the_contrastive_forward():
+    torch.manual_seed(0)
+    model = BridgeTowerForContrastiveLearning(preset_config("tiny")).eval()
+    input_ids = torch.randint(5, 200, (4, 12))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, 7:] = 0  # padding must be masked the same way
+    pixels = torch.randn(4, 3, 64, 64)
+    with torch.no_grad():
+        out = model(input_ids=input_ids, attention_mask=attention_mask, pixel_values=pixels)
+    torch.testing.assert_close(encode_text(model, input_ids, attention_mask), out.text_embeds)
+    torch.testing.assert_close(encode_image(model, pixels), out.image_embeds)
+    family = BridgeTowerFamily()
+    torch.testing.assert_close(family.encode_image(model, pixels), out.image_embeds)

@@ -1,5 +1,6 @@
-"""The contrastive loss: equal to BridgeTower's own loss locally, and with global negatives in a 2-process gloo run
-equal (loss and every gradient, through DDP) to one process on the concatenated batch."""
+"""The contrastive loss: InfoNCE over BridgeTower's three terms equals BridgeTower's own loss locally, and with global
+negatives in a 2-process gloo run equals (loss and every gradient, through DDP) one process on the concatenated
+batch, also when the family computes it through a DDP-wrapped model."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 from transformers import BridgeTowerForContrastiveLearning
 
-from vlfit.models.presets import preset_config
-from vlfit.training.contrastive_loss import contrastive_loss, expose_logit_scale
+from vlfit.models.bridgetower import BridgeTowerFamily, expose_logit_scale, loss_terms, preset_config
+from vlfit.models.losses import info_nce
 
 # Rows [0, 3) on rank 0 and [3, 6) on rank 1, then an uneven split: [0, 4) and [4, 6).
 SPLITS = {"even": (0, 3, 6), "uneven": (0, 4, 6)}
@@ -56,14 +57,19 @@ def _worker(rank: int, world: int, init_file: str, payload_path: str, out_dir: s
         # As the Trainer wraps it: find_unused_parameters, since the text pooler gets no gradient.
         ddp = DistributedDataParallel(model, find_unused_parameters=True)
         results = {}
+        family = BridgeTowerFamily()
         for name, bounds in SPLITS.items():
+            rows = _rows(payload["inputs"], bounds[rank], bounds[rank + 1])
             model.zero_grad(set_to_none=True)
-            outputs = ddp(**_rows(payload["inputs"], bounds[rank], bounds[rank + 1]), return_loss=False)
-            loss = contrastive_loss(
-                outputs.text_embeds, outputs.image_embeds, outputs.cross_embeds, outputs.logit_scale, gather=True
-            )
+            outputs = ddp(**rows, return_loss=False)
+            loss = info_nce(loss_terms(outputs), outputs.logit_scale, gather=True)
             loss.backward()
             results[name] = {"loss": loss.detach(), "grads": _grads(model)}
+            # The family's loss, as the trainer calls it (the model as training wraps it).
+            model.zero_grad(set_to_none=True)
+            family_loss = family.contrastive_loss(ddp, rows, global_negatives=True)
+            family_loss.backward()
+            results[f"{name} family"] = {"loss": family_loss.detach(), "grads": _grads(model)}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -79,7 +85,7 @@ def test_local_loss_matches_bridgetower_loss_and_gradients():
 
     outputs = model(**inputs, return_loss=False)
     assert outputs.loss is None
-    loss = contrastive_loss(outputs.text_embeds, outputs.image_embeds, outputs.cross_embeds, model.logit_scale.exp())
+    loss = info_nce(loss_terms(outputs), model.logit_scale.exp())
     loss.backward()
     torch.testing.assert_close(loss, reference.loss, rtol=0, atol=1e-6)
     grads = _grads(model)
@@ -88,10 +94,10 @@ def test_local_loss_matches_bridgetower_loss_and_gradients():
         torch.testing.assert_close(grad, reference_grads[name], rtol=1e-5, atol=1e-7, msg=name)
 
     # Without a process group, global negatives are the local batch.
-    again = contrastive_loss(
-        outputs.text_embeds, outputs.image_embeds, outputs.cross_embeds, model.logit_scale.exp(), gather=True
-    )
+    again = info_nce(loss_terms(outputs), model.logit_scale.exp(), gather=True)
     torch.testing.assert_close(again, loss)
+    # The family's local loss is the model's own.
+    torch.testing.assert_close(BridgeTowerFamily().contrastive_loss(model, inputs), reference.loss)
 
 
 def test_exposed_logit_scale_is_in_the_outputs_and_carries_gradient():
@@ -118,7 +124,7 @@ def test_global_negatives_on_two_processes_equal_one_process_on_the_concatenated
     reference.loss.backward()
     reference_grads = _grads(model)
 
-    for name, bounds in SPLITS.items():
+    for name, bounds in [*SPLITS.items(), *((f"{n} family", b) for n, b in SPLITS.items())]:
         # The Trainer logs the mean over processes; DDP averages the gradients.
         loss = (ranks[0][name]["loss"] + ranks[1][name]["loss"]) / 2
         torch.testing.assert_close(loss, reference.loss.detach(), rtol=0, atol=2e-6, msg=name)
@@ -142,11 +148,5 @@ def test_loss_is_float32_under_bf16_autocast(negatives):
     expose_logit_scale(model)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         outputs = model(**_inputs(3), return_loss=False)
-        loss = contrastive_loss(
-            outputs.text_embeds,
-            outputs.image_embeds,
-            outputs.cross_embeds,
-            outputs.logit_scale,
-            gather=negatives == "global",
-        )
+        loss = info_nce(loss_terms(outputs), outputs.logit_scale, gather=negatives == "global")
     assert loss.dtype == torch.float32 and torch.isfinite(loss)

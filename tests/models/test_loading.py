@@ -1,0 +1,73 @@
+"""Loading: a preset or a checkpoint resolved to its family, config, tokenizer and image processor without weights,
+then built; what a fine-tuned run saves loads back."""
+
+import pytest
+import torch
+
+from vlfit.arguments import ModelArguments
+from vlfit.models.bridgetower import BridgeTowerFamily
+from vlfit.models.loading import load_model_bundle, resolve_model
+
+CAPTIONS = ["two red circles on the left", "one blue square at the top", "three green crosses"] * 10
+
+
+@pytest.fixture(scope="module")
+def tiny_bundle():
+    torch.manual_seed(0)
+    return load_model_bundle(ModelArguments(model_preset="tiny"), captions=lambda: CAPTIONS)
+
+
+def test_resolving_a_preset_builds_no_model(monkeypatch: pytest.MonkeyPatch):
+    def refuse(self, config):
+        raise AssertionError("resolve_model must not build the model")
+
+    monkeypatch.setattr(BridgeTowerFamily, "build", refuse)
+    blueprint = resolve_model(ModelArguments(model_preset="tiny"), captions=lambda: CAPTIONS, max_seq_length=40)
+    assert blueprint.inputs.image_size == 64 and blueprint.inputs.max_seq_length == 40
+    assert blueprint.inputs.tokenizer("red circles").input_ids[0] == 0  # RoBERTa's <s>
+    assert blueprint.description == "preset tiny" and blueprint.family.name == "bridgetower"
+
+
+def test_bundle_knows_size_mean_std_and_freezes_only_the_text_pooler(tiny_bundle):
+    assert tiny_bundle.image_size == 64
+    assert tiny_bundle.inputs.image_mean == pytest.approx((0.48145466, 0.4578275, 0.40821073))
+    frozen = [n for n, p in tiny_bundle.model.named_parameters() if not p.requires_grad]
+    assert frozen and all("text_model.pooler" in n for n in frozen)
+
+
+def test_a_saved_run_loads_back_with_from_pretrained(tiny_bundle, tmp_path):
+    # What a training run writes: the model, its tokenizer and its image processor.
+    tiny_bundle.model.save_pretrained(str(tmp_path))
+    tiny_bundle.tokenizer.save_pretrained(str(tmp_path))
+    tiny_bundle.image_processor.save_pretrained(str(tmp_path))
+    loaded = load_model_bundle(ModelArguments(model_name_or_path=str(tmp_path)))
+    assert isinstance(loaded.family, BridgeTowerFamily)
+    assert loaded.image_size == tiny_bundle.image_size
+    assert loaded.inputs.image_std == pytest.approx(tiny_bundle.inputs.image_std)
+    assert loaded.tokenizer("red circles").input_ids == tiny_bundle.tokenizer("red circles").input_ids
+    for (name, a), (_, b) in zip(
+        tiny_bundle.model.state_dict().items(), loaded.model.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name
+
+
+def test_freeze_flags():
+    bundle = load_model_bundle(
+        ModelArguments(model_preset="tiny", freeze_vision_model=True, freeze_text_model=True),
+        captions=lambda: CAPTIONS,
+    )
+    tower = bundle.model.bridgetower
+    assert not any(p.requires_grad for p in tower.vision_model.parameters())
+    assert not any(p.requires_grad for p in tower.text_model.parameters())
+    assert any(p.requires_grad for p in tower.cross_modal_text_layers.parameters())
+
+
+@pytest.mark.parametrize(("path", "preset"), [(None, None), ("some/checkpoint", "tiny")], ids=["neither", "both"])
+def test_exactly_one_of_checkpoint_or_preset(path, preset):
+    with pytest.raises(ValueError, match="exactly one of --model_name_or_path"):
+        resolve_model(ModelArguments(model_name_or_path=path, model_preset=preset), captions=lambda: CAPTIONS)
+
+
+def test_unknown_preset_is_named():
+    with pytest.raises(ValueError, match="unknown --model_preset 'giant'"):
+        resolve_model(ModelArguments(model_preset="giant"), captions=lambda: CAPTIONS)
