@@ -10,11 +10,12 @@
 #
 # Needs: python3 with torch (CUDA build, GPU visible), torchvision, transformers, tokenizers, numpy and pillow.
 # Optional, each with a fallback: simplejpeg (else the fast path decodes JPEGs with Pillow's DCT-scaled draft
-# mode; bench.json says which), psutil (else /proc), matplotlib (else a plainer chart drawn with Pillow), datasets
-# (only for --dataset_name and the prepared pipeline, which this script does not run), pytest (else the CUDA
-# tests are skipped, and the log says so). Wheels put in benchmarks/wheels/ (`bash benchmarks/fetch_gpu_wheels.sh`
-# fetches simplejpeg for Python 3.12) are installed into a temporary folder first, without touching the machine's
-# packages.
+# mode; bench.json says which), torchcodec (else device decode uses torchvision's deprecated decode_jpeg, and logs
+# that once), psutil (else /proc), matplotlib (else a plainer chart drawn with Pillow), datasets (only for
+# --dataset_name and the prepared pipeline, which this script does not run), pytest (else the CUDA tests are
+# skipped, and the log says so). Wheels put in benchmarks/wheels/ (`bash benchmarks/fetch_gpu_wheels.sh` fetches
+# simplejpeg and torchcodec for Python 3.12) are installed into a temporary folder first, one by one, without
+# touching the machine's packages.
 #
 # Time: about 5-6 minutes on an H100-class GPU with 16 cores (an estimate: not yet run on one). The CUDA tests
 # are stopped after VLFIT_GPU_TESTS_BUDGET_S seconds (default 90) and the sweep after VLFIT_BENCH_BUDGET_S
@@ -42,11 +43,13 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_
 if compgen -G "$ROOT/benchmarks/wheels/*.whl" >/dev/null; then
   SITE=$(mktemp -d)
   trap 'rm -rf "$SITE"' EXIT
-  if "$PY" -m pip install --quiet --no-index --no-deps --target "$SITE" "$ROOT"/benchmarks/wheels/*.whl; then
-    export PYTHONPATH="$PYTHONPATH:$SITE"
-  else
-    echo "gpu.sh: the wheels in benchmarks/wheels do not install here (built for another Python?); going on without"
-  fi
+  # One at a time, so a wheel that does not fit this machine (built for another Python?) keeps no other out.
+  for wheel in "$ROOT"/benchmarks/wheels/*.whl; do
+    if ! "$PY" -m pip install --quiet --no-index --no-deps --no-compile --target "$SITE" "$wheel"; then
+      echo "gpu.sh: $(basename "$wheel") does not install here (built for another Python?); going on without it"
+    fi
+  done
+  export PYTHONPATH="$PYTHONPATH:$SITE"
 fi
 
 "$PY" - <<'EOF'
@@ -66,11 +69,13 @@ if missing:
 import torch
 
 found = {}
-for name in ("simplejpeg", "psutil", "matplotlib", "datasets"):
+for name in ("simplejpeg", "torchcodec", "psutil", "matplotlib", "datasets"):
     try:
-        importlib.import_module(name)
-        found[name] = "yes"
-    except ImportError:
+        module = importlib.import_module(name)
+        if name == "torchcodec":
+            importlib.import_module("torchcodec.decoders")  # loads its native libraries, nvJPEG included
+        found[name] = getattr(module, "__version__", "yes")
+    except Exception:  # ImportError, or native libraries that do not load (OSError, RuntimeError)
         found[name] = "no"
 gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
 print(f"gpu.sh: python {sys.version.split()[0]}, torch {torch.__version__}, GPU {gpu}; optional: "
@@ -95,7 +100,8 @@ set +e
 if [ "${VLFIT_GPU_TESTS:-1}" = 1 ]; then
   if "$PY" -c "import pytest" 2>/dev/null; then
     (cd "$ROOT" && ${TESTS_LIMIT[@]+"${TESTS_LIMIT[@]}"} "$PY" -m pytest -m cuda -p no:cacheprovider -rA \
-      tests/data/test_device_stage.py tests/bench/test_bench.py) >"$OUT/cuda_tests.log" 2>&1
+      tests/data/test_device_decode.py tests/data/test_device_stage.py tests/bench/test_bench.py) \
+      >"$OUT/cuda_tests.log" 2>&1
     tests_status=$?
     tail -n 15 "$OUT/cuda_tests.log"
     echo "gpu.sh: CUDA tests exit $tests_status (full log: $OUT/cuda_tests.log)"

@@ -1,63 +1,29 @@
-"""Tests for vlfit.data.device_stage on CPU tensors (the same code runs on CUDA), plus CUDA-only checks."""
+"""Tests for vlfit.data.device_stage on CPU tensors (the same code runs on CUDA), plus CUDA-only checks.
+
+The device decode itself (decode_resize_batch) is tested in test_device_decode.py.
+"""
 
 from __future__ import annotations
 
-import io
-
-import numpy as np
 import pytest
 import torch
-from PIL import Image, ImageOps
 
-from tests.data.image_factory import (
-    cmyk_jpeg_bytes,
-    exif_jpeg_bytes,
-    grayscale_jpeg_bytes,
-    jpeg_bytes,
-    png_rgba_bytes,
-    progressive_jpeg_bytes,
-    psnr,
-    webp_bytes,
-)
+from tests.data.test_device_decode import mixed_batch
 from vlfit.data.batch import Batch
-from vlfit.data.decode import DecodeError, apply_orientation
-from vlfit.data.device_decode import _orient_chw, decode_resize_batch
+from vlfit.data.device_decode import decode_resize_batch
 from vlfit.data.device_stage import CudaPrefetcher, DeviceStage, normalize_uint8, random_horizontal_flip
-from vlfit.data.image_transforms import EncodedImage, FastImageTransform
+from vlfit.data.image_transforms import EncodedImage
 from vlfit.models.family import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
 MEAN = torch.tensor(OPENAI_CLIP_MEAN)
 STD = torch.tensor(OPENAI_CLIP_STD)
 SIZE = 48
-MIN_PSNR_DB = 30.0
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
 
 def random_uint8(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
-
-
-def mixed_batch() -> list[EncodedImage]:
-    """Every kind of input the device stage meets: batched-JPEG, CPU-fallback and EXIF-rotated samples."""
-    datas = [
-        jpeg_bytes(320, 240, subsampling=2, seed=1),
-        progressive_jpeg_bytes(200, 300, seed=2),
-        png_rgba_bytes(150, 100, seed=3),
-        cmyk_jpeg_bytes(180, 120, seed=4),
-        exif_jpeg_bytes(240, 160, 6, seed=5),
-        exif_jpeg_bytes(240, 160, 7, seed=6),
-        grayscale_jpeg_bytes(100, 80, seed=7),
-        webp_bytes(90, 120, seed=8),
-    ]
-    return [EncodedImage(data, f"s{i}") for i, data in enumerate(datas)]
-
-
-def oriented_png(data: bytes) -> bytes:
-    """Re-encode a JPEG losslessly with Pillow's idea of its EXIF orientation applied (an independent reference)."""
-    buffer = io.BytesIO()
-    ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB").save(buffer, "PNG")
-    return buffer.getvalue()
 
 
 # ---------------------------------------------------------------------------------------------- normalize / flip
@@ -112,71 +78,6 @@ def test_random_horizontal_flip_is_reproducible_and_works_on_float() -> None:
     same = [torch.equal(a[i], pixels[i]) for i in range(16)]
     mirrored = [torch.equal(a[i], pixels[i].flip(-1)) for i in range(16)]
     assert all(s or m for s, m in zip(same, mirrored, strict=True))
-
-
-# ---------------------------------------------------------------------------------------------- device decode
-
-
-@pytest.mark.parametrize("orientation", range(1, 9))
-def test_orient_chw_matches_apply_orientation(orientation: int) -> None:
-    hwc = random_uint8(5, 7, 3, seed=orientation).numpy()
-    chw = torch.from_numpy(hwc).permute(2, 0, 1)
-    expected = apply_orientation(hwc, orientation)
-    np.testing.assert_array_equal(_orient_chw(chw, orientation).permute(1, 2, 0).numpy(), expected)
-
-
-def test_decode_resize_batch_matches_cpu_transform() -> None:
-    images = mixed_batch()
-    out = decode_resize_batch(images, SIZE, "cpu")
-    assert out.shape == (len(images), 3, SIZE, SIZE)
-    assert out.dtype == torch.uint8
-    fast = FastImageTransform(SIZE)
-    for i, image in enumerate(images):
-        value = psnr(out[i].numpy(), fast(image.data, image.sample_id).numpy(), peak=255)
-        assert value >= MIN_PSNR_DB, f"sample {i}: {value:.1f} dB"
-
-
-@pytest.mark.parametrize("orientation", range(1, 9))
-def test_decode_resize_batch_applies_exif_orientation(orientation: int) -> None:
-    data = exif_jpeg_bytes(160, 96, orientation, seed=orientation)
-    out = decode_resize_batch([EncodedImage(data, "e"), EncodedImage(jpeg_bytes(64, 64), "plain")], SIZE, "cpu")
-    expected = FastImageTransform(SIZE)(oriented_png(data))
-    assert psnr(out[0].numpy(), expected.numpy(), peak=255) >= MIN_PSNR_DB
-
-
-@pytest.mark.parametrize(
-    "bad",
-    [b"\xff\xd8\xff\xe0" + b"\x00" * 64, jpeg_bytes(128, 128)[:3000], b"", b"garbage"],
-    ids=["jpeg-magic-garbage", "truncated-jpeg", "empty", "garbage"],
-)
-def test_decode_resize_batch_names_the_corrupt_sample(bad: bytes) -> None:
-    images = mixed_batch()[:3]
-    images.insert(1, EncodedImage(bad, "bad-7"))
-    with pytest.raises(DecodeError, match="sample bad-7"):
-        decode_resize_batch(images, SIZE, "cpu")
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, needs_cuda])])
-def test_decode_resize_batch_outputs_are_not_aliased(device: str) -> None:
-    """A batch's pixels survive decoding the next batch (nvJPEG decodes on a stream of its own)."""
-    first_images = [EncodedImage(jpeg_bytes(96, 64, seed=s), f"a{s}") for s in range(3)]
-    first = decode_resize_batch(first_images, SIZE, device)
-    kept = first.clone()
-    second = decode_resize_batch(
-        [EncodedImage(jpeg_bytes(64, 96, seed=s + 10), f"b{s}") for s in range(3)], SIZE, device
-    )
-    assert torch.equal(first, kept)
-    assert first.data_ptr() != second.data_ptr()
-    assert not torch.equal(first, second)
-    again = decode_resize_batch(first_images, SIZE, device)
-    assert torch.equal(again, kept)  # deterministic
-
-
-def test_decode_resize_batch_does_not_modify_inputs() -> None:
-    images = mixed_batch()[:2]
-    before = [image.data for image in images]
-    decode_resize_batch(images, SIZE, "cpu")
-    assert [image.data for image in images] == before
 
 
 # ---------------------------------------------------------------------------------------------- DeviceStage
@@ -257,20 +158,6 @@ def test_device_stage_flips_only_in_training_with_flip(horizontal_flip: bool, tr
 
 
 # ---------------------------------------------------------------------------------------------- CUDA only
-
-
-@pytest.mark.cuda
-@needs_cuda
-def test_decode_resize_batch_on_cuda_matches_cpu() -> None:
-    images = mixed_batch()
-    cuda = decode_resize_batch(images, SIZE, "cuda")
-    cpu = decode_resize_batch(images, SIZE, "cpu")
-    assert cuda.device.type == "cuda" and cuda.shape == cpu.shape
-    for i in range(len(images)):
-        assert psnr(cuda[i].cpu().numpy(), cpu[i].numpy(), peak=255) >= MIN_PSNR_DB
-    bad = [*images[:2], EncodedImage(b"\xff\xd8\xff\xe0" + b"\x00" * 64, "bad-3")]
-    with pytest.raises(DecodeError, match="sample bad-3"):
-        decode_resize_batch(bad, SIZE, "cuda")
 
 
 @pytest.mark.cuda

@@ -527,6 +527,31 @@ def test_expand_braces_and_resolve_files(tmp_path: Path) -> None:
         resolve_files(f"{tmp_path}/s-{{0..2}}.tar")
 
 
+def test_resolve_files_lists_with_braces_padding_and_globs(tmp_path: Path) -> None:
+    for name in ("shard-000.tar", "shard-001.tar", "shard-002.tar", "a.tar", "b.tar", "c.tar", "x-1.tar", "x-2.tar"):
+        (tmp_path / name).write_bytes(b"")
+    d = tmp_path
+    # A comma inside braces is an alternative of that brace; a comma outside separates the list.
+    spec = f"{d}/{{b,a}}.tar,{d}/shard-{{000..001}}.tar, {d}/x-*.tar,{d}/c.tar"
+    names = ["b.tar", "a.tar", "shard-000.tar", "shard-001.tar", "x-1.tar", "x-2.tar", "c.tar"]
+    assert resolve_files(spec) == [str(d / n) for n in names]
+    assert resolve_files(f"{d}/{{shard-{{000..002..2}},c}}.tar") == [
+        str(d / n) for n in ("shard-000.tar", "shard-002.tar", "c.tar")
+    ]
+    assert resolve_files(f"{d}/a.tar,,{d}/a.tar, ") == [str(d / "a.tar")]  # blank parts and duplicates dropped
+    with pytest.raises(FileNotFoundError, match=r"no files match the pattern '.*/y-\*\.tar'"):
+        resolve_files(f"{d}/a.tar,{d}/{{x,y}}-*.tar")
+    with pytest.raises(FileNotFoundError, match=r"no files given in ' , '"):
+        resolve_files(" , ")
+
+
+def test_resolve_files_with_braces_that_do_not_pair(tmp_path: Path) -> None:
+    (tmp_path / "odd{name.tar").write_bytes(b"")
+    assert resolve_files(str(tmp_path / "odd{name.tar")) == [str(tmp_path / "odd{name.tar")]
+    with pytest.raises(FileNotFoundError, match=r"braces do not pair up"):
+        resolve_files(f"{tmp_path}/a.tar,{tmp_path}/s-{{0..2.tar")
+
+
 def test_split_rules_for_parquet_folders(tmp_path: Path) -> None:
     for rel in ("train-0.parquet", "val/a.parquet", "extra-00000-of-00001.parquet", "custom/x.parquet"):
         _mk(tmp_path / rel)

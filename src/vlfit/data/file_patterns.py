@@ -4,48 +4,38 @@ from __future__ import annotations
 
 import glob
 import os
-import re
 
-
-def _split_top_level(spec: str) -> list[str]:
-    """Split a comma-separated list, leaving commas inside ``{a,b}`` braces alone."""
-    parts, depth, current = [], 0, []
-    for char in spec:
-        if char == "," and depth == 0:
-            parts.append("".join(current))
-            current = []
-            continue
-        depth += char == "{"
-        depth -= char == "}" and depth > 0
-        current.append(char)
-    parts.append("".join(current))
-    return [p.strip() for p in parts if p.strip()]
+from braceexpand import UnbalancedBracesError, braceexpand
 
 
 def expand_braces(pattern: str) -> list[str]:
-    """Expand shell-style braces: ``a-{000..002}.tar`` and ``{train,extra}.tar`` (zero padding is kept).
+    """Expand bash-style braces: ``a-{000..002}.tar`` and ``{train,extra}.tar`` (zero padding is kept).
 
     Args:
-        pattern: A path pattern; text without braces is returned unchanged.
+        pattern: A path pattern. Text without braces, a brace with neither a comma nor a range (``{x}``) and braces
+            that do not pair up are left as they are.
 
     Returns:
         The expanded patterns, in order.
     """
-    match = re.search(r"\{([^{}]*)\}", pattern)
-    if match is None:
+    try:
+        # escape=False: a backslash belongs to the path; it does not escape a brace.
+        return list(braceexpand(pattern, escape=False))
+    except UnbalancedBracesError:
         return [pattern]
-    head, tail, body = pattern[: match.start()], pattern[match.end() :], match.group(1)
-    numeric = re.fullmatch(r"(\d+)\.\.(\d+)", body)
-    if numeric:
-        first, last = numeric.groups()
-        width = len(first) if first.startswith("0") or len(first) == len(last) else 0
-        step = 1 if int(last) >= int(first) else -1
-        options = [str(i).zfill(width) for i in range(int(first), int(last) + step, step)]
-    elif "," in body:
-        options = body.split(",")
-    else:
-        return [head + "{" + body + "}" + t for t in expand_braces(tail)]
-    return [expanded for option in options for expanded in expand_braces(head + option + tail)]
+
+
+def _expand_spec(spec: str) -> list[str]:
+    """The patterns of a comma-separated spec, each with its braces expanded, blank parts left out.
+
+    Raises:
+        UnbalancedBracesError: when the spec's braces do not pair up.
+    """
+    # A comma-separated list is a brace sequence without its braces, so braceexpand splits it when given them: commas
+    # inside braces stay alternatives of their own brace. The empty last alternative makes a spec without a comma a
+    # sequence too (braces around a single item are kept literally) and is dropped with the other blank parts.
+    parts = braceexpand("{" + spec + ",}", escape=False)
+    return [part.strip() for part in parts if part.strip()]
 
 
 def resolve_files(spec: str) -> list[str]:
@@ -60,18 +50,25 @@ def resolve_files(spec: str) -> list[str]:
     Raises:
         FileNotFoundError: naming the pattern that matched nothing or the file that does not exist.
     """
+    try:
+        parts = _expand_spec(spec)
+    except UnbalancedBracesError:
+        path = os.path.expanduser(spec.strip())
+        if os.path.isfile(path):  # a file whose name has a brace in it
+            return [path]
+        raise FileNotFoundError(f"file not found: {spec!r} (its braces do not pair up, so none was expanded)") from None
     files: dict[str, None] = {}
-    for part in _split_top_level(spec):
-        for pattern in expand_braces(os.path.expanduser(part)):
-            if glob.has_magic(pattern):
-                matches = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
-                if not matches:
-                    raise FileNotFoundError(f"no files match the pattern {pattern!r} (from {spec!r})")
-                files.update(dict.fromkeys(matches))
-            elif os.path.isfile(pattern):
-                files[pattern] = None
-            else:
-                raise FileNotFoundError(f"file not found: {pattern!r} (from {spec!r})")
+    for part in parts:
+        pattern = os.path.expanduser(part)
+        if glob.has_magic(pattern):
+            matches = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+            if not matches:
+                raise FileNotFoundError(f"no files match the pattern {pattern!r} (from {spec!r})")
+            files.update(dict.fromkeys(matches))
+        elif os.path.isfile(pattern):
+            files[pattern] = None
+        else:
+            raise FileNotFoundError(f"file not found: {pattern!r} (from {spec!r})")
     if not files:
         raise FileNotFoundError(f"no files given in {spec!r}")
     return list(files)
