@@ -204,7 +204,7 @@ def test_text_alone_gives_chance_accuracy() -> None:
     hits = 0
     trials = 1000
     for trial in range(trials):
-        _, choices, answer = synthetic._scene_and_choices(np.random.default_rng([11, trial]))
+        _, choices, answer = synthetic.scene_and_choices(np.random.default_rng([11, trial]))
         words = [set(enumerate(choice.split())) for choice in choices]
         scores = [sum(len(w & other) for other in words) for w in words]
         hits += int(np.argmax(scores)) == answer
