@@ -17,12 +17,12 @@ from vlfit.arguments import DataLocationArguments
 from vlfit.data.file_patterns import resolve_files
 from vlfit.data.prepare import (
     DEFAULT_EXTRA_COLUMNS,
+    DEFAULT_JPEG_QUALITY,
     DEFAULT_SHARD_SIZE,
     format_report,
     prepare_dataset,
     resolve_short_side,
 )
-from vlfit.data.reencode import DEFAULT_JPEG_QUALITY
 from vlfit.data.sources import open_splits
 
 

@@ -1,0 +1,203 @@
+"""Offline re-encoding of a dataset at training resolution into local parquet shards (``vlfit prepare``).
+
+``prepare_dataset`` checks the output folder against its manifest, plans the shards of every split, builds the
+missing ones and sums up the run. The steps live beside it: ``resolution`` (the short side), ``columns`` (output
+schema), ``reencode`` (one image), ``shards`` (one shard, the worker pool), ``manifest`` (the folder's record) and
+``report`` (the summary).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from vlfit.data.prepare.columns import DEFAULT_EXTRA_COLUMNS, output_columns
+from vlfit.data.prepare.manifest import (
+    MANIFEST_NAME,
+    MANIFEST_VERSION,
+    ManifestMismatchError,
+    check_compatible,
+    check_empty,
+    parquet_rows,
+    read_manifest,
+    remove_temp_files,
+    write_manifest,
+)
+from vlfit.data.prepare.reencode import CHROMA_SUBSAMPLING, DEFAULT_JPEG_QUALITY, JPEG_ENCODER
+from vlfit.data.prepare.report import PrepareSummary
+from vlfit.data.prepare.shards import DEFAULT_SHARD_SIZE, ShardStats, ShardTask, build_shards, shard_file_name
+from vlfit.data.source_base import ImageTextSource
+
+
+def prepare_dataset(
+    sources: Mapping[str, ImageTextSource],
+    output_dir: str,
+    *,
+    short_side: int,
+    jpeg_quality: int = DEFAULT_JPEG_QUALITY,
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    num_proc: int = 1,
+    image_column: str = "image",
+    caption_column: str = "image_description",
+    id_column: str | None = None,
+    extra_columns: Sequence[str] = DEFAULT_EXTRA_COLUMNS,
+    source_description: Mapping[str, Any] | None = None,
+    progress: bool = True,
+) -> PrepareSummary:
+    """Re-encode every split at ``short_side`` into parquet shards under ``output_dir``, resuming earlier runs.
+
+    Shards whose file exists with the expected row count (and whose counts the manifest holds) are kept; the rest
+    are built, in ``num_proc`` processes. The manifest is rewritten after every shard. An empty split gets no
+    shard (so it does not appear when the folder is read back).
+
+    Args:
+        sources: Split name -> source, opened with the column arguments below (and ``extra_columns``).
+        output_dir: Target folder (created if missing). Must be empty or hold an earlier run with the same settings.
+        short_side: Output short side in pixels.
+        jpeg_quality: Output JPEG quality, 1..100.
+        shard_size: Samples per shard.
+        num_proc: Worker processes; 1 works in this process.
+        image_column: Image column of the source and the output.
+        caption_column: Caption column of the source and the output.
+        id_column: Id column the source was opened with (see ``output_columns``).
+        extra_columns: Extra columns to copy when present.
+        source_description: Where the data came from (flags, paths); compared on resumption. Defaults to the
+            sources' names.
+        progress: Show a progress bar over samples.
+
+    Returns:
+        The counts of the run.
+
+    Raises:
+        ValueError: for a setting out of range.
+        ManifestMismatchError: when ``output_dir`` holds other data or an earlier run with other settings, or a
+            split's row count changed since.
+        PrepareError: naming the split and sample when an image cannot be read or decoded.
+    """
+    for name, value, low in (("short_side", short_side, 1), ("shard_size", shard_size, 1), ("num_proc", num_proc, 1)):
+        if value < low:
+            raise ValueError(f"--{name} must be at least {low}, got {value}")
+    if not 1 <= jpeg_quality <= 100:
+        raise ValueError(f"--jpeg_quality must be in 1..100, got {jpeg_quality}")
+    if not sources:
+        raise ValueError("no splits to prepare")
+    started = time.perf_counter()
+    output_dir = os.path.abspath(output_dir)
+    description = dict(source_description or {split: source.name for split, source in sources.items()})
+    settings = {
+        "short_side": short_side,
+        "jpeg_quality": jpeg_quality,
+        "chroma_subsampling": CHROMA_SUBSAMPLING,
+        "shard_size": shard_size,
+        "columns": {
+            "image": image_column,
+            "caption": caption_column,
+            "id": id_column,
+            "extra": list(extra_columns),
+        },
+        "source": description,
+    }
+
+    os.makedirs(output_dir, exist_ok=True)
+    manifest_path = os.path.join(output_dir, MANIFEST_NAME)
+    manifest = read_manifest(manifest_path)
+    if manifest is None:
+        check_empty(output_dir)
+        manifest = {"format_version": MANIFEST_VERSION, "settings": settings, "splits": {}}
+    else:
+        check_compatible(output_dir, manifest, settings)
+    manifest["encoder"] = JPEG_ENCODER
+
+    tasks: list[ShardTask] = []
+    for split, source in sources.items():
+        rows = len(source)
+        # An empty split gets no shard: the datasets parquet reader fails on a file without rows.
+        num_shards = math.ceil(rows / shard_size)
+        earlier = manifest["splits"].get(split)
+        if earlier is not None and earlier.get("rows") != rows:
+            raise ManifestMismatchError(
+                f"{output_dir}: split {split!r} has {rows} rows now but {earlier.get('rows')} when it was "
+                "prepared: the source changed; pick a new --output_dir"
+            )
+        columns = output_columns(
+            split,
+            source,
+            image_column=image_column,
+            caption_column=caption_column,
+            id_column=id_column,
+            extra_columns=extra_columns,
+        )
+        names = [shard_file_name(split, i, num_shards) for i in range(num_shards)]
+        kept = (earlier or {}).get("shards", {})
+        manifest["splits"][split] = {
+            "rows": rows,
+            "num_shards": num_shards,
+            "source_name": source.name,
+            "columns": {"image": columns.image, "caption": columns.caption, "id": columns.id},
+            "extra_columns": list(columns.extras),
+            "shards": {n: kept[n] for n in names if n in kept},
+        }
+        for i, file_name in enumerate(names):
+            start, stop = i * shard_size, min((i + 1) * shard_size, rows)
+            tasks.append(ShardTask(split, i, num_shards, start, stop, file_name, columns))
+    remove_temp_files(output_dir)
+
+    def done(task: ShardTask) -> bool:
+        entry = manifest["splits"][task.split]["shards"].get(task.file_name)
+        path = os.path.join(output_dir, task.file_name)
+        return entry is not None and parquet_rows(path) == task.stop - task.start == entry.get("rows")
+
+    todo = [task for task in tasks if not done(task)]
+    for task in todo:
+        manifest["splits"][task.split]["shards"].pop(task.file_name, None)
+    manifest["complete"] = not todo
+    write_manifest(manifest_path, manifest)
+
+    built: list[str] = []
+    bar = tqdm(total=sum(t.stop - t.start for t in todo), unit="img", desc="prepare", disable=not progress or not todo)
+
+    def record(task: ShardTask, stats: ShardStats) -> None:
+        shards = manifest["splits"][task.split]["shards"]
+        shards[task.file_name] = asdict(stats)
+        manifest["splits"][task.split]["shards"] = dict(sorted(shards.items()))  # workers finish in any order
+        built.append(task.file_name)
+        manifest["complete"] = len(built) == len(todo)
+        write_manifest(manifest_path, manifest)
+        bar.update(stats.rows)
+
+    try:
+        build_shards(
+            todo,
+            sources,
+            output_dir,
+            short_side=short_side,
+            jpeg_quality=jpeg_quality,
+            num_proc=num_proc,
+            on_done=record,
+        )
+    finally:
+        bar.close()
+        remove_temp_files(output_dir)  # a failed run's workers may leave partial files behind
+
+    totals = ShardStats()
+    for split in sources:
+        for entry in manifest["splits"][split]["shards"].values():
+            totals.add(ShardStats(**entry))
+    return PrepareSummary(
+        output_dir=output_dir,
+        short_side=short_side,
+        jpeg_quality=jpeg_quality,
+        split_rows={split: len(source) for split, source in sources.items()},
+        totals=totals,
+        shards_total=len(tasks),
+        shards_built=len(built),
+        samples_built=sum(t.stop - t.start for t in todo),
+        elapsed_s=time.perf_counter() - started,
+        built_shards=sorted(built),
+    )
