@@ -10,17 +10,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from vlfit.atomic_files import TEMP_FILE_PATTERN, write_text_atomically
+
 MANIFEST_NAME = "vlfit_prepare.json"
 MANIFEST_VERSION = 1
-# Temporary files of shards and of the manifest: `.{final name}.{pid}.tmp`.
-_TEMP_FILE = re.compile(r"^\.(.+-\d{5}-of-\d{5}\.parquet|vlfit_prepare\.json)\.\d+\.tmp$")
 
 
 class ManifestMismatchError(ValueError):
@@ -47,11 +46,7 @@ def read_manifest(path: str) -> dict[str, Any] | None:
 
 def write_manifest(path: str, manifest: Mapping[str, Any]) -> None:
     """Write a manifest, replacing the old one atomically (an interrupted write leaves the old one)."""
-    temp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    with open(temp, "w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=1, sort_keys=False)
-        f.write("\n")
-    os.replace(temp, path)
+    write_text_atomically(path, json.dumps(manifest, indent=1, sort_keys=False) + "\n")
 
 
 def _differences(old: Any, new: Any, prefix: str) -> list[str]:
@@ -81,7 +76,7 @@ def check_empty(output_dir: str) -> None:
     Raises:
         ManifestMismatchError: naming a few of the files found.
     """
-    foreign = [name for name in os.listdir(output_dir) if not _TEMP_FILE.match(name)]
+    foreign = [name for name in os.listdir(output_dir) if not TEMP_FILE_PATTERN.match(name)]
     if foreign:
         listed = ", ".join(sorted(foreign)[:5]) + (" ..." if len(foreign) > 5 else "")
         raise ManifestMismatchError(
@@ -91,9 +86,13 @@ def check_empty(output_dir: str) -> None:
 
 
 def remove_temp_files(output_dir: str) -> None:
-    """Remove the temporary files an interrupted or failed run left in ``output_dir``."""
+    """Remove the temporary files an interrupted or failed run left in ``output_dir``.
+
+    Every ``atomic_files`` temporary file goes, whatever its target: the folder belongs to ``vlfit prepare``
+    (``check_empty``), so each is the leftover of a shard, manifest or report write that did not finish.
+    """
     for name in os.listdir(output_dir):
-        if _TEMP_FILE.match(name):
+        if TEMP_FILE_PATTERN.match(name):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(output_dir, name))
 

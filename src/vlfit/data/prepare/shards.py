@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -13,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from vlfit.atomic_files import replace_on_success
 from vlfit.data.prepare.columns import OutputColumns
 from vlfit.data.prepare.reencode import prepare_image
 from vlfit.data.source_base import ImageTextSource
@@ -89,11 +89,6 @@ def shard_file_name(split: str, index: int, num_shards: int) -> str:
     return f"{split}-{index:05d}-of-{num_shards:05d}.parquet"
 
 
-def _temp_path(output_dir: str, file_name: str) -> str:
-    # Hidden and not ending in .parquet, so readers of the folder never pick up a partial shard.
-    return os.path.join(output_dir, f".{file_name}.{os.getpid()}.tmp")
-
-
 def _sample_error(policy: ErrorPolicy, split: str, row: int, sample_id: str | None, err: Exception) -> None:
     """Handle a sample that failed to read or decode: ``"raise"`` stops the run naming the sample.
 
@@ -153,13 +148,10 @@ def build_shard(
         stats.small_images += prepared.small
     table = pa.Table.from_pydict(cols.features.encode_batch(values), schema=cols.features.arrow_schema)
     final = os.path.join(output_dir, task.file_name)
-    temp = _temp_path(output_dir, task.file_name)
-    try:
+    # A shard file either is complete or does not exist; the temporary name is hidden and does not end in
+    # .parquet, so readers of the folder never pick up a partial shard.
+    with replace_on_success(final) as temp:
         pq.write_table(table, temp, row_group_size=_ROW_GROUP_SIZE)
-        os.replace(temp, final)  # atomic: a shard file either is complete or does not exist
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(temp)
     stats.output_bytes = os.path.getsize(final)
     return stats
 
