@@ -10,6 +10,10 @@ image column is a ``datasets.Image`` feature) and a manifest, and reads back wit
 Runs are resumable: every shard is written to a temporary file and renamed into place when complete, and a re-run
 builds only the shards that are missing. A re-run with different settings is refused.
 
+Bad samples (unreadable record, undecodable image, missing/empty/whitespace caption) follow ``--bad_sample_policy``
+as in ``vlfit train``: ``skip`` leaves them out, counts them per split in the report and the manifest, and lists
+them in ``bad_samples.jsonl``; ``raise`` stops at the first one with ``PrepareError``.
+
 Modules: ``resolution`` (the output short side), ``columns`` (the output schema), ``reencode`` (one image),
 ``shards`` (one shard, and the worker pool), ``manifest`` (``vlfit_prepare.json`` and the resume checks),
 ``report`` (the run's summary) and ``run`` (``prepare_dataset``, which ties them together).
@@ -31,7 +35,7 @@ from vlfit.data.prepare.reencode import (
 from vlfit.data.prepare.report import PrepareSummary, format_report
 from vlfit.data.prepare.resolution import resolve_short_side
 from vlfit.data.prepare.run import prepare_dataset
-from vlfit.data.prepare.shards import DEFAULT_SHARD_SIZE, PrepareError, ShardStats, shard_file_name
+from vlfit.data.prepare.shards import DEFAULT_SHARD_SIZE, PrepareError, ShardStats, SkippedSample, shard_file_name
 
 __all__ = [
     "CHROMA_SUBSAMPLING",
@@ -47,6 +51,7 @@ __all__ = [
     "PrepareSummary",
     "PreparedImage",
     "ShardStats",
+    "SkippedSample",
     "encode_jpeg",
     "format_report",
     "output_columns",

@@ -1,8 +1,9 @@
 """The manifest of a prepared folder (``vlfit_prepare.json``): reading, writing, and checks before resuming.
 
-The manifest holds the settings of the run, and per split its row count, columns and the counts of every shard
-written so far. A re-run compares settings with it, and keeps a shard only when the manifest holds its counts and
-its file has the expected rows.
+The manifest holds the settings of the run, and per split its row count, columns, bad-sample count and, for every
+shard written so far, its counts and the bad samples left out of it. A re-run compares settings with it, and keeps
+a shard only when the manifest holds its entry and its file has the recorded rows; the bad samples of kept shards
+come from their entries, so an interrupted and resumed run reports what an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -10,13 +11,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vlfit.atomic_files import TEMP_FILE_PATTERN, write_text_atomically
+from vlfit.data.prepare.shards import ShardStats, SkippedSample
 
 MANIFEST_NAME = "vlfit_prepare.json"
 MANIFEST_VERSION = 1
@@ -97,8 +100,47 @@ def remove_temp_files(output_dir: str) -> None:
                 os.remove(os.path.join(output_dir, name))
 
 
-def parquet_rows(path: str) -> int | None:
-    """The row count of a parquet file; None when it is missing or unreadable."""
+def shard_entry(stats: ShardStats, skipped: Sequence[SkippedSample]) -> dict[str, Any]:
+    """A shard's manifest entry: its counts and the ``{id, reason}`` of every bad sample left out of it."""
+    return {**asdict(stats), "bad_samples": [{"id": s.id, "reason": s.reason} for s in skipped]}
+
+
+def entry_skipped(split: str, entry: Mapping[str, Any]) -> list[SkippedSample]:
+    """The bad samples a shard entry of ``split`` records, in row order."""
+    return [SkippedSample(split, str(bad["id"]), str(bad["reason"])) for bad in entry.get("bad_samples", [])]
+
+
+def skipped_samples(manifest: Mapping[str, Any], splits: Sequence[str] | None = None) -> Iterator[SkippedSample]:
+    """Every bad sample the manifest records, split by split (``splits``, default all), shard by shard."""
+    for split, info in manifest["splits"].items():
+        if splits is None or split in splits:
+            for name in sorted(info["shards"]):
+                yield from entry_skipped(split, info["shards"][name])
+
+
+def shard_is_complete(path: str, entry: Mapping[str, Any] | None, num_samples: int) -> bool:
+    """Whether a shard can be kept from an earlier run.
+
+    Args:
+        path: The shard file.
+        entry: Its manifest entry, None when the manifest has none.
+        num_samples: Source samples the shard covers.
+
+    Returns:
+        True when the entry accounts for every sample (written or left out as bad) and the file holds the rows it
+        records (no file when every sample was bad).
+    """
+    if entry is None:
+        return False
+    stats = ShardStats.from_entry(entry)
+    if stats.rows + stats.skipped != num_samples or len(entry.get("bad_samples", [])) != stats.skipped:
+        return False
+    if not stats.rows:
+        return not os.path.exists(path)
+    return _parquet_rows(path) == stats.rows
+
+
+def _parquet_rows(path: str) -> int | None:
     try:
         return pq.ParquetFile(path).metadata.num_rows
     except (OSError, pa.ArrowInvalid):

@@ -1,34 +1,63 @@
-"""Building the shards of ``vlfit prepare``: one shard (read, re-encode, write), and the pool that runs them all."""
+"""Building the shards of ``vlfit prepare``: one shard (read, check, re-encode, write), and the pool that runs them.
+
+A bad sample (unreadable record, undecodable image, missing/empty/whitespace caption; see
+``vlfit.data.bad_samples``) is left out of its shard and returned with the shard under ``--bad_sample_policy
+skip``, and stops the run with ``PrepareError`` under ``raise``.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
 from vlfit.atomic_files import replace_on_success
+from vlfit.data.bad_samples import RAISE_HINT, BadCaptionError, BadSampleError, clean_caption, describe_error
+from vlfit.data.decode import DecodeError
 from vlfit.data.prepare.columns import OutputColumns
 from vlfit.data.prepare.reencode import prepare_image
+from vlfit.data.records import BadRecordError
 from vlfit.data.source_base import ImageTextSource
 from vlfit.threads import torch_threads
 
 DEFAULT_SHARD_SIZE = 1000
 # Rows per parquet row group: small, so a reader never has to buffer many images at once.
 _ROW_GROUP_SIZE = 100
-
-# What to do with a sample that cannot be read or decoded. Only "raise" exists; a skip policy would also have to
-# record the skipped ids in the manifest, since resumption checks each shard's row count.
-ErrorPolicy = Literal["raise"]
+# What makes a sample bad rather than the run broken: these are skipped (or raised as PrepareError) by the policy.
+_BAD_SAMPLE_ERRORS = (BadRecordError, DecodeError, BadCaptionError)
 
 
-class PrepareError(ValueError):
-    """A sample cannot be prepared; the message names the split, the sample id and the row."""
+class PrepareError(BadSampleError):
+    """A bad sample under ``--bad_sample_policy raise``; the message names the split, the sample, the reason and
+    what to do about it.
+
+    Attributes:
+        split: The sample's split (besides ``sample_id`` and ``reason``).
+    """
+
+    def __init__(
+        self, message: str, sample_id: str | None = None, reason: str | None = None, split: str | None = None
+    ) -> None:
+        super().__init__(message, sample_id, reason)
+        self.split = split
+
+    @classmethod
+    def in_split(cls, split: str, sample_id: str, reason: str, row: int | None = None) -> PrepareError:
+        """``cannot prepare sample <id> of split <split> (row <row>): <reason>. <hint>``."""
+        where = f" (row {row})" if row is not None else ""
+        message = f"cannot prepare sample {sample_id!r} of split {split!r}{where}: {reason}. {RAISE_HINT}"
+        return cls(message, sample_id, reason, split)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keeps the attributes when a worker process sends the error to the main process.
+        return type(self), (str(self), self.sample_id, self.reason, self.split)
 
 
 @dataclass(frozen=True)
@@ -53,13 +82,36 @@ class ShardTask:
     file_name: str
     columns: OutputColumns
 
+    @property
+    def num_samples(self) -> int:
+        """Source samples the shard covers (written or left out as bad)."""
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class ShardSettings:
+    """What every shard of a run is built with.
+
+    Args:
+        output_dir: The output folder.
+        short_side: Output short side in pixels.
+        jpeg_quality: Output JPEG quality.
+        bad_sample_policy: ``skip`` (leave bad samples out) or ``raise`` (stop at the first one).
+    """
+
+    output_dir: str
+    short_side: int
+    jpeg_quality: int
+    bad_sample_policy: str = "skip"
+
 
 @dataclass
 class ShardStats:
-    """Counts for one written shard (stored in the manifest).
+    """Counts for one shard (stored in the manifest).
 
     Args:
-        rows: Samples in the shard.
+        rows: Samples written to the shard.
+        skipped: Bad samples left out of it.
         input_bytes: Stored image bytes read from the source.
         output_bytes: Size of the shard file.
         image_bytes: Re-encoded image bytes (``output_bytes`` less captions, ids and parquet overhead).
@@ -70,6 +122,7 @@ class ShardStats:
     """
 
     rows: int = 0
+    skipped: int = 0
     input_bytes: int = 0
     output_bytes: int = 0
     image_bytes: int = 0
@@ -83,59 +136,80 @@ class ShardStats:
         for name, value in asdict(other).items():
             setattr(self, name, getattr(self, name) + value)
 
+    @classmethod
+    def from_entry(cls, entry: Mapping[str, Any]) -> ShardStats:
+        """The counts of a manifest shard entry (other keys are ignored; missing counts are 0)."""
+        return cls(**{f.name: int(entry.get(f.name, 0)) for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class SkippedSample:
+    """A bad sample left out of the output: one line of ``bad_samples.jsonl``.
+
+    Args:
+        split: Its split.
+        id: Its id (``row N`` when the record could not be read far enough to know it).
+        reason: What is wrong with it.
+    """
+
+    split: str
+    id: str
+    reason: str
+
+
+@dataclass
+class BuiltShard:
+    """A shard written by ``build_shard``: its task, its counts and the bad samples left out of it, in row order."""
+
+    task: ShardTask
+    stats: ShardStats
+    skipped: list[SkippedSample] = field(default_factory=list)
+
 
 def shard_file_name(split: str, index: int, num_shards: int) -> str:
     """The file name of shard ``index`` of ``num_shards`` of ``split`` (the hub's naming, read back by split)."""
     return f"{split}-{index:05d}-of-{num_shards:05d}.parquet"
 
 
-def _sample_error(policy: ErrorPolicy, split: str, row: int, sample_id: str | None, err: Exception) -> None:
-    """Handle a sample that failed to read or decode: ``"raise"`` stops the run naming the sample.
+def build_shard(task: ShardTask, source: ImageTextSource, settings: ShardSettings) -> BuiltShard:
+    """Re-encode the rows of one shard and write them to ``settings.output_dir/task.file_name``.
 
-    The one place a skip policy would go (it would return, and the shard would hold fewer rows).
-    """
-    who = f"sample {sample_id!r}" if sample_id is not None else "a sample"
-    raise PrepareError(f"cannot prepare {who} of split {split!r} (row {row}): {err}") from err
-
-
-def build_shard(
-    task: ShardTask,
-    source: ImageTextSource,
-    output_dir: str,
-    short_side: int,
-    jpeg_quality: int,
-    on_error: ErrorPolicy = "raise",
-) -> ShardStats:
-    """Re-encode the rows of one shard and write them to ``output_dir/task.file_name``.
+    A shard whose samples are all bad gets no file (like an empty split: the parquet reader fails on a file
+    without rows).
 
     Args:
         task: The shard.
         source: The split's source.
-        output_dir: The output folder.
-        short_side: Output short side in pixels.
-        jpeg_quality: Output JPEG quality.
-        on_error: What to do with a sample that cannot be read or decoded.
+        settings: Output settings and the bad-sample policy.
 
     Returns:
-        The shard's counts.
+        The shard's counts and the bad samples left out of it.
 
     Raises:
-        PrepareError: naming the split and sample when an image cannot be read or decoded.
+        PrepareError: under ``raise``, naming the split, the sample and the reason at the first bad sample.
     """
     cols = task.columns
     values: dict[str, list[Any]] = {name: [] for name in (cols.image, cols.caption, cols.id, *cols.extras)}
-    stats = ShardStats()
+    built = BuiltShard(task, ShardStats())
+    stats = built.stats
     for row in range(task.start, task.stop):
-        sample_id = None
         try:
             record = source[row]
-            sample_id = record.id
-            prepared = prepare_image(record.image, short_side, jpeg_quality, record.id)
-        except Exception as err:  # any failure, reported with the sample it belongs to
-            _sample_error(on_error, task.split, row, sample_id, err)
+            # The caption is checked first: it is free, and a bad one makes decoding the image pointless.
+            caption = clean_caption(record.caption, record.id)
+            prepared = prepare_image(record.image, settings.short_side, settings.jpeg_quality, record.id)
+        except _BAD_SAMPLE_ERRORS as err:
+            sample_id, reason = describe_error(err, fallback_id=f"row {row}")
+            if settings.bad_sample_policy == "raise":
+                raise PrepareError.in_split(task.split, sample_id, reason, row) from err
+            built.skipped.append(SkippedSample(task.split, sample_id, reason))
+            stats.skipped += 1
             continue
+        except Exception as err:  # not the data's fault: stop, but say where
+            err.add_note(f"while preparing row {row} of split {task.split!r}")
+            raise
         values[cols.image].append({"bytes": prepared.data, "path": None})
-        values[cols.caption].append(record.caption)
+        values[cols.caption].append(caption)
         values[cols.id].append(record.id)
         for name in cols.extras:
             values[name].append(record.extra.get(name))
@@ -146,31 +220,31 @@ def build_shard(
         stats.decoded_pixels += prepared.decoded_pixels
         stats.output_pixels += prepared.width * prepared.height
         stats.small_images += prepared.small
+    final = os.path.join(settings.output_dir, task.file_name)
+    if not stats.rows:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(final)
+        return built
     table = pa.Table.from_pydict(cols.features.encode_batch(values), schema=cols.features.arrow_schema)
-    final = os.path.join(output_dir, task.file_name)
     # A shard file either is complete or does not exist; the temporary name is hidden and does not end in
     # .parquet, so readers of the folder never pick up a partial shard.
     with replace_on_success(final) as temp:
         pq.write_table(table, temp, row_group_size=_ROW_GROUP_SIZE)
     stats.output_bytes = os.path.getsize(final)
-    return stats
+    return built
 
 
 # Per-worker state, set by the pool initializer (inherited without pickling when the pool forks).
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(sources: Mapping[str, ImageTextSource], output_dir: str, short_side: int, jpeg_quality: int) -> None:
+def _init_worker(sources: Mapping[str, ImageTextSource], settings: ShardSettings) -> None:
     torch.set_num_threads(1)  # one process per core already; intra-op threads would only contend
-    _WORKER.update(sources=sources, output_dir=output_dir, short_side=short_side, jpeg_quality=jpeg_quality)
+    _WORKER.update(sources=sources, settings=settings)
 
 
-def _run_task(task: ShardTask) -> tuple[ShardTask, ShardStats]:
-    state = _WORKER
-    stats = build_shard(
-        task, state["sources"][task.split], state["output_dir"], state["short_side"], state["jpeg_quality"]
-    )
-    return task, stats
+def _run_task(task: ShardTask) -> BuiltShard:
+    return build_shard(task, _WORKER["sources"][task.split], _WORKER["settings"])
 
 
 def _pool_context() -> multiprocessing.context.BaseContext:
@@ -182,31 +256,29 @@ def _pool_context() -> multiprocessing.context.BaseContext:
 def build_shards(
     tasks: Sequence[ShardTask],
     sources: Mapping[str, ImageTextSource],
-    output_dir: str,
+    settings: ShardSettings,
     *,
-    short_side: int,
-    jpeg_quality: int,
     num_proc: int,
-    on_done: Callable[[ShardTask, ShardStats], None],
+    on_done: Callable[[BuiltShard], None],
 ) -> None:
     """Build every shard of ``tasks``, in this process or in ``num_proc`` worker processes.
 
     Args:
         tasks: The shards to build.
         sources: Split name -> source.
-        output_dir: The output folder.
-        short_side: Output short side in pixels.
-        jpeg_quality: Output JPEG quality.
+        settings: Output settings and the bad-sample policy.
         num_proc: Worker processes; 1 builds in this process.
         on_done: Called in this process with each shard as it completes (in any order with several workers).
+
+    Raises:
+        PrepareError: under ``raise``, at the first bad sample of any worker.
     """
     workers = min(num_proc, len(tasks))
     if workers <= 1:
         with torch_threads(1):
             for task in tasks:
-                on_done(task, build_shard(task, sources[task.split], output_dir, short_side, jpeg_quality))
+                on_done(build_shard(task, sources[task.split], settings))
         return
-    init_args = (dict(sources), output_dir, short_side, jpeg_quality)
-    with _pool_context().Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
-        for task, stats in pool.imap_unordered(_run_task, tasks):
-            on_done(task, stats)
+    with _pool_context().Pool(workers, initializer=_init_worker, initargs=(dict(sources), settings)) as pool:
+        for built in pool.imap_unordered(_run_task, tasks):
+            on_done(built)
