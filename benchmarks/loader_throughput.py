@@ -37,7 +37,7 @@ import torch
 from PIL import Image
 
 from vlfit.data.image_transforms import FastImageTransform, ReferenceImageTransform
-from vlfit.data.reencode import DEFAULT_JPEG_QUALITY, prepare_image
+from vlfit.data.prepare.reencode import DEFAULT_JPEG_QUALITY, prepare_image
 from vlfit.data.synthetic import SyntheticConfig, make_record
 from vlfit.models.family import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 

@@ -15,15 +15,18 @@ import pytest
 from PIL import Image
 
 from vlfit.commands.prepare import main
+from vlfit.data.bad_samples import BAD_SAMPLES_REPORT, RAISE_HINT, BadSampleError
 from vlfit.data.image_transforms import FastImageTransform
 from vlfit.data.prepare import (
     MANIFEST_NAME,
     ManifestMismatchError,
     PrepareError,
     PrepareSummary,
+    format_report,
     prepare_dataset,
     resolve_short_side,
 )
+from vlfit.data.records import BadRecordError, Record
 from vlfit.data.source_base import ImageTextSource
 from vlfit.data.sources import open_splits
 from vlfit.data.synthetic import SyntheticConfig, make_dataset, save_dataset
@@ -191,9 +194,152 @@ def test_small_images_kept_orientation_applied_and_generated_ids(tmp_path: Path)
 def test_bad_sample_names_id_and_split(tmp_path: Path) -> None:
     data = _write_parquet(tmp_path / "bad.parquet", [_jpeg(100, 100), b"\xff\xd8\xff\xe0 not a jpeg"])
     sources = open_splits(validation_file=data, cache_dir=str(tmp_path / "cache"))
-    with pytest.raises(PrepareError, match=r"sample 'validation-1' of split 'validation'"):
-        _prepare(sources, str(tmp_path / "out"))
+    with pytest.raises(
+        PrepareError, match=r"sample 'validation-1' of split 'validation' \(row 1\): corrupt JPEG header|cannot decode"
+    ):
+        _prepare(sources, str(tmp_path / "out"), bad_sample_policy="raise")
     assert not [f for f in os.listdir(tmp_path / "out") if f.endswith(".tmp")]
+
+
+# ------------------------------------------------------------------------------------------------- bad samples
+
+BAD_RECORD = "cannot read image file 'gone.jpg': No such file or directory"
+
+
+class _DirtySource(ImageTextSource):
+    """Records from ``(id, image, caption)`` rows; ``image=None`` makes the record unreadable (``BadRecordError``),
+    and reading row ``fail_at`` raises ``RuntimeError``, as an interruption would stop a run."""
+
+    def __init__(self, rows: list[tuple[str, bytes | None, str | None]], fail_at: int | None = None) -> None:
+        super().__init__(name="dirty", column_names=["image", "image_description"], num_rows=len(rows))
+        self._data = rows
+        self.fail_at = fail_at
+
+    def _read(self, row: int) -> Record:
+        if row == self.fail_at:
+            raise RuntimeError("interrupted")
+        sample_id, image, caption = self._data[row]
+        if image is None:
+            raise BadRecordError(f"sample {sample_id}: {BAD_RECORD}")
+        return Record(id=sample_id, image=image, caption=caption)
+
+    def _read_captions(self, rows: np.ndarray | None) -> list[str | None]:
+        return [self._data[int(r)][2] for r in (range(len(self._data)) if rows is None else rows)]
+
+
+def _dirty_splits(fail_at: int | None = None) -> dict[str, ImageTextSource]:
+    """train: 12 rows in shards of 4, with bad samples in shards 0 and 2 and a shard (1) of bad samples only;
+    validation: 3 rows, one bad."""
+    good = _jpeg(120, 90)
+    broken = b""
+    train: list[tuple[str, bytes | None, str | None]] = [(f"t{i}", good, f"caption {i}") for i in range(12)]
+    train[1] = ("t1", broken, "caption 1")
+    train[4] = ("t4", good, None)
+    train[5] = ("t5", good, "")
+    train[6] = ("t6", good, " \t ")
+    train[7] = ("t7", None, "caption 7")
+    train[10] = ("t10", good, "")
+    validation: list[tuple[str, bytes | None, str | None]] = [(f"v{i}", good, f"caption {i}") for i in range(3)]
+    validation[2] = ("v2", good, None)
+    return {"train": _DirtySource(train, fail_at=fail_at), "validation": _DirtySource(validation)}
+
+
+EXPECTED_BAD = [
+    ("train", "t1", "image is empty (0 bytes)"),
+    ("train", "t4", "caption is missing (None)"),
+    ("train", "t5", "caption is empty"),
+    ("train", "t6", "caption is whitespace only"),
+    ("train", "t7", BAD_RECORD),
+    ("train", "t10", "caption is empty"),
+    ("validation", "v2", "caption is missing (None)"),
+]
+
+
+def _bad_lines(out: str) -> list[tuple[str, str, str]]:
+    lines = [json.loads(line) for line in Path(out, BAD_SAMPLES_REPORT).read_text().splitlines()]
+    assert all(list(line) == ["split", "id", "reason"] for line in lines)
+    return [(line["split"], line["id"], line["reason"]) for line in lines]
+
+
+def test_skip_leaves_bad_samples_out_and_reports_them(tmp_path: Path) -> None:
+    out = str(tmp_path / "out")
+    summary = _prepare(_dirty_splits(), out, shard_size=4)
+    assert summary.bad_samples == {"train": 6, "validation": 1} and summary.skipped == 7
+    assert summary.samples == 8 and summary.samples_built == 15
+    # Shard 1 lost all its samples: no file for it, as for an empty split.
+    assert sorted(f for f in os.listdir(out) if f.endswith(".parquet")) == [
+        "train-00000-of-00003.parquet",
+        "train-00002-of-00003.parquet",
+        "validation-00000-of-00001.parquet",
+    ]
+    result = _open(out, tmp_path / "cache")
+    assert [r.id for r in result["train"]] == ["t0", "t2", "t3", "t8", "t9", "t11"]
+    assert [r.id for r in result["validation"]] == ["v0", "v1"]
+    assert [r.caption for r in result["train"]][:2] == ["caption 0", "caption 2"]
+
+    assert _bad_lines(out) == EXPECTED_BAD
+    manifest = json.loads(Path(out, MANIFEST_NAME).read_text())
+    assert {s: m["bad_samples"] for s, m in manifest["splits"].items()} == {"train": 6, "validation": 1}
+    shard = manifest["splits"]["train"]["shards"]["train-00001-of-00003.parquet"]
+    assert (
+        shard["rows"] == 0
+        and shard["skipped"] == 4
+        and [b["id"] for b in shard["bad_samples"]]
+        == [
+            "t4",
+            "t5",
+            "t6",
+            "t7",
+        ]
+    )
+    report = format_report(summary)
+    assert "prepared 8 samples (train 6, validation 2)" in report
+    assert f"bad samples: 7 left out (train 6, validation 1); each with its reason in {out}" in report
+
+    again = _prepare(_dirty_splits(), out, shard_size=4)  # nothing left to do: every shard is kept
+    assert again.shards_built == 0 and again.bad_samples == summary.bad_samples
+    assert _bad_lines(out) == EXPECTED_BAD
+
+
+def test_raise_names_split_sample_and_reason(tmp_path: Path) -> None:
+    sources = _dirty_splits()
+    with pytest.raises(PrepareError, match=r"sample 't1' of split 'train' \(row 1\): image is empty") as caught:
+        _prepare(sources, str(tmp_path / "serial"), shard_size=4, bad_sample_policy="raise")
+    assert RAISE_HINT in str(caught.value) and isinstance(caught.value, BadSampleError)
+    # From a worker process: the error crosses the process boundary with its attributes.
+    clean_train = sources["train"].select([0, 2, 3])
+    with pytest.raises(
+        PrepareError, match=r"sample 'v2' of split 'validation' \(row 2\): caption is missing"
+    ) as caught:
+        pool_run = {"train": clean_train, "validation": sources["validation"]}
+        _prepare(pool_run, str(tmp_path / "pool"), shard_size=4, num_proc=2, bad_sample_policy="raise")
+    assert (caught.value.split, caught.value.sample_id, caught.value.reason) == (
+        "validation",
+        "v2",
+        "caption is missing (None)",
+    )
+    with pytest.raises(ValueError, match="unknown --bad_sample_policy 'ignore'"):
+        _prepare(sources, str(tmp_path / "never"), bad_sample_policy="ignore")
+
+
+def test_resumed_run_reports_the_same_bad_samples(tmp_path: Path) -> None:
+    whole = _prepare(_dirty_splits(), str(tmp_path / "whole"), shard_size=4)
+
+    out = str(tmp_path / "resumed")
+    with pytest.raises(RuntimeError, match="interrupted") as caught:
+        _prepare(_dirty_splits(fail_at=9), out, shard_size=4)  # stops in shard 2, after shards 0 and 1
+    assert "while preparing row 9 of split 'train'" in caught.value.__notes__
+    assert not Path(out, BAD_SAMPLES_REPORT).exists()
+    resumed = _prepare(_dirty_splits(), out, shard_size=4)
+    assert resumed.built_shards == ["train-00002-of-00003.parquet", "validation-00000-of-00001.parquet"]
+    assert resumed.bad_samples == whole.bad_samples and resumed.totals.skipped == whole.totals.skipped == 7
+    assert resumed.totals.rows == whole.totals.rows
+    assert Path(out, BAD_SAMPLES_REPORT).read_bytes() == Path(whole.output_dir, BAD_SAMPLES_REPORT).read_bytes()
+    assert _bad_lines(out) == EXPECTED_BAD
+
+    # raise refuses to finish on top of shards that an earlier skip run left samples out of.
+    with pytest.raises(PrepareError, match=r"sample 't1' of split 'train': image is empty.*earlier run"):
+        _prepare(_dirty_splits(), out, shard_size=4, bad_sample_policy="raise")
 
 
 # ------------------------------------------------------------------------------------------------------ resume
@@ -279,6 +425,19 @@ def test_cli_end_to_end(source_dir: str, tmp_path: Path, capsys: pytest.CaptureF
 
     assert main([*argv, "--progress", "false"]) == 0  # a second run has nothing left to do
     assert "(0 built now, 4 kept" in capsys.readouterr().out
+
+
+def test_cli_bad_sample_policy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = _write_parquet(tmp_path / "pairs.parquet", [_jpeg(100, 80), b"\xff\xd8\xff\xe0 not a jpeg", _jpeg(90, 90)])
+    argv = ["--train_file", data, "--short_side", "64", "--cache_dir", str(tmp_path / "cache"), "--progress", "false"]
+    with pytest.raises(PrepareError, match=r"sample 'train-1' of split 'train'.*--bad_sample_policy skip"):
+        main([*argv, "--output_dir", str(tmp_path / "raise"), "--bad_sample_policy", "raise"])
+    out = tmp_path / "skip"
+    assert main([*argv, "--output_dir", str(out)]) == 0  # skip is the default
+    report = capsys.readouterr().out
+    assert "prepared 2 samples (train 2)" in report and "bad samples: 1 left out (train 1)" in report
+    (line,) = [json.loads(text) for text in (out / BAD_SAMPLES_REPORT).read_text().splitlines()]
+    assert (line["split"], line["id"]) == ("train", "train-1") and "JPEG" in line["reason"]
 
 
 def test_cli_errors(source_dir: str, tmp_path: Path) -> None:

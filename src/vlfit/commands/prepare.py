@@ -14,15 +14,16 @@ from typing import Any
 from transformers import HfArgumentParser
 
 from vlfit.arguments import DataLocationArguments
+from vlfit.data.bad_samples import BAD_SAMPLE_POLICIES
 from vlfit.data.file_patterns import resolve_files
 from vlfit.data.prepare import (
     DEFAULT_EXTRA_COLUMNS,
+    DEFAULT_JPEG_QUALITY,
     DEFAULT_SHARD_SIZE,
     format_report,
     prepare_dataset,
     resolve_short_side,
 )
-from vlfit.data.reencode import DEFAULT_JPEG_QUALITY
 from vlfit.data.sources import open_splits
 
 
@@ -63,6 +64,16 @@ class PrepareArguments:
     extra_columns: str = field(
         default=",".join(DEFAULT_EXTRA_COLUMNS),
         metadata={"help": "Comma-separated columns copied along when present (evaluation reads these)."},
+    )
+    bad_sample_policy: str = field(
+        default="skip",
+        metadata={
+            "help": "What to do with a sample whose record cannot be read, whose image cannot be decoded or whose "
+            "caption is missing, empty or whitespace. skip: leave it out of the shards, count it per split in the "
+            "report and the manifest, and list it in bad_samples.jsonl in --output_dir. raise: stop with an error "
+            "naming the split and the sample.",
+            "choices": list(BAD_SAMPLE_POLICIES),
+        },
     )
     progress: bool = field(default=True, metadata={"help": "Show a progress bar."})
 
@@ -110,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     Raises:
         ValueError: for a missing or ambiguous short side, an unknown split, a setting out of range, or an
             output folder holding other data (``ManifestMismatchError``).
-        PrepareError: naming the split and sample when an image cannot be read or decoded.
+        PrepareError: with ``--bad_sample_policy raise``, naming the split, the sample and the reason of the first
+            bad sample.
     """
     parser = HfArgumentParser(
         (PrepareArguments, DataLocationArguments),
@@ -150,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         id_column=data.id_column,
         extra_columns=extra_columns,
         source_description=description,
+        bad_sample_policy=args.bad_sample_policy,
         progress=args.progress,
     )
     print(format_report(summary))

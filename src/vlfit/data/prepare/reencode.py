@@ -1,6 +1,7 @@
 """Re-encoding one image at training resolution: DCT-scaled decode, shrink to the short side, 4:2:0 JPEG.
 
-What ``vlfit prepare`` does to every image (``vlfit.data.prepare`` handles the dataset, shards and resumption).
+What ``vlfit prepare`` does to every image (the rest of ``vlfit.data.prepare`` handles the dataset, shards and
+resumption).
 """
 
 from __future__ import annotations

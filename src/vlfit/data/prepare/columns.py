@@ -1,0 +1,92 @@
+"""The output columns of a prepared split: the source's names and features, so the shards read back alike."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import datasets
+import pyarrow as pa
+
+from vlfit.data.source_base import ImageTextSource
+from vlfit.data.sources import ArrowSource
+
+# The columns training and evaluation read besides image, caption and id.
+DEFAULT_EXTRA_COLUMNS: tuple[str, ...] = ("caption_choices", "label")
+
+
+@dataclass(frozen=True)
+class OutputColumns:
+    """Column names and features of one split's output.
+
+    Args:
+        image: Image column (an ``Image`` feature holding ``{bytes, path}``).
+        caption: Caption column.
+        id: Id column: the source's id column, else ``instance_id`` holding the ids the source generated.
+        extras: Extra columns copied from the source.
+        features: Features of all of these, written into the parquet schema metadata.
+    """
+
+    image: str
+    caption: str
+    id: str
+    extras: tuple[str, ...]
+    features: datasets.Features
+
+
+def _infer_feature(value: Any) -> datasets.features.features.FeatureType:
+    if value is None:
+        return datasets.Value("string")
+    return datasets.Features.from_arrow_schema(pa.schema([pa.field("x", pa.array([value]).type)]))["x"]
+
+
+def output_columns(
+    split: str,
+    source: ImageTextSource,
+    *,
+    image_column: str,
+    caption_column: str,
+    id_column: str | None = None,
+    extra_columns: Sequence[str] = DEFAULT_EXTRA_COLUMNS,
+) -> OutputColumns:
+    """Decide the output columns of a split so that it reads back exactly as the source did.
+
+    The id column keeps the source's name (``id_column``, else ``instance_id`` or ``id`` when the source has
+    one); ids the source generated (row-based ids, tar keys) are written to ``instance_id``. Extra column
+    features come from the source's features when it has them, else from the first record's values.
+
+    Args:
+        split: Split name (for error messages).
+        source: The split's source, opened with the same column arguments.
+        image_column: Source image column; the output uses the same name.
+        caption_column: Source caption column; the output uses the same name.
+        id_column: Source id column, as given to ``open_splits``.
+        extra_columns: Extra columns to copy when the source has them.
+
+    Returns:
+        The output columns and features.
+    """
+    if isinstance(source, ArrowSource):
+        # The same rule ArrowSource applies when picking its id column.
+        id_name = id_column or next((c for c in ("instance_id", "id") if c in source.column_names), "instance_id")
+        known = source.dataset.features
+        extras = tuple(c for c in extra_columns if c in source.column_names)
+        extra_features = {c: known[c] for c in extras}
+    else:
+        id_name = id_column or "instance_id"
+        first = source[0].extra if len(source) else {}
+        extras = tuple(c for c in extra_columns if c in first)
+        extra_features = {c: _infer_feature(first[c]) for c in extras}
+    names = [image_column, caption_column, id_name, *extras]
+    if len(set(names)) != len(names):
+        raise ValueError(f"split {split!r}: output columns {names} are not distinct; check the column arguments")
+    features = datasets.Features(
+        {
+            image_column: datasets.Image(),
+            caption_column: datasets.Value("string"),
+            id_name: datasets.Value("string"),
+            **extra_features,
+        }
+    )
+    return OutputColumns(image_column, caption_column, id_name, extras, features)

@@ -1,0 +1,59 @@
+"""Deterministic synthetic caption matching data shaped like the New Yorker Caption Contest ``matching`` config.
+
+Columns: ``image``, ``image_description``, ``caption_choices`` (5), ``label`` ("A".."E") and ``instance_id``.
+
+Each image holds one or two groups of coloured shapes in distinct regions, and its caption describes them
+compositionally ("two red circles on the left and one blue square at the top."). The four distractors are hard
+negatives that differ from the true scene in one or two attributes, so no single attribute decides the answer.
+
+Modules, in the order a record is made: ``scenes`` (settings, scene sampling, captions and choices), ``render``
+(the scene drawn as a photo-like JPEG), ``dataset`` (rows, splits, writing to disk). Every record depends only on
+the seed and its index.
+"""
+
+from __future__ import annotations
+
+from vlfit.data.synthetic.dataset import FEATURES, make_dataset, make_record, save_dataset
+from vlfit.data.synthetic.render import render_scene
+from vlfit.data.synthetic.scenes import (
+    COLOUR_NAMES,
+    COLOURS,
+    COUNT_WORDS,
+    KINDS,
+    LETTERS,
+    NUM_CHOICES,
+    PLURALS,
+    REGION_PHRASES,
+    REGIONS,
+    SPLITS,
+    Group,
+    Scene,
+    SyntheticConfig,
+    caption,
+    scene_and_choices,
+    split_sizes,
+)
+
+__all__ = [
+    "COLOURS",
+    "COLOUR_NAMES",
+    "COUNT_WORDS",
+    "FEATURES",
+    "KINDS",
+    "LETTERS",
+    "NUM_CHOICES",
+    "PLURALS",
+    "REGIONS",
+    "REGION_PHRASES",
+    "SPLITS",
+    "Group",
+    "Scene",
+    "SyntheticConfig",
+    "caption",
+    "make_dataset",
+    "make_record",
+    "render_scene",
+    "save_dataset",
+    "scene_and_choices",
+    "split_sizes",
+]

@@ -1,0 +1,120 @@
+"""Synthetic rows and datasets: one record from ``(seed, index)``, the splits in memory, and writing them to disk."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+try:
+    import datasets
+except ImportError:  # make_record needs only numpy and Pillow (vlfit bench on a machine without datasets)
+    datasets = None  # type: ignore[assignment]
+
+from vlfit.data.synthetic.render import render_scene
+from vlfit.data.synthetic.scenes import LETTERS, SPLITS, SyntheticConfig, caption, scene_and_choices, split_sizes
+
+FEATURES = datasets and datasets.Features(  # None without the datasets package
+    {
+        "image": datasets.Image(),
+        "image_description": datasets.Value("string"),
+        "caption_choices": datasets.List(datasets.Value("string")),
+        "label": datasets.Value("string"),
+        "instance_id": datasets.Value("string"),
+    }
+)
+
+
+def make_record(index: int, config: SyntheticConfig) -> dict[str, Any]:
+    """Build one row; it depends only on ``config.seed``, ``index`` and the image settings.
+
+    Args:
+        index: Row index over the whole dataset (train rows first, then validation, then test).
+        config: Dataset settings.
+
+    Returns:
+        A dict with ``image`` (``{"bytes": jpeg, "path": None}``), ``image_description`` (the true caption),
+        ``caption_choices`` (5 distinct captions), ``label`` (letter of the true one) and ``instance_id``.
+    """
+    rng = np.random.default_rng([config.seed, index])
+    scene, choices, answer = scene_and_choices(rng)
+    jpeg = render_scene(scene, rng, config)
+    return {
+        "image": {"bytes": jpeg, "path": None},
+        "image_description": caption(scene),
+        "caption_choices": choices,
+        "label": LETTERS[answer],
+        "instance_id": f"synthetic-{config.seed}-{index:07d}",
+    }
+
+
+def _make_batch(batch: dict[str, list], config: SyntheticConfig) -> dict[str, list]:
+    rows = [make_record(int(i), config) for i in batch["index"]]
+    return {name: [row[name] for row in rows] for name in FEATURES}
+
+
+def make_dataset(config: SyntheticConfig, num_proc: int = 1) -> datasets.DatasetDict:
+    """Generate the train / validation / test splits in memory.
+
+    Rows are contiguous index ranges (train first); each row is seeded from ``(seed, index)``, so the output is
+    byte-identical for any ``num_proc``.
+
+    Args:
+        config: Dataset settings.
+        num_proc: Worker processes used for generation.
+
+    Returns:
+        A ``DatasetDict`` with the splits in ``SPLITS``, features ``FEATURES``.
+    """
+    if num_proc < 1:
+        raise ValueError(f"--num_proc must be at least 1, got {num_proc}")
+    splits = {}
+    start = 0
+    for name, size in split_sizes(config).items():
+        indices = datasets.Dataset.from_dict({"index": list(range(start, start + size))})
+        start += size
+        if size == 0:
+            splits[name] = datasets.Dataset.from_dict({k: [] for k in FEATURES}, features=FEATURES)
+            continue
+        splits[name] = indices.map(
+            _make_batch,
+            batched=True,
+            batch_size=16,
+            fn_kwargs={"config": config},
+            remove_columns=["index"],
+            features=FEATURES,
+            num_proc=min(num_proc, size),
+            keep_in_memory=True,
+            desc=f"Generating {name}",
+        )
+    return datasets.DatasetDict({name: splits[name] for name in SPLITS})
+
+
+def save_dataset(dataset_dict: datasets.DatasetDict, output_dir: str, format: str = "arrow") -> list[str]:
+    """Write a dataset to disk.
+
+    Args:
+        dataset_dict: The splits to write.
+        output_dir: Target folder (created if missing).
+        format: ``"arrow"`` for a ``save_to_disk`` folder (read back with ``datasets.load_from_disk``), or
+            ``"parquet"`` for one ``{split}.parquet`` file per split.
+
+    Returns:
+        The written paths: the folder for ``"arrow"``, one file per split for ``"parquet"``.
+
+    Raises:
+        ValueError: for an unknown format.
+    """
+    if format not in ("arrow", "parquet"):
+        raise ValueError(f"unknown format {format!r}; choose one of 'arrow', 'parquet'")
+    os.makedirs(output_dir, exist_ok=True)
+    if format == "arrow":
+        dataset_dict.save_to_disk(output_dir)
+        return [output_dir]
+    paths = []
+    for name, split in dataset_dict.items():
+        path = os.path.join(output_dir, f"{name}.parquet")
+        split.to_parquet(path)
+        paths.append(path)
+    return paths

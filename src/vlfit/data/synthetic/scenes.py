@@ -1,0 +1,202 @@
+"""What a synthetic sample shows and says: settings, scene sampling, the caption and its hard-negative choices.
+
+A scene is one or two groups of identical shapes, each group in its own region of the image. Its caption lists
+the groups in ``REGIONS`` order ("two red circles on the left and one blue square at the top."); the four other
+choices are one-attribute edits of the same hidden base scene (see ``scene_and_choices``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+SPLITS: tuple[str, ...] = ("train", "validation", "test")
+LETTERS = "ABCDE"
+NUM_CHOICES = 5
+
+KINDS: tuple[str, ...] = ("circle", "square", "triangle", "cross")
+PLURALS = {"circle": "circles", "square": "squares", "triangle": "triangles", "cross": "crosses"}
+# Well-separated saturated hues; backgrounds stay desaturated so these stand out after downscaling.
+COLOURS: dict[str, tuple[int, int, int]] = {
+    "red": (215, 30, 35),
+    "green": (35, 165, 60),
+    "blue": (35, 75, 215),
+    "yellow": (240, 210, 30),
+    "purple": (140, 45, 175),
+    "orange": (245, 125, 20),
+}
+COLOUR_NAMES: tuple[str, ...] = tuple(COLOURS)
+COUNT_WORDS = {1: "one", 2: "two", 3: "three"}
+REGIONS: tuple[str, ...] = ("left", "top", "center", "bottom", "right")
+REGION_PHRASES = {
+    "left": "on the left",
+    "right": "on the right",
+    "top": "at the top",
+    "bottom": "at the bottom",
+    "center": "in the center",
+}
+
+
+@dataclass
+class SyntheticConfig:
+    """Settings of a synthetic dataset; every record depends only on ``seed`` and its index.
+
+    Args:
+        num_samples: Total number of rows over all splits (at least 3).
+        validation_fraction: Share of rows in the validation split, in [0, 1).
+        test_fraction: Share of rows in the test split, in [0, 1); the two fractions sum to less than 1.
+        seed: Non-negative base seed.
+        min_long_side: Smallest long side of an image in pixels (at least 32).
+        max_long_side: Largest long side of an image in pixels.
+        jpeg_quality: JPEG quality, 1..100.
+    """
+
+    num_samples: int = 3000
+    validation_fraction: float = 0.1
+    test_fraction: float = 0.1
+    seed: int = 0
+    min_long_side: int = 600
+    max_long_side: int = 1400
+    jpeg_quality: int = 90
+
+    def __post_init__(self) -> None:
+        if self.num_samples < 3:
+            raise ValueError(f"--num_samples must be at least 3 (one row per split), got {self.num_samples}")
+        for name in ("validation_fraction", "test_fraction"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"--{name} must be in [0, 1), got {value}")
+        if self.validation_fraction + self.test_fraction >= 1.0:
+            raise ValueError(
+                "--validation_fraction + --test_fraction must be below 1 to leave training rows, got "
+                f"{self.validation_fraction} + {self.test_fraction}"
+            )
+        if self.seed < 0:
+            raise ValueError(f"--seed must be non-negative, got {self.seed}")
+        if self.min_long_side < 32:
+            raise ValueError(f"--min_long_side must be at least 32 pixels, got {self.min_long_side}")
+        if self.min_long_side > self.max_long_side:
+            raise ValueError(
+                f"--min_long_side ({self.min_long_side}) must not exceed --max_long_side ({self.max_long_side})"
+            )
+        if not 1 <= self.jpeg_quality <= 100:
+            raise ValueError(f"--jpeg_quality must be in 1..100, got {self.jpeg_quality}")
+        split_sizes(self)  # fails early when the fractions leave a split without rows
+
+
+class Group(NamedTuple):
+    """One group of identical objects: ``count`` shapes of one kind and colour inside one region."""
+
+    kind: str
+    colour: str
+    count: int
+    region: str
+
+
+Scene = tuple[Group, ...]
+
+
+def split_sizes(config: SyntheticConfig) -> dict[str, int]:
+    """Return the number of rows per split; a split with a positive fraction gets at least one row.
+
+    Raises:
+        ValueError: when no training rows would be left.
+    """
+    n = config.num_samples
+    sizes = {
+        "validation": max(1, round(n * config.validation_fraction)) if config.validation_fraction > 0 else 0,
+        "test": max(1, round(n * config.test_fraction)) if config.test_fraction > 0 else 0,
+    }
+    train = n - sizes["validation"] - sizes["test"]
+    if train < 1:
+        raise ValueError(
+            f"--num_samples {n} is too small for --validation_fraction {config.validation_fraction} and "
+            f"--test_fraction {config.test_fraction}: no training rows left"
+        )
+    return {"train": train, **sizes}
+
+
+def caption(scene: Scene) -> str:
+    """Return the templated caption of a scene.
+
+    Args:
+        scene: One or two groups in distinct regions.
+
+    Returns:
+        E.g. ``"two red circles on the left and one blue square at the top."``; groups are listed in ``REGIONS``
+        order, so a scene has exactly one caption.
+    """
+    parts = []
+    for group in sorted(scene, key=lambda g: REGIONS.index(g.region)):
+        noun = group.kind if group.count == 1 else PLURALS[group.kind]
+        parts.append(f"{COUNT_WORDS[group.count]} {group.colour} {noun} {REGION_PHRASES[group.region]}")
+    return " and ".join(parts) + "."
+
+
+def _sample_scene(rng: np.random.Generator) -> Scene:
+    num_groups = 1 if rng.random() < 0.4 else 2
+    regions = rng.choice(len(REGIONS), size=num_groups, replace=False)
+    return tuple(
+        Group(
+            kind=KINDS[rng.integers(len(KINDS))],
+            colour=COLOUR_NAMES[rng.integers(len(COLOUR_NAMES))],
+            count=int(rng.integers(1, 4)),
+            region=REGIONS[r],
+        )
+        for r in regions
+    )
+
+
+def _edit(scene: Scene, rng: np.random.Generator) -> Scene:
+    """Change one attribute (kind, colour, count or region) of one group; the result may equal the input."""
+    groups = list(scene)
+    i = int(rng.integers(len(groups)))
+    attribute = ("kind", "colour", "count", "region")[rng.integers(4)]
+    if attribute == "kind":
+        groups[i] = groups[i]._replace(kind=KINDS[rng.integers(len(KINDS))])
+    elif attribute == "colour":
+        groups[i] = groups[i]._replace(colour=COLOUR_NAMES[rng.integers(len(COLOUR_NAMES))])
+    elif attribute == "count":
+        groups[i] = groups[i]._replace(count=int(rng.integers(1, 4)))
+    else:
+        taken = {other.region for j, other in enumerate(groups) if j != i}
+        free = [r for r in REGIONS if r not in taken]
+        groups[i] = groups[i]._replace(region=free[rng.integers(len(free))])
+    return tuple(groups)
+
+
+def _distinguishable(scene: Scene) -> bool:
+    """Two groups must differ in kind or colour, or the eye cannot tell where one group ends (same rule for all
+    choices, so it gives no hint about the answer)."""
+    return len(scene) == 1 or (scene[0].kind, scene[0].colour) != (scene[1].kind, scene[1].colour)
+
+
+def scene_and_choices(rng: np.random.Generator) -> tuple[Scene, list[str], int]:
+    """Return the scene to draw, 5 distinct captions and the index of the scene's caption among them.
+
+    All five are one-attribute edits of a hidden base scene, and the drawn one is picked at random among them: any
+    two choices differ in one or two attributes, and the true caption is exchangeable with the distractors, so
+    the text alone (e.g. "the choice most like the others") gives chance accuracy; the image must be looked at.
+
+    Args:
+        rng: The record's generator; this advances it.
+
+    Returns:
+        ``(scene, choices, answer)``: the scene to draw, ``NUM_CHOICES`` distinct captions and the index of the
+        scene's own caption among them.
+    """
+    base = _sample_scene(rng)
+    while not _distinguishable(base):
+        base = _sample_scene(rng)
+    scenes: list[Scene] = []
+    texts = {caption(base)}
+    while len(scenes) < NUM_CHOICES:  # terminates: every scene has at least 10 valid one-edit neighbours
+        candidate = _edit(base, rng)
+        text = caption(candidate)
+        if text not in texts and _distinguishable(candidate):
+            texts.add(text)
+            scenes.append(candidate)
+    answer = int(rng.integers(NUM_CHOICES))
+    return scenes[answer], [caption(scene) for scene in scenes], answer
