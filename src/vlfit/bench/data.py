@@ -23,8 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from vlfit.data.pipeline import EVAL_COLUMNS
-from vlfit.data.records import Record
+from vlfit.data.records import EVAL_COLUMNS, Record
 
 
 @dataclass(frozen=True)

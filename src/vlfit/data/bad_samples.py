@@ -24,6 +24,8 @@ BAD_SAMPLE_POLICIES: tuple[str, ...] = ("skip", "raise")
 # The fraction is judged only after at least this many samples were read (and at least 1/max_bad_fraction, so
 # that one bad sample alone can never exceed the limit): small samples give noisy rates.
 MIN_SAMPLES_FOR_BAD_FRACTION = 100
+# The report every command that skips bad samples writes into its output folder: one JSON line per bad sample.
+BAD_SAMPLES_REPORT = "bad_samples.jsonl"
 # How many substitutes ``skip`` tries for one index before concluding the data is mostly unreadable.
 MAX_SUBSTITUTE_ATTEMPTS = 16
 

@@ -26,15 +26,13 @@ from vlfit.data.batch import Batch
 from vlfit.data.dataset import ImageTextCollator, ImageTextDataset, ImageTransform
 from vlfit.data.device_stage import CudaPrefetcher, DeviceStage
 from vlfit.data.image_transforms import FastImageTransform, PassThroughEncoded, ReferenceImageTransform
+from vlfit.data.records import EVAL_COLUMNS
 
 if TYPE_CHECKING:
     from vlfit.data.source_base import ImageTextSource
     from vlfit.models.family import InputSpec
 
 logger = logging.getLogger(__name__)
-
-# Columns evaluation reads besides image and caption (New Yorker ``matching``): carried through batches.
-EVAL_COLUMNS: tuple[str, ...] = ("caption_choices", "label")
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+# Columns evaluation reads besides image and caption (New Yorker ``matching``): carried through as ``extra``.
+EVAL_COLUMNS: tuple[str, ...] = ("caption_choices", "label")
+
 
 @dataclass(frozen=True)
 class Record:

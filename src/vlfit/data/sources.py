@@ -26,6 +26,11 @@ KNOWN_SPLIT_NAMES: tuple[str, ...] = ("train", "validation", "valid", "val", "de
 _HUB_SHARD_NAME = re.compile(r"^(?P<split>[\w.]+?)-\d+-of-\d+")
 
 
+def default_id_column(columns: Sequence[str]) -> str | None:
+    """The id column a source uses when ``--id_column`` is not given: ``instance_id`` or ``id`` when present."""
+    return next((c for c in ("instance_id", "id") if c in columns), None)
+
+
 @dataclass(frozen=True)
 class _Columns:
     image: str
@@ -74,7 +79,7 @@ class ArrowSource(ImageTextSource):
                     f"Pass {role}_column=<one of these>."
                 )
         if id_column is None:
-            id_column = next((c for c in ("instance_id", "id") if c in available), None)
+            id_column = default_id_column(available)
         caption_feature = dataset.features[caption_column]
         if not isinstance(caption_feature, datasets.Value):
             raise ValueError(

@@ -11,18 +11,18 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from vlfit.atomic_files import replace_on_success
-from vlfit.data.bad_samples import MIN_SAMPLES_FOR_BAD_FRACTION
+from vlfit.data.bad_samples import BAD_SAMPLES_REPORT, MIN_SAMPLES_FOR_BAD_FRACTION
 from vlfit.data.batch import WORKER, BadSample
 
 logger = logging.getLogger("vlfit")
 
-# Name of the ledger file: in ``--output_dir`` (one line per bad sample) and in each checkpoint (to resume counts).
-BAD_SAMPLES_REPORT = "bad_samples.jsonl"
+# The ledger's state in each checkpoint (so a resumed run keeps counting); the report goes to BAD_SAMPLES_REPORT.
 BAD_SAMPLES_CHECKPOINT_FILE = "bad_samples.json"
 # The first this many bad samples are logged one by one; after that, one summary line per this many more.
 LOG_FIRST = 10
@@ -142,13 +142,13 @@ class BadSampleLedger:
 
     def save(self, folder: str, process_index: int = 0) -> None:
         """Write the snapshot into ``folder`` (a checkpoint), one file per process."""
-        path = f"{folder}/{process_file_name(BAD_SAMPLES_CHECKPOINT_FILE, process_index)}"
+        path = os.path.join(folder, process_file_name(BAD_SAMPLES_CHECKPOINT_FILE, process_index))
         with open(path, "w", encoding="utf-8") as f:
             json.dump(self.state_dict(), f)
 
     def load(self, folder: str, process_index: int = 0) -> bool:
         """Restore the snapshot a checkpoint holds; False (and nothing changed) when it holds none."""
-        path = f"{folder}/{process_file_name(BAD_SAMPLES_CHECKPOINT_FILE, process_index)}"
+        path = os.path.join(folder, process_file_name(BAD_SAMPLES_CHECKPOINT_FILE, process_index))
         try:
             with open(path, encoding="utf-8") as f:
                 self.load_state_dict(json.load(f))

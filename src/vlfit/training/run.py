@@ -14,11 +14,12 @@ from transformers import set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from vlfit.arguments import DataArguments, ModelArguments, VlfitTrainingArguments
-from vlfit.data.pipeline import EVAL_COLUMNS, InputPipeline, PipelineOptions
+from vlfit.data.bad_samples import BAD_SAMPLES_REPORT
+from vlfit.data.pipeline import InputPipeline, PipelineOptions
+from vlfit.data.records import EVAL_COLUMNS
 from vlfit.data.source_base import ImageTextSource
 from vlfit.data.sources import open_splits
 from vlfit.models.loading import ModelBlueprint, build_model, resolve_model
-from vlfit.training.bad_sample_ledger import BAD_SAMPLES_REPORT
 from vlfit.training.distributed import describe_launch
 from vlfit.training.preemption import PreemptionCallback, TrainingPreempted
 from vlfit.training.trainer import VlfitTrainer

@@ -30,16 +30,12 @@ from accelerate.utils import gather_object
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints, seed_worker
 
+from vlfit.data.bad_samples import BAD_SAMPLES_REPORT
 from vlfit.data.batch import Batch
 from vlfit.data.pipeline import DeviceFeed, InputPipeline, LoaderSettings
 from vlfit.evaluation.retrieval import EmbeddedSplit, evaluate_retrieval
 from vlfit.models.family import ModelFamily
-from vlfit.training.bad_sample_ledger import (
-    BAD_SAMPLES_REPORT,
-    BadSampleLedger,
-    TooManyBadSamplesError,
-    process_file_name,
-)
+from vlfit.training.bad_sample_ledger import BadSampleLedger, TooManyBadSamplesError, process_file_name
 from vlfit.training.throughput import ThroughputMeter
 
 # Checkpoints are staged in ``<output_dir>/.partial-checkpoint-N/checkpoint-N``: the name matches neither

@@ -9,11 +9,12 @@ from typing import Any
 import datasets
 import pyarrow as pa
 
+from vlfit.data.records import EVAL_COLUMNS
 from vlfit.data.source_base import ImageTextSource
-from vlfit.data.sources import ArrowSource
+from vlfit.data.sources import ArrowSource, default_id_column
 
-# The columns training and evaluation read besides image, caption and id.
-DEFAULT_EXTRA_COLUMNS: tuple[str, ...] = ("caption_choices", "label")
+# The columns copied along by default: those evaluation reads besides image, caption and id.
+DEFAULT_EXTRA_COLUMNS: tuple[str, ...] = EVAL_COLUMNS
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,7 @@ def output_columns(
         The output columns and features.
     """
     if isinstance(source, ArrowSource):
-        # The same rule ArrowSource applies when picking its id column.
-        id_name = id_column or next((c for c in ("instance_id", "id") if c in source.column_names), "instance_id")
+        id_name = id_column or default_id_column(source.column_names) or "instance_id"
         known = source.dataset.features
         extras = tuple(c for c in extra_columns if c in source.column_names)
         extra_features = {c: known[c] for c in extras}

@@ -6,7 +6,7 @@ from typing import Any
 
 from transformers import AutoConfig
 
-from vlfit.models.presets import get_preset
+from vlfit.models.registry import family_for_preset
 
 
 def resolve_short_side(
@@ -22,7 +22,7 @@ def resolve_short_side(
 
     Args:
         short_side: The short side in pixels.
-        model_preset: A preset name from ``vlfit.models.presets``; its ``image_size`` is used.
+        model_preset: A preset name (``vlfit.models.registry``); its image size is used.
         model_name_or_path: A checkpoint (local folder or hub id); its ``vision_config.image_size`` is used.
         cache_dir: Where downloaded configs are cached.
         revision: Checkpoint branch, tag or commit.
@@ -51,7 +51,8 @@ def resolve_short_side(
             f"(its vision_config.image_size) to set the output short side; {found}"
         )
     if model_preset is not None:
-        size: Any = get_preset(model_preset).image_size
+        family = family_for_preset(model_preset)
+        size: Any = family.image_size(family.preset_config(model_preset))
     elif model_name_or_path is not None:
         size = _checkpoint_image_size(model_name_or_path, cache_dir=cache_dir, revision=revision, token=token)
     else:
