@@ -144,7 +144,7 @@ class EncodedImage:
         self.sample_id = sample_id
 
     def tensor(self) -> torch.Tensor:
-        """The bytes as a 1-D uint8 CPU tensor (what ``torchvision.io.decode_jpeg`` takes)."""
+        """The bytes as a 1-D uint8 CPU tensor (what the JPEG decoders of ``vlfit.data.device_decode`` take)."""
         return torch.frombuffer(bytearray(self.data), dtype=torch.uint8)
 
 
