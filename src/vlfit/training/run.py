@@ -19,12 +19,24 @@ from vlfit.data.pipeline import InputPipeline, PipelineOptions
 from vlfit.data.records import EVAL_COLUMNS
 from vlfit.data.source_base import ImageTextSource
 from vlfit.data.sources import open_splits
+from vlfit.efficiency.flops import ComputeEfficiency
+from vlfit.efficiency.peaks import matmul_precision, peak_flops
 from vlfit.models.loading import ModelBlueprint, build_model, resolve_model
 from vlfit.training.distributed import describe_launch
 from vlfit.training.preemption import PreemptionCallback, TrainingPreempted
 from vlfit.training.trainer import VlfitTrainer
 
 logger = logging.getLogger("vlfit")
+
+
+def compute_efficiency(
+    flops_per_sample: float, samples_per_second: float, training_args: VlfitTrainingArguments
+) -> ComputeEfficiency:
+    """TFLOP/s and MFU of a run against its device's peak in the precision its matmuls ran in."""
+    autocast = "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else "fp32"
+    device = training_args.device
+    peak = peak_flops(device, matmul_precision(device, autocast))
+    return ComputeEfficiency(flops_per_sample, samples_per_second, peak, processes=training_args.world_size)
 
 
 def setup_logging(training_args: VlfitTrainingArguments) -> None:
@@ -170,7 +182,12 @@ def run(
         if trainer.is_world_process_zero():
             setup.blueprint.image_processor.save_pretrained(training_args.output_dir)
         metrics = dict(train_result.metrics)
-        metrics["train_data_wait_share"] = trainer.throughput.total()["data_wait_share"]
+        throughput = trainer.throughput.total()
+        metrics["train_data_wait_share"] = throughput["data_wait_share"]
+        if trainer.flops_per_sample is not None:
+            efficiency = compute_efficiency(trainer.flops_per_sample, throughput["samples_per_second"], training_args)
+            metrics.update(efficiency.metrics("train_"))
+            logger.info("compute: %s", efficiency.describe())
         bad, read = trainer.bad_sample_totals()  # every process's, summed
         metrics["train_bad_samples"] = bad
         metrics["train_bad_sample_fraction"] = bad / read if read else 0.0

@@ -8,7 +8,8 @@ checkpoints; vlfit hooks in at these points:
 - ``get_batch_samples`` is the one place the training loop takes batches: through the pipeline's device feed,
   so batches arrive on the device, normalized (on CUDA the next one's device stage runs on a side stream), and
   the time blocked there is data wait.
-- ``compute_loss`` is the model family's contrastive loss, with local or global negatives.
+- ``compute_loss`` is the model family's contrastive loss, with local or global negatives; the run's first
+  ``training_step`` also counts its FLOPs (``flops_per_sample``, for TFLOP/s and MFU).
 - ``evaluate`` computes recall@k and matching accuracy instead of a validation loss.
 
 It also keeps the run's ledger of bad samples (reported in each ``Batch``: counted in the logs, saved in
@@ -33,6 +34,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from vlfit.data.bad_samples import BAD_SAMPLES_REPORT
 from vlfit.data.batch import Batch
 from vlfit.data.pipeline import DeviceFeed, InputPipeline, LoaderSettings
+from vlfit.efficiency.flops import count_flops
 from vlfit.evaluation.retrieval import EmbeddedSplit, evaluate_retrieval
 from vlfit.models.family import ModelFamily
 from vlfit.training.bad_sample_ledger import BadSampleLedger, TooManyBadSamplesError, process_file_name
@@ -72,6 +74,7 @@ class VlfitTrainer(Trainer):
         self.eval_pool_size = eval_pool_size
         self.throughput = ThroughputMeter(self.args.world_size)
         self.bad_samples = BadSampleLedger(max_bad_fraction, log=True)
+        self.flops_per_sample: float | None = None
         self._feed_source: Any = None
         self._feed: DeviceFeed | None = None
         self._staging_run_dir: str | None = None
@@ -145,6 +148,14 @@ class VlfitTrainer(Trainer):
 
     def _prepare_inputs(self, inputs: Batch) -> Batch:  # type: ignore[override]
         return self.pipeline.to_device(inputs, self._model_dtype, train=self.model.training)
+
+    def training_step(self, model: torch.nn.Module, inputs: Batch, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.flops_per_sample is not None or not len(inputs):
+            return super().training_step(model, inputs, *args, **kwargs)
+        # The run's first step is counted (forward and backward, at this batch's real shapes): FLOPs per sample.
+        loss, flops = count_flops(lambda: super(VlfitTrainer, self).training_step(model, inputs, *args, **kwargs))
+        self.flops_per_sample = flops / len(inputs)
+        return loss
 
     def compute_loss(
         self,
