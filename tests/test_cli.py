@@ -1,6 +1,7 @@
 """End to end through the real CLI: make-data -> train (tiny preset) -> eval, on a synthetic dataset."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -69,26 +70,51 @@ def test_unknown_command_lists_the_commands(capsys):
     assert "'fly'" in err and "make-data" in err and "train" in err
 
 
-def test_missing_column_lists_existing_columns(tmp_path, synthetic_dataset_dir):
-    with pytest.raises(ValueError, match=r"caption_text.*image_description"):
-        main(["train", "--model_preset", "tiny", "--dataset_name", synthetic_dataset_dir, "--caption_column",
-              "caption_text", "--output_dir", str(tmp_path / "o"), "--report_to", "none"])  # fmt: skip
+def _error_lines(capsys) -> list[str]:
+    return capsys.readouterr().err.strip().splitlines()
 
 
-def test_unknown_preset_and_pipeline_are_named(tmp_path, synthetic_dataset_dir):
-    base = [
-        "train",
-        "--dataset_name",
-        synthetic_dataset_dir,
-        "--output_dir",
-        str(tmp_path / "o"),
-        "--report_to",
-        "none",
-    ]
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (
+            ["--caption_column", "caption_text"],
+            r"caption column 'caption_text' not found; available columns: .*image_description",
+        ),
+        (["--dataset_name", "/no/such/folder"], r"/no/such/folder"),
+        (["--model_preset", "medium"], r"unknown --model_preset 'medium'; choose one of: tiny, small, base, large"),
+        (["--per_device_train_batch_size", "0"], r"--per_device_train_batch_size must be at least 1, got 0"),
+    ],
+    ids=["missing-column", "missing-path", "unknown-preset", "batch-size-0"],
+)
+def test_user_mistakes_end_in_one_error_line_and_exit_code_2(tmp_path, synthetic_dataset_dir, capsys, flags, named):
+    base = ["--dataset_name", synthetic_dataset_dir, "--model_preset", "tiny", "--output_dir", str(tmp_path / "o"),
+            "--report_to", "none", "--max_steps", "1"]  # fmt: skip
+    capsys.readouterr()
+    assert main(["train", *base, *flags]) == 2  # of a flag given twice, the later wins
+    lines = _error_lines(capsys)
+    assert len(lines) == 1, lines
+    assert re.fullmatch(rf"vlfit train: error: .*{named}.*", lines[0]), lines[0]
+
+
+def test_debug_anywhere_keeps_the_traceback(tmp_path):
+    argv = ["--model_preset", "medium", "--output_dir", str(tmp_path)]
     with pytest.raises(ValueError, match="unknown --model_preset 'medium'"):
-        main([*base, "--model_preset", "medium"])
-    with pytest.raises(SystemExit):
-        main([*base, "--model_preset", "tiny", "--image_pipeline", "turbo"])
+        main(["--debug", "train", *argv])
+    with pytest.raises(ValueError, match="unknown --model_preset 'medium'"):
+        main(["train", *argv[:2], "--debug", *argv[2:]])
+    done = subprocess.run([sys.executable, "-m", "vlfit", "train", *argv, "--debug"], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 1
+    assert "Traceback (most recent call last)" in done.stderr
+    assert "ValueError: unknown --model_preset 'medium'" in done.stderr
+
+
+def test_unknown_pipeline_is_an_argparse_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "--model_preset", "tiny", "--output_dir", str(tmp_path), "--image_pipeline", "turbo"])
+    assert stop.value.code == 2
+    assert "invalid choice: 'turbo'" in capsys.readouterr().err
 
 
 def test_python_dash_m_runs_the_cli():
@@ -135,3 +161,12 @@ def test_command_line_auto_workers_and_eval_flags_file(tmp_path):
     path.write_text(yaml.safe_dump({"model_preset": "tiny", "output_dir": str(tmp_path), "eval_split": "test"}))
     _, data_args, _ = parse_arguments([str(path)], prog="vlfit eval")
     assert data_args.eval_split == "test"
+
+
+def test_broken_flags_file_is_a_one_line_error(tmp_path, capsys):
+    path = tmp_path / "flags.yaml"
+    path.write_text("model_preset: [tiny\n")
+    capsys.readouterr()
+    assert main(["train", str(path)]) == 2
+    lines = _error_lines(capsys)
+    assert len(lines) == 1 and lines[0].startswith(f"vlfit train: error: {path}: not valid YAML:")

@@ -14,10 +14,17 @@ from transformers import TrainingArguments
 from vlfit.data.bad_samples import BAD_SAMPLE_POLICIES, MIN_SAMPLES_FOR_BAD_FRACTION
 from vlfit.data.image_transforms import IMAGE_PIPELINES
 from vlfit.launch import prepare_launch
-from vlfit.models.presets import PRESETS
+from vlfit.models.presets import PRESETS, get_preset
 
 # Where a contrastive loss takes its negatives from (``--contrastive_negatives``).
 CONTRASTIVE_NEGATIVES = ("local", "global")
+# Training counts and their smallest valid value: torch would otherwise fail later, deep in the DataLoader.
+LOWEST_COUNTS = {
+    "per_device_train_batch_size": 1,
+    "per_device_eval_batch_size": 1,
+    "gradient_accumulation_steps": 1,
+    "dataloader_num_workers": 0,
+}
 
 
 @dataclass
@@ -46,6 +53,10 @@ class ModelArguments:
     freeze_text_pooler: bool = field(
         default=True, metadata={"help": "Do not train the text pooler (the contrastive loss never reaches it)."}
     )
+
+    def __post_init__(self) -> None:
+        if self.model_preset is not None:
+            get_preset(self.model_preset)  # an unknown name fails here, before any data is opened
 
 
 @dataclass
@@ -160,5 +171,9 @@ class VlfitTrainingArguments(TrainingArguments):
                 f"unknown --contrastive_negatives {self.contrastive_negatives!r}; choose one of: "
                 f"{', '.join(CONTRASTIVE_NEGATIVES)}"
             )
+        for name, low in LOWEST_COUNTS.items():
+            value = getattr(self, name)
+            if isinstance(value, int) and value < low:  # values from a flags file are not converted to int
+                raise ValueError(f"--{name} must be at least {low}, got {value}")
         prepare_launch(self)  # before TrainingArguments.__post_init__ sets up devices and the process group
         super().__post_init__()

@@ -23,8 +23,12 @@ def is_flags_file(argv: list[str] | None) -> bool:
 
 def load_flags_file(path: str) -> dict[str, Any]:
     """The flags a ``.json`` or ``.yaml``/``.yml`` file holds, as ``{flag name: value}``."""
+    is_json = path.endswith(".json")
     with open(os.path.abspath(path), encoding="utf-8") as f:
-        values = json.load(f) if path.endswith(".json") else yaml.safe_load(f)
+        try:
+            values = json.load(f) if is_json else yaml.safe_load(f)
+        except (json.JSONDecodeError, yaml.YAMLError) as err:
+            raise ValueError(f"{path}: not valid {'JSON' if is_json else 'YAML'}: {err}") from err
     if not isinstance(values, dict):
         raise ValueError(f"{path}: expected a mapping of flag names to values, got {type(values).__name__}")
     return values
