@@ -110,6 +110,16 @@ def test_debug_anywhere_keeps_the_traceback(tmp_path):
     assert "ValueError: unknown --model_preset 'medium'" in done.stderr
 
 
+def test_enable_jit_checkpoint_is_refused(tmp_path, capsys):
+    # transformers' own SIGTERM checkpointing would be replaced by vlfit's without a word: say so instead.
+    capsys.readouterr()
+    assert main(["train", "--model_preset", "tiny", "--output_dir", str(tmp_path), "--enable_jit_checkpoint"]) == 2
+    assert _error_lines(capsys) == [
+        "vlfit train: error: --enable_jit_checkpoint is not needed: vlfit already saves a checkpoint when SIGTERM "
+        "or SIGINT arrives and resumes from it when the same command is run again; drop the flag"
+    ]
+
+
 def test_unknown_pipeline_is_an_argparse_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
         main(["train", "--model_preset", "tiny", "--output_dir", str(tmp_path), "--image_pipeline", "turbo"])

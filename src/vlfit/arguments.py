@@ -171,6 +171,12 @@ class VlfitTrainingArguments(TrainingArguments):
                 f"unknown --contrastive_negatives {self.contrastive_negatives!r}; choose one of: "
                 f"{', '.join(CONTRASTIVE_NEGATIVES)}"
             )
+        if self.enable_jit_checkpoint:
+            # transformers' SIGTERM handler would be replaced by vlfit's PreemptionCallback, which does the same job.
+            raise ValueError(
+                "--enable_jit_checkpoint is not needed: vlfit already saves a checkpoint when SIGTERM or SIGINT "
+                "arrives and resumes from it when the same command is run again; drop the flag"
+            )
         for name, low in LOWEST_COUNTS.items():
             value = getattr(self, name)
             if isinstance(value, int) and value < low:  # values from a flags file are not converted to int
