@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 from transformers import HfArgumentParser
@@ -14,6 +15,25 @@ from vlfit.arguments import DataArguments, ModelArguments, VlfitTrainingArgument
 from vlfit.bench.auto import probe_num_workers, take_auto_workers
 from vlfit.training.preemption import TrainingPreempted
 from vlfit.training.run import run
+
+
+class ParsedArguments(NamedTuple):
+    """What ``parse_arguments`` returns.
+
+    Attributes:
+        model: Which model to fine-tune.
+        data: The data and its input pipeline.
+        training: Every ``TrainingArguments`` flag and vlfit's own.
+        given: Names of the fields the command line or the flags file set, whatever their values (``--no_x`` and
+            ``--x False`` set ``x``): what the user asked for, as opposed to defaults.
+        auto_workers: ``--dataloader_num_workers auto`` was asked for (then parsed as 0).
+    """
+
+    model: ModelArguments
+    data: DataArguments
+    training: VlfitTrainingArguments
+    given: frozenset[str]
+    auto_workers: bool = False
 
 
 def is_flags_file(argv: list[str] | None) -> bool:
@@ -38,42 +58,49 @@ def _parser(prog: str) -> HfArgumentParser:
     return HfArgumentParser((ModelArguments, DataArguments, VlfitTrainingArguments), prog=prog)
 
 
+def given_fields(argv: list[str], prog: str = "vlfit train") -> frozenset[str]:
+    """Names of the fields ``argv`` sets, as argparse reads it (``--flag=value``, ``--no_flag``, abbreviations)."""
+    parser = _parser(prog)
+    for action in parser._actions:  # with a SUPPRESS default, argparse leaves a flag not given out of the namespace
+        action.default = argparse.SUPPRESS
+    namespace, _ = parser.parse_known_args(argv)
+    return frozenset(vars(namespace))
+
+
 def parse_arguments(
-    argv: list[str] | None, prog: str = "vlfit train"
-) -> tuple[ModelArguments, DataArguments, VlfitTrainingArguments]:
-    """Parse flags, or a single ``.json``/``.yaml``/``.yml`` file holding them all."""
-    if is_flags_file(argv):
-        return _parser(prog).parse_dict(load_flags_file(argv[0]))  # type: ignore[index, return-value]
-    return _parser(prog).parse_args_into_dataclasses(args=argv)  # type: ignore[return-value]
+    argv: list[str] | None, prog: str = "vlfit train", *, allow_auto_workers: bool = False
+) -> ParsedArguments:
+    """Parse flags, or a single ``.json``/``.yaml``/``.yml`` file holding them all.
 
-
-def parse_train_arguments(
-    argv: list[str] | None,
-) -> tuple[ModelArguments, DataArguments, VlfitTrainingArguments, bool]:
-    """``parse_arguments``, also accepting ``dataloader_num_workers`` ``auto`` (on the command line or in the file).
-
-    Returns:
-        The three argument sets (``auto`` parsed as 0) and whether ``auto`` was asked for.
+    Args:
+        argv: The command's arguments; ``None`` reads ``sys.argv[1:]``.
+        prog: The command's name in messages.
+        allow_auto_workers: Accept ``dataloader_num_workers`` ``auto`` (on the command line or in the file), parsed
+            as 0; ``auto_workers`` then says it was asked for.
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
     if is_flags_file(argv):
-        values = load_flags_file(argv[0])  # type: ignore[index]
-        auto = values.get("dataloader_num_workers") == "auto"
+        values = load_flags_file(argv[0])
+        auto = allow_auto_workers and values.get("dataloader_num_workers") == "auto"
         if auto:
             values = {**values, "dataloader_num_workers": 0}
-        return (*_parser("vlfit train").parse_dict(values), auto)  # type: ignore[return-value]
-    argv, auto = take_auto_workers(argv)
-    return (*parse_arguments(argv), auto)
+        return ParsedArguments(*_parser(prog).parse_dict(values), given=frozenset(values), auto_workers=auto)
+    auto = False
+    if allow_auto_workers:
+        argv, auto = take_auto_workers(argv)  # type: ignore[assignment]
+    parsed = _parser(prog).parse_args_into_dataclasses(args=argv)  # a bad flag stops here, with the usage
+    return ParsedArguments(*parsed, given=given_fields(argv, prog), auto_workers=auto)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``vlfit train``.
+    """Entry point of ``vlfit train``; ``argv`` ``None`` reads ``sys.argv[1:]``.
 
     Returns 0, or ``128 + signal`` (143 for SIGTERM, 130 for SIGINT) when a signal stopped training after saving
     a checkpoint, as a shell reports a process killed by that signal: schedulers then see the job as interrupted.
     """
-    # `--dataloader_num_workers auto`: parsed as 0, then a short probe picks the count.
-    model_args, data_args, training_args, auto_workers = parse_train_arguments(argv)
-    if auto_workers:
+    args = parse_arguments(argv, allow_auto_workers=True)
+    model_args, data_args, training_args = args.model, args.data, args.training
+    if args.auto_workers:  # parsed as 0; a short probe picks the count
         training_args.dataloader_num_workers = probe_num_workers(model_args, data_args, training_args)
     training_args.do_train = True  # `vlfit train` always trains; --do_eval adds an evaluation afterwards
     try:
