@@ -11,6 +11,7 @@ from typing import Any
 
 from transformers import TrainingArguments
 
+from vlfit.compat_flags import CompatDataFlags, CompatTrainingFlags
 from vlfit.data.bad_samples import BAD_SAMPLE_POLICIES, MIN_SAMPLES_FOR_BAD_FRACTION
 from vlfit.data.image_transforms import IMAGE_PIPELINES
 from vlfit.launch import prepare_launch
@@ -24,6 +25,7 @@ LOWEST_COUNTS = {
     "per_device_eval_batch_size": 1,
     "gradient_accumulation_steps": 1,
     "dataloader_num_workers": 0,
+    "throughput_warmup_steps": 0,
 }
 
 
@@ -60,6 +62,33 @@ class ModelArguments:
 
 
 @dataclass
+class ModelLoadingArguments:
+    """run_bridgetower.py's other model-loading flags, for ``from_pretrained``.
+
+    A group of their own because ``load_model_bundle`` takes ``ModelArguments``' fields as keyword arguments and
+    does not accept these yet.
+    """
+
+    config_name: str | None = field(
+        default=None, metadata={"help": "Pretrained config name or path, if not the same as --model_name_or_path."}
+    )
+    use_fast_tokenizer: bool = field(
+        default=True,
+        metadata={
+            "help": "Use a fast tokenizer (backed by the tokenizers library). transformers 5 always does, so "
+            "--no_use_fast_tokenizer changes nothing."
+        },
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={
+            "help": "Trust the execution of code from models defined on the Hub. Only set this for repositories "
+            "you trust and whose code you have read: it runs that code on your machine."
+        },
+    )
+
+
+@dataclass
 class DataLocationArguments:
     """Where the image-text pairs come from and which columns hold them (shared by train, eval and prepare)."""
 
@@ -91,7 +120,7 @@ class DataLocationArguments:
 
 
 @dataclass
-class DataArguments(DataLocationArguments):
+class DataArguments(CompatDataFlags, DataLocationArguments):
     """Data location plus how samples are turned into model inputs."""
 
     max_seq_length: int = field(default=128, metadata={"help": "Captions are truncated to this many tokens."})
@@ -149,11 +178,16 @@ class DataArguments(DataLocationArguments):
             )
         if not 0.0 <= self.max_bad_fraction <= 1.0:
             raise ValueError(f"--max_bad_fraction must be between 0 and 1, got {self.max_bad_fraction}")
+        if self.mediapipe_dataloader:
+            self.decode_on_device = True  # run_bridgetower.py's device-side decode (Gaudi MediaPipe) -> nvJPEG
 
 
 @dataclass
-class VlfitTrainingArguments(TrainingArguments):
-    """Every ``transformers.TrainingArguments`` flag, plus vlfit's training options."""
+class VlfitTrainingArguments(CompatTrainingFlags, TrainingArguments):
+    """Every ``transformers.TrainingArguments`` flag, plus vlfit's training options.
+
+    ``CompatTrainingFlags`` adds the Gaudi-only flags of run_bridgetower.py command lines, accepted and ignored.
+    """
 
     contrastive_negatives: str = field(
         default="local",
@@ -162,6 +196,13 @@ class VlfitTrainingArguments(TrainingArguments):
             "with --per_device_train_batch_size). global: against the images of every process's batch (all-gathered "
             "with gradient), so the negatives are the whole global batch; same as local with one process.",
             "choices": list(CONTRASTIVE_NEGATIVES),
+        },
+    )
+    throughput_warmup_steps: int = field(
+        default=0,
+        metadata={
+            "help": "Leave the first N training steps out of the reported samples/s and data-wait share "
+            "(compilation, autotuning and loader start-up make them slow), as optimum-habana does."
         },
     )
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from vlfit.commands.train import parse_arguments
+from vlfit.commands.train import note_compat_flags, parse_arguments
 from vlfit.training.run import run
 
 
@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     model_args, data_args, training_args = args.model, args.data, args.training
     if "output_dir" not in args.given and model_args.model_name_or_path:
         training_args.output_dir = model_args.model_name_or_path
+    note_compat_flags(args)
     training_args.do_train, training_args.do_eval = False, True
     results = run(model_args, data_args, training_args)
     if training_args.should_log:

@@ -1,4 +1,9 @@
-"""``vlfit train``: fine-tune with HfArgumentParser((ModelArguments, DataArguments, VlfitTrainingArguments))."""
+"""``vlfit train``: fine-tune, with every flag of ``vlfit.arguments``' dataclasses (HfArgumentParser).
+
+run_bridgetower.py command lines parse unchanged: its model-loading flags have a group of their own
+(``ModelLoadingArguments``) and its Gaudi-only flags are accepted, each noted in one log line
+(``vlfit.compat_flags``).
+"""
 
 from __future__ import annotations
 
@@ -11,10 +16,11 @@ from typing import Any, NamedTuple
 import yaml
 from transformers import HfArgumentParser
 
-from vlfit.arguments import DataArguments, ModelArguments, VlfitTrainingArguments
+from vlfit.arguments import DataArguments, ModelArguments, ModelLoadingArguments, VlfitTrainingArguments
 from vlfit.bench.auto import probe_num_workers, take_auto_workers
+from vlfit.compat_flags import log_compat_flags
 from vlfit.training.preemption import TrainingPreempted
-from vlfit.training.run import run
+from vlfit.training.run import run, setup_logging
 
 
 class ParsedArguments(NamedTuple):
@@ -22,6 +28,7 @@ class ParsedArguments(NamedTuple):
 
     Attributes:
         model: Which model to fine-tune.
+        model_loading: run_bridgetower.py's other ``from_pretrained`` flags.
         data: The data and its input pipeline.
         training: Every ``TrainingArguments`` flag and vlfit's own.
         given: Names of the fields the command line or the flags file set, whatever their values (``--no_x`` and
@@ -30,6 +37,7 @@ class ParsedArguments(NamedTuple):
     """
 
     model: ModelArguments
+    model_loading: ModelLoadingArguments
     data: DataArguments
     training: VlfitTrainingArguments
     given: frozenset[str]
@@ -55,7 +63,7 @@ def load_flags_file(path: str) -> dict[str, Any]:
 
 
 def _parser(prog: str) -> HfArgumentParser:
-    return HfArgumentParser((ModelArguments, DataArguments, VlfitTrainingArguments), prog=prog)
+    return HfArgumentParser((ModelArguments, ModelLoadingArguments, DataArguments, VlfitTrainingArguments), prog=prog)
 
 
 def given_fields(argv: list[str], prog: str = "vlfit train") -> frozenset[str]:
@@ -92,6 +100,18 @@ def parse_arguments(
     return ParsedArguments(*parsed, given=given_fields(argv, prog), auto_workers=auto)
 
 
+def note_compat_flags(args: ParsedArguments) -> list[str]:
+    """Log one line per run_bridgetower.py flag given, saying what vlfit does with it (on the logging process).
+
+    Returns:
+        The lines logged.
+    """
+    setup_logging(args.training)
+    if not args.training.should_log:
+        return []
+    return log_compat_flags(args.given, args.model, args.model_loading, args.data, args.training)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``vlfit train``; ``argv`` ``None`` reads ``sys.argv[1:]``.
 
@@ -100,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     args = parse_arguments(argv, allow_auto_workers=True)
     model_args, data_args, training_args = args.model, args.data, args.training
+    note_compat_flags(args)
     if args.auto_workers:  # parsed as 0; a short probe picks the count
         training_args.dataloader_num_workers = probe_num_workers(model_args, data_args, training_args)
     training_args.do_train = True  # `vlfit train` always trains; --do_eval adds an evaluation afterwards
