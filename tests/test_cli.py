@@ -1,6 +1,7 @@
 """End to end through the real CLI: make-data -> train (tiny preset) -> eval, on a synthetic dataset."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -8,7 +9,8 @@ import pytest
 import yaml
 
 from vlfit.cli import main
-from vlfit.commands.train import parse_arguments, parse_train_arguments
+from vlfit.commands import evaluate, train
+from vlfit.commands.train import parse_arguments
 
 
 def test_make_data_train_eval_end_to_end(tmp_path, capsys):
@@ -69,26 +71,61 @@ def test_unknown_command_lists_the_commands(capsys):
     assert "'fly'" in err and "make-data" in err and "train" in err
 
 
-def test_missing_column_lists_existing_columns(tmp_path, synthetic_dataset_dir):
-    with pytest.raises(ValueError, match=r"caption_text.*image_description"):
-        main(["train", "--model_preset", "tiny", "--dataset_name", synthetic_dataset_dir, "--caption_column",
-              "caption_text", "--output_dir", str(tmp_path / "o"), "--report_to", "none"])  # fmt: skip
+def _error_lines(capsys) -> list[str]:
+    return capsys.readouterr().err.strip().splitlines()
 
 
-def test_unknown_preset_and_pipeline_are_named(tmp_path, synthetic_dataset_dir):
-    base = [
-        "train",
-        "--dataset_name",
-        synthetic_dataset_dir,
-        "--output_dir",
-        str(tmp_path / "o"),
-        "--report_to",
-        "none",
-    ]
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (
+            ["--caption_column", "caption_text"],
+            r"caption column 'caption_text' not found; available columns: .*image_description",
+        ),
+        (["--dataset_name", "/no/such/folder"], r"/no/such/folder"),
+        (["--model_preset", "medium"], r"unknown --model_preset 'medium'; choose one of: tiny, small, base, large"),
+        (["--per_device_train_batch_size", "0"], r"--per_device_train_batch_size must be at least 1, got 0"),
+    ],
+    ids=["missing-column", "missing-path", "unknown-preset", "batch-size-0"],
+)
+def test_user_mistakes_end_in_one_error_line_and_exit_code_2(tmp_path, synthetic_dataset_dir, capsys, flags, named):
+    base = ["--dataset_name", synthetic_dataset_dir, "--model_preset", "tiny", "--output_dir", str(tmp_path / "o"),
+            "--report_to", "none", "--max_steps", "1"]  # fmt: skip
+    capsys.readouterr()
+    assert main(["train", *base, *flags]) == 2  # of a flag given twice, the later wins
+    lines = _error_lines(capsys)
+    assert len(lines) == 1, lines
+    assert re.fullmatch(rf"vlfit train: error: .*{named}.*", lines[0]), lines[0]
+
+
+def test_debug_anywhere_keeps_the_traceback(tmp_path):
+    argv = ["--model_preset", "medium", "--output_dir", str(tmp_path)]
     with pytest.raises(ValueError, match="unknown --model_preset 'medium'"):
-        main([*base, "--model_preset", "medium"])
-    with pytest.raises(SystemExit):
-        main([*base, "--model_preset", "tiny", "--image_pipeline", "turbo"])
+        main(["--debug", "train", *argv])
+    with pytest.raises(ValueError, match="unknown --model_preset 'medium'"):
+        main(["train", *argv[:2], "--debug", *argv[2:]])
+    done = subprocess.run([sys.executable, "-m", "vlfit", "train", *argv, "--debug"], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 1
+    assert "Traceback (most recent call last)" in done.stderr
+    assert "ValueError: unknown --model_preset 'medium'" in done.stderr
+
+
+def test_enable_jit_checkpoint_is_refused(tmp_path, capsys):
+    # transformers' own SIGTERM checkpointing would be replaced by vlfit's without a word: say so instead.
+    capsys.readouterr()
+    assert main(["train", "--model_preset", "tiny", "--output_dir", str(tmp_path), "--enable_jit_checkpoint"]) == 2
+    assert _error_lines(capsys) == [
+        "vlfit train: error: --enable_jit_checkpoint is not needed: vlfit already saves a checkpoint when SIGTERM "
+        "or SIGINT arrives and resumes from it when the same command is run again; drop the flag"
+    ]
+
+
+def test_unknown_pipeline_is_an_argparse_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "--model_preset", "tiny", "--output_dir", str(tmp_path), "--image_pipeline", "turbo"])
+    assert stop.value.code == 2
+    assert "invalid choice: 'turbo'" in capsys.readouterr().err
 
 
 def test_python_dash_m_runs_the_cli():
@@ -116,22 +153,85 @@ def test_flags_file_accepts_auto_workers(tmp_path, suffix):
     flags = {"model_preset": "tiny", "output_dir": str(tmp_path / "o"), "dataloader_num_workers": "auto"}
     path = tmp_path / f"flags{suffix}"
     path.write_text(json.dumps(flags) if suffix == ".json" else yaml.safe_dump(flags))
-    model_args, _, training_args, auto = parse_train_arguments([str(path)])
-    assert auto and training_args.dataloader_num_workers == 0  # parsed as 0; the probe sets the real count
-    assert model_args.model_preset == "tiny"
+    args = parse_arguments([str(path)], allow_auto_workers=True)
+    assert args.auto_workers and args.training.dataloader_num_workers == 0  # parsed as 0; the probe sets the count
+    assert args.model.model_preset == "tiny"
     path.write_text(json.dumps({**flags, "dataloader_num_workers": 3}) if suffix == ".json" else "- not a mapping")
     if suffix == ".json":
-        assert parse_train_arguments([str(path)])[3] is False
-        assert parse_train_arguments([str(path)])[2].dataloader_num_workers == 3
+        args = parse_arguments([str(path)], allow_auto_workers=True)
+        assert args.auto_workers is False and args.training.dataloader_num_workers == 3
     else:
         with pytest.raises(ValueError, match="expected a mapping"):
-            parse_train_arguments([str(path)])
+            parse_arguments([str(path)], allow_auto_workers=True)
 
 
 def test_command_line_auto_workers_and_eval_flags_file(tmp_path):
     argv = ["--model_preset", "tiny", "--output_dir", str(tmp_path), "--dataloader_num_workers", "auto"]
-    assert parse_train_arguments(argv)[3] is True
+    assert parse_arguments(argv, allow_auto_workers=True).auto_workers is True
     path = tmp_path / "eval.yaml"
     path.write_text(yaml.safe_dump({"model_preset": "tiny", "output_dir": str(tmp_path), "eval_split": "test"}))
-    _, data_args, _ = parse_arguments([str(path)], prog="vlfit eval")
-    assert data_args.eval_split == "test"
+    assert parse_arguments([str(path)], prog="vlfit eval").data.eval_split == "test"
+
+
+def test_broken_flags_file_is_a_one_line_error(tmp_path, capsys):
+    path = tmp_path / "flags.yaml"
+    path.write_text("model_preset: [tiny\n")
+    capsys.readouterr()
+    assert main(["train", str(path)]) == 2
+    lines = _error_lines(capsys)
+    assert len(lines) == 1 and lines[0].startswith(f"vlfit train: error: {path}: not valid YAML:")
+
+
+@pytest.fixture
+def recorded_runs(monkeypatch) -> list:
+    """Replace training/evaluation by a recorder of the arguments each command passes to run()."""
+    runs: list = []
+
+    def fake_run(model_args, data_args, training_args, setup=None):
+        runs.append((model_args, data_args, training_args))
+        return {}
+
+    monkeypatch.setattr(evaluate, "run", fake_run)
+    monkeypatch.setattr(train, "run", fake_run)
+    monkeypatch.setattr(train, "setup_run", lambda *args: None)  # no data opened: only the arguments are recorded
+    return runs
+
+
+@pytest.mark.parametrize("form", ["flag", "equals", "json", "yaml"])
+def test_eval_keeps_the_output_dir_it_was_given(tmp_path, recorded_runs, form):
+    model, out = str(tmp_path / "model"), str(tmp_path / "metrics")
+    flags = {"model_name_or_path": model, "output_dir": out, "report_to": "none"}
+    if form == "flag":
+        argv = ["--model_name_or_path", model, "--output_dir", out]
+    elif form == "equals":
+        argv = ["--model_name_or_path", model, f"--output_dir={out}"]
+    else:
+        path = tmp_path / f"flags.{form}"
+        path.write_text(json.dumps(flags) if form == "json" else yaml.safe_dump(flags))
+        argv = [str(path)]
+    assert main(["eval", *argv]) == 0
+    assert recorded_runs[-1][2].output_dir == out
+
+
+def test_eval_writes_into_the_model_folder_without_output_dir(tmp_path, recorded_runs):
+    model = str(tmp_path / "model")
+    assert main(["eval", "--model_name_or_path", model]) == 0
+    assert recorded_runs[-1][2].output_dir == model
+    path = tmp_path / "flags.json"
+    path.write_text(json.dumps({"model_name_or_path": model}))
+    assert main(["eval", str(path)]) == 0
+    assert recorded_runs[-1][2].output_dir == model
+
+
+@pytest.mark.parametrize("command", [train, evaluate])
+def test_command_main_without_argv_reads_sys_argv(tmp_path, recorded_runs, monkeypatch, command):
+    out = str(tmp_path / "out")
+    monkeypatch.setattr(sys, "argv", ["vlfit", "--model_name_or_path", str(tmp_path), "--output_dir", out])
+    assert command.main(None) == 0
+    assert recorded_runs[-1][2].output_dir == out
+    assert recorded_runs[-1][0].model_name_or_path == str(tmp_path)
+    path = tmp_path / "flags.yaml"
+    path.write_text(yaml.safe_dump({"model_name_or_path": str(tmp_path), "output_dir": out, "max_steps": 7}))
+    monkeypatch.setattr(sys, "argv", ["vlfit", str(path)])
+    assert command.main(None) == 0
+    assert recorded_runs[-1][2].max_steps == 7

@@ -11,13 +11,22 @@ from typing import Any
 
 from transformers import TrainingArguments
 
+from vlfit.compat_flags import CompatDataFlags, CompatTrainingFlags
 from vlfit.data.bad_samples import BAD_SAMPLE_POLICIES, MIN_SAMPLES_FOR_BAD_FRACTION
 from vlfit.data.image_transforms import IMAGE_PIPELINES
 from vlfit.launch import prepare_launch
-from vlfit.models.registry import preset_names
+from vlfit.models.registry import family_for_preset, preset_names
 
 # Where a contrastive loss takes its negatives from (``--contrastive_negatives``).
 CONTRASTIVE_NEGATIVES = ("local", "global")
+# Training counts and their smallest valid value: torch would otherwise fail later, deep in the DataLoader.
+LOWEST_COUNTS = {
+    "per_device_train_batch_size": 1,
+    "per_device_eval_batch_size": 1,
+    "gradient_accumulation_steps": 1,
+    "dataloader_num_workers": 0,
+    "throughput_warmup_steps": 0,
+}
 
 
 @dataclass
@@ -47,6 +56,27 @@ class ModelArguments:
     freeze_text_pooler: bool = field(
         default=True, metadata={"help": "Do not train the text pooler (the contrastive loss never reaches it)."}
     )
+    config_name: str | None = field(
+        default=None, metadata={"help": "Pretrained config name or path, if not the same as --model_name_or_path."}
+    )
+    use_fast_tokenizer: bool = field(
+        default=True,
+        metadata={
+            "help": "Use a fast tokenizer (backed by the tokenizers library). transformers 5 always does, so "
+            "--no_use_fast_tokenizer changes nothing."
+        },
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={
+            "help": "Trust the execution of code from models defined on the Hub. Only set this for repositories "
+            "you trust and whose code you have read: it runs that code on your machine."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.model_preset is not None:
+            family_for_preset(self.model_preset)  # an unknown name fails here, before any data is opened
 
 
 @dataclass
@@ -81,7 +111,7 @@ class DataLocationArguments:
 
 
 @dataclass
-class DataArguments(DataLocationArguments):
+class DataArguments(CompatDataFlags, DataLocationArguments):
     """Data location plus how samples are turned into model inputs."""
 
     max_seq_length: int = field(default=128, metadata={"help": "Captions are truncated to this many tokens."})
@@ -139,11 +169,16 @@ class DataArguments(DataLocationArguments):
             )
         if not 0.0 <= self.max_bad_fraction <= 1.0:
             raise ValueError(f"--max_bad_fraction must be between 0 and 1, got {self.max_bad_fraction}")
+        if self.mediapipe_dataloader:
+            self.decode_on_device = True  # run_bridgetower.py's device-side decode (Gaudi MediaPipe) -> nvJPEG
 
 
 @dataclass
-class VlfitTrainingArguments(TrainingArguments):
-    """Every ``transformers.TrainingArguments`` flag, plus vlfit's training options."""
+class VlfitTrainingArguments(CompatTrainingFlags, TrainingArguments):
+    """Every ``transformers.TrainingArguments`` flag, plus vlfit's training options.
+
+    ``CompatTrainingFlags`` adds the Gaudi-only flags of run_bridgetower.py command lines, accepted and ignored.
+    """
 
     contrastive_negatives: str = field(
         default="local",
@@ -154,6 +189,13 @@ class VlfitTrainingArguments(TrainingArguments):
             "choices": list(CONTRASTIVE_NEGATIVES),
         },
     )
+    throughput_warmup_steps: int = field(
+        default=0,
+        metadata={
+            "help": "Leave the first N training steps out of the reported samples/s and data-wait share "
+            "(compilation, autotuning and loader start-up make them slow), as optimum-habana does."
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.contrastive_negatives not in CONTRASTIVE_NEGATIVES:
@@ -161,5 +203,15 @@ class VlfitTrainingArguments(TrainingArguments):
                 f"unknown --contrastive_negatives {self.contrastive_negatives!r}; choose one of: "
                 f"{', '.join(CONTRASTIVE_NEGATIVES)}"
             )
+        if self.enable_jit_checkpoint:
+            # transformers' SIGTERM handler would be replaced by vlfit's PreemptionCallback, which does the same job.
+            raise ValueError(
+                "--enable_jit_checkpoint is not needed: vlfit already saves a checkpoint when SIGTERM or SIGINT "
+                "arrives and resumes from it when the same command is run again; drop the flag"
+            )
+        for name, low in LOWEST_COUNTS.items():
+            value = getattr(self, name)
+            if isinstance(value, int) and value < low:  # values from a flags file are not converted to int
+                raise ValueError(f"--{name} must be at least {low}, got {value}")
         prepare_launch(self)  # before TrainingArguments.__post_init__ sets up devices and the process group
         super().__post_init__()

@@ -1,9 +1,17 @@
-"""The ``vlfit`` command: dispatches ``vlfit <command> [flags]`` to one module per command."""
+"""The ``vlfit`` command: dispatches ``vlfit <command> [flags]`` to one module per command.
+
+A user mistake (a missing column, a path that does not exist, an unknown preset, a batch size of 0, a bad sample)
+ends as one line on stderr, ``vlfit <command>: error: <message>``, with exit code 2, as argparse reports a bad
+flag; ``--debug`` anywhere on the command line shows its traceback instead. Anything else is a bug and keeps its
+traceback. See ``is_user_mistake`` for where the line is drawn.
+"""
 
 from __future__ import annotations
 
 import importlib
+import re
 import sys
+from types import TracebackType
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "make-data": ("vlfit.commands.make_data", "write a synthetic New-Yorker-like captioned dataset"),
@@ -14,17 +22,131 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("vlfit.commands.bench", "input-pipeline throughput sweep: the bottleneck and the settings to use"),
 }
 
+DEBUG_FLAG = "--debug"
+# Exit code of a user mistake: argparse's, so scripts see the same code for a bad flag and a bad value.
+USAGE_ERROR_EXIT_CODE = 2
+
+# vlfit's errors about the user's data: whoever raised them (a DataLoader worker, a process pool), the message names
+# the sample or file and the fix. Looked up only in modules already imported: an error cannot come from a module that
+# never was, and importing the data pipeline to report a bad flag would take seconds.
+DATA_ERROR_TYPES: dict[str, tuple[str, ...]] = {
+    "vlfit.data.bad_samples": ("BadSampleError", "BadCaptionError"),
+    "vlfit.training.bad_sample_ledger": ("TooManyBadSamplesError",),
+    "vlfit.data.records": ("BadRecordError",),
+    "vlfit.data.prepare": ("PrepareError", "ManifestMismatchError"),
+}
+# Where a ValueError is a check on what the user gave: vlfit's own code (its raises are checks whose message names
+# the flag, the file or the sample), argument parsing (HfArgumentParser, TrainingArguments) and the libraries that
+# open datasets. A ValueError from anywhere else (torch, numpy, a model's forward) is a bug.
+VALUE_ERROR_MODULES = ("vlfit", "transformers.hf_argparser", "transformers.training_args", "datasets", "pyarrow")
+# transformers reports a model folder or hub id it cannot find as an OSError (not a FileNotFoundError).
+OS_ERROR_MODULES = ("transformers.utils.hub",)
+
 
 def usage() -> str:
     width = max(len(name) for name in COMMANDS)
-    lines = ["usage: vlfit <command> [flags]   (vlfit <command> --help for its flags)", "", "commands:"]
-    lines += [f"  {name:<{width}}  {help_text}" for name, (_, help_text) in COMMANDS.items()]
+    lines = [
+        "usage: vlfit <command> [flags] [--debug]   (vlfit <command> --help for its flags)",
+        "",
+        "commands:",
+        *(f"  {name:<{width}}  {help_text}" for name, (_, help_text) in COMMANDS.items()),
+        "",
+        f"{DEBUG_FLAG}: show the Python traceback of an error instead of one line",
+    ]
     return "\n".join(lines)
+
+
+def take_debug_flag(argv: list[str]) -> tuple[list[str], bool]:
+    """Remove vlfit's ``--debug`` from ``argv``, wherever it is.
+
+    ``TrainingArguments`` has a ``--debug`` too, which always takes a value (``--debug underflow_overflow``): a
+    ``--debug`` after the command name followed by such a value is left for it.
+
+    Returns:
+        The arguments without vlfit's ``--debug``, and whether it was there.
+    """
+    kept: list[str] = []
+    found = False
+    for i, arg in enumerate(argv):
+        if arg == DEBUG_FLAG and not (i > 0 and i + 1 < len(argv) and _is_training_debug_value(argv[i + 1])):
+            found = True
+        else:
+            kept.append(arg)
+    return kept, found
+
+
+def _is_training_debug_value(arg: str) -> bool:
+    if not arg or arg.startswith("-"):
+        return False
+    from transformers.debug_utils import DebugOption  # only here: importing transformers takes seconds
+
+    options = {option.value for option in DebugOption}
+    return all(word in options for word in arg.split())
+
+
+def _raising_module(err: BaseException) -> str:
+    """The module whose code raised ``err`` (the innermost frame of its traceback)."""
+    tb: TracebackType | None = err.__traceback__
+    if tb is None:
+        return ""
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return str(tb.tb_frame.f_globals.get("__name__", ""))
+
+
+def _in_modules(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == prefix or module.startswith(prefix + ".") for prefix in prefixes)
+
+
+def _is_data_error(err: BaseException) -> bool:
+    for module_name, names in DATA_ERROR_TYPES.items():
+        module = sys.modules.get(module_name)
+        if module is not None and isinstance(err, tuple(getattr(module, name) for name in names)):
+            return True
+    return False
+
+
+def is_user_mistake(err: BaseException) -> bool:
+    """Whether ``err`` reports something the user gave wrong, rather than a bug.
+
+    User mistakes:
+
+    - vlfit's errors about the data (``DATA_ERROR_TYPES``: bad samples, too many of them, unreadable records,
+      ``vlfit prepare``'s), wherever they were raised;
+    - a ``FileNotFoundError`` or ``NotADirectoryError``: a path the user gave, wherever it was opened;
+    - a ``ValueError`` raised by one of vlfit's checks, by argument parsing or while opening a dataset
+      (``VALUE_ERROR_MODULES``);
+    - an ``OSError`` of transformers that cannot find a model folder or hub id.
+
+    Anything else is a bug.
+    """
+    if _is_data_error(err) or isinstance(err, (FileNotFoundError, NotADirectoryError)):
+        return True
+    module = _raising_module(err)
+    if isinstance(err, ValueError):
+        return _in_modules(module, VALUE_ERROR_MODULES)
+    return isinstance(err, OSError) and _in_modules(module, OS_ERROR_MODULES)
+
+
+def error_line(err: BaseException) -> str:
+    """The message of ``err`` on one line.
+
+    An exception re-raised from a DataLoader worker carries the worker's whole traceback: its last line holds the
+    original message.
+    """
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    # torch re-raises "Caught <type> in DataLoader worker process N.\nOriginal Traceback ...\n<module>.<type>: <msg>".
+    if len(lines) > 2 and lines[0].startswith("Caught ") and lines[1].startswith("Original Traceback"):
+        name = re.escape(type(err).__name__)
+        return re.sub(rf"^(?:[\w.]+\.)?{name}: ", "", lines[-1])
+    return " ".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``vlfit <command>``; returns the process exit code."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv, debug = take_debug_flag(list(sys.argv[1:] if argv is None else argv))
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
         return 0
@@ -33,7 +155,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vlfit: unknown command {command!r}; choose one of: {', '.join(COMMANDS)}\n\n{usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[command][0])
-    code = int(module.main(rest) or 0)
+    try:
+        code = int(module.main(rest) or 0)
+    except Exception as err:
+        if debug or not is_user_mistake(err):
+            raise
+        print(f"vlfit {command}: error: {error_line(err)}", file=sys.stderr)
+        return USAGE_ERROR_EXIT_CODE
     # A process group left to interpreter exit can abort the process after its work is done (gloo's worker threads
     # outlive the interpreter: SIGABRT, pytorch#190489). Only after a normal return: a process that raised may
     # have peers still inside a collective, which destroying the group could hang.

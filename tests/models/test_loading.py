@@ -4,6 +4,7 @@ then built; what a fine-tuned run saves loads back."""
 import pytest
 import torch
 
+from tests.checkpoints import save_bundle
 from vlfit.arguments import ModelArguments
 from vlfit.models.bridgetower import BridgeTowerFamily
 from vlfit.models.loading import load_model_bundle, resolve_model
@@ -36,10 +37,7 @@ def test_bundle_knows_size_mean_std_and_freezes_only_the_text_pooler(tiny_bundle
 
 
 def test_a_saved_run_loads_back_with_from_pretrained(tiny_bundle, tmp_path):
-    # What a training run writes: the model, its tokenizer and its image processor.
-    tiny_bundle.model.save_pretrained(str(tmp_path))
-    tiny_bundle.tokenizer.save_pretrained(str(tmp_path))
-    tiny_bundle.image_processor.save_pretrained(str(tmp_path))
+    save_bundle(tiny_bundle, str(tmp_path))  # what a training run writes
     loaded = load_model_bundle(ModelArguments(model_name_or_path=str(tmp_path)))
     assert isinstance(loaded.family, BridgeTowerFamily)
     assert loaded.image_size == tiny_bundle.image_size

@@ -4,6 +4,7 @@ left out of evaluation, bounded by ``--max_bad_fraction``, or stop the run under
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -141,25 +142,36 @@ def test_distributed_training_counts_every_process_bad_samples(tmp_path: Path, d
     assert metrics["train_bad_samples"] == len(records)
 
 
-def test_max_bad_fraction_stops_the_run_with_the_ids(tmp_path: Path, dirty_dataset: str) -> None:
+def test_max_bad_fraction_stops_the_run_with_the_ids(tmp_path: Path, dirty_dataset: str, capsys) -> None:
     out = tmp_path / "run"
     argv = _argv(dirty_dataset, out, "--num_train_epochs", "3", "--max_bad_fraction", "0.02")
-    with pytest.raises(TooManyBadSamplesError, match=r"samples read so far were bad .* over --max_bad_fraction 0.02"):
-        main(argv)
+    assert main(argv) == 2  # the user's data: one error line, not a traceback
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.match(
+        r"vlfit train: error: \d+ of the \d+ samples read so far were bad .* over --max_bad_fraction 0.02", error
+    )
+    with pytest.raises(TooManyBadSamplesError):
+        main([*argv, "--debug"])
     records = [json.loads(line) for line in (out / "bad_samples.jsonl").read_text().splitlines()]
     assert {r["id"] for r in records} <= {f"t-{i}" for i in BAD_TRAIN} and len(records) >= 3
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
-def test_raise_policy_stops_at_the_first_bad_sample_even_through_workers(tmp_path: Path, dirty_dataset: str) -> None:
+def test_raise_policy_stops_at_the_first_bad_sample_even_through_workers(
+    tmp_path: Path, dirty_dataset: str, capsys
+) -> None:
     argv = _argv(dirty_dataset, tmp_path / "run", "--max_steps", "8", "--bad_sample_policy", "raise")
+    assert main([*argv, "--dataloader_num_workers", "2"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.match(r"vlfit train: error: bad sample t-(7|23|41): .*--bad_sample_policy skip", error)
     with pytest.raises(BadSampleError, match=r"bad sample t-(7|23|41): .*--bad_sample_policy skip"):
-        main([*argv, "--dataloader_num_workers", "2"])
+        main([*argv, "--debug"])
 
 
-def test_flags_are_validated(tmp_path: Path, dirty_dataset: str) -> None:
-    with pytest.raises(ValueError, match=r"--max_bad_fraction must be between 0 and 1, got 1.5"):
-        main(_argv(dirty_dataset, tmp_path / "run", "--max_bad_fraction", "1.5"))
+def test_flags_are_validated(tmp_path: Path, dirty_dataset: str, capsys) -> None:
+    assert main(_argv(dirty_dataset, tmp_path / "run", "--max_bad_fraction", "1.5")) == 2
+    error = capsys.readouterr().err.strip()
+    assert error == "vlfit train: error: --max_bad_fraction must be between 0 and 1, got 1.5"
     with pytest.raises(SystemExit):  # argparse choices
         main(_argv(dirty_dataset, tmp_path / "run", "--bad_sample_policy", "ignore"))
 

@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import json
 
-from vlfit.commands.train import parse_arguments
+from vlfit.commands.train import note_compat_flags, parse_arguments
 from vlfit.training.run import run
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``vlfit eval``: the same flags as ``vlfit train``; ``--eval_split`` picks the split.
 
-    Metrics are written to ``--output_dir`` (default: the model folder) as ``eval_results.json``.
+    Metrics are written to ``--output_dir`` (default: the model folder) as ``eval_results.json``. ``argv`` ``None``
+    reads ``sys.argv[1:]``.
     """
-    argv = list(argv or [])
-    model_args, data_args, training_args = parse_arguments(argv, prog="vlfit eval")
-    if "--output_dir" not in argv and model_args.model_name_or_path:
+    args = parse_arguments(argv, prog="vlfit eval")
+    model_args, data_args, training_args = args.model, args.data, args.training
+    if "output_dir" not in args.given and model_args.model_name_or_path:
         training_args.output_dir = model_args.model_name_or_path
+    note_compat_flags(args)
     training_args.do_train, training_args.do_eval = False, True
     results = run(model_args, data_args, training_args)
     if training_args.should_log:

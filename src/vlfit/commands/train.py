@@ -1,19 +1,45 @@
-"""``vlfit train``: fine-tune with HfArgumentParser((ModelArguments, DataArguments, VlfitTrainingArguments))."""
+"""``vlfit train``: fine-tune, with every flag of ``vlfit.arguments``' dataclasses (HfArgumentParser).
+
+run_bridgetower.py command lines parse unchanged: its model-loading flags (``--config_name``,
+``--use_fast_tokenizer``, ``--trust_remote_code``) are ``ModelArguments`` and its Gaudi-only flags are accepted,
+each noted in one log line (``vlfit.compat_flags``).
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 from transformers import HfArgumentParser
 
 from vlfit.arguments import DataArguments, ModelArguments, VlfitTrainingArguments
 from vlfit.bench.auto import probe_num_workers, take_auto_workers
+from vlfit.compat_flags import log_compat_flags
 from vlfit.training.preemption import TrainingPreempted
-from vlfit.training.run import run, setup_run
+from vlfit.training.run import run, setup_logging, setup_run
+
+
+class ParsedArguments(NamedTuple):
+    """What ``parse_arguments`` returns.
+
+    Attributes:
+        model: Which model to fine-tune, and how to load it.
+        data: The data and its input pipeline.
+        training: Every ``TrainingArguments`` flag and vlfit's own.
+        given: Names of the fields the command line or the flags file set, whatever their values (``--no_x`` and
+            ``--x False`` set ``x``): what the user asked for, as opposed to defaults.
+        auto_workers: ``--dataloader_num_workers auto`` was asked for (then parsed as 0).
+    """
+
+    model: ModelArguments
+    data: DataArguments
+    training: VlfitTrainingArguments
+    given: frozenset[str]
+    auto_workers: bool = False
 
 
 def is_flags_file(argv: list[str] | None) -> bool:
@@ -23,8 +49,12 @@ def is_flags_file(argv: list[str] | None) -> bool:
 
 def load_flags_file(path: str) -> dict[str, Any]:
     """The flags a ``.json`` or ``.yaml``/``.yml`` file holds, as ``{flag name: value}``."""
+    is_json = path.endswith(".json")
     with open(os.path.abspath(path), encoding="utf-8") as f:
-        values = json.load(f) if path.endswith(".json") else yaml.safe_load(f)
+        try:
+            values = json.load(f) if is_json else yaml.safe_load(f)
+        except (json.JSONDecodeError, yaml.YAMLError) as err:
+            raise ValueError(f"{path}: not valid {'JSON' if is_json else 'YAML'}: {err}") from err
     if not isinstance(values, dict):
         raise ValueError(f"{path}: expected a mapping of flag names to values, got {type(values).__name__}")
     return values
@@ -34,44 +64,64 @@ def _parser(prog: str) -> HfArgumentParser:
     return HfArgumentParser((ModelArguments, DataArguments, VlfitTrainingArguments), prog=prog)
 
 
+def given_fields(argv: list[str], prog: str = "vlfit train") -> frozenset[str]:
+    """Names of the fields ``argv`` sets, as argparse reads it (``--flag=value``, ``--no_flag``, abbreviations)."""
+    parser = _parser(prog)
+    for action in parser._actions:  # with a SUPPRESS default, argparse leaves a flag not given out of the namespace
+        action.default = argparse.SUPPRESS
+    namespace, _ = parser.parse_known_args(argv)
+    return frozenset(vars(namespace))
+
+
 def parse_arguments(
-    argv: list[str] | None, prog: str = "vlfit train"
-) -> tuple[ModelArguments, DataArguments, VlfitTrainingArguments]:
-    """Parse flags, or a single ``.json``/``.yaml``/``.yml`` file holding them all."""
-    if is_flags_file(argv):
-        return _parser(prog).parse_dict(load_flags_file(argv[0]))  # type: ignore[index, return-value]
-    return _parser(prog).parse_args_into_dataclasses(args=argv)  # type: ignore[return-value]
+    argv: list[str] | None, prog: str = "vlfit train", *, allow_auto_workers: bool = False
+) -> ParsedArguments:
+    """Parse flags, or a single ``.json``/``.yaml``/``.yml`` file holding them all.
 
-
-def parse_train_arguments(
-    argv: list[str] | None,
-) -> tuple[ModelArguments, DataArguments, VlfitTrainingArguments, bool]:
-    """``parse_arguments``, also accepting ``dataloader_num_workers`` ``auto`` (on the command line or in the file).
-
-    Returns:
-        The three argument sets (``auto`` parsed as 0) and whether ``auto`` was asked for.
+    Args:
+        argv: The command's arguments; ``None`` reads ``sys.argv[1:]``.
+        prog: The command's name in messages.
+        allow_auto_workers: Accept ``dataloader_num_workers`` ``auto`` (on the command line or in the file), parsed
+            as 0; ``auto_workers`` then says it was asked for.
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
     if is_flags_file(argv):
-        values = load_flags_file(argv[0])  # type: ignore[index]
-        auto = values.get("dataloader_num_workers") == "auto"
+        values = load_flags_file(argv[0])
+        auto = allow_auto_workers and values.get("dataloader_num_workers") == "auto"
         if auto:
             values = {**values, "dataloader_num_workers": 0}
-        return (*_parser("vlfit train").parse_dict(values), auto)  # type: ignore[return-value]
-    argv, auto = take_auto_workers(argv)
-    return (*parse_arguments(argv), auto)
+        return ParsedArguments(*_parser(prog).parse_dict(values), given=frozenset(values), auto_workers=auto)
+    auto = False
+    if allow_auto_workers:
+        argv, auto = take_auto_workers(argv)  # type: ignore[assignment]
+    parsed = _parser(prog).parse_args_into_dataclasses(args=argv)  # a bad flag stops here, with the usage
+    return ParsedArguments(*parsed, given=given_fields(argv, prog), auto_workers=auto)
+
+
+def note_compat_flags(args: ParsedArguments) -> list[str]:
+    """Log one line per run_bridgetower.py flag given, saying what vlfit does with it (on the logging process).
+
+    Returns:
+        The lines logged.
+    """
+    setup_logging(args.training)
+    if not args.training.should_log:
+        return []
+    return log_compat_flags(args.given, args.model, args.data, args.training)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``vlfit train``.
+    """Entry point of ``vlfit train``; ``argv`` ``None`` reads ``sys.argv[1:]``.
 
     Returns 0, or ``128 + signal`` (143 for SIGTERM, 130 for SIGINT) when a signal stopped training after saving
     a checkpoint, as a shell reports a process killed by that signal: schedulers then see the job as interrupted.
     """
-    # `--dataloader_num_workers auto`: parsed as 0, then a short probe picks the count.
-    model_args, data_args, training_args, auto_workers = parse_train_arguments(argv)
+    args = parse_arguments(argv, allow_auto_workers=True)
+    model_args, data_args, training_args = args.model, args.data, args.training
+    note_compat_flags(args)
     training_args.do_train = True  # `vlfit train` always trains; --do_eval adds an evaluation afterwards
     setup = setup_run(model_args, data_args, training_args)  # data, tokenizer and pipeline, made once
-    if auto_workers:
+    if args.auto_workers:  # parsed as 0; a short probe picks the count
         training_args.dataloader_num_workers = probe_num_workers(
             setup.train_source,
             setup.blueprint,

@@ -96,7 +96,8 @@ def resolve_model(
 
     Args:
         args: ``--model_name_or_path`` or ``--model_preset`` (exactly one), ``--config_name``,
-            ``--tokenizer_name``, ``--image_processor_name``, ``--use_fast_tokenizer`` and the hub settings.
+            ``--tokenizer_name``, ``--image_processor_name``, ``--trust_remote_code`` and the hub settings
+            (``--use_fast_tokenizer`` changes nothing: transformers 5 always loads the fast tokenizer).
         captions: Returns the training captions; a preset without ``--tokenizer_name`` trains its tokenizer on them.
         max_seq_length: Longest tokenized caption.
 
@@ -111,18 +112,17 @@ def resolve_model(
             f"(random init); got model_name_or_path={checkpoint!r}, model_preset={preset!r}"
         )
     hub = _hub_kwargs(args)
-    tokenizer_kwargs = {**hub, "use_fast": getattr(args, "use_fast_tokenizer", True)}
     config_name = getattr(args, "config_name", None)
     if checkpoint is not None:
         config = AutoConfig.from_pretrained(config_name or checkpoint, **hub)
         family = family_for_config(config)
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name or checkpoint, **tokenizer_kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name or checkpoint, **hub)
         image_processor = AutoImageProcessor.from_pretrained(args.image_processor_name or checkpoint, **hub)
     else:
         family = family_for_preset(preset)  # type: ignore[arg-type]
         config = AutoConfig.from_pretrained(config_name, **hub) if config_name else family.preset_config(preset)
         if args.tokenizer_name is not None:
-            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name, **tokenizer_kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name, **hub)
         else:
             if captions is None:
                 raise ValueError(f"preset {preset!r} needs training captions or --tokenizer_name")

@@ -184,6 +184,8 @@ def run(
         metrics = dict(train_result.metrics)
         throughput = trainer.throughput.total()
         metrics["train_data_wait_share"] = throughput["data_wait_share"]
+        if training_args.throughput_warmup_steps:  # the Trainer's own figure counts the warm-up steps too
+            metrics["train_samples_per_second"] = throughput["samples_per_second"]
         if trainer.flops_per_sample is not None:
             efficiency = compute_efficiency(trainer.flops_per_sample, throughput["samples_per_second"], training_args)
             metrics.update(efficiency.metrics("train_"))

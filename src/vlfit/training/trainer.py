@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 from accelerate.utils import gather_object
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints, seed_worker
 
 from vlfit.data.bad_samples import BAD_SAMPLES_REPORT
@@ -78,13 +78,15 @@ class VlfitTrainer(Trainer):
         self._feed_source: Any = None
         self._feed: DeviceFeed | None = None
         self._staging_run_dir: str | None = None
+        self.add_callback(_CountOptimizerSteps(self))
 
     @property
     def _model_dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
-        self.throughput = ThroughputMeter(self.args.world_size)  # the clock starts with training, not with construction
+        # The clock starts with training, not with construction; --throughput_warmup_steps leaves out the first steps.
+        self.throughput = ThroughputMeter(self.args.world_size, getattr(self.args, "throughput_warmup_steps", 0))
         self.bad_samples = BadSampleLedger(self.bad_samples.max_bad_fraction, log=True)
         self.family.prepare_for_training(self.model)
         checkpoint = resume_from_checkpoint
@@ -282,6 +284,16 @@ class VlfitTrainer(Trainer):
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
+
+
+class _CountOptimizerSteps(TrainerCallback):
+    """Tells the throughput meter where each optimizer step ends (for ``--throughput_warmup_steps``)."""
+
+    def __init__(self, trainer: VlfitTrainer) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer.throughput.step()
 
 
 def gather_parts(part: EmbeddedSplit) -> list[EmbeddedSplit]:
