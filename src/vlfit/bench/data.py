@@ -18,52 +18,13 @@ import json
 import multiprocessing
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from vlfit.data.pipeline import EVAL_COLUMNS
 from vlfit.data.records import Record
-
-
-@dataclass(frozen=True)
-class PipelineSpec:
-    """What one benchmark pipeline means for the loader.
-
-    Args:
-        name: The name used in flags and tables.
-        image_pipeline: The worker-side transform (``--image_pipeline`` of ``vlfit train``).
-        decode_on_device: Workers only read bytes; the device stage decodes (``--decode_on_device``).
-        prepared: Images come from the ``prepare_dataset`` copy at the model's resolution.
-        needs_cuda: Only meaningful with an NVIDIA GPU (nvJPEG).
-    """
-
-    name: str
-    image_pipeline: str
-    decode_on_device: bool = False
-    prepared: bool = False
-    needs_cuda: bool = False
-
-
-PIPELINES: dict[str, PipelineSpec] = {
-    "reference": PipelineSpec("reference", "reference"),
-    "fast": PipelineSpec("fast", "fast"),
-    "prepared": PipelineSpec("prepared", "fast", prepared=True),
-    "device": PipelineSpec("device", "fast", decode_on_device=True, needs_cuda=True),
-}
-
-
-def get_pipeline(name: str) -> PipelineSpec:
-    """Look a pipeline up by name.
-
-    Raises:
-        ValueError: naming the unknown pipeline and listing the valid ones.
-    """
-    try:
-        return PIPELINES[name]
-    except KeyError:
-        raise ValueError(f"unknown pipeline {name!r}; choose from: {', '.join(PIPELINES)}") from None
+from vlfit.data.synthetic import SyntheticConfig, make_record
 
 
 @functools.cache
@@ -111,9 +72,7 @@ class MemorySource:
         return MemorySource([self._records[int(i)] for i in indices], self.name)
 
 
-def _synthetic_record(index: int, config: Any) -> Record:
-    from vlfit.data.synthetic import make_record
-
+def _synthetic_record(index: int, config: SyntheticConfig) -> Record:
     row = make_record(index, config)
     return Record(
         id=row["instance_id"],
@@ -143,8 +102,6 @@ def synthetic_source(
     Returns:
         The samples, ids ``synthetic-{seed}-{index}``.
     """
-    from vlfit.data.synthetic import SyntheticConfig
-
     if num_samples < 1:
         raise ValueError(f"--num_samples must be at least 1, got {num_samples}")
     config = SyntheticConfig(
@@ -189,7 +146,7 @@ def dataset_source(
             "--dataset_name / --train_file need the `datasets` package; install it, or leave both out to "
             "benchmark on synthetic data"
         )
-    from vlfit.data.sources import open_splits
+    from vlfit.data.sources import open_splits  # imports datasets, which a bare GPU machine may lack
 
     splits = open_splits(
         dataset_name=dataset_name,
@@ -230,7 +187,7 @@ def prepared_source(source: Any, *, image_size: int, cache_dir: str, key: str, n
     """
     if not datasets_available():
         raise ValueError("the prepared pipeline needs the `datasets` package (parquet shards); install it")
-    from vlfit.data.prepare import prepare_dataset
+    from vlfit.data.prepare import prepare_dataset  # both import datasets, which a bare GPU machine may lack
     from vlfit.data.sources import open_splits
 
     output_dir = os.path.join(cache_dir, f"prepared-{image_size}px-{key}")

@@ -21,25 +21,13 @@ import torch
 from transformers import HfArgumentParser
 
 from vlfit.arguments import ModelArguments
-from vlfit.bench.data import (
-    PIPELINES,
-    dataset_source,
-    datasets_available,
-    get_pipeline,
-    source_key,
-    synthetic_source,
-)
-from vlfit.bench.report import finalize, format_terminal, write_outputs
-from vlfit.bench.sweep import (
-    MODES,
-    BenchSession,
-    SweepPlan,
-    available_cores,
-    default_pipelines,
-    default_precision,
-    default_workers,
-    run_sweep,
-)
+from vlfit.bench.data import dataset_source, datasets_available, source_key, synthetic_source
+from vlfit.bench.files import write_outputs
+from vlfit.bench.plan import MODES, SweepPlan, available_cores, default_pipelines, default_precision, default_workers
+from vlfit.bench.report import finalize, format_terminal
+from vlfit.bench.selection import PIPELINES, get_pipeline
+from vlfit.bench.session import BenchSession
+from vlfit.bench.sweep import run_sweep
 from vlfit.models.loading import build_model, resolve_model
 
 logger = logging.getLogger("vlfit.bench")
