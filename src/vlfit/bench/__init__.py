@@ -1,6 +1,7 @@
 """``vlfit bench``: the input-pipeline throughput study, on this machine.
 
-Modules, each importing only those listed before it (``selection`` and ``published`` import nothing from here):
+Modules, each importing only those listed before it (``selection``, ``published``, ``data``, ``measure`` and
+``fit`` import nothing from here):
 
 - ``selection``: the pipelines a sweep compares, what each is in ``vlfit train`` flags, and the rule that picks one.
 - ``published``: the study's published figures (``published.json``) and their source.
@@ -13,4 +14,5 @@ Modules, each importing only those listed before it (``selection`` and ``publish
 - ``report``: derived figures, verdict, the terminal table and ``bench.md``; ``chart``: ``bench.png``;
   ``files``: writing the three files.
 - ``auto``: the probe behind ``vlfit train --dataloader_num_workers auto``.
+- ``fit``: whether train mode fits in memory, estimated before the model is built.
 """

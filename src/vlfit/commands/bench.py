@@ -27,12 +27,13 @@ from transformers import HfArgumentParser
 from vlfit.arguments import DataLocationArguments, ModelArguments
 from vlfit.bench.data import dataset_source, datasets_available, source_key, synthetic_source
 from vlfit.bench.files import write_outputs
+from vlfit.bench.fit import DoesNotFit, available_memory, check_fit, estimate_training_memory, memory_settings
 from vlfit.bench.plan import MODES, SweepPlan, available_cores, default_pipelines, default_precision, default_workers
 from vlfit.bench.report import finalize, format_terminal
 from vlfit.bench.selection import PIPELINES, get_pipeline
 from vlfit.bench.session import BenchSession
 from vlfit.bench.sweep import run_sweep
-from vlfit.models.loading import build_model, resolve_model
+from vlfit.models.loading import ModelBlueprint, build_model, resolve_model
 
 logger = logging.getLogger("vlfit.bench")
 
@@ -94,6 +95,13 @@ class BenchArguments:
     )
     seed: int = field(default=0, metadata={"help": "Seed for data, sampling order and model initialization."})
     png: bool = field(default=True, metadata={"help": "Write bench.png."})
+    skip_fit_check: bool = field(
+        default=False,
+        metadata={
+            "help": "Train mode checks first that the model, gradients, AdamW states and activations fit in the "
+            "device's (or host's) memory, and stops with an error if they cannot; this skips the check."
+        },
+    )
 
 
 def parser() -> HfArgumentParser:
@@ -192,6 +200,43 @@ def open_source(
                     "long_side": [args.synthetic_min_long_side, args.synthetic_max_long_side]}  # fmt: skip
 
 
+def check_train_fits(
+    blueprint: ModelBlueprint, model_args: ModelArguments, plan: SweepPlan, device: torch.device
+) -> dict[str, Any]:
+    """Stop before the sweep when train mode cannot fit in memory (see ``vlfit.bench.fit``).
+
+    Returns:
+        The estimate and the memory it was compared with, for the results' settings.
+
+    Raises:
+        DoesNotFit: naming the model, batch and estimate, with what to change.
+    """
+    estimate = estimate_training_memory(
+        blueprint.family,
+        blueprint.config,
+        image_size=blueprint.inputs.image_size,
+        max_seq_length=plan.max_seq_length,
+        batch_size=plan.batch_size,
+        precision=plan.precision,
+        freeze={
+            "vision": model_args.freeze_vision_model,
+            "text": model_args.freeze_text_model,
+            "text_pooler": model_args.freeze_text_pooler,
+        },
+    )
+    available, where = available_memory(device)
+    logger.info(
+        "train mode needs at least %s; %s: %s",
+        estimate.describe(),
+        where,
+        "unknown" if available is None else f"{available / 2**30:.1f} GiB",
+    )
+    check_fit(
+        estimate, available, where, model=blueprint.description, batch_size=plan.batch_size, precision=plan.precision
+    )
+    return memory_settings(estimate, available, where)
+
+
 def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -206,7 +251,12 @@ def _setup_logging() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``vlfit bench``; returns 0, or 130 when interrupted (partial outputs are written)."""
+    """Entry point of ``vlfit bench``.
+
+    Returns:
+        0; 130 when interrupted (partial outputs are written); 2 when train mode cannot fit in memory (nothing is
+        measured).
+    """
     model_args, data_args, args = parser().parse_args_into_dataclasses(args=sys.argv[1:] if argv is None else argv)
     _setup_logging()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -219,6 +269,13 @@ def main(argv: list[str] | None = None) -> int:
     source, description = open_source(args, data_args, model_args, num_proc)
     torch.manual_seed(args.seed)
     blueprint = resolve_model(model_args, captions=source.captions, max_seq_length=args.max_seq_length)
+    info: dict[str, Any] = {}
+    if plan.trains and not args.skip_fit_check:
+        try:
+            info.update(check_train_fits(blueprint, model_args, plan, device))
+        except DoesNotFit as err:
+            print(f"vlfit bench: {err}", file=sys.stderr)
+            return 2
     # Loader mode needs the input spec only: the model (4 GB for the large preset) is built for train mode alone.
     model = build_model(blueprint, model_args) if plan.trains else None
     size = f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, " if model is not None else ""
@@ -228,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         "model_flags": ["--model_preset", preset] if preset else ["--model_name_or_path", checkpoint],
         "data": getattr(source, "name", None) or "; ".join(f"{k} {v}" for k, v in description.items() if v),
         "device": str(device),
+        **info,
     }
     output_dir = args.output_dir
 
