@@ -106,8 +106,9 @@ def row_cells(row: dict[str, Any]) -> list[str]:
     """The table cells of one row."""
     rate = samples_per_second(row)
     if rate is None:
+        error = " ".join((row.get("error") or "").split())  # one line, whatever the exception's message holds
         return [row["mode"], row["pipeline"], str(row["workers"]), _fmt(row["prefetch_factor"], "d"),
-                "failed", row.get("error") or "", "", "", "", "", ""]  # fmt: skip
+                "failed", error, "", "", "", "", ""]  # fmt: skip
     spread = f"{row['samples_per_second_min']:.1f}-{row['samples_per_second_max']:.1f}"
     flag = " (!)" if row.get("above_ceiling") else ""
     return [

@@ -229,6 +229,18 @@ class BenchSession:
             compute_ms=compute_ms,
         )
 
+    def recover(self) -> None:
+        """Clean up after a configuration that failed part-way (out of memory, a loader worker killed).
+
+        Drops gradients a failed step left behind and returns cached device memory, so that the next
+        configuration starts from the same state as it would have after a successful one.
+        """
+        if self.step is not None:
+            self.step.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def close(self) -> None:
         """Free the model and optimizer (device memory too)."""
         self.step = None

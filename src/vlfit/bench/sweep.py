@@ -1,7 +1,9 @@
 """The sweep: the compute ceiling, every configuration of a ``SweepPlan`` in loader and/or train mode, the
 per-stage profiles and (with ``auto``) the best configuration's prefetch factors, on one ``BenchSession``.
 
-``run_sweep`` returns plain JSON-able results, which ``vlfit.bench.report`` turns into figures and text.
+``run_sweep`` returns plain JSON-able results, which ``vlfit.bench.report`` turns into figures and text. A
+configuration that fails (out of memory, a loader worker killed) becomes a row with its error, and the sweep goes
+on with the next one.
 """
 
 from __future__ import annotations
@@ -59,26 +61,63 @@ def _load_average() -> float | None:
         return None
 
 
-def _measure_row(session: BenchSession, config: Configuration) -> dict[str, Any]:
+def describe_error(error: BaseException) -> str:
+    """``Type: message``, followed by the cause's when there is one (torch's DataLoader puts the worker's exit
+    code there)."""
+    text = f"{type(error).__name__}: {error}"
+    cause = error.__cause__
+    return text if cause is None else f"{text} (caused by {type(cause).__name__}: {cause})"
+
+
+def failed_row(config: Configuration, error: BaseException) -> dict[str, Any]:
+    """The row of a configuration that could not be measured: its settings and the error, no figures."""
     mode, pipeline, workers, prefetch = config
+    return {
+        "mode": mode,
+        "pipeline": pipeline,
+        "workers": workers,
+        "prefetch_factor": prefetch,
+        "samples_per_second": None,
+        "data_wait_share": None,
+        "error": describe_error(error),
+    }
+
+
+def measure_configuration(session: BenchSession, config: Configuration) -> tuple[dict[str, Any], dict | None]:
+    """One configuration's row and, for a train row, the compute-ceiling reading taken right before it.
+
+    Any error while measuring (CUDA or host out of memory, a DataLoader worker killed, which torch raises as a
+    ``RuntimeError`` in the main process, a bad data file, ...) is logged with its traceback and becomes a failed
+    row; the session is cleaned up so the next configuration starts as it would after a successful one. Only an
+    interruption (``KeyboardInterrupt``, which SIGINT and SIGTERM raise) stops the sweep.
+    """
+    mode, pipeline, workers, prefetch = config
+    reading = None
     try:
+        if mode == "train":  # a fresh reading next to each train row, in the same machine conditions
+            reading = session.compute(repeats=1)
         row = session.measure(mode, pipeline, workers, prefetch)
         row["error"] = None
-    except (RuntimeError, ValueError, OSError) as err:  # e.g. CUDA out of memory: report it, keep sweeping
-        logger.error("%s %s workers=%s failed:\n%s", mode, pipeline, workers, traceback.format_exc())
-        row = {"mode": mode, "pipeline": pipeline, "workers": workers, "prefetch_factor": prefetch}
-        row.update(samples_per_second=None, data_wait_share=None, error=f"{type(err).__name__}: {err}")
-        if session.device.type == "cuda":
-            torch.cuda.empty_cache()
+    except Exception as err:
+        logger.error(
+            "%s %s workers=%s failed; going on with the next configuration:\n%s",
+            mode,
+            pipeline,
+            workers,
+            traceback.format_exc(),
+        )
+        row = failed_row(config, err)
+        session.recover()
+    rate = row["samples_per_second"]
     logger.info(
         "%-6s %-9s workers=%d prefetch=%s: %s samples/s",
         mode,
         pipeline,
         workers,
         prefetch,
-        "failed" if row["samples_per_second"] is None else f"{row['samples_per_second']:.1f}",
+        "failed" if rate is None else f"{rate:.1f}",
     )
-    return row
+    return row, reading
 
 
 def run_sweep(
@@ -123,12 +162,10 @@ def run_sweep(
         results["compute"] = {**best, "readings": [round(r["samples_per_second"], 3) for r in readings]}
 
     def measure(config: Configuration) -> None:
-        reading = None
-        if config[0] == "train":  # a fresh reading next to each train row, in the same machine conditions
-            reading = session.compute(repeats=1)
+        row, reading = measure_configuration(session, config)
+        if reading is not None:
             readings.append(reading)
             record_ceiling()
-        row = _measure_row(session, config)
         row["compute_reading"] = None if reading is None else reading["samples_per_second"]
         results["rows"].append(row)
         progress()
@@ -151,7 +188,11 @@ def run_sweep(
         record_ceiling()
     step_ms = results["compute"]["step_ms"] if with_model else None
     for pipeline in plan.pipelines if plan.profile_batches else []:
-        results["stages"][pipeline] = session.profile(pipeline, step_ms)
+        try:
+            results["stages"][pipeline] = session.profile(pipeline, step_ms)
+        except Exception:  # the profile explains the rows; losing one is no reason to lose the sweep
+            logger.exception("could not profile the stages of the %s pipeline", pipeline)
+            session.recover()
     if plan.compare_bf16 and with_model:
         # Both precisions back to back, so that the machine's load is the same for the two readings.
         other = "bf16" if plan.precision == "fp32" else "fp32"
