@@ -64,7 +64,7 @@ def write_png(results: dict[str, Any], path: str) -> str:
         ax.set_ylabel("samples/s")
         ax.set_title(f"{mode} mode, this machine")
         ax.legend(fontsize=7)
-    _published_panel(axes[0][-1], results.get("published") or published_figures())
+    _published_panel(axes[0][-1], published_figures())
     settings = results["settings"]
     fig.suptitle(f"vlfit bench: {settings.get('model', '?')}, batch {settings['batch_size']}, {settings['precision']}")
     fig.tight_layout()

@@ -154,10 +154,6 @@ def _stage_table(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return headers, rows
 
 
-def _published(results: dict[str, Any]) -> dict[str, Any]:
-    return results.get("published") or published_figures()
-
-
 def _published_table(published: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     media_heading = f"media pipeline, {workers_label(published['media_pipeline_workers'])} (decode on device)"
     headers = ["device", *(workers_label(w) for w in published["workers"]), media_heading]
@@ -226,7 +222,7 @@ def format_terminal(results: dict[str, Any]) -> str:
     recommendation = results.get("recommendation")
     if recommendation:
         parts.append(recommendation["text"])
-    parts.append(_published_line(_published(results)))
+    parts.append(_published_line(published_figures()))
     return "\n\n".join(parts)
 
 
@@ -254,7 +250,7 @@ def format_markdown(results: dict[str, Any], png_name: str | None = "bench.png")
     recommendation = results.get("recommendation")
     if recommendation:
         parts += ["## Settings for this machine", "```\n" + recommendation["text"] + "\n```"]
-    published = _published(results)
+    published = published_figures()
     parts += [
         "## Published figures",
         f"{published['label']}: {published['setup']}. Per device (/{published['devices']}) in brackets.",
