@@ -1,92 +1,22 @@
-"""Pick the pipeline, worker count and prefetch factor for this machine, from a sweep or from a short probe.
-
-The rule (``choose``): among the measured rows (train rows when there are any), take those within
-``AUTO_TOLERANCE`` of the fastest, and of those the one that needs no separate preparation step, then the fewest
-workers, then the smallest prefetch factor: extra processes and buffered batches cost memory and buy nothing
-inside the noise. ``vlfit bench --auto`` prints the ``vlfit train`` flags of the choice;
-``vlfit train --dataloader_num_workers auto`` runs ``probe_num_workers`` (the same measurement and the same rule,
-on the user's data and model, over worker counts only) before training.
+"""``vlfit train --dataloader_num_workers auto``: a short probe of the run's own data and model that picks the
+worker count with ``vlfit.bench.selection.choose``, the rule ``vlfit bench --auto`` applies to a whole sweep.
 """
 
 from __future__ import annotations
 
 import logging
-import shlex
 import tempfile
 from typing import Any
 
-from vlfit.bench.data import get_pipeline
+from vlfit.bench.plan import SweepPlan, default_workers
+from vlfit.bench.selection import WORKERS_FLAG, choose
+from vlfit.bench.session import BenchSession
+from vlfit.models.loading import ModelBlueprint, build_model
 
 logger = logging.getLogger(__name__)
 
-# Rows within this fraction of the fastest count as equally fast.
-AUTO_TOLERANCE = 0.05
 # A probe stops adding workers once one more step up gains less than this.
 PROBE_MIN_GAIN = 0.03
-WORKERS_FLAG = "--dataloader_num_workers"
-
-
-def _key(row: dict[str, Any]) -> tuple:
-    return (get_pipeline(row["pipeline"]).prepared, row["workers"], row["prefetch_factor"] or 0)
-
-
-def choose(rows: list[dict[str, Any]], tolerance: float = AUTO_TOLERANCE) -> dict[str, Any] | None:
-    """The configuration to use (a row of ``rows``), or None when nothing was measured."""
-    measured = [row for row in rows if row.get("samples_per_second")]
-    trained = [row for row in measured if row["mode"] == "train"]
-    pool = trained or measured
-    if not pool:
-        return None
-    fastest = max(row["samples_per_second"] for row in pool)
-    near = [row for row in pool if row["samples_per_second"] >= (1 - tolerance) * fastest]
-    return min(near, key=lambda row: (*_key(row), -row["samples_per_second"]))
-
-
-def train_flags(row: dict[str, Any], *, precision: str, batch_size: int) -> list[str]:
-    """The ``vlfit train`` flags that reproduce a configuration."""
-    spec = get_pipeline(row["pipeline"])
-    flags = ["--image_pipeline", spec.image_pipeline]
-    if spec.decode_on_device:
-        flags.append("--decode_on_device")
-    flags += [WORKERS_FLAG, str(row["workers"])]
-    if row["workers"] and row.get("prefetch_factor"):
-        flags += ["--dataloader_prefetch_factor", str(row["prefetch_factor"])]
-    flags += ["--per_device_train_batch_size", str(batch_size)]
-    if precision == "bf16":
-        flags.append("--bf16")
-    elif precision == "fp16":
-        flags.append("--fp16")
-    return flags
-
-
-def recommend(results: dict[str, Any]) -> dict[str, Any] | None:
-    """The chosen configuration of a sweep with its ``vlfit train`` flags and a printable text."""
-    row = choose(results["rows"])
-    if row is None:
-        return None
-    from vlfit.bench.report import describe
-
-    settings = results["settings"]
-    flags = train_flags(row, precision=settings["precision"], batch_size=settings["batch_size"])
-    model = settings.get("model_flags") or ["--model_name_or_path", "MODEL"]
-    data = ["--dataset_name", "DATA"]
-    prepare = None
-    if get_pipeline(row["pipeline"]).prepared:
-        prepare = shlex.join(["vlfit", "prepare", *data, *model[:2], "--output_dir", "prepared/"])
-        data = ["--dataset_name", "prepared/"]
-    command = shlex.join(["vlfit", "train", *model, *data, *flags])
-    rate = f"{row['samples_per_second']:.1f} samples/s in {row['mode']} mode"
-    lines = [f"best for this machine: {describe(row)} ({rate})"]
-    if prepare:
-        lines.append(f"  {prepare}")
-    lines.append(f"  {command}")
-    return {
-        "row": {k: row[k] for k in ("mode", "pipeline", "workers", "prefetch_factor", "samples_per_second")},
-        "flags": flags,
-        "command": command,
-        "prepare_command": prepare,
-        "text": "\n".join(lines),
-    }
 
 
 def take_auto_workers(argv: list[str] | None) -> tuple[list[str] | None, bool]:
@@ -116,7 +46,7 @@ def take_auto_workers(argv: list[str] | None) -> tuple[list[str] | None, bool]:
 
 def probe_num_workers(
     source: Any,
-    blueprint: Any,
+    blueprint: ModelBlueprint,
     model_args: Any,
     training_args: Any,
     *,
@@ -147,9 +77,6 @@ def probe_num_workers(
     Returns:
         The worker count.
     """
-    from vlfit.bench.sweep import BenchSession, SweepPlan, default_workers
-    from vlfit.models.loading import build_model
-
     device = training_args.device
     pipeline = "device" if decode_on_device and device.type == "cuda" else image_pipeline
     prefetch = training_args.dataloader_prefetch_factor or 2

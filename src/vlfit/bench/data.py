@@ -1,8 +1,9 @@
 """The samples a benchmark cycles through, and what each pipeline reads.
 
 By default the samples are synthetic New-Yorker-like JPEGs (``vlfit.data.synthetic``) held in memory, so a sweep
-needs no download and no ``datasets`` package, and every machine reads them the same way. ``--dataset_name`` /
-``--train_file`` use any source ``vlfit train`` reads instead (that path needs ``datasets``). The ``prepared``
+needs no download and no ``datasets`` package, and every machine reads them the same way. ``--dataset_name``,
+``--train_file`` and the other data-location flags of ``vlfit train`` read any source it reads instead (that path
+needs ``datasets``). The ``prepared``
 pipeline runs the same samples through ``vlfit.data.prepare.prepare_dataset`` at the model's image size once,
 into a cache folder, and reads the parquet shards back like ``vlfit train --dataset_name prepared/`` does.
 
@@ -17,52 +18,13 @@ import hashlib
 import json
 import multiprocessing
 import os
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from vlfit.data.records import EVAL_COLUMNS, Record
-
-
-@dataclass(frozen=True)
-class PipelineSpec:
-    """What one benchmark pipeline means for the loader.
-
-    Args:
-        name: The name used in flags and tables.
-        image_pipeline: The worker-side transform (``--image_pipeline`` of ``vlfit train``).
-        decode_on_device: Workers only read bytes; the device stage decodes (``--decode_on_device``).
-        prepared: Images come from the ``prepare_dataset`` copy at the model's resolution.
-        needs_cuda: Only meaningful with an NVIDIA GPU (nvJPEG).
-    """
-
-    name: str
-    image_pipeline: str
-    decode_on_device: bool = False
-    prepared: bool = False
-    needs_cuda: bool = False
-
-
-PIPELINES: dict[str, PipelineSpec] = {
-    "reference": PipelineSpec("reference", "reference"),
-    "fast": PipelineSpec("fast", "fast"),
-    "prepared": PipelineSpec("prepared", "fast", prepared=True),
-    "device": PipelineSpec("device", "fast", decode_on_device=True, needs_cuda=True),
-}
-
-
-def get_pipeline(name: str) -> PipelineSpec:
-    """Look a pipeline up by name.
-
-    Raises:
-        ValueError: naming the unknown pipeline and listing the valid ones.
-    """
-    try:
-        return PIPELINES[name]
-    except KeyError:
-        raise ValueError(f"unknown pipeline {name!r}; choose from: {', '.join(PIPELINES)}") from None
+from vlfit.data.synthetic import SyntheticConfig, make_record
 
 
 @functools.cache
@@ -110,9 +72,7 @@ class MemorySource:
         return MemorySource([self._records[int(i)] for i in indices], self.name)
 
 
-def _synthetic_record(index: int, config: Any) -> Record:
-    from vlfit.data.synthetic import make_record
-
+def _synthetic_record(index: int, config: SyntheticConfig) -> Record:
     row = make_record(index, config)
     return Record(
         id=row["instance_id"],
@@ -142,8 +102,6 @@ def synthetic_source(
     Returns:
         The samples, ids ``synthetic-{seed}-{index}``.
     """
-    from vlfit.data.synthetic import SyntheticConfig
-
     if num_samples < 1:
         raise ValueError(f"--num_samples must be at least 1, got {num_samples}")
     config = SyntheticConfig(
@@ -167,39 +125,34 @@ def synthetic_source(
 
 
 def dataset_source(
+    location: Mapping[str, Any],
     *,
     split: str,
     num_samples: int,
-    dataset_name: str | None = None,
-    dataset_config_name: str | None = None,
-    train_file: str | None = None,
-    image_column: str = "image",
-    caption_column: str = "image_description",
     cache_dir: str | None = None,
     token: str | None = None,
 ) -> Any:
     """The first ``num_samples`` records of one split of any source ``vlfit train`` reads.
 
+    Args:
+        location: The data-location and column flags (``DataLocationArguments.source_kwargs()``): dataset name,
+            config and revision, data files, image, caption and id columns.
+        split: The split to read.
+        num_samples: Records to take from its start.
+        cache_dir: Where the datasets library caches downloads (``--cache_dir``).
+        token: Hub token (``--token``).
+
     Raises:
-        ValueError: when the split is missing, or the ``datasets`` package is not installed.
+        ValueError: when the split is missing or empty, or the ``datasets`` package is not installed.
     """
     if not datasets_available():
         raise ValueError(
-            "--dataset_name / --train_file need the `datasets` package; install it, or leave both out to "
+            "--dataset_name and the --*_file flags need the `datasets` package; install it, or leave them out to "
             "benchmark on synthetic data"
         )
-    from vlfit.data.sources import open_splits
+    from vlfit.data.sources import open_splits  # imports datasets, which a bare GPU machine may lack
 
-    splits = open_splits(
-        dataset_name=dataset_name,
-        dataset_config_name=dataset_config_name,
-        train_file=train_file,
-        image_column=image_column,
-        caption_column=caption_column,
-        cache_dir=cache_dir,
-        token=token,
-        extra_columns=EVAL_COLUMNS,
-    )
+    splits = open_splits(**location, cache_dir=cache_dir, token=token, extra_columns=EVAL_COLUMNS)
     if split not in splits:
         raise ValueError(f"split {split!r} not found; the data has: {', '.join(splits) or 'none'}")
     source = splits[split]
@@ -229,7 +182,7 @@ def prepared_source(source: Any, *, image_size: int, cache_dir: str, key: str, n
     """
     if not datasets_available():
         raise ValueError("the prepared pipeline needs the `datasets` package (parquet shards); install it")
-    from vlfit.data.prepare import prepare_dataset
+    from vlfit.data.prepare import prepare_dataset  # both import datasets, which a bare GPU machine may lack
     from vlfit.data.sources import open_splits
 
     output_dir = os.path.join(cache_dir, f"prepared-{image_size}px-{key}")

@@ -1,4 +1,4 @@
-"""Turn sweep results into derived figures, a verdict, a terminal table, ``bench.json``, ``bench.md`` and ``bench.png``.
+"""Turn sweep results into derived figures, a verdict, and the text of the terminal table and ``bench.md``.
 
 Derived per row: speedup against the ``reference, 0 workers`` row of the same mode, fraction of the compute
 ceiling, and whether a train row sits above the ceiling by more than ``CEILING_TOLERANCE`` (which only noise can
@@ -7,12 +7,10 @@ cause: a train step does everything a ceiling step does, plus waiting for data).
 
 from __future__ import annotations
 
-import json
-import logging
-import os
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from vlfit.bench.published import citation, per_device, published_figures
+from vlfit.bench.selection import CONFIG_FIELDS, best_row, describe, recommend, samples_per_second, workers_label
 
 # A train row may read up to this fraction above the compute ceiling before it counts as a measurement problem:
 # both are medians of short windows on a machine that may be doing other work.
@@ -20,35 +18,17 @@ CEILING_TOLERANCE = 0.15
 # Below this fraction of the compute ceiling, the best data path is what limits training.
 DATA_BOUND_BELOW = 0.9
 
-PUBLISHED: dict[str, Any] = {
-    "label": "published figures (not measured here)",
-    "setup": "BridgeTower-large (866M parameters), contrastive fine-tuning on the New Yorker Caption Contest, "
-    "batch 48 per device, bf16, 8 devices; samples/s for dataloader_num_workers 0/1/2",
-    "devices": 8,
-    "rows": [
-        {"device": "Gaudi2", "samples_per_second": {"0": 601.5, "1": 747.4, "2": 768.7}, "media_pipeline": 847.7},
-        {"device": "H100", "samples_per_second": {"0": 336.5, "1": 580.1, "2": 602.1}},
-        {"device": "A100", "samples_per_second": {"0": 227.5, "1": 339.7, "2": 345.4}},
-    ],
-}
-
-
-def _rate(row: dict[str, Any]) -> float | None:
-    return row.get("samples_per_second")
-
 
 def finalize(results: dict[str, Any]) -> dict[str, Any]:
     """Add derived row fields, the verdict, the recommended configuration and the published figures (in place)."""
-    from vlfit.bench.auto import recommend
-
     ceiling = results.get("compute", {}).get("samples_per_second")
     references = {
-        row["mode"]: _rate(row)
+        row["mode"]: samples_per_second(row)
         for row in results["rows"]
-        if row["pipeline"] == "reference" and row["workers"] == 0 and _rate(row)
+        if row["pipeline"] == "reference" and row["workers"] == 0 and samples_per_second(row)
     }
     for row in results["rows"]:
-        rate, reference = _rate(row), references.get(row["mode"])
+        rate, reference = samples_per_second(row), references.get(row["mode"])
         row["speedup_vs_reference"] = rate / reference if rate and reference else None
         row["fraction_of_compute"] = rate / ceiling if rate and ceiling else None
         row["above_ceiling"] = bool(
@@ -57,16 +37,8 @@ def finalize(results: dict[str, Any]) -> dict[str, Any]:
     results["ceiling_tolerance"] = CEILING_TOLERANCE
     results["verdict"] = verdict(results)
     results["recommendation"] = recommend(results)
-    results["published"] = PUBLISHED
+    results["published"] = published_figures()
     return results
-
-
-def best_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The fastest measured row, taken from train mode when the sweep has any train rows."""
-    measured = [row for row in rows if _rate(row)]
-    trained = [row for row in measured if row["mode"] == "train"]
-    pool = trained or measured
-    return max(pool, key=lambda row: row["samples_per_second"]) if pool else None
 
 
 def verdict(results: dict[str, Any]) -> dict[str, Any] | None:
@@ -105,18 +77,12 @@ def verdict(results: dict[str, Any]) -> dict[str, Any] | None:
         lines.append("The input pipeline keeps up: faster training has to come from the model side.")
     return {
         "bound": bound,
-        "best": {key: best[key] for key in ("mode", "pipeline", "workers", "prefetch_factor", "samples_per_second")},
+        "best": {key: best[key] for key in CONFIG_FIELDS},
         "compute_ceiling": ceiling,
         "fraction_of_compute": fraction,
         "threshold": DATA_BOUND_BELOW,
         "text": " ".join(lines),
     }
-
-
-def describe(row: dict[str, Any]) -> str:
-    """``fast, 2 workers, prefetch 2``."""
-    text = f"{row['pipeline']}, {row['workers']} worker{'s' if row['workers'] != 1 else ''}"
-    return text + (f", prefetch {row['prefetch_factor']}" if row.get("prefetch_factor") else "")
 
 
 # -------------------------------------------------------------------------------------------------- tables
@@ -138,10 +104,11 @@ ROW_HEADERS = (
 
 def row_cells(row: dict[str, Any]) -> list[str]:
     """The table cells of one row."""
-    rate = _rate(row)
+    rate = samples_per_second(row)
     if rate is None:
+        error = " ".join((row.get("error") or "").split())  # one line, whatever the exception's message holds
         return [row["mode"], row["pipeline"], str(row["workers"]), _fmt(row["prefetch_factor"], "d"),
-                "failed", row.get("error") or "", "", "", "", "", ""]  # fmt: skip
+                "failed", error, "", "", "", "", ""]  # fmt: skip
     spread = f"{row['samples_per_second_min']:.1f}-{row['samples_per_second_max']:.1f}"
     flag = " (!)" if row.get("above_ceiling") else ""
     return [
@@ -173,9 +140,6 @@ def _md_table(headers: list[str] | tuple[str, ...], rows: list[list[str]]) -> st
     return "\n".join(lines)
 
 
-STAGE_HEADERS_PREFIX = ("pipeline",)
-
-
 def _stage_table(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     stages = results.get("stages") or {}
     if not stages:
@@ -190,19 +154,29 @@ def _stage_table(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return headers, rows
 
 
-def _published_rows() -> list[list[str]]:
+def _published_table(published: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    media_heading = f"media pipeline, {workers_label(published['media_pipeline_workers'])} (decode on device)"
+    headers = ["device", *(workers_label(w) for w in published["workers"]), media_heading]
     rows = []
-    devices = PUBLISHED["devices"]
-    for entry in PUBLISHED["rows"]:
-        figures = entry["samples_per_second"]
-        cells = [f"{figures[w]:.1f} ({figures[w] / devices:.1f})" for w in ("0", "1", "2")]
+    for entry in published["rows"]:
+        figures = [entry["samples_per_second"][w] for w in published["workers"]]
         media = entry.get("media_pipeline")
-        cells.append("-" if media is None else f"{media:.1f} ({media / devices:.1f})")
+        cells = [f"{value:.1f} ({per_device(value, published):.1f})" for value in figures]
+        cells.append("-" if media is None else f"{media:.1f} ({per_device(media, published):.1f})")
         rows.append([entry["device"], *cells])
-    return rows
+    return headers, rows
 
 
-PUBLISHED_HEADERS = ("device", "0 workers", "1 worker", "2 workers", "media pipeline (decode on device)")
+def _published_line(published: dict[str, Any]) -> str:
+    entries = []
+    for entry in published["rows"]:
+        figures = "/".join(f"{per_device(entry['samples_per_second'][w], published):.1f}" for w in published["workers"])
+        media = entry.get("media_pipeline")
+        entries.append(
+            f"{entry['device']} {figures}" + (f" (media pipeline {per_device(media, published):.1f})" if media else "")
+        )
+    workers = "/".join(published["workers"])
+    return f"{published['label']}, BridgeTower-large, samples/s per device for {workers} workers: {'; '.join(entries)}"
 
 
 def _summary_lines(results: dict[str, Any]) -> list[str]:
@@ -248,14 +222,7 @@ def format_terminal(results: dict[str, Any]) -> str:
     recommendation = results.get("recommendation")
     if recommendation:
         parts.append(recommendation["text"])
-    devices = PUBLISHED["devices"]
-    published = []
-    for entry in PUBLISHED["rows"]:
-        figures = "/".join(f"{value / devices:.1f}" for value in entry["samples_per_second"].values())
-        media = entry.get("media_pipeline")
-        published.append(f"{entry['device']} {figures}" + (f" (media pipeline {media / devices:.1f})" if media else ""))
-    label = f"{PUBLISHED['label']}, BridgeTower-large, samples/s per device for 0/1/2 workers"
-    parts.append(f"{label}: {'; '.join(published)}")
+    parts.append(_published_line(published_figures()))
     return "\n\n".join(parts)
 
 
@@ -283,156 +250,11 @@ def format_markdown(results: dict[str, Any], png_name: str | None = "bench.png")
     recommendation = results.get("recommendation")
     if recommendation:
         parts += ["## Settings for this machine", "```\n" + recommendation["text"] + "\n```"]
+    published = published_figures()
     parts += [
         "## Published figures",
-        f"{PUBLISHED['label']}: {PUBLISHED['setup']}. Per device (/{PUBLISHED['devices']}) in brackets.",
-        _md_table(PUBLISHED_HEADERS, _published_rows()),
+        f"{published['label']}: {published['setup']}. Per device (/{published['devices']}) in brackets.",
+        _md_table(*_published_table(published)),
+        f"Source: {citation(published)}; figures from {published['source']['figures_from']}.",
     ]
     return "\n\n".join(parts) + "\n"
-
-
-# ---------------------------------------------------------------------------------------------------- chart
-
-
-def _chart_groups(results: dict[str, Any], mode: str) -> tuple[list[str], list[int], dict[tuple[str, int], dict]]:
-    prefetch = (results["settings"].get("prefetch_factors") or [2])[0]
-    rows = {
-        (r["pipeline"], r["workers"]): r
-        for r in results["rows"]
-        if r["mode"] == mode and _rate(r) and (r["workers"] == 0 or r["prefetch_factor"] == prefetch)
-    }
-    pipelines = list(dict.fromkeys(p for p, _ in rows))
-    workers = sorted({w for _, w in rows})
-    return pipelines, workers, rows
-
-
-def _workers_label(workers: int | str) -> str:
-    return f"{workers} worker{'' if int(workers) == 1 else 's'}"
-
-
-def write_png(results: dict[str, Any], path: str) -> str:
-    """Grouped bars (one group per pipeline, one bar per worker count) with the compute ceiling as a line.
-
-    One panel per mode, plus the published figures per device. Uses matplotlib (Agg); without it, a plainer
-    chart drawn with Pillow.
-
-    Returns:
-        The renderer used: ``matplotlib`` or ``pillow``.
-    """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        _write_png_pillow(results, path)
-        return "pillow"
-    modes = [m for m in ("train", "loader") if any(r["mode"] == m and _rate(r) for r in results["rows"])]
-    panels = len(modes) + 1
-    fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.4), squeeze=False)
-    ceiling = results.get("compute", {}).get("samples_per_second")
-    for ax, mode in zip(axes[0], modes, strict=False):
-        pipelines, workers, rows = _chart_groups(results, mode)
-        width = 0.8 / max(len(workers), 1)
-        for i, w in enumerate(workers):
-            xs = [p + (i - (len(workers) - 1) / 2) * width for p in range(len(pipelines))]
-            present = [rows.get((name, w)) for name in pipelines]
-            values = [row["samples_per_second"] if row else 0.0 for row in present]
-            low = [row["samples_per_second"] - row["samples_per_second_min"] if row else 0.0 for row in present]
-            high = [row["samples_per_second_max"] - row["samples_per_second"] if row else 0.0 for row in present]
-            bars = ax.bar(xs, values, width, yerr=[low, high], capsize=2, label=_workers_label(w))
-            ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=2)
-        if ceiling:
-            ax.axhline(ceiling, color="black", linestyle="--", linewidth=1, label=f"compute ceiling {ceiling:.0f}")
-        ax.set_xticks(range(len(pipelines)), pipelines)
-        ax.set_ylabel("samples/s")
-        ax.set_title(f"{mode} mode, this machine")
-        ax.legend(fontsize=7)
-    ax = axes[0][-1]
-    devices = [entry["device"] for entry in PUBLISHED["rows"]]
-    width = 0.2
-    for i, w in enumerate(("0", "1", "2")):
-        values = [entry["samples_per_second"][w] / PUBLISHED["devices"] for entry in PUBLISHED["rows"]]
-        ax.bar([d + (i - 1.5) * width for d in range(len(devices))], values, width, label=_workers_label(w))
-    media = [entry.get("media_pipeline") for entry in PUBLISHED["rows"]]
-    ax.bar([d + 1.5 * width for d in range(len(devices)) if media[d]],
-           [m / PUBLISHED["devices"] for m in media if m], width, label="media pipeline")  # fmt: skip
-    ax.set_xticks(range(len(devices)), devices)
-    ax.set_ylabel("samples/s per device")
-    ax.set_title("published figures (8 devices / 8), BridgeTower-large", fontsize=9)
-    ax.legend(fontsize=7)
-    settings = results["settings"]
-    fig.suptitle(f"vlfit bench: {settings.get('model', '?')}, batch {settings['batch_size']}, {settings['precision']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return "matplotlib"
-
-
-def _write_png_pillow(results: dict[str, Any], path: str) -> None:
-    from PIL import Image, ImageDraw
-
-    mode = "train" if any(r["mode"] == "train" and _rate(r) for r in results["rows"]) else "loader"
-    pipelines, workers, rows = _chart_groups(results, mode)
-    ceiling = results.get("compute", {}).get("samples_per_second") or 0.0
-    top = max([ceiling, *(r["samples_per_second"] for r in rows.values())], default=1.0) * 1.15
-    width, height, left, bottom, plot_top = 760, 420, 60, 360, 40
-    image = Image.new("RGB", (width, height), "white")
-    draw = ImageDraw.Draw(image)
-    colours = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75)]
-    group = (width - left - 20) / max(len(pipelines), 1)
-    bar = group * 0.8 / max(len(workers), 1)
-    draw.line([(left, plot_top), (left, bottom), (width - 20, bottom)], fill="black")
-    for g, name in enumerate(pipelines):
-        x0 = left + g * group + group * 0.1
-        for i, w in enumerate(workers):
-            row = rows.get((name, w))
-            if row is None:
-                continue
-            y = bottom - (bottom - plot_top) * row["samples_per_second"] / top
-            box = [x0 + i * bar, y, x0 + (i + 1) * bar - 2, bottom]
-            draw.rectangle(box, fill=colours[i % len(colours)])
-            draw.text((box[0], y - 12), f"{row['samples_per_second']:.0f}", fill="black")
-        draw.text((x0, bottom + 6), name, fill="black")
-    if ceiling:
-        y = bottom - (bottom - plot_top) * ceiling / top
-        draw.line([(left, y), (width - 20, y)], fill="black", width=1)
-        draw.text((left + 4, y - 12), f"compute ceiling {ceiling:.0f} samples/s", fill="black")
-    legend = "   ".join(_workers_label(w) for w in workers)
-    draw.text((left, 12), f"vlfit bench, {mode} mode, samples/s   bars: {legend}", fill="black")
-    for i, w in enumerate(workers):
-        draw.rectangle([left + i * 90, bottom + 26, left + i * 90 + 10, bottom + 36], fill=colours[i % len(colours)])
-        draw.text((left + i * 90 + 14, bottom + 25), _workers_label(w), fill="black")
-    image.save(path)
-
-
-# ---------------------------------------------------------------------------------------------------- files
-
-
-def write_outputs(results: dict[str, Any], output_dir: str, *, png: bool = True) -> dict[str, str]:
-    """Write ``bench.json``, ``bench.md`` and (when ``png``) ``bench.png`` into ``output_dir``.
-
-    Returns:
-        Kind -> path of each file written.
-    """
-    os.makedirs(output_dir, exist_ok=True)
-    paths = {"json": os.path.join(output_dir, "bench.json"), "md": os.path.join(output_dir, "bench.md")}
-    if png:
-        path = os.path.join(output_dir, "bench.png")
-        try:
-            results.setdefault("settings", {})["chart_renderer"] = write_png(results, path)
-            paths["png"] = path
-        except Exception:  # a chart is not worth losing the numbers over (fonts, backends, ...)
-            logger.exception("could not draw %s; bench.json and bench.md are written anyway", path)
-            png = False
-    temp = paths["json"] + ".tmp"
-    try:
-        with open(temp, "w") as f:
-            json.dump(results, f, indent=1, allow_nan=False)
-        os.replace(temp, paths["json"])  # a reader never sees half a file, even if the run is killed
-    finally:
-        if os.path.exists(temp):
-            os.remove(temp)
-    with open(paths["md"], "w") as f:
-        f.write(format_markdown(results, "bench.png" if png else None))
-    return paths

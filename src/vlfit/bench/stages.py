@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torchvision.transforms.functional as TF
 
-from vlfit.bench.data import PipelineSpec
 from vlfit.bench.measure import StageClock, synchronize
+from vlfit.bench.selection import PipelineSpec
 from vlfit.data.dataset import Sample
 from vlfit.data.decode import decode_pil, decode_scaled
 from vlfit.data.image_transforms import EncodedImage, ReferenceImageTransform, hwc_to_chw_view, resize_crop_uint8

@@ -4,6 +4,10 @@ Sweeps pipelines (reference, fast, prepared, device) x DataLoader workers in loa
 compute ceiling, and writes a table, ``bench.json``, ``bench.md`` and ``bench.png`` to ``--output_dir``.
 Partial results are written after every configuration, and an interrupted run (Ctrl-C, SIGTERM) writes what it
 has before exiting.
+
+The model and data-location flags are those of ``vlfit train`` (``--model_preset``, ``--model_name_or_path``,
+``--dataset_name``, ``--train_file``, ``--id_column``, ...); without a model flag the bench builds the tiny preset
+on a CPU and the large one on a GPU, and without data flags it generates synthetic New-Yorker-like JPEGs.
 """
 
 from __future__ import annotations
@@ -20,34 +24,23 @@ from typing import Any
 import torch
 from transformers import HfArgumentParser
 
-from vlfit.arguments import ModelArguments
-from vlfit.bench.data import (
-    PIPELINES,
-    dataset_source,
-    datasets_available,
-    get_pipeline,
-    source_key,
-    synthetic_source,
-)
-from vlfit.bench.report import finalize, format_terminal, write_outputs
-from vlfit.bench.sweep import (
-    MODES,
-    BenchSession,
-    SweepPlan,
-    available_cores,
-    default_pipelines,
-    default_precision,
-    default_workers,
-    run_sweep,
-)
-from vlfit.models.loading import build_model, resolve_model
+from vlfit.arguments import DataLocationArguments, ModelArguments
+from vlfit.bench.data import dataset_source, datasets_available, source_key, synthetic_source
+from vlfit.bench.files import write_outputs
+from vlfit.bench.fit import DoesNotFit, available_memory, check_fit, estimate_training_memory, memory_settings
+from vlfit.bench.plan import MODES, SweepPlan, available_cores, default_pipelines, default_precision, default_workers
+from vlfit.bench.report import finalize, format_terminal
+from vlfit.bench.selection import PIPELINES, get_pipeline
+from vlfit.bench.session import BenchSession
+from vlfit.bench.sweep import run_sweep
+from vlfit.models.loading import ModelBlueprint, build_model, resolve_model
 
 logger = logging.getLogger("vlfit.bench")
 
 
 @dataclass
 class BenchArguments:
-    """Flags of ``vlfit bench``."""
+    """Flags of ``vlfit bench`` besides the model and data-location flags it shares with ``vlfit train``."""
 
     output_dir: str = field(default="runs/bench", metadata={"help": "Where bench.json, bench.md and bench.png go."})
     mode: str = field(
@@ -69,11 +62,6 @@ class BenchArguments:
         metadata={"help": "Comma-separated DataLoader worker counts (default: 0,1,2 then powers of two <= cores)."},
     )
     prefetch_factors: str = field(default="2", metadata={"help": "Comma-separated DataLoader prefetch factors."})
-    model_preset: str | None = field(
-        default=None, metadata={"help": "Random-init preset (default: tiny on CPU, large on a GPU)."}
-    )
-    model_name_or_path: str | None = field(default=None, metadata={"help": "A checkpoint instead of a preset."})
-    tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer to use instead of the model's."})
     per_device_train_batch_size: int = field(default=48, metadata={"help": "Batch size (the study's 48)."})
     steps: int = field(default=10, metadata={"help": "Timed steps per window."})
     warmup_steps: int = field(
@@ -90,15 +78,7 @@ class BenchArguments:
         metadata={"help": "Also try --auto_prefetch_factors on the best configuration; print the vlfit train flags."},
     )
     auto_prefetch_factors: str = field(default="2,4", metadata={"help": "Prefetch factors --auto tries."})
-    dataset_name: str | None = field(
-        default=None, metadata={"help": "Any dataset vlfit train reads (default: synthetic New-Yorker-like JPEGs)."}
-    )
-    dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset config."})
-    train_file: str | None = field(default=None, metadata={"help": "Data files instead of --dataset_name."})
-    split: str = field(default="train", metadata={"help": "Split of --dataset_name to read."})
-    image_column: str = field(default="image", metadata={"help": "Column holding images."})
-    caption_column: str = field(default="image_description", metadata={"help": "Column holding captions."})
-    token: str | None = field(default=None, metadata={"help": "Hub token."})
+    split: str = field(default="train", metadata={"help": "Split of the data to read (with --dataset_name or files)."})
     num_samples: int = field(
         default=192, metadata={"help": "Distinct samples (generated, or the first N of the split), served cyclically."}
     )
@@ -110,14 +90,29 @@ class BenchArguments:
         default=None, metadata={"help": "Stop repeating a configuration after this many seconds."}
     )
     device: str | None = field(default=None, metadata={"help": "cuda or cpu (default: cuda when available)."})
-    cache_dir: str | None = field(
-        default=None, metadata={"help": "Keep prepared data here for later runs (default: a temporary folder)."}
-    )
     num_proc: int | None = field(
         default=None, metadata={"help": "Processes for generating and preparing data (default: min(cores, 8))."}
     )
     seed: int = field(default=0, metadata={"help": "Seed for data, sampling order and model initialization."})
     png: bool = field(default=True, metadata={"help": "Write bench.png."})
+    skip_fit_check: bool = field(
+        default=False,
+        metadata={
+            "help": "Train mode checks first that the model, gradients, AdamW states and activations fit in the "
+            "device's (or host's) memory, and stops with an error if they cannot; this skips the check."
+        },
+    )
+
+
+def parser() -> HfArgumentParser:
+    """The flags of ``vlfit bench``: ``vlfit train``'s model and data-location flags, then the bench's own.
+
+    ``--cache_dir`` is where downloads are cached, as in ``vlfit train``; the bench also keeps the prepared copy of
+    the samples there for later runs (without it, in a temporary folder).
+    """
+    return HfArgumentParser(
+        (ModelArguments, DataLocationArguments, BenchArguments), prog="vlfit bench", description=__doc__
+    )
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -138,6 +133,9 @@ def resolve_plan(args: BenchArguments, device: torch.device) -> SweepPlan:
     """The sweep the flags ask for on ``device``, with machine-dependent defaults filled in."""
     if args.bf16 and args.fp32:
         raise ValueError("--bf16 and --fp32 exclude each other")
+    for mode in _names(args.mode):
+        if mode not in MODES:
+            raise ValueError(f"unknown --mode {mode!r}; choose from: {', '.join(MODES)}")
     precision = "bf16" if args.bf16 else "fp32" if args.fp32 else default_precision(device)
     pipelines = _names(args.pipelines) if args.pipelines else default_pipelines(device)
     for name in pipelines:
@@ -166,28 +164,29 @@ def resolve_plan(args: BenchArguments, device: torch.device) -> SweepPlan:
     )
 
 
-def open_source(args: BenchArguments, num_proc: int) -> tuple[Any, dict[str, Any]]:
+def _reads_files(data_args: DataLocationArguments) -> bool:
+    return any((data_args.dataset_name, data_args.train_file, data_args.validation_file, data_args.test_file))
+
+
+def open_source(
+    args: BenchArguments, data_args: DataLocationArguments, model_args: ModelArguments, num_proc: int
+) -> tuple[Any, dict[str, Any]]:
     """The distinct samples and a description of them (for the results and cache folder names)."""
-    if args.dataset_name or args.train_file:
+    if _reads_files(data_args):
+        location = data_args.source_kwargs()
+        dataset = location["dataset_name"]
         description = {
-            "dataset_name": os.path.abspath(args.dataset_name)
-            if args.dataset_name and os.path.exists(args.dataset_name)
-            else args.dataset_name,
-            "dataset_config_name": args.dataset_config_name,
-            "train_file": args.train_file,
+            **location,
+            "dataset_name": os.path.abspath(dataset) if dataset and os.path.exists(dataset) else dataset,
             "split": args.split,
             "num_samples": args.num_samples,
-            "columns": [args.image_column, args.caption_column],
         }
         source = dataset_source(
+            location,
             split=args.split,
             num_samples=args.num_samples,
-            dataset_name=args.dataset_name,
-            dataset_config_name=args.dataset_config_name,
-            train_file=args.train_file,
-            image_column=args.image_column,
-            caption_column=args.caption_column,
-            token=args.token,
+            cache_dir=model_args.cache_dir,
+            token=model_args.token,
         )
         return source, description
     source = synthetic_source(
@@ -199,6 +198,43 @@ def open_source(args: BenchArguments, num_proc: int) -> tuple[Any, dict[str, Any
     )
     return source, {"synthetic": f"seed {args.seed}", "num_samples": args.num_samples,
                     "long_side": [args.synthetic_min_long_side, args.synthetic_max_long_side]}  # fmt: skip
+
+
+def check_train_fits(
+    blueprint: ModelBlueprint, model_args: ModelArguments, plan: SweepPlan, device: torch.device
+) -> dict[str, Any]:
+    """Stop before the sweep when train mode cannot fit in memory (see ``vlfit.bench.fit``).
+
+    Returns:
+        The estimate and the memory it was compared with, for the results' settings.
+
+    Raises:
+        DoesNotFit: naming the model, batch and estimate, with what to change.
+    """
+    estimate = estimate_training_memory(
+        blueprint.family,
+        blueprint.config,
+        image_size=blueprint.inputs.image_size,
+        max_seq_length=plan.max_seq_length,
+        batch_size=plan.batch_size,
+        precision=plan.precision,
+        freeze={
+            "vision": model_args.freeze_vision_model,
+            "text": model_args.freeze_text_model,
+            "text_pooler": model_args.freeze_text_pooler,
+        },
+    )
+    available, where = available_memory(device)
+    logger.info(
+        "train mode needs at least %s; %s: %s",
+        estimate.describe(),
+        where,
+        "unknown" if available is None else f"{available / 2**30:.1f} GiB",
+    )
+    check_fit(
+        estimate, available, where, model=blueprint.description, batch_size=plan.batch_size, precision=plan.precision
+    )
+    return memory_settings(estimate, available, where)
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
@@ -215,36 +251,41 @@ def _setup_logging() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``vlfit bench``; returns 0, or 130 when interrupted (partial outputs are written)."""
-    parser = HfArgumentParser(BenchArguments, prog="vlfit bench", description=__doc__)
-    (args,) = parser.parse_args_into_dataclasses(args=sys.argv[1:] if argv is None else argv)
+    """Entry point of ``vlfit bench``.
+
+    Returns:
+        0; 130 when interrupted (partial outputs are written); 2 when train mode cannot fit in memory (nothing is
+        measured).
+    """
+    model_args, data_args, args = parser().parse_args_into_dataclasses(args=sys.argv[1:] if argv is None else argv)
     _setup_logging()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    for mode in _names(args.mode):
-        if mode not in MODES:
-            raise ValueError(f"unknown --mode {mode!r}; choose from: {', '.join(MODES)}")
     plan = resolve_plan(args, device)
-    preset = args.model_preset
-    if preset is None and args.model_name_or_path is None:
-        preset = "large" if device.type == "cuda" else "tiny"
+    if model_args.model_preset is None and model_args.model_name_or_path is None:
+        model_args.model_preset = "large" if device.type == "cuda" else "tiny"
     num_proc = args.num_proc or max(1, min(available_cores(), 8))
 
     logger.info("sweep on %s: pipelines %s, workers %s, modes %s", device, plan.pipelines, plan.workers, plan.modes)
-    source, description = open_source(args, num_proc)
+    source, description = open_source(args, data_args, model_args, num_proc)
     torch.manual_seed(args.seed)
-    model_args = ModelArguments(
-        model_name_or_path=args.model_name_or_path, model_preset=preset, tokenizer_name=args.tokenizer_name
-    )
     blueprint = resolve_model(model_args, captions=source.captions, max_seq_length=args.max_seq_length)
+    info: dict[str, Any] = {}
+    if plan.trains and not args.skip_fit_check:
+        try:
+            info.update(check_train_fits(blueprint, model_args, plan, device))
+        except DoesNotFit as err:
+            print(f"vlfit bench: {err}", file=sys.stderr)
+            return 2
     # Loader mode needs the input spec only: the model (4 GB for the large preset) is built for train mode alone.
-    model = build_model(blueprint, model_args) if "train" in plan.modes else None
-    name = f"preset {preset}" if preset else args.model_name_or_path
+    model = build_model(blueprint, model_args) if plan.trains else None
     size = f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, " if model is not None else ""
+    preset, checkpoint = model_args.model_preset, model_args.model_name_or_path
     info = {
-        "model": f"{name} ({size}{blueprint.inputs.image_size} px)",
-        "model_flags": ["--model_preset", preset] if preset else ["--model_name_or_path", args.model_name_or_path],
+        "model": f"{blueprint.description} ({size}{blueprint.inputs.image_size} px)",
+        "model_flags": ["--model_preset", preset] if preset else ["--model_name_or_path", checkpoint],
         "data": getattr(source, "name", None) or "; ".join(f"{k} {v}" for k, v in description.items() if v),
         "device": str(device),
+        **info,
     }
     output_dir = args.output_dir
 
@@ -262,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             plan,
             model=model,
             family=blueprint.family,
-            cache_dir=args.cache_dir or temp,
+            cache_dir=model_args.cache_dir or temp,
             source_key=source_key(description),
             num_proc=num_proc,
         )

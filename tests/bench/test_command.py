@@ -1,0 +1,82 @@
+"""``vlfit bench`` flags: vlfit train's model and data-location flags, the sweep plan they resolve to, defaults."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+import torch
+
+from vlfit.arguments import DataLocationArguments, ModelArguments
+from vlfit.bench.plan import SweepPlan, configurations, default_workers
+from vlfit.cli import main
+from vlfit.commands.bench import open_source, parser, resolve_plan
+
+
+def _parse(*flags: str):
+    return parser().parse_args_into_dataclasses(args=list(flags))
+
+
+def test_every_model_and_data_location_flag_of_train_is_a_bench_flag() -> None:
+    options = {option for action in parser()._actions for option in action.option_strings}
+    for arguments in (ModelArguments, DataLocationArguments):
+        for f in fields(arguments):
+            assert f"--{f.name}" in options, f.name
+    model_args, data_args, args = _parse("--id_column", "image_description", "--validation_file", "val.jsonl",
+                                         "--dataset_revision", "v2", "--model_revision", "r1", "--split", "validation",
+                                         "--num_samples", "16", "--model_preset", "small")  # fmt: skip
+    assert (data_args.id_column, data_args.validation_file, data_args.dataset_revision) == (
+        "image_description", "val.jsonl", "v2"
+    )  # fmt: skip
+    assert (model_args.model_revision, model_args.model_preset) == ("r1", "small")
+    assert (args.split, args.num_samples) == ("validation", 16)
+
+
+def test_id_column_picks_the_ids_of_the_samples(synthetic_dataset_dir: str) -> None:
+    model_args, data_args, args = _parse("--dataset_name", synthetic_dataset_dir, "--id_column", "image_description",
+                                         "--num_samples", "4")  # fmt: skip
+    source, description = open_source(args, data_args, model_args, num_proc=1)
+    assert len(source) == 4 and description["id_column"] == "image_description"
+    assert [record.id for record in source] == [record.caption for record in source]
+    model_args, data_args, args = _parse("--dataset_name", synthetic_dataset_dir, "--id_column", "no_such_column")
+    with pytest.raises(ValueError, match="id column 'no_such_column' not found"):
+        open_source(args, data_args, model_args, num_proc=1)
+
+
+def test_flags_resolve_to_a_sweep_plan() -> None:
+    _, _, args = _parse("--mode", "loader,train", "--pipelines", "reference,fast", "--workers", "0,2",
+                        "--prefetch_factors", "2,4", "--per_device_train_batch_size", "8", "--bf16")  # fmt: skip
+    plan = resolve_plan(args, torch.device("cpu"))
+    assert (plan.modes, plan.pipelines, plan.workers, plan.batch_size, plan.precision) == (
+        ["loader", "train"], ["reference", "fast"], [0, 2], 8, "bf16"
+    )  # fmt: skip
+    # Prefetch factors only apply with workers.
+    assert configurations(plan)[:3] == [("loader", "reference", 0, None), ("loader", "reference", 2, 2),
+                                        ("loader", "reference", 2, 4)]  # fmt: skip
+    assert len(configurations(plan)) == 2 * 2 * 3
+    _, _, args = _parse()
+    assert resolve_plan(args, torch.device("cpu")).precision == "fp32"  # bf16 is the default on CUDA only
+    with pytest.raises(ValueError, match="takes comma-separated integers"):
+        resolve_plan(_parse("--workers", "0,two")[2], torch.device("cpu"))
+
+
+def test_default_workers_go_up_to_the_core_count() -> None:
+    assert default_workers(2) == [0, 1, 2]
+    assert default_workers(1) == [0, 1, 2]
+    assert default_workers(16) == [0, 1, 2, 4, 8, 16]
+    assert default_workers(6) == [0, 1, 2, 4]
+
+
+def test_plan_rejects_unknown_names_and_empty_sweeps() -> None:
+    with pytest.raises(ValueError, match="unknown pipeline 'turbo'"):
+        SweepPlan(pipelines=["turbo"], workers=[0])
+    with pytest.raises(ValueError, match="unknown mode 'infer'"):
+        SweepPlan(pipelines=["fast"], workers=[0], modes=["infer"])
+    with pytest.raises(ValueError, match="--steps must be at least 1"):
+        SweepPlan(pipelines=["fast"], workers=[0], steps=0)
+    with pytest.raises(ValueError, match="unknown precision 'fp8'"):
+        SweepPlan(pipelines=["fast"], workers=[0], precision="fp8")
+    with pytest.raises(ValueError, match="exclude each other"):
+        main(["bench", "--bf16", "--fp32", "--output_dir", "unused"])
+    with pytest.raises(ValueError, match="unknown --mode 'infer'"):
+        main(["bench", "--mode", "infer", "--output_dir", "unused"])

@@ -1,0 +1,68 @@
+"""``benchmarks/gpu.sh`` on a CPU (without the optional packages), its refusal without a GPU, and the CUDA check
+of the bench itself (run by gpu.sh on a GPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.bench.bench_runs import REPO, TINY, assert_png, run_bench
+
+
+def _blocked_packages(folder: Path, names: tuple[str, ...]) -> str:
+    """A folder that, first on PYTHONPATH, makes ``import NAME`` fail as on a machine without NAME."""
+    for name in names:
+        (folder / name).mkdir(parents=True)
+        (folder / name / "__init__.py").write_text(f"raise ImportError('{name} is not installed here')\n")
+    return str(folder)
+
+
+def test_gpu_script_runs_on_a_cpu_without_datasets_simplejpeg_or_matplotlib(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    blocked = _blocked_packages(tmp_path / "blocked", ("datasets", "simplejpeg", "matplotlib"))
+    args = " ".join([*TINY, "--pipelines", "fast,device", "--workers", "0,1"])
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": blocked, "VLFIT_BENCH_ALLOW_CPU": "1",
+           "VLFIT_BENCH_ARGS": args}  # fmt: skip
+    done = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu.sh"), str(out)], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "simplejpeg no" in done.stdout and "datasets no" in done.stdout
+    results = json.loads((out / "bench.json").read_text())
+    assert results["machine"]["jpeg_decoder"].startswith("pillow")
+    assert results["machine"]["datasets_installed"] is False
+    assert len(results["rows"]) == 4 and all(row["samples_per_second"] > 0 for row in results["rows"])
+    assert_png(out / "bench.png")  # drawn without matplotlib
+    assert (out / "bench.log").stat().st_size > 0
+    # The CUDA tests ran first and, without a GPU, reported every one of them skipped.
+    tests_log = (out / "cuda_tests.log").read_text()
+    assert "SKIPPED" in tests_log and "needs an NVIDIA GPU" in tests_log and "failed" not in tests_log
+    assert "gpu.sh: CUDA tests exit 0" in done.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_gpu_script_refuses_to_run_without_a_gpu(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHON": sys.executable}
+    env.pop("VLFIT_BENCH_ALLOW_CPU", None)
+    done = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu.sh"), str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode != 0 and "no CUDA GPU" in done.stderr
+    assert not (tmp_path / "bench.json").exists()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_bench_on_cuda_measures_device_memory_and_device_decode(tmp_path: Path) -> None:
+    code, results, _ = run_bench(tmp_path, *TINY, "--pipelines", "fast,device", "--workers", "0,1",
+                                 "--device", "cuda")  # fmt: skip
+    assert code == 0
+    assert results["settings"]["precision"] in ("bf16", "fp32")
+    assert results["settings"]["available_memory_from"].startswith("free memory on")
+    for row in results["rows"]:
+        assert row["error"] is None and row["samples_per_second"] > 0
+        assert row["peak_device_memory_mib"] > 0

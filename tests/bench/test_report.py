@@ -1,0 +1,106 @@
+"""Derived figures, verdict and text; the chart with and without matplotlib; the files; the published figures."""
+
+from __future__ import annotations
+
+import json
+import sys
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+import vlfit.bench.files
+import vlfit.bench.published
+from tests.bench.bench_runs import assert_png, made_up_results, row
+from vlfit.bench.chart import write_png
+from vlfit.bench.files import write_outputs
+from vlfit.bench.published import citation, published_figures
+from vlfit.bench.report import CEILING_TOLERANCE, finalize, format_markdown, format_terminal
+
+
+def test_verdict_threshold_and_ceiling_flag() -> None:
+    data_bound = finalize(made_up_results(best=80.0, ceiling=100.0))
+    assert data_bound["verdict"]["bound"] == "data-bound"
+    assert data_bound["rows"][1]["speedup_vs_reference"] == pytest.approx(4.0)
+    assert "--bf16" in data_bound["recommendation"]["command"]
+    compute_bound = finalize(made_up_results(best=95.0, ceiling=100.0))
+    assert compute_bound["verdict"]["bound"] == "compute-bound"
+    assert not any(r["above_ceiling"] for r in compute_bound["rows"])
+    above = finalize(made_up_results(best=100.0 * (1 + CEILING_TOLERANCE) + 1, ceiling=100.0))
+    assert above["rows"][1]["above_ceiling"] is True
+    assert "(!)" in format_terminal(above)
+
+
+def test_a_failed_row_shows_its_error_on_one_line() -> None:
+    results = made_up_results(best=80.0, ceiling=100.0)
+    error = "OutOfMemoryError: CUDA out of memory.\nTried to allocate 2.00 GiB | GPU 0"
+    results["rows"].append({**row("fast", 2, None), "data_wait_share": None, "error": error})
+    results = finalize(results)
+    assert results["verdict"]["best"]["workers"] == 1  # the failed row is no candidate
+    lines = [line for line in format_markdown(results).splitlines() if "| failed |" in line]
+    assert len(lines) == 1
+    assert "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB / GPU 0" in lines[0]
+    assert "failed" in format_terminal(results)
+
+
+def test_chart_is_a_png_with_matplotlib_and_without(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    results = finalize(made_up_results(best=80.0, ceiling=100.0))
+    write_png(results, str(tmp_path / "with.png"))
+    assert_png(tmp_path / "with.png")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    paths = write_outputs(results, str(tmp_path / "without"))
+    drawn = assert_png(Path(paths["png"]))  # Pillow drew it
+    # Bars: the fast row's colour fills part of the picture, not just axes and text.
+    colours = {colour for _, colour in drawn.getcolors(maxcolors=1 << 16)}
+    assert len(colours) > 2
+    assert "bench.png" in Path(paths["md"]).read_text()
+
+
+def test_files_are_written_whole_and_the_numbers_survive_a_broken_chart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(results, path):
+        Path(path).write_bytes(b"half a chart")
+        raise RuntimeError("no fonts here")
+
+    monkeypatch.setattr(vlfit.bench.files, "write_png", broken)
+    results = finalize(made_up_results(best=80.0, ceiling=100.0))
+    paths = write_outputs(results, str(tmp_path))
+    assert set(paths) == {"json", "md"}
+    assert json.loads(Path(paths["json"]).read_text())["verdict"]["bound"] == "data-bound"
+    assert "![" not in Path(paths["md"]).read_text()  # no link to a chart that was not drawn
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json", "bench.md"]  # no temporary files either
+
+
+def test_published_figures_come_from_the_data_file_with_their_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    text = resources.files("vlfit.bench").joinpath("published.json").read_text(encoding="utf-8")
+    figures = published_figures()
+    assert figures == json.loads(text)
+    by_device = {entry["device"]: entry for entry in figures["rows"]}
+    assert by_device["Gaudi2"]["samples_per_second"] == {"0": 601.5, "1": 747.4, "2": 768.7}
+    assert by_device["Gaudi2"]["media_pipeline"] == 847.7
+    assert by_device["H100"]["samples_per_second"] == {"0": 336.5, "1": 580.1, "2": 602.1}
+    assert by_device["A100"]["samples_per_second"] == {"0": 227.5, "1": 339.7, "2": 345.4}
+    assert (figures["devices"], figures["batch_size_per_device"], figures["precision"]) == (8, 48, "bf16")
+    source = figures["source"]
+    assert source["url"] == "https://huggingface.co/blog/bridgetower"
+    assert source["title"] == "Accelerating Vision-Language Models: BridgeTower on Habana Gaudi2"
+    assert source["authors"] == ["Régis Pierrard", "Anahita Bhiwandiwalla"]
+    # The report reads whatever the file holds.
+    changed = json.loads(text)
+    changed["rows"][0]["samples_per_second"]["1"] = 123.4
+    monkeypatch.setattr(vlfit.bench.published, "_text", lambda: json.dumps(changed))
+    results = finalize(made_up_results(best=80.0, ceiling=100.0))
+    assert results["published"]["rows"][0]["samples_per_second"]["1"] == 123.4
+    markdown = format_markdown(results)
+    assert "123.4 (15.4)" in markdown and "747.4" not in markdown
+    assert citation(changed) in markdown
+
+
+def test_published_figures_must_cover_every_worker_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    broken = published_figures()
+    del broken["rows"][1]["samples_per_second"]["2"]
+    monkeypatch.setattr(vlfit.bench.published, "_text", lambda: json.dumps(broken))
+    with pytest.raises(ValueError, match="H100 has no figure for 2 workers"):
+        published_figures()
