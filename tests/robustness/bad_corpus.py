@@ -35,7 +35,7 @@ from tests.data.image_factory import (
     textured_image,
     webp_bytes,
 )
-from vlfit.data.records import Record
+from vlfit.data.memory_source import MemorySource
 
 
 @dataclass(frozen=True)
@@ -165,14 +165,5 @@ def captions() -> list[CorpusCaption]:
     ]
 
 
-class ListSource:
-    """The part of ``ImageTextSource`` that ``ImageTextDataset`` uses, over a list of records."""
-
-    def __init__(self, records: list[Record]) -> None:
-        self.records = records
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def __getitem__(self, index: int) -> Record:
-        return self.records[index]
+# The records the tests build, as a source.
+ListSource = MemorySource

@@ -18,11 +18,12 @@ import hashlib
 import json
 import multiprocessing
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+from vlfit.data.memory_source import MemorySource
 from vlfit.data.records import EVAL_COLUMNS, Record
 from vlfit.data.synthetic import SyntheticConfig, make_record
 
@@ -35,41 +36,6 @@ def datasets_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-class MemorySource:
-    """Records held in memory, with the interface ``ImageTextDataset`` and ``prepare_dataset`` use.
-
-    Args:
-        records: The samples.
-        name: A description used in messages and in the prepared data's manifest.
-    """
-
-    def __init__(self, records: Sequence[Record], name: str = "in-memory records") -> None:
-        self._records = list(records)
-        self.name = name
-        extras = list(self._records[0].extra) if self._records else []
-        self.column_names = ["image", "image_description", "instance_id", *extras]
-
-    def __len__(self) -> int:
-        return len(self._records)
-
-    def __getitem__(self, index: int) -> Record:
-        return self._records[index]
-
-    def __iter__(self) -> Iterator[Record]:
-        return iter(self._records)
-
-    def __repr__(self) -> str:
-        return f"MemorySource({self.name}, {len(self)} records)"
-
-    def captions(self) -> list[str | None]:
-        """Every caption, in index order."""
-        return [record.caption for record in self._records]
-
-    def select(self, indices: Sequence[int]) -> MemorySource:
-        """A source holding the records at ``indices``, in that order (repeats allowed)."""
-        return MemorySource([self._records[int(i)] for i in indices], self.name)
 
 
 def _synthetic_record(index: int, config: SyntheticConfig) -> Record:

@@ -1,0 +1,35 @@
+"""A source over records held in memory (generated samples, tests): the same interface as every stored format."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from vlfit.data.records import Record
+from vlfit.data.source_base import ImageTextSource
+
+
+class MemorySource(ImageTextSource):
+    """Records in a list; ``select`` (repeats allowed) and the rest come from ``ImageTextSource``.
+
+    Args:
+        records: The samples.
+        name: A description used in messages and in a prepared copy's manifest.
+    """
+
+    def __init__(self, records: Sequence[Record], name: str = "in-memory records") -> None:
+        self._records = list(records)
+        extras = list(self._records[0].extra) if self._records else []
+        super().__init__(
+            name=name,
+            column_names=["image", "image_description", "instance_id", *extras],
+            num_rows=len(self._records),
+        )
+
+    def _read(self, row: int) -> Record:
+        return self._records[row]
+
+    def _read_captions(self, rows: np.ndarray | None) -> list[str | None]:
+        records = self._records if rows is None else [self._records[int(row)] for row in rows]
+        return [record.caption for record in records]
