@@ -67,7 +67,7 @@ def test_default_workers_go_up_to_the_core_count() -> None:
     assert default_workers(6) == [0, 1, 2, 4]
 
 
-def test_plan_rejects_unknown_names_and_empty_sweeps() -> None:
+def test_plan_rejects_unknown_names_and_empty_sweeps(capsys) -> None:
     with pytest.raises(ValueError, match="unknown pipeline 'turbo'"):
         SweepPlan(pipelines=["turbo"], workers=[0])
     with pytest.raises(ValueError, match="unknown mode 'infer'"):
@@ -76,7 +76,8 @@ def test_plan_rejects_unknown_names_and_empty_sweeps() -> None:
         SweepPlan(pipelines=["fast"], workers=[0], steps=0)
     with pytest.raises(ValueError, match="unknown precision 'fp8'"):
         SweepPlan(pipelines=["fast"], workers=[0], precision="fp8")
-    with pytest.raises(ValueError, match="exclude each other"):
-        main(["bench", "--bf16", "--fp32", "--output_dir", "unused"])
-    with pytest.raises(ValueError, match="unknown --mode 'infer'"):
-        main(["bench", "--mode", "infer", "--output_dir", "unused"])
+    # On the command line, a user's mistake is one error line and exit code 2.
+    assert main(["bench", "--bf16", "--fp32", "--output_dir", "unused"]) == 2
+    assert capsys.readouterr().err.strip() == "vlfit bench: error: --bf16 and --fp32 exclude each other"
+    assert main(["bench", "--mode", "infer", "--output_dir", "unused"]) == 2
+    assert "vlfit bench: error: unknown --mode 'infer'" in capsys.readouterr().err
