@@ -78,6 +78,17 @@ def test_bench_json_has_every_field_with_consistent_values(bench_run) -> None:
         comparison["fp32_samples_per_second"] / comparison["bf16_samples_per_second"]
     )
     assert results["settings"]["estimated_train_memory_gib"] > 0  # the fit check ran before the sweep
+    # Compute efficiency: FLOPs counted on a step, a peak measured on this CPU, TFLOP/s and MFU per train row.
+    peak = results["peak"]
+    assert results["flops_per_sample"] > 1e6 and peak["peak_measured"] and peak["peak_tflops"] > 0
+    for row in rows:
+        if row["mode"] == "train":
+            assert row["tflops_per_second"] == pytest.approx(
+                row["samples_per_second"] * results["flops_per_sample"] / 1e12
+            )
+            assert row["mfu"] == pytest.approx(row["tflops_per_second"] / peak["peak_tflops"])
+        else:
+            assert row["tflops_per_second"] is None and row["mfu"] is None
 
 
 def test_bench_profiles_every_stage_of_every_pipeline(bench_run) -> None:

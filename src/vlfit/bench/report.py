@@ -22,6 +22,7 @@ DATA_BOUND_BELOW = 0.9
 def finalize(results: dict[str, Any]) -> dict[str, Any]:
     """Add derived row fields, the verdict, the recommended configuration and the published figures (in place)."""
     ceiling = results.get("compute", {}).get("samples_per_second")
+    flops, peak = results.get("flops_per_sample"), (results.get("peak") or {}).get("peak_tflops")
     references = {
         row["mode"]: samples_per_second(row)
         for row in results["rows"]
@@ -34,6 +35,10 @@ def finalize(results: dict[str, Any]) -> dict[str, Any]:
         row["above_ceiling"] = bool(
             row["mode"] == "train" and rate and ceiling and rate > ceiling * (1 + CEILING_TOLERANCE)
         )
+        # Compute efficiency of a train row: the model's matrix work at this rate, against the device's peak.
+        trains = row["mode"] == "train" and rate and flops
+        row["tflops_per_second"] = rate * flops / 1e12 if trains else None
+        row["mfu"] = row["tflops_per_second"] / peak if trains and peak else None
     results["ceiling_tolerance"] = CEILING_TOLERANCE
     results["verdict"] = verdict(results)
     results["recommendation"] = recommend(results)
@@ -98,7 +103,7 @@ def _percent(share: float | None) -> str:
 
 ROW_HEADERS = (
     "mode", "pipeline", "workers", "prefetch", "samples/s", "min-max", "data wait", "vs ref", "of ceiling",
-    "host RSS MiB", "device MiB",
+    "TFLOP/s", "MFU", "host RSS MiB", "device MiB",
 )  # fmt: skip
 
 
@@ -108,7 +113,7 @@ def row_cells(row: dict[str, Any]) -> list[str]:
     if rate is None:
         error = " ".join((row.get("error") or "").split())  # one line, whatever the exception's message holds
         return [row["mode"], row["pipeline"], str(row["workers"]), _fmt(row["prefetch_factor"], "d"),
-                "failed", error, "", "", "", "", ""]  # fmt: skip
+                "failed", error, "", "", "", "", "", "", ""]  # fmt: skip
     spread = f"{row['samples_per_second_min']:.1f}-{row['samples_per_second_max']:.1f}"
     flag = " (!)" if row.get("above_ceiling") else ""
     return [
@@ -121,9 +126,15 @@ def row_cells(row: dict[str, Any]) -> list[str]:
         _percent(row.get("data_wait_share")),
         _fmt(row.get("speedup_vs_reference"), ".2f", "-") + ("x" if row.get("speedup_vs_reference") else ""),
         _fmt(row.get("fraction_of_compute"), ".2f"),
+        _fmt(row.get("tflops_per_second"), ".3g"),
+        _percent_one_decimal(row.get("mfu")),
         _fmt(row.get("peak_host_rss_mib"), ".0f"),
         _fmt(row.get("peak_device_memory_mib"), ".0f"),
     ]
+
+
+def _percent_one_decimal(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.1f}%"
 
 
 def _text_table(headers: list[str] | tuple[str, ...], rows: list[list[str]]) -> str:
@@ -199,6 +210,14 @@ def _summary_lines(results: dict[str, Any]) -> list[str]:
             f"compute ceiling: {c['samples_per_second']:.1f} samples/s ({c['step_ms']:.1f} ms/step, {c['precision']}; "
             f"highest of {len(readings)} readings, lowest {min(readings, default=0):.1f})"
         )
+    peak = results.get("peak")
+    if results.get("flops_per_sample") and peak:
+        how = "measured in this run" if peak["peak_measured"] else "data sheet"
+        lines.append(
+            f"compute efficiency: {results['flops_per_sample'] / 1e9:.3g} GFLOPs per sample (forward and backward, "
+            f"counted on a training step); MFU against {peak['peak_tflops']:.4g} TFLOP/s {peak['peak_precision']} "
+            f"({peak['peak_device']}, {how}: {peak['peak_source']})"
+        )
     comparison = results.get("bf16_comparison")
     if comparison:
         lines.append(
@@ -235,8 +254,9 @@ def format_markdown(results: dict[str, Any], png_name: str | None = "bench.png")
     parts.append(
         "samples/s: median of the repeats (min-max beside it); data wait: share of the timed window spent blocked "
         "waiting for the next batch; vs ref: against `reference` with 0 workers in the same mode; of ceiling: "
-        "against the compute ceiling (the same model trained on one ready batch again and again). Host RSS: main "
-        "process plus loader workers (shared pages counted per process)."
+        "against the compute ceiling (the same model trained on one ready batch again and again). TFLOP/s and MFU "
+        "(train rows): the model's matrix FLOPs per sample times samples/s, and that against the device's peak. "
+        "Host RSS: main process plus loader workers (shared pages counted per process)."
     )
     if png_name:
         parts.append(f"![samples/s per pipeline and worker count]({png_name})")

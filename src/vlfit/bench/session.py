@@ -33,6 +33,7 @@ from vlfit.bench.selection import get_pipeline
 from vlfit.bench.stages import profile_stages
 from vlfit.data.batch import Batch
 from vlfit.data.pipeline import InputPipeline, LoaderSettings, PipelineOptions
+from vlfit.efficiency.flops import count_flops
 from vlfit.models.family import InputSpec, ModelFamily
 
 logger = logging.getLogger(__name__)
@@ -216,6 +217,17 @@ class BenchSession:
             "step_ms": 1000.0 * self.plan.batch_size / figures["samples_per_second"],
             "peak_device_memory_mib": None if device_peak is None else round(device_peak / MIB, 1),
         }
+
+    def flops_per_sample(self) -> float:
+        """FLOPs of one training sample (forward and backward), counted on a step of the ceiling's ready batch."""
+        step = self.step
+        if step is None:
+            raise ValueError("counting FLOPs needs the model (train mode)")
+        if self._ready_batch is None:
+            self._ready_batch = self.ready_batch()
+        batch = self._ready_batch
+        _, flops = count_flops(lambda: step(batch))
+        return flops / len(batch)
 
     def profile(self, pipeline: str, compute_ms: float | None) -> dict[str, Any]:
         """Per-stage milliseconds per batch of ``pipeline`` (see ``vlfit.bench.stages``)."""

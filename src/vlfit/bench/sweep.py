@@ -26,6 +26,7 @@ from vlfit.bench.plan import Configuration, available_cores, configurations
 from vlfit.bench.selection import choose
 from vlfit.bench.session import BenchSession
 from vlfit.data.decode import simplejpeg
+from vlfit.efficiency.peaks import matmul_precision, peak_flops
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +173,9 @@ def run_sweep(
 
     if with_model:
         record_ceiling()
+        # FLOPs per sample and the device's peak turn every train row's samples/s into TFLOP/s and MFU.
+        results["flops_per_sample"] = session.flops_per_sample()
+        results["peak"] = peak_flops(session.device, matmul_precision(session.device, plan.precision)).as_dict()
         logger.info("compute ceiling: %.1f samples/s (%s)", readings[0]["samples_per_second"], plan.precision)
     progress()
     for config in configurations(plan):
