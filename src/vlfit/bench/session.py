@@ -185,14 +185,17 @@ class BenchSession:
         batch = next(iter(self.loader(pipeline, 0, None)))
         return self.pipeline(pipeline).to_device(batch, self.input_dtype, train=True)
 
-    def compute(self, precision: str | None = None, repeats: int | None = None) -> dict[str, Any]:
-        """A reading of the compute ceiling: training steps on one ready batch, repeated (no data path)."""
-        step = self.step
-        if step is None:
-            raise ValueError("the compute ceiling needs the model (train mode)")
+    def _step_and_ready_batch(self, purpose: str) -> tuple[TrainStep, Batch]:
+        """The training step and the one ready batch the ceiling and the FLOP count use (made on first use)."""
+        if self.step is None:
+            raise ValueError(f"{purpose} needs the model (train mode)")
         if self._ready_batch is None:
             self._ready_batch = self.ready_batch()
-        batch = self._ready_batch
+        return self.step, self._ready_batch
+
+    def compute(self, precision: str | None = None, repeats: int | None = None) -> dict[str, Any]:
+        """A reading of the compute ceiling: training steps on one ready batch, repeated (no data path)."""
+        step, batch = self._step_and_ready_batch("the compute ceiling")
         precision = precision or self.plan.precision
         reset_device_peak(self.device)
         windows = [
@@ -220,12 +223,7 @@ class BenchSession:
 
     def flops_per_sample(self) -> float:
         """FLOPs of one training sample (forward and backward), counted on a step of the ceiling's ready batch."""
-        step = self.step
-        if step is None:
-            raise ValueError("counting FLOPs needs the model (train mode)")
-        if self._ready_batch is None:
-            self._ready_batch = self.ready_batch()
-        batch = self._ready_batch
+        step, batch = self._step_and_ready_batch("counting FLOPs")
         _, flops = count_flops(lambda: step(batch))
         return flops / len(batch)
 
