@@ -212,11 +212,10 @@ def _summary_lines(results: dict[str, Any]) -> list[str]:
         )
     peak = results.get("peak")
     if results.get("flops_per_sample") and peak:
-        how = "measured in this run" if peak["peak_measured"] else "data sheet"
         lines.append(
             f"compute efficiency: {results['flops_per_sample'] / 1e9:.3g} GFLOPs per sample (forward and backward, "
             f"counted on a training step); MFU against {peak['peak_tflops']:.4g} TFLOP/s {peak['peak_precision']} "
-            f"({peak['peak_device']}, {how}: {peak['peak_source']})"
+            f"({peak['peak_device']}; {peak['peak_source']})"
         )
     comparison = results.get("bf16_comparison")
     if comparison:
