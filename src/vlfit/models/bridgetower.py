@@ -11,7 +11,7 @@ text -> cross-modal and image -> cross-modal, each with logits scaled by ``logit
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ from transformers import BridgeTowerConfig, BridgeTowerForContrastiveLearning, B
 from transformers.masking_utils import create_bidirectional_mask
 from transformers.models.bridgetower.modeling_bridgetower import BridgeTowerContrastiveOutput
 
+from vlfit.models import activation_checkpointing
 from vlfit.models.family import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ModelFamily
 from vlfit.models.losses import info_nce
 
@@ -183,6 +184,17 @@ def loss_terms(outputs: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
+def layer_stacks(model: BridgeTowerForContrastiveLearning) -> list[Sequence[nn.Module]]:
+    """The transformer blocks of each tower: vision, text, cross-modal text and cross-modal image."""
+    tower = model.bridgetower
+    return [
+        tower.vision_model.visual.transformer.resblocks,
+        tower.text_model.encoder.layer,
+        tower.cross_modal_text_layers,
+        tower.cross_modal_image_layers,
+    ]
+
+
 # --------------------------------------------------------------------------------------------------- the family
 
 
@@ -241,6 +253,8 @@ class BridgeTowerFamily(ModelFamily):
 
     def prepare_for_training(self, model: nn.Module) -> None:
         expose_logit_scale(model)
+        # transformers marks BridgeTower as not supporting it; vlfit checkpoints its blocks itself.
+        activation_checkpointing.install(model, layer_stacks)  # type: ignore[arg-type]
 
     def contrastive_loss(
         self, model: nn.Module, inputs: Mapping[str, torch.Tensor], *, global_negatives: bool = False
