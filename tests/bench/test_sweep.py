@@ -31,10 +31,12 @@ MODES = ("loader", "train")
 
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], str]:
-    """One tiny sweep over both modes, three pipelines and 0/1 workers, with --auto and --compare_bf16."""
+    """One tiny sweep over both modes, three pipelines and 0/1 workers, with --auto, --compare_bf16 and
+    --compare_compile (aot_eager: the graph capture of inductor without its code generation, which takes minutes)."""
     out = tmp_path_factory.mktemp("bench")
     code, results, stdout = run_bench(out, *TINY, "--mode", "loader,train", "--pipelines", ",".join(PIPELINES),
-                                      "--workers", "0,1", "--auto", "--compare_bf16")  # fmt: skip
+                                      "--workers", "0,1", "--auto", "--compare_bf16",
+                                      "--compare_compile", "--torch_compile_backend", "aot_eager")  # fmt: skip
     assert code == 0 and results is not None
     return out, results, stdout
 
@@ -76,6 +78,11 @@ def test_bench_json_has_every_field_with_consistent_values(bench_run) -> None:
     assert comparison["fp32_samples_per_second"] > 0 and comparison["bf16_samples_per_second"] > 0
     assert comparison["fp32_over_bf16"] == pytest.approx(
         comparison["fp32_samples_per_second"] / comparison["bf16_samples_per_second"]
+    )
+    compiled = results["compile_comparison"]
+    assert compiled["backend"] == "aot_eager" and compiled["first_compiled_step_seconds"] > 0
+    assert compiled["compiled_speedup"] == pytest.approx(
+        compiled["compiled_samples_per_second"] / compiled["eager_samples_per_second"]
     )
     assert results["settings"]["estimated_train_memory_gib"] > 0  # the fit check ran before the sweep
     # Compute efficiency: FLOPs counted on a step, a peak measured on this CPU, TFLOP/s and MFU per train row.
@@ -123,6 +130,7 @@ def test_bench_writes_markdown_png_and_a_terminal_table(bench_run) -> None:
                  "https://huggingface.co/blog/bridgetower"):  # fmt: skip
         assert text in markdown
     assert "samples/s" in stdout and "verdict: " in stdout and "vlfit train" in stdout
+    assert "torch.compile (aot_eager) compute: eager" in stdout and "torch.compile (aot_eager)" in markdown
     assert stdout.count("\ntrain  ") + stdout.count("\nloader ") == len(results["rows"])
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporary files left behind
 

@@ -69,6 +69,8 @@ class SweepPlan:
         precision: ``fp32``, ``bf16`` or ``fp16`` autocast for the model.
         profile_batches: Batches the per-stage profile times (0: no profile).
         compare_bf16: Also measure the compute ceiling in the other of fp32 and bf16.
+        compare_compile: Also measure the compute ceiling with the model under ``torch.compile``.
+        torch_compile_backend: The ``torch.compile`` backend ``compare_compile`` uses.
         auto: After the sweep, measure the best configuration with ``auto_prefetch_factors`` too.
         auto_prefetch_factors: Prefetch factors ``auto`` tries.
         max_config_seconds: Stop repeating a configuration once it has run this long (None: no limit).
@@ -87,6 +89,8 @@ class SweepPlan:
     precision: str = "fp32"
     profile_batches: int = 2
     compare_bf16: bool = False
+    compare_compile: bool = False
+    torch_compile_backend: str = "inductor"
     auto: bool = False
     auto_prefetch_factors: list[int] = field(default_factory=lambda: [2, 4])
     max_config_seconds: float | None = None

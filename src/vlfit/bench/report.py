@@ -223,6 +223,13 @@ def _summary_lines(results: dict[str, Any]) -> list[str]:
             f"fp32 vs bf16 compute: fp32 {comparison['fp32_samples_per_second']:.1f}, bf16 "
             f"{comparison['bf16_samples_per_second']:.1f} samples/s, fp32/bf16 = {comparison['fp32_over_bf16']:.2f}"
         )
+    compiled = results.get("compile_comparison")
+    if compiled:
+        lines.append(
+            f"torch.compile ({compiled['backend']}) compute: eager {compiled['eager_samples_per_second']:.1f}, "
+            f"compiled {compiled['compiled_samples_per_second']:.1f} samples/s = "
+            f"{compiled['compiled_speedup']:.2f}x (first compiled step {compiled['first_compiled_step_seconds']:.0f} s)"
+        )
     return lines
 
 

@@ -26,6 +26,7 @@ from vlfit.bench.measure import (
     reset_device_peak,
     staged_batches,
     summarize,
+    synchronize,
     timed_window,
 )
 from vlfit.bench.plan import SweepPlan
@@ -82,6 +83,7 @@ class BenchSession:
         self.source_key = source_key
         self.num_proc = num_proc
         self.step = None if model is None else TrainStep(model.to(device), family, device, plan.precision)
+        self._compiled_step: TrainStep | None = None
         self._pipelines: dict[str, InputPipeline] = {}
         self._sources: dict[str, Any] = {}
         self._ready_batch: Batch | None = None
@@ -193,9 +195,27 @@ class BenchSession:
             self._ready_batch = self.ready_batch()
         return self.step, self._ready_batch
 
-    def compute(self, precision: str | None = None, repeats: int | None = None) -> dict[str, Any]:
-        """A reading of the compute ceiling: training steps on one ready batch, repeated (no data path)."""
-        step, batch = self._step_and_ready_batch("the compute ceiling")
+    def compiled_step(self) -> tuple[TrainStep, float]:
+        """The training step with the model under ``torch.compile`` (``plan.torch_compile_backend``), and the
+        seconds its first call took (compilation included; the weights are the eager step's, trained on)."""
+        step, batch = self._step_and_ready_batch("the compiled compute ceiling")
+        if self._compiled_step is None:
+            compiled = torch.compile(step.model, backend=self.plan.torch_compile_backend)
+            self._compiled_step = TrainStep(compiled, step.family, self.device, step.precision)  # type: ignore[arg-type]
+        started = time.perf_counter()
+        self._compiled_step(batch)
+        synchronize(self.device)
+        return self._compiled_step, time.perf_counter() - started
+
+    def compute(
+        self, precision: str | None = None, repeats: int | None = None, *, step: TrainStep | None = None
+    ) -> dict[str, Any]:
+        """A reading of the compute ceiling: training steps on one ready batch, repeated (no data path).
+
+        ``step`` replaces the session's training step (the compiled one of ``compiled_step``).
+        """
+        own_step, batch = self._step_and_ready_batch("the compute ceiling")
+        step = step or own_step
         precision = precision or self.plan.precision
         reset_device_peak(self.device)
         windows = [
@@ -254,6 +274,7 @@ class BenchSession:
     def close(self) -> None:
         """Free the model and optimizer (device memory too)."""
         self.step = None
+        self._compiled_step = None
         self._ready_batch = None
         gc.collect()
         if self.device.type == "cuda":

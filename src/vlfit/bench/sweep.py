@@ -208,10 +208,26 @@ def run_sweep(
             "fp32_over_bf16": by_precision["fp32"] / by_precision["bf16"],
             "bf16_speedup": by_precision["bf16"] / by_precision["fp32"],
         }
+    if plan.compare_compile and with_model:
+        results["compile_comparison"] = compare_compile(session)
     results["machine"]["load_average_end"] = _load_average()
     results["complete"] = True
     progress()
     return results
+
+
+def compare_compile(session: BenchSession) -> dict[str, Any]:
+    """The compute ceiling eager and under ``torch.compile``, back to back, and the first compiled step's seconds."""
+    compiled_step, first_step_seconds = session.compiled_step()
+    eager = session.compute()["samples_per_second"]
+    compiled = session.compute(step=compiled_step)["samples_per_second"]
+    return {
+        "backend": session.plan.torch_compile_backend,
+        "eager_samples_per_second": eager,
+        "compiled_samples_per_second": compiled,
+        "compiled_speedup": compiled / eager,
+        "first_compiled_step_seconds": first_step_seconds,
+    }
 
 
 def _same(row: dict[str, Any], other: dict[str, Any]) -> bool:

@@ -73,6 +73,13 @@ class BenchArguments:
     compare_bf16: bool = field(
         default=False, metadata={"help": "Also measure the compute ceiling in the other precision (fp32/bf16 ratio)."}
     )
+    compare_compile: bool = field(
+        default=False,
+        metadata={"help": "Also measure the compute ceiling with the model under torch.compile (eager vs compiled)."},
+    )
+    torch_compile_backend: str = field(
+        default="inductor", metadata={"help": "torch.compile backend for --compare_compile (inductor, aot_eager, ...)."}
+    )
     auto: bool = field(
         default=False,
         metadata={"help": "Also try --auto_prefetch_factors on the best configuration; print the vlfit train flags."},
@@ -156,6 +163,8 @@ def resolve_plan(args: BenchArguments, device: torch.device) -> SweepPlan:
         precision=precision,
         profile_batches=args.profile_batches,
         compare_bf16=args.compare_bf16,
+        compare_compile=args.compare_compile,
+        torch_compile_backend=args.torch_compile_backend,
         auto=args.auto,
         auto_prefetch_factors=_ints(args.auto_prefetch_factors, "--auto_prefetch_factors"),
         max_config_seconds=args.max_config_seconds,

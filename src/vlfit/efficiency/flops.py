@@ -8,6 +8,7 @@ share of the device's peak matrix throughput that the model's matrix work achiev
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -40,10 +41,14 @@ _register_cpu_attention()
 def count_flops(step: Callable[[], T]) -> tuple[T, int]:
     """Run ``step`` (e.g. a forward and backward) and count its floating-point operations.
 
+    The count is the same for a compiled model (the counter sees the operations the compiled graph runs); the
+    counter's module hooks are global ones, about which ``torch.compile`` warns needlessly here.
+
     Returns:
         What ``step`` returned, and the FLOPs it took (a multiply-add counts 2).
     """
-    with FlopCounterMode(display=False) as counter:
+    with warnings.catch_warnings(), FlopCounterMode(display=False) as counter:
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
         result = step()
     return result, int(counter.get_total_flops())
 
