@@ -56,6 +56,14 @@ class ModelArguments:
     freeze_text_pooler: bool = field(
         default=True, metadata={"help": "Do not train the text pooler (the contrastive loss never reaches it)."}
     )
+    attn_implementation: str = field(
+        default="sdpa",
+        metadata={
+            "help": "Attention kernel: sdpa (PyTorch's fused scaled_dot_product_attention) or eager (matmul, "
+            "softmax, matmul). For BridgeTower, whose transformers class runs its text and cross-modal attention "
+            "eagerly only, vlfit supplies the sdpa path (equal to eager within float tolerance)."
+        },
+    )
     config_name: str | None = field(
         default=None, metadata={"help": "Pretrained config name or path, if not the same as --model_name_or_path."}
     )

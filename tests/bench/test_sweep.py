@@ -31,12 +31,14 @@ MODES = ("loader", "train")
 
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], str]:
-    """One tiny sweep over both modes, three pipelines and 0/1 workers, with --auto, --compare_bf16 and
-    --compare_compile (aot_eager: the graph capture of inductor without its code generation, which takes minutes)."""
+    """One tiny sweep over both modes, three pipelines and 0/1 workers, with --auto, --compare_bf16,
+    --compare_attention and --compare_compile (aot_eager: inductor's graph capture without its code generation,
+    which takes minutes)."""
     out = tmp_path_factory.mktemp("bench")
     code, results, stdout = run_bench(out, *TINY, "--mode", "loader,train", "--pipelines", ",".join(PIPELINES),
                                       "--workers", "0,1", "--auto", "--compare_bf16",
-                                      "--compare_compile", "--torch_compile_backend", "aot_eager")  # fmt: skip
+                                      "--compare_compile", "--torch_compile_backend", "aot_eager",
+                                      "--compare_attention")  # fmt: skip
     assert code == 0 and results is not None
     return out, results, stdout
 
@@ -79,6 +81,8 @@ def test_bench_json_has_every_field_with_consistent_values(bench_run) -> None:
     assert comparison["fp32_over_bf16"] == pytest.approx(
         comparison["fp32_samples_per_second"] / comparison["bf16_samples_per_second"]
     )
+    attention = results["attention_comparison"]
+    assert attention["eager_samples_per_second"] > 0 and attention["sdpa_samples_per_second"] > 0
     compiled = results["compile_comparison"]
     assert compiled["backend"] == "aot_eager" and compiled["first_compiled_step_seconds"] > 0
     assert compiled["compiled_speedup"] == pytest.approx(
@@ -130,6 +134,7 @@ def test_bench_writes_markdown_png_and_a_terminal_table(bench_run) -> None:
                  "https://huggingface.co/blog/bridgetower"):  # fmt: skip
         assert text in markdown
     assert "samples/s" in stdout and "verdict: " in stdout and "vlfit train" in stdout
+    assert "attention kernel compute: eager" in stdout
     assert "torch.compile (aot_eager) compute: eager" in stdout and "torch.compile (aot_eager)" in markdown
     assert stdout.count("\ntrain  ") + stdout.count("\nloader ") == len(results["rows"])
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporary files left behind

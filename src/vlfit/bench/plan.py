@@ -71,6 +71,7 @@ class SweepPlan:
         compare_bf16: Also measure the compute ceiling in the other of fp32 and bf16.
         compare_compile: Also measure the compute ceiling with the model under ``torch.compile``.
         torch_compile_backend: The ``torch.compile`` backend ``compare_compile`` uses.
+        compare_attention: Also measure the compute ceiling with eager and with fused (sdpa) attention.
         auto: After the sweep, measure the best configuration with ``auto_prefetch_factors`` too.
         auto_prefetch_factors: Prefetch factors ``auto`` tries.
         max_config_seconds: Stop repeating a configuration once it has run this long (None: no limit).
@@ -91,6 +92,7 @@ class SweepPlan:
     compare_bf16: bool = False
     compare_compile: bool = False
     torch_compile_backend: str = "inductor"
+    compare_attention: bool = False
     auto: bool = False
     auto_prefetch_factors: list[int] = field(default_factory=lambda: [2, 4])
     max_config_seconds: float | None = None

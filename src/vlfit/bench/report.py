@@ -223,6 +223,12 @@ def _summary_lines(results: dict[str, Any]) -> list[str]:
             f"fp32 vs bf16 compute: fp32 {comparison['fp32_samples_per_second']:.1f}, bf16 "
             f"{comparison['bf16_samples_per_second']:.1f} samples/s, fp32/bf16 = {comparison['fp32_over_bf16']:.2f}"
         )
+    attention = results.get("attention_comparison")
+    if attention:
+        lines.append(
+            f"attention kernel compute: eager {attention['eager_samples_per_second']:.1f}, sdpa "
+            f"{attention['sdpa_samples_per_second']:.1f} samples/s = {attention['sdpa_speedup']:.2f}x"
+        )
     compiled = results.get("compile_comparison")
     if compiled:
         lines.append(

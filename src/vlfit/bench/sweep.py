@@ -208,12 +208,36 @@ def run_sweep(
             "fp32_over_bf16": by_precision["fp32"] / by_precision["bf16"],
             "bf16_speedup": by_precision["bf16"] / by_precision["fp32"],
         }
+    if plan.compare_attention and with_model:
+        results["attention_comparison"] = compare_attention(session)
     if plan.compare_compile and with_model:
         results["compile_comparison"] = compare_compile(session)
     results["machine"]["load_average_end"] = _load_average()
     results["complete"] = True
     progress()
     return results
+
+
+ATTENTION_KERNELS = ("eager", "sdpa")
+
+
+def compare_attention(session: BenchSession) -> dict[str, Any]:
+    """The compute ceiling with eager and with fused (sdpa) attention, back to back; the model keeps its own."""
+    step = session.step
+    assert step is not None
+    current = getattr(step.model.config, "_attn_implementation", "eager")
+    by_kernel = {}
+    try:
+        for kernel in ATTENTION_KERNELS:
+            step.family.set_attention_implementation(step.model, kernel)
+            by_kernel[kernel] = session.compute()["samples_per_second"]
+    finally:
+        step.family.set_attention_implementation(step.model, current)
+    return {
+        "eager_samples_per_second": by_kernel["eager"],
+        "sdpa_samples_per_second": by_kernel["sdpa"],
+        "sdpa_speedup": by_kernel["sdpa"] / by_kernel["eager"],
+    }
 
 
 def compare_compile(session: BenchSession) -> dict[str, Any]:

@@ -77,6 +77,10 @@ class BenchArguments:
         default=False,
         metadata={"help": "Also measure the compute ceiling with the model under torch.compile (eager vs compiled)."},
     )
+    compare_attention: bool = field(
+        default=False,
+        metadata={"help": "Also measure the compute ceiling with eager and with fused (sdpa) attention."},
+    )
     torch_compile_backend: str = field(
         default="inductor", metadata={"help": "torch.compile backend for --compare_compile (inductor, aot_eager, ...)."}
     )
@@ -164,6 +168,7 @@ def resolve_plan(args: BenchArguments, device: torch.device) -> SweepPlan:
         profile_batches=args.profile_batches,
         compare_bf16=args.compare_bf16,
         compare_compile=args.compare_compile,
+        compare_attention=args.compare_attention,
         torch_compile_backend=args.torch_compile_backend,
         auto=args.auto,
         auto_prefetch_factors=_ints(args.auto_prefetch_factors, "--auto_prefetch_factors"),

@@ -19,7 +19,10 @@ import torch
 from torch import nn
 from transformers import BridgeTowerConfig, BridgeTowerForContrastiveLearning, BridgeTowerImageProcessor
 from transformers.masking_utils import create_bidirectional_mask
-from transformers.models.bridgetower.modeling_bridgetower import BridgeTowerContrastiveOutput
+from transformers.models.bridgetower.modeling_bridgetower import (
+    BridgeTowerContrastiveOutput,
+    BridgeTowerSelfAttention,
+)
 
 from vlfit.models import activation_checkpointing
 from vlfit.models.family import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ModelFamily
@@ -184,6 +187,31 @@ def loss_terms(outputs: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
+ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")
+
+
+def set_attention_implementation(model: BridgeTowerForContrastiveLearning, implementation: str) -> None:
+    """Run the text and cross-modal attention eagerly or through ``scaled_dot_product_attention``.
+
+    transformers 5 builds BridgeTower with eager attention only (``_supports_sdpa = False``), and forcing ``sdpa``
+    through the config changes the cross-modal embeddings: the cross-modal layers build their self-attention with
+    ``is_causal=True``, which eager attention ignores and SDPA honours whenever no mask is passed, as for the
+    (never padded) image stream. With ``is_causal`` cleared, SDPA computes what eager computes (the model is an
+    encoder; nothing in it is causal), in one fused kernel instead of matmul, softmax and matmul with the scores
+    held in memory. The vision tower's ``nn.MultiheadAttention`` is fused either way.
+    """
+    if implementation not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(
+            f"unknown --attn_implementation {implementation!r} for BridgeTower; choose one of: "
+            f"{', '.join(ATTENTION_IMPLEMENTATIONS)}"
+        )
+    for config in (model.config, model.config.text_config):
+        config._attn_implementation = implementation  # the attention modules read it at every call
+    for module in model.modules():
+        if isinstance(module, BridgeTowerSelfAttention):
+            module.is_causal = False
+
+
 def layer_stacks(model: BridgeTowerForContrastiveLearning) -> list[Sequence[nn.Module]]:
     """The transformer blocks of each tower: vision, text, cross-modal text and cross-modal image."""
     tower = model.bridgetower
@@ -244,6 +272,9 @@ class BridgeTowerFamily(ModelFamily):
         pooler = getattr(tower.text_model, "pooler", None)
         if text_pooler and pooler is not None:
             pooler.requires_grad_(False)
+
+    def set_attention_implementation(self, model: nn.Module, implementation: str) -> None:
+        set_attention_implementation(model, implementation)  # type: ignore[arg-type]
 
     def encode_text(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return encode_text(model, input_ids, attention_mask)  # type: ignore[arg-type]

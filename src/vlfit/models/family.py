@@ -98,6 +98,10 @@ class ModelFamily(ABC):
         text_config = getattr(config, "text_config", config)
         return getattr(text_config, "vocab_size", None)
 
+    def set_attention_implementation(self, model: nn.Module, implementation: str) -> None:
+        """Choose the attention kernel (``--attn_implementation``: eager, sdpa, ...); transformers' own by default."""
+        model.set_attn_implementation(implementation)  # type: ignore[operator]
+
     def freeze(self, model: nn.Module, *, vision: bool, text: bool, text_pooler: bool) -> None:  # noqa: B027
         """Disable gradients of the named towers (the default freezes nothing)."""
 

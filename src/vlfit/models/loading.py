@@ -149,12 +149,14 @@ def resolve_model(
 
 
 def build_model(blueprint: ModelBlueprint, args: ModelArguments) -> nn.Module:
-    """The blueprint's model: the checkpoint's weights, or random ones for a preset; frozen as the flags say."""
+    """The blueprint's model: the checkpoint's weights, or random ones for a preset; with the attention kernel and
+    frozen towers the flags say."""
     family = blueprint.family
     if blueprint.checkpoint is not None:
         model = family.from_pretrained(blueprint.checkpoint, config=blueprint.config, **_hub_kwargs(args))
     else:
         model = family.build(blueprint.config)
+    family.set_attention_implementation(model, getattr(args, "attn_implementation", "sdpa"))
     family.freeze(
         model,
         vision=getattr(args, "freeze_vision_model", False),
