@@ -87,7 +87,7 @@ def test_same_seed_same_bytes_other_seed_differs() -> None:
 # bytes. They pin the generator across refactors; the image digest also depends on the numpy and Pillow (libjpeg)
 # builds, so a dependency upgrade may legitimately change it (numpy 2.4, Pillow 13.0 here).
 PINNED_TEXT_SHA256 = "f15465d54dc555b6390b2df7d98366635361baf14707db99d646d4a3ccfafbd5"
-PINNED_IMAGE_SHA256 = "dca58de27703fa1ab483842f792ab24141daaade6e28bc4b2f17d4a636de19bd"
+PINNED_IMAGE_SHA256 = "65a63d249bf2f8da07ad045fbed7a4d87bd5def8dc9c6e38b21fbe5c4857e790"
 
 
 def test_records_match_pinned_digests() -> None:
@@ -160,7 +160,8 @@ def _region(u: float, v: float) -> str:
 
 
 def test_drawing_matches_caption() -> None:
-    """Find every object by colour: the counts and regions per colour must be what the caption says."""
+    """Find every object by colour: the counts and regions per colour must be what the caption says, with regions
+    read in the central square, which holds every object (a resize and center crop never cuts one away)."""
     config = SyntheticConfig(num_samples=100, seed=7, min_long_side=320, max_long_side=400)
     for index in range(10):
         record = make_record(index, config)
@@ -172,7 +173,10 @@ def test_drawing_matches_caption() -> None:
         for colour in {g[1] for g in groups}:
             expected = sorted(region for count, c, _, region in groups if c == colour for _ in range(count))
             found = _components(_chroma_distance(pixels, colour) < 60, min_area=int((0.06 * short) ** 2))
-            regions = sorted(_region(x / image.width, y / image.height) for x, y in found)
+            square = [((x - (image.width - short) / 2) / short, (y - (image.height - short) / 2) / short)
+                      for x, y in found]  # fmt: skip
+            assert all(0 <= u <= 1 and 0 <= v <= 1 for u, v in square), (index, "object outside the center crop")
+            regions = sorted(_region(u, v) for u, v in square)
             assert regions == expected, (index, record["image_description"], colour)
 
 

@@ -15,7 +15,10 @@ from PIL import Image, ImageDraw
 
 from vlfit.data.synthetic.scenes import COLOURS, Group, Scene, SyntheticConfig
 
-# The image is partitioned into a center box and four trapezoids cut by the diagonals (normalised x, y).
+# The central square of the image (what resizing the short side and center-cropping keep, as every training
+# pipeline does) is partitioned into a center box and four trapezoids cut by the diagonals (normalised x, y in
+# that square). Objects stay inside it, so a caption never names an object the crop removed; the margins beyond
+# it carry background only.
 _EDGE = 0.28
 _REGION_POLYGONS: dict[str, tuple[tuple[float, float], ...]] = {
     "left": ((0, 0), (_EDGE, _EDGE), (_EDGE, 1 - _EDGE), (0, 1)),
@@ -85,16 +88,18 @@ def _inside(point: tuple[float, float], radius: float, polygon: list[tuple[float
 
 
 def _place(scene: Scene, rng: np.random.Generator, width: int, height: int) -> list[tuple[Group, float, float, float]]:
-    """Return (group, x, y, extent) for every object: fully inside its region and never overlapping another."""
+    """Return (group, x, y, extent) for every object: fully inside its region of the central square and never
+    overlapping another."""
     short = min(width, height)
+    left, top = (width - short) / 2, (height - short) / 2
     gap = 0.05 * short  # wide enough to count objects after downscaling to ~128 px
     placed: list[tuple[Group, float, float, float]] = []
     for group in scene:
-        polygon = [(u * width, v * height) for u, v in _REGION_POLYGONS[group.region]]
+        polygon = [(left + u * short, top + v * short) for u, v in _REGION_POLYGONS[group.region]]
         (u0, v0), (u1, v1) = _REGION_CORES[group.region]
         lo, hi = _SIZE_RANGE[group.count]
         extent = rng.uniform(lo, hi) * short
-        core = (u0 * width, v0 * height, u1 * width, v1 * height)
+        core = (left + u0 * short, top + v0 * short, left + u1 * short, top + v1 * short)
         attempts = 60
         for attempt in range(attempts):
             if attempt and attempt % 6 == 0:
