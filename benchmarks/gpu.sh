@@ -3,8 +3,9 @@
 # decoder, outputs not overwritten by the next batch, the side-stream prefetcher, a bench sweep with device
 # decode), then the throughput study: BridgeTower-large shapes (random init), bf16, batch 48, contrastive
 # training steps, for the reference, fast and device pipelines x 0/1/2 DataLoader workers, plus the compute
-# ceiling, the per-stage breakdown and the recommended settings. Writes cuda_tests.log, bench.json, bench.md,
-# bench.png and bench.log to OUT_DIR. Runs from this checkout (no install) and needs no network.
+# ceiling (with eager and with fused attention), the per-stage breakdown and the recommended settings. Writes
+# cuda_tests.log, bench.json, bench.md, bench.png and bench.log to OUT_DIR. Runs from this checkout (no install)
+# and needs no network.
 #
 #   bash benchmarks/gpu.sh OUT_DIR
 #
@@ -33,7 +34,8 @@ PY=${PYTHON:-python3}
 BUDGET=${VLFIT_BENCH_BUDGET_S:-360}
 TESTS_BUDGET=${VLFIT_GPU_TESTS_BUDGET_S:-90}
 DEFAULT_ARGS="--model_preset large --pipelines reference,fast,device --workers 0,1,2 --mode train --bf16
-  --per_device_train_batch_size 48 --steps 10 --warmup_steps 3 --repeats 2 --max_config_seconds 40 --auto"
+  --per_device_train_batch_size 48 --steps 10 --warmup_steps 3 --repeats 2 --max_config_seconds 40 --auto
+  --compare_attention"
 ARGS=${VLFIT_BENCH_ARGS:-$DEFAULT_ARGS}
 
 mkdir -p "$OUT"
