@@ -53,6 +53,16 @@ def test_the_flag_reaches_every_attention_module():
         assert modules and {m.config._attn_implementation for m in modules} == {implementation}
 
 
+def test_models_built_one_after_another_from_one_config():
+    # The bench's worker probe and then training build two models from one blueprint config.
+    config = preset_config("tiny")
+    family = BridgeTowerFamily()
+    first = family.build(config)
+    family.set_attention_implementation(first, "sdpa")
+    second = family.build(config)
+    assert second.config._attn_implementation == "eager" and first.config._attn_implementation == "sdpa"
+
+
 def test_unknown_implementation_is_refused_with_the_choices():
     torch.manual_seed(0)
     model = BridgeTowerForContrastiveLearning(preset_config("tiny"))

@@ -11,6 +11,7 @@ text -> cross-modal and image -> cross-modal, each with logits scaled by ``logit
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +55,7 @@ class BridgeTowerPreset:
     cross_heads: int
     contrastive_hidden: int = 512
     logit_scale_init_value: float = 2.6592
+    dropout: float = 0.1  # of the text and cross-modal layers (hidden states and attention weights)
     tokenizer_vocab_size: int | None = None  # size of the BPE trained for this preset when no tokenizer is given
 
 
@@ -69,6 +71,7 @@ PRESETS: dict[str, BridgeTowerPreset] = {
         text_hidden=192, text_layers=4, text_heads=4, text_intermediate=768, vocab_size=4096, max_positions=130,
         vision_hidden=192, vision_layers=4, patch_size=16, image_size=128,
         cross_hidden=192, cross_layers=2, cross_heads=4, contrastive_hidden=128, tokenizer_vocab_size=4096,
+        dropout=0.0,  # trained from scratch for a few hundred steps, it underfits: dropout only slowed it down
     ),
     # ViT-B/16 at 288 with RoBERTa-base text: the shapes of BridgeTower/bridgetower-base.
     "base": BridgeTowerPreset(
@@ -100,6 +103,8 @@ def preset_config(name: str) -> BridgeTowerConfig:
             "num_attention_heads": p.text_heads,
             "intermediate_size": p.text_intermediate,
             "max_position_embeddings": p.max_positions,
+            "hidden_dropout_prob": p.dropout,
+            "attention_probs_dropout_prob": p.dropout,
         },
         vision_config={
             "hidden_size": p.vision_hidden,
@@ -178,13 +183,17 @@ def expose_logit_scale(model: nn.Module) -> None:
         setattr(model, _HOOK_ATTRIBUTE, model.register_forward_hook(_add_logit_scale))
 
 
-def loss_terms(outputs: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """BridgeTower's three ``(queries, candidates)`` terms: text->image, text->cross, image->cross."""
-    return [
+def loss_terms(outputs: Any, symmetric: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """BridgeTower's three ``(queries, candidates)`` terms: text->image, text->cross, image->cross; with
+    ``symmetric``, image->text as a fourth."""
+    terms = [
         (outputs.text_embeds, outputs.image_embeds),
         (outputs.text_embeds, outputs.cross_embeds),
         (outputs.image_embeds, outputs.cross_embeds),
     ]
+    if symmetric:
+        terms.append((outputs.image_embeds, outputs.text_embeds))
+    return terms
 
 
 ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")
@@ -251,10 +260,15 @@ class BridgeTowerFamily(ModelFamily):
             image_std=list(OPENAI_CLIP_STD),
         )
 
+    # Each model gets its own copy of the config: ``set_attention_implementation`` sets the copy's attention kernel,
+    # which transformers would refuse to build another model from.
+
     def build(self, config: Any) -> BridgeTowerForContrastiveLearning:
-        return BridgeTowerForContrastiveLearning(config)
+        return BridgeTowerForContrastiveLearning(copy.deepcopy(config))
 
     def from_pretrained(self, name_or_path: str, **hub_kwargs: Any) -> BridgeTowerForContrastiveLearning:
+        if hub_kwargs.get("config") is not None:
+            hub_kwargs = {**hub_kwargs, "config": copy.deepcopy(hub_kwargs["config"])}
         return BridgeTowerForContrastiveLearning.from_pretrained(name_or_path, **hub_kwargs)
 
     def image_size(self, config: Any) -> int:
@@ -288,11 +302,16 @@ class BridgeTowerFamily(ModelFamily):
         activation_checkpointing.install(model, layer_stacks)  # type: ignore[arg-type]
 
     def contrastive_loss(
-        self, model: nn.Module, inputs: Mapping[str, torch.Tensor], *, global_negatives: bool = False
+        self,
+        model: nn.Module,
+        inputs: Mapping[str, torch.Tensor],
+        *,
+        global_negatives: bool = False,
+        symmetric: bool = False,
     ) -> torch.Tensor:
         model_inputs = {key: inputs[key] for key in self.model_inputs}
-        if not global_negatives:
+        if not global_negatives and not symmetric:
             return model(**model_inputs, return_loss=True).loss  # the model's own loss
         outputs = model(**model_inputs, return_loss=False)
         # DataParallel (several GPUs, one process) stacks one copy of the scalar per replica.
-        return info_nce(loss_terms(outputs), outputs.logit_scale.mean(), gather=True)
+        return info_nce(loss_terms(outputs, symmetric), outputs.logit_scale.mean(), gather=global_negatives)
