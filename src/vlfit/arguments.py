@@ -19,6 +19,8 @@ from vlfit.models.registry import family_for_preset, preset_names
 
 # Where a contrastive loss takes its negatives from (``--contrastive_negatives``).
 CONTRASTIVE_NEGATIVES = ("local", "global")
+# Which terms the contrastive loss has (``--contrastive_loss``).
+CONTRASTIVE_LOSSES = ("model", "symmetric")
 # Training counts and their smallest valid value: torch would otherwise fail later, deep in the DataLoader.
 LOWEST_COUNTS = {
     "per_device_train_batch_size": 1,
@@ -197,6 +199,16 @@ class VlfitTrainingArguments(CompatTrainingFlags, TrainingArguments):
             "choices": list(CONTRASTIVE_NEGATIVES),
         },
     )
+    contrastive_loss: str = field(
+        default="model",
+        metadata={
+            "help": "model: the model's own contrastive loss (BridgeTower: the mean of its text->image, "
+            "text->cross-modal and image->cross-modal InfoNCE terms, as run_bridgetower trains). symmetric: also "
+            "image->text, the direction image->caption retrieval and caption matching score, which the model's own "
+            "loss never trains (for a dual encoder such as CLIP, whose loss is symmetric already, the same).",
+            "choices": list(CONTRASTIVE_LOSSES),
+        },
+    )
     throughput_warmup_steps: int = field(
         default=0,
         metadata={
@@ -206,6 +218,10 @@ class VlfitTrainingArguments(CompatTrainingFlags, TrainingArguments):
     )
 
     def __post_init__(self) -> None:
+        if self.contrastive_loss not in CONTRASTIVE_LOSSES:
+            raise ValueError(
+                f"unknown --contrastive_loss {self.contrastive_loss!r}; choose one of: {', '.join(CONTRASTIVE_LOSSES)}"
+            )
         if self.contrastive_negatives not in CONTRASTIVE_NEGATIVES:
             raise ValueError(
                 f"unknown --contrastive_negatives {self.contrastive_negatives!r}; choose one of: "

@@ -100,6 +100,20 @@ def test_local_loss_matches_bridgetower_loss_and_gradients():
     torch.testing.assert_close(BridgeTowerFamily().contrastive_loss(model, inputs), reference.loss)
 
 
+def test_symmetric_loss_adds_image_to_text_to_the_three_terms():
+    model = _model()
+    expose_logit_scale(model)
+    inputs = _inputs()
+    own = model(**inputs, return_loss=True)
+    scale = model.logit_scale.exp()
+    image_to_text = torch.nn.functional.cross_entropy(
+        own.image_embeds @ own.text_embeds.t() * scale, torch.arange(own.image_embeds.shape[0])
+    )
+    symmetric = BridgeTowerFamily().contrastive_loss(model, inputs, symmetric=True)
+    torch.testing.assert_close(symmetric, (3 * own.loss + image_to_text) / 4, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(symmetric, own.loss)
+
+
 def test_exposed_logit_scale_is_in_the_outputs_and_carries_gradient():
     model = _model()
     expose_logit_scale(model)

@@ -120,7 +120,12 @@ class ModelFamily(ABC):
 
     @abstractmethod
     def contrastive_loss(
-        self, model: nn.Module, inputs: Mapping[str, torch.Tensor], *, global_negatives: bool = False
+        self,
+        model: nn.Module,
+        inputs: Mapping[str, torch.Tensor],
+        *,
+        global_negatives: bool = False,
+        symmetric: bool = False,
     ) -> torch.Tensor:
         """The training loss of one batch.
 
@@ -129,6 +134,8 @@ class ModelFamily(ABC):
             inputs: ``model_inputs`` on the model's device.
             global_negatives: Score against every process's batch (all-gathered with gradient), so the negatives
                 are the whole global batch; with one process this equals the local loss.
+            symmetric: Add the image->text term to the model's own terms where they lack it
+                (``--contrastive_loss symmetric``).
 
         Returns:
             A scalar; with global negatives, this process's share such that averaging over processes (as DDP

@@ -168,8 +168,12 @@ class VlfitTrainer(Trainer):
     ) -> Any:
         if return_outputs:
             raise NotImplementedError("vlfit evaluates by retrieval (evaluate), not by prediction outputs")
-        global_negatives = getattr(self.args, "contrastive_negatives", "local") == "global"
-        return self.family.contrastive_loss(model, inputs.inputs, global_negatives=global_negatives)
+        return self.family.contrastive_loss(
+            model,
+            inputs.inputs,
+            global_negatives=getattr(self.args, "contrastive_negatives", "local") == "global",
+            symmetric=getattr(self.args, "contrastive_loss", "model") == "symmetric",
+        )
 
     # ------------------------------------------------------------------------------------------- bad samples
 
