@@ -25,6 +25,10 @@ class DemoArguments:
 
     output_dir: str = field(default="runs/demo", metadata={"help": "Where the data, model and metrics go."})
     num_samples: int = field(default=3000, metadata={"help": "Synthetic samples over all splits."})
+    min_long_side: int = field(
+        default=320, metadata={"help": "Synthetic images' smallest long side (px; training sees 128 px)."}
+    )
+    max_long_side: int = field(default=480, metadata={"help": "Synthetic images' largest long side (px)."})
     model_preset: str = field(default="small", metadata={"help": "Preset to fine-tune from random init."})
     num_train_epochs: float = field(default=6.0, metadata={"help": "Training epochs."})
     per_device_train_batch_size: int = field(default=48, metadata={"help": "Batch size (the study's)."})
@@ -55,7 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``vlfit demo``."""
     (args,) = HfArgumentParser(DemoArguments, prog="vlfit demo").parse_args_into_dataclasses(args=argv)
     data_dir = ensure_synthetic_data(
-        os.path.join(args.output_dir, "data"), SyntheticConfig(num_samples=args.num_samples, seed=args.seed)
+        os.path.join(args.output_dir, "data"),
+        SyntheticConfig(
+            num_samples=args.num_samples,
+            seed=args.seed,
+            min_long_side=args.min_long_side,
+            max_long_side=args.max_long_side,
+        ),
     )
     training_args = VlfitTrainingArguments(
         output_dir=os.path.join(args.output_dir, "model"),
