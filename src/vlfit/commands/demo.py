@@ -26,9 +26,9 @@ class DemoArguments:
     output_dir: str = field(default="runs/demo", metadata={"help": "Where the data, model and metrics go."})
     num_samples: int = field(default=3000, metadata={"help": "Synthetic samples over all splits."})
     min_long_side: int = field(
-        default=320, metadata={"help": "Synthetic images' smallest long side (px; training sees 128 px)."}
+        default=600, metadata={"help": "Synthetic images' smallest long side (px; training sees 128 px)."}
     )
-    max_long_side: int = field(default=480, metadata={"help": "Synthetic images' largest long side (px)."})
+    max_long_side: int = field(default=1400, metadata={"help": "Synthetic images' largest long side (px)."})
     model_preset: str = field(default="small", metadata={"help": "Preset to fine-tune from random init."})
     num_train_epochs: float = field(default=6.0, metadata={"help": "Training epochs."})
     per_device_train_batch_size: int = field(default=48, metadata={"help": "Batch size (the study's)."})
