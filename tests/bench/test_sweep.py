@@ -279,3 +279,11 @@ def test_sigterm_stops_the_sweep_and_keeps_what_was_measured(tmp_path: Path) -> 
     results = json.loads((tmp_path / "bench.json").read_text())
     assert results["complete"] is False and results["compute"]["samples_per_second"] > 0
     assert_png(tmp_path / "bench.png")
+
+
+def test_a_compile_backend_that_fails_loses_its_reading_not_the_sweep(tmp_path: Path) -> None:
+    code, results, stdout = run_bench(tmp_path, *QUICK, "--mode", "train", "--workers", "0", "--compare_compile",
+                                      "--torch_compile_backend", "no_such_backend")  # fmt: skip
+    assert code == 0 and results["complete"] is True and results["rows"][0]["samples_per_second"] > 0
+    assert "no_such_backend" in results["compile_comparison"]["error"]
+    assert "torch.compile comparison failed" in stdout

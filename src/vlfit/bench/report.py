@@ -223,14 +223,17 @@ def _summary_lines(results: dict[str, Any]) -> list[str]:
             f"fp32 vs bf16 compute: fp32 {comparison['fp32_samples_per_second']:.1f}, bf16 "
             f"{comparison['bf16_samples_per_second']:.1f} samples/s, fp32/bf16 = {comparison['fp32_over_bf16']:.2f}"
         )
+    for key, name in (("attention_comparison", "attention kernel"), ("compile_comparison", "torch.compile")):
+        if results.get(key, {}).get("error"):
+            lines.append(f"{name} comparison failed: {results[key]['error']}")
     attention = results.get("attention_comparison")
-    if attention:
+    if attention and "error" not in attention:
         lines.append(
             f"attention kernel compute: eager {attention['eager_samples_per_second']:.1f}, sdpa "
             f"{attention['sdpa_samples_per_second']:.1f} samples/s = {attention['sdpa_speedup']:.2f}x"
         )
     compiled = results.get("compile_comparison")
-    if compiled:
+    if compiled and "error" not in compiled:
         lines.append(
             f"torch.compile ({compiled['backend']}) compute: eager {compiled['eager_samples_per_second']:.1f}, "
             f"compiled {compiled['compiled_samples_per_second']:.1f} samples/s = "

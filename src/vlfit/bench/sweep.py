@@ -208,10 +208,17 @@ def run_sweep(
             "fp32_over_bf16": by_precision["fp32"] / by_precision["bf16"],
             "bf16_speedup": by_precision["bf16"] / by_precision["fp32"],
         }
-    if plan.compare_attention and with_model:
-        results["attention_comparison"] = compare_attention(session)
-    if plan.compare_compile and with_model:
-        results["compile_comparison"] = compare_compile(session)
+    for wanted, key, compare in (
+        (plan.compare_attention, "attention_comparison", compare_attention),
+        (plan.compare_compile, "compile_comparison", compare_compile),
+    ):
+        if wanted and with_model:
+            try:
+                results[key] = compare(session)
+            except Exception as error:  # a backend that cannot compile this model loses its reading, not the sweep
+                logger.exception("%s failed", key.replace("_", " "))
+                results[key] = {"error": describe_error(error)}
+                session.recover()
     results["machine"]["load_average_end"] = _load_average()
     results["complete"] = True
     progress()
