@@ -8,7 +8,7 @@ from transformers import BridgeTowerForContrastiveLearning
 
 from vlfit.arguments import ModelArguments
 from vlfit.models.bridgetower import BridgeTowerFamily, preset_config, set_attention_implementation
-from vlfit.models.loading import load_model_bundle
+from vlfit.models.loading import build_model, load_model_bundle, resolve_model
 
 
 def _batch() -> dict[str, torch.Tensor]:
@@ -53,14 +53,15 @@ def test_the_flag_reaches_every_attention_module():
         assert modules and {m.config._attn_implementation for m in modules} == {implementation}
 
 
-def test_models_built_one_after_another_from_one_config():
-    # The bench's worker probe and then training build two models from one blueprint config.
-    config = preset_config("tiny")
-    family = BridgeTowerFamily()
-    first = family.build(config)
-    family.set_attention_implementation(first, "sdpa")
-    second = family.build(config)
-    assert second.config._attn_implementation == "eager" and first.config._attn_implementation == "sdpa"
+def test_models_built_one_after_another_from_one_blueprint():
+    # The bench's worker probe and then training build two models from one blueprint.
+    args = ModelArguments(model_preset="tiny", attn_implementation="sdpa")
+    blueprint = resolve_model(args, captions=lambda: ["a red circle"] * 8)
+    unset = blueprint.config._attn_implementation
+    first = build_model(blueprint, args)
+    second = build_model(blueprint, args)  # transformers refuses a BridgeTower config that says sdpa
+    assert first.config is not second.config and blueprint.config._attn_implementation == unset != "sdpa"
+    assert first.config._attn_implementation == second.config._attn_implementation == "sdpa"
 
 
 def test_unknown_implementation_is_refused_with_the_choices():

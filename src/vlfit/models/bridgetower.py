@@ -11,7 +11,6 @@ text -> cross-modal and image -> cross-modal, each with logits scaled by ``logit
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -260,15 +259,10 @@ class BridgeTowerFamily(ModelFamily):
             image_std=list(OPENAI_CLIP_STD),
         )
 
-    # Each model gets its own copy of the config: ``set_attention_implementation`` sets the copy's attention kernel,
-    # which transformers would refuse to build another model from.
-
     def build(self, config: Any) -> BridgeTowerForContrastiveLearning:
-        return BridgeTowerForContrastiveLearning(copy.deepcopy(config))
+        return BridgeTowerForContrastiveLearning(config)
 
     def from_pretrained(self, name_or_path: str, **hub_kwargs: Any) -> BridgeTowerForContrastiveLearning:
-        if hub_kwargs.get("config") is not None:
-            hub_kwargs = {**hub_kwargs, "config": copy.deepcopy(hub_kwargs["config"])}
         return BridgeTowerForContrastiveLearning.from_pretrained(name_or_path, **hub_kwargs)
 
     def image_size(self, config: Any) -> int:

@@ -7,6 +7,7 @@ tokenizer (trained on the captions for a preset) and the image processor, which 
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -152,10 +153,14 @@ def build_model(blueprint: ModelBlueprint, args: ModelArguments) -> nn.Module:
     """The blueprint's model: the checkpoint's weights, or random ones for a preset; with the attention kernel and
     frozen towers the flags say."""
     family = blueprint.family
+    # The model gets its own copy of the config: setting its attention kernel (and whatever else a model writes
+    # into its config) must not change the blueprint, from which the bench's worker probe and then training each
+    # build a model (transformers refuses to build BridgeTower from a config that says sdpa).
+    config = copy.deepcopy(blueprint.config)
     if blueprint.checkpoint is not None:
-        model = family.from_pretrained(blueprint.checkpoint, config=blueprint.config, **_hub_kwargs(args))
+        model = family.from_pretrained(blueprint.checkpoint, config=config, **_hub_kwargs(args))
     else:
-        model = family.build(blueprint.config)
+        model = family.build(config)
     family.set_attention_implementation(model, getattr(args, "attn_implementation", "sdpa"))
     family.freeze(
         model,
