@@ -6,14 +6,15 @@ Two readings of one preset (default ``large``, BridgeTower-large's shapes, rando
   products (scores ``QK^T`` and ``scores @ V``) of the text and cross-modal layers, which transformers runs
   eagerly for BridgeTower, and those of the vision tower (``nn.MultiheadAttention``: fused already); the rest is
   projections, MLPs and heads.
-- Time, on this machine: training steps (forward, backward, AdamW) on one fixed batch with
+- Time, on this machine: training steps (``vlfit bench``'s ``TrainStep``: forward, backward, clipping, fused
+  AdamW) on one fixed batch with
   ``--attn_implementation eager`` and ``sdpa`` alternately, medians over ``--repeats`` pairs; the eager share of
   step time is at least ``1 - sdpa/eager`` (what fusing saved) and the fused kernel still costs something.
 
     python benchmarks/attention_share.py [--preset large] [--batch_size 2] [--text_length 40] [--repeats 3]
         [--device cpu|cuda] [--bf16] [--output FILE.json]
 
-On 2 CPU cores a ``large`` step at batch 2 takes about a minute: the whole run about 10 minutes.
+On 2 CPU cores a ``large`` step at batch 1 took 15 to 19 s, and ``--batch_size 1 --repeats 2`` about 3 minutes.
 """
 
 from __future__ import annotations
@@ -30,11 +31,14 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import BridgeTowerForContrastiveLearning
 
-from vlfit.efficiency.flops import count_flops
+import vlfit.efficiency.flops  # noqa: F401  (registers the FLOP formula of the CPU SDPA kernel)
+from vlfit.bench.measure import TrainStep, synchronize
+from vlfit.data.batch import Batch
 from vlfit.models.bridgetower import PRESETS, BridgeTowerFamily, preset_config, set_attention_implementation
 
 
-def batch(preset: str, batch_size: int, text_length: int, device: torch.device) -> dict[str, torch.Tensor]:
+def batch(preset: str, batch_size: int, text_length: int, device: torch.device) -> Batch:
+    """One model-ready batch of random captions and normalized pixels."""
     size = PRESETS[preset].image_size
     generator = torch.Generator().manual_seed(0)
     inputs = {
@@ -42,7 +46,8 @@ def batch(preset: str, batch_size: int, text_length: int, device: torch.device) 
         "attention_mask": torch.ones(batch_size, text_length, dtype=torch.long),
         "pixel_values": torch.randn(batch_size, 3, size, size, generator=generator),
     }
-    return {key: value.to(device) for key, value in inputs.items()}
+    ids = [str(i) for i in range(batch_size)]
+    return Batch({key: value.to(device) for key, value in inputs.items()}, ids, list(range(batch_size)), on_device=True)
 
 
 def flop_shares(model: BridgeTowerForContrastiveLearning, step: Any, batch_size: int) -> dict[str, Any]:
@@ -53,10 +58,10 @@ def flop_shares(model: BridgeTowerForContrastiveLearning, step: Any, batch_size:
     the formula ``vlfit.efficiency.flops`` registers for the CPU kernel).
     """
     set_attention_implementation(model, "eager")
-    _, total = count_flops(step)  # warms the counter's registrations, then counts again below by operation
     counter = FlopCounterMode(display=False)
     with counter:
         step()
+    total = counter.get_total_flops()
     by_op = {str(op).split(".")[1]: flops for op, flops in counter.get_flop_counts()["Global"].items()}
     eager = by_op.get("bmm", 0) + by_op.get("baddbmm", 0)
     fused = sum(flops for op, flops in by_op.items() if "scaled_dot_product" in op or "attention_backward" in op)
@@ -74,23 +79,17 @@ def measure(
     """FLOP shares, and median seconds of a training step with eager and with sdpa attention, alternating on one
     model."""
     torch.manual_seed(0)
-    model = BridgeTowerForContrastiveLearning(preset_config(preset)).to(device).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
-    inputs = batch(preset, batch_size, text_length, device)
+    model = BridgeTowerForContrastiveLearning(preset_config(preset)).to(device)
     family = BridgeTowerFamily()
     family.prepare_for_training(model)
+    train_step = TrainStep(model, family, device, "bf16" if bf16 else "fp32")
+    inputs = batch(preset, batch_size, text_length, device)
 
     def step() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(device)
         started = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss = family.contrastive_loss(model, inputs)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        train_step(inputs)
+        synchronize(device)
         return time.perf_counter() - started
 
     step()  # warm-up
