@@ -1,8 +1,14 @@
-"""Retrieval metrics on similarity matrices. Pure tensor math, tested on hand-built matrices."""
+"""Retrieval metrics on similarity matrices and on embeddings. Pure tensor math, tested on hand-built matrices.
+
+On embeddings, the similarity is walked in chunks (``vlfit.evaluation.topk``): a whole split is scored without
+building its ``N x N`` matrix.
+"""
 
 from __future__ import annotations
 
 import torch
+
+from vlfit.evaluation.topk import DEFAULT_CHUNK_ELEMENTS, true_pair_ranks
 
 RECALL_KS = (1, 5, 10)
 CHOICE_LETTERS = "ABCDE"
@@ -25,18 +31,46 @@ def recall_at_k(similarity: torch.Tensor, ks: tuple[int, ...] = RECALL_KS) -> di
         true = matrix.diagonal().unsqueeze(1)
         # Rank = number of candidates scoring at least as high as the true one, excluding itself.
         rank = (matrix >= true).sum(dim=1) - 1
-        for k in ks:
-            metrics[f"{name}_recall@{k}"] = (rank < k).float().mean().item()
+        metrics.update(_recall_from_ranks(name, rank, ks))
+    return metrics
+
+
+def _recall_from_ranks(name: str, rank: torch.Tensor, ks: tuple[int, ...]) -> dict[str, float]:
+    return {f"{name}_recall@{k}": (rank < k).float().mean().item() for k in ks}
+
+
+def embedding_recall_at_k(
+    text_embeds: torch.Tensor,
+    image_embeds: torch.Tensor,
+    ks: tuple[int, ...] = RECALL_KS,
+    *,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+) -> dict[str, float]:
+    """``recall_at_k(text_embeds @ image_embeds.T)`` without building that matrix: the ranks come a chunk of
+    queries at a time (``true_pair_ranks``), so memory stays at ``chunk_elements`` scores whatever the split's
+    size. Same counting (ties against the true pair), same results."""
+    if text_embeds.shape[0] == 0:
+        raise ValueError("no samples to evaluate")
+    metrics: dict[str, float] = {}
+    for name, queries, candidates in (("t2i", text_embeds, image_embeds), ("i2t", image_embeds, text_embeds)):
+        ranks = true_pair_ranks(queries, candidates, chunk_elements=chunk_elements)
+        metrics.update(_recall_from_ranks(name, ranks, ks))
     return metrics
 
 
 def pooled_recall_at_k(
-    text_embeds: torch.Tensor, image_embeds: torch.Tensor, pool_size: int | None = None, ks: tuple[int, ...] = RECALL_KS
+    text_embeds: torch.Tensor,
+    image_embeds: torch.Tensor,
+    pool_size: int | None = None,
+    ks: tuple[int, ...] = RECALL_KS,
+    *,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
 ) -> dict[str, float]:
     """Recall@k over consecutive candidate pools of ``pool_size`` pairs (the whole set when ``None``).
 
     Metrics are averaged over pools weighted by pool size. ``chance_recall@1`` is the expected recall@1 of a
-    random ranking (1 / pool size), the number to compare recall@1 against.
+    random ranking (1 / pool size), the number to compare recall@1 against. Each pool is scored in chunks of at
+    most ``chunk_elements`` similarities (``embedding_recall_at_k``).
     """
     n = text_embeds.shape[0]
     if n == 0:
@@ -47,7 +81,7 @@ def pooled_recall_at_k(
     for start in range(0, n, pool_size):
         t, i = text_embeds[start : start + pool_size], image_embeds[start : start + pool_size]
         size = t.shape[0]
-        for key, value in recall_at_k(t.float() @ i.float().t(), ks).items():
+        for key, value in embedding_recall_at_k(t, i, ks, chunk_elements=chunk_elements).items():
             totals[key] = totals.get(key, 0.0) + value * size
         chance += 1.0
     metrics = {key: value / n for key, value in totals.items()}

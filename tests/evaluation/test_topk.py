@@ -1,0 +1,46 @@
+"""Chunked top-k and true-pair ranks equal what the full similarity matrix gives."""
+
+import pytest
+import torch
+
+from vlfit.evaluation.metrics import embedding_recall_at_k, pooled_recall_at_k, recall_at_k
+from vlfit.evaluation.topk import chunked_topk, true_pair_ranks
+
+
+def _normalized(n: int, d: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.nn.functional.normalize(torch.randn(n, d, generator=g), dim=1)
+
+
+@pytest.mark.parametrize("chunk_elements", [1, 7, 64, 1000, 1 << 24])
+def test_chunked_topk_equals_the_full_matrix_topk(chunk_elements):
+    queries, index = _normalized(13, 16, 0), _normalized(101, 16, 1)
+    scores, indices = chunked_topk(queries, index, 10, chunk_elements=chunk_elements)
+    full_scores, full_indices = torch.topk(queries @ index.t(), 10, dim=1)
+    assert torch.equal(indices, full_indices)
+    torch.testing.assert_close(scores, full_scores, rtol=0, atol=1e-6)
+
+
+def test_chunked_topk_breaks_ties_by_index_and_caps_k_at_the_index_size():
+    index = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [1.0, 0.0]])
+    scores, indices = chunked_topk(torch.tensor([[1.0, 0.0]]), index, 9, chunk_elements=2)
+    assert indices.tolist() == [[0, 2, 3, 1]]
+    assert scores.tolist() == [[1.0, 1.0, 1.0, 0.0]]
+
+
+def test_true_pair_ranks_equal_the_diagonal_ranks_of_the_full_matrix():
+    text, image = _normalized(57, 8, 2), _normalized(57, 8, 3)
+    similarity = text @ image.t()
+    expected = (similarity >= similarity.diagonal().unsqueeze(1)).sum(1) - 1
+    for chunk in (1, 57 * 5, 10_000):
+        assert torch.equal(true_pair_ranks(text, image, chunk_elements=chunk), expected)
+
+
+def test_chunked_recall_gives_the_full_matrix_recall_with_ties_and_pools():
+    text, image = _normalized(40, 8, 4), _normalized(40, 8, 5)
+    image[10:20] = image[0]  # ties count against the true pair in both
+    text[30:] = image[30:]  # and some perfect matches
+    full = recall_at_k(text @ image.t(), ks=(1, 5, 10))
+    assert embedding_recall_at_k(text, image, (1, 5, 10), chunk_elements=33) == full
+    pooled = pooled_recall_at_k(text, image, None, ks=(1, 5, 10), chunk_elements=50)
+    assert {key: pooled[key] for key in full} == full
