@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import transformers
-from transformers import set_seed
+from transformers import TrainerCallback, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from vlfit.arguments import DataArguments, ModelArguments, VlfitTrainingArguments
@@ -112,6 +113,7 @@ def run(
     data_args: DataArguments,
     training_args: VlfitTrainingArguments,
     setup: RunSetup | None = None,
+    callbacks: Sequence[TrainerCallback] = (),
 ) -> dict[str, Any]:
     """Train (``--do_train``) and/or evaluate (``--do_eval``) as the arguments say.
 
@@ -120,6 +122,7 @@ def run(
         data_args: The data flags.
         training_args: The training flags.
         setup: What ``setup_run`` made of the same arguments (made here when None).
+        callbacks: More Trainer callbacks (``vlfit search`` reports each evaluation to its trial through one).
 
     Returns:
         The train metrics (prefixed ``train_``) and eval metrics (prefixed ``eval_``) that were computed.
@@ -148,6 +151,8 @@ def run(
     )
     preemption = PreemptionCallback()
     trainer.add_callback(preemption)
+    for callback in callbacks:
+        trainer.add_callback(callback)
     logger.info(
         "model %s (%s): %.1fM parameters, image %d px, pipeline %s, %s",
         setup.blueprint.description,
