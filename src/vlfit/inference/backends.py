@@ -1,0 +1,266 @@
+"""Encoders that embed images and captions on PyTorch, ONNX Runtime or OpenVINO, behind one interface.
+
+Each takes what the fast CPU pipeline makes, uint8 pixels ``[B, 3, H, W]`` and token ids with their attention
+mask, and returns L2-normalized float32 embeddings on the CPU. ``open_encoder`` picks the backend: a checkpoint
+folder runs on PyTorch, a folder ``vlfit export`` wrote runs on the runtime of its format (``auto``).
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from vlfit.inference.exported import ExportedModel, is_exported_model
+from vlfit.inference.identity import ModelIdentity, RefusedModelError
+from vlfit.inference.towers import IMAGE_INPUT, TEXT_INPUTS
+from vlfit.models.family import InputSpec
+
+BACKENDS = ("auto", "torch", "onnxruntime", "openvino")
+PRECISION_CHOICES = ("auto", "fp32", "int8")
+_FORMAT_BACKEND = {"onnx": "onnxruntime", "openvino": "openvino"}
+
+
+class Encoder(ABC):
+    """Embeds uint8 images and tokenized captions.
+
+    Attributes:
+        backend: ``torch``, ``onnxruntime`` or ``openvino``.
+        precision: ``fp32`` or ``int8`` (PyTorch: ``fp32``).
+        model_path: The checkpoint or export folder.
+        spec: Image size, mean, std, tokenizer and caption length.
+        identity: What the embeddings are comparable with.
+    """
+
+    backend: str
+    precision: str
+    model_path: str
+    spec: InputSpec
+    identity: ModelIdentity
+
+    @abstractmethod
+    def embed_pixels(self, pixels: torch.Tensor | np.ndarray) -> torch.Tensor:
+        """uint8 ``[B, 3, H, W]`` -> float32 ``[B, D]``."""
+
+    @abstractmethod
+    def embed_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """int64 ``[B, S]`` twice -> float32 ``[B, D]``."""
+
+    def tokenize(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Token ids and attention mask of ``texts``, truncated and padded as the collator does."""
+        tokens = self.spec.tokenizer(
+            list(texts), max_length=self.spec.max_seq_length, truncation=True, padding="longest", return_tensors="pt"
+        )
+        return {"input_ids": tokens["input_ids"], "attention_mask": tokens["attention_mask"]}
+
+    def embed_texts(self, texts: Sequence[str]) -> torch.Tensor:
+        """Caption strings -> float32 ``[len(texts), D]``."""
+        tokens = self.tokenize(texts)
+        return self.embed_tokens(tokens["input_ids"], tokens["attention_mask"])
+
+    @property
+    def description(self) -> str:
+        return f"{self.model_path} on {self.backend} ({self.precision})"
+
+
+def _as_numpy_uint8(pixels: torch.Tensor | np.ndarray) -> np.ndarray:
+    array = pixels.numpy() if isinstance(pixels, torch.Tensor) else pixels
+    if array.dtype != np.uint8:
+        raise ValueError(f"the image graphs take uint8 pixels, got {array.dtype}")
+    return np.ascontiguousarray(array)
+
+
+def _text_feeds(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, np.ndarray]:
+    ids_name, mask_name = TEXT_INPUTS
+    return {ids_name: input_ids.numpy().astype(np.int64), mask_name: attention_mask.numpy().astype(np.int64)}
+
+
+class TorchEncoder(Encoder):
+    """A checkpoint on PyTorch (fp32, eager), through the family's towers.
+
+    Args:
+        model_path: A checkpoint folder (``vlfit train``'s output).
+        num_threads: torch threads (``None``: torch's default).
+    """
+
+    backend = "torch"
+    precision = "fp32"
+
+    def __init__(self, model_path: str, num_threads: int | None = None) -> None:
+        from vlfit.inference.loading import load_checkpoint  # only here: it imports transformers' models
+
+        loaded = load_checkpoint(model_path)
+        self.model_path = model_path
+        self.spec = loaded.spec
+        self.identity = loaded.identity
+        self.image_tower = loaded.image_tower
+        self.text_tower = loaded.text_tower
+        if num_threads:
+            torch.set_num_threads(num_threads)
+
+    @torch.inference_mode()
+    def embed_pixels(self, pixels: torch.Tensor | np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(pixels) if isinstance(pixels, np.ndarray) else pixels
+        return self.image_tower(tensor).float()
+
+    @torch.inference_mode()
+    def embed_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.text_tower(input_ids, attention_mask).float()
+
+
+class _ExportedEncoder(Encoder):
+    def __init__(self, exported: ExportedModel, precision: str) -> None:
+        if precision == "auto":
+            precision = "int8" if "int8" in exported.precisions else "fp32"
+        self.precision = precision
+        self.model_path = exported.path
+        self.exported = exported
+        self.spec = exported.input_spec()
+        self.identity = exported.identity
+
+
+class OnnxRuntimeEncoder(_ExportedEncoder):
+    """An exported ONNX folder on ONNX Runtime's CPU provider.
+
+    Args:
+        exported: The export folder.
+        precision: ``fp32``, ``int8`` or ``auto`` (INT8 when exported).
+        num_threads: Intra-op threads (``None``: ONNX Runtime's default, one per physical core).
+    """
+
+    backend = "onnxruntime"
+
+    def __init__(self, exported: ExportedModel, precision: str = "auto", num_threads: int | None = None) -> None:
+        import onnxruntime as ort
+
+        super().__init__(exported, precision)
+        options = ort.SessionOptions()
+        if num_threads:
+            options.intra_op_num_threads = num_threads
+        self.sessions = {
+            tower: ort.InferenceSession(
+                exported.graph_path(tower, self.precision), options, providers=["CPUExecutionProvider"]
+            )
+            for tower in ("image", "text")
+        }
+
+    def embed_pixels(self, pixels: torch.Tensor | np.ndarray) -> torch.Tensor:
+        (out,) = self.sessions["image"].run(None, {IMAGE_INPUT: _as_numpy_uint8(pixels)})
+        return torch.from_numpy(out).float()
+
+    def embed_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        feeds = _text_feeds(input_ids, attention_mask)
+        (out,) = self.sessions["text"].run(None, feeds)
+        return torch.from_numpy(out).float()
+
+
+class OpenVinoEncoder(_ExportedEncoder):
+    """An exported OpenVINO folder on the CPU plugin.
+
+    Args:
+        exported: The export folder.
+        precision: ``fp32``, ``int8`` or ``auto`` (INT8 when exported).
+        inference_precision: The plugin's ``INFERENCE_PRECISION_HINT``: ``f32``, or ``None`` for the plugin's
+            default (bf16 on CPUs that have it).
+        num_threads: ``INFERENCE_NUM_THREADS`` (``None``: the plugin's default).
+    """
+
+    backend = "openvino"
+
+    def __init__(
+        self,
+        exported: ExportedModel,
+        precision: str = "auto",
+        inference_precision: str | None = None,
+        num_threads: int | None = None,
+    ) -> None:
+        import openvino as ov
+
+        super().__init__(exported, precision)
+        config: dict[str, Any] = {}
+        if inference_precision:
+            config["INFERENCE_PRECISION_HINT"] = inference_precision
+        if num_threads:
+            config["INFERENCE_NUM_THREADS"] = num_threads
+        core = ov.Core()
+        self.compiled = {
+            tower: core.compile_model(exported.graph_path(tower, self.precision), "CPU", config)
+            for tower in ("image", "text")
+        }
+
+    def embed_pixels(self, pixels: torch.Tensor | np.ndarray) -> torch.Tensor:
+        compiled = self.compiled["image"]
+        return torch.from_numpy(np.asarray(compiled({IMAGE_INPUT: _as_numpy_uint8(pixels)})[compiled.output(0)]))
+
+    def embed_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        compiled = self.compiled["text"]
+        feeds = _text_feeds(input_ids, attention_mask)
+        return torch.from_numpy(np.asarray(compiled(feeds)[compiled.output(0)])).float()
+
+
+def resolve_backend(model_path: str, backend: str = "auto") -> str:
+    """The backend ``open_encoder`` would use for ``model_path``.
+
+    Raises:
+        RefusedModelError: for a backend the folder cannot run on (a checkpoint on ONNX Runtime, an ONNX export on
+            OpenVINO...).
+        ValueError: for an unknown backend.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown --backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
+    if not os.path.isdir(model_path):
+        raise FileNotFoundError(f"{model_path}: no such model folder")
+    if is_exported_model(model_path):
+        fmt = ExportedModel.open(model_path, check_source=False).format
+        native = _FORMAT_BACKEND[fmt]
+        if backend not in ("auto", native):
+            raise RefusedModelError(
+                f"{model_path} holds {fmt} graphs, which run on {native}, not {backend}; use --backend {native} "
+                f"(or auto), or export with --format {'onnx' if backend == 'onnxruntime' else 'openvino'}"
+            )
+        return native
+    if backend not in ("auto", "torch"):
+        raise RefusedModelError(
+            f"{model_path} is a checkpoint, which runs on torch; for --backend {backend} export it first with "
+            f"vlfit export --model_name_or_path {model_path} --format "
+            f"{'onnx' if backend == 'onnxruntime' else 'openvino'}"
+        )
+    return "torch"
+
+
+def open_encoder(
+    model_path: str,
+    backend: str = "auto",
+    precision: str = "auto",
+    *,
+    num_threads: int | None = None,
+    inference_precision: str | None = None,
+) -> Encoder:
+    """The encoder of a checkpoint or export folder.
+
+    Args:
+        model_path: A checkpoint folder or a folder ``vlfit export`` wrote.
+        backend: ``auto`` (the folder's own), ``torch``, ``onnxruntime`` or ``openvino``.
+        precision: For exported graphs: ``auto`` (INT8 when present), ``fp32`` or ``int8``.
+        num_threads: Threads of the runtime.
+        inference_precision: OpenVINO's ``INFERENCE_PRECISION_HINT`` (``None``: the plugin's default).
+
+    Raises:
+        RefusedModelError: for a combination that cannot run (see ``resolve_backend``), a missing tokenizer, graphs
+            older than their checkpoint, or a precision that was not exported.
+    """
+    if precision not in PRECISION_CHOICES:
+        raise ValueError(f"unknown --precision {precision!r}; choose one of: {', '.join(PRECISION_CHOICES)}")
+    chosen = resolve_backend(model_path, backend)
+    if chosen == "torch":
+        if precision == "int8":
+            raise RefusedModelError(f"{model_path}: INT8 runs on exported graphs only; export with --quantize int8")
+        return TorchEncoder(model_path, num_threads=num_threads)
+    exported = ExportedModel.open(model_path)
+    if chosen == "onnxruntime":
+        return OnnxRuntimeEncoder(exported, precision, num_threads=num_threads)
+    return OpenVinoEncoder(exported, precision, inference_precision=inference_precision, num_threads=num_threads)

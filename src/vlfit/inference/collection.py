@@ -1,0 +1,175 @@
+"""Image collections to embed or calibrate on: a folder of image files, a dataset split, or synthetic scenes.
+
+All are ``ImageTextSource``s, so they go through the project's ``InputPipeline`` (fast CPU pipeline, loader
+workers, bad images left out and listed) like training and evaluation data. A folder has no captions: each image's
+caption is its path, which nothing embeds.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vlfit.data.batch import BadSample, Batch
+from vlfit.data.pipeline import InputPipeline, LoaderSettings, PipelineOptions
+from vlfit.data.records import BadRecordError, Record, image_value_to_bytes
+from vlfit.data.source_base import ImageTextSource
+from vlfit.models.family import InputSpec
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+
+
+class ImageFolderSource(ImageTextSource):
+    """Every image file under a folder (recursively, in sorted path order); ids are paths relative to it.
+
+    Args:
+        root: The folder.
+
+    Raises:
+        NotADirectoryError: when ``root`` is not a folder.
+        ValueError: when it holds no image files.
+    """
+
+    def __init__(self, root: str) -> None:
+        if not os.path.isdir(root):
+            raise NotADirectoryError(f"--images {root}: no such folder")
+        paths = []
+        for folder, dirs, files in os.walk(root):
+            dirs.sort()
+            paths.extend(
+                os.path.relpath(os.path.join(folder, name), root)
+                for name in files
+                if name.lower().endswith(IMAGE_EXTENSIONS) and not name.startswith(".")
+            )
+        if not paths:
+            raise ValueError(f"--images {root}: no image files ({', '.join(IMAGE_EXTENSIONS)}) in it")
+        self.root = root
+        self.paths = sorted(path.replace(os.sep, "/") for path in paths)
+        super().__init__(name=f"image folder {root}", column_names=["image"], num_rows=len(self.paths))
+
+    def _read(self, row: int) -> Record:
+        path = self.paths[row]
+        try:
+            with open(os.path.join(self.root, path), "rb") as f:
+                data = f.read()
+        except OSError as err:
+            raise BadRecordError(f"sample {path}: cannot read image file: {err.strerror}") from err
+        return Record(id=path, image=data, caption=path)
+
+    def _read_captions(self, rows: np.ndarray | None) -> list[str | None]:
+        return [self.paths[int(row)] for row in (range(len(self.paths)) if rows is None else rows)]
+
+
+class RecordListSource(ImageTextSource):
+    """Records held in memory (synthetic scenes made on the spot)."""
+
+    def __init__(self, records: Sequence[Record], name: str) -> None:
+        self.records = list(records)
+        super().__init__(name=name, column_names=["image", "caption"], num_rows=len(self.records))
+
+    def _read(self, row: int) -> Record:
+        return self.records[row]
+
+    def _read_captions(self, rows: np.ndarray | None) -> list[str | None]:
+        return [self.records[int(row)].caption for row in (range(len(self.records)) if rows is None else rows)]
+
+
+def synthetic_source(num_samples: int, seed: int = 0) -> RecordListSource:
+    """``num_samples`` synthetic captioned scenes (``vlfit.data.synthetic``), photo-sized, made in memory."""
+    from vlfit.data.synthetic import SyntheticConfig, make_record
+
+    config = SyntheticConfig(num_samples=max(num_samples, 10), seed=seed, min_long_side=160, max_long_side=320)
+    records = []
+    for index in range(num_samples):
+        row = make_record(index, config)
+        image = image_value_to_bytes(row["image"], sample_id=row["instance_id"])
+        records.append(Record(row["instance_id"], image, row["image_description"]))
+    return RecordListSource(records, f"{num_samples} synthetic scenes (seed {seed})")
+
+
+def open_dataset_split(
+    dataset_name: str, split: str, *, image_column: str = "image", caption_column: str = "image_description"
+) -> ImageTextSource:
+    """One split of a dataset (hub id, ``save_to_disk`` folder, parquet folder), as ``vlfit train`` opens it.
+
+    Raises:
+        ValueError: when the split does not exist.
+    """
+    from vlfit.data.sources import open_splits  # only here: it imports the datasets library
+
+    splits = open_splits(dataset_name=dataset_name, image_column=image_column, caption_column=caption_column)
+    if split not in splits:
+        raise ValueError(f"{dataset_name} has no split {split!r}; its splits: {', '.join(splits)}")
+    return splits[split]
+
+
+@dataclass
+class HostBatches:
+    """Host batches of uint8 pixels from the fast CPU pipeline, with the bad samples they left out."""
+
+    pipeline: InputPipeline
+    loader: torch.utils.data.DataLoader
+
+    def __iter__(self) -> Iterator[Batch]:
+        return iter(self.loader)
+
+
+def host_batches(
+    source: ImageTextSource,
+    spec: InputSpec,
+    *,
+    batch_size: int,
+    num_workers: int = 0,
+) -> HostBatches:
+    """Batches of ``source`` as the fast CPU pipeline collates them (uint8 ``pixel_values``, tokenized captions),
+    in source order; bad images are left out of their batch and listed in its ``bad_samples``."""
+    pipeline = InputPipeline(spec, PipelineOptions(image_pipeline="fast"), torch.device("cpu"), keep_columns=())
+    loader = pipeline.loader(
+        pipeline.dataset(source, train=False),
+        batch_size=batch_size,
+        settings=LoaderSettings(num_workers=num_workers, prefetch_factor=4 if num_workers else None),
+    )
+    return HostBatches(pipeline, loader)
+
+
+@dataclass
+class Samples:
+    """Decoded samples held at once (export's parity and calibration samples).
+
+    Attributes:
+        pixels: uint8 ``[N, 3, H, W]``.
+        captions: The N captions.
+        ids: The N sample ids.
+        bad_samples: Samples left out.
+    """
+
+    pixels: torch.Tensor
+    captions: list[str]
+    ids: list[str]
+    bad_samples: list[BadSample]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def load_samples(source: ImageTextSource, spec: InputSpec, *, batch_size: int = 32, num_workers: int = 0) -> Samples:
+    """Every sample of ``source`` through the fast CPU pipeline, held at once.
+
+    Raises:
+        ValueError: when no sample is usable.
+    """
+    captions = source.captions()
+    pixels, ids, texts, bad = [], [], [], []
+    for batch in host_batches(source, spec, batch_size=batch_size, num_workers=num_workers):
+        bad.extend(batch.bad_samples)
+        if len(batch):
+            pixels.append(batch["pixel_values"].contiguous())
+            ids.extend(batch.sample_ids)
+            texts.extend(str(captions[position]) for position in batch.positions)
+    if not pixels:
+        raise ValueError(f"{source.name}: no usable sample ({len(bad)} bad)")
+    return Samples(torch.cat(pixels), texts, ids, bad)

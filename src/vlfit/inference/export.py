@@ -1,0 +1,355 @@
+"""``vlfit export``'s work: the two towers of a checkpoint as ONNX or OpenVINO graphs, checked against PyTorch.
+
+Steps, in a staging folder that replaces nothing until every check passed:
+
+1. trace each tower (``vlfit.inference.towers``) with ``torch.onnx.export``'s dynamo exporter, batch and sequence
+   axes dynamic; for OpenVINO, convert the ONNX graphs with ``openvino.convert_model``;
+2. measure fp32 parity against PyTorch on real samples, in batches whose sizes and caption lengths differ from the
+   export example's, and refuse (``ExportParityError``) when any embedding's cosine is below the threshold;
+3. with ``--quantize int8``, write INT8 graphs (``vlfit.inference.quantize``) and measure their cosine to PyTorch
+   and the change of text->image recall on the same samples;
+4. save the tokenizer and a manifest (``vlfit.inference.exported``) beside the graphs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vlfit.atomic_files import write_text_atomically
+from vlfit.evaluation.metrics import embedding_recall_at_k
+from vlfit.inference.backends import Encoder, OnnxRuntimeEncoder, OpenVinoEncoder
+from vlfit.inference.collection import Samples
+from vlfit.inference.exported import FORMATS, MANIFEST_NAME, TOWERS, ExportedModel, graph_name
+from vlfit.inference.identity import RefusedModelError, library_versions
+from vlfit.inference.loading import LoadedCheckpoint
+from vlfit.inference.quantize import quantize_onnx_image, quantize_onnx_text, quantize_openvino
+from vlfit.inference.towers import EMBEDDING_OUTPUT, IMAGE_INPUT, TEXT_INPUTS
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_OPSET = 18
+PARITY_THRESHOLD = 0.9999
+# Parity batches: one single sample, then odd sizes; the export example has 2 rows of 9 tokens.
+PARITY_BATCH_SIZES = (1, 7)
+EXAMPLE_BATCH, EXAMPLE_TOKENS = 2, 9
+CALIBRATION_BATCH_SIZE = 8
+RECALL_KS = (1, 5)
+
+
+class ExportParityError(RefusedModelError):
+    """An exported graph's embeddings differ from PyTorch's by more than the parity threshold allows."""
+
+
+@dataclass(frozen=True)
+class ExportSettings:
+    """Attributes:
+    format: ``onnx`` or ``openvino``.
+    quantize: ``None`` or ``int8``.
+    opset: ONNX opset of the graphs.
+    parity_threshold: Smallest fp32 cosine to PyTorch accepted, per embedding.
+    """
+
+    format: str = "onnx"
+    quantize: str | None = None
+    opset: int = DEFAULT_OPSET
+    parity_threshold: float = PARITY_THRESHOLD
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"unknown --format {self.format!r}; choose one of: {', '.join(FORMATS)}")
+        if self.quantize not in (None, "int8"):
+            raise ValueError(f"unknown --quantize {self.quantize!r}; the one choice is int8")
+
+
+# ----------------------------------------------------------------------------------------------- tracing
+
+
+def export_onnx_towers(loaded: LoadedCheckpoint, folder: str, opset: int = DEFAULT_OPSET) -> dict[str, str]:
+    """Trace both towers into ``folder/image.onnx`` and ``folder/text.onnx``; returns tower -> path."""
+    spec = loaded.spec
+    batch = torch.export.Dim("batch")
+    sequence = torch.export.Dim("sequence", max=spec.max_seq_length)
+    pixels = torch.randint(0, 256, (EXAMPLE_BATCH, 3, spec.image_size, spec.image_size), dtype=torch.uint8)
+    input_ids = torch.randint(0, len(spec.tokenizer), (EXAMPLE_BATCH, EXAMPLE_TOKENS))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, EXAMPLE_TOKENS // 2 :] = 0
+    paths = {tower: os.path.join(folder, graph_name(tower, "fp32", "onnx")) for tower in TOWERS}
+    with torch.inference_mode(False), torch.no_grad():
+        program = torch.onnx.export(
+            loaded.image_tower,
+            (pixels,),
+            input_names=[IMAGE_INPUT],
+            output_names=[EMBEDDING_OUTPUT],
+            dynamic_shapes=({0: batch},),
+            opset_version=opset,
+            dynamo=True,
+            verbose=False,
+        )
+        program.save(paths["image"])
+        program = torch.onnx.export(
+            loaded.text_tower,
+            (input_ids, attention_mask),
+            input_names=list(TEXT_INPUTS),
+            output_names=[EMBEDDING_OUTPUT],
+            dynamic_shapes=({0: batch, 1: sequence}, {0: batch, 1: sequence}),
+            opset_version=opset,
+            dynamo=True,
+            verbose=False,
+        )
+        program.save(paths["text"])
+    return paths
+
+
+def convert_to_openvino(onnx_path: str, xml_path: str) -> None:
+    """An ONNX graph as OpenVINO IR, weights kept in fp32 (``compress_to_fp16`` would halve their precision)."""
+    import openvino as ov
+
+    ov.save_model(ov.convert_model(onnx_path), xml_path, compress_to_fp16=False)
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+
+
+def _batches(n: int) -> Iterator[slice]:
+    """Slices of ``range(n)``: the sizes of ``PARITY_BATCH_SIZES``, the last repeated."""
+    start, i = 0, 0
+    while start < n:
+        size = PARITY_BATCH_SIZES[min(i, len(PARITY_BATCH_SIZES) - 1)]
+        yield slice(start, min(start + size, n))
+        start, i = start + size, i + 1
+
+
+def embed_samples(
+    samples: Samples,
+    embed_pixels: Callable[[torch.Tensor], torch.Tensor],
+    embed_tokens: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    tokenize: Callable[[list[str]], dict[str, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Image and caption embeddings of every sample, in parity batches (captions padded to each batch's longest)."""
+    images, texts = [], []
+    for rows in _batches(len(samples)):
+        images.append(embed_pixels(samples.pixels[rows].contiguous()).float())
+        tokens = tokenize(samples.captions[rows])
+        texts.append(embed_tokens(tokens["input_ids"], tokens["attention_mask"]).float())
+    return torch.cat(images), torch.cat(texts)
+
+
+def cosine_figures(reference: torch.Tensor, other: torch.Tensor) -> dict[str, float]:
+    """Smallest and mean cosine between paired rows."""
+    cosine = torch.nn.functional.cosine_similarity(reference.double(), other.double(), dim=1)
+    return {"min_cosine": round(float(cosine.min()), 7), "mean_cosine": round(float(cosine.mean()), 7)}
+
+
+def t2i_recall(text: torch.Tensor, image: torch.Tensor) -> dict[str, float]:
+    """Text->image recall@1/5 of paired embeddings."""
+    metrics = embedding_recall_at_k(text, image, RECALL_KS)
+    return {f"t2i_recall@{k}": round(metrics[f"t2i_recall@{k}"], 4) for k in RECALL_KS}
+
+
+def _embed(encoder: Encoder, samples: Samples) -> tuple[torch.Tensor, torch.Tensor]:
+    return embed_samples(samples, encoder.embed_pixels, encoder.embed_tokens, encoder.tokenize)
+
+
+def _open_staged(folder: str, manifest: dict[str, Any], precision: str, **options: Any) -> Encoder:
+    exported = ExportedModel(folder, manifest)
+    if manifest["format"] == "onnx":
+        return OnnxRuntimeEncoder(exported, precision)
+    return OpenVinoEncoder(exported, precision, **options)
+
+
+# ------------------------------------------------------------------------------------------------ the export
+
+
+def _draft_manifest(loaded: LoadedCheckpoint, settings: ExportSettings, checkpoint: str) -> dict[str, Any]:
+    spec, identity = loaded.spec, loaded.identity
+    size = spec.image_size
+    return {
+        "format_version": 1,
+        "format": settings.format,
+        "identity": identity.to_dict(),
+        "graphs": {tower: {"fp32": graph_name(tower, "fp32", settings.format)} for tower in TOWERS},
+        "inputs": {
+            "image": [{"name": IMAGE_INPUT, "dtype": "uint8", "shape": ["batch", 3, size, size]}],
+            "text": [{"name": name, "dtype": "int64", "shape": ["batch", "sequence"]} for name in TEXT_INPUTS],
+        },
+        "output": {"name": EMBEDDING_OUTPUT, "dtype": "float32", "shape": ["batch", identity.embedding_size]},
+        "image": {"size": size, "mean": list(spec.image_mean), "std": list(spec.image_std), "layout": "NCHW"},
+        "text": {"max_seq_length": spec.max_seq_length},
+        "opset": settings.opset,
+        "libraries": library_versions(),
+        "source": {"path": os.path.abspath(checkpoint), "sha256": identity.checkpoint_sha256},
+    }
+
+
+def export_model(
+    loaded: LoadedCheckpoint,
+    output_dir: str,
+    settings: ExportSettings,
+    *,
+    parity_samples: Samples,
+    calibration_samples: Samples | None = None,
+) -> dict[str, Any]:
+    """Export ``loaded``'s towers into ``output_dir`` (created; graphs of an earlier export there are replaced).
+
+    Args:
+        loaded: The checkpoint.
+        output_dir: Where the graphs, tokenizer and manifest go.
+        settings: Format, quantization, opset and parity threshold.
+        parity_samples: Real samples the parity and accuracy figures are measured on.
+        calibration_samples: Images and captions INT8 calibrates on (``parity_samples`` when None).
+
+    Returns:
+        The manifest written.
+
+    Raises:
+        ExportParityError: when an fp32 graph's cosine to PyTorch is below the threshold; nothing is written.
+    """
+    exported_at = time.time()
+    manifest = _draft_manifest(loaded, settings, loaded.path)
+    manifest["source"]["exported_at"] = exported_at
+    os.makedirs(output_dir, exist_ok=True)
+    staging = os.path.join(output_dir, ".export-staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    try:
+        started = time.perf_counter()
+        onnx_dir = os.path.join(staging, "onnx") if settings.format == "openvino" else staging
+        os.makedirs(onnx_dir, exist_ok=True)
+        onnx_paths = export_onnx_towers(loaded, onnx_dir, settings.opset)
+        if settings.format == "openvino":
+            for tower in TOWERS:
+                convert_to_openvino(onnx_paths[tower], os.path.join(staging, graph_name(tower, "fp32", "openvino")))
+        loaded.spec.tokenizer.save_pretrained(staging)
+        manifest["export_seconds"] = round(time.perf_counter() - started, 1)
+
+        reference_images, reference_texts = embed_samples(
+            parity_samples,
+            loaded.image_tower,
+            loaded.text_tower,
+            lambda texts: _tokenize(loaded, texts),
+        )
+        parity: dict[str, Any] = {"samples": len(parity_samples), "threshold": settings.parity_threshold}
+        accuracy: dict[str, Any] = {"torch_fp32": t2i_recall(reference_texts, reference_images)}
+        options = {"inference_precision": "f32"} if settings.format == "openvino" else {}
+        images, texts = _embed(_open_staged(staging, manifest, "fp32", **options), parity_samples)
+        parity["fp32"] = {
+            "image": cosine_figures(reference_images, images),
+            "text": cosine_figures(reference_texts, texts),
+        }
+        accuracy["fp32"] = t2i_recall(texts, images)
+        for tower in TOWERS:
+            worst = parity["fp32"][tower]["min_cosine"]
+            if worst < settings.parity_threshold:
+                raise ExportParityError(
+                    f"the exported fp32 {tower} graph's embeddings differ from PyTorch's: cosine {worst:.6f} on "
+                    f"{len(parity_samples)} samples, below the {settings.parity_threshold} required; nothing was "
+                    "written (rerun with --debug to keep the traceback, or lower --parity_threshold to inspect it)"
+                )
+        if settings.format == "openvino":
+            parity["openvino_default_precision"] = _openvino_default_precision(
+                staging, manifest, parity_samples, reference_images, reference_texts
+            )
+
+        if settings.quantize == "int8":
+            calibration = calibration_samples if calibration_samples is not None else parity_samples
+            _quantize(loaded, staging, onnx_paths, manifest, settings.format, calibration)
+            images8, texts8 = _embed(_open_staged(staging, manifest, "int8"), parity_samples)
+            parity["int8"] = {
+                "image": cosine_figures(reference_images, images8),
+                "text": cosine_figures(reference_texts, texts8),
+                "calibration_samples": len(calibration),
+            }
+            accuracy["int8"] = t2i_recall(texts8, images8)
+            accuracy["int8_change"] = {
+                key: round(accuracy["int8"][key] - accuracy["fp32"][key], 4) for key in accuracy["fp32"]
+            }
+        manifest["parity"], manifest["accuracy"] = parity, accuracy
+
+        if settings.format == "openvino":
+            shutil.rmtree(onnx_dir)
+        write_text_atomically(os.path.join(staging, MANIFEST_NAME), json.dumps(manifest, indent=1) + "\n")
+        _move_into(staging, output_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return manifest
+
+
+def _tokenize(loaded: LoadedCheckpoint, texts: list[str]) -> dict[str, torch.Tensor]:
+    spec = loaded.spec
+    tokens = spec.tokenizer(
+        texts, max_length=spec.max_seq_length, truncation=True, padding="longest", return_tensors="pt"
+    )
+    return {"input_ids": tokens["input_ids"], "attention_mask": tokens["attention_mask"]}
+
+
+def _openvino_default_precision(
+    staging: str, manifest: dict[str, Any], samples: Samples, images: torch.Tensor, texts: torch.Tensor
+) -> dict[str, Any]:
+    """The CPU plugin's own inference precision (bf16 where the CPU has it) and its cosine to PyTorch."""
+    encoder = _open_staged(staging, manifest, "fp32")
+    assert isinstance(encoder, OpenVinoEncoder)
+    hint = encoder.compiled["image"].get_property("INFERENCE_PRECISION_HINT")
+    precision = hint.to_string() if hasattr(hint, "to_string") else str(hint)  # an openvino.Type: "f32", "bf16"
+    figures: dict[str, Any] = {"precision": precision}
+    if "f32" not in precision:
+        default_images, default_texts = _embed(encoder, samples)
+        figures["image"] = cosine_figures(images, default_images)
+        figures["text"] = cosine_figures(texts, default_texts)
+    return figures
+
+
+def _calibration_feeds(loaded: LoadedCheckpoint, samples: Samples) -> tuple[list[dict], list[dict]]:
+    image_feeds, text_feeds = [], []
+    for start in range(0, len(samples), CALIBRATION_BATCH_SIZE):
+        rows = slice(start, start + CALIBRATION_BATCH_SIZE)
+        image_feeds.append({IMAGE_INPUT: samples.pixels[rows].contiguous().numpy()})
+        tokens = _tokenize(loaded, samples.captions[rows])
+        text_feeds.append({name: tokens[name].numpy() for name in TEXT_INPUTS})
+    return image_feeds, text_feeds
+
+
+def _quantize(
+    loaded: LoadedCheckpoint,
+    staging: str,
+    onnx_paths: dict[str, str],
+    manifest: dict[str, Any],
+    fmt: str,
+    calibration: Samples,
+) -> None:
+    image_feeds, text_feeds = _calibration_feeds(loaded, calibration)
+    names = {tower: graph_name(tower, "int8", fmt) for tower in TOWERS}
+    if fmt == "onnx":
+        quantize_onnx_text(onnx_paths["text"], os.path.join(staging, names["text"]))
+        quantize_onnx_image(onnx_paths["image"], os.path.join(staging, names["image"]), image_feeds)
+        methods = {"image": "onnxruntime static (QDQ, MatMul)", "text": "onnxruntime dynamic (MatMul)"}
+    else:
+        for tower, feeds in (("image", image_feeds), ("text", text_feeds)):
+            source = os.path.join(staging, graph_name(tower, "fp32", fmt))
+            quantize_openvino(source, os.path.join(staging, names[tower]), feeds, transformer=tower == "image")
+        methods = {"image": "nncf ptq (transformer model type)", "text": "nncf ptq (default scheme)"}
+    for tower in TOWERS:
+        manifest["graphs"][tower]["int8"] = names[tower]
+    manifest["quantization"] = methods
+
+
+def _move_into(staging: str, output_dir: str) -> None:
+    """Move the staged files into ``output_dir``, the manifest last (a reader never sees a manifest whose graphs
+    are not all there)."""
+    names = [name for name in os.listdir(staging) if name != MANIFEST_NAME]
+    stale = os.path.join(output_dir, MANIFEST_NAME)
+    if os.path.exists(stale):
+        os.remove(stale)
+    for name in [*names, MANIFEST_NAME]:
+        target = os.path.join(output_dir, name)
+        if os.path.isdir(target):
+            shutil.rmtree(target)
+        os.replace(os.path.join(staging, name), target)

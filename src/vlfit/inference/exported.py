@@ -1,0 +1,143 @@
+"""An exported model folder as ``vlfit export`` writes it, and the checks made before it is used.
+
+Layout::
+
+    export_manifest.json      family, embedding size, inputs, opset, library versions, source checkpoint hash,
+                              the parity and accuracy figures measured at export
+    image.onnx, text.onnx     (or image.xml/.bin, text.xml/.bin for OpenVINO) fp32 graphs
+    image.int8.onnx, ...      INT8 graphs, with --quantize int8
+    tokenizer.json, ...       the tokenizer (saved by transformers)
+
+A folder whose tokenizer is missing, or whose source checkpoint changed after the export, is refused with one line
+(``RefusedModelError``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from vlfit.inference.identity import ModelIdentity, RefusedModelError, checkpoint_fingerprint, weights_mtime
+from vlfit.models.family import InputSpec
+
+MANIFEST_NAME = "export_manifest.json"
+FORMATS = ("onnx", "openvino")
+PRECISIONS = ("fp32", "int8")
+TOWERS = ("image", "text")
+_EXTENSION = {"onnx": ".onnx", "openvino": ".xml"}
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
+
+
+def graph_name(tower: str, precision: str, fmt: str) -> str:
+    """File name of one graph: ``image.onnx``, ``text.int8.xml`` ..."""
+    return tower + ("" if precision == "fp32" else f".{precision}") + _EXTENSION[fmt]
+
+
+def is_exported_model(path: str) -> bool:
+    """Whether ``path`` is a folder ``vlfit export`` wrote."""
+    return os.path.isfile(os.path.join(path, MANIFEST_NAME))
+
+
+@dataclass
+class ExportedModel:
+    """An exported model folder and its manifest.
+
+    Attributes:
+        path: The folder.
+        manifest: The parsed ``export_manifest.json``.
+    """
+
+    path: str
+    manifest: dict[str, Any]
+
+    @classmethod
+    def open(cls, path: str, *, check_source: bool = True) -> ExportedModel:
+        """Read the manifest and refuse a folder that cannot be used.
+
+        Args:
+            path: The folder.
+            check_source: Refuse the graphs when their source checkpoint still exists and its weights changed
+                after the export.
+
+        Raises:
+            FileNotFoundError: when the folder has no manifest.
+            RefusedModelError: when the tokenizer is missing or the graphs are older than their checkpoint.
+        """
+        manifest_path = os.path.join(path, MANIFEST_NAME)
+        if not os.path.isfile(manifest_path):
+            raise FileNotFoundError(f"{path}: no {MANIFEST_NAME}; pass a folder that vlfit export wrote")
+        with open(manifest_path, encoding="utf-8") as f:
+            exported = cls(path, json.load(f))
+        if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+            raise RefusedModelError(
+                f"{path}: the exported model has no tokenizer ({' or '.join(TOKENIZER_FILES)}) beside its graphs; "
+                "export it again with vlfit export"
+            )
+        if check_source:
+            exported.check_source_unchanged()
+        return exported
+
+    @property
+    def format(self) -> str:
+        return str(self.manifest["format"])
+
+    @property
+    def identity(self) -> ModelIdentity:
+        return ModelIdentity.from_dict(self.manifest["identity"])
+
+    @property
+    def precisions(self) -> tuple[str, ...]:
+        """The precisions whose two graphs are in the folder."""
+        return tuple(p for p in PRECISIONS if all(self.manifest["graphs"].get(t, {}).get(p) for t in TOWERS))
+
+    def graph_path(self, tower: str, precision: str) -> str:
+        """Path of one graph.
+
+        Raises:
+            RefusedModelError: when the folder has no graph of that precision.
+        """
+        name = self.manifest["graphs"].get(tower, {}).get(precision)
+        if not name:
+            raise RefusedModelError(
+                f"{self.path}: no {precision} {tower} graph (it has: {', '.join(self.precisions) or 'none'}); "
+                f"export with {'--quantize int8' if precision == 'int8' else 'vlfit export'} first"
+            )
+        return os.path.join(self.path, name)
+
+    def input_spec(self) -> InputSpec:
+        """Image size, mean, std and the tokenizer saved beside the graphs."""
+        from transformers import AutoTokenizer  # only here: a manifest is read without transformers
+
+        image = self.manifest["image"]
+        return InputSpec(
+            image_size=int(image["size"]),
+            image_mean=tuple(float(x) for x in image["mean"]),  # type: ignore[arg-type]
+            image_std=tuple(float(x) for x in image["std"]),  # type: ignore[arg-type]
+            tokenizer=AutoTokenizer.from_pretrained(self.path),
+            max_seq_length=int(self.manifest["text"]["max_seq_length"]),
+        )
+
+    def check_source_unchanged(self) -> None:
+        """Refuse graphs older than their checkpoint: its weights were written after the export and differ.
+
+        A checkpoint that no longer exists (the export was copied elsewhere) is not checked. The weights are
+        hashed only when their files are newer than the export.
+        """
+        source = self.manifest["source"]
+        checkpoint = source.get("path")
+        if not checkpoint or not os.path.isdir(checkpoint):
+            return
+        if weights_mtime(checkpoint) <= float(source["exported_at"]):
+            return
+        try:
+            current = checkpoint_fingerprint(checkpoint)
+        except FileNotFoundError:
+            return
+        if current != self.identity.checkpoint_sha256:
+            raise RefusedModelError(
+                f"{self.path}: the exported graphs are older than their checkpoint {checkpoint} (its weights changed "
+                f"after the export: {self.identity.checkpoint_sha256[:12]} then, {current[:12]} now); run vlfit "
+                "export again"
+            )
