@@ -144,6 +144,15 @@ class DataArguments(CompatDataFlags, DataLocationArguments):
     )
     random_resized_crop: bool = field(default=False, metadata={"help": "Random resized crop (fast pipeline)."})
     horizontal_flip: bool = field(default=False, metadata={"help": "Random horizontal flip, on the device."})
+    hard_negative_column: str | None = field(
+        default=None,
+        metadata={
+            "help": "A column of alternative captions per sample (a list of strings, e.g. caption_choices of the "
+            "New Yorker matching config or of `vlfit make-data` data): training also scores each image against "
+            "its own alternatives, beside the batch's captions (NegCLIP's hard negatives). The sample's own choice "
+            "is left out: the one its label column points to, or else any equal to its caption."
+        },
+    )
     eval_split: str = field(default="validation", metadata={"help": "Split that --do_eval evaluates."})
     eval_pool_size: int | None = field(
         default=None, metadata={"help": "Recall@k over candidate pools of this many pairs (default: the whole split)."}

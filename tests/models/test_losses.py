@@ -13,8 +13,9 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 from transformers import BridgeTowerForContrastiveLearning
 
-from vlfit.models.bridgetower import BridgeTowerFamily, expose_logit_scale, loss_terms, preset_config
-from vlfit.models.losses import info_nce
+from vlfit.models.bridgetower import BridgeTowerFamily, encode_text, expose_logit_scale, loss_terms, preset_config
+from vlfit.models.family import HARD_NEGATIVE_ATTENTION_MASK, HARD_NEGATIVE_INPUT_IDS
+from vlfit.models.losses import embed_hard_negatives, info_nce
 
 # Rows [0, 3) on rank 0 and [3, 6) on rank 1, then an uneven split: [0, 4) and [4, 6).
 SPLITS = {"even": (0, 3, 6), "uneven": (0, 4, 6)}
@@ -37,6 +38,18 @@ def _inputs(n: int = 6) -> dict[str, torch.Tensor]:
         "attention_mask": attention_mask,
         "pixel_values": torch.randn(n, 3, 64, 64, generator=generator),
     }
+
+
+def _with_hard_negatives(inputs: dict[str, torch.Tensor], slots: int = 3) -> dict[str, torch.Tensor]:
+    """Each row's alternative captions: row 0 has 2, row 1 none, every other row ``slots`` (padded tokens too)."""
+    n = inputs["input_ids"].shape[0]
+    generator = torch.Generator().manual_seed(2)
+    mask = torch.ones(n, slots, 8, dtype=torch.long)
+    mask[:, :, 6:] = 0
+    mask[0, 2:] = 0
+    mask[1] = 0
+    ids = torch.randint(3, 1024, (n, slots, 8), generator=generator) * mask + (1 - mask)  # 1: the pad id
+    return {**inputs, HARD_NEGATIVE_INPUT_IDS: ids, HARD_NEGATIVE_ATTENTION_MASK: mask}
 
 
 def _rows(inputs: dict[str, torch.Tensor], start: int, stop: int) -> dict[str, torch.Tensor]:
@@ -70,6 +83,12 @@ def _worker(rank: int, world: int, init_file: str, payload_path: str, out_dir: s
             family_loss = family.contrastive_loss(ddp, rows, global_negatives=True)
             family_loss.backward()
             results[f"{name} family"] = {"loss": family_loss.detach(), "grads": _grads(model)}
+            # With hard negatives: embedded outside the DDP forward, each query's own, never gathered.
+            model.zero_grad(set_to_none=True)
+            hard_rows = _rows(payload["hard_inputs"], bounds[rank], bounds[rank + 1])
+            hard_loss = family.contrastive_loss(ddp, hard_rows, global_negatives=True)
+            hard_loss.backward()
+            results[f"{name} hard negatives"] = {"loss": hard_loss.detach(), "grads": _grads(model)}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -114,6 +133,46 @@ def test_symmetric_loss_adds_image_to_text_to_the_three_terms():
     assert not torch.allclose(symmetric, own.loss)
 
 
+def test_hard_negatives_join_each_images_image_to_text_candidates():
+    model = _model()
+    expose_logit_scale(model)
+    inputs = _with_hard_negatives(_inputs())
+    loss = BridgeTowerFamily().contrastive_loss(model, inputs)
+    loss.backward()
+    assert all(torch.isfinite(grad).all() for grad in _grads(model).values())  # padded slots poison nothing
+
+    with torch.no_grad():
+        own = model(**{key: inputs[key] for key in ("input_ids", "attention_mask", "pixel_values")}, return_loss=True)
+        scale = model.logit_scale.exp()
+        per_image = []
+        for i in range(6):
+            valid = inputs[HARD_NEGATIVE_ATTENTION_MASK][i].bool().any(dim=-1)
+            logits = own.image_embeds[i] @ own.text_embeds.t()
+            if valid.any():
+                ids, mask = inputs[HARD_NEGATIVE_INPUT_IDS][i][valid], inputs[HARD_NEGATIVE_ATTENTION_MASK][i][valid]
+                logits = torch.cat([logits, encode_text(model, ids, mask) @ own.image_embeds[i]])
+            per_image.append(torch.nn.functional.cross_entropy(logits[None] * scale, torch.tensor([i])))
+        expected = (3 * own.loss + torch.stack(per_image).mean()) / 4
+    torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-6)
+    # Hard negatives change the loss over plain image->text: the comparison above can fail.
+    plain_image_to_text = BridgeTowerFamily().contrastive_loss(model, _inputs(), symmetric=True).detach()
+    assert abs(float(plain_image_to_text - loss.detach())) > 1e-3
+
+
+def test_padded_hard_negative_slots_never_reach_the_text_encoder():
+    seen: list[int] = []
+
+    def encode(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        seen.append(ids.shape[0])
+        return torch.nn.functional.normalize(torch.ones(ids.shape[0], 4), dim=-1)
+
+    inputs = _with_hard_negatives(_inputs())
+    negatives = embed_hard_negatives(encode, inputs[HARD_NEGATIVE_INPUT_IDS], inputs[HARD_NEGATIVE_ATTENTION_MASK])
+    assert seen == [2 + 0 + 4 * 3]
+    assert negatives.valid.sum(dim=1).tolist() == [2, 0, 3, 3, 3, 3]
+    assert negatives.embeds.shape == (6, 3, 4) and (negatives.embeds[~negatives.valid] == 0).all()
+
+
 def test_exposed_logit_scale_is_in_the_outputs_and_carries_gradient():
     model = _model()
     expose_logit_scale(model)
@@ -128,7 +187,10 @@ def test_exposed_logit_scale_is_in_the_outputs_and_carries_gradient():
 def test_global_negatives_on_two_processes_equal_one_process_on_the_concatenated_batch(tmp_path):
     inputs = _inputs()
     model = _model()
-    torch.save({"state_dict": model.state_dict(), "inputs": inputs}, tmp_path / "payload.pt")
+    hard_inputs = _with_hard_negatives(inputs)
+    torch.save(
+        {"state_dict": model.state_dict(), "inputs": inputs, "hard_inputs": hard_inputs}, tmp_path / "payload.pt"
+    )
     mp.spawn(
         _worker, args=(2, str(tmp_path / "init"), str(tmp_path / "payload.pt"), str(tmp_path)), nprocs=2, join=True
     )
@@ -154,6 +216,18 @@ def test_global_negatives_on_two_processes_equal_one_process_on_the_concatenated
             for rank in range(2):
                 local.append(model(**_rows(inputs, bounds[rank], bounds[rank + 1]), return_loss=True).loss)
         assert abs(float(sum(local) / 2 - reference.loss.detach())) > 1e-2, name
+
+    expose_logit_scale(model)
+    model.zero_grad(set_to_none=True)
+    hard_reference = BridgeTowerFamily().contrastive_loss(model, hard_inputs, global_negatives=True)
+    hard_reference.backward()
+    hard_grads = _grads(model)
+    for name in SPLITS:
+        loss = (ranks[0][f"{name} hard negatives"]["loss"] + ranks[1][f"{name} hard negatives"]["loss"]) / 2
+        torch.testing.assert_close(loss, hard_reference.detach(), rtol=0, atol=2e-6, msg=f"{name} hard negatives")
+        for rank in ranks:
+            for param, grad in rank[f"{name} hard negatives"]["grads"].items():
+                torch.testing.assert_close(grad, hard_grads[param], rtol=1e-4, atol=1e-6, msg=f"{name} {param}")
 
 
 @pytest.mark.parametrize("negatives", ["local", "global"])

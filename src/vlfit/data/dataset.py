@@ -25,6 +25,7 @@ from vlfit.data.bad_samples import (
 )
 from vlfit.data.batch import BadSample, Batch
 from vlfit.data.decode import DecodeError
+from vlfit.data.hard_negatives import alternative_captions, tokenize_alternatives
 from vlfit.data.image_transforms import EncodedImage, stack_images
 from vlfit.data.records import BadRecordError
 
@@ -158,16 +159,31 @@ class ImageTextCollator:
     ``max_seq_length``: shorter sequences are cheaper for every layer. Placeholders of bad samples (``image`` None)
     are left out; every bad sample met while making the batch is listed in ``Batch.bad_samples``.
 
+    With ``hard_negative_column``, each row's alternative captions (that column's choices other than its own; see
+    ``vlfit.data.hard_negatives``) are tokenized too, as the ``hard_negative_*`` inputs.
+
     Args:
         tokenizer: A transformers tokenizer.
         max_seq_length: Truncation length.
         keep_columns: Extra record columns to carry as per-row lists (for evaluation).
+        hard_negative_column: The record column of alternative captions (among the record's extra columns), or
+            ``None`` for no hard negatives.
+        label_column: The record column naming the right choice of ``hard_negative_column``, when there is one.
     """
 
-    def __init__(self, tokenizer: Any, max_seq_length: int, keep_columns: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        max_seq_length: int,
+        keep_columns: Sequence[str] = (),
+        hard_negative_column: str | None = None,
+        label_column: str = "label",
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_seq_length = max_seq_length
         self.keep_columns = tuple(keep_columns)
+        self.hard_negative_column = hard_negative_column
+        self.label_column = label_column
 
     def __call__(self, samples: list[Sample]) -> Batch:
         bad_samples = [bad for sample in samples for bad in sample.bad_samples]
@@ -184,6 +200,8 @@ class ImageTextCollator:
             return_tensors="pt",
         )
         inputs = {"input_ids": text["input_ids"], "attention_mask": text["attention_mask"]}
+        if self.hard_negative_column is not None:
+            inputs.update(self._hard_negatives(samples))
         images = [sample.image for sample in samples]
         encoded = None
         if isinstance(images[0], EncodedImage):
@@ -198,3 +216,17 @@ class ImageTextCollator:
             encoded_images=encoded,  # type: ignore[arg-type]
             columns={name: [sample.columns.get(name) for sample in samples] for name in self.keep_columns},
         )
+
+    def _hard_negatives(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
+        column = self.hard_negative_column
+        alternatives = [
+            alternative_captions(
+                sample.columns.get(column),  # type: ignore[arg-type]
+                sample.caption or "",
+                label=sample.columns.get(self.label_column),
+                column=column,  # type: ignore[arg-type]
+                sample_id=sample.id,
+            )
+            for sample in samples
+        ]
+        return tokenize_alternatives(self.tokenizer, alternatives, self.max_seq_length)

@@ -47,6 +47,8 @@ class PipelineOptions:
         random_resized_crop: Random resized crop in training (fast pipeline).
         horizontal_flip: Random horizontal flip in training, on the device.
         bad_sample_policy: ``skip`` or ``raise`` (see ``vlfit.data.bad_samples``).
+        hard_negative_column: A column of alternative captions per sample: batches carry them tokenized as
+            hard negatives (``vlfit.data.hard_negatives``); ``None``: none.
     """
 
     image_pipeline: str = "fast"
@@ -54,6 +56,7 @@ class PipelineOptions:
     random_resized_crop: bool = False
     horizontal_flip: bool = False
     bad_sample_policy: str = "skip"
+    hard_negative_column: str | None = None
 
     @classmethod
     def from_arguments(cls, data_args: Any) -> PipelineOptions:
@@ -64,6 +67,7 @@ class PipelineOptions:
             random_resized_crop=data_args.random_resized_crop,
             horizontal_flip=data_args.horizontal_flip,
             bad_sample_policy=data_args.bad_sample_policy,
+            hard_negative_column=getattr(data_args, "hard_negative_column", None),
         )
 
 
@@ -168,7 +172,12 @@ class InputPipeline:
         self.inputs = inputs
         self.options = options
         self.device = device
-        self.collator = ImageTextCollator(inputs.tokenizer, inputs.max_seq_length, keep_columns=keep_columns)
+        self.collator = ImageTextCollator(
+            inputs.tokenizer,
+            inputs.max_seq_length,
+            keep_columns=keep_columns,
+            hard_negative_column=options.hard_negative_column,
+        )
         self.device_stage = DeviceStage(
             inputs.image_size,
             inputs.image_mean,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from accelerate.utils import extract_model_from_parallel
 from torch import nn
 from transformers import BridgeTowerConfig, BridgeTowerForContrastiveLearning, BridgeTowerImageProcessor
 from transformers.masking_utils import create_bidirectional_mask
@@ -25,8 +26,14 @@ from transformers.models.bridgetower.modeling_bridgetower import (
 )
 
 from vlfit.models import activation_checkpointing
-from vlfit.models.family import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ModelFamily
-from vlfit.models.losses import info_nce
+from vlfit.models.family import (
+    HARD_NEGATIVE_ATTENTION_MASK,
+    HARD_NEGATIVE_INPUT_IDS,
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    ModelFamily,
+)
+from vlfit.models.losses import HardNegatives, Term, embed_hard_negatives, info_nce
 
 _HOOK_ATTRIBUTE = "_vlfit_logit_scale_hook"
 
@@ -122,11 +129,10 @@ def preset_config(name: str) -> BridgeTowerConfig:
 # ------------------------------------------------------------------------------------------------ embeddings
 
 
-@torch.no_grad()
-def encode_text(
+def text_embeddings(
     model: BridgeTowerForContrastiveLearning, input_ids: torch.Tensor, attention_mask: torch.Tensor
 ) -> torch.Tensor:
-    """L2-normalized text embeddings ``[B, contrastive_hidden_size]``."""
+    """L2-normalized text embeddings ``[B, contrastive_hidden_size]``, with gradient (training's hard negatives)."""
     tower = model.bridgetower
     hidden = tower.text_model.embeddings(input_ids=input_ids)
     mask = create_bidirectional_mask(
@@ -135,6 +141,9 @@ def encode_text(
     for layer in tower.text_model.encoder.layer:
         hidden = layer(hidden, mask)
     return nn.functional.normalize(model.itc_text_head(hidden[:, 0, :]), dim=-1, p=2)
+
+
+encode_text = torch.no_grad()(text_embeddings)
 
 
 @torch.no_grad()
@@ -182,16 +191,16 @@ def expose_logit_scale(model: nn.Module) -> None:
         setattr(model, _HOOK_ATTRIBUTE, model.register_forward_hook(_add_logit_scale))
 
 
-def loss_terms(outputs: Any, symmetric: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def loss_terms(outputs: Any, symmetric: bool = False, hard_negatives: HardNegatives | None = None) -> list[Term]:
     """BridgeTower's three ``(queries, candidates)`` terms: text->image, text->cross, image->cross; with
-    ``symmetric``, image->text as a fourth."""
-    terms = [
+    ``symmetric`` or ``hard_negatives``, image->text as a fourth (scored against the hard negatives too)."""
+    terms: list[Term] = [
         (outputs.text_embeds, outputs.image_embeds),
         (outputs.text_embeds, outputs.cross_embeds),
         (outputs.image_embeds, outputs.cross_embeds),
     ]
-    if symmetric:
-        terms.append((outputs.image_embeds, outputs.text_embeds))
+    if symmetric or hard_negatives is not None:
+        terms.append((outputs.image_embeds, outputs.text_embeds, hard_negatives))
     return terms
 
 
@@ -304,8 +313,20 @@ class BridgeTowerFamily(ModelFamily):
         symmetric: bool = False,
     ) -> torch.Tensor:
         model_inputs = {key: inputs[key] for key in self.model_inputs}
-        if not global_negatives and not symmetric:
+        with_hard_negatives = HARD_NEGATIVE_INPUT_IDS in inputs
+        if not (global_negatives or symmetric or with_hard_negatives):
             return model(**model_inputs, return_loss=True).loss  # the model's own loss
         outputs = model(**model_inputs, return_loss=False)
+        hard_negatives = None
+        if with_hard_negatives:
+            # The text tower outside the wrapper's forward: DDP still reduces its gradients once (autograd sums
+            # both uses of each parameter before its gradient is ready), and activation checkpointing still applies.
+            unwrapped = extract_model_from_parallel(model)
+            hard_negatives = embed_hard_negatives(
+                lambda ids, mask: text_embeddings(unwrapped, ids, mask),
+                inputs[HARD_NEGATIVE_INPUT_IDS],
+                inputs[HARD_NEGATIVE_ATTENTION_MASK],
+            )
         # DataParallel (several GPUs, one process) stacks one copy of the scalar per replica.
-        return info_nce(loss_terms(outputs, symmetric), outputs.logit_scale.mean(), gather=global_negatives)
+        terms = loss_terms(outputs, symmetric, hard_negatives)
+        return info_nce(terms, outputs.logit_scale.mean(), gather=global_negatives)

@@ -23,6 +23,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+# The batch's hard negatives (``--hard_negative_column``): each row's alternative captions, ``[B, K, L]`` token ids
+# and attention mask, zero-masked where a row has fewer than K. Inputs of the loss, never of the forward.
+HARD_NEGATIVE_INPUT_IDS = "hard_negative_input_ids"
+HARD_NEGATIVE_ATTENTION_MASK = "hard_negative_attention_mask"
+
 # CLIP's pixel statistics, which CLIP-derived vision towers (BridgeTower's among them) normalize with.
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -136,6 +141,9 @@ class ModelFamily(ABC):
                 are the whole global batch; with one process this equals the local loss.
             symmetric: Add the image->text term to the model's own terms where they lack it
                 (``--contrastive_loss symmetric``).
+
+        When ``inputs`` hold ``HARD_NEGATIVE_INPUT_IDS`` / ``HARD_NEGATIVE_ATTENTION_MASK``, the image->text
+        term also scores each image against its own hard negatives (``vlfit.models.losses.HardNegatives``).
 
         Returns:
             A scalar; with global negatives, this process's share such that averaging over processes (as DDP

@@ -13,8 +13,8 @@ single-process loss on the concatenated batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -63,8 +63,23 @@ def gather_with_grad(tensor: torch.Tensor, group: Any = None) -> tuple[torch.Ten
     return rows, sum(sizes[:rank]), sum(sizes)
 
 
+class HardNegatives(NamedTuple):
+    """Per-query extra candidates of one term: query ``i`` is also scored against ``embeds[i, :]``.
+
+    Attributes:
+        embeds: ``[n, k, d]`` L2-normalized embeddings (never gathered: they are this process's queries' own).
+        valid: ``[n, k]`` bool, False where a row has fewer than ``k`` (those slots score nothing).
+    """
+
+    embeds: torch.Tensor
+    valid: torch.Tensor
+
+
+Term = tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, HardNegatives | None]
+
+
 def info_nce(
-    terms: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    terms: Sequence[Term],
     logit_scale: torch.Tensor,
     *,
     gather: bool = False,
@@ -74,7 +89,8 @@ def info_nce(
 
     Args:
         terms: ``(queries, candidates)`` pairs of ``[n, d]`` L2-normalized embeddings of this process's batch; row
-            ``i`` of both belongs to pair ``i``. A candidate tensor used by several terms is gathered once.
+            ``i`` of both belongs to pair ``i``. A candidate tensor used by several terms is gathered once. A
+            third element, ``HardNegatives``, adds per-query candidates to that term (hard negatives).
         logit_scale: The multiplier of the cosine similarities (``exp`` of a model's logit-scale parameter).
         gather: Score against the candidates of every process of ``group`` (global negatives). Without an
             initialized process group, or with one process, this is the local loss.
@@ -95,14 +111,48 @@ def info_nce(
         gathered: dict[int, tuple[torch.Tensor, int, int]] = {}
         total_loss = first.new_zeros((), dtype=torch.float32)
         total = rows
-        for queries, candidates in terms:
+        for term in terms:
+            queries, candidates = term[0], term[1]
+            hard_negatives = term[2] if len(term) > 2 else None
             key = id(candidates)
             if key not in gathered:
                 candidates_f = candidates.float()
                 gathered[key] = gather_with_grad(candidates_f, group) if world > 1 else (candidates_f, 0, rows)
             all_candidates, offset, total = gathered[key]
             labels = torch.arange(offset, offset + rows, device=first.device)
-            total_loss = total_loss + F.cross_entropy(
-                queries.float() @ all_candidates.t() * scale, labels, reduction="sum"
-            )
+            logits = queries.float() @ all_candidates.t() * scale
+            if hard_negatives is not None:
+                logits = torch.cat([logits, hard_negative_logits(queries.float(), hard_negatives, scale)], dim=1)
+            total_loss = total_loss + F.cross_entropy(logits, labels, reduction="sum")
         return total_loss / len(terms) * (world / total)
+
+
+def embed_hard_negatives(
+    encode_text: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+) -> HardNegatives:
+    """Embed a batch's hard negatives (``[n, k, L]`` token ids and mask, see ``vlfit.data.hard_negatives``).
+
+    Only the slots that hold a caption go through the text encoder: a padded slot attends to no token, and its
+    embedding (NaN in some attention kernels) would poison the gradient even where the loss masks it out.
+    """
+    rows, slots, length = input_ids.shape
+    valid = attention_mask.bool().any(dim=-1)
+    flat_valid = valid.reshape(-1)
+    ids = input_ids.reshape(rows * slots, length)[flat_valid]
+    mask = attention_mask.reshape(rows * slots, length)[flat_valid]
+    if not len(ids):
+        return HardNegatives(input_ids.new_zeros((rows, slots, 1), dtype=torch.float32), valid)
+    embeds = encode_text(ids, mask)
+    laid_out = embeds.new_zeros((rows * slots, embeds.shape[-1])).index_copy(0, flat_valid.nonzero().squeeze(1), embeds)
+    return HardNegatives(laid_out.view(rows, slots, -1), valid)
+
+
+def hard_negative_logits(queries: torch.Tensor, hard_negatives: HardNegatives, scale: torch.Tensor) -> torch.Tensor:
+    """``[n, k]`` scaled cosine similarities of each query with its own hard negatives; ``-inf`` at invalid slots.
+
+    Masked after scaling: the scale's gradient is the logits, and ``0 * -inf`` would make it NaN.
+    """
+    similarity = torch.einsum("nd,nkd->nk", queries, hard_negatives.embeds.to(queries.dtype)) * scale
+    return similarity.masked_fill(~hard_negatives.valid, float("-inf"))

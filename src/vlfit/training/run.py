@@ -90,12 +90,19 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
     if not (training_args.do_train or training_args.do_eval):
         raise ValueError("nothing to do: pass --do_train and/or --do_eval")
     set_seed(training_args.seed)
+    extra_columns = tuple(dict.fromkeys([*EVAL_COLUMNS, *filter(None, [data_args.hard_negative_column])]))
     splits = open_splits(
-        **data_args.source_kwargs(), cache_dir=model_args.cache_dir, token=model_args.token, extra_columns=EVAL_COLUMNS
+        **data_args.source_kwargs(), cache_dir=model_args.cache_dir, token=model_args.token, extra_columns=extra_columns
     )
     train_source = eval_source = None
     if training_args.do_train:
         train_source = _limit(_require_split(splits, "train", "--do_train"), data_args.max_train_samples)
+        column = data_args.hard_negative_column
+        if column is not None and column not in train_source.column_names:
+            raise ValueError(
+                f"--hard_negative_column {column!r} is not a column of the training split; it has: "
+                f"{', '.join(train_source.column_names)}"
+            )
     if training_args.do_eval:
         eval_source = _limit(_require_split(splits, data_args.eval_split, "--do_eval"), data_args.max_eval_samples)
     caption_source = train_source or splits.get("train") or eval_source
