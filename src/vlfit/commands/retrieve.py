@@ -1,0 +1,159 @@
+"""``vlfit retrieve index`` (embed a collection of images into an index) and ``vlfit retrieve query`` (top-k images of
+text or image queries)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Literal
+
+from transformers import HfArgumentParser
+
+from vlfit.evaluation.topk import DEFAULT_CHUNK_ELEMENTS
+from vlfit.inference.backends import open_encoder
+from vlfit.inference.collection import ImageFolderSource, open_dataset_split
+from vlfit.inference.index import MANIFEST_NAME, EmbeddingIndex, build_index, refuse_other_model
+from vlfit.inference.query import Query, embed_queries, read_queries, search
+
+SUBCOMMANDS = ("index", "query")
+Backend = Literal["auto", "torch", "onnxruntime", "openvino"]
+Precision = Literal["auto", "fp32", "int8"]
+
+
+@dataclass
+class IndexArguments:
+    """Flags of ``vlfit retrieve index``."""
+
+    model: str = field(metadata={"help": "A checkpoint folder, or a folder vlfit export wrote."})
+    output_dir: str = field(metadata={"help": "The index folder (created; an existing index is resumed/appended)."})
+    images: str | None = field(default=None, metadata={"help": "A folder of image files (searched recursively)."})
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "Or a dataset (hub id, save_to_disk or parquet folder) to embed a split of."}
+    )
+    split: str = field(default="test", metadata={"help": "Split of --dataset_name."})
+    image_column: str = field(default="image", metadata={"help": "Image column of --dataset_name."})
+    caption_column: str = field(default="image_description", metadata={"help": "Caption column of --dataset_name."})
+    backend: Backend = field(default="auto", metadata={"help": "auto: the model folder's own runtime."})
+    precision: Precision = field(default="auto", metadata={"help": "Exported graphs: auto (INT8 when exported)."})
+    batch_size: int = field(default=32, metadata={"help": "Images per forward pass."})
+    dataloader_num_workers: int = field(
+        default_factory=lambda: min(4, os.cpu_count() or 1),
+        metadata={"help": "Loader workers decoding and resizing (the default is min(4, CPU count))."},
+    )
+    shard_size: int = field(default=4096, metadata={"help": "Images per shard (what an interrupted build redoes)."})
+    storage: Literal["safetensors", "npy"] = field(default="safetensors", metadata={"help": "Shard file format."})
+    num_threads: int | None = field(default=None, metadata={"help": "Threads of the runtime (default: its own)."})
+    disable_tqdm: bool = field(default=False, metadata={"help": "No progress bar."})
+
+
+@dataclass
+class QueryArguments:
+    """Flags of ``vlfit retrieve query``."""
+
+    index: str = field(metadata={"help": "The index folder (vlfit retrieve index's output)."})
+    text: list[str] = field(default_factory=list, metadata={"help": "Text queries."})
+    image: list[str] = field(default_factory=list, metadata={"help": "Image files to find similar images of."})
+    queries: str | None = field(
+        default=None, metadata={"help": "A file of queries, one per line: text, or image:PATH."}
+    )
+    k: int = field(default=10, metadata={"aliases": ["-k"], "help": "Results per query."})
+    json: bool = field(default=False, metadata={"help": "Print the results as JSON."})
+    model: str | None = field(
+        default=None,
+        metadata={"help": "The model to embed queries with (default: the one the index was built with)."},
+    )
+    backend: Backend = field(
+        default="auto",
+        metadata={"help": "auto: the index's model on the runtime it was built with (its exported graphs if any)."},
+    )
+    precision: Precision = field(default="auto", metadata={"help": "Exported graphs: auto (INT8 when exported)."})
+    chunk_elements: int = field(
+        default=DEFAULT_CHUNK_ELEMENTS, metadata={"help": "Largest number of similarity scores held at once."}
+    )
+    num_threads: int | None = field(default=None, metadata={"help": "Threads of the runtime (default: its own)."})
+
+
+def run_index(argv: list[str]) -> int:
+    parser = HfArgumentParser(IndexArguments, prog="vlfit retrieve index", description=__doc__)
+    (args,) = parser.parse_args_into_dataclasses(args=argv)
+    if (args.images is None) == (args.dataset_name is None):
+        raise ValueError("pass exactly one of --images (a folder of image files) or --dataset_name")
+    encoder = open_encoder(args.model, args.backend, args.precision, num_threads=args.num_threads)
+    if args.images is not None:
+        source = ImageFolderSource(args.images)
+        collection = {"images": os.path.abspath(args.images)}
+    else:
+        source = open_dataset_split(
+            args.dataset_name, args.split, image_column=args.image_column, caption_column=args.caption_column
+        )
+        collection = {"dataset_name": args.dataset_name, "split": args.split}
+    existing = os.path.join(args.output_dir, MANIFEST_NAME)
+    before = EmbeddingIndex(args.output_dir) if os.path.isfile(existing) else None
+    count_before, bad_before = (len(before), len(before.manifest.bad_samples)) if before else (0, 0)
+    manifest = build_index(
+        encoder,
+        source,
+        args.output_dir,
+        collection=collection,
+        batch_size=args.batch_size,
+        num_workers=args.dataloader_num_workers,
+        shard_size=args.shard_size,
+        storage=args.storage,
+        progress=not args.disable_tqdm,
+    )
+    summary = {
+        "index": args.output_dir,
+        "model": encoder.description,
+        "items": manifest.count,
+        "added": manifest.count - count_before,
+        "bad_samples": manifest.bad_samples[bad_before:],
+    }
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+def run_query(argv: list[str]) -> int:
+    parser = HfArgumentParser(QueryArguments, prog="vlfit retrieve query", description=__doc__)
+    (args,) = parser.parse_args_into_dataclasses(args=argv)
+    queries = [Query(text=text) for text in args.text] + [Query(image=image) for image in args.image]
+    if args.queries:
+        queries += read_queries(args.queries)
+    if not queries:
+        raise ValueError("no query given: pass --text, --image or --queries FILE")
+    if args.k < 1:
+        raise ValueError(f"-k must be at least 1, got {args.k}")
+    index = EmbeddingIndex(args.index)
+    built_with = index.manifest.model
+    model = args.model or built_with["path"]
+    backend = args.backend
+    if backend == "auto" and args.model is None:
+        backend = built_with["backend"]
+    encoder = open_encoder(model, backend, args.precision, num_threads=args.num_threads)
+    refuse_other_model(index, encoder)
+    results = search(index, embed_queries(encoder, queries), args.k, chunk_elements=args.chunk_elements)
+    if args.json:
+        out = [
+            {"query": q.description, "results": [{"id": hit.id, "score": hit.score} for hit in hits]}
+            for q, hits in zip(queries, results, strict=True)
+        ]
+        print(json.dumps({"model": encoder.description, "queries": out}, indent=1))
+    else:
+        for q, hits in zip(queries, results, strict=True):
+            print(q.description)
+            for rank, hit in enumerate(hits, start=1):
+                print(f"  {rank:>3}  {hit.score:.4f}  {hit.id}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``vlfit retrieve index|query`` (``argv`` None reads ``sys.argv[1:]``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in SUBCOMMANDS:
+        given = repr(argv[0]) if argv else "nothing"
+        if argv and argv[0] in ("-h", "--help"):
+            print("usage: vlfit retrieve index|query [flags]   (vlfit retrieve index --help for its flags)")
+            return 0
+        raise ValueError(f"vlfit retrieve takes a subcommand, index or query; got {given}")
+    return run_index(argv[1:]) if argv[0] == "index" else run_query(argv[1:])

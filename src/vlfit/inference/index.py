@@ -1,0 +1,267 @@
+"""A resumable, appendable index of image embeddings: shards of embeddings plus a JSON manifest naming the model.
+
+Layout::
+
+    index_manifest.json          model identity (family, embedding size, checkpoint hash), the model folder and
+                                 backend it was built with, the shards in order, the bad images left out
+    shard-00000.safetensors      float32 embeddings [n, D] (or shard-00000.npy with --storage npy)
+    shard-00000.json             the n item ids, in row order
+
+An item's id is the absolute path of its file for an image folder, the sample id for a dataset split. Building
+embeds, in collection order, every item whose id is not in the index yet (nor listed as bad), and writes a shard
+each ``shard_size`` items, the manifest after it: an interrupted build resumes at the first unwritten shard with the
+same batches, so its index equals one built in one go, and running it again over a folder that gained images
+appends them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from vlfit.atomic_files import replace_on_success, write_text_atomically
+from vlfit.data.source_base import ImageTextSource
+from vlfit.inference.backends import Encoder
+from vlfit.inference.collection import ImageFolderSource, host_batches
+from vlfit.inference.identity import ModelIdentity, RefusedModelError
+
+MANIFEST_NAME = "index_manifest.json"
+STORAGES = ("safetensors", "npy")
+EMBEDDINGS_KEY = "embeddings"
+
+
+@dataclass
+class IndexManifest:
+    """What ``index_manifest.json`` holds.
+
+    Attributes:
+        identity: The model the embeddings come from.
+        model: ``{"path", "backend", "precision"}`` of the encoder that built the index.
+        storage: ``safetensors`` or ``npy``.
+        shards: ``{"embeddings", "ids", "count"}`` per shard, in order.
+        bad_samples: ``{"id", "reason"}`` of every item left out.
+        collections: What was embedded into the index, one entry per build or append.
+    """
+
+    identity: ModelIdentity
+    model: dict[str, str]
+    storage: str = "safetensors"
+    shards: list[dict[str, Any]] = field(default_factory=list)
+    bad_samples: list[dict[str, str]] = field(default_factory=list)
+    collections: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def count(self) -> int:
+        return sum(int(shard["count"]) for shard in self.shards)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format_version": 1,
+            "identity": self.identity.to_dict(),
+            "model": self.model,
+            "storage": self.storage,
+            "count": self.count,
+            "shards": self.shards,
+            "bad_samples": self.bad_samples,
+            "collections": self.collections,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> IndexManifest:
+        return cls(
+            identity=ModelIdentity.from_dict(data["identity"]),
+            model=dict(data["model"]),
+            storage=str(data.get("storage", "safetensors")),
+            shards=list(data["shards"]),
+            bad_samples=list(data.get("bad_samples", [])),
+            collections=list(data.get("collections", [])),
+        )
+
+
+class EmbeddingIndex:
+    """An index folder, read shard by shard.
+
+    Args:
+        path: The folder.
+
+    Raises:
+        FileNotFoundError: when it holds no index.
+    """
+
+    def __init__(self, path: str) -> None:
+        manifest_path = os.path.join(path, MANIFEST_NAME)
+        if not os.path.isfile(manifest_path):
+            raise FileNotFoundError(f"--index {path}: no {MANIFEST_NAME}; build one with vlfit retrieve index")
+        with open(manifest_path, encoding="utf-8") as f:
+            self.manifest = IndexManifest.from_dict(json.load(f))
+        self.path = path
+
+    def __len__(self) -> int:
+        return self.manifest.count
+
+    def shard_ids(self, shard: dict[str, Any]) -> list[str]:
+        with open(os.path.join(self.path, shard["ids"]), encoding="utf-8") as f:
+            return list(json.load(f))
+
+    def shard_embeddings(self, shard: dict[str, Any]) -> torch.Tensor:
+        file = os.path.join(self.path, shard["embeddings"])
+        if file.endswith(".npy"):
+            return torch.from_numpy(np.load(file))
+        from safetensors.torch import load_file
+
+        return load_file(file)[EMBEDDINGS_KEY]
+
+    def shards(self) -> Iterator[tuple[list[str], torch.Tensor]]:
+        """``(ids, embeddings [n, D])`` of each shard, in order."""
+        for shard in self.manifest.shards:
+            yield self.shard_ids(shard), self.shard_embeddings(shard)
+
+    def ids(self) -> list[str]:
+        return [item for shard in self.manifest.shards for item in self.shard_ids(shard)]
+
+    def embeddings(self) -> torch.Tensor:
+        """Every embedding at once ``[N, D]`` (tests and small indexes; queries read shard by shard)."""
+        parts = [embeddings for _, embeddings in self.shards()]
+        size = self.manifest.identity.embedding_size
+        return torch.cat(parts) if parts else torch.empty(0, size)
+
+
+def _write_shard(folder: str, number: int, ids: list[str], embeddings: torch.Tensor, storage: str) -> dict[str, Any]:
+    stem = f"shard-{number:05d}"
+    name = f"{stem}.{storage}"
+    with replace_on_success(os.path.join(folder, name)) as temp:
+        if storage == "npy":
+            with open(temp, "wb") as f:
+                np.save(f, embeddings.numpy())
+        else:
+            from safetensors.torch import save_file
+
+            save_file({EMBEDDINGS_KEY: embeddings.contiguous()}, temp)
+    write_text_atomically(os.path.join(folder, f"{stem}.json"), json.dumps(ids) + "\n")
+    return {"embeddings": name, "ids": f"{stem}.json", "count": len(ids)}
+
+
+def _write_manifest(folder: str, manifest: IndexManifest) -> None:
+    write_text_atomically(os.path.join(folder, MANIFEST_NAME), json.dumps(manifest.to_dict(), indent=1) + "\n")
+
+
+def _item_ids(source: ImageTextSource) -> Callable[[str], str]:
+    """Record id -> index id: a folder's files by absolute path, so two folders never collide."""
+    if isinstance(source, ImageFolderSource):
+        root = os.path.abspath(source.root)
+        return lambda record_id: os.path.join(root, record_id)
+    return lambda record_id: record_id
+
+
+def _record_ids(source: ImageTextSource) -> list[str]:
+    """Every record's id. A folder lists its files; a dataset split reads its records (their bytes, without
+    decoding them), which only a resumed or appended build needs."""
+    if isinstance(source, ImageFolderSource):
+        return list(source.paths)
+    return [record.id for record in source]
+
+
+def build_index(
+    encoder: Encoder,
+    source: ImageTextSource,
+    output_dir: str,
+    *,
+    collection: dict[str, Any],
+    batch_size: int = 32,
+    num_workers: int = 0,
+    shard_size: int = 1024,
+    storage: str = "safetensors",
+    progress: bool = True,
+    on_shard: Callable[[IndexManifest], None] | None = None,
+) -> IndexManifest:
+    """Embed every item of ``source`` not in the index at ``output_dir`` yet, and add it (creating the index).
+
+    Args:
+        encoder: The model, on its backend.
+        source: The images (an ``ImageFolderSource`` or a dataset split).
+        output_dir: The index folder.
+        collection: What ``source`` is (recorded in the manifest).
+        batch_size: Images per forward pass.
+        num_workers: Loader worker processes decoding and resizing.
+        shard_size: Items per shard (rounded up to whole batches, so a resumed build forms the same batches).
+        storage: ``safetensors`` or ``npy`` (of a new index; an existing one keeps its own).
+        progress: Show a progress bar.
+        on_shard: Called with the manifest after each shard is written.
+
+    Returns:
+        The index's manifest.
+
+    Raises:
+        RefusedModelError: when the index exists and was built with a model whose embeddings are not comparable.
+    """
+    if storage not in STORAGES:
+        raise ValueError(f"unknown --storage {storage!r}; choose one of: {', '.join(STORAGES)}")
+    if batch_size < 1 or shard_size < 1:
+        raise ValueError(f"--batch_size and --shard_size must be at least 1, got {batch_size} and {shard_size}")
+    os.makedirs(output_dir, exist_ok=True)
+    if os.path.isfile(os.path.join(output_dir, MANIFEST_NAME)):
+        manifest = EmbeddingIndex(output_dir).manifest
+        manifest.identity.check_compatible(
+            encoder.identity, what=f"the index {output_dir}", other_what=f"the model {encoder.model_path}"
+        )
+        done = set(EmbeddingIndex(output_dir).ids()) | {bad["id"] for bad in manifest.bad_samples}
+    else:
+        model = {"path": os.path.abspath(encoder.model_path), "backend": encoder.backend}
+        manifest = IndexManifest(encoder.identity, {**model, "precision": encoder.precision}, storage)
+        done = set()
+    to_item = _item_ids(source)
+    todo = [i for i, record_id in enumerate(_record_ids(source)) if to_item(record_id) not in done] if done else None
+    todo = list(range(len(source))) if todo is None else todo
+    manifest.collections.append({**collection, "items": len(source), "new": len(todo)})
+    _write_manifest(output_dir, manifest)
+    if not todo:
+        return manifest
+    shard_batches = -(-shard_size // batch_size)
+    batches = host_batches(source.select(todo), encoder.spec, batch_size=batch_size, num_workers=num_workers)
+    ids: list[str] = []
+    parts: list[torch.Tensor] = []
+    bar = tqdm(total=len(todo), unit="img", desc="index", disable=not progress)
+
+    def flush() -> None:
+        # The shard first, then the manifest naming it: a build stopped in between redoes only that shard.
+        if ids:
+            number = len(manifest.shards)
+            manifest.shards.append(_write_shard(output_dir, number, list(ids), torch.cat(parts), manifest.storage))
+        _write_manifest(output_dir, manifest)
+        ids.clear()
+        parts.clear()
+        if on_shard is not None:
+            on_shard(manifest)
+
+    try:
+        number = 0
+        for number, batch in enumerate(batches, start=1):
+            manifest.bad_samples.extend({"id": to_item(bad.id), "reason": bad.reason} for bad in batch.bad_samples)
+            if len(batch):
+                parts.append(encoder.embed_pixels(batch["pixel_values"]).float().cpu())
+                ids.extend(to_item(sample_id) for sample_id in batch.sample_ids)
+            bar.update(len(batch) + len(batch.bad_samples))
+            if number % shard_batches == 0:
+                flush()
+        if number % shard_batches:
+            flush()
+    finally:
+        bar.close()
+    return manifest
+
+
+def refuse_other_model(index: EmbeddingIndex, encoder: Encoder) -> None:
+    """Raise ``RefusedModelError`` unless ``encoder`` embeds into the index's space."""
+    index.manifest.identity.check_compatible(
+        encoder.identity, what=f"the index {index.path}", other_what=f"the model {encoder.model_path}"
+    )
+
+
+__all__ = ["EmbeddingIndex", "IndexManifest", "RefusedModelError", "build_index", "refuse_other_model"]
