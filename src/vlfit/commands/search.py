@@ -22,7 +22,7 @@ from transformers import HfArgumentParser
 
 from vlfit.arguments import DataArguments, ModelArguments, VlfitTrainingArguments
 from vlfit.commands.train import is_flags_file, load_flags_file
-from vlfit.search.objective import TrialRunner, available_metrics, broadcast, trial_dir
+from vlfit.search.objective import TrialRunner, available_metrics, trial_dir
 from vlfit.search.report import remove_checkpoints, write_reports
 from vlfit.search.space import SearchSpace, default_space, describe, load_space
 from vlfit.search.study import (
@@ -104,10 +104,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except TrainingPreempted as preempted:
         if is_main:
-            print(f"{PROG}: the trial in progress was interrupted: {preempted}", file=sys.stderr)
+            print(f"{PROG}: {interrupted_message(preempted)}", file=sys.stderr)
         return preempted.exit_code
     finally:
         stop.uninstall()
+
+
+def interrupted_message(preempted: TrainingPreempted) -> str:
+    """What to tell the user when a signal stopped the trial in progress."""
+    name = signal.Signals(preempted.signum).name
+    if preempted.checkpoint:
+        then = f"a new trial with its parameters continues from its checkpoint {preempted.checkpoint}"
+    else:
+        then = "it saved no checkpoint"
+    return f"{name} stopped the trial in progress, recorded as failed. Rerun the same command to continue: {then}."
 
 
 def _lead(
@@ -144,19 +154,13 @@ def _lead(
             output_dir=runner.output_dir, trial_dirs=dirs,
         )  # fmt: skip
 
-    def after_trial(study: Any, trial: Any) -> None:
-        reports()
-        if stop.received is not None:
-            study.stop()
-
     try:
-        if remaining:
-            study.optimize(runner.objective, n_trials=remaining, timeout=search_args.timeout, callbacks=[after_trial])
+        runner.lead(
+            study, search_args.n_trials, timeout=search_args.timeout, should_stop=lambda: stop.received is not None,
+            after_trial=reports,
+        )  # fmt: skip
     finally:
         reports()
-    # The other processes: the study is over. Not after an error: they stopped with it (an interrupted training
-    # stops every process at the same step), or the launcher ends them when this process exits.
-    broadcast(None)
     data_done = finished_count(study)
     best = best_trial(study)
     if best is not None:

@@ -16,7 +16,7 @@ to the trial and raises ``TrialPruned``, but it cannot do the rest of ``vlfit se
 - trial arguments: ``_hp_search_setup`` sets ``TrainingArguments`` fields only, on the one Trainer's args; a
   model or data flag, or the logit-scale initial value, cannot be searched.
 
-So Optuna is driven directly (``study.optimize`` over what is left of ``--n_trials``), each trial trains with the
+So Optuna is driven directly (ask and tell until ``--n_trials`` have finished), each trial trains with the
 same ``run()`` and Trainer as ``vlfit train`` (a fresh model per trial, as ``model_init`` gives the
 Trainer's own search), and ``TrialReporter`` is the Trainer's ``_report_to_hp_search`` as a callback: it reports
 the metric at each evaluation and stops a trial the pruner rejects, with the decision of process 0 broadcast to
@@ -29,17 +29,19 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
 import optuna
 import torch
+from optuna.trial import TrialState
 from transformers import HfArgumentParser, TrainerCallback
 
 from vlfit.arguments import DataArguments, ModelArguments, VlfitTrainingArguments
 from vlfit.models.loading import build_model
 from vlfit.search.space import LOGIT_SCALE_PARAMETER, SearchSpace
-from vlfit.search.study import CHECKPOINT_ATTR, RESUME_FROM_ATTR
+from vlfit.search.study import CHECKPOINT_ATTR, FINISHED, RESUME_FROM_ATTR
 from vlfit.training.preemption import TrainingPreempted
 from vlfit.training.run import RunSetup, run, setup_run
 from vlfit.training.trainer import VlfitTrainer
@@ -113,7 +115,7 @@ def available_metrics(
     )
     metrics = trainer.evaluate()
     del trainer, model
-    return sorted(metrics)
+    return sorted(name for name in metrics if name.startswith("eval_"))  # the Trainer's log adds "epoch"
 
 
 class TrialReporter(TrainerCallback):
@@ -198,17 +200,53 @@ class TrialRunner:
         self.is_main = is_main
         self.durations: dict[int, float] = {}
 
+    def lead(
+        self,
+        study: optuna.Study,
+        n_trials: int,
+        *,
+        timeout: float | None = None,
+        should_stop: Callable[[], bool] = lambda: False,
+        after_trial: Callable[[], None] = lambda: None,
+    ) -> None:
+        """Process 0: ask the study for trials and tell it their outcome until ``n_trials`` have finished (complete
+        or pruned), ``timeout`` seconds have passed or ``should_stop()``; then tell the other processes it is over.
+
+        Optuna's ask-and-tell interface rather than ``study.optimize``: an interrupted trial is told failed without
+        a logged traceback, and the count is of finished trials, whatever an earlier process left.
+
+        Raises:
+            TrainingPreempted: A signal stopped the trial in progress (told failed, with its checkpoint recorded).
+        """
+        start = time.monotonic()
+        while len(study.get_trials(deepcopy=False, states=FINISHED)) < n_trials:
+            if should_stop() or (timeout is not None and time.monotonic() - start > timeout):
+                break
+            trial = study.ask()
+            try:
+                value = self.objective(trial)
+            except optuna.TrialPruned:
+                study.tell(trial, state=TrialState.PRUNED)
+            except TrainingPreempted as stop:
+                if stop.checkpoint:
+                    trial.set_user_attr(CHECKPOINT_ATTR, os.path.abspath(stop.checkpoint))
+                study.tell(trial, state=TrialState.FAIL)
+                logger.warning("trial %d interrupted: recorded as failed", trial.number)
+                raise  # the other processes stopped at the same step
+            except BaseException:
+                study.tell(trial, state=TrialState.FAIL)
+                raise
+            else:
+                study.tell(trial, value)
+            after_trial()
+        broadcast(None)
+
     def objective(self, trial: optuna.Trial) -> float:
-        """Process 0's objective: sample, tell the other processes, train; the final evaluation's metric."""
+        """Sample the trial's parameters, tell the other processes, train; the final evaluation's metric."""
         params = self.space.suggest(trial)
         resume = trial.user_attrs.get(RESUME_FROM_ATTR)
         order = broadcast(TrialOrder(trial.number, params, resume if resume and os.path.isdir(resume) else None))
-        try:
-            return self.run_trial(order, trial)
-        except TrainingPreempted as stop:
-            if stop.checkpoint:
-                trial.set_user_attr(CHECKPOINT_ATTR, os.path.abspath(stop.checkpoint))
-            raise
+        return self.run_trial(order, trial)
 
     def follow(self) -> None:
         """The other processes: run each trial process 0 orders, until it says the study is over (``None``)."""

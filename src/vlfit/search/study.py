@@ -132,13 +132,10 @@ def open_study(
     """Create the study or load the one of that name; a loaded study must search the same space in the same
     direction."""
     study = optuna.create_study(
-        storage=storage,
-        study_name=args.study_name,
-        direction=args.direction,
-        sampler=make_sampler(args, seed),
-        pruner=pruner,
-        load_if_exists=True,
+        storage=storage, study_name=args.study_name, direction=args.direction, pruner=pruner, load_if_exists=True
     )
+    # Seeded by --seed and the trials there are: a resumed study does not sample its first trials' values again.
+    study.sampler = make_sampler(args, seed + len(study.get_trials(deepcopy=False)))
     if study.direction.name.lower() != args.direction:
         raise ValueError(
             f"study {args.study_name!r} in the storage maximizes or minimizes the other way "
