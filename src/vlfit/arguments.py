@@ -66,6 +66,14 @@ class ModelArguments:
             "eagerly only, vlfit supplies the sdpa path (equal to eager within float tolerance)."
         },
     )
+    logit_scale_init_value: float | None = field(
+        default=None,
+        metadata={
+            "help": "Start training with the model's logit scale (the log of the inverse temperature: its exp "
+            "multiplies the similarities of the contrastive loss) at this value, instead of the checkpoint's or "
+            "the config's (BridgeTower, CLIP: ln(1/0.07) = 2.659). For models with a logit_scale parameter."
+        },
+    )
     config_name: str | None = field(
         default=None, metadata={"help": "Pretrained config name or path, if not the same as --model_name_or_path."}
     )

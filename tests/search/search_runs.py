@@ -16,10 +16,11 @@ import yaml
 from tests.training.train_runs import REPO
 
 STUDY = "vlfit-search"
-# Two parameters with wide ranges: trials differ; learning_rate on a log scale.
+# Wide ranges, so that trials differ; learning_rate on a log scale; a training flag and a model flag.
 SPACE = {
     "learning_rate": {"type": "float", "low": 1e-5, "high": 1e-2, "log": True},
     "warmup_steps": {"type": "float", "low": 0.0, "high": 0.2},
+    "logit_scale_init_value": {"type": "float", "low": 1.6, "high": 4.6},
 }
 
 

@@ -12,6 +12,7 @@ import pytest
 from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState
 from PIL import Image
+from safetensors.torch import load_file
 
 from tests.search.search_runs import SPACE, STUDY, load_trials, search_argv, search_until_signal, write_space
 from tests.training.train_runs import single_torch_thread
@@ -59,6 +60,7 @@ def test_a_three_trial_study_writes_every_output(tmp_path: Path, synthetic_datas
     parsed = parse_arguments([str(out / "best.yaml")])
     assert parsed.training.learning_rate == best.params["learning_rate"]
     assert parsed.training.warmup_steps == best.params["warmup_steps"]
+    assert parsed.model.logit_scale_init_value == best.params["logit_scale_init_value"]
     assert parsed.model.model_preset == "tiny" and parsed.training.max_steps == 4
     assert Path(parsed.training.output_dir) == out / "best"
 
@@ -71,6 +73,9 @@ def test_a_three_trial_study_writes_every_output(tmp_path: Path, synthetic_datas
         kept = sorted(p.name for p in folder.glob("checkpoint-*"))
         assert kept == (["checkpoint-2", "checkpoint-4"] if trial.number == best.number else [])
         assert (folder / "model.safetensors").is_file() == (trial.number == best.number)
+    # The trial's model started from its logit scale (4 steps of training move it by a few hundredths at most).
+    trained = load_file(out / f"trial-{best.number}" / "model.safetensors")["logit_scale"]
+    assert float(trained) == pytest.approx(best.params["logit_scale_init_value"], abs=0.1)
 
 
 def test_a_killed_study_resumes_and_ends_with_n_trials(tmp_path: Path, synthetic_dataset_dir: str) -> None:

@@ -14,7 +14,7 @@ to the trial and raises ``TrialPruned``, but it cannot do the rest of ``vlfit se
   a pruned trial (``FixedTrial.should_prune`` is always False), a ``--timeout`` or a resumed study's shorter count
   leaves them in a different trial from process 0, waiting in a collective that never comes;
 - trial arguments: ``_hp_search_setup`` sets ``TrainingArguments`` fields only, on the one Trainer's args; a
-  model or data flag, or the logit-scale initial value, cannot be searched.
+  model or data flag (``--logit_scale_init_value``, ``--max_seq_length``) cannot be searched.
 
 So Optuna is driven directly (ask and tell until ``--n_trials`` have finished), each trial trains with the
 same ``run()`` and Trainer as ``vlfit train`` (a fresh model per trial, as ``model_init`` gives the
@@ -40,6 +40,7 @@ from transformers import HfArgumentParser, TrainerCallback
 
 from vlfit.arguments import DataArguments, ModelArguments, VlfitTrainingArguments
 from vlfit.models.loading import build_model
+from vlfit.models.logit_scale import logit_scale_parameter
 from vlfit.search.space import LOGIT_SCALE_PARAMETER, SearchSpace
 from vlfit.search.study import CHECKPOINT_ATTR, FINISHED, RESUME_FROM_ATTR
 from vlfit.training.preemption import TrainingPreempted
@@ -51,7 +52,11 @@ logger = logging.getLogger("vlfit")
 TRIAL_DIR = "trial-{number}"
 # Samples the metric check evaluates before the first trial: enough for every metric evaluation reports.
 PROBE_SAMPLES = 16
-_SETUP_FIELDS = frozenset(f.name for cls in (ModelArguments, DataArguments) for f in fields(cls))
+# Model flags only building the model reads: a trial that changes them reuses the command's data and tokenizer.
+_BUILD_FIELDS = frozenset(
+    {"freeze_vision_model", "freeze_text_model", "freeze_text_pooler", "attn_implementation", LOGIT_SCALE_PARAMETER}
+)
+_SETUP_FIELDS = frozenset(f.name for cls in (ModelArguments, DataArguments) for f in fields(cls)) - _BUILD_FIELDS
 
 
 def is_distributed() -> bool:
@@ -73,7 +78,7 @@ def trial_dir(output_dir: str, number: int) -> str:
 
 def trial_values(base: dict[str, Any], params: dict[str, Any], output_dir: str) -> dict[str, Any]:
     """The ``vlfit train`` flags of a trial: the command's, the trial's parameters, its own output folder."""
-    values = {**base, **{k: v for k, v in params.items() if k != LOGIT_SCALE_PARAMETER}}
+    values = {**base, **params}
     values.update(output_dir=output_dir, do_train=True, do_eval=True)
     return values
 
@@ -81,11 +86,6 @@ def trial_values(base: dict[str, Any], params: dict[str, Any], output_dir: str) 
 def parse_train_values(values: dict[str, Any]) -> tuple[ModelArguments, DataArguments, VlfitTrainingArguments]:
     parser = HfArgumentParser((ModelArguments, DataArguments, VlfitTrainingArguments))
     return parser.parse_dict(values)  # type: ignore[return-value]
-
-
-def logit_scale_parameter(model: torch.nn.Module) -> torch.nn.Parameter | None:
-    """The model's ``logit_scale`` parameter (contrastive models: its ``exp`` scales the similarities), if any."""
-    return dict(model.named_parameters()).get("logit_scale")
 
 
 def available_metrics(
@@ -101,7 +101,7 @@ def available_metrics(
     if LOGIT_SCALE_PARAMETER in space.names and logit_scale_parameter(model) is None:
         raise ValueError(
             f"--search_space: {LOGIT_SCALE_PARAMETER}: the model ({setup.blueprint.description}) has no "
-            "logit_scale parameter to initialize"
+            "logit_scale parameter to set"
         )
     source = setup.eval_source
     source = source.select(range(min(len(source), PROBE_SAMPLES)))
@@ -120,29 +120,21 @@ def available_metrics(
 
 class TrialReporter(TrainerCallback):
     """Reports the metric of every evaluation during training to the trial; raises ``optuna.TrialPruned`` when the
-    pruner stops it. Also sets the logit scale's initial value when the trial searches it.
+    pruner stops it.
 
     Args:
         trial: The Optuna trial on process 0; ``None`` on the other processes (they follow process 0's decision).
         metric: The metric's key in the evaluation's results.
-        logit_scale: Initial value of the model's ``logit_scale`` parameter, or ``None`` to leave it.
     """
 
-    def __init__(self, trial: optuna.Trial | None, metric: str, logit_scale: float | None = None) -> None:
+    def __init__(self, trial: optuna.Trial | None, metric: str) -> None:
         self.trial = trial
         self.metric = metric
-        self.logit_scale = logit_scale
         self.reported: dict[int, float] = {}
         self._training = False
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._training = True
-        if self.logit_scale is not None and state.global_step == 0 and model is not None:
-            # Only at the start: a trial continued from a checkpoint has its trained scale back already.
-            parameter = logit_scale_parameter(model)
-            assert parameter is not None  # checked before the first trial
-            with torch.no_grad():
-                parameter.fill_(self.logit_scale)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._training = False
@@ -270,7 +262,7 @@ class TrialRunner:
         described = ", ".join(f"{k}={_short(v)}" for k, v in order.params.items())
         continued = f", continuing {order.resume_from_checkpoint}" if order.resume_from_checkpoint else ""
         logger.info("trial %d: %s%s", order.number, described, continued)
-        reporter = TrialReporter(trial, self.metric, order.params.get(LOGIT_SCALE_PARAMETER))
+        reporter = TrialReporter(trial, self.metric)
         try:
             results = run(model_args, data_args, training_args, setup=setup, callbacks=[reporter])
         finally:

@@ -23,7 +23,6 @@ import yaml
 from optuna.trial import FrozenTrial, TrialState
 
 from vlfit.atomic_files import replace_on_success
-from vlfit.search.space import LOGIT_SCALE_PARAMETER
 from vlfit.search.study import FINISHED, RESUMES_ATTR, best_trial
 
 logger = logging.getLogger("vlfit")
@@ -115,8 +114,8 @@ def write_markdown(data: dict[str, Any], path: str) -> None:
 
 def best_flags(base: dict[str, Any], params: dict[str, Any], output_dir: str) -> dict[str, Any]:
     """The flags of ``vlfit train best.yaml``: the search's train flags with the best parameters, into
-    ``<output_dir>/best``. ``logit_scale_init_value`` is not a train flag: it stays a comment in the file."""
-    values = {**base, **{k: v for k, v in params.items() if k != LOGIT_SCALE_PARAMETER}}
+    ``<output_dir>/best``."""
+    values = {**base, **params}
     values["output_dir"] = os.path.join(output_dir, BEST_RUN_DIR)
     values["do_eval"] = True
     return {k: v.value if isinstance(v, Enum) else v for k, v in values.items()}  # argparse gives enum members
@@ -124,14 +123,9 @@ def best_flags(base: dict[str, Any], params: dict[str, Any], output_dir: str) ->
 
 def write_best_yaml(base: dict[str, Any], best: FrozenTrial, output_dir: str, metric: str, path: str) -> None:
     flags = best_flags(base, best.params, output_dir)
-    header = [f"# vlfit search: trial {best.number}, {metric} {best.value:.4f}. Run: vlfit train {path}"]
-    if LOGIT_SCALE_PARAMETER in best.params:
-        header.append(
-            f"# The trial also started the model's logit scale at {best.params[LOGIT_SCALE_PARAMETER]:.4g} "
-            "(not a vlfit train flag)."
-        )
+    header = f"# vlfit search: trial {best.number}, {metric} {best.value:.4f}. Run: vlfit train {path}\n"
     with replace_on_success(path) as temp, open(temp, "w", encoding="utf-8") as f:
-        f.write("\n".join(header) + "\n")
+        f.write(header)
         yaml.safe_dump(flags, f, sort_keys=False)
 
 

@@ -8,9 +8,8 @@ A space file (``--search_space``, YAML or JSON) maps each parameter to its kind 
     gradient_accumulation_steps: {type: int, low: 1, high: 4}
 
 Any field of ``vlfit train`` (``ModelArguments``, ``DataArguments``, ``VlfitTrainingArguments``) may be searched,
-and so may ``logit_scale_init_value``, the initial value of a contrastive model's logit-scale parameter (its
-``exp`` multiplies the cosine similarities), for models whose config has one. Every mistake is caught here, before
-any data is opened, as a ``ValueError`` naming the parameter and the fix.
+``logit_scale_init_value`` (where a contrastive model's logit scale starts: the temperature) included. Every
+mistake is caught here, before any data is opened, as a ``ValueError`` naming the parameter and the fix.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ import yaml
 from vlfit.arguments import DataArguments, ModelArguments, VlfitTrainingArguments
 
 KINDS = ("float", "int", "categorical")
-# The model-config parameter a space may name besides the flags: applied to the model's ``logit_scale`` parameter.
+# The flag that starts a contrastive model's logit scale (searched by default for models that have one).
 LOGIT_SCALE_PARAMETER = "logit_scale_init_value"
 # Fields a trial never changes: where its run goes, what it runs, and the split its metric is measured on.
 NOT_SEARCHABLE = frozenset(
@@ -41,7 +40,7 @@ class Parameter:
     """One searched parameter.
 
     Attributes:
-        name: The ``vlfit train`` field (or ``logit_scale_init_value``).
+        name: The ``vlfit train`` field.
         kind: ``float``, ``int`` or ``categorical``.
         low: Lowest value (``float`` and ``int``).
         high: Highest value, included (``float`` and ``int``).
@@ -112,8 +111,7 @@ def train_fields() -> dict[str, Any]:
 
 def searchable_names() -> list[str]:
     """The names a space may use, sorted."""
-    names = [name for name in train_fields() if name not in NOT_SEARCHABLE and not name.startswith("_")]
-    return sorted([*names, LOGIT_SCALE_PARAMETER])
+    return sorted(name for name in train_fields() if name not in NOT_SEARCHABLE and not name.startswith("_"))
 
 
 def default_space(contrastive: bool) -> SearchSpace:
@@ -169,7 +167,7 @@ def parse_space(values: dict[str, Any], *, source: str = "search space") -> Sear
             raise ValueError(f"{where}: {_unknown(name, valid)}")
         if not isinstance(spec, dict):
             raise ValueError(f"{where}: expected a mapping such as {{type: float, low: 0.0, high: 1.0}}")
-        parameters.append(_parameter(name, spec, where, known.get(name)))
+        parameters.append(_parameter(name, spec, where, known[name]))
     return SearchSpace(tuple(parameters))
 
 
@@ -236,8 +234,6 @@ def _parameter(name: str, spec: dict[str, Any], where: str, field_: Any) -> Para
 
 def _types(field_: Any) -> set[str]:
     """The type names a dataclass field's annotation admits (``{"int"}`` for ``int | None``)."""
-    if field_ is None:  # logit_scale_init_value
-        return {"float"}
     annotation = field_.type if isinstance(field_.type, str) else getattr(field_.type, "__name__", str(field_.type))
     for sep in "|,[]":
         annotation = annotation.replace(sep, " ")

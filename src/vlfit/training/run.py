@@ -23,6 +23,7 @@ from vlfit.data.sources import open_splits
 from vlfit.efficiency.flops import ComputeEfficiency
 from vlfit.efficiency.peaks import matmul_precision, peak_flops
 from vlfit.models.loading import ModelBlueprint, build_model, resolve_model
+from vlfit.models.logit_scale import set_logit_scale
 from vlfit.training.distributed import describe_launch
 from vlfit.training.preemption import PreemptionCallback, TrainingPreempted
 from vlfit.training.trainer import VlfitTrainer
@@ -144,6 +145,8 @@ def run(
     describe_launch(training_args, len(train_source) if train_source is not None else None)
     set_seed(training_args.seed)  # the same initial weights whatever ran since setup (e.g. a worker probe)
     model = build_model(setup.blueprint, model_args)
+    if training_args.do_train and model_args.logit_scale_init_value is not None:
+        set_logit_scale(model, model_args.logit_scale_init_value)  # a resumed run then loads its trained value
     family = setup.blueprint.family
     trainer = VlfitTrainer(
         model=model,

@@ -1,0 +1,37 @@
+"""``--logit_scale_init_value``: where a contrastive model's logit scale starts.
+
+transformers' contrastive models (BridgeTower, CLIP, SigLIP) keep the log of the inverse temperature as a
+parameter named ``logit_scale``; its ``exp`` multiplies the cosine similarities of the contrastive loss. Its
+initial value comes from the config for a new model and from the checkpoint for a pretrained one; this flag
+starts fine-tuning from another value (and records it in the model's config).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+LOGIT_SCALE = "logit_scale"
+
+
+def logit_scale_parameter(model: nn.Module) -> nn.Parameter | None:
+    """The model's ``logit_scale`` parameter, or ``None`` when it has none."""
+    return dict(model.named_parameters()).get(LOGIT_SCALE)
+
+
+def set_logit_scale(model: nn.Module, value: float) -> None:
+    """Set the model's logit scale (the log of the inverse temperature) to ``value``.
+
+    Raises:
+        ValueError: The model has no ``logit_scale`` parameter.
+    """
+    parameter = logit_scale_parameter(model)
+    if parameter is None:
+        raise ValueError(
+            f"--logit_scale_init_value: {type(model).__name__} has no {LOGIT_SCALE} parameter to set; drop the flag"
+        )
+    with torch.no_grad():
+        parameter.fill_(value)
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "logit_scale_init_value"):
+        config.logit_scale_init_value = value
