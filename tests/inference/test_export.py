@@ -1,0 +1,117 @@
+"""vlfit export: graphs that match PyTorch on batches and caption lengths unlike the export example's, INT8 graphs
+that load and run, a manifest that says what was exported, and refusal of graphs that do not match."""
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+
+from vlfit.cli import main
+from vlfit.inference import export as export_module
+from vlfit.inference.backends import TorchEncoder, open_encoder
+from vlfit.inference.collection import load_samples, synthetic_source
+from vlfit.inference.export import ExportSettings, export_model
+from vlfit.inference.identity import checkpoint_fingerprint
+from vlfit.inference.loading import load_checkpoint
+
+
+def error_lines(stderr: str) -> list[str]:
+    """stderr without transformers' weight-loading progress bar."""
+    return [line for line in stderr.strip().splitlines() if not line.startswith("Loading weights")]
+
+
+CAPTIONS = ["red", "two blue squares on the left and one green circle at the top of the picture, and more words"]
+
+
+def _cosines(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=1)
+
+
+def _check_against_torch(encoder, reference: TorchEncoder, pixels: torch.Tensor, min_cosine: float) -> None:
+    for rows in (slice(0, 5), slice(5, 6)):  # odd batch sizes; the export example has 2 rows
+        assert _cosines(encoder.embed_pixels(pixels[rows]), reference.embed_pixels(pixels[rows])).min() >= min_cosine
+    tokens = reference.tokenize(CAPTIONS * 2 + CAPTIONS[:1])  # 5 captions, 3 and ~25 tokens (the example has 9)
+    assert tokens["input_ids"].shape[1] not in (9,)
+    texts, expected = encoder.embed_tokens(**tokens), reference.embed_tokens(**tokens)
+    assert _cosines(texts, expected).min() >= min_cosine
+    short = reference.tokenize(CAPTIONS[:1])
+    assert _cosines(encoder.embed_tokens(**short), reference.embed_tokens(**short)).min() >= min_cosine
+
+
+def test_onnx_export_matches_pytorch_and_its_int8_graphs_run(onnx_export, tiny_checkpoint):
+    manifest = json.loads((onnx_export / "export_manifest.json").read_text())
+    assert manifest["identity"] == {"family": "bridgetower", "embedding_size": 64,
+                                    "checkpoint_sha256": checkpoint_fingerprint(str(tiny_checkpoint))}  # fmt: skip
+    assert manifest["inputs"]["image"] == [{"name": "pixels", "dtype": "uint8", "shape": ["batch", 3, 64, 64]}]
+    assert [i["name"] for i in manifest["inputs"]["text"]] == ["input_ids", "attention_mask"]
+    assert manifest["opset"] == 18 and manifest["libraries"]["onnxruntime"] != "missing"
+    assert manifest["parity"]["samples"] == 13 and manifest["parity"]["int8"]["calibration_samples"] == 16
+    for tower in ("image", "text"):
+        assert manifest["parity"]["fp32"][tower]["min_cosine"] >= 0.9999
+        assert manifest["parity"]["int8"][tower]["min_cosine"] > 0.9
+    assert set(manifest["accuracy"]["int8_change"]) == {"t2i_recall@1", "t2i_recall@5"}
+
+    reference = TorchEncoder(str(tiny_checkpoint))
+    pixels = load_samples(synthetic_source(6, seed=5), reference.spec).pixels
+    _check_against_torch(open_encoder(str(onnx_export), precision="fp32"), reference, pixels, 0.9999)
+    int8 = open_encoder(str(onnx_export))
+    assert (int8.backend, int8.precision) == ("onnxruntime", "int8")
+    _check_against_torch(int8, reference, pixels, 0.9)
+
+
+def _copy_graphs(export_dir):
+    def export_onnx_towers(loaded, folder, opset):
+        return {t: shutil.copy(export_dir / f"{t}.onnx", f"{folder}/{t}.onnx") for t in ("image", "text")}
+
+    return export_onnx_towers
+
+
+def test_openvino_export_matches_pytorch_and_its_int8_graphs_run(tiny_checkpoint, onnx_export, tmp_path, monkeypatch):
+    # Tracing is the ONNX export's (tested above): the same checkpoint's traced graphs save the time of a second one.
+    monkeypatch.setattr(export_module, "export_onnx_towers", _copy_graphs(onnx_export))
+    loaded = load_checkpoint(str(tiny_checkpoint))
+    samples = load_samples(synthetic_source(9), loaded.spec)
+    manifest = export_model(loaded, str(tmp_path / "ov"), ExportSettings("openvino", "int8"), parity_samples=samples)
+    assert sorted(p.name for p in (tmp_path / "ov").glob("*.xml")) == ["image.int8.xml", "image.xml",
+                                                                       "text.int8.xml", "text.xml"]  # fmt: skip
+    assert not list((tmp_path / "ov").glob("*.onnx"))
+    assert manifest["parity"]["openvino_default_precision"]["precision"] in ("f32", "bf16", "f16")
+    reference = TorchEncoder(str(tiny_checkpoint))
+    pixels = load_samples(synthetic_source(6, seed=5), reference.spec).pixels
+    fp32 = open_encoder(str(tmp_path / "ov"), precision="fp32", inference_precision="f32")
+    assert fp32.backend == "openvino"
+    _check_against_torch(fp32, reference, pixels, 0.9999)
+    _check_against_torch(open_encoder(str(tmp_path / "ov"), precision="int8"), reference, pixels, 0.9)
+
+
+def test_a_graph_that_does_not_match_its_checkpoint_is_not_written(
+    tiny_checkpoint, other_checkpoint, onnx_export, tmp_path, monkeypatch, capsys
+):
+    # The tracer is replaced by one that hands back another checkpoint's graphs: parity must catch them.
+    monkeypatch.setattr(export_module, "export_onnx_towers", _copy_graphs(onnx_export))
+    out = tmp_path / "refused"
+    capsys.readouterr()
+    assert main(["export", "--model_name_or_path", str(other_checkpoint), "--output_dir", str(out),
+                 "--parity_samples", "5"]) == 2  # fmt: skip
+    (line,) = error_lines(capsys.readouterr().err)
+    expected = (
+        r"vlfit export: error: the exported fp32 image graph's embeddings differ from PyTorch's: "
+        r"cosine -?0\.\d+ on 5 samples, below the 0\.9999 required; nothing was written"
+    )
+    assert re.fullmatch(expected, line), line
+    assert list(out.iterdir()) == []
+
+
+def test_unknown_format_or_quantization_is_one_line(tiny_checkpoint, tmp_path, capsys):
+    argv = ["export", "--model_name_or_path", str(tiny_checkpoint), "--output_dir", str(tmp_path)]
+    capsys.readouterr()
+    assert main([*argv, "--quantize", "int4"]) == 2
+    assert error_lines(capsys.readouterr().err) == [
+        "vlfit export: error: unknown --quantize 'int4'; the one choice is int8"
+    ]
+    with pytest.raises(SystemExit) as exit_info:  # argparse's own line for a choice it knows
+        main([*argv, "--format", "tflite"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'tflite'" in error_lines(capsys.readouterr().err)[-1]
