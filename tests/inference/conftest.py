@@ -2,30 +2,13 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from vlfit.data.sources import open_splits
 
-
-def save_tiny_checkpoint(dataset_dir: str, output_dir: Path, seed: int = 0) -> Path:
-    """A random-init tiny-preset checkpoint folder with its tokenizer (trained on the dataset's captions) and image
-    processor, as ``vlfit train`` saves one."""
-    from vlfit.arguments import ModelArguments
-    from vlfit.models.loading import build_model, resolve_model
-
-    args = ModelArguments(model_preset="tiny")
-    train = open_splits(dataset_name=dataset_dir)["train"]
-    blueprint = resolve_model(args, captions=train.captions)
-    torch.manual_seed(seed)
-    model = build_model(blueprint, args)
-    model.save_pretrained(output_dir)
-    blueprint.inputs.tokenizer.save_pretrained(output_dir)
-    blueprint.image_processor.save_pretrained(output_dir)
-    return output_dir
+from .tiny_models import save_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -45,11 +28,6 @@ def image_folder(synthetic_dataset_dir, tmp_path_factory) -> Path:
             (folder / split / f"{record.id}.jpg").write_bytes(record.image)
     (folder / "test" / "broken.jpg").write_bytes(b"not a jpeg at all")
     return folder
-
-
-def copy_tree(source: Path, target: Path) -> Path:
-    shutil.copytree(source, target)
-    return target
 
 
 @pytest.fixture(scope="session")

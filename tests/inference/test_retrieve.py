@@ -1,0 +1,150 @@
+"""vlfit retrieve: an index answers queries as brute force over its embeddings does, resumes and appends to the index
+a one-shot build makes, lists bad images, and refuses models, graphs and indexes that do not belong together."""
+
+import json
+import os
+import re
+import shutil
+
+import pytest
+import torch
+
+from vlfit.cli import main
+from vlfit.inference.backends import TorchEncoder
+from vlfit.inference.collection import ImageFolderSource
+from vlfit.inference.index import EmbeddingIndex, build_index
+
+
+def _query_json(capsys, *argv: str) -> dict:
+    capsys.readouterr()
+    assert main(["retrieve", "query", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _error_line(capsys) -> str:
+    lines = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("Loading weights")]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def torch_index(tiny_checkpoint, image_folder, tmp_path_factory):
+    out = tmp_path_factory.mktemp("index") / "torch"
+    assert main(["retrieve", "index", "--model", str(tiny_checkpoint), "--images", str(image_folder),
+                 "--output_dir", str(out), "--batch_size", "5", "--dataloader_num_workers", "1",
+                 "--disable_tqdm", "true"]) == 0  # fmt: skip
+    return out
+
+
+def test_index_lists_bad_images_and_queries_match_brute_force(torch_index, tiny_checkpoint, image_folder, capsys):
+    index = EmbeddingIndex(str(torch_index))
+    files = sorted(str(p) for p in image_folder.rglob("*.jpg") if p.name != "broken.jpg")
+    assert index.ids() == files  # every image once, in path order
+    assert [bad["id"] for bad in index.manifest.bad_samples] == [str(image_folder / "test" / "broken.jpg")]
+    assert index.manifest.model["backend"] == "torch"
+
+    # An image finds itself first, with cosine 1.
+    result = _query_json(capsys, "--index", str(torch_index), "--image", files[3], "-k", "3")
+    top = result["queries"][0]["results"][0]
+    assert top["id"] == files[3] and top["score"] == pytest.approx(1.0, abs=1e-5)
+
+    # Text queries (flags and a file of them) get the brute-force top-k of the whole index, in order.
+    queries = image_folder / "queries.txt"
+    queries.write_text("two red circles on the left.\n\nimage:" + os.path.relpath(files[0], image_folder) + "\n")
+    result = _query_json(capsys, "--index", str(torch_index), "--text", "one blue square at the top.",
+                         "--queries", str(queries), "-k", "4", "--chunk_elements", "7")  # fmt: skip
+    encoder = TorchEncoder(str(tiny_checkpoint))
+    embeddings = index.embeddings()
+    texts = encoder.embed_texts(["one blue square at the top.", "two red circles on the left."])
+    expected = torch.topk(texts @ embeddings.t(), 4, dim=1).indices.tolist()
+    got = [[files.index(hit["id"]) for hit in q["results"]] for q in result["queries"][:2]]
+    assert got == expected
+    assert [q["query"] for q in result["queries"]][2].startswith("image:")
+    assert result["queries"][2]["results"][0]["id"] == files[0]
+
+
+def test_an_interrupted_build_resumes_to_the_index_a_one_shot_build_makes(tiny_checkpoint, image_folder, tmp_path):
+    encoder = TorchEncoder(str(tiny_checkpoint))
+    source = ImageFolderSource(str(image_folder))
+    settings = {"collection": {"images": str(image_folder)}, "batch_size": 3, "shard_size": 4, "progress": False}
+    build_index(encoder, source, str(tmp_path / "once"), **settings)
+
+    def interrupt(manifest):
+        if len(manifest.shards) == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        build_index(encoder, source, str(tmp_path / "resumed"), on_shard=interrupt, **settings)
+    stopped = EmbeddingIndex(str(tmp_path / "resumed")).manifest
+    assert stopped.count + len(stopped.bad_samples) == 12  # two shards of two batches of 3, the broken file in them
+    build_index(encoder, source, str(tmp_path / "resumed"), **settings)
+    once, resumed = EmbeddingIndex(str(tmp_path / "once")), EmbeddingIndex(str(tmp_path / "resumed"))
+    assert resumed.ids() == once.ids()
+    assert torch.equal(resumed.embeddings(), once.embeddings())
+    assert resumed.manifest.bad_samples == once.manifest.bad_samples  # the broken file listed once
+
+
+def test_appending_embeds_only_the_new_images(tiny_checkpoint, image_folder, tmp_path, capsys):
+    folder = tmp_path / "photos"
+    shutil.copytree(image_folder / "validation", folder)
+    argv = ["retrieve", "index", "--model", str(tiny_checkpoint), "--images", str(folder), "--output_dir",
+            str(tmp_path / "index"), "--storage", "npy", "--dataloader_num_workers", "0",
+            "--disable_tqdm", "true"]  # fmt: skip
+    assert main(argv) == 0
+    first = EmbeddingIndex(str(tmp_path / "index"))
+    shutil.copytree(image_folder / "test", folder / "more")
+    capsys.readouterr()
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["added"] == len(list((folder / "more").glob("*.jpg"))) - 1 and len(summary["bad_samples"]) == 1
+    appended = EmbeddingIndex(str(tmp_path / "index"))
+    assert appended.ids()[: len(first)] == first.ids()
+    assert torch.equal(appended.embeddings()[: len(first)], first.embeddings())
+    assert len(appended) == len(first) + summary["added"]
+    assert os.path.exists(tmp_path / "index" / "shard-00000.npy")
+
+
+def test_an_index_of_exported_graphs_is_queried_with_them(onnx_export, image_folder, tmp_path, capsys):
+    out = tmp_path / "onnx-index"
+    assert main(["retrieve", "index", "--model", str(onnx_export), "--images", str(image_folder / "validation"),
+                 "--output_dir", str(out), "--dataloader_num_workers", "0", "--disable_tqdm", "true"]) == 0  # fmt: skip
+    image = sorted((image_folder / "validation").glob("*.jpg"))[2]
+    result = _query_json(capsys, "--index", str(out), "--image", str(image), "-k", "2")
+    assert result["model"].endswith("on onnxruntime (int8)")
+    assert result["queries"][0]["results"][0]["id"] == str(image)
+
+
+def test_refused_combinations_end_in_one_line(
+    torch_index, tiny_checkpoint, other_checkpoint, onnx_export, image_folder, tmp_path, capsys
+):
+    query = ["retrieve", "query", "--index", str(torch_index), "--text", "a red circle"]
+    assert main([*query, "--model", str(other_checkpoint)]) == 2
+    assert re.fullmatch(r"vlfit retrieve: error: the index .* was built with checkpoint \w{12} but the model .* "
+                        r"comes from checkpoint \w{12}: .*", _error_line(capsys))  # fmt: skip
+
+    smaller = tmp_path / "smaller"
+    shutil.copytree(torch_index, smaller)
+    manifest = json.loads((smaller / "index_manifest.json").read_text())
+    manifest["identity"]["embedding_size"] = 32
+    (smaller / "index_manifest.json").write_text(json.dumps(manifest))
+    assert main(["retrieve", "query", "--index", str(smaller), "--text", "a red circle"]) == 2
+    assert "holds bridgetower embeddings of size 32 but the model" in _error_line(capsys)
+
+    # An export whose checkpoint was overwritten by other weights after the export.
+    checkpoint = shutil.copytree(tiny_checkpoint, tmp_path / "checkpoint")
+    stale = shutil.copytree(onnx_export, tmp_path / "stale")
+    manifest = json.loads((stale / "export_manifest.json").read_text())
+    manifest["source"]["path"] = str(checkpoint)
+    (stale / "export_manifest.json").write_text(json.dumps(manifest))
+    shutil.copy(other_checkpoint / "model.safetensors", checkpoint / "model.safetensors")
+    index = ["retrieve", "index", "--images", str(image_folder / "validation"), "--output_dir", str(tmp_path / "i")]
+    assert main([*index, "--model", str(stale)]) == 2
+    assert "the exported graphs are older than their checkpoint" in _error_line(capsys)
+
+    no_tokenizer = shutil.copytree(onnx_export, tmp_path / "no-tokenizer")
+    os.remove(no_tokenizer / "tokenizer.json")
+    assert main([*index, "--model", str(no_tokenizer)]) == 2
+    assert "the exported model has no tokenizer" in _error_line(capsys)
+
+    assert main([*index, "--model", str(tiny_checkpoint), "--backend", "openvino"]) == 2
+    assert "is a checkpoint, which runs on torch" in _error_line(capsys)

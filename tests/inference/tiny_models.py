@@ -1,0 +1,26 @@
+"""Tiny random-init checkpoints, saved as ``vlfit train`` saves one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from vlfit.data.sources import open_splits
+
+
+def save_tiny_checkpoint(dataset_dir: str, output_dir: Path, seed: int = 0) -> Path:
+    """A random-init tiny-preset checkpoint folder with its tokenizer (trained on the dataset's captions) and image
+    processor, as ``vlfit train`` saves one."""
+    from vlfit.arguments import ModelArguments
+    from vlfit.models.loading import build_model, resolve_model
+
+    args = ModelArguments(model_preset="tiny")
+    train = open_splits(dataset_name=dataset_dir)["train"]
+    blueprint = resolve_model(args, captions=train.captions)
+    torch.manual_seed(seed)
+    model = build_model(blueprint, args)
+    model.save_pretrained(output_dir)
+    blueprint.inputs.tokenizer.save_pretrained(output_dir)
+    blueprint.image_processor.save_pretrained(output_dir)
+    return output_dir
