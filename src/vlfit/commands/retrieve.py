@@ -76,7 +76,12 @@ class QueryArguments:
 
 
 def run_index(argv: list[str]) -> int:
-    parser = HfArgumentParser(IndexArguments, prog="vlfit retrieve index", description=__doc__)
+    parser = HfArgumentParser(
+        IndexArguments,
+        prog="vlfit retrieve index",
+        description="Embed a folder of images or a dataset split into an index (resumable; new images are "
+        "appended when run again). Bad images are skipped and listed.",
+    )
     (args,) = parser.parse_args_into_dataclasses(args=argv)
     if (args.images is None) == (args.dataset_name is None):
         raise ValueError("pass exactly one of --images (a folder of image files) or --dataset_name")
@@ -115,7 +120,11 @@ def run_index(argv: list[str]) -> int:
 
 
 def run_query(argv: list[str]) -> int:
-    parser = HfArgumentParser(QueryArguments, prog="vlfit retrieve query", description=__doc__)
+    parser = HfArgumentParser(
+        QueryArguments,
+        prog="vlfit retrieve query",
+        description="The top-k images of an index for text queries, image queries or a file of them.",
+    )
     (args,) = parser.parse_args_into_dataclasses(args=argv)
     queries = [Query(text=text) for text in args.text] + [Query(image=image) for image in args.image]
     if args.queries:
