@@ -64,6 +64,11 @@ def parse_search_arguments(
             action.default = argparse.SUPPRESS
         given = vars(raw.parse_known_args(argv)[0])
     base = {k: v for k, v in given.items() if k not in _SEARCH_FIELDS}
+    if base.get("resume_from_checkpoint"):
+        raise ValueError(
+            "--resume_from_checkpoint: vlfit search continues its study and interrupted trial by itself; rerun the "
+            "same command without it"
+        )
     return (*parsed, base)  # type: ignore[return-value]
 
 

@@ -102,10 +102,10 @@ def write_markdown(data: dict[str, Any], path: str) -> None:
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "---|" * len(header))
     for t in data["trials"]:
-        value = t["value"]
-        if value is None and t["intermediate_values"]:  # pruned: its last evaluation
+        value = _cell(t["value"])
+        if t["state"] == "pruned" and t["intermediate_values"]:  # Optuna's value of a pruned trial: its last report
             value = f"({_cell(list(t['intermediate_values'].values())[-1])})"
-        row = [str(t["number"]), t["state"], _cell(value), *(_cell(t["params"].get(n)) for n in names)]
+        row = [str(t["number"]), t["state"], value, *(_cell(t["params"].get(n)) for n in names)]
         lines.append("| " + " | ".join([*row, _cell(t["last_step"]), _cell(t["duration_s"])]) + " |")
     lines += ["", "A pruned trial's metric in parentheses is its last evaluation before it was stopped.", ""]
     with replace_on_success(path) as temp, open(temp, "w", encoding="utf-8") as f:

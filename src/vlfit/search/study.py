@@ -41,8 +41,8 @@ class SearchArguments:
     search_space: str | None = field(
         default=None,
         metadata={
-            "help": "YAML or JSON file: for each parameter (any vlfit train field, or logit_scale_init_value) "
-            "{type: float|int, low, high, log, step} or {type: categorical, choices}. Default: learning_rate, "
+            "help": "YAML or JSON file: for each parameter (any vlfit train field) {type: float|int, low, high, "
+            "log, step} or {type: categorical, choices}. Default: learning_rate, "
             "warmup_steps, weight_decay and, for contrastive models, logit_scale_init_value."
         },
     )
