@@ -1,0 +1,165 @@
+"""Inference speed and accuracy of each backend: PyTorch eager fp32, ONNX Runtime fp32 and INT8, OpenVINO f32, its
+default precision (bf16 where the CPU has it) and INT8, on the same cores.
+
+For each backend and batch size: images/s and captions/s, and p50/p95 latency of one call of each tower (the image
+tower from uint8 pixels, the text tower from token ids); then text->image recall@1 of each on the evaluation
+samples, and its change against PyTorch. The exports are made by ``vlfit export``'s code (parity checked, INT8
+calibrated on the calibration samples, which are not the evaluation samples when the split has enough).
+
+    python benchmarks/inference.py --model_name_or_path runs/demo/model --dataset_name runs/demo/data
+    python benchmarks/inference.py --model_preset small   # random weights, synthetic scenes: speed only
+
+Without a dataset, synthetic scenes are made on the spot; a preset gets random weights (its recall is chance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from vlfit.inference.backends import Encoder, OnnxRuntimeEncoder, OpenVinoEncoder, TorchEncoder
+from vlfit.inference.collection import Samples, load_samples, open_dataset_split, synthetic_source
+from vlfit.inference.export import ExportSettings, embed_samples, export_model, t2i_recall
+from vlfit.inference.exported import ExportedModel
+from vlfit.inference.loading import load_checkpoint
+
+
+def save_preset_checkpoint(preset: str, folder: Path, captions: list[str]) -> Path:
+    """A random-init checkpoint of ``preset`` with a tokenizer trained on ``captions``."""
+    from vlfit.arguments import ModelArguments
+    from vlfit.models.loading import build_model, resolve_model
+
+    args = ModelArguments(model_preset=preset)
+    blueprint = resolve_model(args, captions=lambda: captions)
+    torch.manual_seed(0)
+    build_model(blueprint, args).save_pretrained(folder)
+    blueprint.inputs.tokenizer.save_pretrained(folder)
+    blueprint.image_processor.save_pretrained(folder)
+    return folder
+
+
+def latency(call: Callable[[], object], iterations: int, warmup: int = 2) -> tuple[float, float]:
+    """p50 and p95 seconds of ``call``."""
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(iterations):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return statistics.median(times), times[min(len(times) - 1, round(0.95 * (len(times) - 1)))]
+
+
+def measure(encoder: Encoder, samples: Samples, batch_sizes: list[int], iterations: int) -> dict:
+    row: dict = {}
+    for batch in batch_sizes:
+        pixels = samples.pixels[:batch].contiguous()
+        if pixels.shape[0] < batch:  # repeat the samples up to the batch size
+            pixels = pixels.repeat((batch // pixels.shape[0]) + 1, 1, 1, 1)[:batch].contiguous()
+        captions = (samples.captions * (batch // len(samples.captions) + 1))[:batch]
+        tokens = encoder.tokenize(captions)
+        p50, p95 = latency(lambda pixels=pixels: encoder.embed_pixels(pixels), iterations)
+        row[f"image_b{batch}"] = {"per_s": round(batch / p50, 1), "p50_ms": round(p50 * 1e3, 2),
+                                  "p95_ms": round(p95 * 1e3, 2)}  # fmt: skip
+        p50, p95 = latency(lambda tokens=tokens: encoder.embed_tokens(**tokens), iterations)
+        row[f"text_b{batch}"] = {"per_s": round(batch / p50, 1), "p50_ms": round(p50 * 1e3, 2),
+                                 "p95_ms": round(p95 * 1e3, 2)}  # fmt: skip
+    images, texts = embed_samples(samples, encoder.embed_pixels, encoder.embed_tokens, encoder.tokenize)
+    row["t2i_recall@1"] = t2i_recall(texts, images)["t2i_recall@1"]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model_name_or_path", help="A checkpoint folder (e.g. the one vlfit demo trains).")
+    model.add_argument("--model_preset", help="Or a preset with random weights (speed only).")
+    parser.add_argument("--dataset_name", help="Evaluation and calibration samples (default: synthetic scenes).")
+    parser.add_argument("--eval_split", default="validation")
+    parser.add_argument("--calibration_split", default="train")
+    parser.add_argument("--eval_samples", type=int, default=256)
+    parser.add_argument("--calibration_samples", type=int, default=300)
+    parser.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="Threads of every runtime.")
+    parser.add_argument("--work_dir", help="Where the exports go (default: a temporary folder).")
+    parser.add_argument("--json", help="Also write the results here.")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="vlfit-inference-"))
+    work.mkdir(parents=True, exist_ok=True)
+    if args.dataset_name:
+        eval_source = open_dataset_split(args.dataset_name, args.eval_split)
+        calibration_source = open_dataset_split(args.dataset_name, args.calibration_split)
+    else:
+        eval_source = synthetic_source(args.eval_samples, seed=1)
+        calibration_source = synthetic_source(args.calibration_samples, seed=2)
+    checkpoint = args.model_name_or_path
+    if checkpoint is None:
+        checkpoint = str(save_preset_checkpoint(args.model_preset, work / "checkpoint", calibration_source.captions()))
+    loaded = load_checkpoint(checkpoint)
+    eval_samples = load_samples(eval_source.select(range(min(args.eval_samples, len(eval_source)))), loaded.spec)
+    calibration = load_samples(
+        calibration_source.select(range(min(args.calibration_samples, len(calibration_source)))), loaded.spec
+    )
+    exports = {}
+    for fmt in ("onnx", "openvino"):
+        start = time.perf_counter()
+        manifest = export_model(
+            loaded,
+            str(work / fmt),
+            ExportSettings(fmt, "int8"),
+            parity_samples=eval_samples,
+            calibration_samples=calibration,
+        )
+        exports[fmt] = {"seconds": round(time.perf_counter() - start, 1), "parity": manifest["parity"]}
+        print(f"exported {fmt} in {exports[fmt]['seconds']} s: parity {json.dumps(manifest['parity'])}", flush=True)
+
+    onnx, ov = ExportedModel.open(str(work / "onnx")), ExportedModel.open(str(work / "openvino"))
+    threads = args.threads
+    backends: dict[str, Callable[[], Encoder]] = {
+        "torch eager fp32": lambda: TorchEncoder(checkpoint, num_threads=threads),
+        "onnxruntime fp32": lambda: OnnxRuntimeEncoder(onnx, "fp32", num_threads=threads),
+        "onnxruntime int8": lambda: OnnxRuntimeEncoder(onnx, "int8", num_threads=threads),
+        "openvino f32": lambda: OpenVinoEncoder(ov, "fp32", inference_precision="f32", num_threads=threads),
+        "openvino default": lambda: OpenVinoEncoder(ov, "fp32", num_threads=threads),
+        "openvino int8": lambda: OpenVinoEncoder(ov, "int8", num_threads=threads),
+    }
+    results = {}
+    for name, make in backends.items():
+        results[name] = measure(make(), eval_samples, args.batch_sizes, args.iterations)
+        print(name, json.dumps(results[name]), flush=True)
+
+    reference = results["torch eager fp32"]
+    print(f"\n{len(eval_samples)} evaluation samples, {args.threads} threads, model {checkpoint}")
+    columns = [f"{tower}_b{b}" for b in args.batch_sizes for tower in ("image", "text")]
+    print(f"{'backend':<18}" + "".join(f"{c + ' /s (p50/p95 ms)':>30}" for c in columns) + f"{'R@1 (change)':>16}")
+    for name, row in results.items():
+        cells = "".join(
+            f"{row[c]['per_s']:>10.1f} ({row[c]['p50_ms']:.1f}/{row[c]['p95_ms']:.1f})".rjust(30) for c in columns
+        )
+        change = row["t2i_recall@1"] - reference["t2i_recall@1"]
+        print(f"{name:<18}{cells}{row['t2i_recall@1']:>9.3f} ({change:+.3f})")
+    for b in args.batch_sizes:
+        key = f"image_b{b}"
+        speedup = results["onnxruntime int8"][key]["per_s"] / reference[key]["per_s"]
+        print(f"image tower, batch {b}: onnxruntime int8 is {speedup:.2f}x torch eager fp32", end="; ")
+        speedup = results["openvino int8"][key]["per_s"] / reference[key]["per_s"]
+        print(f"openvino int8 {speedup:.2f}x")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"exports": exports, "results": results, "threads": args.threads}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
