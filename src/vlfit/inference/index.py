@@ -30,7 +30,7 @@ from vlfit.atomic_files import replace_on_success, write_text_atomically
 from vlfit.data.source_base import ImageTextSource
 from vlfit.inference.backends import Encoder
 from vlfit.inference.collection import ImageFolderSource, host_batches
-from vlfit.inference.identity import ModelIdentity, RefusedModelError
+from vlfit.inference.identity import ModelIdentity
 
 MANIFEST_NAME = "index_manifest.json"
 STORAGES = ("safetensors", "npy")
@@ -199,7 +199,8 @@ def build_index(
         The index's manifest.
 
     Raises:
-        RefusedModelError: when the index exists and was built with a model whose embeddings are not comparable.
+        vlfit.inference.identity.RefusedModelError: when the index exists and was built with a model whose
+            embeddings are not comparable.
     """
     if storage not in STORAGES:
         raise ValueError(f"unknown --storage {storage!r}; choose one of: {', '.join(STORAGES)}")
@@ -264,4 +265,4 @@ def refuse_other_model(index: EmbeddingIndex, encoder: Encoder) -> None:
     )
 
 
-__all__ = ["EmbeddingIndex", "IndexManifest", "RefusedModelError", "build_index", "refuse_other_model"]
+__all__ = ["EmbeddingIndex", "IndexManifest", "build_index", "refuse_other_model"]
