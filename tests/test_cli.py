@@ -85,8 +85,12 @@ def _error_lines(capsys) -> list[str]:
         (["--dataset_name", "/no/such/folder"], r"/no/such/folder"),
         (["--model_preset", "medium"], r"unknown --model_preset 'medium'; choose one of: tiny, small, base, large"),
         (["--per_device_train_batch_size", "0"], r"--per_device_train_batch_size must be at least 1, got 0"),
+        (
+            ["--hard_negative_column", "choices"],
+            r"--hard_negative_column 'choices' is not a column of the training split; it has: .*caption_choices",
+        ),
     ],
-    ids=["missing-column", "missing-path", "unknown-preset", "batch-size-0"],
+    ids=["missing-column", "missing-path", "unknown-preset", "batch-size-0", "missing-hard-negative-column"],
 )
 def test_user_mistakes_end_in_one_error_line_and_exit_code_2(tmp_path, synthetic_dataset_dir, capsys, flags, named):
     base = ["--dataset_name", synthetic_dataset_dir, "--model_preset", "tiny", "--output_dir", str(tmp_path / "o"),
@@ -138,12 +142,13 @@ def test_python_dash_m_runs_the_cli():
 def test_demo_runs_end_to_end_and_reuses_its_data(tmp_path, capsys):
     argv = ["demo", "--output_dir", str(tmp_path), "--num_samples", "40", "--model_preset", "tiny",
             "--num_train_epochs", "1", "--per_device_train_batch_size", "8", "--eval_pool_size", "4",
-            "--dataloader_num_workers", "0"]  # fmt: skip
+            "--dataloader_num_workers", "0", "--hard_negatives", "true"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "generating 40 synthetic samples" in out
     assert "text->image recall@1" in out and "(chance 0.250, pool of 4)" in out
     assert "training throughput" in out and " 0.0 samples/s" not in out
+    assert "pipeline, hard negatives" in out  # the demo trains against its captions' one-attribute edits
     assert main(argv) == 0
     assert "reusing synthetic data" in capsys.readouterr().out
 

@@ -292,3 +292,20 @@ def test_cli_rejects_unknown_format(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):
         main(["--output_dir", str(tmp_path), "--format", "csv"])
     assert "--format" in capsys.readouterr().err
+
+
+def test_parse_caption_inverts_caption_and_names_the_edited_attributes() -> None:
+    from vlfit.data.synthetic.scenes import caption, differing_attributes, parse_caption, scene_and_choices
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        scene, choices, answer = scene_and_choices(rng)
+        assert parse_caption(caption(scene)) == tuple(sorted(scene, key=lambda g: synthetic.REGIONS.index(g.region)))
+        for choice in choices:
+            changed = differing_attributes(parse_caption(choice), parse_caption(choices[answer]))
+            assert len(changed) <= 2 and (not changed) == (choice == choices[answer])
+    assert differing_attributes(
+        parse_caption("one red circle on the left."), parse_caption("one red circle at the top.")
+    ) == ("region",)
+    with pytest.raises(ValueError, match="not a synthetic caption"):
+        parse_caption("a red circle somewhere.")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from transformers import HfArgumentParser
 
@@ -36,6 +37,13 @@ class DemoArguments:
     dataloader_num_workers: int = field(default=1, metadata={"help": "Loader worker processes."})
     eval_pool_size: int = field(default=100, metadata={"help": "Candidate pool for recall@k (chance = 1/pool)."})
     image_pipeline: str = field(default="fast", metadata={"help": "CPU image pipeline: fast or reference."})
+    hard_negatives: bool = field(
+        default=False,
+        metadata={
+            "help": "Also score each training image against its caption's one-attribute edits "
+            "(--hard_negative_column caption_choices) beside the batch's other captions."
+        },
+    )
     seed: int = field(default=0, metadata={"help": "Seed for data generation and training."})
 
 
@@ -55,19 +63,17 @@ def ensure_synthetic_data(path: str, config: SyntheticConfig) -> str:
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``vlfit demo``."""
-    (args,) = HfArgumentParser(DemoArguments, prog="vlfit demo").parse_args_into_dataclasses(args=argv)
-    data_dir = ensure_synthetic_data(
-        os.path.join(args.output_dir, "data"),
-        SyntheticConfig(
-            num_samples=args.num_samples,
-            seed=args.seed,
-            min_long_side=args.min_long_side,
-            max_long_side=args.max_long_side,
-        ),
-    )
-    training_args = VlfitTrainingArguments(
+def recipe(
+    args: DemoArguments, data_dir: str, training_overrides: dict[str, Any] | None = None
+) -> tuple[ModelArguments, DataArguments, VlfitTrainingArguments]:
+    """The demo's run as ``vlfit train`` arguments (``benchmarks/demo_recipe.py`` screens changes to it).
+
+    Args:
+        args: The demo's flags.
+        data_dir: The synthetic dataset.
+        training_overrides: ``TrainingArguments`` fields to set otherwise than the recipe does.
+    """
+    training_kwargs: dict[str, Any] = dict(
         output_dir=os.path.join(args.output_dir, "model"),
         do_train=True,
         do_eval=True,
@@ -86,16 +92,32 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         disable_tqdm=True,
     )
-    results = run(
-        ModelArguments(model_preset=args.model_preset),
-        DataArguments(
-            dataset_name=data_dir,
-            eval_split="test",
-            eval_pool_size=args.eval_pool_size,
-            image_pipeline=args.image_pipeline,
-        ),
-        training_args,
+    training_args = VlfitTrainingArguments(**{**training_kwargs, **(training_overrides or {})})
+    data_args = DataArguments(
+        dataset_name=data_dir,
+        eval_split="test",
+        eval_pool_size=args.eval_pool_size,
+        image_pipeline=args.image_pipeline,
+        hard_negative_column="caption_choices" if args.hard_negatives else None,
     )
+    return ModelArguments(model_preset=args.model_preset), data_args, training_args
+
+
+def synthetic_config(args: DemoArguments) -> SyntheticConfig:
+    """The demo's synthetic dataset."""
+    return SyntheticConfig(
+        num_samples=args.num_samples,
+        seed=args.seed,
+        min_long_side=args.min_long_side,
+        max_long_side=args.max_long_side,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``vlfit demo``."""
+    (args,) = HfArgumentParser(DemoArguments, prog="vlfit demo").parse_args_into_dataclasses(args=argv)
+    data_dir = ensure_synthetic_data(os.path.join(args.output_dir, "data"), synthetic_config(args))
+    results = run(*recipe(args, data_dir))
     print(format_summary(results, args))
     return 0
 
@@ -107,7 +129,7 @@ def format_summary(results: dict[str, float], args: DemoArguments) -> str:
             "",
             f"vlfit demo: preset {args.model_preset}, {args.num_samples} synthetic samples, "
             f"{args.num_train_epochs:g} epochs at batch {args.per_device_train_batch_size}, "
-            f"{args.image_pipeline} pipeline",
+            f"{args.image_pipeline} pipeline{', hard negatives' if args.hard_negatives else ''}",
             f"  training throughput : {results['train_samples_per_second']:.1f} samples/s "
             f"(data wait {100 * results['train_data_wait_share']:.1f}% of step time)",
             f"  text->image recall@1: {results['eval_t2i_recall@1']:.3f}   "

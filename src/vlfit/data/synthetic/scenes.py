@@ -135,6 +135,35 @@ def caption(scene: Scene) -> str:
     return " and ".join(parts) + "."
 
 
+def parse_caption(text: str) -> Scene:
+    """The scene a caption of ``caption`` describes (its inverse).
+
+    Raises:
+        ValueError: ``text`` is not a caption this module writes.
+    """
+    nouns = {**{kind: kind for kind in KINDS}, **{plural: kind for kind, plural in PLURALS.items()}}
+    counts = {word: count for count, word in COUNT_WORDS.items()}
+    regions = {phrase: region for region, phrase in REGION_PHRASES.items()}
+    groups = []
+    for part in text.removesuffix(".").split(" and "):
+        words = part.split(" ", 3)
+        if len(words) != 4 or words[0] not in counts or words[1] not in COLOURS or words[2] not in nouns:
+            raise ValueError(f"not a synthetic caption: {text!r}")
+        if words[3] not in regions:
+            raise ValueError(f"not a synthetic caption: {text!r}")
+        groups.append(Group(kind=nouns[words[2]], colour=words[1], count=counts[words[0]], region=regions[words[3]]))
+    return tuple(groups)
+
+
+def differing_attributes(a: Scene, b: Scene) -> tuple[str, ...]:
+    """The attributes (kind, colour, count, region) whose values over the groups differ between two scenes."""
+    return tuple(
+        name
+        for name in ("kind", "colour", "count", "region")
+        if sorted(getattr(g, name) for g in a) != sorted(getattr(g, name) for g in b)
+    )
+
+
 def _sample_scene(rng: np.random.Generator) -> Scene:
     num_groups = 1 if rng.random() < 0.4 else 2
     regions = rng.choice(len(REGIONS), size=num_groups, replace=False)
