@@ -41,7 +41,7 @@ def quantize_onnx_text(source: str, destination: str) -> None:
 
 
 def quantize_onnx_image(source: str, destination: str, calibration: Sequence[dict[str, np.ndarray]]) -> None:
-    """Static INT8 quantization (QDQ, MinMax calibration, per-channel weights) of the image tower's ``MatMul`` nodes.
+    """Static INT8 quantization (QDQ, MinMax calibration, per-tensor weights) of the image tower's ``MatMul`` nodes.
 
     Args:
         source: The fp32 graph.
@@ -65,7 +65,9 @@ def quantize_onnx_image(source: str, destination: str, calibration: Sequence[dic
         Feeds(),
         quant_format=QuantFormat.QDQ,
         op_types_to_quantize=list(QUANTIZED_OP_TYPES),
-        per_channel=True,
+        # Per-tensor weights: per-channel scales lowered the tiny preset's worst cosine to PyTorch from 0.9996 to
+        # 0.993 in a trial (24 images; MinMax or Percentile calibration, INT8 or UINT8 activations alike).
+        per_channel=False,
         activation_type=QuantType.QInt8,
         weight_type=QuantType.QInt8,
     )
