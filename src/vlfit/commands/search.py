@@ -22,7 +22,7 @@ from transformers import HfArgumentParser
 
 from vlfit.arguments import DataArguments, ModelArguments, VlfitTrainingArguments
 from vlfit.commands.train import is_flags_file, load_flags_file
-from vlfit.search.objective import TrialRunner, available_metrics, trial_dir
+from vlfit.search.objective import TrialRunner, available_metrics, parse_train_values, trial_dir
 from vlfit.search.report import remove_checkpoints, write_reports
 from vlfit.search.space import SearchSpace, default_space, describe, load_space
 from vlfit.search.study import (
@@ -90,14 +90,18 @@ def main(argv: list[str] | None = None) -> int:
     setup = setup_run(model_args, data_args, training_args)
     if space is None:
         space = default_space(contrastive=hasattr(setup.blueprint.config, "logit_scale_init_value"))
-    metrics = available_metrics(setup, model_args, training_args, space)
+    # The check's evaluation logs nowhere (--report_to would start a tracker run for it).
+    probe_args = parse_train_values({**base, "output_dir": output_dir, "report_to": "none"})[2]
+    metrics = available_metrics(setup, model_args, probe_args, space)
     if search_args.metric not in metrics:
         raise ValueError(
             f"--metric {search_args.metric}: evaluation does not report it; it reports: {', '.join(metrics)}"
         )
-    evaluates_in_training = training_args.eval_strategy.value == "steps"
-    if search_args.pruner != "none" and not evaluates_in_training:
-        logger.warning("--pruner %s has nothing to judge without --eval_strategy steps", search_args.pruner)
+    if search_args.pruner != "none" and training_args.eval_strategy.value == "no":
+        logger.warning(
+            "--pruner %s has nothing to judge: no evaluation during training (pass --eval_strategy steps "
+            "--eval_steps N)", search_args.pruner,
+        )  # fmt: skip
     logger.info("search space: %s", describe(space))
 
     runner = TrialRunner(base, space, setup, search_args.metric, output_dir, is_main)
