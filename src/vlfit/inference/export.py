@@ -339,7 +339,7 @@ def _quantize(
         for tower, feeds in (("image", image_feeds), ("text", text_feeds)):
             source = os.path.join(staging, graph_name(tower, "fp32", fmt))
             quantize_openvino(source, os.path.join(staging, names[tower]), feeds, transformer=tower == "image")
-        methods = {"image": "nncf ptq (transformer model type)", "text": "nncf ptq (default scheme)"}
+        methods = {"image": "nncf ptq (transformer model type)", "text": "nncf ptq (mixed preset)"}
     for tower in TOWERS:
         manifest["graphs"][tower]["int8"] = names[tower]
     manifest["quantization"] = methods

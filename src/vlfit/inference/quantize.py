@@ -7,8 +7,9 @@
   embedding, additions, normalizations) cost far more accuracy in a trial (cosine 0.90 to fp32, against 0.9997).
 - OpenVINO: ``nncf.quantize``, calibrated on the same images and on captions; for the image tower with the
   transformer model type (accuracy-sensitive operations kept in floating point, SmoothQuant), for the text tower
-  with NNCF's default (with the transformer type, nncf 3.4 makes a text graph that OpenVINO 2026.4's CPU plugin
-  refuses to compile: constant folding fails on a Convert of the attention-mask path).
+  with the mixed preset the transformer type implies (symmetric weights, asymmetric activations) but without the
+  type itself: with it, nncf 3.4 makes a text graph that OpenVINO 2026.4's CPU plugin refuses to compile
+  (constant folding fails on a Convert of the attention-mask path), with or without SmoothQuant.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def quantize_openvino(
         source: The fp32 ``.xml``.
         destination: Where to write the INT8 ``.xml`` (and its ``.bin``).
         calibration: Input dicts to calibrate on.
-        transformer: Quantize with ``ModelType.TRANSFORMER`` (else NNCF's default scheme).
+        transformer: Quantize with ``ModelType.TRANSFORMER`` (else with the ``MIXED`` preset alone).
     """
     import nncf
     import openvino as ov
@@ -93,6 +94,7 @@ def quantize_openvino(
         model,
         nncf.Dataset(list(calibration)),
         model_type=nncf.ModelType.TRANSFORMER if transformer else None,
+        preset=None if transformer else nncf.QuantizationPreset.MIXED,
         subset_size=max(1, len(calibration)),  # every calibration batch
     )
     ov.save_model(quantized, destination, compress_to_fp16=False)
