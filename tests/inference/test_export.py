@@ -50,7 +50,7 @@ def test_onnx_export_matches_pytorch_and_its_int8_graphs_run(onnx_export, tiny_c
     assert manifest["parity"]["samples"] == 13 and manifest["parity"]["int8"]["calibration_samples"] == 16
     for tower in ("image", "text"):
         assert manifest["parity"]["fp32"][tower]["min_cosine"] >= 0.9999
-        assert manifest["parity"]["int8"][tower]["min_cosine"] > 0.9
+        assert manifest["parity"]["int8"][tower]["min_cosine"] >= 0.999  # 0.9997 and 0.9999 measured
     assert set(manifest["accuracy"]["int8_change"]) == {"t2i_recall@1", "t2i_recall@5"}
 
     reference = TorchEncoder(str(tiny_checkpoint))
@@ -58,7 +58,7 @@ def test_onnx_export_matches_pytorch_and_its_int8_graphs_run(onnx_export, tiny_c
     _check_against_torch(open_encoder(str(onnx_export), precision="fp32"), reference, pixels, 0.9999)
     int8 = open_encoder(str(onnx_export))
     assert (int8.backend, int8.precision) == ("onnxruntime", "int8")
-    _check_against_torch(int8, reference, pixels, 0.9)
+    _check_against_torch(int8, reference, pixels, 0.999)
 
 
 def _copy_graphs(export_dir):
@@ -83,7 +83,7 @@ def test_openvino_export_matches_pytorch_and_its_int8_graphs_run(tiny_checkpoint
     fp32 = open_encoder(str(tmp_path / "ov"), precision="fp32", inference_precision="f32")
     assert fp32.backend == "openvino"
     _check_against_torch(fp32, reference, pixels, 0.9999)
-    _check_against_torch(open_encoder(str(tmp_path / "ov"), precision="int8"), reference, pixels, 0.9)
+    _check_against_torch(open_encoder(str(tmp_path / "ov"), precision="int8"), reference, pixels, 0.98)
 
 
 def test_a_graph_that_does_not_match_its_checkpoint_is_not_written(
