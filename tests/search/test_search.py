@@ -1,9 +1,12 @@
-"""``vlfit search`` end to end on the tiny preset: a study writes every output, a killed study resumes to the same
-trial count, the median pruner stops a poor trial at its first evaluation, and bad input stops before any trial."""
+"""``vlfit search`` end to end on the tiny preset: a study writes every output, a study killed by SIGTERM resumes to
+the same trial count, the median pruner stops a poor trial at its first evaluation, and bad input stops before any
+trial."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,11 +16,14 @@ from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState
 from PIL import Image
 from safetensors.torch import load_file
+from transformers import TrainerCallback
 
-from tests.search.search_runs import SPACE, STUDY, load_trials, search_argv, search_until_signal, write_space
+from tests.search.search_runs import SPACE, STUDY, load_trials, search_argv, write_space
 from tests.training.train_runs import single_torch_thread
 from vlfit.cli import main
 from vlfit.commands.train import parse_arguments
+from vlfit.search import objective
+from vlfit.training.run import run
 
 METRIC = "eval_t2i_recall@1"
 
@@ -78,17 +84,37 @@ def test_a_three_trial_study_writes_every_output(tmp_path: Path, synthetic_datas
     assert float(trained) == pytest.approx(best.params["logit_scale_init_value"], abs=0.1)
 
 
-def test_a_killed_study_resumes_and_ends_with_n_trials(tmp_path: Path, synthetic_dataset_dir: str) -> None:
+class _SigtermAtStep(TrainerCallback):
+    """Sends this process SIGTERM at the end of a training step, as a scheduler would during trial 1."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        if state.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_killed_study_resumes_and_ends_with_n_trials(
+    tmp_path: Path, synthetic_dataset_dir: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "search"
     argv = search_argv(synthetic_dataset_dir, out, write_space(tmp_path), "--n_trials", "3", "--pruner", "none")
-    stopped = search_until_signal(argv, trial=1)
-    assert stopped.returncode == 143, stopped.output[-3000:]
-    assert "SIGTERM stopped the trial in progress, recorded as failed" in stopped.output
-    assert "Traceback" not in stopped.output
+
+    def run_with_a_kill_in_trial_1(*args, callbacks=(), **kwargs):
+        if Path(args[2].output_dir).name == "trial-1":
+            callbacks = [*callbacks, _SigtermAtStep(1)]
+        return run(*args, callbacks=callbacks, **kwargs)
+
+    monkeypatch.setattr(objective, "run", run_with_a_kill_in_trial_1)
+    assert main(["search", *argv]) == 143  # 128 + SIGTERM, as a shell reports a killed process
+    assert "SIGTERM stopped the trial in progress, recorded as failed" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the search's handlers are gone
     first = load_trials(out)
     assert [t.state for t in first] == [TrialState.COMPLETE, TrialState.FAIL]
     checkpoint = first[1].user_attrs["checkpoint"]  # the preemption handler saved one at the stop
-    assert Path(checkpoint).parent == (out / "trial-1").resolve() and Path(checkpoint).is_dir()
+    assert Path(checkpoint) == (out / "trial-1" / "checkpoint-2").resolve() and Path(checkpoint).is_dir()
 
     assert main(["search", *argv]) == 0  # the same command again
     trials = load_trials(out)
@@ -97,6 +123,8 @@ def test_a_killed_study_resumes_and_ends_with_n_trials(tmp_path: Path, synthetic
     assert trials[0].value == first[0].value and trials[0].params == first[0].params  # kept, not rerun
     # The interrupted trial is continued from its checkpoint by a trial with its parameters.
     assert trials[2].params == first[1].params and trials[2].user_attrs["resumes"] == 1
+    assert trials[2].user_attrs["resume_from_checkpoint"] == checkpoint
+    assert list(trials[2].intermediate_values) == [4]  # its training went on from step 2
     assert trials[3].params not in (trials[0].params, trials[1].params)  # the sampler does not start over
     summary = json.loads((out / "search.json").read_text())
     assert summary["finished"] == 3 and summary["states"] == {"complete": 3, "fail": 1}
@@ -134,6 +162,7 @@ def test_the_median_pruner_stops_a_worse_trial_at_its_first_evaluation(
     summary = json.loads((out / "search.json").read_text())
     assert summary["trials"][1]["state"] == "pruned" and summary["trials"][1]["last_step"] == 2
     assert summary["finished"] == 2  # a pruned trial counts towards --n_trials
+    assert f"| 1 | pruned | ({pruned.intermediate_values[2]:.4g}) |" in (out / "search.md").read_text()
 
 
 _RANGE = {"type": "float", "low": 1e-5, "high": 1e-3}
