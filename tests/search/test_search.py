@@ -215,3 +215,15 @@ def test_bad_input_stops_before_any_trial_with_one_line(
         assert "learning_rate, " in last and "weight_decay" in last  # the valid fields are named
     if "--metric" in message:
         assert "eval_t2i_recall@1, " in last and "eval_matching_accuracy" in last  # the metrics there are
+
+
+def test_runs_of_another_study_in_the_output_folder_are_refused(
+    tmp_path: Path, synthetic_dataset_dir: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "search"
+    (out / "trial-0" / "checkpoint-2").mkdir(parents=True)  # a run the (new) study knows nothing of
+    argv = search_argv(synthetic_dataset_dir, out, write_space(tmp_path), "--n_trials", "1")
+    assert main(["search", *argv]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "holds runs that are not trials of study 'vlfit-search' (trial-0)" in last, last
+    assert (out / "trial-0" / "checkpoint-2").is_dir() and load_trials(out) == []  # nothing removed, nothing run

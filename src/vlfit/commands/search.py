@@ -22,7 +22,7 @@ from transformers import HfArgumentParser
 
 from vlfit.arguments import DataArguments, ModelArguments, VlfitTrainingArguments
 from vlfit.commands.train import is_flags_file, load_flags_file
-from vlfit.search.objective import TrialRunner, available_metrics, parse_train_values, trial_dir
+from vlfit.search.objective import TrialRunner, available_metrics, check_trial_dirs, parse_train_values, trial_dir
 from vlfit.search.report import remove_checkpoints, write_reports
 from vlfit.search.space import SearchSpace, default_space, describe, load_space
 from vlfit.search.study import (
@@ -144,6 +144,7 @@ def _lead(
         eval_steps = int(training_args.eval_steps)
     pruner = make_pruner(search_args, eval_steps, training_args.max_steps)
     study = open_study(search_args, storage, training_args.seed, pruner, space.fingerprint())
+    check_trial_dirs(runner.output_dir, study)
     continued = take_up_interrupted(study, storage)
     if continued:
         logger.info("continuing interrupted trial(s) %s from their checkpoints", ", ".join(map(str, continued)))

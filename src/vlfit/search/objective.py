@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -74,6 +74,24 @@ def broadcast(value: Any) -> Any:
 
 def trial_dir(output_dir: str, number: int) -> str:
     return os.path.join(output_dir, TRIAL_DIR.format(number=number))
+
+
+def check_trial_dirs(output_dir: str, study: optuna.Study) -> None:
+    """Refuse an output folder holding ``trial-N`` runs the study does not know (another study's, or a deleted
+    one's): a new trial N would take up that run's last checkpoint as its own.
+
+    Raises:
+        ValueError: Naming the folders.
+    """
+    known = {t.number for t in study.get_trials(deepcopy=False)}
+    pattern = re.compile(TRIAL_DIR.format(number=r"(\d+)") + "$")
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    strangers = sorted(n for n in names if (m := pattern.match(n)) and int(m.group(1)) not in known)
+    if strangers:
+        raise ValueError(
+            f"{output_dir} holds runs that are not trials of study {study.study_name!r} ({', '.join(strangers[:3])}"
+            f"{', ...' if len(strangers) > 3 else ''}): pass another --output_dir (one per study), or remove them"
+        )
 
 
 def trial_values(base: dict[str, Any], params: dict[str, Any], output_dir: str) -> dict[str, Any]:
@@ -251,8 +269,6 @@ class TrialRunner:
     def run_trial(self, order: TrialOrder, trial: optuna.Trial | None) -> float:
         start = time.monotonic()
         out = trial_dir(self.output_dir, order.number)
-        if order.resume_from_checkpoint is None:
-            self._clear(out)
         model_args, data_args, training_args = parse_train_values(trial_values(self.base, order.params, out))
         if order.resume_from_checkpoint is not None:
             training_args.resume_from_checkpoint = order.resume_from_checkpoint
@@ -272,15 +288,6 @@ class TrialRunner:
             raise RuntimeError(f"the final evaluation of trial {order.number} reported no {self.metric}")
         logger.info("trial %d: %s %.4f (%.0f s)", order.number, self.metric, value, self.durations[order.number])
         return float(value)
-
-    def _clear(self, out: str) -> None:
-        # A folder of a trial number the storage does not know (the study was deleted, not its runs): a new trial
-        # must not resume from it (run() takes up the last checkpoint of its output folder).
-        if self.is_main and os.path.isdir(out) and os.listdir(out):
-            logger.warning("%s holds an earlier run unknown to the study: removed", out)
-            shutil.rmtree(out)
-        if is_distributed():
-            torch.distributed.barrier()
 
 
 def _short(value: Any) -> str:
