@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -57,6 +59,34 @@ def latency(call: Callable[[], object], iterations: int, warmup: int = 2) -> tup
         times.append(time.perf_counter() - start)
     times.sort()
     return statistics.median(times), times[min(len(times) - 1, round(0.95 * (len(times) - 1)))]
+
+
+def make_encoder(name: str, checkpoint: str, work: Path, threads: int) -> Encoder:
+    """The encoder of one row of the table."""
+    if name == "torch eager fp32":
+        return TorchEncoder(checkpoint, num_threads=threads)
+    fmt, precision = name.split()
+    exported = ExportedModel.open(str(work / ("onnx" if fmt == "onnxruntime" else "openvino")))
+    if fmt == "onnxruntime":
+        return OnnxRuntimeEncoder(exported, precision, num_threads=threads)
+    if precision == "default":
+        return OpenVinoEncoder(exported, "fp32", num_threads=threads)
+    hint = "f32" if precision == "f32" else None
+    return OpenVinoEncoder(exported, "fp32" if precision == "f32" else "int8", inference_precision=hint,
+                           num_threads=threads)  # fmt: skip
+
+
+BACKENDS = ("torch eager fp32", "onnxruntime fp32", "onnxruntime int8", "openvino f32", "openvino default",
+            "openvino int8")  # fmt: skip
+
+
+def measure_backend(
+    name: str, checkpoint: str, work: Path, threads: int, samples: Samples, batch_sizes: list[int], iterations: int
+) -> dict:
+    """One backend's row, in a process of its own (started by ``spawn``): the thread pools of the runtimes measured
+    before it (ONNX Runtime's spin after each call) would otherwise compete with it for the cores."""
+    torch.set_num_threads(threads)
+    return measure(make_encoder(name, checkpoint, work, threads), samples, batch_sizes, iterations)
 
 
 def measure(encoder: Encoder, samples: Samples, batch_sizes: list[int], iterations: int) -> dict:
@@ -125,19 +155,13 @@ def main() -> None:
         exports[fmt] = {"seconds": round(time.perf_counter() - start, 1), "parity": manifest["parity"]}
         print(f"exported {fmt} in {exports[fmt]['seconds']} s: parity {json.dumps(manifest['parity'])}", flush=True)
 
-    onnx, ov = ExportedModel.open(str(work / "onnx")), ExportedModel.open(str(work / "openvino"))
-    threads = args.threads
-    backends: dict[str, Callable[[], Encoder]] = {
-        "torch eager fp32": lambda: TorchEncoder(checkpoint, num_threads=threads),
-        "onnxruntime fp32": lambda: OnnxRuntimeEncoder(onnx, "fp32", num_threads=threads),
-        "onnxruntime int8": lambda: OnnxRuntimeEncoder(onnx, "int8", num_threads=threads),
-        "openvino f32": lambda: OpenVinoEncoder(ov, "fp32", inference_precision="f32", num_threads=threads),
-        "openvino default": lambda: OpenVinoEncoder(ov, "fp32", num_threads=threads),
-        "openvino int8": lambda: OpenVinoEncoder(ov, "int8", num_threads=threads),
-    }
     results = {}
-    for name, make in backends.items():
-        results[name] = measure(make(), eval_samples, args.batch_sizes, args.iterations)
+    context = multiprocessing.get_context("spawn")
+    for name in BACKENDS:
+        with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+            job = pool.submit(measure_backend, name, checkpoint, work, args.threads, eval_samples, args.batch_sizes,
+                              args.iterations)  # fmt: skip
+            results[name] = job.result()
         print(name, json.dumps(results[name]), flush=True)
 
     reference = results["torch eager fp32"]
