@@ -111,6 +111,8 @@ def test_unknown_format_or_quantization_is_one_line(tiny_checkpoint, tmp_path, c
     assert error_lines(capsys.readouterr().err) == [
         "vlfit export: error: unknown --quantize 'int4'; the one choice is int8"
     ]
+    assert main(["export", "--model_name_or_path", str(tiny_checkpoint), "--output_dir", str(tiny_checkpoint)]) == 2
+    assert "is the checkpoint folder itself" in error_lines(capsys.readouterr().err)[0]
     with pytest.raises(SystemExit) as exit_info:  # argparse's own line for a choice it knows
         main([*argv, "--format", "tflite"])
     assert exit_info.value.code == 2

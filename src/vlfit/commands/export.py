@@ -11,7 +11,7 @@ from typing import Literal
 from transformers import HfArgumentParser
 
 from vlfit.inference.collection import Samples, load_samples, open_dataset_split, synthetic_source
-from vlfit.inference.export import DEFAULT_OPSET, PARITY_THRESHOLD, ExportSettings, export_model
+from vlfit.inference.export import DEFAULT_OPSET, PARITY_THRESHOLD, ExportSettings, check_output_dir, export_model
 from vlfit.inference.loading import DEFAULT_MAX_SEQ_LENGTH, load_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.calibration_samples}"
         )
     settings = ExportSettings(args.format, args.quantize, args.opset, args.parity_threshold)
+    check_output_dir(args.model_name_or_path, args.output_dir)
     loaded = load_checkpoint(args.model_name_or_path, max_seq_length=args.max_seq_length)
     parity, calibration = _samples(args, loaded.spec)
     manifest = export_model(loaded, args.output_dir, settings, parity_samples=parity, calibration_samples=calibration)

@@ -194,6 +194,12 @@ def _draft_manifest(loaded: LoadedCheckpoint, settings: ExportSettings, checkpoi
     }
 
 
+def check_output_dir(checkpoint: str, output_dir: str) -> None:
+    """Refuse to export into the checkpoint's own folder (its manifest would make the checkpoint look exported)."""
+    if os.path.abspath(output_dir) == os.path.abspath(checkpoint):
+        raise ValueError(f"--output_dir {output_dir} is the checkpoint folder itself; export into a folder of its own")
+
+
 def export_model(
     loaded: LoadedCheckpoint,
     output_dir: str,
@@ -217,6 +223,7 @@ def export_model(
     Raises:
         ExportParityError: when an fp32 graph's cosine to PyTorch is below the threshold; nothing is written.
     """
+    check_output_dir(loaded.path, output_dir)
     exported_at = time.time()
     manifest = _draft_manifest(loaded, settings, loaded.path)
     manifest["source"]["exported_at"] = exported_at
