@@ -148,3 +148,20 @@ def test_refused_combinations_end_in_one_line(
 
     assert main([*index, "--model", str(tiny_checkpoint), "--backend", "openvino"]) == 2
     assert "is a checkpoint, which runs on torch" in _error_line(capsys)
+
+
+def test_a_dataset_split_is_indexed_by_sample_id_and_a_second_run_adds_nothing(
+    tiny_checkpoint, synthetic_dataset_dir, image_folder, tmp_path, capsys
+):
+    argv = ["retrieve", "index", "--model", str(tiny_checkpoint), "--dataset_name", synthetic_dataset_dir, "--split",
+            "validation", "--output_dir", str(tmp_path / "index"), "--dataloader_num_workers", "0",
+            "--disable_tqdm", "true"]  # fmt: skip
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["added"] == 0
+    index = EmbeddingIndex(str(tmp_path / "index"))
+    image = sorted((image_folder / "validation").glob("*.jpg"))[1]  # the same record, written out as a file
+    assert index.ids() == sorted(path.stem for path in (image_folder / "validation").glob("*.jpg"))
+    result = _query_json(capsys, "--index", str(tmp_path / "index"), "--image", str(image), "-k", "1")
+    assert result["queries"][0]["results"][0]["id"] == image.stem
