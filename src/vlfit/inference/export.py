@@ -32,7 +32,12 @@ from vlfit.inference.collection import Samples
 from vlfit.inference.exported import FORMATS, MANIFEST_NAME, TOWERS, ExportedModel, graph_name
 from vlfit.inference.identity import RefusedModelError, library_versions
 from vlfit.inference.loading import LoadedCheckpoint
-from vlfit.inference.quantize import quantize_onnx_image, quantize_onnx_text, quantize_openvino
+from vlfit.inference.quantize import (
+    compress_openvino_weights,
+    quantize_onnx_image,
+    quantize_onnx_text,
+    quantize_openvino,
+)
 from vlfit.inference.towers import EMBEDDING_OUTPUT, IMAGE_INPUT, TEXT_INPUTS
 
 logger = logging.getLogger(__name__)
@@ -272,7 +277,7 @@ def export_model(
 
         if settings.quantize == "int8":
             calibration = calibration_samples if calibration_samples is not None else parity_samples
-            _quantize(loaded, staging, onnx_paths, manifest, settings.format, calibration)
+            _quantize(staging, onnx_paths, manifest, settings.format, calibration)
             images8, texts8 = _embed(_open_staged(staging, manifest, "int8"), parity_samples)
             parity["int8"] = {
                 "image": cosine_figures(reference_images, images8),
@@ -318,35 +323,32 @@ def _openvino_default_precision(
     return figures
 
 
-def _calibration_feeds(loaded: LoadedCheckpoint, samples: Samples) -> tuple[list[dict], list[dict]]:
-    image_feeds, text_feeds = [], []
-    for start in range(0, len(samples), CALIBRATION_BATCH_SIZE):
-        rows = slice(start, start + CALIBRATION_BATCH_SIZE)
-        image_feeds.append({IMAGE_INPUT: samples.pixels[rows].contiguous().numpy()})
-        tokens = _tokenize(loaded, samples.captions[rows])
-        text_feeds.append({name: tokens[name].numpy() for name in TEXT_INPUTS})
-    return image_feeds, text_feeds
+def _calibration_feeds(samples: Samples) -> list[dict]:
+    """The images INT8 calibrates on, in batches (the text towers' INT8 schemes need no calibration)."""
+    return [
+        {IMAGE_INPUT: samples.pixels[start : start + CALIBRATION_BATCH_SIZE].contiguous().numpy()}
+        for start in range(0, len(samples), CALIBRATION_BATCH_SIZE)
+    ]
 
 
 def _quantize(
-    loaded: LoadedCheckpoint,
     staging: str,
     onnx_paths: dict[str, str],
     manifest: dict[str, Any],
     fmt: str,
     calibration: Samples,
 ) -> None:
-    image_feeds, text_feeds = _calibration_feeds(loaded, calibration)
+    image_feeds = _calibration_feeds(calibration)
     names = {tower: graph_name(tower, "int8", fmt) for tower in TOWERS}
     if fmt == "onnx":
         quantize_onnx_text(onnx_paths["text"], os.path.join(staging, names["text"]))
         quantize_onnx_image(onnx_paths["image"], os.path.join(staging, names["image"]), image_feeds)
         methods = {"image": "onnxruntime static (QDQ, MatMul)", "text": "onnxruntime dynamic (MatMul)"}
     else:
-        for tower, feeds in (("image", image_feeds), ("text", text_feeds)):
-            source = os.path.join(staging, graph_name(tower, "fp32", fmt))
-            quantize_openvino(source, os.path.join(staging, names[tower]), feeds, transformer=tower == "image")
-        methods = {"image": "nncf ptq (transformer model type)", "text": "nncf ptq (mixed preset)"}
+        fp32 = {tower: os.path.join(staging, graph_name(tower, "fp32", fmt)) for tower in TOWERS}
+        quantize_openvino(fp32["image"], os.path.join(staging, names["image"]), image_feeds)
+        compress_openvino_weights(fp32["text"], os.path.join(staging, names["text"]))
+        methods = {"image": "nncf quantize (transformer model type)", "text": "nncf compress_weights (int8_asym)"}
     for tower in TOWERS:
         manifest["graphs"][tower]["int8"] = names[tower]
     manifest["quantization"] = methods
