@@ -6,7 +6,7 @@ import pytest
 
 from tests.data.image_factory import jpeg_bytes
 from vlfit.data.dataset import ImageTextCollator, ImageTextDataset
-from vlfit.data.hard_negatives import alternative_captions, label_to_index, tokenize_alternatives
+from vlfit.data.hard_negatives import alternative_captions, tokenize_alternatives
 from vlfit.data.image_transforms import FastImageTransform
 from vlfit.data.records import Record
 from vlfit.models.family import HARD_NEGATIVE_ATTENTION_MASK, HARD_NEGATIVE_INPUT_IDS
@@ -76,7 +76,3 @@ def test_the_collator_adds_hard_negatives_only_when_asked(tokenizer):
     # Selecting rows (device-stage bad samples) keeps each row's negatives with it.
     assert batch.select([2])[HARD_NEGATIVE_INPUT_IDS].equal(ids[2:3])
 
-
-@pytest.mark.parametrize(("label", "index"), [("A", 0), ("e", 4), (2, 2), ("3", 3)])
-def test_label_to_index(label, index):
-    assert label_to_index(label) == index

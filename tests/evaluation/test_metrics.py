@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from vlfit.evaluation.metrics import label_to_index, matching_accuracy, pooled_recall_at_k, recall_at_k
+from vlfit.data.hard_negatives import label_to_index
+from vlfit.evaluation.metrics import matching_accuracy, pooled_recall_at_k, recall_at_k
 
 
 def test_identity_similarity_is_perfect_recall():

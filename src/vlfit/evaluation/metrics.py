@@ -11,7 +11,6 @@ import torch
 from vlfit.evaluation.topk import DEFAULT_CHUNK_ELEMENTS, true_pair_ranks
 
 RECALL_KS = (1, 5, 10)
-CHOICE_LETTERS = "ABCDE"
 
 
 def recall_at_k(similarity: torch.Tensor, ks: tuple[int, ...] = RECALL_KS) -> dict[str, float]:
@@ -101,15 +100,3 @@ def matching_accuracy(image_embeds: torch.Tensor, choice_embeds: torch.Tensor, l
     """
     scores = torch.einsum("nd,ncd->nc", image_embeds.float(), choice_embeds.float())
     return (scores.argmax(dim=1) == labels).float().mean().item()
-
-
-def label_to_index(label: str | int) -> int:
-    """``"A".."E"`` (the New Yorker matching labels) or an integer to a choice index."""
-    if isinstance(label, int):
-        return label
-    text = str(label).strip().upper()
-    if len(text) == 1 and text in CHOICE_LETTERS:
-        return CHOICE_LETTERS.index(text)
-    if text.isdigit():
-        return int(text)
-    raise ValueError(f"label {label!r} is neither a letter A-E nor an index")

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from vlfit.data.batch import BadSample, Batch
-from vlfit.evaluation.metrics import label_to_index, matching_accuracy, pooled_recall_at_k
+from vlfit.data.hard_negatives import label_to_index
+from vlfit.evaluation.metrics import matching_accuracy, pooled_recall_at_k
 from vlfit.models.family import ModelFamily
 
 logger = logging.getLogger(__name__)
