@@ -34,6 +34,7 @@ from vlfit.models.family import (
     ModelFamily,
 )
 from vlfit.models.losses import HardNegatives, Term, embed_hard_negatives, info_nce
+from vlfit.models.position_embeddings import init_vit_position_embedding
 
 _HOOK_ATTRIBUTE = "_vlfit_logit_scale_hook"
 
@@ -62,6 +63,9 @@ class BridgeTowerPreset:
     contrastive_hidden: int = 512
     logit_scale_init_value: float = 2.6592
     dropout: float = 0.1  # of the text and cross-modal layers (hidden states and attention weights)
+    # Initial vision position embeddings: "random" (transformers' init) or "sincos" (2D sine-cosine, see
+    # vlfit.models.position_embeddings); for models trained from scratch, which must otherwise learn where patches are.
+    vision_position_init: str = "random"
     tokenizer_vocab_size: int | None = None  # size of the BPE trained for this preset when no tokenizer is given
 
 
@@ -78,6 +82,7 @@ PRESETS: dict[str, BridgeTowerPreset] = {
         vision_hidden=192, vision_layers=4, patch_size=16, image_size=128,
         cross_hidden=192, cross_layers=2, cross_heads=4, contrastive_hidden=128, tokenizer_vocab_size=4096,
         dropout=0.0,  # trained from scratch for a few hundred steps, it underfits: dropout only slowed it down
+        vision_position_init="sincos",  # learned faster than random ones (docs/demo-recipe.md)
     ),
     # ViT-B/16 at 288 with RoBERTa-base text: the shapes of BridgeTower/bridgetower-base.
     "base": BridgeTowerPreset(
@@ -270,6 +275,14 @@ class BridgeTowerFamily(ModelFamily):
 
     def build(self, config: Any) -> BridgeTowerForContrastiveLearning:
         return BridgeTowerForContrastiveLearning(config)
+
+    def initialize_preset(self, model: nn.Module, preset: str) -> None:
+        position_init = PRESETS[preset].vision_position_init
+        if position_init == "sincos":
+            embeddings = model.bridgetower.vision_model.visual.embeddings
+            init_vit_position_embedding(embeddings.position_embedding.weight, class_token=True)
+        elif position_init != "random":
+            raise ValueError(f"preset {preset}: unknown vision_position_init {position_init!r} (random or sincos)")
 
     def from_pretrained(self, name_or_path: str, **hub_kwargs: Any) -> BridgeTowerForContrastiveLearning:
         return BridgeTowerForContrastiveLearning.from_pretrained(name_or_path, **hub_kwargs)

@@ -90,6 +90,9 @@ class ModelFamily(ABC):
     def build(self, config: Any) -> nn.Module:
         """The model with random weights."""
 
+    def initialize_preset(self, model: nn.Module, preset: str) -> None:  # noqa: B027
+        """Initialize a freshly built ``preset`` where it starts otherwise than ``build`` (default: nothing)."""
+
     @abstractmethod
     def from_pretrained(self, name_or_path: str, **hub_kwargs: Any) -> nn.Module:
         """Load a checkpoint (``hub_kwargs``: cache_dir, revision, token, trust_remote_code, config)."""

@@ -161,6 +161,8 @@ def build_model(blueprint: ModelBlueprint, args: ModelArguments) -> nn.Module:
         model = family.from_pretrained(blueprint.checkpoint, config=config, **_hub_kwargs(args))
     else:
         model = family.build(config)
+        if blueprint.preset is not None:
+            family.initialize_preset(model, blueprint.preset)
     family.set_attention_implementation(model, getattr(args, "attn_implementation", "sdpa"))
     family.freeze(
         model,
