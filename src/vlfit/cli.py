@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("vlfit.commands.train", "fine-tune BridgeTower contrastively (every TrainingArguments flag works)"),
     "prepare": ("vlfit.commands.prepare", "re-encode images at training resolution into parquet shards (resumable)"),
     "eval": ("vlfit.commands.evaluate", "text<->image recall@1/5/10 and matching accuracy on a split"),
-    "demo": ("vlfit.commands.demo", "make data, fine-tune the small preset on the CPU, evaluate, summarize"),
+    "demo": ("vlfit.commands.demo", "make data, fine-tune the small-p8 preset on the CPU, evaluate, summarize"),
     "bench": ("vlfit.commands.bench", "input-pipeline throughput sweep: the bottleneck and the settings to use"),
     "export": ("vlfit.commands.export", "a checkpoint's two towers as ONNX/OpenVINO graphs (fp32, INT8), checked"),
     "retrieve": ("vlfit.commands.retrieve", "embed images into an index (retrieve index), search it (retrieve query)"),

@@ -68,7 +68,7 @@ def test_tiny_forward_gives_contrastive_outputs_of_the_configured_width():
 
 
 def test_unknown_preset_names_the_choices():
-    with pytest.raises(ValueError, match=r"'huge'.*tiny, small, base, large"):
+    with pytest.raises(ValueError, match=r"'huge'.*tiny, small, small-p8, base, large"):
         family_for_preset("huge")
 
 

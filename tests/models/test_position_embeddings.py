@@ -29,7 +29,7 @@ def test_vit_init_zeroes_the_class_token_and_refuses_a_non_square_grid():
         init_vit_position_embedding(torch.randn(16, 8))
 
 
-@pytest.mark.parametrize(("preset", "sincos"), [("small", True), ("tiny", False)])
+@pytest.mark.parametrize(("preset", "sincos"), [("small", True), ("small-p8", True), ("tiny", False)])
 def test_a_preset_starts_from_the_position_embeddings_it_names(preset, sincos):
     args = ModelArguments(model_preset=preset)
     model = build_model(resolve_model(args, captions=lambda: ["a red circle."] * 50, max_seq_length=16), args)

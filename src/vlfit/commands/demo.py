@@ -1,6 +1,6 @@
 """``vlfit demo``: the whole job on a built-in synthetic dataset, on the CPU, in a few minutes.
 
-make-data (reused when already there) -> fine-tune the ``small`` preset -> evaluate on the test split ->
+make-data (reused when already there) -> fine-tune the ``small-p8`` preset -> evaluate on the test split ->
 print samples/s, recall@1 beside chance, and matching accuracy beside chance.
 """
 
@@ -27,10 +27,10 @@ class DemoArguments:
     output_dir: str = field(default="runs/demo", metadata={"help": "Where the data, model and metrics go."})
     num_samples: int = field(default=3000, metadata={"help": "Synthetic samples over all splits."})
     min_long_side: int = field(
-        default=600, metadata={"help": "Synthetic images' smallest long side (px; training sees 128 px)."}
+        default=320, metadata={"help": "Synthetic images' smallest long side (px; small-p8 trains at 80 px)."}
     )
-    max_long_side: int = field(default=1400, metadata={"help": "Synthetic images' largest long side (px)."})
-    model_preset: str = field(default="small", metadata={"help": "Preset to fine-tune from random init."})
+    max_long_side: int = field(default=640, metadata={"help": "Synthetic images' largest long side (px)."})
+    model_preset: str = field(default="small-p8", metadata={"help": "Preset to fine-tune from random init."})
     num_train_epochs: float = field(default=6.0, metadata={"help": "Training epochs."})
     per_device_train_batch_size: int = field(default=48, metadata={"help": "Batch size (the study's)."})
     learning_rate: float = field(default=5e-4, metadata={"help": "Peak learning rate (warmup then cosine)."})

@@ -84,6 +84,15 @@ PRESETS: dict[str, BridgeTowerPreset] = {
         dropout=0.0,  # trained from scratch for a few hundred steps, it underfits: dropout only slowed it down
         vision_position_init="sincos",  # learned faster than random ones (docs/demo-recipe.md)
     ),
+    # `small` with 8-pixel patches at 80 px: a 10x10 grid of finer patches for the same width and depth. What
+    # `make demo` trains: it tells where objects are, which 16-pixel patches at 128 px never learned in the
+    # demo's steps (docs/demo-recipe.md).
+    "small-p8": BridgeTowerPreset(
+        text_hidden=192, text_layers=4, text_heads=4, text_intermediate=768, vocab_size=4096, max_positions=130,
+        vision_hidden=192, vision_layers=4, patch_size=8, image_size=80,
+        cross_hidden=192, cross_layers=2, cross_heads=4, contrastive_hidden=128, tokenizer_vocab_size=4096,
+        dropout=0.0, vision_position_init="sincos",
+    ),
     # ViT-B/16 at 288 with RoBERTa-base text: the shapes of BridgeTower/bridgetower-base.
     "base": BridgeTowerPreset(
         text_hidden=768, text_layers=12, text_heads=12, text_intermediate=3072, vocab_size=50265, max_positions=514,
