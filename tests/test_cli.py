@@ -83,7 +83,10 @@ def _error_lines(capsys) -> list[str]:
             r"caption column 'caption_text' not found; available columns: .*image_description",
         ),
         (["--dataset_name", "/no/such/folder"], r"/no/such/folder"),
-        (["--model_preset", "medium"], r"unknown --model_preset 'medium'; choose one of: tiny, small, small-p8, base, large"),
+        (
+            ["--model_preset", "medium"],
+            r"unknown --model_preset 'medium'; choose one of: tiny, small, small-p8, base, large",
+        ),
         (["--per_device_train_batch_size", "0"], r"--per_device_train_batch_size must be at least 1, got 0"),
         (
             ["--hard_negative_column", "choices"],
