@@ -75,4 +75,3 @@ def test_the_collator_adds_hard_negatives_only_when_asked(tokenizer):
     assert own_caption not in row and len(row) == 3  # the sample's own caption is never its negative
     # Selecting rows (device-stage bad samples) keeps each row's negatives with it.
     assert batch.select([2])[HARD_NEGATIVE_INPUT_IDS].equal(ids[2:3])
-
