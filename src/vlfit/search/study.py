@@ -11,13 +11,12 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import threading
 from dataclasses import dataclass, field
-from types import FrameType
-from typing import Any
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
+
+from vlfit.training.preemption import PREEMPTION_SIGNALS, TwoStageSignalHandler
 
 logger = logging.getLogger("vlfit")
 
@@ -190,7 +189,7 @@ def best_trial(study: optuna.Study) -> FrozenTrial | None:
         return None
 
 
-class StopRequest:
+class StopRequest(TwoStageSignalHandler):
     """SIGTERM/SIGINT between trainings: finish the trial in progress, then stop the study.
 
     During training the run's own preemption handler takes the signal (saving a checkpoint); it puts this one back
@@ -200,22 +199,8 @@ class StopRequest:
         received: The first signal received, or ``None``.
     """
 
-    def __init__(self, signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
-        self.received: int | None = None
-        self._previous: dict[int, Any] = {}
-        if threading.current_thread() is threading.main_thread():
-            for signum in signals:
-                self._previous[signum] = signal.signal(signum, self._handle)
+    announcement = "\nvlfit search: received {name}: stopping after this trial\n"
 
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.received is not None:
-            self.uninstall()
-            signal.raise_signal(signum)
-            return
-        self.received = signum
-        os.write(2, f"\nvlfit search: received {signal.Signals(signum).name}: stopping after this trial\n".encode())
-
-    def uninstall(self) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous.clear()
+    def __init__(self, signals: tuple[signal.Signals, ...] = PREEMPTION_SIGNALS) -> None:
+        super().__init__()
+        self.install(signals)

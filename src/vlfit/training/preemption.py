@@ -25,6 +25,46 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 PREEMPTION_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
 
 
+class TwoStageSignalHandler:
+    """The first signal is recorded and announced (``announcement`` with the signal's name); a second one puts
+    back the handlers that were there before and re-delivers itself: the usual way to force an immediate exit.
+
+    Handlers can only be installed from the main thread; elsewhere ``install`` does nothing and signals keep
+    their usual effect.
+
+    Attributes:
+        received: The first signal received, or ``None``.
+    """
+
+    announcement: str = "\nvlfit: received {name}\n"
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self, signals: tuple[signal.Signals, ...]) -> None:
+        """Take over ``signals`` (from the main thread only)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in signals:
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is not None:
+            self.uninstall()
+            signal.raise_signal(signum)
+            return
+        self.received = signum
+        # os.write, not print or logging: a signal handler may interrupt a write to the same stream.
+        os.write(2, self.announcement.format(name=signal.Signals(signum).name).encode())
+
+    def uninstall(self) -> None:
+        """Put back the handlers that were there before (safe to call more than once)."""
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+
 class TrainingPreempted(RuntimeError):
     """Training stopped early on a signal after saving a checkpoint.
 
@@ -46,7 +86,7 @@ class TrainingPreempted(RuntimeError):
         )
 
 
-class PreemptionCallback(TrainerCallback):
+class PreemptionCallback(TwoStageSignalHandler, TrainerCallback):
     """Installs SIGTERM/SIGINT handlers for the duration of training and stops at the next step end.
 
     Handlers can only be installed from the main thread; elsewhere (a notebook running training in a thread) the
@@ -57,38 +97,19 @@ class PreemptionCallback(TrainerCallback):
         stopped_at_step: The global step at which training was stopped for it, or ``None``.
     """
 
+    announcement = "\nvlfit: received {name}: saving a checkpoint at the end of this step\n"
+
     def __init__(self, signals: tuple[signal.Signals, ...] = PREEMPTION_SIGNALS) -> None:
+        super().__init__()
         self.signals = signals
-        self.received: int | None = None
         self.stopped_at_step: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.received is not None:
-            # Second signal: the user (or scheduler) does not want to wait for the checkpoint.
-            self.uninstall()
-            signal.raise_signal(signum)
-            return
-        self.received = signum
-        # os.write, not print or logging: a signal handler may interrupt a write to the same stream.
-        message = f"\nvlfit: received {signal.Signals(signum).name}: saving a checkpoint at the end of this step\n"
-        os.write(2, message.encode())
-
-    def uninstall(self) -> None:
-        """Put back the handlers that were there before training (safe to call more than once)."""
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous.clear()
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self.received = None
         self.stopped_at_step = None
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for signum in self.signals:
-            self._previous[signum] = signal.signal(signum, self._handle)
+        self.install(self.signals)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self._stop_requested(args):
