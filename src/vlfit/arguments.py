@@ -226,6 +226,15 @@ class VlfitTrainingArguments(CompatTrainingFlags, TrainingArguments):
             "choices": list(CONTRASTIVE_LOSSES),
         },
     )
+    gradient_cache_chunk_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Gradient caching: embed the batch N pairs at a time without keeping activations, take the "
+            "contrastive loss's gradient over the whole (with --contrastive_negatives global, global) batch, then "
+            "re-run each chunk with gradient. The same gradient as the plain batch, in the memory of a batch of N, "
+            "for about one more forward pass per step. Not with --gradient_accumulation_steps > 1."
+        },
+    )
     throughput_warmup_steps: int = field(
         default=0,
         metadata={
@@ -244,6 +253,16 @@ class VlfitTrainingArguments(CompatTrainingFlags, TrainingArguments):
                 f"unknown --contrastive_negatives {self.contrastive_negatives!r}; choose one of: "
                 f"{', '.join(CONTRASTIVE_NEGATIVES)}"
             )
+        if self.gradient_cache_chunk_size is not None:
+            chunk = self.gradient_cache_chunk_size
+            if int(chunk) < 1:
+                raise ValueError(f"--gradient_cache_chunk_size must be at least 1, got {chunk}")
+            if int(self.gradient_accumulation_steps) > 1:
+                raise ValueError(
+                    "--gradient_cache_chunk_size with --gradient_accumulation_steps > 1: accumulation would split the "
+                    "contrastive batch into independent ones, which caching exists to avoid; raise "
+                    "--per_device_train_batch_size instead and drop --gradient_accumulation_steps"
+                )
         if self.enable_jit_checkpoint:
             # transformers' SIGTERM handler would be replaced by vlfit's PreemptionCallback, which does the same job.
             raise ValueError(

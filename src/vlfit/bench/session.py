@@ -76,7 +76,8 @@ class BenchSession:
         if model is not None and family is None:
             raise ValueError("the model needs its family (for the contrastive loss)")
         self.source = source
-        self.inputs = replace(inputs, max_seq_length=plan.max_seq_length)
+        # Never longer than the model's text positions (resolve_model cut the spec's to them).
+        self.inputs = replace(inputs, max_seq_length=min(plan.max_seq_length, inputs.max_seq_length))
         self.device = device
         self.plan = plan
         self.cache_dir = cache_dir

@@ -229,7 +229,7 @@ def check_train_fits(
         blueprint.family,
         blueprint.config,
         image_size=blueprint.inputs.image_size,
-        max_seq_length=plan.max_seq_length,
+        max_seq_length=min(plan.max_seq_length, blueprint.inputs.max_seq_length),
         batch_size=plan.batch_size,
         precision=plan.precision,
         freeze={

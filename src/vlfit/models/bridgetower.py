@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from accelerate.utils import extract_model_from_parallel
@@ -31,6 +31,7 @@ from vlfit.models.family import (
     HARD_NEGATIVE_INPUT_IDS,
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
+    LossEmbeddings,
     ModelFamily,
 )
 from vlfit.models.losses import HardNegatives, Term, embed_hard_negatives, info_nce
@@ -205,6 +206,14 @@ def expose_logit_scale(model: nn.Module) -> None:
         setattr(model, _HOOK_ATTRIBUTE, model.register_forward_hook(_add_logit_scale))
 
 
+class ContrastiveEmbeddings(NamedTuple):
+    """The three embeddings of BridgeTower's loss, named as in its contrastive output."""
+
+    text_embeds: torch.Tensor
+    image_embeds: torch.Tensor
+    cross_embeds: torch.Tensor
+
+
 def loss_terms(outputs: Any, symmetric: bool = False, hard_negatives: HardNegatives | None = None) -> list[Term]:
     """BridgeTower's three ``(queries, candidates)`` terms: text->image, text->cross, image->cross; with
     ``symmetric`` or ``hard_negatives``, image->text as a fourth (scored against the hard negatives too)."""
@@ -300,6 +309,10 @@ class BridgeTowerFamily(ModelFamily):
         size = config.vision_config.image_size
         return int(size[0] if isinstance(size, (list, tuple)) else size)
 
+    def max_text_length(self, config: Any) -> int:
+        # RoBERTa's positions start after the padding index (2 of max_position_embeddings are never used).
+        return int(config.text_config.max_position_embeddings) - 2
+
     def freeze(self, model: nn.Module, *, vision: bool, text: bool, text_pooler: bool) -> None:
         # Freezing (rather than deleting the pooler as some scripts do) keeps saved checkpoints complete. The
         # contrastive loss never reaches the text pooler, and DDP fails on parameters without gradients.
@@ -334,21 +347,35 @@ class BridgeTowerFamily(ModelFamily):
         global_negatives: bool = False,
         symmetric: bool = False,
     ) -> torch.Tensor:
-        model_inputs = {key: inputs[key] for key in self.model_inputs}
-        with_hard_negatives = HARD_NEGATIVE_INPUT_IDS in inputs
-        if not (global_negatives or symmetric or with_hard_negatives):
+        if not (global_negatives or symmetric or HARD_NEGATIVE_INPUT_IDS in inputs):
+            model_inputs = {key: inputs[key] for key in self.model_inputs}
             return model(**model_inputs, return_loss=True).loss  # the model's own loss
-        outputs = model(**model_inputs, return_loss=False)
-        hard_negatives = None
-        if with_hard_negatives:
+        return self.loss_from_embeddings(
+            self.loss_embeddings(model, inputs), global_negatives=global_negatives, symmetric=symmetric
+        )
+
+    def loss_embeddings(self, model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> LossEmbeddings:
+        unwrapped = extract_model_from_parallel(model)
+        expose_logit_scale(unwrapped)
+        outputs = model(**{key: inputs[key] for key in self.model_inputs}, return_loss=False)
+        rows = {"text": outputs.text_embeds, "image": outputs.image_embeds, "cross": outputs.cross_embeds}
+        if HARD_NEGATIVE_INPUT_IDS in inputs:
             # The text tower outside the wrapper's forward: DDP still reduces its gradients once (autograd sums
             # both uses of each parameter before its gradient is ready), and activation checkpointing still applies.
-            unwrapped = extract_model_from_parallel(model)
-            hard_negatives = embed_hard_negatives(
+            hard = embed_hard_negatives(
                 lambda ids, mask: text_embeddings(unwrapped, ids, mask),
                 inputs[HARD_NEGATIVE_INPUT_IDS],
                 inputs[HARD_NEGATIVE_ATTENTION_MASK],
             )
+            rows.update(hard_negatives=hard.embeds, hard_negatives_valid=hard.valid)
         # DataParallel (several GPUs, one process) stacks one copy of the scalar per replica.
-        terms = loss_terms(outputs, symmetric, hard_negatives)
-        return info_nce(terms, outputs.logit_scale.mean(), gather=global_negatives)
+        return LossEmbeddings(rows, {"logit_scale": outputs.logit_scale.mean()})
+
+    def loss_from_embeddings(
+        self, embeddings: LossEmbeddings, *, global_negatives: bool = False, symmetric: bool = False
+    ) -> torch.Tensor:
+        rows = embeddings.rows
+        hard = HardNegatives(rows["hard_negatives"], rows["hard_negatives_valid"]) if "hard_negatives" in rows else None
+        outputs = ContrastiveEmbeddings(rows["text"], rows["image"], rows["cross"])
+        terms = loss_terms(outputs, symmetric, hard)
+        return info_nce(terms, embeddings.shared["logit_scale"], gather=global_negatives)

@@ -1,6 +1,6 @@
 """The model interface: what training, evaluation and the bench need from a vision-language model family.
 
-A family (BridgeTower today; CLIP and SigLIP are meant to follow) is one module that implements ``ModelFamily``
+A family (BridgeTower, CLIP, SigLIP) is one module that implements ``ModelFamily``
 and registers itself in ``vlfit.models.registry``. Nothing in ``vlfit.data``, ``vlfit.training`` or
 ``vlfit.evaluation`` names a family: they read the image spec and tokenizer from an ``InputSpec``, embed with
 ``encode_text`` / ``encode_image`` and train with ``contrastive_loss``. A contributor adding a family writes:
@@ -22,6 +22,8 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+
+from vlfit.models.tokenizer import SPECIAL_TOKENS
 
 # The batch's hard negatives (``--hard_negative_column``): each row's alternative captions, ``[B, K, L]`` token ids
 # and attention mask, zero-masked where a row has fewer than K. Inputs of the loss, never of the forward.
@@ -55,6 +57,24 @@ class InputSpec:
     max_seq_length: int = 128
 
 
+@dataclass
+class LossEmbeddings:
+    """What a family's loss is computed from, and all it needs from the model's forward.
+
+    Split from the loss so that gradient caching (``vlfit.training.gradient_cache``) can compute it chunk by chunk
+    without activations, take the loss's gradient with respect to it over the whole batch, and back-propagate
+    that through each chunk again.
+
+    Attributes:
+        rows: Per-pair tensors, ``[n, ...]`` with row ``i`` belonging to pair ``i`` (embeddings; hard negatives'
+            ``[n, k, d]`` embeddings and their ``[n, k]`` bool validity).
+        shared: Tensors the whole batch shares (the logit scale, a bias), the same in every chunk.
+    """
+
+    rows: dict[str, torch.Tensor]
+    shared: dict[str, torch.Tensor]
+
+
 class ModelFamily(ABC):
     """One model family: presets, loading, unimodal embeddings and the contrastive loss.
 
@@ -62,11 +82,14 @@ class ModelFamily(ABC):
         name: Shown in logs and reports.
         model_types: The transformers ``config.model_type`` values a checkpoint of this family has.
         model_inputs: The keys of a batch's model inputs the forward takes.
+        preset_special_tokens: Special tokens of a preset's trained tokenizer, in id order.
     """
 
     name: ClassVar[str]
     model_types: ClassVar[tuple[str, ...]]
     model_inputs: ClassVar[tuple[str, ...]] = ("input_ids", "attention_mask", "pixel_values")
+    # The special tokens of the tokenizer trained for a preset, in id order (vlfit.models.tokenizer).
+    preset_special_tokens: ClassVar[tuple[str, ...]] = SPECIAL_TOKENS
 
     # ----------------------------------------------------------------------------------------- presets, loading
 
@@ -101,6 +124,17 @@ class ModelFamily(ABC):
     def image_size(self, config: Any) -> int:
         """Input image side of a model with ``config``."""
 
+    def patch_size(self, config: Any) -> int | None:
+        """Side of the vision tower's patches (the image size must be a multiple of it), or None when unknown."""
+        size = getattr(getattr(config, "vision_config", None), "patch_size", None)
+        return int(size) if size is not None else None
+
+    def max_text_length(self, config: Any) -> int | None:
+        """Longest caption in tokens the text tower embeds (its position embeddings), or None when unknown."""
+        text_config = getattr(config, "text_config", config)
+        positions = getattr(text_config, "max_position_embeddings", None)
+        return int(positions) if positions is not None else None
+
     def vocab_size(self, config: Any) -> int | None:
         """Token embeddings of the text tower (a tokenizer must not exceed it), or None when unknown."""
         text_config = getattr(config, "text_config", config)
@@ -125,6 +159,17 @@ class ModelFamily(ABC):
 
     def prepare_for_training(self, model: nn.Module) -> None:  # noqa: B027
         """Called once on the unwrapped model before training (e.g. to install forward hooks)."""
+
+    def loss_embeddings(self, model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> LossEmbeddings:
+        """The forward of one batch (or chunk of it) as the loss needs it, with gradient (``model`` as training
+        calls it: possibly wrapped by DDP). Families without it cannot use gradient caching."""
+        raise NotImplementedError(f"{self.name} does not split its loss from its forward (gradient caching)")
+
+    def loss_from_embeddings(
+        self, embeddings: LossEmbeddings, *, global_negatives: bool = False, symmetric: bool = False
+    ) -> torch.Tensor:
+        """The loss of ``loss_embeddings``' output, as ``contrastive_loss`` computes it."""
+        raise NotImplementedError(f"{self.name} does not split its loss from its forward (gradient caching)")
 
     @abstractmethod
     def contrastive_loss(

@@ -103,8 +103,8 @@ def resolve_model(
         max_seq_length: Longest tokenized caption.
 
     Raises:
-        ValueError: for neither or both of checkpoint and preset, an unknown preset or model type, or a tokenizer
-            larger than the model's vocabulary.
+        ValueError: for neither or both of checkpoint and preset, an unknown preset or model type, a tokenizer
+            larger than the model's vocabulary, or an image size that is not a multiple of the patch size.
     """
     checkpoint, preset = args.model_name_or_path, args.model_preset
     if (checkpoint is None) == (preset is None):
@@ -129,7 +129,10 @@ def resolve_model(
                 raise ValueError(f"preset {preset!r} needs training captions or --tokenizer_name")
             logger.info("training a byte-level BPE tokenizer on the training captions (no --tokenizer_name given)")
             tokenizer = train_caption_tokenizer(
-                captions(), vocab_size=family.preset_tokenizer_vocab_size(preset), model_max_length=max_seq_length
+                captions(),
+                vocab_size=family.preset_tokenizer_vocab_size(preset),
+                model_max_length=max_seq_length,
+                special_tokens=family.preset_special_tokens,
             )
         image_processor = (
             AutoImageProcessor.from_pretrained(args.image_processor_name, **hub)
@@ -139,8 +142,20 @@ def resolve_model(
     vocab = family.vocab_size(config)
     if vocab is not None and len(tokenizer) > vocab:
         raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model embeds only {vocab}")
+    image_size, patch_size = family.image_size(config), family.patch_size(config)
+    if patch_size and image_size % patch_size:
+        raise ValueError(
+            f"{checkpoint or preset}: image size {image_size} is not a multiple of the patch size {patch_size}; "
+            "fix vision_config.image_size or patch_size in its config.json"
+        )
+    longest = family.max_text_length(config)
+    if longest is not None and max_seq_length > longest:
+        # run_clip.py's default (128) is longer than CLIP's 77 positions: captions are cut where the model stops.
+        logger.info("--max_seq_length %d is longer than the model's %d text positions: using %d", max_seq_length,
+                    longest, longest)  # fmt: skip
+        max_seq_length = longest
     inputs = InputSpec(
-        image_size=family.image_size(config),
+        image_size=image_size,
         image_mean=tuple(float(x) for x in image_processor.image_mean),  # type: ignore[arg-type]
         image_std=tuple(float(x) for x in image_processor.image_std),  # type: ignore[arg-type]
         tokenizer=tokenizer,

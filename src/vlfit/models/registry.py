@@ -9,9 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 from vlfit.models.bridgetower import BridgeTowerFamily
+from vlfit.models.clip import CLIPFamily
 from vlfit.models.family import ModelFamily
+from vlfit.models.siglip import SiglipFamily
 
-FAMILIES: tuple[ModelFamily, ...] = (BridgeTowerFamily(),)
+FAMILIES: tuple[ModelFamily, ...] = (BridgeTowerFamily(), CLIPFamily(), SiglipFamily())
 
 
 def preset_names() -> list[str]:

@@ -8,7 +8,7 @@ Byte-level BPE never fails on unseen characters, so captions outside the trainin
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from tokenizers import ByteLevelBPETokenizer
 from tokenizers.processors import RobertaProcessing
@@ -18,7 +18,10 @@ SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")
 
 
 def train_caption_tokenizer(
-    captions: Iterable[str | None], vocab_size: int, model_max_length: int = 128
+    captions: Iterable[str | None],
+    vocab_size: int,
+    model_max_length: int = 128,
+    special_tokens: Sequence[str] = SPECIAL_TOKENS,
 ) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE on ``captions`` and wrap it as a transformers tokenizer.
 
@@ -26,15 +29,19 @@ def train_caption_tokenizer(
         captions: Training captions; ``None`` and empty ones are ignored.
         vocab_size: Upper bound on the vocabulary (the model's embedding table must be at least this large).
         model_max_length: Longest sequence the tokenizer produces when truncating.
+        special_tokens: ``SPECIAL_TOKENS`` in the order that gives their ids (a family whose model reads meaning
+            into an id, as CLIP's text tower does into ``eos_token_id == 2``, reorders them).
 
     Returns:
         A fast tokenizer that can be saved with ``save_pretrained`` and reloaded with ``AutoTokenizer``.
     """
+    if sorted(special_tokens) != sorted(SPECIAL_TOKENS):
+        raise ValueError(f"special_tokens must order {SPECIAL_TOKENS}, got {tuple(special_tokens)}")
     texts = [c for c in captions if c and c.strip()]
     if not texts:
         raise ValueError("cannot train a tokenizer: every caption is empty; check --caption_column")
     bpe = ByteLevelBPETokenizer(add_prefix_space=True)
-    bpe.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=2, special_tokens=list(SPECIAL_TOKENS))
+    bpe.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=2, special_tokens=list(special_tokens))
     bpe._tokenizer.post_processor = RobertaProcessing(
         ("</s>", bpe.token_to_id("</s>")), ("<s>", bpe.token_to_id("<s>")), add_prefix_space=True
     )

@@ -38,6 +38,7 @@ from vlfit.efficiency.flops import count_flops
 from vlfit.evaluation.retrieval import EmbeddedSplit, evaluate_retrieval
 from vlfit.models.family import ModelFamily
 from vlfit.training.bad_sample_ledger import BadSampleLedger, TooManyBadSamplesError, process_file_name
+from vlfit.training.gradient_cache import gradient_cached_backward
 from vlfit.training.throughput import ThroughputMeter
 
 # Checkpoints are staged in ``<output_dir>/.partial-checkpoint-N/checkpoint-N``: the name matches neither
@@ -152,12 +153,37 @@ class VlfitTrainer(Trainer):
         return self.pipeline.to_device(inputs, self._model_dtype, train=self.model.training)
 
     def training_step(self, model: torch.nn.Module, inputs: Batch, *args: Any, **kwargs: Any) -> torch.Tensor:
+        def step() -> torch.Tensor:
+            if self.args.gradient_cache_chunk_size and len(inputs):
+                return self._gradient_cached_step(model, inputs)
+            return super(VlfitTrainer, self).training_step(model, inputs, *args, **kwargs)
+
         if self.flops_per_sample is not None or not len(inputs):
-            return super().training_step(model, inputs, *args, **kwargs)
+            return step()
         # The run's first step is counted (forward and backward, at this batch's real shapes): FLOPs per sample.
-        loss, flops = count_flops(lambda: super(VlfitTrainer, self).training_step(model, inputs, *args, **kwargs))
+        # With gradient caching that includes its second forward pass: the FLOPs the hardware does.
+        loss, flops = count_flops(step)
         self.flops_per_sample = flops / len(inputs)
         return loss
+
+    def _gradient_cached_step(self, model: torch.nn.Module, inputs: Batch) -> torch.Tensor:
+        """``training_step`` with ``--gradient_cache_chunk_size`` (``vlfit.training.gradient_cache``)."""
+        model.train()
+        if callable(getattr(self.optimizer, "train", None)):  # schedule-free optimizers, as the Trainer's step does
+            self.optimizer.train()
+        batch = self._prepare_inputs(inputs)
+        with self.compute_loss_context_manager():
+            return gradient_cached_backward(
+                self.family,
+                model,
+                batch.inputs,
+                int(self.args.gradient_cache_chunk_size),
+                global_negatives=getattr(self.args, "contrastive_negatives", "local") == "global",
+                symmetric=getattr(self.args, "contrastive_loss", "model") == "symmetric",
+                backward=self.accelerator.backward,
+                no_sync=lambda: self.accelerator.no_sync(model),
+                device=self.args.device,
+            )
 
     def compute_loss(
         self,

@@ -1,0 +1,248 @@
+"""SigLIP: any ``transformers.SiglipModel`` checkpoint, random-init presets, and the sigmoid pairwise loss.
+
+Every (caption, image) pair of the batch is a binary problem: ``-log sigmoid(z * (s * cos + b))`` with ``z = 1``
+for the matching pair and ``-1`` for every other, ``s = logit_scale.exp()`` and the learnable bias ``b``; summed
+over images and averaged over captions, as ``SiglipModel(return_loss=True)`` computes it (and big_vision trains).
+With global negatives each process scores its own captions against every process's images (gathered with
+gradient), and its share is scaled so that averaging over processes gives the loss of the concatenated batch.
+
+SigLIP's text tower pools the *last* position and was trained on captions padded to a fixed length without an
+attention mask (its processor pads to ``max_length``). Captions here arrive padded to the longest in the batch, so
+``text_inputs`` re-pads them to the tower's ``max_position_embeddings`` with the pad token and drops the mask:
+a caption's embedding then never depends on the batch it came in, and a checkpoint sees what it was trained on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from accelerate.utils import extract_model_from_parallel
+from torch import nn
+from transformers import SiglipConfig, SiglipImageProcessor, SiglipModel
+from transformers.models.siglip.modeling_siglip import SiglipOutput
+
+from vlfit.models.dual_encoder import (
+    DualEncoderPreset,
+    freeze_towers,
+    initialize_position_embedding,
+    install_output_hook,
+    normalized,
+)
+from vlfit.models.family import HARD_NEGATIVE_ATTENTION_MASK, HARD_NEGATIVE_INPUT_IDS, LossEmbeddings, ModelFamily
+from vlfit.models.losses import HardNegatives, distributed_world, embed_hard_negatives, gather_with_grad
+
+SIGLIP_MEAN = (0.5, 0.5, 0.5)
+SIGLIP_STD = (0.5, 0.5, 0.5)
+# The paper's initial temperature and bias: log(10) and -10 (transformers initializes both to 0).
+INITIAL_LOGIT_SCALE = math.log(10.0)
+INITIAL_LOGIT_BIAS = -10.0
+
+PRESETS: dict[str, DualEncoderPreset] = {
+    "siglip-tiny": DualEncoderPreset(
+        text_hidden=64, text_layers=2, text_heads=2, text_intermediate=128, vocab_size=1024, max_positions=64,
+        vision_hidden=64, vision_layers=2, vision_heads=2, vision_intermediate=128, patch_size=16, image_size=64,
+        projection_dim=64, vision_position_init="sincos", tokenizer_vocab_size=1024,
+    ),
+    "siglip-small": DualEncoderPreset(
+        text_hidden=192, text_layers=4, text_heads=4, text_intermediate=768, vocab_size=4096, max_positions=64,
+        vision_hidden=192, vision_layers=4, vision_heads=4, vision_intermediate=768, patch_size=8, image_size=80,
+        projection_dim=192, vision_position_init="sincos", tokenizer_vocab_size=4096,
+    ),
+    # The shapes of google/siglip-base-patch16-224 (about 203M parameters).
+    "siglip-base": DualEncoderPreset(
+        text_hidden=768, text_layers=12, text_heads=12, text_intermediate=3072, vocab_size=32000, max_positions=64,
+        vision_hidden=768, vision_layers=12, vision_heads=12, vision_intermediate=3072, patch_size=16,
+        image_size=224, projection_dim=768,
+    ),
+}  # fmt: skip
+
+
+def preset_config(name: str) -> SiglipConfig:
+    p = PRESETS[name]
+    # SigLIP projects the text tower's pooled state to projection_size and keeps the vision width: the two match.
+    return SiglipConfig(
+        text_config=p.text_config(projection_size=p.projection_dim, pad_token_id=1, bos_token_id=0, eos_token_id=2),
+        vision_config=p.vision_config(),
+    )
+
+
+@dataclass
+class SiglipOutputWithScale(SiglipOutput):
+    """``SiglipOutput`` plus ``logit_scale`` (``exp`` of the parameter) and ``logit_bias``, as declared fields."""
+
+    logit_scale: torch.Tensor | None = None
+    logit_bias: torch.Tensor | None = None
+
+
+def _add_scale_and_bias(module: nn.Module, args: tuple, output: Any) -> SiglipOutputWithScale:
+    return SiglipOutputWithScale(**output, logit_scale=module.logit_scale.exp(), logit_bias=module.logit_bias)
+
+
+def text_length(model_or_config: Any) -> int:
+    config = getattr(model_or_config, "config", model_or_config)
+    return int(config.text_config.max_position_embeddings)
+
+
+def text_inputs(config: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Captions as SigLIP's text tower was trained on them: padded (or cut) to ``max_position_embeddings`` with the
+    pad token, no attention mask (see the module doc)."""
+    length = text_length(config)
+    pad = config.text_config.pad_token_id
+    ids = input_ids.masked_fill(attention_mask == 0, pad)[:, :length]
+    if ids.shape[1] < length:
+        ids = F.pad(ids, (0, length - ids.shape[1]), value=pad)
+    return {"input_ids": ids}
+
+
+def text_embeddings(model: SiglipModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """L2-normalized caption embeddings, with gradient."""
+    return normalized(model.get_text_features(**text_inputs(model.config, input_ids, attention_mask)).pooler_output)
+
+
+def image_embeddings(model: SiglipModel, pixel_values: torch.Tensor) -> torch.Tensor:
+    return normalized(model.get_image_features(pixel_values=pixel_values).pooler_output)
+
+
+def sigmoid_loss(
+    text_embeds: torch.Tensor,
+    image_embeds: torch.Tensor,
+    logit_scale: torch.Tensor,
+    logit_bias: torch.Tensor,
+    *,
+    gather: bool = False,
+    hard_negatives: HardNegatives | None = None,
+    group: Any = None,
+) -> torch.Tensor:
+    """SigLIP's loss of this process's captions, in float32 whatever the autocast state.
+
+    Args:
+        text_embeds, image_embeds: ``[n, d]`` L2-normalized embeddings of this process's pairs.
+        logit_scale: The multiplier (``exp`` of the parameter); ``logit_bias`` the bias.
+        gather: Score against every process's images (global negatives).
+        hard_negatives: Per-image alternative captions, each one more negative pair of its image.
+
+    Returns:
+        Local: the sum of every pair's loss over the captions' count (``SiglipModel``'s loss). Global: this
+        process's share, ``sum * world / global_batch``, which averaged over processes is the global loss.
+    """
+    with torch.autocast(device_type=text_embeds.device.type, enabled=False):
+        scale, bias = logit_scale.float().reshape(()), logit_bias.float().reshape(())
+        texts = text_embeds.float()
+        images = image_embeds.float()
+        rows = texts.shape[0]
+        world = distributed_world(group) if gather else 1
+        all_images, offset, total = gather_with_grad(images, group) if world > 1 else (images, 0, rows)
+        logits = texts @ all_images.t() * scale + bias
+        signs = -torch.ones_like(logits)
+        signs[torch.arange(rows, device=logits.device), torch.arange(offset, offset + rows, device=logits.device)] = 1
+        loss_sum = -F.logsigmoid(signs * logits).sum()
+        if hard_negatives is not None:
+            similarity = torch.einsum("nd,nkd->nk", images, hard_negatives.embeds.float()) * scale + bias
+            loss_sum = loss_sum - F.logsigmoid(-similarity)[hard_negatives.valid].sum()
+        return loss_sum * (world / total)
+
+
+class SiglipFamily(ModelFamily):
+    """``SiglipModel`` checkpoints (SigLIP; SigLIP 2 checkpoints load with ``Siglip2Model``, not handled here) and
+    the ``siglip-*`` presets."""
+
+    name = "siglip"
+    model_types = ("siglip",)
+
+    def preset_names(self) -> tuple[str, ...]:
+        return tuple(PRESETS)
+
+    def preset_config(self, preset: str) -> SiglipConfig:
+        return preset_config(preset)
+
+    def preset_tokenizer_vocab_size(self, preset: str) -> int:
+        p = PRESETS[preset]
+        return p.tokenizer_vocab_size or p.vocab_size
+
+    def preset_image_processor(self, preset: str) -> SiglipImageProcessor:
+        size = PRESETS[preset].image_size
+        return SiglipImageProcessor(
+            size={"height": size, "width": size}, image_mean=list(SIGLIP_MEAN), image_std=list(SIGLIP_STD)
+        )
+
+    def build(self, config: Any) -> SiglipModel:
+        return SiglipModel(config)
+
+    def initialize_preset(self, model: nn.Module, preset: str) -> None:
+        weight = model.vision_model.embeddings.position_embedding.weight
+        initialize_position_embedding(preset, PRESETS[preset], weight, class_token=False)
+        with torch.no_grad():
+            model.logit_scale.fill_(INITIAL_LOGIT_SCALE)
+            model.logit_bias.fill_(INITIAL_LOGIT_BIAS)
+
+    def from_pretrained(self, name_or_path: str, **hub_kwargs: Any) -> SiglipModel:
+        return SiglipModel.from_pretrained(name_or_path, **hub_kwargs)
+
+    def image_size(self, config: Any) -> int:
+        return int(config.vision_config.image_size)
+
+    def patch_size(self, config: Any) -> int:
+        return int(config.vision_config.patch_size)
+
+    def max_text_length(self, config: Any) -> int:
+        return text_length(config)
+
+    def freeze(self, model: nn.Module, *, vision: bool, text: bool, text_pooler: bool) -> None:
+        freeze_towers(model, vision=vision, text=text)
+
+    @torch.no_grad()
+    def encode_text(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return text_embeddings(model, input_ids, attention_mask)  # type: ignore[arg-type]
+
+    @torch.no_grad()
+    def encode_image(self, model: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
+        return image_embeddings(model, pixel_values)  # type: ignore[arg-type]
+
+    def prepare_for_training(self, model: nn.Module) -> None:
+        install_output_hook(model, _add_scale_and_bias)
+
+    def contrastive_loss(
+        self,
+        model: nn.Module,
+        inputs: Mapping[str, torch.Tensor],
+        *,
+        global_negatives: bool = False,
+        symmetric: bool = False,  # every pair is scored once, in both directions at once
+    ) -> torch.Tensor:
+        return self.loss_from_embeddings(self.loss_embeddings(model, inputs), global_negatives=global_negatives)
+
+    def loss_embeddings(self, model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> LossEmbeddings:
+        unwrapped = extract_model_from_parallel(model)
+        install_output_hook(unwrapped, _add_scale_and_bias)
+        text = text_inputs(unwrapped.config, inputs["input_ids"], inputs["attention_mask"])
+        outputs = model(**text, pixel_values=inputs["pixel_values"], return_loss=False)
+        rows = {"text": outputs.text_embeds, "image": outputs.image_embeds}
+        if HARD_NEGATIVE_INPUT_IDS in inputs:
+            hard = embed_hard_negatives(
+                lambda ids, mask: text_embeddings(unwrapped, ids, mask),
+                inputs[HARD_NEGATIVE_INPUT_IDS],
+                inputs[HARD_NEGATIVE_ATTENTION_MASK],
+            )
+            rows.update(hard_negatives=hard.embeds, hard_negatives_valid=hard.valid)
+        # DataParallel (several GPUs, one process) stacks one copy of each scalar per replica.
+        shared = {"logit_scale": outputs.logit_scale.mean(), "logit_bias": outputs.logit_bias.mean()}
+        return LossEmbeddings(rows, shared)
+
+    def loss_from_embeddings(
+        self, embeddings: LossEmbeddings, *, global_negatives: bool = False, symmetric: bool = False
+    ) -> torch.Tensor:
+        rows = embeddings.rows
+        hard = HardNegatives(rows["hard_negatives"], rows["hard_negatives_valid"]) if "hard_negatives" in rows else None
+        return sigmoid_loss(
+            rows["text"],
+            rows["image"],
+            embeddings.shared["logit_scale"],
+            embeddings.shared["logit_bias"],
+            gather=global_negatives,
+            hard_negatives=hard,
+        )
