@@ -15,6 +15,7 @@ from vlfit.compat_flags import CompatDataFlags, CompatTrainingFlags
 from vlfit.data.bad_samples import BAD_SAMPLE_POLICIES, MIN_SAMPLES_FOR_BAD_FRACTION
 from vlfit.data.image_transforms import IMAGE_PIPELINES
 from vlfit.launch import prepare_launch
+from vlfit.models.lora import LoraSettings
 from vlfit.models.registry import family_for_preset, preset_names
 
 # Where a contrastive loss takes its negatives from (``--contrastive_negatives``).
@@ -37,7 +38,10 @@ class ModelArguments:
 
     model_name_or_path: str | None = field(
         default=None,
-        metadata={"help": "A checkpoint of a supported model family (BridgeTower): a local folder or a hub id."},
+        metadata={
+            "help": "A checkpoint of a supported model family (BridgeTower, CLIP, SigLIP), or a folder of LoRA "
+            "adapters a vlfit run saved: a local folder or a hub id."
+        },
     )
     model_preset: str | None = field(
         default=None,
@@ -74,6 +78,23 @@ class ModelArguments:
             "the config's (BridgeTower, CLIP: ln(1/0.07) = 2.659). For models with a logit_scale parameter."
         },
     )
+    lora_r: int | None = field(
+        default=None,
+        metadata={
+            "help": "Fine-tune LoRA adapters of this rank (through peft) instead of every weight: the adapters and "
+            "the projection heads train, the rest stays; the run saves the adapters only (vlfit merge-lora makes "
+            "a plain checkpoint of them)."
+        },
+    )
+    lora_alpha: float | None = field(default=None, metadata={"help": "LoRA scaling numerator (default 2 * r)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA adapters' input."})
+    lora_target: str | None = field(
+        default=None,
+        metadata={
+            "help": "Comma-separated: towers (text, vision, cross: BridgeTower's cross-modal layers) or linear module "
+            "names (query, v_proj, ...). Default: every tower."
+        },
+    )
     config_name: str | None = field(
         default=None, metadata={"help": "Pretrained config name or path, if not the same as --model_name_or_path."}
     )
@@ -95,6 +116,17 @@ class ModelArguments:
     def __post_init__(self) -> None:
         if self.model_preset is not None:
             family_for_preset(self.model_preset)  # an unknown name fails here, before any data is opened
+        if self.lora_r is not None and int(self.lora_r) < 1:
+            raise ValueError(f"--lora_r must be at least 1, got {self.lora_r}")
+        if self.lora_r is None and (self.lora_target or self.lora_alpha is not None):
+            raise ValueError("--lora_target and --lora_alpha need --lora_r (the adapters' rank)")
+
+    def lora_settings(self) -> LoraSettings | None:
+        """The LoRA flags, or None without ``--lora_r``."""
+        if self.lora_r is None:
+            return None
+        targets = tuple(t.strip() for t in (self.lora_target or "").split(",") if t.strip())
+        return LoraSettings(int(self.lora_r), self.lora_alpha, float(self.lora_dropout), targets)
 
 
 @dataclass

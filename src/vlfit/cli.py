@@ -15,7 +15,7 @@ from types import TracebackType
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "make-data": ("vlfit.commands.make_data", "write a synthetic New-Yorker-like captioned dataset"),
-    "train": ("vlfit.commands.train", "fine-tune BridgeTower contrastively (every TrainingArguments flag works)"),
+    "train": ("vlfit.commands.train", "fine-tune BridgeTower, CLIP or SigLIP (every TrainingArguments flag works)"),
     "prepare": ("vlfit.commands.prepare", "re-encode images at training resolution into parquet shards (resumable)"),
     "eval": ("vlfit.commands.evaluate", "text<->image recall@1/5/10 and matching accuracy on a split"),
     "demo": ("vlfit.commands.demo", "make data, fine-tune the small-p8 preset on the CPU, evaluate, summarize"),
@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("vlfit.commands.export", "a checkpoint's two towers as ONNX/OpenVINO graphs (fp32, INT8), checked"),
     "retrieve": ("vlfit.commands.retrieve", "embed images into an index (retrieve index), search it (retrieve query)"),
     "search": ("vlfit.commands.search", "hyperparameter search over train runs (Optuna; resumable, pruned)"),
+    "merge-lora": ("vlfit.commands.merge_lora", "a plain checkpoint from a run's LoRA adapters"),
 }
 
 DEBUG_FLAG = "--debug"

@@ -309,6 +309,20 @@ class BridgeTowerFamily(ModelFamily):
         size = config.vision_config.image_size
         return int(size[0] if isinstance(size, (list, tuple)) else size)
 
+    def module_groups(self) -> dict[str, tuple[str, ...]]:
+        cross = ("layers", "transform", "pooler")
+        return {
+            "text": ("bridgetower.text_model",),
+            "vision": ("bridgetower.vision_model",),
+            "cross": tuple(f"bridgetower.cross_modal_{side}_{part}" for side in ("text", "image") for part in cross),
+        }
+
+    def head_modules(self) -> tuple[str, ...]:
+        return ("itc_text_head", "itc_image_head", "itc_cross_modal_head")
+
+    def untrained_modules(self) -> tuple[str, ...]:
+        return ("bridgetower.text_model.pooler",)
+
     def max_text_length(self, config: Any) -> int:
         # RoBERTa's positions start after the padding index (2 of max_position_embeddings are never used).
         return int(config.text_config.max_position_embeddings) - 2

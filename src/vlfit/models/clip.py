@@ -140,6 +140,12 @@ class CLIPFamily(ModelFamily):
     def patch_size(self, config: Any) -> int:
         return int(config.vision_config.patch_size)
 
+    def module_groups(self) -> dict[str, tuple[str, ...]]:
+        return {"text": ("text_model",), "vision": ("vision_model",)}
+
+    def head_modules(self) -> tuple[str, ...]:
+        return ("text_projection", "visual_projection")
+
     def freeze(self, model: nn.Module, *, vision: bool, text: bool, text_pooler: bool) -> None:
         freeze_towers(model, vision=vision, text=text)  # CLIP has no unused text pooler
 

@@ -144,6 +144,19 @@ class ModelFamily(ABC):
         """Choose the attention kernel (``--attn_implementation``: eager, sdpa, ...); transformers' own by default."""
         model.set_attn_implementation(implementation)  # type: ignore[operator]
 
+    def module_groups(self) -> dict[str, tuple[str, ...]]:
+        """The model's towers by name (``text``, ``vision``, ``cross``): the prefixes of their modules' names, as
+        ``--lora_target`` selects them."""
+        return {}
+
+    def head_modules(self) -> tuple[str, ...]:
+        """The projections into the shared embedding space (trained in full beside LoRA adapters)."""
+        return ()
+
+    def untrained_modules(self) -> tuple[str, ...]:
+        """Modules the contrastive loss never reaches (no adapters go there)."""
+        return ()
+
     def freeze(self, model: nn.Module, *, vision: bool, text: bool, text_pooler: bool) -> None:  # noqa: B027
         """Disable gradients of the named towers (the default freezes nothing)."""
 

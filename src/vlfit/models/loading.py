@@ -17,6 +17,7 @@ from torch import nn
 from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
 from vlfit.models.family import InputSpec, ModelFamily
+from vlfit.models.lora import adapter_base, is_adapter_folder, load_merged
 from vlfit.models.registry import family_for_config, family_for_preset
 from vlfit.models.tokenizer import train_caption_tokenizer
 
@@ -37,6 +38,7 @@ class ModelBlueprint:
         image_processor: Saved beside fine-tuned checkpoints.
         checkpoint: The folder or hub id to load weights from; None for a preset (random init).
         preset: The preset's name, or None for a checkpoint.
+        adapters: A folder of LoRA adapters merged into the checkpoint's weights when the model is built.
     """
 
     family: ModelFamily
@@ -45,10 +47,13 @@ class ModelBlueprint:
     image_processor: Any
     checkpoint: str | None = None
     preset: str | None = None
+    adapters: str | None = None
 
     @property
     def description(self) -> str:
-        """``preset tiny`` or the checkpoint."""
+        """``preset tiny``, the checkpoint, or the adapters and their base."""
+        if self.adapters:
+            return f"LoRA adapters {self.adapters} on {self.checkpoint}"
         return f"preset {self.preset}" if self.preset else str(self.checkpoint)
 
 
@@ -114,11 +119,15 @@ def resolve_model(
         )
     hub = _hub_kwargs(args)
     config_name = getattr(args, "config_name", None)
+    adapters = checkpoint if is_adapter_folder(checkpoint) else None
+    if adapters is not None:
+        # LoRA adapters: the model is their base's, with them merged in; tokenizer and processor are the run's.
+        checkpoint = adapter_base(adapters)
     if checkpoint is not None:
         config = AutoConfig.from_pretrained(config_name or checkpoint, **hub)
         family = family_for_config(config)
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name or checkpoint, **hub)
-        image_processor = AutoImageProcessor.from_pretrained(args.image_processor_name or checkpoint, **hub)
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name or adapters or checkpoint, **hub)
+        image_processor = AutoImageProcessor.from_pretrained(args.image_processor_name or adapters or checkpoint, **hub)
     else:
         family = family_for_preset(preset)  # type: ignore[arg-type]
         config = AutoConfig.from_pretrained(config_name, **hub) if config_name else family.preset_config(preset)
@@ -161,7 +170,9 @@ def resolve_model(
         tokenizer=tokenizer,
         max_seq_length=max_seq_length,
     )
-    return ModelBlueprint(family, config, inputs, image_processor, checkpoint=checkpoint, preset=preset)
+    return ModelBlueprint(
+        family, config, inputs, image_processor, checkpoint=checkpoint, preset=preset, adapters=adapters
+    )
 
 
 def build_model(blueprint: ModelBlueprint, args: ModelArguments) -> nn.Module:
@@ -174,6 +185,8 @@ def build_model(blueprint: ModelBlueprint, args: ModelArguments) -> nn.Module:
     config = copy.deepcopy(blueprint.config)
     if blueprint.checkpoint is not None:
         model = family.from_pretrained(blueprint.checkpoint, config=config, **_hub_kwargs(args))
+        if blueprint.adapters is not None:
+            model = load_merged(model, blueprint.adapters)
     else:
         model = family.build(config)
         if blueprint.preset is not None:

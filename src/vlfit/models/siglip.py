@@ -192,6 +192,12 @@ class SiglipFamily(ModelFamily):
     def max_text_length(self, config: Any) -> int:
         return text_length(config)
 
+    def module_groups(self) -> dict[str, tuple[str, ...]]:
+        return {"text": ("text_model",), "vision": ("vision_model",)}
+
+    def head_modules(self) -> tuple[str, ...]:
+        return ("text_model.head", "vision_model.head")
+
     def freeze(self, model: nn.Module, *, vision: bool, text: bool, text_pooler: bool) -> None:
         freeze_towers(model, vision=vision, text=text)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import sys
@@ -24,6 +25,7 @@ from vlfit.efficiency.flops import ComputeEfficiency
 from vlfit.efficiency.peaks import matmul_precision, peak_flops
 from vlfit.models.loading import ModelBlueprint, build_model, resolve_model
 from vlfit.models.logit_scale import set_logit_scale
+from vlfit.models.lora import BASE_MODEL_DIR, LoraSettings, apply_lora, trainable_parameters
 from vlfit.training.distributed import describe_launch
 from vlfit.training.preemption import PreemptionCallback, TrainingPreempted
 from vlfit.training.trainer import VlfitTrainer
@@ -116,6 +118,37 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
     return RunSetup(train_source, eval_source, blueprint, pipeline)
 
 
+def with_lora_adapters(
+    model: torch.nn.Module,
+    blueprint: ModelBlueprint,
+    model_args: ModelArguments,
+    training_args: VlfitTrainingArguments,
+    lora: LoraSettings,
+) -> torch.nn.Module:
+    """``model`` with LoRA adapters (``vlfit.models.lora``), their base recorded where a reload finds it: the
+    checkpoint, or for a preset its initial weights, saved in ``<output_dir>/base_model``."""
+    frozen = [tower for tower, on in (("vision", model_args.freeze_vision_model),
+                                      ("text", model_args.freeze_text_model)) if on]  # fmt: skip
+    initial = copy.deepcopy(model) if blueprint.checkpoint is None else None
+    adapted = apply_lora(blueprint.family, model, lora, frozen)  # refuses bad targets before anything is written
+    if initial is not None:
+        base = BASE_MODEL_DIR
+        if training_args.do_train and training_args.process_index == 0:
+            folder = os.path.join(training_args.output_dir, BASE_MODEL_DIR)  # a checkpoint of its own
+            initial.save_pretrained(folder)
+            blueprint.inputs.tokenizer.save_pretrained(folder)
+            blueprint.image_processor.save_pretrained(folder)
+    else:
+        checkpoint = str(blueprint.checkpoint)
+        base = os.path.abspath(checkpoint) if os.path.isdir(checkpoint) else checkpoint
+    for config in adapted.peft_config.values():
+        config.base_model_name_or_path = base
+    trainable, total = trainable_parameters(adapted)
+    logger.info("LoRA rank %d on %s: %d of %d parameters train (%.2f%%)", lora.r, ", ".join(lora.targets) or
+                "every tower", trainable, total, 100 * trainable / total)  # fmt: skip
+    return adapted
+
+
 def run(
     model_args: ModelArguments,
     data_args: DataArguments,
@@ -148,6 +181,9 @@ def run(
     if training_args.do_train and model_args.logit_scale_init_value is not None:
         set_logit_scale(model, model_args.logit_scale_init_value)  # a resumed run then loads its trained value
     family = setup.blueprint.family
+    lora = model_args.lora_settings()
+    if lora is not None:
+        model = with_lora_adapters(model, setup.blueprint, model_args, training_args, lora)
     trainer = VlfitTrainer(
         model=model,
         args=training_args,
