@@ -32,6 +32,10 @@ LOWEST_COUNTS = {
 }
 
 
+# What --freeze names (each family's module_groups says which it has).
+TOWERS = ("text", "vision", "cross")
+
+
 @dataclass
 class ModelArguments:
     """Which model to fine-tune, and what to freeze."""
@@ -59,6 +63,21 @@ class ModelArguments:
     token: str | None = field(default=None, metadata={"help": "Hub token for private models or datasets."})
     freeze_vision_model: bool = field(default=False, metadata={"help": "Do not train the vision encoder."})
     freeze_text_model: bool = field(default=False, metadata={"help": "Do not train the text encoder."})
+    freeze: str | None = field(
+        default=None,
+        metadata={
+            "help": "Comma-separated towers not to train: text, vision, cross (BridgeTower's cross-modal layers). "
+            "--freeze vision is open_clip's locked-image tuning; --freeze_vision_model / --freeze_text_model "
+            "(run_clip.py's and run_bridgetower.py's) add to it."
+        },
+    )
+    unfreeze_after_steps: int | None = field(
+        default=None,
+        metadata={
+            "help": "Train the towers --freeze (or --freeze_*_model) froze after this many optimizer steps (they "
+            "are in the optimizer from the start, without gradients until then). One process only."
+        },
+    )
     freeze_text_pooler: bool = field(
         default=True, metadata={"help": "Do not train the text pooler (the contrastive loss never reaches it)."}
     )
@@ -116,10 +135,26 @@ class ModelArguments:
     def __post_init__(self) -> None:
         if self.model_preset is not None:
             family_for_preset(self.model_preset)  # an unknown name fails here, before any data is opened
+        unknown = sorted(set(self.frozen_towers()) - set(TOWERS))
+        if unknown:
+            raise ValueError(f"--freeze {','.join(unknown)}: unknown tower; choose from {', '.join(TOWERS)}")
+        if self.unfreeze_after_steps is not None:
+            if not self.frozen_towers():
+                raise ValueError("--unfreeze_after_steps needs a frozen tower (--freeze text|vision|cross)")
+            if int(self.unfreeze_after_steps) < 1:
+                raise ValueError(f"--unfreeze_after_steps must be at least 1, got {self.unfreeze_after_steps}")
+            if self.lora_r is not None:
+                raise ValueError("--unfreeze_after_steps with --lora_r: LoRA trains its adapters only; drop one")
         if self.lora_r is not None and int(self.lora_r) < 1:
             raise ValueError(f"--lora_r must be at least 1, got {self.lora_r}")
         if self.lora_r is None and (self.lora_target or self.lora_alpha is not None):
             raise ValueError("--lora_target and --lora_alpha need --lora_r (the adapters' rank)")
+
+    def frozen_towers(self) -> tuple[str, ...]:
+        """The towers ``--freeze`` and ``--freeze_vision_model`` / ``--freeze_text_model`` name."""
+        towers = [t.strip() for t in (self.freeze or "").split(",") if t.strip()]
+        towers += [name for name, on in (("vision", self.freeze_vision_model), ("text", self.freeze_text_model)) if on]
+        return tuple(dict.fromkeys(towers))
 
     def lora_settings(self) -> LoraSettings | None:
         """The LoRA flags, or None without ``--lora_r``."""

@@ -104,7 +104,7 @@ def test_a_lora_run_trains_only_adapters_and_eval_loads_it(tmp_path, synthetic_d
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--lora_r", "4", "--lora_target", "vision", "--freeze_vision_model"], "which --freeze_vision_model freezes"),
+        (["--lora_r", "4", "--lora_target", "vision", "--freeze", "vision"], "which --freeze (or"),
         (["--lora_r", "4", "--lora_target", "cross"], "--lora_target 'cross' selects no linear layer of the clip"),
         (["--lora_target", "text"], "--lora_target and --lora_alpha need --lora_r"),
     ],

@@ -327,18 +327,6 @@ class BridgeTowerFamily(ModelFamily):
         # RoBERTa's positions start after the padding index (2 of max_position_embeddings are never used).
         return int(config.text_config.max_position_embeddings) - 2
 
-    def freeze(self, model: nn.Module, *, vision: bool, text: bool, text_pooler: bool) -> None:
-        # Freezing (rather than deleting the pooler as some scripts do) keeps saved checkpoints complete. The
-        # contrastive loss never reaches the text pooler, and DDP fails on parameters without gradients.
-        tower = model.bridgetower
-        if vision:
-            tower.vision_model.requires_grad_(False)
-        if text:
-            tower.text_model.requires_grad_(False)
-        pooler = getattr(tower.text_model, "pooler", None)
-        if text_pooler and pooler is not None:
-            pooler.requires_grad_(False)
-
     def set_attention_implementation(self, model: nn.Module, implementation: str) -> None:
         set_attention_implementation(model, implementation)  # type: ignore[arg-type]
 

@@ -19,7 +19,6 @@ from transformers.models.clip.modeling_clip import CLIPOutput
 
 from vlfit.models.dual_encoder import (
     DualEncoderPreset,
-    freeze_towers,
     initialize_position_embedding,
     install_output_hook,
     normalized,
@@ -145,9 +144,6 @@ class CLIPFamily(ModelFamily):
 
     def head_modules(self) -> tuple[str, ...]:
         return ("text_projection", "visual_projection")
-
-    def freeze(self, model: nn.Module, *, vision: bool, text: bool, text_pooler: bool) -> None:
-        freeze_towers(model, vision=vision, text=text)  # CLIP has no unused text pooler
 
     @torch.no_grad()
     def encode_text(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

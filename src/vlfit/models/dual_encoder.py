@@ -1,5 +1,5 @@
-"""What the dual-encoder families (CLIP, SigLIP) share: preset sizes, tower freezing, and the forward hook that puts
-the temperature (and SigLIP's bias) into the forward's output.
+"""What the dual-encoder families (CLIP, SigLIP) share: preset sizes and the forward hook that puts the temperature
+(and SigLIP's bias) into the forward's output.
 
 A dual encoder embeds captions and images separately (``get_text_features`` / ``get_image_features``, whose
 ``pooler_output`` is the projected embedding) and scores every caption against every image; nothing is fused.
@@ -73,20 +73,6 @@ def initialize_position_embedding(preset_name: str, preset: DualEncoderPreset, w
         raise ValueError(
             f"preset {preset_name}: unknown vision_position_init {preset.vision_position_init!r} (random or sincos)"
         )
-
-
-def freeze_towers(model: nn.Module, *, vision: bool, text: bool) -> None:
-    """``--freeze_vision_model`` / ``--freeze_text_model``: a tower with its projection (where it has one)."""
-    if vision:
-        model.vision_model.requires_grad_(False)
-        projection = getattr(model, "visual_projection", None)
-        if projection is not None:
-            projection.requires_grad_(False)
-    if text:
-        model.text_model.requires_grad_(False)
-        projection = getattr(model, "text_projection", None)
-        if projection is not None:
-            projection.requires_grad_(False)
 
 
 def install_output_hook(model: nn.Module, hook: Callable[[nn.Module, tuple, Any], Any]) -> None:

@@ -157,8 +157,27 @@ class ModelFamily(ABC):
         """Modules the contrastive loss never reaches (no adapters go there)."""
         return ()
 
-    def freeze(self, model: nn.Module, *, vision: bool, text: bool, text_pooler: bool) -> None:  # noqa: B027
-        """Disable gradients of the named towers (the default freezes nothing)."""
+    def freeze(self, model: nn.Module, *, vision: bool, text: bool, text_pooler: bool, cross: bool = False) -> None:
+        """Disable gradients of the named towers (``module_groups``) and, with ``text_pooler``, of the modules the
+        loss never reaches (``untrained_modules``; freezing keeps saved checkpoints complete, and DDP fails on
+        parameters without gradients).
+
+        Raises:
+            ValueError: for a tower the model does not have, naming those it has.
+        """
+        groups = self.module_groups()
+        for name, wanted in (("vision", vision), ("text", text), ("cross", cross)):
+            if not wanted:
+                continue
+            if name not in groups:
+                raise ValueError(
+                    f"--freeze {name}: a {self.name} model has no {name} tower; it has: {', '.join(groups) or 'none'}"
+                )
+            for prefix in groups[name]:
+                model.get_submodule(prefix).requires_grad_(False)
+        if text_pooler:
+            for name in self.untrained_modules():
+                model.get_submodule(name).requires_grad_(False)
 
     # -------------------------------------------------------------------------------- embeddings and the loss
 

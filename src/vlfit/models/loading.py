@@ -192,10 +192,12 @@ def build_model(blueprint: ModelBlueprint, args: ModelArguments) -> nn.Module:
         if blueprint.preset is not None:
             family.initialize_preset(model, blueprint.preset)
     family.set_attention_implementation(model, getattr(args, "attn_implementation", "sdpa"))
+    frozen = args.frozen_towers() if hasattr(args, "frozen_towers") else ()
     family.freeze(
         model,
-        vision=getattr(args, "freeze_vision_model", False),
-        text=getattr(args, "freeze_text_model", False),
+        vision="vision" in frozen,
+        text="text" in frozen,
+        cross="cross" in frozen,
         text_pooler=getattr(args, "freeze_text_pooler", True),
     )
     return model

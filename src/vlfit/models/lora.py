@@ -98,7 +98,7 @@ def apply_lora(family: ModelFamily, model: nn.Module, settings: LoraSettings, fr
     """``model`` with LoRA adapters (a ``peft.PeftModel``): only the adapters and the heads train.
 
     Raises:
-        ValueError: for a target in a tower ``--freeze_*`` froze, or a target that selects nothing.
+        ValueError: for a target in a tower ``--freeze`` froze, or a target that selects nothing.
     """
     from peft import LoraConfig, get_peft_model
 
@@ -106,8 +106,8 @@ def apply_lora(family: ModelFamily, model: nn.Module, settings: LoraSettings, fr
     frozen = sorted({group for name in names if (group := group_of(family, name)) in frozen_groups})
     if frozen:
         raise ValueError(
-            f"--lora_target puts adapters on the {' and '.join(frozen)} tower, which --freeze_"
-            f"{'_model / --freeze_'.join(frozen)}_model freezes; drop one of the two"
+            f"--lora_target puts adapters on the {' and '.join(frozen)} tower, which --freeze (or "
+            f"--freeze_{frozen[0]}_model) freezes; drop one of the two"
         )
     config = LoraConfig(
         r=settings.r,

@@ -28,7 +28,6 @@ from transformers.models.siglip.modeling_siglip import SiglipOutput
 
 from vlfit.models.dual_encoder import (
     DualEncoderPreset,
-    freeze_towers,
     initialize_position_embedding,
     install_output_hook,
     normalized,
@@ -197,9 +196,6 @@ class SiglipFamily(ModelFamily):
 
     def head_modules(self) -> tuple[str, ...]:
         return ("text_model.head", "vision_model.head")
-
-    def freeze(self, model: nn.Module, *, vision: bool, text: bool, text_pooler: bool) -> None:
-        freeze_towers(model, vision=vision, text=text)
 
     @torch.no_grad()
     def encode_text(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -23,12 +23,14 @@ from vlfit.data.source_base import ImageTextSource
 from vlfit.data.sources import open_splits
 from vlfit.efficiency.flops import ComputeEfficiency
 from vlfit.efficiency.peaks import matmul_precision, peak_flops
+from vlfit.models.family import ModelFamily
 from vlfit.models.loading import ModelBlueprint, build_model, resolve_model
 from vlfit.models.logit_scale import set_logit_scale
-from vlfit.models.lora import BASE_MODEL_DIR, LoraSettings, apply_lora, trainable_parameters
+from vlfit.models.lora import BASE_MODEL_DIR, LoraSettings, apply_lora, group_of, trainable_parameters
 from vlfit.training.distributed import describe_launch
 from vlfit.training.preemption import PreemptionCallback, TrainingPreempted
 from vlfit.training.trainer import VlfitTrainer
+from vlfit.training.unfreeze import UnfreezeCallback
 
 logger = logging.getLogger("vlfit")
 
@@ -127,8 +129,7 @@ def with_lora_adapters(
 ) -> torch.nn.Module:
     """``model`` with LoRA adapters (``vlfit.models.lora``), their base recorded where a reload finds it: the
     checkpoint, or for a preset its initial weights, saved in ``<output_dir>/base_model``."""
-    frozen = [tower for tower, on in (("vision", model_args.freeze_vision_model),
-                                      ("text", model_args.freeze_text_model)) if on]  # fmt: skip
+    frozen = model_args.frozen_towers()
     initial = copy.deepcopy(model) if blueprint.checkpoint is None else None
     adapted = apply_lora(blueprint.family, model, lora, frozen)  # refuses bad targets before anything is written
     if initial is not None:
@@ -147,6 +148,24 @@ def with_lora_adapters(
     logger.info("LoRA rank %d on %s: %d of %d parameters train (%.2f%%)", lora.r, ", ".join(lora.targets) or
                 "every tower", trainable, total, 100 * trainable / total)  # fmt: skip
     return adapted
+
+
+def frozen_tower_parameters(
+    model: torch.nn.Module,
+    family: ModelFamily,
+    model_args: ModelArguments,
+    training_args: VlfitTrainingArguments,
+) -> list[torch.nn.Parameter]:
+    """The parameters of the towers ``--freeze`` froze, when ``--unfreeze_after_steps`` trains them later."""
+    if model_args.unfreeze_after_steps is None or not training_args.do_train:
+        return []
+    if training_args.world_size > 1:
+        raise ValueError(
+            "--unfreeze_after_steps runs on one process only: DDP fixes at wrapping time which parameters it "
+            "averages, so towers unfrozen later would drift apart between processes"
+        )
+    frozen = set(model_args.frozen_towers())
+    return [p for name, p in model.named_parameters() if not p.requires_grad and group_of(family, name) in frozen]
 
 
 def run(
@@ -181,6 +200,7 @@ def run(
     if training_args.do_train and model_args.logit_scale_init_value is not None:
         set_logit_scale(model, model_args.logit_scale_init_value)  # a resumed run then loads its trained value
     family = setup.blueprint.family
+    unfreeze_later = frozen_tower_parameters(model, family, model_args, training_args)
     lora = model_args.lora_settings()
     if lora is not None:
         model = with_lora_adapters(model, setup.blueprint, model_args, training_args, lora)
@@ -194,7 +214,11 @@ def run(
         family=family,
         eval_pool_size=data_args.eval_pool_size,
         max_bad_fraction=data_args.max_bad_fraction,
+        unfreeze_later=unfreeze_later,
     )
+    if unfreeze_later:
+        towers = ", ".join(model_args.frozen_towers())
+        trainer.add_callback(UnfreezeCallback(unfreeze_later, int(model_args.unfreeze_after_steps), towers))
     preemption = PreemptionCallback()
     trainer.add_callback(preemption)
     for callback in callbacks:

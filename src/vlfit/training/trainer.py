@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -40,6 +41,7 @@ from vlfit.models.family import ModelFamily
 from vlfit.training.bad_sample_ledger import BadSampleLedger, TooManyBadSamplesError, process_file_name
 from vlfit.training.gradient_cache import gradient_cached_backward
 from vlfit.training.throughput import ThroughputMeter
+from vlfit.training.unfreeze import temporarily_trainable
 
 # Checkpoints are staged in ``<output_dir>/.partial-checkpoint-N/checkpoint-N``: the name matches neither
 # ``get_last_checkpoint``'s ``^checkpoint-\d+$`` nor the ``checkpoint-*`` glob of checkpoint rotation.
@@ -67,9 +69,11 @@ class VlfitTrainer(Trainer):
         family: ModelFamily,
         eval_pool_size: int | None = None,
         max_bad_fraction: float = 1.0,
+        unfreeze_later: Sequence[torch.nn.Parameter] = (),
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self.unfreeze_later = list(unfreeze_later)
         self.pipeline = pipeline
         self.family = family
         self.eval_pool_size = eval_pool_size
@@ -80,6 +84,11 @@ class VlfitTrainer(Trainer):
         self._feed: DeviceFeed | None = None
         self._staging_run_dir: str | None = None
         self.add_callback(_CountOptimizerSteps(self))
+
+    def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:
+        # Parameters --unfreeze_after_steps trains later are in the optimizer from the start (vlfit.training.unfreeze).
+        with temporarily_trainable(self.unfreeze_later):
+            return super().create_optimizer(*args, **kwargs)
 
     @property
     def _model_dtype(self) -> torch.dtype:
