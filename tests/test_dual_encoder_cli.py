@@ -68,3 +68,16 @@ def test_a_siglip_preset_trains_evaluates_and_exports(preset, tmp_path, syntheti
     manifest = json.loads((exported / "export_manifest.json").read_text())
     assert manifest["identity"]["family"] == "siglip" and manifest["text"]["max_seq_length"] == 64
     assert manifest["parity"]["fp32"]["text"]["min_cosine"] >= 0.9999
+
+
+def test_a_checkpoint_without_its_tokenizer_stops_in_one_line_and_writes_nothing(tmp_path, synthetic_dataset_dir,
+                                                                                 capsys):  # fmt: skip
+    bundle = load_model_bundle(ModelArguments(model_preset="siglip-tiny"), captions=lambda: CAPTIONS)
+    bundle.model.save_pretrained(tmp_path / "model")
+    bundle.image_processor.save_pretrained(tmp_path / "model")  # no tokenizer files
+    out = tmp_path / "out"
+    assert main(["train", "--model_name_or_path", str(tmp_path / "model"), "--dataset_name", synthetic_dataset_dir,
+                 "--output_dir", str(out), "--max_steps", "1", "--report_to", "none"]) == 2  # fmt: skip
+    lines = [line for line in capsys.readouterr().err.strip().splitlines() if "error" in line]
+    assert len(lines) == 1 and "tokenizer" in lines[0].lower(), lines
+    assert not out.exists()

@@ -92,6 +92,18 @@ def _hub_kwargs(args: ModelArguments) -> dict[str, Any]:
     return kwargs
 
 
+def _load_processor(auto_class: Any, what: str, name_or_path: str, hub: dict[str, Any]) -> Any:
+    """``auto_class.from_pretrained``, failing with one line that names what is missing where."""
+    try:
+        return auto_class.from_pretrained(name_or_path, **hub)
+    except (OSError, ValueError) as error:
+        flag = "--tokenizer_name" if what == "tokenizer" else "--image_processor_name"
+        raise ValueError(
+            f"{name_or_path}: cannot load its {what} ({str(error).splitlines()[0][:200]}); save the {what} beside "
+            f"the model (vlfit train does) or pass {flag}"
+        ) from error
+
+
 def resolve_model(
     args: ModelArguments,
     *,
@@ -126,8 +138,10 @@ def resolve_model(
     if checkpoint is not None:
         config = AutoConfig.from_pretrained(config_name or checkpoint, **hub)
         family = family_for_config(config)
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name or adapters or checkpoint, **hub)
-        image_processor = AutoImageProcessor.from_pretrained(args.image_processor_name or adapters or checkpoint, **hub)
+        tokenizer = _load_processor(AutoTokenizer, "tokenizer", args.tokenizer_name or adapters or checkpoint, hub)
+        image_processor = _load_processor(
+            AutoImageProcessor, "image processor", args.image_processor_name or adapters or checkpoint, hub
+        )
     else:
         family = family_for_preset(preset)  # type: ignore[arg-type]
         config = AutoConfig.from_pretrained(config_name, **hub) if config_name else family.preset_config(preset)
