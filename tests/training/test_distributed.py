@@ -1,4 +1,5 @@
-"""Multi-process training on CPUs: `vlfit train` under torchrun (2 gloo processes), and the launch checks."""
+"""Multi-process training on CPUs: `vlfit train` under torchrun (2 gloo processes on one launcher, and two launchers
+as two simulated nodes), and the launch checks."""
 
 from __future__ import annotations
 
@@ -40,6 +41,46 @@ def _torchrun_train(record_dir: Path, flags: list[str]) -> list[dict]:
     return [json.loads((record_dir / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
+def _two_node_train(record_dir: Path, flags: list[str]) -> list[dict]:
+    """Two machines simulated on one: two torchrun launchers (``--nnodes 2``, one process each) meeting at a c10d
+    rendezvous on localhost, as the same command started on two machines does (docs/multi-node.md)."""
+    record_dir.mkdir()
+    endpoint = f"localhost:{free_port()}"
+    launchers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node_rank",
+                str(node),
+                "--nproc_per_node",
+                "1",
+                "--rdzv_backend",
+                "c10d",
+                "--rdzv_endpoint",
+                endpoint,
+                "--rdzv_id",
+                "two-nodes",
+                RECORDING,
+                "train",
+                *flags,
+            ],
+            env=torchrun_env(VLFIT_RECORD_DIR=str(record_dir)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for node in range(2)
+    ]
+    outputs = [launcher.communicate(timeout=TIMEOUT)[0] for launcher in launchers]
+    for launcher, output in zip(launchers, outputs, strict=True):
+        assert launcher.returncode == 0, output[-3000:]
+    return [json.loads((record_dir / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
 def _common(dataset_dir: str, output_dir: Path) -> list[str]:
     return ["--model_preset", "tiny", "--dataset_name", dataset_dir, "--max_train_samples", str(NUM_SAMPLES),
             "--output_dir", str(output_dir), "--num_train_epochs", "2", "--per_device_train_batch_size", "4",
@@ -60,12 +101,12 @@ def train_ids(synthetic_dataset_dir) -> set[str]:
     return set(datasets.load_from_disk(synthetic_dataset_dir)["train"]["instance_id"][:NUM_SAMPLES])
 
 
-def test_torchrun_two_processes_global_negatives_shard_the_data_and_rank0_writes_the_checkpoint(
+def test_two_nodes_with_global_negatives_shard_the_data_and_rank0_writes_the_checkpoint(
     tmp_path, synthetic_dataset_dir, train_ids, capsys
 ):
     out = tmp_path / "model"
     flags = [*_common(synthetic_dataset_dir, out), "--contrastive_negatives", "global", "--do_eval"]
-    records = _torchrun_train(tmp_path / "records", flags)
+    records = _two_node_train(tmp_path / "records", flags)
 
     assert [r["world_size"] for r in records] == [2, 2]
     assert [r["should_save"] for r in records] == [True, False]  # only rank 0 writes
