@@ -21,10 +21,12 @@ from vlfit.training.trainer import VlfitTrainer
 
 
 def weights_digest(state_dict: dict[str, torch.Tensor]) -> str:
-    """SHA-256 over a state dict's names and float32 values."""
+    """SHA-256 over a state dict's names and float32 values (a sharded tensor's full value: every process of an
+    FSDP run must call it, in the same order)."""
     digest = hashlib.sha256()
     for name, tensor in sorted(state_dict.items()):
-        digest.update(name.encode() + tensor.detach().cpu().float().numpy().tobytes())
+        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        digest.update(name.encode() + full.detach().cpu().float().numpy().tobytes())
     return digest.hexdigest()
 
 

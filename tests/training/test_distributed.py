@@ -142,6 +142,14 @@ def test_two_nodes_with_global_negatives_shard_the_data_and_rank0_writes_the_che
         assert distributed[key] == pytest.approx(single[key]), key
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without GPUs")
+def test_fsdp_on_cpus_is_refused_instead_of_silently_training_ddp(tmp_path, synthetic_dataset_dir, capsys):
+    # accelerate enables FSDP for accelerators only; on CPUs it would wrap the model in DDP and say nothing.
+    assert main(["train", *_common(synthetic_dataset_dir, tmp_path / "o"), "--fsdp"]) == 2
+    assert "--fsdp on CPUs: accelerate shards models on GPUs" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
 def test_torchrun_drop_last_reads_each_sample_at_most_once_and_bf16_autocasts(
     tmp_path, synthetic_dataset_dir, train_ids
 ):
