@@ -78,6 +78,6 @@ def test_a_checkpoint_without_its_tokenizer_stops_in_one_line_and_writes_nothing
     out = tmp_path / "out"
     assert main(["train", "--model_name_or_path", str(tmp_path / "model"), "--dataset_name", synthetic_dataset_dir,
                  "--output_dir", str(out), "--max_steps", "1", "--report_to", "none"]) == 2  # fmt: skip
-    lines = [line for line in capsys.readouterr().err.strip().splitlines() if "error" in line]
-    assert len(lines) == 1 and "tokenizer" in lines[0].lower(), lines
+    lines = [line for line in capsys.readouterr().err.strip().splitlines() if line.startswith("vlfit train: error:")]
+    assert len(lines) == 1 and "cannot load its tokenizer" in lines[0] and "--tokenizer_name" in lines[0], lines
     assert not out.exists()

@@ -163,7 +163,7 @@ class VlfitTrainer(Trainer):
 
     def training_step(self, model: torch.nn.Module, inputs: Batch, *args: Any, **kwargs: Any) -> torch.Tensor:
         def step() -> torch.Tensor:
-            if self.args.gradient_cache_chunk_size and len(inputs):
+            if getattr(self.args, "gradient_cache_chunk_size", None) and len(inputs):
                 return self._gradient_cached_step(model, inputs)
             return super(VlfitTrainer, self).training_step(model, inputs, *args, **kwargs)
 
