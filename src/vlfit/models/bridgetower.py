@@ -34,7 +34,7 @@ from vlfit.models.family import (
     LossEmbeddings,
     ModelFamily,
 )
-from vlfit.models.losses import HardNegatives, Term, embed_hard_negatives, info_nce
+from vlfit.models.losses import HardNegatives, Term, add_hard_negatives, hard_negatives_in, info_nce
 from vlfit.models.position_embeddings import init_vit_position_embedding
 
 _HOOK_ATTRIBUTE = "_vlfit_logit_scale_hook"
@@ -361,15 +361,10 @@ class BridgeTowerFamily(ModelFamily):
         expose_logit_scale(unwrapped)
         outputs = model(**{key: inputs[key] for key in self.model_inputs}, return_loss=False)
         rows = {"text": outputs.text_embeds, "image": outputs.image_embeds, "cross": outputs.cross_embeds}
-        if HARD_NEGATIVE_INPUT_IDS in inputs:
-            # The text tower outside the wrapper's forward: DDP still reduces its gradients once (autograd sums
-            # both uses of each parameter before its gradient is ready), and activation checkpointing still applies.
-            hard = embed_hard_negatives(
-                lambda ids, mask: text_embeddings(unwrapped, ids, mask),
-                inputs[HARD_NEGATIVE_INPUT_IDS],
-                inputs[HARD_NEGATIVE_ATTENTION_MASK],
-            )
-            rows.update(hard_negatives=hard.embeds, hard_negatives_valid=hard.valid)
+        # The text tower outside the wrapper's forward: DDP still reduces its gradients once (autograd sums both
+        # uses of each parameter before its gradient is ready), and activation checkpointing still applies.
+        add_hard_negatives(rows, inputs, lambda ids, mask: text_embeddings(unwrapped, ids, mask),
+                           HARD_NEGATIVE_INPUT_IDS, HARD_NEGATIVE_ATTENTION_MASK)  # fmt: skip
         # DataParallel (several GPUs, one process) stacks one copy of the scalar per replica.
         return LossEmbeddings(rows, {"logit_scale": outputs.logit_scale.mean()})
 
@@ -377,7 +372,7 @@ class BridgeTowerFamily(ModelFamily):
         self, embeddings: LossEmbeddings, *, global_negatives: bool = False, symmetric: bool = False
     ) -> torch.Tensor:
         rows = embeddings.rows
-        hard = HardNegatives(rows["hard_negatives"], rows["hard_negatives_valid"]) if "hard_negatives" in rows else None
+        hard = hard_negatives_in(rows)
         outputs = ContrastiveEmbeddings(rows["text"], rows["image"], rows["cross"])
         terms = loss_terms(outputs, symmetric, hard)
         return info_nce(terms, embeddings.shared["logit_scale"], gather=global_negatives)

@@ -31,7 +31,7 @@ from vlfit.models.family import (
     LossEmbeddings,
     ModelFamily,
 )
-from vlfit.models.losses import HardNegatives, Term, embed_hard_negatives, info_nce
+from vlfit.models.losses import HardNegatives, Term, add_hard_negatives, hard_negatives_in, info_nce
 
 # CLIP's text tower pools at the first ``eos_token_id``, except that ``eos_token_id == 2`` selects its legacy rule
 # (the highest token id): a preset's tokenizer puts ``</s>`` at id 4, not RoBERTa's 2.
@@ -174,19 +174,14 @@ class CLIPFamily(ModelFamily):
         install_output_hook(unwrapped, _add_logit_scale)
         outputs = model(**{key: inputs[key] for key in self.model_inputs}, return_loss=False)
         rows = {"text": outputs.text_embeds, "image": outputs.image_embeds}
-        if HARD_NEGATIVE_INPUT_IDS in inputs:
-            hard = embed_hard_negatives(
-                lambda ids, mask: text_embeddings(unwrapped, ids, mask),
-                inputs[HARD_NEGATIVE_INPUT_IDS],
-                inputs[HARD_NEGATIVE_ATTENTION_MASK],
-            )
-            rows.update(hard_negatives=hard.embeds, hard_negatives_valid=hard.valid)
+        add_hard_negatives(rows, inputs, lambda ids, mask: text_embeddings(unwrapped, ids, mask),
+                           HARD_NEGATIVE_INPUT_IDS, HARD_NEGATIVE_ATTENTION_MASK)  # fmt: skip
         return LossEmbeddings(rows, {"logit_scale": outputs.logit_scale.mean()})
 
     def loss_from_embeddings(
         self, embeddings: LossEmbeddings, *, global_negatives: bool = False, symmetric: bool = False
     ) -> torch.Tensor:
         rows = embeddings.rows
-        hard = HardNegatives(rows["hard_negatives"], rows["hard_negatives_valid"]) if "hard_negatives" in rows else None
+        hard = hard_negatives_in(rows)
         terms = loss_terms(rows["text"], rows["image"], hard)
         return info_nce(terms, embeddings.shared["logit_scale"], gather=global_negatives)

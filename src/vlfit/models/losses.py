@@ -13,7 +13,7 @@ single-process loss on the concatenated batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -147,6 +147,29 @@ def embed_hard_negatives(
     embeds = encode_text(ids, mask)
     laid_out = embeds.new_zeros((rows * slots, embeds.shape[-1])).index_copy(0, flat_valid.nonzero().squeeze(1), embeds)
     return HardNegatives(laid_out.view(rows, slots, -1), valid)
+
+
+# Where a family's ``loss_embeddings`` keeps a batch's hard negatives among its per-pair rows.
+HARD_NEGATIVE_ROWS = ("hard_negatives", "hard_negatives_valid")
+
+
+def add_hard_negatives(
+    rows: dict[str, torch.Tensor],
+    inputs: Mapping[str, torch.Tensor],
+    encode_text: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    input_ids_key: str,
+    attention_mask_key: str,
+) -> None:
+    """Embed the batch's hard negatives (when ``inputs`` hold them) into ``rows``, under ``HARD_NEGATIVE_ROWS``."""
+    if input_ids_key in inputs:
+        hard = embed_hard_negatives(encode_text, inputs[input_ids_key], inputs[attention_mask_key])
+        rows.update(zip(HARD_NEGATIVE_ROWS, (hard.embeds, hard.valid), strict=True))
+
+
+def hard_negatives_in(rows: Mapping[str, torch.Tensor]) -> HardNegatives | None:
+    """The hard negatives ``add_hard_negatives`` put into ``rows``, or None."""
+    embeds, valid = HARD_NEGATIVE_ROWS
+    return HardNegatives(rows[embeds], rows[valid]) if embeds in rows else None
 
 
 def hard_negative_logits(queries: torch.Tensor, hard_negatives: HardNegatives, scale: torch.Tensor) -> torch.Tensor:

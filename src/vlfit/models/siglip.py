@@ -33,7 +33,13 @@ from vlfit.models.dual_encoder import (
     normalized,
 )
 from vlfit.models.family import HARD_NEGATIVE_ATTENTION_MASK, HARD_NEGATIVE_INPUT_IDS, LossEmbeddings, ModelFamily
-from vlfit.models.losses import HardNegatives, distributed_world, embed_hard_negatives, gather_with_grad
+from vlfit.models.losses import (
+    HardNegatives,
+    add_hard_negatives,
+    distributed_world,
+    gather_with_grad,
+    hard_negatives_in,
+)
 
 SIGLIP_MEAN = (0.5, 0.5, 0.5)
 SIGLIP_STD = (0.5, 0.5, 0.5)
@@ -224,13 +230,8 @@ class SiglipFamily(ModelFamily):
         text = text_inputs(unwrapped.config, inputs["input_ids"], inputs["attention_mask"])
         outputs = model(**text, pixel_values=inputs["pixel_values"], return_loss=False)
         rows = {"text": outputs.text_embeds, "image": outputs.image_embeds}
-        if HARD_NEGATIVE_INPUT_IDS in inputs:
-            hard = embed_hard_negatives(
-                lambda ids, mask: text_embeddings(unwrapped, ids, mask),
-                inputs[HARD_NEGATIVE_INPUT_IDS],
-                inputs[HARD_NEGATIVE_ATTENTION_MASK],
-            )
-            rows.update(hard_negatives=hard.embeds, hard_negatives_valid=hard.valid)
+        add_hard_negatives(rows, inputs, lambda ids, mask: text_embeddings(unwrapped, ids, mask),
+                           HARD_NEGATIVE_INPUT_IDS, HARD_NEGATIVE_ATTENTION_MASK)  # fmt: skip
         # DataParallel (several GPUs, one process) stacks one copy of each scalar per replica.
         shared = {"logit_scale": outputs.logit_scale.mean(), "logit_bias": outputs.logit_bias.mean()}
         return LossEmbeddings(rows, shared)
@@ -239,7 +240,7 @@ class SiglipFamily(ModelFamily):
         self, embeddings: LossEmbeddings, *, global_negatives: bool = False, symmetric: bool = False
     ) -> torch.Tensor:
         rows = embeddings.rows
-        hard = HardNegatives(rows["hard_negatives"], rows["hard_negatives_valid"]) if "hard_negatives" in rows else None
+        hard = hard_negatives_in(rows)
         return sigmoid_loss(
             rows["text"],
             rows["image"],
