@@ -27,17 +27,15 @@ from transformers.models.bridgetower.modeling_bridgetower import (
 
 from vlfit.models import activation_checkpointing
 from vlfit.models.family import (
-    HARD_NEGATIVE_ATTENTION_MASK,
     HARD_NEGATIVE_INPUT_IDS,
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
     LossEmbeddings,
     ModelFamily,
 )
+from vlfit.models.logit_scale import install_output_hook
 from vlfit.models.losses import HardNegatives, Term, add_hard_negatives, hard_negatives_in, info_nce
 from vlfit.models.position_embeddings import init_vit_position_embedding
-
-_HOOK_ATTRIBUTE = "_vlfit_logit_scale_hook"
 
 
 @dataclass(frozen=True)
@@ -202,8 +200,7 @@ def expose_logit_scale(model: nn.Module) -> None:
     Args:
         model: A ``BridgeTowerForContrastiveLearning`` (unwrapped from DDP/FSDP).
     """
-    if getattr(model, _HOOK_ATTRIBUTE, None) is None:
-        setattr(model, _HOOK_ATTRIBUTE, model.register_forward_hook(_add_logit_scale))
+    install_output_hook(model, _add_logit_scale)
 
 
 class ContrastiveEmbeddings(NamedTuple):
@@ -363,8 +360,7 @@ class BridgeTowerFamily(ModelFamily):
         rows = {"text": outputs.text_embeds, "image": outputs.image_embeds, "cross": outputs.cross_embeds}
         # The text tower outside the wrapper's forward: DDP still reduces its gradients once (autograd sums both
         # uses of each parameter before its gradient is ready), and activation checkpointing still applies.
-        add_hard_negatives(rows, inputs, lambda ids, mask: text_embeddings(unwrapped, ids, mask),
-                           HARD_NEGATIVE_INPUT_IDS, HARD_NEGATIVE_ATTENTION_MASK)  # fmt: skip
+        add_hard_negatives(rows, inputs, lambda ids, mask: text_embeddings(unwrapped, ids, mask))
         # DataParallel (several GPUs, one process) stacks one copy of the scalar per replica.
         return LossEmbeddings(rows, {"logit_scale": outputs.logit_scale.mean()})
 

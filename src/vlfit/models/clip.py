@@ -20,17 +20,16 @@ from transformers.models.clip.modeling_clip import CLIPOutput
 from vlfit.models.dual_encoder import (
     DualEncoderPreset,
     initialize_position_embedding,
-    install_output_hook,
     normalized,
 )
 from vlfit.models.family import (
-    HARD_NEGATIVE_ATTENTION_MASK,
     HARD_NEGATIVE_INPUT_IDS,
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
     LossEmbeddings,
     ModelFamily,
 )
+from vlfit.models.logit_scale import install_output_hook
 from vlfit.models.losses import HardNegatives, Term, add_hard_negatives, hard_negatives_in, info_nce
 
 # CLIP's text tower pools at the first ``eos_token_id``, except that ``eos_token_id == 2`` selects its legacy rule
@@ -174,8 +173,7 @@ class CLIPFamily(ModelFamily):
         install_output_hook(unwrapped, _add_logit_scale)
         outputs = model(**{key: inputs[key] for key in self.model_inputs}, return_loss=False)
         rows = {"text": outputs.text_embeds, "image": outputs.image_embeds}
-        add_hard_negatives(rows, inputs, lambda ids, mask: text_embeddings(unwrapped, ids, mask),
-                           HARD_NEGATIVE_INPUT_IDS, HARD_NEGATIVE_ATTENTION_MASK)  # fmt: skip
+        add_hard_negatives(rows, inputs, lambda ids, mask: text_embeddings(unwrapped, ids, mask))
         return LossEmbeddings(rows, {"logit_scale": outputs.logit_scale.mean()})
 
     def loss_from_embeddings(

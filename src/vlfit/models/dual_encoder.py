@@ -1,5 +1,4 @@
-"""What the dual-encoder families (CLIP, SigLIP) share: preset sizes and the forward hook that puts the temperature
-(and SigLIP's bias) into the forward's output.
+"""What the dual-encoder families (CLIP, SigLIP) share: preset sizes, position-embedding init, normalization.
 
 A dual encoder embeds captions and images separately (``get_text_features`` / ``get_image_features``, whose
 ``pooler_output`` is the projected embedding) and scores every caption against every image; nothing is fused.
@@ -7,7 +6,6 @@ A dual encoder embeds captions and images separately (``get_text_features`` / ``
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,8 +13,6 @@ import torch
 from torch import nn
 
 from vlfit.models.position_embeddings import init_vit_position_embedding
-
-_HOOK_ATTRIBUTE = "_vlfit_output_hook"
 
 
 @dataclass(frozen=True)
@@ -73,17 +69,6 @@ def initialize_position_embedding(preset_name: str, preset: DualEncoderPreset, w
         raise ValueError(
             f"preset {preset_name}: unknown vision_position_init {preset.vision_position_init!r} (random or sincos)"
         )
-
-
-def install_output_hook(model: nn.Module, hook: Callable[[nn.Module, tuple, Any], Any]) -> None:
-    """Register ``hook`` as ``model``'s forward hook once (idempotent).
-
-    The families' losses are computed outside the model (global negatives, hard negatives) but need the
-    temperature from inside the forward: DDP treats a parameter no forward output depends on as unused, and FSDP
-    holds the unsharded parameter only during the forward. The hook returns the output with the scale added.
-    """
-    if getattr(model, _HOOK_ATTRIBUTE, None) is None:
-        setattr(model, _HOOK_ATTRIBUTE, model.register_forward_hook(hook))
 
 
 def normalized(embeddings: torch.Tensor) -> torch.Tensor:

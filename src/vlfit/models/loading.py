@@ -92,12 +92,11 @@ def _hub_kwargs(args: ModelArguments) -> dict[str, Any]:
     return kwargs
 
 
-def _load_processor(auto_class: Any, what: str, name_or_path: str, hub: dict[str, Any]) -> Any:
-    """``auto_class.from_pretrained``, failing with one line that names what is missing where."""
+def _load_processor(auto_class: Any, what: str, flag: str, name_or_path: str, hub: dict[str, Any]) -> Any:
+    """``auto_class.from_pretrained``, failing with one line that names what is missing where and ``flag``."""
     try:
         return auto_class.from_pretrained(name_or_path, **hub)
     except (OSError, ValueError) as error:
-        flag = "--tokenizer_name" if what == "tokenizer" else "--image_processor_name"
         raise ValueError(
             f"{name_or_path}: cannot load its {what} ({str(error).splitlines()[0][:200]}); save the {what} beside "
             f"the model (vlfit train does) or pass {flag}"
@@ -138,9 +137,15 @@ def resolve_model(
     if checkpoint is not None:
         config = AutoConfig.from_pretrained(config_name or checkpoint, **hub)
         family = family_for_config(config)
-        tokenizer = _load_processor(AutoTokenizer, "tokenizer", args.tokenizer_name or adapters or checkpoint, hub)
+        tokenizer = _load_processor(
+            AutoTokenizer, "tokenizer", "--tokenizer_name", args.tokenizer_name or adapters or checkpoint, hub
+        )
         image_processor = _load_processor(
-            AutoImageProcessor, "image processor", args.image_processor_name or adapters or checkpoint, hub
+            AutoImageProcessor,
+            "image processor",
+            "--image_processor_name",
+            args.image_processor_name or adapters or checkpoint,
+            hub,
         )
     else:
         family = family_for_preset(preset)  # type: ignore[arg-type]

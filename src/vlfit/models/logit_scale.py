@@ -8,10 +8,14 @@ starts fine-tuning from another value (and records it in the model's config).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
 LOGIT_SCALE = "logit_scale"
+_HOOK_ATTRIBUTE = "_vlfit_output_hook"
 
 
 def logit_scale_parameter(model: nn.Module) -> nn.Parameter | None:
@@ -35,3 +39,14 @@ def set_logit_scale(model: nn.Module, value: float) -> None:
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "logit_scale_init_value"):
         config.logit_scale_init_value = value
+
+
+def install_output_hook(model: nn.Module, hook: Callable[[nn.Module, tuple, Any], Any]) -> None:
+    """Register ``hook`` as ``model``'s forward hook once (idempotent).
+
+    The families' losses are computed outside the model (global negatives, hard negatives) but need the
+    temperature from inside the forward: DDP treats a parameter no forward output depends on as unused, and FSDP
+    holds the unsharded parameter only during the forward. The hook returns the output with the scale added.
+    """
+    if getattr(model, _HOOK_ATTRIBUTE, None) is None:
+        setattr(model, _HOOK_ATTRIBUTE, model.register_forward_hook(hook))

@@ -21,6 +21,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as functional_collectives
 import torch.nn.functional as F
 
+from vlfit.models.family import HARD_NEGATIVE_ATTENTION_MASK, HARD_NEGATIVE_INPUT_IDS
+
 
 def distributed_world(group: Any = None) -> int:
     """Processes in ``group`` (1 without an initialized process group)."""
@@ -157,12 +159,10 @@ def add_hard_negatives(
     rows: dict[str, torch.Tensor],
     inputs: Mapping[str, torch.Tensor],
     encode_text: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    input_ids_key: str,
-    attention_mask_key: str,
 ) -> None:
     """Embed the batch's hard negatives (when ``inputs`` hold them) into ``rows``, under ``HARD_NEGATIVE_ROWS``."""
-    if input_ids_key in inputs:
-        hard = embed_hard_negatives(encode_text, inputs[input_ids_key], inputs[attention_mask_key])
+    if HARD_NEGATIVE_INPUT_IDS in inputs:
+        hard = embed_hard_negatives(encode_text, inputs[HARD_NEGATIVE_INPUT_IDS], inputs[HARD_NEGATIVE_ATTENTION_MASK])
         rows.update(zip(HARD_NEGATIVE_ROWS, (hard.embeds, hard.valid), strict=True))
 
 

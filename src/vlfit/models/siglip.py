@@ -29,10 +29,10 @@ from transformers.models.siglip.modeling_siglip import SiglipOutput
 from vlfit.models.dual_encoder import (
     DualEncoderPreset,
     initialize_position_embedding,
-    install_output_hook,
     normalized,
 )
-from vlfit.models.family import HARD_NEGATIVE_ATTENTION_MASK, HARD_NEGATIVE_INPUT_IDS, LossEmbeddings, ModelFamily
+from vlfit.models.family import LossEmbeddings, ModelFamily
+from vlfit.models.logit_scale import install_output_hook
 from vlfit.models.losses import (
     HardNegatives,
     add_hard_negatives,
@@ -88,8 +88,7 @@ def _add_scale_and_bias(module: nn.Module, args: tuple, output: Any) -> SiglipOu
     return SiglipOutputWithScale(**output, logit_scale=module.logit_scale.exp(), logit_bias=module.logit_bias)
 
 
-def text_length(model_or_config: Any) -> int:
-    config = getattr(model_or_config, "config", model_or_config)
+def text_length(config: Any) -> int:
     return int(config.text_config.max_position_embeddings)
 
 
@@ -230,8 +229,7 @@ class SiglipFamily(ModelFamily):
         text = text_inputs(unwrapped.config, inputs["input_ids"], inputs["attention_mask"])
         outputs = model(**text, pixel_values=inputs["pixel_values"], return_loss=False)
         rows = {"text": outputs.text_embeds, "image": outputs.image_embeds}
-        add_hard_negatives(rows, inputs, lambda ids, mask: text_embeddings(unwrapped, ids, mask),
-                           HARD_NEGATIVE_INPUT_IDS, HARD_NEGATIVE_ATTENTION_MASK)  # fmt: skip
+        add_hard_negatives(rows, inputs, lambda ids, mask: text_embeddings(unwrapped, ids, mask))
         # DataParallel (several GPUs, one process) stacks one copy of each scalar per replica.
         shared = {"logit_scale": outputs.logit_scale.mean(), "logit_bias": outputs.logit_bias.mean()}
         return LossEmbeddings(rows, shared)
