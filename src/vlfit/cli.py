@@ -24,6 +24,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "retrieve": ("vlfit.commands.retrieve", "embed images into an index (retrieve index), search it (retrieve query)"),
     "search": ("vlfit.commands.search", "hyperparameter search over train runs (Optuna; resumable, pruned)"),
     "merge-lora": ("vlfit.commands.merge_lora", "a plain checkpoint from a run's LoRA adapters"),
+    "fewshot": ("vlfit.commands.fewshot", "zero-shot, linear probe and SetFit compared at 1-16 labelled images/class"),
+    "classify": ("vlfit.commands.classify", "label images with a classifier vlfit fewshot saved"),
 }
 
 DEBUG_FLAG = "--debug"

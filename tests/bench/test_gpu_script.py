@@ -26,7 +26,7 @@ def _blocked_packages(folder: Path, names: tuple[str, ...]) -> str:
 def test_gpu_script_runs_on_a_cpu_without_datasets_simplejpeg_or_matplotlib(tmp_path: Path) -> None:
     out = tmp_path / "out"
     blocked = _blocked_packages(tmp_path / "blocked", ("datasets", "simplejpeg", "matplotlib"))
-    args = " ".join([*TINY, "--pipelines", "fast,device", "--workers", "0,1"])
+    args = " ".join([*TINY, "--pipelines", "fast,device", "--workers", "0"])
     env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": blocked, "VLFIT_BENCH_ALLOW_CPU": "1",
            "VLFIT_BENCH_ARGS": args}  # fmt: skip
     done = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu.sh"), str(out)], env=env, capture_output=True,
@@ -36,7 +36,7 @@ def test_gpu_script_runs_on_a_cpu_without_datasets_simplejpeg_or_matplotlib(tmp_
     results = json.loads((out / "bench.json").read_text())
     assert results["machine"]["jpeg_decoder"].startswith("pillow")
     assert results["machine"]["datasets_installed"] is False
-    assert len(results["rows"]) == 4 and all(row["samples_per_second"] > 0 for row in results["rows"])
+    assert len(results["rows"]) == 2 and all(row["samples_per_second"] > 0 for row in results["rows"])
     assert_png(out / "bench.png")  # drawn without matplotlib
     assert (out / "bench.log").stat().st_size > 0
     # The CUDA tests ran first and, without a GPU, reported every one of them skipped.

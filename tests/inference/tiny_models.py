@@ -9,13 +9,13 @@ import torch
 from vlfit.data.sources import open_splits
 
 
-def save_tiny_checkpoint(dataset_dir: str, output_dir: Path, seed: int = 0) -> Path:
-    """A random-init tiny-preset checkpoint folder with its tokenizer (trained on the dataset's captions) and image
-    processor, as ``vlfit train`` saves one."""
+def save_tiny_checkpoint(dataset_dir: str, output_dir: Path, seed: int = 0, preset: str = "tiny") -> Path:
+    """A random-init checkpoint folder of a (tiny) preset with its tokenizer (trained on the dataset's captions) and
+    image processor, as ``vlfit train`` saves one."""
     from vlfit.arguments import ModelArguments
     from vlfit.models.loading import build_model, resolve_model
 
-    args = ModelArguments(model_preset="tiny")
+    args = ModelArguments(model_preset=preset)
     train = open_splits(dataset_name=dataset_dir)["train"]
     blueprint = resolve_model(args, captions=train.captions)
     torch.manual_seed(seed)

@@ -10,7 +10,7 @@ import pytest
 from tests.training.train_runs import logged_losses, single_torch_thread, tiny_train_argv
 from vlfit.cli import main
 
-STEPS = 6
+STEPS = 3
 
 
 @pytest.fixture(autouse=True)

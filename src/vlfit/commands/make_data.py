@@ -37,6 +37,13 @@ class MakeDataArguments:
             "'parquet': one {split}.parquet file per split."
         },
     )
+    labels: bool = field(
+        default=False,
+        metadata={
+            "help": "A labelled set for vlfit fewshot: one shape kind per scene, as a class column 'kind' "
+            "(4 classes: circle, square, triangle, cross)."
+        },
+    )
     num_proc: int = field(
         default_factory=_default_num_proc,
         metadata={"help": "Worker processes for generation; the default is min(2, CPU count)."},
@@ -73,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         min_long_side=args.min_long_side,
         max_long_side=args.max_long_side,
         jpeg_quality=args.jpeg_quality,
+        labels=args.labels,
     )
     dataset_dict = make_dataset(config, num_proc=args.num_proc)
     paths = save_dataset(dataset_dict, args.output_dir, format=args.format)

@@ -28,8 +28,6 @@ def main(argv: list[str] | None = None) -> int:
     if os.path.abspath(args.output_dir) == os.path.abspath(args.model_name_or_path):
         raise ValueError("--output_dir is the adapters' folder; merge into a folder of its own")
     bundle = load_model_bundle(ModelArguments(model_name_or_path=args.model_name_or_path))
-    bundle.model.save_pretrained(args.output_dir)
-    bundle.tokenizer.save_pretrained(args.output_dir)
-    bundle.image_processor.save_pretrained(args.output_dir)
+    bundle.save(args.output_dir)
     print(f"merged {args.model_name_or_path} into {bundle.blueprint.checkpoint}'s weights: {args.output_dir}")
     return 0

@@ -10,6 +10,7 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import datasets
 import numpy as np
@@ -34,9 +35,10 @@ def default_id_column(columns: Sequence[str]) -> str | None:
 @dataclass(frozen=True)
 class _Columns:
     image: str
-    caption: str
+    caption: str | None
     id: str | None
     extras: tuple[str, ...]
+    caption_role: str = "caption"
 
 
 class ArrowSource(ImageTextSource):
@@ -46,13 +48,19 @@ class ArrowSource(ImageTextSource):
         dataset: The split's rows.
         name: Description of the split and its origin, used in error messages.
         image_column: Column holding the image (``Image`` feature, ``{bytes, path}``, a path, bytes or PIL image).
-        caption_column: Column holding the caption text.
+        caption_column: Column holding the caption text, or a class label (``ClassLabel``: its names are the
+            captions); ``None`` for images only (each caption is then the sample id, which nothing embeds).
         id_column: Column holding sample ids; ``None`` picks ``instance_id`` or ``id`` when present, else
             ids are ``"{split}-{row}"``.
         extra_columns: Columns copied into ``Record.extra`` when present.
         split: Split name used for generated ids.
         base_dirs: ``(first_row, folder)`` pairs, sorted by ``first_row``: relative image paths in rows from
             ``first_row`` on resolve against ``folder`` (the folder of the file that lists them).
+        caption_role: What the caption column is called in error messages (``label``: ``vlfit fewshot``'s class
+            column, its flag ``--label_column``).
+
+    Attributes:
+        class_names: The names of a ``ClassLabel`` caption column, in label order (``None`` for text captions).
 
     Raises:
         ValueError: when the image, caption or explicitly requested id column is missing, or captions are not text.
@@ -64,15 +72,16 @@ class ArrowSource(ImageTextSource):
         *,
         name: str,
         image_column: str,
-        caption_column: str,
+        caption_column: str | None,
         id_column: str | None = None,
         extra_columns: Sequence[str] = (),
         split: str = "train",
         base_dirs: Sequence[tuple[int, str]] = (),
+        caption_role: str = "caption",
     ) -> None:
         super().__init__(name=name, column_names=dataset.column_names, num_rows=len(dataset))
         available = dataset.column_names
-        for role, column in (("image", image_column), ("caption", caption_column), ("id", id_column)):
+        for role, column in (("image", image_column), (caption_role, caption_column), ("id", id_column)):
             if column is not None and column not in available:
                 raise ValueError(
                     f"{name}: {role} column {column!r} not found; available columns: {available}. "
@@ -80,12 +89,15 @@ class ArrowSource(ImageTextSource):
                 )
         if id_column is None:
             id_column = default_id_column(available)
-        caption_feature = dataset.features[caption_column]
-        if not isinstance(caption_feature, datasets.Value):
+        caption_feature = dataset.features[caption_column] if caption_column is not None else datasets.Value("string")
+        if not isinstance(caption_feature, (datasets.Value, datasets.ClassLabel)):
             raise ValueError(
-                f"{name}: caption column {caption_column!r} holds {caption_feature}, expected one text value per "
-                "row (split multi-caption rows into one row per caption first)"
+                f"{name}: {caption_role} column {caption_column!r} holds {caption_feature}, expected one text value "
+                "per row (split multi-caption rows into one row per caption first)"
             )
+        self.class_names: list[str] | None = (
+            list(caption_feature.names) if isinstance(caption_feature, datasets.ClassLabel) else None
+        )
         self._columns = _Columns(
             image_column, caption_column, id_column, tuple(c for c in extra_columns if c in available)
         )
@@ -93,7 +105,7 @@ class ArrowSource(ImageTextSource):
         self._base_rows = [row for row, _ in base_dirs]
         self._base_dirs = [folder for _, folder in base_dirs]
 
-        needed = list(dict.fromkeys([image_column, caption_column, *self._columns.extras]))
+        needed = list(dict.fromkeys(c for c in (image_column, caption_column, *self._columns.extras) if c))
         if id_column is not None and id_column not in needed:
             needed.append(id_column)
         dataset = dataset.select_columns(needed).with_format(None)
@@ -121,14 +133,29 @@ class ArrowSource(ImageTextSource):
         sample_id = str(values[cols.id]) if cols.id is not None else f"{self._split}-{row}"
         image = image_value_to_bytes(values[cols.image], base_dir=self._base_dir(row), sample_id=sample_id)
         extra = {c: values[c] for c in cols.extras}
-        return Record(id=sample_id, image=image, caption=as_caption(values[cols.caption]), extra=extra)
+        caption = self._caption(values[cols.caption]) if cols.caption is not None else sample_id
+        return Record(id=sample_id, image=image, caption=caption, extra=extra)
+
+    def _caption(self, value: Any) -> str | None:
+        if self.class_names is not None and isinstance(value, int) and 0 <= value < len(self.class_names):
+            return self.class_names[value]
+        return as_caption(value)
 
     def _read_captions(self, rows: np.ndarray | None) -> list[str | None]:
-        # Arrow format reads only the caption column, leaving image bytes untouched.
-        column = self._dataset.select_columns([self._columns.caption]).with_format("arrow")[:].column(0)
+        cols = self._columns
+        if cols.caption is None:  # images only: the captions are the sample ids
+            if cols.id is None:
+                positions = range(len(self._dataset)) if rows is None else rows
+                return [f"{self._split}-{int(row)}" for row in positions]
+            return [str(value) for value in self._column_values(cols.id, rows)]
+        return [self._caption(value) for value in self._column_values(cols.caption, rows)]
+
+    def _column_values(self, column: str, rows: np.ndarray | None) -> list[Any]:
+        # Arrow format reads only that column, leaving image bytes untouched.
+        values = self._dataset.select_columns([column]).with_format("arrow")[:].column(0)
         if rows is not None:
-            column = column.take(rows)
-        return [as_caption(v) for v in column.to_pylist()]
+            values = values.take(rows)
+        return values.to_pylist()
 
 
 def _file_extension(path: str) -> str:
@@ -178,6 +205,8 @@ def _open_files(split: str, files: Sequence[str], columns: _Columns, cache_dir: 
     ext = extensions.pop()
     if ext == ".tar":
         caption = columns.caption
+        if caption is None:
+            raise ValueError(f"{name}: WebDataset shards are read with a caption member; name one")
         return TarSource(
             files, name=name, image_column=columns.image, caption_column=caption, extra_columns=columns.extras
         )
@@ -201,6 +230,7 @@ def _arrow_source(
         extra_columns=columns.extras,
         split=split,
         base_dirs=base_dirs,
+        caption_role=columns.caption_role,
     )
 
 
@@ -281,9 +311,10 @@ def open_splits(
     validation_file: str | None = None,
     test_file: str | None = None,
     image_column: str = "image",
-    caption_column: str = "image_description",
+    caption_column: str | None = "image_description",
     id_column: str | None = None,
     extra_columns: Sequence[str] = (),
+    caption_role: str = "caption",
 ) -> dict[str, ImageTextSource]:
     """Open every split of an image-text dataset as a map-style source.
 
@@ -305,9 +336,11 @@ def open_splits(
         validation_file: Files for split ``validation``.
         test_file: Files for split ``test``.
         image_column: Column holding the image (for tar shards: preferred image member extension).
-        caption_column: Column holding the caption (for tar shards: member extension or ``.json`` key).
+        caption_column: Column holding the caption (for tar shards: member extension or ``.json`` key); ``None``
+            for images only (datasets, not tar shards: captions are then the sample ids).
         id_column: Column holding ids; by default ``instance_id`` or ``id`` when present, else ``"{split}-{row}"``.
         extra_columns: Columns copied into ``Record.extra`` when present (missing ones are left out).
+        caption_role: What the caption column is called in error messages (``label`` for a class column).
 
     Returns:
         Split name -> source.
@@ -326,7 +359,7 @@ def open_splits(
             "no data given: pass dataset_name (a hub id, a save_to_disk folder or a folder of parquet files) "
             "or train_file / validation_file / test_file (.parquet, .jsonl, .json, .csv or .tar)"
         )
-    columns = _Columns(image_column, caption_column, id_column, tuple(extra_columns))
+    columns = _Columns(image_column, caption_column, id_column, tuple(extra_columns), caption_role)
     # Resolve every pattern first so a typo fails before any slow dataset loading.
     resolved = {split: resolve_files(spec) for split, spec in file_specs.items()}
     for files in resolved.values():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -19,6 +19,9 @@ from vlfit.inference.exported import ExportedModel, is_exported_model
 from vlfit.inference.identity import ModelIdentity, RefusedModelError
 from vlfit.inference.towers import IMAGE_INPUT, TEXT_INPUTS
 from vlfit.models.family import InputSpec
+
+if TYPE_CHECKING:
+    from vlfit.inference.loading import LoadedCheckpoint
 
 BACKENDS = ("auto", "torch", "onnxruntime", "openvino")
 PRECISION_CHOICES = ("auto", "fp32", "int8")
@@ -85,15 +88,17 @@ class TorchEncoder(Encoder):
     Args:
         model_path: A checkpoint folder (``vlfit train``'s output).
         num_threads: torch threads (``None``: torch's default).
+        loaded: The checkpoint already loaded (its towers are used, not copied: changes to their weights show).
     """
 
     backend = "torch"
     precision = "fp32"
 
-    def __init__(self, model_path: str, num_threads: int | None = None) -> None:
-        from vlfit.inference.loading import load_checkpoint  # only here: it imports transformers' models
+    def __init__(self, model_path: str, num_threads: int | None = None, loaded: LoadedCheckpoint | None = None) -> None:
+        if loaded is None:
+            from vlfit.inference.loading import load_checkpoint  # only here: it imports transformers' models
 
-        loaded = load_checkpoint(model_path)
+            loaded = load_checkpoint(model_path)
         self.model_path = model_path
         self.spec = loaded.spec
         self.identity = loaded.identity

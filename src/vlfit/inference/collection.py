@@ -23,6 +23,27 @@ from vlfit.models.family import InputSpec
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
 
+def image_files(root: str) -> list[str]:
+    """The image files under a folder (recursively, not hidden), as sorted ``/``-separated paths relative to it."""
+    paths = []
+    for folder, dirs, files in os.walk(root):
+        dirs.sort()
+        paths.extend(
+            os.path.relpath(os.path.join(folder, name), root)
+            for name in files
+            if name.lower().endswith(IMAGE_EXTENSIONS) and not name.startswith(".")
+        )
+    return sorted(path.replace(os.sep, "/") for path in paths)
+
+
+def _read_image_file(path: str, sample_id: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as err:
+        raise BadRecordError(f"sample {sample_id}: cannot read image file: {err.strerror}") from err
+
+
 class ImageFolderSource(ImageTextSource):
     """Every image file under a folder (recursively, in sorted path order); ids are paths relative to it.
 
@@ -37,28 +58,50 @@ class ImageFolderSource(ImageTextSource):
     def __init__(self, root: str) -> None:
         if not os.path.isdir(root):
             raise NotADirectoryError(f"--images {root}: no such folder")
-        paths = []
-        for folder, dirs, files in os.walk(root):
-            dirs.sort()
-            paths.extend(
-                os.path.relpath(os.path.join(folder, name), root)
-                for name in files
-                if name.lower().endswith(IMAGE_EXTENSIONS) and not name.startswith(".")
-            )
+        paths = image_files(root)
         if not paths:
             raise ValueError(f"--images {root}: no image files ({', '.join(IMAGE_EXTENSIONS)}) in it")
         self.root = root
-        self.paths = sorted(path.replace(os.sep, "/") for path in paths)
+        self.paths = paths
         super().__init__(name=f"image folder {root}", column_names=["image"], num_rows=len(self.paths))
 
     def _read(self, row: int) -> Record:
         path = self.paths[row]
-        try:
-            with open(os.path.join(self.root, path), "rb") as f:
-                data = f.read()
-        except OSError as err:
-            raise BadRecordError(f"sample {path}: cannot read image file: {err.strerror}") from err
-        return Record(id=path, image=data, caption=path)
+        return Record(id=path, image=_read_image_file(os.path.join(self.root, path), path), caption=path)
+
+    def _read_captions(self, rows: np.ndarray | None) -> list[str | None]:
+        return [self.paths[int(row)] for row in (range(len(self.paths)) if rows is None else rows)]
+
+
+class ImageFilesSource(ImageTextSource):
+    """Image files given by path, and every image file under the folders given (in sorted order); each id is the
+    file's path as given (a folder's files joined to it).
+
+    Args:
+        paths: Files and folders.
+
+    Raises:
+        FileNotFoundError: when a path does not exist.
+        ValueError: when no image file is given or found.
+    """
+
+    def __init__(self, paths: Sequence[str]) -> None:
+        files: list[str] = []
+        for path in paths:
+            if os.path.isdir(path):
+                files.extend(os.path.join(path, name) for name in image_files(path))
+            elif os.path.isfile(path):
+                files.append(path)
+            else:
+                raise FileNotFoundError(f"{path}: no such image file or folder")
+        if not files:
+            raise ValueError(f"no image files ({', '.join(IMAGE_EXTENSIONS)}) in {', '.join(paths) or 'no path given'}")
+        self.paths = files
+        super().__init__(name=f"{len(files)} image files", column_names=["image"], num_rows=len(files))
+
+    def _read(self, row: int) -> Record:
+        path = self.paths[row]
+        return Record(id=path, image=_read_image_file(path, path), caption=path)
 
     def _read_captions(self, rows: np.ndarray | None) -> list[str | None]:
         return [self.paths[int(row)] for row in (range(len(self.paths)) if rows is None else rows)]
@@ -92,16 +135,25 @@ def synthetic_source(num_samples: int, seed: int = 0) -> RecordListSource:
 
 
 def open_dataset_split(
-    dataset_name: str, split: str, *, image_column: str = "image", caption_column: str = "image_description"
+    dataset_name: str,
+    split: str,
+    *,
+    image_column: str = "image",
+    caption_column: str | None = "image_description",
+    caption_role: str = "caption",
 ) -> ImageTextSource:
     """One split of a dataset (hub id, ``save_to_disk`` folder, parquet folder), as ``vlfit train`` opens it.
+
+    ``caption_role`` names the caption column in error messages (``label`` when it holds classes).
 
     Raises:
         ValueError: when the split does not exist.
     """
     from vlfit.data.sources import open_splits  # only here: it imports the datasets library
 
-    splits = open_splits(dataset_name=dataset_name, image_column=image_column, caption_column=caption_column)
+    splits = open_splits(
+        dataset_name=dataset_name, image_column=image_column, caption_column=caption_column, caption_role=caption_role
+    )
     if split not in splits:
         raise ValueError(f"{dataset_name} has no split {split!r}; its splits: {', '.join(splits)}")
     return splits[split]

@@ -156,10 +156,9 @@ def text_embeddings(
     return nn.functional.normalize(model.itc_text_head(hidden[:, 0, :]), dim=-1, p=2)
 
 
-encode_text = torch.no_grad()(text_embeddings)
+encode_text = text_embeddings
 
 
-@torch.no_grad()
 def encode_image(model: BridgeTowerForContrastiveLearning, pixel_values: torch.Tensor) -> torch.Tensor:
     """L2-normalized image embeddings ``[B, contrastive_hidden_size]`` from normalized pixels."""
     tower = model.bridgetower

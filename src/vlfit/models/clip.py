@@ -144,11 +144,9 @@ class CLIPFamily(ModelFamily):
     def head_modules(self) -> tuple[str, ...]:
         return ("text_projection", "visual_projection")
 
-    @torch.no_grad()
     def encode_text(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return text_embeddings(model, input_ids, attention_mask)  # type: ignore[arg-type]
 
-    @torch.no_grad()
     def encode_image(self, model: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
         return image_embeddings(model, pixel_values)  # type: ignore[arg-type]
 

@@ -183,11 +183,15 @@ class ModelFamily(ABC):
 
     @abstractmethod
     def encode_text(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """L2-normalized caption embeddings ``[B, D]`` (the ones the contrastive loss compares)."""
+        """L2-normalized caption embeddings ``[B, D]`` (the ones the contrastive loss compares).
+
+        Differentiable (few-shot fine-tuning trains through ``encode_image``): callers that only embed wrap the
+        call in ``torch.no_grad()`` or ``torch.inference_mode()``.
+        """
 
     @abstractmethod
     def encode_image(self, model: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
-        """L2-normalized image embeddings ``[B, D]`` from normalized pixels."""
+        """L2-normalized image embeddings ``[B, D]`` from normalized pixels (differentiable, as ``encode_text``)."""
 
     def prepare_for_training(self, model: nn.Module) -> None:  # noqa: B027
         """Called once on the unwrapped model before training (e.g. to install forward hooks)."""

@@ -84,6 +84,12 @@ class ModelBundle:
     def image_size(self) -> int:
         return self.blueprint.inputs.image_size
 
+    def save(self, folder: str) -> None:
+        """Save the model, its tokenizer and its image processor into ``folder``: a checkpoint every loader reads."""
+        self.model.save_pretrained(folder)
+        self.tokenizer.save_pretrained(folder)
+        self.image_processor.save_pretrained(folder)
+
 
 def _hub_kwargs(args: ModelArguments) -> dict[str, Any]:
     kwargs = {"cache_dir": args.cache_dir, "revision": args.model_revision, "token": args.token}

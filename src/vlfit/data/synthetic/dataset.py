@@ -13,7 +13,16 @@ except ImportError:  # make_record needs only numpy and Pillow (vlfit bench on a
     datasets = None  # type: ignore[assignment]
 
 from vlfit.data.synthetic.render import render_scene
-from vlfit.data.synthetic.scenes import LETTERS, SPLITS, SyntheticConfig, caption, scene_and_choices, split_sizes
+from vlfit.data.synthetic.scenes import (
+    KINDS,
+    LABEL_COLUMN,
+    LETTERS,
+    SPLITS,
+    SyntheticConfig,
+    caption,
+    scene_and_choices,
+    split_sizes,
+)
 
 FEATURES = datasets and datasets.Features(  # None without the datasets package
     {
@@ -24,6 +33,13 @@ FEATURES = datasets and datasets.Features(  # None without the datasets package
         "instance_id": datasets.Value("string"),
     }
 )
+# A labelled set's (SyntheticConfig.labels) features: FEATURES and the scene's shape kind as a class label.
+LABELLED_FEATURES = datasets and datasets.Features({**FEATURES, LABEL_COLUMN: datasets.ClassLabel(names=list(KINDS))})
+
+
+def features(config: SyntheticConfig) -> datasets.Features:
+    """The columns of a dataset made with ``config``."""
+    return LABELLED_FEATURES if config.labels else FEATURES
 
 
 def make_record(index: int, config: SyntheticConfig) -> dict[str, Any]:
@@ -35,23 +51,27 @@ def make_record(index: int, config: SyntheticConfig) -> dict[str, Any]:
 
     Returns:
         A dict with ``image`` (``{"bytes": jpeg, "path": None}``), ``image_description`` (the true caption),
-        ``caption_choices`` (5 distinct captions), ``label`` (letter of the true one) and ``instance_id``.
+        ``caption_choices`` (5 distinct captions), ``label`` (letter of the true one) and ``instance_id``; with
+        ``config.labels``, also ``kind`` (the index of the scene's shape kind in ``KINDS``).
     """
     rng = np.random.default_rng([config.seed, index])
-    scene, choices, answer = scene_and_choices(rng)
+    scene, choices, answer = scene_and_choices(rng, one_kind=config.labels)
     jpeg = render_scene(scene, rng, config)
-    return {
+    record = {
         "image": {"bytes": jpeg, "path": None},
         "image_description": caption(scene),
         "caption_choices": choices,
         "label": LETTERS[answer],
         "instance_id": f"synthetic-{config.seed}-{index:07d}",
     }
+    if config.labels:
+        record[LABEL_COLUMN] = KINDS.index(scene[0].kind)
+    return record
 
 
 def _make_batch(batch: dict[str, list], config: SyntheticConfig) -> dict[str, list]:
     rows = [make_record(int(i), config) for i in batch["index"]]
-    return {name: [row[name] for row in rows] for name in FEATURES}
+    return {name: [row[name] for row in rows] for name in features(config)}
 
 
 def make_dataset(config: SyntheticConfig, num_proc: int = 1) -> datasets.DatasetDict:
@@ -65,7 +85,7 @@ def make_dataset(config: SyntheticConfig, num_proc: int = 1) -> datasets.Dataset
         num_proc: Worker processes used for generation.
 
     Returns:
-        A ``DatasetDict`` with the splits in ``SPLITS``, features ``FEATURES``.
+        A ``DatasetDict`` with the splits in ``SPLITS``, features ``features(config)``.
     """
     if num_proc < 1:
         raise ValueError(f"--num_proc must be at least 1, got {num_proc}")
@@ -75,7 +95,7 @@ def make_dataset(config: SyntheticConfig, num_proc: int = 1) -> datasets.Dataset
         indices = datasets.Dataset.from_dict({"index": list(range(start, start + size))})
         start += size
         if size == 0:
-            splits[name] = datasets.Dataset.from_dict({k: [] for k in FEATURES}, features=FEATURES)
+            splits[name] = datasets.Dataset.from_dict({k: [] for k in features(config)}, features=features(config))
             continue
         splits[name] = indices.map(
             _make_batch,
@@ -83,7 +103,7 @@ def make_dataset(config: SyntheticConfig, num_proc: int = 1) -> datasets.Dataset
             batch_size=16,
             fn_kwargs={"config": config},
             remove_columns=["index"],
-            features=FEATURES,
+            features=features(config),
             num_proc=min(num_proc, size),
             keep_in_memory=True,
             desc=f"Generating {name}",

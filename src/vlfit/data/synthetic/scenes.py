@@ -13,6 +13,8 @@ from typing import NamedTuple
 import numpy as np
 
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
+# The class column of a labelled set (SyntheticConfig.labels): the one shape kind of the scene.
+LABEL_COLUMN = "kind"
 LETTERS = "ABCDE"
 NUM_CHOICES = 5
 
@@ -51,6 +53,8 @@ class SyntheticConfig:
         min_long_side: Smallest long side of an image in pixels (at least 32).
         max_long_side: Largest long side of an image in pixels.
         jpeg_quality: JPEG quality, 1..100.
+        labels: Every group of a scene (and of its caption choices) has the same shape kind, and rows get a
+            ``kind`` class column (``LABEL_COLUMN``): a labelled image-classification set for ``vlfit fewshot``.
     """
 
     num_samples: int = 3000
@@ -60,6 +64,7 @@ class SyntheticConfig:
     min_long_side: int = 600
     max_long_side: int = 1400
     jpeg_quality: int = 90
+    labels: bool = False
 
     def __post_init__(self) -> None:
         if self.num_samples < 3:
@@ -164,10 +169,10 @@ def differing_attributes(a: Scene, b: Scene) -> tuple[str, ...]:
     )
 
 
-def _sample_scene(rng: np.random.Generator) -> Scene:
+def _sample_scene(rng: np.random.Generator, one_kind: bool = False) -> Scene:
     num_groups = 1 if rng.random() < 0.4 else 2
     regions = rng.choice(len(REGIONS), size=num_groups, replace=False)
-    return tuple(
+    scene = tuple(
         Group(
             kind=KINDS[rng.integers(len(KINDS))],
             colour=COLOUR_NAMES[rng.integers(len(COLOUR_NAMES))],
@@ -176,15 +181,25 @@ def _sample_scene(rng: np.random.Generator) -> Scene:
         )
         for r in regions
     )
+    return _one_kind(scene) if one_kind else scene
 
 
-def _edit(scene: Scene, rng: np.random.Generator) -> Scene:
-    """Change one attribute (kind, colour, count or region) of one group; the result may equal the input."""
+def _one_kind(scene: Scene) -> Scene:
+    """The scene with every group of its first group's kind."""
+    return tuple(group._replace(kind=scene[0].kind) for group in scene)
+
+
+def _edit(scene: Scene, rng: np.random.Generator, one_kind: bool = False) -> Scene:
+    """Change one attribute (kind, colour, count or region) of one group; the result may equal the input.
+
+    With ``one_kind``, a kind edit changes every group's kind, so the scene keeps one kind.
+    """
     groups = list(scene)
     i = int(rng.integers(len(groups)))
     attribute = ("kind", "colour", "count", "region")[rng.integers(4)]
     if attribute == "kind":
-        groups[i] = groups[i]._replace(kind=KINDS[rng.integers(len(KINDS))])
+        kind = KINDS[rng.integers(len(KINDS))]
+        groups = [group._replace(kind=kind) if one_kind or j == i else group for j, group in enumerate(groups)]
     elif attribute == "colour":
         groups[i] = groups[i]._replace(colour=COLOUR_NAMES[rng.integers(len(COLOUR_NAMES))])
     elif attribute == "count":
@@ -202,7 +217,7 @@ def _distinguishable(scene: Scene) -> bool:
     return len(scene) == 1 or (scene[0].kind, scene[0].colour) != (scene[1].kind, scene[1].colour)
 
 
-def scene_and_choices(rng: np.random.Generator) -> tuple[Scene, list[str], int]:
+def scene_and_choices(rng: np.random.Generator, one_kind: bool = False) -> tuple[Scene, list[str], int]:
     """Return the scene to draw, 5 distinct captions and the index of the scene's caption among them.
 
     All five are one-attribute edits of a hidden base scene, and the drawn one is picked at random among them: any
@@ -211,18 +226,19 @@ def scene_and_choices(rng: np.random.Generator) -> tuple[Scene, list[str], int]:
 
     Args:
         rng: The record's generator; this advances it.
+        one_kind: Every group of the scene and of every choice has the same kind (``SyntheticConfig.labels``).
 
     Returns:
         ``(scene, choices, answer)``: the scene to draw, ``NUM_CHOICES`` distinct captions and the index of the
         scene's own caption among them.
     """
-    base = _sample_scene(rng)
+    base = _sample_scene(rng, one_kind)
     while not _distinguishable(base):
-        base = _sample_scene(rng)
+        base = _sample_scene(rng, one_kind)
     scenes: list[Scene] = []
     texts = {caption(base)}
     while len(scenes) < NUM_CHOICES:  # terminates: every scene has at least 10 valid one-edit neighbours
-        candidate = _edit(base, rng)
+        candidate = _edit(base, rng, one_kind)
         text = caption(candidate)
         if text not in texts and _distinguishable(candidate):
             texts.add(text)

@@ -1,0 +1,92 @@
+"""``vlfit classify``: the label of each image (files, folders or a dataset split) by a saved classifier."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+
+from transformers import HfArgumentParser
+
+from vlfit.atomic_files import replace_on_success
+
+
+@dataclass
+class ClassifyArguments:
+    """Flags of ``vlfit classify`` (image files and folders are given as positional arguments)."""
+
+    model: str = field(metadata={"help": "A classifier folder (vlfit fewshot --save_classifier)."})
+    dataset_name: str | None = field(default=None, metadata={"help": "Or a dataset to classify a split of."})
+    split: str = field(default="test", metadata={"help": "Split of --dataset_name."})
+    image_column: str = field(default="image", metadata={"help": "Image column of --dataset_name."})
+    label_column: str | None = field(
+        default=None, metadata={"help": "A class column of --dataset_name: also print the accuracy against it."}
+    )
+    output: str | None = field(default=None, metadata={"help": "Also write the predictions here, one JSON per line."})
+    batch_size: int = field(default=32, metadata={"help": "Images per forward pass."})
+    dataloader_num_workers: int = field(
+        default_factory=lambda: min(2, os.cpu_count() or 1), metadata={"help": "Loader worker processes."}
+    )
+    num_threads: int | None = field(default=None, metadata={"help": "torch threads (default: torch's)."})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``vlfit classify``."""
+    parser = HfArgumentParser(
+        ClassifyArguments,
+        prog="vlfit classify",
+        description="Print each image's label and its probability. Images that do not decode are skipped and listed.",
+    )
+    parser.add_argument("images", nargs="*", help="Image files and folders (searched recursively).")
+    args, extra = parser.parse_args_into_dataclasses(args=sys.argv[1:] if argv is None else argv)
+    paths: list[str] = extra.images
+    if bool(paths) == (args.dataset_name is not None):
+        raise ValueError("give image files or folders, or --dataset_name (with --split), not both and not neither")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch_size must be at least 1, got {args.batch_size}")
+    from vlfit.fewshot.classifier import Classifier
+    from vlfit.inference.collection import ImageFilesSource, host_batches, open_dataset_split
+
+    if paths:
+        source = ImageFilesSource(paths)
+    else:
+        source = open_dataset_split(
+            args.dataset_name,
+            args.split,
+            image_column=args.image_column,
+            caption_column=args.label_column,
+            caption_role="label",
+        )
+    classifier = Classifier(args.model, num_threads=args.num_threads)
+    truths = source.captions() if args.label_column else None
+    predictions, bad, correct = [], [], 0
+    batches = host_batches(
+        source, classifier.encoder.spec, batch_size=args.batch_size, num_workers=args.dataloader_num_workers
+    )
+    for batch in batches:
+        bad.extend(batch.bad_samples)
+        if not len(batch):
+            continue
+        for prediction, position in zip(
+            classifier.predict(batch["pixel_values"], batch.sample_ids), batch.positions, strict=True
+        ):
+            predictions.append(prediction)
+            truth = truths[position] if truths is not None else None
+            correct += int(truth == prediction.label)
+            print(f"{prediction.id}\t{prediction.label}\t{prediction.probability:.4f}")
+    if args.output:
+        with replace_on_success(args.output) as temp, open(temp, "w", encoding="utf-8") as f:
+            for prediction in predictions:
+                f.write(json.dumps(prediction.to_dict()) + "\n")
+    if bad:
+        print(f"skipped {len(bad)} images that do not decode:", file=sys.stderr)
+        for sample in bad:
+            print(f"  {sample.id}: {sample.reason}", file=sys.stderr)
+    if truths is not None and predictions:
+        print(
+            f"accuracy against {args.label_column!r}: {correct / len(predictions):.4f} ({correct}/{len(predictions)})"
+        )
+    if not predictions:
+        raise ValueError(f"no image could be classified ({len(bad)} do not decode)")
+    return 0

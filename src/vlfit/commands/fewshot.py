@@ -1,0 +1,176 @@
+"""``vlfit fewshot``: zero-shot, linear probe and SetFit compared on a labelled dataset, over shot counts and seeds."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import HfArgumentParser
+
+from vlfit.fewshot.experiment import METHODS, FewShotSettings
+from vlfit.fewshot.setfit import SetFitSettings
+from vlfit.fewshot.zeroshot import DEFAULT_TEMPLATES, check_templates
+
+
+@dataclass
+class FewShotArguments:
+    """Flags of ``vlfit fewshot``."""
+
+    model_name_or_path: str = field(metadata={"help": "A checkpoint folder (vlfit train's output, or its adapters)."})
+    dataset_name: str = field(metadata={"help": "A dataset with a class column (hub id, save_to_disk or parquet)."})
+    label_column: str = field(metadata={"help": "The class column (a ClassLabel or text)."})
+    output_dir: str = field(metadata={"help": "Where fewshot.json, fewshot.md and fewshot.png go."})
+    image_column: str = field(default="image", metadata={"help": "The image column."})
+    train_split: str = field(default="train", metadata={"help": "The split the labelled shots are drawn from."})
+    eval_split: str = field(default="test", metadata={"help": "The split accuracy is measured on."})
+    max_eval_samples: int | None = field(
+        default=None, metadata={"help": "Measure on the evaluation split's first N rows (its images are held at once)."}
+    )
+    shots: str = field(default="1,2,4,8,16", metadata={"help": "Labelled images per class, comma-separated."})
+    seeds: int = field(default=5, metadata={"help": "Seeds per shot count (each draws other images)."})
+    seed: int = field(default=0, metadata={"help": "The first seed."})
+    methods: str = field(default=",".join(METHODS), metadata={"help": f"Comma-separated, from {', '.join(METHODS)}."})
+    prompt_template: list[str] = field(
+        default_factory=lambda: list(DEFAULT_TEMPLATES),
+        metadata={"help": "Zero-shot prompts, '{}' the class name; several are averaged."},
+    )
+    setfit_steps: int = field(default=SetFitSettings.steps, metadata={"help": "SetFit: fine-tuning steps."})
+    setfit_learning_rate: float = field(default=SetFitSettings.learning_rate, metadata={"help": "SetFit: AdamW's."})
+    setfit_batch_size: int = field(default=SetFitSettings.batch_size, metadata={"help": "SetFit: shots per step."})
+    setfit_augment: bool = field(default=True, metadata={"help": "SetFit: two random crops/flips of each shot."})
+    anchor_setfit_head: bool = field(
+        default=True,
+        metadata={"help": "SetFit: let cross-validation pick a head pulled toward the zero-shot head."},
+    )
+    save_classifier: str | None = field(
+        default=None, metadata={"help": "Keep the best method's model and head here (for vlfit classify)."}
+    )
+    batch_size: int = field(default=64, metadata={"help": "Images per forward pass when embedding."})
+    dataloader_num_workers: int = field(default=0, metadata={"help": "Loader worker processes decoding images."})
+
+
+def _shot_counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.replace(" ", ",").split(",") if part]
+    except ValueError:
+        raise ValueError(f"--shots takes comma-separated whole numbers (1,2,4,8,16), got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise ValueError(f"--shots takes positive counts of images per class, got {text!r}")
+    return counts
+
+
+def settings_of(args: FewShotArguments) -> FewShotSettings:
+    """The experiment's settings; raises ``ValueError`` naming the flag for a bad one."""
+    if args.seeds < 1:
+        raise ValueError(f"--seeds must be at least 1, got {args.seeds}")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch_size must be at least 1, got {args.batch_size}")
+    if args.max_eval_samples is not None and args.max_eval_samples < 1:
+        raise ValueError(f"--max_eval_samples must be at least 1, got {args.max_eval_samples}")
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    check_templates(args.prompt_template)
+    setfit = SetFitSettings(
+        steps=args.setfit_steps,
+        learning_rate=args.setfit_learning_rate,
+        batch_size=args.setfit_batch_size,
+        augment=args.setfit_augment,
+    )
+    return FewShotSettings(
+        shot_counts=_shot_counts(args.shots),
+        seeds=list(range(args.seed, args.seed + args.seeds)),
+        methods=methods,
+        templates=list(args.prompt_template),
+        setfit=setfit,
+        anchor_setfit_head=args.anchor_setfit_head,
+        batch_size=args.batch_size,
+        num_workers=args.dataloader_num_workers,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``vlfit fewshot``."""
+    parser = HfArgumentParser(
+        FewShotArguments,
+        prog="vlfit fewshot",
+        description="Compare zero-shot, a linear probe and SetFit's recipe on a labelled dataset at several shot "
+        "counts and seeds (the same images for every method); write fewshot.json/.md/.png.",
+    )
+    (args,) = parser.parse_args_into_dataclasses(args=sys.argv[1:] if argv is None else argv)
+    settings = settings_of(args)
+    from vlfit.fewshot.classifier import ClassifierInfo, save_classifier
+    from vlfit.fewshot.experiment import run_fewshot
+    from vlfit.fewshot.labelled_split import labelled_splits
+    from vlfit.fewshot.report import markdown_table, results_document, write_reports
+    from vlfit.fewshot.shots import check_shot_counts
+    from vlfit.inference.loading import load_checkpoint
+
+    train, evaluation = labelled_splits(
+        args.dataset_name,
+        train_split=args.train_split,
+        eval_split=args.eval_split,
+        label_column=args.label_column,
+        image_column=args.image_column,
+    )
+    if args.max_eval_samples is not None:
+        evaluation = evaluation.first(args.max_eval_samples)
+    check_shot_counts(train, settings.shot_counts)  # before the model loads
+    started = time.perf_counter()
+    loaded = load_checkpoint(args.model_name_or_path)
+    print(
+        f"{len(train.class_names)} classes ({', '.join(train.class_names)}); shots from {len(train)} images of "
+        f"{args.train_split!r}, accuracy on {len(evaluation)} of {args.eval_split!r}"
+    )
+    results = run_fewshot(loaded, train, evaluation, settings, keep_largest=args.save_classifier is not None)
+    summary = results.summary()
+    chance = evaluation.majority_share()
+    document = results_document(
+        summary,
+        [run.to_dict() for run in results.runs],
+        model=args.model_name_or_path,
+        dataset=args.dataset_name,
+        label_column=args.label_column,
+        classes=train.class_names,
+        train_split=args.train_split,
+        eval_split=args.eval_split,
+        eval_images=results.eval_count,
+        chance=chance,
+        shots=list(settings.shot_counts),
+        seeds=list(settings.seeds),
+        templates=list(settings.templates),
+        setfit={k: getattr(settings.setfit, k) for k in ("steps", "learning_rate", "batch_size", "augment")},
+        bad_samples=results.bad_samples,
+        seconds=round(time.perf_counter() - started, 1),
+    )
+    markdown = markdown_table(summary, list(settings.shot_counts), chance)
+    paths = write_reports(args.output_dir, document, markdown, list(settings.shot_counts), chance)
+    print("\n" + markdown)
+    if results.bad_samples:
+        print(f"{len(results.bad_samples)} images left out (they do not decode):")
+        for bad in results.bad_samples:
+            print(f"  {bad['id']}: {bad['reason']}")
+    print(f"wrote {', '.join(paths)}")
+    if args.save_classifier:
+        best = results.best()
+        kept = results.kept[(best.method, best.shots, best.seed)]
+        if kept.image_weights is not None:  # SetFit's tuned image tower goes into the saved checkpoint
+            parameters = dict(loaded.image_tower.named_parameters())
+            with torch.no_grad():
+                for name, weight in kept.image_weights.items():
+                    parameters[name].copy_(weight)
+        info = ClassifierInfo(
+            method=best.method,
+            class_names=train.class_names,
+            label_column=args.label_column,
+            shots=best.shots,
+            seed=best.seed,
+            head=best.head,
+            accuracy=best.accuracy,
+            templates=list(settings.templates),
+            source_model=os.path.abspath(args.model_name_or_path),
+        )
+        save_classifier(args.save_classifier, loaded.bundle.save, kept.head, info)
+        print(f"saved the {best.method} classifier ({best.shots} shots, seed {best.seed}) to {args.save_classifier}")
+    return 0

@@ -1,0 +1,144 @@
+"""A saved image classifier: a checkpoint and a linear head over its image embeddings.
+
+Layout::
+
+    classifier.json      the method, its shots and seed, the class names, the label column, the head's choice
+                         and the accuracy it had on the evaluation split
+    head.safetensors     weight [C, D] and bias [C]
+    model/               the checkpoint (SetFit's: the fine-tuned image tower); any vlfit command loads it
+
+The folder is written beside its final place and renamed into it, so a reader sees a whole classifier or none.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vlfit.fewshot.heads import LinearHead
+from vlfit.inference.backends import Encoder, open_encoder
+
+CLASSIFIER_FILE = "classifier.json"
+HEAD_FILE = "head.safetensors"
+MODEL_FOLDER = "model"
+
+
+@dataclass
+class ClassifierInfo:
+    """What ``classifier.json`` holds."""
+
+    method: str
+    class_names: list[str]
+    label_column: str
+    shots: int
+    seed: int
+    head: str
+    accuracy: float
+    templates: list[str]
+    source_model: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format_version": 1, **self.__dict__}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ClassifierInfo:
+        return cls(**{key: data[key] for key in cls.__dataclass_fields__})
+
+
+def save_classifier(folder: str, save_model: Any, head: LinearHead, info: ClassifierInfo) -> None:
+    """Write a classifier folder (replacing one already there).
+
+    Args:
+        folder: The classifier folder.
+        save_model: Writes the checkpoint into the folder it is given (``ModelBundle.save``).
+        head: The linear head.
+        info: What the classifier is.
+    """
+    from safetensors.torch import save_file
+
+    parent = os.path.dirname(os.path.abspath(folder))
+    os.makedirs(parent, exist_ok=True)
+    staging = os.path.join(parent, f".{os.path.basename(os.path.abspath(folder))}.{os.getpid()}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        os.makedirs(staging)
+        save_model(os.path.join(staging, MODEL_FOLDER))
+        save_file(
+            {"weight": head.weight.contiguous(), "bias": head.bias.contiguous()}, os.path.join(staging, HEAD_FILE)
+        )
+        with open(os.path.join(staging, CLASSIFIER_FILE), "w", encoding="utf-8") as f:
+            json.dump(info.to_dict(), f, indent=1)
+            f.write("\n")
+        if os.path.isdir(folder):
+            shutil.rmtree(folder)
+        os.replace(staging, folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+@dataclass
+class Prediction:
+    """One image's class: its label, the label's probability, and every class's."""
+
+    id: str
+    label: str
+    probability: float
+    probabilities: dict[str, float]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "label": self.label,
+            "probability": self.probability,
+            "probabilities": self.probabilities,
+        }
+
+
+class Classifier:
+    """A classifier folder, loaded.
+
+    Args:
+        folder: What ``save_classifier`` wrote (``vlfit fewshot --save_classifier``).
+        num_threads: torch threads (``None``: torch's default).
+
+    Raises:
+        FileNotFoundError: when the folder is not a classifier.
+    """
+
+    def __init__(self, folder: str, num_threads: int | None = None) -> None:
+        info_path = os.path.join(folder, CLASSIFIER_FILE)
+        if not os.path.isfile(info_path):
+            raise FileNotFoundError(
+                f"--model {folder}: no {CLASSIFIER_FILE}; save a classifier with vlfit fewshot --save_classifier DIR"
+            )
+        from safetensors.torch import load_file
+
+        with open(info_path, encoding="utf-8") as f:
+            self.info = ClassifierInfo.from_dict(json.load(f))
+        tensors = load_file(os.path.join(folder, HEAD_FILE))
+        self.head = LinearHead(tensors["weight"], tensors["bias"])
+        self.encoder: Encoder = open_encoder(os.path.join(folder, MODEL_FOLDER), "torch", num_threads=num_threads)
+        self.folder = folder
+
+    @property
+    def class_names(self) -> list[str]:
+        return self.info.class_names
+
+    def probabilities(self, pixels: torch.Tensor) -> torch.Tensor:
+        """``float32 [B, C]`` for uint8 images ``[B, 3, H, W]``."""
+        return self.head.probabilities(self.encoder.embed_pixels(pixels))
+
+    def predict(self, pixels: torch.Tensor, ids: Sequence[str]) -> list[Prediction]:
+        probabilities = self.probabilities(pixels)
+        predictions = []
+        for sample_id, row in zip(ids, probabilities.tolist(), strict=True):
+            best = max(range(len(row)), key=row.__getitem__)
+            by_name = dict(zip(self.class_names, row, strict=True))
+            predictions.append(Prediction(sample_id, self.class_names[best], row[best], by_name))
+        return predictions

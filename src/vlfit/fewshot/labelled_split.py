@@ -1,0 +1,100 @@
+"""A dataset split whose rows carry a class: the image source, each row's class index, and the class names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from vlfit.data.source_base import ImageTextSource
+
+
+@dataclass
+class LabelledSplit:
+    """Attributes:
+    source: The split's images (its captions are the class names).
+    labels: Each row's class index into ``class_names``, ``int64 [N]``.
+    class_names: The classes, in label order.
+    label_column: The column the classes come from.
+    """
+
+    source: ImageTextSource
+    labels: np.ndarray
+    class_names: list[str]
+    label_column: str
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def class_counts(self) -> np.ndarray:
+        return np.bincount(self.labels, minlength=len(self.class_names))
+
+    def majority_share(self) -> float:
+        """The accuracy of always answering the most frequent class: chance."""
+        return float(self.class_counts().max() / len(self.labels))
+
+    def first(self, count: int) -> LabelledSplit:
+        """The split's first ``count`` rows."""
+        rows = np.arange(min(count, len(self)))
+        return LabelledSplit(self.source.select(rows), self.labels[rows], self.class_names, self.label_column)
+
+
+def _row_names(source: ImageTextSource, label_column: str) -> list[str]:
+    names = source.captions()
+    for row, name in enumerate(names):
+        if name is None or not str(name).strip():
+            raise ValueError(
+                f"{source.name}: row {row} has no value in label column {label_column!r}; drop unlabelled rows first"
+            )
+    return [str(name) for name in names]
+
+
+def labelled_splits(
+    dataset_name: str,
+    *,
+    train_split: str,
+    eval_split: str,
+    label_column: str,
+    image_column: str = "image",
+) -> tuple[LabelledSplit, LabelledSplit]:
+    """The split the shots come from and the split accuracy is measured on.
+
+    The classes are those of the training split, in the order of a ``ClassLabel`` column's names (sorted for a
+    text column).
+
+    Raises:
+        ValueError: naming the column or split, when the label column does not exist, a row has no label, the
+            training split holds fewer than two classes, or the evaluation split holds a class the training split
+            lacks.
+    """
+    from vlfit.inference.collection import open_dataset_split
+
+    sources = {
+        split: open_dataset_split(
+            dataset_name, split, image_column=image_column, caption_column=label_column, caption_role="label"
+        )
+        for split in dict.fromkeys((train_split, eval_split))
+    }
+    train_source, eval_source = sources[train_split], sources[eval_split]
+    train_names, eval_names = _row_names(train_source, label_column), _row_names(eval_source, label_column)
+    present = set(train_names)
+    declared = getattr(train_source, "class_names", None)
+    class_names = [name for name in declared if name in present] if declared else sorted(present)
+    if len(class_names) < 2:
+        raise ValueError(
+            f"label column {label_column!r} of split {train_split!r} holds {len(class_names)} class "
+            f"({', '.join(map(repr, class_names))}); classification needs at least two: pick another --label_column"
+        )
+    unknown = sorted(set(eval_names) - present)
+    if unknown:
+        raise ValueError(
+            f"split {eval_split!r} has classes that split {train_split!r} lacks in label column {label_column!r}: "
+            f"{', '.join(map(repr, unknown[:5]))}; no shot of them can be drawn"
+        )
+    index = {name: i for i, name in enumerate(class_names)}
+
+    def split_of(source: ImageTextSource, names: list[str]) -> LabelledSplit:
+        labels = np.array([index[name] for name in names], dtype=np.int64)
+        return LabelledSplit(source, labels, class_names, label_column)
+
+    return split_of(train_source, train_names), split_of(eval_source, eval_names)
