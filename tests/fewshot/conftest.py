@@ -17,7 +17,7 @@ def labelled_dataset_dir(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("labelled") / "data"
     config = SyntheticConfig(
         num_samples=90, seed=5, min_long_side=96, max_long_side=160, validation_fraction=0.1, test_fraction=0.2,
-        labels=True,
+        labels="kind",
     )  # fmt: skip
     save_dataset(make_dataset(config), str(path), format="arrow")
     return str(path)

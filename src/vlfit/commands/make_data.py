@@ -37,11 +37,12 @@ class MakeDataArguments:
             "'parquet': one {split}.parquet file per split."
         },
     )
-    labels: bool = field(
-        default=False,
+    labels: str | None = field(
+        default=None,
         metadata={
-            "help": "A labelled set for vlfit fewshot: one shape kind per scene, as a class column 'kind' "
-            "(4 classes: circle, square, triangle, cross)."
+            "help": "A labelled set for vlfit fewshot: 'kind' (one shape kind per scene, 4 classes), 'colour' "
+            "(one colour per scene, 6 classes) or 'region' (one group per scene, 5 classes), as a class column of "
+            "that name."
         },
     )
     num_proc: int = field(

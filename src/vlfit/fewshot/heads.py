@@ -115,23 +115,29 @@ def anchored_candidates(anchor: LinearHead, strengths: Sequence[float] = ANCHOR_
     }
 
 
-def cross_validated_accuracy(fit: HeadFit, embeddings: torch.Tensor, labels: np.ndarray, seed: int) -> float:
-    """Accuracy of ``fit`` over stratified folds of the shots (every shot held out once)."""
+def cross_validated_scores(
+    fit: HeadFit, embeddings: torch.Tensor, labels: np.ndarray, seed: int
+) -> tuple[float, float]:
+    """Accuracy and mean log-likelihood of ``fit`` over stratified folds of the shots (each held out once)."""
     from sklearn.model_selection import StratifiedKFold
 
     folds = StratifiedKFold(n_splits=_folds(labels), shuffle=True, random_state=seed)
-    correct = 0
+    correct, log_likelihood = 0, 0.0
     for train, held in folds.split(embeddings.numpy(), labels):
         head = fit(embeddings[train], labels[train])
-        correct += int((head.predict(embeddings[held]).numpy() == labels[held]).sum())
-    return correct / len(labels)
+        log_probabilities = torch.log_softmax(head.logits(embeddings[held]), dim=-1)
+        truth = torch.as_tensor(labels[held])
+        correct += int((log_probabilities.argmax(dim=-1) == truth).sum())
+        log_likelihood += float(log_probabilities.gather(1, truth[:, None]).sum())
+    return correct / len(labels), log_likelihood / len(labels)
 
 
 def choose_head(
     embeddings: torch.Tensor, labels: np.ndarray, candidates: dict[str, HeadFit], fallback: str, seed: int
 ) -> tuple[LinearHead, str]:
-    """The candidate with the best cross-validated accuracy on the shots (ties: the first), fit on all of them;
-    ``fallback`` when some class has a single shot, which leaves nothing to validate on.
+    """The candidate with the best cross-validated accuracy on the shots, fit on all of them; ties (a few shots
+    give few distinct accuracies) go to the better held-out log-likelihood, then to the first. ``fallback`` when
+    some class has a single shot, which leaves nothing to validate on.
 
     Returns:
         The head and its candidate's name.
@@ -139,6 +145,6 @@ def choose_head(
     embeddings = embeddings.float()
     name = fallback
     if _folds(labels) >= 2:
-        scores = {key: cross_validated_accuracy(fit, embeddings, labels, seed) for key, fit in candidates.items()}
+        scores = {key: cross_validated_scores(fit, embeddings, labels, seed) for key, fit in candidates.items()}
         name = max(scores, key=scores.__getitem__)
     return candidates[name](embeddings, labels), name

@@ -26,13 +26,13 @@ CROP_AREA = (0.5, 1.0)
 class SetFitSettings:
     """Attributes:
     steps: Optimizer steps.
-    learning_rate: AdamW's (constant).
+    learning_rate: AdamW's, constant (SetFit's default body learning rate).
     batch_size: Shots per step (each seen as two views when augmenting).
     augment: Random crops and flips; without them each shot is one view.
     """
 
     steps: int = 30
-    learning_rate: float = 1e-4
+    learning_rate: float = 2e-5
     batch_size: int = 32
     augment: bool = True
 

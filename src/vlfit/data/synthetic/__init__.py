@@ -1,7 +1,8 @@
 """Deterministic synthetic caption matching data shaped like the New Yorker Caption Contest ``matching`` config.
 
 Columns: ``image``, ``image_description``, ``caption_choices`` (5), ``label`` ("A".."E") and ``instance_id``; a
-labelled set (``SyntheticConfig.labels``) draws one shape kind per scene and adds it as the class column ``kind``.
+labelled set (``SyntheticConfig.labels``) draws one shape kind (or colour) per scene and adds it as a class column
+named ``kind`` (or ``colour``).
 
 Each image holds one or two groups of coloured shapes in distinct regions, and its caption describes them
 compositionally ("two red circles on the left and one blue square at the top."). The four distractors are hard
@@ -14,14 +15,14 @@ the seed and its index.
 
 from __future__ import annotations
 
-from vlfit.data.synthetic.dataset import FEATURES, LABELLED_FEATURES, features, make_dataset, make_record, save_dataset
+from vlfit.data.synthetic.dataset import FEATURES, features, make_dataset, make_record, save_dataset
 from vlfit.data.synthetic.render import render_scene
 from vlfit.data.synthetic.scenes import (
     COLOUR_NAMES,
     COLOURS,
     COUNT_WORDS,
     KINDS,
-    LABEL_COLUMN,
+    LABEL_CLASSES,
     LETTERS,
     NUM_CHOICES,
     PLURALS,
@@ -42,8 +43,7 @@ __all__ = [
     "COUNT_WORDS",
     "FEATURES",
     "KINDS",
-    "LABELLED_FEATURES",
-    "LABEL_COLUMN",
+    "LABEL_CLASSES",
     "LETTERS",
     "NUM_CHOICES",
     "PLURALS",

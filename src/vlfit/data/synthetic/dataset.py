@@ -14,9 +14,9 @@ except ImportError:  # make_record needs only numpy and Pillow (vlfit bench on a
 
 from vlfit.data.synthetic.render import render_scene
 from vlfit.data.synthetic.scenes import (
-    KINDS,
-    LABEL_COLUMN,
+    LABEL_CLASSES,
     LETTERS,
+    REGIONS,
     SPLITS,
     SyntheticConfig,
     caption,
@@ -33,13 +33,14 @@ FEATURES = datasets and datasets.Features(  # None without the datasets package
         "instance_id": datasets.Value("string"),
     }
 )
-# A labelled set's (SyntheticConfig.labels) features: FEATURES and the scene's shape kind as a class label.
-LABELLED_FEATURES = datasets and datasets.Features({**FEATURES, LABEL_COLUMN: datasets.ClassLabel(names=list(KINDS))})
 
 
 def features(config: SyntheticConfig) -> datasets.Features:
-    """The columns of a dataset made with ``config``."""
-    return LABELLED_FEATURES if config.labels else FEATURES
+    """The columns of a dataset made with ``config``: ``FEATURES``, and for a labelled set its class column (a
+    ``ClassLabel`` named after the attribute)."""
+    if not config.labels:
+        return FEATURES
+    return datasets.Features({**FEATURES, config.labels: datasets.ClassLabel(names=list(LABEL_CLASSES[config.labels]))})
 
 
 def make_record(index: int, config: SyntheticConfig) -> dict[str, Any]:
@@ -52,10 +53,10 @@ def make_record(index: int, config: SyntheticConfig) -> dict[str, Any]:
     Returns:
         A dict with ``image`` (``{"bytes": jpeg, "path": None}``), ``image_description`` (the true caption),
         ``caption_choices`` (5 distinct captions), ``label`` (letter of the true one) and ``instance_id``; with
-        ``config.labels``, also ``kind`` (the index of the scene's shape kind in ``KINDS``).
+        ``config.labels``, also that attribute's column (the index of the scene's value in ``LABEL_CLASSES``).
     """
     rng = np.random.default_rng([config.seed, index])
-    scene, choices, answer = scene_and_choices(rng, one_kind=config.labels)
+    scene, choices, answer = scene_and_choices(rng, shared=config.labels)
     jpeg = render_scene(scene, rng, config)
     record = {
         "image": {"bytes": jpeg, "path": None},
@@ -65,7 +66,8 @@ def make_record(index: int, config: SyntheticConfig) -> dict[str, Any]:
         "instance_id": f"synthetic-{config.seed}-{index:07d}",
     }
     if config.labels:
-        record[LABEL_COLUMN] = KINDS.index(scene[0].kind)
+        values = REGIONS if config.labels == "region" else LABEL_CLASSES[config.labels]
+        record[config.labels] = values.index(getattr(scene[0], config.labels))
     return record
 
 

@@ -13,8 +13,6 @@ from typing import NamedTuple
 import numpy as np
 
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
-# The class column of a labelled set (SyntheticConfig.labels): the one shape kind of the scene.
-LABEL_COLUMN = "kind"
 LETTERS = "ABCDE"
 NUM_CHOICES = 5
 
@@ -39,6 +37,14 @@ REGION_PHRASES = {
     "bottom": "at the bottom",
     "center": "in the center",
 }
+# What a labelled set (SyntheticConfig.labels) can be labelled by, each with its class names in label order; the
+# class column has the attribute's name. A scene labelled by region has one group; the region's class name is its
+# caption phrase ("on the left"), so zero-shot prompts can hold it as captions do.
+LABEL_CLASSES: dict[str, tuple[str, ...]] = {
+    "kind": KINDS,
+    "colour": COLOUR_NAMES,
+    "region": tuple(REGION_PHRASES[region] for region in REGIONS),
+}
 
 
 @dataclass
@@ -53,8 +59,10 @@ class SyntheticConfig:
         min_long_side: Smallest long side of an image in pixels (at least 32).
         max_long_side: Largest long side of an image in pixels.
         jpeg_quality: JPEG quality, 1..100.
-        labels: Every group of a scene (and of its caption choices) has the same shape kind, and rows get a
-            ``kind`` class column (``LABEL_COLUMN``): a labelled image-classification set for ``vlfit fewshot``.
+        labels: ``kind``, ``colour`` or ``region``: every group of a scene (and of its caption choices) has the
+            same value of it (a scene labelled by region has one group), and rows get it as a class column of that
+            name (``LABEL_CLASSES``): a labelled image-classification set for ``vlfit fewshot``. ``None``: no
+            class column.
     """
 
     num_samples: int = 3000
@@ -64,7 +72,7 @@ class SyntheticConfig:
     min_long_side: int = 600
     max_long_side: int = 1400
     jpeg_quality: int = 90
-    labels: bool = False
+    labels: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_samples < 3:
@@ -86,6 +94,8 @@ class SyntheticConfig:
             raise ValueError(
                 f"--min_long_side ({self.min_long_side}) must not exceed --max_long_side ({self.max_long_side})"
             )
+        if self.labels is not None and self.labels not in LABEL_CLASSES:
+            raise ValueError(f"--labels must be one of {', '.join(LABEL_CLASSES)}, got {self.labels!r}")
         if not 1 <= self.jpeg_quality <= 100:
             raise ValueError(f"--jpeg_quality must be in 1..100, got {self.jpeg_quality}")
         split_sizes(self)  # fails early when the fractions leave a split without rows
@@ -169,8 +179,8 @@ def differing_attributes(a: Scene, b: Scene) -> tuple[str, ...]:
     )
 
 
-def _sample_scene(rng: np.random.Generator, one_kind: bool = False) -> Scene:
-    num_groups = 1 if rng.random() < 0.4 else 2
+def _sample_scene(rng: np.random.Generator, shared: str | None = None) -> Scene:
+    num_groups = 1 if shared == "region" or rng.random() < 0.4 else 2
     regions = rng.choice(len(REGIONS), size=num_groups, replace=False)
     scene = tuple(
         Group(
@@ -181,27 +191,28 @@ def _sample_scene(rng: np.random.Generator, one_kind: bool = False) -> Scene:
         )
         for r in regions
     )
-    return _one_kind(scene) if one_kind else scene
+    return _share(scene, shared) if shared in ("kind", "colour") else scene
 
 
-def _one_kind(scene: Scene) -> Scene:
-    """The scene with every group of its first group's kind."""
-    return tuple(group._replace(kind=scene[0].kind) for group in scene)
+def _share(scene: Scene, attribute: str) -> Scene:
+    """The scene with every group's ``attribute`` (kind or colour) that of its first group."""
+    value = getattr(scene[0], attribute)
+    return tuple(group._replace(**{attribute: value}) for group in scene)
 
 
-def _edit(scene: Scene, rng: np.random.Generator, one_kind: bool = False) -> Scene:
+def _edit(scene: Scene, rng: np.random.Generator, shared: str | None = None) -> Scene:
     """Change one attribute (kind, colour, count or region) of one group; the result may equal the input.
 
-    With ``one_kind``, a kind edit changes every group's kind, so the scene keeps one kind.
+    An edit of the ``shared`` attribute changes every group's, so the scene keeps one value of it.
     """
     groups = list(scene)
     i = int(rng.integers(len(groups)))
     attribute = ("kind", "colour", "count", "region")[rng.integers(4)]
-    if attribute == "kind":
-        kind = KINDS[rng.integers(len(KINDS))]
-        groups = [group._replace(kind=kind) if one_kind or j == i else group for j, group in enumerate(groups)]
-    elif attribute == "colour":
-        groups[i] = groups[i]._replace(colour=COLOUR_NAMES[rng.integers(len(COLOUR_NAMES))])
+    if attribute in ("kind", "colour"):
+        values = KINDS if attribute == "kind" else COLOUR_NAMES
+        value = values[rng.integers(len(values))]
+        every = attribute == shared
+        groups = [g._replace(**{attribute: value}) if every or j == i else g for j, g in enumerate(groups)]
     elif attribute == "count":
         groups[i] = groups[i]._replace(count=int(rng.integers(1, 4)))
     else:
@@ -217,7 +228,7 @@ def _distinguishable(scene: Scene) -> bool:
     return len(scene) == 1 or (scene[0].kind, scene[0].colour) != (scene[1].kind, scene[1].colour)
 
 
-def scene_and_choices(rng: np.random.Generator, one_kind: bool = False) -> tuple[Scene, list[str], int]:
+def scene_and_choices(rng: np.random.Generator, shared: str | None = None) -> tuple[Scene, list[str], int]:
     """Return the scene to draw, 5 distinct captions and the index of the scene's caption among them.
 
     All five are one-attribute edits of a hidden base scene, and the drawn one is picked at random among them: any
@@ -226,19 +237,20 @@ def scene_and_choices(rng: np.random.Generator, one_kind: bool = False) -> tuple
 
     Args:
         rng: The record's generator; this advances it.
-        one_kind: Every group of the scene and of every choice has the same kind (``SyntheticConfig.labels``).
+        shared: ``kind`` or ``colour``: every group of the scene and of every choice has the same value of it;
+            ``region``: scenes of one group (``SyntheticConfig.labels``).
 
     Returns:
         ``(scene, choices, answer)``: the scene to draw, ``NUM_CHOICES`` distinct captions and the index of the
         scene's own caption among them.
     """
-    base = _sample_scene(rng, one_kind)
+    base = _sample_scene(rng, shared)
     while not _distinguishable(base):
-        base = _sample_scene(rng, one_kind)
+        base = _sample_scene(rng, shared)
     scenes: list[Scene] = []
     texts = {caption(base)}
     while len(scenes) < NUM_CHOICES:  # terminates: every scene has at least 10 valid one-edit neighbours
-        candidate = _edit(base, rng, one_kind)
+        candidate = _edit(base, rng, shared)
         text = caption(candidate)
         if text not in texts and _distinguishable(candidate):
             texts.add(text)
