@@ -563,3 +563,19 @@ def test_split_rules_for_parquet_folders(tmp_path: Path) -> None:
         "extra": ["extra-00000-of-00001.parquet"],
         "custom": [os.path.join("custom", "x.parquet")],
     }
+
+
+def test_a_class_label_caption_column_reads_as_its_names_and_no_caption_column_as_the_ids(tmp_path: Path) -> None:
+    jpeg = io.BytesIO()
+    Image.new("RGB", (8, 8), "red").save(jpeg, format="JPEG")
+    features = datasets.Features({"image": datasets.Image(), "animal": datasets.ClassLabel(names=["cat", "dog"]),
+                                  "id": datasets.Value("string")})  # fmt: skip
+    rows = {"image": [{"bytes": jpeg.getvalue(), "path": None}] * 3, "animal": [1, 0, 1], "id": ["a", "b", "c"]}
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows, features=features)}).save_to_disk(tmp_path / "d")
+    labelled = open_splits(dataset_name=str(tmp_path / "d"), caption_column="animal", caption_role="label")["train"]
+    assert labelled.captions() == ["dog", "cat", "dog"] and labelled.select([1])[0].caption == "cat"
+    assert labelled.class_names == ["cat", "dog"]
+    images_only = open_splits(dataset_name=str(tmp_path / "d"), caption_column=None)["train"]
+    assert images_only.captions() == ["a", "b", "c"] and images_only[2].caption == "c"
+    with pytest.raises(ValueError, match=r"label column 'kind' not found.*Pass label_column="):
+        open_splits(dataset_name=str(tmp_path / "d"), caption_column="kind", caption_role="label")
