@@ -105,7 +105,16 @@ class VlfitTrainer(Trainer):
         if isinstance(checkpoint, str):
             # Batches before the checkpoint are skipped without being read: their bad samples come from the ledger.
             self.bad_samples.load(checkpoint, self.args.process_index)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            self._close_feed()
+
+    def _close_feed(self) -> None:
+        """Let go of the training batches' iterator, so its loader workers stop now, while this process is in a
+        state to stop them. Kept until garbage collection (the trainer is in reference cycles), they were stopped
+        from inside whatever ran next, where each worker took the 5 s of torch's shutdown timeout to exit."""
+        self._feed_source = self._feed = None
 
     # ------------------------------------------------------------------------------------------------ loaders
 
