@@ -342,11 +342,10 @@ class VlfitTrainingArguments(CompatTrainingFlags, TrainingArguments):
                 raise ValueError(f"--{name} must be at least {low}, got {value}")
         prepare_launch(self)  # before TrainingArguments.__post_init__ sets up devices and the process group
         super().__post_init__()
-        if self.fsdp and self.device.type == "cpu":
-            # accelerate turns FSDP on for accelerators only: on CPUs the run would silently be plain DDP.
+        if self.fsdp and self.device.type == "cpu" and self.world_size < 2:
             raise ValueError(
-                "--fsdp on CPUs: accelerate shards models on GPUs and other accelerators only, so this run would "
-                "train replicated (DDP) while saying FSDP; drop --fsdp on a CPU machine"
+                "--fsdp shards the model over processes: launch at least two (torchrun --nproc_per_node 2 ...) or "
+                "drop --fsdp"
             )
         if self.fsdp and self.gradient_cache_chunk_size:
             raise ValueError(

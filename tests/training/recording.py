@@ -60,6 +60,8 @@ class RecordingTrainer(VlfitTrainer):
             "losses": self.losses,
             "matmul_dtypes": sorted(self.matmul_dtypes),
             "weights_sha256": weights_digest(self.accelerator.unwrap_model(self.model).state_dict()),
+            # FSDP2 keeps each process's shard of a parameter as a DTensor; DDP keeps whole tensors.
+            "sharded_parameters": sum(hasattr(p, "full_tensor") for p in self.model.parameters()),
             "vocab_sha256": hashlib.sha256(self.processing_class.backend_tokenizer.to_str().encode()).hexdigest(),
         }
 

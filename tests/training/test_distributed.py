@@ -142,12 +142,53 @@ def test_two_nodes_with_global_negatives_shard_the_data_and_rank0_writes_the_che
         assert distributed[key] == pytest.approx(single[key]), key
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without GPUs")
-def test_fsdp_on_cpus_is_refused_instead_of_silently_training_ddp(tmp_path, synthetic_dataset_dir, capsys):
-    # accelerate enables FSDP for accelerators only; on CPUs it would wrap the model in DDP and say nothing.
-    assert main(["train", *_common(synthetic_dataset_dir, tmp_path / "o"), "--fsdp"]) == 2
-    assert "--fsdp on CPUs: accelerate shards models on GPUs" in capsys.readouterr().err
+FSDP_LAYERS = ["BridgeTowerTextLayer", "BridgeTowerResidualAttention"]  # each its own shard group
+FSDP_FLAGS = ["--fsdp", "full_shard auto_wrap", "--fsdp_config",
+              json.dumps({"fsdp_version": 2, "transformer_layer_cls_to_wrap": FSDP_LAYERS})]  # fmt: skip
+
+
+def test_fsdp_on_two_cpu_processes_shards_trains_as_ddp_and_saves_a_checkpoint_eval_loads(
+    tmp_path, synthetic_dataset_dir, capsys
+):
+    def flags(out: Path) -> list[str]:
+        return [*_common(synthetic_dataset_dir, out), "--max_steps", "4", "--logging_steps", "1",
+                "--dataloader_num_workers", "0", "--do_eval"]  # fmt: skip
+
+    ddp = _torchrun_train(tmp_path / "ddp", flags(tmp_path / "ddp-model"))
+    fsdp = _torchrun_train(tmp_path / "fsdp", [*flags(tmp_path / "model"), *FSDP_FLAGS])
+    # Each process held shards (DTensors), not whole parameters; the losses are DDP's.
+    assert all(r["sharded_parameters"] > 0 for r in fsdp) and all(r["sharded_parameters"] == 0 for r in ddp)
+    for d, f in zip(ddp, fsdp, strict=True):
+        assert len(f["losses"]) == 4
+        torch.testing.assert_close(torch.tensor(f["losses"]), torch.tensor(d["losses"]), rtol=1e-5, atol=1e-6)
+    # Rank 0 wrote a plain checkpoint of the full weights (the logit scale 0-d again, as transformers has it).
+    model = BridgeTowerForContrastiveLearning.from_pretrained(tmp_path / "model")
+    assert model.logit_scale.shape == torch.Size([])
+    assert weights_digest(model.state_dict()) == fsdp[0]["weights_sha256"]
+    distributed = json.loads((tmp_path / "model" / "eval_results.json").read_text())
+    capsys.readouterr()
+    assert main(["eval", "--model_name_or_path", str(tmp_path / "model"), "--dataset_name", synthetic_dataset_dir,
+                 "--output_dir", str(tmp_path / "eval"), "--report_to", "none"]) == 0  # fmt: skip
+    single = json.loads((tmp_path / "eval" / "eval_results.json").read_text())
+    for key in ("eval_num_samples", "eval_t2i_recall@5", "eval_i2t_recall@5"):
+        assert distributed[key] == pytest.approx(single[key]), key
+
+
+def test_fsdp_in_one_process_stops_in_one_line(tmp_path, synthetic_dataset_dir, capsys):
+    assert main(["train", *_common(synthetic_dataset_dir, tmp_path / "o"), *FSDP_FLAGS]) == 2
+    assert "--fsdp shards the model over processes: launch at least two" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_fsdp_with_hard_negatives_is_refused_before_the_data_opens(tmp_path, synthetic_dataset_dir):
+    from vlfit.arguments import DataArguments, ModelArguments
+    from vlfit.training.run import setup_run
+
+    args = VlfitTrainingArguments(output_dir=str(tmp_path / "o"), do_train=True, report_to="none")
+    args.fsdp = ["full_shard"]  # as a two-process launch has it (one process refuses --fsdp outright)
+    data = DataArguments(dataset_name=synthetic_dataset_dir, hard_negative_column="caption_choices")
+    with pytest.raises(ValueError, match="--hard_negative_column with --fsdp is not supported"):
+        setup_run(ModelArguments(model_preset="tiny"), data, args)
 
 
 def test_torchrun_drop_last_reads_each_sample_at_most_once_and_bf16_autocasts(

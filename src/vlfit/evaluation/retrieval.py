@@ -21,6 +21,7 @@ from vlfit.data.batch import BadSample, Batch
 from vlfit.data.hard_negatives import label_to_index
 from vlfit.evaluation.metrics import matching_accuracy, pooled_recall_at_k
 from vlfit.models.family import ModelFamily
+from vlfit.models.sharding import unsharded
 
 logger = logging.getLogger(__name__)
 
@@ -67,28 +68,29 @@ def embed_split(
     was_training = model.training
     model.eval()
     part = EmbeddedSplit()
-    for batch in batches:
-        part.bad_samples.extend(batch.bad_samples)
-        if not len(batch):
-            continue
-        part.positions.extend(int(position) for position in batch.positions)
-        with autocast():
-            text_embeds = family.encode_text(model, batch["input_ids"], batch["attention_mask"])
-            part.texts.append(text_embeds.float().cpu())
-            part.images.append(family.encode_image(model, batch["pixel_values"]).float().cpu())
-            batch_choices, batch_labels = batch.columns.get("caption_choices"), batch.columns.get("label")
-            if part.choices is None:
+    with unsharded(model):  # FSDP2: the towers run outside the root forward that gathers the shards
+        for batch in batches:
+            part.bad_samples.extend(batch.bad_samples)
+            if not len(batch):
                 continue
-            if not (batch_choices and batch_labels and all(batch_choices)):
-                part.choices = part.labels = None
-                continue
-            flat = [str(choice) for sample in batch_choices for choice in sample]
-            tokens = tokenizer(
-                flat, max_length=max_seq_length, truncation=True, padding="longest", return_tensors="pt"
-            ).to(device)
-            embeds = family.encode_text(model, tokens["input_ids"], tokens["attention_mask"]).float().cpu()
-            part.choices.append(embeds.view(len(batch_choices), len(batch_choices[0]), -1))
-            part.labels.append(torch.tensor([label_to_index(label) for label in batch_labels]))  # type: ignore[union-attr]
+            part.positions.extend(int(position) for position in batch.positions)
+            with autocast():
+                text_embeds = family.encode_text(model, batch["input_ids"], batch["attention_mask"])
+                part.texts.append(text_embeds.float().cpu())
+                part.images.append(family.encode_image(model, batch["pixel_values"]).float().cpu())
+                batch_choices, batch_labels = batch.columns.get("caption_choices"), batch.columns.get("label")
+                if part.choices is None:
+                    continue
+                if not (batch_choices and batch_labels and all(batch_choices)):
+                    part.choices = part.labels = None
+                    continue
+                flat = [str(choice) for sample in batch_choices for choice in sample]
+                tokens = tokenizer(
+                    flat, max_length=max_seq_length, truncation=True, padding="longest", return_tensors="pt"
+                ).to(device)
+                embeds = family.encode_text(model, tokens["input_ids"], tokens["attention_mask"]).float().cpu()
+                part.choices.append(embeds.view(len(batch_choices), len(batch_choices[0]), -1))
+                part.labels.append(torch.tensor([label_to_index(label) for label in batch_labels]))  # type: ignore[union-attr]
     if was_training:
         model.train()
     return part

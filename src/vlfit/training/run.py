@@ -94,6 +94,11 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
     setup_logging(training_args)
     if not (training_args.do_train or training_args.do_eval):
         raise ValueError("nothing to do: pass --do_train and/or --do_eval")
+    if training_args.fsdp and data_args.hard_negative_column and training_args.do_train:
+        raise ValueError(
+            "--hard_negative_column with --fsdp is not supported: hard negatives are embedded outside the model's "
+            "forward, where FSDP holds only shards of the weights; drop one of the two"
+        )
     set_seed(training_args.seed)
     extra_columns = tuple(dict.fromkeys([*EVAL_COLUMNS, *filter(None, [data_args.hard_negative_column])]))
     splits = open_splits(

@@ -39,6 +39,7 @@ from vlfit.efficiency.flops import count_flops
 from vlfit.evaluation.retrieval import EmbeddedSplit, evaluate_retrieval
 from vlfit.models.family import ModelFamily
 from vlfit.training.bad_sample_ledger import BadSampleLedger, TooManyBadSamplesError, process_file_name
+from vlfit.training.fsdp import enable_fsdp_on_cpu, reshape_scalar_parameters, scalar_state_dict
 from vlfit.training.gradient_cache import gradient_cached_backward
 from vlfit.training.throughput import ThroughputMeter
 from vlfit.training.unfreeze import temporarily_trainable
@@ -80,6 +81,7 @@ class VlfitTrainer(Trainer):
         self.throughput = ThroughputMeter(self.args.world_size)
         self.bad_samples = BadSampleLedger(max_bad_fraction, log=True)
         self.flops_per_sample: float | None = None
+        self._scalar_parameters: list[str] = []  # reshaped for fully_shard (FSDP runs)
         self._feed_source: Any = None
         self._feed: DeviceFeed | None = None
         self._staging_run_dir: str | None = None
@@ -94,6 +96,11 @@ class VlfitTrainer(Trainer):
     def _model_dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        if self.args.fsdp_plugin_args is not None and enable_fsdp_on_cpu(self.accelerator, self.args.fsdp_plugin_args):
+            self.is_fsdp_enabled = True
+
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         # The clock starts with training, not with construction; --throughput_warmup_steps leaves out the first steps.
         self.throughput = ThroughputMeter(self.args.world_size, getattr(self.args, "throughput_warmup_steps", 0))
@@ -105,10 +112,19 @@ class VlfitTrainer(Trainer):
         if isinstance(checkpoint, str):
             # Batches before the checkpoint are skipped without being read: their bad samples come from the ledger.
             self.bad_samples.load(checkpoint, self.args.process_index)
+        if self.is_fsdp_enabled and not self._scalar_parameters:
+            self._scalar_parameters = reshape_scalar_parameters(self.model)
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
             self._close_feed()
+
+    def _save(self, output_dir: str | None = None, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        if self._scalar_parameters:
+            if state_dict is None:
+                state_dict = self.accelerator.get_state_dict(self.model)
+            state_dict = scalar_state_dict(state_dict, self._scalar_parameters)
+        super()._save(output_dir, state_dict=state_dict)
 
     def _close_feed(self) -> None:
         """Let go of the training batches' iterator, so its loader workers stop now, while this process is in a
