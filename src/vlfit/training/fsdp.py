@@ -65,4 +65,3 @@ def scalar_state_dict(state_dict: dict[str, torch.Tensor], names: list[str]) -> 
     """``state_dict`` with the parameters ``reshape_scalar_parameters`` reshaped given their 0-d shape back (a
     checkpoint any loader reads)."""
     return {key: value.reshape(()) if key in names else value for key, value in state_dict.items()}
-
