@@ -152,10 +152,10 @@ def test_fsdp_on_two_cpu_processes_shards_trains_as_ddp_and_saves_a_checkpoint_e
 ):
     def flags(out: Path) -> list[str]:
         return [*_common(synthetic_dataset_dir, out), "--max_steps", "4", "--logging_steps", "1",
-                "--dataloader_num_workers", "0", "--do_eval"]  # fmt: skip
+                "--dataloader_num_workers", "0"]  # fmt: skip
 
     ddp = _torchrun_train(tmp_path / "ddp", flags(tmp_path / "ddp-model"))
-    fsdp = _torchrun_train(tmp_path / "fsdp", [*flags(tmp_path / "model"), *FSDP_FLAGS])
+    fsdp = _torchrun_train(tmp_path / "fsdp", [*flags(tmp_path / "model"), *FSDP_FLAGS, "--do_eval"])
     # Each process held shards (DTensors), not whole parameters; the losses are DDP's.
     assert all(r["sharded_parameters"] > 0 for r in fsdp) and all(r["sharded_parameters"] == 0 for r in ddp)
     for d, f in zip(ddp, fsdp, strict=True):
