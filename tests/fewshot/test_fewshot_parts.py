@@ -132,3 +132,31 @@ def test_every_method_runs_on_the_dual_encoders(preset, labelled_dataset_dir, tm
     assert all(0 <= run.accuracy <= 1 for run in results.runs)
     # SetFit tuned the image tower and put its weights back.
     assert all(torch.equal(p, before[name]) for name, p in loaded.bundle.model.named_parameters())
+
+
+def test_a_saved_setfit_classifier_reloads_to_the_labels_it_gave_in_memory(labelled_checkpoint, labelled_dataset_dir,
+                                                                            tmp_path) -> None:  # fmt: skip
+    from vlfit.fewshot.classifier import Classifier, ClassifierInfo, save_classifier
+    from vlfit.fewshot.images import decode_rows, embed_pixels
+
+    loaded = load_checkpoint(str(labelled_checkpoint))
+    train, evaluation = labelled_splits(labelled_dataset_dir, train_split="train", eval_split="test",
+                                        label_column="kind")  # fmt: skip
+    settings = FewShotSettings(shot_counts=[2], seeds=[0], methods=["setfit"],
+                               setfit=SetFitSettings(steps=3, learning_rate=1e-3))  # fmt: skip
+    kept = run_fewshot(loaded, train, evaluation, settings, keep_largest=True, log=lambda line: None).kept
+    (classifier,) = kept.values()
+    # The tuned image tower, as the command puts it into the saved checkpoint, and its labels in memory.
+    parameters = dict(loaded.image_tower.named_parameters())
+    with torch.no_grad():
+        for name, weight in classifier.image_weights.items():
+            parameters[name].copy_(weight)
+    pixels = decode_rows(evaluation.source, range(len(evaluation)), loaded.spec).stacked(range(len(evaluation)))
+    in_memory = classifier.head.predict(embed_pixels(loaded.image_tower, pixels)).tolist()
+    info = ClassifierInfo("setfit", train.class_names, "kind", 2, 0, classifier.run.head, classifier.run.accuracy,
+                          [], str(labelled_checkpoint))  # fmt: skip
+    save_classifier(str(tmp_path / "clf"), loaded.bundle.save, classifier.head, info)
+    reloaded = Classifier(str(tmp_path / "clf"))
+    predictions = reloaded.predict(pixels, [str(i) for i in range(len(pixels))])
+    assert [train.class_names.index(p.label) for p in predictions] == in_memory
+    assert classifier.run.accuracy == pytest.approx(float((np.array(in_memory) == evaluation.labels).mean()))
