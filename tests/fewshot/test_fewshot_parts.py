@@ -147,10 +147,7 @@ def test_a_saved_setfit_classifier_reloads_to_the_labels_it_gave_in_memory(label
     kept = run_fewshot(loaded, train, evaluation, settings, keep_largest=True, log=lambda line: None).kept
     (classifier,) = kept.values()
     # The tuned image tower, as the command puts it into the saved checkpoint, and its labels in memory.
-    parameters = dict(loaded.image_tower.named_parameters())
-    with torch.no_grad():
-        for name, weight in classifier.image_weights.items():
-            parameters[name].copy_(weight)
+    classifier.image_weights.restore()
     pixels = decode_rows(evaluation.source, range(len(evaluation)), loaded.spec).stacked(range(len(evaluation)))
     in_memory = classifier.head.predict(embed_pixels(loaded.image_tower, pixels)).tolist()
     info = ClassifierInfo("setfit", train.class_names, "kind", 2, 0, classifier.run.head, classifier.run.accuracy,

@@ -7,7 +7,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import torch
 from transformers import HfArgumentParser
 
 from vlfit.fewshot.experiment import METHODS, FewShotSettings
@@ -156,10 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         best = results.best()
         kept = results.kept[(best.method, best.shots, best.seed)]
         if kept.image_weights is not None:  # SetFit's tuned image tower goes into the saved checkpoint
-            parameters = dict(loaded.image_tower.named_parameters())
-            with torch.no_grad():
-                for name, weight in kept.image_weights.items():
-                    parameters[name].copy_(weight)
+            kept.image_weights.restore()
         info = ClassifierInfo(
             method=best.method,
             class_names=train.class_names,

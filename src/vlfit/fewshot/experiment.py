@@ -19,8 +19,10 @@ from vlfit.fewshot.heads import (
     DEFAULT_C,
     LinearHead,
     anchored_candidates,
+    anchored_name,
     choose_head,
     logistic_candidates,
+    logistic_name,
     zeroshot_head,
 )
 from vlfit.fewshot.images import decode_rows, embed_pixels
@@ -82,11 +84,12 @@ class MethodRun:
 
 @dataclass
 class KeptClassifier:
-    """A run's classifier, kept for ``--save_classifier``: its head, and for SetFit the tuned image weights."""
+    """A run's classifier, kept for ``--save_classifier``: its head, and for SetFit the tuned image weights
+    (``image_weights.restore()`` puts them into the image tower)."""
 
     run: MethodRun
     head: LinearHead
-    image_weights: dict[str, torch.Tensor] | None = None
+    image_weights: WeightSnapshot | None = None
 
 
 @dataclass
@@ -171,10 +174,13 @@ def run_fewshot(
     kept: dict[tuple[str, int, int], KeptClassifier] = {}
     largest, first_seed = max(settings.shot_counts), settings.seeds[0]
 
-    def record(run: MethodRun, head: LinearHead, weights: dict[str, torch.Tensor] | None = None) -> None:
+    def keeps(shots: int, seed: int) -> bool:
+        return keep_largest and seed == first_seed and shots in (0, largest)
+
+    def record(run: MethodRun, head: LinearHead, weights: WeightSnapshot | None = None) -> None:
         runs.append(run)
         log(f"{run.method:>12}  shots {run.shots:>3}  seed {run.seed}  accuracy {run.accuracy:.3f}  ({run.head})")
-        if keep_largest and run.seed == first_seed and run.shots in (0, largest):
+        if keeps(run.shots, run.seed):
             kept[(run.method, run.shots, run.seed)] = KeptClassifier(run, head, weights)
 
     anchor = None
@@ -206,7 +212,7 @@ def run_fewshot(
                 started = time.perf_counter()
                 embeddings = embed_pixels(tower, drawn.pixels, settings.batch_size)
                 head, name = choose_head(
-                    embeddings, drawn.labels, logistic_candidates(num_classes), f"logistic C={DEFAULT_C:g}", seed
+                    embeddings, drawn.labels, logistic_candidates(num_classes), logistic_name(DEFAULT_C), seed
                 )
                 seconds = time.perf_counter() - started
                 record(
@@ -220,15 +226,13 @@ def run_fewshot(
                 embeddings = embed_pixels(tower, drawn.pixels, settings.batch_size)
                 tuned_eval = embed_pixels(tower, eval_pixels, settings.batch_size)
                 candidates = logistic_candidates(num_classes)
-                fallback = f"logistic C={DEFAULT_C:g}"
+                fallback = logistic_name(DEFAULT_C)
                 if anchor is not None and settings.anchor_setfit_head:
                     candidates.update(anchored_candidates(anchor))
-                    fallback = f"anchored strength={DEFAULT_ANCHOR_STRENGTH:g}"
+                    fallback = anchored_name(DEFAULT_ANCHOR_STRENGTH)
                 head, name = choose_head(embeddings, drawn.labels, candidates, fallback, seed)
                 seconds = time.perf_counter() - started
-                weights = None
-                if keep_largest and seed == first_seed and shots == largest:
-                    weights = {key: p.detach().clone() for key, p in parameters.items()}
+                weights = WeightSnapshot(parameters) if keeps(shots, seed) else None
                 record(
                     MethodRun("setfit", shots, seed, accuracy(head, tuned_eval, eval_labels), name, seconds),
                     head,

@@ -102,17 +102,24 @@ def anchored_head(
     return LinearHead(weight.detach(), bias.detach())
 
 
+def logistic_name(c: float) -> str:
+    """A plain logistic head's candidate name (what results report as its head)."""
+    return f"logistic C={c:g}"
+
+
+def anchored_name(strength: float) -> str:
+    """An anchored head's candidate name."""
+    return f"anchored strength={strength:g}"
+
+
 def logistic_candidates(num_classes: int) -> dict[str, HeadFit]:
     """Plain logistic regression at each ``C`` of ``C_GRID``, by name."""
-    return {f"logistic C={c:g}": (lambda x, y, c=c: sklearn_logistic_head(x, y, c, num_classes)) for c in C_GRID}
+    return {logistic_name(c): (lambda x, y, c=c: sklearn_logistic_head(x, y, c, num_classes)) for c in C_GRID}
 
 
 def anchored_candidates(anchor: LinearHead, strengths: Sequence[float] = ANCHOR_STRENGTHS) -> dict[str, HeadFit]:
     """Logistic regression anchored at the zero-shot head, at each of ``strengths``, by name."""
-    return {
-        f"anchored strength={strength:g}": (lambda x, y, s=strength: anchored_head(x, y, anchor, s))
-        for strength in strengths
-    }
+    return {anchored_name(s): (lambda x, y, s=s: anchored_head(x, y, anchor, s)) for s in strengths}
 
 
 def cross_validated_scores(

@@ -67,14 +67,15 @@ def labelled_splits(
             training split holds fewer than two classes, or the evaluation split holds a class the training split
             lacks.
     """
-    from vlfit.inference.collection import open_dataset_split
+    from vlfit.inference.collection import open_dataset_splits
 
-    sources = {
-        split: open_dataset_split(
-            dataset_name, split, image_column=image_column, caption_column=label_column, caption_role="label"
-        )
-        for split in dict.fromkeys((train_split, eval_split))
-    }
+    sources = open_dataset_splits(
+        dataset_name,
+        list(dict.fromkeys((train_split, eval_split))),
+        image_column=image_column,
+        caption_column=label_column,
+        caption_role="label",
+    )
     train_source, eval_source = sources[train_split], sources[eval_split]
     train_names, eval_names = _row_names(train_source, label_column), _row_names(eval_source, label_column)
     present = set(train_names)

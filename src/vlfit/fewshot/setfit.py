@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from vlfit.models.trainable import temporarily_trainable
+
 # Random crops keep this share of the image area, at most and at least.
 CROP_AREA = (0.5, 1.0)
 
@@ -47,16 +49,13 @@ class SetFitSettings:
 def image_parameters(image_tower: nn.Module, probe: torch.Tensor) -> dict[str, nn.Parameter]:
     """The parameters the image embedding of ``probe`` (uint8 ``[1, 3, H, W]``) depends on, by name."""
     parameters = dict(image_tower.named_parameters())
-    flags = {name: p.requires_grad for name, p in parameters.items()}
     for p in parameters.values():
-        p.requires_grad_(True)
         p.grad = None
-    with torch.enable_grad():
+    with temporarily_trainable(parameters.values()), torch.enable_grad():
         image_tower(probe).sum().backward()
     used = {name: p for name, p in parameters.items() if p.grad is not None}
-    for name, p in parameters.items():
+    for p in parameters.values():
         p.grad = None
-        p.requires_grad_(flags[name])
     return used
 
 
@@ -123,33 +122,30 @@ def tune_image_tower(
     generator = torch.Generator().manual_seed(seed)
     labels_t = torch.as_tensor(labels, dtype=torch.long)
     optimizer = torch.optim.AdamW(parameters.values(), lr=settings.learning_rate, weight_decay=0.0)
-    flags = {name: p.requires_grad for name, p in parameters.items()}
-    for p in parameters.values():
-        p.requires_grad_(True)
     order = torch.randperm(len(pixels), generator=generator)
     cursor = 0
     losses = []
     image_tower.train()
     try:
-        for _ in range(settings.steps):
-            if cursor + settings.batch_size > len(order) and cursor:
-                order, cursor = torch.randperm(len(pixels), generator=generator), 0
-            batch = order[cursor : cursor + settings.batch_size]
-            cursor += len(batch)
-            images, batch_labels = pixels[batch], labels_t[batch]
-            if settings.augment:
-                images = torch.cat([random_view(images, generator), random_view(images, generator)])
-                batch_labels = torch.cat([batch_labels, batch_labels])
-            with torch.enable_grad():
-                loss = pair_loss(image_tower(images), batch_labels)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-            nn.utils.clip_grad_norm_(parameters.values(), 1.0)
-            optimizer.step()
-            losses.append(float(loss.detach()))
+        with temporarily_trainable(parameters.values()):
+            for _ in range(settings.steps):
+                if cursor + settings.batch_size > len(order) and cursor:
+                    order, cursor = torch.randperm(len(pixels), generator=generator), 0
+                batch = order[cursor : cursor + settings.batch_size]
+                cursor += len(batch)
+                images, batch_labels = pixels[batch], labels_t[batch]
+                if settings.augment:
+                    images = torch.cat([random_view(images, generator), random_view(images, generator)])
+                    batch_labels = torch.cat([batch_labels, batch_labels])
+                with torch.enable_grad():
+                    loss = pair_loss(image_tower(images), batch_labels)
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                nn.utils.clip_grad_norm_(parameters.values(), 1.0)
+                optimizer.step()
+                losses.append(float(loss.detach()))
     finally:
         image_tower.eval()
-        for name, p in parameters.items():
+        for p in parameters.values():
             p.grad = None
-            p.requires_grad_(flags[name])
     return losses

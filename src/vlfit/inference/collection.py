@@ -149,14 +149,34 @@ def open_dataset_split(
     Raises:
         ValueError: when the split does not exist.
     """
+    (source,) = open_dataset_splits(
+        dataset_name, [split], image_column=image_column, caption_column=caption_column, caption_role=caption_role
+    ).values()
+    return source
+
+
+def open_dataset_splits(
+    dataset_name: str,
+    splits: Sequence[str],
+    *,
+    image_column: str = "image",
+    caption_column: str | None = "image_description",
+    caption_role: str = "caption",
+) -> dict[str, ImageTextSource]:
+    """Several splits of a dataset, opened once (as ``open_dataset_split`` opens one).
+
+    Raises:
+        ValueError: when a split does not exist.
+    """
     from vlfit.data.sources import open_splits  # only here: it imports the datasets library
 
-    splits = open_splits(
+    opened = open_splits(
         dataset_name=dataset_name, image_column=image_column, caption_column=caption_column, caption_role=caption_role
     )
-    if split not in splits:
-        raise ValueError(f"{dataset_name} has no split {split!r}; its splits: {', '.join(splits)}")
-    return splits[split]
+    for split in splits:
+        if split not in opened:
+            raise ValueError(f"{dataset_name} has no split {split!r}; its splits: {', '.join(opened)}")
+    return {split: opened[split] for split in splits}
 
 
 @dataclass

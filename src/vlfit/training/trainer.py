@@ -38,11 +38,11 @@ from vlfit.data.pipeline import DeviceFeed, InputPipeline, LoaderSettings
 from vlfit.efficiency.flops import count_flops
 from vlfit.evaluation.retrieval import EmbeddedSplit, evaluate_retrieval
 from vlfit.models.family import ModelFamily
+from vlfit.models.trainable import temporarily_trainable
 from vlfit.training.bad_sample_ledger import BadSampleLedger, TooManyBadSamplesError, process_file_name
 from vlfit.training.fsdp import enable_fsdp_on_cpu, reshape_scalar_parameters, scalar_state_dict
 from vlfit.training.gradient_cache import gradient_cached_backward
 from vlfit.training.throughput import ThroughputMeter
-from vlfit.training.unfreeze import temporarily_trainable
 
 # Checkpoints are staged in ``<output_dir>/.partial-checkpoint-N/checkpoint-N``: the name matches neither
 # ``get_last_checkpoint``'s ``^checkpoint-\d+$`` nor the ``checkpoint-*`` glob of checkpoint rotation.

@@ -11,27 +11,14 @@ would never be averaged across processes once unfrozen.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
 from transformers import TrainerCallback
 
 logger = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def temporarily_trainable(parameters: Sequence[nn.Parameter]) -> Iterator[None]:
-    """Parameters marked trainable for the duration (so that the Trainer puts them into its optimizer)."""
-    for parameter in parameters:
-        parameter.requires_grad_(True)
-    try:
-        yield
-    finally:
-        for parameter in parameters:
-            parameter.requires_grad_(False)
 
 
 class UnfreezeCallback(TrainerCallback):
