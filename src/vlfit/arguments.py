@@ -14,6 +14,7 @@ from transformers import TrainingArguments
 from vlfit.compat_flags import CompatDataFlags, CompatTrainingFlags
 from vlfit.data.bad_samples import BAD_SAMPLE_POLICIES, MIN_SAMPLES_FOR_BAD_FRACTION
 from vlfit.data.image_transforms import IMAGE_PIPELINES
+from vlfit.errors import ConfigError
 from vlfit.launch import prepare_launch
 from vlfit.models.lora import LoraSettings
 from vlfit.models.registry import family_for_preset, preset_names
@@ -137,18 +138,18 @@ class ModelArguments:
             family_for_preset(self.model_preset)  # an unknown name fails here, before any data is opened
         unknown = sorted(set(self.frozen_towers()) - set(TOWERS))
         if unknown:
-            raise ValueError(f"--freeze {','.join(unknown)}: unknown tower; choose from {', '.join(TOWERS)}")
+            raise ConfigError(f"--freeze {','.join(unknown)}: unknown tower; choose from {', '.join(TOWERS)}")
         if self.unfreeze_after_steps is not None:
             if not self.frozen_towers():
-                raise ValueError("--unfreeze_after_steps needs a frozen tower (--freeze text|vision|cross)")
+                raise ConfigError("--unfreeze_after_steps needs a frozen tower (--freeze text|vision|cross)")
             if int(self.unfreeze_after_steps) < 1:
-                raise ValueError(f"--unfreeze_after_steps must be at least 1, got {self.unfreeze_after_steps}")
+                raise ConfigError(f"--unfreeze_after_steps must be at least 1, got {self.unfreeze_after_steps}")
             if self.lora_r is not None:
-                raise ValueError("--unfreeze_after_steps with --lora_r: LoRA trains its adapters only; drop one")
+                raise ConfigError("--unfreeze_after_steps with --lora_r: LoRA trains its adapters only; drop one")
         if self.lora_r is not None and int(self.lora_r) < 1:
-            raise ValueError(f"--lora_r must be at least 1, got {self.lora_r}")
+            raise ConfigError(f"--lora_r must be at least 1, got {self.lora_r}")
         if self.lora_r is None and (self.lora_target or self.lora_alpha is not None):
-            raise ValueError("--lora_target and --lora_alpha need --lora_r (the adapters' rank)")
+            raise ConfigError("--lora_target and --lora_alpha need --lora_r (the adapters' rank)")
 
     def frozen_towers(self) -> tuple[str, ...]:
         """The towers ``--freeze`` and ``--freeze_vision_model`` / ``--freeze_text_model`` name."""
@@ -253,16 +254,16 @@ class DataArguments(CompatDataFlags, DataLocationArguments):
 
     def __post_init__(self) -> None:
         if self.image_pipeline not in IMAGE_PIPELINES:
-            raise ValueError(
+            raise ConfigError(
                 f"unknown --image_pipeline {self.image_pipeline!r}; choose one of: {', '.join(IMAGE_PIPELINES)}"
             )
         if self.bad_sample_policy not in BAD_SAMPLE_POLICIES:
-            raise ValueError(
+            raise ConfigError(
                 f"unknown --bad_sample_policy {self.bad_sample_policy!r}; choose one of: "
                 f"{', '.join(BAD_SAMPLE_POLICIES)}"
             )
         if not 0.0 <= self.max_bad_fraction <= 1.0:
-            raise ValueError(f"--max_bad_fraction must be between 0 and 1, got {self.max_bad_fraction}")
+            raise ConfigError(f"--max_bad_fraction must be between 0 and 1, got {self.max_bad_fraction}")
         if self.mediapipe_dataloader:
             self.decode_on_device = True  # run_bridgetower.py's device-side decode (Gaudi MediaPipe) -> nvJPEG
 
@@ -312,43 +313,43 @@ class VlfitTrainingArguments(CompatTrainingFlags, TrainingArguments):
 
     def __post_init__(self) -> None:
         if self.contrastive_loss not in CONTRASTIVE_LOSSES:
-            raise ValueError(
+            raise ConfigError(
                 f"unknown --contrastive_loss {self.contrastive_loss!r}; choose one of: {', '.join(CONTRASTIVE_LOSSES)}"
             )
         if self.contrastive_negatives not in CONTRASTIVE_NEGATIVES:
-            raise ValueError(
+            raise ConfigError(
                 f"unknown --contrastive_negatives {self.contrastive_negatives!r}; choose one of: "
                 f"{', '.join(CONTRASTIVE_NEGATIVES)}"
             )
         if self.gradient_cache_chunk_size is not None:
             chunk = self.gradient_cache_chunk_size
             if int(chunk) < 1:
-                raise ValueError(f"--gradient_cache_chunk_size must be at least 1, got {chunk}")
+                raise ConfigError(f"--gradient_cache_chunk_size must be at least 1, got {chunk}")
             if int(self.gradient_accumulation_steps) > 1:
-                raise ValueError(
+                raise ConfigError(
                     "--gradient_cache_chunk_size with --gradient_accumulation_steps > 1: accumulation would split the "
                     "contrastive batch into independent ones, which caching exists to avoid; raise "
                     "--per_device_train_batch_size instead and drop --gradient_accumulation_steps"
                 )
         if self.enable_jit_checkpoint:
             # transformers' SIGTERM handler would be replaced by vlfit's PreemptionCallback, which does the same job.
-            raise ValueError(
+            raise ConfigError(
                 "--enable_jit_checkpoint is not needed: vlfit already saves a checkpoint when SIGTERM or SIGINT "
                 "arrives and resumes from it when the same command is run again; drop the flag"
             )
         for name, low in LOWEST_COUNTS.items():
             value = getattr(self, name)
             if isinstance(value, int) and value < low:  # values from a flags file are not converted to int
-                raise ValueError(f"--{name} must be at least {low}, got {value}")
+                raise ConfigError(f"--{name} must be at least {low}, got {value}")
         prepare_launch(self)  # before TrainingArguments.__post_init__ sets up devices and the process group
         super().__post_init__()
         if self.fsdp and self.device.type == "cpu" and self.world_size < 2:
-            raise ValueError(
+            raise ConfigError(
                 "--fsdp shards the model over processes: launch at least two (torchrun --nproc_per_node 2 ...) or "
                 "drop --fsdp"
             )
         if self.fsdp and self.gradient_cache_chunk_size:
-            raise ValueError(
+            raise ConfigError(
                 "--gradient_cache_chunk_size with --fsdp is not supported (its second pass per chunk is untested "
                 "under sharding); drop one of the two"
             )

@@ -1,9 +1,10 @@
 """The ``vlfit`` command: dispatches ``vlfit <command> [flags]`` to one module per command.
 
 A user mistake (a missing column, a path that does not exist, an unknown preset, a batch size of 0, a bad sample)
-ends as one line on stderr, ``vlfit <command>: error: <message>``, with exit code 2, as argparse reports a bad
-flag; ``--debug`` anywhere on the command line shows its traceback instead. Anything else is a bug and keeps its
-traceback. See ``is_user_mistake`` for where the line is drawn.
+is a ``vlfit.errors.UserError`` wherever it was raised (a DataLoader worker re-raises it with its type): it ends as
+one line on stderr, ``vlfit <command>: error: <message>``, with exit code 2, as argparse reports a bad flag;
+``--debug`` anywhere on the command line shows its traceback instead. Anything else is a bug and keeps its
+traceback.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import importlib
 import re
 import sys
-from types import TracebackType
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "make-data": ("vlfit.commands.make_data", "write a synthetic New-Yorker-like captioned dataset"),
@@ -32,27 +32,11 @@ DEBUG_FLAG = "--debug"
 # Exit code of a user mistake: argparse's, so scripts see the same code for a bad flag and a bad value.
 USAGE_ERROR_EXIT_CODE = 2
 
-# vlfit's errors about the user's data: whoever raised them (a DataLoader worker, a process pool), the message names
-# the sample or file and the fix. Looked up only in modules already imported: an error cannot come from a module that
-# never was, and importing the data pipeline to report a bad flag would take seconds.
-DATA_ERROR_TYPES: dict[str, tuple[str, ...]] = {
-    "vlfit.data.bad_samples": ("BadSampleError", "BadCaptionError"),
-    "vlfit.training.bad_sample_ledger": ("TooManyBadSamplesError",),
-    "vlfit.data.records": ("BadRecordError",),
-    "vlfit.data.prepare": ("PrepareError", "ManifestMismatchError"),
-}
-# Where a ValueError is a check on what the user gave: vlfit's own code (its raises are checks whose message names
-# the flag, the file or the sample), argument parsing (HfArgumentParser, TrainingArguments) and the libraries that
-# open datasets. A ValueError from anywhere else (torch, numpy, a model's forward) is a bug.
-VALUE_ERROR_MODULES = ("vlfit", "transformers.hf_argparser", "transformers.training_args", "datasets", "pyarrow")
-# transformers reports a model folder or hub id it cannot find as an OSError (not a FileNotFoundError).
-OS_ERROR_MODULES = ("transformers.utils.hub",)
-
 
 def usage() -> str:
     width = max(len(name) for name in COMMANDS)
     lines = [
-        "usage: vlfit <command> [flags] [--debug]   (vlfit <command> --help for its flags)",
+        "usage: vlfit <command> [flags] [--debug]   (vlfit <command> --help for its flags; vlfit --version)",
         "",
         "commands:",
         *(f"  {name:<{width}}  {help_text}" for name, (_, help_text) in COMMANDS.items()),
@@ -90,50 +74,6 @@ def _is_training_debug_value(arg: str) -> bool:
     return all(word in options for word in arg.split())
 
 
-def _raising_module(err: BaseException) -> str:
-    """The module whose code raised ``err`` (the innermost frame of its traceback)."""
-    tb: TracebackType | None = err.__traceback__
-    if tb is None:
-        return ""
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    return str(tb.tb_frame.f_globals.get("__name__", ""))
-
-
-def _in_modules(module: str, prefixes: tuple[str, ...]) -> bool:
-    return any(module == prefix or module.startswith(prefix + ".") for prefix in prefixes)
-
-
-def _is_data_error(err: BaseException) -> bool:
-    for module_name, names in DATA_ERROR_TYPES.items():
-        module = sys.modules.get(module_name)
-        if module is not None and isinstance(err, tuple(getattr(module, name) for name in names)):
-            return True
-    return False
-
-
-def is_user_mistake(err: BaseException) -> bool:
-    """Whether ``err`` reports something the user gave wrong, rather than a bug.
-
-    User mistakes:
-
-    - vlfit's errors about the data (``DATA_ERROR_TYPES``: bad samples, too many of them, unreadable records,
-      ``vlfit prepare``'s), wherever they were raised;
-    - a ``FileNotFoundError`` or ``NotADirectoryError``: a path the user gave, wherever it was opened;
-    - a ``ValueError`` raised by one of vlfit's checks, by argument parsing or while opening a dataset
-      (``VALUE_ERROR_MODULES``);
-    - an ``OSError`` of transformers that cannot find a model folder or hub id.
-
-    Anything else is a bug.
-    """
-    if _is_data_error(err) or isinstance(err, (FileNotFoundError, NotADirectoryError)):
-        return True
-    module = _raising_module(err)
-    if isinstance(err, ValueError):
-        return _in_modules(module, VALUE_ERROR_MODULES)
-    return isinstance(err, OSError) and _in_modules(module, OS_ERROR_MODULES)
-
-
 def error_line(err: BaseException) -> str:
     """The message of ``err`` on one line.
 
@@ -156,18 +96,28 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
         return 0
+    if argv[0] in ("-V", "--version"):
+        from vlfit import __version__
+
+        print(f"vlfit {__version__}")
+        return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
         print(f"vlfit: unknown command {command!r}; choose one of: {', '.join(COMMANDS)}\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[command][0])
+    from vlfit.errors import UserError, set_cli_wording
+
+    previous = set_cli_wording(True)  # messages name options as the flags of this command line
     try:
+        module = importlib.import_module(COMMANDS[command][0])
         code = int(module.main(rest) or 0)
-    except Exception as err:
-        if debug or not is_user_mistake(err):
+    except UserError as err:
+        if debug:
             raise
         print(f"vlfit {command}: error: {error_line(err)}", file=sys.stderr)
         return USAGE_ERROR_EXIT_CODE
+    finally:
+        set_cli_wording(previous)
     # A process group left to interpreter exit can abort the process after its work is done (gloo's worker threads
     # outlive the interpreter: SIGABRT, pytorch#190489). Only after a normal return: a process that raised may
     # have peers still inside a collective, which destroying the group could hang.

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from accelerate.utils import parse_flag_from_env
 
+from vlfit.errors import ConfigError
+
 CPU_BACKENDS = ("gloo", "mpi")
 
 
@@ -52,7 +54,7 @@ def prepare_launch(args: Any) -> None:
     backend = args.ddp_backend
     if backend is not None and backend not in CPU_BACKENDS:
         reason = "this machine has no GPU" if not torch.cuda.is_available() else "the run is on CPUs (--use_cpu)"
-        raise ValueError(
+        raise ConfigError(
             f"--ddp_backend {backend} needs GPUs and {reason}: use --ddp_backend gloo, or leave it unset "
             "(gloo on CPUs, nccl on NVIDIA GPUs)"
         )
@@ -68,7 +70,7 @@ def _init_gloo(world: int, timeout: int) -> None:
     rank = os.environ.get("RANK", "?")
     address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not address or not port:
-        raise ValueError(
+        raise ConfigError(
             f"WORLD_SIZE={world} but MASTER_ADDR/MASTER_PORT are not set: start the processes with torchrun or "
             "accelerate launch, or set MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE yourself"
         )

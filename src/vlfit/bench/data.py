@@ -26,6 +26,7 @@ import numpy as np
 from vlfit.data.memory_source import MemorySource
 from vlfit.data.records import EVAL_COLUMNS, Record
 from vlfit.data.synthetic import SyntheticConfig, make_record
+from vlfit.errors import DataError
 
 
 @functools.cache
@@ -69,7 +70,7 @@ def synthetic_source(
         The samples, ids ``synthetic-{seed}-{index}``.
     """
     if num_samples < 1:
-        raise ValueError(f"--num_samples must be at least 1, got {num_samples}")
+        raise DataError(f"--num_samples must be at least 1, got {num_samples}")
     config = SyntheticConfig(
         num_samples=max(num_samples, 3),
         validation_fraction=0.0,
@@ -112,7 +113,7 @@ def dataset_source(
         ValueError: when the split is missing or empty, or the ``datasets`` package is not installed.
     """
     if not datasets_available():
-        raise ValueError(
+        raise DataError(
             "--dataset_name and the --*_file flags need the `datasets` package; install it, or leave them out to "
             "benchmark on synthetic data"
         )
@@ -120,10 +121,10 @@ def dataset_source(
 
     splits = open_splits(**location, cache_dir=cache_dir, token=token, extra_columns=EVAL_COLUMNS)
     if split not in splits:
-        raise ValueError(f"split {split!r} not found; the data has: {', '.join(splits) or 'none'}")
+        raise DataError(f"split {split!r} not found; the data has: {', '.join(splits) or 'none'}")
     source = splits[split]
     if len(source) == 0:
-        raise ValueError(f"split {split!r} is empty")
+        raise DataError(f"split {split!r} is empty")
     return source.select(range(min(num_samples, len(source))))
 
 
@@ -147,7 +148,7 @@ def prepared_source(source: Any, *, image_size: int, cache_dir: str, key: str, n
         ValueError: when the ``datasets`` package is not installed.
     """
     if not datasets_available():
-        raise ValueError("the prepared pipeline needs the `datasets` package (parquet shards); install it")
+        raise DataError("the prepared pipeline needs the `datasets` package (parquet shards); install it")
     from vlfit.data.prepare import prepare_dataset  # both import datasets, which a bare GPU machine may lack
     from vlfit.data.sources import open_splits
 

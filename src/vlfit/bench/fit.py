@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from vlfit.errors import ConfigError
 from vlfit.models.family import ModelFamily
 
 GIB = 2**30
@@ -43,7 +44,7 @@ TRAINABLE_STATE_BYTES = 4 + 8
 ACTIVATION_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
-class DoesNotFit(ValueError):
+class DoesNotFit(ConfigError):
     """Train mode would run out of memory with this model, batch and precision (raised before the sweep)."""
 
 

@@ -10,6 +10,7 @@ import torch
 from vlfit.bench.data import datasets_available
 from vlfit.bench.measure import PRECISIONS
 from vlfit.bench.selection import get_pipeline
+from vlfit.errors import ConfigError
 
 MODES: tuple[str, ...] = ("loader", "train")
 
@@ -104,15 +105,15 @@ class SweepPlan:
             get_pipeline(name)
         for mode in self.modes:
             if mode not in MODES:
-                raise ValueError(f"unknown mode {mode!r}; choose from: {', '.join(MODES)}")
+                raise ConfigError(f"unknown mode {mode!r}; choose from: {', '.join(MODES)}")
         if self.precision not in PRECISIONS:
-            raise ValueError(f"unknown precision {self.precision!r}; choose from: {', '.join(PRECISIONS)}")
+            raise ConfigError(f"unknown precision {self.precision!r}; choose from: {', '.join(PRECISIONS)}")
         if not self.pipelines or not self.workers or not self.modes:
-            raise ValueError("nothing to measure: give at least one pipeline, worker count and mode")
+            raise ConfigError("nothing to measure: give at least one pipeline, worker count and mode")
         if min(self.workers) < 0:
-            raise ValueError(f"worker counts must be >= 0, got {self.workers}")
+            raise ConfigError(f"worker counts must be >= 0, got {self.workers}")
         if min(self.prefetch_factors + self.auto_prefetch_factors) < 1:
-            raise ValueError("prefetch factors must be >= 1")
+            raise ConfigError("prefetch factors must be >= 1")
         for name, value, low in (
             ("per_device_train_batch_size", self.batch_size, 1),
             ("steps", self.steps, 1),
@@ -121,7 +122,7 @@ class SweepPlan:
             ("profile_batches", self.profile_batches, 0),
         ):
             if value < low:
-                raise ValueError(f"--{name} must be at least {low}, got {value}")
+                raise ConfigError(f"--{name} must be at least {low}, got {value}")
 
     @property
     def trains(self) -> bool:

@@ -12,6 +12,8 @@ import json
 from importlib import resources
 from typing import Any
 
+from vlfit.errors import ConfigError
+
 PUBLISHED_FILE = "published.json"
 
 
@@ -36,7 +38,7 @@ def published_figures() -> dict[str, Any]:
     for row in figures["rows"]:
         missing = [w for w in figures["workers"] if w not in row["samples_per_second"]]
         if missing:
-            raise ValueError(f"{PUBLISHED_FILE}: {row['device']} has no figure for {', '.join(missing)} workers")
+            raise ConfigError(f"{PUBLISHED_FILE}: {row['device']} has no figure for {', '.join(missing)} workers")
     return figures
 
 

@@ -16,6 +16,8 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
+from vlfit.errors import ConfigError
+
 # Rows within this fraction of the fastest count as equally fast.
 AUTO_TOLERANCE = 0.05
 WORKERS_FLAG = "--dataloader_num_workers"
@@ -59,7 +61,7 @@ def get_pipeline(name: str) -> PipelineSpec:
     try:
         return PIPELINES[name]
     except KeyError:
-        raise ValueError(f"unknown pipeline {name!r}; choose from: {', '.join(PIPELINES)}") from None
+        raise ConfigError(f"unknown pipeline {name!r}; choose from: {', '.join(PIPELINES)}") from None
 
 
 def samples_per_second(row: dict[str, Any]) -> float | None:

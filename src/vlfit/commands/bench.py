@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import HfArgumentParser
+from vlfit.commands.parsing import CommandParser
 
 from vlfit.arguments import DataLocationArguments, ModelArguments
 from vlfit.bench.data import dataset_source, datasets_available, source_key, synthetic_source
@@ -33,6 +33,7 @@ from vlfit.bench.report import finalize, format_terminal
 from vlfit.bench.selection import PIPELINES, get_pipeline
 from vlfit.bench.session import BenchSession
 from vlfit.bench.sweep import run_sweep
+from vlfit.errors import ConfigError
 from vlfit.models.loading import ModelBlueprint, build_model, resolve_model
 
 logger = logging.getLogger("vlfit.bench")
@@ -115,13 +116,13 @@ class BenchArguments:
     )
 
 
-def parser() -> HfArgumentParser:
+def parser() -> CommandParser:
     """The flags of ``vlfit bench``: ``vlfit train``'s model and data-location flags, then the bench's own.
 
     ``--cache_dir`` is where downloads are cached, as in ``vlfit train``; the bench also keeps the prepared copy of
     the samples there for later runs (without it, in a temporary folder).
     """
-    return HfArgumentParser(
+    return CommandParser(
         (ModelArguments, DataLocationArguments, BenchArguments), prog="vlfit bench", description=__doc__
     )
 
@@ -130,9 +131,9 @@ def _ints(text: str, flag: str) -> list[int]:
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None
+        raise ConfigError(f"{flag} takes comma-separated integers, got {text!r}") from None
     if not values:
-        raise ValueError(f"{flag} is empty")
+        raise ConfigError(f"{flag} is empty")
     return values
 
 
@@ -143,16 +144,16 @@ def _names(text: str) -> list[str]:
 def resolve_plan(args: BenchArguments, device: torch.device) -> SweepPlan:
     """The sweep the flags ask for on ``device``, with machine-dependent defaults filled in."""
     if args.bf16 and args.fp32:
-        raise ValueError("--bf16 and --fp32 exclude each other")
+        raise ConfigError("--bf16 and --fp32 exclude each other")
     for mode in _names(args.mode):
         if mode not in MODES:
-            raise ValueError(f"unknown --mode {mode!r}; choose from: {', '.join(MODES)}")
+            raise ConfigError(f"unknown --mode {mode!r}; choose from: {', '.join(MODES)}")
     precision = "bf16" if args.bf16 else "fp32" if args.fp32 else default_precision(device)
     pipelines = _names(args.pipelines) if args.pipelines else default_pipelines(device)
     for name in pipelines:
         spec = get_pipeline(name)
         if spec.prepared and not datasets_available():
-            raise ValueError("the prepared pipeline needs the `datasets` package; leave it out or install datasets")
+            raise ConfigError("the prepared pipeline needs the `datasets` package; leave it out or install datasets")
         if spec.needs_cuda and device.type != "cuda":
             logger.warning("pipeline %s on %s: the device stage decodes on the CPU, in the main process", name, device)
     return SweepPlan(

@@ -7,9 +7,10 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from transformers import HfArgumentParser
+from vlfit.commands.parsing import CommandParser
 
 from vlfit.atomic_files import replace_on_success
+from vlfit.errors import ConfigError
 
 
 @dataclass
@@ -33,7 +34,7 @@ class ClassifyArguments:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``vlfit classify``."""
-    parser = HfArgumentParser(
+    parser = CommandParser(
         ClassifyArguments,
         prog="vlfit classify",
         description="Print each image's label and its probability. Images that do not decode are skipped and listed.",
@@ -42,9 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_args_into_dataclasses(args=sys.argv[1:] if argv is None else argv)
     paths: list[str] = extra.images
     if bool(paths) == (args.dataset_name is not None):
-        raise ValueError("give image files or folders, or --dataset_name (with --split), not both and not neither")
+        raise ConfigError("give image files or folders, or --dataset_name (with --split), not both and not neither")
     if args.batch_size < 1:
-        raise ValueError(f"--batch_size must be at least 1, got {args.batch_size}")
+        raise ConfigError(f"--batch_size must be at least 1, got {args.batch_size}")
     from vlfit.fewshot.classifier import Classifier
     from vlfit.inference.collection import ImageFilesSource, host_batches, open_dataset_split
 
@@ -88,5 +89,5 @@ def main(argv: list[str] | None = None) -> int:
             f"accuracy against {args.label_column!r}: {correct / len(predictions):.4f} ({correct}/{len(predictions)})"
         )
     if not predictions:
-        raise ValueError(f"no image could be classified ({len(bad)} do not decode)")
+        raise ConfigError(f"no image could be classified ({len(bad)} do not decode)")
     return 0

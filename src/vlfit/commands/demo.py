@@ -11,7 +11,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from transformers import HfArgumentParser
+from vlfit.commands.parsing import CommandParser
 
 from vlfit.arguments import DataArguments, ModelArguments, VlfitTrainingArguments
 from vlfit.data.synthetic import SyntheticConfig, make_dataset, save_dataset
@@ -115,7 +115,7 @@ def synthetic_config(args: DemoArguments) -> SyntheticConfig:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``vlfit demo``."""
-    (args,) = HfArgumentParser(DemoArguments, prog="vlfit demo").parse_args_into_dataclasses(args=argv)
+    (args,) = CommandParser(DemoArguments, prog="vlfit demo").parse_args_into_dataclasses(args=argv)
     data_dir = ensure_synthetic_data(os.path.join(args.output_dir, "data"), synthetic_config(args))
     results = run(*recipe(args, data_dir))
     print(format_summary(results, args))

@@ -8,8 +8,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
-from transformers import HfArgumentParser
+from vlfit.commands.parsing import CommandParser
 
+from vlfit.errors import ConfigError
 from vlfit.inference.collection import Samples, load_samples, open_dataset_split, synthetic_source
 from vlfit.inference.export import DEFAULT_OPSET, PARITY_THRESHOLD, ExportSettings, check_output_dir, export_model
 from vlfit.inference.loading import DEFAULT_MAX_SEQ_LENGTH, load_checkpoint
@@ -86,7 +87,7 @@ def _samples(args: ExportArguments, spec) -> tuple[Samples, Samples | None]:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``vlfit export`` (``argv`` None reads ``sys.argv[1:]``)."""
-    parser = HfArgumentParser(
+    parser = CommandParser(
         ExportArguments,
         prog="vlfit export",
         description="Export a checkpoint's image tower (uint8 pixels -> L2-normalized embedding) and text tower "
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     (args,) = parser.parse_args_into_dataclasses(args=sys.argv[1:] if argv is None else argv)
     if args.parity_samples < 1 or args.calibration_samples < 1:
-        raise ValueError(
+        raise ConfigError(
             f"--parity_samples and --calibration_samples must be at least 1, got {args.parity_samples} and "
             f"{args.calibration_samples}"
         )

@@ -7,8 +7,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from transformers import HfArgumentParser
+from vlfit.commands.parsing import CommandParser
 
+from vlfit.errors import ConfigError
 from vlfit.fewshot.experiment import METHODS, FewShotSettings
 from vlfit.fewshot.setfit import SetFitSettings
 from vlfit.fewshot.zeroshot import DEFAULT_TEMPLATES, check_templates
@@ -55,20 +56,20 @@ def _shot_counts(text: str) -> list[int]:
     try:
         counts = [int(part) for part in text.replace(" ", ",").split(",") if part]
     except ValueError:
-        raise ValueError(f"--shots takes comma-separated whole numbers (1,2,4,8,16), got {text!r}") from None
+        raise ConfigError(f"--shots takes comma-separated whole numbers (1,2,4,8,16), got {text!r}") from None
     if not counts or min(counts) < 1:
-        raise ValueError(f"--shots takes positive counts of images per class, got {text!r}")
+        raise ConfigError(f"--shots takes positive counts of images per class, got {text!r}")
     return counts
 
 
 def settings_of(args: FewShotArguments) -> FewShotSettings:
     """The experiment's settings; raises ``ValueError`` naming the flag for a bad one."""
     if args.seeds < 1:
-        raise ValueError(f"--seeds must be at least 1, got {args.seeds}")
+        raise ConfigError(f"--seeds must be at least 1, got {args.seeds}")
     if args.batch_size < 1:
-        raise ValueError(f"--batch_size must be at least 1, got {args.batch_size}")
+        raise ConfigError(f"--batch_size must be at least 1, got {args.batch_size}")
     if args.max_eval_samples is not None and args.max_eval_samples < 1:
-        raise ValueError(f"--max_eval_samples must be at least 1, got {args.max_eval_samples}")
+        raise ConfigError(f"--max_eval_samples must be at least 1, got {args.max_eval_samples}")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     check_templates(args.prompt_template)
     setfit = SetFitSettings(
@@ -91,7 +92,7 @@ def settings_of(args: FewShotArguments) -> FewShotSettings:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``vlfit fewshot``."""
-    parser = HfArgumentParser(
+    parser = CommandParser(
         FewShotArguments,
         prog="vlfit fewshot",
         description="Compare zero-shot, a linear probe and SetFit's recipe on a labelled dataset at several shot "

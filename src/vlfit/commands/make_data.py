@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from PIL import Image
-from transformers import HfArgumentParser
+from vlfit.commands.parsing import CommandParser
 
 from vlfit.data.synthetic import SPLITS, SyntheticConfig, make_dataset, save_dataset
+from vlfit.errors import ConfigError
 
 
 def _default_num_proc() -> int:
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     Raises:
         ValueError: naming the flag when a setting is out of range.
     """
-    parser = HfArgumentParser(
+    parser = CommandParser(
         MakeDataArguments,
         prog="vlfit make-data",
         description="Write a deterministic synthetic dataset with the schema of the New Yorker Caption Contest "
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     (args,) = parser.parse_args_into_dataclasses(args=sys.argv[1:] if argv is None else argv)
     if args.num_proc < 1:
-        raise ValueError(f"--num_proc must be at least 1, got {args.num_proc}")
+        raise ConfigError(f"--num_proc must be at least 1, got {args.num_proc}")
     # Validates every range (naming the flag) before any image is generated.
     config = SyntheticConfig(
         num_samples=args.num_samples,

@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from transformers import HfArgumentParser
+from vlfit.commands.parsing import CommandParser
 
 from vlfit.arguments import ModelArguments
+from vlfit.errors import ConfigError
 from vlfit.models.loading import load_model_bundle
 from vlfit.models.lora import is_adapter_folder
 
@@ -20,13 +21,13 @@ class MergeArguments:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``vlfit merge-lora``."""
-    (args,) = HfArgumentParser(MergeArguments, prog="vlfit merge-lora").parse_args_into_dataclasses(args=argv)
+    (args,) = CommandParser(MergeArguments, prog="vlfit merge-lora").parse_args_into_dataclasses(args=argv)
     if not is_adapter_folder(args.model_name_or_path):
-        raise ValueError(
+        raise ConfigError(
             f"{args.model_name_or_path} holds no LoRA adapters (adapter_config.json); it is already a plain checkpoint"
         )
     if os.path.abspath(args.output_dir) == os.path.abspath(args.model_name_or_path):
-        raise ValueError("--output_dir is the adapters' folder; merge into a folder of its own")
+        raise ConfigError("--output_dir is the adapters' folder; merge into a folder of its own")
     bundle = load_model_bundle(ModelArguments(model_name_or_path=args.model_name_or_path))
     bundle.save(args.output_dir)
     print(f"merged {args.model_name_or_path} into {bundle.blueprint.checkpoint}'s weights: {args.output_dir}")

@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from transformers import HfArgumentParser
+from vlfit.commands.parsing import CommandParser
 
 from vlfit.arguments import DataLocationArguments
 from vlfit.data.bad_samples import BAD_SAMPLE_POLICIES
@@ -25,6 +25,7 @@ from vlfit.data.prepare import (
     resolve_short_side,
 )
 from vlfit.data.sources import open_splits
+from vlfit.errors import ConfigError
 
 
 def _default_num_proc() -> int:
@@ -103,7 +104,7 @@ def _check_output_dir(output_dir: str, data: DataLocationArguments) -> None:
         source = os.path.realpath(data.dataset_name)
         target = os.path.realpath(output_dir)
         if target == source or target.startswith(source + os.sep):
-            raise ValueError(
+            raise ConfigError(
                 f"--output_dir {output_dir!r} is inside the source dataset {data.dataset_name!r}; "
                 "pick a folder outside it"
             )
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         PrepareError: with ``--bad_sample_policy raise``, naming the split, the sample and the reason of the first
             bad sample.
     """
-    parser = HfArgumentParser(
+    parser = CommandParser(
         (PrepareArguments, DataLocationArguments),
         prog="vlfit prepare",
         description="Re-encode a dataset's images with their short side at the training resolution (no crop) into "
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = _split_list(args.splits) or list(splits)
     unknown = [s for s in wanted if s not in splits]
     if unknown:
-        raise ValueError(f"--splits: no split named {', '.join(unknown)}; the data has: {', '.join(splits)}")
+        raise ConfigError(f"--splits: no split named {', '.join(unknown)}; the data has: {', '.join(splits)}")
     summary = prepare_dataset(
         {split: splits[split] for split in wanted},
         args.output_dir,

@@ -9,8 +9,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
-from transformers import HfArgumentParser
+from vlfit.commands.parsing import CommandParser
 
+from vlfit.errors import ConfigError
 from vlfit.evaluation.topk import DEFAULT_CHUNK_ELEMENTS
 from vlfit.inference.backends import open_encoder
 from vlfit.inference.collection import ImageFolderSource, open_dataset_split
@@ -76,7 +77,7 @@ class QueryArguments:
 
 
 def run_index(argv: list[str]) -> int:
-    parser = HfArgumentParser(
+    parser = CommandParser(
         IndexArguments,
         prog="vlfit retrieve index",
         description="Embed a folder of images or a dataset split into an index (resumable; new images are "
@@ -84,7 +85,7 @@ def run_index(argv: list[str]) -> int:
     )
     (args,) = parser.parse_args_into_dataclasses(args=argv)
     if (args.images is None) == (args.dataset_name is None):
-        raise ValueError("pass exactly one of --images (a folder of image files) or --dataset_name")
+        raise ConfigError("pass exactly one of --images (a folder of image files) or --dataset_name")
     encoder = open_encoder(args.model, args.backend, args.precision, num_threads=args.num_threads)
     if args.images is not None:
         source = ImageFolderSource(args.images)
@@ -120,7 +121,7 @@ def run_index(argv: list[str]) -> int:
 
 
 def run_query(argv: list[str]) -> int:
-    parser = HfArgumentParser(
+    parser = CommandParser(
         QueryArguments,
         prog="vlfit retrieve query",
         description="The top-k images of an index for text queries, image queries or a file of them.",
@@ -130,9 +131,9 @@ def run_query(argv: list[str]) -> int:
     if args.queries:
         queries += read_queries(args.queries)
     if not queries:
-        raise ValueError("no query given: pass --text, --image or --queries FILE")
+        raise ConfigError("no query given: pass --text, --image or --queries FILE")
     if args.k < 1:
-        raise ValueError(f"-k must be at least 1, got {args.k}")
+        raise ConfigError(f"-k must be at least 1, got {args.k}")
     index = EmbeddingIndex(args.index)
     built_with = index.manifest.model
     model = args.model or built_with["path"]
@@ -164,5 +165,5 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] in ("-h", "--help"):
             print("usage: vlfit retrieve index|query [flags]   (vlfit retrieve index --help for its flags)")
             return 0
-        raise ValueError(f"vlfit retrieve takes a subcommand, index or query; got {given}")
+        raise ConfigError(f"vlfit retrieve takes a subcommand, index or query; got {given}")
     return run_index(argv[1:]) if argv[0] == "index" else run_query(argv[1:])

@@ -18,10 +18,11 @@ import sys
 from dataclasses import fields
 from typing import Any
 
-from transformers import HfArgumentParser
+from vlfit.commands.parsing import CommandParser
 
 from vlfit.arguments import DataArguments, ModelArguments, VlfitTrainingArguments
 from vlfit.commands.train import is_flags_file, load_flags_file
+from vlfit.errors import ConfigError
 from vlfit.search.objective import TrialRunner, available_metrics, check_trial_dirs, parse_train_values, trial_dir
 from vlfit.search.report import remove_checkpoints, write_reports
 from vlfit.search.space import SearchSpace, default_space, describe, load_space
@@ -45,8 +46,8 @@ PROG = "vlfit search"
 _SEARCH_FIELDS = frozenset(f.name for f in fields(SearchArguments))
 
 
-def _parser() -> HfArgumentParser:
-    return HfArgumentParser((ModelArguments, DataArguments, VlfitTrainingArguments, SearchArguments), prog=PROG)
+def _parser() -> CommandParser:
+    return CommandParser((ModelArguments, DataArguments, VlfitTrainingArguments, SearchArguments), prog=PROG)
 
 
 def parse_search_arguments(
@@ -65,7 +66,7 @@ def parse_search_arguments(
         given = vars(raw.parse_known_args(argv)[0])
     base = {k: v for k, v in given.items() if k not in _SEARCH_FIELDS}
     if base.get("resume_from_checkpoint"):
-        raise ValueError(
+        raise ConfigError(
             "--resume_from_checkpoint: vlfit search continues its study and interrupted trial by itself; rerun the "
             "same command without it"
         )
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     probe_args = parse_train_values({**base, "output_dir": output_dir, "report_to": "none"})[2]
     metrics = available_metrics(setup, model_args, probe_args, space)
     if search_args.metric not in metrics:
-        raise ValueError(
+        raise ConfigError(
             f"--metric {search_args.metric}: evaluation does not report it; it reports: {', '.join(metrics)}"
         )
     if search_args.pruner != "none" and training_args.eval_strategy.value == "no":

@@ -14,11 +14,12 @@ import sys
 from typing import Any, NamedTuple
 
 import yaml
-from transformers import HfArgumentParser
+from vlfit.commands.parsing import CommandParser
 
 from vlfit.arguments import DataArguments, ModelArguments, VlfitTrainingArguments
 from vlfit.bench.auto import probe_num_workers, take_auto_workers
 from vlfit.compat_flags import log_compat_flags
+from vlfit.errors import ConfigError
 from vlfit.training.preemption import TrainingPreempted
 from vlfit.training.run import run, setup_logging, setup_run
 
@@ -54,14 +55,14 @@ def load_flags_file(path: str) -> dict[str, Any]:
         try:
             values = json.load(f) if is_json else yaml.safe_load(f)
         except (json.JSONDecodeError, yaml.YAMLError) as err:
-            raise ValueError(f"{path}: not valid {'JSON' if is_json else 'YAML'}: {err}") from err
+            raise ConfigError(f"{path}: not valid {'JSON' if is_json else 'YAML'}: {err}") from err
     if not isinstance(values, dict):
-        raise ValueError(f"{path}: expected a mapping of flag names to values, got {type(values).__name__}")
+        raise ConfigError(f"{path}: expected a mapping of flag names to values, got {type(values).__name__}")
     return values
 
 
-def _parser(prog: str) -> HfArgumentParser:
-    return HfArgumentParser((ModelArguments, DataArguments, VlfitTrainingArguments), prog=prog)
+def _parser(prog: str) -> CommandParser:
+    return CommandParser((ModelArguments, DataArguments, VlfitTrainingArguments), prog=prog)
 
 
 def given_fields(argv: list[str], prog: str = "vlfit train") -> frozenset[str]:

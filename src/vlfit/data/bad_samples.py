@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from vlfit.errors import DataError
+
 BAD_SAMPLE_POLICIES: tuple[str, ...] = ("skip", "raise")
 # The fraction is judged only after at least this many samples were read (and at least 1/max_bad_fraction, so
 # that one bad sample alone can never exceed the limit): small samples give noisy rates.
@@ -39,7 +41,7 @@ BadSampleInfo = tuple[str, str]
 """``(sample id, reason)``."""
 
 
-class BadSampleError(ValueError):
+class BadSampleError(DataError):
     """A sample cannot be used: raised by ``--bad_sample_policy raise``, or when no usable substitute was found.
 
     Build it with ``for_sample``. The constructor takes the message alone because that is how torch re-raises a
@@ -62,7 +64,7 @@ class BadSampleError(ValueError):
         return cls(f"bad sample {sample_id}: {reason}" + (f". {hint}" if hint else ""), sample_id, reason)
 
 
-class BadCaptionError(ValueError):
+class BadCaptionError(DataError):
     """A caption is missing, empty or whitespace only (the message names the sample)."""
 
 

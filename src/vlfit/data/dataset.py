@@ -28,6 +28,7 @@ from vlfit.data.decode import DecodeError
 from vlfit.data.hard_negatives import alternative_captions, tokenize_alternatives
 from vlfit.data.image_transforms import EncodedImage, stack_images
 from vlfit.data.records import BadRecordError
+from vlfit.errors import DataError
 
 if TYPE_CHECKING:  # sources need the datasets package; the loader itself does not (vlfit bench on a bare GPU box)
     from vlfit.data.source_base import ImageTextSource
@@ -88,7 +89,7 @@ class ImageTextDataset(Dataset):
         substitute: bool = True,
     ) -> None:
         if bad_sample_policy not in BAD_SAMPLE_POLICIES:
-            raise ValueError(
+            raise DataError(
                 f"unknown bad_sample_policy {bad_sample_policy!r}; choose one of: {', '.join(BAD_SAMPLE_POLICIES)}"
             )
         self.source = source

@@ -12,6 +12,8 @@ import struct
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from vlfit.errors import DataError
+
 try:
     import simplejpeg
 except ImportError:  # the device machine may lack it; Pillow's draft mode is the fallback
@@ -22,7 +24,7 @@ JPEG_MAGIC = b"\xff\xd8\xff"
 MAX_IMAGE_PIXELS = 178_956_970
 
 
-class DecodeError(ValueError):
+class DecodeError(DataError):
     """An image cannot be decoded; the message names the sample and the reason."""
 
 

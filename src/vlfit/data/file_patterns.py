@@ -7,6 +7,8 @@ import os
 
 from braceexpand import UnbalancedBracesError, braceexpand
 
+from vlfit.errors import MissingFileError
+
 
 def expand_braces(pattern: str) -> list[str]:
     """Expand bash-style braces: ``a-{000..002}.tar`` and ``{train,extra}.tar`` (zero padding is kept).
@@ -56,19 +58,19 @@ def resolve_files(spec: str) -> list[str]:
         path = os.path.expanduser(spec.strip())
         if os.path.isfile(path):  # a file whose name has a brace in it
             return [path]
-        raise FileNotFoundError(f"file not found: {spec!r} (its braces do not pair up, so none was expanded)") from None
+        raise MissingFileError(f"file not found: {spec!r} (its braces do not pair up, so none was expanded)") from None
     files: dict[str, None] = {}
     for part in parts:
         pattern = os.path.expanduser(part)
         if glob.has_magic(pattern):
             matches = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
             if not matches:
-                raise FileNotFoundError(f"no files match the pattern {pattern!r} (from {spec!r})")
+                raise MissingFileError(f"no files match the pattern {pattern!r} (from {spec!r})")
             files.update(dict.fromkeys(matches))
         elif os.path.isfile(pattern):
             files[pattern] = None
         else:
-            raise FileNotFoundError(f"file not found: {pattern!r} (from {spec!r})")
+            raise MissingFileError(f"file not found: {pattern!r} (from {spec!r})")
     if not files:
-        raise FileNotFoundError(f"no files given in {spec!r}")
+        raise MissingFileError(f"no files given in {spec!r}")
     return list(files)

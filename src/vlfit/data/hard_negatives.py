@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from vlfit.errors import DataError
 from vlfit.models.family import HARD_NEGATIVE_ATTENTION_MASK as ATTENTION_MASK
 from vlfit.models.family import HARD_NEGATIVE_INPUT_IDS as INPUT_IDS
 
@@ -33,7 +34,7 @@ def label_to_index(label: str | int) -> int:
         return CHOICE_LETTERS.index(text)
     if text.isdigit():
         return int(text)
-    raise ValueError(f"label {label!r} is neither a letter A-E nor an index")
+    raise DataError(f"label {label!r} is neither a letter A-E nor an index")
 
 
 def alternative_captions(
@@ -57,7 +58,7 @@ def alternative_captions(
     if choices is None:
         return []
     if isinstance(choices, str) or not isinstance(choices, Sequence) or not all(isinstance(c, str) for c in choices):
-        raise ValueError(
+        raise DataError(
             f"sample {sample_id}: --hard_negative_column {column!r} must hold a list of caption strings, got "
             f"{type(choices).__name__} {str(choices)[:80]!r}; pass the column of alternative captions, or drop "
             "the flag"
@@ -66,7 +67,7 @@ def alternative_captions(
         return [choice for choice in choices if choice.strip() and choice != caption]
     index = label_to_index(label)
     if not 0 <= index < len(choices):
-        raise ValueError(
+        raise DataError(
             f"sample {sample_id}: label {label!r} does not point into its {len(choices)} {column!r} entries"
         )
     return [choice for i, choice in enumerate(choices) if i != index and choice.strip()]

@@ -27,6 +27,7 @@ from vlfit.data.dataset import ImageTextCollator, ImageTextDataset, ImageTransfo
 from vlfit.data.device_stage import CudaPrefetcher, DeviceStage
 from vlfit.data.image_transforms import FastImageTransform, PassThroughEncoded, ReferenceImageTransform
 from vlfit.data.records import EVAL_COLUMNS
+from vlfit.errors import DataError
 
 if TYPE_CHECKING:
     from vlfit.data.source_base import ImageTextSource
@@ -158,9 +159,9 @@ class InputPipeline:
         cpu_device_decode: bool = False,
     ) -> None:
         if options.image_pipeline not in ("fast", "reference"):
-            raise ValueError(f"unknown --image_pipeline {options.image_pipeline!r}; choose one of: fast, reference")
+            raise DataError(f"unknown --image_pipeline {options.image_pipeline!r}; choose one of: fast, reference")
         if options.random_resized_crop and options.image_pipeline != "fast":
-            raise ValueError("--random_resized_crop is a fast-pipeline option; the reference pipeline has none")
+            raise DataError("--random_resized_crop is a fast-pipeline option; the reference pipeline has none")
         if options.decode_on_device and device.type != "cuda" and not cpu_device_decode:
             logger.warning(
                 "--decode_on_device needs an NVIDIA GPU and the device is %s: decoding on the CPU with the %s "

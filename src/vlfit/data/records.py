@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from vlfit.errors import DataError
+
 # Columns evaluation reads besides image and caption (New Yorker ``matching``): carried through as ``extra``.
 EVAL_COLUMNS: tuple[str, ...] = ("caption_choices", "label")
 
@@ -28,7 +30,7 @@ class Record:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class BadRecordError(ValueError):
+class BadRecordError(DataError):
     """A stored sample cannot be turned into a record (missing file, unsupported image value...)."""
 
 

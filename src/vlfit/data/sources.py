@@ -19,6 +19,7 @@ from vlfit.data.file_patterns import resolve_files
 from vlfit.data.records import Record, image_value_to_bytes
 from vlfit.data.source_base import ImageTextSource, as_caption
 from vlfit.data.tar_source import TarSource
+from vlfit.errors import DataError
 
 SUPPORTED_FILE_EXTENSIONS: tuple[str, ...] = (".parquet", ".jsonl", ".json", ".csv", ".tar")
 _BUILDER_FOR_EXTENSION = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
@@ -83,7 +84,7 @@ class ArrowSource(ImageTextSource):
         available = dataset.column_names
         for role, column in (("image", image_column), (caption_role, caption_column), ("id", id_column)):
             if column is not None and column not in available:
-                raise ValueError(
+                raise DataError(
                     f"{name}: {role} column {column!r} not found; available columns: {available}. "
                     f"Pass {role}_column=<one of these>."
                 )
@@ -91,7 +92,7 @@ class ArrowSource(ImageTextSource):
             id_column = default_id_column(available)
         caption_feature = dataset.features[caption_column] if caption_column is not None else datasets.Value("string")
         if not isinstance(caption_feature, (datasets.Value, datasets.ClassLabel)):
-            raise ValueError(
+            raise DataError(
                 f"{name}: {caption_role} column {caption_column!r} holds {caption_feature}, expected one text value "
                 "per row (split multi-caption rows into one row per caption first)"
             )
@@ -161,7 +162,7 @@ class ArrowSource(ImageTextSource):
 def _file_extension(path: str) -> str:
     ext = os.path.splitext(path)[1].lower()
     if ext not in SUPPORTED_FILE_EXTENSIONS:
-        raise ValueError(
+        raise DataError(
             f"unsupported file {path!r}: extension {ext or '(none)'!r} is not one of {list(SUPPORTED_FILE_EXTENSIONS)}"
         )
     return ext
@@ -185,12 +186,20 @@ def _load_builder_files(
     base_dirs: list[tuple[int, str]] = []
     rows = 0
     for folder, group in groups:
-        part = datasets.load_dataset(builder, data_files=group, split="train", cache_dir=cache_dir)
+        try:
+            part = datasets.load_dataset(builder, data_files=group, split="train", cache_dir=cache_dir)
+        except (OSError, ValueError) as error:  # pyarrow's ArrowInvalid is a ValueError
+            raise DataError(f"{_describe(group)}: cannot read it as {builder}: {_first_line(error)}") from error
         base_dirs.append((rows, folder))
         rows += len(part)
         parts.append(part)
     dataset = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
     return dataset, base_dirs
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0][:300] if lines else type(error).__name__
 
 
 def _describe(files: Sequence[str]) -> str:
@@ -201,12 +210,12 @@ def _open_files(split: str, files: Sequence[str], columns: _Columns, cache_dir: 
     extensions = {_file_extension(f) for f in files}
     name = f"split {split!r} ({_describe(files)})"
     if len(extensions) > 1:
-        raise ValueError(f"{name}: files of one split must share a format, got extensions {sorted(extensions)}")
+        raise DataError(f"{name}: files of one split must share a format, got extensions {sorted(extensions)}")
     ext = extensions.pop()
     if ext == ".tar":
         caption = columns.caption
         if caption is None:
-            raise ValueError(f"{name}: WebDataset shards are read with a caption member; name one")
+            raise DataError(f"{name}: WebDataset shards are read with a caption member; name one")
         return TarSource(
             files, name=name, image_column=columns.image, caption_column=caption, extra_columns=columns.extras
         )
@@ -272,7 +281,7 @@ def _open_named(
     columns: _Columns,
 ) -> dict[str, ImageTextSource]:
     if os.path.isfile(dataset_name):
-        raise ValueError(f"dataset_name {dataset_name!r} is a file; pass it as train_file (or validation/test_file)")
+        raise DataError(f"dataset_name {dataset_name!r} is a file; pass it as train_file (or validation/test_file)")
     root = os.path.join(dataset_name, data_dir) if data_dir and os.path.isdir(dataset_name) else dataset_name
     if os.path.isdir(root) and any(os.path.isfile(os.path.join(root, f)) for f in ("dataset_dict.json", "state.json")):
         loaded = datasets.load_from_disk(root)
@@ -288,13 +297,16 @@ def _open_named(
                 sources[split] = _arrow_source(dataset, split, name, columns, base_dirs)
             return sources
     # A hub id, or a local folder that the datasets library knows how to read (for example a cloned hub repo).
-    loaded = datasets.load_dataset(
-        dataset_name, config_name, revision=revision, cache_dir=cache_dir, token=token, data_dir=data_dir
-    )
+    try:
+        loaded = datasets.load_dataset(
+            dataset_name, config_name, revision=revision, cache_dir=cache_dir, token=token, data_dir=data_dir
+        )
+    except (OSError, ValueError) as error:  # not found (locally or on the hub), offline, a wrong config name
+        raise DataError(f"dataset {dataset_name!r}: cannot open it: {_first_line(error)}") from error
     if isinstance(loaded, datasets.Dataset):
         loaded = datasets.DatasetDict({"train": loaded})
     if not isinstance(loaded, datasets.DatasetDict):
-        raise ValueError(f"{dataset_name}: expected a map-style DatasetDict, got {type(loaded).__name__}")
+        raise DataError(f"{dataset_name}: expected a map-style DatasetDict, got {type(loaded).__name__}")
     label = dataset_name if config_name is None else f"{dataset_name} ({config_name})"
     return {s: _arrow_source(d, s, f"split {s!r} of {label}", columns) for s, d in loaded.items()}
 
@@ -355,7 +367,7 @@ def open_splits(
         if spec
     }
     if not dataset_name and not file_specs:
-        raise ValueError(
+        raise DataError(
             "no data given: pass dataset_name (a hub id, a save_to_disk folder or a folder of parquet files) "
             "or train_file / validation_file / test_file (.parquet, .jsonl, .json, .csv or .tar)"
         )

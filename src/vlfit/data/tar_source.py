@@ -13,6 +13,7 @@ import numpy as np
 
 from vlfit.data.records import BadRecordError, Record
 from vlfit.data.source_base import ImageTextSource, as_caption
+from vlfit.errors import DataError
 
 WEBDATASET_IMAGE_EXTENSIONS: tuple[str, ...] = ("jpg", "jpeg", "png", "webp")
 
@@ -72,7 +73,7 @@ class TarSource(ImageTextSource):
                 image_ext = image_column if image_column in members else None
                 image_ext = image_ext or next((e for e in WEBDATASET_IMAGE_EXTENSIONS if e in members), None)
                 if image_ext is None:
-                    raise ValueError(
+                    raise DataError(
                         f"{name}: sample {key!r} in shard {shard} has no image member (found extensions "
                         f"{sorted(members)}; expected one of {list(WEBDATASET_IMAGE_EXTENSIONS)})"
                     )
@@ -108,14 +109,14 @@ class TarSource(ImageTextSource):
                     key, ext = parts
                     samples.setdefault(key, {})[ext.lower()] = (member.offset_data, member.size)
         except tarfile.TarError as err:
-            raise ValueError(f"cannot index tar shard {shard} (only uncompressed .tar is supported): {err}") from err
+            raise DataError(f"cannot index tar shard {shard} (only uncompressed .tar is supported): {err}") from err
         return list(samples.items())
 
     def _check_caption_source(self, name: str, extensions: dict[str, None]) -> None:
         if len(self) == 0 or (self._text_loc[:, 0] >= 0).any():
             return
         if not (self._json_loc[:, 0] >= 0).any():
-            raise ValueError(
+            raise DataError(
                 f"{name}: no caption found: samples have no {self._caption_column!r} or 'txt' member and no 'json' "
                 f"member; member extensions present: {list(extensions)}"
             )
@@ -123,7 +124,7 @@ class TarSource(ImageTextSource):
         first = int(np.argmax(self._json_loc[:, 0] >= 0))
         meta = self._load_json(first)
         if self._caption_column not in meta:
-            raise ValueError(
+            raise DataError(
                 f"{name}: caption key {self._caption_column!r} not found in the json of sample "
                 f"{self._keys[first]!r} ({self._shards[self._shard_ids[first]]}); keys present: {sorted(meta)}"
             )

@@ -19,6 +19,7 @@ import torch
 
 from vlfit.data.batch import BadSample, Batch
 from vlfit.data.hard_negatives import label_to_index
+from vlfit.errors import DataError
 from vlfit.evaluation.metrics import matching_accuracy, pooled_recall_at_k
 from vlfit.models.family import ModelFamily
 from vlfit.models.sharding import unsharded
@@ -135,7 +136,7 @@ def score_split(split: EmbeddedSplit, pool_size: int | None = None) -> dict[str,
         and, when caption choices exist, ``matching_accuracy`` and ``chance_matching_accuracy``.
     """
     if not split.positions:
-        raise ValueError("the evaluation split has no samples; check --eval_split and --max_eval_samples")
+        raise DataError("the evaluation split has no samples; check --eval_split and --max_eval_samples")
     text_embeds, image_embeds = torch.cat(split.texts), torch.cat(split.images)
     metrics = pooled_recall_at_k(text_embeds, image_embeds, pool_size)
     if split.choices:

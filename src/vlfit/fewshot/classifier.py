@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from vlfit.errors import MissingFileError
 from vlfit.fewshot.heads import LinearHead
 from vlfit.inference.backends import Encoder, open_encoder
 
@@ -114,7 +115,7 @@ class Classifier:
     def __init__(self, folder: str, num_threads: int | None = None) -> None:
         info_path = os.path.join(folder, CLASSIFIER_FILE)
         if not os.path.isfile(info_path):
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"--model {folder}: no {CLASSIFIER_FILE}; save a classifier with vlfit fewshot --save_classifier DIR"
             )
         from safetensors.torch import load_file

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vlfit.errors import ConfigError
 from vlfit.fewshot.heads import (
     DEFAULT_ANCHOR_STRENGTH,
     DEFAULT_C,
@@ -61,9 +62,9 @@ class FewShotSettings:
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown or not self.methods:
-            raise ValueError(f"--methods: unknown {unknown or 'none given'}; choose from {', '.join(METHODS)}")
+            raise ConfigError(f"--methods: unknown {unknown or 'none given'}; choose from {', '.join(METHODS)}")
         if not self.seeds:
-            raise ValueError("--seeds must be at least 1")
+            raise ConfigError("--seeds must be at least 1")
         self.shot_counts = sorted(set(self.shot_counts))
 
 
@@ -166,7 +167,7 @@ def run_fewshot(
     )
     eval_rows = sorted(decoded.pixels)
     if not eval_rows:
-        raise ValueError(f"{evaluation.source.name}: no usable image ({len(decoded.bad)} do not decode)")
+        raise ConfigError(f"{evaluation.source.name}: no usable image ({len(decoded.bad)} do not decode)")
     eval_pixels, eval_labels = decoded.stacked(eval_rows), evaluation.labels[eval_rows]
     eval_embeddings = embed_pixels(tower, eval_pixels, settings.batch_size)
     num_classes = len(train.class_names)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vlfit.data.source_base import ImageTextSource
+from vlfit.errors import DataError
 
 
 @dataclass
@@ -43,7 +44,7 @@ def _row_names(source: ImageTextSource, label_column: str) -> list[str]:
     names = source.captions()
     for row, name in enumerate(names):
         if name is None or not str(name).strip():
-            raise ValueError(
+            raise DataError(
                 f"{source.name}: row {row} has no value in label column {label_column!r}; drop unlabelled rows first"
             )
     return [str(name) for name in names]
@@ -82,13 +83,13 @@ def labelled_splits(
     declared = getattr(train_source, "class_names", None)
     class_names = [name for name in declared if name in present] if declared else sorted(present)
     if len(class_names) < 2:
-        raise ValueError(
+        raise DataError(
             f"label column {label_column!r} of split {train_split!r} holds {len(class_names)} class "
             f"({', '.join(map(repr, class_names))}); classification needs at least two: pick another --label_column"
         )
     unknown = sorted(set(eval_names) - present)
     if unknown:
-        raise ValueError(
+        raise DataError(
             f"split {eval_split!r} has classes that split {train_split!r} lacks in label column {label_column!r}: "
             f"{', '.join(map(repr, unknown[:5]))}; no shot of them can be drawn"
         )

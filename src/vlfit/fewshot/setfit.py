@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from vlfit.errors import ConfigError
 from vlfit.models.trainable import temporarily_trainable
 
 # Random crops keep this share of the image area, at most and at least.
@@ -41,9 +42,9 @@ class SetFitSettings:
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--setfit_{name} must be at least 1, got {getattr(self, name)}")
+                raise ConfigError(f"--setfit_{name} must be at least 1, got {getattr(self, name)}")
         if self.learning_rate <= 0:
-            raise ValueError(f"--setfit_learning_rate must be positive, got {self.learning_rate}")
+            raise ConfigError(f"--setfit_learning_rate must be positive, got {self.learning_rate}")
 
 
 def image_parameters(image_tower: nn.Module, probe: torch.Tensor) -> dict[str, nn.Parameter]:

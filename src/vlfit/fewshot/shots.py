@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from vlfit.data.batch import BadSample
+from vlfit.errors import DataError
 from vlfit.fewshot.images import DecodedRows, decode_rows
 from vlfit.fewshot.labelled_split import LabelledSplit
 from vlfit.models.family import InputSpec
@@ -36,11 +37,11 @@ class Shots:
 def check_shot_counts(split: LabelledSplit, shot_counts: Sequence[int]) -> None:
     """Raises ``ValueError`` naming the class when a shot count exceeds the images of a class, or is below 1."""
     if not shot_counts or min(shot_counts) < 1:
-        raise ValueError(f"--shots must be positive counts of images per class, got {list(shot_counts)}")
+        raise DataError(f"--shots must be positive counts of images per class, got {list(shot_counts)}")
     counts = split.class_counts()
     smallest = int(np.argmin(counts))
     if max(shot_counts) > counts[smallest]:
-        raise ValueError(
+        raise DataError(
             f"--shots {max(shot_counts)}: class {split.class_names[smallest]!r} has only {counts[smallest]} images "
             f"in {split.source.name}; lower --shots to at most {counts[smallest]} or add images of it"
         )
@@ -91,7 +92,7 @@ class ShotSampler:
                 usable.extend(int(row) for row in candidates if row in self.decoded.pixels)
             if len(usable) < shots:
                 bad = sum(1 for row in order if row in self.decoded.bad)
-                raise ValueError(
+                raise DataError(
                     f"--shots {shots}: class {name!r} has {len(usable)} usable images in {self.split.source.name} "
                     f"({bad} do not decode); lower --shots"
                 )

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from vlfit.errors import ConfigError
 from vlfit.inference.backends import Encoder
 from vlfit.models.logit_scale import logit_scale_parameter
 
@@ -26,10 +27,10 @@ DEFAULT_SCALE = 100.0
 def check_templates(templates: Sequence[str]) -> None:
     """Raises ``ValueError`` for a template without exactly one ``{}``."""
     if not templates:
-        raise ValueError("--prompt_template: give at least one template, e.g. 'a photo of a {}.'")
+        raise ConfigError("--prompt_template: give at least one template, e.g. 'a photo of a {}.'")
     for template in templates:
         if template.count("{}") != 1:
-            raise ValueError(f"--prompt_template {template!r} must hold '{{}}' once: where the class name goes")
+            raise ConfigError(f"--prompt_template {template!r} must hold '{{}}' once: where the class name goes")
 
 
 def class_embeddings(encoder: Encoder, class_names: Sequence[str], templates: Sequence[str]) -> torch.Tensor:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from vlfit.errors import ConfigError, MissingFileError
 from vlfit.inference.exported import ExportedModel, is_exported_model
 from vlfit.inference.identity import ModelIdentity, RefusedModelError
 from vlfit.inference.towers import IMAGE_INPUT, TEXT_INPUTS
@@ -216,9 +217,9 @@ def resolve_backend(model_path: str, backend: str = "auto") -> str:
         ValueError: for an unknown backend.
     """
     if backend not in BACKENDS:
-        raise ValueError(f"unknown --backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
+        raise ConfigError(f"unknown --backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
     if not os.path.isdir(model_path):
-        raise FileNotFoundError(f"{model_path}: no such model folder")
+        raise MissingFileError(f"{model_path}: no such model folder")
     if is_exported_model(model_path):
         fmt = ExportedModel.open(model_path, check_source=False).format
         native = _FORMAT_BACKEND[fmt]
@@ -259,7 +260,7 @@ def open_encoder(
             older than their checkpoint, or a precision that was not exported.
     """
     if precision not in PRECISION_CHOICES:
-        raise ValueError(f"unknown --precision {precision!r}; choose one of: {', '.join(PRECISION_CHOICES)}")
+        raise ConfigError(f"unknown --precision {precision!r}; choose one of: {', '.join(PRECISION_CHOICES)}")
     chosen = resolve_backend(model_path, backend)
     if chosen == "torch":
         if precision == "int8":

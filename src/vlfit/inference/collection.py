@@ -18,6 +18,7 @@ from vlfit.data.batch import BadSample, Batch
 from vlfit.data.pipeline import InputPipeline, LoaderSettings, PipelineOptions
 from vlfit.data.records import BadRecordError, Record, image_value_to_bytes
 from vlfit.data.source_base import ImageTextSource
+from vlfit.errors import DataError, MissingFileError
 from vlfit.models.family import InputSpec
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
@@ -57,10 +58,10 @@ class ImageFolderSource(ImageTextSource):
 
     def __init__(self, root: str) -> None:
         if not os.path.isdir(root):
-            raise NotADirectoryError(f"--images {root}: no such folder")
+            raise MissingFileError(f"--images {root}: no such folder")
         paths = image_files(root)
         if not paths:
-            raise ValueError(f"--images {root}: no image files ({', '.join(IMAGE_EXTENSIONS)}) in it")
+            raise DataError(f"--images {root}: no image files ({', '.join(IMAGE_EXTENSIONS)}) in it")
         self.root = root
         self.paths = paths
         super().__init__(name=f"image folder {root}", column_names=["image"], num_rows=len(self.paths))
@@ -93,9 +94,9 @@ class ImageFilesSource(ImageTextSource):
             elif os.path.isfile(path):
                 files.append(path)
             else:
-                raise FileNotFoundError(f"{path}: no such image file or folder")
+                raise MissingFileError(f"{path}: no such image file or folder")
         if not files:
-            raise ValueError(f"no image files ({', '.join(IMAGE_EXTENSIONS)}) in {', '.join(paths) or 'no path given'}")
+            raise DataError(f"no image files ({', '.join(IMAGE_EXTENSIONS)}) in {', '.join(paths) or 'no path given'}")
         self.paths = files
         super().__init__(name=f"{len(files)} image files", column_names=["image"], num_rows=len(files))
 
@@ -175,7 +176,7 @@ def open_dataset_splits(
     )
     for split in splits:
         if split not in opened:
-            raise ValueError(f"{dataset_name} has no split {split!r}; its splits: {', '.join(opened)}")
+            raise DataError(f"{dataset_name} has no split {split!r}; its splits: {', '.join(opened)}")
     return {split: opened[split] for split in splits}
 
 
@@ -243,5 +244,5 @@ def load_samples(source: ImageTextSource, spec: InputSpec, *, batch_size: int = 
             ids.extend(batch.sample_ids)
             texts.extend(str(captions[position]) for position in batch.positions)
     if not pixels:
-        raise ValueError(f"{source.name}: no usable sample ({len(bad)} bad)")
+        raise DataError(f"{source.name}: no usable sample ({len(bad)} bad)")
     return Samples(torch.cat(pixels), texts, ids, bad)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from vlfit.atomic_files import write_text_atomically
+from vlfit.errors import ConfigError
 from vlfit.evaluation.metrics import embedding_recall_at_k
 from vlfit.inference.backends import Encoder, OnnxRuntimeEncoder, OpenVinoEncoder
 from vlfit.inference.collection import Samples
@@ -71,9 +72,9 @@ class ExportSettings:
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
-            raise ValueError(f"unknown --format {self.format!r}; choose one of: {', '.join(FORMATS)}")
+            raise ConfigError(f"unknown --format {self.format!r}; choose one of: {', '.join(FORMATS)}")
         if self.quantize not in (None, "int8"):
-            raise ValueError(f"unknown --quantize {self.quantize!r}; the one choice is int8")
+            raise ConfigError(f"unknown --quantize {self.quantize!r}; the one choice is int8")
 
 
 # ----------------------------------------------------------------------------------------------- tracing
@@ -202,7 +203,7 @@ def _draft_manifest(loaded: LoadedCheckpoint, settings: ExportSettings, checkpoi
 def check_output_dir(checkpoint: str, output_dir: str) -> None:
     """Refuse to export into the checkpoint's own folder (its manifest would make the checkpoint look exported)."""
     if os.path.abspath(output_dir) == os.path.abspath(checkpoint):
-        raise ValueError(f"--output_dir {output_dir} is the checkpoint folder itself; export into a folder of its own")
+        raise ConfigError(f"--output_dir {output_dir} is the checkpoint folder itself; export into a folder of its own")
 
 
 def export_model(

@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from vlfit.errors import MissingFileError
 from vlfit.inference.identity import ModelIdentity, RefusedModelError, checkpoint_fingerprint, weights_mtime
 from vlfit.models.family import InputSpec
 
@@ -67,7 +68,7 @@ class ExportedModel:
         """
         manifest_path = os.path.join(path, MANIFEST_NAME)
         if not os.path.isfile(manifest_path):
-            raise FileNotFoundError(f"{path}: no {MANIFEST_NAME}; pass a folder that vlfit export wrote")
+            raise MissingFileError(f"{path}: no {MANIFEST_NAME}; pass a folder that vlfit export wrote")
         with open(manifest_path, encoding="utf-8") as f:
             exported = cls(path, json.load(f))
         if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):

@@ -13,12 +13,14 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from vlfit.errors import ConfigError, MissingFileError
+
 # Weight files of a transformers checkpoint folder, in the order they are hashed.
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
 LIBRARIES = ("vlfit", "torch", "transformers", "onnx", "onnxscript", "onnxruntime", "openvino", "nncf")
 
 
-class RefusedModelError(ValueError):
+class RefusedModelError(ConfigError):
     """A model, graph or index that cannot be used together with the others asked for (the message says why)."""
 
 
@@ -79,7 +81,7 @@ def checkpoint_fingerprint(checkpoint: str) -> str:
     """
     files = weight_files(checkpoint)
     if not files:
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"{checkpoint}: no model weights ({' or '.join(WEIGHT_PATTERNS)}) found; pass a checkpoint folder "
             "that vlfit train wrote"
         )

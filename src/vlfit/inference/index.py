@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from vlfit.atomic_files import replace_on_success, write_text_atomically
 from vlfit.data.source_base import ImageTextSource
+from vlfit.errors import ConfigError, MissingFileError
 from vlfit.inference.backends import Encoder
 from vlfit.inference.collection import ImageFolderSource, host_batches
 from vlfit.inference.identity import ModelIdentity
@@ -98,7 +99,7 @@ class EmbeddingIndex:
     def __init__(self, path: str) -> None:
         manifest_path = os.path.join(path, MANIFEST_NAME)
         if not os.path.isfile(manifest_path):
-            raise FileNotFoundError(f"--index {path}: no {MANIFEST_NAME}; build one with vlfit retrieve index")
+            raise MissingFileError(f"--index {path}: no {MANIFEST_NAME}; build one with vlfit retrieve index")
         with open(manifest_path, encoding="utf-8") as f:
             self.manifest = IndexManifest.from_dict(json.load(f))
         self.path = path
@@ -203,9 +204,9 @@ def build_index(
             embeddings are not comparable.
     """
     if storage not in STORAGES:
-        raise ValueError(f"unknown --storage {storage!r}; choose one of: {', '.join(STORAGES)}")
+        raise ConfigError(f"unknown --storage {storage!r}; choose one of: {', '.join(STORAGES)}")
     if batch_size < 1 or shard_size < 1:
-        raise ValueError(f"--batch_size and --shard_size must be at least 1, got {batch_size} and {shard_size}")
+        raise ConfigError(f"--batch_size and --shard_size must be at least 1, got {batch_size} and {shard_size}")
     os.makedirs(output_dir, exist_ok=True)
     if os.path.isfile(os.path.join(output_dir, MANIFEST_NAME)):
         manifest = EmbeddingIndex(output_dir).manifest

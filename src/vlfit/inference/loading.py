@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from vlfit.arguments import ModelArguments
+from vlfit.errors import MissingFileError
 from vlfit.inference.exported import TOKENIZER_FILES
 from vlfit.inference.identity import ModelIdentity, RefusedModelError, checkpoint_fingerprint
 from vlfit.inference.towers import ImageTower, TextTower
@@ -47,7 +48,7 @@ def load_checkpoint(path: str, max_seq_length: int = DEFAULT_MAX_SEQ_LENGTH) -> 
         RefusedModelError: when the folder has no tokenizer.
     """
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"{path}: no such checkpoint folder")
+        raise MissingFileError(f"{path}: no such checkpoint folder")
     if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
         raise RefusedModelError(
             f"{path}: the checkpoint has no tokenizer ({' or '.join(TOKENIZER_FILES)}); save one beside the weights "

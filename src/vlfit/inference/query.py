@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from vlfit.data.records import Record
+from vlfit.errors import ConfigError, MissingFileError
 from vlfit.evaluation.topk import DEFAULT_CHUNK_ELEMENTS, chunked_topk
 from vlfit.inference.backends import Encoder
 from vlfit.inference.collection import RecordListSource, host_batches
@@ -62,7 +63,7 @@ def read_queries(path: str) -> list[Query]:
         else:
             queries.append(Query(text=line))
     if not queries:
-        raise ValueError(f"--queries {path}: no queries in it (one per line: text, or image:PATH)")
+        raise ConfigError(f"--queries {path}: no queries in it (one per line: text, or image:PATH)")
     return queries
 
 
@@ -86,7 +87,7 @@ def embed_queries(encoder: Encoder, queries: Sequence[Query], batch_size: int = 
         records = []
         for _, path in images:
             if not os.path.isfile(path):
-                raise FileNotFoundError(f"--image {path}: no such file")
+                raise MissingFileError(f"--image {path}: no such file")
             with open(path, "rb") as f:
                 records.append(Record(id=path, image=f.read(), caption=path))
         source = RecordListSource(records, "query images")
@@ -94,7 +95,7 @@ def embed_queries(encoder: Encoder, queries: Sequence[Query], batch_size: int = 
         for batch in host_batches(source, encoder.spec, batch_size=batch_size):
             if batch.bad_samples:
                 bad = batch.bad_samples[0]
-                raise ValueError(f"--image {bad.id}: cannot be used: {bad.reason}")
+                raise ConfigError(f"--image {bad.id}: cannot be used: {bad.reason}")
             for row in encoder.embed_pixels(batch["pixel_values"]):
                 rows[images[done][0]] = row
                 done += 1

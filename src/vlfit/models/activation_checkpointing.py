@@ -22,6 +22,8 @@ from torch import nn
 from torch.autograd.graph import save_on_cpu
 from torch.utils.checkpoint import checkpoint
 
+from vlfit.errors import ConfigError
+
 _UNWRAPPED_FORWARD = "_vlfit_forward_without_checkpointing"
 
 
@@ -44,7 +46,7 @@ def checkpoint_layers(
         How many layers are checkpointed. Calling again re-wraps from the original forwards.
     """
     if every_n_layers < 1:
-        raise ValueError(f"every_n_layers must be at least 1, got {every_n_layers}")
+        raise ConfigError(f"every_n_layers must be at least 1, got {every_n_layers}")
     kwargs = {"use_reentrant": False, **(checkpoint_kwargs or {})}
     uncheckpoint_layers(layers)
     wrapped = 0

@@ -25,6 +25,7 @@ from transformers.models.bridgetower.modeling_bridgetower import (
     BridgeTowerSelfAttention,
 )
 
+from vlfit.errors import ConfigError
 from vlfit.models import activation_checkpointing
 from vlfit.models.family import (
     HARD_NEGATIVE_INPUT_IDS,
@@ -237,7 +238,7 @@ def set_attention_implementation(model: BridgeTowerForContrastiveLearning, imple
     held in memory. The vision tower's ``nn.MultiheadAttention`` is fused either way.
     """
     if implementation not in ATTENTION_IMPLEMENTATIONS:
-        raise ValueError(
+        raise ConfigError(
             f"unknown --attn_implementation {implementation!r} for BridgeTower; choose one of: "
             f"{', '.join(ATTENTION_IMPLEMENTATIONS)}"
         )
@@ -296,7 +297,7 @@ class BridgeTowerFamily(ModelFamily):
             embeddings = model.bridgetower.vision_model.visual.embeddings
             init_vit_position_embedding(embeddings.position_embedding.weight, class_token=True)
         elif position_init != "random":
-            raise ValueError(f"preset {preset}: unknown vision_position_init {position_init!r} (random or sincos)")
+            raise ConfigError(f"preset {preset}: unknown vision_position_init {position_init!r} (random or sincos)")
 
     def from_pretrained(self, name_or_path: str, **hub_kwargs: Any) -> BridgeTowerForContrastiveLearning:
         return BridgeTowerForContrastiveLearning.from_pretrained(name_or_path, **hub_kwargs)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vlfit.errors import ConfigError
 from vlfit.models.position_embeddings import init_vit_position_embedding
 
 
@@ -66,7 +67,7 @@ def initialize_position_embedding(preset_name: str, preset: DualEncoderPreset, w
     if preset.vision_position_init == "sincos":
         init_vit_position_embedding(weight, class_token=class_token)
     elif preset.vision_position_init != "random":
-        raise ValueError(
+        raise ConfigError(
             f"preset {preset_name}: unknown vision_position_init {preset.vision_position_init!r} (random or sincos)"
         )
 

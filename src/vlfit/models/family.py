@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from vlfit.errors import ConfigError
 from vlfit.models.tokenizer import SPECIAL_TOKENS
 
 # The batch's hard negatives (``--hard_negative_column``): each row's alternative captions, ``[B, K, L]`` token ids
@@ -170,7 +171,7 @@ class ModelFamily(ABC):
             if not wanted:
                 continue
             if name not in groups:
-                raise ValueError(
+                raise ConfigError(
                     f"--freeze {name}: a {self.name} model has no {name} tower; it has: {', '.join(groups) or 'none'}"
                 )
             for prefix in groups[name]:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
+from vlfit.errors import ConfigError, ModelLoadError
 from vlfit.models.family import InputSpec, ModelFamily
 from vlfit.models.lora import adapter_base, is_adapter_folder, load_merged
 from vlfit.models.registry import family_for_config, family_for_preset
@@ -103,7 +104,7 @@ def _load_processor(auto_class: Any, what: str, flag: str, name_or_path: str, hu
     try:
         return auto_class.from_pretrained(name_or_path, **hub)
     except (OSError, ValueError) as error:
-        raise ValueError(
+        raise ModelLoadError(
             f"{name_or_path}: cannot load its {what} ({str(error).splitlines()[0][:200]}); save the {what} beside "
             f"the model (vlfit train does) or pass {flag}"
         ) from error
@@ -130,7 +131,7 @@ def resolve_model(
     """
     checkpoint, preset = args.model_name_or_path, args.model_preset
     if (checkpoint is None) == (preset is None):
-        raise ValueError(
+        raise ConfigError(
             "pass exactly one of --model_name_or_path (a checkpoint folder or hub id) or --model_preset "
             f"(random init); got model_name_or_path={checkpoint!r}, model_preset={preset!r}"
         )
@@ -141,7 +142,13 @@ def resolve_model(
         # LoRA adapters: the model is their base's, with them merged in; tokenizer and processor are the run's.
         checkpoint = adapter_base(adapters)
     if checkpoint is not None:
-        config = AutoConfig.from_pretrained(config_name or checkpoint, **hub)
+        try:
+            config = AutoConfig.from_pretrained(config_name or checkpoint, **hub)
+        except OSError as error:  # not a folder with a config.json, and not a hub id that can be reached
+            raise ModelLoadError(
+                f"{config_name or checkpoint}: cannot load a model config ({str(error).splitlines()[0][:200]}); "
+                "pass a folder with config.json (what vlfit train writes), a hub id, or --model_preset"
+            ) from error
         family = family_for_config(config)
         tokenizer = _load_processor(
             AutoTokenizer, "tokenizer", "--tokenizer_name", args.tokenizer_name or adapters or checkpoint, hub
@@ -160,7 +167,7 @@ def resolve_model(
             tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name, **hub)
         else:
             if captions is None:
-                raise ValueError(f"preset {preset!r} needs training captions or --tokenizer_name")
+                raise ConfigError(f"preset {preset!r} needs training captions or --tokenizer_name")
             logger.info("training a byte-level BPE tokenizer on the training captions (no --tokenizer_name given)")
             tokenizer = train_caption_tokenizer(
                 captions(),
@@ -175,10 +182,10 @@ def resolve_model(
         )
     vocab = family.vocab_size(config)
     if vocab is not None and len(tokenizer) > vocab:
-        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model embeds only {vocab}")
+        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model embeds only {vocab}")
     image_size, patch_size = family.image_size(config), family.patch_size(config)
     if patch_size and image_size % patch_size:
-        raise ValueError(
+        raise ConfigError(
             f"{checkpoint or preset}: image size {image_size} is not a multiple of the patch size {patch_size}; "
             "fix vision_config.image_size or patch_size in its config.json"
         )

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from vlfit.errors import ConfigError
+
 LOGIT_SCALE = "logit_scale"
 _HOOK_ATTRIBUTE = "_vlfit_output_hook"
 
@@ -31,7 +33,7 @@ def set_logit_scale(model: nn.Module, value: float) -> None:
     """
     parameter = logit_scale_parameter(model)
     if parameter is None:
-        raise ValueError(
+        raise ConfigError(
             f"--logit_scale_init_value: {type(model).__name__} has no {LOGIT_SCALE} parameter to set; drop the flag"
         )
     with torch.no_grad():

@@ -23,6 +23,7 @@ from typing import Any
 
 from torch import nn
 
+from vlfit.errors import ConfigError
 from vlfit.models.family import ModelFamily
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -50,7 +51,7 @@ def adapter_base(path: str) -> str:
     with open(os.path.join(path, ADAPTER_CONFIG), encoding="utf-8") as f:
         base = json.load(f).get("base_model_name_or_path")
     if not base:
-        raise ValueError(f"{path}/{ADAPTER_CONFIG} names no base_model_name_or_path: the adapters have no base model")
+        raise ConfigError(f"{path}/{ADAPTER_CONFIG} names no base_model_name_or_path: the adapters have no base model")
     if not os.path.isabs(base):
         # A preset's base is saved in the run folder; a checkpoint-N folder's adapters point to the run's.
         for folder in (path, os.path.dirname(os.path.abspath(path))):
@@ -78,7 +79,7 @@ def target_modules(family: ModelFamily, model: nn.Module, targets: Sequence[str]
         skipped = heads + tuple(family.untrained_modules())
         found = [name for name in found if not name.startswith(skipped)]  # heads train in full
         if not found:
-            raise ValueError(
+            raise ConfigError(
                 f"--lora_target {target!r} selects no linear layer of the {family.name} model; name a group "
                 f"({', '.join(groups)}) or a linear module (e.g. {linear[0] if linear else 'none'})"
             )
@@ -105,7 +106,7 @@ def apply_lora(family: ModelFamily, model: nn.Module, settings: LoraSettings, fr
     names = target_modules(family, model, settings.targets)
     frozen = sorted({group for name in names if (group := group_of(family, name)) in frozen_groups})
     if frozen:
-        raise ValueError(
+        raise ConfigError(
             f"--lora_target puts adapters on the {' and '.join(frozen)} tower, which --freeze (or "
             f"--freeze_{frozen[0]}_model) freezes; drop one of the two"
         )

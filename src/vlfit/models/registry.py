@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vlfit.errors import ConfigError
 from vlfit.models.bridgetower import BridgeTowerFamily
 from vlfit.models.clip import CLIPFamily
 from vlfit.models.family import ModelFamily
@@ -30,7 +31,7 @@ def family_for_preset(preset: str) -> ModelFamily:
     for family in FAMILIES:
         if preset in family.preset_names():
             return family
-    raise ValueError(f"unknown --model_preset {preset!r}; choose one of: {', '.join(preset_names())}")
+    raise ConfigError(f"unknown --model_preset {preset!r}; choose one of: {', '.join(preset_names())}")
 
 
 def family_for_config(config: Any) -> ModelFamily:
@@ -44,4 +45,4 @@ def family_for_config(config: Any) -> ModelFamily:
         if model_type in family.model_types:
             return family
     supported = ", ".join(t for family in FAMILIES for t in family.model_types)
-    raise ValueError(f"model type {model_type!r} is not supported; vlfit fine-tunes: {supported}")
+    raise ConfigError(f"model type {model_type!r} is not supported; vlfit fine-tunes: {supported}")

@@ -14,6 +14,8 @@ from tokenizers import ByteLevelBPETokenizer
 from tokenizers.processors import RobertaProcessing
 from transformers import PreTrainedTokenizerFast
 
+from vlfit.errors import ConfigError
+
 SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")
 
 
@@ -39,7 +41,7 @@ def train_caption_tokenizer(
         raise ValueError(f"special_tokens must order {SPECIAL_TOKENS}, got {tuple(special_tokens)}")
     texts = [c for c in captions if c and c.strip()]
     if not texts:
-        raise ValueError("cannot train a tokenizer: every caption is empty; check --caption_column")
+        raise ConfigError("cannot train a tokenizer: every caption is empty; check --caption_column")
     bpe = ByteLevelBPETokenizer(add_prefix_space=True)
     bpe.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=2, special_tokens=list(special_tokens))
     bpe._tokenizer.post_processor = RobertaProcessing(

@@ -39,6 +39,7 @@ from optuna.trial import TrialState
 from transformers import HfArgumentParser, TrainerCallback
 
 from vlfit.arguments import DataArguments, ModelArguments, VlfitTrainingArguments
+from vlfit.errors import ConfigError
 from vlfit.models.loading import build_model
 from vlfit.models.logit_scale import logit_scale_parameter
 from vlfit.search.space import LOGIT_SCALE_PARAMETER, SearchSpace
@@ -88,7 +89,7 @@ def check_trial_dirs(output_dir: str, study: optuna.Study) -> None:
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
     strangers = sorted(n for n in names if (m := pattern.match(n)) and int(m.group(1)) not in known)
     if strangers:
-        raise ValueError(
+        raise ConfigError(
             f"{output_dir} holds runs that are not trials of study {study.study_name!r} ({', '.join(strangers[:3])}"
             f"{', ...' if len(strangers) > 3 else ''}): pass another --output_dir (one per study), or remove them"
         )
@@ -117,7 +118,7 @@ def available_metrics(
     assert setup.eval_source is not None
     model = build_model(setup.blueprint, model_args)
     if LOGIT_SCALE_PARAMETER in space.names and logit_scale_parameter(model) is None:
-        raise ValueError(
+        raise ConfigError(
             f"--search_space: {LOGIT_SCALE_PARAMETER}: the model ({setup.blueprint.description}) has no "
             "logit_scale parameter to set"
         )

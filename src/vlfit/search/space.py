@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from vlfit.arguments import DataArguments, ModelArguments, VlfitTrainingArguments
+from vlfit.errors import ConfigError, MissingFileError
 
 KINDS = ("float", "int", "categorical")
 # The flag that starts a contrastive model's logit scale (searched by default for models that have one).
@@ -140,16 +141,16 @@ def load_space(path: str) -> SearchSpace:
             a log range through 0 or empty choices.
     """
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"--search_space {path}: no such file")
+        raise MissingFileError(f"--search_space {path}: no such file")
     with open(path, encoding="utf-8") as f:
         text = f.read()
     try:
         values = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as err:
         kind = "JSON" if path.endswith(".json") else "YAML"
-        raise ValueError(f"--search_space {path}: not valid {kind}: {err}") from None
+        raise ConfigError(f"--search_space {path}: not valid {kind}: {err}") from None
     if not isinstance(values, dict) or not values:
-        raise ValueError(f"--search_space {path}: expected a mapping of parameter names to their ranges")
+        raise ConfigError(f"--search_space {path}: expected a mapping of parameter names to their ranges")
     return parse_space(values, source=path)
 
 
@@ -164,9 +165,9 @@ def parse_space(values: dict[str, Any], *, source: str = "search space") -> Sear
     for name, spec in values.items():
         where = f"{source}: {name}"
         if name not in valid:
-            raise ValueError(f"{where}: {_unknown(name, valid)}")
+            raise ConfigError(f"{where}: {_unknown(name, valid)}")
         if not isinstance(spec, dict):
-            raise ValueError(f"{where}: expected a mapping such as {{type: float, low: 0.0, high: 1.0}}")
+            raise ConfigError(f"{where}: expected a mapping such as {{type: float, low: 0.0, high: 1.0}}")
         parameters.append(_parameter(name, spec, where, known[name]))
     return SearchSpace(tuple(parameters))
 
@@ -182,53 +183,53 @@ def _unknown(name: str, valid: list[str]) -> str:
 def _number(value: Any, key: str, where: str) -> float:
     # PyYAML reads 1e-5 (no dot) as a string: accept numbers written either way.
     if isinstance(value, bool):
-        raise ValueError(f"{where}: {key} must be a number, got {value!r}")
+        raise ConfigError(f"{where}: {key} must be a number, got {value!r}")
     if isinstance(value, (int, float)):
         return value
     try:
         return float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{where}: {key} must be a number, got {value!r}") from None
+        raise ConfigError(f"{where}: {key} must be a number, got {value!r}") from None
 
 
 def _parameter(name: str, spec: dict[str, Any], where: str, field_: Any) -> Parameter:
     allowed = {"type", "low", "high", "log", "step", "choices"}
     extra = sorted(set(spec) - allowed)
     if extra:
-        raise ValueError(f"{where}: unknown key {', '.join(extra)}; a parameter has: {', '.join(sorted(allowed))}")
+        raise ConfigError(f"{where}: unknown key {', '.join(extra)}; a parameter has: {', '.join(sorted(allowed))}")
     kind = spec.get("type")
     if kind not in KINDS:
-        raise ValueError(f"{where}: type must be one of {', '.join(KINDS)}, got {kind!r}")
+        raise ConfigError(f"{where}: type must be one of {', '.join(KINDS)}, got {kind!r}")
     if kind == "categorical":
         choices = spec.get("choices")
         if not isinstance(choices, list) or not choices:
-            raise ValueError(f"{where}: categorical needs a non-empty list of choices")
+            raise ConfigError(f"{where}: categorical needs a non-empty list of choices")
         if set(spec) - {"type", "choices"}:
-            raise ValueError(f"{where}: categorical takes only choices")
+            raise ConfigError(f"{where}: categorical takes only choices")
         return Parameter(name, kind, choices=tuple(choices))
     if "choices" in spec:
-        raise ValueError(f"{where}: choices are for type categorical; a {kind} has low and high")
+        raise ConfigError(f"{where}: choices are for type categorical; a {kind} has low and high")
     if "low" not in spec or "high" not in spec:
-        raise ValueError(f"{where}: a {kind} parameter needs low and high")
+        raise ConfigError(f"{where}: a {kind} parameter needs low and high")
     low, high = _number(spec["low"], "low", where), _number(spec["high"], "high", where)
     log = spec.get("log", False)
     if not isinstance(log, bool):
-        raise ValueError(f"{where}: log must be true or false, got {log!r}")
+        raise ConfigError(f"{where}: log must be true or false, got {log!r}")
     step = None if spec.get("step") is None else _number(spec["step"], "step", where)
     if kind == "int":
         if any(v != int(v) for v in (low, high, step or 1)):
-            raise ValueError(f"{where}: an int parameter needs whole low, high and step")
+            raise ConfigError(f"{where}: an int parameter needs whole low, high and step")
         low, high, step = int(low), int(high), None if step is None else int(step)
         if not _types(field_) & {"int", "float"}:
-            raise ValueError(f"{where}: the field is not a number; use type categorical")
+            raise ConfigError(f"{where}: the field is not a number; use type categorical")
     elif "float" not in _types(field_):
-        raise ValueError(f"{where}: the field is not a float; use type int or categorical")
+        raise ConfigError(f"{where}: the field is not a float; use type int or categorical")
     if low >= high:
-        raise ValueError(f"{where}: empty or inverted range: low {low} must be below high {high}")
+        raise ConfigError(f"{where}: empty or inverted range: low {low} must be below high {high}")
     if log and low <= 0:
-        raise ValueError(f"{where}: a log range must stay above 0, got low {low}; raise low or drop log")
+        raise ConfigError(f"{where}: a log range must stay above 0, got low {low}; raise low or drop log")
     if step is not None and (step <= 0 or (log and kind == "float")):
-        raise ValueError(f"{where}: step must be positive, and a float log range takes no step")
+        raise ConfigError(f"{where}: step must be positive, and a float log range takes no step")
     return Parameter(name, kind, low, high, log=log, step=step)
 
 

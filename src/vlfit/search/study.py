@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from vlfit.errors import ConfigError
 from vlfit.training.preemption import PREEMPTION_SIGNALS, TwoStageSignalHandler
 
 logger = logging.getLogger("vlfit")
@@ -82,11 +83,11 @@ class SearchArguments:
     def __post_init__(self) -> None:
         for name, allowed in (("direction", DIRECTIONS), ("sampler", SAMPLERS), ("pruner", PRUNERS)):
             if getattr(self, name) not in allowed:
-                raise ValueError(f"unknown --{name} {getattr(self, name)!r}; choose one of: {', '.join(allowed)}")
+                raise ConfigError(f"unknown --{name} {getattr(self, name)!r}; choose one of: {', '.join(allowed)}")
         if self.n_trials < 1:
-            raise ValueError(f"--n_trials must be at least 1, got {self.n_trials}")
+            raise ConfigError(f"--n_trials must be at least 1, got {self.n_trials}")
         if self.timeout is not None and self.timeout <= 0:
-            raise ValueError(f"--timeout must be positive, got {self.timeout}")
+            raise ConfigError(f"--timeout must be positive, got {self.timeout}")
         if not self.metric.startswith("eval_"):
             self.metric = f"eval_{self.metric}"
 
@@ -102,7 +103,7 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
         return optuna.storages.RDBStorage(url)
     except Exception as err:  # sqlalchemy's errors (bad URL, no driver, no server, unwritable file) have no common base
         first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
-        raise ValueError(f"--storage {url}: cannot open the study storage ({type(err).__name__}: {first})") from None
+        raise ConfigError(f"--storage {url}: cannot open the study storage ({type(err).__name__}: {first})") from None
 
 
 def make_sampler(args: SearchArguments, seed: int) -> optuna.samplers.BaseSampler:
@@ -136,7 +137,7 @@ def open_study(
     # Seeded by --seed and the trials there are: a resumed study does not sample its first trials' values again.
     study.sampler = make_sampler(args, seed + len(study.get_trials(deepcopy=False)))
     if study.direction.name.lower() != args.direction:
-        raise ValueError(
+        raise ConfigError(
             f"study {args.study_name!r} in the storage maximizes or minimizes the other way "
             f"({study.direction.name.lower()}); pass --direction {study.direction.name.lower()} or a new --study_name"
         )
@@ -144,7 +145,7 @@ def open_study(
     if stored is None:
         study.set_user_attr(SPACE_ATTR, space)
     elif stored != space:
-        raise ValueError(
+        raise ConfigError(
             f"study {args.study_name!r} in the storage searched another space ({stored}); pass the same "
             "--search_space to continue it, or a new --study_name"
         )

@@ -19,6 +19,7 @@ from typing import Any
 from vlfit.atomic_files import replace_on_success
 from vlfit.data.bad_samples import BAD_SAMPLES_REPORT, MIN_SAMPLES_FOR_BAD_FRACTION
 from vlfit.data.batch import WORKER, BadSample
+from vlfit.errors import DataError
 
 logger = logging.getLogger("vlfit")
 
@@ -29,7 +30,7 @@ LOG_FIRST = 10
 LOG_SUMMARY_EVERY = 100
 
 
-class TooManyBadSamplesError(RuntimeError):
+class TooManyBadSamplesError(DataError):
     """More than ``--max_bad_fraction`` of the samples read so far were bad."""
 
 

@@ -9,6 +9,8 @@ from typing import Any
 import torch.distributed as dist
 from accelerate.utils import parse_flag_from_env
 
+from vlfit.errors import ConfigError
+
 logger = logging.getLogger("vlfit")
 
 
@@ -59,7 +61,7 @@ def describe_launch(args: Any, num_train_samples: int | None) -> None:
     if num_train_samples is None:
         return
     if args.dataloader_drop_last and num_train_samples < global_batch:
-        raise ValueError(
+        raise ConfigError(
             f"--dataloader_drop_last with {num_train_samples} training samples and a global batch of {global_batch} "
             f"({world} processes x --per_device_train_batch_size {local_batch}) leaves no batch to train on"
         )

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from vlfit.errors import ConfigError
+
 
 def enable_fsdp_on_cpu(accelerator: Any, plugin_args: dict[str, Any]) -> bool:
     """Turn a multi-process CPU accelerator into an FSDP one with the plugin ``plugin_args`` describe.
@@ -33,7 +35,7 @@ def enable_fsdp_on_cpu(accelerator: Any, plugin_args: dict[str, Any]) -> bool:
         return False
     plugin = FullyShardedDataParallelPlugin(**plugin_args)
     if plugin.fsdp_version != 2:
-        raise ValueError(
+        raise ConfigError(
             "--fsdp on CPUs runs FSDP2 only (torch's FSDP1 needs CUDA): add --fsdp_config '{\"fsdp_version\": 2}'"
         )
     if "state_dict_type" not in plugin_args:

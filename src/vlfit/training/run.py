@@ -23,6 +23,7 @@ from vlfit.data.source_base import ImageTextSource
 from vlfit.data.sources import open_splits
 from vlfit.efficiency.flops import ComputeEfficiency
 from vlfit.efficiency.peaks import matmul_precision, peak_flops
+from vlfit.errors import ConfigError
 from vlfit.models.family import ModelFamily
 from vlfit.models.loading import ModelBlueprint, build_model, resolve_model
 from vlfit.models.logit_scale import set_logit_scale
@@ -68,7 +69,7 @@ def _limit(source: ImageTextSource, max_samples: int | None) -> ImageTextSource:
 
 def _require_split(splits: dict[str, ImageTextSource], name: str, flag: str) -> ImageTextSource:
     if name not in splits:
-        raise ValueError(f"{flag} needs a {name!r} split; the data has: {', '.join(splits) or 'none'}")
+        raise ConfigError(f"{flag} needs a {name!r} split; the data has: {', '.join(splits) or 'none'}")
     return splits[name]
 
 
@@ -93,9 +94,9 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
     """Open the splits, resolve the model (training a preset's tokenizer once) and build the input pipeline."""
     setup_logging(training_args)
     if not (training_args.do_train or training_args.do_eval):
-        raise ValueError("nothing to do: pass --do_train and/or --do_eval")
+        raise ConfigError("nothing to do: pass --do_train and/or --do_eval")
     if training_args.fsdp and data_args.hard_negative_column and training_args.do_train:
-        raise ValueError(
+        raise ConfigError(
             "--hard_negative_column with --fsdp is not supported: hard negatives are embedded outside the model's "
             "forward, where FSDP holds only shards of the weights; drop one of the two"
         )
@@ -109,7 +110,7 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
         train_source = _limit(_require_split(splits, "train", "--do_train"), data_args.max_train_samples)
         column = data_args.hard_negative_column
         if column is not None and column not in train_source.column_names:
-            raise ValueError(
+            raise ConfigError(
                 f"--hard_negative_column {column!r} is not a column of the training split; it has: "
                 f"{', '.join(train_source.column_names)}"
             )
@@ -165,7 +166,7 @@ def frozen_tower_parameters(
     if model_args.unfreeze_after_steps is None or not training_args.do_train:
         return []
     if training_args.world_size > 1:
-        raise ValueError(
+        raise ConfigError(
             "--unfreeze_after_steps runs on one process only: DDP fixes at wrapping time which parameters it "
             "averages, so towers unfrozen later would drift apart between processes"
         )

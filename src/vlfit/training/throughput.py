@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+from vlfit.errors import ConfigError
+
 
 class ThroughputMeter:
     """Accumulates time blocked waiting for batches and samples served.
@@ -36,7 +38,7 @@ class ThroughputMeter:
         if processes < 1:
             raise ValueError(f"processes must be at least 1, got {processes}")
         if warmup_steps < 0:
-            raise ValueError(f"--throughput_warmup_steps must be at least 0, got {warmup_steps}")
+            raise ConfigError(f"--throughput_warmup_steps must be at least 0, got {warmup_steps}")
         self.processes = processes
         self.warmup_steps = warmup_steps
         self.steps = 0

@@ -36,6 +36,7 @@ from vlfit.data.bad_samples import BAD_SAMPLES_REPORT
 from vlfit.data.batch import Batch
 from vlfit.data.pipeline import DeviceFeed, InputPipeline, LoaderSettings
 from vlfit.efficiency.flops import count_flops
+from vlfit.errors import ConfigError
 from vlfit.evaluation.retrieval import EmbeddedSplit, evaluate_retrieval
 from vlfit.models.family import ModelFamily
 from vlfit.models.trainable import temporarily_trainable
@@ -136,7 +137,7 @@ class VlfitTrainer(Trainer):
 
     def get_train_dataloader(self) -> Any:
         if self.train_dataset is None:
-            raise ValueError("training needs a training split")
+            raise ConfigError("training needs a training split")
         loader = self.pipeline.loader(
             self.train_dataset,
             batch_size=self._train_batch_size,
@@ -151,7 +152,7 @@ class VlfitTrainer(Trainer):
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
-            raise ValueError("evaluation needs an evaluation split")
+            raise ConfigError("evaluation needs an evaluation split")
         loader = self.pipeline.loader(
             dataset,
             batch_size=self.args.eval_batch_size,

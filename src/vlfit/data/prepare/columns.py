@@ -12,6 +12,7 @@ import pyarrow as pa
 from vlfit.data.records import EVAL_COLUMNS
 from vlfit.data.source_base import ImageTextSource
 from vlfit.data.sources import ArrowSource, default_id_column
+from vlfit.errors import DataError
 
 # The columns copied along by default: those evaluation reads besides image, caption and id.
 DEFAULT_EXTRA_COLUMNS: tuple[str, ...] = EVAL_COLUMNS
@@ -80,7 +81,7 @@ def output_columns(
         extra_features = {c: _infer_feature(first[c]) for c in extras}
     names = [image_column, caption_column, id_name, *extras]
     if len(set(names)) != len(names):
-        raise ValueError(f"split {split!r}: output columns {names} are not distinct; check the column arguments")
+        raise DataError(f"split {split!r}: output columns {names} are not distinct; check the column arguments")
     features = datasets.Features(
         {
             image_column: datasets.Image(),

@@ -20,12 +20,13 @@ import pyarrow.parquet as pq
 
 from vlfit.atomic_files import TEMP_FILE_PATTERN, write_text_atomically
 from vlfit.data.prepare.shards import ShardStats, SkippedSample
+from vlfit.errors import DataError
 
 MANIFEST_NAME = "vlfit_prepare.json"
 MANIFEST_VERSION = 1
 
 
-class ManifestMismatchError(ValueError):
+class ManifestMismatchError(DataError):
     """The output folder was prepared with other settings or from another source."""
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from transformers import AutoConfig
 
+from vlfit.errors import DataError
 from vlfit.models.registry import family_for_preset
 
 
@@ -46,7 +47,7 @@ def resolve_short_side(
     ]
     if len(given) != 1:
         found = f"got {' and '.join(given)}" if given else "got none"
-        raise ValueError(
+        raise DataError(
             "give exactly one of --short_side (pixels), --model_preset (its image size) or --model_name_or_path "
             f"(its vision_config.image_size) to set the output short side; {found}"
         )
@@ -59,7 +60,7 @@ def resolve_short_side(
         size = short_side
     size = int(size)
     if size < 1:
-        raise ValueError(f"the output short side must be at least 1 pixel, got {size} (from {given[0]})")
+        raise DataError(f"the output short side must be at least 1 pixel, got {size} (from {given[0]})")
     return size
 
 
@@ -67,11 +68,11 @@ def _checkpoint_image_size(model_name_or_path: str, *, cache_dir: str | None, re
     try:
         config = AutoConfig.from_pretrained(model_name_or_path, cache_dir=cache_dir, revision=revision, token=token)
     except (OSError, ValueError) as err:
-        raise ValueError(f"--model_name_or_path {model_name_or_path!r}: cannot load its config: {err}") from err
+        raise DataError(f"--model_name_or_path {model_name_or_path!r}: cannot load its config: {err}") from err
     vision = getattr(config, "vision_config", None)
     size = getattr(vision if vision is not None else config, "image_size", None)
     if size is None:
-        raise ValueError(
+        raise DataError(
             f"--model_name_or_path {model_name_or_path!r}: its config has no vision_config.image_size; "
             "pass --short_side instead"
         )

@@ -45,6 +45,7 @@ from vlfit.data.prepare.shards import (
     shard_file_name,
 )
 from vlfit.data.source_base import ImageTextSource
+from vlfit.errors import DataError
 
 
 def prepare_dataset(
@@ -102,15 +103,15 @@ def prepare_dataset(
     """
     for name, value, low in (("short_side", short_side, 1), ("shard_size", shard_size, 1), ("num_proc", num_proc, 1)):
         if value < low:
-            raise ValueError(f"--{name} must be at least {low}, got {value}")
+            raise DataError(f"--{name} must be at least {low}, got {value}")
     if not 1 <= jpeg_quality <= 100:
-        raise ValueError(f"--jpeg_quality must be in 1..100, got {jpeg_quality}")
+        raise DataError(f"--jpeg_quality must be in 1..100, got {jpeg_quality}")
     if bad_sample_policy not in BAD_SAMPLE_POLICIES:
-        raise ValueError(
+        raise DataError(
             f"unknown --bad_sample_policy {bad_sample_policy!r}; choose one of: {', '.join(BAD_SAMPLE_POLICIES)}"
         )
     if not sources:
-        raise ValueError("no splits to prepare")
+        raise DataError("no splits to prepare")
     started = time.perf_counter()
     output_dir = os.path.abspath(output_dir)
     description = dict(source_description or {split: source.name for split, source in sources.items()})

@@ -23,6 +23,7 @@ from vlfit.data.synthetic.scenes import (
     scene_and_choices,
     split_sizes,
 )
+from vlfit.errors import DataError
 
 FEATURES = datasets and datasets.Features(  # None without the datasets package
     {
@@ -90,7 +91,7 @@ def make_dataset(config: SyntheticConfig, num_proc: int = 1) -> datasets.Dataset
         A ``DatasetDict`` with the splits in ``SPLITS``, features ``features(config)``.
     """
     if num_proc < 1:
-        raise ValueError(f"--num_proc must be at least 1, got {num_proc}")
+        raise DataError(f"--num_proc must be at least 1, got {num_proc}")
     splits = {}
     start = 0
     for name, size in split_sizes(config).items():
@@ -129,7 +130,7 @@ def save_dataset(dataset_dict: datasets.DatasetDict, output_dir: str, format: st
         ValueError: for an unknown format.
     """
     if format not in ("arrow", "parquet"):
-        raise ValueError(f"unknown format {format!r}; choose one of 'arrow', 'parquet'")
+        raise DataError(f"unknown format {format!r}; choose one of 'arrow', 'parquet'")
     os.makedirs(output_dir, exist_ok=True)
     if format == "arrow":
         dataset_dict.save_to_disk(output_dir)

@@ -12,6 +12,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from vlfit.errors import DataError
+
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
 LETTERS = "ABCDE"
 NUM_CHOICES = 5
@@ -76,28 +78,28 @@ class SyntheticConfig:
 
     def __post_init__(self) -> None:
         if self.num_samples < 3:
-            raise ValueError(f"--num_samples must be at least 3 (one row per split), got {self.num_samples}")
+            raise DataError(f"--num_samples must be at least 3 (one row per split), got {self.num_samples}")
         for name in ("validation_fraction", "test_fraction"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
-                raise ValueError(f"--{name} must be in [0, 1), got {value}")
+                raise DataError(f"--{name} must be in [0, 1), got {value}")
         if self.validation_fraction + self.test_fraction >= 1.0:
-            raise ValueError(
+            raise DataError(
                 "--validation_fraction + --test_fraction must be below 1 to leave training rows, got "
                 f"{self.validation_fraction} + {self.test_fraction}"
             )
         if self.seed < 0:
-            raise ValueError(f"--seed must be non-negative, got {self.seed}")
+            raise DataError(f"--seed must be non-negative, got {self.seed}")
         if self.min_long_side < 32:
-            raise ValueError(f"--min_long_side must be at least 32 pixels, got {self.min_long_side}")
+            raise DataError(f"--min_long_side must be at least 32 pixels, got {self.min_long_side}")
         if self.min_long_side > self.max_long_side:
-            raise ValueError(
+            raise DataError(
                 f"--min_long_side ({self.min_long_side}) must not exceed --max_long_side ({self.max_long_side})"
             )
         if self.labels is not None and self.labels not in LABEL_CLASSES:
-            raise ValueError(f"--labels must be one of {', '.join(LABEL_CLASSES)}, got {self.labels!r}")
+            raise DataError(f"--labels must be one of {', '.join(LABEL_CLASSES)}, got {self.labels!r}")
         if not 1 <= self.jpeg_quality <= 100:
-            raise ValueError(f"--jpeg_quality must be in 1..100, got {self.jpeg_quality}")
+            raise DataError(f"--jpeg_quality must be in 1..100, got {self.jpeg_quality}")
         split_sizes(self)  # fails early when the fractions leave a split without rows
 
 
@@ -126,7 +128,7 @@ def split_sizes(config: SyntheticConfig) -> dict[str, int]:
     }
     train = n - sizes["validation"] - sizes["test"]
     if train < 1:
-        raise ValueError(
+        raise DataError(
             f"--num_samples {n} is too small for --validation_fraction {config.validation_fraction} and "
             f"--test_fraction {config.test_fraction}: no training rows left"
         )
@@ -163,9 +165,9 @@ def parse_caption(text: str) -> Scene:
     for part in text.removesuffix(".").split(" and "):
         words = part.split(" ", 3)
         if len(words) != 4 or words[0] not in counts or words[1] not in COLOURS or words[2] not in nouns:
-            raise ValueError(f"not a synthetic caption: {text!r}")
+            raise DataError(f"not a synthetic caption: {text!r}")
         if words[3] not in regions:
-            raise ValueError(f"not a synthetic caption: {text!r}")
+            raise DataError(f"not a synthetic caption: {text!r}")
         groups.append(Group(kind=nouns[words[2]], colour=words[1], count=counts[words[0]], region=regions[words[3]]))
     return tuple(groups)
 
