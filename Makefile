@@ -1,16 +1,18 @@
-# `make demo` and `make test` each create (or reuse) .venv and install the project first.
+# `make demo` and `make test` each create (or reuse) .venv and install the project first, with the exact versions
+# of requirements/ci.txt (the same set CI installs).
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.vlfit-installed
+LOCK := requirements/ci.txt
 DEMO_DIR ?= runs/demo
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test lint lock clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -c $(LOCK) -e ".[all,test]"
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -24,6 +26,15 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest
+
+# Re-pin requirements/ci.txt: a fresh venv with the newest releases pyproject.toml allows, frozen.
+lock:
+	rm -rf .lock-venv && $(PYTHON) -m venv .lock-venv
+	.lock-venv/bin/python -m pip install -q --upgrade pip
+	.lock-venv/bin/python -m pip install -q ".[all,test]"
+	head -3 $(LOCK) > $(LOCK).new
+	.lock-venv/bin/python -m pip freeze --exclude-editable | grep -v '^vlfit' >> $(LOCK).new
+	mv $(LOCK).new $(LOCK) && rm -rf .lock-venv
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

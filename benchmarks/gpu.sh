@@ -9,14 +9,11 @@
 #
 #   bash benchmarks/gpu.sh OUT_DIR
 #
-# Needs: python3 with torch (CUDA build, GPU visible), torchvision, transformers, tokenizers, numpy and pillow.
-# Optional, each with a fallback: simplejpeg (else the fast path decodes JPEGs with Pillow's DCT-scaled draft
-# mode; bench.json says which), torchcodec (else device decode uses torchvision's deprecated decode_jpeg, and logs
-# that once), psutil (else /proc), matplotlib (else a plainer chart drawn with Pillow), datasets (only for
-# --dataset_name and the prepared pipeline, which this script does not run), pytest (else the CUDA tests are
-# skipped, and the log says so). Wheels put in benchmarks/wheels/ (`bash benchmarks/fetch_gpu_wheels.sh` fetches
-# simplejpeg and torchcodec for Python 3.12) are installed into a temporary folder first, one by one, without
-# touching the machine's packages.
+# Needs: python3 with torch (CUDA build, GPU visible) and vlfit's core dependencies (pyproject.toml); pytest for
+# the CUDA tests (else they are skipped, and the log says so). The lent GPU machines lack some of them and have no
+# network: `bash benchmarks/fetch_gpu_wheels.sh` puts wheels of those (simplejpeg, datasets, dill, multiprocess,
+# braceexpand, and torchcodec for device decode) for their Python 3.12 in benchmarks/wheels/; they are installed
+# into a temporary folder first, one by one, without touching the machine's packages.
 #
 # Time: about 5-6 minutes on an H100-class GPU with 16 cores (an estimate: not yet run on one). The CUDA tests
 # are stopped after VLFIT_GPU_TESTS_BUDGET_S seconds (default 90) and the sweep after VLFIT_BENCH_BUDGET_S
@@ -59,7 +56,9 @@ import importlib
 import os
 import sys
 
-required = ("torch", "torchvision", "transformers", "tokenizers", "numpy", "PIL")
+# vlfit's core dependencies, by import name (pyproject.toml); torchcodec is the gpu extra, reported below.
+required = ("torch", "torchvision", "transformers", "accelerate", "datasets", "tokenizers", "simplejpeg", "PIL",
+            "numpy", "pyarrow", "braceexpand", "yaml", "tqdm", "psutil", "matplotlib", "safetensors")
 missing = []
 for name in required:
     try:
@@ -67,11 +66,12 @@ for name in required:
     except ImportError:
         missing.append(name)
 if missing:
-    sys.exit(f"gpu.sh: missing required packages: {', '.join(missing)}")
+    sys.exit(f"gpu.sh: missing required packages: {', '.join(missing)} (bash benchmarks/fetch_gpu_wheels.sh "
+             "fetches wheels of those the GPU machines lack; carry benchmarks/wheels)")
 import torch
 
 found = {}
-for name in ("simplejpeg", "torchcodec", "psutil", "matplotlib", "datasets"):
+for name in ("torchcodec",):
     try:
         module = importlib.import_module(name)
         if name == "torchcodec":
@@ -80,7 +80,7 @@ for name in ("simplejpeg", "torchcodec", "psutil", "matplotlib", "datasets"):
     except Exception:  # ImportError, or native libraries that do not load (OSError, RuntimeError)
         found[name] = "no"
 gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-print(f"gpu.sh: python {sys.version.split()[0]}, torch {torch.__version__}, GPU {gpu}; optional: "
+print(f"gpu.sh: python {sys.version.split()[0]}, torch {torch.__version__}, GPU {gpu}; gpu extra: "
       + ", ".join(f"{k} {v}" for k, v in found.items()))
 if gpu == "none" and os.environ.get("VLFIT_BENCH_ALLOW_CPU") != "1":
     sys.exit("gpu.sh: torch sees no CUDA GPU (set VLFIT_BENCH_ALLOW_CPU=1 to run on the CPU anyway)")

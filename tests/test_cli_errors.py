@@ -15,6 +15,7 @@ from vlfit.errors import (
     MissingFileError,
     ModelLoadError,
     UserError,
+    python_api,
     register_option_names,
 )
 from vlfit.training.bad_sample_ledger import TooManyBadSamplesError
@@ -60,20 +61,16 @@ def test_anything_else_keeps_its_traceback(monkeypatch, capsys, error):
     assert "error:" not in capsys.readouterr().err
 
 
-def test_messages_quote_options_as_flags_on_the_command_line_only(monkeypatch, capsys):
-    from vlfit.commands import train
-
+def test_python_callers_get_options_as_keywords_and_command_lines_stay():
     register_option_names(["lora_r"])
-    error = ConfigError("--lora_r must be at least 1; launch with torchrun --nproc_per_node 2")
-    assert str(error) == "`lora_r` must be at least 1; launch with torchrun --nproc_per_node 2"
 
-    def failing_main(argv):
-        raise error
+    @python_api
+    def api_function():
+        raise ConfigError("--lora_r must be at least 1; launch with torchrun --nproc_per_node 2")
 
-    monkeypatch.setattr(train, "main", failing_main)
-    cli.main(["train"])
-    assert "error: --lora_r must be at least 1; launch with torchrun --nproc_per_node 2" in capsys.readouterr().err
-    assert str(error).startswith("`lora_r`")  # the CLI's wording ends with the command
+    with pytest.raises(ConfigError) as caught:
+        api_function()
+    assert str(caught.value) == "`lora_r` must be at least 1; launch with torchrun --nproc_per_node 2"
 
 
 def test_a_user_error_keeps_its_type_when_a_dataloader_worker_reraises_it():

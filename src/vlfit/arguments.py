@@ -15,6 +15,7 @@ from vlfit.compat_flags import CompatDataFlags, CompatTrainingFlags
 from vlfit.data.bad_samples import BAD_SAMPLE_POLICIES, MIN_SAMPLES_FOR_BAD_FRACTION
 from vlfit.data.image_transforms import IMAGE_PIPELINES
 from vlfit.errors import ConfigError
+from vlfit.extras import require_extra
 from vlfit.launch import prepare_launch
 from vlfit.models.lora import LoraSettings
 from vlfit.models.registry import family_for_preset, preset_names
@@ -146,6 +147,8 @@ class ModelArguments:
                 raise ConfigError(f"--unfreeze_after_steps must be at least 1, got {self.unfreeze_after_steps}")
             if self.lora_r is not None:
                 raise ConfigError("--unfreeze_after_steps with --lora_r: LoRA trains its adapters only; drop one")
+        if self.lora_r is not None:
+            require_extra("lora", "--lora_r (LoRA adapters)")
         if self.lora_r is not None and int(self.lora_r) < 1:
             raise ConfigError(f"--lora_r must be at least 1, got {self.lora_r}")
         if self.lora_r is None and (self.lora_target or self.lora_alpha is not None):

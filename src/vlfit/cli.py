@@ -105,10 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"vlfit: unknown command {command!r}; choose one of: {', '.join(COMMANDS)}\n\n{usage()}", file=sys.stderr)
         return 2
-    from vlfit.errors import UserError, set_cli_wording
+    from vlfit.errors import UserError
+    from vlfit.extras import COMMAND_EXTRAS, require_extra
 
-    previous = set_cli_wording(True)  # messages name options as the flags of this command line
     try:
+        if command in COMMAND_EXTRAS:
+            require_extra(COMMAND_EXTRAS[command], f"vlfit {command}")
         module = importlib.import_module(COMMANDS[command][0])
         code = int(module.main(rest) or 0)
     except UserError as err:
@@ -116,8 +118,6 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"vlfit {command}: error: {error_line(err)}", file=sys.stderr)
         return USAGE_ERROR_EXIT_CODE
-    finally:
-        set_cli_wording(previous)
     # A process group left to interpreter exit can abort the process after its work is done (gloo's worker threads
     # outlive the interpreter: SIGABRT, pytorch#190489). Only after a normal return: a process that raised may
     # have peers still inside a collective, which destroying the group could hang.

@@ -84,9 +84,7 @@ class CommandParser(HfArgumentParser):
         self, args: Sequence[str] | None = None, return_remaining_strings: bool = False, **kwargs: Any
     ) -> tuple[Any, ...]:
         try:
-            *parsed, remaining = super().parse_args_into_dataclasses(
-                args=args, return_remaining_strings=True, **kwargs
-            )
+            *parsed, remaining = super().parse_args_into_dataclasses(args=args, return_remaining_strings=True, **kwargs)
         except UserError:
             raise
         except ValueError as error:  # a dataclass's __post_init__ refused a value (TrainingArguments' own checks)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from vlfit.errors import ConfigError, MissingFileError
+from vlfit.extras import require_extra
 from vlfit.inference.exported import ExportedModel, is_exported_model
 from vlfit.inference.identity import ModelIdentity, RefusedModelError
 from vlfit.inference.towers import IMAGE_INPUT, TEXT_INPUTS
@@ -141,6 +142,7 @@ class OnnxRuntimeEncoder(_ExportedEncoder):
     backend = "onnxruntime"
 
     def __init__(self, exported: ExportedModel, precision: str = "auto", num_threads: int | None = None) -> None:
+        require_extra("export", "the onnxruntime backend", ("onnxruntime",))
         import onnxruntime as ort
 
         super().__init__(exported, precision)
@@ -184,6 +186,7 @@ class OpenVinoEncoder(_ExportedEncoder):
         inference_precision: str | None = None,
         num_threads: int | None = None,
     ) -> None:
+        require_extra("export", "the openvino backend", ("openvino",))
         import openvino as ov
 
         super().__init__(exported, precision)

@@ -24,6 +24,7 @@ from typing import Any
 from torch import nn
 
 from vlfit.errors import ConfigError
+from vlfit.extras import require_extra
 from vlfit.models.family import ModelFamily
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -101,6 +102,7 @@ def apply_lora(family: ModelFamily, model: nn.Module, settings: LoraSettings, fr
     Raises:
         ValueError: for a target in a tower ``--freeze`` froze, or a target that selects nothing.
     """
+    require_extra("lora", "--lora_r (LoRA adapters)")
     from peft import LoraConfig, get_peft_model
 
     names = target_modules(family, model, settings.targets)
@@ -130,6 +132,7 @@ def trainable_parameters(model: nn.Module) -> tuple[int, int]:
 
 def load_merged(base: nn.Module, adapters: str) -> nn.Module:
     """``base`` with the adapters of the folder ``adapters`` merged into its weights (a plain model)."""
+    require_extra("lora", "a folder of LoRA adapters")
     from peft import PeftModel
 
     return PeftModel.from_pretrained(base, adapters).merge_and_unload()
