@@ -1,3 +1,49 @@
-"""vlfit: fine-tune vision-language models on image-text data with an input pipeline that keeps the device fed."""
+"""vlfit: fine-tune vision-language models (BridgeTower, CLIP, SigLIP) on image-text data, then put them to work.
+
+The API (``vlfit.api``): ``load`` a model and ``Model.encode_images`` / ``encode_texts`` / ``similarity``;
+``train`` and ``evaluate`` with the CLI's flags as keyword arguments (a ``RunResult``); ``Index`` to build, open,
+append and search an embedding index; ``UserError`` (and its kinds in ``vlfit.errors``) for every mistake of the
+caller. Importing ``vlfit`` is cheap: the API loads on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vlfit.errors import ConfigError, DataError, MissingExtraError, MissingFileError, ModelLoadError, UserError
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "DataError",
+    "Index",
+    "MissingExtraError",
+    "MissingFileError",
+    "Model",
+    "ModelLoadError",
+    "RunResult",
+    "SearchHit",
+    "UserError",
+    "__version__",
+    "evaluate",
+    "load",
+    "train",
+]
+
+_API = {"Index", "Model", "RunResult", "SearchHit", "evaluate", "load", "train"}
+
+if TYPE_CHECKING:
+    from vlfit.api import Index, Model, RunResult, SearchHit, evaluate, load, train
+
+
+def __getattr__(name: str) -> Any:
+    if name in _API:
+        from vlfit import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'vlfit' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

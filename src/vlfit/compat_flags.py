@@ -1,8 +1,9 @@
 """Flags of optimum-habana's run_bridgetower.py that vlfit accepts so its command lines run unchanged.
 
 ``vlfit train`` takes run_bridgetower.py's flags after swapping the script name. Some of them mean nothing here:
-the Gaudi-only flags of ``GaudiTrainingArguments`` (vlfit runs on NVIDIA GPUs or the CPU, never on a Gaudi HPU),
-transformers 4's ``--overwrite_output_dir`` and the script's dataset-cache flag. They are declared in the mixins
+the Gaudi-only flags of ``GaudiTrainingArguments`` (vlfit runs on NVIDIA GPUs or the CPU, never on a Gaudi HPU)
+and the script's dataset-cache flag. transformers 4's ``--overwrite_output_dir``, which transformers 5 dropped, is
+declared here too and means what it did (``vlfit.training.output_dir``). They are declared in the mixins
 below (wired into ``VlfitTrainingArguments`` and ``DataArguments``) so that they parse, and ``compat_notes`` says
 in one line per flag the user gave what vlfit does with it. The run_bridgetower.py flags vlfit uses
 (``--throughput_warmup_steps``, the model-loading flags, ``--mediapipe_dataloader`` mapped to
@@ -27,7 +28,7 @@ def _gaudi_help(meaning: str) -> str:
 
 @dataclass
 class CompatTrainingFlags:
-    """``GaudiTrainingArguments``' HPU flags and transformers 4's ``--overwrite_output_dir``: accepted, ignored.
+    """``GaudiTrainingArguments``' HPU flags (accepted, ignored) and transformers 4's ``--overwrite_output_dir``.
 
     Defaults are optimum-habana's, so ``--no_use_lazy_mode`` exists as it does there.
     """
@@ -76,8 +77,9 @@ class CompatTrainingFlags:
     overwrite_output_dir: bool = field(
         default=False,
         metadata={
-            "help": "transformers 4: start over in a non-empty --output_dir. Accepted and ignored: vlfit resumes "
-            "from the last checkpoint in --output_dir; pass a new --output_dir to start over."
+            "help": "Start over in a non-empty --output_dir (its checkpoints are removed), as transformers 4 did. "
+            "Without it, vlfit resumes a run in --output_dir made with the same flags and refuses one made with "
+            "other flags."
         },
     )
 
@@ -142,11 +144,6 @@ FLAG_NOTES: dict[str, FlagNote] = {
     "sdp_on_bf16": FlagNote(f"ignored: a Gaudi attention setting; {_NOT_HERE}"),
     "throughput_warmup_steps": FlagNote(
         "the first {value} training steps are left out of the reported samples/s and data-wait share", logging.INFO
-    ),
-    # transformers 4 TrainingArguments
-    "overwrite_output_dir": FlagNote(
-        "ignored: vlfit resumes from the last checkpoint in --output_dir when there is one and otherwise writes "
-        "into it as it is; pass a new --output_dir to start over"
     ),
     # run_bridgetower.py's ModelArguments
     "config_name": FlagNote(

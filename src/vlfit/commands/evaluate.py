@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
-from vlfit.commands.train import note_compat_flags, parse_arguments
+from vlfit.commands.train import ParsedArguments, note_compat_flags, parse_arguments
 from vlfit.training.run import run
 
 
@@ -15,12 +16,17 @@ def main(argv: list[str] | None = None) -> int:
     reads ``sys.argv[1:]``.
     """
     args = parse_arguments(argv, prog="vlfit eval")
+    results = evaluate_parsed(args)
+    if args.training.should_log:
+        print(json.dumps(results, indent=1))
+    return 0
+
+
+def evaluate_parsed(args: ParsedArguments) -> dict[str, Any]:
+    """Evaluate with parsed flags (``vlfit eval`` and ``vlfit.evaluate``); returns the metrics."""
     model_args, data_args, training_args = args.model, args.data, args.training
     if "output_dir" not in args.given and model_args.model_name_or_path:
         training_args.output_dir = model_args.model_name_or_path
     note_compat_flags(args)
     training_args.do_train, training_args.do_eval = False, True
-    results = run(model_args, data_args, training_args)
-    if training_args.should_log:
-        print(json.dumps(results, indent=1))
-    return 0
+    return run(model_args, data_args, training_args)

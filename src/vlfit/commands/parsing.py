@@ -103,7 +103,7 @@ class CommandParser(HfArgumentParser):
             for key in unknown:
                 close = difflib.get_close_matches(key, sorted(known), n=2, cutoff=0.6)
                 hints.append(f"{key} (did you mean {' or '.join(close)}?)" if close else key)
-            raise ConfigError(f"unknown keys in the flags file: {', '.join(hints)}")
+            raise ConfigError(f"unknown option{'s' if len(hints) > 1 else ''} {', '.join(hints)}")
         try:
             return super().parse_dict(args, allow_extra_keys=allow_extra_keys)
         except UserError:

@@ -14,12 +14,13 @@ import sys
 from typing import Any, NamedTuple
 
 import yaml
-from vlfit.commands.parsing import CommandParser
 
 from vlfit.arguments import DataArguments, ModelArguments, VlfitTrainingArguments
 from vlfit.bench.auto import probe_num_workers, take_auto_workers
+from vlfit.commands.parsing import CommandParser
 from vlfit.compat_flags import log_compat_flags
 from vlfit.errors import ConfigError
+from vlfit.training.output_dir import resolve_output_dir, run_flags, write_run_flags
 from vlfit.training.preemption import TrainingPreempted
 from vlfit.training.run import run, setup_logging, setup_run
 
@@ -61,13 +62,14 @@ def load_flags_file(path: str) -> dict[str, Any]:
     return values
 
 
-def _parser(prog: str) -> CommandParser:
+def parser_for(prog: str) -> CommandParser:
+    """The parser of ``vlfit train`` (and of the commands that take its flags, under their own name)."""
     return CommandParser((ModelArguments, DataArguments, VlfitTrainingArguments), prog=prog)
 
 
 def given_fields(argv: list[str], prog: str = "vlfit train") -> frozenset[str]:
     """Names of the fields ``argv`` sets, as argparse reads it (``--flag=value``, ``--no_flag``, abbreviations)."""
-    parser = _parser(prog)
+    parser = parser_for(prog)
     for action in parser._actions:  # with a SUPPRESS default, argparse leaves a flag not given out of the namespace
         action.default = argparse.SUPPRESS
     namespace, _ = parser.parse_known_args(argv)
@@ -91,11 +93,11 @@ def parse_arguments(
         auto = allow_auto_workers and values.get("dataloader_num_workers") == "auto"
         if auto:
             values = {**values, "dataloader_num_workers": 0}
-        return ParsedArguments(*_parser(prog).parse_dict(values), given=frozenset(values), auto_workers=auto)
+        return ParsedArguments(*parser_for(prog).parse_dict(values), given=frozenset(values), auto_workers=auto)
     auto = False
     if allow_auto_workers:
         argv, auto = take_auto_workers(argv)  # type: ignore[assignment]
-    parsed = _parser(prog).parse_args_into_dataclasses(args=argv)  # a bad flag stops here, with the usage
+    parsed = parser_for(prog).parse_args_into_dataclasses(args=argv)  # a bad flag stops here, with the usage
     return ParsedArguments(*parsed, given=given_fields(argv, prog), auto_workers=auto)
 
 
@@ -118,9 +120,34 @@ def main(argv: list[str] | None = None) -> int:
     a checkpoint, as a shell reports a process killed by that signal: schedulers then see the job as interrupted.
     """
     args = parse_arguments(argv, allow_auto_workers=True)
+    try:
+        results = train_parsed(args)
+    except TrainingPreempted as stop:
+        print(f"vlfit train: {stop}", file=sys.stderr)
+        return stop.exit_code
+    if args.training.should_log:
+        print(json.dumps({k: v for k, v in results.items() if isinstance(v, (int, float))}, indent=1))
+        print(f"vlfit train: model saved to {args.training.output_dir}")
+    return 0
+
+
+def train_parsed(args: ParsedArguments) -> dict[str, Any]:
+    """Train with parsed flags (``vlfit train`` and ``vlfit.train``); returns the final metrics.
+
+    Raises:
+        TrainingPreempted: SIGTERM or SIGINT stopped training after saving a checkpoint.
+    """
     model_args, data_args, training_args = args.model, args.data, args.training
     note_compat_flags(args)
     training_args.do_train = True  # `vlfit train` always trains; --do_eval adds an evaluation afterwards
+    flags = run_flags(model_args, data_args, training_args)
+    training_args.resume_from_checkpoint = resolve_output_dir(
+        training_args.output_dir,
+        flags,
+        args.given,
+        overwrite=training_args.overwrite_output_dir and training_args.process_index == 0,
+        resume_from_checkpoint=training_args.resume_from_checkpoint,
+    )
     setup = setup_run(model_args, data_args, training_args)  # data, tokenizer and pipeline, made once
     if args.auto_workers:  # parsed as 0; a short probe picks the count
         training_args.dataloader_num_workers = probe_num_workers(
@@ -131,11 +158,6 @@ def main(argv: list[str] | None = None) -> int:
             decode_on_device=setup.pipeline.options.decode_on_device,
             image_pipeline=data_args.image_pipeline,
         )
-    try:
-        results = run(model_args, data_args, training_args, setup=setup)
-    except TrainingPreempted as stop:
-        print(f"vlfit train: {stop}", file=sys.stderr)
-        return stop.exit_code
-    if training_args.should_log:
-        print(json.dumps({k: v for k, v in results.items() if isinstance(v, (int, float))}, indent=1))
-    return 0
+    if training_args.process_index == 0:
+        write_run_flags(training_args.output_dir, flags, args.given)
+    return run(model_args, data_args, training_args, setup=setup)

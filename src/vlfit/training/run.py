@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import transformers
 from transformers import TrainerCallback, set_seed
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from vlfit.arguments import DataArguments, ModelArguments, VlfitTrainingArguments
 from vlfit.data.bad_samples import BAD_SAMPLES_REPORT
@@ -241,11 +241,7 @@ def run(
 
     results: dict[str, Any] = {}
     if training_args.do_train:
-        checkpoint = training_args.resume_from_checkpoint
-        if checkpoint is None and os.path.isdir(training_args.output_dir):
-            checkpoint = get_last_checkpoint(training_args.output_dir)
-            if checkpoint is not None:
-                logger.info("resuming from %s (pass a new --output_dir to start over)", checkpoint)
+        checkpoint = training_args.resume_from_checkpoint  # vlfit.training.output_dir decided it
         try:
             train_result = trainer.train(resume_from_checkpoint=checkpoint)
         finally:

@@ -1,0 +1,369 @@
+"""vlfit from Python: load a model and embed, train, evaluate, and build or query an index.
+
+    import vlfit
+
+    model = vlfit.load("runs/demo/model")
+    images = model.encode_images(["cat.jpg", pil_image, jpeg_bytes, uint8_array])   # [4, D] float32, L2-normalized
+    texts = model.encode_texts(["a cat", "a dog"])                                   # [2, D]
+    scores = model.similarity(["cat.jpg"], ["a cat", "a dog"])                       # [1, 2] cosines
+
+    result = vlfit.train(model_preset="clip-tiny", dataset_name="data/", output_dir="runs/x", max_steps=10)
+    result.metrics["train_loss"], result.output_dir
+
+Every function takes the flags of the matching CLI command as keyword arguments (``vlfit.train(learning_rate=1e-4)``
+is ``vlfit train --learning_rate 1e-4``). A mistake raises a ``vlfit.UserError`` naming the keyword argument.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+
+from vlfit.errors import ConfigError, DataError, MissingFileError, python_api, register_option_names
+from vlfit.inference.backends import Encoder, TorchEncoder, open_encoder
+
+# What encode_images takes, each item on its own: a path, encoded bytes, a PIL image or a uint8 HWC (or HW) array.
+ImageInput = str | os.PathLike | bytes | Image.Image | np.ndarray
+
+
+def _pixels_of(item: ImageInput, image_size: int, position: int) -> torch.Tensor:
+    """One image as the fast CPU pipeline makes it: uint8 ``[3, S, S]``, center crop, bicubic resize."""
+    from vlfit.data.image_transforms import FastImageTransform, hwc_to_chw_view, resize_crop_uint8
+
+    if isinstance(item, (str, os.PathLike)):
+        path = os.fspath(item)
+        if not os.path.isfile(path):
+            raise MissingFileError(f"image {position} ({path}): no such file")
+        with open(path, "rb") as f:
+            item = f.read()
+    if isinstance(item, (bytes, bytearray, memoryview)):
+        return FastImageTransform(image_size)(bytes(item), sample_id=f"image {position}")  # DataError names it
+    if isinstance(item, Image.Image):
+        array = np.array(ImageOps.exif_transpose(item).convert("RGB"))
+    elif isinstance(item, np.ndarray):
+        if item.dtype != np.uint8:
+            raise DataError(f"image {position}: a numpy image must be uint8 (HWC or HW), got {item.dtype}")
+        array = np.repeat(item[..., None], 3, axis=2) if item.ndim == 2 else item
+        if array.ndim != 3 or array.shape[2] not in (3, 4):
+            raise DataError(f"image {position}: a numpy image must be [H, W], [H, W, 3] or [H, W, 4], got {item.shape}")
+        array = array[..., :3]
+    else:
+        raise DataError(
+            f"image {position}: expected a path, encoded bytes, a PIL image or a uint8 array, got {type(item).__name__}"
+        )
+    return resize_crop_uint8(hwc_to_chw_view(array), image_size)
+
+
+class Model:
+    """A model ready to embed: a checkpoint (PyTorch) or a folder ``vlfit export`` wrote (ONNX Runtime, OpenVINO).
+
+    Attributes:
+        encoder: The backend's encoder (``vlfit.inference.backends``).
+    """
+
+    def __init__(self, encoder: Encoder) -> None:
+        self.encoder = encoder
+
+    @property
+    def backend(self) -> str:
+        """``torch``, ``onnxruntime`` or ``openvino``."""
+        return self.encoder.backend
+
+    @property
+    def image_size(self) -> int:
+        """The side of the square images the model takes."""
+        return self.encoder.spec.image_size
+
+    @property
+    def embedding_dim(self) -> int:
+        """Length of an embedding."""
+        return self.encoder.identity.embedding_size
+
+    def __repr__(self) -> str:
+        return f"vlfit.Model({self.encoder.description})"
+
+    @python_api
+    def encode_images(self, images: ImageInput | Iterable[ImageInput], batch_size: int = 32) -> np.ndarray:
+        """L2-normalized float32 embeddings ``[N, D]`` of images: paths, encoded bytes, PIL images or uint8 arrays.
+
+        Images go through the fast CPU pipeline (DCT-scaled decode, center crop, bicubic resize on uint8), as in
+        training and evaluation. A single image (not in a list) gives ``[1, D]``.
+
+        Raises:
+            MissingFileError: for a path that does not exist.
+            DataError: for an image that cannot be decoded or an input of another kind (naming its position).
+        """
+        items = [images] if isinstance(images, (str, os.PathLike, bytes, Image.Image, np.ndarray)) else list(images)
+        if isinstance(images, np.ndarray) and images.ndim == 4:  # a batch of arrays
+            items = list(images)
+        rows = []
+        for start in range(0, len(items), batch_size):
+            pixels = [
+                _pixels_of(item, self.image_size, start + i) for i, item in enumerate(items[start : start + batch_size])
+            ]
+            rows.append(self.encoder.embed_pixels(torch.stack(pixels).contiguous()))
+        return _as_numpy(rows, self.embedding_dim)
+
+    @python_api
+    def encode_texts(self, texts: str | Sequence[str], batch_size: int = 256) -> np.ndarray:
+        """L2-normalized float32 embeddings ``[N, D]`` of captions, tokenized as training tokenizes them."""
+        items = [texts] if isinstance(texts, str) else list(texts)
+        for position, text in enumerate(items):
+            if not isinstance(text, str):
+                raise DataError(f"text {position}: expected a string, got {type(text).__name__}")
+        rows = [self.encoder.embed_texts(items[s : s + batch_size]) for s in range(0, len(items), batch_size)]
+        return _as_numpy(rows, self.embedding_dim)
+
+    @python_api
+    def similarity(self, images: ImageInput | Iterable[ImageInput], texts: str | Sequence[str]) -> np.ndarray:
+        """Cosine similarities ``[num_images, num_texts]`` (the model's temperature is not applied)."""
+        return self.encode_images(images) @ self.encode_texts(texts).T
+
+
+def _as_numpy(rows: list[torch.Tensor], dim: int) -> np.ndarray:
+    if not rows:
+        return np.zeros((0, dim), dtype=np.float32)
+    return np.ascontiguousarray(torch.cat(rows).float().numpy(), dtype=np.float32)
+
+
+@python_api
+def load(
+    path_or_preset: str | os.PathLike,
+    backend: str = "auto",
+    *,
+    precision: str = "auto",
+    num_threads: int | None = None,
+) -> Model:
+    """Load a model to embed with.
+
+    Args:
+        path_or_preset: A checkpoint folder (``vlfit train``'s output, LoRA adapters included), a folder
+            ``vlfit export`` wrote, or a preset name (random weights, with a byte-level tokenizer trained on
+            ``vlfit make-data``'s caption grammar: for trying the API, not for results).
+        backend: ``auto`` (the folder's own runtime: PyTorch for a checkpoint, the exported format's runtime),
+            ``torch``, ``onnxruntime`` or ``openvino``.
+        precision: Exported graphs: ``auto`` (INT8 when exported), ``fp32`` or ``int8``.
+        num_threads: Threads of the runtime (``None``: its default).
+    """
+    from vlfit.models.registry import preset_names
+
+    name = os.fspath(path_or_preset)
+    if not os.path.exists(name) and name in preset_names():
+        if backend not in ("auto", "torch"):
+            raise ConfigError(f"preset {name} runs on torch; export a trained checkpoint for backend {backend!r}")
+        return Model(_preset_encoder(name, num_threads))
+    return Model(open_encoder(name, backend, precision, num_threads=num_threads))
+
+
+def _preset_encoder(preset: str, num_threads: int | None) -> TorchEncoder:
+    from vlfit.arguments import ModelArguments
+    from vlfit.data.synthetic.scenes import scene_and_choices
+    from vlfit.inference.identity import ModelIdentity
+    from vlfit.inference.loading import DEFAULT_MAX_SEQ_LENGTH, LoadedCheckpoint
+    from vlfit.inference.towers import ImageTower, TextTower
+    from vlfit.models.loading import load_model_bundle
+
+    rng = np.random.default_rng(0)
+    captions = [caption for _ in range(64) for caption in scene_and_choices(rng)[1]]
+    bundle = load_model_bundle(
+        ModelArguments(model_preset=preset), captions=lambda: captions, max_seq_length=DEFAULT_MAX_SEQ_LENGTH
+    )
+    model = bundle.model.eval().float()
+    image_tower, text_tower = (
+        ImageTower(bundle.family, model, bundle.inputs).eval(),
+        TextTower(bundle.family, model).eval(),
+    )
+    with torch.inference_mode():
+        dim = int(text_tower(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.long)).shape[-1])
+    identity = ModelIdentity(bundle.family.name, dim, f"preset:{preset}")
+    loaded = LoadedCheckpoint(f"preset:{preset}", bundle, image_tower, text_tower, identity)
+    return TorchEncoder(loaded.path, num_threads=num_threads, loaded=loaded)
+
+
+# ---------------------------------------------------------------------------------------------- train and evaluate
+
+
+@dataclass
+class RunResult:
+    """What ``train`` and ``evaluate`` return.
+
+    Attributes:
+        metrics: The final metrics (``train_*`` and ``eval_*``), as the run's ``*_results.json`` hold them.
+        output_dir: Where the model (``train``) or the metrics (``evaluate``) were saved.
+    """
+
+    metrics: dict[str, Any]
+    output_dir: str
+
+
+def _flag_values(kwargs: dict[str, Any]) -> dict[str, Any]:
+    values = dict(kwargs)
+    if "model" in values:  # the CLI's --model alias
+        if "model_name_or_path" in values:
+            raise ConfigError("pass --model or --model_name_or_path, not both")
+        values["model_name_or_path"] = values.pop("model")
+    return values
+
+
+def _parse(prog: str, kwargs: dict[str, Any]) -> Any:
+    from vlfit.commands.train import ParsedArguments, parser_for
+
+    parser = parser_for(prog)
+    values = _flag_values(kwargs)
+    register_option_names(f.name for dtype in parser.dataclass_types for f in fields(dtype))
+    return ParsedArguments(*parser.parse_dict(values), given=frozenset(values))
+
+
+@python_api
+def train(**flags: Any) -> RunResult:
+    """Fine-tune as ``vlfit train`` does, with its flags as keyword arguments; returns the metrics and the folder.
+
+    Example: ``vlfit.train(model_preset="clip-tiny", dataset_name="data/", output_dir="runs/x", max_steps=10)``.
+    """
+    from vlfit.commands.train import train_parsed
+
+    args = _parse("vlfit train", flags)
+    metrics = train_parsed(args)
+    return RunResult(metrics, args.training.output_dir)
+
+
+@python_api
+def evaluate(**flags: Any) -> RunResult:
+    """Evaluate as ``vlfit eval`` does (recall@1/5/10 both ways, matching accuracy) with its flags as keyword
+    arguments; the metrics are also written to ``output_dir`` (default: the model folder) as ``eval_results.json``."""
+    from vlfit.commands.evaluate import evaluate_parsed
+
+    args = _parse("vlfit eval", flags)
+    metrics = evaluate_parsed(args)
+    return RunResult(metrics, args.training.output_dir)
+
+
+# ----------------------------------------------------------------------------------------------------- the index
+
+
+@dataclass(frozen=True)
+class SearchHit:
+    """One result of ``Index.search``: the item's id (its path in the image folder, or the dataset sample's id)
+    and its cosine score."""
+
+    id: str
+    score: float
+
+
+class Index:
+    """An embedding index on disk (what ``vlfit retrieve index`` builds): build, open, append, search.
+
+    Build one with ``Index.build(model, "runs/index", images="photos/")`` (or ``dataset_name=..., split=...``),
+    open it later with ``Index.open("runs/index")``, add the new images of the folder with ``append()``, and
+    search it with ``search("a red square", k=5)``.
+    """
+
+    def __init__(self, path: str, model: Model | None = None) -> None:
+        from vlfit.inference.index import EmbeddingIndex
+
+        self.path = path
+        self._index = EmbeddingIndex(path)
+        self._model = model
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    @property
+    def model(self) -> Model:
+        """The model the index was built with (loaded on first use)."""
+        if self._model is None:
+            built = self._index.manifest.model
+            self._model = load(built["path"], built["backend"], precision=built.get("precision", "auto"))
+        return self._model
+
+    @classmethod
+    @python_api
+    def build(
+        cls,
+        model: Model | str,
+        path: str,
+        *,
+        images: str | None = None,
+        dataset_name: str | None = None,
+        split: str = "test",
+        image_column: str = "image",
+        caption_column: str | None = "image_description",
+        batch_size: int = 32,
+        num_workers: int = 0,
+        shard_size: int = 4096,
+        progress: bool = False,
+    ) -> Index:
+        """Embed a folder of images (``images``) or a dataset split into the index at ``path`` (created, or resumed
+        and appended to when it exists: only items not in it yet are embedded)."""
+        from vlfit.inference.collection import ImageFolderSource, open_dataset_split
+        from vlfit.inference.index import MANIFEST_NAME, EmbeddingIndex, build_index, refuse_other_model
+
+        if (images is None) == (dataset_name is None):
+            raise ConfigError("pass exactly one of --images (a folder of image files) or --dataset_name")
+        model = load(model) if isinstance(model, str) else model
+        if images is not None:
+            source = ImageFolderSource(images)
+            collection: dict[str, Any] = {"images": os.path.abspath(images)}
+        else:
+            source = open_dataset_split(dataset_name, split, image_column=image_column, caption_column=caption_column)
+            collection = {"dataset_name": dataset_name, "split": split, "image_column": image_column,
+                          "caption_column": caption_column}  # fmt: skip
+        if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+            refuse_other_model(EmbeddingIndex(path), model.encoder)
+        build_index(
+            model.encoder, source, path, collection=collection, batch_size=batch_size, num_workers=num_workers,
+            shard_size=shard_size, progress=progress,
+        )  # fmt: skip
+        return cls(path, model)
+
+    @classmethod
+    @python_api
+    def open(cls, path: str, model: Model | None = None) -> Index:
+        """The index at ``path``; queries are embedded with ``model`` (default: the one it was built with)."""
+        index = cls(path, model)
+        if model is not None:
+            from vlfit.inference.index import refuse_other_model
+
+            refuse_other_model(index._index, model.encoder)
+        return index
+
+    @python_api
+    def append(self, progress: bool = False, batch_size: int = 32, num_workers: int = 0) -> int:
+        """Embed what the index's folder or dataset holds that the index does not yet; returns how many were added."""
+        collection = self._index.manifest.collection
+        before = len(self._index)
+        if "images" in collection:
+            Index.build(self.model, self.path, images=collection["images"], progress=progress,
+                        batch_size=batch_size, num_workers=num_workers)  # fmt: skip
+        else:
+            Index.build(
+                self.model, self.path, dataset_name=collection["dataset_name"], split=collection["split"],
+                image_column=collection.get("image_column", "image"),
+                caption_column=collection.get("caption_column", "image_description"), progress=progress,
+                batch_size=batch_size, num_workers=num_workers,
+            )  # fmt: skip
+        self.__init__(self.path, self._model)  # re-read the manifest the build wrote
+        return len(self._index) - before
+
+    @python_api
+    def search(self, queries: str | Sequence[str] | np.ndarray, k: int = 10) -> list[SearchHit] | list[list[SearchHit]]:
+        """The ``k`` best items for a text (a list of ``SearchHit``), for several texts or for query embeddings
+        ``[Q, D]`` (a list of lists), best first."""
+        from vlfit.inference.query import search
+
+        if k < 1:
+            raise ConfigError(f"k must be at least 1, got {k}")
+        single = isinstance(queries, str)
+        if isinstance(queries, np.ndarray):
+            embeddings = torch.from_numpy(np.atleast_2d(queries).astype(np.float32))
+        else:
+            embeddings = torch.from_numpy(self.model.encode_texts(queries))
+        hits = search(self._index, embeddings, k)
+        results = [[SearchHit(hit.id, hit.score) for hit in row] for row in hits]
+        return results[0] if single else results

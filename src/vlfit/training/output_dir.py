@@ -1,0 +1,130 @@
+"""What ``vlfit train`` does with an ``--output_dir`` that already holds something, as HF scripts' users expect.
+
+- An empty or new folder: a fresh run.
+- ``--overwrite_output_dir``: a fresh run, whatever the folder holds (its old checkpoints are removed, so a later
+  rerun cannot resume from them).
+- ``--resume_from_checkpoint PATH``: resume from that checkpoint.
+- A folder holding a run (``run_flags.json``, written when a run starts) made with the same flags: resume from its
+  last checkpoint (what rerunning an interrupted command does), or, with none, start over.
+- A folder holding another run, or files vlfit did not write: refused in one line naming the flags that differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+from typing import Any
+
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from vlfit import __version__
+from vlfit.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+RUN_FLAGS_FILE = "run_flags.json"
+# Flags that do not change what a run computes: a rerun may change them and still resume.
+NEUTRAL_FLAGS = frozenset(
+    {
+        "output_dir", "overwrite_output_dir", "resume_from_checkpoint", "logging_dir", "logging_steps",
+        "logging_strategy", "logging_first_step", "report_to", "run_name", "disable_tqdm", "log_level",
+        "log_level_replica", "dataloader_num_workers", "dataloader_prefetch_factor", "dataloader_pin_memory",
+        "dataloader_persistent_workers", "save_total_limit", "push_to_hub", "hub_model_id", "hub_token", "token",
+        "cache_dir", "do_eval", "eval_strategy", "eval_steps", "per_device_eval_batch_size", "debug",
+    }
+)  # fmt: skip
+_PRIMITIVES = (str, int, float, bool, type(None))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, _PRIMITIVES):
+        return value
+    if isinstance(value, (list, tuple)) and all(isinstance(v, _PRIMITIVES) for v in value):
+        return list(value)
+    if hasattr(value, "value") and isinstance(value.value, _PRIMITIVES):  # enums (IntervalStrategy, ...)
+        return value.value
+    return None
+
+
+def run_flags(*arguments: Any) -> dict[str, Any]:
+    """The values of every field of the argument dataclasses that a JSON file can hold."""
+    values: dict[str, Any] = {}
+    for args in arguments:
+        for f in dataclasses.fields(args):
+            plain = _plain(getattr(args, f.name))
+            if plain is not None or getattr(args, f.name) is None:
+                values[f.name] = plain
+    return values
+
+
+def _differences(saved: dict[str, Any], current: dict[str, Any], names: set[str]) -> list[str]:
+    differ = []
+    for name in sorted(names - NEUTRAL_FLAGS):
+        if name in current and saved.get(name) != current[name]:
+            differ.append(f"--{name} {current[name]!r} (was {saved.get(name)!r})")
+    return differ
+
+
+def _remove_checkpoints(output_dir: str) -> None:
+    for name in os.listdir(output_dir):
+        path = os.path.join(output_dir, name)
+        if name.startswith(f"{PREFIX_CHECKPOINT_DIR}-") and os.path.isdir(path):
+            shutil.rmtree(path)
+
+
+def resolve_output_dir(
+    output_dir: str,
+    flags: dict[str, Any],
+    given: frozenset[str],
+    *,
+    overwrite: bool,
+    resume_from_checkpoint: str | None,
+) -> str | None:
+    """The checkpoint to resume from (``None``: a fresh run), or refuse a folder that holds another run.
+
+    Args:
+        output_dir: The run's ``--output_dir``.
+        flags: ``run_flags`` of this run's arguments.
+        given: The flags the user set (command line, flags file or keyword arguments).
+        overwrite: ``--overwrite_output_dir``.
+        resume_from_checkpoint: ``--resume_from_checkpoint``, when given.
+
+    Raises:
+        ConfigError: the folder holds a run with other flags, or files of something else.
+    """
+    if resume_from_checkpoint is not None:
+        return resume_from_checkpoint
+    if not os.path.isdir(output_dir) or not os.listdir(output_dir):
+        return None
+    if overwrite:
+        _remove_checkpoints(output_dir)
+        logger.info("--overwrite_output_dir: starting over in %s", output_dir)
+        return None
+    record = os.path.join(output_dir, RUN_FLAGS_FILE)
+    what = "pass --overwrite_output_dir to start over there, or another --output_dir"
+    if not os.path.isfile(record):
+        raise ConfigError(f"--output_dir {output_dir} is not empty and holds no vlfit run; {what}")
+    with open(record, encoding="utf-8") as f:
+        saved = json.load(f)
+    differ = _differences(saved["flags"], flags, set(given) | set(saved.get("given", ())))
+    if differ:
+        raise ConfigError(
+            f"--output_dir {output_dir} holds another run (flags that differ: {'; '.join(differ)}); {what}, or "
+            "--resume_from_checkpoint to continue that run with these flags"
+        )
+    checkpoint = get_last_checkpoint(output_dir)
+    if checkpoint is not None:
+        logger.info("resuming from %s: the run in --output_dir has the same flags", checkpoint)
+    return checkpoint
+
+
+def write_run_flags(output_dir: str, flags: dict[str, Any], given: frozenset[str]) -> None:
+    """Record the run's flags in ``output_dir`` (``run_flags.json``), for ``resolve_output_dir`` of a rerun."""
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, RUN_FLAGS_FILE)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump({"vlfit_version": __version__, "given": sorted(given), "flags": flags}, f, indent=1, sort_keys=True)
+    os.replace(path + ".tmp", path)

@@ -1,0 +1,74 @@
+"""The Python API: the README's example runs as written, and each function keeps its contract."""
+
+import io
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import vlfit
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _python_example() -> str:
+    text = README.read_text(encoding="utf-8")
+    section = text[text.index("## From Python") :]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_the_readme_example_runs(synthetic_dataset_dir, tmp_path, monkeypatch, capsys):
+    (tmp_path / "data").symlink_to(synthetic_dataset_dir)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(_python_example(), "README.md", "exec"), namespace)
+    run, model, index = namespace["run"], namespace["model"], namespace["index"]
+    assert run.output_dir == "runs/python" and (tmp_path / "runs/python/model.safetensors").is_file()
+    assert 0.0 <= run.metrics["eval_t2i_recall@1"] <= 1.0 and run.metrics["train_loss"] > 0
+    assert len(index) == 8 and isinstance(model, vlfit.Model)
+    assert "runs/python" in capsys.readouterr().out
+
+
+def test_public_names_are_the_documented_ones():
+    assert set(vlfit.__all__) >= {"load", "train", "evaluate", "Index", "Model", "UserError", "__version__"}
+    for name in vlfit.__all__:
+        assert getattr(vlfit, name) is not None
+
+
+@pytest.fixture(scope="module")
+def preset_model():
+    return vlfit.load("clip-tiny")
+
+
+def test_every_image_kind_gives_the_same_normalized_embedding(preset_model, tmp_path):
+    pixels = np.random.default_rng(0).integers(0, 256, (72, 90, 3), dtype=np.uint8)
+    png = io.BytesIO()
+    Image.fromarray(pixels).save(png, format="PNG")
+    path = tmp_path / "image.png"
+    path.write_bytes(png.getvalue())
+    embeddings = preset_model.encode_images([str(path), png.getvalue(), Image.fromarray(pixels), pixels])
+    assert embeddings.shape == (4, preset_model.embedding_dim) and embeddings.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(embeddings, axis=1), 1.0, atol=1e-5)
+    np.testing.assert_allclose(embeddings, np.repeat(embeddings[:1], 4, axis=0), atol=1e-5)  # PNG is lossless
+    texts = preset_model.encode_texts(["a red square", "two blue circles"])
+    np.testing.assert_allclose(preset_model.similarity(pixels, ["a red square", "two blue circles"]),
+                               embeddings[:1] @ texts.T, atol=1e-5)  # fmt: skip
+
+
+def test_bad_images_name_their_position(preset_model, tmp_path):
+    good = np.zeros((32, 32, 3), dtype=np.uint8)
+    with pytest.raises(vlfit.MissingFileError, match=r"image 1 \(.*nope.jpg\): no such file"):
+        preset_model.encode_images([good, str(tmp_path / "nope.jpg")])
+    with pytest.raises(vlfit.DataError, match="image 2"):
+        preset_model.encode_images([good, good, b"not an image"])
+    with pytest.raises(vlfit.DataError, match="image 0: a numpy image must be uint8"):
+        preset_model.encode_images([good.astype(np.float32)])
+
+
+def test_errors_name_keyword_arguments_not_flags(tmp_path):
+    with pytest.raises(vlfit.ConfigError, match=r"^`lora_r` must be at least 1, got 0$"):
+        vlfit.train(model_preset="clip-tiny", lora_r=0, output_dir=str(tmp_path))
+    with pytest.raises(vlfit.ConfigError, match=r"unknown option learning_rat \(did you mean learning_rate\?\)"):
+        vlfit.train(model_preset="clip-tiny", learning_rat=1e-3, output_dir=str(tmp_path))

@@ -1,0 +1,65 @@
+"""What vlfit train does with an --output_dir that holds something: resume the same run, refuse another."""
+
+import os
+
+import pytest
+
+from vlfit.errors import ConfigError
+from vlfit.training.output_dir import RUN_FLAGS_FILE, resolve_output_dir, write_run_flags
+
+FLAGS = {"learning_rate": 5e-4, "max_steps": 10, "seed": 42, "dataloader_num_workers": 0, "output_dir": "x"}
+GIVEN = frozenset({"learning_rate", "max_steps", "output_dir"})
+
+
+def _resolve(folder, flags=FLAGS, given=GIVEN, overwrite=False, resume=None):
+    return resolve_output_dir(str(folder), flags, given, overwrite=overwrite, resume_from_checkpoint=resume)
+
+
+def _run_with_checkpoint(folder, step=4):
+    write_run_flags(str(folder), FLAGS, GIVEN)
+    checkpoint = folder / f"checkpoint-{step}"
+    checkpoint.mkdir()
+    (checkpoint / "trainer_state.json").write_text("{}")
+    return checkpoint
+
+
+def test_a_new_or_empty_folder_is_a_fresh_run(tmp_path):
+    assert _resolve(tmp_path / "new") is None
+    assert _resolve(tmp_path) is None
+
+
+def test_the_same_flags_resume_from_the_last_checkpoint(tmp_path):
+    checkpoint = _run_with_checkpoint(tmp_path)
+    assert _resolve(tmp_path) == str(checkpoint)
+    # Flags that change nothing the run computes (workers, logging) may differ.
+    assert _resolve(tmp_path, {**FLAGS, "dataloader_num_workers": 2}, GIVEN | {"dataloader_num_workers"}) == str(
+        checkpoint
+    )
+
+
+def test_other_flags_are_refused_naming_each_difference(tmp_path):
+    _run_with_checkpoint(tmp_path)
+    with pytest.raises(ConfigError, match=r"--learning_rate 0\.001 \(was 0\.0005\)") as caught:
+        _resolve(tmp_path, {**FLAGS, "learning_rate": 1e-3})
+    assert "--overwrite_output_dir" in str(caught.value) and "--max_steps" not in str(caught.value)
+    # A flag given before and left to its default now differs too.
+    with pytest.raises(ConfigError, match=r"--max_steps -1 \(was 10\)"):
+        _resolve(tmp_path, {**FLAGS, "max_steps": -1}, GIVEN - {"max_steps"})
+
+
+def test_overwrite_starts_over_and_removes_the_old_checkpoints(tmp_path):
+    checkpoint = _run_with_checkpoint(tmp_path)
+    assert _resolve(tmp_path, {**FLAGS, "learning_rate": 1e-3}, overwrite=True) is None
+    assert not checkpoint.exists()
+
+
+def test_an_explicit_checkpoint_is_resumed_whatever_the_flags(tmp_path):
+    checkpoint = _run_with_checkpoint(tmp_path)
+    assert _resolve(tmp_path, {**FLAGS, "learning_rate": 1e-3}, resume=str(checkpoint)) == str(checkpoint)
+
+
+def test_a_folder_of_other_files_is_refused(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="holds no vlfit run"):
+        _resolve(tmp_path)
+    assert os.path.isfile(tmp_path / "notes.txt") and not os.path.exists(tmp_path / RUN_FLAGS_FILE)
