@@ -7,9 +7,8 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from vlfit.commands.parsing import CommandParser
-
 from vlfit.atomic_files import replace_on_success
+from vlfit.commands.parsing import CommandParser
 from vlfit.errors import ConfigError
 
 

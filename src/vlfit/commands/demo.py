@@ -11,9 +11,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from vlfit.commands.parsing import CommandParser
-
 from vlfit.arguments import DataArguments, ModelArguments, VlfitTrainingArguments
+from vlfit.commands.parsing import CommandParser
 from vlfit.data.synthetic import SyntheticConfig, make_dataset, save_dataset
 from vlfit.training.run import run
 

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from vlfit.commands.parsing import CommandParser
-
 from vlfit.errors import ConfigError
 from vlfit.inference.collection import Samples, load_samples, open_dataset_split, synthetic_source
 from vlfit.inference.export import DEFAULT_OPSET, PARITY_THRESHOLD, ExportSettings, check_output_dir, export_model

@@ -8,7 +8,6 @@ import time
 from dataclasses import dataclass, field
 
 from vlfit.commands.parsing import CommandParser
-
 from vlfit.errors import ConfigError
 from vlfit.fewshot.experiment import METHODS, FewShotSettings
 from vlfit.fewshot.setfit import SetFitSettings

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from PIL import Image
-from vlfit.commands.parsing import CommandParser
 
+from vlfit.commands.parsing import CommandParser
 from vlfit.data.synthetic import SPLITS, SyntheticConfig, make_dataset, save_dataset
 from vlfit.errors import ConfigError
 

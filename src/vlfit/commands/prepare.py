@@ -11,9 +11,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlfit.commands.parsing import CommandParser
-
 from vlfit.arguments import DataLocationArguments
+from vlfit.commands.parsing import CommandParser
 from vlfit.data.bad_samples import BAD_SAMPLE_POLICIES
 from vlfit.data.file_patterns import resolve_files
 from vlfit.data.prepare import (

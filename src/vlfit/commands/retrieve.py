@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from vlfit.commands.parsing import CommandParser
-
 from vlfit.errors import ConfigError
 from vlfit.evaluation.topk import DEFAULT_CHUNK_ELEMENTS
 from vlfit.inference.backends import open_encoder

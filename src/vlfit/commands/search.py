@@ -18,9 +18,8 @@ import sys
 from dataclasses import fields
 from typing import Any
 
-from vlfit.commands.parsing import CommandParser
-
 from vlfit.arguments import DataArguments, ModelArguments, VlfitTrainingArguments
+from vlfit.commands.parsing import CommandParser
 from vlfit.commands.train import is_flags_file, load_flags_file
 from vlfit.errors import ConfigError
 from vlfit.search.objective import TrialRunner, available_metrics, check_trial_dirs, parse_train_values, trial_dir
