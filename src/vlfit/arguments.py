@@ -250,7 +250,8 @@ class DataArguments(CompatDataFlags, DataLocationArguments):
         default=0.01,
         metadata={
             "help": "With --bad_sample_policy skip, stop training once more than this fraction of the samples read "
-            f"so far were bad (judged after max({MIN_SAMPLES_FOR_BAD_FRACTION}, 1/fraction) samples). "
+            f"so far were bad (judged after max({MIN_SAMPLES_FOR_BAD_FRACTION}, 1/fraction) samples, or once a "
+            "smaller split was read whole). "
             "0: the first bad sample stops the run; 1: never stop."
         },
     )
@@ -346,6 +347,11 @@ class VlfitTrainingArguments(CompatTrainingFlags, TrainingArguments):
                 raise ConfigError(f"--{name} must be at least {low}, got {value}")
         prepare_launch(self)  # before TrainingArguments.__post_init__ sets up devices and the process group
         super().__post_init__()
+        if self.fp16 and self.device.type == "cpu":
+            raise ConfigError(
+                "--fp16 on a CPU: mixed precision in fp16 needs a GPU (on the CPU it changes nothing, and throughput "
+                "would be judged against an fp16 peak); use --bf16, which CPUs run, or drop --fp16"
+            )
         if self.fsdp and self.device.type == "cpu" and self.world_size < 2:
             raise ConfigError(
                 "--fsdp shards the model over processes: launch at least two (torchrun --nproc_per_node 2 ...) or "

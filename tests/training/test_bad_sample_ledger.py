@@ -21,6 +21,8 @@ from vlfit.training.bad_sample_ledger import (
 def test_max_bad_fraction_is_judged_only_after_enough_samples() -> None:
     assert min_samples_for_fraction(0.01) == 100 and min_samples_for_fraction(0.001) == 1000
     assert min_samples_for_fraction(0.5) == 100 and min_samples_for_fraction(0.0) == 1
+    # A split smaller than that is judged once read whole.
+    assert min_samples_for_fraction(0.01, split_size=20) == 20 and min_samples_for_fraction(0.01, split_size=500) == 100
     ledger = BadSampleLedger(max_bad_fraction=0.01)
     ledger.add([BadSample("x", "caption is empty")], rows=8, step=1)  # 1 bad of 9 read: 11%, but only 9 samples
     ledger.check()
@@ -30,6 +32,12 @@ def test_max_bad_fraction_is_judged_only_after_enough_samples() -> None:
     ledger.add([BadSample("y", "image is empty (0 bytes)")], rows=8, step=13)  # 2 of 106: 1.9%
     with pytest.raises(TooManyBadSamplesError, match=r"2 of the 106 samples read so far were bad \(1\.9%\).*x \("):
         ledger.check()
+    small = BadSampleLedger(max_bad_fraction=0.01, split_size=20)
+    small.add([BadSample("s", "caption is empty")], rows=8, step=1)
+    small.check()  # 9 of a split of 20 read
+    small.add([], rows=12, step=2)
+    with pytest.raises(TooManyBadSamplesError, match=r"1 of the 21 samples"):
+        small.check()
     never = BadSampleLedger(max_bad_fraction=1.0)
     never.add([BadSample("z", "r")] * 50, rows=0, step=1)
     never.check()

@@ -65,8 +65,9 @@ class CommandParser(HfArgumentParser):
                 group.description = None
 
     def known_flags(self) -> list[str]:
-        """Every option string the parser accepts."""
-        return sorted(self._option_string_actions)
+        """The option strings the parser accepts, in their underscore spelling (HfArgumentParser also takes
+        ``--learning-rate`` for ``--learning_rate``: not worth suggesting twice)."""
+        return sorted(flag for flag in self._option_string_actions if "-" not in flag.lstrip("-"))
 
     def refuse_unknown(self, unknown: Iterable[str]) -> None:
         """Stop as argparse does (usage, exit 2), naming each unknown flag and the closest known ones."""
@@ -74,7 +75,7 @@ class CommandParser(HfArgumentParser):
         others = [arg for arg in unknown if not arg.startswith("-")]
         parts = []
         for flag in flags:
-            close = difflib.get_close_matches(flag, self.known_flags(), n=3, cutoff=0.6)
+            close = difflib.get_close_matches(flag, self.known_flags(), n=2, cutoff=0.75)
             parts.append(f"{flag} (did you mean {' or '.join(close)}?)" if close else flag)
         if others and not flags:
             parts.append(" ".join(others))

@@ -34,11 +34,16 @@ class TooManyBadSamplesError(DataError):
     """More than ``--max_bad_fraction`` of the samples read so far were bad."""
 
 
-def min_samples_for_fraction(max_bad_fraction: float) -> int:
-    """How many samples must have been read before ``max_bad_fraction`` is enforced."""
+def min_samples_for_fraction(max_bad_fraction: float, split_size: int | None = None) -> int:
+    """How many samples must have been read before ``max_bad_fraction`` is enforced.
+
+    A split smaller than that is judged once all of it was read (a split of 20 with 5 bad images is 25% bad, however
+    few samples that is), so the limit applies to small splits too.
+    """
     if max_bad_fraction <= 0:
         return 1  # zero tolerance: the first bad sample is already too many
-    return max(MIN_SAMPLES_FOR_BAD_FRACTION, math.ceil(1.0 / max_bad_fraction))
+    needed = max(MIN_SAMPLES_FOR_BAD_FRACTION, math.ceil(1.0 / max_bad_fraction))
+    return min(needed, split_size) if split_size else needed
 
 
 def process_file_name(name: str, process_index: int) -> str:
@@ -73,11 +78,13 @@ class BadSampleLedger:
         max_bad_fraction: Largest tolerated share of bad samples among those read (1.0: never abort).
         log: Log bad samples as they are added (the first ``LOG_FIRST``, then a summary every
             ``LOG_SUMMARY_EVERY``).
+        split_size: Samples in the split: one smaller than ``min_samples_for_fraction`` is judged once read whole.
     """
 
-    def __init__(self, max_bad_fraction: float = 1.0, log: bool = False) -> None:
+    def __init__(self, max_bad_fraction: float = 1.0, log: bool = False, split_size: int | None = None) -> None:
         self.max_bad_fraction = max_bad_fraction
         self.log = log
+        self.split_size = split_size
         self.samples_read = 0
         self.records: list[BadSampleRecord] = []
 
@@ -122,7 +129,7 @@ class BadSampleLedger:
         """Raise ``TooManyBadSamplesError`` when the bad fraction is over the limit (once enough were read)."""
         if self.max_bad_fraction >= 1.0 or not self.records:
             return
-        if self.samples_read < min_samples_for_fraction(self.max_bad_fraction):
+        if self.samples_read < min_samples_for_fraction(self.max_bad_fraction, self.split_size):
             return
         if self.fraction > self.max_bad_fraction:
             first = "; ".join(f"{r.id} ({r.reason})" for r in self.records[:3])

@@ -23,7 +23,7 @@ from vlfit.data.source_base import ImageTextSource
 from vlfit.data.sources import open_splits
 from vlfit.efficiency.flops import ComputeEfficiency
 from vlfit.efficiency.peaks import matmul_precision, peak_flops
-from vlfit.errors import ConfigError
+from vlfit.errors import ConfigError, DataError
 from vlfit.models.family import ModelFamily
 from vlfit.models.loading import ModelBlueprint, build_model, resolve_model
 from vlfit.models.logit_scale import set_logit_scale
@@ -116,6 +116,23 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
             )
     if training_args.do_eval:
         eval_source = _limit(_require_split(splits, data_args.eval_split, "--do_eval"), data_args.max_eval_samples)
+    for source, what in ((train_source, "training"), (eval_source, "evaluation")):
+        if source is not None and len(source) < 2:
+            raise DataError(
+                f"the {what} split ({source.name}) has {len(source)} sample{'s' if len(source) != 1 else ''}: "
+                "contrastive training and retrieval need at least 2 (with one, every loss is 0 and every recall 1)"
+            )
+    if train_source is not None:
+        global_batch = training_args.per_device_train_batch_size * training_args.world_size
+        if global_batch > len(train_source):
+            logger.warning(
+                "--per_device_train_batch_size %d%s is larger than the training split (%d samples): each batch "
+                "holds the %d samples there are",
+                training_args.per_device_train_batch_size,
+                f" x {training_args.world_size} processes" if training_args.world_size > 1 else "",
+                len(train_source),
+                len(train_source),
+            )
     caption_source = train_source or splits.get("train") or eval_source
     blueprint = resolve_model(
         model_args,

@@ -80,7 +80,8 @@ class VlfitTrainer(Trainer):
         self.family = family
         self.eval_pool_size = eval_pool_size
         self.throughput = ThroughputMeter(self.args.world_size)
-        self.bad_samples = BadSampleLedger(max_bad_fraction, log=True)
+        split_size = len(self.train_dataset) if self.train_dataset is not None else None
+        self.bad_samples = BadSampleLedger(max_bad_fraction, log=True, split_size=split_size)
         self.flops_per_sample: float | None = None
         self._scalar_parameters: list[str] = []  # reshaped for fully_shard (FSDP runs)
         self._feed_source: Any = None
@@ -105,7 +106,9 @@ class VlfitTrainer(Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         # The clock starts with training, not with construction; --throughput_warmup_steps leaves out the first steps.
         self.throughput = ThroughputMeter(self.args.world_size, getattr(self.args, "throughput_warmup_steps", 0))
-        self.bad_samples = BadSampleLedger(self.bad_samples.max_bad_fraction, log=True)
+        self.bad_samples = BadSampleLedger(
+            self.bad_samples.max_bad_fraction, log=True, split_size=self.bad_samples.split_size
+        )
         self.family.prepare_for_training(self.model)
         checkpoint = resume_from_checkpoint
         if checkpoint is True:

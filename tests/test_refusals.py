@@ -1,0 +1,45 @@
+"""Flags and data that vlfit refuses or warns about instead of silently accepting."""
+
+import logging
+
+import pytest
+
+from vlfit.commands.train import parse_arguments
+from vlfit.errors import ConfigError, DataError
+from vlfit.training.run import setup_run
+
+
+def _parse(*flags):
+    return parse_arguments(["--model_preset", "tiny", "--output_dir", "/tmp/unused", "--report_to", "none", *flags])
+
+
+def test_abbreviated_flags_are_unknown_and_the_closest_flag_is_suggested(capsys):
+    with pytest.raises(SystemExit) as caught:
+        _parse("--learning_rat", "1e-3")
+    assert caught.value.code == 2
+    assert "unrecognized arguments: --learning_rat (did you mean --learning_rate?)" in capsys.readouterr().err
+
+
+def test_model_is_an_alias_of_model_name_or_path():
+    args = parse_arguments(["--model", "some/folder", "--output_dir", "/tmp/unused"])
+    assert args.model.model_name_or_path == "some/folder"
+
+
+def test_fp16_on_a_cpu_is_refused():
+    with pytest.raises(ConfigError, match="--fp16 on a CPU.*--bf16"):
+        _parse("--fp16")
+
+
+def test_a_split_of_one_sample_is_refused(synthetic_dataset_dir):
+    args = _parse("--dataset_name", synthetic_dataset_dir, "--do_train", "--max_train_samples", "1")
+    with pytest.raises(DataError, match="training split .* has 1 sample: .* at least 2"):
+        setup_run(args.model, args.data, args.training)
+
+
+def test_a_batch_larger_than_the_split_is_used_with_a_warning(synthetic_dataset_dir, caplog):
+    args = _parse("--dataset_name", synthetic_dataset_dir, "--do_train", "--max_train_samples", "6",
+                  "--per_device_train_batch_size", "48")  # fmt: skip
+    caplog.set_level(logging.WARNING, logger="vlfit")
+    setup = setup_run(args.model, args.data, args.training)
+    assert len(setup.train_source) == 6
+    assert "--per_device_train_batch_size 48 is larger than the training split (6 samples)" in caplog.text
