@@ -88,8 +88,40 @@ class ModelBundle:
     def save(self, folder: str) -> None:
         """Save the model, its tokenizer and its image processor into ``folder``: a checkpoint every loader reads."""
         self.model.save_pretrained(folder)
-        self.tokenizer.save_pretrained(folder)
-        self.image_processor.save_pretrained(folder)
+        save_inputs(self.blueprint, folder)
+
+
+def saved_tokenizer(blueprint: ModelBlueprint) -> Any:
+    """A copy of the blueprint's tokenizer as a saved folder carries it, so that plain transformers tokenizes a
+    caption into the inputs vlfit embedded.
+
+    It truncates at the run's ``max_seq_length`` (``model_max_length``; the collator's ``max_length``), and a family
+    may set more (``saved_tokenizer_settings``: SigLIP pads to its positions and returns no attention mask). The
+    tokenizer vlfit holds is left as it is: its callers always pass ``max_length`` and read the attention mask.
+    """
+    settings: dict[str, Any] = {"model_max_length": blueprint.inputs.max_seq_length}
+    family_settings = getattr(blueprint.family, "saved_tokenizer_settings", None)
+    if family_settings is not None:
+        settings.update(family_settings(blueprint.config))
+    tokenizer = copy.deepcopy(blueprint.inputs.tokenizer)
+    tokenizer.init_kwargs.update(settings)  # save_pretrained writes the init kwargs' keys, with the current values
+    for name, value in settings.items():
+        setattr(tokenizer, name, value)
+    return tokenizer
+
+
+def save_inputs(blueprint: ModelBlueprint, folder: str) -> None:
+    """Save the tokenizer (``saved_tokenizer``) and image processor of ``blueprint`` into a model folder."""
+    saved_tokenizer(blueprint).save_pretrained(folder)
+    blueprint.image_processor.save_pretrained(folder)
+
+
+def with_attention_mask(tokenizer: Any) -> Any:
+    """``tokenizer``, returning an attention mask by default (vlfit's collator and encoders read one; SigLIP's
+    tokenizers, vlfit's saved ones included, return only ``input_ids``)."""
+    if "attention_mask" not in tokenizer.model_input_names:
+        tokenizer.model_input_names = [*tokenizer.model_input_names, "attention_mask"]
+    return tokenizer
 
 
 def _hub_kwargs(args: ModelArguments) -> dict[str, Any]:
@@ -180,6 +212,7 @@ def resolve_model(
             if args.image_processor_name
             else family.preset_image_processor(preset)
         )
+    tokenizer = with_attention_mask(tokenizer)
     vocab = family.vocab_size(config)
     if vocab is not None and len(tokenizer) > vocab:
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model embeds only {vocab}")

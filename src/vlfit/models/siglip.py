@@ -10,6 +10,10 @@ SigLIP's text tower pools the *last* position and was trained on captions padded
 attention mask (its processor pads to ``max_length``). Captions here arrive padded to the longest in the batch, so
 ``text_inputs`` re-pads them to the tower's ``max_position_embeddings`` with the pad token and drops the mask:
 a caption's embedding then never depends on the batch it came in, and a checkpoint sees what it was trained on.
+A saved folder's tokenizer says the same (``saved_tokenizer_settings``: ``model_max_length`` is the tower's
+positions, ``model_input_names`` only ``input_ids``, as SigLIP's own tokenizer configs say), so the call SigLIP's
+model card documents, ``processor(text=..., padding="max_length")`` then ``get_text_features(**inputs)``, feeds
+plain transformers exactly the ids vlfit embeds.
 """
 
 from __future__ import annotations
@@ -90,6 +94,13 @@ def _add_scale_and_bias(module: nn.Module, args: tuple, output: Any) -> SiglipOu
 
 def text_length(config: Any) -> int:
     return int(config.text_config.max_position_embeddings)
+
+
+def saved_tokenizer_settings(config: Any) -> dict[str, Any]:
+    """The tokenizer settings a saved SigLIP folder carries: under them ``tokenizer(text, padding="max_length")``
+    gives the ids ``text_inputs`` makes (padded on the right to ``max_position_embeddings``) and no attention mask.
+    """
+    return {"model_input_names": ["input_ids"], "model_max_length": text_length(config), "padding_side": "right"}
 
 
 def text_inputs(config: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -195,6 +206,10 @@ class SiglipFamily(ModelFamily):
 
     def max_text_length(self, config: Any) -> int:
         return text_length(config)
+
+    def saved_tokenizer_settings(self, config: Any) -> dict[str, Any]:
+        """Tokenizer settings of a saved folder (read by ``vlfit.models.loading.save_inputs``)."""
+        return saved_tokenizer_settings(config)
 
     def module_groups(self) -> dict[str, tuple[str, ...]]:
         return {"text": ("text_model",), "vision": ("vision_model",)}

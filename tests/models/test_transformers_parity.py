@@ -1,0 +1,155 @@
+"""A saved model folder embeds in plain transformers as in vlfit.
+
+Each family's tiny preset is built as ``vlfit train`` builds it (``load_model_bundle``: the BPE tokenizer trained on
+the captions, the preset's image processor) and saved as every vlfit command saves a model folder
+(``ModelBundle.save``: ``save_pretrained`` of the model, then ``save_inputs``, whose ``saved_tokenizer`` is also
+what the Trainer of ``vlfit train`` is given to save). The folder is then loaded with transformers alone, called as
+the family's model card documents, and compared with vlfit's own embeddings: captions tokenized by the collator and
+embedded by ``family.encode_text``, images through the fast pipeline (decode, uint8 crop and resize, normalization
+on the device) and ``family.encode_image``.
+
+The images are PNGs at the model's exact input size (64 x 64), so that neither side resizes: what is compared is
+the decode, the normalization, the tokenization and the forward, not two resampling filters. Photos of other sizes
+differ by the resize (vlfit crops the central square and resizes it; SigLIP's processor resizes the whole image
+to a square, BridgeTower's rounds the short side's target).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoModel, AutoProcessor, BridgeTowerForContrastiveLearning, CLIPModel, SiglipModel
+
+from vlfit.arguments import ModelArguments
+from vlfit.data.pipeline import InputPipeline, PipelineOptions
+from vlfit.data.records import Record
+from vlfit.inference.collection import RecordListSource
+from vlfit.models.loading import ModelBundle, load_model_bundle
+
+TRAINING_CAPTIONS = [
+    "two red circles on the left",
+    "one blue square at the top",
+    "three green crosses near a yellow triangle",
+    "a small purple star in the corner",
+] * 10
+TEXTS = [
+    "two red circles",
+    "a blue square at the top and three green crosses near a yellow triangle, with a small purple star",
+    "unseen words: zebra quartz",
+]
+MIN_COSINE = 0.999
+
+
+def png_images(size: int, count: int) -> list[bytes]:
+    """``count`` PNG files of ``size x size`` pixels (a colour gradient with noise)."""
+    rng = np.random.default_rng(0)
+    ramp = np.linspace(0, 255, size, dtype=np.float32)
+    files = []
+    for index in range(count):
+        base = np.stack(
+            [ramp[None, :].repeat(size, 0), ramp[:, None].repeat(size, 1), np.full((size, size), 40.0 * index)], -1
+        )
+        pixels = np.clip(base + rng.normal(0, 30, base.shape), 0, 255).astype(np.uint8)
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="PNG")
+        files.append(buffer.getvalue())
+    return files
+
+
+@dataclass
+class Embeddings:
+    text: torch.Tensor
+    image: torch.Tensor
+
+
+def vlfit_embeddings(bundle: ModelBundle, images: list[bytes]) -> Embeddings:
+    """vlfit's embeddings of ``TEXTS`` and ``images``, through its input pipeline as evaluation runs it."""
+    records = [Record(str(i), image, text) for i, (image, text) in enumerate(zip(images, TEXTS, strict=True))]
+    pipeline = InputPipeline(bundle.inputs, PipelineOptions(image_pipeline="fast"), torch.device("cpu"))
+    loader = pipeline.loader(pipeline.dataset(RecordListSource(records, "parity"), train=False), batch_size=8)
+    (batch,) = list(pipeline.feed(loader, torch.float32, train=False))
+    model = bundle.model.eval()
+    with torch.no_grad():
+        text = bundle.family.encode_text(model, batch["input_ids"], batch["attention_mask"])
+        image = bundle.family.encode_image(model, batch["pixel_values"])
+    return Embeddings(text, image)
+
+
+def pil_images(images: list[bytes]) -> list[Image.Image]:
+    return [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
+
+
+def plain_siglip(folder: str, images: list[bytes]) -> Embeddings:
+    """SigLIP's model card: ``padding="max_length"``, then ``get_text_features(**inputs)``."""
+    model = AutoModel.from_pretrained(folder).eval()
+    assert isinstance(model, SiglipModel)
+    processor = AutoProcessor.from_pretrained(folder)
+    text_inputs = processor(text=TEXTS, padding="max_length", return_tensors="pt")
+    assert set(text_inputs) == {"input_ids"}  # SigLIP trained without an attention mask, and vlfit too
+    image_inputs = processor(images=pil_images(images), return_tensors="pt")
+    with torch.no_grad():
+        text = model.get_text_features(**text_inputs).pooler_output
+        image = model.get_image_features(**image_inputs).pooler_output
+    return Embeddings(text, image)
+
+
+def plain_clip(folder: str, images: list[bytes]) -> Embeddings:
+    """CLIP's model card: one processor call with ``padding=True``, then the two feature methods."""
+    model = AutoModel.from_pretrained(folder).eval()
+    assert isinstance(model, CLIPModel)
+    processor = AutoProcessor.from_pretrained(folder)
+    inputs = processor(text=TEXTS, images=pil_images(images), padding=True, return_tensors="pt")
+    with torch.no_grad():
+        text = model.get_text_features(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+        image = model.get_image_features(pixel_values=inputs["pixel_values"])
+    return Embeddings(text.pooler_output, image.pooler_output)
+
+
+def plain_bridgetower(folder: str, images: list[bytes]) -> Embeddings:
+    """BridgeTower's contrastive head: the forward's ``text_embeds`` and ``image_embeds``."""
+    model = BridgeTowerForContrastiveLearning.from_pretrained(folder).eval()
+    processor = AutoProcessor.from_pretrained(folder)
+    inputs = processor(images=pil_images(images), text=TEXTS, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        outputs = model(**inputs)
+    return Embeddings(outputs.text_embeds, outputs.image_embeds)
+
+
+PLAIN: dict[str, tuple[str, Callable[[str, list[bytes]], Embeddings]]] = {
+    "bridgetower": ("tiny", plain_bridgetower),
+    "clip": ("clip-tiny", plain_clip),
+    "siglip": ("siglip-tiny", plain_siglip),
+}
+
+
+def assert_same_directions(ours: torch.Tensor, theirs: torch.Tensor, what: str) -> None:
+    cosines = torch.nn.functional.cosine_similarity(ours, theirs.float(), dim=-1)
+    assert cosines.min() >= MIN_COSINE, f"{what}: cosines {cosines.tolist()}"
+
+
+@pytest.mark.parametrize("family", sorted(PLAIN))
+def test_a_saved_folder_embeds_in_plain_transformers_as_in_vlfit(family: str, tmp_path: Path):
+    preset, plain = PLAIN[family]
+    torch.manual_seed(0)
+    bundle = load_model_bundle(ModelArguments(model_preset=preset), captions=lambda: TRAINING_CAPTIONS)
+    assert bundle.family.name == family
+    folder = str(tmp_path / "model")
+    bundle.save(folder)
+    images = png_images(bundle.image_size, len(TEXTS))
+
+    ours = vlfit_embeddings(bundle, images)
+    theirs = plain(folder, images)
+    assert_same_directions(ours.text, theirs.text, f"{family} text")
+    assert_same_directions(ours.image, theirs.image, f"{family} images")
+
+    # vlfit reads the folder back (its collator still gets an attention mask) to the same embeddings.
+    reloaded = vlfit_embeddings(load_model_bundle(ModelArguments(model_name_or_path=folder)), images)
+    assert_same_directions(reloaded.text, ours.text, f"{family} text, reloaded")
+    assert_same_directions(reloaded.image, ours.image, f"{family} images, reloaded")
