@@ -3,6 +3,10 @@
 The samples, one ``InputPipeline`` per benchmark pipeline (the same object ``vlfit train`` builds its loader
 with), the prepared copy of the samples, and, in train mode only, the model with its optimizer (``TrainStep``).
 A loader-only sweep never builds a model.
+
+A configuration is measured on the path ``VlfitTrainer`` trains on: the pipeline's loader wrapped by
+``shard_loader`` as the Trainer wraps it (batches left on the host), then the pipeline's device feed (the one
+host-to-device copy and the device stage; on CUDA both on the prefetcher's side stream).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from vlfit.bench.plan import SweepPlan
 from vlfit.bench.selection import get_pipeline
 from vlfit.bench.stages import profile_stages
 from vlfit.data.batch import Batch
-from vlfit.data.pipeline import InputPipeline, LoaderSettings, PipelineOptions
+from vlfit.data.pipeline import InputPipeline, LoaderSettings, PipelineOptions, shard_loader
 from vlfit.efficiency.flops import count_flops
 from vlfit.models.family import InputSpec, ModelFamily
 
@@ -126,20 +130,22 @@ class BenchSession:
         return self.plan.warmup_steps + workers * (prefetch or 2) + 1 + self.plan.steps + 2
 
     def loader(self, pipeline: str, workers: int, prefetch: int | None) -> DataLoader:
-        """The DataLoader ``vlfit train`` would use with these settings, over the samples served cyclically."""
+        """The loader ``vlfit train`` would use with these settings (accelerate's wrapping included, batches left on
+        the host), over the samples served cyclically."""
         input_pipeline = self.pipeline(pipeline)
         length = self.window_length(workers, prefetch) * self.plan.batch_size
         dataset = input_pipeline.dataset(cycled(self.source_for(pipeline), length), train=True)
         settings = LoaderSettings(
             num_workers=workers, prefetch_factor=prefetch, pin_memory=self.device.type == "cuda", drop_last=True
         )
-        return input_pipeline.loader(
+        loader = input_pipeline.loader(
             dataset,
             batch_size=self.plan.batch_size,
             settings=settings,
             shuffle=True,
             generator=torch.Generator().manual_seed(self.plan.seed),
         )
+        return shard_loader(loader)
 
     def measure(self, mode: str, pipeline: str, workers: int, prefetch: int | None) -> dict[str, Any]:
         """Median/min/max samples/s, data-wait share and peak memory of one configuration over the repeats."""

@@ -1,9 +1,10 @@
-"""Per-batch device stage: runs on the training device after the host-to-device copy.
+"""Per-batch device stage: the host-to-device copy, then the work on the training device.
 
-uint8 -> float, normalize with the model's mean and std, random horizontal flip, and (with ``--decode_on_device``)
-JPEG decode on the device plus resize and crop (``vlfit.data.device_decode``). The functions are device-agnostic:
-the same code runs on CPU tensors in tests and on CUDA tensors in training. ``CudaPrefetcher`` runs the stage of
-the next batch on a side stream while the current one computes.
+The copy (``copy_to_device``: the only place the input pipeline moves a batch), uint8 -> float, normalize with the
+model's mean and std, random horizontal flip, and (with ``--decode_on_device``) JPEG decode on the device plus
+resize and crop (``vlfit.data.device_decode``). The functions are device-agnostic: the same code runs on CPU
+tensors in tests and on CUDA tensors in training. ``CudaPrefetcher`` runs the stage of the next batch, its copy
+included, on a side stream while the current one computes.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ def normalize_uint8(pixels: torch.Tensor, mean: torch.Tensor, std: torch.Tensor,
     scale = (1.0 / (255.0 * std)).view(1, -1, 1, 1)
     shift = (-mean / std).view(1, -1, 1, 1)
     # The CPU stage batches channels-last (no transpose on the host); the model gets contiguous NCHW, made in the
-    # same pass as the conversion to float.
-    as_float = pixels.to(torch.float32, memory_format=torch.contiguous_format)
-    return torch.addcmul(shift, as_float, scale).to(dtype)
+    # same pass as the conversion to float. One float buffer, scaled and shifted in place: on a CPU device a
+    # batch-sized float tensor is fresh memory the kernel maps page by page, which costs more than the arithmetic.
+    as_float = pixels.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+    return as_float.mul_(scale).add_(shift).to(dtype)
 
 
 def random_horizontal_flip(pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -46,8 +48,18 @@ def random_horizontal_flip(pixels: torch.Tensor, generator: torch.Generator | No
     return torch.where(flip, pixels.flip(-1), pixels)
 
 
+def copy_to_device(batch: Batch, device: torch.device) -> Batch:
+    """The batch with its tensors on ``device``: the input pipeline's one host-to-device copy.
+
+    ``non_blocking``: from pinned memory (the loader pins batches for CUDA) the copy is queued on the current
+    stream and returns at once, so on the prefetcher's side stream it overlaps compute. Tensors already on
+    ``device`` are not copied; encoded images stay on the host, where the decoders read them.
+    """
+    return batch.to(device, non_blocking=True)
+
+
 class DeviceStage:
-    """Turns a collated ``Batch`` into model inputs on ``device``.
+    """Turns a collated host ``Batch`` into model inputs on ``device``: copies it there, then normalizes it.
 
     With device decode, a sample whose bytes passed the worker's header check but fail to decode is found only
     here, after the batch was formed, so it cannot be replaced: with ``bad_sample_policy="skip"`` its row is
@@ -86,7 +98,7 @@ class DeviceStage:
         self, batch: Batch, device: torch.device, dtype: torch.dtype = torch.float32, train: bool = True
     ) -> Batch:
         """Return the batch with normalized ``dtype`` pixels on ``device`` (``on_device`` set)."""
-        batch = batch.to(device, non_blocking=True)
+        batch = copy_to_device(batch, device)
         if batch.encoded_images is not None:
             batch = self._decode(batch, device)
         pixels = batch.inputs["pixel_values"]
@@ -127,8 +139,9 @@ class DeviceStage:
 class CudaPrefetcher:
     """Runs the device stage of batch ``i + 1`` on a side stream while the model computes on batch ``i``.
 
-    The idea of timm's PrefetchLoader: the copy and the normalization overlap compute, and the compute stream
-    waits for the side stream only when it takes the batch.
+    The idea of timm's PrefetchLoader: the host-to-device copy (non-blocking, from the pinned host batch the loader
+    made) and the normalization overlap compute, and the compute stream waits for the side stream only when it
+    takes the batch. The tensors made on the side stream are recorded on the compute stream, which uses them.
     """
 
     def __init__(
@@ -153,8 +166,14 @@ class CudaPrefetcher:
         if not len(batch):  # every sample was bad: nothing to copy or decode
             self._next = replace(batch, on_device=True)
             return
-        # accelerate may already have copied the batch's tensors on the compute stream: order after that copy.
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        on_device = [value for value in batch.inputs.values() if value.is_cuda]
+        if on_device:
+            # Not a loader's host batch: its tensors were made on the compute stream. Read them after that, and
+            # keep the allocator from reusing their memory before the side stream is done with them.
+            compute = torch.cuda.current_stream(self.device)
+            self.stream.wait_stream(compute)
+            for value in on_device:
+                value.record_stream(self.stream)
         with torch.cuda.stream(self.stream):
             self._next = self.stage(batch, self.device, self.dtype, train=self.train)
 

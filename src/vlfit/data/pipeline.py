@@ -7,6 +7,9 @@ choice of CPU transform, the collator, the DataLoader settings, the device stage
 
     source --dataset()--> ImageTextDataset --loader()--> Batch (host) --feed()--> Batch (on the device)
 
+The feed is the one owner of device placement: it copies each host batch to the device once (on CUDA on the
+prefetcher's side stream). Training wraps the loader with ``shard_loader``, which lets accelerate shard and seed
+it across processes without placing its batches; ``vlfit bench`` and the worker probe wrap theirs the same way.
 The trainer, ``vlfit eval``, the bench and the worker probe all go through it (in the spirit of composer's
 ``DataSpec`` and timm's ``create_loader``).
 """
@@ -20,16 +23,20 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
+from accelerate.data_loader import prepare_data_loader
 from torch.utils.data import DataLoader, Sampler
+from transformers.trainer_pt_utils import AcceleratorConfig
 
 from vlfit.data.batch import Batch
 from vlfit.data.dataset import ImageTextCollator, ImageTextDataset, ImageTransform
 from vlfit.data.device_stage import CudaPrefetcher, DeviceStage
 from vlfit.data.image_transforms import FastImageTransform, PassThroughEncoded, ReferenceImageTransform
 from vlfit.data.records import EVAL_COLUMNS
-from vlfit.errors import DataError
+from vlfit.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
+    from accelerate import Accelerator
+
     from vlfit.data.source_base import ImageTextSource
     from vlfit.models.family import InputSpec
 
@@ -98,11 +105,47 @@ class LoaderSettings:
         )
 
 
+def shard_loader(loader: DataLoader, accelerator: Accelerator | None = None) -> DataLoader:
+    """``loader`` as accelerate prepares it for the Trainer, except that its batches stay on the host.
+
+    accelerate keeps what it does for a loader: split the batches across processes, seed the sampler
+    (``SeedableRandomSampler``, a new order each epoch) and synchronize the RNG states. It does not place the
+    batches (``device_placement=False``): the pipeline's ``DeviceFeed`` copies each one to the device, once.
+
+    Args:
+        loader: A loader from ``InputPipeline.loader``.
+        accelerator: The run's accelerator (the Trainer's). ``None``: one process, with the loader settings of
+            the Trainer's default accelerator (what ``vlfit bench`` and the worker probe measure).
+
+    Raises:
+        ConfigError: when the accelerator dispatches batches from the main process (``dispatch_batches``), which
+            it can only do by placing them.
+    """
+    if accelerator is None:
+        defaults = AcceleratorConfig()
+        return prepare_data_loader(
+            loader,
+            num_processes=1,
+            process_index=0,
+            put_on_device=False,
+            split_batches=defaults.split_batches,
+            even_batches=defaults.even_batches,
+            use_seedable_sampler=defaults.use_seedable_sampler,
+        )
+    if accelerator.dispatch_batches:
+        raise ConfigError(
+            "accelerator_config dispatch_batches=True is not supported: the input pipeline places batches on the "
+            "device itself, so every process reads its own share"
+        )
+    return accelerator.prepare_data_loader(loader, device_placement=False)
+
+
 class DeviceFeed:
     """Model-ready batches on the device, from an iterator of host batches.
 
-    On CUDA the next batch's device stage runs on a side stream while the current one computes
-    (``CudaPrefetcher``); elsewhere it runs right after the batch arrives. ``last_wait`` is the time the last
+    The one place batches move to the device: each host batch is copied once, by the device stage. On CUDA the
+    next batch's copy (from pinned memory) and device stage run on a side stream while the current one computes
+    (``CudaPrefetcher``); elsewhere they run right after the batch arrives. ``last_wait`` is the time the last
     ``next()`` was blocked waiting for the loader: on CUDA that includes launching the next batch's device stage
     (it is what the compute stream waits behind), on CPU it does not.
 
@@ -249,7 +292,7 @@ class InputPipeline:
         return DeviceFeed(batches, self.device_stage, self.device, dtype, train)
 
     def to_device(self, batch: Batch, dtype: torch.dtype, *, train: bool) -> Batch:
-        """One batch through the device stage (batches a feed already staged are returned as they are)."""
+        """One batch through the device stage; a batch a feed already staged is returned as it is (not moved)."""
         if batch.on_device:
             return batch
         if not len(batch):

@@ -1,13 +1,15 @@
 """``transformers.Trainer`` fed by vlfit's input pipeline, with data-wait accounting and retrieval evaluation.
 
-The Trainer (through accelerate) keeps owning device placement, distributed sampling, mixed precision and
-checkpoints; vlfit hooks in at these points:
+The Trainer (through accelerate) keeps owning distributed sampling, mixed precision, the model's placement and
+checkpoints; the input pipeline owns the placement of batches. vlfit hooks in at these points:
 
 - ``get_train_dataloader`` / ``get_eval_dataloader`` ask the ``InputPipeline`` for the loader (the only place
-  vlfit builds one) and hand it to accelerate as the Trainer would.
+  vlfit builds one) and hand it to accelerate through ``shard_loader``: sharded across processes and seeded as
+  the Trainer would have it, but with its batches left on the host.
 - ``get_batch_samples`` is the one place the training loop takes batches: through the pipeline's device feed,
-  so batches arrive on the device, normalized (on CUDA the next one's device stage runs on a side stream), and
-  the time blocked there is data wait.
+  which copies each host batch to the device once and normalizes it there (on CUDA the next one's copy and device
+  stage run on a side stream), and the time blocked there is data wait. ``_prepare_inputs`` moves nothing that
+  the feed already staged.
 - ``compute_loss`` is the model family's contrastive loss, with local or global negatives; the run's first
   ``training_step`` also counts its FLOPs (``flops_per_sample``, for TFLOP/s and MFU).
 - ``evaluate`` computes recall@k and matching accuracy instead of a validation loss.
@@ -34,7 +36,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from vlfit.data.bad_samples import BAD_SAMPLES_REPORT
 from vlfit.data.batch import Batch
-from vlfit.data.pipeline import DeviceFeed, InputPipeline, LoaderSettings
+from vlfit.data.pipeline import DeviceFeed, InputPipeline, LoaderSettings, shard_loader
 from vlfit.efficiency.flops import count_flops
 from vlfit.errors import ConfigError
 from vlfit.evaluation.retrieval import EmbeddedSplit, evaluate_retrieval
@@ -150,7 +152,7 @@ class VlfitTrainer(Trainer):
                 seed_worker, num_workers=self.args.dataloader_num_workers, rank=self.args.process_index
             ),
         )
-        return self.accelerator.prepare(loader)
+        return shard_loader(loader, self.accelerator)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
@@ -163,7 +165,7 @@ class VlfitTrainer(Trainer):
             settings=LoaderSettings.from_training_args(self.args, drop_last=False),
             sampler=self._get_eval_sampler(dataset),
         )
-        return self.accelerator.prepare(loader)
+        return shard_loader(loader, self.accelerator)
 
     # ------------------------------------------------------------------------------------------------ batches
 
@@ -188,6 +190,8 @@ class VlfitTrainer(Trainer):
         return batches, None
 
     def _prepare_inputs(self, inputs: Batch) -> Batch:  # type: ignore[override]
+        # Batches from get_batch_samples are on the device already and come back as they are; only a host batch
+        # from elsewhere goes through the device stage.
         return self.pipeline.to_device(inputs, self._model_dtype, train=self.model.training)
 
     def training_step(self, model: torch.nn.Module, inputs: Batch, *args: Any, **kwargs: Any) -> torch.Tensor:
