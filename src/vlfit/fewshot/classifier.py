@@ -5,7 +5,8 @@ Layout::
     classifier.json      the method, its shots and seed, the class names, the label column, the head's choice
                          and the accuracy it had on the evaluation split
     head.safetensors     weight [C, D] and bias [C]
-    model/               the checkpoint (SetFit's: the fine-tuned image tower); any vlfit command loads it
+    model/               the checkpoint (SetFit's: the fine-tuned image tower); any vlfit command and plain
+                         transformers load it; its README.md is its model card
 
 The folder is written beside its final place and renamed into it, so a reader sees a whole classifier or none.
 """
@@ -24,6 +25,7 @@ import torch
 from vlfit.errors import MissingFileError
 from vlfit.fewshot.heads import LinearHead
 from vlfit.inference.backends import Encoder, open_encoder
+from vlfit.model_card import write_model_card
 
 CLASSIFIER_FILE = "classifier.json"
 HEAD_FILE = "head.safetensors"
@@ -52,14 +54,63 @@ class ClassifierInfo:
         return cls(**{key: data[key] for key in cls.__dataclass_fields__})
 
 
-def save_classifier(folder: str, save_model: Any, head: LinearHead, info: ClassifierInfo) -> None:
-    """Write a classifier folder (replacing one already there).
+def write_classifier_card(
+    model_folder: str, info: ClassifierInfo, *, dataset: str | None = None, command_line: str | None = None
+) -> str:
+    """The model card of a classifier's checkpoint (``vlfit.model_card``); returns its path.
+
+    Args:
+        model_folder: The classifier's ``model/`` folder, written already.
+        info: What the classifier is.
+        dataset: The labelled dataset its shots came from.
+        command_line: The ``vlfit fewshot`` command that made it.
+    """
+    from transformers import AutoConfig
+
+    from vlfit.models.registry import family_for_config
+
+    family = family_for_config(AutoConfig.from_pretrained(model_folder))
+    tower = (
+        f"its image tower was tuned with SetFit's recipe on {info.shots} labelled images per class (seed {info.seed})"
+        if info.method == "setfit"
+        else "its weights are the source model's"
+    )
+    how_made = (
+        f"It is the checkpoint of a few-shot image classifier (`vlfit fewshot`, method {info.method}): {tower}. "
+        f"The classifier's linear head ({info.head}, {len(info.class_names)} classes of the `{info.label_column}` "
+        f"column: {', '.join(info.class_names)}) is `{HEAD_FILE}` beside this folder; `vlfit classify` applies both."
+    )
+    metrics = {"eval_accuracy": info.accuracy, "shots_per_class": info.shots, "seed": info.seed}
+    return write_model_card(
+        model_folder,
+        family_name=family.name,
+        base_model=info.source_model,
+        preset=None,
+        datasets=[dataset] if dataset else [],
+        metrics=metrics,
+        command_line=command_line,
+        how_made=how_made,
+    )
+
+
+def save_classifier(
+    folder: str,
+    save_model: Any,
+    head: LinearHead,
+    info: ClassifierInfo,
+    *,
+    dataset: str | None = None,
+    command_line: str | None = None,
+) -> None:
+    """Write a classifier folder (replacing one already there), its checkpoint with a model card.
 
     Args:
         folder: The classifier folder.
         save_model: Writes the checkpoint into the folder it is given (``ModelBundle.save``).
         head: The linear head.
         info: What the classifier is.
+        dataset: The labelled dataset (named in the model card).
+        command_line: The command that made the classifier (quoted in the model card).
     """
     from safetensors.torch import save_file
 
@@ -70,6 +121,7 @@ def save_classifier(folder: str, save_model: Any, head: LinearHead, info: Classi
     try:
         os.makedirs(staging)
         save_model(os.path.join(staging, MODEL_FOLDER))
+        write_classifier_card(os.path.join(staging, MODEL_FOLDER), info, dataset=dataset, command_line=command_line)
         save_file(
             {"weight": head.weight.contiguous(), "bias": head.bias.contiguous()}, os.path.join(staging, HEAD_FILE)
         )

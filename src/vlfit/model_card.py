@@ -1,0 +1,224 @@
+"""The ``README.md`` model card of a saved model folder, as Trainer-based scripts write one.
+
+A card is the hub's YAML metadata header (``library_name``, ``license``, ``base_model``, ``tags``, ``datasets``,
+``pipeline_tag``) and a body: what the model was made from (a checkpoint or a preset), on which data, its final
+metrics, the command line that made it, the versions, and how plain transformers loads it and embeds captions and
+images as vlfit did. As the Trainer does, ``base_model`` and ``datasets`` in the header name hub repositories only:
+a local folder is named in the body, never in the metadata (the hub reads those keys as repository ids).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from vlfit.atomic_files import write_text_atomically
+
+MODEL_CARD_FILE = "README.md"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+@dataclass(frozen=True)
+class _FamilyUsage:
+    """How plain transformers loads and embeds with one family."""
+
+    title: str
+    model_class: str
+    pipeline_tag: str | None
+    embed: str  # the code after ``model`` and ``processor`` are loaded, with ``texts`` and ``images`` given
+
+
+_DUAL_ENCODER_EMBED = """\
+text_inputs = processor(text=texts, {padding}, return_tensors="pt")
+image_inputs = processor(images=images, return_tensors="pt")
+with torch.no_grad():
+    text_embeds = model.get_text_features(**text_inputs).pooler_output
+    image_embeds = model.get_image_features(**image_inputs).pooler_output
+text_embeds = torch.nn.functional.normalize(text_embeds, dim=-1)  # vlfit's retrieval embeddings
+image_embeds = torch.nn.functional.normalize(image_embeds, dim=-1)
+similarity = text_embeds @ image_embeds.T"""
+
+_USAGE: dict[str, _FamilyUsage] = {
+    "bridgetower": _FamilyUsage(
+        "BridgeTower",
+        "BridgeTowerForContrastiveLearning",
+        None,  # transformers has no pipeline for BridgeTower's contrastive head
+        """\
+inputs = processor(images=images, text=texts, padding=True, return_tensors="pt")  # as many texts as images
+with torch.no_grad():
+    outputs = model(**inputs)
+text_embeds, image_embeds = outputs.text_embeds, outputs.image_embeds  # L2-normalized, as vlfit's
+similarity = text_embeds @ image_embeds.T""",
+    ),
+    "clip": _FamilyUsage(
+        "CLIP", "CLIPModel", "zero-shot-image-classification", _DUAL_ENCODER_EMBED.format(padding="padding=True")
+    ),
+    "siglip": _FamilyUsage(
+        "SigLIP",
+        "SiglipModel",
+        "zero-shot-image-classification",
+        # SigLIP was trained on captions padded to its positions without a mask; the saved tokenizer returns none.
+        _DUAL_ENCODER_EMBED.format(padding='padding="max_length"'),
+    ),
+}
+
+
+def _hub_ids(names: Sequence[str]) -> list[str]:
+    """The names that can be hub repositories: not local paths."""
+    return [name for name in names if _HUB_ID.match(name) and not os.path.exists(name)]
+
+
+def _metadata(
+    family_name: str, base_model: str | None, datasets: Sequence[str], license: str, adapters: bool
+) -> dict[str, Any]:
+    usage = _USAGE.get(family_name)
+    metadata: dict[str, Any] = {"library_name": "peft" if adapters else "transformers", "license": license}
+    bases = _hub_ids([base_model] if base_model else [])
+    if bases:
+        metadata["base_model"] = bases[0]
+    metadata["tags"] = ["vlfit", family_name, *(["lora"] if adapters else [])]
+    hub_datasets = _hub_ids(datasets)
+    if hub_datasets:
+        metadata["datasets"] = hub_datasets
+    if usage is not None and usage.pipeline_tag is not None:
+        metadata["pipeline_tag"] = usage.pipeline_tag
+    return metadata
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e4 else f"{value:.6g}"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _metrics_table(metrics: Mapping[str, Any]) -> str:
+    if not metrics:
+        return "No metrics were recorded.\n"
+    rows = [f"| {name} | {_format_value(value)} |" for name, value in metrics.items()]
+    return "\n".join(["| Metric | Value |", "| --- | --- |", *rows]) + "\n"
+
+
+def _origin(family_title: str, base_model: str | None, preset: str | None, datasets: Sequence[str]) -> str:
+    if base_model:
+        hub = _hub_ids([base_model])
+        start = f"[{base_model}](https://huggingface.co/{base_model})" if hub else f"`{base_model}`"
+        origin = f"This {family_title} model is a fine-tuned version of {start}"
+    elif preset:
+        origin = f"This {family_title} model was trained from scratch, starting from vlfit's `{preset}` preset"
+        origin += " (random initialization)"
+    else:
+        origin = f"This {family_title} model was trained from scratch"
+    if datasets:
+        named = ", ".join(f"`{name}`" for name in datasets)
+        origin += f", on {named}" if len(datasets) == 1 else f", on the datasets {named}"
+    return origin + "."
+
+
+def _usage_section(family_name: str, folder_name: str, base_model: str | None, adapters: bool) -> str:
+    usage = _USAGE.get(family_name)
+    model_class = usage.model_class if usage else "AutoModel"
+    lines = ["import torch", "from PIL import Image"]
+    if adapters:
+        base = base_model or f"{folder_name}/base_model"
+        lines += [
+            "from peft import PeftModel",
+            f"from transformers import AutoProcessor, {model_class}",
+            "",
+            f'path = "{folder_name}"  # this folder (LoRA adapters), or its hub id',
+            f'model = PeftModel.from_pretrained({model_class}.from_pretrained("{base}"), path).merge_and_unload()',
+        ]
+    else:
+        lines += [
+            f"from transformers import AutoProcessor, {model_class}",
+            "",
+            f'path = "{folder_name}"  # this folder, or its hub id',
+            f"model = {model_class}.from_pretrained(path).eval()",
+        ]
+    lines += [
+        "processor = AutoProcessor.from_pretrained(path)",
+        "",
+        'texts = ["a caption", "another caption"]',
+        'images = [Image.open("first.jpg").convert("RGB"), Image.open("second.jpg").convert("RGB")]',
+    ]
+    embed = usage.embed if usage else "inputs = processor(text=texts, images=images, padding=True, return_tensors='pt')"
+    text = "## How to use it with transformers\n\n"
+    if adapters:
+        text += (
+            "This folder holds LoRA adapters. `vlfit merge-lora --model_name_or_path <this folder> --output_dir "
+            "<merged>` writes a plain checkpoint; peft merges them in memory:\n\n"
+        )
+    else:
+        text += "The folder loads in plain transformers, which embeds captions and images as vlfit does:\n\n"
+    return text + "```python\n" + "\n".join(lines) + "\n" + embed + "\n```\n"
+
+
+def write_model_card(
+    output_dir: str,
+    *,
+    family_name: str,
+    base_model: str | None,
+    preset: str | None,
+    datasets: Sequence[str],
+    metrics: Mapping[str, Any] | None,
+    command_line: str | None,
+    how_made: str | None = None,
+    license: str = "other",
+    adapters: bool = False,
+) -> str:
+    """Write ``output_dir/README.md``, the model card of a saved model folder (replacing one already there).
+
+    Args:
+        output_dir: The model folder.
+        family_name: The model family's ``name`` (``bridgetower``, ``clip``, ``siglip``).
+        base_model: The checkpoint (hub id or folder) the model was made from; None for a preset.
+        preset: The preset a model trained from scratch started from; None for a checkpoint.
+        datasets: The training data (hub ids or local paths).
+        metrics: The final metrics (a table of the card); None or empty: none recorded.
+        command_line: The command that made the folder; None when not known.
+        how_made: A sentence or two more on how the model was made (merged adapters, a few-shot head, ...).
+        license: The license's hub identifier (``apache-2.0``, ``mit``, ...; ``other`` when not known).
+        adapters: The folder holds LoRA adapters, not a whole model (loaded through peft).
+
+    Returns:
+        The card's path.
+    """
+    usage = _USAGE.get(family_name)
+    title = usage.title if usage else family_name
+    folder_name = os.path.basename(os.path.abspath(output_dir))
+    datasets = list(datasets)
+    header = yaml.safe_dump(_metadata(family_name, base_model, datasets, license, adapters), sort_keys=False)
+    parts = [
+        f"---\n{header}---\n",
+        f"# {folder_name}\n",
+        _origin(title, base_model, preset, datasets) + (f" {how_made.strip()}" if how_made else "") + "\n",
+        "## Results\n",
+        _metrics_table(metrics or {}),
+        "## How it was made\n",
+        f"```bash\n{command_line}\n```\n" if command_line else "The command line was not recorded.\n",
+        "".join(f"- {package} {_version_of(package)}\n" for package in ("vlfit", "transformers", "torch")),
+        _usage_section(family_name, folder_name, base_model, adapters),
+        "## License\n",
+        f"`{license}`" + (" (see the base model's license)" if license == "other" and base_model else "") + "\n",
+    ]
+    path = os.path.join(output_dir, MODEL_CARD_FILE)
+    os.makedirs(output_dir, exist_ok=True)
+    write_text_atomically(path, "\n".join(parts))
+    return path
+
+
+def _version_of(package: str) -> str:
+    """The installed version of ``package`` (for vlfit, what ``vlfit.__version__`` says: training imports this module,
+    and ``vlfit`` imports training's API lazily, so importing ``vlfit`` here would close an import cycle)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"
