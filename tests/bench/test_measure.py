@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Iterator
 
@@ -49,13 +48,8 @@ def test_summary_is_the_median_with_min_and_max() -> None:
     assert len(figures["repeats"]) == 3
 
 
-def test_host_memory_without_psutil_reads_proc(monkeypatch: pytest.MonkeyPatch) -> None:
-    with_psutil = host_rss_bytes()
-    monkeypatch.setitem(sys.modules, "psutil", None)  # `import psutil` now raises ImportError
-    from_proc = host_rss_bytes()
-    assert from_proc is not None and with_psutil is not None
-    assert from_proc == pytest.approx(with_psutil, rel=0.2)
-    grown = from_proc + 32 * 2**20
+def test_host_memory_sees_the_peak() -> None:
+    grown = host_rss_bytes() + 32 * 2**20
     with PeakHostMemory(interval_s=0.01) as peak:
         block = bytearray(64 * 2**20)  # touch 64 MiB while the sampler runs
         deadline = time.monotonic() + 30  # however busy the machine, the sampler gets to run in the end

@@ -30,8 +30,6 @@ from tests.data.image_factory import (
 from vlfit.data import decode
 from vlfit.data.decode import DecodeError, apply_orientation, decode_pil, decode_scaled, jpeg_exif_orientation
 
-needs_simplejpeg = pytest.mark.skipif(decode.simplejpeg is None, reason="simplejpeg is not installed")
-
 
 def libjpeg_turbo_scaled_shape(width: int, height: int, target: int) -> tuple[int, int]:
     """(height, width) libjpeg-turbo gives at the smallest k/8 scale keeping both sides >= target (1/1 if none)."""
@@ -60,7 +58,6 @@ def pil_reference(data: bytes, draft: int | None = None) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------- DCT scaling
 
 
-@needs_simplejpeg
 @pytest.mark.parametrize(
     ("width", "height", "target", "expected"),
     [
@@ -83,7 +80,6 @@ def test_dct_scaling_picks_smallest_scale_above_target(
     assert pixels.dtype == np.uint8
 
 
-@needs_simplejpeg
 @settings(max_examples=30, deadline=None)
 @given(
     width=st.integers(8, 400),
@@ -106,20 +102,6 @@ def test_small_images_decode_at_full_size(width: int, height: int, target: int) 
     assert pixels.shape == (height, width, 3)
 
 
-@pytest.mark.parametrize(
-    ("width", "height", "target", "expected"),
-    [(1024, 768, 294, (384, 512)), (1024, 768, 96, (96, 128)), (1024, 768, 200, (384, 512)), (100, 50, 294, (50, 100))],
-)
-def test_pillow_draft_fallback_scaling(
-    monkeypatch: pytest.MonkeyPatch, width: int, height: int, target: int, expected: tuple[int, int]
-) -> None:
-    monkeypatch.setattr(decode, "simplejpeg", None)
-    pixels = decode_scaled(jpeg_bytes(width, height), target)
-    assert pixels.shape == (*expected, 3)
-    assert pixels.shape[:2] == pil_draft_shape(width, height, target)
-
-
-@needs_simplejpeg
 def test_scaled_decode_matches_pillow_draft_at_same_scale() -> None:
     data = jpeg_bytes(320, 240, subsampling=2)
     for target in (30, 60, 120, 240):  # 1/8, 1/4, 1/2, 1/1: scales both decoders offer
@@ -201,14 +183,6 @@ def test_exif_orientation_matches_pillow_half_scale(orientation: int) -> None:
     theirs = pil_reference(data, draft=16)
     assert ours.shape == theirs.shape == ((16, 20, 3) if orientation <= 4 else (20, 16, 3))
     assert np.abs(ours.astype(int) - theirs).max() <= 2
-
-
-@pytest.mark.parametrize("orientation", [3, 6, 7, 8])
-def test_exif_orientation_pillow_fallback(monkeypatch: pytest.MonkeyPatch, orientation: int) -> None:
-    data = exif_jpeg_bytes(40, 30, orientation)
-    expected = decode_scaled(data, 1000)
-    monkeypatch.setattr(decode, "simplejpeg", None)
-    np.testing.assert_array_equal(decode_scaled(data, 1000), expected)
 
 
 # ---------------------------------------------------------------------------------------------- other encodings
@@ -301,8 +275,5 @@ def test_bomb_limit_applies_to_every_path(monkeypatch: pytest.MonkeyPatch, make)
         decode_scaled(data, 16, sample_id="b1")
     with pytest.raises(DecodeError, match=r"over the bomb limit"):
         decode_pil(data, sample_id="b1")
-    monkeypatch.setattr(decode, "simplejpeg", None)
-    with pytest.raises(DecodeError, match=r"over the bomb limit"):
-        decode_scaled(data, 16, sample_id="b1")
     monkeypatch.setattr(decode, "MAX_IMAGE_PIXELS", 64 * 64)
     assert decode_scaled(data, 16).shape[2] == 3

@@ -1,11 +1,10 @@
 """The samples a benchmark cycles through, and what each pipeline reads.
 
 By default the samples are synthetic New-Yorker-like JPEGs (``vlfit.data.synthetic``) held in memory, so a sweep
-needs no download and no ``datasets`` package, and every machine reads them the same way. ``--dataset_name``,
-``--train_file`` and the other data-location flags of ``vlfit train`` read any source it reads instead (that path
-needs ``datasets``). The ``prepared``
-pipeline runs the same samples through ``vlfit.data.prepare.prepare_dataset`` at the model's image size once,
-into a cache folder, and reads the parquet shards back like ``vlfit train --dataset_name prepared/`` does.
+needs no download, and every machine reads them the same way. ``--dataset_name``, ``--train_file`` and the other
+data-location flags of ``vlfit train`` read any source it reads instead. The ``prepared`` pipeline runs the same
+samples through ``vlfit.data.prepare.prepare_dataset`` at the model's image size once, into a cache folder, and
+reads the parquet shards back like ``vlfit train --dataset_name prepared/`` does.
 
 A sweep decodes ``num_samples`` distinct images and serves them cyclically: decoding the same bytes again costs
 the same as decoding new ones, since nothing in the pipeline caches pixels.
@@ -24,19 +23,11 @@ from typing import Any
 import numpy as np
 
 from vlfit.data.memory_source import MemorySource
+from vlfit.data.prepare import prepare_dataset
 from vlfit.data.records import EVAL_COLUMNS, Record
+from vlfit.data.sources import open_splits
 from vlfit.data.synthetic import SyntheticConfig, make_record
 from vlfit.errors import DataError
-
-
-@functools.cache
-def datasets_available() -> bool:
-    """Whether the ``datasets`` package imports (needed for ``--dataset_name`` and the ``prepared`` pipeline)."""
-    try:
-        import datasets  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _synthetic_record(index: int, config: SyntheticConfig) -> Record:
@@ -57,7 +48,7 @@ def synthetic_source(
     max_long_side: int = 1400,
     num_proc: int = 1,
 ) -> MemorySource:
-    """Generate ``num_samples`` synthetic New-Yorker-like samples in memory (no ``datasets`` needed).
+    """Generate ``num_samples`` synthetic New-Yorker-like samples in memory.
 
     Args:
         num_samples: Distinct samples to make.
@@ -110,15 +101,8 @@ def dataset_source(
         token: Hub token (``--token``).
 
     Raises:
-        ValueError: when the split is missing or empty, or the ``datasets`` package is not installed.
+        DataError: when the split is missing or empty.
     """
-    if not datasets_available():
-        raise DataError(
-            "--dataset_name and the --*_file flags need the `datasets` package; install it, or leave them out to "
-            "benchmark on synthetic data"
-        )
-    from vlfit.data.sources import open_splits  # imports datasets, which a bare GPU machine may lack
-
     splits = open_splits(**location, cache_dir=cache_dir, token=token, extra_columns=EVAL_COLUMNS)
     if split not in splits:
         raise DataError(f"split {split!r} not found; the data has: {', '.join(splits) or 'none'}")
@@ -143,15 +127,7 @@ def prepared_source(source: Any, *, image_size: int, cache_dir: str, key: str, n
     """``source`` re-encoded by ``prepare_dataset`` at ``image_size`` (kept in ``cache_dir``), read back as parquet.
 
     A folder from an earlier run with the same key is reused (``prepare_dataset`` resumes and checks settings).
-
-    Raises:
-        ValueError: when the ``datasets`` package is not installed.
     """
-    if not datasets_available():
-        raise DataError("the prepared pipeline needs the `datasets` package (parquet shards); install it")
-    from vlfit.data.prepare import prepare_dataset  # both import datasets, which a bare GPU machine may lack
-    from vlfit.data.sources import open_splits
-
     output_dir = os.path.join(cache_dir, f"prepared-{image_size}px-{key}")
     prepare_dataset(
         {"train": source},

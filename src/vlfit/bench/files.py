@@ -23,8 +23,8 @@ OUTPUT_NAMES: dict[str, str] = {"json": "bench.json", "md": "bench.md", "png": "
 def write_outputs(results: dict[str, Any], output_dir: str, *, png: bool = True) -> dict[str, str]:
     """Write ``bench.json``, ``bench.md`` and (when ``png``) ``bench.png`` into ``output_dir``.
 
-    The chart is drawn first, so that ``settings.chart_renderer`` in ``bench.json`` says what drew it; a chart
-    that cannot be drawn is logged and left out (the numbers are written anyway).
+    The chart is drawn first; one that cannot be drawn is logged and left out (the numbers are written anyway, and
+    ``bench.md`` links no chart).
 
     Returns:
         Kind (``json``, ``md``, ``png``) -> path of each file written.
@@ -34,7 +34,7 @@ def write_outputs(results: dict[str, Any], output_dir: str, *, png: bool = True)
     if png:
         try:
             with replace_on_success(paths["png"]) as temp:
-                results.setdefault("settings", {})["chart_renderer"] = write_png(results, temp)
+                write_png(results, temp)
         except Exception:  # a chart is not worth losing the numbers over (fonts, backends, ...)
             logger.exception("could not draw %s; bench.json and bench.md are written anyway", paths["png"])
             png = False

@@ -16,7 +16,7 @@ outputs, layer-norm inputs, the residual stream), which the 16-bit count leaves 
 top. On CPU it came within about 20% below the measured peak of the small and base presets in fp32 (and further
 below under bf16 autocast). A run whose floor does not fit in the memory it would use, free CUDA memory
 (``torch.cuda.mem_get_info``) on a GPU or the host memory available to this process on the CPU (the cgroup limit
-a container sets, else psutil's ``available``, else ``/proc/meminfo``), cannot fit; one whose floor fits may still
+a container sets, else psutil's ``available``), cannot fit; one whose floor fits may still
 not, and then its configurations end as failed rows with the out-of-memory error.
 
 Why not probe one training step in a child process, which would be exact: it builds the model a second time (tens
@@ -31,6 +31,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
 import torch
 
 from vlfit.errors import ConfigError
@@ -188,34 +189,24 @@ def _cgroup_available() -> int | None:
     return None
 
 
-def _host_available() -> int | None:
-    try:
-        import psutil  # optional on a bare GPU machine
-    except ImportError:
-        psutil = None
-    if psutil is not None:
-        return int(psutil.virtual_memory().available)
-    with contextlib.suppress(OSError, ValueError, StopIteration):
-        with open("/proc/meminfo") as f:
-            line = next(line for line in f if line.startswith("MemAvailable:"))
-        return int(line.split()[1]) * 1024
-    return None
+def _host_available() -> int:
+    return int(psutil.virtual_memory().available)
 
 
-def available_memory(device: torch.device) -> tuple[int | None, str]:
-    """Bytes a training step on ``device`` may use, and where the figure comes from (None when unknown)."""
+def available_memory(device: torch.device) -> tuple[int, str]:
+    """Bytes a training step on ``device`` may use, and where the figure comes from."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free), f"free memory on {torch.cuda.get_device_name(device)}"
     host, cgroup = _host_available(), _cgroup_available()
-    if cgroup is not None and (host is None or cgroup < host):
+    if cgroup is not None and cgroup < host:
         return cgroup, "host memory left under this container's limit"
     return host, "available host memory"
 
 
 def check_fit(
     estimate: MemoryEstimate,
-    available: int | None,
+    available: int,
     where: str,
     *,
     model: str,
@@ -226,13 +217,13 @@ def check_fit(
 
     Args:
         estimate: From ``estimate_training_memory``.
-        available: Bytes available (None: unknown, nothing is checked).
+        available: Bytes available.
         where: What ``available`` measures (for the message).
         model: The model as the message names it (``preset large``).
         batch_size: The batch size (for the message).
         precision: The precision (for the message).
     """
-    if available is None or estimate.total <= available:
+    if estimate.total <= available:
         return
     state = estimate.weights + estimate.gradients_and_optimizer
     # Activations grow with the batch, the rest does not: the largest batch whose floor would fit.
@@ -251,10 +242,10 @@ def check_fit(
     )
 
 
-def memory_settings(estimate: MemoryEstimate, available: int | None, where: str) -> dict[str, Any]:
+def memory_settings(estimate: MemoryEstimate, available: int, where: str) -> dict[str, Any]:
     """The estimate as JSON-able fields for the results' settings."""
     return {
         "estimated_train_memory_gib": round(estimate.total / GIB, 2),
-        "available_memory_gib": None if available is None else round(available / GIB, 2),
+        "available_memory_gib": round(available / GIB, 2),
         "available_memory_from": where,
     }

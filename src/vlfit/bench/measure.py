@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
 import torch
 
 from vlfit.data.batch import Batch
@@ -71,48 +72,18 @@ def summarize(windows: list[Window]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------- memory
 
 
-def _proc_rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def host_rss_bytes(pid: int | None = None) -> int:
+    """RSS of a process plus all its descendants (the DataLoader workers).
 
-
-def _proc_children(pid: int) -> list[int]:
-    children: list[int] = []
-    with contextlib.suppress(OSError):
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                children.extend(int(c) for c in f.read().split())
-    return children
-
-
-def host_rss_bytes(pid: int | None = None) -> int | None:
-    """RSS of a process plus all its descendants (the DataLoader workers), or None when it cannot be read.
-
-    Uses psutil when installed, else ``/proc`` (Linux). Pages shared between the main process and forked workers
-    count once per process, so the sum overstates what the processes hold together.
+    Pages shared between the main process and forked workers count once per process, so the sum overstates what
+    the processes hold together. A process that exits while it is read counts as nothing.
     """
-    pid = os.getpid() if pid is None else pid
-    try:
-        import psutil
-    except ImportError:
-        psutil = None
-    if psutil is not None:
-        total = 0
-        process = psutil.Process(pid)
-        for member in [process, *process.children(recursive=True)]:
-            with contextlib.suppress(psutil.Error):
-                total += member.memory_info().rss
-        return total
-    try:
-        total, todo = 0, [pid]
-        while todo:
-            current = todo.pop()
-            with contextlib.suppress(OSError):
-                total += _proc_rss_bytes(current)
-            todo.extend(_proc_children(current))
-        return total
-    except (OSError, ValueError):
-        return None
+    process = psutil.Process(os.getpid() if pid is None else pid)
+    total = 0
+    for member in [process, *process.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            total += member.memory_info().rss
+    return total
 
 
 class PeakHostMemory:
@@ -129,9 +100,7 @@ class PeakHostMemory:
         self._thread = threading.Thread(target=self._run, name="vlfit-bench-rss", daemon=True)
 
     def _read(self) -> None:
-        value = host_rss_bytes()
-        if value is not None:
-            self.peak_bytes = max(self.peak_bytes or 0, value)
+        self.peak_bytes = max(self.peak_bytes or 0, host_rss_bytes())
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vlfit.bench.data import datasets_available
 from vlfit.bench.measure import PRECISIONS
 from vlfit.bench.selection import get_pipeline
 from vlfit.errors import ConfigError
@@ -38,10 +37,8 @@ def default_workers(cores: int | None = None) -> list[int]:
 
 
 def default_pipelines(device: torch.device) -> list[str]:
-    """Every pipeline the machine can run: ``device`` needs CUDA, ``prepared`` the datasets package."""
-    names = ["reference", "fast"]
-    if datasets_available():
-        names.append("prepared")
+    """Every pipeline the machine can run (``device`` needs CUDA)."""
+    names = ["reference", "fast", "prepared"]
     if device.type == "cuda":
         names.append("device")
     return names

@@ -17,15 +17,14 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+import simplejpeg
 import torch
 import torchvision
 import transformers
 
-from vlfit.bench.data import datasets_available
 from vlfit.bench.plan import Configuration, available_cores, configurations
 from vlfit.bench.selection import choose
 from vlfit.bench.session import BenchSession
-from vlfit.data.decode import simplejpeg
 from vlfit.efficiency.peaks import matmul_precision, peak_flops
 
 logger = logging.getLogger(__name__)
@@ -46,8 +45,7 @@ def machine_info(device: torch.device) -> dict[str, Any]:
         "torch": torch.__version__,
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "jpeg_decoder": "simplejpeg (libjpeg-turbo)" if simplejpeg is not None else "pillow (draft mode)",
-        "datasets_installed": datasets_available(),
+        "jpeg_decoder": f"simplejpeg {simplejpeg.__version__} (libjpeg-turbo)",
         # Other work on the machine shows here: on a shared machine the numbers are only as quiet as this.
         "load_average_start": _load_average(),
         "transformers": transformers.__version__,

@@ -22,10 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from vlfit.commands.parsing import CommandParser
 
 from vlfit.arguments import DataLocationArguments, ModelArguments
-from vlfit.bench.data import dataset_source, datasets_available, source_key, synthetic_source
+from vlfit.bench.data import dataset_source, source_key, synthetic_source
 from vlfit.bench.files import write_outputs
 from vlfit.bench.fit import DoesNotFit, available_memory, check_fit, estimate_training_memory, memory_settings
 from vlfit.bench.plan import MODES, SweepPlan, available_cores, default_pipelines, default_precision, default_workers
@@ -33,6 +32,7 @@ from vlfit.bench.report import finalize, format_terminal
 from vlfit.bench.selection import PIPELINES, get_pipeline
 from vlfit.bench.session import BenchSession
 from vlfit.bench.sweep import run_sweep
+from vlfit.commands.parsing import CommandParser
 from vlfit.errors import ConfigError
 from vlfit.models.loading import ModelBlueprint, build_model, resolve_model
 
@@ -55,7 +55,7 @@ class BenchArguments:
         default=None,
         metadata={
             "help": f"Comma-separated, from {', '.join(PIPELINES)} (default: all this machine can run: device "
-            "needs CUDA, prepared the datasets package)."
+            "needs CUDA)."
         },
     )
     workers: str | None = field(
@@ -152,8 +152,6 @@ def resolve_plan(args: BenchArguments, device: torch.device) -> SweepPlan:
     pipelines = _names(args.pipelines) if args.pipelines else default_pipelines(device)
     for name in pipelines:
         spec = get_pipeline(name)
-        if spec.prepared and not datasets_available():
-            raise ConfigError("the prepared pipeline needs the `datasets` package; leave it out or install datasets")
         if spec.needs_cuda and device.type != "cuda":
             logger.warning("pipeline %s on %s: the device stage decodes on the CPU, in the main process", name, device)
     return SweepPlan(
@@ -240,12 +238,7 @@ def check_train_fits(
         },
     )
     available, where = available_memory(device)
-    logger.info(
-        "train mode needs at least %s; %s: %s",
-        estimate.describe(),
-        where,
-        "unknown" if available is None else f"{available / 2**30:.1f} GiB",
-    )
+    logger.info("train mode needs at least %s; %s: %.1f GiB", estimate.describe(), where, available / 2**30)
     check_fit(
         estimate, available, where, model=blueprint.description, batch_size=plan.batch_size, precision=plan.precision
     )

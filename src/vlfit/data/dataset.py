@@ -30,7 +30,7 @@ from vlfit.data.image_transforms import EncodedImage, stack_images
 from vlfit.data.records import BadRecordError
 from vlfit.errors import DataError
 
-if TYPE_CHECKING:  # sources need the datasets package; the loader itself does not (vlfit bench on a bare GPU box)
+if TYPE_CHECKING:
     from vlfit.data.source_base import ImageTextSource
 
 ImageTransform = Callable[[bytes, str], "torch.Tensor | EncodedImage"]

@@ -10,14 +10,10 @@ import io
 import struct
 
 import numpy as np
+import simplejpeg
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from vlfit.errors import DataError
-
-try:
-    import simplejpeg
-except ImportError:  # the device machine may lack it; Pillow's draft mode is the fallback
-    simplejpeg = None
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 # Decompression-bomb guard: refuse images whose header declares more pixels than this (about 16k x 11k).
@@ -146,7 +142,7 @@ def check_image_header(data: bytes, sample_id: str = "?") -> tuple[int, int]:
     Raises:
         DecodeError: naming the sample and the reason.
     """
-    if simplejpeg is not None and is_jpeg(data):
+    if is_jpeg(data):
         try:
             height, width, _, _ = simplejpeg.decode_jpeg_header(data)
         except Exception as err:
@@ -166,10 +162,10 @@ def check_image_header(data: bytes, sample_id: str = "?") -> tuple[int, int]:
 def decode_scaled(data: bytes, min_side: int, sample_id: str = "?") -> np.ndarray:
     """Decode to an RGB HWC uint8 array, using DCT scaling to the smallest scale whose sides are still >= min_side.
 
-    JPEG goes through libjpeg-turbo (simplejpeg) when installed, else Pillow's draft mode; other formats, and JPEGs
-    libjpeg-turbo cannot convert to RGB (CMYK, YCCK), go through Pillow.
+    JPEG goes through libjpeg-turbo (simplejpeg); other formats, and JPEGs libjpeg-turbo cannot convert to RGB
+    (CMYK, YCCK), go through Pillow (draft mode for those JPEGs: the same DCT scaling).
     """
-    if simplejpeg is not None and is_jpeg(data):
+    if is_jpeg(data):
         try:
             height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
         except Exception as err:

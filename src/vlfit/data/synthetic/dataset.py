@@ -5,12 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import datasets
 import numpy as np
-
-try:
-    import datasets
-except ImportError:  # make_record needs only numpy and Pillow (vlfit bench on a machine without datasets)
-    datasets = None  # type: ignore[assignment]
 
 from vlfit.data.synthetic.render import render_scene
 from vlfit.data.synthetic.scenes import (
@@ -25,7 +21,7 @@ from vlfit.data.synthetic.scenes import (
 )
 from vlfit.errors import DataError
 
-FEATURES = datasets and datasets.Features(  # None without the datasets package
+FEATURES = datasets.Features(
     {
         "image": datasets.Image(),
         "image_description": datasets.Value("string"),
