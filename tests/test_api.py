@@ -28,6 +28,8 @@ def test_the_readme_example_runs(synthetic_dataset_dir, tmp_path, monkeypatch, c
     assert run.output_dir == "runs/python" and (tmp_path / "runs/python/model.safetensors").is_file()
     assert 0.0 <= run.metrics["eval_t2i_recall@1"] <= 1.0 and run.metrics["train_loss"] > 0
     assert len(index) == 8 and isinstance(model, vlfit.Model)
+    card = (tmp_path / "runs/python/README.md").read_text()
+    assert card.startswith("---\n") and "vlfit.train(model_preset='clip-tiny'" in card and "eval_t2i_recall@1" in card
     assert "runs/python" in capsys.readouterr().out
 
 

@@ -11,6 +11,7 @@ import yaml
 from vlfit.cli import main
 from vlfit.commands import evaluate, train
 from vlfit.commands.train import parse_arguments
+from vlfit.training import run as training_run
 
 
 def test_make_data_train_eval_end_to_end(tmp_path, capsys):
@@ -115,7 +116,7 @@ def test_debug_anywhere_keeps_the_traceback(tmp_path):
                           timeout=300)  # fmt: skip
     assert done.returncode == 1
     assert "Traceback (most recent call last)" in done.stderr
-    assert "ValueError: unknown --model_preset 'medium'" in done.stderr
+    assert "ConfigError: unknown --model_preset 'medium'" in done.stderr
 
 
 def test_enable_jit_checkpoint_is_refused(tmp_path, capsys):
@@ -199,7 +200,7 @@ def recorded_runs(monkeypatch) -> list:
         runs.append((model_args, data_args, training_args))
         return {}
 
-    monkeypatch.setattr(evaluate, "run", fake_run)
+    monkeypatch.setattr(training_run, "run", fake_run)  # vlfit eval imports it when it runs
     monkeypatch.setattr(train, "run", fake_run)
     monkeypatch.setattr(train, "setup_run", lambda *args: None)  # no data opened: only the arguments are recorded
     return runs
@@ -239,7 +240,8 @@ def test_command_main_without_argv_reads_sys_argv(tmp_path, recorded_runs, monke
     assert recorded_runs[-1][2].output_dir == out
     assert recorded_runs[-1][0].model_name_or_path == str(tmp_path)
     path = tmp_path / "flags.yaml"
-    path.write_text(yaml.safe_dump({"model_name_or_path": str(tmp_path), "output_dir": out, "max_steps": 7}))
+    out = str(tmp_path / "out-2")
+    path.write_text(yaml.safe_dump({"model_name_or_path": str(tmp_path), "output_dir": out, "seed": 7}))
     monkeypatch.setattr(sys, "argv", ["vlfit", str(path)])
     assert command.main(None) == 0
-    assert recorded_runs[-1][2].max_steps == 7
+    assert recorded_runs[-1][2].seed == 7 and recorded_runs[-1][2].output_dir == out

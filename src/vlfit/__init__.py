@@ -11,8 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from vlfit.errors import ConfigError, DataError, MissingExtraError, MissingFileError, ModelLoadError, UserError
-
-__version__ = "0.1.0"
+from vlfit.version import __version__
 
 __all__ = [
     "ConfigError",

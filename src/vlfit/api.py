@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from vlfit.errors import ConfigError, DataError, MissingFileError, python_api, register_option_names
+from vlfit.errors import ConfigError, DataError, MissingFileError, python_api
 from vlfit.inference.backends import Encoder, TorchEncoder, open_encoder
 
 # What encode_images takes, each item on its own: a path, encoded bytes, a PIL image or a uint8 HWC (or HW) array.
@@ -151,10 +151,10 @@ def load(
         precision: Exported graphs: ``auto`` (INT8 when exported), ``fp32`` or ``int8``.
         num_threads: Threads of the runtime (``None``: its default).
     """
-    from vlfit.models.registry import preset_names
+    from vlfit.models.preset_names import PRESET_NAMES
 
     name = os.fspath(path_or_preset)
-    if not os.path.exists(name) and name in preset_names():
+    if not os.path.exists(name) and name in PRESET_NAMES:
         if backend not in ("auto", "torch"):
             raise ConfigError(f"preset {name} runs on torch; export a trained checkpoint for backend {backend!r}")
         return Model(_preset_encoder(name, num_threads))
@@ -212,12 +212,15 @@ def _flag_values(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _parse(prog: str, kwargs: dict[str, Any]) -> Any:
-    from vlfit.commands.train import ParsedArguments, parser_for
-
-    parser = parser_for(prog)
     values = _flag_values(kwargs)
-    register_option_names(f.name for dtype in parser.dataclass_types for f in fields(dtype))
-    return ParsedArguments(*parser.parse_dict(values), given=frozenset(values))
+    if prog == "vlfit eval":
+        from vlfit.commands.evaluate import parse_values
+
+        return parse_values(values)
+    from vlfit.commands.parsing import ParsedArguments
+    from vlfit.commands.train import parser_for
+
+    return ParsedArguments(*parser_for(prog).parse_dict(values), given=frozenset(values))
 
 
 @python_api
@@ -229,7 +232,8 @@ def train(**flags: Any) -> RunResult:
     from vlfit.commands.train import train_parsed
 
     args = _parse("vlfit train", flags)
-    metrics = train_parsed(args)
+    call = ", ".join(f"{name}={value!r}" for name, value in flags.items())
+    metrics = train_parsed(args, command_line=f"vlfit.train({call})")
     return RunResult(metrics, args.training.output_dir)
 
 

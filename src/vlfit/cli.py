@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         print(usage())
         return 0
     if argv[0] in ("-V", "--version"):
-        from vlfit import __version__
+        from vlfit.version import __version__
 
         print(f"vlfit {__version__}")
         return 0

@@ -214,10 +214,13 @@ def write_model_card(
 
 
 def _version_of(package: str) -> str:
-    """The installed version of ``package`` (for vlfit, what ``vlfit.__version__`` says: training imports this module,
-    and ``vlfit`` imports training's API lazily, so importing ``vlfit`` here would close an import cycle)."""
+    """The installed version of ``package`` (vlfit's own from ``vlfit.version``, also in a source checkout)."""
     from importlib.metadata import PackageNotFoundError, version
 
+    if package == "vlfit":
+        from vlfit.version import __version__
+
+        return __version__
     try:
         return version(package)
     except PackageNotFoundError:

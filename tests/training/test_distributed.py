@@ -17,9 +17,9 @@ from transformers import AutoImageProcessor, AutoTokenizer, BridgeTowerForContra
 
 from tests.training.recording import weights_digest
 from tests.training.train_runs import free_port, torchrun_command, torchrun_env
-from vlfit.arguments import VlfitTrainingArguments
 from vlfit.cli import main
 from vlfit.training import throughput
+from vlfit.training.arguments import VlfitTrainingArguments
 from vlfit.training.distributed import describe_launch
 from vlfit.training.throughput import ThroughputMeter
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from transformers import Trainer
 
-from vlfit.arguments import VlfitTrainingArguments
+from vlfit.training.arguments import VlfitTrainingArguments
 
 
 def test_default_optimizer_is_fused_adamw(tmp_path: Path) -> None:

@@ -67,7 +67,7 @@ def probe_num_workers(
         source: The training split.
         blueprint: The model's ``vlfit.models.loading.ModelBlueprint``.
         model_args: ``vlfit.arguments.ModelArguments`` (to build the model the same way training will).
-        training_args: ``vlfit.arguments.VlfitTrainingArguments``.
+        training_args: ``vlfit.training.arguments.VlfitTrainingArguments``.
         decode_on_device: ``--decode_on_device``.
         image_pipeline: ``--image_pipeline``.
         candidates: Worker counts to try (default: 0, 1, 2, then powers of two up to the core count).

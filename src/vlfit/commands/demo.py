@@ -11,9 +11,10 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from vlfit.arguments import DataArguments, ModelArguments, VlfitTrainingArguments
+from vlfit.arguments import DataArguments, ModelArguments
 from vlfit.commands.parsing import CommandParser
 from vlfit.data.synthetic import SyntheticConfig, make_dataset, save_dataset
+from vlfit.training.arguments import VlfitTrainingArguments
 from vlfit.training.run import run
 
 DATA_STAMP = "vlfit_synthetic_config.json"

@@ -1,32 +1,79 @@
-"""``vlfit eval``: recall@1/5/10 both ways and matching accuracy of a model on one split."""
+"""``vlfit eval``: recall@1/5/10 both ways and matching accuracy of a model on one split.
+
+Its flags are the model and data flags of ``vlfit train`` and the few run settings evaluation uses
+(``EvalArguments``), so ``--help`` lists those, and answers without importing torch.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import sys
 from typing import Any
 
-from vlfit.commands.train import ParsedArguments, note_compat_flags, parse_arguments
-from vlfit.training.run import run
+from vlfit.arguments import DataArguments, EvalArguments, ModelArguments
+from vlfit.commands.parsing import CommandParser, ParsedArguments, is_flags_file, load_flags_file
+
+PROG = "vlfit eval"
+# Training-only model and data flags: they still parse (a train command line evaluates as it is), unlisted.
+TRAINING_ONLY = (
+    "freeze_vision_model", "freeze_text_model", "freeze", "unfreeze_after_steps", "freeze_text_pooler",
+    "logit_scale_init_value", "lora_r", "lora_alpha", "lora_dropout", "lora_target", "max_train_samples",
+    "random_resized_crop", "horizontal_flip", "hard_negative_column", "max_bad_fraction", "overwrite_cache",
+    "preprocessing_num_workers",
+)  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``vlfit eval``: the same flags as ``vlfit train``; ``--eval_split`` picks the split.
+def parser() -> CommandParser:
+    """The flags of ``vlfit eval``."""
+    return CommandParser(
+        (ModelArguments, DataArguments, EvalArguments),
+        prog=PROG,
+        description="Evaluate a model on one split (--eval_split): recall@1/5/10 both ways, over pools of "
+        "--eval_pool_size pairs, and matching accuracy; writes eval_results.json.",
+        hidden_in_help=TRAINING_ONLY,
+    )
 
-    Metrics are written to ``--output_dir`` (default: the model folder) as ``eval_results.json``. ``argv`` ``None``
-    reads ``sys.argv[1:]``.
-    """
-    args = parse_arguments(argv, prog="vlfit eval")
-    results = evaluate_parsed(args)
-    if args.training.should_log:
-        print(json.dumps(results, indent=1))
-    return 0
+
+def as_training_arguments(model: ModelArguments, settings: EvalArguments) -> Any:
+    """The ``VlfitTrainingArguments`` of an evaluation: ``settings``, evaluation only, into ``--output_dir`` or the
+    model folder."""
+    from vlfit.training.arguments import VlfitTrainingArguments
+
+    values = dataclasses.asdict(settings)
+    output_dir = values.pop("output_dir") or model.model_name_or_path or "."
+    return VlfitTrainingArguments(output_dir=output_dir, do_train=False, do_eval=True, **values)
+
+
+def parse_values(values: dict[str, Any]) -> ParsedArguments:
+    """``vlfit eval``'s arguments from ``{flag: value}`` (a flags file, or ``vlfit.evaluate``'s keyword arguments)."""
+    model, data, settings = parser().parse_dict(values)
+    return ParsedArguments(model, data, as_training_arguments(model, settings), frozenset(values))
+
+
+def parse_arguments(argv: list[str] | None) -> ParsedArguments:
+    """``vlfit eval``'s flags, or one ``.json``/``.yaml`` file holding them; ``None`` reads ``sys.argv[1:]``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if is_flags_file(argv):
+        return parse_values(load_flags_file(argv[0]))
+    (model, data, settings), given = parser().parse(argv)
+    return ParsedArguments(model, data, as_training_arguments(model, settings), given)
 
 
 def evaluate_parsed(args: ParsedArguments) -> dict[str, Any]:
     """Evaluate with parsed flags (``vlfit eval`` and ``vlfit.evaluate``); returns the metrics."""
-    model_args, data_args, training_args = args.model, args.data, args.training
-    if "output_dir" not in args.given and model_args.model_name_or_path:
-        training_args.output_dir = model_args.model_name_or_path
+    from vlfit.commands.train import note_compat_flags
+    from vlfit.training.run import run
+
     note_compat_flags(args)
-    training_args.do_train, training_args.do_eval = False, True
-    return run(model_args, data_args, training_args)
+    return run(args.model, args.data, args.training)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``vlfit eval``: metrics go to ``--output_dir`` (default: the model folder) as
+    ``eval_results.json`` and to stdout. ``argv`` ``None`` reads ``sys.argv[1:]``."""
+    args = parse_arguments(argv)
+    results = evaluate_parsed(args)
+    if args.training.should_log:
+        print(json.dumps(results, indent=1))
+    return 0

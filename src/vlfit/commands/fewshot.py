@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -97,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         description="Compare zero-shot, a linear probe and SetFit's recipe on a labelled dataset at several shot "
         "counts and seeds (the same images for every method); write fewshot.json/.md/.png.",
     )
-    (args,) = parser.parse_args_into_dataclasses(args=sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    (args,) = parser.parse_args_into_dataclasses(args=argv)
     settings = settings_of(args)
     from vlfit.fewshot.classifier import ClassifierInfo, save_classifier
     from vlfit.fewshot.experiment import run_fewshot
@@ -167,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
             templates=list(settings.templates),
             source_model=os.path.abspath(args.model_name_or_path),
         )
-        save_classifier(args.save_classifier, loaded.bundle.save, kept.head, info)
+        save_classifier(
+            args.save_classifier, loaded.bundle.save, kept.head, info, dataset=args.dataset_name,
+            command_line=shlex.join(["vlfit", "fewshot", *argv]),
+        )  # fmt: skip
         print(f"saved the {best.method} classifier ({best.shots} shots, seed {best.seed}) to {args.save_classifier}")
     return 0

@@ -15,15 +15,66 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import os
 from collections.abc import Collection, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from transformers import HfArgumentParser
 
-from vlfit.errors import ConfigError, UserError, register_option_names
+from vlfit.errors import ConfigError, MissingFileError, UserError, register_option_names
+
+if TYPE_CHECKING:
+    from vlfit.arguments import DataArguments, ModelArguments
+    from vlfit.training.arguments import VlfitTrainingArguments
+
+FLAGS_FILE_SUFFIXES = (".json", ".yaml", ".yml")
+
+
+class ParsedArguments(NamedTuple):
+    """The flags of ``vlfit train`` (and of ``vlfit eval``, whose run settings become training arguments).
+
+    Attributes:
+        model: Which model, and how to load it.
+        data: The data and its input pipeline.
+        training: Every ``TrainingArguments`` flag and vlfit's own (``VlfitTrainingArguments``).
+        given: Names of the fields the command line or the flags file set, whatever their values (``--no_x`` and
+            ``--x False`` set ``x``): what the user asked for, as opposed to defaults.
+        auto_workers: ``--dataloader_num_workers auto`` was asked for (then parsed as 0).
+    """
+
+    model: ModelArguments
+    data: DataArguments
+    training: VlfitTrainingArguments
+    given: frozenset[str]
+    auto_workers: bool = False
+
 
 # Fields that name the model under one of two spellings: the command's own and the other one.
 MODEL_FLAG_ALIASES = {"model_name_or_path": "--model", "model": "--model_name_or_path"}
+
+
+def is_flags_file(argv: Sequence[str] | None) -> bool:
+    """True when the arguments are one ``.json``/``.yaml``/``.yml`` file holding every flag."""
+    return argv is not None and len(argv) == 1 and argv[0].endswith(FLAGS_FILE_SUFFIXES)
+
+
+def load_flags_file(path: str) -> dict[str, Any]:
+    """The flags a ``.json`` or ``.yaml``/``.yml`` file holds, as ``{flag name: value}``."""
+    import json
+
+    import yaml
+
+    is_json = path.endswith(".json")
+    try:
+        with open(os.path.abspath(path), encoding="utf-8") as f:
+            values = json.load(f) if is_json else yaml.safe_load(f)
+    except FileNotFoundError as err:
+        raise MissingFileError(f"{path}: no such flags file") from err
+    except (json.JSONDecodeError, yaml.YAMLError) as err:
+        raise ConfigError(f"{path}: not valid {'JSON' if is_json else 'YAML'}: {err}") from err
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: expected a mapping of flag names to values, got {type(values).__name__}")
+    return values
 
 
 class CommandParser(HfArgumentParser):
@@ -80,6 +131,26 @@ class CommandParser(HfArgumentParser):
         if others and not flags:
             parts.append(" ".join(others))
         self.error(f"unrecognized arguments: {', '.join(parts)}")
+
+    def given_fields(self, argv: Sequence[str]) -> frozenset[str]:
+        """Names of the fields ``argv`` sets, whatever their values (``--no_x`` and ``--x False`` set ``x``)."""
+        defaults = {action: action.default for action in self._actions}
+        try:
+            for action in self._actions:  # with a SUPPRESS default, argparse leaves a flag not given out
+                action.default = argparse.SUPPRESS
+            namespace, _ = self.parse_known_args(list(argv))
+        finally:
+            for action, default in defaults.items():
+                action.default = default
+        return frozenset(vars(namespace))
+
+    def parse(self, argv: Sequence[str]) -> tuple[tuple[Any, ...], frozenset[str]]:
+        """The dataclasses of ``argv`` (flags, or one flags file) and the names of the fields it set."""
+        if is_flags_file(argv):
+            values = load_flags_file(argv[0])
+            return self.parse_dict(values), frozenset(values)
+        parsed = self.parse_args_into_dataclasses(args=list(argv))
+        return parsed, self.given_fields(argv)
 
     def parse_args_into_dataclasses(  # type: ignore[override]
         self, args: Sequence[str] | None = None, return_remaining_strings: bool = False, **kwargs: Any

@@ -18,9 +18,8 @@ import sys
 from dataclasses import fields
 from typing import Any
 
-from vlfit.arguments import DataArguments, ModelArguments, VlfitTrainingArguments
-from vlfit.commands.parsing import CommandParser
-from vlfit.commands.train import is_flags_file, load_flags_file
+from vlfit.arguments import DataArguments, ModelArguments
+from vlfit.commands.parsing import CommandParser, is_flags_file, load_flags_file
 from vlfit.errors import ConfigError
 from vlfit.search.objective import TrialRunner, available_metrics, check_trial_dirs, parse_train_values, trial_dir
 from vlfit.search.report import remove_checkpoints, write_reports
@@ -36,6 +35,7 @@ from vlfit.search.study import (
     storage_url,
     take_up_interrupted,
 )
+from vlfit.training.arguments import VlfitTrainingArguments
 from vlfit.training.preemption import TrainingPreempted
 from vlfit.training.run import setup_logging, setup_run
 

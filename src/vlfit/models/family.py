@@ -94,6 +94,11 @@ class ModelFamily(ABC):
 
     # ----------------------------------------------------------------------------------------- presets, loading
 
+    def saved_tokenizer_settings(self, config: Any) -> dict[str, Any]:
+        """Tokenizer settings a saved folder carries beyond vlfit's own (``vlfit.models.loading.saved_tokenizer``),
+        so that plain transformers tokenizes as vlfit does (SigLIP: pad to the positions, no attention mask)."""
+        return {}
+
     @abstractmethod
     def preset_names(self) -> tuple[str, ...]:
         """The presets this family builds with random weights (names are unique across families)."""

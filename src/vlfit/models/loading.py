@@ -100,9 +100,7 @@ def saved_tokenizer(blueprint: ModelBlueprint) -> Any:
     tokenizer vlfit holds is left as it is: its callers always pass ``max_length`` and read the attention mask.
     """
     settings: dict[str, Any] = {"model_max_length": blueprint.inputs.max_seq_length}
-    family_settings = getattr(blueprint.family, "saved_tokenizer_settings", None)
-    if family_settings is not None:
-        settings.update(family_settings(blueprint.config))
+    settings.update(blueprint.family.saved_tokenizer_settings(blueprint.config))
     tokenizer = copy.deepcopy(blueprint.inputs.tokenizer)
     tokenizer.init_kwargs.update(settings)  # save_pretrained writes the init kwargs' keys, with the current values
     for name, value in settings.items():

@@ -38,12 +38,13 @@ import torch
 from optuna.trial import TrialState
 from transformers import HfArgumentParser, TrainerCallback
 
-from vlfit.arguments import DataArguments, ModelArguments, VlfitTrainingArguments
+from vlfit.arguments import DataArguments, ModelArguments
 from vlfit.errors import ConfigError
 from vlfit.models.loading import build_model
 from vlfit.models.logit_scale import logit_scale_parameter
 from vlfit.search.space import LOGIT_SCALE_PARAMETER, SearchSpace
 from vlfit.search.study import CHECKPOINT_ATTR, FINISHED, RESUME_FROM_ATTR
+from vlfit.training.arguments import VlfitTrainingArguments
 from vlfit.training.preemption import TrainingPreempted
 from vlfit.training.run import RunSetup, run, setup_run
 from vlfit.training.trainer import VlfitTrainer

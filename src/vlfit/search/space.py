@@ -24,8 +24,9 @@ from typing import Any
 
 import yaml
 
-from vlfit.arguments import DataArguments, ModelArguments, VlfitTrainingArguments
+from vlfit.arguments import DataArguments, ModelArguments
 from vlfit.errors import ConfigError, MissingFileError
+from vlfit.training.arguments import VlfitTrainingArguments
 
 KINDS = ("float", "int", "categorical")
 # The flag that starts a contrastive model's logit scale (searched by default for models that have one).

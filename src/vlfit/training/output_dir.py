@@ -20,8 +20,8 @@ from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from vlfit import __version__
 from vlfit.errors import ConfigError
+from vlfit.version import __version__
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import transformers
 from transformers import TrainerCallback, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from vlfit.arguments import DataArguments, ModelArguments, VlfitTrainingArguments
+from vlfit.arguments import DataArguments, ModelArguments
 from vlfit.data.bad_samples import BAD_SAMPLES_REPORT
 from vlfit.data.pipeline import InputPipeline, PipelineOptions
 from vlfit.data.records import EVAL_COLUMNS
@@ -24,10 +24,12 @@ from vlfit.data.sources import open_splits
 from vlfit.efficiency.flops import ComputeEfficiency
 from vlfit.efficiency.peaks import matmul_precision, peak_flops
 from vlfit.errors import ConfigError, DataError
+from vlfit.model_card import write_model_card
 from vlfit.models.family import ModelFamily
-from vlfit.models.loading import ModelBlueprint, build_model, resolve_model
+from vlfit.models.loading import ModelBlueprint, build_model, resolve_model, save_inputs, saved_tokenizer
 from vlfit.models.logit_scale import set_logit_scale
 from vlfit.models.lora import BASE_MODEL_DIR, LoraSettings, apply_lora, group_of, trainable_parameters
+from vlfit.training.arguments import VlfitTrainingArguments
 from vlfit.training.distributed import describe_launch
 from vlfit.training.preemption import PreemptionCallback, TrainingPreempted
 from vlfit.training.trainer import VlfitTrainer
@@ -160,8 +162,7 @@ def with_lora_adapters(
         if training_args.do_train and training_args.process_index == 0:
             folder = os.path.join(training_args.output_dir, BASE_MODEL_DIR)  # a checkpoint of its own
             initial.save_pretrained(folder)
-            blueprint.inputs.tokenizer.save_pretrained(folder)
-            blueprint.image_processor.save_pretrained(folder)
+            save_inputs(blueprint, folder)
     else:
         checkpoint = str(blueprint.checkpoint)
         base = os.path.abspath(checkpoint) if os.path.isdir(checkpoint) else checkpoint
@@ -197,6 +198,7 @@ def run(
     training_args: VlfitTrainingArguments,
     setup: RunSetup | None = None,
     callbacks: Sequence[TrainerCallback] = (),
+    command_line: str | None = None,
 ) -> dict[str, Any]:
     """Train (``--do_train``) and/or evaluate (``--do_eval``) as the arguments say.
 
@@ -206,6 +208,7 @@ def run(
         training_args: The training flags.
         setup: What ``setup_run`` made of the same arguments (made here when None).
         callbacks: More Trainer callbacks (``vlfit search`` reports each evaluation to its trial through one).
+        command_line: The command that started the run, for the model card (``README.md``) a training run writes.
 
     Returns:
         The train metrics (prefixed ``train_``) and eval metrics (prefixed ``eval_``) that were computed.
@@ -232,7 +235,7 @@ def run(
         args=training_args,
         train_dataset=pipeline.dataset(train_source, train=True) if train_source is not None else None,
         eval_dataset=pipeline.dataset(eval_source, train=False) if eval_source is not None else None,
-        processing_class=pipeline.inputs.tokenizer,
+        processing_class=saved_tokenizer(setup.blueprint),  # what the Trainer saves beside every checkpoint
         pipeline=pipeline,
         family=family,
         eval_pool_size=data_args.eval_pool_size,
@@ -304,6 +307,19 @@ def run(
         trainer.log_metrics("eval", metrics)
         trainer.save_metrics("eval", metrics)
         results.update(metrics)
+    if training_args.do_train and trainer.is_world_process_zero():
+        blueprint = setup.blueprint
+        write_model_card(
+            training_args.output_dir,
+            family_name=family.name,
+            base_model=blueprint.checkpoint,
+            preset=blueprint.preset,
+            datasets=[d for d in (data_args.dataset_name, data_args.train_file) if d],
+            metrics=results,
+            command_line=command_line,
+            adapters=lora is not None,
+        )
+        logger.info("model saved to %s (model card: README.md)", training_args.output_dir)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
     return results

@@ -1,0 +1,116 @@
+"""``VlfitTrainingArguments``: every ``transformers.TrainingArguments`` flag, plus vlfit's training options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+from vlfit.compat_flags import CompatTrainingFlags
+from vlfit.errors import ConfigError
+from vlfit.launch import prepare_launch
+
+# Where a contrastive loss takes its negatives from (``--contrastive_negatives``).
+CONTRASTIVE_NEGATIVES = ("local", "global")
+# Which terms the contrastive loss has (``--contrastive_loss``).
+CONTRASTIVE_LOSSES = ("model", "symmetric")
+# Training counts and their smallest valid value: torch would otherwise fail later, deep in the DataLoader.
+LOWEST_COUNTS = {
+    "per_device_train_batch_size": 1,
+    "per_device_eval_batch_size": 1,
+    "gradient_accumulation_steps": 1,
+    "dataloader_num_workers": 0,
+    "throughput_warmup_steps": 0,
+}
+
+
+@dataclass
+class VlfitTrainingArguments(CompatTrainingFlags, TrainingArguments):
+    """Every ``transformers.TrainingArguments`` flag, plus vlfit's training options.
+
+    ``CompatTrainingFlags`` adds the Gaudi-only flags of run_bridgetower.py command lines, accepted and ignored.
+    """
+
+    contrastive_negatives: str = field(
+        default="local",
+        metadata={
+            "help": "local: each process scores its captions against its own batch's images (what one process does "
+            "with --per_device_train_batch_size). global: against the images of every process's batch (all-gathered "
+            "with gradient), so the negatives are the whole global batch; same as local with one process.",
+            "choices": list(CONTRASTIVE_NEGATIVES),
+        },
+    )
+    contrastive_loss: str = field(
+        default="model",
+        metadata={
+            "help": "model: the model's own contrastive loss (BridgeTower: the mean of its text->image, "
+            "text->cross-modal and image->cross-modal InfoNCE terms, as run_bridgetower trains). symmetric: also "
+            "image->text, the direction image->caption retrieval and caption matching score, which the model's own "
+            "loss never trains (for a dual encoder such as CLIP, whose loss is symmetric already, the same).",
+            "choices": list(CONTRASTIVE_LOSSES),
+        },
+    )
+    gradient_cache_chunk_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Gradient caching: embed the batch N pairs at a time without keeping activations, take the "
+            "contrastive loss's gradient over the whole (with --contrastive_negatives global, global) batch, then "
+            "re-run each chunk with gradient. The same gradient as the plain batch, in the memory of a batch of N, "
+            "for about one more forward pass per step. Not with --gradient_accumulation_steps > 1."
+        },
+    )
+    throughput_warmup_steps: int = field(
+        default=0,
+        metadata={
+            "help": "Leave the first N training steps out of the reported samples/s and data-wait share "
+            "(compilation, autotuning and loader start-up make them slow), as optimum-habana does."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.contrastive_loss not in CONTRASTIVE_LOSSES:
+            raise ConfigError(
+                f"unknown --contrastive_loss {self.contrastive_loss!r}; choose one of: {', '.join(CONTRASTIVE_LOSSES)}"
+            )
+        if self.contrastive_negatives not in CONTRASTIVE_NEGATIVES:
+            raise ConfigError(
+                f"unknown --contrastive_negatives {self.contrastive_negatives!r}; choose one of: "
+                f"{', '.join(CONTRASTIVE_NEGATIVES)}"
+            )
+        if self.gradient_cache_chunk_size is not None:
+            chunk = self.gradient_cache_chunk_size
+            if int(chunk) < 1:
+                raise ConfigError(f"--gradient_cache_chunk_size must be at least 1, got {chunk}")
+            if int(self.gradient_accumulation_steps) > 1:
+                raise ConfigError(
+                    "--gradient_cache_chunk_size with --gradient_accumulation_steps > 1: accumulation would split the "
+                    "contrastive batch into independent ones, which caching exists to avoid; raise "
+                    "--per_device_train_batch_size instead and drop --gradient_accumulation_steps"
+                )
+        if self.enable_jit_checkpoint:
+            # transformers' SIGTERM handler would be replaced by vlfit's PreemptionCallback, which does the same job.
+            raise ConfigError(
+                "--enable_jit_checkpoint is not needed: vlfit already saves a checkpoint when SIGTERM or SIGINT "
+                "arrives and resumes from it when the same command is run again; drop the flag"
+            )
+        for name, low in LOWEST_COUNTS.items():
+            value = getattr(self, name)
+            if isinstance(value, int) and value < low:  # values from a flags file are not converted to int
+                raise ConfigError(f"--{name} must be at least {low}, got {value}")
+        prepare_launch(self)  # before TrainingArguments.__post_init__ sets up devices and the process group
+        super().__post_init__()
+        if self.fp16 and self.device.type == "cpu":
+            raise ConfigError(
+                "--fp16 on a CPU: mixed precision in fp16 needs a GPU (on the CPU it changes nothing, and throughput "
+                "would be judged against an fp16 peak); use --bf16, which CPUs run, or drop --fp16"
+            )
+        if self.fsdp and self.device.type == "cpu" and self.world_size < 2:
+            raise ConfigError(
+                "--fsdp shards the model over processes: launch at least two (torchrun --nproc_per_node 2 ...) or "
+                "drop --fsdp"
+            )
+        if self.fsdp and self.gradient_cache_chunk_size:
+            raise ConfigError(
+                "--gradient_cache_chunk_size with --fsdp is not supported (its second pass per chunk is untested "
+                "under sharding); drop one of the two"
+            )
