@@ -99,6 +99,49 @@ def test_dataset_propagates_decode_errors_with_the_id() -> None:
     assert isinstance(caught.value.__cause__, DecodeError)
 
 
+def test_a_batch_of_samples_is_written_into_one_tensor_the_collator_takes(tokenizer) -> None:
+    dataset = ImageTextDataset(FakeSource(), _transform("fast"))
+    samples = dataset.__getitems__(list(range(6)))
+    assert [sample.id for sample in samples] == [f"id{i}" for i in range(6)]
+    for i, sample in enumerate(samples):
+        assert torch.equal(sample.image, dataset[i].image)
+    batch = ImageTextCollator(tokenizer, 32)(samples)
+    assert batch["pixel_values"].data_ptr() == samples[0].image.data_ptr()  # the dataset's tensor, not a copy
+    assert not batch["pixel_values"].is_shared()  # in the main process (no worker): plain memory
+    assert torch.equal(batch["pixel_values"], torch.stack([dataset[i].image for i in range(6)]))
+
+
+def test_a_substitute_takes_the_row_of_the_bad_sample_and_a_placeholder_is_left_out(tokenizer) -> None:
+    source = FakeSource(4)
+    source.records[1] = Record(id="broken-1", image=b"\xff\xd8\xff nope", caption="x")
+    training = ImageTextDataset(source, _transform("fast"), substitute=True)
+    samples = training.__getitems__([0, 1, 2])
+    assert samples[1].id != "broken-1" and [bad.id for bad in samples[1].bad_samples] == ["broken-1"]
+    assert torch.equal(samples[1].image, FastImageTransform(SIZE)(source[int(samples[1].id[2:])].image))
+    batch = ImageTextCollator(tokenizer, 32)(samples)
+    assert batch["pixel_values"].data_ptr() == samples[0].image.data_ptr() and len(batch) == 3
+
+    evaluation = ImageTextDataset(source, _transform("fast"), substitute=False)
+    samples = evaluation.__getitems__([0, 1, 2])
+    batch = ImageTextCollator(tokenizer, 32)(samples)
+    assert batch.sample_ids == ["id0", "id2"] and [bad.id for bad in batch.bad_samples] == ["broken-1"]
+    assert torch.equal(batch["pixel_values"], torch.stack([samples[0].image, samples[2].image]))
+
+
+def test_a_batch_made_in_a_worker_is_in_shared_memory_with_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vlfit.data import dataset as dataset_module
+
+    class Info:
+        id = 0
+
+    calls: list[int] = []
+    monkeypatch.setattr(dataset_module, "get_worker_info", lambda: Info())
+    monkeypatch.setattr(dataset_module.torch, "set_num_threads", calls.append)
+    samples = ImageTextDataset(FakeSource(2), _transform("fast")).__getitems__([0, 1])
+    assert calls == [1]
+    assert all(sample.image.is_shared() for sample in samples)  # crosses to the main process without a copy
+
+
 # ---------------------------------------------------------------------------------------------- collator
 
 
@@ -208,6 +251,17 @@ def test_dataloader_with_workers(tokenizer) -> None:
         assert (pixels[:, -1] == 1).all(), "workers must run with one torch thread"
         images = pixels[:, :-1].view(4, 3, SIZE, SIZE)
         assert images.float().std() > 0
+
+
+def test_dataloader_with_workers_batches_the_fast_transforms_images(tokenizer) -> None:
+    dataset = ImageTextDataset(FakeSource(8), _transform("fast"))
+    loader = DataLoader(dataset, batch_size=4, num_workers=2, collate_fn=ImageTextCollator(tokenizer, 32))
+    batches = list(loader)
+    assert [batch.sample_ids for batch in batches] == [[f"id{i}" for i in range(j, j + 4)] for j in (0, 4)]
+    for start, batch in zip((0, 4), batches, strict=True):
+        expected = torch.stack([dataset[i].image for i in range(start, start + 4)])
+        assert torch.equal(batch["pixel_values"], expected)
+        assert batch["pixel_values"].is_contiguous(memory_format=torch.channels_last)
 
 
 def test_dataset_limits_threads_only_in_workers() -> None:

@@ -11,7 +11,13 @@ import torch
 from tests.data.test_device_decode import mixed_batch
 from vlfit.data.batch import Batch
 from vlfit.data.device_decode import decode_resize_batch
-from vlfit.data.device_stage import CudaPrefetcher, DeviceStage, normalize_uint8, random_horizontal_flip
+from vlfit.data.device_stage import (
+    CudaPrefetcher,
+    DeviceStage,
+    ReusedBuffers,
+    normalize_uint8,
+    random_horizontal_flip,
+)
 from vlfit.data.image_transforms import EncodedImage
 from vlfit.models.family import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
@@ -180,3 +186,52 @@ def test_cuda_prefetcher_yields_every_batch_staged(layout: str) -> None:
         assert staged["pixel_values"].is_contiguous()
         expected = normalize_uint8(batch["pixel_values"], MEAN, STD, torch.float32)
         torch.testing.assert_close(staged["pixel_values"].float().cpu(), expected, atol=2e-2, rtol=1e-2)
+
+
+# ---------------------------------------------------------------------------------------------- reused buffers
+
+
+def test_device_stage_on_cpu_reuses_an_output_buffer_only_once_nothing_holds_it() -> None:
+    stage = DeviceStage(SIZE, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
+    cpu = torch.device("cpu")
+    batches = [_batch(random_uint8(2, 3, 8, 8, seed=i)) for i in range(6)]
+    expected = [normalize_uint8(b["pixel_values"], MEAN, STD, torch.float32) for b in batches]
+
+    first = stage(batches[0], cpu, train=False)["pixel_values"]
+    address = first.data_ptr()
+    second = stage(batches[1], cpu, train=False)["pixel_values"]
+    assert second.data_ptr() != address  # the first batch's pixels are still held
+    row = first[1]  # a view keeps the memory held too
+    del first
+    third = stage(batches[2], cpu, train=False)["pixel_values"]
+    assert third.data_ptr() not in (address, second.data_ptr())
+    del row
+    fourth = stage(batches[3], cpu, train=False)["pixel_values"]
+    assert fourth.data_ptr() == address  # nothing holds the first buffer any more: taken again
+    for staged, want in zip((second, third, fourth), expected[1:4], strict=True):
+        assert torch.equal(staged, want)  # reuse never changed pixels in use
+
+    # A tensor autograd saved for the backward pass holds the memory until the graph is freed.
+    weight = torch.ones(1, 3, 1, 1, requires_grad=True)
+    loss = (fourth * weight).sum()
+    del fourth
+    held = [stage(b, cpu, train=False)["pixel_values"] for b in batches[4:6]]
+    assert address not in [p.data_ptr() for p in held]
+    loss.backward()
+    kept = {p.data_ptr() for p in held}
+    del loss, held
+    again = stage(batches[5], cpu, train=False)["pixel_values"]
+    assert again.data_ptr() in kept  # freed: taken again
+    assert torch.equal(again, expected[5])
+
+
+def test_reused_buffers_keep_a_bounded_number() -> None:
+    buffers = ReusedBuffers(keep=2)
+    held = [buffers.empty(torch.Size([4, 4])) for _ in range(5)]
+    assert len({t.data_ptr() for t in held}) == 5  # every one held: five different memories
+    assert len(buffers._buffers) == 2
+    del held
+    a = buffers.empty(torch.Size([4, 4]))
+    b = buffers.empty(torch.Size([4, 4]))
+    assert a.data_ptr() != b.data_ptr()
+    assert buffers.empty(torch.Size([2, 8])).shape == (2, 8)  # another shape: a buffer of its own

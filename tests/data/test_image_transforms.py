@@ -25,6 +25,7 @@ from vlfit.data.image_transforms import (
     PassThroughEncoded,
     ReferenceImageTransform,
     hwc_to_chw_view,
+    new_image_batch,
     resize_crop_uint8,
     stack_images,
 )
@@ -164,6 +165,39 @@ def test_stack_images_other_layouts_stack_as_usual() -> None:
     assert torch.equal(batch, torch.stack(chw))
     mixed = [hwc_to_chw_view(textured_array(7, 5)), torch.zeros(3, 5, 7, dtype=torch.uint8)]
     assert torch.equal(stack_images(mixed), torch.stack(mixed))
+
+
+@pytest.mark.parametrize("box", [None, (3, 5, 20, 24)])
+@pytest.mark.parametrize("size", [16, 30])  # 30: the central square is the output size already (crop only)
+def test_resize_crop_uint8_into_a_batch_row_gives_the_same_pixels(box, size: int) -> None:
+    image = hwc_to_chw_view(textured_array(40, 30, seed=2))
+    batch = new_image_batch(3, size)
+    row = resize_crop_uint8(image, size, box if size == 16 else None, out=batch[1])
+    assert row.data_ptr() == batch[1].data_ptr()  # written in place
+    assert torch.equal(batch[1], resize_crop_uint8(image, size, box if size == 16 else None))
+
+
+def test_stack_images_takes_the_rows_of_one_batch_without_copying() -> None:
+    batch = new_image_batch(4, 16)
+    for i in range(4):
+        resize_crop_uint8(hwc_to_chw_view(textured_array(40 + i, 30, seed=i)), 16, out=batch[i])
+    rows = [batch[i] for i in range(4)]
+    stacked = stack_images(rows)
+    assert stacked.data_ptr() == batch.data_ptr() and stacked.shape == (4, 3, 16, 16)
+    assert stacked.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(stacked, torch.stack([row.contiguous() for row in rows]))
+    # Not the whole batch in order (a row left out, rows swapped): copied, as any other images.
+    for subset in ([rows[0], rows[2], rows[3]], [rows[1], rows[0], rows[2], rows[3]], rows[:3]):
+        copied = stack_images(subset)
+        assert copied.data_ptr() != batch.data_ptr()
+        assert torch.equal(copied, torch.stack([row.contiguous() for row in subset]))
+
+
+def test_new_image_batch_layout_and_shared_memory() -> None:
+    batch = new_image_batch(2, 8)
+    assert batch.shape == (2, 3, 8, 8) and batch.dtype == torch.uint8
+    assert batch.is_contiguous(memory_format=torch.channels_last) and not batch.is_shared()
+    assert new_image_batch(2, 8, shared=True).is_shared()
 
 
 def test_hwc_to_chw_view_shares_memory() -> None:

@@ -1,5 +1,5 @@
 """Map-style torch dataset over a source (decoding happens here, in the worker), and the collator that builds a
-``Batch``: uint8 (or float) pixels stacked, captions tokenized in one call."""
+``Batch``: uint8 (or float) pixels batched, captions tokenized in one call."""
 
 from __future__ import annotations
 
@@ -74,6 +74,11 @@ class ImageTextDataset(Dataset):
       placeholder with ``image=None`` listing the sample in ``bad_samples``; the collator leaves it out.
     - ``raise``: ``BadSampleError`` naming the sample and the reason.
 
+    The DataLoader asks for a batch's samples at once (``__getitems__``). With a transform that can write into a
+    batch (``FastImageTransform.new_batch``), each image is then resized straight into its row of one uint8 batch
+    tensor, in shared memory in a loader worker: the collator takes that tensor as the batch's pixels, so no image
+    is copied again on its way to the main process.
+
     Args:
         source: The records.
         image_transform: bytes -> model input (or ``EncodedImage`` for device decode).
@@ -103,13 +108,25 @@ class ImageTextDataset(Dataset):
 
     def __getitem__(self, index: int) -> Sample:
         self._set_up_worker()
+        return self._sample(index)
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Sample]:
+        """The samples at ``indices``, their images written into the rows of one batch where the transform can."""
+        self._set_up_worker()
+        new_batch = getattr(self.image_transform, "new_batch", None)
+        if new_batch is None:
+            return [self._sample(index) for index in indices]
+        rows = new_batch(len(indices), shared=get_worker_info() is not None)
+        return [self._sample(index, out=rows[i]) for i, index in enumerate(indices)]
+
+    def _sample(self, index: int, out: torch.Tensor | None = None) -> Sample:
         skipped: list[BadSample] = []
         position = index
         for attempt in range(MAX_SUBSTITUTE_ATTEMPTS + 1):
             if attempt:
                 position = substitute_index(index, attempt, len(self))
             try:
-                sample = self._load(position)
+                sample = self._load(position, out)
             except (BadRecordError, DecodeError, BadCaptionError) as err:
                 sample_id, reason = describe_error(err, fallback_id=f"row {position}")
                 if self.bad_sample_policy == "raise":
@@ -127,11 +144,14 @@ class ImageTextDataset(Dataset):
             f"({'; '.join(f'{b.id}: {b.reason}' for b in skipped[1:4])}, ...): the data looks mostly unreadable",
         )
 
-    def _load(self, position: int) -> Sample:
+    def _load(self, position: int, out: torch.Tensor | None) -> Sample:
         record = self.source[position]
         # The caption is checked first: it is free, and a bad one makes decoding the image pointless.
         caption = clean_caption(record.caption, record.id)
-        image = self.image_transform(record.image, record.id)
+        if out is None:
+            image = self.image_transform(record.image, record.id)
+        else:  # into its row of the batch (a substitute takes the row of the bad sample, which wrote nothing)
+            image = self.image_transform(record.image, record.id, out=out)  # type: ignore[call-arg]
         return Sample(record.id, position, image=image, caption=caption, columns=dict(record.extra))
 
     def _set_up_worker(self) -> None:
@@ -153,8 +173,8 @@ class ImageTextDataset(Dataset):
 
 
 class ImageTextCollator:
-    """Stacks images into one ``[B, 3, H, W]`` tensor (uint8 or float), tokenizes captions in one call, and returns
-    a ``Batch``.
+    """Batches images into one ``[B, 3, H, W]`` tensor (uint8 or float; the dataset's batch tensor itself when the
+    images are its rows), tokenizes captions in one call, and returns a ``Batch``.
 
     Captions are padded to the longest in the batch (to a multiple of 8 when ``max_seq_length`` is one), not to
     ``max_seq_length``: shorter sequences are cheaper for every layer. Placeholders of bad samples (``image`` None)

@@ -24,9 +24,34 @@ from vlfit.data.decode import check_image_header, decode_pil, decode_scaled
 
 IMAGE_PIPELINES = ("fast", "reference")
 
+# The antialiased bicubic kernel ``interpolate`` calls on CPU, in its form that writes into a given tensor.
+_RESIZE_INTO = torch.ops.aten._upsample_bicubic2d_aa.out
+
+
+def new_image_batch(count: int, size: int, *, shared: bool = False) -> torch.Tensor:
+    """An uninitialized uint8 ``[count, 3, size, size]`` batch, channels-last (the layout ``stack_images`` gives),
+    for a transform to write its images into, row by row (``resize_crop_uint8(..., out=batch[i])``).
+
+    Args:
+        count: Images in the batch.
+        size: Image side.
+        shared: Allocate it in shared memory, as a loader worker should: the batch then reaches the main process
+            without being copied there (torch's own ``default_collate`` does the same).
+    """
+    shape = (count, size, size, 3)
+    if shared:
+        storage = torch.UntypedStorage._new_shared(count * size * size * 3)
+        hwc = torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
+    else:
+        hwc = torch.empty(shape, dtype=torch.uint8)
+    return hwc.permute(0, 3, 1, 2)
+
 
 def resize_crop_uint8(
-    image: torch.Tensor, size: int, crop_box: tuple[int, int, int, int] | None = None
+    image: torch.Tensor,
+    size: int,
+    crop_box: tuple[int, int, int, int] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Center crop to a square and resize it to ``size x size`` (bicubic, antialiased), staying uint8.
 
@@ -38,9 +63,12 @@ def resize_crop_uint8(
         image: uint8 ``[3, H, W]``. A channels-last view (what ``permute`` of an HWC array gives) is fastest on CPU.
         size: Output side.
         crop_box: ``(top, left, height, width)`` to cut instead of the central square (random resized crop).
+        out: A uint8 ``[3, size, size]`` tensor on ``image``'s device to write the result into (a row of
+            ``new_image_batch``); default a new one.
 
     Returns:
-        uint8 ``[3, size, size]``, channels-last (an HWC buffer) when ``image`` is, else contiguous.
+        uint8 ``[3, size, size]``: ``out`` when given, else channels-last (an HWC buffer) when ``image`` is, else
+        contiguous.
     """
     height, width = image.shape[-2:]
     if crop_box is None:
@@ -58,24 +86,55 @@ def resize_crop_uint8(
         # not its size as ambiguous and allocates a contiguous output (pytorch#68430). Restating it is free.
         region = region.as_strided(region.shape, (region.numel(), *region.stride()[1:]))
     if crop_height == crop_width == size:  # prepared data is stored at the model's size already: crop only
-        return region[0]
+        return region[0] if out is None else out.copy_(region[0])
     if region.device.type == "cpu":
         # torch's native uint8 kernel, which torchvision's resize also calls on CPU (its checks cost 0.05 ms an image).
+        if out is not None:
+            batched = out.unsqueeze(0).as_strided((1, *out.shape), (out.numel(), *out.stride()))  # as above
+            _RESIZE_INTO(region, [size, size], False, None, None, out=batched)
+            return out
         return torch.nn.functional.interpolate(region, size=(size, size), mode="bicubic", antialias=True)[0]
     # Elsewhere (nvJPEG output on CUDA) torch has no uint8 bicubic: torchvision resamples in float and rounds back.
-    return F.resize(region, [size, size], interpolation=InterpolationMode.BICUBIC, antialias=True)[0]
+    resized = F.resize(region, [size, size], interpolation=InterpolationMode.BICUBIC, antialias=True)[0]
+    return resized if out is None else out.copy_(resized)
 
 
 def stack_images(images: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Batch ``[3, H, W]`` images into ``[B, 3, H, W]`` with one plain copy per image.
+    """Batch ``[3, H, W]`` images into ``[B, 3, H, W]``: without a copy when they are the rows of one
+    ``new_image_batch`` in order, else with one plain copy per image.
 
     Channels-last images (what ``resize_crop_uint8`` returns on CPU) are stacked as HWC, so the batch is
     channels-last too and no pixel is transposed on the host; the device stage produces the model's layout.
     Other images are stacked as they are.
     """
+    batch = _batch_of_rows(images)
+    if batch is not None:
+        return batch
     if all(image.dim() == 3 and image.permute(1, 2, 0).is_contiguous() for image in images):
         return torch.stack([image.permute(1, 2, 0) for image in images]).permute(0, 3, 1, 2)
     return torch.stack(list(images))
+
+
+def _batch_of_rows(images: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The channels-last ``[B, 3, H, W]`` tensor whose rows ``images`` are, when they are exactly that: one storage
+    holding nothing else, row ``i`` at offset ``i`` rows, each an HWC image. None otherwise."""
+    first = images[0]
+    if first.dim() != 3 or not first.permute(1, 2, 0).is_contiguous():
+        return None
+    storage = first.untyped_storage()
+    row_bytes = first.numel() * first.element_size()
+    if first.data_ptr() != storage.data_ptr() or storage.nbytes() != row_bytes * len(images):
+        return None
+    for i, image in enumerate(images):
+        if (
+            image.data_ptr() != first.data_ptr() + i * row_bytes
+            or image.untyped_storage().data_ptr() != storage.data_ptr()
+            or image.shape != first.shape
+            or image.stride() != first.stride()
+            or image.dtype != first.dtype
+        ):
+            return None
+    return first.as_strided((len(images), *first.shape), (first.numel(), *first.stride()))
 
 
 def hwc_to_chw_view(pixels: np.ndarray) -> torch.Tensor:
@@ -105,12 +164,17 @@ class FastImageTransform:
         self.scale = scale
         self.ratio = ratio
 
-    def __call__(self, data: bytes, sample_id: str = "?") -> torch.Tensor:
+    def __call__(self, data: bytes, sample_id: str = "?", out: torch.Tensor | None = None) -> torch.Tensor:
+        """The image's pixels; written into ``out`` (a row of ``new_batch``) when given."""
         image = hwc_to_chw_view(decode_scaled(data, self.image_size, sample_id))
         box = None
         if self.random_resized_crop:
             box = tuple(T.RandomResizedCrop.get_params(image, list(self.scale), list(self.ratio)))
-        return resize_crop_uint8(image, self.image_size, box)  # type: ignore[arg-type]
+        return resize_crop_uint8(image, self.image_size, box, out=out)  # type: ignore[arg-type]
+
+    def new_batch(self, count: int, *, shared: bool = False) -> torch.Tensor:
+        """A batch for ``count`` images of this transform to be written into (see ``new_image_batch``)."""
+        return new_image_batch(count, self.image_size, shared=shared)
 
 
 class ReferenceImageTransform:
