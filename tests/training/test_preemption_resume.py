@@ -73,7 +73,9 @@ def test_signal_saves_a_checkpoint_and_resume_reproduces_the_losses(
     assert checkpoint == out / f"checkpoint-{step}"
     for name in CHECKPOINT_FILES:
         assert (checkpoint / name).is_file(), name
-    assert sorted(os.listdir(out)) == sorted([checkpoint.name, "bad_samples.jsonl"])  # no partial folders
+    assert sorted(os.listdir(out)) == sorted(
+        [checkpoint.name, "bad_samples.jsonl", "run_flags.json"]
+    )  # no partial folders
     assert "Traceback" not in stopped.stderr
     interrupted = logged_losses(checkpoint)
     assert sorted(interrupted) == list(range(1, step + 1))

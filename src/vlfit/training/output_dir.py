@@ -34,6 +34,7 @@ NEUTRAL_FLAGS = frozenset(
         "log_level_replica", "dataloader_num_workers", "dataloader_prefetch_factor", "dataloader_pin_memory",
         "dataloader_persistent_workers", "save_total_limit", "push_to_hub", "hub_model_id", "hub_token", "token",
         "cache_dir", "do_eval", "eval_strategy", "eval_steps", "per_device_eval_batch_size", "debug",
+        "save_strategy", "save_steps", "save_only_model", "save_on_each_node",
     }
 )  # fmt: skip
 _PRIMITIVES = (str, int, float, bool, type(None))
