@@ -169,7 +169,8 @@ class DataLocationArguments:
         default=None,
         metadata={
             "help": "A hub dataset id (e.g. jmhessel/newyorker_caption_contest), a folder written by save_to_disk "
-            "(e.g. by `vlfit make-data`), or a folder of parquet files (e.g. by `vlfit prepare`)."
+            "(e.g. by `vlfit make-data`), a folder of parquet, jsonl, json, csv or tar files (split by name, e.g. by "
+            "`vlfit prepare`), or such files themselves (a path, glob or {a..b} pattern: split train)."
         },
     )
     dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset config (e.g. matching)."})

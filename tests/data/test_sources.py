@@ -283,6 +283,24 @@ def test_jsonl_with_image_folder_resolves_paths_per_file(tmp_path: Path) -> None
     )
 
 
+def test_dataset_name_takes_the_files_forms_too(tmp_path: Path) -> None:
+    # A folder of jsonl files split by name (image paths relative to each file, not to the working directory), one
+    # file, and a pattern: the forms --train_file takes.
+    blobs = _write_images(tmp_path / "data", 3)
+    for split, rows in (("train", range(2)), ("test", range(2, 3))):
+        lines = [{"image": f"images/{i}.jpg", "image_description": CAPTIONS[i]} for i in rows]
+        (tmp_path / "data" / f"{split}.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    cache = str(tmp_path / "hf_cache")
+    splits = open_splits(dataset_name=str(tmp_path / "data"), cache_dir=cache)
+    assert sorted(splits) == ["test", "train"]
+    _check_source(splits["train"], ["train-0", "train-1"], blobs[:2], CAPTIONS[:2], None)
+    _check_source(splits["test"], ["test-0"], blobs[2:], CAPTIONS[2:3], None)
+    one = open_splits(dataset_name=str(tmp_path / "data" / "test.jsonl"), cache_dir=cache)
+    _check_source(one["train"], ["train-0"], blobs[2:], CAPTIONS[2:3], None)
+    pattern = open_splits(dataset_name=str(tmp_path / "data" / "*.jsonl"), cache_dir=cache)
+    assert len(pattern["train"]) == 3
+
+
 def test_json_array_file(tmp_path: Path) -> None:
     blobs = _write_images(tmp_path, 2)
     rows = [{"image": f"images/{i}.jpg", "image_description": CAPTIONS[i], "id": f"j{i}"} for i in range(2)]
@@ -508,8 +526,9 @@ def test_file_errors(tmp_path: Path) -> None:
     (tmp_path / "b.jsonl").write_text("")
     with pytest.raises(ValueError, match=r"share a format.*\['\.csv', '\.jsonl'\]"):
         open_splits(train_file=f"{tmp_path / 'a.csv'},{tmp_path / 'b.jsonl'}")
-    with pytest.raises(ValueError, match=r"is a file; pass it as train_file"):
-        open_splits(dataset_name=str(tmp_path / "a.csv"))
+    (tmp_path / "c.parquet").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"several formats \(\.csv, \.jsonl, \.parquet\)|cannot read it as parquet"):
+        open_splits(dataset_name=str(tmp_path))
 
 
 # ------------------------------------------------------------------------------------------------ patterns
@@ -556,7 +575,7 @@ def test_split_rules_for_parquet_folders(tmp_path: Path) -> None:
     for rel in ("train-0.parquet", "val/a.parquet", "extra-00000-of-00001.parquet", "custom/x.parquet"):
         _mk(tmp_path / rel)
         (tmp_path / rel).write_bytes(b"")
-    splits = sources._parquet_splits(str(tmp_path))
+    splits = sources._data_file_splits(str(tmp_path))
     assert {k: [os.path.relpath(p, tmp_path) for p in v] for k, v in splits.items()} == {
         "train": ["train-0.parquet"],
         "val": [os.path.join("val", "a.parquet")],

@@ -36,7 +36,9 @@ def torch_index(tiny_checkpoint, image_folder, tmp_path_factory):
     return out
 
 
-def test_index_lists_bad_images_and_queries_match_brute_force(torch_index, tiny_checkpoint, image_folder, capsys):
+def test_index_lists_bad_images_and_queries_match_brute_force(
+    torch_index, tiny_checkpoint, image_folder, capsys, monkeypatch
+):
     index = EmbeddingIndex(str(torch_index))
     files = sorted(str(p) for p in image_folder.rglob("*.jpg") if p.name != "broken.jpg")
     assert index.ids() == files  # every image once, in path order
@@ -48,18 +50,22 @@ def test_index_lists_bad_images_and_queries_match_brute_force(torch_index, tiny_
     top = result["queries"][0]["results"][0]
     assert top["id"] == files[3] and top["score"] == pytest.approx(1.0, abs=1e-5)
 
-    # Text queries (flags and a file of them) get the brute-force top-k of the whole index, in order.
-    queries = image_folder / "queries.txt"
-    queries.write_text("two red circles on the left.\n\nimage:" + os.path.relpath(files[0], image_folder) + "\n")
+    # Text queries (each --text flag, and a file of them) get the brute-force top-k of the whole index, in order; an
+    # image: line's path is taken as typed (relative to the working directory, not to the file).
+    queries = image_folder / "lists" / "queries.txt"
+    queries.parent.mkdir()
+    queries.write_text("image:" + os.path.relpath(files[0], image_folder) + "\n")
+    monkeypatch.chdir(image_folder)
     result = _query_json(capsys, "--index", str(torch_index), "--text", "one blue square at the top.",
-                         "--queries", str(queries), "-k", "4", "--chunk_elements", "7")  # fmt: skip
+                         "--text", "two red circles on the left.", "--queries", str(queries), "-k", "4",
+                         "--chunk_elements", "7")  # fmt: skip
     encoder = TorchEncoder(str(tiny_checkpoint))
     embeddings = index.embeddings()
     texts = encoder.embed_texts(["one blue square at the top.", "two red circles on the left."])
     expected = torch.topk(texts @ embeddings.t(), 4, dim=1).indices.tolist()
     got = [[files.index(hit["id"]) for hit in q["results"]] for q in result["queries"][:2]]
     assert got == expected
-    assert [q["query"] for q in result["queries"]][2].startswith("image:")
+    assert len(result["queries"]) == 3 and result["queries"][2]["query"].startswith("image:")
     assert result["queries"][2]["results"][0]["id"] == files[0]
 
 

@@ -36,7 +36,8 @@ class ExportArguments:
     calibration_dataset: str | None = field(
         default=None,
         metadata={
-            "help": "Dataset (hub id, save_to_disk or parquet folder) whose samples calibrate INT8 and measure "
+            "help": "Dataset (any form --dataset_name of vlfit train takes: hub id, folder, data files, tar shards) "
+            "whose samples calibrate INT8 and measure "
             "parity; without one, synthetic scenes (vlfit make-data's) are made on the spot."
         },
     )

@@ -20,7 +20,11 @@ class FewShotArguments:
     """Flags of ``vlfit fewshot``."""
 
     model_name_or_path: str = field(metadata={"help": "A checkpoint folder (vlfit train's output, or its adapters)."})
-    dataset_name: str = field(metadata={"help": "A dataset with a class column (hub id, save_to_disk or parquet)."})
+    dataset_name: str = field(
+        metadata={
+            "help": "A dataset with a class column: a hub id, a folder, data files or tar shards, as vlfit train takes."
+        }
+    )
     label_column: str = field(metadata={"help": "The class column (a ClassLabel or text)."})
     output_dir: str = field(metadata={"help": "Where fewshot.json, fewshot.md and fewshot.png go."})
     image_column: str = field(default="image", metadata={"help": "The image column."})

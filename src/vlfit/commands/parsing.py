@@ -88,6 +88,7 @@ class CommandParser(HfArgumentParser):
         description: str | None = None,
         hidden_in_help: Collection[str] = (),
         shown_in_help: Collection[str] | None = None,
+        repeatable: Collection[str] = (),
     ) -> None:
         """Args:
         dataclass_types: The dataclasses whose fields are the flags, in the order ``--help`` lists them.
@@ -95,6 +96,8 @@ class CommandParser(HfArgumentParser):
         description: What ``--help`` says first.
         hidden_in_help: Fields that parse but are not listed by ``--help``.
         shown_in_help: When given, of the fields of the *last* dataclass only these are listed (the rest parse).
+        repeatable: List fields whose flag may be given more than once, each time adding to the list
+            (``--text a --text b``; argparse would keep only the last).
         """
         types = list(dataclass_types) if isinstance(dataclass_types, Sequence) else [dataclass_types]
         super().__init__(types, prog=prog, description=description, allow_abbrev=False)
@@ -110,6 +113,8 @@ class CommandParser(HfArgumentParser):
                 self._option_string_actions[alias] = action
             if action.dest in hidden:
                 action.help = argparse.SUPPRESS
+            if action.dest in repeatable:
+                action.__class__ = argparse._ExtendAction  # a list field's nargs="+" action, extending instead
         for group in self._action_groups:  # a group whose every flag is hidden is left out of --help too
             if group._group_actions and all(a.help == argparse.SUPPRESS for a in group._group_actions):
                 group.title = None

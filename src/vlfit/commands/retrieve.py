@@ -30,7 +30,10 @@ class IndexArguments:
     output_dir: str = field(metadata={"help": "The index folder (created; an existing index is resumed/appended)."})
     images: str | None = field(default=None, metadata={"help": "A folder of image files (searched recursively)."})
     dataset_name: str | None = field(
-        default=None, metadata={"help": "Or a dataset (hub id, save_to_disk or parquet folder) to embed a split of."}
+        default=None,
+        metadata={
+            "help": "Or a dataset to embed a split of: a hub id, a folder, data files or tar shards (as vlfit train)."
+        },
     )
     split: str = field(default="test", metadata={"help": "Split of --dataset_name."})
     image_column: str = field(default="image", metadata={"help": "Image column of --dataset_name."})
@@ -53,10 +56,13 @@ class QueryArguments:
     """Flags of ``vlfit retrieve query``."""
 
     index: str = field(metadata={"help": "The index folder (vlfit retrieve index's output)."})
-    text: list[str] = field(default_factory=list, metadata={"help": "Text queries."})
+    text: list[str] = field(
+        default_factory=list, metadata={"help": "Text queries (repeat the flag or list several: --text a --text b)."}
+    )
     image: list[str] = field(default_factory=list, metadata={"help": "Image files to find similar images of."})
     queries: str | None = field(
-        default=None, metadata={"help": "A file of queries, one per line: text, or image:PATH."}
+        default=None,
+        metadata={"help": "A file of queries, one per line: text, or image:PATH (PATH as typed: relative to here)."},
     )
     k: int = field(default=10, metadata={"aliases": ["-k"], "help": "Results per query."})
     json: bool = field(default=False, metadata={"help": "Print the results as JSON."})
@@ -124,6 +130,7 @@ def run_query(argv: list[str]) -> int:
         QueryArguments,
         prog="vlfit retrieve query",
         description="The top-k images of an index for text queries, image queries or a file of them.",
+        repeatable=("text", "image"),
     )
     (args,) = parser.parse_args_into_dataclasses(args=argv)
     queries = [Query(text=text) for text in args.text] + [Query(image=image) for image in args.image]

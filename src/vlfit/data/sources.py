@@ -206,9 +206,21 @@ def _describe(files: Sequence[str]) -> str:
     return files[0] if len(files) == 1 else f"{files[0]} and {len(files) - 1} more files"
 
 
-def _open_files(split: str, files: Sequence[str], columns: _Columns, cache_dir: str | None) -> ImageTextSource:
+def _names_files(spec: str) -> bool:
+    """Whether a ``dataset_name`` names data files (a file, or a glob/brace pattern or list of them) not a folder."""
+    if os.path.isdir(spec):
+        return False
+    if os.path.isfile(spec):
+        return True
+    first = spec.split(",")[0].strip()
+    return any(c in spec for c in "*?{") and os.path.splitext(first.rstrip("}"))[1].lower() in SUPPORTED_FILE_EXTENSIONS
+
+
+def _open_files(
+    split: str, files: Sequence[str], columns: _Columns, cache_dir: str | None, of: str | None = None
+) -> ImageTextSource:
     extensions = {_file_extension(f) for f in files}
-    name = f"split {split!r} ({_describe(files)})"
+    name = f"split {split!r} of {of} ({_describe(files)})" if of else f"split {split!r} ({_describe(files)})"
     if len(extensions) > 1:
         raise DataError(f"{name}: files of one split must share a format, got extensions {sorted(extensions)}")
     ext = extensions.pop()
@@ -243,17 +255,36 @@ def _arrow_source(
     )
 
 
-def _parquet_splits(root: str) -> dict[str, list[str]]:
-    """Group the parquet files under ``root`` into splits, by file-name prefix or folder name."""
-    files: list[str] = []
+def _data_file_splits(root: str) -> dict[str, list[str]]:
+    """Group the data files under ``root`` into splits, by file-name prefix or folder name.
+
+    The files are those of one format: parquet when there are any (``vlfit prepare``'s output, a cloned hub repo),
+    else the one of jsonl, json, csv or tar shards the folder holds (two of those at once are refused).
+    """
+    by_extension: dict[str, list[str]] = {}
     for folder, dirs, names in os.walk(root):
         dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__")))  # skip caches and hidden folders
-        files.extend(os.path.join(folder, f) for f in sorted(names) if f.endswith(".parquet"))
+        for name in sorted(names):
+            ext = os.path.splitext(name)[1].lower()
+            if ext in SUPPORTED_FILE_EXTENSIONS and not name.startswith("."):
+                by_extension.setdefault(ext, []).append(os.path.join(folder, name))
+    if ".parquet" in by_extension:
+        ext = ".parquet"
+    elif not by_extension:
+        return {}
+    elif len(by_extension) > 1:
+        raise DataError(
+            f"{root}: holds data files of several formats ({', '.join(sorted(by_extension))}); keep one format per "
+            "folder, or name the files of each split with train_file / validation_file / test_file"
+        )
+    else:
+        (ext,) = by_extension
+    files = by_extension[ext]
     known: dict[str, list[str]] = {}
     unknown: list[str] = []
     for path in files:
         rel = os.path.relpath(path, root).split(os.sep)
-        prefix = rel[-1][: -len(".parquet")].split("-")[0]
+        prefix = rel[-1][: -len(ext)].split("-")[0]
         folders = [d for d in reversed(rel[:-1]) if d in KNOWN_SPLIT_NAMES]
         split = prefix if prefix in KNOWN_SPLIT_NAMES else next(iter(folders), None)
         if split is None:
@@ -261,11 +292,11 @@ def _parquet_splits(root: str) -> dict[str, list[str]]:
         else:
             known.setdefault(split, []).append(path)
     if not known:  # no split naming at all: everything is training data
-        return {"train": files} if files else {}
+        return {"train": files}
     for path in unknown:
         rel = os.path.relpath(path, root).split(os.sep)
         shard = _HUB_SHARD_NAME.match(rel[-1])
-        split = shard.group("split") if shard else (rel[-2] if len(rel) > 1 else rel[-1][: -len(".parquet")])
+        split = shard.group("split") if shard else (rel[-2] if len(rel) > 1 else rel[-1][: -len(ext)])
         known.setdefault(split, []).append(path)
     return known
 
@@ -280,22 +311,17 @@ def _open_named(
     token: str | None,
     columns: _Columns,
 ) -> dict[str, ImageTextSource]:
-    if os.path.isfile(dataset_name):
-        raise DataError(f"dataset_name {dataset_name!r} is a file; pass it as train_file (or validation/test_file)")
+    if _names_files(dataset_name):  # a file or a pattern of them: one split, 'train' (as datasets' builders do)
+        return {"train": _open_files("train", resolve_files(dataset_name), columns, cache_dir)}
     root = os.path.join(dataset_name, data_dir) if data_dir and os.path.isdir(dataset_name) else dataset_name
     if os.path.isdir(root) and any(os.path.isfile(os.path.join(root, f)) for f in ("dataset_dict.json", "state.json")):
         loaded = datasets.load_from_disk(root)
         splits = {"train": loaded} if isinstance(loaded, datasets.Dataset) else dict(loaded)
         return {s: _arrow_source(d, s, f"split {s!r} of {root}", columns) for s, d in splits.items()}
     if os.path.isdir(root):
-        parquet = _parquet_splits(root)
-        if parquet:
-            sources: dict[str, ImageTextSource] = {}
-            for split, files in parquet.items():
-                dataset, base_dirs = _load_builder_files("parquet", files, cache_dir)
-                name = f"split {split!r} of {root} ({_describe(files)})"
-                sources[split] = _arrow_source(dataset, split, name, columns, base_dirs)
-            return sources
+        found = _data_file_splits(root)
+        if found:  # image paths in jsonl/csv rows are relative to their file, as with train_file
+            return {split: _open_files(split, files, columns, cache_dir, of=root) for split, files in found.items()}
     # A hub id, or a local folder that the datasets library knows how to read (for example a cloned hub repo).
     try:
         loaded = datasets.load_dataset(

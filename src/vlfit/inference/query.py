@@ -44,22 +44,26 @@ class Hit:
 
 
 def read_queries(path: str) -> list[Query]:
-    """One query per non-empty line: text, or ``image:PATH`` (relative paths from the file's folder).
+    """One query per non-empty line: text, or ``image:PATH``.
+
+    ``PATH`` is taken as typed, as ``--image PATH`` would be: a relative path is relative to the working directory
+    (not to the file), and results name it as written.
 
     Raises:
-        FileNotFoundError: when the file does not exist.
-        ValueError: when it holds no query.
+        MissingFileError: when the file does not exist.
+        ConfigError: when it holds no query.
     """
+    if not os.path.isfile(path):
+        raise MissingFileError(f"--queries {path}: no such file")
     with open(path, encoding="utf-8") as f:
         lines = [line.strip() for line in f]
-    base = os.path.dirname(os.path.abspath(path))
     queries = []
     for line in lines:
         if not line:
             continue
         if line.startswith(IMAGE_PREFIX):
             image = line[len(IMAGE_PREFIX) :].strip()
-            queries.append(Query(image=image if os.path.isabs(image) else os.path.join(base, image)))
+            queries.append(Query(image=image))
         else:
             queries.append(Query(text=line))
     if not queries:
