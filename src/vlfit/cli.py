@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 DEBUG_FLAG = "--debug"
+LOG_LEVEL_FLAG = "--log_level"
 # Exit code of a user mistake: argparse's, so scripts see the same code for a bad flag and a bad value.
 USAGE_ERROR_EXIT_CODE = 2
 
@@ -42,6 +43,7 @@ def usage() -> str:
         *(f"  {name:<{width}}  {help_text}" for name, (_, help_text) in COMMANDS.items()),
         "",
         f"{DEBUG_FLAG}: show the Python traceback of an error instead of one line",
+        f"{LOG_LEVEL_FLAG} debug|info|warning|error: what vlfit logs to stderr (default: info)",
     ]
     return "\n".join(lines)
 
@@ -63,6 +65,36 @@ def take_debug_flag(argv: list[str]) -> tuple[list[str], bool]:
         else:
             kept.append(arg)
     return kept, found
+
+
+def take_log_level(argv: list[str]) -> tuple[list[str], str]:
+    """Remove ``--log_level LEVEL`` (or ``--log_level=LEVEL``) from ``argv``, wherever it is.
+
+    Returns:
+        The arguments without it, and the level (``info`` when not given).
+
+    Raises:
+        SystemExit: for a level that is not one of ``vlfit.logs.LOG_LEVELS`` (exit code 2, as argparse).
+    """
+    from vlfit.logs import LOG_LEVELS
+
+    kept: list[str] = []
+    level = "info"
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == LOG_LEVEL_FLAG and i + 1 < len(argv):
+            level, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith(LOG_LEVEL_FLAG + "="):
+            level = arg.split("=", 1)[1]
+        else:
+            kept.append(arg)
+        i += 1
+    if level not in LOG_LEVELS:
+        print(f"vlfit: error: {LOG_LEVEL_FLAG} {level!r}: choose one of {', '.join(LOG_LEVELS)}", file=sys.stderr)
+        raise SystemExit(USAGE_ERROR_EXIT_CODE)
+    return kept, level
 
 
 def _is_training_debug_value(arg: str) -> bool:
@@ -106,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vlfit: unknown command {command!r}; choose one of: {', '.join(COMMANDS)}\n\n{usage()}", file=sys.stderr)
         return 2
     from vlfit.errors import UserError
+    from vlfit.logs import configure_logging
+
+    rest, log_level = take_log_level(rest)
+    configure_logging(log_level)  # the one place logging is configured
     from vlfit.extras import COMMAND_EXTRAS, require_extra
 
     try:

@@ -7,7 +7,6 @@ Its flags are the model and data flags of ``vlfit train`` and the few run settin
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from typing import Any
 
@@ -73,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``vlfit eval``: metrics go to ``--output_dir`` (default: the model folder) as
     ``eval_results.json`` and to stdout. ``argv`` ``None`` reads ``sys.argv[1:]``."""
     args = parse_arguments(argv)
-    results = evaluate_parsed(args)
+    evaluate_parsed(args)  # prints the metrics once, as a table
     if args.training.should_log:
-        print(json.dumps(results, indent=1))
+        print(f"vlfit eval: metrics saved to {args.training.output_dir}/eval_results.json")
     return 0

@@ -75,14 +75,16 @@ def _samples(args: ExportArguments, spec) -> tuple[Samples, Samples | None]:
     else:
         source = synthetic_source(needed)
     parity_rows = range(min(args.parity_samples, len(source)))
-    parity = load_samples(source.select(parity_rows), spec, num_workers=args.dataloader_num_workers)
+    parity = load_samples(source.select(parity_rows), spec, num_workers=args.dataloader_num_workers, progress="parity")
     if not args.quantize:
         return parity, None
     calibration_rows = range(len(parity_rows), min(needed, len(source)))
     if not calibration_rows:
         logger.warning("%s has no samples beyond the parity ones: calibrating on those", source.name)
         return parity, parity
-    return parity, load_samples(source.select(calibration_rows), spec, num_workers=args.dataloader_num_workers)
+    return parity, load_samples(
+        source.select(calibration_rows), spec, num_workers=args.dataloader_num_workers, progress="calibration"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ from typing import Any
 from vlfit.arguments import DataArguments, ModelArguments
 from vlfit.commands.parsing import CommandParser, is_flags_file, load_flags_file
 from vlfit.errors import ConfigError
+from vlfit.logs import quiet_replicas
 from vlfit.search.objective import TrialRunner, available_metrics, check_trial_dirs, parse_train_values, trial_dir
 from vlfit.search.report import remove_checkpoints, write_reports
 from vlfit.search.space import SearchSpace, default_space, describe, load_space
@@ -37,9 +38,9 @@ from vlfit.search.study import (
 )
 from vlfit.training.arguments import VlfitTrainingArguments
 from vlfit.training.preemption import TrainingPreempted
-from vlfit.training.run import setup_logging, setup_run
+from vlfit.training.run import setup_run
 
-logger = logging.getLogger("vlfit")
+logger = logging.getLogger(__name__)
 
 PROG = "vlfit search"
 _SEARCH_FIELDS = frozenset(f.name for f in fields(SearchArguments))
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``vlfit search``. Returns 0, or ``128 + signal`` when SIGTERM/SIGINT stopped the study."""
     argv = list(sys.argv[1:] if argv is None else argv)
     model_args, data_args, training_args, search_args, base = parse_search_arguments(argv)
-    setup_logging(training_args)
+    quiet_replicas(training_args.get_process_log_level(), training_args.should_log)
     is_main = training_args.process_index == 0
     output_dir = training_args.output_dir
     space: SearchSpace | None = load_space(search_args.search_space) if search_args.search_space else None

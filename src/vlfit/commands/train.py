@@ -7,7 +7,6 @@ each noted in one log line (``vlfit.compat_flags``).
 
 from __future__ import annotations
 
-import json
 import shlex
 import sys
 from typing import Any
@@ -16,10 +15,11 @@ from vlfit.arguments import DataArguments, ModelArguments
 from vlfit.bench.auto import probe_num_workers, take_auto_workers
 from vlfit.commands.parsing import CommandParser, ParsedArguments, is_flags_file, load_flags_file
 from vlfit.compat_flags import log_compat_flags
+from vlfit.logs import quiet_replicas
 from vlfit.training.arguments import VlfitTrainingArguments
 from vlfit.training.output_dir import resolve_output_dir, run_flags, write_run_flags
 from vlfit.training.preemption import TrainingPreempted
-from vlfit.training.run import run, setup_logging, setup_run
+from vlfit.training.run import run, setup_run
 
 
 def parser_for(prog: str) -> CommandParser:
@@ -58,7 +58,7 @@ def note_compat_flags(args: ParsedArguments) -> list[str]:
     Returns:
         The lines logged.
     """
-    setup_logging(args.training)
+    quiet_replicas(args.training.get_process_log_level(), args.training.should_log)
     if not args.training.should_log:
         return []
     return log_compat_flags(args.given, args.model, args.data, args.training)
@@ -77,9 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingPreempted as stop:
         print(f"vlfit train: {stop}", file=sys.stderr)
         return stop.exit_code
-    if args.training.should_log:
-        print(json.dumps({k: v for k, v in results.items() if isinstance(v, (int, float))}, indent=1))
-        print(f"vlfit train: model saved to {args.training.output_dir}")
+    if args.training.should_log:  # the metrics were printed once, as a table, by the run
+        print(f"vlfit train: model saved to {args.training.output_dir} ({len(results)} metrics in *_results.json)")
     return 0
 
 

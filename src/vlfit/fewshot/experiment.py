@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from vlfit.errors import ConfigError
 from vlfit.fewshot.heads import (
@@ -206,8 +207,10 @@ def run_fewshot(
     if "setfit" in settings.methods:
         parameters = image_parameters(tower, eval_pixels[:1])
         snapshot = WeightSnapshot(parameters)
+    bar = tqdm(total=len(settings.seeds) * len(settings.shot_counts), desc="fewshot", unit="draw", leave=False)
     for seed in settings.seeds:
         for shots in settings.shot_counts:
+            bar.update()
             drawn = sampler.draw(shots, seed)
             if "linear_probe" in settings.methods:
                 started = time.perf_counter()
@@ -241,4 +244,5 @@ def run_fewshot(
                 )
                 snapshot.restore()
     bad = [{"id": b.id, "reason": b.reason} for b in [*decoded.bad.values(), *sampler.bad_samples]]
+    bar.close()
     return FewShotResults(runs, kept, len(eval_rows), bad)

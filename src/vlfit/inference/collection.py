@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from vlfit.data.batch import BadSample, Batch
 from vlfit.data.pipeline import InputPipeline, LoaderSettings, PipelineOptions
@@ -229,20 +230,37 @@ class Samples:
         return len(self.ids)
 
 
-def load_samples(source: ImageTextSource, spec: InputSpec, *, batch_size: int = 32, num_workers: int = 0) -> Samples:
+def load_samples(
+    source: ImageTextSource,
+    spec: InputSpec,
+    *,
+    batch_size: int = 32,
+    num_workers: int = 0,
+    progress: str | None = None,
+) -> Samples:
     """Every sample of ``source`` through the fast CPU pipeline, held at once.
 
+    Args:
+        source: The samples.
+        spec: The model's input spec.
+        batch_size: Samples per batch.
+        num_workers: Loader worker processes.
+        progress: A progress bar with this label (``None``: none).
+
     Raises:
-        ValueError: when no sample is usable.
+        DataError: when no sample is usable.
     """
     captions = source.captions()
     pixels, ids, texts, bad = [], [], [], []
+    bar = tqdm(total=len(source), unit="img", desc=progress, leave=False, disable=progress is None)
     for batch in host_batches(source, spec, batch_size=batch_size, num_workers=num_workers):
+        bar.update(len(batch) + len(batch.bad_samples))
         bad.extend(batch.bad_samples)
         if len(batch):
             pixels.append(batch["pixel_values"].contiguous())
             ids.extend(batch.sample_ids)
             texts.extend(str(captions[position]) for position in batch.positions)
+    bar.close()
     if not pixels:
         raise DataError(f"{source.name}: no usable sample ({len(bad)} bad)")
     return Samples(torch.cat(pixels), texts, ids, bad)

@@ -49,7 +49,7 @@ from vlfit.training.preemption import TrainingPreempted
 from vlfit.training.run import RunSetup, run, setup_run
 from vlfit.training.trainer import VlfitTrainer
 
-logger = logging.getLogger("vlfit")
+logger = logging.getLogger(__name__)
 
 TRIAL_DIR = "trial-{number}"
 # Samples the metric check evaluates before the first trial: enough for every metric evaluation reports.

@@ -25,7 +25,7 @@ from optuna.trial import FrozenTrial, TrialState
 from vlfit.atomic_files import replace_on_success
 from vlfit.search.study import FINISHED, RESUMES_ATTR, best_trial
 
-logger = logging.getLogger("vlfit")
+logger = logging.getLogger(__name__)
 
 SEARCH_JSON, SEARCH_MD, BEST_YAML, SEARCH_PNG = "search.json", "search.md", "best.yaml", "search.png"
 BEST_RUN_DIR = "best"

@@ -19,7 +19,7 @@ from optuna.trial import FrozenTrial, TrialState
 from vlfit.errors import ConfigError
 from vlfit.training.preemption import PREEMPTION_SIGNALS, TwoStageSignalHandler
 
-logger = logging.getLogger("vlfit")
+logger = logging.getLogger(__name__)
 
 SAMPLERS = ("tpe", "random")
 PRUNERS = ("median", "hyperband", "none")

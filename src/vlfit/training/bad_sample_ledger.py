@@ -21,7 +21,7 @@ from vlfit.data.bad_samples import BAD_SAMPLES_REPORT, MIN_SAMPLES_FOR_BAD_FRACT
 from vlfit.data.batch import WORKER, BadSample
 from vlfit.errors import DataError
 
-logger = logging.getLogger("vlfit")
+logger = logging.getLogger(__name__)
 
 # The ledger's state in each checkpoint (so a resumed run keeps counting); the report goes to BAD_SAMPLES_REPORT.
 BAD_SAMPLES_CHECKPOINT_FILE = "bad_samples.json"

@@ -11,7 +11,7 @@ from accelerate.utils import parse_flag_from_env
 
 from vlfit.errors import ConfigError
 
-logger = logging.getLogger("vlfit")
+logger = logging.getLogger(__name__)
 
 
 def _mpi_launched() -> bool:

@@ -5,13 +5,11 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import transformers
 from transformers import TrainerCallback, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -35,7 +33,7 @@ from vlfit.training.preemption import PreemptionCallback, TrainingPreempted
 from vlfit.training.trainer import VlfitTrainer
 from vlfit.training.unfreeze import UnfreezeCallback
 
-logger = logging.getLogger("vlfit")
+logger = logging.getLogger(__name__)
 
 
 def compute_efficiency(
@@ -46,21 +44,6 @@ def compute_efficiency(
     device = training_args.device
     peak = peak_flops(device, matmul_precision(device, autocast))
     return ComputeEfficiency(flops_per_sample, samples_per_second, peak, processes=training_args.world_size)
-
-
-def setup_logging(training_args: VlfitTrainingArguments) -> None:
-    """Log to stdout at the Trainer's per-process level (main process: info)."""
-    logging.basicConfig(
-        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
-        datefmt="%H:%M:%S",
-        handlers=[logging.StreamHandler(sys.stdout)],
-    )
-    level = training_args.get_process_log_level()
-    if training_args.should_log and level > logging.INFO:
-        level = logging.INFO
-    logger.setLevel(level)
-    logging.getLogger("vlfit").setLevel(level)
-    transformers.utils.logging.set_verbosity(max(level, logging.WARNING))
 
 
 def _limit(source: ImageTextSource, max_samples: int | None) -> ImageTextSource:
@@ -94,7 +77,6 @@ class RunSetup:
 
 def setup_run(model_args: ModelArguments, data_args: DataArguments, training_args: VlfitTrainingArguments) -> RunSetup:
     """Open the splits, resolve the model (training a preset's tokenizer once) and build the input pipeline."""
-    setup_logging(training_args)
     if not (training_args.do_train or training_args.do_eval):
         raise ConfigError("nothing to do: pass --do_train and/or --do_eval")
     if training_args.fsdp and data_args.hard_negative_column and training_args.do_train:
@@ -279,6 +261,8 @@ def run(
         if trainer.is_world_process_zero():
             setup.blueprint.image_processor.save_pretrained(training_args.output_dir)
         metrics = dict(train_result.metrics)
+        if not metrics.get("total_flos"):  # the Trainer counts no FLOPs for these models; train_flops_* do
+            metrics.pop("total_flos", None)
         throughput = trainer.throughput.total()
         metrics["train_data_wait_share"] = throughput["data_wait_share"]
         if training_args.throughput_warmup_steps:  # the Trainer's own figure counts the warm-up steps too

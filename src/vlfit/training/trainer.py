@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from accelerate.utils import gather_object
+from tqdm.auto import tqdm
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints, seed_worker
 
@@ -336,10 +337,18 @@ class VlfitTrainer(Trainer):
         self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
     ) -> dict[str, float]:
         loader = self.get_eval_dataloader(eval_dataset)
+        batches = tqdm(
+            self.pipeline.feed(loader, self._model_dtype, train=False),
+            total=len(loader),
+            desc="eval",
+            unit="batch",
+            leave=False,
+            disable=self.args.disable_tqdm or not self.is_local_process_zero(),
+        )
         metrics, skipped = evaluate_retrieval(
             self.family,
             self.model,
-            self.pipeline.feed(loader, self._model_dtype, train=False),
+            batches,
             tokenizer=self.pipeline.inputs.tokenizer,
             max_seq_length=self.pipeline.inputs.max_seq_length,
             device=self.args.device,
