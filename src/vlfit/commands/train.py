@@ -12,7 +12,6 @@ import sys
 from typing import Any
 
 from vlfit.arguments import DataArguments, ModelArguments
-from vlfit.bench.auto import probe_num_workers, take_auto_workers
 from vlfit.commands.parsing import CommandParser, ParsedArguments, is_flags_file, load_flags_file
 from vlfit.compat_flags import log_compat_flags
 from vlfit.logs import quiet_replicas
@@ -46,7 +45,9 @@ def parse_arguments(
         if auto:
             values = {**values, "dataloader_num_workers": 0}
         return ParsedArguments(*parser_for(prog).parse_dict(values), given=frozenset(values), auto_workers=auto)
-    if allow_auto_workers:
+    if allow_auto_workers and any(arg.endswith("auto") for arg in argv):
+        from vlfit.bench.auto import take_auto_workers  # the bench's modules: only when asked for
+
         argv, auto = take_auto_workers(argv)  # type: ignore[assignment]
     parsed, given = parser_for(prog).parse(argv)  # a bad flag stops here, with the usage
     return ParsedArguments(*parsed, given=given, auto_workers=auto)
@@ -103,6 +104,8 @@ def train_parsed(args: ParsedArguments, command_line: str | None = None) -> dict
     )
     setup = setup_run(model_args, data_args, training_args)  # data, tokenizer and pipeline, made once
     if args.auto_workers:  # parsed as 0; a short probe picks the count
+        from vlfit.bench.auto import probe_num_workers
+
         training_args.dataloader_num_workers = probe_num_workers(
             setup.train_source,
             setup.blueprint,
