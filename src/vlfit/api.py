@@ -269,11 +269,14 @@ class Index:
     """
 
     def __init__(self, path: str, model: Model | None = None) -> None:
+        self.path = path
+        self._model = model
+        self._reload()
+
+    def _reload(self) -> None:
         from vlfit.inference.index import EmbeddingIndex
 
-        self.path = path
-        self._index = EmbeddingIndex(path)
-        self._model = model
+        self._index = EmbeddingIndex(self.path)  # the manifest as the last build wrote it
 
     def __len__(self) -> int:
         return len(self._index)
@@ -352,7 +355,7 @@ class Index:
                 caption_column=collection.get("caption_column", "image_description"), progress=progress,
                 batch_size=batch_size, num_workers=num_workers,
             )  # fmt: skip
-        self.__init__(self.path, self._model)  # re-read the manifest the build wrote
+        self._reload()
         return len(self._index) - before
 
     @python_api
