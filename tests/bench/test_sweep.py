@@ -190,14 +190,14 @@ def test_loader_mode_never_builds_the_model(tmp_path: Path, monkeypatch: pytest.
 
 def _exit_in_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make every DataLoader worker die at its first sample, as one the OOM killer ends (no exception raised)."""
-    get_item = ImageTextDataset.__getitem__
+    make_sample = ImageTextDataset._sample  # what both __getitem__ and __getitems__ (the loader's) call
 
-    def die_in_a_worker(self: ImageTextDataset, index: int) -> Any:
+    def die_in_a_worker(self: ImageTextDataset, *args: Any, **kwargs: Any) -> Any:
         if torch.utils.data.get_worker_info() is not None:
             os._exit(9)
-        return get_item(self, index)
+        return make_sample(self, *args, **kwargs)
 
-    monkeypatch.setattr(ImageTextDataset, "__getitem__", die_in_a_worker)
+    monkeypatch.setattr(ImageTextDataset, "_sample", die_in_a_worker)
 
 
 def test_a_killed_worker_fails_its_row_and_the_sweep_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
