@@ -196,7 +196,7 @@ def recorded_runs(monkeypatch) -> list:
     """Replace training/evaluation by a recorder of the arguments each command passes to run()."""
     runs: list = []
 
-    def fake_run(model_args, data_args, training_args, setup=None):
+    def fake_run(model_args, data_args, training_args, setup=None, command_line=None):
         runs.append((model_args, data_args, training_args))
         return {}
 

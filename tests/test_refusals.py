@@ -43,3 +43,17 @@ def test_a_batch_larger_than_the_split_is_used_with_a_warning(synthetic_dataset_
     setup = setup_run(args.model, args.data, args.training)
     assert len(setup.train_source) == 6
     assert "--per_device_train_batch_size 48 is larger than the training split (6 samples)" in caplog.text
+
+
+def test_version_and_eval_help_list_their_own_flags(capsys):
+    from vlfit.cli import main
+    from vlfit.version import __version__
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"vlfit {__version__}"
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--eval_pool_size" in help_text and "--per_device_eval_batch_size" in help_text
+    assert "--learning_rate" not in help_text and "--lora_r" not in help_text  # training's flags are train's
+    assert help_text.index("--model_name_or_path") < help_text.index("--eval_split") < help_text.index("--seed")

@@ -18,8 +18,8 @@ from vlfit.inference.loading import load_checkpoint
 
 
 def error_lines(stderr: str) -> list[str]:
-    """stderr without transformers' weight-loading progress bar."""
-    return [line for line in stderr.strip().splitlines() if not line.startswith("Loading weights")]
+    """The error lines of stderr (``vlfit <command>: ...``), without the log lines and progress bars before them."""
+    return [line for line in stderr.strip().splitlines() if line.startswith("vlfit ")]
 
 
 CAPTIONS = ["red", "two blue squares on the left and one green circle at the top of the picture, and more words"]
