@@ -36,7 +36,7 @@ from vlfit.commands.parsing import CommandParser
 from vlfit.errors import ConfigError
 from vlfit.models.loading import ModelBlueprint, build_model, resolve_model
 
-logger = logging.getLogger("vlfit.bench")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -249,15 +249,6 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _setup_logging() -> None:
-    package = logging.getLogger("vlfit")
-    if not package.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
-        package.addHandler(handler)
-    package.setLevel(logging.INFO)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``vlfit bench``.
 
@@ -266,7 +257,6 @@ def main(argv: list[str] | None = None) -> int:
         measured).
     """
     model_args, data_args, args = parser().parse_args_into_dataclasses(args=sys.argv[1:] if argv is None else argv)
-    _setup_logging()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     plan = resolve_plan(args, device)
     if model_args.model_preset is None and model_args.model_name_or_path is None:
