@@ -102,7 +102,7 @@ set +e
 if [ "${VLFIT_GPU_TESTS:-1}" = 1 ]; then
   if "$PY" -c "import pytest" 2>/dev/null; then
     (cd "$ROOT" && ${TESTS_LIMIT[@]+"${TESTS_LIMIT[@]}"} "$PY" -m pytest -m cuda -p no:cacheprovider -rA \
-      tests/data/test_device_decode.py tests/data/test_device_stage.py tests/bench) >"$OUT/cuda_tests.log" 2>&1
+      tests/data/test_device_decode.py tests/data/test_device_stage.py tests/data/test_device_placement.py tests/bench) >"$OUT/cuda_tests.log" 2>&1
     tests_status=$?
     tail -n 15 "$OUT/cuda_tests.log"
     echo "gpu.sh: CUDA tests exit $tests_status (full log: $OUT/cuda_tests.log)"

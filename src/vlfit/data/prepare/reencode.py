@@ -11,17 +11,18 @@ import io
 from dataclasses import dataclass
 
 import numpy as np
+import simplejpeg
 import torchvision.transforms.v2.functional as F
 from PIL import Image
 from torchvision.transforms import InterpolationMode
 
-from vlfit.data.decode import decode_scaled, is_jpeg, simplejpeg
+from vlfit.data.decode import decode_scaled, is_jpeg
 from vlfit.data.image_transforms import hwc_to_chw_view
 
 DEFAULT_JPEG_QUALITY = 95
 CHROMA_SUBSAMPLING = "4:2:0"
 # The encoder ``encode_jpeg`` uses (recorded in the prepare manifest).
-JPEG_ENCODER = "simplejpeg" if simplejpeg is not None else "pillow"
+JPEG_ENCODER = "simplejpeg"
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class PreparedImage:
 def encode_jpeg(pixels: np.ndarray, quality: int = DEFAULT_JPEG_QUALITY) -> bytes:
     """Encode an RGB HWC uint8 array as a baseline 4:2:0 JPEG without metadata.
 
-    Uses libjpeg-turbo through simplejpeg when installed (accurate DCT), else Pillow.
+    Uses libjpeg-turbo through simplejpeg (accurate DCT).
 
     Args:
         pixels: RGB HWC uint8 array.
@@ -58,16 +59,12 @@ def encode_jpeg(pixels: np.ndarray, quality: int = DEFAULT_JPEG_QUALITY) -> byte
         The encoded bytes.
     """
     pixels = np.ascontiguousarray(pixels)
-    if simplejpeg is not None:
-        return simplejpeg.encode_jpeg(pixels, quality=quality, colorspace="RGB", colorsubsampling="420", fastdct=False)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels, "RGB").save(buffer, format="JPEG", quality=quality, subsampling=2)  # 2 = 4:2:0
-    return buffer.getvalue()
+    return simplejpeg.encode_jpeg(pixels, quality=quality, colorspace="RGB", colorsubsampling="420", fastdct=False)
 
 
 def _stored_size(data: bytes) -> tuple[int, int]:
     """Full-size (width, height) from the header alone (as stored, before EXIF orientation); (0, 0) if unreadable."""
-    if simplejpeg is not None and is_jpeg(data):
+    if is_jpeg(data):
         with contextlib.suppress(Exception):
             height, width, _, _ = simplejpeg.decode_jpeg_header(data)
             return width, height
