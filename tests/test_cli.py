@@ -112,11 +112,6 @@ def test_debug_anywhere_keeps_the_traceback(tmp_path):
         main(["--debug", "train", *argv])
     with pytest.raises(ValueError, match="unknown --model_preset 'medium'"):
         main(["train", *argv[:2], "--debug", *argv[2:]])
-    done = subprocess.run([sys.executable, "-m", "vlfit", "train", *argv, "--debug"], capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
-    assert done.returncode == 1
-    assert "Traceback (most recent call last)" in done.stderr
-    assert "ConfigError: unknown --model_preset 'medium'" in done.stderr
 
 
 def test_enable_jit_checkpoint_is_refused(tmp_path, capsys):
