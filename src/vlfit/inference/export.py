@@ -155,7 +155,7 @@ def embed_samples(
 
 def cosine_figures(reference: torch.Tensor, other: torch.Tensor) -> dict[str, float]:
     """Smallest and mean cosine between paired rows."""
-    cosine = torch.nn.functional.cosine_similarity(reference.double(), other.double(), dim=1)
+    cosine = torch.nn.functional.cosine_similarity(reference.detach().double(), other.detach().double(), dim=1)
     return {"min_cosine": round(float(cosine.min()), 7), "mean_cosine": round(float(cosine.mean()), 7)}
 
 
