@@ -47,7 +47,8 @@ def prepare_launch(args: Any) -> None:
 
     Raises:
         ValueError: A backend that needs GPUs on a CPU run, or a multi-process launch without a rendezvous address.
-        RuntimeError: The process group could not be formed within ``--ddp_timeout`` seconds.
+        ConfigError: The process group could not be formed within ``--ddp_timeout`` seconds (a launch that
+            did not start every process, or an address this machine cannot reach).
     """
     if not runs_on_cpu(args):
         return  # GPU runs: transformers passes --ddp_backend and --ddp_timeout to init_process_group itself
@@ -78,7 +79,7 @@ def _init_gloo(world: int, timeout: int) -> None:
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
     except (dist.DistError, RuntimeError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise RuntimeError(
+        raise ConfigError(
             f"process {rank} of {world} could not form the gloo process group with {address}:{port} within "
             f"--ddp_timeout {timeout} s ({first_line}). Check that every process was started and that "
             f"{address}:{port} is reachable from this machine."
