@@ -22,8 +22,6 @@ from torchvision.transforms import InterpolationMode
 
 from vlfit.data.decode import check_image_header, decode_pil, decode_scaled
 
-IMAGE_PIPELINES = ("fast", "reference")
-
 # The antialiased bicubic kernel ``interpolate`` calls on CPU, in its form that writes into a given tensor.
 _RESIZE_INTO = torch.ops.aten._upsample_bicubic2d_aa.out
 
