@@ -164,9 +164,7 @@ def load(
 def _preset_encoder(preset: str, num_threads: int | None) -> TorchEncoder:
     from vlfit.arguments import ModelArguments
     from vlfit.data.synthetic.scenes import scene_and_choices
-    from vlfit.inference.identity import ModelIdentity
-    from vlfit.inference.loading import DEFAULT_MAX_SEQ_LENGTH, LoadedCheckpoint
-    from vlfit.inference.towers import ImageTower, TextTower
+    from vlfit.inference.loading import DEFAULT_MAX_SEQ_LENGTH, loaded_bundle
     from vlfit.models.loading import load_model_bundle
 
     rng = np.random.default_rng(0)
@@ -174,15 +172,7 @@ def _preset_encoder(preset: str, num_threads: int | None) -> TorchEncoder:
     bundle = load_model_bundle(
         ModelArguments(model_preset=preset), captions=lambda: captions, max_seq_length=DEFAULT_MAX_SEQ_LENGTH
     )
-    model = bundle.model.eval().float()
-    image_tower, text_tower = (
-        ImageTower(bundle.family, model, bundle.inputs).eval(),
-        TextTower(bundle.family, model).eval(),
-    )
-    with torch.inference_mode():
-        dim = int(text_tower(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.long)).shape[-1])
-    identity = ModelIdentity(bundle.family.name, dim, f"preset:{preset}")
-    loaded = LoadedCheckpoint(f"preset:{preset}", bundle, image_tower, text_tower, identity)
+    loaded = loaded_bundle(f"preset:{preset}", bundle, f"preset:{preset}")
     return TorchEncoder(loaded.path, num_threads=num_threads, loaded=loaded)
 
 

@@ -54,12 +54,22 @@ def load_checkpoint(path: str, max_seq_length: int = DEFAULT_MAX_SEQ_LENGTH) -> 
             f"{path}: the checkpoint has no tokenizer ({' or '.join(TOKENIZER_FILES)}); save one beside the weights "
             "(vlfit train does)"
         )
-    sha256 = checkpoint_fingerprint(path)
     bundle = load_model_bundle(ModelArguments(model_name_or_path=path), max_seq_length=max_seq_length)
+    return loaded_bundle(path, bundle, checkpoint_fingerprint(path))
+
+
+def loaded_bundle(path: str, bundle: ModelBundle, fingerprint: str) -> LoadedCheckpoint:
+    """A model bundle made ready for inference (fp32, eval mode, its two towers, its identity).
+
+    Args:
+        path: What the model is called (its folder, or ``preset:NAME`` for a preset's random weights).
+        bundle: The model with its family, tokenizer and image processor.
+        fingerprint: What identifies its weights (``checkpoint_fingerprint`` of a folder).
+    """
     model = bundle.model.eval().float()
     image_tower = ImageTower(bundle.family, model, bundle.inputs).eval()
     text_tower = TextTower(bundle.family, model).eval()
     with torch.inference_mode():
         probe = text_tower(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.long))
-    identity = ModelIdentity(bundle.family.name, int(probe.shape[-1]), sha256)
+    identity = ModelIdentity(bundle.family.name, int(probe.shape[-1]), fingerprint)
     return LoadedCheckpoint(path, bundle, image_tower, text_tower, identity)
