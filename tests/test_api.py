@@ -74,3 +74,21 @@ def test_errors_name_keyword_arguments_not_flags(tmp_path):
         vlfit.train(model_preset="clip-tiny", lora_r=0, output_dir=str(tmp_path))
     with pytest.raises(vlfit.ConfigError, match=r"unknown option learning_rat \(did you mean learning_rate\?\)"):
         vlfit.train(model_preset="clip-tiny", learning_rat=1e-3, output_dir=str(tmp_path))
+
+
+def test_an_index_is_built_opened_appended_to_and_searched(preset_model, tmp_path):
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    rng = np.random.default_rng(1)
+    for name in ("a", "b"):
+        Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(folder / f"{name}.png")
+    index = vlfit.Index.build(preset_model, str(tmp_path / "index"), images=str(folder))
+    assert len(index) == 2
+    Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(folder / "c.png")
+    reopened = vlfit.Index.open(str(tmp_path / "index"), preset_model)
+    assert reopened.append() == 1 and len(reopened) == 3
+    assert reopened.append() == 0  # nothing new in the folder
+    query = preset_model.encode_images(str(folder / "c.png"))
+    (hits,) = reopened.search(query, k=2)
+    assert hits[0].id == str(folder / "c.png") and hits[0].score == pytest.approx(1.0, abs=1e-5)
+    assert len(reopened.search("a red square", k=3)) == 3

@@ -297,22 +297,16 @@ class Index:
         progress: bool = False,
     ) -> Index:
         """Embed a folder of images (``images``) or a dataset split into the index at ``path`` (created, or resumed
-        and appended to when it exists: only items not in it yet are embedded)."""
-        from vlfit.inference.collection import ImageFolderSource, open_dataset_split
-        from vlfit.inference.index import MANIFEST_NAME, EmbeddingIndex, build_index, refuse_other_model
+        and appended to when it exists: only items not in it yet are embedded; an index of another model is
+        refused)."""
+        from vlfit.inference.collection import open_image_collection
+        from vlfit.inference.index import build_index
 
-        if (images is None) == (dataset_name is None):
-            raise ConfigError("pass exactly one of --images (a folder of image files) or --dataset_name")
+        source, collection = open_image_collection(
+            images=images, dataset_name=dataset_name, split=split, image_column=image_column,
+            caption_column=caption_column,
+        )  # fmt: skip
         model = load(model) if isinstance(model, str) else model
-        if images is not None:
-            source = ImageFolderSource(images)
-            collection: dict[str, Any] = {"images": os.path.abspath(images)}
-        else:
-            source = open_dataset_split(dataset_name, split, image_column=image_column, caption_column=caption_column)
-            collection = {"dataset_name": dataset_name, "split": split, "image_column": image_column,
-                          "caption_column": caption_column}  # fmt: skip
-        if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
-            refuse_other_model(EmbeddingIndex(path), model.encoder)
         build_index(
             model.encoder, source, path, collection=collection, batch_size=batch_size, num_workers=num_workers,
             shard_size=shard_size, progress=progress,
@@ -333,18 +327,14 @@ class Index:
     @python_api
     def append(self, progress: bool = False, batch_size: int = 32, num_workers: int = 0) -> int:
         """Embed what the index's folder or dataset holds that the index does not yet; returns how many were added."""
-        collection = self._index.manifest.collection
+        from vlfit.inference.collection import COLLECTION_KEYS
+
+        last = self._index.manifest.collections[-1]  # what the latest build embedded, opened again
         before = len(self._index)
-        if "images" in collection:
-            Index.build(self.model, self.path, images=collection["images"], progress=progress,
-                        batch_size=batch_size, num_workers=num_workers)  # fmt: skip
-        else:
-            Index.build(
-                self.model, self.path, dataset_name=collection["dataset_name"], split=collection["split"],
-                image_column=collection.get("image_column", "image"),
-                caption_column=collection.get("caption_column", "image_description"), progress=progress,
-                batch_size=batch_size, num_workers=num_workers,
-            )  # fmt: skip
+        Index.build(
+            self.model, self.path, **{key: last[key] for key in COLLECTION_KEYS if key in last}, progress=progress,
+            batch_size=batch_size, num_workers=num_workers,
+        )  # fmt: skip
         self._reload()
         return len(self._index) - before
 

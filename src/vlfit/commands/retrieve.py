@@ -13,7 +13,7 @@ from vlfit.commands.parsing import CommandParser
 from vlfit.errors import ConfigError
 from vlfit.evaluation.topk import DEFAULT_CHUNK_ELEMENTS
 from vlfit.inference.backends import open_encoder
-from vlfit.inference.collection import ImageFolderSource, open_dataset_split
+from vlfit.inference.collection import COLLECTION_KEYS, open_image_collection
 from vlfit.inference.index import MANIFEST_NAME, EmbeddingIndex, build_index, refuse_other_model
 from vlfit.inference.query import Query, embed_queries, read_queries, search
 
@@ -89,17 +89,8 @@ def run_index(argv: list[str]) -> int:
         "appended when run again). Bad images are skipped and listed.",
     )
     (args,) = parser.parse_args_into_dataclasses(args=argv)
-    if (args.images is None) == (args.dataset_name is None):
-        raise ConfigError("pass exactly one of --images (a folder of image files) or --dataset_name")
+    source, collection = open_image_collection(**{key: getattr(args, key) for key in COLLECTION_KEYS})
     encoder = open_encoder(args.model, args.backend, args.precision, num_threads=args.num_threads)
-    if args.images is not None:
-        source = ImageFolderSource(args.images)
-        collection = {"images": os.path.abspath(args.images)}
-    else:
-        source = open_dataset_split(
-            args.dataset_name, args.split, image_column=args.image_column, caption_column=args.caption_column
-        )
-        collection = {"dataset_name": args.dataset_name, "split": args.split}
     existing = os.path.join(args.output_dir, MANIFEST_NAME)
     before = EmbeddingIndex(args.output_dir) if os.path.isfile(existing) else None
     count_before, bad_before = (len(before), len(before.manifest.bad_samples)) if before else (0, 0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,7 +20,7 @@ from vlfit.data.batch import BadSample, Batch
 from vlfit.data.pipeline import InputPipeline, LoaderSettings, PipelineOptions
 from vlfit.data.records import BadRecordError, Record, image_value_to_bytes
 from vlfit.data.source_base import ImageTextSource
-from vlfit.errors import DataError, MissingFileError
+from vlfit.errors import ConfigError, DataError, MissingFileError
 from vlfit.models.family import InputSpec
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
@@ -179,6 +180,37 @@ def open_dataset_splits(
         if split not in opened:
             raise DataError(f"{dataset_name} has no split {split!r}; its splits: {', '.join(opened)}")
     return {split: opened[split] for split in splits}
+
+
+# What an index records of the collection it embedded (``open_image_collection``'s arguments), per build.
+COLLECTION_KEYS = ("images", "dataset_name", "split", "image_column", "caption_column")
+
+
+def open_image_collection(
+    *,
+    images: str | None = None,
+    dataset_name: str | None = None,
+    split: str = "test",
+    image_column: str = "image",
+    caption_column: str | None = "image_description",
+) -> tuple[ImageTextSource, dict[str, Any]]:
+    """What an index embeds: a folder of image files, or a split of a dataset; and how to open it again.
+
+    Returns:
+        The source, and its description for the index manifest (``COLLECTION_KEYS``; passed back as keyword
+        arguments, it opens the same collection: what appending to an index does).
+
+    Raises:
+        ConfigError: unless exactly one of ``images`` and ``dataset_name`` is given.
+    """
+    if (images is None) == (dataset_name is None):
+        raise ConfigError("pass exactly one of --images (a folder of image files) or --dataset_name")
+    if images is not None:
+        return ImageFolderSource(images), {"images": os.path.abspath(images)}
+    source = open_dataset_split(dataset_name, split, image_column=image_column, caption_column=caption_column)
+    collection = {"dataset_name": dataset_name, "split": split, "image_column": image_column,
+                  "caption_column": caption_column}  # fmt: skip
+    return source, collection
 
 
 @dataclass
