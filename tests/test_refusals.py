@@ -57,3 +57,15 @@ def test_version_and_eval_help_list_their_own_flags(capsys):
     assert "--eval_pool_size" in help_text and "--per_device_eval_batch_size" in help_text
     assert "--learning_rate" not in help_text and "--lora_r" not in help_text  # training's flags are train's
     assert help_text.index("--model_name_or_path") < help_text.index("--eval_split") < help_text.index("--seed")
+
+
+def test_model_is_an_alias_in_flags_files_and_keyword_arguments_too(tmp_path):
+    from vlfit.commands.evaluate import parse_values
+
+    path = tmp_path / "flags.json"
+    path.write_text('{"model": "some/folder", "output_dir": "/tmp/unused"}')
+    args = parse_arguments([str(path)])
+    assert args.model.model_name_or_path == "some/folder" and "model_name_or_path" in args.given
+    assert parse_values({"model": "some/folder"}).training.output_dir == "some/folder"
+    with pytest.raises(ConfigError, match="pass --model_name_or_path or --model, not both"):
+        parse_values({"model": "a", "model_name_or_path": "b"})

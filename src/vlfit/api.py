@@ -192,17 +192,7 @@ class RunResult:
     output_dir: str
 
 
-def _flag_values(kwargs: dict[str, Any]) -> dict[str, Any]:
-    values = dict(kwargs)
-    if "model" in values:  # the CLI's --model alias
-        if "model_name_or_path" in values:
-            raise ConfigError("pass --model or --model_name_or_path, not both")
-        values["model_name_or_path"] = values.pop("model")
-    return values
-
-
-def _parse(prog: str, kwargs: dict[str, Any]) -> Any:
-    values = _flag_values(kwargs)
+def _parse(prog: str, values: dict[str, Any]) -> Any:
     if prog == "vlfit eval":
         from vlfit.commands.evaluate import parse_values
 
@@ -210,7 +200,8 @@ def _parse(prog: str, kwargs: dict[str, Any]) -> Any:
     from vlfit.commands.parsing import ParsedArguments
     from vlfit.commands.train import parser_for
 
-    return ParsedArguments(*parser_for(prog).parse_dict(values), given=frozenset(values))
+    parsed, given = parser_for(prog).parse_values(values)
+    return ParsedArguments(*parsed, given=given)
 
 
 @python_api

@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from vlfit.arguments import DataArguments, EvalArguments, ModelArguments
-from vlfit.commands.parsing import CommandParser, ParsedArguments, is_flags_file, load_flags_file
+from vlfit.commands.parsing import CommandParser, ParsedArguments
 
 PROG = "vlfit eval"
 # Training-only model and data flags: they still parse (a train command line evaluates as it is), unlisted.
@@ -46,16 +46,14 @@ def as_training_arguments(model: ModelArguments, settings: EvalArguments) -> Any
 
 def parse_values(values: dict[str, Any]) -> ParsedArguments:
     """``vlfit eval``'s arguments from ``{flag: value}`` (a flags file, or ``vlfit.evaluate``'s keyword arguments)."""
-    model, data, settings = parser().parse_dict(values)
-    return ParsedArguments(model, data, as_training_arguments(model, settings), frozenset(values))
+    (model, data, settings), given = parser().parse_values(values)
+    return ParsedArguments(model, data, as_training_arguments(model, settings), given)
 
 
 def parse_arguments(argv: list[str] | None) -> ParsedArguments:
     """``vlfit eval``'s flags, or one ``.json``/``.yaml`` file holding them; ``None`` reads ``sys.argv[1:]``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if is_flags_file(argv):
-        return parse_values(load_flags_file(argv[0]))
-    (model, data, settings), given = parser().parse(argv)
+    (model, data, settings), given = parser().parse(argv)  # flags, or one flags file
     return ParsedArguments(model, data, as_training_arguments(model, settings), given)
 
 

@@ -137,6 +137,18 @@ class CommandParser(HfArgumentParser):
             parts.append(" ".join(others))
         self.error(f"unrecognized arguments: {', '.join(parts)}")
 
+    @staticmethod
+    def _unaliased(values: dict[str, Any], known: Collection[str]) -> dict[str, Any]:
+        """``values`` (a flags file, keyword arguments) with a model alias key renamed to the field it names."""
+        for field_name, flag in MODEL_FLAG_ALIASES.items():
+            alias = flag.lstrip("-")
+            if field_name in known and alias not in known and alias in values:
+                if field_name in values:
+                    raise ConfigError(f"pass --{field_name} or --{alias}, not both")
+                values = {**values, field_name: values[alias]}
+                del values[alias]
+        return values
+
     def given_fields(self, argv: Sequence[str]) -> frozenset[str]:
         """Names of the fields ``argv`` sets, whatever their values (``--no_x`` and ``--x False`` set ``x``)."""
         defaults = {action: action.default for action in self._actions}
@@ -152,10 +164,17 @@ class CommandParser(HfArgumentParser):
     def parse(self, argv: Sequence[str]) -> tuple[tuple[Any, ...], frozenset[str]]:
         """The dataclasses of ``argv`` (flags, or one flags file) and the names of the fields it set."""
         if is_flags_file(argv):
-            values = load_flags_file(argv[0])
-            return self.parse_dict(values), frozenset(values)
+            return self.parse_values(load_flags_file(argv[0]))
         parsed = self.parse_args_into_dataclasses(args=list(argv))
         return parsed, self.given_fields(argv)
+
+    def parse_values(self, values: dict[str, Any]) -> tuple[tuple[Any, ...], frozenset[str]]:
+        """The dataclasses of ``{flag: value}`` (a flags file, the API's keyword arguments) and the fields it set."""
+        values = self._unaliased(values, self._field_names())
+        return self.parse_dict(values), frozenset(values)
+
+    def _field_names(self) -> set[str]:
+        return {f.name for dtype in self.dataclass_types for f in dataclasses.fields(dtype)}
 
     def parse_args_into_dataclasses(  # type: ignore[override]
         self, args: Sequence[str] | None = None, return_remaining_strings: bool = False, **kwargs: Any
@@ -173,7 +192,8 @@ class CommandParser(HfArgumentParser):
         return tuple(parsed)
 
     def parse_dict(self, args: dict[str, Any], allow_extra_keys: bool = False) -> tuple[Any, ...]:  # type: ignore[override]
-        known = {f.name for dtype in self.dataclass_types for f in dataclasses.fields(dtype)}
+        known = self._field_names()
+        args = self._unaliased(args, known)
         unknown = sorted(set(args) - known)
         if unknown and not allow_extra_keys:
             hints = []

@@ -44,7 +44,8 @@ def parse_arguments(
         auto = allow_auto_workers and values.get("dataloader_num_workers") == "auto"
         if auto:
             values = {**values, "dataloader_num_workers": 0}
-        return ParsedArguments(*parser_for(prog).parse_dict(values), given=frozenset(values), auto_workers=auto)
+        parsed, given = parser_for(prog).parse_values(values)
+        return ParsedArguments(*parsed, given=given, auto_workers=auto)
     if allow_auto_workers and any(arg.endswith("auto") for arg in argv):
         from vlfit.bench.auto import take_auto_workers  # the bench's modules: only when asked for
 
