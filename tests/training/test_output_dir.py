@@ -49,7 +49,12 @@ def test_other_flags_are_refused_naming_each_difference(tmp_path):
 
 def test_overwrite_starts_over_and_removes_the_old_checkpoints(tmp_path):
     checkpoint = _run_with_checkpoint(tmp_path)
-    assert _resolve(tmp_path, {**FLAGS, "learning_rate": 1e-3}, overwrite=True) is None
+    other = {**FLAGS, "learning_rate": 1e-3}
+    # Another process of the run starts over too, and leaves the removing to the main one.
+    assert resolve_output_dir(str(tmp_path), other, GIVEN, overwrite=True, resume_from_checkpoint=None,
+                              main_process=False) is None  # fmt: skip
+    assert checkpoint.exists()
+    assert _resolve(tmp_path, other, overwrite=True) is None
     assert not checkpoint.exists()
 
 

@@ -100,8 +100,9 @@ def train_parsed(args: ParsedArguments, command_line: str | None = None) -> dict
         training_args.output_dir,
         flags,
         args.given,
-        overwrite=training_args.overwrite_output_dir and training_args.process_index == 0,
+        overwrite=training_args.overwrite_output_dir,
         resume_from_checkpoint=training_args.resume_from_checkpoint,
+        main_process=training_args.process_index == 0,
     )
     setup = setup_run(model_args, data_args, training_args)  # data, tokenizer and pipeline, made once
     if args.auto_workers:  # parsed as 0; a short probe picks the count

@@ -20,6 +20,7 @@ from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from vlfit.atomic_files import write_text_atomically
 from vlfit.errors import ConfigError
 from vlfit.version import __version__
 
@@ -83,6 +84,7 @@ def resolve_output_dir(
     *,
     overwrite: bool,
     resume_from_checkpoint: str | None,
+    main_process: bool = True,
 ) -> str | None:
     """The checkpoint to resume from (``None``: a fresh run), or refuse a folder that holds another run.
 
@@ -92,6 +94,8 @@ def resolve_output_dir(
         given: The flags the user set (command line, flags file or keyword arguments).
         overwrite: ``--overwrite_output_dir``.
         resume_from_checkpoint: ``--resume_from_checkpoint``, when given.
+        main_process: Only the main process removes the old checkpoints of ``--overwrite_output_dir``; every
+            process starts over.
 
     Raises:
         ConfigError: the folder holds a run with other flags, or files of something else.
@@ -101,8 +105,9 @@ def resolve_output_dir(
     if not os.path.isdir(output_dir) or not os.listdir(output_dir):
         return None
     if overwrite:
-        _remove_checkpoints(output_dir)
-        logger.info("--overwrite_output_dir: starting over in %s", output_dir)
+        if main_process:
+            _remove_checkpoints(output_dir)
+            logger.info("--overwrite_output_dir: starting over in %s", output_dir)
         return None
     record = os.path.join(output_dir, RUN_FLAGS_FILE)
     what = "pass --overwrite_output_dir to start over there, or another --output_dir"
@@ -125,7 +130,5 @@ def resolve_output_dir(
 def write_run_flags(output_dir: str, flags: dict[str, Any], given: frozenset[str]) -> None:
     """Record the run's flags in ``output_dir`` (``run_flags.json``), for ``resolve_output_dir`` of a rerun."""
     os.makedirs(output_dir, exist_ok=True)
-    path = os.path.join(output_dir, RUN_FLAGS_FILE)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump({"vlfit_version": __version__, "given": sorted(given), "flags": flags}, f, indent=1, sort_keys=True)
-    os.replace(path + ".tmp", path)
+    record = {"vlfit_version": __version__, "given": sorted(given), "flags": flags}
+    write_text_atomically(os.path.join(output_dir, RUN_FLAGS_FILE), json.dumps(record, indent=1, sort_keys=True))
