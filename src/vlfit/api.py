@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
+from vlfit.data.image_transforms import FastImageTransform, hwc_to_chw_view, resize_crop_uint8, stack_images
 from vlfit.errors import ConfigError, DataError, MissingFileError, python_api
 from vlfit.inference.backends import Encoder, TorchEncoder, open_encoder
 
@@ -34,8 +35,6 @@ ImageInput = str | os.PathLike | bytes | Image.Image | np.ndarray
 
 def _pixels_of(item: ImageInput, image_size: int, position: int) -> torch.Tensor:
     """One image as the fast CPU pipeline makes it: uint8 ``[3, S, S]``, center crop, bicubic resize."""
-    from vlfit.data.image_transforms import FastImageTransform, hwc_to_chw_view, resize_crop_uint8
-
     if isinstance(item, (str, os.PathLike)):
         path = os.fspath(item)
         if not os.path.isfile(path):
@@ -107,7 +106,7 @@ class Model:
             pixels = [
                 _pixels_of(item, self.image_size, start + i) for i, item in enumerate(items[start : start + batch_size])
             ]
-            rows.append(self.encoder.embed_pixels(torch.stack(pixels).contiguous()))
+            rows.append(self.encoder.embed_pixels(stack_images(pixels)))  # one copy, as the collator makes
         return _as_numpy(rows, self.embedding_dim)
 
     @python_api
