@@ -32,6 +32,13 @@ def python_wording(message: str) -> str:
     return _OPTION.sub(lambda m: f"`{m.group(1)}`" if m.group(1) in _option_names else m.group(0), message)
 
 
+def first_line(error: BaseException, limit: int | None = None) -> str:
+    """The first non-blank line of ``error``'s message (at most ``limit`` characters), or its type's name: how a
+    ``UserError`` quotes the library error it replaces."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0][:limit] if lines else type(error).__name__
+
+
 class UserError(Exception):
     """Something the caller gave is wrong: the message names it and says what to do."""
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from accelerate.utils import parse_flag_from_env
 
-from vlfit.errors import ConfigError
+from vlfit.errors import ConfigError, first_line
 
 CPU_BACKENDS = ("gloo", "mpi")
 
@@ -78,9 +78,8 @@ def _init_gloo(world: int, timeout: int) -> None:
     try:
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
     except (dist.DistError, RuntimeError) as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(
             f"process {rank} of {world} could not form the gloo process group with {address}:{port} within "
-            f"--ddp_timeout {timeout} s ({first_line}). Check that every process was started and that "
+            f"--ddp_timeout {timeout} s ({first_line(err)}). Check that every process was started and that "
             f"{address}:{port} is reachable from this machine."
         ) from err

@@ -19,7 +19,7 @@ from vlfit.data.file_patterns import resolve_files
 from vlfit.data.records import Record, image_value_to_bytes
 from vlfit.data.source_base import ImageTextSource, as_caption
 from vlfit.data.tar_source import TarSource
-from vlfit.errors import DataError
+from vlfit.errors import DataError, first_line
 
 SUPPORTED_FILE_EXTENSIONS: tuple[str, ...] = (".parquet", ".jsonl", ".json", ".csv", ".tar")
 _BUILDER_FOR_EXTENSION = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
@@ -189,17 +189,12 @@ def _load_builder_files(
         try:
             part = datasets.load_dataset(builder, data_files=group, split="train", cache_dir=cache_dir)
         except (OSError, ValueError) as error:  # pyarrow's ArrowInvalid is a ValueError
-            raise DataError(f"{_describe(group)}: cannot read it as {builder}: {_first_line(error)}") from error
+            raise DataError(f"{_describe(group)}: cannot read it as {builder}: {first_line(error, 300)}") from error
         base_dirs.append((rows, folder))
         rows += len(part)
         parts.append(part)
     dataset = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
     return dataset, base_dirs
-
-
-def _first_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0][:300] if lines else type(error).__name__
 
 
 def _describe(files: Sequence[str]) -> str:
@@ -328,7 +323,7 @@ def _open_named(
             dataset_name, config_name, revision=revision, cache_dir=cache_dir, token=token, data_dir=data_dir
         )
     except (OSError, ValueError) as error:  # not found (locally or on the hub), offline, a wrong config name
-        raise DataError(f"dataset {dataset_name!r}: cannot open it: {_first_line(error)}") from error
+        raise DataError(f"dataset {dataset_name!r}: cannot open it: {first_line(error, 300)}") from error
     if isinstance(loaded, datasets.Dataset):
         loaded = datasets.DatasetDict({"train": loaded})
     if not isinstance(loaded, datasets.DatasetDict):

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
-from vlfit.errors import ConfigError, ModelLoadError
+from vlfit.errors import ConfigError, ModelLoadError, first_line
 from vlfit.models.family import InputSpec, ModelFamily
 from vlfit.models.lora import adapter_base, is_adapter_folder, load_merged
 from vlfit.models.registry import family_for_config, family_for_preset
@@ -135,7 +135,7 @@ def _load_processor(auto_class: Any, what: str, flag: str, name_or_path: str, hu
         return auto_class.from_pretrained(name_or_path, **hub)
     except (OSError, ValueError) as error:
         raise ModelLoadError(
-            f"{name_or_path}: cannot load its {what} ({str(error).splitlines()[0][:200]}); save the {what} beside "
+            f"{name_or_path}: cannot load its {what} ({first_line(error, 200)}); save the {what} beside "
             f"the model (vlfit train does) or pass {flag}"
         ) from error
 
@@ -176,7 +176,7 @@ def resolve_model(
             config = AutoConfig.from_pretrained(config_name or checkpoint, **hub)
         except OSError as error:  # not a folder with a config.json, and not a hub id that can be reached
             raise ModelLoadError(
-                f"{config_name or checkpoint}: cannot load a model config ({str(error).splitlines()[0][:200]}); "
+                f"{config_name or checkpoint}: cannot load a model config ({first_line(error, 200)}); "
                 "pass a folder with config.json (what vlfit train writes), a hub id, or --model_preset"
             ) from error
         family = family_for_config(config)
