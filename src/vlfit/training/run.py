@@ -303,7 +303,6 @@ def run(
             command_line=command_line,
             adapters=lora is not None,
         )
-        logger.info("model saved to %s (model card: README.md)", training_args.output_dir)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
     return results
