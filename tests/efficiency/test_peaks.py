@@ -39,6 +39,13 @@ def test_a_cpu_peak_is_measured_in_the_run() -> None:
     assert peak.measured and peak.tflops > 0 and "measured in this run" in peak.source
     small = measured_peak(torch.device("cpu"), "bf16", size=64, seconds=0.01)
     assert small.precision == "bf16" and small.tflops > 0
+    assert peak_flops(torch.device("cpu"), "fp32") is peak  # measured once per process
+
+
+def test_the_cpu_matrices_shrink_to_fit_the_time_budget() -> None:
+    # A precision the CPU emulates (bf16: ~2 s per 1024-sided product) is timed on smaller matrices, not for 10 s.
+    assert "256x256" in measured_peak(torch.device("cpu"), "fp32", seconds=1e-4).source
+    assert "1024x1024" in measured_peak(torch.device("cpu"), "fp32", seconds=2.0).source
 
 
 def test_matmul_precision_follows_autocast() -> None:

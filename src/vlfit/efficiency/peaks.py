@@ -95,16 +95,22 @@ def measured_peak(device: torch.device, precision: str, *, size: int | None = No
     Args:
         device: Where to measure.
         precision: ``fp32``, ``tf32``, ``bf16`` or ``fp16``.
-        size: Matrix side (default 1024 on CPU, 8192 elsewhere).
+        size: Matrix side. Default: the largest of 256, 512, 1024 (CPU; 8192 elsewhere) whose product takes at
+            most a quarter of ``seconds``, so a precision the device only emulates (bf16 on most CPUs: about 1
+            GFLOP/s, 2 s per 1024-sided product) is measured on smaller matrices within the budget.
         seconds: Roughly how long to time (after one warm-up product).
     """
-    size = size or (1024 if device.type == "cpu" else 8192)
     dtype = _DTYPES[precision]
-    generator = torch.Generator(device="cpu").manual_seed(0)
-    a = torch.randn(size, size, generator=generator).to(device=device, dtype=dtype)
-    b = torch.randn(size, size, generator=generator).to(device=device, dtype=dtype)
-    _synchronize(device)
-    torch.mm(a, b)
+    sized_to_budget = size is None and device.type == "cpu"
+    a, b = _operands(device, dtype, 256 if sized_to_budget else size or 8192)
+    torch.mm(a, b)  # warm-up
+    if sized_to_budget:
+        one = _time_products(device, a, b)
+        while a.shape[0] < 1024 and one * 8 <= seconds / 4:  # doubling the side costs 8x per product
+            a, b = _operands(device, dtype, a.shape[0] * 2)
+            torch.mm(a, b)
+            one = _time_products(device, a, b)
+    size = a.shape[0]
     _synchronize(device)
     products, start = 0, time.perf_counter()
     while True:
@@ -121,13 +127,35 @@ def measured_peak(device: torch.device, precision: str, *, size: int | None = No
     return PeakFlops(tflops, name, precision, source, measured=True)
 
 
+def _operands(device: torch.device, dtype: torch.dtype, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(size, size, generator=generator).to(device=device, dtype=dtype)
+    b = torch.randn(size, size, generator=generator).to(device=device, dtype=dtype)
+    return a, b
+
+
+def _time_products(device: torch.device, a: torch.Tensor, b: torch.Tensor) -> float:
+    """Seconds one ``a @ b`` takes."""
+    _synchronize(device)
+    start = time.perf_counter()
+    torch.mm(a, b)
+    _synchronize(device)
+    return time.perf_counter() - start
+
+
 def peak_flops(device: torch.device, precision: str) -> PeakFlops:
-    """The data-sheet peak of a known accelerator, else one measured now (CPUs, unknown devices)."""
+    """The data-sheet peak of a known accelerator, else one measured now (CPUs, unknown devices), once per process
+    for each device, precision and thread count (a search's trials, or a bench's rows, share it)."""
     if device.type != "cpu":
         known = known_peak(_device_name(device), precision)
         if known is not None:
             return known
-    return measured_peak(device, precision)
+    return _measured_once(str(device), precision, torch.get_num_threads())
+
+
+@functools.cache
+def _measured_once(device: str, precision: str, threads: int) -> PeakFlops:
+    return measured_peak(torch.device(device), precision)
 
 
 def _device_name(device: torch.device) -> str:
