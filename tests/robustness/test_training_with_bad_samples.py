@@ -96,38 +96,19 @@ def test_bad_samples_are_replaced_counted_reported_and_left_out_of_eval(tmp_path
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the preemption handlers were removed
 
 
-def test_distributed_evaluation_with_bad_samples_equals_one_process(tmp_path: Path, dirty_dataset: str) -> None:
-    """Two processes whose batches lose different numbers of bad samples score the split as one process does.
+def test_two_processes_count_every_bad_sample_and_evaluate_as_one_process(tmp_path: Path, dirty_dataset: str) -> None:
+    """Training: each process reports the bad samples it read, and the run's metrics sum them. Evaluation: two
+    processes whose batches lose different numbers of bad samples score the split as one process does.
 
     12 validation rows, batches of 4 over 2 processes: rank 0 reads rows 0-3 (row 2 bad) and 8-11, rank 1 reads
     4-7 (row 5 bad) and then rows 0-3 again to even out the batches. Each valid row must count once.
     """
-    model = tmp_path / "model"
-    assert main([*_argv(dirty_dataset, model, "--max_steps", "2")]) == 0
-    flags = ["--model_name_or_path", str(model), "--dataset_name", dirty_dataset, "--caption_column", "caption",
-             "--report_to", "none", "--per_device_eval_batch_size", "4", "--dataloader_num_workers", "0"]  # fmt: skip
-    assert main(["eval", *flags, "--output_dir", str(tmp_path / "one")]) == 0
-    done = subprocess.run(
-        torchrun_command("-m", "vlfit", "eval", *flags, "--output_dir", str(tmp_path / "two")),
-        env=torchrun_env(),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    one = json.loads((tmp_path / "one" / "eval_results.json").read_text())
-    two = json.loads((tmp_path / "two" / "eval_results.json").read_text())
-    assert two["eval_num_samples"] == one["eval_num_samples"] == 12 - len(BAD_EVAL)
-    assert two["eval_bad_samples"] == one["eval_bad_samples"] == len(BAD_EVAL)
-    for key in ("eval_t2i_recall@1", "eval_i2t_recall@1", "eval_t2i_recall@5", "eval_i2t_recall@5"):
-        assert two[key] == pytest.approx(one[key], abs=1e-6), key
-
-
-def test_distributed_training_counts_every_process_bad_samples(tmp_path: Path, dirty_dataset: str) -> None:
-    """Each process reports the bad samples it read; the run's metrics sum them over the processes."""
     out = tmp_path / "run"
+    eval_flags = ["--per_device_eval_batch_size", "4", "--dataloader_num_workers", "0"]
     done = subprocess.run(
-        torchrun_command("-m", "vlfit", *_argv(dirty_dataset, out, "--num_train_epochs", "1")),
+        torchrun_command(
+            "-m", "vlfit", *_argv(dirty_dataset, out, "--num_train_epochs", "1", "--do_eval", *eval_flags)
+        ),  # fmt: skip
         env=torchrun_env(),
         capture_output=True,
         text=True,
@@ -138,8 +119,16 @@ def test_distributed_training_counts_every_process_bad_samples(tmp_path: Path, d
     records = [json.loads(line) for report in reports for line in report.read_text().splitlines()]
     # Every bad row is read by one process at least (a process may read one again in the epoch's padded tail).
     assert {r["id"] for r in records} == {f"t-{i}" for i in BAD_TRAIN}
-    metrics = json.loads((out / "train_results.json").read_text())
-    assert metrics["train_bad_samples"] == len(records)
+    assert json.loads((out / "train_results.json").read_text())["train_bad_samples"] == len(records)
+
+    assert main(["eval", "--model_name_or_path", str(out), "--dataset_name", dirty_dataset, "--caption_column",
+                 "caption", "--report_to", "none", *eval_flags, "--output_dir", str(tmp_path / "one")]) == 0  # fmt: skip
+    one = json.loads((tmp_path / "one" / "eval_results.json").read_text())
+    two = json.loads((out / "eval_results.json").read_text())
+    assert two["eval_num_samples"] == one["eval_num_samples"] == 12 - len(BAD_EVAL)
+    assert two["eval_bad_samples"] == one["eval_bad_samples"] == len(BAD_EVAL)
+    for key in ("eval_t2i_recall@1", "eval_i2t_recall@1", "eval_t2i_recall@5", "eval_i2t_recall@5"):
+        assert two[key] == pytest.approx(one[key], abs=1e-6), key
 
 
 def test_max_bad_fraction_stops_the_run_with_the_ids(tmp_path: Path, dirty_dataset: str, capsys) -> None:
