@@ -56,9 +56,15 @@ import importlib
 import os
 import sys
 
+# The GPU first: a machine without one is refused before the slow imports below.
+import torch
+
+gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+if gpu == "none" and os.environ.get("VLFIT_BENCH_ALLOW_CPU") != "1":
+    sys.exit("gpu.sh: torch sees no CUDA GPU (set VLFIT_BENCH_ALLOW_CPU=1 to run on the CPU anyway)")
 # vlfit's core dependencies, by import name (pyproject.toml); torchcodec is the gpu extra, reported below.
-required = ("torch", "torchvision", "transformers", "accelerate", "datasets", "tokenizers", "simplejpeg", "PIL",
-            "numpy", "pyarrow", "braceexpand", "yaml", "tqdm", "psutil", "matplotlib", "safetensors")
+required = ("torchvision", "transformers", "accelerate", "datasets", "tokenizers", "simplejpeg", "PIL", "numpy",
+            "pyarrow", "braceexpand", "yaml", "tqdm", "psutil", "matplotlib", "safetensors")
 missing = []
 for name in required:
     try:
@@ -68,8 +74,6 @@ for name in required:
 if missing:
     sys.exit(f"gpu.sh: missing required packages: {', '.join(missing)} (bash benchmarks/fetch_gpu_wheels.sh "
              "fetches wheels of those the GPU machines lack; carry benchmarks/wheels)")
-import torch
-
 found = {}
 for name in ("torchcodec",):
     try:
@@ -79,11 +83,8 @@ for name in ("torchcodec",):
         found[name] = getattr(module, "__version__", "yes")
     except Exception:  # ImportError, or native libraries that do not load (OSError, RuntimeError)
         found[name] = "no"
-gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
 print(f"gpu.sh: python {sys.version.split()[0]}, torch {torch.__version__}, GPU {gpu}; gpu extra: "
       + ", ".join(f"{k} {v}" for k, v in found.items()))
-if gpu == "none" and os.environ.get("VLFIT_BENCH_ALLOW_CPU") != "1":
-    sys.exit("gpu.sh: torch sees no CUDA GPU (set VLFIT_BENCH_ALLOW_CPU=1 to run on the CPU anyway)")
 EOF
 
 # SIGINT makes vlfit bench stop and write its partial results; SIGKILL follows a minute later if it hangs.
