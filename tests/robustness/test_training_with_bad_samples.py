@@ -121,8 +121,9 @@ def test_two_processes_count_every_bad_sample_and_evaluate_as_one_process(tmp_pa
     assert {r["id"] for r in records} == {f"t-{i}" for i in BAD_TRAIN}
     assert json.loads((out / "train_results.json").read_text())["train_bad_samples"] == len(records)
 
-    assert main(["eval", "--model_name_or_path", str(out), "--dataset_name", dirty_dataset, "--caption_column",
-                 "caption", "--report_to", "none", *eval_flags, "--output_dir", str(tmp_path / "one")]) == 0  # fmt: skip
+    eval_argv = ["eval", "--model_name_or_path", str(out), "--dataset_name", dirty_dataset, "--caption_column",
+                 "caption", "--report_to", "none", *eval_flags, "--output_dir", str(tmp_path / "one")]  # fmt: skip
+    assert main(eval_argv) == 0
     one = json.loads((tmp_path / "one" / "eval_results.json").read_text())
     two = json.loads((out / "eval_results.json").read_text())
     assert two["eval_num_samples"] == one["eval_num_samples"] == 12 - len(BAD_EVAL)
@@ -146,15 +147,11 @@ def test_max_bad_fraction_stops_the_run_with_the_ids(tmp_path: Path, dirty_datas
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
-def test_raise_policy_stops_at_the_first_bad_sample_even_through_workers(
-    tmp_path: Path, dirty_dataset: str, capsys
-) -> None:
+def test_raise_policy_stops_at_the_first_bad_sample_even_through_workers(tmp_path: Path, dirty_dataset: str) -> None:
+    # The error a worker raised reaches the command as itself (with --debug; without, it is the CLI's one line).
     argv = _argv(dirty_dataset, tmp_path / "run", "--max_steps", "8", "--bad_sample_policy", "raise")
-    assert main([*argv, "--dataloader_num_workers", "2"]) == 2
-    error = capsys.readouterr().err.strip().splitlines()[-1]
-    assert re.match(r"vlfit train: error: bad sample t-(7|23|41): .*--bad_sample_policy skip", error)
     with pytest.raises(BadSampleError, match=r"bad sample t-(7|23|41): .*--bad_sample_policy skip"):
-        main([*argv, "--debug"])
+        main([*argv, "--dataloader_num_workers", "2", "--debug"])
 
 
 def test_flags_are_validated(tmp_path: Path, dirty_dataset: str, capsys) -> None:
