@@ -187,6 +187,15 @@ class DataLocationArguments:
     id_column: str | None = field(
         default=None, metadata={"help": "Column with sample ids (default: instance_id or id if present, else row)."}
     )
+    image_id_column: str | None = field(
+        default=None,
+        metadata={
+            "help": "Column naming the image a row shows (e.g. COCO's image_id): rows with equal values are captions "
+            "of one image, for evaluation (recall over unique images) and the loss (never each other's negatives). "
+            "Default: rows with identical image bytes are one image. A caption column holding lists of captions is "
+            "read as one row per caption."
+        },
+    )
 
     def source_kwargs(self) -> dict[str, Any]:
         """The data-location and column flags as keyword arguments of ``vlfit.data.sources.open_splits``."""

@@ -154,7 +154,9 @@ def _batch(tokenizer, pipeline: str, decode_on_device: bool = False, **collator_
 def test_collator_fast_batch(tokenizer) -> None:
     batch = _batch(tokenizer, "fast")
     assert isinstance(batch, Batch) and len(batch) == 6 and not batch.on_device
-    assert set(batch.inputs) == {"input_ids", "attention_mask", "pixel_values"}
+    assert set(batch.inputs) == {"input_ids", "attention_mask", "pixel_values", "image_keys"}
+    assert batch["image_keys"].tolist() == [record.image_key for record in FakeSource().records]
+    assert len(set(batch["image_keys"].tolist())) == 6  # six different images
     assert batch.positions == list(range(6))
     assert batch.bad_samples == [] and batch.encoded_images is None and batch.columns == {}
     assert batch["pixel_values"].shape == (6, 3, SIZE, SIZE)

@@ -507,9 +507,9 @@ def test_missing_columns_name_split_and_list_columns(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"id column 'uid' not found"):
         open_splits(train_file=str(tmp_path / "c.jsonl"), image_column="img", caption_column="text", id_column="uid")
 
-    multi = datasets.Dataset.from_dict({"image": [b"x"], "caps": [["a", "b"]]})
-    with pytest.raises(ValueError, match=r"caption column 'caps' holds List"):
-        ArrowSource(multi, name="multi", image_column="image", caption_column="caps")
+    numbers = datasets.Dataset.from_dict({"image": [b"x"], "caps": [[1, 2]]})  # lists of texts are captions
+    with pytest.raises(ValueError, match=r"caption column 'caps' holds List.*one text value per row, or a list"):
+        ArrowSource(numbers, name="multi", image_column="image", caption_column="caps")
 
 
 def test_file_errors(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlfit.evaluation.retrieval import EmbeddedSplit, merge_splits, score_split
+from vlfit.evaluation.retrieval import EmbeddedSplit, group_images, merge_splits, score_split
 
 DIM, CHOICES = 8, 3
 
@@ -75,3 +75,31 @@ def test_scoring_an_empty_split_says_what_to_check() -> None:
     assert merged.bad_samples == [("a", "corrupt")]
     with pytest.raises(ValueError, match="--eval_split"):
         score_split(merged)
+
+
+def test_captions_of_one_image_are_scored_over_unique_images_after_merging() -> None:
+    """COCO-like: 4 images x 4 captions, one row per caption, each caption embedded where its image is. Rows split
+    over two processes; every recall is 1 over 4 images and 16 texts (row-by-row pairing would give t2i@1 0)."""
+    images = torch.nn.functional.normalize(torch.randn(4, DIM, generator=torch.Generator().manual_seed(0)), dim=1)
+    image_of_row = torch.tensor([0, 1, 2, 3] * 4)  # caption k of every image, then caption k + 1
+    keys = torch.tensor([101, -7, 55, 3])[image_of_row]
+    parts = []
+    for rows in ([0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]):
+        part = EmbeddedSplit(choices=None, labels=None)
+        part.positions = rows
+        part.texts, part.images = [images[image_of_row[rows]]], [images[image_of_row[rows]]]
+        part.image_keys = [keys[rows]]
+        parts.append(part)
+    metrics = score_split(merge_splits(parts))
+    assert metrics["num_images"] == 4 and metrics["num_texts"] == metrics["num_samples"] == 16
+    assert metrics["t2i_recall@1"] == metrics["i2t_recall@1"] == 1.0
+    assert metrics["chance_recall@1"] == pytest.approx(1 / 4)
+    pooled = score_split(merge_splits(parts), pool_size=2)  # 2 images and their 8 captions per pool
+    assert pooled["pool_size"] == 2 and pooled["chance_recall@1"] == pytest.approx(1 / 2)
+
+
+def test_unique_images_come_in_order_of_first_appearance() -> None:
+    first_rows, image_of_row = group_images(torch.tensor([9, 4, 9, -1, 4]), 5)
+    assert first_rows.tolist() == [0, 1, 3] and image_of_row.tolist() == [0, 1, 0, 2, 1]
+    first_rows, image_of_row = group_images(None, 3)
+    assert first_rows.tolist() == image_of_row.tolist() == [0, 1, 2]

@@ -1,10 +1,10 @@
-"""Chunked top-k and true-pair ranks equal what the full similarity matrix gives."""
+"""Chunked top-k and the ranks of right answers equal what the full similarity matrix gives."""
 
 import pytest
 import torch
 
 from vlfit.evaluation.metrics import embedding_recall_at_k, pooled_recall_at_k, recall_at_k
-from vlfit.evaluation.topk import chunked_topk, true_pair_ranks
+from vlfit.evaluation.topk import best_owned_ranks, chunked_topk, target_ranks
 
 
 def _normalized(n: int, d: int, seed: int) -> torch.Tensor:
@@ -28,12 +28,28 @@ def test_chunked_topk_breaks_ties_by_index_and_caps_k_at_the_index_size():
     assert scores.tolist() == [[1.0, 1.0, 1.0, 0.0]]
 
 
-def test_true_pair_ranks_equal_the_diagonal_ranks_of_the_full_matrix():
+def test_target_ranks_equal_the_diagonal_ranks_of_the_full_matrix():
     text, image = _normalized(57, 8, 2), _normalized(57, 8, 3)
     similarity = text @ image.t()
     expected = (similarity >= similarity.diagonal().unsqueeze(1)).sum(1) - 1
     for chunk in (1, 57 * 5, 10_000):
-        assert torch.equal(true_pair_ranks(text, image, chunk_elements=chunk), expected)
+        assert torch.equal(target_ranks(text, image, chunk_elements=chunk), expected)
+
+
+def test_grouped_ranks_in_chunks_equal_the_full_matrix_recall():
+    # 23 images with 1-4 captions each, captions in shuffled order, and exact ties between images.
+    g = torch.Generator().manual_seed(7)
+    image_of_text = torch.repeat_interleave(torch.arange(23), torch.randint(1, 5, (23,), generator=g))
+    image_of_text = image_of_text[torch.randperm(len(image_of_text), generator=g)]
+    image = _normalized(23, 8, 8)
+    image[5] = image[4]
+    text = torch.nn.functional.normalize(image[image_of_text] + 0.9 * _normalized(len(image_of_text), 8, 9), dim=1)
+    full = recall_at_k(text @ image.t(), (1, 5, 10), image_of_text)
+    for chunk in (1, 31, 10_000):
+        assert embedding_recall_at_k(text, image, (1, 5, 10), image_of_text, chunk_elements=chunk) == full
+    assert best_owned_ranks(image, text, image_of_text, chunk_elements=5).shape == (23,)
+    with pytest.raises(ValueError, match="each query at least one"):
+        best_owned_ranks(image, text[image_of_text != 3], image_of_text[image_of_text != 3])
 
 
 def test_chunked_recall_gives_the_full_matrix_recall_with_ties_and_pools():

@@ -89,7 +89,14 @@ def profile_stages(
                 records = [source[(start + i) % len(source)] for i in range(batch_size)]
             images = _cpu_images(spec, records, inputs.image_size, inputs.image_mean, inputs.image_std, clock)
             samples = [
-                Sample(record.id, start + i, image=image, caption=record.caption, columns=dict(record.extra))
+                Sample(
+                    record.id,
+                    start + i,
+                    image=image,
+                    caption=record.caption,
+                    columns=dict(record.extra),
+                    image_key=record.image_key,
+                )  # fmt: skip
                 for i, (image, record) in enumerate(zip(images, records, strict=True))
             ]
             with clock("collate"):

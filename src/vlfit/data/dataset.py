@@ -29,6 +29,7 @@ from vlfit.data.hard_negatives import alternative_captions, tokenize_alternative
 from vlfit.data.image_transforms import EncodedImage, stack_images
 from vlfit.data.records import BadRecordError
 from vlfit.errors import DataError
+from vlfit.models.family import IMAGE_KEYS
 
 if TYPE_CHECKING:
     from vlfit.data.source_base import ImageTextSource
@@ -48,6 +49,7 @@ class Sample:
         caption: The caption text (None for a placeholder).
         columns: Extra columns of the record (``caption_choices``, ``label``).
         bad_samples: Bad samples met while making this one (the sample itself, for a placeholder).
+        image_key: ``Record.image_key`` (None for a placeholder).
     """
 
     id: str
@@ -56,6 +58,7 @@ class Sample:
     caption: str | None
     columns: dict[str, Any] = field(default_factory=dict)
     bad_samples: list[BadSample] = field(default_factory=list)
+    image_key: int | None = None
 
 
 class ImageTextDataset(Dataset):
@@ -152,7 +155,9 @@ class ImageTextDataset(Dataset):
             image = self.image_transform(record.image, record.id)
         else:  # into its row of the batch (a substitute takes the row of the bad sample, which wrote nothing)
             image = self.image_transform(record.image, record.id, out=out)  # type: ignore[call-arg]
-        return Sample(record.id, position, image=image, caption=caption, columns=dict(record.extra))
+        return Sample(
+            record.id, position, image=image, caption=caption, columns=dict(record.extra), image_key=record.image_key
+        )
 
     def _set_up_worker(self) -> None:
         """Once per DataLoader worker process: one torch thread, and a session of its own.
@@ -178,7 +183,9 @@ class ImageTextCollator:
 
     Captions are padded to the longest in the batch (to a multiple of 8 when ``max_seq_length`` is one), not to
     ``max_seq_length``: shorter sequences are cheaper for every layer. Placeholders of bad samples (``image`` None)
-    are left out; every bad sample met while making the batch is listed in ``Batch.bad_samples``.
+    are left out; every bad sample met while making the batch is listed in ``Batch.bad_samples``. Each row's
+    ``Record.image_key`` goes along as the ``image_keys`` input: the loss and the evaluation know the captions of
+    one image by it.
 
     With ``hard_negative_column``, each row's alternative captions (that column's choices other than its own; see
     ``vlfit.data.hard_negatives``) are tokenized too, as the ``hard_negative_*`` inputs.
@@ -220,7 +227,11 @@ class ImageTextCollator:
             pad_to_multiple_of=8 if self.max_seq_length % 8 == 0 else None,
             return_tensors="pt",
         )
-        inputs = {"input_ids": text["input_ids"], "attention_mask": text["attention_mask"]}
+        inputs = {
+            "input_ids": text["input_ids"],
+            "attention_mask": text["attention_mask"],
+            IMAGE_KEYS: torch.tensor([sample.image_key for sample in samples], dtype=torch.long),
+        }
         if self.hard_negative_column is not None:
             inputs.update(self._hard_negatives(samples))
         images = [sample.image for sample in samples]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 from dataclasses import dataclass, field
@@ -22,12 +23,23 @@ class Record:
         image: The encoded image file (JPEG, PNG, ...), exactly as stored.
         caption: The caption text (may be empty or ``None`` when the data is dirty; later stages decide).
         extra: Other columns the caller asked for (for example ``caption_choices`` and ``label``).
+        image_id: Which image this is, from ``--image_id_column``; ``None``: the image is known by its bytes.
     """
 
     id: str
     image: bytes
     caption: str | None
     extra: dict[str, Any] = field(default_factory=dict)
+    image_id: str | None = None
+
+    @property
+    def image_key(self) -> int:
+        """A signed 64-bit key of the image: rows with equal keys show the same image (several captions of one
+        image, or rows repeating its bytes). From ``image_id`` when the source has one, else from the encoded
+        bytes (SHA-1, about 0.1 ms for a 150 KB JPEG: noise beside its decode)."""
+        data = b"id:" + self.image_id.encode("utf-8") if self.image_id is not None else self.image
+        digest = hashlib.sha1(data, usedforsecurity=False).digest()
+        return int.from_bytes(digest[:8], "little", signed=True)
 
 
 class BadRecordError(DataError):

@@ -6,6 +6,7 @@ Sources yield encoded bytes only; see ``vlfit.data.source_base`` for the interfa
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Sequence
@@ -14,6 +15,7 @@ from typing import Any
 
 import datasets
 import numpy as np
+import pyarrow.compute as pc
 
 from vlfit.data.file_patterns import resolve_files
 from vlfit.data.records import Record, image_value_to_bytes
@@ -26,6 +28,8 @@ _BUILDER_FOR_EXTENSION = {".parquet": "parquet", ".jsonl": "json", ".json": "jso
 # Split names recognised in local parquet folders, from file-name prefixes (`train-*.parquet`) or folder names.
 KNOWN_SPLIT_NAMES: tuple[str, ...] = ("train", "validation", "valid", "val", "dev", "test", "eval")
 _HUB_SHARD_NAME = re.compile(r"^(?P<split>[\w.]+?)-\d+-of-\d+")
+
+logger = logging.getLogger(__name__)
 
 
 def default_id_column(columns: Sequence[str]) -> str | None:
@@ -40,6 +44,7 @@ class _Columns:
     id: str | None
     extras: tuple[str, ...]
     caption_role: str = "caption"
+    image_id: str | None = None
 
 
 class ArrowSource(ImageTextSource):
@@ -50,7 +55,9 @@ class ArrowSource(ImageTextSource):
         name: Description of the split and its origin, used in error messages.
         image_column: Column holding the image (``Image`` feature, ``{bytes, path}``, a path, bytes or PIL image).
         caption_column: Column holding the caption text, or a class label (``ClassLabel``: its names are the
-            captions); ``None`` for images only (each caption is then the sample id, which nothing embeds).
+            captions), or a list of captions per image (each caption is then a record of its own, id
+            ``{id}#{k}``, and a row with an empty list has none); ``None`` for images only (each caption is then
+            the sample id, which nothing embeds).
         id_column: Column holding sample ids; ``None`` picks ``instance_id`` or ``id`` when present, else
             ids are ``"{split}-{row}"``.
         extra_columns: Columns copied into ``Record.extra`` when present.
@@ -59,6 +66,8 @@ class ArrowSource(ImageTextSource):
             ``first_row`` on resolve against ``folder`` (the folder of the file that lists them).
         caption_role: What the caption column is called in error messages (``label``: ``vlfit fewshot``'s class
             column, its flag ``--label_column``).
+        image_id_column: Column naming which image a row shows (``Record.image_id``): rows with equal values are
+            captions of one image. ``None``: rows are grouped by their image bytes.
 
     Attributes:
         class_names: The names of a ``ClassLabel`` caption column, in label order (``None`` for text captions).
@@ -79,10 +88,13 @@ class ArrowSource(ImageTextSource):
         split: str = "train",
         base_dirs: Sequence[tuple[int, str]] = (),
         caption_role: str = "caption",
+        image_id_column: str | None = None,
     ) -> None:
         super().__init__(name=name, column_names=dataset.column_names, num_rows=len(dataset))
         available = dataset.column_names
-        for role, column in (("image", image_column), (caption_role, caption_column), ("id", id_column)):
+        named = (("image", image_column), (caption_role, caption_column), ("id", id_column),
+                 ("image_id", image_id_column))  # fmt: skip
+        for role, column in named:
             if column is not None and column not in available:
                 raise DataError(
                     f"{name}: {role} column {column!r} not found; available columns: {available}. "
@@ -91,24 +103,30 @@ class ArrowSource(ImageTextSource):
         if id_column is None:
             id_column = default_id_column(available)
         caption_feature = dataset.features[caption_column] if caption_column is not None else datasets.Value("string")
-        if not isinstance(caption_feature, (datasets.Value, datasets.ClassLabel)):
+        caption_lists = caption_role == "caption" and _is_text_list(caption_feature)
+        if not (caption_lists or isinstance(caption_feature, (datasets.Value, datasets.ClassLabel))):
+            expected = "one text value per row, or a list of texts" if caption_role == "caption" else "one value"
             raise DataError(
-                f"{name}: {caption_role} column {caption_column!r} holds {caption_feature}, expected one text value "
-                "per row (split multi-caption rows into one row per caption first)"
+                f"{name}: {caption_role} column {caption_column!r} holds {caption_feature}, expected {expected} per row"
             )
         self.class_names: list[str] | None = (
             list(caption_feature.names) if isinstance(caption_feature, datasets.ClassLabel) else None
         )
         self._columns = _Columns(
-            image_column, caption_column, id_column, tuple(c for c in extra_columns if c in available)
+            image_column,
+            caption_column,
+            id_column,
+            tuple(c for c in extra_columns if c in available),
+            image_id=image_id_column,
         )
         self._split = split
         self._base_rows = [row for row, _ in base_dirs]
         self._base_dirs = [folder for _, folder in base_dirs]
 
         needed = list(dict.fromkeys(c for c in (image_column, caption_column, *self._columns.extras) if c))
-        if id_column is not None and id_column not in needed:
-            needed.append(id_column)
+        for column in (id_column, image_id_column):
+            if column is not None and column not in needed:
+                needed.append(column)
         dataset = dataset.select_columns(needed).with_format(None)
         # Rows must carry encoded bytes: decoding happens later, in worker processes.
         for column in needed:
@@ -116,6 +134,18 @@ class ArrowSource(ImageTextSource):
             if isinstance(feature, datasets.Image) and feature.decode:
                 dataset = dataset.cast_column(column, datasets.Image(decode=False))
         self._dataset = dataset
+        # A list column: one record per caption. Record r is caption _caption_index[r] of row _caption_rows[r].
+        self._caption_rows: np.ndarray | None = None
+        self._caption_index: np.ndarray | None = None
+        if caption_lists:
+            lengths = pc.list_value_length(self._arrow_column(caption_column)).fill_null(0).to_numpy()
+            lengths = lengths.astype(np.int64)
+            self._caption_rows = np.repeat(np.arange(len(dataset)), lengths)
+            self._caption_index = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+            self._num_rows = len(self._caption_rows)
+            if (lengths == 0).any():
+                logger.warning("%s: %d of %d rows have no caption in list column %r: their images are left out",
+                               name, int((lengths == 0).sum()), len(lengths), caption_column)  # fmt: skip
 
     @property
     def dataset(self) -> datasets.Dataset:
@@ -130,12 +160,23 @@ class ArrowSource(ImageTextSource):
 
     def _read(self, row: int) -> Record:
         cols = self._columns
+        caption_index = None
+        if self._caption_rows is not None:
+            row, caption_index = int(self._caption_rows[row]), int(self._caption_index[row])  # type: ignore[index]
         values = self._dataset[row]
         sample_id = str(values[cols.id]) if cols.id is not None else f"{self._split}-{row}"
+        if caption_index is not None:
+            sample_id = f"{sample_id}#{caption_index}"
         image = image_value_to_bytes(values[cols.image], base_dir=self._base_dir(row), sample_id=sample_id)
         extra = {c: values[c] for c in cols.extras}
-        caption = self._caption(values[cols.caption]) if cols.caption is not None else sample_id
-        return Record(id=sample_id, image=image, caption=caption, extra=extra)
+        if cols.caption is None:
+            caption = sample_id
+        elif caption_index is None:
+            caption = self._caption(values[cols.caption])
+        else:
+            caption = as_caption(values[cols.caption][caption_index])
+        image_id = values[cols.image_id] if cols.image_id is not None else None
+        return Record(sample_id, image, caption, extra, image_id=None if image_id is None else str(image_id))
 
     def _caption(self, value: Any) -> str | None:
         if self.class_names is not None and isinstance(value, int) and 0 <= value < len(self.class_names):
@@ -149,14 +190,28 @@ class ArrowSource(ImageTextSource):
                 positions = range(len(self._dataset)) if rows is None else rows
                 return [f"{self._split}-{int(row)}" for row in positions]
             return [str(value) for value in self._column_values(cols.id, rows)]
+        if self._caption_rows is not None:
+            captions = pc.list_flatten(self._arrow_column(cols.caption))  # null lists hold no caption
+            return [as_caption(value) for value in (captions if rows is None else captions.take(rows)).to_pylist()]
         return [self._caption(value) for value in self._column_values(cols.caption, rows)]
 
-    def _column_values(self, column: str, rows: np.ndarray | None) -> list[Any]:
+    def _arrow_column(self, column: str) -> Any:
         # Arrow format reads only that column, leaving image bytes untouched.
-        values = self._dataset.select_columns([column]).with_format("arrow")[:].column(0)
+        return self._dataset.select_columns([column]).with_format("arrow")[:].column(0)
+
+    def _column_values(self, column: str, rows: np.ndarray | None) -> list[Any]:
+        values = self._arrow_column(column)
         if rows is not None:
             values = values.take(rows)
         return values.to_pylist()
+
+
+def _is_text_list(feature: Any) -> bool:
+    """Whether a column feature is a list of texts (several captions per image)."""
+    inner = getattr(feature, "feature", None)
+    return isinstance(feature, (datasets.List, datasets.LargeList)) and (
+        isinstance(inner, datasets.Value) and inner.dtype in ("string", "large_string")
+    )
 
 
 def _file_extension(path: str) -> str:
@@ -224,7 +279,12 @@ def _open_files(
         if caption is None:
             raise DataError(f"{name}: WebDataset shards are read with a caption member; name one")
         return TarSource(
-            files, name=name, image_column=columns.image, caption_column=caption, extra_columns=columns.extras
+            files,
+            name=name,
+            image_column=columns.image,
+            caption_column=caption,
+            extra_columns=columns.extras,
+            image_id_column=columns.image_id,
         )
     dataset, base_dirs = _load_builder_files(_BUILDER_FOR_EXTENSION[ext], files, cache_dir)
     return _arrow_source(dataset, split, name, columns, base_dirs)
@@ -247,6 +307,7 @@ def _arrow_source(
         split=split,
         base_dirs=base_dirs,
         caption_role=columns.caption_role,
+        image_id_column=columns.image_id,
     )
 
 
@@ -348,6 +409,7 @@ def open_splits(
     id_column: str | None = None,
     extra_columns: Sequence[str] = (),
     caption_role: str = "caption",
+    image_id_column: str | None = None,
 ) -> dict[str, ImageTextSource]:
     """Open every split of an image-text dataset as a map-style source.
 
@@ -374,6 +436,8 @@ def open_splits(
         id_column: Column holding ids; by default ``instance_id`` or ``id`` when present, else ``"{split}-{row}"``.
         extra_columns: Columns copied into ``Record.extra`` when present (missing ones are left out).
         caption_role: What the caption column is called in error messages (``label`` for a class column).
+        image_id_column: Column (tar shards: member or ``.json`` key) naming the image a row shows; rows with
+            equal values are captions of one image. ``None``: rows are grouped by their image bytes.
 
     Returns:
         Split name -> source.
@@ -392,7 +456,7 @@ def open_splits(
             "no data given: pass dataset_name (a hub id, a save_to_disk folder or a folder of parquet files) "
             "or train_file / validation_file / test_file (.parquet, .jsonl, .json, .csv or .tar)"
         )
-    columns = _Columns(image_column, caption_column, id_column, tuple(extra_columns), caption_role)
+    columns = _Columns(image_column, caption_column, id_column, tuple(extra_columns), caption_role, image_id_column)
     # Resolve every pattern first so a typo fails before any slow dataset loading.
     resolved = {split: resolve_files(spec) for split, spec in file_specs.items()}
     for files in resolved.values():

@@ -42,6 +42,8 @@ class TarSource(ImageTextSource):
         image_column: Preferred image member extension (ignored when no member has it).
         caption_column: Caption member extension, or the key in the ``.json`` member.
         extra_columns: Values copied into ``Record.extra`` when present.
+        image_id_column: A member extension or ``.json`` key naming the image a sample shows
+            (``Record.image_id``), read like an extra column; ``None``: samples are grouped by their image bytes.
 
     Raises:
         ValueError: when a sample has no image member (naming shard and key), or no caption source exists.
@@ -55,10 +57,13 @@ class TarSource(ImageTextSource):
         image_column: str = "image",
         caption_column: str = "txt",
         extra_columns: Sequence[str] = (),
+        image_id_column: str | None = None,
     ) -> None:
         self._shards = [os.path.abspath(s) for s in shards]
         self._caption_column = caption_column
-        self._extra_columns = tuple(extra_columns)
+        self._image_id_column = image_id_column
+        self._extra_columns = tuple(dict.fromkeys([*extra_columns, *([image_id_column] if image_id_column else [])]))
+        self._returned_extras = tuple(extra_columns)
         keys: list[str] = []
         shard_ids: list[int] = []
         # Per sample: (offset, size) of the image, caption-text and json members; (-1, 0) when absent.
@@ -216,7 +221,15 @@ class TarSource(ImageTextSource):
                     extra[column] = text
             elif column in meta:
                 extra[column] = meta[column]
-        return Record(id=self._keys[row], image=image, caption=self._caption(row, meta), extra=extra)
+        image_id = extra.get(self._image_id_column) if self._image_id_column else None
+        extra = {column: extra[column] for column in self._returned_extras if column in extra}
+        return Record(
+            self._keys[row],
+            image,
+            self._caption(row, meta),
+            extra,
+            image_id=None if image_id is None else str(image_id),
+        )
 
     def _read_captions(self, rows: np.ndarray | None) -> list[str | None]:
         order = range(self._num_rows) if rows is None else (int(r) for r in rows)

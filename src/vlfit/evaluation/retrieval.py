@@ -1,5 +1,8 @@
 """Embed a split and score it: text<->image recall@1/5/10 and New Yorker ``matching`` accuracy.
 
+Rows that show the same image (equal ``image_keys``: several captions of one image) are one image: recall is
+scored over the unique images and all captions (``vlfit.evaluation.metrics``).
+
 Three steps, one way: each process embeds the batches it reads (``embed_split``), the processes' parts are merged
 into one split in dataset order with each sample once (``merge_splits``), and the merged split is scored
 (``score_split``). Nothing is exchanged between processes per batch: the only collective is the one gather of the
@@ -21,7 +24,7 @@ from vlfit.data.batch import BadSample, Batch
 from vlfit.data.hard_negatives import label_to_index
 from vlfit.errors import DataError
 from vlfit.evaluation.metrics import matching_accuracy, pooled_recall_at_k
-from vlfit.models.family import ModelFamily
+from vlfit.models.family import IMAGE_KEYS, ModelFamily
 from vlfit.models.sharding import unsharded
 
 logger = logging.getLogger(__name__)
@@ -35,6 +38,8 @@ class EmbeddedSplit:
         positions: Each row's index in the split (``Batch.positions``): what merging orders and de-duplicates by.
         texts: Per batch, caption embeddings ``[b, d]``.
         images: Per batch, image embeddings ``[b, d]``.
+        image_keys: Per batch, which image each row shows ``[b]`` (``Batch`` input ``image_keys``); ``None``
+            once a batch had none (every row is then its own image).
         choices: Per batch, embeddings of the caption choices ``[b, c, d]``; ``None`` once a batch had none usable.
         labels: Per batch, the index of the right choice ``[b]``; ``None`` with ``choices``.
         bad_samples: Every sample left out.
@@ -43,6 +48,7 @@ class EmbeddedSplit:
     positions: list[int] = field(default_factory=list)
     texts: list[torch.Tensor] = field(default_factory=list)
     images: list[torch.Tensor] = field(default_factory=list)
+    image_keys: list[torch.Tensor] | None = field(default_factory=list)
     choices: list[torch.Tensor] | None = field(default_factory=list)
     labels: list[torch.Tensor] | None = field(default_factory=list)
     bad_samples: list[BadSample] = field(default_factory=list)
@@ -75,6 +81,10 @@ def embed_split(
             if not len(batch):
                 continue
             part.positions.extend(int(position) for position in batch.positions)
+            if part.image_keys is not None and IMAGE_KEYS in batch:
+                part.image_keys.append(batch[IMAGE_KEYS].cpu())
+            else:
+                part.image_keys = None
             with autocast():
                 text_embeds = family.encode_text(model, batch["input_ids"], batch["attention_mask"])
                 part.texts.append(text_embeds.float().cpu())
@@ -120,6 +130,10 @@ def merge_splits(parts: list[EmbeddedSplit]) -> EmbeddedSplit:
     merged.positions = [positions[row] for row in keep]
     merged.texts = kept_rows([part.texts for part in with_samples])
     merged.images = kept_rows([part.images for part in with_samples])
+    if all(part.image_keys is not None and len(part.image_keys) == len(part.texts) for part in with_samples):
+        merged.image_keys = kept_rows([part.image_keys for part in with_samples])  # type: ignore[misc]
+    else:
+        merged.image_keys = None
     if all(part.choices is not None and part.labels is not None for part in with_samples):
         merged.choices = kept_rows([part.choices for part in with_samples])  # type: ignore[misc]
         merged.labels = kept_rows([part.labels for part in with_samples])  # type: ignore[misc]
@@ -128,17 +142,43 @@ def merge_splits(parts: list[EmbeddedSplit]) -> EmbeddedSplit:
     return merged
 
 
-def score_split(split: EmbeddedSplit, pool_size: int | None = None) -> dict[str, float]:
-    """Recall@k both ways over pools of ``pool_size`` (``None``: the whole split) and matching accuracy.
+def group_images(image_keys: torch.Tensor | None, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unique images among a split's rows, in the order they first appear.
+
+    Args:
+        image_keys: ``[rows]`` int64, which image each row shows; ``None``: each row its own image.
+        num_rows: The rows.
 
     Returns:
-        ``t2i_recall@k``, ``i2t_recall@k``, ``chance_recall@1``, ``pool_size``, ``num_samples``, ``bad_samples``
-        and, when caption choices exist, ``matching_accuracy`` and ``chance_matching_accuracy``.
+        The row where each unique image first appears ``[images]`` (its embedding is the image's), and each
+        row's image ``[rows]`` as an index into those.
+    """
+    if image_keys is None:
+        rows = torch.arange(num_rows)
+        return rows, rows
+    _, inverse = torch.unique(image_keys, return_inverse=True)
+    first = torch.full((int(inverse.max()) + 1,), num_rows, dtype=torch.long)
+    first = first.scatter_reduce(0, inverse, torch.arange(num_rows), reduce="amin")
+    order = first.argsort()  # unique images by first appearance
+    image_index = torch.empty_like(order)
+    image_index[order] = torch.arange(len(order))
+    return first[order], image_index[inverse]
+
+
+def score_split(split: EmbeddedSplit, pool_size: int | None = None) -> dict[str, float]:
+    """Recall@k both ways over pools of ``pool_size`` images (``None``: the whole split), and matching accuracy.
+
+    Returns:
+        ``t2i_recall@k``, ``i2t_recall@k``, ``chance_recall@1``, ``pool_size``, ``num_samples``, ``num_texts``,
+        ``num_images``, ``bad_samples`` and, when caption choices exist, ``matching_accuracy`` and
+        ``chance_matching_accuracy``.
     """
     if not split.positions:
         raise DataError("the evaluation split has no samples; check --eval_split and --max_eval_samples")
     text_embeds, image_embeds = torch.cat(split.texts), torch.cat(split.images)
-    metrics = pooled_recall_at_k(text_embeds, image_embeds, pool_size)
+    first_rows, image_of_text = group_images(torch.cat(split.image_keys) if split.image_keys else None,
+                                             text_embeds.shape[0])  # fmt: skip
+    metrics = pooled_recall_at_k(text_embeds, image_embeds[first_rows], pool_size, image_of_text=image_of_text)
     if split.choices:
         choice_embeds, label_index = torch.cat(split.choices), torch.cat(split.labels)  # type: ignore[arg-type]
         metrics["matching_accuracy"] = matching_accuracy(image_embeds, choice_embeds, label_index)

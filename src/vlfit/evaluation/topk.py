@@ -1,4 +1,4 @@
-"""Top-k and true-pair ranks over embeddings, in chunks: no similarity matrix larger than one chunk is ever built.
+"""Top-k and the ranks of right answers over embeddings, in chunks: no matrix larger than one chunk is ever built.
 
 Retrieval scores queries ``[Q, D]`` against candidates ``[N, D]`` by dot product (the embeddings are
 L2-normalized, so that is the cosine). The full ``Q x N`` matrix of a million-image index, or the ``N x N`` matrix
@@ -83,35 +83,82 @@ def _stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     return sorted_scores[:, :k], order[:, :k]
 
 
-def true_pair_ranks(
-    queries: torch.Tensor, candidates: torch.Tensor, *, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
+def target_ranks(
+    queries: torch.Tensor,
+    candidates: torch.Tensor,
+    targets: torch.Tensor | None = None,
+    *,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
 ) -> torch.Tensor:
-    """For paired rows (query ``i`` belongs with candidate ``i``), how many other candidates score at least as high.
+    """For each query, how many other candidates score at least as high as its target candidate.
 
-    The rank ``vlfit.evaluation.metrics.recall_at_k`` takes from the diagonal of the full similarity matrix,
-    computed a block of query rows at a time (at least one whole row); ties count against the true pair, as
-    there.
+    Text->image retrieval: query ``i`` (a caption) has one right candidate, ``targets[i]`` (its image). Ties count
+    against the target (a constant score ranks it last, never first). Computed a block of query rows at a time
+    (at least one whole row).
 
     Args:
-        queries: ``[N, D]``.
-        candidates: ``[N, D]``, row ``i`` the true match of query ``i``.
+        queries: ``[Q, D]``.
+        candidates: ``[N, D]``.
+        targets: int64 ``[Q]``, the row of ``candidates`` each query belongs with; ``None``: paired rows
+            (``Q == N``, query ``i`` belongs with candidate ``i``).
         chunk_elements: Largest number of scores held at once.
 
     Returns:
-        int64 ``[N]``: 0 when the true candidate is strictly first.
+        int64 ``[Q]``: 0 when the target is strictly first.
     """
-    if queries.shape != candidates.shape or queries.ndim != 2:
+    if queries.ndim != 2 or candidates.ndim != 2 or queries.shape[1] != candidates.shape[1]:
         raise ValueError(
-            f"paired queries and candidates must have the same shape [N, D]; got {tuple(queries.shape)} and "
+            f"queries [Q, D] and candidates [N, D] must share D; got {tuple(queries.shape)} and "
             f"{tuple(candidates.shape)}"
         )
+    if targets is None:
+        if queries.shape[0] != candidates.shape[0]:
+            raise ValueError(f"paired rows need as many queries as candidates, got {queries.shape[0]} and "
+                             f"{candidates.shape[0]}")  # fmt: skip
+        targets = torch.arange(queries.shape[0])
     n = queries.shape[0]
     queries, candidates = queries.float(), candidates.float()
     ranks = torch.empty(n, dtype=torch.long)
-    rows, _ = _block_shape(n, n, chunk_elements)
+    rows, _ = _block_shape(n, candidates.shape[0], chunk_elements)
     for start in range(0, n, rows):
         block = queries[start : start + rows] @ candidates.t()
-        rows_here = torch.arange(block.shape[0])
-        true = block[rows_here, rows_here + start].unsqueeze(1)
+        true = block.gather(1, targets[start : start + rows].unsqueeze(1))
         ranks[start : start + rows] = (block >= true).sum(dim=1) - 1
+    return ranks
+
+
+def best_owned_ranks(
+    queries: torch.Tensor,
+    candidates: torch.Tensor,
+    owners: torch.Tensor,
+    *,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+) -> torch.Tensor:
+    """For each query, how many candidates it does not own score at least as high as its best owned one.
+
+    Image->text retrieval with several captions per image: image ``q`` owns every caption ``j`` with
+    ``owners[j] == q``, and is found within the top k when any of them is (rank < k). Ties with another owned
+    candidate do not count; ties with a candidate it does not own count against it.
+
+    Args:
+        queries: ``[Q, D]``.
+        candidates: ``[N, D]``.
+        owners: int64 ``[N]``, the query each candidate belongs to; every query must own at least one.
+        chunk_elements: Largest number of scores held at once.
+
+    Returns:
+        int64 ``[Q]``: 0 when an owned candidate is strictly ahead of every other.
+    """
+    num_queries = queries.shape[0]
+    owned_counts = torch.bincount(owners, minlength=num_queries)
+    if owners.shape[0] != candidates.shape[0] or len(owned_counts) != num_queries or (owned_counts == 0).any():
+        raise ValueError("owners must give each of the N candidates one of the Q queries, each query at least one")
+    queries, candidates = queries.float(), candidates.float()
+    ranks = torch.empty(num_queries, dtype=torch.long)
+    rows, _ = _block_shape(num_queries, candidates.shape[0], chunk_elements)
+    for start in range(0, num_queries, rows):
+        block = queries[start : start + rows] @ candidates.t()
+        owned = owners.unsqueeze(0) == torch.arange(start, start + block.shape[0]).unsqueeze(1)
+        best = block.masked_fill(~owned, float("-inf")).amax(dim=1, keepdim=True)
+        ranks[start : start + rows] = ((block >= best) & ~owned).sum(dim=1)
     return ranks

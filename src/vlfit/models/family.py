@@ -30,6 +30,9 @@ from vlfit.models.tokenizer import SPECIAL_TOKENS
 # and attention mask, zero-masked where a row has fewer than K. Inputs of the loss, never of the forward.
 HARD_NEGATIVE_INPUT_IDS = "hard_negative_input_ids"
 HARD_NEGATIVE_ATTENTION_MASK = "hard_negative_attention_mask"
+# Which image each row shows, int64 ``[B]`` (``vlfit.data.records.Record.image_key``): rows with equal keys are
+# captions of one image, never each other's negatives in the loss. An input of the loss, never of the forward.
+IMAGE_KEYS = "image_keys"
 
 # CLIP's pixel statistics, which CLIP-derived vision towers (BridgeTower's among them) normalize with.
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
