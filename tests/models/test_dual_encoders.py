@@ -15,12 +15,14 @@ from torch.nn.parallel import DistributedDataParallel
 from tests.checkpoints import CAPTIONS
 from vlfit.arguments import ModelArguments
 from vlfit.models import clip, siglip
-from vlfit.models.family import HARD_NEGATIVE_ATTENTION_MASK, HARD_NEGATIVE_INPUT_IDS
+from vlfit.models.family import HARD_NEGATIVE_ATTENTION_MASK, HARD_NEGATIVE_INPUT_IDS, IMAGE_KEYS
 from vlfit.models.loading import load_model_bundle, resolve_model
 from vlfit.models.registry import family_for_config, family_for_preset
 
 FAMILIES = {"clip-tiny": clip.CLIPFamily(), "siglip-tiny": siglip.SiglipFamily()}
 SPLIT = (0, 4, 6)  # rows [0, 4) on rank 0, [4, 6) on rank 1: uneven on purpose
+# Rows 0 and 3 show one image, and rows 1 and 5 another (on different processes under SPLIT).
+SAME_IMAGES = torch.tensor([0, 1, 2, 0, 3, 1])
 
 
 def _model(preset: str, state_dict: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
@@ -33,7 +35,7 @@ def _model(preset: str, state_dict: dict[str, torch.Tensor] | None = None) -> to
     return model.eval()
 
 
-def _inputs(n: int = 6, hard_negatives: bool = False) -> dict[str, torch.Tensor]:
+def _inputs(n: int = 6, hard_negatives: bool = False, same_images: bool = False) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
     attention_mask = torch.ones(n, 10, dtype=torch.long)
     attention_mask[1::3, 7:] = 0  # some padded captions
@@ -52,6 +54,8 @@ def _inputs(n: int = 6, hard_negatives: bool = False) -> dict[str, torch.Tensor]
         ids[..., -1] = 4
         inputs[HARD_NEGATIVE_INPUT_IDS] = ids * mask + (1 - mask)
         inputs[HARD_NEGATIVE_ATTENTION_MASK] = mask
+    if same_images:
+        inputs[IMAGE_KEYS] = SAME_IMAGES[:n]
     return inputs
 
 
@@ -135,7 +139,8 @@ def _worker(rank: int, world: int, init_file: str, payload_path: str, out_dir: s
             model = _model(preset, payload[preset])
             family.prepare_for_training(model)
             ddp = DistributedDataParallel(model)
-            for name, inputs in (("plain", payload["inputs"]), ("hard", payload["hard_inputs"])):
+            for name in ("plain", "hard", "same images"):
+                inputs = payload[name]
                 model.zero_grad(set_to_none=True)
                 loss = family.contrastive_loss(ddp, _rows(inputs, SPLIT[rank], SPLIT[rank + 1]), global_negatives=True)
                 loss.backward()
@@ -146,16 +151,16 @@ def _worker(rank: int, world: int, init_file: str, payload_path: str, out_dir: s
 
 
 def test_global_negatives_on_two_processes_equal_one_process_on_the_concatenated_batch(tmp_path):
-    inputs, hard_inputs = _inputs(), _inputs(hard_negatives=True)
+    batches = {"plain": _inputs(), "hard": _inputs(hard_negatives=True), "same images": _inputs(same_images=True)}
     payload = {preset: _model(preset).state_dict() for preset in FAMILIES}
-    torch.save({**payload, "inputs": inputs, "hard_inputs": hard_inputs}, tmp_path / "payload.pt")
+    torch.save({**payload, **batches}, tmp_path / "payload.pt")
     mp.spawn(
         _worker, args=(2, str(tmp_path / "init"), str(tmp_path / "payload.pt"), str(tmp_path)), nprocs=2, join=True
     )
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     for preset, family in FAMILIES.items():
         model = _model(preset)
-        for name, batch in (("plain", inputs), ("hard", hard_inputs)):
+        for name, batch in batches.items():
             model.zero_grad(set_to_none=True)
             reference = family.contrastive_loss(model, batch)
             reference.backward()

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import BridgeTowerForContrastiveLearning
 
 from vlfit.models.bridgetower import BridgeTowerFamily, encode_text, expose_logit_scale, loss_terms, preset_config
-from vlfit.models.family import HARD_NEGATIVE_ATTENTION_MASK, HARD_NEGATIVE_INPUT_IDS
+from vlfit.models.family import HARD_NEGATIVE_ATTENTION_MASK, HARD_NEGATIVE_INPUT_IDS, IMAGE_KEYS
 from vlfit.models.losses import embed_hard_negatives, info_nce
 
 # Rows [0, 3) on rank 0 and [3, 6) on rank 1, then an uneven split: [0, 4) and [4, 6).
@@ -89,6 +89,12 @@ def _worker(rank: int, world: int, init_file: str, payload_path: str, out_dir: s
             hard_loss = family.contrastive_loss(ddp, hard_rows, global_negatives=True)
             hard_loss.backward()
             results[f"{name} hard negatives"] = {"loss": hard_loss.detach(), "grads": _grads(model)}
+            # Rows of one image on the same and on different processes: not each other's negatives.
+            model.zero_grad(set_to_none=True)
+            keyed_loss = family.contrastive_loss(ddp, _rows(payload["keyed_inputs"], bounds[rank], bounds[rank + 1]),
+                                                 global_negatives=True)  # fmt: skip
+            keyed_loss.backward()
+            results[f"{name} same images"] = {"loss": keyed_loss.detach(), "grads": _grads(model)}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -188,9 +194,10 @@ def test_global_negatives_on_two_processes_equal_one_process_on_the_concatenated
     inputs = _inputs()
     model = _model()
     hard_inputs = _with_hard_negatives(inputs)
-    torch.save(
-        {"state_dict": model.state_dict(), "inputs": inputs, "hard_inputs": hard_inputs}, tmp_path / "payload.pt"
-    )
+    keyed_inputs = {**inputs, IMAGE_KEYS: torch.tensor([0, 1, 0, 2, 1, 3])}  # rows 0, 2 and 1, 4 (across ranks)
+    payload = {"state_dict": model.state_dict(), "inputs": inputs, "hard_inputs": hard_inputs,
+               "keyed_inputs": keyed_inputs}  # fmt: skip
+    torch.save(payload, tmp_path / "payload.pt")
     mp.spawn(
         _worker, args=(2, str(tmp_path / "init"), str(tmp_path / "payload.pt"), str(tmp_path)), nprocs=2, join=True
     )
@@ -218,16 +225,18 @@ def test_global_negatives_on_two_processes_equal_one_process_on_the_concatenated
         assert abs(float(sum(local) / 2 - reference.loss.detach())) > 1e-2, name
 
     expose_logit_scale(model)
-    model.zero_grad(set_to_none=True)
-    hard_reference = BridgeTowerFamily().contrastive_loss(model, hard_inputs, global_negatives=True)
-    hard_reference.backward()
-    hard_grads = _grads(model)
-    for name in SPLITS:
-        loss = (ranks[0][f"{name} hard negatives"]["loss"] + ranks[1][f"{name} hard negatives"]["loss"]) / 2
-        torch.testing.assert_close(loss, hard_reference.detach(), rtol=0, atol=2e-6, msg=f"{name} hard negatives")
-        for rank in ranks:
-            for param, grad in rank[f"{name} hard negatives"]["grads"].items():
-                torch.testing.assert_close(grad, hard_grads[param], rtol=1e-4, atol=1e-6, msg=f"{name} {param}")
+    for case, batch in (("hard negatives", hard_inputs), ("same images", keyed_inputs)):
+        model.zero_grad(set_to_none=True)
+        case_reference = BridgeTowerFamily().contrastive_loss(model, batch, global_negatives=True)
+        case_reference.backward()
+        case_grads = _grads(model)
+        for name in SPLITS:
+            loss = (ranks[0][f"{name} {case}"]["loss"] + ranks[1][f"{name} {case}"]["loss"]) / 2
+            torch.testing.assert_close(loss, case_reference.detach(), rtol=0, atol=2e-6, msg=f"{name} {case}")
+            for rank in ranks:
+                for param, grad in rank[f"{name} {case}"]["grads"].items():
+                    torch.testing.assert_close(grad, case_grads[param], rtol=1e-4, atol=1e-6, msg=f"{name} {param}")
+    assert abs(float(case_reference.detach() - reference.loss.detach())) > 1e-4  # the keys changed the loss
 
 
 @pytest.mark.parametrize("negatives", ["local", "global"])

@@ -58,9 +58,13 @@ def _plain(preset: str, model: torch.nn.Module, inputs: dict, global_negatives: 
 
 
 @pytest.mark.parametrize("preset", FAMILIES)
-@pytest.mark.parametrize("hard_negatives", [False, True], ids=["plain", "hard negatives"])
-def test_chunks_give_the_whole_batchs_loss_and_gradients(preset, hard_negatives):
-    model, inputs = _model(preset), _inputs(hard_negatives=hard_negatives)
+@pytest.mark.parametrize("batch", ["plain", "hard negatives", "same images"])
+def test_chunks_give_the_whole_batchs_loss_and_gradients(preset, batch):
+    # "same images": rows 0 and 3 (one chunk) and 1 and 5 (two chunks) show one image each.
+    model, inputs = (
+        _model(preset),
+        _inputs(hard_negatives=batch == "hard negatives", same_images=batch == "same images"),
+    )
     reference_loss, reference_grads = _plain(preset, model, inputs, global_negatives=True)
     model.zero_grad(set_to_none=True)
     # Chunks of 4 and 2: uneven on purpose.
@@ -105,7 +109,8 @@ def _worker(rank: int, world: int, init_file: str, payload_path: str, out_dir: s
 
 
 def test_two_processes_with_global_negatives_equal_one_process_on_the_whole_batch(tmp_path):
-    model, inputs = _model("tiny"), _inputs(hard_negatives=True)
+    # Hard negatives, and rows of one image on both processes (rows 1 and 5: SAME_IMAGES).
+    model, inputs = _model("tiny"), _inputs(hard_negatives=True, same_images=True)
     torch.save({"state_dict": model.state_dict(), "inputs": inputs}, tmp_path / "payload.pt")
     mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "payload.pt"), str(tmp_path)), nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]

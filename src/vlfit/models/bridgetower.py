@@ -29,13 +29,22 @@ from vlfit.errors import ConfigError
 from vlfit.models import activation_checkpointing
 from vlfit.models.family import (
     HARD_NEGATIVE_INPUT_IDS,
+    IMAGE_KEYS,
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
     LossEmbeddings,
     ModelFamily,
 )
 from vlfit.models.logit_scale import install_output_hook
-from vlfit.models.losses import HardNegatives, Term, add_hard_negatives, hard_negatives_in, info_nce
+from vlfit.models.losses import (
+    HardNegatives,
+    Term,
+    add_hard_negatives,
+    add_image_keys,
+    hard_negatives_in,
+    image_keys_in,
+    info_nce,
+)
 from vlfit.models.position_embeddings import init_vit_position_embedding
 
 
@@ -346,7 +355,7 @@ class BridgeTowerFamily(ModelFamily):
         global_negatives: bool = False,
         symmetric: bool = False,
     ) -> torch.Tensor:
-        if not (global_negatives or symmetric or HARD_NEGATIVE_INPUT_IDS in inputs):
+        if not (global_negatives or symmetric or HARD_NEGATIVE_INPUT_IDS in inputs or IMAGE_KEYS in inputs):
             model_inputs = {key: inputs[key] for key in self.model_inputs}
             return model(**model_inputs, return_loss=True).loss  # the model's own loss
         return self.loss_from_embeddings(
@@ -361,6 +370,7 @@ class BridgeTowerFamily(ModelFamily):
         # The text tower outside the wrapper's forward: DDP still reduces its gradients once (autograd sums both
         # uses of each parameter before its gradient is ready), and activation checkpointing still applies.
         add_hard_negatives(rows, inputs, lambda ids, mask: text_embeddings(unwrapped, ids, mask))
+        add_image_keys(rows, inputs)
         # DataParallel (several GPUs, one process) stacks one copy of the scalar per replica.
         return LossEmbeddings(rows, {"logit_scale": outputs.logit_scale.mean()})
 
@@ -371,4 +381,6 @@ class BridgeTowerFamily(ModelFamily):
         hard = hard_negatives_in(rows)
         outputs = ContrastiveEmbeddings(rows["text"], rows["image"], rows["cross"])
         terms = loss_terms(outputs, symmetric, hard)
-        return info_nce(terms, embeddings.shared["logit_scale"], gather=global_negatives)
+        return info_nce(
+            terms, embeddings.shared["logit_scale"], gather=global_negatives, image_keys=image_keys_in(rows)
+        )

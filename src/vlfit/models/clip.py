@@ -24,13 +24,22 @@ from vlfit.models.dual_encoder import (
 )
 from vlfit.models.family import (
     HARD_NEGATIVE_INPUT_IDS,
+    IMAGE_KEYS,
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
     LossEmbeddings,
     ModelFamily,
 )
 from vlfit.models.logit_scale import install_output_hook
-from vlfit.models.losses import HardNegatives, Term, add_hard_negatives, hard_negatives_in, info_nce
+from vlfit.models.losses import (
+    HardNegatives,
+    Term,
+    add_hard_negatives,
+    add_image_keys,
+    hard_negatives_in,
+    image_keys_in,
+    info_nce,
+)
 
 # CLIP's text tower pools at the first ``eos_token_id``, except that ``eos_token_id == 2`` selects its legacy rule
 # (the highest token id): a preset's tokenizer puts ``</s>`` at id 4, not RoBERTa's 2.
@@ -161,7 +170,7 @@ class CLIPFamily(ModelFamily):
         global_negatives: bool = False,
         symmetric: bool = False,  # CLIP's loss is symmetric already
     ) -> torch.Tensor:
-        if not (global_negatives or HARD_NEGATIVE_INPUT_IDS in inputs):
+        if not (global_negatives or HARD_NEGATIVE_INPUT_IDS in inputs or IMAGE_KEYS in inputs):
             model_inputs = {key: inputs[key] for key in self.model_inputs}
             return model(**model_inputs, return_loss=True).loss  # the model's own loss
         return self.loss_from_embeddings(self.loss_embeddings(model, inputs), global_negatives=global_negatives)
@@ -172,6 +181,7 @@ class CLIPFamily(ModelFamily):
         outputs = model(**{key: inputs[key] for key in self.model_inputs}, return_loss=False)
         rows = {"text": outputs.text_embeds, "image": outputs.image_embeds}
         add_hard_negatives(rows, inputs, lambda ids, mask: text_embeddings(unwrapped, ids, mask))
+        add_image_keys(rows, inputs)
         return LossEmbeddings(rows, {"logit_scale": outputs.logit_scale.mean()})
 
     def loss_from_embeddings(
@@ -180,4 +190,6 @@ class CLIPFamily(ModelFamily):
         rows = embeddings.rows
         hard = hard_negatives_in(rows)
         terms = loss_terms(rows["text"], rows["image"], hard)
-        return info_nce(terms, embeddings.shared["logit_scale"], gather=global_negatives)
+        return info_nce(
+            terms, embeddings.shared["logit_scale"], gather=global_negatives, image_keys=image_keys_in(rows)
+        )

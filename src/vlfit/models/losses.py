@@ -9,6 +9,9 @@ so each of this process's queries is scored against the whole global batch. Each
 own queries only (open_clip's ``local_loss=True``); the gather's backward sums the gradients that other processes'
 queries send to this process's candidates, and DDP's gradient averaging then yields exactly the gradient of the
 single-process loss on the concatenated batch.
+
+Rows showing the same image (``image_keys``: several captions of one image, or repeated bytes) are not negatives
+of each other: their scores are left out of every term, across processes too.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as functional_collectives
 import torch.nn.functional as F
 
-from vlfit.models.family import HARD_NEGATIVE_ATTENTION_MASK, HARD_NEGATIVE_INPUT_IDS
+from vlfit.models.family import HARD_NEGATIVE_ATTENTION_MASK, HARD_NEGATIVE_INPUT_IDS, IMAGE_KEYS
 
 
 def distributed_world(group: Any = None) -> int:
@@ -47,6 +50,15 @@ def gather_with_grad(tensor: torch.Tensor, group: Any = None) -> tuple[torch.Ten
     Returns:
         The ``[N, ...]`` concatenation in rank order, the index of this process's first row in it, and N.
     """
+    return _gather(tensor, group, autograd=True)
+
+
+def gather_rows(tensor: torch.Tensor, group: Any = None) -> tuple[torch.Tensor, int, int]:
+    """``gather_with_grad`` for tensors without gradient (image keys): the same rows, offset and total."""
+    return _gather(tensor, group, autograd=False)
+
+
+def _gather(tensor: torch.Tensor, group: Any, *, autograd: bool) -> tuple[torch.Tensor, int, int]:
     group = dist.group.WORLD if group is None else group
     world = dist.get_world_size(group=group)
     rank = dist.get_rank(group=group)
@@ -58,8 +70,12 @@ def gather_with_grad(tensor: torch.Tensor, group: Any = None) -> tuple[torch.Ten
     largest = max(sizes)
     if tensor.shape[0] < largest:
         tensor = F.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, largest - tensor.shape[0]))
-    gathered = functional_collectives.all_gather_single_autograd(tensor.contiguous(), 0, group)
-    gathered = functional_collectives.wait_tensor(gathered)
+    if autograd:
+        gathered = functional_collectives.all_gather_single_autograd(tensor.contiguous(), 0, group)
+        gathered = functional_collectives.wait_tensor(gathered)
+    else:
+        gathered = tensor.new_empty((world * largest, *tensor.shape[1:]))
+        dist.all_gather_into_tensor(gathered, tensor.contiguous(), group=group)
     parts = gathered.split(largest)
     rows = torch.cat([part[:n] for part, n in zip(parts, sizes, strict=True)])
     return rows, sum(sizes[:rank]), sum(sizes)
@@ -80,12 +96,25 @@ class HardNegatives(NamedTuple):
 Term = tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, HardNegatives | None]
 
 
+def same_image_pairs(image_keys: torch.Tensor, *, gather: bool = False, group: Any = None) -> tuple[torch.Tensor, int]:
+    """``[n, N]`` True where candidate ``j`` shows the image of this process's row ``i`` but is not its own pair,
+    and this process's offset among the N candidates (every process's rows with global negatives)."""
+    rows = image_keys.shape[0]
+    world = distributed_world(group) if gather else 1
+    all_keys, offset, _ = gather_rows(image_keys, group) if world > 1 else (image_keys, 0, rows)
+    same = image_keys.unsqueeze(1) == all_keys.unsqueeze(0)
+    own = torch.arange(rows, device=same.device)
+    same[own, own + offset] = False
+    return same, offset
+
+
 def info_nce(
     terms: Sequence[Term],
     logit_scale: torch.Tensor,
     *,
     gather: bool = False,
     group: Any = None,
+    image_keys: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The mean of one-directional InfoNCE terms, in float32 whatever the autocast state.
 
@@ -97,6 +126,8 @@ def info_nce(
         gather: Score against the candidates of every process of ``group`` (global negatives). Without an
             initialized process group, or with one process, this is the local loss.
         group: Process group to gather over (default: the world).
+        image_keys: ``[n]`` int64, which image each row shows: a candidate showing a query's image (other than
+            its own pair) is left out of that query's softmax. ``None``: every row a different image.
 
     Returns:
         A scalar. Local: the mean over this process's rows. Global: this process's rows' share of the global
@@ -111,6 +142,7 @@ def info_nce(
         rows = first.shape[0]
         world = distributed_world(group) if gather else 1
         gathered: dict[int, tuple[torch.Tensor, int, int]] = {}
+        same_image = None if image_keys is None else same_image_pairs(image_keys, gather=gather, group=group)[0]
         total_loss = first.new_zeros((), dtype=torch.float32)
         total = rows
         for term in terms:
@@ -123,6 +155,8 @@ def info_nce(
             all_candidates, offset, total = gathered[key]
             labels = torch.arange(offset, offset + rows, device=first.device)
             logits = queries.float() @ all_candidates.t() * scale
+            if same_image is not None:  # after scaling, as for hard negatives below
+                logits = logits.masked_fill(same_image, float("-inf"))
             if hard_negatives is not None:
                 logits = torch.cat([logits, hard_negative_logits(queries.float(), hard_negatives, scale)], dim=1)
             total_loss = total_loss + F.cross_entropy(logits, labels, reduction="sum")
@@ -164,6 +198,17 @@ def add_hard_negatives(
     if HARD_NEGATIVE_INPUT_IDS in inputs:
         hard = embed_hard_negatives(encode_text, inputs[HARD_NEGATIVE_INPUT_IDS], inputs[HARD_NEGATIVE_ATTENTION_MASK])
         rows.update(zip(HARD_NEGATIVE_ROWS, (hard.embeds, hard.valid), strict=True))
+
+
+def add_image_keys(rows: dict[str, torch.Tensor], inputs: Mapping[str, torch.Tensor]) -> None:
+    """Carry the batch's image keys (when ``inputs`` hold them) into ``rows``: chunked like the embeddings."""
+    if IMAGE_KEYS in inputs:
+        rows[IMAGE_KEYS] = inputs[IMAGE_KEYS]
+
+
+def image_keys_in(rows: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """The image keys ``add_image_keys`` put into ``rows``, or None."""
+    return rows.get(IMAGE_KEYS)
 
 
 def hard_negatives_in(rows: Mapping[str, torch.Tensor]) -> HardNegatives | None:

@@ -40,9 +40,12 @@ from vlfit.models.logit_scale import install_output_hook
 from vlfit.models.losses import (
     HardNegatives,
     add_hard_negatives,
+    add_image_keys,
     distributed_world,
     gather_with_grad,
     hard_negatives_in,
+    image_keys_in,
+    same_image_pairs,
 )
 
 SIGLIP_MEAN = (0.5, 0.5, 0.5)
@@ -132,6 +135,7 @@ def sigmoid_loss(
     gather: bool = False,
     hard_negatives: HardNegatives | None = None,
     group: Any = None,
+    image_keys: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SigLIP's loss of this process's captions, in float32 whatever the autocast state.
 
@@ -140,6 +144,8 @@ def sigmoid_loss(
         logit_scale: The multiplier (``exp`` of the parameter); ``logit_bias`` the bias.
         gather: Score against every process's images (global negatives).
         hard_negatives: Per-image alternative captions, each one more negative pair of its image.
+        image_keys: ``[n]`` int64, which image each pair shows: a caption and another row's image that is the
+            same image are neither a positive nor a negative pair (left out). ``None``: all images differ.
 
     Returns:
         Local: the sum of every pair's loss over the captions' count (``SiglipModel``'s loss). Global: this
@@ -155,7 +161,10 @@ def sigmoid_loss(
         logits = texts @ all_images.t() * scale + bias
         signs = -torch.ones_like(logits)
         signs[torch.arange(rows, device=logits.device), torch.arange(offset, offset + rows, device=logits.device)] = 1
-        loss_sum = -F.logsigmoid(signs * logits).sum()
+        pair_losses = -F.logsigmoid(signs * logits)
+        if image_keys is not None:
+            pair_losses = pair_losses.masked_fill(same_image_pairs(image_keys, gather=gather, group=group)[0], 0.0)
+        loss_sum = pair_losses.sum()
         if hard_negatives is not None:
             similarity = torch.einsum("nd,nkd->nk", images, hard_negatives.embeds.float()) * scale + bias
             loss_sum = loss_sum - F.logsigmoid(-similarity)[hard_negatives.valid].sum()
@@ -243,6 +252,7 @@ class SiglipFamily(ModelFamily):
         outputs = model(**text, pixel_values=inputs["pixel_values"], return_loss=False)
         rows = {"text": outputs.text_embeds, "image": outputs.image_embeds}
         add_hard_negatives(rows, inputs, lambda ids, mask: text_embeddings(unwrapped, ids, mask))
+        add_image_keys(rows, inputs)
         # DataParallel (several GPUs, one process) stacks one copy of each scalar per replica.
         shared = {"logit_scale": outputs.logit_scale.mean(), "logit_bias": outputs.logit_bias.mean()}
         return LossEmbeddings(rows, shared)
@@ -259,4 +269,5 @@ class SiglipFamily(ModelFamily):
             embeddings.shared["logit_bias"],
             gather=global_negatives,
             hard_negatives=hard,
+            image_keys=image_keys_in(rows),
         )

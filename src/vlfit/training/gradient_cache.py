@@ -62,11 +62,12 @@ def _concatenate(parts: list[LossEmbeddings]) -> LossEmbeddings:
     rows = {}
     for key in parts[0].rows:
         values = [part.rows[key] for part in parts]
-        widest = max(value.shape[-1] for value in values)
-        # A chunk none of whose rows has a hard negative embeds none: its (all-masked) slots have width 1.
-        values = [
-            value if value.shape[-1] == widest else value.new_zeros((*value.shape[:-1], widest)) for value in values
-        ]
+        if values[0].ndim > 1:  # per-row vectors; one value per row (image keys) needs no widening
+            widest = max(value.shape[-1] for value in values)
+            # A chunk none of whose rows has a hard negative embeds none: its (all-masked) slots have width 1.
+            values = [
+                value if value.shape[-1] == widest else value.new_zeros((*value.shape[:-1], widest)) for value in values
+            ]
         rows[key] = torch.cat(values)
     return LossEmbeddings(rows, dict(parts[0].shared))
 
