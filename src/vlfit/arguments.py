@@ -235,6 +235,14 @@ class DataArguments(CompatDataFlags, DataLocationArguments):
             "is left out: the one its label column points to, or else any equal to its caption."
         },
     )
+    caption_sampling: str = field(
+        default="every",
+        metadata={
+            "help": "How a training epoch walks several captions per image: every (each caption once per epoch) or "
+            "one_per_image (each image once per epoch, with one of its captions drawn anew each epoch).",
+            "choices": ["every", "one_per_image"],
+        },
+    )
     eval_split: str = field(default="validation", metadata={"help": "Split that --do_eval evaluates."})
     eval_pool_size: int | None = field(
         default=None, metadata={"help": "Recall@k over candidate pools of this many pairs (default: the whole split)."}

@@ -56,6 +56,14 @@ class ImageTextSource(ABC):
         """Return every caption in index order without reading image bytes (for tokenizer training, stats)."""
         return self._read_captions(self._rows)
 
+    def image_keys(self) -> np.ndarray:
+        """Every record's ``Record.image_key``, in index order (int64): which records show the same image.
+
+        This reads every record's image bytes (not decoding them); sources that know their images' ids without
+        that override it.
+        """
+        return np.fromiter((self[i].image_key for i in range(len(self))), dtype=np.int64, count=len(self))
+
     def select(self, indices: Sequence[int]) -> ImageTextSource:
         """Return a source holding only ``indices`` (in that order); ids stay those of the original rows.
 

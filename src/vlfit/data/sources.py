@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from vlfit.data.file_patterns import resolve_files
-from vlfit.data.records import Record, image_value_to_bytes
+from vlfit.data.records import Record, image_key, image_value_to_bytes
 from vlfit.data.source_base import ImageTextSource, as_caption
 from vlfit.data.tar_source import TarSource
 from vlfit.errors import DataError, first_line
@@ -194,6 +194,19 @@ class ArrowSource(ImageTextSource):
             captions = pc.list_flatten(self._arrow_column(cols.caption))  # null lists hold no caption
             return [as_caption(value) for value in (captions if rows is None else captions.take(rows)).to_pylist()]
         return [self._caption(value) for value in self._column_values(cols.caption, rows)]
+
+    def image_keys(self) -> np.ndarray:
+        """``ImageTextSource.image_keys``; from the image id column alone when there is one (no image is read)."""
+        column = self._columns.image_id
+        if column is None:
+            return super().image_keys()
+        rows = self._caption_rows if self._caption_rows is not None else np.arange(len(self._dataset))
+        if self._rows is not None:
+            rows = rows[self._rows]
+        ids = self._column_values(column, rows)
+        # A row without an id is known by its bytes, as Record.image_key knows it.
+        keys = [self[i].image_key if value is None else image_key(b"", str(value)) for i, value in enumerate(ids)]
+        return np.asarray(keys, dtype=np.int64)
 
     def _arrow_column(self, column: str) -> Any:
         # Arrow format reads only that column, leaving image bytes untouched.

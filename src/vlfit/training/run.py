@@ -10,11 +10,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils.data import Sampler
 from transformers import TrainerCallback, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from vlfit.arguments import DataArguments, ModelArguments
 from vlfit.data.bad_samples import BAD_SAMPLES_REPORT
+from vlfit.data.caption_sampling import OneCaptionPerImageSampler, image_groups
 from vlfit.data.pipeline import InputPipeline, PipelineOptions
 from vlfit.data.records import EVAL_COLUMNS
 from vlfit.data.source_base import ImageTextSource
@@ -127,6 +129,20 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
     return RunSetup(train_source, eval_source, blueprint, pipeline)
 
 
+def caption_sampler(source: ImageTextSource, data_args: DataArguments, seed: int) -> Sampler[int] | None:
+    """The training order ``--caption_sampling`` asks for: ``None`` (every caption once per epoch, the Trainer's
+    shuffle), or each image once per epoch with one caption drawn (``OneCaptionPerImageSampler``)."""
+    if data_args.caption_sampling == "every":
+        return None
+    if data_args.caption_sampling != "one_per_image":
+        raise ConfigError(f"--caption_sampling {data_args.caption_sampling!r}: choose every or one_per_image")
+    how = "their image ids" if data_args.image_id_column else "reading their image bytes"
+    logger.info("grouping %d training captions by image (%s)", len(source), how)
+    groups = image_groups(source.image_keys())
+    logger.info("--caption_sampling one_per_image: an epoch is %d images (of %d captions)", len(groups), len(source))
+    return OneCaptionPerImageSampler(groups, seed)
+
+
 def with_lora_adapters(
     model: torch.nn.Module,
     blueprint: ModelBlueprint,
@@ -223,6 +239,7 @@ def run(
         eval_pool_size=data_args.eval_pool_size,
         max_bad_fraction=data_args.max_bad_fraction,
         unfreeze_later=unfreeze_later,
+        train_sampler=caption_sampler(train_source, data_args, training_args.seed) if train_source else None,
     )
     if unfreeze_later:
         towers = ", ".join(model_args.frozen_towers())

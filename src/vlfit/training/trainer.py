@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from accelerate.utils import gather_object
+from torch.utils.data import Sampler
 from tqdm.auto import tqdm
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints, seed_worker
@@ -63,6 +64,7 @@ class VlfitTrainer(Trainer):
         family: The model family (its contrastive loss and unimodal encoders).
         eval_pool_size: Candidate pool for recall@k (``None``: the whole split).
         max_bad_fraction: Stop training once more than this fraction of the samples read were bad.
+        train_sampler: The training order (``--caption_sampling one_per_image``); ``None``: the Trainer's shuffle.
         *args, **kwargs: As ``transformers.Trainer`` (``train_dataset`` / ``eval_dataset`` are the pipeline's
             datasets).
     """
@@ -75,9 +77,11 @@ class VlfitTrainer(Trainer):
         eval_pool_size: int | None = None,
         max_bad_fraction: float = 1.0,
         unfreeze_later: Sequence[torch.nn.Parameter] = (),
+        train_sampler: Sampler[int] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self.train_sampler = train_sampler
         self.unfreeze_later = list(unfreeze_later)
         self.pipeline = pipeline
         self.family = family
@@ -148,7 +152,7 @@ class VlfitTrainer(Trainer):
             self.train_dataset,
             batch_size=self._train_batch_size,
             settings=LoaderSettings.from_training_args(self.args),
-            sampler=self._get_train_sampler(),
+            sampler=self.train_sampler if self.train_sampler is not None else self._get_train_sampler(),
             worker_init_fn=partial(
                 seed_worker, num_workers=self.args.dataloader_num_workers, rank=self.args.process_index
             ),

@@ -1,0 +1,60 @@
+"""How a training epoch walks a set with several captions per image (``--caption_sampling``).
+
+``every`` (the default): each record is a sample, so an epoch shows every caption once and an image as often as it
+has captions. ``one_per_image``: an epoch shows every image once, with one of its captions drawn anew each epoch
+(``OneCaptionPerImageSampler``); an epoch is then as long as the number of images.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import Sampler
+
+CAPTION_SAMPLING: tuple[str, ...] = ("every", "one_per_image")
+
+
+def image_groups(image_keys: np.ndarray) -> list[np.ndarray]:
+    """The records of each image (``ImageTextSource.image_keys``), images in the order they first appear."""
+    _, first, inverse = np.unique(image_keys, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")  # unique images by first appearance
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    image_of_record = rank[inverse.reshape(-1)]
+    by_image = np.argsort(image_of_record, kind="stable")
+    return np.split(by_image, np.cumsum(np.bincount(image_of_record))[:-1])
+
+
+class OneCaptionPerImageSampler(Sampler[int]):
+    """Each epoch, every image once in a shuffled order, each as one of its records drawn at random.
+
+    The order and the draws depend only on ``seed`` and the epoch (``set_epoch``, which the Trainer's loader calls
+    at the start of every epoch), so a resumed run reads the batches the uninterrupted one read.
+
+    Args:
+        groups: The record indices of each image (``image_groups``).
+        seed: The run's seed.
+    """
+
+    def __init__(self, groups: list[np.ndarray], seed: int) -> None:
+        if not groups or any(len(group) == 0 for group in groups):
+            raise ValueError("every image needs at least one record")
+        self.groups = groups
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        order = torch.randperm(len(self.groups), generator=generator).tolist()
+        draws = torch.randint(0, 1 << 62, (len(self.groups),), generator=generator).tolist()
+        for image in order:
+            group = self.groups[image]
+            yield int(group[draws[image] % len(group)])
