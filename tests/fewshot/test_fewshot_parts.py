@@ -60,6 +60,13 @@ def test_shots_are_the_same_per_seed_nested_over_counts_and_skip_a_bad_image(lab
     drawn = ShotSampler(broken, spec).draw(2, seed=0)
     assert broken_row not in drawn.rows and np.bincount(drawn.labels).tolist() == [2, 2, 2, 2]
     assert int(sampler.order(0, seed=0)[2]) in drawn.rows
+    # Rows showing an image already drawn (its bytes repeated: another caption of it) are passed over.
+    first, second = (int(row) for row in sampler.order(0, seed=0)[:2])
+    records = [train.source[i] for i in range(len(train))]
+    records[second] = Record(records[second].id, records[first].image, "circle")
+    repeated = LabelledSplit(RecordListSource(records, "repeated"), train.labels, train.class_names, "kind")
+    drawn = ShotSampler(repeated, spec).draw(2, seed=0)
+    assert first in drawn.rows and second not in drawn.rows and np.bincount(drawn.labels).tolist() == [2, 2, 2, 2]
 
 
 def test_a_two_class_logistic_head_gives_scikit_learns_probabilities() -> None:

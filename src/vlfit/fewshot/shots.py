@@ -63,6 +63,7 @@ class ShotSampler:
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.decoded = DecodedRows({}, {})
+        self._image_keys: dict[int, int] = {}
 
     @property
     def bad_samples(self) -> list[BadSample]:
@@ -74,12 +75,14 @@ class ShotSampler:
         return np.random.default_rng([seed, class_index]).permutation(rows)
 
     def draw(self, shots: int, seed: int) -> Shots:
-        """``shots`` usable images of every class.
+        """``shots`` usable images of every class, each a different image: rows that show an image already drawn
+        (``Record.image_key``: another caption of it, or its bytes repeated) are passed over.
 
         Raises:
             ValueError: when a class has fewer usable images than ``shots``.
         """
         chosen: list[np.ndarray] = []
+        drawn_images: set[int] = set()
         for class_index, name in enumerate(self.split.class_names):
             order = self.order(class_index, seed)
             usable: list[int] = []
@@ -89,7 +92,10 @@ class ShotSampler:
                 candidates = order[start : start + wanted]
                 start += wanted
                 self._decode([row for row in candidates if not self._seen(row)])
-                usable.extend(int(row) for row in candidates if row in self.decoded.pixels)
+                for row in candidates:
+                    if row in self.decoded.pixels and self._image_key(int(row)) not in drawn_images:
+                        drawn_images.add(self._image_key(int(row)))
+                        usable.append(int(row))
             if len(usable) < shots:
                 bad = sum(1 for row in order if row in self.decoded.bad)
                 raise DataError(
@@ -99,6 +105,11 @@ class ShotSampler:
             chosen.append(np.array(usable, dtype=np.int64))
         rows = np.concatenate(chosen)
         return Shots(rows=rows, labels=self.split.labels[rows], pixels=self.decoded.stacked(rows))
+
+    def _image_key(self, row: int) -> int:
+        if row not in self._image_keys:
+            self._image_keys[row] = self.split.source[row].image_key
+        return self._image_keys[row]
 
     def _seen(self, row: int) -> bool:
         return row in self.decoded.pixels or row in self.decoded.bad
