@@ -245,7 +245,26 @@ class DataArguments(CompatDataFlags, DataLocationArguments):
     )
     eval_split: str = field(default="validation", metadata={"help": "Split that --do_eval evaluates."})
     eval_pool_size: int | None = field(
-        default=None, metadata={"help": "Recall@k over candidate pools of this many pairs (default: the whole split)."}
+        default=None, metadata={"help": "Recall@k over pools of this many images (default: the whole split)."}
+    )
+    zeroshot_dataset: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Labelled data to classify zero-shot at every evaluation (any data source form; several may be "
+            "given): top-1/top-5 accuracy logged beside the retrieval metrics as eval_zeroshot_top1 (with several, "
+            "eval_zeroshot_<name>_top1), to watch what fine-tuning forgets."
+        },
+    )
+    zeroshot_label_column: str = field(
+        default="label", metadata={"help": "The class column of --zeroshot_dataset (a ClassLabel or text)."}
+    )
+    zeroshot_split: str = field(default="test", metadata={"help": "The split of --zeroshot_dataset to classify."})
+    prompt_template: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Zero-shot prompts, '{}' the class name; several are averaged (default: vlfit fewshot's five, "
+            "'a photo of a {}.', ...)."
+        },
     )
     bad_sample_policy: str = field(
         default="skip",

@@ -190,7 +190,8 @@ def run_fewshot(
         started = time.perf_counter()
         with torch.no_grad():
             anchor = zeroshot_head(
-                class_embeddings(encoder, train.class_names, settings.templates), model_scale(loaded.bundle.model)
+                class_embeddings(encoder.embed_texts, train.class_names, settings.templates),
+                model_scale(loaded.bundle.model),
             )
         if "zeroshot" in settings.methods:
             seconds = time.perf_counter() - started

@@ -4,13 +4,12 @@ CLIP does (the mean of the normalized embeddings, normalized again)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from vlfit.errors import ConfigError
-from vlfit.inference.backends import Encoder
 from vlfit.models.logit_scale import logit_scale_parameter
 
 DEFAULT_TEMPLATES: tuple[str, ...] = (
@@ -33,12 +32,20 @@ def check_templates(templates: Sequence[str]) -> None:
             raise ConfigError(f"--prompt_template {template!r} must hold '{{}}' once: where the class name goes")
 
 
-def class_embeddings(encoder: Encoder, class_names: Sequence[str], templates: Sequence[str]) -> torch.Tensor:
-    """``float32 [C, D]``: per class, the normalized mean of its prompts' normalized text embeddings."""
+def class_embeddings(
+    embed_texts: Callable[[list[str]], torch.Tensor], class_names: Sequence[str], templates: Sequence[str]
+) -> torch.Tensor:
+    """``float32 [C, D]``: per class, the normalized mean of its prompts' normalized text embeddings.
+
+    Args:
+        embed_texts: Texts -> their L2-normalized embeddings (an ``Encoder``'s ``embed_texts``, or a model's).
+        class_names: The classes.
+        templates: The prompts, ``{}`` the class name.
+    """
     check_templates(templates)
     rows = []
     for name in class_names:
-        prompts = encoder.embed_texts([template.format(name) for template in templates])
+        prompts = embed_texts([template.format(name) for template in templates])
         rows.append(nn.functional.normalize(prompts.float().mean(dim=0), dim=-1))
     return torch.stack(rows)
 

@@ -6,7 +6,7 @@ import copy
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,6 +24,8 @@ from vlfit.data.sources import open_splits
 from vlfit.efficiency.flops import ComputeEfficiency
 from vlfit.efficiency.peaks import matmul_precision, peak_flops
 from vlfit.errors import ConfigError, DataError
+from vlfit.evaluation.zeroshot import ZeroShotSet, open_zeroshot_sets
+from vlfit.fewshot.zeroshot import DEFAULT_TEMPLATES
 from vlfit.model_card import write_model_card
 from vlfit.models.family import ModelFamily
 from vlfit.models.loading import ModelBlueprint, build_model, resolve_model, save_inputs, saved_tokenizer
@@ -69,12 +71,14 @@ class RunSetup:
         eval_source: The evaluation split (``None`` without ``--do_eval``).
         blueprint: The model's family, config, tokenizer and image processor.
         pipeline: The input pipeline every loader of the run comes from.
+        zeroshot_sets: The labelled splits every evaluation classifies zero-shot (``--zeroshot_dataset``).
     """
 
     train_source: ImageTextSource | None
     eval_source: ImageTextSource | None
     blueprint: ModelBlueprint
     pipeline: InputPipeline
+    zeroshot_sets: list[ZeroShotSet] = field(default_factory=list)
 
 
 def setup_run(model_args: ModelArguments, data_args: DataArguments, training_args: VlfitTrainingArguments) -> RunSetup:
@@ -126,7 +130,22 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
         max_seq_length=data_args.max_seq_length,
     )
     pipeline = InputPipeline(blueprint.inputs, PipelineOptions.from_arguments(data_args), training_args.device)
-    return RunSetup(train_source, eval_source, blueprint, pipeline)
+    return RunSetup(train_source, eval_source, blueprint, pipeline, open_zeroshot(data_args, training_args))
+
+
+def open_zeroshot(data_args: DataArguments, training_args: Any) -> list[ZeroShotSet]:
+    """The ``--zeroshot_dataset`` sets, checked before any weights load; they are scored wherever evaluation runs."""
+    if not data_args.zeroshot_dataset:
+        return []
+    if not training_args.do_eval:
+        raise ConfigError("--zeroshot_dataset is scored at every evaluation: add --do_eval (or an --eval_strategy)")
+    return open_zeroshot_sets(
+        data_args.zeroshot_dataset,
+        label_column=data_args.zeroshot_label_column,
+        split=data_args.zeroshot_split,
+        image_column=data_args.image_column,
+        templates=data_args.prompt_template or DEFAULT_TEMPLATES,
+    )
 
 
 def caption_sampler(source: ImageTextSource, data_args: DataArguments, seed: int) -> Sampler[int] | None:
@@ -240,6 +259,7 @@ def run(
         max_bad_fraction=data_args.max_bad_fraction,
         unfreeze_later=unfreeze_later,
         train_sampler=caption_sampler(train_source, data_args, training_args.seed) if train_source else None,
+        zeroshot_sets=setup.zeroshot_sets,
     )
     if unfreeze_later:
         towers = ", ".join(model_args.frozen_towers())

@@ -42,6 +42,7 @@ from vlfit.data.pipeline import DeviceFeed, InputPipeline, LoaderSettings, shard
 from vlfit.efficiency.flops import count_flops
 from vlfit.errors import ConfigError
 from vlfit.evaluation.retrieval import EmbeddedSplit, evaluate_retrieval
+from vlfit.evaluation.zeroshot import ZeroShotSet, zeroshot_metrics
 from vlfit.models.family import ModelFamily
 from vlfit.models.trainable import temporarily_trainable
 from vlfit.training.bad_sample_ledger import BadSampleLedger, TooManyBadSamplesError, process_file_name
@@ -65,6 +66,7 @@ class VlfitTrainer(Trainer):
         eval_pool_size: Candidate pool for recall@k (``None``: the whole split).
         max_bad_fraction: Stop training once more than this fraction of the samples read were bad.
         train_sampler: The training order (``--caption_sampling one_per_image``); ``None``: the Trainer's shuffle.
+        zeroshot_sets: Labelled splits classified zero-shot at every evaluation (``--zeroshot_dataset``).
         *args, **kwargs: As ``transformers.Trainer`` (``train_dataset`` / ``eval_dataset`` are the pipeline's
             datasets).
     """
@@ -78,10 +80,12 @@ class VlfitTrainer(Trainer):
         max_bad_fraction: float = 1.0,
         unfreeze_later: Sequence[torch.nn.Parameter] = (),
         train_sampler: Sampler[int] | None = None,
+        zeroshot_sets: Sequence[ZeroShotSet] = (),
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.train_sampler = train_sampler
+        self.zeroshot_sets = list(zeroshot_sets)
         self.unfreeze_later = list(unfreeze_later)
         self.pipeline = pipeline
         self.family = family
@@ -365,6 +369,19 @@ class VlfitTrainer(Trainer):
                 logger.warning("evaluation left out bad sample %s: %s", bad.id, bad.reason)
             if len(skipped) > 10:
                 logger.warning("evaluation left out %d bad samples in all", len(skipped))
+        for zeroshot in self.zeroshot_sets:
+            metrics.update(
+                zeroshot_metrics(
+                    self.family,
+                    self.model,
+                    self.pipeline,
+                    zeroshot,
+                    dtype=self._model_dtype,
+                    batch_size=self.args.eval_batch_size,
+                    settings=LoaderSettings.from_training_args(self.args, drop_last=False),
+                    autocast=self.autocast_smart_context_manager,
+                )
+            )
         metrics = {f"{metric_key_prefix}_{key}": value for key, value in metrics.items()}
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)

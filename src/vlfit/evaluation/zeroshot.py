@@ -1,0 +1,136 @@
+"""Zero-shot classification while fine-tuning (``--zeroshot_dataset``): what the model still knows of other data.
+
+Each class is the normalized mean of its prompts' text embeddings (``vlfit.fewshot.zeroshot.class_embeddings``,
+the head ``vlfit fewshot`` scores zero-shot with); each image of the labelled split is classified by its highest
+cosine. Reported as ``zeroshot_top1`` / ``zeroshot_top5`` (``zeroshot_{name}_*`` when several sets are given),
+beside the retrieval metrics, as open_clip's ``--imagenet-val`` does.
+
+Every process embeds the whole labelled split (no collective): the sets are small, and every process computes the
+same figures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vlfit.data.pipeline import InputPipeline, LoaderSettings
+from vlfit.errors import ConfigError
+from vlfit.fewshot.labelled_split import LabelledSplit, labelled_splits
+from vlfit.fewshot.zeroshot import DEFAULT_TEMPLATES, check_templates, class_embeddings
+from vlfit.models.family import ModelFamily
+from vlfit.models.sharding import unsharded
+
+
+@dataclass(frozen=True)
+class ZeroShotSet:
+    """A labelled split to classify zero-shot.
+
+    Attributes:
+        name: What its metrics are called: ``zeroshot`` alone, or ``zeroshot_{name}`` among several.
+        split: The images, their labels and the class names.
+        templates: The prompts, ``{}`` the class name.
+    """
+
+    name: str
+    split: LabelledSplit
+    templates: tuple[str, ...] = DEFAULT_TEMPLATES
+
+    @property
+    def prefix(self) -> str:
+        return f"zeroshot_{self.name}" if self.name else "zeroshot"
+
+
+def open_zeroshot_sets(
+    dataset_names: Sequence[str],
+    *,
+    label_column: str,
+    split: str,
+    image_column: str = "image",
+    templates: Sequence[str] = DEFAULT_TEMPLATES,
+) -> list[ZeroShotSet]:
+    """One ``ZeroShotSet`` per dataset (any data source form); the classes are those of ``split``'s label column.
+
+    Raises:
+        ConfigError: for a bad template, or two datasets whose names would give the same metric names.
+    """
+    check_templates(templates)
+    names = [_metric_name(dataset) for dataset in dataset_names] if len(dataset_names) > 1 else [""]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--zeroshot_dataset: {list(dataset_names)} would share metric names {names}; rename one")
+    sets = []
+    for dataset, name in zip(dataset_names, names, strict=True):
+        labelled, _ = labelled_splits(
+            dataset, train_split=split, eval_split=split, label_column=label_column, image_column=image_column
+        )
+        sets.append(ZeroShotSet(name, labelled, tuple(templates)))
+    return sets
+
+
+def _metric_name(dataset: str) -> str:
+    return re.sub(r"\W+", "_", os.path.basename(dataset.rstrip("/")) or dataset).strip("_").lower()
+
+
+@torch.no_grad()
+def zeroshot_metrics(
+    family: ModelFamily,
+    model: nn.Module,
+    pipeline: InputPipeline,
+    zeroshot: ZeroShotSet,
+    *,
+    dtype: torch.dtype,
+    batch_size: int,
+    settings: LoaderSettings = LoaderSettings(),
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> dict[str, float]:
+    """Top-1 / top-5 zero-shot accuracy of ``model`` on one labelled split.
+
+    Returns:
+        ``{prefix}_top1``, ``{prefix}_top5``, ``{prefix}_chance_top1`` (the majority class's share),
+        ``{prefix}_num_images`` and ``{prefix}_bad_samples`` (images that do not decode, left out).
+    """
+    model = getattr(model, "module", model)
+    was_training = model.training
+    model.eval()
+    split, device = zeroshot.split, pipeline.device
+    tokenizer, max_length = pipeline.inputs.tokenizer, pipeline.inputs.max_seq_length
+
+    def embed_texts(texts: list[str]) -> torch.Tensor:
+        tokens = tokenizer(texts, max_length=max_length, truncation=True, padding="longest", return_tensors="pt")
+        with autocast():
+            return family.encode_text(model, tokens["input_ids"].to(device), tokens["attention_mask"].to(device))
+
+    correct1 = correct5 = seen = bad = 0
+    with unsharded(model):
+        classes = class_embeddings(embed_texts, split.class_names, zeroshot.templates).to(device)
+        top = min(5, len(split.class_names))
+        loader = pipeline.loader(pipeline.dataset(split.source, train=False), batch_size=batch_size, settings=settings)
+        for batch in pipeline.feed(loader, dtype, train=False):
+            bad += len(batch.bad_samples)
+            if not len(batch):
+                continue
+            with autocast():
+                images = family.encode_image(model, batch["pixel_values"]).float()
+            ranked = (images @ classes.t()).topk(top, dim=1).indices.cpu()
+            labels = torch.as_tensor(split.labels[batch.positions])
+            correct1 += int((ranked[:, 0] == labels).sum())
+            correct5 += int((ranked == labels.unsqueeze(1)).any(dim=1).sum())
+            seen += len(batch)
+    if was_training:
+        model.train()
+    if not seen:
+        raise ConfigError(f"--zeroshot_dataset: no image of {split.source.name} could be read")
+    prefix = zeroshot.prefix
+    return {
+        f"{prefix}_top1": correct1 / seen,
+        f"{prefix}_top5": correct5 / seen,
+        f"{prefix}_chance_top1": split.majority_share(),
+        f"{prefix}_num_images": float(seen),
+        f"{prefix}_bad_samples": float(bad),
+    }
