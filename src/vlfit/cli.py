@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "merge-lora": ("vlfit.commands.merge_lora", "a plain checkpoint from a run's LoRA adapters"),
     "fewshot": ("vlfit.commands.fewshot", "zero-shot, linear probe and SetFit compared at 1-16 labelled images/class"),
     "classify": ("vlfit.commands.classify", "label images with a classifier vlfit fewshot saved"),
+    "wise-ft": ("vlfit.commands.wise_ft", "interpolate a zero-shot and a fine-tuned model (WiSE-FT): curve and pick"),
 }
 
 DEBUG_FLAG = "--debug"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -216,6 +216,7 @@ def run(
     setup: RunSetup | None = None,
     callbacks: Sequence[TrainerCallback] = (),
     command_line: str | None = None,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """Train (``--do_train``) and/or evaluate (``--do_eval``) as the arguments say.
 
@@ -226,6 +227,8 @@ def run(
         setup: What ``setup_run`` made of the same arguments (made here when None).
         callbacks: More Trainer callbacks (``vlfit search`` reports each evaluation to its trial through one).
         command_line: The command that started the run, for the model card (``README.md``) a training run writes.
+        state_dict: Weights that replace the model's after it is built (``vlfit wise-ft`` evaluates each
+            interpolation of two models through it).
 
     Returns:
         The train metrics (prefixed ``train_``) and eval metrics (prefixed ``eval_``) that were computed.
@@ -240,6 +243,8 @@ def run(
     describe_launch(training_args, len(train_source) if train_source is not None else None)
     set_seed(training_args.seed)  # the same initial weights whatever ran since setup (e.g. a worker probe)
     model = build_model(setup.blueprint, model_args)
+    if state_dict is not None:
+        model.load_state_dict(state_dict)
     if training_args.do_train and model_args.logit_scale_init_value is not None:
         set_logit_scale(model, model_args.logit_scale_init_value)  # a resumed run then loads its trained value
     family = setup.blueprint.family

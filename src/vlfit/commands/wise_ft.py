@@ -1,0 +1,186 @@
+"""``vlfit wise-ft``: the WiSE-FT curve between a zero-shot model and its fine-tuned model, and the chosen mix.
+
+For each alpha, ``theta(alpha) = (1 - alpha) theta_A + alpha theta_B`` (``vlfit.models.interpolation``) is evaluated
+as ``vlfit eval`` evaluates: the target split (``--eval_split``) and what must not be forgotten
+(``--zeroshot_dataset``). Writes ``wise-ft.json``, ``wise-ft.md`` and ``wise-ft.png`` (both curves against alpha)
+and saves the alpha ``--select`` picks as a plain checkpoint with a model card saying how it was made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from vlfit.arguments import DataArguments, EvalArguments, ModelArguments
+from vlfit.commands.parsing import CommandParser
+from vlfit.errors import ConfigError
+
+PROG = "vlfit wise-ft"
+SELECTIONS = ("target", "mean")
+RESULTS_FILE, TABLE_FILE, CHART_FILE, MODEL_DIR = "wise-ft.json", "wise-ft.md", "wise-ft.png", "model"
+
+
+@dataclass
+class WiseFtArguments:
+    zeroshot_model: str = field(
+        metadata={"help": "The model before fine-tuning (theta_A at alpha 0): a checkpoint, or a LoRA run (merged)."}
+    )
+    finetuned_model: str = field(
+        metadata={"help": "The fine-tuned model (theta_B at alpha 1): a checkpoint, or a LoRA run (merged)."}
+    )
+    alphas: str = field(
+        default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1", metadata={"help": "The mixing weights, comma-separated."}
+    )
+    target_metric: str = field(
+        default="eval_t2i_recall@1", metadata={"help": "The target split's metric the curve and --select use."}
+    )
+    select: str = field(
+        default="target",
+        metadata={
+            "help": "Which alpha is saved: target (the best target metric, among the alphas --max_zeroshot_drop "
+            "keeps) or mean (the best mean of the target metric and zero-shot top-1).",
+            "choices": list(SELECTIONS),
+        },
+    )
+    max_zeroshot_drop: float | None = field(
+        default=None,
+        metadata={"help": "Keep only alphas whose zero-shot top-1 is at most this much below alpha 0's (e.g. 0.02)."},
+    )
+
+
+def parse_alphas(text: str) -> list[float]:
+    try:
+        alphas = [float(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise ConfigError(f"--alphas takes comma-separated numbers in [0, 1], got {text!r}") from None
+    if not alphas or any(not 0.0 <= alpha <= 1.0 for alpha in alphas):
+        raise ConfigError(f"--alphas takes comma-separated numbers in [0, 1], got {text!r}")
+    return sorted(set(alphas))
+
+
+def zeroshot_key(metrics: dict[str, Any]) -> str:
+    """The first zero-shot top-1 metric of an evaluation (``eval_zeroshot_top1`` or ``eval_zeroshot_<name>_top1``)."""
+    return next(key for key in metrics if key.startswith("eval_zeroshot") and key.endswith("_top1"))
+
+
+def choose(rows: list[dict[str, Any]], args: WiseFtArguments) -> dict[str, Any]:
+    """The row of the alpha ``--select`` and ``--max_zeroshot_drop`` pick (ties: the smaller alpha)."""
+    target, zeroshot = args.target_metric, zeroshot_key(rows[0])
+    candidates = rows
+    if args.max_zeroshot_drop is not None:
+        floor = rows[0][zeroshot] - args.max_zeroshot_drop  # rows are sorted by alpha: the first is the lowest
+        candidates = [row for row in rows if row[zeroshot] >= floor - 1e-12] or rows[:1]
+    if args.select == "mean":
+        return max(candidates, key=lambda row: ((row[target] + row[zeroshot]) / 2, -row["alpha"]))
+    return max(candidates, key=lambda row: (row[target], -row["alpha"]))
+
+
+def write_table(path: str, rows: list[dict[str, Any]], target: str, zeroshot: str, chosen: float) -> None:
+    lines = [f"| alpha | {target} | {zeroshot} | |", "| --- | --- | --- | --- |"]
+    for row in rows:
+        mark = "saved" if row["alpha"] == chosen else ""
+        lines.append(f"| {row['alpha']:g} | {row[target]:.4f} | {row[zeroshot]:.4f} | {mark} |")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def write_chart(path: str, rows: list[dict[str, Any]], target: str, zeroshot: str, chosen: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    alphas = [row["alpha"] for row in rows]
+    figure, axes = plt.subplots(figsize=(6, 4))
+    axes.plot(alphas, [row[target] for row in rows], marker="o", label=f"target: {target}")
+    axes.plot(alphas, [row[zeroshot] for row in rows], marker="s", label=f"kept: {zeroshot}")
+    axes.axvline(chosen, color="grey", linestyle=":", label=f"saved: alpha {chosen:g}")
+    axes.set_xlabel("alpha (0: zero-shot model, 1: fine-tuned model)")
+    axes.set_ylabel("metric")
+    axes.set_title("WiSE-FT: weight-space interpolation")
+    axes.legend(loc="best", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``vlfit wise-ft``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = CommandParser((WiseFtArguments, DataArguments, EvalArguments), prog=PROG)
+    (args, data, settings), _ = parser.parse(argv)
+    if not settings.output_dir:
+        raise ConfigError("--output_dir: where the curve and the chosen model go")
+    if not data.zeroshot_dataset:
+        raise ConfigError("--zeroshot_dataset: the labelled data WiSE-FT must not forget (its zero-shot top-1 curve)")
+    alphas = parse_alphas(args.alphas)
+
+    from vlfit.commands.evaluate import as_training_arguments
+    from vlfit.model_card import write_model_card
+    from vlfit.models.interpolation import check_interpolable, interpolate
+    from vlfit.models.loading import build_model, resolve_model, save_inputs
+    from vlfit.training.run import run, setup_run
+
+    finetuned_args = ModelArguments(model_name_or_path=args.finetuned_model)
+    zeroshot_args = ModelArguments(model_name_or_path=args.zeroshot_model)
+    training = as_training_arguments(finetuned_args, settings)
+    setup = setup_run(finetuned_args, data, training)
+    zeroshot_blueprint = resolve_model(zeroshot_args, max_seq_length=data.max_seq_length)
+    if zeroshot_blueprint.family.name != setup.blueprint.family.name:
+        raise ConfigError(
+            f"--zeroshot_model is a {zeroshot_blueprint.family.name} model and --finetuned_model a "
+            f"{setup.blueprint.family.name} one: WiSE-FT mixes a model with its own fine-tuning"
+        )
+    if zeroshot_blueprint.inputs.tokenizer.get_vocab() != setup.blueprint.inputs.tokenizer.get_vocab():
+        raise ConfigError("the two models' tokenizers differ: --finetuned_model is no fine-tuning of --zeroshot_model")
+    theta_a = build_model(zeroshot_blueprint, zeroshot_args).state_dict()
+    theta_b = build_model(setup.blueprint, finetuned_args).state_dict()
+    check_interpolable(theta_a, theta_b)
+
+    rows = []
+    for alpha in alphas:
+        output_dir = os.path.join(settings.output_dir, f"alpha-{alpha:g}")
+        alpha_training = as_training_arguments(finetuned_args, dataclasses.replace(settings, output_dir=output_dir))
+        mixed = interpolate(theta_a, theta_b, alpha)
+        metrics = run(finetuned_args, data, alpha_training, setup=setup, state_dict=mixed)
+        rows.append({"alpha": alpha, **{key: value for key, value in metrics.items() if key.startswith("eval_")}})
+    if args.target_metric not in rows[0]:
+        raise ConfigError(f"--target_metric {args.target_metric!r} is not a metric; choose one of {sorted(rows[0])}")
+    zeroshot = zeroshot_key(rows[0])
+    chosen = choose(rows, args)
+
+    folder = os.path.join(settings.output_dir, MODEL_DIR)
+    model = build_model(setup.blueprint, finetuned_args)
+    model.load_state_dict(interpolate(theta_a, theta_b, chosen["alpha"]))
+    model.save_pretrained(folder)
+    save_inputs(setup.blueprint, folder)
+    write_model_card(
+        folder,
+        family_name=setup.blueprint.family.name,
+        base_model=args.finetuned_model,
+        preset=None,
+        datasets=[d for d in (data.dataset_name, *data.zeroshot_dataset) if d],
+        metrics={key: value for key, value in chosen.items() if key != "alpha"},
+        command_line="vlfit wise-ft " + shlex.join(argv),
+        how_made=f"WiSE-FT: the weights are (1 - {chosen['alpha']:g}) x `{args.zeroshot_model}` + "
+        f"{chosen['alpha']:g} x `{args.finetuned_model}` (chosen by --select {args.select}"
+        + (f", --max_zeroshot_drop {args.max_zeroshot_drop:g}" if args.max_zeroshot_drop is not None else "")
+        + f" among alphas {', '.join(f'{a:g}' for a in alphas)}).",
+    )
+    results = {"zeroshot_model": args.zeroshot_model, "finetuned_model": args.finetuned_model,
+               "target_metric": args.target_metric, "zeroshot_metric": zeroshot, "select": args.select,
+               "max_zeroshot_drop": args.max_zeroshot_drop, "chosen_alpha": chosen["alpha"], "model": folder,
+               "alphas": rows}  # fmt: skip
+    with open(os.path.join(settings.output_dir, RESULTS_FILE), "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=2)
+    write_table(os.path.join(settings.output_dir, TABLE_FILE), rows, args.target_metric, zeroshot, chosen["alpha"])
+    write_chart(os.path.join(settings.output_dir, CHART_FILE), rows, args.target_metric, zeroshot, chosen["alpha"])
+    print(f"vlfit wise-ft: alpha {chosen['alpha']:g} saved to {folder} ({args.target_metric} "
+          f"{chosen[args.target_metric]:.4f}, {zeroshot} {chosen[zeroshot]:.4f}); curve in "
+          f"{os.path.join(settings.output_dir, TABLE_FILE)}")  # fmt: skip
+    return 0

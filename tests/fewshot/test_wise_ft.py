@@ -1,0 +1,73 @@
+"""``vlfit wise-ft``: alpha 0 evaluates as the zero-shot model, alpha 1 as the fine-tuned one; the chosen mix is saved
+as a plain checkpoint holding the interpolated weights; models that cannot be mixed stop in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import BridgeTowerForContrastiveLearning
+
+from tests.inference.tiny_models import save_tiny_checkpoint
+from vlfit.cli import main
+from vlfit.errors import ConfigError
+from vlfit.models.interpolation import interpolate
+
+KEYS = ("eval_t2i_recall@1", "eval_i2t_recall@5", "eval_zeroshot_top1", "eval_zeroshot_top5")
+
+
+def test_the_curve_ends_at_both_models_and_the_chosen_mix_is_saved(labelled_checkpoint, labelled_dataset_dir,
+                                                                   tmp_path) -> None:  # fmt: skip
+    data = ["--dataset_name", labelled_dataset_dir, "--zeroshot_dataset", labelled_dataset_dir,
+            "--zeroshot_label_column", "kind", "--report_to", "none"]  # fmt: skip
+    finetuned = tmp_path / "finetuned"
+    assert main(["train", "--model", str(labelled_checkpoint), "--dataset_name", labelled_dataset_dir, "--output_dir",
+                 str(finetuned), "--max_steps", "4", "--learning_rate", "1e-3", "--per_device_train_batch_size", "8",
+                 "--save_strategy", "no", "--report_to", "none", "--dataloader_num_workers", "0"]) == 0  # fmt: skip
+    alone = {}
+    for name, model in (("zeroshot", labelled_checkpoint), ("finetuned", finetuned)):
+        assert main(["eval", "--model", str(model), *data, "--output_dir", str(tmp_path / f"eval-{name}")]) == 0
+        alone[name] = json.loads((tmp_path / f"eval-{name}" / "eval_results.json").read_text())
+    out = tmp_path / "wise"
+    assert main(["wise-ft", "--zeroshot_model", str(labelled_checkpoint), "--finetuned_model", str(finetuned),
+                 "--alphas", "1,0,0.5", "--select", "mean", *data, "--output_dir", str(out)]) == 0  # fmt: skip
+    results = json.loads((out / "wise-ft.json").read_text())
+    rows = {row["alpha"]: row for row in results["alphas"]}
+    assert sorted(rows) == [0.0, 0.5, 1.0] and results["zeroshot_metric"] == "eval_zeroshot_top1"
+    for key in KEYS:
+        assert rows[0.0][key] == pytest.approx(alone["zeroshot"][key]), key
+        assert rows[1.0][key] == pytest.approx(alone["finetuned"][key]), key
+    assert any(rows[0.0][key] != rows[1.0][key] for key in KEYS)  # the fine-tuning changed something
+    mean = {alpha: (row["eval_t2i_recall@1"] + row["eval_zeroshot_top1"]) / 2 for alpha, row in rows.items()}
+    assert mean[results["chosen_alpha"]] == max(mean.values())
+    assert (out / "wise-ft.md").read_text().count("\n") == 5 and (out / "wise-ft.png").stat().st_size > 0
+
+    saved = BridgeTowerForContrastiveLearning.from_pretrained(out / "model").state_dict()
+    expected = interpolate(
+        BridgeTowerForContrastiveLearning.from_pretrained(labelled_checkpoint).state_dict(),
+        BridgeTowerForContrastiveLearning.from_pretrained(finetuned).state_dict(),
+        results["chosen_alpha"],
+    )
+    assert all(torch.equal(saved[name], expected[name]) for name in expected)
+    assert "WiSE-FT" in (out / "model" / "README.md").read_text()
+
+
+def test_models_that_cannot_be_mixed_stop_in_one_line(labelled_checkpoint, labelled_dataset_dir, tmp_path,
+                                                      capsys) -> None:  # fmt: skip
+    clip = save_tiny_checkpoint(labelled_dataset_dir, tmp_path / "clip", preset="clip-tiny")
+    capsys.readouterr()
+    assert main(["wise-ft", "--zeroshot_model", str(labelled_checkpoint), "--finetuned_model", str(clip),
+                 "--dataset_name", labelled_dataset_dir, "--zeroshot_dataset", labelled_dataset_dir,
+                 "--zeroshot_label_column", "kind", "--output_dir", str(tmp_path / "out")]) == 2  # fmt: skip
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("vlfit wise-ft: error")]
+    assert len(errors) == 1 and "--zeroshot_model is a bridgetower model and --finetuned_model a clip one" in errors[0]
+    a = {"w": torch.zeros(2, 3), "ids": torch.arange(3)}
+    with pytest.raises(ConfigError, match=r"parameter 'w' has shape \(2, 3\) in one model and \(3, 3\)"):
+        interpolate(a, {"w": torch.zeros(3, 3), "ids": torch.arange(3)}, 0.5)
+    with pytest.raises(ConfigError, match="'v' is in only one"):
+        interpolate(a, {**a, "v": torch.zeros(1)}, 0.5)
+    mixed = interpolate(
+        {"w": torch.zeros(2), "ids": torch.arange(2)}, {"w": torch.ones(2), "ids": torch.arange(2)}, 0.25
+    )
+    assert mixed["w"].tolist() == [0.25, 0.25] and mixed["ids"].tolist() == [0, 1]
