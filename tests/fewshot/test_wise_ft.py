@@ -21,10 +21,12 @@ def test_the_curve_ends_at_both_models_and_the_chosen_mix_is_saved(labelled_chec
                                                                    tmp_path) -> None:  # fmt: skip
     data = ["--dataset_name", labelled_dataset_dir, "--zeroshot_dataset", labelled_dataset_dir,
             "--zeroshot_label_column", "kind", "--report_to", "none"]  # fmt: skip
-    finetuned = tmp_path / "finetuned"
-    assert main(["train", "--model", str(labelled_checkpoint), "--dataset_name", labelled_dataset_dir, "--output_dir",
-                 str(finetuned), "--max_steps", "4", "--learning_rate", "1e-3", "--per_device_train_batch_size", "8",
-                 "--save_strategy", "no", "--report_to", "none", "--dataloader_num_workers", "0"]) == 0  # fmt: skip
+    finetuned, mixed_in_training = tmp_path / "finetuned", tmp_path / "mixed"
+    train = ["train", "--model", str(labelled_checkpoint), "--dataset_name", labelled_dataset_dir, "--max_steps", "4",
+             "--learning_rate", "1e-3", "--per_device_train_batch_size", "8", "--save_strategy", "no", "--report_to",
+             "none", "--dataloader_num_workers", "0"]  # fmt: skip
+    assert main([*train, "--output_dir", str(finetuned)]) == 0
+    assert main([*train, "--output_dir", str(mixed_in_training), "--wise_ft_alpha", "0.5"]) == 0
     alone = {}
     for name, model in (("zeroshot", labelled_checkpoint), ("finetuned", finetuned)):
         assert main(["eval", "--model", str(model), *data, "--output_dir", str(tmp_path / f"eval-{name}")]) == 0
@@ -51,6 +53,17 @@ def test_the_curve_ends_at_both_models_and_the_chosen_mix_is_saved(labelled_chec
     )
     assert all(torch.equal(saved[name], expected[name]) for name in expected)
     assert "WiSE-FT" in (out / "model" / "README.md").read_text()
+
+    # --wise_ft_alpha ends the same training run with that mix of its start and its end.
+    half = interpolate(
+        BridgeTowerForContrastiveLearning.from_pretrained(labelled_checkpoint).state_dict(),
+        BridgeTowerForContrastiveLearning.from_pretrained(finetuned).state_dict(),
+        0.5,
+    )
+    trained = BridgeTowerForContrastiveLearning.from_pretrained(mixed_in_training).state_dict()
+    for name, tensor in half.items():
+        torch.testing.assert_close(trained[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    assert "--wise_ft_alpha" in (mixed_in_training / "README.md").read_text()
 
 
 def test_models_that_cannot_be_mixed_stop_in_one_line(labelled_checkpoint, labelled_dataset_dir, tmp_path,

@@ -66,8 +66,17 @@ class VlfitTrainingArguments(CompatTrainingFlags, TrainingArguments):
             "(compilation, autotuning and loader start-up make them slow), as optimum-habana does."
         },
     )
+    wise_ft_alpha: float | None = field(
+        default=None,
+        metadata={
+            "help": "End the run with WiSE-FT: the saved (and evaluated) weights are (1 - a) x the starting weights "
+            "+ a x the fine-tuned ones (vlfit wise-ft draws the whole curve)."
+        },
+    )
 
     def __post_init__(self) -> None:
+        if self.wise_ft_alpha is not None and not 0.0 <= self.wise_ft_alpha <= 1.0:
+            raise ConfigError(f"--wise_ft_alpha must be between 0 and 1, got {self.wise_ft_alpha}")
         if self.contrastive_loss not in CONTRASTIVE_LOSSES:
             raise ConfigError(
                 f"unknown --contrastive_loss {self.contrastive_loss!r}; choose one of: {', '.join(CONTRASTIVE_LOSSES)}"

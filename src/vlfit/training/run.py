@@ -28,6 +28,7 @@ from vlfit.evaluation.zeroshot import ZeroShotSet, open_zeroshot_sets
 from vlfit.fewshot.zeroshot import DEFAULT_TEMPLATES
 from vlfit.model_card import write_model_card
 from vlfit.models.family import ModelFamily
+from vlfit.models.interpolation import interpolate
 from vlfit.models.loading import ModelBlueprint, build_model, resolve_model, save_inputs, saved_tokenizer
 from vlfit.models.logit_scale import set_logit_scale
 from vlfit.models.lora import BASE_MODEL_DIR, LoraSettings, apply_lora, group_of, trainable_parameters
@@ -148,6 +149,19 @@ def open_zeroshot(data_args: DataArguments, training_args: Any) -> list[ZeroShot
     )
 
 
+def wise_ft_start(
+    model: torch.nn.Module, lora: LoraSettings | None, training_args: VlfitTrainingArguments
+) -> dict[str, torch.Tensor] | None:
+    """A copy of the starting weights when ``--wise_ft_alpha`` will mix them into the trained ones, else None."""
+    if training_args.wise_ft_alpha is None or not training_args.do_train:
+        return None
+    if lora is not None:
+        raise ConfigError("--wise_ft_alpha with --lora_r: merge the adapters (vlfit merge-lora), then vlfit wise-ft")
+    if training_args.fsdp:
+        raise ConfigError("--wise_ft_alpha with --fsdp is not supported: train, then run vlfit wise-ft on the result")
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
 def caption_sampler(source: ImageTextSource, data_args: DataArguments, seed: int) -> Sampler[int] | None:
     """The training order ``--caption_sampling`` asks for: ``None`` (every caption once per epoch, the Trainer's
     shuffle), or each image once per epoch with one caption drawn (``OneCaptionPerImageSampler``)."""
@@ -250,6 +264,7 @@ def run(
     family = setup.blueprint.family
     unfreeze_later = frozen_tower_parameters(model, family, model_args, training_args)
     lora = model_args.lora_settings()
+    starting_weights = wise_ft_start(model, lora, training_args)
     if lora is not None:
         model = with_lora_adapters(model, setup.blueprint, model_args, training_args, lora)
     trainer = VlfitTrainer(
@@ -299,6 +314,10 @@ def run(
             )
         if preemption.received is not None:
             logger.warning("a stop signal arrived as training was finishing: training completed, saving as usual")
+        if starting_weights is not None:
+            model.load_state_dict(interpolate(starting_weights, model.state_dict(), training_args.wise_ft_alpha))
+            logger.info("WiSE-FT: the saved weights are (1 - %g) x the starting ones + %g x the fine-tuned ones",
+                        training_args.wise_ft_alpha, training_args.wise_ft_alpha)  # fmt: skip
         trainer.save_model()
         if trainer.is_world_process_zero():
             setup.blueprint.image_processor.save_pretrained(training_args.output_dir)
@@ -344,6 +363,10 @@ def run(
             metrics=results,
             command_line=command_line,
             adapters=lora is not None,
+            how_made=None
+            if starting_weights is None
+            else f"WiSE-FT: the weights are (1 - {training_args.wise_ft_alpha:g}) x the starting weights + "
+            f"{training_args.wise_ft_alpha:g} x the fine-tuned ones (--wise_ft_alpha).",
         )
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
