@@ -200,9 +200,9 @@ def test_unreachable_rendezvous_fails_within_ddp_timeout(tmp_path, synthetic_dat
                         "MASTER_PORT": str(port)}.items():  # fmt: skip
         monkeypatch.setenv(name, value)
     capsys.readouterr()
-    assert main(["train", *_common(synthetic_dataset_dir, tmp_path / "o"), "--ddp_timeout", "3"]) == 2
+    assert main(["train", *_common(synthetic_dataset_dir, tmp_path / "o"), "--ddp_timeout", "1"]) == 2
     (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("vlfit ")]
-    assert f"could not form the gloo process group with 127.0.0.1:{port} within --ddp_timeout 3 s" in line
+    assert f"could not form the gloo process group with 127.0.0.1:{port} within --ddp_timeout 1 s" in line
     assert not torch.distributed.is_initialized()
     assert not (tmp_path / "o").exists()  # nothing was done
 
