@@ -96,16 +96,16 @@ class HardNegatives(NamedTuple):
 Term = tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, HardNegatives | None]
 
 
-def same_image_pairs(image_keys: torch.Tensor, *, gather: bool = False, group: Any = None) -> tuple[torch.Tensor, int]:
-    """``[n, N]`` True where candidate ``j`` shows the image of this process's row ``i`` but is not its own pair,
-    and this process's offset among the N candidates (every process's rows with global negatives)."""
+def same_image_pairs(image_keys: torch.Tensor, *, gather: bool = False, group: Any = None) -> torch.Tensor:
+    """``[n, N]`` True where candidate ``j`` (of every process's rows, with global negatives) shows the image of this
+    process's row ``i`` but is not its own pair."""
     rows = image_keys.shape[0]
     world = distributed_world(group) if gather else 1
     all_keys, offset, _ = gather_rows(image_keys, group) if world > 1 else (image_keys, 0, rows)
     same = image_keys.unsqueeze(1) == all_keys.unsqueeze(0)
     own = torch.arange(rows, device=same.device)
     same[own, own + offset] = False
-    return same, offset
+    return same
 
 
 def info_nce(
@@ -142,7 +142,7 @@ def info_nce(
         rows = first.shape[0]
         world = distributed_world(group) if gather else 1
         gathered: dict[int, tuple[torch.Tensor, int, int]] = {}
-        same_image = None if image_keys is None else same_image_pairs(image_keys, gather=gather, group=group)[0]
+        same_image = None if image_keys is None else same_image_pairs(image_keys, gather=gather, group=group)
         total_loss = first.new_zeros((), dtype=torch.float32)
         total = rows
         for term in terms:

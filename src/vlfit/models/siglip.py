@@ -163,7 +163,7 @@ def sigmoid_loss(
         signs[torch.arange(rows, device=logits.device), torch.arange(offset, offset + rows, device=logits.device)] = 1
         pair_losses = -F.logsigmoid(signs * logits)
         if image_keys is not None:
-            pair_losses = pair_losses.masked_fill(same_image_pairs(image_keys, gather=gather, group=group)[0], 0.0)
+            pair_losses = pair_losses.masked_fill(same_image_pairs(image_keys, gather=gather, group=group), 0.0)
         loss_sum = pair_losses.sum()
         if hard_negatives is not None:
             similarity = torch.einsum("nd,nkd->nk", images, hard_negatives.embeds.float()) * scale + bias
