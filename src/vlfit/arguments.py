@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 # The CPU-stage pipelines (--image_pipeline): vlfit.data.image_transforms implements each.
 IMAGE_PIPELINES = ("fast", "reference")
+# How a training epoch walks several captions per image (vlfit.data.caption_sampling).
+CAPTION_SAMPLING = ("every", "one_per_image")
 
 # What --freeze names (each family's module_groups says which it has).
 TOWERS = ("text", "vision", "cross")
@@ -240,7 +242,7 @@ class DataArguments(CompatDataFlags, DataLocationArguments):
         metadata={
             "help": "How a training epoch walks several captions per image: every (each caption once per epoch) or "
             "one_per_image (each image once per epoch, with one of its captions drawn anew each epoch).",
-            "choices": ["every", "one_per_image"],
+            "choices": list(CAPTION_SAMPLING),
         },
     )
     eval_split: str = field(default="validation", metadata={"help": "Split that --do_eval evaluates."})
@@ -290,6 +292,10 @@ class DataArguments(CompatDataFlags, DataLocationArguments):
         if self.image_pipeline not in IMAGE_PIPELINES:
             raise ConfigError(
                 f"unknown --image_pipeline {self.image_pipeline!r}; choose one of: {', '.join(IMAGE_PIPELINES)}"
+            )
+        if self.caption_sampling not in CAPTION_SAMPLING:
+            raise ConfigError(
+                f"unknown --caption_sampling {self.caption_sampling!r}; choose one of: {', '.join(CAPTION_SAMPLING)}"
             )
         if self.bad_sample_policy not in BAD_SAMPLE_POLICIES:
             raise ConfigError(

@@ -13,8 +13,6 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-CAPTION_SAMPLING: tuple[str, ...] = ("every", "one_per_image")
-
 
 def image_groups(image_keys: np.ndarray) -> list[np.ndarray]:
     """The records of each image (``ImageTextSource.image_keys``), images in the order they first appear."""

@@ -165,10 +165,8 @@ def wise_ft_start(
 def caption_sampler(source: ImageTextSource, data_args: DataArguments, seed: int) -> Sampler[int] | None:
     """The training order ``--caption_sampling`` asks for: ``None`` (every caption once per epoch, the Trainer's
     shuffle), or each image once per epoch with one caption drawn (``OneCaptionPerImageSampler``)."""
-    if data_args.caption_sampling == "every":
+    if data_args.caption_sampling == "every":  # DataArguments allows only CAPTION_SAMPLING
         return None
-    if data_args.caption_sampling != "one_per_image":
-        raise ConfigError(f"--caption_sampling {data_args.caption_sampling!r}: choose every or one_per_image")
     how = "their image ids" if data_args.image_id_column else "reading their image bytes"
     logger.info("grouping %d training captions by image (%s)", len(source), how)
     groups = image_groups(source.image_keys())
