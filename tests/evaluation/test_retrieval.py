@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlfit.evaluation.retrieval import EmbeddedSplit, group_images, merge_splits, score_split
+from vlfit.data.image_groups import group_images
+from vlfit.evaluation.retrieval import EmbeddedSplit, merge_splits, score_split
 
 DIM, CHOICES = 8, 3
 

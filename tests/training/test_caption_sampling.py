@@ -11,7 +11,8 @@ import numpy as np
 
 from tests.data.test_several_captions import _caption_lists
 from vlfit.cli import main
-from vlfit.data.caption_sampling import OneCaptionPerImageSampler, image_groups
+from vlfit.data.caption_sampling import OneCaptionPerImageSampler
+from vlfit.data.image_groups import image_groups
 from vlfit.data.sources import ArrowSource
 
 

@@ -14,17 +14,6 @@ import torch
 from torch.utils.data import Sampler
 
 
-def image_groups(image_keys: np.ndarray) -> list[np.ndarray]:
-    """The records of each image (``ImageTextSource.image_keys``), images in the order they first appear."""
-    _, first, inverse = np.unique(image_keys, return_index=True, return_inverse=True)
-    order = np.argsort(first, kind="stable")  # unique images by first appearance
-    rank = np.empty_like(order)
-    rank[order] = np.arange(len(order))
-    image_of_record = rank[inverse.reshape(-1)]
-    by_image = np.argsort(image_of_record, kind="stable")
-    return np.split(by_image, np.cumsum(np.bincount(image_of_record))[:-1])
-
-
 class OneCaptionPerImageSampler(Sampler[int]):
     """Each epoch, every image once in a shuffled order, each as one of its records drawn at random.
 
@@ -32,7 +21,7 @@ class OneCaptionPerImageSampler(Sampler[int]):
     at the start of every epoch), so a resumed run reads the batches the uninterrupted one read.
 
     Args:
-        groups: The record indices of each image (``image_groups``).
+        groups: The record indices of each image (``vlfit.data.image_groups.image_groups``).
         seed: The run's seed.
     """
 

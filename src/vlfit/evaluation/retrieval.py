@@ -22,6 +22,7 @@ import torch
 
 from vlfit.data.batch import BadSample, Batch
 from vlfit.data.hard_negatives import label_to_index
+from vlfit.data.image_groups import group_images
 from vlfit.errors import DataError
 from vlfit.evaluation.metrics import matching_accuracy, pooled_recall_at_k
 from vlfit.models.family import IMAGE_KEYS, ModelFamily
@@ -140,29 +141,6 @@ def merge_splits(parts: list[EmbeddedSplit]) -> EmbeddedSplit:
     else:
         merged.choices = merged.labels = None
     return merged
-
-
-def group_images(image_keys: torch.Tensor | None, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The unique images among a split's rows, in the order they first appear.
-
-    Args:
-        image_keys: ``[rows]`` int64, which image each row shows; ``None``: each row its own image.
-        num_rows: The rows.
-
-    Returns:
-        The row where each unique image first appears ``[images]`` (its embedding is the image's), and each
-        row's image ``[rows]`` as an index into those.
-    """
-    if image_keys is None:
-        rows = torch.arange(num_rows)
-        return rows, rows
-    _, inverse = torch.unique(image_keys, return_inverse=True)
-    first = torch.full((int(inverse.max()) + 1,), num_rows, dtype=torch.long)
-    first = first.scatter_reduce(0, inverse, torch.arange(num_rows), reduce="amin")
-    order = first.argsort()  # unique images by first appearance
-    image_index = torch.empty_like(order)
-    image_index[order] = torch.arange(len(order))
-    return first[order], image_index[inverse]
 
 
 def score_split(split: EmbeddedSplit, pool_size: int | None = None) -> dict[str, float]:

@@ -16,7 +16,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from vlfit.arguments import DataArguments, ModelArguments
 from vlfit.data.bad_samples import BAD_SAMPLES_REPORT
-from vlfit.data.caption_sampling import OneCaptionPerImageSampler, image_groups
+from vlfit.data.caption_sampling import OneCaptionPerImageSampler
+from vlfit.data.image_groups import image_groups
 from vlfit.data.pipeline import InputPipeline, PipelineOptions
 from vlfit.data.records import EVAL_COLUMNS
 from vlfit.data.source_base import ImageTextSource
