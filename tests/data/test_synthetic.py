@@ -24,6 +24,7 @@ GROUP = re.compile(
     r"(one|two|three) (red|green|blue|yellow|purple|orange) (circles?|squares?|triangles?|cross(?:es)?) "
     r"(on the left|on the right|at the top|at the bottom|in the center)"
 )
+UNPLACED_GROUP = re.compile(GROUP.pattern.rsplit(" (", 1)[0])
 COUNTS = {"one": 1, "two": 2, "three": 3}
 SINGULAR = {"circles": "circle", "squares": "square", "triangles": "triangle", "crosses": "cross"}
 
@@ -309,3 +310,31 @@ def test_parse_caption_inverts_caption_and_names_the_edited_attributes() -> None
     ) == ("region",)
     with pytest.raises(ValueError, match="not a synthetic caption"):
         parse_caption("a red circle somewhere.")
+
+
+def test_shifted_distributions_darken_the_same_scenes_and_caption_without_regions() -> None:
+    from vlfit.data.synthetic.scenes import caption, scene_and_choices
+
+    plain = SyntheticConfig(num_samples=12, seed=3, **SMALL)
+    dark = SyntheticConfig(num_samples=12, seed=3, background="dark", **SMALL)
+    told = SyntheticConfig(num_samples=12, seed=3, caption_grammar="no_regions", **SMALL)
+    regions = r" (on the left|on the right|at the top|at the bottom|in the center)"
+    for index in range(6):
+        a, b, c = make_record(index, plain), make_record(index, dark), make_record(index, told)
+        assert b["image_description"] == a["image_description"]  # the background alone changed
+        light_pixels, dark_pixels = (
+            np.asarray(Image.open(io.BytesIO(jpeg(r))).convert("L"), np.float32) for r in (a, b)
+        )
+        assert light_pixels.shape == dark_pixels.shape
+        assert np.median(dark_pixels) < 75 < np.median(light_pixels)
+        assert len(set(c["caption_choices"])) == synthetic.NUM_CHOICES
+        assert c["caption_choices"][ord(c["label"]) - ord("A")] == c["image_description"]
+        for text in c["caption_choices"]:
+            groups = text.removeprefix("a picture of ").removesuffix(".").split(" and ")
+            assert text.startswith("a picture of ") and all(UNPLACED_GROUP.fullmatch(g) for g in groups), text
+    scene, _, _ = scene_and_choices(np.random.default_rng(5))
+    assert caption(scene, "no_regions") == "a picture of " + re.sub(regions, "", caption(scene))
+    with pytest.raises(ValueError, match="--labels region"):
+        SyntheticConfig(labels="region", caption_grammar="no_regions")
+    with pytest.raises(ValueError, match="--background"):
+        SyntheticConfig(background="sepia")

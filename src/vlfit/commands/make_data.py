@@ -46,6 +46,17 @@ class MakeDataArguments:
             "that name."
         },
     )
+    background: Literal["light", "dark"] = field(
+        default="light",
+        metadata={"help": "'light' (grey to light textured backgrounds) or 'dark' (the same textures near black)."},
+    )
+    caption_grammar: Literal["regions", "no_regions"] = field(
+        default="regions",
+        metadata={
+            "help": "'regions' (\"two red circles on the left and ...\") or 'no_regions' (\"a picture of two red "
+            'circles and ..."): with --background, a shifted distribution of the same scenes.'
+        },
+    )
     num_proc: int = field(
         default_factory=_default_num_proc,
         metadata={"help": "Worker processes for generation; the default is min(2, CPU count)."},
@@ -83,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         max_long_side=args.max_long_side,
         jpeg_quality=args.jpeg_quality,
         labels=args.labels,
+        background=args.background,
+        caption_grammar=args.caption_grammar,
     )
     dataset_dict = make_dataset(config, num_proc=args.num_proc)
     paths = save_dataset(dataset_dict, args.output_dir, format=args.format)

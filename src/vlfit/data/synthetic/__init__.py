@@ -18,6 +18,8 @@ from __future__ import annotations
 from vlfit.data.synthetic.dataset import FEATURES, features, make_dataset, make_record, save_dataset
 from vlfit.data.synthetic.render import render_scene
 from vlfit.data.synthetic.scenes import (
+    BACKGROUNDS,
+    CAPTION_GRAMMARS,
     COLOUR_NAMES,
     COLOURS,
     COUNT_WORDS,
@@ -38,6 +40,8 @@ from vlfit.data.synthetic.scenes import (
 )
 
 __all__ = [
+    "BACKGROUNDS",
+    "CAPTION_GRAMMARS",
     "COLOURS",
     "COLOUR_NAMES",
     "COUNT_WORDS",

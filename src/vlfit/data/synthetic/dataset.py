@@ -53,11 +53,11 @@ def make_record(index: int, config: SyntheticConfig) -> dict[str, Any]:
         ``config.labels``, also that attribute's column (the index of the scene's value in ``LABEL_CLASSES``).
     """
     rng = np.random.default_rng([config.seed, index])
-    scene, choices, answer = scene_and_choices(rng, shared=config.labels)
+    scene, choices, answer = scene_and_choices(rng, shared=config.labels, grammar=config.caption_grammar)
     jpeg = render_scene(scene, rng, config)
     record = {
         "image": {"bytes": jpeg, "path": None},
-        "image_description": caption(scene),
+        "image_description": caption(scene, config.caption_grammar),
         "caption_choices": choices,
         "label": LETTERS[answer],
         "instance_id": f"synthetic-{config.seed}-{index:07d}",

@@ -55,10 +55,15 @@ def _smooth_noise(
     return out
 
 
-def _background(rng: np.random.Generator, width: int, height: int) -> Image.Image:
+# Range of a background's mean grey level per ``SyntheticConfig.background``.
+_BACKGROUND_LEVELS = {"light": (80.0, 190.0), "dark": (15.0, 60.0)}
+
+
+def _background(rng: np.random.Generator, width: int, height: int, background: str = "light") -> Image.Image:
     # Built at quarter resolution and upsampled once: the smooth part has no detail worth full-res noise.
     lw, lh = max(2, width // 4), max(2, height // 4)
-    base = rng.uniform(80, 190) + rng.uniform(-14, 14, size=3)  # desaturated so objects keep their colour
+    # Desaturated so objects keep their colour; one draw either way, so a seed's layouts do not depend on it.
+    base = rng.uniform(*_BACKGROUND_LEVELS[background]) + rng.uniform(-14, 14, size=3)
     luma = _smooth_noise(rng, lh, lw, (lh / 1.5, lh / 5, 6.0, 2.0), 1) * rng.uniform(14, 26)
     chroma = _smooth_noise(rng, lh, lw, (lh / 2.0,), 3) * 6.0
     low = np.clip(base + luma + chroma, 0, 255).astype(np.uint8)
@@ -171,7 +176,7 @@ def render_scene(scene: Scene, rng: np.random.Generator, config: SyntheticConfig
     Args:
         scene: The groups to draw, each inside its region.
         rng: The record's generator, already advanced past the scene sampling (the record is a function of it).
-        config: Image size range and JPEG quality.
+        config: Image size range, background and JPEG quality.
 
     Returns:
         The JPEG bytes (4:2:0 chroma subsampling, quality ``config.jpeg_quality``).
@@ -179,7 +184,7 @@ def render_scene(scene: Scene, rng: np.random.Generator, config: SyntheticConfig
     long_side = int(rng.integers(config.min_long_side, config.max_long_side + 1))
     short_side = max(1, round(long_side / rng.uniform(1.05, 1.4)))
     width, height = (long_side, short_side) if rng.random() < 0.5 else (short_side, long_side)
-    image = _background(rng, width, height)
+    image = _background(rng, width, height, config.background)
     draw = ImageDraw.Draw(image)
     outline_width = max(1, round(min(width, height) * rng.uniform(0.004, 0.01)))
     outline = rng.random() < 0.5

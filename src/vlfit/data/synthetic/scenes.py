@@ -47,6 +47,12 @@ LABEL_CLASSES: dict[str, tuple[str, ...]] = {
     "colour": COLOUR_NAMES,
     "region": tuple(REGION_PHRASES[region] for region in REGIONS),
 }
+# A shifted distribution (``benchmarks/forgetting.py`` fine-tunes on one) draws scenes of the same kind on other
+# backgrounds ("light" or "dark" textures) or tells them otherwise: captions that say where each group is
+# ("regions": "two red circles on the left and one blue square at the top.") or not ("no_regions": "a picture of
+# two red circles and one blue square.").
+BACKGROUNDS: tuple[str, ...] = ("light", "dark")
+CAPTION_GRAMMARS: tuple[str, ...] = ("regions", "no_regions")
 
 
 @dataclass
@@ -65,6 +71,11 @@ class SyntheticConfig:
             same value of it (a scene labelled by region has one group), and rows get it as a class column of that
             name (``LABEL_CLASSES``): a labelled image-classification set for ``vlfit fewshot``. ``None``: no
             class column.
+        background: ``light`` (desaturated mid-grey to light textures) or ``dark`` (the same textures near black);
+            the scenes, layouts and captions of a seed are the same for both.
+        caption_grammar: ``regions`` (each group's count, colour, kind and where it is) or ``no_regions``
+            ("a picture of ...": count, colour and kind only; choices that differ only in a region are not drawn,
+            so a seed's scenes differ from those of ``regions``).
     """
 
     num_samples: int = 3000
@@ -75,6 +86,8 @@ class SyntheticConfig:
     max_long_side: int = 1400
     jpeg_quality: int = 90
     labels: str | None = None
+    background: str = "light"
+    caption_grammar: str = "regions"
 
     def __post_init__(self) -> None:
         if self.num_samples < 3:
@@ -98,6 +111,14 @@ class SyntheticConfig:
             )
         if self.labels is not None and self.labels not in LABEL_CLASSES:
             raise DataError(f"--labels must be one of {', '.join(LABEL_CLASSES)}, got {self.labels!r}")
+        if self.background not in BACKGROUNDS:
+            raise DataError(f"--background must be one of {', '.join(BACKGROUNDS)}, got {self.background!r}")
+        if self.caption_grammar not in CAPTION_GRAMMARS:
+            raise DataError(
+                f"--caption_grammar must be one of {', '.join(CAPTION_GRAMMARS)}, got {self.caption_grammar!r}"
+            )
+        if self.labels == "region" and self.caption_grammar == "no_regions":
+            raise DataError("--labels region needs captions that name the region: drop --caption_grammar no_regions")
         if not 1 <= self.jpeg_quality <= 100:
             raise DataError(f"--jpeg_quality must be in 1..100, got {self.jpeg_quality}")
         split_sizes(self)  # fails early when the fractions leave a split without rows
@@ -135,21 +156,25 @@ def split_sizes(config: SyntheticConfig) -> dict[str, int]:
     return {"train": train, **sizes}
 
 
-def caption(scene: Scene) -> str:
+def caption(scene: Scene, grammar: str = "regions") -> str:
     """Return the templated caption of a scene.
 
     Args:
         scene: One or two groups in distinct regions.
+        grammar: One of ``CAPTION_GRAMMARS``.
 
     Returns:
-        E.g. ``"two red circles on the left and one blue square at the top."``; groups are listed in ``REGIONS``
-        order, so a scene has exactly one caption.
+        E.g. ``"two red circles on the left and one blue square at the top."`` (``regions``) or ``"a picture of
+        two red circles and one blue square."`` (``no_regions``); groups are listed in ``REGIONS`` order, so a
+        scene has exactly one caption.
     """
     parts = []
     for group in sorted(scene, key=lambda g: REGIONS.index(g.region)):
         noun = group.kind if group.count == 1 else PLURALS[group.kind]
-        parts.append(f"{COUNT_WORDS[group.count]} {group.colour} {noun} {REGION_PHRASES[group.region]}")
-    return " and ".join(parts) + "."
+        where = f" {REGION_PHRASES[group.region]}" if grammar == "regions" else ""
+        parts.append(f"{COUNT_WORDS[group.count]} {group.colour} {noun}{where}")
+    text = " and ".join(parts) + "."
+    return text if grammar == "regions" else f"a picture of {text}"
 
 
 def parse_caption(text: str) -> Scene:
@@ -230,7 +255,9 @@ def _distinguishable(scene: Scene) -> bool:
     return len(scene) == 1 or (scene[0].kind, scene[0].colour) != (scene[1].kind, scene[1].colour)
 
 
-def scene_and_choices(rng: np.random.Generator, shared: str | None = None) -> tuple[Scene, list[str], int]:
+def scene_and_choices(
+    rng: np.random.Generator, shared: str | None = None, grammar: str = "regions"
+) -> tuple[Scene, list[str], int]:
     """Return the scene to draw, 5 distinct captions and the index of the scene's caption among them.
 
     All five are one-attribute edits of a hidden base scene, and the drawn one is picked at random among them: any
@@ -241,6 +268,7 @@ def scene_and_choices(rng: np.random.Generator, shared: str | None = None) -> tu
         rng: The record's generator; this advances it.
         shared: ``kind`` or ``colour``: every group of the scene and of every choice has the same value of it;
             ``region``: scenes of one group (``SyntheticConfig.labels``).
+        grammar: The captions' grammar (``CAPTION_GRAMMARS``); choices are distinct as captions of it.
 
     Returns:
         ``(scene, choices, answer)``: the scene to draw, ``NUM_CHOICES`` distinct captions and the index of the
@@ -250,12 +278,13 @@ def scene_and_choices(rng: np.random.Generator, shared: str | None = None) -> tu
     while not _distinguishable(base):
         base = _sample_scene(rng, shared)
     scenes: list[Scene] = []
-    texts = {caption(base)}
-    while len(scenes) < NUM_CHOICES:  # terminates: every scene has at least 10 valid one-edit neighbours
+    texts = {caption(base, grammar)}
+    # Terminates: every scene has at least 10 valid one-edit neighbours in kind, colour and count alone.
+    while len(scenes) < NUM_CHOICES:
         candidate = _edit(base, rng, shared)
-        text = caption(candidate)
+        text = caption(candidate, grammar)
         if text not in texts and _distinguishable(candidate):
             texts.add(text)
             scenes.append(candidate)
     answer = int(rng.integers(NUM_CHOICES))
-    return scenes[answer], [caption(scene) for scene in scenes], answer
+    return scenes[answer], [caption(scene, grammar) for scene in scenes], answer
