@@ -16,3 +16,25 @@ def synthetic_dataset_dir(tmp_path_factory) -> str:
     config = SyntheticConfig(num_samples=80, seed=3, min_long_side=160, max_long_side=320)
     save_dataset(make_dataset(config), str(path), format="arrow")
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def two_process_results(tmp_path_factory) -> dict[str, list[dict]]:
+    """The 2-process gloo checks of ``tests.two_processes.MODULES``, run together once; results by module."""
+    from tests.two_processes import run_two_processes
+
+    return run_two_processes(tmp_path_factory.mktemp("two-processes"))
+
+
+@pytest.fixture(scope="session")
+def trained_clip(synthetic_dataset_dir, tmp_path_factory):
+    """clip-tiny fine-tuned on the synthetic training split until it has learned it (200 steps, seconds): a model
+    whose text queries find their own images, for the retrieval and serving tests."""
+    from vlfit.cli import main
+
+    model = tmp_path_factory.mktemp("trained-clip") / "model"
+    assert main(["train", "--model_preset", "clip-tiny", "--dataset_name", synthetic_dataset_dir, "--output_dir",
+                 str(model), "--max_steps", "200", "--per_device_train_batch_size", "16", "--learning_rate",
+                 "1e-3", "--warmup_steps", "5", "--save_strategy", "no", "--report_to", "none", "--seed", "0",
+                 "--logging_steps", "1000", "--disable_tqdm", "true"]) == 0  # fmt: skip
+    return model

@@ -8,12 +8,9 @@ imports under ``if TYPE_CHECKING:`` are left out, since they never run.
 from __future__ import annotations
 
 import ast
-import multiprocessing
 import sys
 import traceback
 from pathlib import Path
-
-import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "vlfit"
@@ -112,42 +109,31 @@ def test_no_module_imports_itself_through_others() -> None:
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
-def _import_alone(name: str, errors: multiprocessing.Queue) -> None:
-    import importlib
-
-    try:
-        importlib.import_module(name)
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        errors.put((name, traceback.format_exc(limit=3)))
+def _vlfit_modules() -> list[str]:
+    return [m for m in sys.modules if m == PACKAGE or m.startswith(PACKAGE + ".")]
 
 
-@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="needs fork")
 def test_every_module_imports_on_its_own() -> None:
-    """Each module in a fork with no vlfit module loaded: a module that only imports when another was imported
-    first fails here. The parent imports everything once first, so the third-party packages are loaded already
-    and each child only runs vlfit's own module code."""
+    """Each module imported with no vlfit module loaded: a module that only imports when another was imported
+    first fails here. Everything is imported once first and only vlfit's modules are dropped before each import,
+    so the third-party packages stay loaded and each import runs vlfit's own module code alone."""
     import importlib
 
     names = module_names()
     for name in names:
         importlib.import_module(name)
-    context = multiprocessing.get_context("fork")
-    errors: multiprocessing.Queue = context.Queue()
-    loaded = {m: sys.modules.pop(m) for m in list(sys.modules) if m == PACKAGE or m.startswith(PACKAGE + ".")}
-    try:
-        for batch_start in range(0, len(names), 8):
-            processes = [
-                context.Process(target=_import_alone, args=(name, errors))
-                for name in names[batch_start : batch_start + 8]
-            ]
-            for process in processes:
-                process.start()
-            for process in processes:
-                process.join(120)
-                assert process.exitcode == 0, f"importing {process} did not finish cleanly"
-    finally:
-        sys.modules.update(loaded)
+    loaded = {m: sys.modules.pop(m) for m in _vlfit_modules()}
     failures = []
-    while not errors.empty():
-        failures.append(errors.get())
+    try:
+        for name in names:
+            for module in _vlfit_modules():
+                del sys.modules[module]
+            try:
+                importlib.import_module(name)
+            except BaseException:  # noqa: BLE001 - every failure is reported below
+                failures.append((name, traceback.format_exc(limit=3)))
+    finally:
+        for module in _vlfit_modules():
+            del sys.modules[module]
+        sys.modules.update(loaded)
     assert not failures, "\n\n".join(f"{name}:\n{trace}" for name, trace in failures)

@@ -17,7 +17,10 @@ from tests.bench.bench_runs import REPO, TINY, assert_png, run_bench
 
 def test_gpu_script_runs_on_a_cpu(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    args = " ".join([*TINY, "--pipelines", "fast,device", "--workers", "0"])
+    # Loader mode: the script's plumbing is under test here (the sweep's train rows are test_sweep's).
+    args = " ".join(
+        [*TINY, "--pipelines", "fast,device", "--workers", "0", "--mode", "loader", "--profile_batches", "0"]
+    )
     # The CUDA tests would only report themselves skipped here (test_gpu_script_runs_the_cuda_tests checks which).
     env = {**os.environ, "PYTHON": sys.executable, "VLFIT_BENCH_ALLOW_CPU": "1", "VLFIT_BENCH_ARGS": args,
            "VLFIT_GPU_TESTS": "0"}  # fmt: skip

@@ -9,7 +9,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 from tests.checkpoints import CAPTIONS
@@ -129,7 +128,16 @@ def test_hard_negatives_are_more_negative_pairs_of_their_image(preset):
     assert float(with_hard) > float(outputs_loss)  # more negatives, more loss (little at SigLIP's bias of -10)
 
 
-def _worker(rank: int, world: int, init_file: str, payload_path: str, out_dir: str) -> None:
+def _two_process_batches() -> dict[str, dict[str, torch.Tensor]]:
+    return {"plain": _inputs(), "hard": _inputs(hard_negatives=True), "same images": _inputs(same_images=True)}
+
+
+def two_process_payload() -> dict:
+    """What both processes of the 2-process check read (``tests.two_processes``)."""
+    return {**{preset: _model(preset).state_dict() for preset in FAMILIES}, **_two_process_batches()}
+
+
+def two_process_worker(rank: int, world: int, init_file: str, payload_path: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
@@ -150,14 +158,9 @@ def _worker(rank: int, world: int, init_file: str, payload_path: str, out_dir: s
         dist.destroy_process_group()
 
 
-def test_global_negatives_on_two_processes_equal_one_process_on_the_concatenated_batch(tmp_path):
-    batches = {"plain": _inputs(), "hard": _inputs(hard_negatives=True), "same images": _inputs(same_images=True)}
-    payload = {preset: _model(preset).state_dict() for preset in FAMILIES}
-    torch.save({**payload, **batches}, tmp_path / "payload.pt")
-    mp.spawn(
-        _worker, args=(2, str(tmp_path / "init"), str(tmp_path / "payload.pt"), str(tmp_path)), nprocs=2, join=True
-    )
-    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+def test_global_negatives_on_two_processes_equal_one_process_on_the_concatenated_batch(two_process_results):
+    batches = _two_process_batches()
+    ranks = two_process_results[__name__]
     for preset, family in FAMILIES.items():
         model = _model(preset)
         for name, batch in batches.items():

@@ -9,7 +9,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 from transformers import BridgeTowerForContrastiveLearning
 
@@ -19,6 +18,7 @@ from vlfit.models.losses import embed_hard_negatives, info_nce
 
 # Rows [0, 3) on rank 0 and [3, 6) on rank 1, then an uneven split: [0, 4) and [4, 6).
 SPLITS = {"even": (0, 3, 6), "uneven": (0, 4, 6)}
+KEYED_IMAGES = torch.tensor([0, 1, 0, 2, 1, 3])  # rows 0, 2 and 1, 4 show one image each (across ranks)
 
 
 def _model(state_dict: dict[str, torch.Tensor] | None = None) -> BridgeTowerForContrastiveLearning:
@@ -60,7 +60,14 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def _worker(rank: int, world: int, init_file: str, payload_path: str, out_dir: str) -> None:
+def two_process_payload() -> dict:
+    """What both processes of the 2-process check read (``tests.two_processes``)."""
+    inputs = _inputs()
+    return {"state_dict": _model().state_dict(), "inputs": inputs, "hard_inputs": _with_hard_negatives(inputs),
+            "keyed_inputs": {**inputs, IMAGE_KEYS: KEYED_IMAGES}}  # fmt: skip
+
+
+def two_process_worker(rank: int, world: int, init_file: str, payload_path: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
@@ -190,18 +197,12 @@ def test_exposed_logit_scale_is_in_the_outputs_and_carries_gradient():
     assert len(model._forward_hooks) == 1
 
 
-def test_global_negatives_on_two_processes_equal_one_process_on_the_concatenated_batch(tmp_path):
+def test_global_negatives_on_two_processes_equal_one_process_on_the_concatenated_batch(two_process_results):
     inputs = _inputs()
     model = _model()
     hard_inputs = _with_hard_negatives(inputs)
-    keyed_inputs = {**inputs, IMAGE_KEYS: torch.tensor([0, 1, 0, 2, 1, 3])}  # rows 0, 2 and 1, 4 (across ranks)
-    payload = {"state_dict": model.state_dict(), "inputs": inputs, "hard_inputs": hard_inputs,
-               "keyed_inputs": keyed_inputs}  # fmt: skip
-    torch.save(payload, tmp_path / "payload.pt")
-    mp.spawn(
-        _worker, args=(2, str(tmp_path / "init"), str(tmp_path / "payload.pt"), str(tmp_path)), nprocs=2, join=True
-    )
-    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    keyed_inputs = {**inputs, IMAGE_KEYS: KEYED_IMAGES}
+    ranks = two_process_results[__name__]
 
     reference = model(**inputs, return_loss=True)
     reference.loss.backward()

@@ -101,22 +101,30 @@ def train_ids(synthetic_dataset_dir) -> set[str]:
     return set(datasets.load_from_disk(synthetic_dataset_dir)["train"]["instance_id"][:NUM_SAMPLES])
 
 
-def test_two_nodes_with_global_negatives_shard_the_data_and_rank0_writes_the_checkpoint(
-    tmp_path, synthetic_dataset_dir, train_ids, capsys
-):
-    """Two launchers, global negatives, --dataloader_drop_last and --bf16 in one run."""
-    out = tmp_path / "model"
-    flags = [*_common(synthetic_dataset_dir, out), "--contrastive_negatives", "global", "--do_eval",
-             "--dataloader_drop_last", "--bf16"]  # fmt: skip
-    records = _two_node_train(tmp_path / "records", flags)
+def _shared_flags(dataset_dir: str, output_dir: Path) -> list[str]:
+    """The run both the DDP and the FSDP launches make, so their losses can be compared."""
+    return [*_common(dataset_dir, output_dir), "--contrastive_negatives", "global", "--do_eval",
+            "--dataloader_drop_last"]  # fmt: skip
 
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory, synthetic_dataset_dir) -> tuple[Path, list[dict]]:
+    """Two launchers (two simulated nodes, one process each), global negatives and --dataloader_drop_last."""
+    folder = tmp_path_factory.mktemp("ddp")
+    records = _two_node_train(folder / "records", _shared_flags(synthetic_dataset_dir, folder / "model"))
+    return folder / "model", records
+
+
+def test_two_nodes_with_global_negatives_shard_the_data_and_rank0_writes_the_checkpoint(
+    tmp_path, synthetic_dataset_dir, train_ids, ddp_run, capsys
+):
+    out, records = ddp_run
     assert [r["world_size"] for r in records] == [2, 2]
     assert [r["should_save"] for r in records] == [True, False]  # only rank 0 writes
     # Each process reads its own share: 3 steps of 4 per epoch. 30 samples fill 3 full global batches of 8: the
     # 6 samples of the incomplete one are left out, none is repeated.
     for record in records:
         assert [len(b["ids"]) for b in record["batches"]] == [4] * 6
-        assert record["matmul_dtypes"] == ["torch.bfloat16"]
     seen = _ids_per_epoch(records)
     assert sorted(seen) == [0, 1]
     for epoch, counts in seen.items():
@@ -138,7 +146,7 @@ def test_two_nodes_with_global_negatives_shard_the_data_and_rank0_writes_the_che
     assert distributed["eval_num_samples"] == 8
     capsys.readouterr()
     assert main(["eval", "--model_name_or_path", str(out), "--dataset_name", synthetic_dataset_dir,
-                 "--output_dir", str(tmp_path / "eval"), "--report_to", "none", "--bf16"]) == 0  # fmt: skip
+                 "--output_dir", str(tmp_path / "eval"), "--report_to", "none"]) == 0  # fmt: skip
     single = json.loads((tmp_path / "eval" / "eval_results.json").read_text())
     for key in ("eval_num_samples", "eval_t2i_recall@5", "eval_i2t_recall@5", "eval_matching_accuracy"):
         assert distributed[key] == pytest.approx(single[key]), key
@@ -149,31 +157,25 @@ FSDP_FLAGS = ["--fsdp", "full_shard auto_wrap", "--fsdp_config",
               json.dumps({"fsdp_version": 2, "transformer_layer_cls_to_wrap": FSDP_LAYERS})]  # fmt: skip
 
 
-def test_fsdp_on_two_cpu_processes_shards_trains_as_ddp_and_saves_a_checkpoint_eval_loads(
-    tmp_path, synthetic_dataset_dir, capsys
+def test_fsdp_on_two_cpu_processes_shards_trains_as_ddp_and_saves_a_checkpoint(
+    tmp_path, synthetic_dataset_dir, ddp_run
 ):
-    def flags(out: Path) -> list[str]:
-        return [*_common(synthetic_dataset_dir, out), "--max_steps", "4", "--logging_steps", "1",
-                "--dataloader_num_workers", "0"]  # fmt: skip
-
-    ddp = _torchrun_train(tmp_path / "ddp", flags(tmp_path / "ddp-model"))
-    fsdp = _torchrun_train(tmp_path / "fsdp", [*flags(tmp_path / "model"), *FSDP_FLAGS, "--do_eval"])
-    # Each process held shards (DTensors), not whole parameters; the losses are DDP's.
+    _, ddp = ddp_run
+    fsdp = _torchrun_train(tmp_path / "fsdp", [*_shared_flags(synthetic_dataset_dir, tmp_path / "model"), *FSDP_FLAGS])
+    # Each process held shards (DTensors), not whole parameters; the losses are DDP's (same flags, same data).
     assert all(r["sharded_parameters"] > 0 for r in fsdp) and all(r["sharded_parameters"] == 0 for r in ddp)
     for d, f in zip(ddp, fsdp, strict=True):
-        assert len(f["losses"]) == 4
+        assert len(f["losses"]) == 6
         torch.testing.assert_close(torch.tensor(f["losses"]), torch.tensor(d["losses"]), rtol=1e-5, atol=1e-6)
     # Rank 0 wrote a plain checkpoint of the full weights (the logit scale 0-d again, as transformers has it).
     model = BridgeTowerForContrastiveLearning.from_pretrained(tmp_path / "model")
     assert model.logit_scale.shape == torch.Size([])
     assert weights_digest(model.state_dict()) == fsdp[0]["weights_sha256"]
-    distributed = json.loads((tmp_path / "model" / "eval_results.json").read_text())
-    capsys.readouterr()
-    assert main(["eval", "--model_name_or_path", str(tmp_path / "model"), "--dataset_name", synthetic_dataset_dir,
-                 "--output_dir", str(tmp_path / "eval"), "--report_to", "none"]) == 0  # fmt: skip
-    single = json.loads((tmp_path / "eval" / "eval_results.json").read_text())
+    # Evaluation under FSDP scores each sample once, as DDP's did.
+    fsdp_eval = json.loads((tmp_path / "model" / "eval_results.json").read_text())
+    ddp_eval = json.loads((ddp_run[0] / "eval_results.json").read_text())
     for key in ("eval_num_samples", "eval_t2i_recall@5", "eval_i2t_recall@5"):
-        assert distributed[key] == pytest.approx(single[key]), key
+        assert fsdp_eval[key] == pytest.approx(ddp_eval[key]), key
 
 
 def test_fsdp_in_one_process_stops_in_one_line(tmp_path, synthetic_dataset_dir, capsys):

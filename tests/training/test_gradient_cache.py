@@ -10,7 +10,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 from tests.models.test_dual_encoders import _inputs
@@ -93,7 +92,13 @@ def test_dropout_draws_the_same_masks_in_both_passes():
     assert not torch.equal(family.loss_embeddings(model, inputs).rows["cross"][:3].detach(), first[0])
 
 
-def _worker(rank: int, world: int, init_file: str, payload_path: str, out_dir: str) -> None:
+def two_process_payload() -> dict:
+    """What both processes of the 2-process check read (``tests.two_processes``): hard negatives, and rows of one
+    image on both processes (rows 1 and 5: SAME_IMAGES)."""
+    return {"state_dict": _model("tiny").state_dict(), "inputs": _inputs(hard_negatives=True, same_images=True)}
+
+
+def two_process_worker(rank: int, world: int, init_file: str, payload_path: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
@@ -108,12 +113,9 @@ def _worker(rank: int, world: int, init_file: str, payload_path: str, out_dir: s
         dist.destroy_process_group()
 
 
-def test_two_processes_with_global_negatives_equal_one_process_on_the_whole_batch(tmp_path):
-    # Hard negatives, and rows of one image on both processes (rows 1 and 5: SAME_IMAGES).
+def test_two_processes_with_global_negatives_equal_one_process_on_the_whole_batch(two_process_results):
     model, inputs = _model("tiny"), _inputs(hard_negatives=True, same_images=True)
-    torch.save({"state_dict": model.state_dict(), "inputs": inputs}, tmp_path / "payload.pt")
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "payload.pt"), str(tmp_path)), nprocs=2)
-    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    ranks = two_process_results[__name__]
     reference_loss, reference_grads = _plain("tiny", model, inputs, global_negatives=False)
     torch.testing.assert_close((ranks[0]["loss"] + ranks[1]["loss"]) / 2, reference_loss, rtol=1e-5, atol=0)
     for rank in ranks:  # DDP averaged the gradients once, after the last chunk
