@@ -285,12 +285,21 @@ class Index:
         num_workers: int = 0,
         shard_size: int = 4096,
         progress: bool = False,
+        index_type: str = "auto",
+        max_index_memory: int | None = None,
+        target_recall: float = 0.95,
     ) -> Index:
         """Embed a folder of images (``images``) or a dataset split into the index at ``path`` (created, or resumed
         and appended to when it exists: only items not in it yet are embedded; an index of another model is
-        refused)."""
+        refused), then bring its ANN structure up to date as ``vlfit retrieve index`` does (``index_type``:
+        ``auto``, ``flat``, ``hnsw`` or ``ivfpq``; needs the serve extra)."""
+        from vlfit.extras import require_extra
+        from vlfit.inference.ann import DEFAULT_MAX_INDEX_MEMORY
         from vlfit.inference.collection import open_image_collection
         from vlfit.inference.index import build_index
+        from vlfit.inference.index_ann import update_ann
+
+        require_extra("serve", "vlfit.Index.build", modules=("faiss",))
 
         source, collection = open_image_collection(
             images=images, dataset_name=dataset_name, split=split, image_column=image_column,
@@ -301,6 +310,8 @@ class Index:
             model.encoder, source, path, collection=collection, batch_size=batch_size, num_workers=num_workers,
             shard_size=shard_size, progress=progress,
         )  # fmt: skip
+        update_ann(path, index_type=index_type, max_index_memory=max_index_memory or DEFAULT_MAX_INDEX_MEMORY,
+                   target_recall=target_recall)  # fmt: skip
         return cls(path, model)
 
     @classmethod

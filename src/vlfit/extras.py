@@ -18,6 +18,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "lora": ("peft",),
     "fewshot": ("sklearn",),
     "gpu": ("torchcodec",),
+    "serve": ("faiss", "fastapi", "uvicorn", "python_multipart"),
 }
 # The CLI commands that need an extra as a whole.
 COMMAND_EXTRAS: dict[str, str] = {
@@ -26,6 +27,7 @@ COMMAND_EXTRAS: dict[str, str] = {
     "merge-lora": "lora",
     "fewshot": "fewshot",
     "classify": "fewshot",
+    "serve": "serve",
 }
 
 

@@ -5,6 +5,7 @@ import json
 import os
 import re
 import shutil
+import sys
 
 import pytest
 import torch
@@ -173,15 +174,10 @@ def test_a_dataset_split_is_indexed_by_sample_id_and_a_second_run_adds_nothing(
     assert result["queries"][0]["results"][0]["id"] == image.stem
 
 
-def test_a_trained_model_finds_each_image_from_its_own_caption(synthetic_dataset_dir, tmp_path, capsys):
-    # Fine-tuned on the training split until it has learned it (seen pairs: the test is about the index and the
-    # query path, not generalization), then the same split indexed and queried by its own captions.
-    model = tmp_path / "model"
-    # clip-tiny learns its 64 training pairs in seconds (200 steps); the BridgeTower tiny preset takes minutes.
-    assert main(["train", "--model_preset", "clip-tiny", "--dataset_name", synthetic_dataset_dir, "--output_dir",
-                 str(model), "--max_steps", "200", "--per_device_train_batch_size", "16", "--learning_rate",
-                 "1e-3", "--warmup_steps", "5", "--save_strategy", "no", "--report_to", "none", "--seed", "0",
-                 "--logging_steps", "1000", "--disable_tqdm", "true"]) == 0  # fmt: skip
+def test_a_trained_model_finds_each_image_from_its_own_caption(synthetic_dataset_dir, trained_clip, tmp_path, capsys):
+    # A model that learned the training split (seen pairs: the test is about the index and the query path, not
+    # generalization), then the same split indexed and queried by its own captions.
+    model = trained_clip
     index = tmp_path / "index"
     assert main(["retrieve", "index", "--model", str(model), "--dataset_name", synthetic_dataset_dir, "--split",
                  "train", "--output_dir", str(index), "--disable_tqdm", "true"]) == 0  # fmt: skip
@@ -199,3 +195,68 @@ def test_a_trained_model_finds_each_image_from_its_own_caption(synthetic_dataset
     # Chance is 1 in len(records) (64) at top-1.
     assert hits >= 0.9 * len(records), (hits, len(records))
     assert hits5 >= 0.98 * len(records), (hits5, len(records))
+
+
+def test_an_hnsw_index_answers_as_the_exact_scan_follows_appends_and_drops_removed_images(
+    tiny_checkpoint, image_folder, tmp_path, capsys
+):
+    folder = tmp_path / "photos"
+    shutil.copytree(image_folder / "validation", folder)
+    out = tmp_path / "index"
+    argv = ["retrieve", "index", "--model", str(tiny_checkpoint), "--images", str(folder), "--output_dir", str(out),
+            "--index_type", "hnsw", "--dataloader_num_workers", "0", "--disable_tqdm", "true"]  # fmt: skip
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    manifest = EmbeddingIndex(str(out)).manifest
+    assert summary["ann"]["type"] == manifest.ann["type"] == "hnsw" and manifest.ann["count"] == manifest.count
+    assert manifest.ann["recall_at_10"] >= 0.95 and (out / "ann.faiss").is_file()
+
+    files = sorted(str(p) for p in folder.glob("*.jpg"))
+    query = ["--index", str(out), "--image", files[2], "--text", "two red circles on the left.", "-k", "5"]
+    approximate, exact = _query_json(capsys, *query), _query_json(capsys, *query, "--exact")
+    assert [q["results"][0] for q in approximate["queries"]] == [q["results"][0] for q in exact["queries"]]
+    assert approximate["queries"][1]["results"][0]["score"] == pytest.approx(1.0, abs=1e-5)  # itself (or a twin)
+
+    # Appended images go into the HNSW graph in place, and are found.
+    shutil.copytree(image_folder / "test", folder / "more")
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["ann"]["extended"] and summary["added"] > 0
+    new = sorted(str(p) for p in (folder / "more").glob("*.jpg") if p.name != "broken.jpg")
+    found = _query_json(capsys, "--index", str(out), "--image", *new[:3], "-k", "3")["queries"]
+    assert all(path in [hit["id"] for hit in q["results"]] for path, q in zip(new, found, strict=False))
+
+    # A removed file is listed as removed on re-indexing, and neither the ANN search nor the exact scan returns it.
+    kept = tmp_path / "kept.jpg"
+    shutil.move(files[2], kept)
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["removed"] == 1
+    assert EmbeddingIndex(str(out)).manifest.removed == [files[2]]
+    for flags in ([], ["--exact"]):
+        ids = [hit["id"] for hit in _query_json(capsys, "--index", str(out), "--image", str(kept), "-k", "50",
+                                                *flags)["queries"][0]["results"]]  # fmt: skip
+        assert files[2] not in ids and len(ids) == min(50, len(EmbeddingIndex(str(out))) - 1)
+
+
+def test_a_flat_ann_index_returns_what_the_exact_scan_does(torch_index, tmp_path, capsys):
+    out = shutil.copytree(torch_index, tmp_path / "flat")
+    from vlfit.inference.index_ann import update_ann
+
+    assert update_ann(str(out), index_type="flat")["type"] == "flat"
+    query = ["--index", str(out), "--text", "one blue square at the top.", "--text", "a red circle", "-k", "8"]
+    approximate, exact = _query_json(capsys, *query), _query_json(capsys, *query, "--exact")
+    for got, want in zip(approximate["queries"], exact["queries"], strict=True):
+        assert [hit["id"] for hit in got["results"]] == [hit["id"] for hit in want["results"]]
+        assert [hit["score"] for hit in got["results"]] == pytest.approx([hit["score"] for hit in want["results"]])
+
+
+def test_indexing_without_faiss_stops_in_one_line_before_embedding(image_folder, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "faiss", None)
+    argv = ["retrieve", "index", "--model", str(tmp_path / "no-model"), "--images", str(image_folder), "--output_dir",
+            str(tmp_path / "index")]  # fmt: skip
+    assert main(argv) == 2
+    assert _error_line(capsys) == (
+        "vlfit retrieve: error: vlfit retrieve index needs the serve extra (faiss not installed): "
+        "pip install 'vlfit[serve]'"
+    )
+    assert not (tmp_path / "index").exists()

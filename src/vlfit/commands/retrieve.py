@@ -1,5 +1,8 @@
-"""``vlfit retrieve index`` (embed a collection of images into an index) and ``vlfit retrieve query`` (top-k images of
-text or image queries)."""
+"""``vlfit retrieve index`` (embed a collection of images into an index, then bring its ANN structure up to date)
+and ``vlfit retrieve query`` (top-k images of text or image queries: through the ANN structure, or ``--exact``).
+
+The ANN structure needs the ``serve`` extra (faiss); ``vlfit retrieve index`` checks for it before embedding
+anything."""
 
 from __future__ import annotations
 
@@ -12,14 +15,19 @@ from typing import Literal
 from vlfit.commands.parsing import CommandParser
 from vlfit.errors import ConfigError
 from vlfit.evaluation.topk import DEFAULT_CHUNK_ELEMENTS
+from vlfit.extras import require_extra
+from vlfit.inference.ann import DEFAULT_MAX_INDEX_MEMORY, DEFAULT_TARGET_RECALL
 from vlfit.inference.backends import open_encoder
 from vlfit.inference.collection import COLLECTION_KEYS, open_image_collection
 from vlfit.inference.index import MANIFEST_NAME, EmbeddingIndex, build_index, refuse_other_model
 from vlfit.inference.query import Query, embed_queries, read_queries, search
 
 SUBCOMMANDS = ("index", "query")
+# What the summary of vlfit retrieve index tells of the ANN structure (the manifest's "ann" holds all of it).
+ANN_SUMMARY = ("type", "factory", "search_params", "recall_at_10", "bytes_per_vector", "query_latency_ms", "extended")
 Backend = Literal["auto", "torch", "onnxruntime", "openvino"]
 Precision = Literal["auto", "fp32", "int8"]
+IndexType = Literal["auto", "flat", "hnsw", "ivfpq"]
 
 
 @dataclass
@@ -49,6 +57,20 @@ class IndexArguments:
     storage: Literal["safetensors", "npy"] = field(default="safetensors", metadata={"help": "Shard file format."})
     num_threads: int | None = field(default=None, metadata={"help": "Threads of the runtime (default: its own)."})
     disable_tqdm: bool = field(default=False, metadata={"help": "No progress bar."})
+    index_type: IndexType = field(
+        default="auto",
+        metadata={
+            "help": "ANN structure: auto (flat below 100k items, HNSW while it fits --max_index_memory, else IVF-PQ), "
+            "flat (exact), hnsw or ivfpq."
+        },
+    )
+    max_index_memory: int = field(
+        default=DEFAULT_MAX_INDEX_MEMORY, metadata={"help": "Bytes the ANN structure may take (default 4 GiB)."}
+    )
+    target_recall: float = field(
+        default=DEFAULT_TARGET_RECALL,
+        metadata={"help": "Recall@10 against exact search that the ANN search parameter is tuned to reach."},
+    )
 
 
 @dataclass
@@ -79,6 +101,9 @@ class QueryArguments:
         default=DEFAULT_CHUNK_ELEMENTS, metadata={"help": "Largest number of similarity scores held at once."}
     )
     num_threads: int | None = field(default=None, metadata={"help": "Threads of the runtime (default: its own)."})
+    exact: bool = field(
+        default=False, metadata={"help": "Scan every embedding of the shards instead of using the ANN structure."}
+    )
 
 
 def run_index(argv: list[str]) -> int:
@@ -89,6 +114,9 @@ def run_index(argv: list[str]) -> int:
         "appended when run again). Bad images are skipped and listed.",
     )
     (args,) = parser.parse_args_into_dataclasses(args=argv)
+    require_extra("serve", "vlfit retrieve index", modules=("faiss",))
+    if not 0 < args.target_recall <= 1:
+        raise ConfigError(f"--target_recall must be in (0, 1], got {args.target_recall}")
     source, collection = open_image_collection(**{key: getattr(args, key) for key in COLLECTION_KEYS})
     encoder = open_encoder(args.model, args.backend, args.precision, num_threads=args.num_threads)
     existing = os.path.join(args.output_dir, MANIFEST_NAME)
@@ -105,12 +133,23 @@ def run_index(argv: list[str]) -> int:
         storage=args.storage,
         progress=not args.disable_tqdm,
     )
+    from vlfit.inference.index_ann import update_ann
+
+    ann = update_ann(
+        args.output_dir,
+        index_type=args.index_type,
+        max_index_memory=args.max_index_memory,
+        target_recall=args.target_recall,
+    )
+    manifest = EmbeddingIndex(args.output_dir).manifest
     summary = {
         "index": args.output_dir,
         "model": encoder.description,
         "items": manifest.count,
         "added": manifest.count - count_before,
         "bad_samples": manifest.bad_samples[bad_before:],
+        "removed": len(manifest.removed),
+        "ann": {key: ann[key] for key in ANN_SUMMARY if key in ann},
     }
     print(json.dumps(summary, indent=1))
     return 0
@@ -139,7 +178,8 @@ def run_query(argv: list[str]) -> int:
         backend = built_with["backend"]
     encoder = open_encoder(model, backend, args.precision, num_threads=args.num_threads)
     refuse_other_model(index, encoder)
-    results = search(index, embed_queries(encoder, queries), args.k, chunk_elements=args.chunk_elements)
+    embeddings = embed_queries(encoder, queries)
+    results = search(index, embeddings, args.k, chunk_elements=args.chunk_elements, exact=args.exact)
     if args.json:
         out = [
             {"query": q.description, "results": [{"id": hit.id, "score": hit.score} for hit in hits]}

@@ -3,15 +3,22 @@
 Layout::
 
     index_manifest.json          model identity (family, embedding size, checkpoint hash), the model folder and
-                                 backend it was built with, the shards in order, the bad images left out
+                                 backend it was built with, the shards in order, the bad images left out, the items
+                                 removed from their folder since, and the ANN structure (``ann``) if one was built
     shard-00000.safetensors      float32 embeddings [n, D] (or shard-00000.npy with --storage npy)
     shard-00000.json             the n item ids, in row order
+    ann.faiss, ann.json          the approximate-nearest-neighbour structure over every row, and its description
+                                 (``vlfit.inference.index_ann``; the shards stay the store of record)
 
 An item's id is the absolute path of its file for an image folder, the sample id for a dataset split. Building
 embeds, in collection order, every item whose id is not in the index yet (nor listed as bad), and writes a shard
 each ``shard_size`` items, the manifest after it: an interrupted build resumes at the first unwritten shard with the
 same batches, so its index equals one built in one go, and running it again over a folder that gained images
 appends them.
+
+Rows are never deleted: re-indexing a folder lists, under ``removed``, the ids of its files that are gone (and
+takes back one that returned), and queries leave those rows out. A manifest names an ANN structure only while it
+covers exactly its shards: a build that adds rows drops ``ann`` before writing the first new shard.
 """
 
 from __future__ import annotations
@@ -49,6 +56,8 @@ class IndexManifest:
         shards: ``{"embeddings", "ids", "count"}`` per shard, in order.
         bad_samples: ``{"id", "reason"}`` of every item left out.
         collections: What was embedded into the index, one entry per build or append.
+        removed: Ids of indexed items whose files have left their folder since (left out of results).
+        ann: The description of ``ann.faiss`` when it covers every row (``vlfit.inference.index_ann``), else None.
     """
 
     identity: ModelIdentity
@@ -57,6 +66,8 @@ class IndexManifest:
     shards: list[dict[str, Any]] = field(default_factory=list)
     bad_samples: list[dict[str, str]] = field(default_factory=list)
     collections: list[dict[str, Any]] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    ann: dict[str, Any] | None = None
 
     @property
     def count(self) -> int:
@@ -72,6 +83,8 @@ class IndexManifest:
             "shards": self.shards,
             "bad_samples": self.bad_samples,
             "collections": self.collections,
+            "removed": self.removed,
+            **({"ann": self.ann} if self.ann else {}),
         }
 
     @classmethod
@@ -83,6 +96,8 @@ class IndexManifest:
             shards=list(data["shards"]),
             bad_samples=list(data.get("bad_samples", [])),
             collections=list(data.get("collections", [])),
+            removed=list(data.get("removed", [])),
+            ann=data.get("ann"),
         )
 
 
@@ -127,6 +142,13 @@ class EmbeddingIndex:
     def ids(self) -> list[str]:
         return [item for shard in self.manifest.shards for item in self.shard_ids(shard)]
 
+    def removed_rows(self, ids: list[str] | None = None) -> list[int]:
+        """The rows of items removed from their folder since they were indexed (``ids``: ``self.ids()``)."""
+        if not self.manifest.removed:
+            return []
+        removed = set(self.manifest.removed)
+        return [row for row, item in enumerate(self.ids() if ids is None else ids) if item in removed]
+
     def embeddings(self) -> torch.Tensor:
         """Every embedding at once ``[N, D]`` (tests and small indexes; queries read shard by shard)."""
         parts = [embeddings for _, embeddings in self.shards()]
@@ -149,7 +171,8 @@ def _write_shard(folder: str, number: int, ids: list[str], embeddings: torch.Ten
     return {"embeddings": name, "ids": f"{stem}.json", "count": len(ids)}
 
 
-def _write_manifest(folder: str, manifest: IndexManifest) -> None:
+def write_manifest(folder: str, manifest: IndexManifest) -> None:
+    """Write ``index_manifest.json`` atomically (after the files it names)."""
     write_text_atomically(os.path.join(folder, MANIFEST_NAME), json.dumps(manifest.to_dict(), indent=1) + "\n")
 
 
@@ -167,6 +190,18 @@ def _record_ids(source: ImageTextSource) -> list[str]:
     if isinstance(source, ImageFolderSource):
         return list(source.paths)
     return [record.id for record in source]
+
+
+def _removed_ids(source: ImageTextSource, manifest: IndexManifest, indexed: set[str]) -> list[str]:
+    """The indexed ids the folder ``source`` no longer holds, with those of other folders already listed; a file
+    that came back is taken off the list. Dataset splits do not lose records: their list stays as it was."""
+    if not isinstance(source, ImageFolderSource):
+        return manifest.removed
+    root = os.path.join(os.path.abspath(source.root), "")
+    present = {os.path.join(root, path) for path in source.paths}
+    others = [item for item in manifest.removed if not item.startswith(root)]
+    gone = sorted(item for item in indexed if item.startswith(root) and item not in present)
+    return others + gone
 
 
 def build_index(
@@ -213,7 +248,9 @@ def build_index(
         manifest.identity.check_compatible(
             encoder.identity, what=f"the index {output_dir}", other_what=f"the model {encoder.model_path}"
         )
-        done = set(EmbeddingIndex(output_dir).ids()) | {bad["id"] for bad in manifest.bad_samples}
+        indexed = set(EmbeddingIndex(output_dir).ids())
+        manifest.removed = _removed_ids(source, manifest, indexed)
+        done = indexed | {bad["id"] for bad in manifest.bad_samples}
     else:
         model = {"path": os.path.abspath(encoder.model_path), "backend": encoder.backend}
         manifest = IndexManifest(encoder.identity, {**model, "precision": encoder.precision}, storage)
@@ -222,7 +259,9 @@ def build_index(
     todo = [i for i, record_id in enumerate(_record_ids(source)) if to_item(record_id) not in done] if done else None
     todo = list(range(len(source))) if todo is None else todo
     manifest.collections.append({**collection, "items": len(source), "new": len(todo)})
-    _write_manifest(output_dir, manifest)
+    if todo:
+        manifest.ann = None  # it will not cover the new shards: queries scan them until it is brought up to date
+    write_manifest(output_dir, manifest)
     if not todo:
         return manifest
     shard_batches = -(-shard_size // batch_size)
@@ -236,7 +275,7 @@ def build_index(
         if ids:
             number = len(manifest.shards)
             manifest.shards.append(_write_shard(output_dir, number, list(ids), torch.cat(parts), manifest.storage))
-        _write_manifest(output_dir, manifest)
+        write_manifest(output_dir, manifest)
         ids.clear()
         parts.clear()
         if on_shard is not None:
@@ -266,4 +305,4 @@ def refuse_other_model(index: EmbeddingIndex, encoder: Encoder) -> None:
     )
 
 
-__all__ = ["EmbeddingIndex", "IndexManifest", "build_index", "refuse_other_model"]
+__all__ = ["EmbeddingIndex", "IndexManifest", "build_index", "refuse_other_model", "write_manifest"]

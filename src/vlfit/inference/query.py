@@ -1,7 +1,11 @@
-"""Queries against an index: text or image queries embedded by the index's model, top-k by chunks, shard by shard.
+"""Queries against an index: text or image queries embedded by the index's model, answered by its ANN structure
+when the manifest names one, else exactly, top-k by chunks, shard by shard.
 
-The index is never held whole: each shard's top k comes from ``chunked_topk`` (at most ``chunk_elements`` scores
-at once) and is merged into the running top k, so a million-embedding index costs one shard and one chunk.
+The exact scan never holds the index whole: each shard's top k comes from ``chunked_topk`` (at most
+``chunk_elements`` scores at once) and is merged into the running top k, so a million-embedding index costs one shard
+and one chunk. The ANN structure (``vlfit.inference.index_ann``) is memory-mapped when it is an IVF index. Either
+way, items removed from their folder since they were indexed (the manifest's ``removed``) are left out, and results
+have the same form: ids with their cosine scores, best first.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +23,9 @@ from vlfit.evaluation.topk import DEFAULT_CHUNK_ELEMENTS, chunked_topk
 from vlfit.inference.backends import Encoder
 from vlfit.inference.collection import RecordListSource, host_batches
 from vlfit.inference.index import EmbeddingIndex
+
+if TYPE_CHECKING:
+    from vlfit.inference.ann import AnnIndex
 
 # In a file of queries, a line starting with this is an image query (the rest is the image's path).
 IMAGE_PREFIX = "image:"
@@ -107,7 +115,12 @@ def embed_queries(encoder: Encoder, queries: Sequence[Query], batch_size: int = 
 
 
 def search(
-    index: EmbeddingIndex, queries: torch.Tensor, k: int, *, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
+    index: EmbeddingIndex,
+    queries: torch.Tensor,
+    k: int,
+    *,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+    exact: bool = False,
 ) -> list[list[Hit]]:
     """The ``k`` best items of the index for each query embedding, best first.
 
@@ -115,11 +128,38 @@ def search(
         index: The index.
         queries: ``[Q, D]`` embeddings from the index's model.
         k: Results per query.
-        chunk_elements: Largest number of scores held at once.
+        chunk_elements: Largest number of scores held at once (exact scan).
+        exact: Scan the shards even when the index has an ANN structure.
     """
+    if not exact and index.manifest.ann:
+        from vlfit.inference.index_ann import open_ann
+
+        ann = open_ann(index)
+        if ann is not None:
+            return _ann_search(index, ann, queries, k)
+    return _exact_search(index, queries, k, chunk_elements)
+
+
+def _ann_search(index: EmbeddingIndex, ann: AnnIndex, queries: torch.Tensor, k: int) -> list[list[Hit]]:
+    ids = index.ids()
+    scores, rows = ann.search(queries.float().numpy(), k, exclude=index.removed_rows(ids))
+    return [
+        [Hit(ids[row], round(float(score), 6)) for score, row in zip(row_scores, row_rows, strict=True) if row >= 0]
+        for row_scores, row_rows in zip(scores.tolist(), rows.tolist(), strict=True)
+    ]
+
+
+def _exact_search(index: EmbeddingIndex, queries: torch.Tensor, k: int, chunk_elements: int) -> list[list[Hit]]:
+    removed = set(index.manifest.removed)
     best_scores = torch.empty(queries.shape[0], 0)
     best_ids: list[list[str]] = [[] for _ in range(queries.shape[0])]
-    for ids, embeddings in index.shards():
+    for shard_ids, shard_embeddings in index.shards():
+        ids, embeddings = shard_ids, shard_embeddings
+        if removed:
+            kept = [row for row, item in enumerate(shard_ids) if item not in removed]
+            ids, embeddings = [shard_ids[row] for row in kept], shard_embeddings[kept]
+        if not ids:
+            continue
         scores, rows = chunked_topk(queries, embeddings, k, chunk_elements=chunk_elements)
         merged = torch.cat([best_scores, scores], dim=1)
         candidates = [previous + [ids[r] for r in row] for previous, row in zip(best_ids, rows.tolist(), strict=True)]

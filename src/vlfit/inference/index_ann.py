@@ -1,0 +1,130 @@
+"""Keeps an index folder's ANN structure (``ann.faiss``, ``vlfit.inference.ann``) covering exactly its shards.
+
+The shards are the store of record; the ANN structure is derived from them, in row order. After a build,
+``update_ann`` brings it up to date: it extends the one on disk when that still fits (the same type, its rows a
+prefix of the shards' rows: appends only add rows; an IVF index not yet grown past ``RETRAIN_GROWTH`` times what it
+was trained on), and builds a new one otherwise. Either way the search parameter is tuned again on the whole
+collection. The order of writes keeps a reader safe: the manifest drops its ``ann`` entry before the file is
+replaced, ``ann.faiss`` and ``ann.json`` are each written atomically, and the manifest names the new one last.
+Each description records the digest of the ids it covers, so a structure left from another collection is never
+extended.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from typing import Any
+
+import numpy as np
+
+from vlfit.errors import UserError
+from vlfit.inference.ann import ANN_DESCRIPTION, ANN_FILE, AnnIndex, build_ann, choose_index_type
+from vlfit.inference.index import EmbeddingIndex, write_manifest
+
+logger = logging.getLogger(__name__)
+
+
+def ids_digest(ids: list[str]) -> str:
+    """A digest of the ids in row order: what an ANN structure covers."""
+    return hashlib.sha256(json.dumps(ids).encode("utf-8")).hexdigest()[:16]
+
+
+def _extendable(folder: str, ids: list[str], index_type: str, wanted_type: str) -> AnnIndex | None:
+    """The ANN structure on disk, opened for adding, when the shards' rows continue it and its type is wanted."""
+    if not os.path.isfile(os.path.join(folder, ANN_DESCRIPTION)):
+        return None
+    try:
+        ann = AnnIndex.load(folder, mmap=False, what="vlfit retrieve index")
+    except UserError as error:
+        logger.warning("rebuilding the ANN index: %s", error)
+        return None
+    covered = len(ann)
+    if covered > len(ids) or ann.description.get("ids_digest") != ids_digest(ids[:covered]):
+        return None
+    if ann.type != (wanted_type if index_type == "auto" else index_type) or ann.needs_retrain:
+        return None
+    return ann
+
+
+def update_ann(
+    folder: str,
+    *,
+    index_type: str = "auto",
+    max_index_memory: int | None = None,
+    target_recall: float = 0.95,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Make the ANN structure of the index at ``folder`` cover every row of its shards; record it in the manifest.
+
+    Args:
+        folder: The index folder.
+        index_type: ``auto``, ``flat``, ``hnsw`` or ``ivfpq``.
+        max_index_memory: Bytes the ANN structure may take.
+        target_recall: Recall@10 against exact search that the search parameter is tuned to.
+        seed: Draws the training and tuning samples.
+
+    Returns:
+        The description written to the manifest's ``ann`` (with ``"extended": True`` when rows were added in place);
+        empty when the index holds no rows yet.
+    """
+    index = EmbeddingIndex(folder)
+    manifest = index.manifest
+    ids = index.ids()
+    if not ids:
+        return {}
+    embeddings = np.ascontiguousarray(index.embeddings().numpy(), dtype=np.float32)
+    wanted = choose_index_type(len(ids), embeddings.shape[1], max_index_memory, index_type).type
+    current = manifest.ann
+    if (
+        current
+        and current.get("ids_digest") == ids_digest(ids)
+        and current.get("type") == wanted
+        and current.get("target_recall") == target_recall
+    ):
+        return current  # already covers these rows as asked
+    if manifest.ann is not None:  # from here ann.faiss changes: the manifest must not name it meanwhile
+        manifest.ann = None
+        write_manifest(folder, manifest)
+    ann = _extendable(folder, ids, index_type, wanted)
+    extended = ann is not None and len(ann) < len(ids)
+    if ann is not None:
+        ann.add(embeddings[len(ann) :])
+        if ann.needs_retrain:
+            ann = None
+    if ann is None:
+        ann = build_ann(embeddings, index_type, max_index_memory, target_recall, seed)
+        extended = False
+    else:
+        ann.tune(embeddings, target_recall, seed)
+    if not ann.description["reached_target"]:
+        logger.warning(
+            "the %s index reaches recall@10 %.3f at most, below --target_recall %s: raise --max_index_memory for a "
+            "larger structure",
+            ann.type,
+            ann.description["recall_at_10"],
+            target_recall,
+        )
+    ann.description["ids_digest"] = ids_digest(ids)
+    description = ann.save(folder)
+    manifest.ann = description
+    write_manifest(folder, manifest)
+    return {**description, "extended": extended}
+
+
+def open_ann(index: EmbeddingIndex) -> AnnIndex | None:
+    """The ANN structure the manifest of ``index`` names (memory-mapped), or None when it names none or the file
+    on disk is not the one it names (then queries scan the shards)."""
+    described = index.manifest.ann
+    if not described:
+        return None
+    ann = AnnIndex.load(index.path, mmap=True)
+    if len(ann) != index.manifest.count or ann.description.get("ids_digest") != described.get("ids_digest"):
+        logger.warning("%s: %s does not match the manifest; scanning the shards", index.path, ANN_FILE)
+        return None
+    return ann
+
+
+__all__ = ["ids_digest", "open_ann", "update_ann"]
