@@ -1,0 +1,97 @@
+"""``vlfit serve``: an index and its model as an HTTP search API with a web page (FastAPI on uvicorn).
+
+    vlfit serve --index runs/index [--host 127.0.0.1] [--port 8000] [--workers 1]
+
+The model (or its exported graphs, as ``--backend auto`` picks for ``vlfit retrieve query``) and the index are
+loaded once per worker process; see ``vlfit.serve.app`` for the routes. SIGTERM or Ctrl-C finishes the requests in
+flight, then exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+from vlfit.commands.parsing import CommandParser
+from vlfit.errors import ConfigError
+
+PROG = "vlfit serve"
+SETTINGS_ENV = "VLFIT_SERVE_SETTINGS"  # how --workers > 1 hands the settings to uvicorn's worker processes
+
+
+@dataclass
+class ServeArguments:
+    """Flags of ``vlfit serve``."""
+
+    index: str = field(metadata={"help": "The index folder (vlfit retrieve index's output)."})
+    host: str = field(default="127.0.0.1", metadata={"help": "Address to bind (0.0.0.0: every interface)."})
+    port: int = field(default=8000, metadata={"help": "TCP port (0: any free one, printed at start)."})
+    workers: int = field(default=1, metadata={"help": "Server processes, each with its own model and index."})
+    model: str | None = field(
+        default=None, metadata={"help": "The model to embed queries with (default: the one the index was built with)."}
+    )
+    backend: Literal["auto", "torch", "onnxruntime", "openvino"] = field(
+        default="auto", metadata={"help": "auto: the index's model on the runtime it was built with."}
+    )
+    precision: Literal["auto", "fp32", "int8"] = field(
+        default="auto", metadata={"help": "Exported graphs: auto (INT8 when exported)."}
+    )
+    num_threads: int | None = field(default=None, metadata={"help": "Threads of the runtime (default: its own)."})
+    max_upload_mb: float = field(default=20.0, metadata={"help": "Largest request body in MB (413 beyond)."})
+    max_batch: int = field(default=32, metadata={"help": "Most text queries embedded in one batch."})
+    max_wait_ms: float = field(default=2.0, metadata={"help": "How long a text query waits for others to batch."})
+    reload_interval: float = field(
+        default=2.0, metadata={"help": "Seconds between checks for a new index manifest (0: POST /api/reload only)."}
+    )
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be in 0..65535, got {self.port}")
+        if self.workers < 1:
+            raise ConfigError(f"--workers must be at least 1, got {self.workers}")
+        if self.max_upload_mb <= 0:
+            raise ConfigError(f"--max_upload_mb must be positive, got {self.max_upload_mb}")
+        if self.max_batch < 1 or self.max_wait_ms < 0 or self.reload_interval < 0:
+            raise ConfigError("--max_batch must be at least 1, --max_wait_ms and --reload_interval at least 0")
+        if self.workers > 1 and self.port == 0:
+            raise ConfigError("--port 0 with --workers > 1: the workers must share one port; choose it")
+
+
+def build_app(args: ServeArguments):  # -> fastapi.FastAPI (fastapi is imported only when serving)
+    """The app for ``args``: its engine loads the model and the index."""
+    from vlfit.serve.app import create_app
+    from vlfit.serve.engine import SearchEngine
+
+    engine = SearchEngine(args.index, args.model, args.backend, args.precision, args.num_threads)
+    return create_app(engine, max_upload_mb=args.max_upload_mb, max_batch=args.max_batch,
+                      max_wait_ms=args.max_wait_ms, reload_interval=args.reload_interval)  # fmt: skip
+
+
+def app_from_environment():  # uvicorn's factory in each worker process of --workers N
+    return build_app(ServeArguments(**json.loads(os.environ[SETTINGS_ENV])))
+
+
+def _stopped(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``vlfit serve``."""
+    (args,) = CommandParser(ServeArguments, prog=PROG).parse_args_into_dataclasses(args=argv)
+    import uvicorn
+
+    from vlfit.inference.index import EmbeddingIndex
+
+    EmbeddingIndex(args.index)  # no index: one line now, not a traceback in every worker
+    common = dict(host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30)
+    # uvicorn finishes the requests in flight on SIGTERM, then raises the signal again: end with 0 then, not -15.
+    signal.signal(signal.SIGTERM, _stopped)
+    if args.workers == 1:
+        uvicorn.run(build_app(args), **common)  # loads the model before binding: the port opens ready
+    else:
+        os.environ[SETTINGS_ENV] = json.dumps(asdict(args))
+        uvicorn.run("vlfit.commands.serve:app_from_environment", factory=True, workers=args.workers, **common)
+    return 0

@@ -1,0 +1,104 @@
+"""Micro-batching: text queries that arrive together are embedded and searched as one batch.
+
+A request puts its query on a queue and awaits its result. One collector task takes the first query waiting, then
+keeps taking for at most ``max_wait_ms`` (or until ``max_batch`` queries), and runs the batch (embed the texts, one
+matrix product against the index, top-k at the largest k asked) on a single worker thread, so the event loop keeps
+accepting requests meanwhile. Alone, a query waits ``max_wait_ms`` at most; under load, batches fill and throughput
+grows with concurrency. An error in a batch is every one of its requests' error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+BatchFunction = Callable[[Sequence[str], int], list[Any]]
+
+
+@dataclass
+class _Pending:
+    text: str
+    k: int
+    future: asyncio.Future
+
+
+class MicroBatcher:
+    """Collects concurrent queries into batches for ``run_batch(texts, k) -> one result per text``.
+
+    Args:
+        run_batch: Embeds and searches a batch; called on the worker thread.
+        max_batch: The most queries in one batch.
+        max_wait_ms: How long the first query of a batch waits for others.
+        executor: The thread batches run on (one thread: the encoder is not shared between threads).
+        on_batch: Called with each batch's size (metrics).
+    """
+
+    def __init__(
+        self,
+        run_batch: BatchFunction,
+        *,
+        max_batch: int = 32,
+        max_wait_ms: float = 2.0,
+        executor: ThreadPoolExecutor | None = None,
+        on_batch: Callable[[int], None] | None = None,
+    ) -> None:
+        if max_batch < 1 or max_wait_ms < 0:
+            raise ValueError(f"max_batch must be >= 1 and max_wait_ms >= 0, got {max_batch} and {max_wait_ms}")
+        self.run_batch = run_batch
+        self.max_batch = max_batch
+        self.max_wait = max_wait_ms / 1000.0
+        self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlfit-search")
+        self.on_batch = on_batch
+        self._queue: asyncio.Queue[_Pending] | None = None
+        self._collector: asyncio.Task | None = None
+
+    async def submit(self, text: str, k: int) -> Any:
+        """The result for one query, computed in a batch with the queries that came with it."""
+        if self._queue is None:
+            self._queue = asyncio.Queue()
+            self._collector = asyncio.get_running_loop().create_task(self._collect())
+        future = asyncio.get_running_loop().create_future()
+        await self._queue.put(_Pending(text, k, future))
+        return await future
+
+    async def _collect(self) -> None:
+        assert self._queue is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = [await self._queue.get()]
+            deadline = loop.time() + self.max_wait
+            while len(batch) < self.max_batch:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                try:
+                    batch.append(await asyncio.wait_for(self._queue.get(), remaining))
+                except TimeoutError:
+                    break
+            live = [pending for pending in batch if not pending.future.done()]  # a client may have gone
+            if not live:
+                continue
+            if self.on_batch is not None:
+                self.on_batch(len(live))
+            k = max(pending.k for pending in live)
+            try:
+                results = await loop.run_in_executor(self.executor, self.run_batch, [p.text for p in live], k)
+            except Exception as err:  # noqa: BLE001 - handed to every request of the batch
+                for pending in live:
+                    if not pending.future.done():
+                        pending.future.set_exception(err)
+                continue
+            for pending, result in zip(live, results, strict=True):
+                if not pending.future.done():
+                    pending.future.set_result(result[: pending.k])
+
+    async def close(self) -> None:
+        if self._collector is not None:
+            self._collector.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._collector
+        self.executor.shutdown(wait=False, cancel_futures=True)

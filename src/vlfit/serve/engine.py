@@ -1,0 +1,275 @@
+"""What ``vlfit serve`` serves: the model, loaded once, and a snapshot of the index it answers from.
+
+A snapshot is one manifest's index: the item ids, the ANN structure the manifest names (an IVF index memory-mapped)
+or else the embeddings themselves for an exact scan, and for items of a dataset split their captions and where
+their images are; it answers as ``vlfit retrieve query`` does, removed items left out. Results name an item by its
+row in the index (``id``, stable while the index grows: appends only add rows), so ``GET /api/image/{id}`` looks an
+image up by that number and never opens a path taken from a request.
+
+Reloads are atomic: a new snapshot is built beside the one being served (from the manifest as it was read, which
+names only shards already written: ``vlfit retrieve index`` writes each shard before the manifest that lists it)
+and replaces it in one assignment; requests in flight finish on the snapshot they started with. A manifest that
+cannot be read (half-written by another tool, or gone) leaves the served snapshot as it is.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from PIL import Image, ImageOps
+
+from vlfit.errors import ConfigError, DataError, MissingFileError
+from vlfit.evaluation.topk import chunked_topk
+from vlfit.inference.collection import COLLECTION_KEYS, open_image_collection
+from vlfit.inference.index import MANIFEST_NAME, EmbeddingIndex
+
+logger = logging.getLogger(__name__)
+
+MAX_K = 1000
+THUMBNAIL_SIZES = (16, 1024)  # the smallest and largest ?size= of a thumbnail
+
+
+@dataclass(frozen=True)
+class Result:
+    """One search result: the item's row in the index, its cosine score, and what is known about it."""
+
+    id: int
+    score: float
+    item: str
+    path: str | None
+    caption: str | None
+
+    def to_dict(self) -> dict[str, object]:
+        return {"id": self.id, "score": self.score, "item": self.item, "path": self.path, "caption": self.caption}
+
+
+def _manifest_stamp(folder: str) -> tuple[int, int] | None:
+    try:
+        stat = os.stat(os.path.join(folder, MANIFEST_NAME))
+    except OSError:
+        return None
+    return stat.st_mtime_ns, stat.st_size
+
+
+class Snapshot:
+    """One manifest's index, in memory.
+
+    Args:
+        folder: The index folder.
+
+    Raises:
+        MissingFileError: when the folder holds no index.
+    """
+
+    def __init__(self, folder: str) -> None:
+        from vlfit.inference.index_ann import open_ann
+
+        self.stamp = _manifest_stamp(folder)
+        index = EmbeddingIndex(folder)
+        self.manifest = index.manifest
+        self.items: list[str] = index.ids()
+        self.removed_rows = index.removed_rows(self.items)  # files gone from their folder (re-indexed since)
+        # The ANN structure when the manifest names one (an IVF index memory-mapped: the server holds what queries
+        # touch), else every embedding, scanned exactly.
+        self.ann = open_ann(index) if self.manifest.ann else None
+        self.embeddings: torch.Tensor | None = None
+        if self.ann is None:
+            size = self.manifest.identity.embedding_size
+            parts = [embeddings.float() for _, embeddings in index.shards()]
+            self.embeddings = torch.cat(parts) if parts else torch.empty(0, size)
+        self._captions: dict[str, str | None] = {}
+        self._dataset_rows: dict[str, tuple[int, int]] = {}  # item -> (collection, row)
+        self._sources = []
+        self._folder_items = self._open_collections()
+
+    @property
+    def search_kind(self) -> str:
+        """``exact``, or the ANN structure's type."""
+        return "exact" if self.ann is None else self.ann.type
+
+    def _open_collections(self) -> bool:
+        """Captions and image locations of dataset items; True when the items are image files (their ids are
+        absolute paths)."""
+        files = False
+        for collection in self.manifest.collections:
+            if collection.get("images"):
+                files = True
+                continue
+            if not collection.get("dataset_name"):
+                continue
+            try:
+                source, _ = open_image_collection(**{k: collection[k] for k in COLLECTION_KEYS if k in collection})
+            except (OSError, ValueError) as err:  # the dataset moved: results come without captions or images
+                logger.warning("cannot open %s to show captions and images: %s", collection["dataset_name"], err)
+                continue
+            number = len(self._sources)
+            self._sources.append(source)
+            captions = source.captions()
+            for row, record_id in enumerate(record.id for record in source):
+                self._captions.setdefault(record_id, captions[row])
+                self._dataset_rows.setdefault(record_id, (number, row))
+        return files
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def result(self, row: int, score: float) -> Result:
+        item = self.items[row]
+        path = item if self._folder_items and os.path.isabs(item) else None
+        return Result(row, round(float(score), 6), item, path, self._captions.get(item))
+
+    def search(self, queries: torch.Tensor, k: int) -> list[list[Result]]:
+        """The ``k`` best items for each query embedding ``[Q, D]``, best first (fewer when the index is smaller),
+        as ``vlfit retrieve query`` finds them; items removed from their folder are left out."""
+        available = len(self) - len(self.removed_rows)
+        if available <= 0:
+            return [[] for _ in range(queries.shape[0])]
+        wanted = min(available, k)
+        if self.ann is not None:
+            scores, rows = self.ann.search(queries.float().numpy(), wanted, exclude=self.removed_rows)
+        else:
+            assert self.embeddings is not None
+            # The removed rows may be among the best: ask for that many more, then leave them out.
+            scores, rows = chunked_topk(
+                queries.float(), self.embeddings, min(len(self), wanted + len(self.removed_rows))
+            )
+        removed = set(self.removed_rows)
+        results = []
+        for row_scores, row_ids in zip(scores.tolist(), rows.tolist(), strict=True):
+            hits = [self.result(r, s) for s, r in zip(row_scores, row_ids, strict=True) if r >= 0 and r not in removed]
+            results.append(hits[:wanted])
+        return results
+
+    def image_bytes(self, row: int) -> bytes:
+        """The encoded image of the item at ``row``.
+
+        Raises:
+            MissingFileError: for a row that is not in the index, or an image that is no longer there.
+        """
+        if not 0 <= row < len(self):
+            raise MissingFileError(f"no item {row} in the index ({len(self)} items)")
+        item = self.items[row]
+        if item in self._dataset_rows:
+            number, position = self._dataset_rows[item]
+            return self._sources[number][position].image
+        if self._folder_items and os.path.isabs(item):
+            try:
+                with open(item, "rb") as f:
+                    return f.read()
+            except OSError:
+                raise MissingFileError(f"item {row}: its image file is gone") from None
+        raise MissingFileError(f"item {row}: the index does not say where its image is")
+
+
+def thumbnail(image: bytes, size: int) -> bytes:
+    """A JPEG of ``image`` whose longer side is at most ``size`` pixels (EXIF orientation applied).
+
+    Raises:
+        ConfigError: for a size outside ``THUMBNAIL_SIZES``.
+        DataError: for bytes that do not decode.
+    """
+    low, high = THUMBNAIL_SIZES
+    if not low <= size <= high:
+        raise ConfigError(f"size must be between {low} and {high}, got {size}")
+    try:
+        picture = ImageOps.exif_transpose(Image.open(io.BytesIO(image)))
+        picture.draft("RGB", (size, size))  # DCT-scaled decode for JPEGs
+        picture = picture.convert("RGB")
+    except (OSError, ValueError, Image.DecompressionBombError) as err:
+        raise DataError(f"the indexed image does not decode: {err}") from None
+    picture.thumbnail((size, size), Image.Resampling.BICUBIC)
+    out = io.BytesIO()
+    picture.save(out, format="JPEG", quality=85)
+    return out.getvalue()
+
+
+class SearchEngine:
+    """The model and the served snapshot of one index.
+
+    Args:
+        index: The index folder.
+        model: A model or exported folder to embed queries with (default: the one the index was built with, on
+            the runtime it was built with).
+        backend: ``auto`` or a runtime name, as ``vlfit.load`` takes.
+        precision: Exported graphs: ``auto``, ``fp32`` or ``int8``.
+        num_threads: Threads of the runtime.
+
+    Raises:
+        MissingFileError: when the folder holds no index.
+        RefusedModelError: when ``model`` embeds into another space than the index.
+    """
+
+    def __init__(
+        self,
+        index: str,
+        model: str | None = None,
+        backend: str = "auto",
+        precision: str = "auto",
+        num_threads: int | None = None,
+    ) -> None:
+        from vlfit.api import load
+        from vlfit.inference.index import refuse_other_model
+
+        self.folder = index
+        self.snapshot = Snapshot(index)
+        built = self.snapshot.manifest.model
+        if backend == "auto" and model is None:
+            backend = built["backend"]
+        self.model = load(model or built["path"], backend, precision=precision, num_threads=num_threads)
+        refuse_other_model(EmbeddingIndex(index), self.model.encoder)
+        self.generation = 1
+        self._reload_lock = threading.Lock()
+
+    @property
+    def description(self) -> dict[str, object]:
+        snapshot = self.snapshot
+        return {"index": os.path.abspath(self.folder), "items": len(snapshot), "search": snapshot.search_kind,
+                "model": self.model.encoder.description, "generation": self.generation}  # fmt: skip
+
+    def reload_if_changed(self) -> bool:
+        """Serve the index's current manifest if it changed since the snapshot was read; True when it did.
+
+        A manifest that cannot be read, or an index now built with another model, keeps the served snapshot."""
+        with self._reload_lock:  # one reload at a time; searches go on meanwhile
+            stamp = _manifest_stamp(self.folder)
+            if stamp is None or stamp == self.snapshot.stamp:
+                return False
+            try:
+                fresh = Snapshot(self.folder)
+                fresh.manifest.identity.check_compatible(
+                    self.model.encoder.identity, what=f"the index {self.folder}", other_what="the served model"
+                )
+            except Exception as err:  # noqa: BLE001 - whatever broke the new manifest, the old snapshot serves on
+                logger.warning("index %s changed but cannot be served (%s); serving the previous one", self.folder, err)
+                return False
+            self.snapshot = fresh  # one assignment: a request sees the old snapshot or the new one, whole
+            self.generation += 1
+            logger.info("serving %s: %d items (generation %d)", self.folder, len(fresh), self.generation)
+            return True
+
+    def embed_texts(self, texts: Sequence[str]) -> torch.Tensor:
+        return torch.from_numpy(self.model.encode_texts(list(texts)))
+
+    def embed_image(self, image: bytes) -> torch.Tensor:
+        """The embedding ``[1, D]`` of encoded image bytes.
+
+        Raises:
+            DataError: naming why the bytes are not an image the pipeline can decode.
+        """
+        return torch.from_numpy(self.model.encode_images([image]))
+
+    def search(self, queries: torch.Tensor, k: int) -> list[list[Result]]:
+        check_k(k)
+        return self.snapshot.search(queries, k)
+
+
+def check_k(k: int) -> None:
+    """Raises ``ConfigError`` unless ``1 <= k <= MAX_K``."""
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_K:
+        raise ConfigError(f"k must be an integer from 1 to {MAX_K}, got {k!r}")

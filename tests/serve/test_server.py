@@ -1,0 +1,127 @@
+"""The real ``vlfit serve`` process on a free loopback port: queried over HTTP, driven from headless Chromium, and
+stopped by SIGTERM (exit 0). One server for the module; every request has a timeout."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.training.train_runs import free_port
+
+START_TIMEOUT = 120  # seconds for the process to load the model and bind, far above what it takes
+REQUEST_TIMEOUT = 30
+
+
+@pytest.fixture(scope="module")
+def server(served_index: Path, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "vlfit", "serve", "--index", str(served_index), "--port", str(port)],
+            stdout=out, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START_TIMEOUT
+    while True:
+        if process.poll() is not None:
+            pytest.fail(f"vlfit serve exited {process.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{base}/api/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"vlfit serve did not answer within {START_TIMEOUT} s:\n{log.read_text()[-3000:]}")
+        time.sleep(0.25)
+    yield base, process, log
+    if process.poll() is None:
+        process.kill()
+        process.wait(10)
+
+
+def test_the_server_process_answers_over_http_on_loopback(server, train_records) -> None:
+    base, process, log = server
+    record = train_records[3]
+    answer = httpx.post(f"{base}/api/search", json={"text": record.caption, "k": 5}, timeout=REQUEST_TIMEOUT)
+    assert answer.status_code == 200
+    results = answer.json()["results"]
+    assert len(results) == 5 and results[0]["caption"] is not None
+    thumb = httpx.get(f"{base}/api/image/{results[0]['id']}?size=96", timeout=REQUEST_TIMEOUT)
+    assert thumb.status_code == 200 and thumb.content[:2] == b"\xff\xd8"
+    assert "127.0.0.1" in log.read_text()  # bound to loopback, as by default
+
+
+def _chrome_driver(tmp_path: Path):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver_path = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+    if not browser or not os.path.exists(driver_path):
+        pytest.fail("the browser test needs Debian's chromium and chromium-driver (apt-get install, as .ci/run does)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = browser
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1200,900"):  # fmt: skip
+        options.add_argument(flag)
+    return webdriver.Chrome(service=Service(driver_path), options=options)
+
+
+def test_the_web_page_shows_the_expected_images_for_a_typed_query(server, served_index, train_records, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    import vlfit
+
+    base, _, _ = server
+    index = vlfit.Index.open(str(served_index))
+    # A caption whose image the model ranks first (the library's exact search says which): the page must show it.
+    record = next(r for r in train_records if index.search(r.caption, k=1)[0].id == r.id)
+    driver = _chrome_driver(tmp_path)
+    try:
+        driver.set_page_load_timeout(REQUEST_TIMEOUT)
+        driver.get(base + "/")
+        WebDriverWait(driver, REQUEST_TIMEOUT).until(
+            lambda d: "images in" in d.find_element(By.ID, "about").text
+        )  # the page asked /api/health
+        box = driver.find_element(By.ID, "query")
+        box.clear()
+        box.send_keys(record.caption)
+        driver.find_element(By.ID, "go").click()
+        WebDriverWait(driver, REQUEST_TIMEOUT).until(
+            expected_conditions.presence_of_element_located((By.CSS_SELECTOR, "#results figure.hit"))
+        )
+        hits = driver.find_elements(By.CSS_SELECTOR, "#results figure.hit")
+        assert len(hits) == 12  # the page's default k
+        assert hits[0].get_attribute("data-item") == record.id
+        assert record.caption in hits[0].text
+        # The thumbnails really loaded (decoded by the browser, not broken-image icons).
+        WebDriverWait(driver, REQUEST_TIMEOUT).until(
+            lambda d: all(
+                d.execute_script("return arguments[0].complete && arguments[0].naturalWidth > 0;", img)
+                for img in d.find_elements(By.CSS_SELECTOR, "#results figure.hit img")[:4]
+            )  # fmt: skip
+        )
+    except Exception:
+        driver.save_screenshot(str(Path(os.environ.get("VLFIT_SCREENSHOT_DIR", tmp_path)) / "browser-failure.png"))
+        raise
+    finally:
+        driver.quit()
+
+
+def test_sigterm_finishes_and_exits_zero(server) -> None:
+    _, process, log = server
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 0, log.read_text()[-3000:]
