@@ -6,9 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -22,29 +19,13 @@ REQUEST_TIMEOUT = 30
 
 @pytest.fixture(scope="module")
 def server(served_index: Path, tmp_path_factory):
+    from vlfit.serve.launch import start_server
+
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    with open(log, "w") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "vlfit", "serve", "--index", str(served_index), "--port", str(port)],
-            stdout=out, stderr=subprocess.STDOUT, env=env,
-        )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT
-    while True:
-        if process.poll() is not None:
-            pytest.fail(f"vlfit serve exited {process.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{base}/api/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"vlfit serve did not answer within {START_TIMEOUT} s:\n{log.read_text()[-3000:]}")
-        time.sleep(0.25)
-    yield base, process, log
+    process = start_server(["--index", str(served_index)], port, str(log), timeout=START_TIMEOUT,
+                           env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})  # fmt: skip
+    yield f"http://127.0.0.1:{port}", process, log
     if process.poll() is None:
         process.kill()
         process.wait(10)
