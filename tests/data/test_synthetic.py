@@ -248,6 +248,18 @@ def test_zero_fraction_gives_empty_split_with_schema() -> None:
     assert pa.types.is_struct(dataset["validation"].data.table.schema.field("image").type)
 
 
+@pytest.mark.parametrize("fmt", ["arrow", "parquet"])
+def test_a_split_without_rows_is_not_written_so_the_folder_loads_back(tmp_path, fmt: str) -> None:
+    from vlfit.data.sources import open_splits
+
+    dataset = make_dataset(SyntheticConfig(num_samples=4, validation_fraction=0.0, test_fraction=0.25, **SMALL))
+    save_dataset(dataset, str(tmp_path), format=fmt)
+    assert {name: len(split) for name, split in open_splits(dataset_name=str(tmp_path)).items()} == {
+        "train": 3,
+        "test": 1,
+    }
+
+
 def test_cli_writes_loadable_dataset(tmp_path, capsys) -> None:
     out = tmp_path / "synthetic"
     argv = ["--output_dir", str(out), "--num_samples", "12", "--min_long_side", "64", "--max_long_side", "96"]

@@ -105,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         total_mb = sum(len(blob) for blob in blobs) / 1e6
         long_sides = [max(Image.open(io.BytesIO(blob)).size) for blob in blobs]  # header only, no decode
         mean_long = sum(long_sides) / len(long_sides) if long_sides else 0.0
+        if not blobs:
+            print(f"{name}: no rows (not written)")
+            continue
         print(f"{name}: {len(blobs)} rows, {total_mb:.1f} MB of JPEG, mean long side {mean_long:.0f} px")
     print(f"wrote {args.format} dataset to {', '.join(paths)}")
     return 0

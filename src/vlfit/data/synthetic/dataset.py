@@ -120,7 +120,8 @@ def save_dataset(dataset_dict: datasets.DatasetDict, output_dir: str, format: st
             ``"parquet"`` for one ``{split}.parquet`` file per split.
 
     Returns:
-        The written paths: the folder for ``"arrow"``, one file per split for ``"parquet"``.
+        The written paths: the folder for ``"arrow"``, one file per split for ``"parquet"``. Splits without rows
+        are not written (``datasets`` cannot load an empty split back from disk).
 
     Raises:
         ValueError: for an unknown format.
@@ -128,6 +129,7 @@ def save_dataset(dataset_dict: datasets.DatasetDict, output_dir: str, format: st
     if format not in ("arrow", "parquet"):
         raise DataError(f"unknown format {format!r}; choose one of 'arrow', 'parquet'")
     os.makedirs(output_dir, exist_ok=True)
+    dataset_dict = datasets.DatasetDict({name: split for name, split in dataset_dict.items() if len(split)})
     if format == "arrow":
         dataset_dict.save_to_disk(output_dir)
         return [output_dir]
