@@ -1,0 +1,211 @@
+"""``vlfit serve`` under load, and the ANN structures it serves from, on this machine.
+
+1. Index structures on synthetic embeddings (no images: the ANN part only, say so): N = 10^5 and 10^6 unit vectors
+   of the demo model's embedding size, drawn around 1000 random centres (real embeddings cluster; uniform random
+   vectors are the worst case of every quantizer). For each type (flat, HNSW, IVF-PQ; HNSW only at 10^5 unless
+   --hnsw_at_1m), through ``vlfit.inference.ann.build_ann``: build time, bytes per vector, recall@10 against exact
+   search on 1000 fresh queries from the same mixture (not drawn from the index), median latency of one query.
+2. The server: a real ``vlfit serve`` process on a free loopback port, with the ``make demo`` model's INT8 text
+   tower (``vlfit export --quantize int8``, ONNX Runtime) and a 10^5-vector index (HNSW), loaded by a bounded
+   number of text queries at concurrency 1, 8 and 32 (an asyncio client in this process): p50/p95/p99 latency,
+   QPS, and the server process's memory.
+
+The client runs on the same 2 cores as the server, so the QPS figures are a floor. Goals (issue: text query p50 <=
+20 ms and >= 100 QPS at concurrency 8 on 10^5 vectors; IVF-PQ at 10^6 within 100 bytes/vector and recall@10 >=
+0.90); clip-retrieval's published figures for its back end are about 50 ms and 20 QPS.
+
+    python benchmarks/serve_load.py [--model runs/demo/model] [--out runs/serve-bench]
+        [--results benchmarks/results/cpu-2core]
+
+Needs ``make demo`` first. About 10 minutes on an idle 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import socket
+import sys
+import time
+
+import numpy as np
+
+from vlfit.cli import main as vlfit
+
+LEVELS = {1: 100, 8: 400, 32: 800}  # concurrency -> requests sent at that level
+QUERIES = 1000
+
+
+def _mixture(rng: np.random.Generator, centres: np.ndarray, n: int, spread: float = 0.35) -> np.ndarray:
+    picks = rng.integers(len(centres), size=n)
+    x = centres[picks] + spread * rng.standard_normal((n, centres.shape[1])).astype(np.float32) / np.sqrt(
+        centres.shape[1]
+    )
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+def structures(dim: int, sizes: list[int], hnsw_at_1m: bool, seed: int = 0) -> list[dict]:
+    import faiss
+
+    from vlfit.inference.ann import build_ann, recall_at_k
+
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((1000, dim)).astype(np.float32)
+    centres /= np.linalg.norm(centres, axis=1, keepdims=True)
+    rows = []
+    for n in sizes:
+        vectors = _mixture(rng, centres, n)
+        queries = _mixture(rng, centres, QUERIES)
+        exact = faiss.IndexFlatIP(dim)
+        exact.add(vectors)
+        _, truth = exact.search(queries, 10)
+        types = ["flat", "hnsw", "ivfpq"] if n <= 100_000 or hnsw_at_1m else ["flat", "ivfpq"]
+        for index_type in types:
+            budget = 100 * n if index_type == "ivfpq" else None  # the goal's 100 bytes per vector
+            started = time.perf_counter()
+            ann = build_ann(vectors, index_type, budget, 0.95, seed)
+            build_s = time.perf_counter() - started
+            _, found = ann.search(queries, 10)
+            latencies = []
+            for q in queries[:200]:
+                t = time.perf_counter()
+                ann.search(q[None], 10)
+                latencies.append(time.perf_counter() - t)
+            described = ann.describe()
+            rows.append({"vectors": n, "type": index_type, "factory": described.get("factory"),
+                         "search_params": described.get("search_params"), "build_s": round(build_s, 1),
+                         "bytes_per_vector": described.get("bytes_per_vector"),
+                         "recall_at_10_fresh_queries": round(recall_at_k(found, truth), 4),
+                         "recall_at_10_tuning": described.get("recall_at_10"),
+                         "query_ms_p50": round(1000 * float(np.median(latencies)), 3)})  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def write_index(folder: str, encoder, n: int, seed: int = 1) -> None:
+    """A served index of ``n`` synthetic embeddings in ``encoder``'s space (ids ``synthetic-{i}``), with HNSW."""
+    import torch
+
+    from vlfit.inference.index import IndexManifest, _write_shard, write_manifest
+    from vlfit.inference.index_ann import update_ann
+
+    rng = np.random.default_rng(seed)
+    dim = encoder.identity.embedding_size
+    centres = rng.standard_normal((1000, dim)).astype(np.float32)
+    centres /= np.linalg.norm(centres, axis=1, keepdims=True)
+    vectors = _mixture(rng, centres, n)
+    os.makedirs(folder, exist_ok=True)
+    model = {"path": os.path.abspath(encoder.model_path), "backend": encoder.backend, "precision": encoder.precision}
+    manifest = IndexManifest(encoder.identity, model)
+    shard = 50_000
+    for number, start in enumerate(range(0, n, shard)):
+        ids = [f"synthetic-{i}" for i in range(start, min(n, start + shard))]
+        manifest.shards.append(_write_shard(folder, number, ids, torch.from_numpy(vectors[start : start + shard]),
+                                            "safetensors"))  # fmt: skip
+    manifest.collections.append({"synthetic_embeddings": n})
+    write_manifest(folder, manifest)
+    update_ann(folder, index_type="hnsw")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def _load(base: str, texts: list[str], concurrency: int, count: int) -> dict:
+    import httpx
+
+    latencies: list[float] = []
+    errors = 0
+    queue = list(range(count))
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        nonlocal errors
+        while queue:
+            i = queue.pop()
+            started = time.perf_counter()
+            response = await client.post(f"{base}/api/search", json={"text": texts[i % len(texts)], "k": 10})
+            latencies.append(time.perf_counter() - started)
+            errors += response.status_code != 200
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+        await client.post(f"{base}/api/search", json={"text": texts[0], "k": 10})  # warm the connection and model
+        started = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+        wall = time.perf_counter() - started
+    ms = 1000 * np.array(latencies)
+    return {"concurrency": concurrency, "requests": count, "errors": errors, "qps": round(count / wall, 1),
+            "p50_ms": round(float(np.percentile(ms, 50)), 2), "p95_ms": round(float(np.percentile(ms, 95)), 2),
+            "p99_ms": round(float(np.percentile(ms, 99)), 2)}  # fmt: skip
+
+
+def serve_load(index: str, model: str, log_path: str) -> dict:
+    import httpx
+    import psutil
+
+    from vlfit.data.synthetic.scenes import scene_and_choices
+    from vlfit.serve.launch import start_server
+
+    rng = np.random.default_rng(2)
+    texts = [text for _ in range(100) for text in scene_and_choices(rng)[1]]
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    server = start_server(["--index", index, "--model", model, "--reload_interval", "0"], port, log_path,
+                          timeout=180)  # fmt: skip
+    try:
+        health = httpx.get(f"{base}/api/health", timeout=10).json()
+        levels = []
+        for concurrency, count in LEVELS.items():
+            levels.append(asyncio.run(_load(base, texts, concurrency, count)))
+            print(json.dumps(levels[-1]), flush=True)
+        memory_mb = psutil.Process(server.pid).memory_info().rss / 2**20
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(60)
+    return {"health": health, "levels": levels, "server_rss_mb": round(memory_mb, 1), "exit_code": server.returncode}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="runs/demo/model")
+    parser.add_argument("--data", default="runs/demo/data", help="Calibration data of the INT8 export.")
+    parser.add_argument("--out", default="runs/serve-bench")
+    parser.add_argument("--results", default=None, help="Also write serve_load.json here.")
+    parser.add_argument("--hnsw_at_1m", action="store_true", help="Also build HNSW on 10^6 vectors (minutes).")
+    args = parser.parse_args()
+    if not os.path.isdir(args.model):
+        sys.exit(f"{args.model}: no model; run make demo first")
+    exported = os.path.join(args.out, "int8")
+    if not os.path.isfile(os.path.join(exported, "export_manifest.json")):
+        code = vlfit(["export", "--model_name_or_path", args.model, "--output_dir", exported, "--quantize", "int8",
+                      "--calibration_dataset", args.data])  # fmt: skip
+        if code:
+            sys.exit(f"vlfit export exited {code}")
+    from vlfit.inference.backends import open_encoder
+
+    encoder = open_encoder(exported, "auto", "int8")
+    dim = encoder.identity.embedding_size
+    index = os.path.join(args.out, "index-100k")
+    if not os.path.isfile(os.path.join(index, "index_manifest.json")):
+        write_index(index, encoder, 100_000)
+    served = serve_load(index, exported, os.path.join(args.out, "server.log"))
+    built = structures(dim, [100_000, 1_000_000], args.hnsw_at_1m)
+    machine = {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+    results = {"machine": machine, "embedding_dim": dim, "text_tower": encoder.description, "server": served,
+               "structures": built}  # fmt: skip
+    for folder in filter(None, (args.out, args.results)):
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "serve_load.json"), "w") as f:
+            json.dump(results, f, indent=2)
+    print(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
