@@ -27,7 +27,7 @@ from PIL import Image, ImageOps
 from vlfit.errors import ConfigError, DataError, MissingFileError
 from vlfit.evaluation.topk import chunked_topk
 from vlfit.inference.collection import COLLECTION_KEYS, open_image_collection
-from vlfit.inference.index import MANIFEST_NAME, EmbeddingIndex
+from vlfit.inference.index import MANIFEST_NAME, EmbeddingIndex, refuse_other_model
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class Snapshot:
         from vlfit.inference.index_ann import open_ann
 
         self.stamp = _manifest_stamp(folder)
-        index = EmbeddingIndex(folder)
+        self.index = index = EmbeddingIndex(folder)
         self.manifest = index.manifest
         self.items: list[str] = index.ids()
         self.removed_rows = index.removed_rows(self.items)  # files gone from their folder (re-indexed since)
@@ -80,9 +80,7 @@ class Snapshot:
         self.ann = open_ann(index) if self.manifest.ann else None
         self.embeddings: torch.Tensor | None = None
         if self.ann is None:
-            size = self.manifest.identity.embedding_size
-            parts = [embeddings.float() for _, embeddings in index.shards()]
-            self.embeddings = torch.cat(parts) if parts else torch.empty(0, size)
+            self.embeddings = index.embeddings().float()
         self._captions: dict[str, str | None] = {}
         self._dataset_rows: dict[str, tuple[int, int]] = {}  # item -> (collection, row)
         self._sources = []
@@ -214,7 +212,6 @@ class SearchEngine:
         num_threads: int | None = None,
     ) -> None:
         from vlfit.api import load
-        from vlfit.inference.index import refuse_other_model
 
         self.folder = index
         self.snapshot = Snapshot(index)
@@ -222,7 +219,7 @@ class SearchEngine:
         if backend == "auto" and model is None:
             backend = built["backend"]
         self.model = load(model or built["path"], backend, precision=precision, num_threads=num_threads)
-        refuse_other_model(EmbeddingIndex(index), self.model.encoder)
+        refuse_other_model(self.snapshot.index, self.model.encoder)
         self.generation = 1
         self._reload_lock = threading.Lock()
 
@@ -242,9 +239,7 @@ class SearchEngine:
                 return False
             try:
                 fresh = Snapshot(self.folder)
-                fresh.manifest.identity.check_compatible(
-                    self.model.encoder.identity, what=f"the index {self.folder}", other_what="the served model"
-                )
+                refuse_other_model(fresh.index, self.model.encoder)
             except Exception as err:  # noqa: BLE001 - whatever broke the new manifest, the old snapshot serves on
                 logger.warning("index %s changed but cannot be served (%s); serving the previous one", self.folder, err)
                 return False
@@ -265,7 +260,7 @@ class SearchEngine:
         return torch.from_numpy(self.model.encode_images([image]))
 
     def search(self, queries: torch.Tensor, k: int) -> list[list[Result]]:
-        check_k(k)
+        """The served snapshot's results (``k`` is checked by the caller, ``check_k``, before any batching)."""
         return self.snapshot.search(queries, k)
 
 
