@@ -16,7 +16,7 @@ from vlfit.commands.parsing import CommandParser
 from vlfit.errors import ConfigError
 from vlfit.evaluation.topk import DEFAULT_CHUNK_ELEMENTS
 from vlfit.extras import require_extra
-from vlfit.inference.ann import DEFAULT_MAX_INDEX_MEMORY, DEFAULT_TARGET_RECALL
+from vlfit.inference.ann import DEFAULT_MAX_INDEX_MEMORY, DEFAULT_TARGET_RECALL, check_target_recall
 from vlfit.inference.backends import open_encoder
 from vlfit.inference.collection import COLLECTION_KEYS, open_image_collection
 from vlfit.inference.index import MANIFEST_NAME, EmbeddingIndex, build_index, refuse_other_model
@@ -115,8 +115,7 @@ def run_index(argv: list[str]) -> int:
     )
     (args,) = parser.parse_args_into_dataclasses(args=argv)
     require_extra("serve", "vlfit retrieve index", modules=("faiss",))
-    if not 0 < args.target_recall <= 1:
-        raise ConfigError(f"--target_recall must be in (0, 1], got {args.target_recall}")
+    check_target_recall(args.target_recall)  # before anything is embedded
     source, collection = open_image_collection(**{key: getattr(args, key) for key in COLLECTION_KEYS})
     encoder = open_encoder(args.model, args.backend, args.precision, num_threads=args.num_threads)
     existing = os.path.join(args.output_dir, MANIFEST_NAME)

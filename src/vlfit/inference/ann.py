@@ -164,6 +164,12 @@ def choose_index_type(
     return _ivfpq_choice(num_vectors, dim, budget)
 
 
+def check_target_recall(target_recall: float) -> None:
+    """Raises ``ConfigError`` unless ``0 < target_recall <= 1``."""
+    if not 0 < target_recall <= 1:
+        raise ConfigError(f"--target_recall must be in (0, 1], got {target_recall}")
+
+
 def _as_vectors(embeddings: Any) -> np.ndarray:
     vectors = np.ascontiguousarray(np.asarray(embeddings, dtype=np.float32))
     if vectors.ndim != 2:
@@ -355,8 +361,7 @@ def build_ann(
     Raises:
         ConfigError: for a type or budget that does not fit the collection.
     """
-    if not 0 < target_recall <= 1:
-        raise ConfigError(f"--target_recall must be in (0, 1], got {target_recall}")
+    check_target_recall(target_recall)
     faiss = _faiss()
     vectors = _as_vectors(embeddings)
     choice = choose_index_type(len(vectors), vectors.shape[1], max_index_memory, index_type)
@@ -384,4 +389,4 @@ def build_ann(
     return ann
 
 
-__all__ = ["AnnIndex", "IndexChoice", "build_ann", "choose_index_type", "recall_at_k"]
+__all__ = ["AnnIndex", "IndexChoice", "build_ann", "check_target_recall", "choose_index_type", "recall_at_k"]
