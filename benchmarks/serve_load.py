@@ -40,6 +40,11 @@ LEVELS = {1: 100, 8: 400, 32: 800}  # concurrency -> requests sent at that level
 QUERIES = 1000
 
 
+def _centres(rng: np.random.Generator, dim: int, count: int = 1000) -> np.ndarray:
+    centres = rng.standard_normal((count, dim)).astype(np.float32)
+    return centres / np.linalg.norm(centres, axis=1, keepdims=True)
+
+
 def _mixture(rng: np.random.Generator, centres: np.ndarray, n: int, spread: float = 0.35) -> np.ndarray:
     picks = rng.integers(len(centres), size=n)
     x = centres[picks] + spread * rng.standard_normal((n, centres.shape[1])).astype(np.float32) / np.sqrt(
@@ -54,8 +59,7 @@ def structures(dim: int, sizes: list[int], hnsw_at_1m: bool, seed: int = 0) -> l
     from vlfit.inference.ann import build_ann, recall_at_k
 
     rng = np.random.default_rng(seed)
-    centres = rng.standard_normal((1000, dim)).astype(np.float32)
-    centres /= np.linalg.norm(centres, axis=1, keepdims=True)
+    centres = _centres(rng, dim)
     rows = []
     for n in sizes:
         vectors = _mixture(rng, centres, n)
@@ -94,10 +98,7 @@ def write_index(folder: str, encoder, n: int, seed: int = 1) -> None:
     from vlfit.inference.index_ann import update_ann
 
     rng = np.random.default_rng(seed)
-    dim = encoder.identity.embedding_size
-    centres = rng.standard_normal((1000, dim)).astype(np.float32)
-    centres /= np.linalg.norm(centres, axis=1, keepdims=True)
-    vectors = _mixture(rng, centres, n)
+    vectors = _mixture(rng, _centres(rng, encoder.identity.embedding_size), n)
     os.makedirs(folder, exist_ok=True)
     model = {"path": os.path.abspath(encoder.model_path), "backend": encoder.backend, "precision": encoder.precision}
     manifest = IndexManifest(encoder.identity, model)
