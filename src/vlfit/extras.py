@@ -19,6 +19,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "fewshot": ("sklearn",),
     "gpu": ("torchcodec",),
     "serve": ("faiss", "fastapi", "uvicorn", "python_multipart"),
+    "stream": ("fsspec", "aiohttp"),
 }
 # The CLI commands that need an extra as a whole.
 COMMAND_EXTRAS: dict[str, str] = {
