@@ -6,6 +6,7 @@ import sys
 import faiss
 import numpy as np
 import pytest
+import torch
 
 from vlfit.errors import ConfigError, MissingExtraError
 from vlfit.inference.ann import (
@@ -15,6 +16,7 @@ from vlfit.inference.ann import (
     build_ann,
     choose_index_type,
     ivf_lists,
+    ivfpq_fixed_bytes,
     recall_at_k,
 )
 
@@ -156,3 +158,43 @@ def test_without_faiss_building_stops_with_the_serve_extra_error(monkeypatch):
         str(error.value)
         == "vlfit retrieve index needs the serve extra (faiss not installed): pip install 'vlfit[serve]'"
     )
+
+
+def _clustered(rows: int, dim: int, seed: int, centres: int = 100) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    means = _unit(centres, dim, seed=99)  # the same mixture for every seed
+    x = means[rng.integers(centres, size=rows)] + 0.4 / np.sqrt(dim) * rng.standard_normal((rows, dim))
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+def test_coarse_pq_codes_are_re_ranked_from_the_shards_to_reach_the_target(tmp_path):
+    from vlfit.inference.identity import ModelIdentity
+    from vlfit.inference.index import EmbeddingIndex, write_index_from_embeddings
+    from vlfit.inference.index_ann import open_ann, update_ann
+
+    n, dim = MIN_IVFPQ_VECTORS + 2000, 32
+    vectors, queries = _clustered(n, dim, seed=10), _clustered(200, dim, seed=11)
+    identity, model = ModelIdentity("clip", dim, "0" * 64), {"path": "m", "backend": "torch", "precision": "fp32"}
+    ids = [f"v{i}" for i in range(n)]
+    write_index_from_embeddings(str(tmp_path), identity, model, ids, torch.from_numpy(vectors), collection={},
+                                shard_size=5000)  # fmt: skip
+    index = EmbeddingIndex(str(tmp_path))
+    rows = np.array([n - 1, 0, 5000, 4999, 0, 7321])  # across the three shards, repeats and any order
+    np.testing.assert_array_equal(index.vectors()[rows], vectors[rows])
+
+    budget = ivfpq_fixed_bytes(dim, ivf_lists(n)) + n * (4 + 8) + 1000  # room for 4-byte codes only
+    described = update_ann(str(tmp_path), index_type="ivfpq", max_index_memory=budget, target_recall=0.9)
+    assert described["factory"].endswith(",PQ4x8") and described["bytes_per_vector"] * n <= budget
+    assert described["reached_target"] and described["rerank"] > 1
+
+    ann = open_ann(EmbeddingIndex(str(tmp_path)))  # the manifest now names it
+    scores, found = ann.search(queries, 10)
+    exact = _exact_top(vectors, queries, 10)
+    assert recall_at_k(found, exact) >= 0.85
+    np.testing.assert_allclose(scores, np.take_along_axis(queries @ vectors.T, found, axis=1), atol=1e-5)
+    # The codes alone rank far worse: re-ranking is what reaches the target.
+    codes_only = AnnIndex(ann.index, {**ann.description, "rerank": 1})
+    assert recall_at_k(codes_only.search(queries, 10)[1], exact) < 0.8
+
+    with pytest.raises(ConfigError, match="re-ranks its candidates with the full vectors: open it with"):
+        AnnIndex.load(str(tmp_path)).search(queries, 10)

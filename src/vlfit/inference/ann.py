@@ -8,11 +8,19 @@ autofaiss chooses (``choose_index_type``):
 * ``ivfpq``: ``IVF{nlist}_HNSW32,PQ{m}x8``: ``nlist`` ~ 4 sqrt(N) inverted lists found through an HNSW graph of their
   centroids, each vector kept as an ``m``-byte product-quantization code, ``m`` as large as the budget allows.
 
-``build_ann`` trains on the embeddings themselves (a sample when there are many), adds them, then raises the search
-parameter (``efSearch`` of HNSW, ``nprobe`` of IVF) until recall@10 against exact search, measured on a seeded sample
-of the indexed vectors as queries, reaches the target. Rows of results are positions in the order the vectors were
-added (the shards' order); ``-1`` pads where fewer than ``k`` were found. faiss is imported only inside functions:
-it is the ``serve`` extra.
+PQ codes rank coarsely: however many lists an IVF-PQ search visits, its top 10 holds only part of the exact top 10
+(0.72 of it at 10^6 vectors with 64-byte codes). So an IVF-PQ index re-ranks: it asks faiss for ``rerank`` times
+``k`` candidates, reads their full vectors from the index's memory-mapped shards (``vectors``, the store of record,
+``vlfit.inference.index.ShardVectors``) and keeps the ``k`` of highest exact score. The structure in memory stays
+within its budget; a query reads ``rerank * k`` vectors from the shards.
+
+``build_ann`` trains on the embeddings themselves (a sample when there are many), adds them, then tunes the search
+(``efSearch`` of HNSW; ``nprobe`` and ``rerank`` of IVF-PQ, the fastest pair that reaches the target) until
+recall@10 against exact search reaches the target. Recall is measured on a seeded sample of the indexed vectors as
+queries, each query's own row left out of both its exact and its found neighbours (an indexed vector is its own
+nearest neighbour, which would flatter every structure). Rows of results are positions in the order the vectors
+were added (the shards' order); ``-1`` pads where fewer than ``k`` were found. faiss is imported only inside
+functions: it is the ``serve`` extra.
 """
 
 from __future__ import annotations
@@ -50,6 +58,9 @@ ANN_FILE = "ann.faiss"
 ANN_DESCRIPTION = "ann.json"
 # The search parameter tuned per type, and the values tried in order.
 EF_SEARCH = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 2048)
+# IVF-PQ: candidates read back from the shards per result wanted, tried in order (1: no re-ranking).
+RERANK_FACTORS = (1, 2, 4, 8, 16, 32)
+PLATEAU = 0.002  # a larger search parameter that gains less recall than this ends its sweep
 
 
 def _faiss(what: str = "vlfit retrieve index"):
@@ -189,16 +200,24 @@ class AnnIndex:
     Args:
         index: The faiss index.
         description: Its type, factory, build and search parameters, measured recall, size and latency.
+        vectors: The full vectors by row (``vectors[rows] -> [n, D]``): what an IVF-PQ index re-ranks its
+            candidates with (``EmbeddingIndex.vectors()``, or the embeddings array).
     """
 
-    def __init__(self, index: Any, description: dict[str, Any]) -> None:
+    def __init__(self, index: Any, description: dict[str, Any], vectors: Any = None) -> None:
         self.index = index
         self.description = description
+        self.vectors = vectors
         self._apply_search_params()
 
     @property
     def type(self) -> str:
         return str(self.description["type"])
+
+    @property
+    def rerank(self) -> int:
+        """Candidates re-scored exactly per result wanted (1: faiss's ranking is the answer)."""
+        return int(self.description.get("rerank", 1))
 
     def __len__(self) -> int:
         return int(self.index.ntotal)
@@ -238,26 +257,57 @@ class AnnIndex:
             exclude: Rows never to return (items removed from the collection).
 
         Returns:
-            ``(scores [Q, k], rows [Q, k])``; rows past what was found are ``-1`` (score ``-inf``).
+            ``(scores [Q, k], rows [Q, k])``; rows past what was found are ``-1`` (score ``-inf``). Re-ranked
+            scores are the exact cosines.
+
+        Raises:
+            ConfigError: when the index re-ranks and was opened without its vectors.
         """
         queries = _as_vectors(queries)
+        if self.rerank > 1 and self.vectors is None:
+            raise ConfigError(
+                f"this {self.type} index re-ranks its candidates with the full vectors: open it with its vectors "
+                "(vlfit.inference.index_ann.open_ann, or AnnIndex.load(folder, vectors=...))"
+            )
+        wanted = max(k, min(len(self), k * self.rerank)) if self.rerank > 1 else k
         if exclude is None or len(exclude) == 0:
-            return self.index.search(queries, k)
-        faiss = _faiss()
-        batch = faiss.IDSelectorBatch(np.asarray(exclude, dtype=np.int64))
-        selector = faiss.IDSelectorNot(batch)  # ``batch`` stays referenced while faiss reads it
-        return self.index.search(queries, k, params=self._search_parameters(selector))
+            scores, rows = self.index.search(queries, wanted)
+        else:
+            faiss = _faiss()
+            batch = faiss.IDSelectorBatch(np.asarray(exclude, dtype=np.int64))
+            selector = faiss.IDSelectorNot(batch)  # ``batch`` stays referenced while faiss reads it
+            scores, rows = self.index.search(queries, wanted, params=self._search_parameters(selector))
+        if self.rerank > 1:
+            return self._rerank(queries, rows, k)
+        return scores, rows
+
+    def _rerank(self, queries: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ``k`` of ``rows`` (candidates ``[Q, C]``, ``-1`` for none) with the highest exact score."""
+        found = rows >= 0
+        unique, inverse = np.unique(np.where(found, rows, 0), return_inverse=True)
+        candidates = np.asarray(self.vectors[unique], dtype=np.float32)[inverse.reshape(rows.shape)]  # [Q, C, D]
+        exact = np.einsum("qcd,qd->qc", candidates, queries)
+        exact[~found] = -np.inf
+        order = np.argsort(-exact, axis=1, kind="stable")[:, :k]
+        best = np.take_along_axis(exact, order, axis=1)
+        return best, np.where(np.isfinite(best), np.take_along_axis(rows, order, axis=1), -1)
 
     def add(self, embeddings: Any) -> None:
         """Append vectors (rows continue from ``len(self)``); an IVF index then may report ``needs_retrain``."""
         self.index.add(_as_vectors(embeddings))
 
     def tune(self, embeddings: Any, target_recall: float = DEFAULT_TARGET_RECALL, seed: int = 0) -> dict[str, Any]:
-        """Raise the search parameter until recall@10 reaches ``target_recall``, then record recall, size, latency.
+        """Find the fastest search settings whose recall@10 reaches ``target_recall``; record recall, size, latency.
+
+        HNSW raises ``efSearch``; IVF-PQ raises ``nprobe`` for each re-ranking factor in turn (a larger factor needs
+        no more lists than a smaller one did) and keeps the pair with the lowest median query latency. A sweep ends
+        once a larger parameter gains less than ``PLATEAU``. When no setting reaches the target, the one of highest
+        recall is kept and ``reached_target`` is False.
 
         Args:
-            embeddings: Every indexed vector ``[N, D]``, in row order (the exact answers are computed on them).
-            target_recall: The recall@10 to reach (or the parameter's largest value, recorded as not reached).
+            embeddings: Every indexed vector ``[N, D]``, in row order (the exact answers are computed on them, and
+                re-ranking reads them unless the index has its vectors already).
+            target_recall: The recall@10 to reach.
             seed: Draws the query sample (up to ``TUNING_QUERIES`` indexed vectors).
 
         Returns:
@@ -267,45 +317,82 @@ class AnnIndex:
         vectors = _as_vectors(embeddings)
         if len(vectors) != len(self):
             raise DataError(f"tuning needs the {len(self)} indexed vectors, got {len(vectors)}")
+        if self.vectors is None:
+            self.vectors = vectors
         rng = np.random.default_rng(seed)
-        queries = vectors[np.sort(rng.choice(len(vectors), min(TUNING_QUERIES, len(vectors)), replace=False))]
-        k = min(RECALL_K, len(vectors))
-        exact = faiss.IndexFlatIP(vectors.shape[1])
-        exact.add(vectors)
-        _, expected = exact.search(queries, k)
-        space = faiss.ParameterSpace()
-        recall, reached = 1.0, True
-        for params in self._candidate_params():
-            space.set_index_parameters(self.index, ",".join(f"{name}={value}" for name, value in params.items()))
-            recall = recall_at_k(self.index.search(queries, k)[1], expected)
-            self.description["search_params"] = params
-            if recall >= target_recall:
-                break
+        own = np.sort(rng.choice(len(vectors), min(TUNING_QUERIES, len(vectors)), replace=False))
+        queries = vectors[own]
+        k = min(RECALL_K, len(vectors) - 1)
+        expected = None
+        if k >= 1:
+            exact = faiss.IndexFlatIP(vectors.shape[1])
+            exact.add(vectors)
+            expected = _leave_out(exact.search(queries, k + 1)[1], own, k)
+
+        def recall_of(params: dict[str, int], rerank: int) -> float:
+            self._set(params, rerank)
+            if expected is None:
+                return 1.0
+            return recall_at_k(_leave_out(self.search(queries, k + 1)[1], own, k), expected)
+
+        reached: list[tuple[float, float, dict[str, int], int]] = []  # (latency, recall, params, rerank)
+        best: tuple[float, dict[str, int], int] | None = None
+        limit = None
+        for rerank, sweep in self._sweeps():
+            previous = -1.0
+            for position, params in enumerate(sweep[:limit]):
+                recall = recall_of(params, rerank)
+                if best is None or recall > best[0]:
+                    best = (recall, params, rerank)
+                if recall >= target_recall:
+                    reached.append((self._latency(queries, max(k, 1)), recall, params, rerank))
+                    limit = position + 1
+                    break
+                if recall - previous < PLATEAU:
+                    break
+                previous = recall
+        assert best is not None
+        if reached:
+            latency, recall, params, rerank = min(reached, key=lambda option: option[0])
+            self._set(params, rerank)
         else:
-            reached = not self._candidate_params() or recall >= target_recall
-        latencies = []
-        for query in queries[:LATENCY_QUERIES]:
-            start = time.perf_counter()
-            self.index.search(query[None], k)
-            latencies.append((time.perf_counter() - start) * 1000)
+            recall, params, rerank = best
+            self._set(params, rerank)
+            latency = self._latency(queries, max(k, 1))
         self.description.update(
             recall_at_10=round(recall, 4),
             target_recall=target_recall,
-            reached_target=reached,
+            reached_target=bool(reached),
             bytes_per_vector=round(faiss.serialize_index(self.index).nbytes / len(self), 2),
-            query_latency_ms=round(statistics.median(latencies), 4),
+            query_latency_ms=round(latency, 4),
             tuned_on=len(queries),
         )
         return self.describe()
 
-    def _candidate_params(self) -> list[dict[str, int]]:
+    def _set(self, params: dict[str, int], rerank: int) -> None:
+        self.description["search_params"] = params
+        self.description["rerank"] = rerank
+        self._apply_search_params()
+
+    def _latency(self, queries: np.ndarray, k: int) -> float:
+        """The median milliseconds of one query, as served (re-ranking included)."""
+        latencies = []
+        for query in queries[:LATENCY_QUERIES]:
+            start = time.perf_counter()
+            self.search(query[None], k)
+            latencies.append((time.perf_counter() - start) * 1000)
+        return statistics.median(latencies)
+
+    def _sweeps(self) -> list[tuple[int, list[dict[str, int]]]]:
+        """``(rerank, search parameters in increasing order)`` to try, per re-ranking factor."""
         if self.type == "hnsw":
-            return [{"efSearch": ef} for ef in EF_SEARCH]
+            return [(1, [{"efSearch": ef} for ef in EF_SEARCH])]
         if self.type == "ivfpq":
             nlist = int(self.description["params"]["nlist"])
             probes = sorted({min(2**i, nlist) for i in range(int(math.log2(nlist)) + 2)})
-            return [{"nprobe": p, "quantizer_efSearch": max(64, 2 * p)} for p in probes]
-        return []
+            sweep = [{"nprobe": p, "quantizer_efSearch": max(64, 2 * p)} for p in probes]
+            return [(rerank, sweep) for rerank in RERANK_FACTORS]
+        return [(1, [{}])]
 
     def save(self, folder: str) -> dict[str, Any]:
         """Write ``ann.faiss``, then ``ann.json`` (its description), each atomically; returns the description."""
@@ -318,9 +405,9 @@ class AnnIndex:
         return described
 
     @classmethod
-    def load(cls, folder: str, mmap: bool = True, what: str = "vlfit retrieve query") -> AnnIndex:
+    def load(cls, folder: str, mmap: bool = True, what: str = "vlfit retrieve query", vectors: Any = None) -> AnnIndex:
         """The ANN index ``save`` wrote in ``folder``; an IVF index is memory-mapped unless ``mmap`` is False (which
-        ``add`` needs).
+        ``add`` needs). ``vectors``: the full vectors by row, which a re-ranking index searches with.
 
         Raises:
             MissingFileError: when the folder holds none.
@@ -339,7 +426,16 @@ class AnnIndex:
                 f"{folder}: {ANN_FILE} holds {index.ntotal} vectors but {ANN_DESCRIPTION} says {description['count']}; "
                 "run vlfit retrieve index again to rebuild it"
             )
-        return cls(index, description)
+        return cls(index, description, vectors)
+
+
+def _leave_out(rows: np.ndarray, own: np.ndarray, k: int) -> np.ndarray:
+    """Each row of neighbours ``[Q, k + 1]`` without the query's own row ``own[q]``, cut to ``k``."""
+    kept = np.full((len(rows), k), -1, dtype=np.int64)
+    for q, (row, itself) in enumerate(zip(rows.tolist(), own.tolist(), strict=True)):
+        others = [r for r in row if r != itself][:k]
+        kept[q, : len(others)] = others
+    return kept
 
 
 def build_ann(

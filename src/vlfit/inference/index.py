@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +36,7 @@ from tqdm.auto import tqdm
 
 from vlfit.atomic_files import replace_on_success, write_text_atomically
 from vlfit.data.source_base import ImageTextSource
-from vlfit.errors import ConfigError, MissingFileError
+from vlfit.errors import ConfigError, DataError, MissingFileError
 from vlfit.inference.backends import Encoder
 from vlfit.inference.collection import ImageFolderSource, host_batches
 from vlfit.inference.identity import ModelIdentity
@@ -155,6 +156,83 @@ class EmbeddingIndex:
         size = self.manifest.identity.embedding_size
         return torch.cat(parts) if parts else torch.empty(0, size)
 
+    def vectors(self) -> ShardVectors:
+        """The embeddings as memory-mapped shards, read by row (``vectors[rows]``) without loading the index."""
+        shards = self.manifest.shards
+        return ShardVectors(
+            [os.path.join(self.path, shard["embeddings"]) for shard in shards],
+            [int(shard["count"]) for shard in shards],
+            self.manifest.identity.embedding_size,
+        )
+
+
+def _mapped_shard(file: str, dim: int) -> np.ndarray:
+    """The ``[n, D]`` float32 embeddings of one shard file, memory-mapped.
+
+    A ``.safetensors`` file is 8 bytes of little-endian header length, a JSON header giving the tensor's dtype,
+    shape and byte range, then the data (the format's specification); a ``.npy`` file maps through numpy.
+
+    Raises:
+        DataError: when the file does not hold float32 embeddings of size ``dim``.
+    """
+    if file.endswith(".npy"):
+        mapped = np.load(file, mmap_mode="r")
+    else:
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        entry = header.get(EMBEDDINGS_KEY) or {}
+        begin, end = entry.get("data_offsets", (0, 0))
+        shape = tuple(entry.get("shape", ()))
+        if entry.get("dtype") != "F32" or len(shape) != 2 or end - begin != 4 * shape[0] * shape[1]:
+            raise DataError(f"{file}: not a shard of float32 embeddings (header {entry}); rebuild the index")
+        mapped = np.memmap(file, dtype=np.float32, mode="r", offset=8 + length + begin, shape=shape)
+    if mapped.dtype != np.float32 or mapped.ndim != 2 or mapped.shape[1] != dim:
+        raise DataError(f"{file}: holds {mapped.dtype} {mapped.shape}, not float32 embeddings of size {dim}")
+    return mapped
+
+
+class ShardVectors:
+    """An index's embeddings by row, straight from its memory-mapped shards: a query's candidates are read,
+    not the index (what the operating system caches of the files is shared, and given back under pressure). A
+    shard is mapped when a row of it is first read.
+
+    Args:
+        files: The shard files, in row order.
+        counts: The rows of each.
+        dim: The embedding size.
+    """
+
+    def __init__(self, files: list[str], counts: list[int], dim: int) -> None:
+        self.files = files
+        self.dim = dim
+        self.starts = np.cumsum([0, *counts])
+        self._mapped: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def _shard(self, number: int) -> np.ndarray:
+        mapped = self._mapped.get(number)
+        if mapped is None:
+            mapped = _mapped_shard(self.files[number], self.dim)
+            if len(mapped) != self.starts[number + 1] - self.starts[number]:
+                raise DataError(f"{self.files[number]}: holds {len(mapped)} rows, the manifest says otherwise")
+            mapped = self._mapped.setdefault(number, mapped)
+        return mapped
+
+    def __getitem__(self, rows: Any) -> np.ndarray:
+        """The float32 embeddings ``[len(rows), D]`` of ``rows`` (any order, repeats allowed)."""
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        if rows.size and (rows.min() < 0 or rows.max() >= len(self)):
+            raise IndexError(f"rows must be in [0, {len(self)}), got {rows.min()}..{rows.max()}")
+        out = np.empty((rows.size, self.dim), dtype=np.float32)
+        shard_of = np.searchsorted(self.starts, rows, side="right") - 1
+        for number in np.unique(shard_of).tolist():
+            picked = shard_of == number
+            out[picked] = self._shard(number)[rows[picked] - self.starts[number]]
+        return out
+
 
 def _write_shard(folder: str, number: int, ids: list[str], embeddings: torch.Tensor, storage: str) -> dict[str, Any]:
     stem = f"shard-{number:05d}"
@@ -174,6 +252,39 @@ def _write_shard(folder: str, number: int, ids: list[str], embeddings: torch.Ten
 def write_manifest(folder: str, manifest: IndexManifest) -> None:
     """Write ``index_manifest.json`` atomically (after the files it names)."""
     write_text_atomically(os.path.join(folder, MANIFEST_NAME), json.dumps(manifest.to_dict(), indent=1) + "\n")
+
+
+def write_index_from_embeddings(
+    folder: str,
+    identity: ModelIdentity,
+    model: dict[str, str],
+    ids: list[str],
+    embeddings: torch.Tensor,
+    *,
+    collection: dict[str, Any],
+    shard_size: int = 50_000,
+    storage: str = "safetensors",
+) -> IndexManifest:
+    """A new index at ``folder`` holding ``embeddings`` [N, D] (rows of ``ids``) computed elsewhere, in shards of
+    ``shard_size`` rows; ``model`` is ``{"path", "backend", "precision"}`` of what embedded them.
+
+    Raises:
+        ConfigError: when ``folder`` already holds an index, or ids and embeddings do not pair up.
+    """
+    if os.path.isfile(os.path.join(folder, MANIFEST_NAME)):
+        raise ConfigError(f"{folder} already holds an index; write a new one to an empty folder")
+    if embeddings.ndim != 2 or len(ids) != len(embeddings) or embeddings.shape[1] != identity.embedding_size:
+        raise ConfigError(
+            f"{len(ids)} ids need embeddings [{len(ids)}, {identity.embedding_size}], got {list(embeddings.shape)}"
+        )
+    os.makedirs(folder, exist_ok=True)
+    manifest = IndexManifest(identity, dict(model), storage)
+    for number, start in enumerate(range(0, len(ids), shard_size)):
+        rows = slice(start, start + shard_size)
+        manifest.shards.append(_write_shard(folder, number, ids[rows], embeddings[rows].float(), storage))
+    manifest.collections.append({**collection, "items": len(ids), "new": len(ids)})
+    write_manifest(folder, manifest)
+    return manifest
 
 
 def _item_ids(source: ImageTextSource) -> Callable[[str], str]:
@@ -305,4 +416,12 @@ def refuse_other_model(index: EmbeddingIndex, encoder: Encoder) -> None:
     )
 
 
-__all__ = ["EmbeddingIndex", "IndexManifest", "build_index", "refuse_other_model", "write_manifest"]
+__all__ = [
+    "EmbeddingIndex",
+    "IndexManifest",
+    "ShardVectors",
+    "build_index",
+    "refuse_other_model",
+    "write_index_from_embeddings",
+    "write_manifest",
+]

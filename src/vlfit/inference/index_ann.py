@@ -115,12 +115,12 @@ def update_ann(
 
 
 def open_ann(index: EmbeddingIndex) -> AnnIndex | None:
-    """The ANN structure the manifest of ``index`` names (memory-mapped), or None when it names none or the file
-    on disk is not the one it names (then queries scan the shards)."""
+    """The ANN structure the manifest of ``index`` names (memory-mapped, re-ranking from its shards), or None when
+    it names none or the file on disk is not the one it names (then queries scan the shards)."""
     described = index.manifest.ann
     if not described:
         return None
-    ann = AnnIndex.load(index.path, mmap=True)
+    ann = AnnIndex.load(index.path, mmap=True, vectors=index.vectors())  # re-ranking reads the shards
     if len(ann) != index.manifest.count or ann.description.get("ids_digest") != described.get("ids_digest"):
         logger.warning("%s: %s does not match the manifest; scanning the shards", index.path, ANN_FILE)
         return None
