@@ -1,4 +1,8 @@
-"""WebDataset tar shards as a map-style source, read in place by member offset (no extraction)."""
+"""WebDataset tar shards as a map-style source, read in place by member offset (no extraction).
+
+The rules that turn a sample's members into a ``Record`` (``WebDatasetLayout``) are shared with the streaming
+reader of shards over URLs (``vlfit.data.stream``), so a shard reads the same either way.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,8 @@ import contextlib
 import json
 import os
 import tarfile
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -18,23 +23,133 @@ from vlfit.errors import DataError
 WEBDATASET_IMAGE_EXTENSIONS: tuple[str, ...] = ("jpg", "jpeg", "png", "webp")
 
 
-def _split_member_name(name: str) -> tuple[str, str] | None:
-    """WebDataset grouping: key = path up to the first dot of the basename, extension = the rest."""
+def split_member_name(name: str) -> tuple[str, str] | None:
+    """WebDataset grouping: ``(key, extension)`` of a member, the key being the path up to the first dot of the
+    basename and the extension the rest (lower-cased); ``None`` for a name without an extension or a hidden file."""
     folder, base = os.path.split(name)
     if "." not in base or base.startswith("."):
         return None
     stem, ext = base.split(".", 1)
-    return (f"{folder}/{stem}" if folder else stem), ext
+    return (f"{folder}/{stem}" if folder else stem), ext.lower()
+
+
+@dataclass(frozen=True)
+class SampleMembers:
+    """Which member extension of one sample plays which part (``None``: the sample has no such member); the
+    ``.json`` member, when there is one, is always ``json``.
+
+    Attributes:
+        image: The image member.
+        text: The caption member (``caption_column``, else ``txt``).
+        extras: Per column of ``WebDatasetLayout.read_columns``, the member holding it.
+    """
+
+    image: str | None
+    text: str | None
+    extras: tuple[str | None, ...]
+
+
+@dataclass(frozen=True)
+class WebDatasetLayout:
+    """Where a WebDataset sample keeps its image, caption, extra columns and image id, and how they make a ``Record``.
+
+    The image is the member whose extension equals ``image_column`` if there is one, else the first of
+    ``jpg``/``jpeg``/``png``/``webp``. The caption is the member whose extension equals ``caption_column``, else
+    the ``.txt`` member, else ``json[caption_column]``. Extra columns come from a member with that extension
+    (parsed as JSON when possible) or from the ``.json`` member. The id is the key.
+
+    Args:
+        image_column: Preferred image member extension (ignored when no member has it).
+        caption_column: Caption member extension, or the key in the ``.json`` member.
+        extra_columns: Values copied into ``Record.extra`` when present.
+        image_id_column: A member extension or ``.json`` key naming the image a sample shows
+            (``Record.image_id``), read like an extra column; ``None``: samples are grouped by their image bytes.
+    """
+
+    image_column: str = "image"
+    caption_column: str = "txt"
+    extra_columns: tuple[str, ...] = ()
+    image_id_column: str | None = None
+
+    @property
+    def read_columns(self) -> tuple[str, ...]:
+        """The extra columns and the image id column, each once: what ``SampleMembers.extras`` lists."""
+        ids = [self.image_id_column] if self.image_id_column else []
+        return tuple(dict.fromkeys([*self.extra_columns, *ids]))
+
+    def members(self, extensions: Collection[str]) -> SampleMembers:
+        """The part each of a sample's member extensions plays."""
+        image = self.image_column if self.image_column in extensions else None
+        image = image or next((e for e in WEBDATASET_IMAGE_EXTENSIONS if e in extensions), None)
+        text = self.caption_column if self.caption_column in extensions else "txt" if "txt" in extensions else None
+        extras = tuple(c if c in extensions else None for c in self.read_columns)
+        return SampleMembers(image, text, extras)
+
+    @staticmethod
+    def missing_image(key: str, shard: str, extensions: Collection[str]) -> str:
+        """The reason a sample without an image member is refused."""
+        return (
+            f"sample {key!r} in shard {shard} has no image member (found extensions {sorted(extensions)}; "
+            f"expected one of {list(WEBDATASET_IMAGE_EXTENSIONS)})"
+        )
+
+    @staticmethod
+    def parse_json(key: str, raw: bytes | None) -> dict[str, Any]:
+        """The ``.json`` member as a dict (``{}`` without one, or when it holds another JSON value).
+
+        Raises:
+            BadRecordError: naming the sample when the member is not valid JSON.
+        """
+        if raw is None:
+            return {}
+        try:
+            meta = json.loads(raw)
+        except ValueError as err:
+            raise BadRecordError(f"sample {key}: invalid json member: {err}") from err
+        return meta if isinstance(meta, dict) else {}
+
+    def caption(self, text: bytes | None, meta: dict[str, Any]) -> str | None:
+        """The caption: the caption member's text when there is one, else ``meta[caption_column]``."""
+        return _text(text) if text is not None else as_caption(meta.get(self.caption_column))
+
+    def record(
+        self, key: str, image: bytes, text: bytes | None, meta: dict[str, Any], extras: Sequence[bytes | None]
+    ) -> Record:
+        """Assemble a sample's record from its members' bytes.
+
+        Args:
+            key: The sample's key (its id).
+            image: The image member.
+            text: The caption member, if any.
+            meta: The parsed ``.json`` member (``parse_json``).
+            extras: Per column of ``read_columns``, its member's bytes or ``None``.
+        """
+        extra: dict[str, Any] = {}
+        for column, raw in zip(self.read_columns, extras, strict=True):
+            if raw is not None:
+                value = _text(raw)
+                try:
+                    extra[column] = json.loads(value)
+                except ValueError:
+                    extra[column] = value
+            elif column in meta:
+                extra[column] = meta[column]
+        image_id = extra.get(self.image_id_column) if self.image_id_column else None
+        extra = {column: extra[column] for column in self.extra_columns if column in extra}
+        return Record(key, image, self.caption(text, meta), extra, image_id=None if image_id is None else str(image_id))
+
+
+def _text(raw: bytes) -> str:
+    # Invalid UTF-8 becomes U+FFFD rather than a bad sample: web captions often carry a few mis-encoded
+    # bytes in otherwise good text (see vlfit.data.bad_samples).
+    return raw.decode("utf-8", errors="replace").strip()
 
 
 class TarSource(ImageTextSource):
     """A source over WebDataset tar shards, read in place (no extraction) by offset.
 
-    Members are grouped into samples by key (the member path up to the first dot of its basename). The image is
-    the member whose extension equals ``image_column`` if there is one, else the first of
-    ``jpg``/``jpeg``/``png``/``webp``. The caption is the member whose extension equals ``caption_column``, else
-    the ``.txt`` member, else ``json[caption_column]``. Extra columns come from a member with that extension
-    (parsed as JSON when possible) or from the ``.json`` member. The id is the key.
+    Members are grouped into samples by key (the member path up to the first dot of its basename, wherever in the
+    shard they are); ``WebDatasetLayout`` says which member is the image, the caption and each extra column.
 
     Args:
         shards: Paths of uncompressed ``.tar`` files.
@@ -60,10 +175,7 @@ class TarSource(ImageTextSource):
         image_id_column: str | None = None,
     ) -> None:
         self._shards = [os.path.abspath(s) for s in shards]
-        self._caption_column = caption_column
-        self._image_id_column = image_id_column
-        self._extra_columns = tuple(dict.fromkeys([*extra_columns, *([image_id_column] if image_id_column else [])]))
-        self._returned_extras = tuple(extra_columns)
+        self._layout = layout = WebDatasetLayout(image_column, caption_column, tuple(extra_columns), image_id_column)
         keys: list[str] = []
         shard_ids: list[int] = []
         # Per sample: (offset, size) of the image, caption-text and json members; (-1, 0) when absent.
@@ -72,30 +184,26 @@ class TarSource(ImageTextSource):
         json_loc: list[tuple[int, int]] = []
         extra_loc: list[list[tuple[int, int]]] = []
         extensions: dict[str, None] = {}
+        absent = (-1, 0)
         for shard_id, shard in enumerate(self._shards):
             for key, members in self._index_shard(shard):
                 extensions.update(dict.fromkeys(members))
-                image_ext = image_column if image_column in members else None
-                image_ext = image_ext or next((e for e in WEBDATASET_IMAGE_EXTENSIONS if e in members), None)
-                if image_ext is None:
-                    raise DataError(
-                        f"{name}: sample {key!r} in shard {shard} has no image member (found extensions "
-                        f"{sorted(members)}; expected one of {list(WEBDATASET_IMAGE_EXTENSIONS)})"
-                    )
-                text_ext = caption_column if caption_column in members else "txt"
+                parts = layout.members(members)
+                if parts.image is None:
+                    raise DataError(f"{name}: {layout.missing_image(key, shard, members)}")
                 keys.append(key)
                 shard_ids.append(shard_id)
-                image_loc.append(members[image_ext])
-                text_loc.append(members.get(text_ext, (-1, 0)))
-                json_loc.append(members.get("json", (-1, 0)))
-                extra_loc.append([members.get(c, (-1, 0)) for c in self._extra_columns])
+                image_loc.append(members[parts.image])
+                text_loc.append(members[parts.text] if parts.text else absent)
+                json_loc.append(members.get("json", absent))
+                extra_loc.append([members[e] if e else absent for e in parts.extras])
         super().__init__(name=name, column_names=list(extensions), num_rows=len(keys))
         self._keys = keys
         self._shard_ids = np.asarray(shard_ids, dtype=np.int32)
         self._image_loc = np.asarray(image_loc, dtype=np.int64).reshape(-1, 2)
         self._text_loc = np.asarray(text_loc, dtype=np.int64).reshape(-1, 2)
         self._json_loc = np.asarray(json_loc, dtype=np.int64).reshape(-1, 2)
-        self._extra_loc = np.asarray(extra_loc, dtype=np.int64).reshape(len(keys), len(self._extra_columns), 2)
+        self._extra_loc = np.asarray(extra_loc, dtype=np.int64).reshape(len(keys), len(layout.read_columns), 2)
         self._pid: int | None = None
         self._fds: dict[int, int] = {}
         self._check_caption_source(name, extensions)
@@ -108,11 +216,11 @@ class TarSource(ImageTextSource):
                 for member in archive:
                     if not member.isfile():
                         continue
-                    parts = _split_member_name(member.name)
+                    parts = split_member_name(member.name)
                     if parts is None:
                         continue
                     key, ext = parts
-                    samples.setdefault(key, {})[ext.lower()] = (member.offset_data, member.size)
+                    samples.setdefault(key, {})[ext] = (member.offset_data, member.size)
         except tarfile.TarError as err:
             raise DataError(f"cannot index tar shard {shard} (only uncompressed .tar is supported): {err}") from err
         return list(samples.items())
@@ -122,15 +230,15 @@ class TarSource(ImageTextSource):
             return
         if not (self._json_loc[:, 0] >= 0).any():
             raise DataError(
-                f"{name}: no caption found: samples have no {self._caption_column!r} or 'txt' member and no 'json' "
-                f"member; member extensions present: {list(extensions)}"
+                f"{name}: no caption found: samples have no {self._layout.caption_column!r} or 'txt' member and no "
+                f"'json' member; member extensions present: {list(extensions)}"
             )
         # Check one json member now, so a wrong caption_column fails at open time rather than mid-training.
         first = int(np.argmax(self._json_loc[:, 0] >= 0))
         meta = self._load_json(first)
-        if self._caption_column not in meta:
+        if self._layout.caption_column not in meta:
             raise DataError(
-                f"{name}: caption key {self._caption_column!r} not found in the json of sample "
+                f"{name}: caption key {self._layout.caption_column!r} not found in the json of sample "
                 f"{self._keys[first]!r} ({self._shards[self._shard_ids[first]]}); keys present: {sorted(meta)}"
             )
 
@@ -182,55 +290,24 @@ class TarSource(ImageTextSource):
             )
         return data
 
+    def _member(self, row: int, location: np.ndarray) -> bytes | None:
+        offset, size = location
+        return None if offset < 0 else self._read_member(row, int(offset), int(size))
+
     def _load_json(self, row: int) -> dict[str, Any]:
-        offset, size = self._json_loc[row]
-        if offset < 0:
-            return {}
-        raw = self._read_member(row, int(offset), int(size))
-        try:
-            meta = json.loads(raw)
-        except ValueError as err:
-            raise BadRecordError(f"sample {self._keys[row]}: invalid json member: {err}") from err
-        return meta if isinstance(meta, dict) else {}
-
-    def _text(self, row: int, offset: int, size: int) -> str:
-        # Invalid UTF-8 becomes U+FFFD rather than a bad sample: web captions often carry a few mis-encoded
-        # bytes in otherwise good text (see vlfit.data.bad_samples).
-        return self._read_member(row, offset, size).decode("utf-8", errors="replace").strip()
-
-    def _caption(self, row: int, meta: dict[str, Any] | None) -> str | None:
-        offset, size = self._text_loc[row]
-        if offset >= 0:
-            return self._text(row, int(offset), int(size))
-        if meta is None:
-            meta = self._load_json(row)
-        return as_caption(meta.get(self._caption_column))
+        return self._layout.parse_json(self._keys[row], self._member(row, self._json_loc[row]))
 
     def _read(self, row: int) -> Record:
-        offset, size = self._image_loc[row]
-        image = self._read_member(row, int(offset), int(size))
-        meta = self._load_json(row) if self._json_loc[row, 0] >= 0 else {}
-        extra: dict[str, Any] = {}
-        for j, column in enumerate(self._extra_columns):
-            e_offset, e_size = self._extra_loc[row, j]
-            if e_offset >= 0:
-                text = self._text(row, int(e_offset), int(e_size))
-                try:
-                    extra[column] = json.loads(text)
-                except ValueError:
-                    extra[column] = text
-            elif column in meta:
-                extra[column] = meta[column]
-        image_id = extra.get(self._image_id_column) if self._image_id_column else None
-        extra = {column: extra[column] for column in self._returned_extras if column in extra}
-        return Record(
-            self._keys[row],
-            image,
-            self._caption(row, meta),
-            extra,
-            image_id=None if image_id is None else str(image_id),
-        )
+        image = self._member(row, self._image_loc[row])
+        assert image is not None  # every indexed sample has an image member
+        extras = [self._member(row, location) for location in self._extra_loc[row]]
+        meta = self._load_json(row)
+        return self._layout.record(self._keys[row], image, self._member(row, self._text_loc[row]), meta, extras)
 
     def _read_captions(self, rows: np.ndarray | None) -> list[str | None]:
         order = range(self._num_rows) if rows is None else (int(r) for r in rows)
-        return [self._caption(row, None) for row in order]
+        captions = []
+        for row in order:
+            text = self._member(row, self._text_loc[row])
+            captions.append(self._layout.caption(text, {} if text is not None else self._load_json(row)))
+        return captions
