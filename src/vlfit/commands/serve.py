@@ -42,7 +42,16 @@ class ServeArguments:
     num_threads: int | None = field(default=None, metadata={"help": "Threads of the runtime (default: its own)."})
     max_upload_mb: float = field(default=20.0, metadata={"help": "Largest request body in MB (413 beyond)."})
     max_batch: int = field(default=32, metadata={"help": "Most text queries embedded in one batch."})
-    max_wait_ms: float = field(default=2.0, metadata={"help": "How long a text query waits for others to batch."})
+    max_wait_ms: float = field(
+        default=0.0,
+        metadata={"help": "How long a batch waits for more text queries after those that queued (0: none)."},
+    )
+    search_threads: int = field(
+        default=1,
+        metadata={
+            "help": "faiss threads per search (1: batching makes the concurrency; spinning threads steal cores)."
+        },
+    )
     reload_interval: float = field(
         default=2.0, metadata={"help": "Seconds between checks for a new index manifest (0: POST /api/reload only)."}
     )
@@ -56,6 +65,8 @@ class ServeArguments:
             raise ConfigError(f"--max_upload_mb must be positive, got {self.max_upload_mb}")
         if self.max_batch < 1 or self.max_wait_ms < 0 or self.reload_interval < 0:
             raise ConfigError("--max_batch must be at least 1, --max_wait_ms and --reload_interval at least 0")
+        if self.search_threads < 1:
+            raise ConfigError(f"--search_threads must be at least 1, got {self.search_threads}")
         if self.workers > 1 and self.port == 0:
             raise ConfigError("--port 0 with --workers > 1: the workers must share one port; choose it")
 
@@ -65,7 +76,7 @@ def build_app(args: ServeArguments):  # -> fastapi.FastAPI (fastapi is imported 
     from vlfit.serve.app import create_app
     from vlfit.serve.engine import SearchEngine
 
-    engine = SearchEngine(args.index, args.model, args.backend, args.precision, args.num_threads)
+    engine = SearchEngine(args.index, args.model, args.backend, args.precision, args.num_threads, args.search_threads)
     return create_app(engine, max_upload_mb=args.max_upload_mb, max_batch=args.max_batch,
                       max_wait_ms=args.max_wait_ms, reload_interval=args.reload_interval)  # fmt: skip
 

@@ -136,7 +136,7 @@ def create_app(
     *,
     max_upload_mb: float = DEFAULT_MAX_UPLOAD_MB,
     max_batch: int = 32,
-    max_wait_ms: float = 2.0,
+    max_wait_ms: float = 0.0,
     reload_interval: float = 2.0,
 ) -> FastAPI:
     """The app serving ``engine``.
@@ -145,7 +145,7 @@ def create_app(
         engine: The model and index.
         max_upload_mb: The largest request body, in MB (413 beyond).
         max_batch: The most text queries embedded together.
-        max_wait_ms: How long a text query waits for others to batch with.
+        max_wait_ms: How long a batch waits for more text queries after taking those already queued.
         reload_interval: Seconds between checks of the index's manifest (0: only ``POST /api/reload``).
     """
     metrics = ServerMetrics()

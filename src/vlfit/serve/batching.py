@@ -1,10 +1,11 @@
 """Micro-batching: text queries that arrive together are embedded and searched as one batch.
 
-A request puts its query on a queue and awaits its result. One collector task takes the first query waiting, then
-keeps taking for at most ``max_wait_ms`` (or until ``max_batch`` queries), and runs the batch (embed the texts, one
-matrix product against the index, top-k at the largest k asked) on a single worker thread, so the event loop keeps
-accepting requests meanwhile. Alone, a query waits ``max_wait_ms`` at most; under load, batches fill and throughput
-grows with concurrency. An error in a batch is every one of its requests' error.
+A request puts its query on a queue and awaits its result. One collector task takes every query waiting (up to
+``max_batch``): those that queued while the previous batch ran. With ``max_wait_ms`` > 0 it then keeps taking for
+at most that long. It runs the batch (embed the texts, search the index at the largest k asked) on a single worker
+thread, so the event loop keeps accepting requests meanwhile. Alone, a query runs at once (``max_wait_ms`` 0, the
+default); under load the worker is never idle, each batch is what arrived during the last one, and throughput grows
+with concurrency. An error in a batch is every one of its requests' error.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class MicroBatcher:
     Args:
         run_batch: Embeds and searches a batch; called on the worker thread.
         max_batch: The most queries in one batch.
-        max_wait_ms: How long the first query of a batch waits for others.
+        max_wait_ms: How long a batch waits for more queries after taking those already queued.
         executor: The thread batches run on (one thread: the encoder is not shared between threads).
         on_batch: Called with each batch's size (metrics).
     """
@@ -42,7 +43,7 @@ class MicroBatcher:
         run_batch: BatchFunction,
         *,
         max_batch: int = 32,
-        max_wait_ms: float = 2.0,
+        max_wait_ms: float = 0.0,
         executor: ThreadPoolExecutor | None = None,
         on_batch: Callable[[int], None] | None = None,
     ) -> None:
@@ -70,6 +71,8 @@ class MicroBatcher:
         loop = asyncio.get_running_loop()
         while True:
             batch = [await self._queue.get()]
+            while len(batch) < self.max_batch and not self._queue.empty():  # what queued while the last batch ran
+                batch.append(self._queue.get_nowait())
             deadline = loop.time() + self.max_wait
             while len(batch) < self.max_batch:
                 remaining = deadline - loop.time()
