@@ -3,9 +3,12 @@ stopped by SIGTERM (exit 0). One server for the module; every request has a time
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import socket
+import time
 from pathlib import Path
 
 import httpx
@@ -102,7 +105,80 @@ def test_the_web_page_shows_the_expected_images_for_a_typed_query(server, served
         driver.quit()
 
 
-def test_sigterm_finishes_and_exits_zero(server) -> None:
-    _, process, log = server
-    process.send_signal(signal.SIGTERM)
+def _post_in_two_parts(port: int, body: bytes) -> socket.socket:
+    """A search request on a raw connection with only half its body sent: in flight until the rest is."""
+    connection = socket.create_connection(("127.0.0.1", port), timeout=REQUEST_TIMEOUT)
+    head = "POST /api/search HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    connection.sendall((head + f"Content-Length: {len(body)}\r\n\r\n").encode() + body[: len(body) // 2])
+    return connection
+
+
+def _read_response(connection: socket.socket) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < _content_length(data):
+        chunk = connection.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _content_length(data: bytes) -> int:
+    head = data.split(b"\r\n\r\n", 1)[0].lower()
+    return int(head.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0]) if b"content-length:" in head else 0
+
+
+def test_sigterm_finishes_the_request_in_flight_and_exits_zero(server, train_records) -> None:
+    base, process, log = server
+    port = int(base.rsplit(":", 1)[1])
+    body = json.dumps({"text": train_records[0].caption, "k": 3}).encode()
+    connection = _post_in_two_parts(port, body)
+    try:
+        time.sleep(0.5)  # the server has the request's head: the request is in flight
+        process.send_signal(signal.SIGTERM)
+        time.sleep(1.0)  # shutting down, waiting for it
+        assert process.poll() is None, "the server exited with a request in flight"
+        connection.sendall(body[len(body) // 2 :])
+        response = _read_response(connection)
+    finally:
+        connection.close()
+    assert response.startswith(b"HTTP/1.1 200"), response[:300]
+    assert len(json.loads(response.split(b"\r\n\r\n", 1)[1])["results"]) == 3
     assert process.wait(timeout=30) == 0, log.read_text()[-3000:]
+
+
+def test_several_worker_processes_share_the_port_and_stop_on_sigterm(served_index, train_records, tmp_path) -> None:
+    import psutil
+
+    from vlfit.serve.launch import start_server
+
+    port = free_port()
+    log = tmp_path / "server.log"
+    process = start_server(["--index", str(served_index), "--workers", "2"], port, str(log), timeout=START_TIMEOUT,
+                           env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})  # fmt: skip
+    try:
+
+        def workers() -> set[int]:  # uvicorn's spawned workers (not multiprocessing's resource tracker)
+            children = psutil.Process(process.pid).children()
+            return {child.pid for child in children if "resource_tracker" not in " ".join(child.cmdline())}
+
+        deadline = time.monotonic() + START_TIMEOUT  # health answered by one worker; the other may still load
+        while len(workers()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        started = workers()
+        assert len(started) == 2, log.read_text()[-3000:]
+        record = train_records[5]
+        tops = set()
+        for _ in range(6):  # a new connection each: the kernel spreads them over the workers
+            answer = httpx.post(f"http://127.0.0.1:{port}/api/search", json={"text": record.caption, "k": 1},
+                                timeout=REQUEST_TIMEOUT)  # fmt: skip
+            assert answer.status_code == 200
+            tops.add(answer.json()["results"][0]["item"])
+        assert len(tops) == 1  # every worker serves the same index with the same model
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0, log.read_text()[-3000:]
+        assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in started)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
