@@ -67,6 +67,21 @@ def prepare_launch(args: Any) -> None:
     _init_gloo(world, timeout=args.ddp_timeout)
 
 
+def join_gloo_group(timeout: int) -> tuple[int, int]:
+    """``(rank, world size)`` of this process, in a gloo process group formed within ``timeout`` seconds when a
+    launcher started several (``vlfit retrieve index`` under torchrun: CPU processes exchanging small objects).
+
+    Raises:
+        ConfigError: as ``prepare_launch``, when the group cannot be formed.
+    """
+    world = launched_world_size()
+    if world <= 1:
+        return 0, 1
+    if not dist.is_initialized():
+        _init_gloo(world, timeout)
+    return dist.get_rank(), dist.get_world_size()
+
+
 def _init_gloo(world: int, timeout: int) -> None:
     rank = os.environ.get("RANK", "?")
     address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")

@@ -91,6 +91,36 @@ def test_an_interrupted_build_resumes_to_the_index_a_one_shot_build_makes(tiny_c
     assert resumed.manifest.bad_samples == once.manifest.bad_samples  # the broken file listed once
 
 
+def test_torchrun_resumes_a_stopped_build_to_the_index_one_process_makes(tiny_checkpoint, image_folder, tmp_path):
+    import subprocess
+
+    from tests.training.train_runs import torchrun_command, torchrun_env
+
+    encoder = TorchEncoder(str(tiny_checkpoint))
+    source = ImageFolderSource(str(image_folder))
+    settings = {"collection": {"images": str(image_folder)}, "batch_size": 2, "shard_size": 2, "progress": False}
+    build_index(encoder, source, str(tmp_path / "once"), **settings)
+
+    def stop(manifest):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # stopped after its first shard: two processes take it from there
+        build_index(encoder, source, str(tmp_path / "parallel"), on_shard=stop, **settings)
+    command = torchrun_command("-m", "vlfit", "retrieve", "index", "--model", str(tiny_checkpoint), "--images",
+                               str(image_folder), "--output_dir", str(tmp_path / "parallel"), "--batch_size", "2",
+                               "--shard_size", "2", "--dataloader_num_workers", "0", "--disable_tqdm", "true",
+                               "--ddp_timeout", "120")  # fmt: skip
+    run = subprocess.run(command, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count('"index":') == 1  # one summary, from rank 0
+    once, parallel = EmbeddingIndex(str(tmp_path / "once")), EmbeddingIndex(str(tmp_path / "parallel"))
+    assert len(parallel.manifest.shards) == len(once.manifest.shards) > 4  # both processes wrote shards
+    assert parallel.ids() == once.ids()
+    torch.testing.assert_close(parallel.embeddings(), once.embeddings(), atol=1e-5, rtol=0)
+    assert parallel.manifest.bad_samples == once.manifest.bad_samples
+    assert parallel.manifest.ann is not None and parallel.manifest.ann["count"] == once.manifest.count
+
+
 def test_appending_embeds_only_the_new_images(tiny_checkpoint, image_folder, tmp_path, capsys):
     folder = tmp_path / "photos"
     shutil.copytree(image_folder / "validation", folder)

@@ -71,6 +71,10 @@ class IndexArguments:
         default=DEFAULT_TARGET_RECALL,
         metadata={"help": "Recall@10 against exact search that the ANN search parameter is tuned to reach."},
     )
+    ddp_timeout: int = field(
+        default=1800,
+        metadata={"help": "Under torchrun: seconds the processes wait for each other (to start, and per shard)."},
+    )
 
 
 @dataclass
@@ -121,17 +125,30 @@ def run_index(argv: list[str]) -> int:
     existing = os.path.join(args.output_dir, MANIFEST_NAME)
     before = EmbeddingIndex(args.output_dir) if os.path.isfile(existing) else None
     count_before, bad_before = (len(before), len(before.manifest.bad_samples)) if before else (0, 0)
-    manifest = build_index(
-        encoder,
-        source,
-        args.output_dir,
-        collection=collection,
-        batch_size=args.batch_size,
-        num_workers=args.dataloader_num_workers,
-        shard_size=args.shard_size,
-        storage=args.storage,
-        progress=not args.disable_tqdm,
-    )
+    from vlfit.launch import join_gloo_group
+
+    rank, world_size = join_gloo_group(args.ddp_timeout)  # torchrun: each process embeds its share of the shards
+    try:
+        build_index(
+            encoder,
+            source,
+            args.output_dir,
+            collection=collection,
+            batch_size=args.batch_size,
+            num_workers=args.dataloader_num_workers,
+            shard_size=args.shard_size,
+            storage=args.storage,
+            progress=not args.disable_tqdm,
+            rank=rank,
+            world_size=world_size,
+        )
+    finally:
+        if world_size > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    if rank != 0:
+        return 0  # rank 0 lists the shards, builds the ANN structure and reports
     from vlfit.inference.index_ann import update_ann
 
     ann = update_ann(

@@ -315,6 +315,34 @@ def _removed_ids(source: ImageTextSource, manifest: IndexManifest, indexed: set[
     return others + gone
 
 
+@dataclass(frozen=True)
+class _ShardPart:
+    """What one process made of one shard of a build: its manifest entry (None when every image was bad), and
+    the items it left out."""
+
+    position: int
+    entry: dict[str, Any] | None
+    bad_samples: list[dict[str, str]]
+
+
+def _next_shard_number(manifest: IndexManifest) -> int:
+    """The number after every shard file the manifest names (a shard whose images were all bad has no file, so
+    numbers may skip; a new shard never takes the name of one listed)."""
+    numbers = [int(shard["ids"].split("-")[1].split(".")[0]) for shard in manifest.shards]
+    return max(numbers, default=-1) + 1
+
+
+def _gather_parts(part: _ShardPart | None, world_size: int) -> list[_ShardPart]:
+    """Every process's part of one round, on rank 0 (an empty list elsewhere)."""
+    if world_size == 1:
+        return [part] if part is not None else []
+    import torch.distributed as dist
+
+    parts: list[_ShardPart | None] | None = [None] * world_size if dist.get_rank() == 0 else None
+    dist.gather_object(part, parts, dst=0)
+    return [p for p in parts or [] if p is not None]
+
+
 def build_index(
     encoder: Encoder,
     source: ImageTextSource,
@@ -327,8 +355,17 @@ def build_index(
     storage: str = "safetensors",
     progress: bool = True,
     on_shard: Callable[[IndexManifest], None] | None = None,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> IndexManifest:
     """Embed every item of ``source`` not in the index at ``output_dir`` yet, and add it (creating the index).
+
+    The items to embed are cut into shards in collection order. On several processes (``world_size`` > 1, in an
+    initialized ``torch.distributed`` group: ``torchrun ... vlfit retrieve index``), process ``rank`` embeds and
+    writes shards ``rank``, ``rank + world_size``, ...; after each round of ``world_size`` shards, rank 0 lists
+    them in the manifest in order. The index is the one a single process builds: the same shards of the same
+    items, embedded in the same batches; a build stopped midway resumes at the first shard the manifest does not
+    list, on any number of processes.
 
     Args:
         encoder: The model, on its backend.
@@ -336,14 +373,16 @@ def build_index(
         output_dir: The index folder.
         collection: What ``source`` is (recorded in the manifest).
         batch_size: Images per forward pass.
-        num_workers: Loader worker processes decoding and resizing.
+        num_workers: Loader worker processes decoding and resizing (per process).
         shard_size: Items per shard (rounded up to whole batches, so a resumed build forms the same batches).
         storage: ``safetensors`` or ``npy`` (of a new index; an existing one keeps its own).
-        progress: Show a progress bar.
-        on_shard: Called with the manifest after each shard is written.
+        progress: Show a progress bar (rank 0's).
+        on_shard: Called with the manifest after each round of shards is listed (rank 0).
+        rank: This process's rank.
+        world_size: How many processes build together.
 
     Returns:
-        The index's manifest.
+        The index's manifest (as rank 0 wrote it; other ranks get theirs without the new shards).
 
     Raises:
         vlfit.inference.identity.RefusedModelError: when the index exists and was built with a model whose
@@ -353,7 +392,9 @@ def build_index(
         raise ConfigError(f"unknown --storage {storage!r}; choose one of: {', '.join(STORAGES)}")
     if batch_size < 1 or shard_size < 1:
         raise ConfigError(f"--batch_size and --shard_size must be at least 1, got {batch_size} and {shard_size}")
-    os.makedirs(output_dir, exist_ok=True)
+    lead = rank == 0
+    if lead:
+        os.makedirs(output_dir, exist_ok=True)
     if os.path.isfile(os.path.join(output_dir, MANIFEST_NAME)):
         manifest = EmbeddingIndex(output_dir).manifest
         manifest.identity.check_compatible(
@@ -372,38 +413,58 @@ def build_index(
     manifest.collections.append({**collection, "items": len(source), "new": len(todo)})
     if todo:
         manifest.ann = None  # it will not cover the new shards: queries scan them until it is brought up to date
-    write_manifest(output_dir, manifest)
+    if world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()  # every process has read the manifest before rank 0 rewrites it
+    if lead:
+        write_manifest(output_dir, manifest)
     if not todo:
         return manifest
-    shard_batches = -(-shard_size // batch_size)
-    batches = host_batches(source.select(todo), encoder.spec, batch_size=batch_size, num_workers=num_workers)
-    ids: list[str] = []
-    parts: list[torch.Tensor] = []
-    bar = tqdm(total=len(todo), unit="img", desc="index", disable=not progress)
+    rows_per_shard = -(-shard_size // batch_size) * batch_size
+    shards = [todo[start : start + rows_per_shard] for start in range(0, len(todo), rows_per_shard)]
+    mine = list(range(rank, len(shards), world_size))
+    first_number = _next_shard_number(manifest)
+    batches = host_batches(
+        source.select([row for position in mine for row in shards[position]]),
+        encoder.spec,
+        batch_size=batch_size,
+        num_workers=num_workers,
+    )
+    bar = tqdm(total=len(todo), unit="img", desc="index", disable=not (progress and lead))
 
-    def flush() -> None:
-        # The shard first, then the manifest naming it: a build stopped in between redoes only that shard.
-        if ids:
-            number = len(manifest.shards)
-            manifest.shards.append(_write_shard(output_dir, number, list(ids), torch.cat(parts), manifest.storage))
+    def record(part: _ShardPart | None) -> None:
+        # Each shard's file first, then (rank 0) the manifest naming it: a build stopped in between redoes it.
+        parts = _gather_parts(part, world_size)
+        if not lead:
+            return
+        for done_part in sorted(parts, key=lambda p: p.position):
+            manifest.bad_samples.extend(done_part.bad_samples)
+            if done_part.entry is not None:
+                manifest.shards.append(done_part.entry)
         write_manifest(output_dir, manifest)
-        ids.clear()
-        parts.clear()
+        bar.update(sum(len(shards[p.position]) for p in parts))
         if on_shard is not None:
             on_shard(manifest)
 
     try:
-        number = 0
-        for number, batch in enumerate(batches, start=1):
-            manifest.bad_samples.extend({"id": to_item(bad.id), "reason": bad.reason} for bad in batch.bad_samples)
-            if len(batch):
-                parts.append(encoder.embed_pixels(batch["pixel_values"]).float().cpu())
-                ids.extend(to_item(sample_id) for sample_id in batch.sample_ids)
-            bar.update(len(batch) + len(batch.bad_samples))
-            if number % shard_batches == 0:
-                flush()
-        if number % shard_batches:
-            flush()
+        batch_iter = iter(batches)
+        for position in mine:
+            ids: list[str] = []
+            parts: list[torch.Tensor] = []
+            bad: list[dict[str, str]] = []
+            for _ in range(-(-len(shards[position]) // batch_size)):
+                batch = next(batch_iter)
+                bad.extend({"id": to_item(b.id), "reason": b.reason} for b in batch.bad_samples)
+                if len(batch):
+                    parts.append(encoder.embed_pixels(batch["pixel_values"]).float().cpu())
+                    ids.extend(to_item(sample_id) for sample_id in batch.sample_ids)
+            entry = None
+            if ids:
+                entry = _write_shard(output_dir, first_number + position, ids, torch.cat(parts), manifest.storage)
+            record(_ShardPart(position, entry, bad))
+        for _ in range(len(mine), -(-len(shards) // world_size)):  # rounds where this process has no shard
+            record(None)
     finally:
         bar.close()
     return manifest
