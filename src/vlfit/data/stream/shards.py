@@ -1,0 +1,225 @@
+"""One WebDataset tar shard read as a stream from an fsspec URL: its samples as records, through network faults.
+
+The shard is read front to back (tarfile's ``r|`` mode) as fsspec fetches it, so a sample is ready as soon as its
+bytes arrive and nothing is downloaded ahead of the reader beyond fsspec's read-ahead block. A sample is a run of
+consecutive members with the same key (WebDataset writes them so); ``WebDatasetLayout`` makes its record by the
+rules ``TarSource`` reads shards with.
+
+A fault (HTTP 404/500, a reset connection, a read that stalls past ``timeout``, a truncated archive) is retried
+``retries`` times with exponential backoff. A retry resumes at the first sample not yet yielded: it seeks to that
+sample's first tar header when the file can seek (fsspec's HTTP files do, with Range requests), otherwise it reads
+from the start again and skips what was already yielded. The count of retries starts again after any progress. When
+the retries are spent the shard is given up with ``ShardUnreadableError`` carrying a ``BadShard``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tarfile
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from vlfit.data.bad_samples import BadSampleInfo, describe_error
+from vlfit.data.records import BadRecordError, Record
+from vlfit.data.stream.urls import is_http
+from vlfit.data.tar_source import WebDatasetLayout, split_member_name
+from vlfit.errors import ConfigError, DataError, first_line
+
+logger = logging.getLogger(__name__)
+
+ShardSample = tuple[int, "Record | BadSampleInfo"]
+"""``(index of the sample in its shard, its record)``, or ``(index, (key, reason))`` for a sample that has no
+record (no image member, an invalid ``.json``)."""
+
+
+@dataclass(frozen=True)
+class BadShard:
+    """A shard given up after its retries: the samples of it not read count as bad.
+
+    Attributes:
+        url: The shard.
+        reason: The last error, with its causes (``FileNotFoundError: ... (ClientResponseError: 500, ...)``).
+        samples_read: How many of its samples were read (and yielded) before it was given up.
+    """
+
+    url: str
+    reason: str
+    samples_read: int
+
+
+class ShardUnreadableError(DataError):
+    """A shard could not be read after its retries (``bad_shard`` says which, why and how far it got).
+
+    The constructor takes the message alone so that the type survives torch's re-raise of a worker's exception.
+    """
+
+    def __init__(self, message: str, bad_shard: BadShard | None = None) -> None:
+        super().__init__(message)
+        self.bad_shard = bad_shard
+
+
+def _faults() -> tuple[type[BaseException], ...]:
+    """The errors that mean the shard (or the way to it) failed, not the caller: these are retried."""
+    errors: list[type[BaseException]] = [OSError, EOFError, TimeoutError, asyncio.TimeoutError, tarfile.TarError]
+    # fsspec's HTTP files raise ValueError when a server stops honouring Range requests midway.
+    errors.append(ValueError)
+    try:
+        import aiohttp
+
+        errors.append(aiohttp.ClientError)
+    except ImportError:  # pragma: no cover - only HTTP needs aiohttp, and the stream checks for it up front
+        pass
+    return tuple(errors)
+
+
+def describe_fault(error: BaseException) -> str:
+    """``Type: first line`` of ``error`` and of each error that caused it (fsspec hides HTTP statuses as causes)."""
+    parts, seen = [], set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        name, text = type(current).__name__, first_line(current, 300)
+        parts.append(name if text == name else f"{name}: {text}")
+        current = current.__cause__ or current.__context__
+    return parts[0] + "".join(f" ({part})" for part in parts[1:])
+
+
+@dataclass(frozen=True)
+class ShardReader:
+    """How to read shards: the sample layout, the retries and the per-read timeout. Picklable (sent to workers).
+
+    Args:
+        layout: Which members make a sample's image, caption and extra columns.
+        retries: How many times a failing shard is tried again before it is given up (``--shard_retries``).
+        timeout: Seconds one connection, or one read on it, may take before it counts as a fault
+            (``--shard_timeout``); given to aiohttp for HTTP(S) URLs.
+        backoff: Seconds before the first retry; each further retry waits twice as long.
+        storage_options: Passed to fsspec's filesystem (credentials, ``block_size``, ``client_kwargs``...).
+    """
+
+    layout: WebDatasetLayout = field(default_factory=WebDatasetLayout)
+    retries: int = 3
+    timeout: float = 60.0
+    backoff: float = 1.0
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.retries < 0:
+            raise ConfigError(f"--shard_retries must be 0 or more, not {self.retries}")
+        if not self.timeout > 0:
+            raise ConfigError(f"--shard_timeout must be a positive number of seconds, not {self.timeout}")
+        if self.backoff < 0:
+            raise ConfigError(f"the retry backoff must be 0 or more seconds, not {self.backoff}")
+
+    def open(self, url: str) -> IO[bytes]:
+        """Open ``url`` for reading through fsspec, with ``timeout`` on every connection and read for HTTP(S)."""
+        import fsspec
+
+        options = dict(self.storage_options)
+        if is_http(url):
+            import aiohttp
+
+            client = dict(options.get("client_kwargs") or {})
+            t = self.timeout
+            client.setdefault("timeout", aiohttp.ClientTimeout(total=None, connect=t, sock_connect=t, sock_read=t))
+            options["client_kwargs"] = client
+        fs, path = fsspec.core.url_to_fs(url, **options)
+        return fs.open(path, "rb")
+
+    def samples(self, url: str, start: int = 0) -> Iterator[ShardSample]:
+        """The samples of one shard from sample ``start`` on, retrying faults (see the module's docstring).
+
+        Args:
+            url: The shard's URL or local path.
+            start: How many samples to skip (a resumed stream's position in the shard).
+
+        Yields:
+            ``(index, record)``, or ``(index, (key, reason))`` for a sample without a record.
+
+        Raises:
+            ShardUnreadableError: once the retries are spent (after the samples that could be read).
+        """
+        faults = _faults()
+        reached = start  # the next sample to yield
+        known = (0, 0)  # (index, byte offset) of a sample's first header at or before `reached`
+        failures = 0
+        while True:
+            groups = self._groups(url, known, reached)
+            try:
+                while True:
+                    try:
+                        index, key, members, next_offset = next(groups)
+                    except StopIteration:
+                        return
+                    except faults as err:
+                        failures += 1
+                        self._retry_or_give_up(url, err, failures, reached)
+                        break
+                    if next_offset is not None:
+                        known = (index + 1, next_offset)
+                    if members is None:  # before `start`, or yielded before a retry
+                        continue
+                    reached, failures = index + 1, 0
+                    yield index, self._assemble(url, key, members)
+            finally:
+                groups.close()  # a consumer that stops early leaves no connection open
+
+    def _retry_or_give_up(self, url: str, error: BaseException, failures: int, reached: int) -> None:
+        """Wait before retry number ``failures``, or raise ``ShardUnreadableError`` when the retries are spent."""
+        reason = describe_fault(error)
+        if failures > self.retries:
+            logger.warning("gave up shard %s after %d retries (%d read): %s", url, self.retries, reached, reason)
+            bad = BadShard(url, reason, reached)
+            raise ShardUnreadableError(f"shard {url} could not be read: {reason}", bad) from error
+        wait = self.backoff * 2 ** (failures - 1)
+        logger.debug("shard %s: %s; retry %d of %d in %.1f s", url, reason, failures, self.retries, wait)
+        time.sleep(wait)
+
+    def _groups(
+        self, url: str, known: tuple[int, int], wanted: int
+    ) -> Iterator[tuple[int, str, dict[str, bytes] | None, int | None]]:
+        """One attempt at the shard: ``(index, key, members, offset of the next sample's header)`` per sample, the
+        members' bytes read only from sample ``wanted`` on (``None`` before it); from ``known`` when it can seek."""
+        with self.open(url) as file:
+            index, base = 0, 0
+            if known[1]:
+                try:
+                    file.seek(known[1])
+                    index, base = known
+                except (OSError, ValueError):  # a streaming file: read from the start and skip
+                    pass
+            key: str | None = None
+            members: dict[str, bytes] = {}
+            with tarfile.open(fileobj=file, mode="r|") as archive:
+                for member in archive:
+                    parts = split_member_name(member.name) if member.isfile() else None
+                    if parts is None:
+                        continue
+                    name, ext = parts
+                    if name != key:
+                        if key is not None:
+                            yield index, key, members if index >= wanted else None, base + member.offset
+                            index += 1
+                        key, members = name, {}
+                    if index >= wanted:
+                        data = archive.extractfile(member)
+                        members[ext] = data.read() if data is not None else b""
+                if key is not None:
+                    yield index, key, members if index >= wanted else None, None
+
+    def _assemble(self, url: str, key: str, members: dict[str, bytes]) -> Record | BadSampleInfo:
+        layout = self.layout
+        parts = layout.members(members)
+        if parts.image is None:
+            return key, layout.missing_image(key, url, members)
+        try:
+            meta = layout.parse_json(key, members.get("json"))
+        except BadRecordError as err:
+            sample_id, reason = describe_error(err, key)
+            return sample_id, f"{reason} (shard {url})"
+        text = members.get(parts.text) if parts.text else None
+        extras = [members.get(e) if e else None for e in parts.extras]
+        return layout.record(key, members[parts.image], text, meta, extras)
