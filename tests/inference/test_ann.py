@@ -198,3 +198,12 @@ def test_coarse_pq_codes_are_re_ranked_from_the_shards_to_reach_the_target(tmp_p
 
     with pytest.raises(ConfigError, match="re-ranks its candidates with the full vectors: open it with"):
         AnnIndex.load(str(tmp_path)).search(queries, 10)
+
+    # A larger budget asks for larger codes: the structure is rebuilt; asked again, it is left as it is.
+    larger = ivfpq_fixed_bytes(dim, ivf_lists(n)) + n * (8 + 8) + 1000
+    rebuilt = update_ann(str(tmp_path), index_type="ivfpq", max_index_memory=larger, target_recall=0.9)
+    assert rebuilt["factory"].endswith(",PQ8x8") and not rebuilt["extended"]
+    stamp = (tmp_path / "ann.faiss").stat().st_mtime_ns
+    again = update_ann(str(tmp_path), index_type="ivfpq", max_index_memory=larger, target_recall=0.9)
+    assert again == {key: value for key, value in rebuilt.items() if key != "extended"}
+    assert (tmp_path / "ann.faiss").stat().st_mtime_ns == stamp

@@ -21,7 +21,15 @@ from typing import Any
 import numpy as np
 
 from vlfit.errors import UserError
-from vlfit.inference.ann import ANN_DESCRIPTION, ANN_FILE, AnnIndex, build_ann, choose_index_type
+from vlfit.inference.ann import (
+    ANN_DESCRIPTION,
+    ANN_FILE,
+    DEFAULT_MAX_INDEX_MEMORY,
+    AnnIndex,
+    IndexChoice,
+    build_ann,
+    choose_index_type,
+)
 from vlfit.inference.index import EmbeddingIndex, write_manifest
 
 logger = logging.getLogger(__name__)
@@ -32,8 +40,9 @@ def ids_digest(ids: list[str]) -> str:
     return hashlib.sha256(json.dumps(ids).encode("utf-8")).hexdigest()[:16]
 
 
-def _extendable(folder: str, ids: list[str], index_type: str, wanted_type: str) -> AnnIndex | None:
-    """The ANN structure on disk, opened for adding, when the shards' rows continue it and its type is wanted."""
+def _extendable(folder: str, ids: list[str], wanted: IndexChoice) -> AnnIndex | None:
+    """The ANN structure on disk, opened for adding, when the shards' rows continue it and it is of the structure
+    wanted (the type; for IVF-PQ also the code size, which the memory budget sets)."""
     if not os.path.isfile(os.path.join(folder, ANN_DESCRIPTION)):
         return None
     try:
@@ -44,9 +53,9 @@ def _extendable(folder: str, ids: list[str], index_type: str, wanted_type: str) 
     covered = len(ann)
     if covered > len(ids) or ann.description.get("ids_digest") != ids_digest(ids[:covered]):
         return None
-    if ann.type != (wanted_type if index_type == "auto" else index_type) or ann.needs_retrain:
+    if ann.type != wanted.type or ann.description.get("params", {}).get("m") != wanted.params.get("m"):
         return None
-    return ann
+    return None if ann.needs_retrain else ann
 
 
 def update_ann(
@@ -76,19 +85,21 @@ def update_ann(
     if not ids:
         return {}
     embeddings = np.ascontiguousarray(index.embeddings().numpy(), dtype=np.float32)
-    wanted = choose_index_type(len(ids), embeddings.shape[1], max_index_memory, index_type).type
+    wanted = choose_index_type(len(ids), embeddings.shape[1], max_index_memory, index_type)
+    budget = DEFAULT_MAX_INDEX_MEMORY if max_index_memory is None else max_index_memory
     current = manifest.ann
     if (
         current
         and current.get("ids_digest") == ids_digest(ids)
-        and current.get("type") == wanted
+        and current.get("type") == wanted.type
         and current.get("target_recall") == target_recall
+        and current.get("max_index_memory") == budget
     ):
         return current  # already covers these rows as asked
     if manifest.ann is not None:  # from here ann.faiss changes: the manifest must not name it meanwhile
         manifest.ann = None
         write_manifest(folder, manifest)
-    ann = _extendable(folder, ids, index_type, wanted)
+    ann = _extendable(folder, ids, wanted)
     extended = ann is not None and len(ann) < len(ids)
     if ann is not None:
         ann.add(embeddings[len(ann) :])
@@ -98,6 +109,7 @@ def update_ann(
         ann = build_ann(embeddings, index_type, max_index_memory, target_recall, seed)
         extended = False
     else:
+        ann.description["max_index_memory"] = budget  # the structure this budget asks for: kept, grown
         ann.tune(embeddings, target_recall, seed)
     if not ann.description["reached_target"]:
         logger.warning(
