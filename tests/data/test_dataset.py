@@ -277,16 +277,17 @@ def test_dataset_sets_one_thread_once_per_worker(monkeypatch: pytest.MonkeyPatch
     """The dataset's own limit (torch's worker loop sets one too; this checks the dataset does not rely on it)."""
     from vlfit.data import dataset as dataset_module
 
-    class Info:
-        id = 0
-
+    pid = [1000]
     calls: list[int] = []
-    monkeypatch.setattr(dataset_module, "get_worker_info", lambda: Info())
+    monkeypatch.setattr(dataset_module, "get_worker_info", lambda: object())  # as in a loader worker
+    monkeypatch.setattr(dataset_module, "_set_up_in", None)
+    monkeypatch.setattr(dataset_module.os, "getpid", lambda: pid[0])
+    monkeypatch.setattr(dataset_module.multiprocessing, "parent_process", lambda: None)  # no setsid here
     monkeypatch.setattr(dataset_module.torch, "set_num_threads", calls.append)
     dataset = ImageTextDataset(FakeSource(2), _transform("fast"))
     dataset[0]
     dataset[1]
     assert calls == [1]
-    Info.id = 1
+    pid[0] = 1001  # another worker process
     dataset[0]
     assert calls == [1, 1]

@@ -49,6 +49,8 @@ class Batch:
         encoded_images: Encoded bytes per row for ``--decode_on_device``, until the device stage decodes them.
         columns: Extra per-row columns the evaluation reads (``caption_choices``, ``label``).
         on_device: The device stage has run: ``inputs`` are ready for the model.
+        stream_positions: From a stream: the positions of the items the batch was made from (its rows and the bad
+            samples it skipped), for ``ShardStream.mark_consumed`` once the batch is used.
     """
 
     inputs: dict[str, torch.Tensor]
@@ -58,11 +60,13 @@ class Batch:
     encoded_images: list[EncodedImage] | None = None
     columns: dict[str, list[Any]] = field(default_factory=dict)
     on_device: bool = False
+    stream_positions: list[Any] = field(default_factory=list)
 
     @classmethod
-    def empty(cls, bad_samples: Sequence[BadSample] = ()) -> Batch:
+    def empty(cls, bad_samples: Sequence[BadSample] = (), stream_positions: Sequence[Any] = ()) -> Batch:
         """A batch without rows (every sample of it was bad and left out)."""
-        return cls(inputs={}, sample_ids=[], positions=[], bad_samples=list(bad_samples))
+        return cls(inputs={}, sample_ids=[], positions=[], bad_samples=list(bad_samples),
+                   stream_positions=list(stream_positions))  # fmt: skip
 
     def __len__(self) -> int:
         return len(self.sample_ids)

@@ -50,6 +50,8 @@ class Sample:
         columns: Extra columns of the record (``caption_choices``, ``label``).
         bad_samples: Bad samples met while making this one (the sample itself, for a placeholder).
         image_key: ``Record.image_key`` (None for a placeholder).
+        stream_positions: From a stream (``vlfit.data.stream_dataset``): the positions of the stream items this
+            sample was made from, for ``ShardStream.mark_consumed``; empty for a map-style source.
     """
 
     id: str
@@ -59,6 +61,29 @@ class Sample:
     columns: dict[str, Any] = field(default_factory=dict)
     bad_samples: list[BadSample] = field(default_factory=list)
     image_key: int | None = None
+    stream_positions: list[Any] = field(default_factory=list)
+
+
+_set_up_in: int | None = None  # the process set_up_loader_worker last ran in
+
+
+def set_up_loader_worker() -> None:
+    """Once per DataLoader worker process: one torch thread, and a session of its own.
+
+    Ctrl-C in a terminal, and ``kill`` of a process group, signal every process of the group. The main process
+    then saves a checkpoint at the end of the step (``vlfit.training.preemption``), which may still need batches;
+    a worker killed by the signal would instead make torch abort the main process mid-step. Leaving the group
+    (rather than ignoring the signals) keeps signals sent to the worker's own pid working: torch and
+    multiprocessing stop stuck workers with SIGTERM, and an ignored SIGTERM hangs their join.
+    """
+    global _set_up_in
+    if get_worker_info() is None or _set_up_in == os.getpid():
+        return
+    torch.set_num_threads(1)
+    if multiprocessing.parent_process() is not None:  # a worker process, not a main process calling us
+        with contextlib.suppress(OSError):  # already a session leader: nothing to leave
+            os.setsid()
+    _set_up_in = os.getpid()
 
 
 class ImageTextDataset(Dataset):
@@ -104,7 +129,6 @@ class ImageTextDataset(Dataset):
         self.image_transform = image_transform
         self.bad_sample_policy = bad_sample_policy
         self.substitute = substitute
-        self._worker_set_up: int | None = None
 
     def __len__(self) -> int:
         return len(self.source)
@@ -160,21 +184,7 @@ class ImageTextDataset(Dataset):
         )
 
     def _set_up_worker(self) -> None:
-        """Once per DataLoader worker process: one torch thread, and a session of its own.
-
-        Ctrl-C in a terminal, and ``kill`` of a process group, signal every process of the group. The main
-        process then saves a checkpoint at the end of the step (``vlfit.training.preemption``), which may still
-        need batches; a worker killed by the signal would instead make torch abort the main process mid-step.
-        Leaving the group (rather than ignoring the signals) keeps signals sent to the worker's own pid working:
-        torch and multiprocessing stop stuck workers with SIGTERM, and an ignored SIGTERM hangs their join.
-        """
-        info = get_worker_info()
-        if info is not None and self._worker_set_up != info.id:
-            torch.set_num_threads(1)
-            if multiprocessing.parent_process() is not None:  # a worker process, not a main process calling us
-                with contextlib.suppress(OSError):  # already a session leader: nothing to leave
-                    os.setsid()
-            self._worker_set_up = info.id
+        set_up_loader_worker()
 
 
 class ImageTextCollator:
@@ -215,9 +225,10 @@ class ImageTextCollator:
 
     def __call__(self, samples: list[Sample]) -> Batch:
         bad_samples = [bad for sample in samples for bad in sample.bad_samples]
+        stream_positions = [position for sample in samples for position in sample.stream_positions]
         samples = [sample for sample in samples if sample.image is not None]
         if not samples:
-            return Batch.empty(bad_samples)
+            return Batch.empty(bad_samples, stream_positions)
         text = self.tokenizer(
             [sample.caption or "" for sample in samples],
             max_length=self.max_seq_length,
@@ -247,6 +258,7 @@ class ImageTextCollator:
             bad_samples=bad_samples,
             encoded_images=encoded,  # type: ignore[arg-type]
             columns={name: [sample.columns.get(name) for sample in samples] for name in self.keep_columns},
+            stream_positions=stream_positions,
         )
 
     def _hard_negatives(self, samples: list[Sample]) -> dict[str, torch.Tensor]:

@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from vlfit.data.source_base import ImageTextSource
+    from vlfit.data.stream import ShardStream
+    from vlfit.data.stream_dataset import StreamingImageTextDataset
     from vlfit.models.family import InputSpec
 
 logger = logging.getLogger(__name__)
@@ -257,9 +259,16 @@ class InputPipeline:
             substitute=train,
         )
 
+    def stream_dataset(self, stream: ShardStream, *, train: bool) -> StreamingImageTextDataset:
+        """The iterable dataset over a shard stream: the same image transform and bad-sample policy, bad samples
+        left out rather than substituted (``vlfit.data.stream_dataset``)."""
+        from vlfit.data.stream_dataset import StreamingImageTextDataset
+
+        return StreamingImageTextDataset(stream, self.image_transform(train=train), self.options.bad_sample_policy)
+
     def loader(
         self,
-        dataset: ImageTextDataset,
+        dataset: ImageTextDataset | StreamingImageTextDataset,
         *,
         batch_size: int,
         settings: LoaderSettings = LoaderSettings(),
