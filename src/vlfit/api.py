@@ -138,6 +138,7 @@ def load(
     *,
     precision: str = "auto",
     num_threads: int | None = None,
+    allow_spinning: bool = True,
 ) -> Model:
     """Load a model to embed with.
 
@@ -149,6 +150,8 @@ def load(
             ``torch``, ``onnxruntime`` or ``openvino``.
         precision: Exported graphs: ``auto`` (INT8 when exported), ``fp32`` or ``int8``.
         num_threads: Threads of the runtime (``None``: its default).
+        allow_spinning: ONNX Runtime's idle threads spin-wait for the next call (its default; a server that shares
+            its cores with an event loop turns it off).
     """
     from vlfit.models.preset_names import PRESET_NAMES
 
@@ -157,7 +160,7 @@ def load(
         if backend not in ("auto", "torch"):
             raise ConfigError(f"preset {name} runs on torch; export a trained checkpoint for backend {backend!r}")
         return Model(_preset_encoder(name, num_threads))
-    return Model(open_encoder(name, backend, precision, num_threads=num_threads))
+    return Model(open_encoder(name, backend, precision, num_threads=num_threads, allow_spinning=allow_spinning))
 
 
 def _preset_encoder(preset: str, num_threads: int | None) -> TorchEncoder:

@@ -60,6 +60,13 @@ def test_onnx_export_matches_pytorch_and_its_int8_graphs_run(onnx_export, tiny_c
     assert (int8.backend, int8.precision) == ("onnxruntime", "int8")
     _check_against_torch(int8, reference, pixels, 0.999)
 
+    # A server's sessions do not spin-wait between calls; by default they do, as ONNX Runtime's own default.
+    entry = "session.intra_op.allow_spinning"
+    quiet = open_encoder(str(onnx_export), allow_spinning=False)
+    assert {s.get_session_options().get_session_config_entry(entry) for s in quiet.sessions.values()} == {"0"}
+    with pytest.raises(RuntimeError, match="allow_spinning"):  # never set: ONNX Runtime's default, spinning
+        int8.sessions["text"].get_session_options().get_session_config_entry(entry)
+
 
 def _copy_graphs(export_dir):
     def export_onnx_towers(loaded, folder, opset):

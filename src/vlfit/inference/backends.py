@@ -137,11 +137,20 @@ class OnnxRuntimeEncoder(_ExportedEncoder):
         exported: The export folder.
         precision: ``fp32``, ``int8`` or ``auto`` (INT8 when exported).
         num_threads: Intra-op threads (``None``: ONNX Runtime's default, one per physical core).
+        allow_spinning: Let idle intra-op threads spin-wait for the next call (ONNX Runtime's default: lowest
+            latency for back-to-back calls). A server turns it off: spinning threads take the cores its event loop
+            needs (on 2 cores at 8 concurrent queries: about 260 QPS with it, about 400 without).
     """
 
     backend = "onnxruntime"
 
-    def __init__(self, exported: ExportedModel, precision: str = "auto", num_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        exported: ExportedModel,
+        precision: str = "auto",
+        num_threads: int | None = None,
+        allow_spinning: bool = True,
+    ) -> None:
         require_extra("export", "the onnxruntime backend", ("onnxruntime",))
         import onnxruntime as ort
 
@@ -149,6 +158,8 @@ class OnnxRuntimeEncoder(_ExportedEncoder):
         options = ort.SessionOptions()
         if num_threads:
             options.intra_op_num_threads = num_threads
+        if not allow_spinning:
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.sessions = {
             tower: ort.InferenceSession(
                 exported.graph_path(tower, self.precision), options, providers=["CPUExecutionProvider"]
@@ -248,6 +259,7 @@ def open_encoder(
     *,
     num_threads: int | None = None,
     inference_precision: str | None = None,
+    allow_spinning: bool = True,
 ) -> Encoder:
     """The encoder of a checkpoint or export folder.
 
@@ -257,6 +269,7 @@ def open_encoder(
         precision: For exported graphs: ``auto`` (INT8 when present), ``fp32`` or ``int8``.
         num_threads: Threads of the runtime.
         inference_precision: OpenVINO's ``INFERENCE_PRECISION_HINT`` (``None``: the plugin's default).
+        allow_spinning: ONNX Runtime: idle threads spin-wait (see ``OnnxRuntimeEncoder``).
 
     Raises:
         RefusedModelError: for a combination that cannot run (see ``resolve_backend``), a missing tokenizer, graphs
@@ -271,5 +284,5 @@ def open_encoder(
         return TorchEncoder(model_path, num_threads=num_threads)
     exported = ExportedModel.open(model_path)
     if chosen == "onnxruntime":
-        return OnnxRuntimeEncoder(exported, precision, num_threads=num_threads)
+        return OnnxRuntimeEncoder(exported, precision, num_threads=num_threads, allow_spinning=allow_spinning)
     return OpenVinoEncoder(exported, precision, inference_precision=inference_precision, num_threads=num_threads)

@@ -223,7 +223,10 @@ class SearchEngine:
         built = self.snapshot.manifest.model
         if backend == "auto" and model is None:
             backend = built["backend"]
-        self.model = load(model or built["path"], backend, precision=precision, num_threads=num_threads)
+        # Spinning runtime threads would take the cores the event loop parses and answers requests on.
+        self.model = load(
+            model or built["path"], backend, precision=precision, num_threads=num_threads, allow_spinning=False
+        )
         refuse_other_model(self.snapshot.index, self.model.encoder)
         self.generation = 1
         self._reload_lock = threading.Lock()
