@@ -9,7 +9,8 @@
    search on 1000 fresh queries from the same mixture (not drawn from the index), median latency of one query.
 2. The server: a real ``vlfit serve`` process on a free loopback port, with the ``make demo`` model's INT8 text
    tower (``vlfit export --quantize int8``, ONNX Runtime) and a 10^5-vector index (HNSW), loaded by a bounded
-   number of text queries at concurrency 1, 8 and 32: p50/p95/p99 latency, QPS, and the server process's memory.
+   number of text queries at concurrency 1, 8 and 32, three times in turn: the medians of p50/p95/p99 latency and
+   QPS over the three runs, and the server process's memory.
    The load comes from a minimal keep-alive HTTP/1.1 client on asyncio streams in this process (one connection per
    concurrent client), which costs the shared cores far less than a full HTTP client library would.
 
@@ -20,7 +21,7 @@ The client runs on the same 2 cores as the server, so the QPS figures are a floo
     python benchmarks/serve_load.py [--model runs/demo/model] [--out runs/serve-bench]
         [--results benchmarks/results/cpu-2core]
 
-Needs ``make demo`` first. About 10 minutes on an idle 2-core CPU.
+Needs ``make demo`` first. About 5 minutes on an idle 2-core CPU (the 10^6 IVF-PQ build is most of it).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ import numpy as np
 
 from vlfit.cli import main as vlfit
 
-LEVELS = {1: 200, 8: 800, 32: 1600}  # concurrency -> requests sent at that level
+LEVELS = {1: 200, 8: 800, 32: 1600}  # concurrency -> requests sent at that level, per repeat
+REPEATS = 3  # each level's figures are the medians over this many runs
 QUERIES = 1000
 
 
@@ -172,6 +174,14 @@ async def _load(port: int, texts: list[str], concurrency: int, count: int) -> di
             "p99_ms": round(float(np.percentile(ms, 99)), 2)}  # fmt: skip
 
 
+def _median_run(measured: list[dict]) -> dict:
+    """The median of each figure over the repeats of one level, with every run kept under ``runs``."""
+    keys = ("qps", "p50_ms", "p95_ms", "p99_ms")
+    median = {key: round(float(np.median([run[key] for run in measured])), 2) for key in keys}
+    errors = sum(run["errors"] for run in measured)
+    return {**measured[0], **median, "errors": errors, "repeats": len(measured), "runs": measured}
+
+
 def serve_load(index: str, model: str, log_path: str) -> dict:
     import httpx
     import psutil
@@ -187,10 +197,12 @@ def serve_load(index: str, model: str, log_path: str) -> dict:
                           timeout=180)  # fmt: skip
     try:
         health = httpx.get(f"{base}/api/health", timeout=10).json()
-        levels = []
-        for concurrency, count in LEVELS.items():
-            levels.append(asyncio.run(_load(port, texts, concurrency, count)))
-            print(json.dumps(levels[-1]), flush=True)
+        runs: dict[int, list[dict]] = {concurrency: [] for concurrency in LEVELS}
+        for _ in range(REPEATS):  # the levels in turn, REPEATS times: drifts of the shared machine hit each alike
+            for concurrency, count in LEVELS.items():
+                runs[concurrency].append(asyncio.run(_load(port, texts, concurrency, count)))
+                print(json.dumps(runs[concurrency][-1]), flush=True)
+        levels = [_median_run(measured) for measured in runs.values()]
         memory_mb = psutil.Process(server.pid).memory_info().rss / 2**20
     finally:
         server.send_signal(signal.SIGTERM)
