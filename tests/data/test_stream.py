@@ -11,6 +11,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch.utils.data
@@ -296,10 +297,13 @@ def test_a_resumed_dataloader_continues_exactly(server: ShardServer, num_workers
 
     stream = ShardStream(sources, **settings)
     head = []
-    for batch in itertools.islice(iter(_loader(stream, num_workers)), 5):  # 5 batches: worker 1 is due next
+    batches = iter(_loader(stream, num_workers))
+    for batch in itertools.islice(batches, 5):  # 5 batches: worker 1 is due next
         for item in batch:
             stream.mark_consumed(item.position)
         head.append(_ids(batch))
+    for _ in batches:  # read on while the server is up, so the workers end now, not when collected after it closed
+        pass
     state = stream.state_dict()
     assert state["next_worker"] == (1 if num_workers == 2 else 0)
 
@@ -310,7 +314,7 @@ def test_a_resumed_dataloader_continues_exactly(server: ShardServer, num_workers
     assert sorted(itertools.chain(*full)) == sorted(_all_keys("ab"))
 
 
-def test_a_state_is_refused_by_another_stream(local_dir: Path) -> None:
+def test_a_state_is_refused_by_another_stream(local_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     stream = ShardStream(_mixed(local_dir), reader=_reader(), shuffle_buffer=4, seed=1)
     for item in itertools.islice(iter(stream), 3):
         stream.mark_consumed(item.position)
@@ -319,5 +323,7 @@ def test_a_state_is_refused_by_another_stream(local_dir: Path) -> None:
         ShardStream(_mixed(local_dir), reader=_reader(), shuffle_buffer=4, seed=2).load_state_dict(state)
     other = ShardStream(_mixed(local_dir), reader=_reader(), shuffle_buffer=4, seed=1)
     other.load_state_dict(state)
+    # As in loader worker 0 of 2 (a failed DataLoader's workers take torch's 5 s shutdown timeout each to stop).
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: SimpleNamespace(num_workers=2, id=0))
     with pytest.raises(ConfigError, match=r"--dataloader_num_workers 1"):
-        next(iter(_loader(other, num_workers=2)))
+        next(iter(other))
