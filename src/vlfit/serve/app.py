@@ -23,6 +23,7 @@ import binascii
 import contextlib
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from importlib import resources
@@ -174,7 +175,7 @@ def create_app(
 
     @app.get("/api/health")
     async def health() -> dict[str, object]:
-        return {"status": "ok", **engine.description}
+        return {"status": "ok", "pid": os.getpid(), **engine.description}  # pid: which worker process answered
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
