@@ -19,11 +19,11 @@ def synthetic_dataset_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def two_process_results(tmp_path_factory) -> dict[str, list[dict]]:
+def two_process_results(synthetic_dataset_dir, tmp_path_factory) -> dict[str, list[dict]]:
     """The 2-process gloo checks of ``tests.two_processes.MODULES``, run together once; results by module."""
     from tests.two_processes import run_two_processes
 
-    return run_two_processes(tmp_path_factory.mktemp("two-processes"))
+    return run_two_processes(tmp_path_factory.mktemp("two-processes"), synthetic_dataset_dir)
 
 
 @pytest.fixture(scope="session")

@@ -1,20 +1,27 @@
 """The 2-process gloo checks of several test modules in one spawn: starting a process costs seconds of imports, so
 the loss and gradient-cache equalities share two workers instead of starting two each.
 
-Each job is a module's ``two_process_payload()`` (what both processes read) and its ``two_process_worker(rank,
-world, init_file, payload_path, out_dir)``, which forms its own process group, writes ``rank{r}.pt`` into its folder
-and destroys the group; the jobs run one after the other in the same two processes.
+Each job is a module's ``two_process_payload()`` (what both processes read; it may take ``folder``, the job's own,
+and ``dataset_dir``, the session's synthetic dataset) and its ``two_process_worker(rank, world, init_file,
+payload_path, out_dir)``, which forms its own process group, writes ``rank{r}.pt`` into its folder and destroys the
+group; the jobs run one after the other in the same two processes.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 
-MODULES = ("tests.models.test_losses", "tests.models.test_dual_encoders", "tests.training.test_gradient_cache")
+MODULES = (
+    "tests.models.test_losses",
+    "tests.models.test_dual_encoders",
+    "tests.training.test_gradient_cache",
+    "tests.inference.test_retrieve",
+)
 
 
 def _run_jobs(rank: int, jobs: list[tuple[str, str]]) -> None:
@@ -23,13 +30,16 @@ def _run_jobs(rank: int, jobs: list[tuple[str, str]]) -> None:
         worker(rank, 2, str(Path(folder) / "init"), str(Path(folder) / "payload.pt"), folder)
 
 
-def run_two_processes(root: Path) -> dict[str, list[dict]]:
+def run_two_processes(root: Path, dataset_dir: str) -> dict[str, list[dict]]:
     """Every module's job in one 2-process spawn; its two ranks' results by module name."""
     jobs = []
     for module_name in MODULES:
         folder = root / module_name.rpartition(".")[2]
         folder.mkdir(parents=True)
-        torch.save(importlib.import_module(module_name).two_process_payload(), folder / "payload.pt")
+        make_payload = importlib.import_module(module_name).two_process_payload
+        wanted = inspect.signature(make_payload).parameters
+        context = {"folder": folder, "dataset_dir": dataset_dir}
+        torch.save(make_payload(**{name: context[name] for name in wanted}), folder / "payload.pt")
         jobs.append((module_name, str(folder)))
     mp.spawn(_run_jobs, args=(jobs,), nprocs=2, join=True)
     return {

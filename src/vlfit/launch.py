@@ -68,17 +68,19 @@ def prepare_launch(args: Any) -> None:
 
 
 def join_gloo_group(timeout: int) -> tuple[int, int]:
-    """``(rank, world size)`` of this process, in a gloo process group formed within ``timeout`` seconds when a
-    launcher started several (``vlfit retrieve index`` under torchrun: CPU processes exchanging small objects).
+    """``(rank, world size)`` of this process: in the process group already formed, or in a gloo group formed
+    within ``timeout`` seconds when a launcher started several (``vlfit retrieve index`` under torchrun: CPU
+    processes exchanging small objects).
 
     Raises:
         ConfigError: as ``prepare_launch``, when the group cannot be formed.
     """
+    if dist.is_initialized():  # a group the caller formed: its ranks are the build's
+        return dist.get_rank(), dist.get_world_size()
     world = launched_world_size()
     if world <= 1:
         return 0, 1
-    if not dist.is_initialized():
-        _init_gloo(world, timeout)
+    _init_gloo(world, timeout)
     return dist.get_rank(), dist.get_world_size()
 
 

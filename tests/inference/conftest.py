@@ -6,9 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from vlfit.data.sources import open_splits
-
-from .tiny_models import save_tiny_checkpoint
+from .tiny_models import save_tiny_checkpoint, write_image_folder
 
 
 @pytest.fixture(scope="session")
@@ -20,14 +18,7 @@ def tiny_checkpoint(synthetic_dataset_dir, tmp_path_factory) -> Path:
 def image_folder(synthetic_dataset_dir, tmp_path_factory) -> Path:
     """The validation and test images of the synthetic dataset as JPEG files in two sub-folders, plus one file that
     is not an image."""
-    folder = tmp_path_factory.mktemp("images")
-    splits = open_splits(dataset_name=synthetic_dataset_dir)
-    for split in ("validation", "test"):
-        (folder / split).mkdir()
-        for record in splits[split]:
-            (folder / split / f"{record.id}.jpg").write_bytes(record.image)
-    (folder / "test" / "broken.jpg").write_bytes(b"not a jpeg at all")
-    return folder
+    return write_image_folder(synthetic_dataset_dir, tmp_path_factory.mktemp("images"))
 
 
 @pytest.fixture(scope="session")

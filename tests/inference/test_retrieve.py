@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from vlfit.cli import main
 from vlfit.inference.backends import TorchEncoder
 from vlfit.inference.collection import ImageFolderSource
 from vlfit.inference.index import EmbeddingIndex, build_index
+
+from .tiny_models import save_tiny_checkpoint, write_image_folder
 
 
 def _query_json(capsys, *argv: str) -> dict:
@@ -91,29 +94,47 @@ def test_an_interrupted_build_resumes_to_the_index_a_one_shot_build_makes(tiny_c
     assert resumed.manifest.bad_samples == once.manifest.bad_samples  # the broken file listed once
 
 
-def test_torchrun_resumes_a_stopped_build_to_the_index_one_process_makes(tiny_checkpoint, image_folder, tmp_path):
-    import subprocess
-
-    from tests.training.train_runs import torchrun_command, torchrun_env
-
-    encoder = TorchEncoder(str(tiny_checkpoint))
-    source = ImageFolderSource(str(image_folder))
-    settings = {"collection": {"images": str(image_folder)}, "batch_size": 2, "shard_size": 2, "progress": False}
-    build_index(encoder, source, str(tmp_path / "once"), **settings)
+def two_process_payload(folder: Path, dataset_dir: str) -> dict:
+    """For the 2-process check (``tests.two_processes``): a tiny checkpoint, a folder of images with a broken one,
+    its index built by one process, and the same build stopped after its first shard, which the two processes
+    finish through ``vlfit retrieve index``."""
+    checkpoint = save_tiny_checkpoint(dataset_dir, folder / "model")
+    images = write_image_folder(dataset_dir, folder / "images")
+    encoder, source = TorchEncoder(str(checkpoint)), ImageFolderSource(str(images))
+    settings = {"collection": {"images": str(images)}, "batch_size": 2, "shard_size": 2, "progress": False}
+    build_index(encoder, source, str(folder / "once"), **settings)
 
     def stop(manifest):
         raise KeyboardInterrupt
 
-    with pytest.raises(KeyboardInterrupt):  # stopped after its first shard: two processes take it from there
-        build_index(encoder, source, str(tmp_path / "parallel"), on_shard=stop, **settings)
-    command = torchrun_command("-m", "vlfit", "retrieve", "index", "--model", str(tiny_checkpoint), "--images",
-                               str(image_folder), "--output_dir", str(tmp_path / "parallel"), "--batch_size", "2",
-                               "--shard_size", "2", "--dataloader_num_workers", "0", "--disable_tqdm", "true",
-                               "--ddp_timeout", "120")  # fmt: skip
-    run = subprocess.run(command, env=torchrun_env(), capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.count('"index":') == 1  # one summary, from rank 0
-    once, parallel = EmbeddingIndex(str(tmp_path / "once")), EmbeddingIndex(str(tmp_path / "parallel"))
+    with pytest.raises(KeyboardInterrupt):
+        build_index(encoder, source, str(folder / "parallel"), on_shard=stop, **settings)
+    argv = ["index", "--model", str(checkpoint), "--images", str(images), "--output_dir",
+            str(folder / "parallel"), "--batch_size", "2", "--shard_size", "2", "--dataloader_num_workers", "0",
+            "--disable_tqdm", "true"]  # fmt: skip
+    return {"argv": argv, "once": str(folder / "once"), "parallel": str(folder / "parallel")}
+
+
+def two_process_worker(rank: int, world: int, init_file: str, payload_path: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from vlfit.commands.retrieve import main as retrieve  # vlfit retrieve, in the group formed here
+    from vlfit.launch import join_gloo_group
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        payload = torch.load(payload_path)
+        code = retrieve(payload["argv"])
+        joined = join_gloo_group(60)  # what the build took its rank and world size from
+        torch.save({"code": code, "joined": joined, **payload}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_processes_resume_a_stopped_build_to_the_index_one_process_makes(two_process_results):
+    ranks = two_process_results[__name__]
+    assert [(rank["code"], rank["joined"]) for rank in ranks] == [(0, (0, 2)), (0, (1, 2))]
+    once, parallel = EmbeddingIndex(ranks[0]["once"]), EmbeddingIndex(ranks[0]["parallel"])
     assert len(parallel.manifest.shards) == len(once.manifest.shards) > 4  # both processes wrote shards
     assert parallel.ids() == once.ids()
     torch.testing.assert_close(parallel.embeddings(), once.embeddings(), atol=1e-5, rtol=0)

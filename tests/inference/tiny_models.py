@@ -24,3 +24,15 @@ def save_tiny_checkpoint(dataset_dir: str, output_dir: Path, seed: int = 0, pres
     blueprint.inputs.tokenizer.save_pretrained(output_dir)
     blueprint.image_processor.save_pretrained(output_dir)
     return output_dir
+
+
+def write_image_folder(dataset_dir: str, folder: Path) -> Path:
+    """The validation and test images of the dataset as JPEG files in two sub-folders, plus one file that is not an
+    image (``test/broken.jpg``)."""
+    splits = open_splits(dataset_name=dataset_dir)
+    for split in ("validation", "test"):
+        (folder / split).mkdir(parents=True)
+        for record in splits[split]:
+            (folder / split / f"{record.id}.jpg").write_bytes(record.image)
+    (folder / "test" / "broken.jpg").write_bytes(b"not a jpeg at all")
+    return folder

@@ -24,7 +24,7 @@ REQUEST_TIMEOUT = 30
 @pytest.fixture(scope="module")
 def server(served_index: Path, tmp_path_factory):
     """``vlfit serve --workers 2``, once both workers answer (each says which it is in /api/health)."""
-    from vlfit.serve.launch import start_server
+    from vlfit.serve.launch import kill_process_tree, start_server
 
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
@@ -32,16 +32,16 @@ def server(served_index: Path, tmp_path_factory):
                            env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     workers: set[int] = set()
-    deadline = time.monotonic() + START_TIMEOUT
-    while len(workers) < 2 and time.monotonic() < deadline and process.poll() is None:
-        with httpx.Client() as client:  # a new connection each time: the workers take turns accepting them
-            workers.add(client.get(f"{base}/api/health", timeout=REQUEST_TIMEOUT).json()["pid"])
-        time.sleep(0.1)
-    assert len(workers) == 2, log.read_text()[-3000:]
-    yield base, process, log, workers
-    if process.poll() is None:
-        process.kill()
-        process.wait(10)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while len(workers) < 2 and time.monotonic() < deadline and process.poll() is None:
+            with httpx.Client() as client:  # a new connection each time: the workers take turns accepting them
+                workers.add(client.get(f"{base}/api/health", timeout=REQUEST_TIMEOUT).json()["pid"])
+            time.sleep(0.1)
+        assert len(workers) == 2, log.read_text()[-3000:]
+        yield base, process, log, workers
+    finally:
+        kill_process_tree(process)  # its workers too, if a test left it running
 
 
 def test_the_server_process_answers_over_http_on_loopback(server, train_records) -> None:

@@ -127,26 +127,21 @@ def run_index(argv: list[str]) -> int:
     count_before, bad_before = (len(before), len(before.manifest.bad_samples)) if before else (0, 0)
     from vlfit.launch import join_gloo_group
 
-    rank, world_size = join_gloo_group(args.ddp_timeout)  # torchrun: each process embeds its share of the shards
-    try:
-        build_index(
-            encoder,
-            source,
-            args.output_dir,
-            collection=collection,
-            batch_size=args.batch_size,
-            num_workers=args.dataloader_num_workers,
-            shard_size=args.shard_size,
-            storage=args.storage,
-            progress=not args.disable_tqdm,
-            rank=rank,
-            world_size=world_size,
-        )
-    finally:
-        if world_size > 1:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
+    # torchrun: each process embeds its share of the shards (vlfit.cli closes the group after a normal return).
+    rank, world_size = join_gloo_group(args.ddp_timeout)
+    build_index(
+        encoder,
+        source,
+        args.output_dir,
+        collection=collection,
+        batch_size=args.batch_size,
+        num_workers=args.dataloader_num_workers,
+        shard_size=args.shard_size,
+        storage=args.storage,
+        progress=not args.disable_tqdm,
+        rank=rank,
+        world_size=world_size,
+    )
     if rank != 0:
         return 0  # rank 0 lists the shards, builds the ANN structure and reports
     from vlfit.inference.index_ann import update_ann

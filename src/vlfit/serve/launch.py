@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -42,10 +43,25 @@ def start_server(
         except (urllib.error.URLError, OSError):
             pass
         if time.monotonic() > deadline:
-            process.kill()
-            process.wait(10)
+            kill_process_tree(process)
             raise ServerStartError(f"vlfit serve did not answer within {timeout:g} s: {_tail(log_path)}")
         time.sleep(0.25)
+
+
+def kill_process_tree(process: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGKILL ``process`` and every process it started (uvicorn's workers outlive a killed supervisor)."""
+    import psutil
+
+    try:
+        children = psutil.Process(process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
+    for victim in [*children]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            victim.kill()
+    process.kill()
+    process.wait(timeout)
+    psutil.wait_procs(children, timeout=timeout)
 
 
 def _tail(path: str, size: int = 3000) -> str:
