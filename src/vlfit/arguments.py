@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from vlfit.compat_flags import CompatDataFlags
-from vlfit.data.bad_samples import BAD_SAMPLE_POLICIES, MIN_SAMPLES_FOR_BAD_FRACTION
+from vlfit.data.bad_samples import BAD_SAMPLE_POLICIES, MIN_SAMPLES_FOR_BAD_FRACTION, check_bad_sample_policy
 from vlfit.errors import ConfigError
 from vlfit.extras import require_extra
 from vlfit.models.preset_names import PRESET_NAMES
@@ -297,11 +297,7 @@ class DataArguments(CompatDataFlags, DataLocationArguments):
             raise ConfigError(
                 f"unknown --caption_sampling {self.caption_sampling!r}; choose one of: {', '.join(CAPTION_SAMPLING)}"
             )
-        if self.bad_sample_policy not in BAD_SAMPLE_POLICIES:
-            raise ConfigError(
-                f"unknown --bad_sample_policy {self.bad_sample_policy!r}; choose one of: "
-                f"{', '.join(BAD_SAMPLE_POLICIES)}"
-            )
+        check_bad_sample_policy(self.bad_sample_policy)
         if not 0.0 <= self.max_bad_fraction <= 1.0:
             raise ConfigError(f"--max_bad_fraction must be between 0 and 1, got {self.max_bad_fraction}")
         if self.mediapipe_dataloader:

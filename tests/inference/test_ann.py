@@ -167,7 +167,8 @@ def _clustered(rows: int, dim: int, seed: int, centres: int = 100) -> np.ndarray
     return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
 
 
-def test_coarse_pq_codes_are_re_ranked_from_the_shards_to_reach_the_target(tmp_path):
+def test_coarse_pq_codes_are_re_ranked_from_the_shards_to_reach_the_target(tmp_path, monkeypatch):
+    from vlfit.inference import ann as ann_module
     from vlfit.inference.identity import ModelIdentity
     from vlfit.inference.index import EmbeddingIndex, write_index_from_embeddings
     from vlfit.inference.index_ann import open_ann, update_ann
@@ -182,6 +183,7 @@ def test_coarse_pq_codes_are_re_ranked_from_the_shards_to_reach_the_target(tmp_p
     rows = np.array([n - 1, 0, 5000, 4999, 0, 7321])  # across the three shards, repeats and any order
     np.testing.assert_array_equal(index.vectors()[rows], vectors[rows])
 
+    monkeypatch.setattr(ann_module, "TUNING_QUERIES", 300)  # three builds below: tuning on fewer queries
     budget = ivfpq_fixed_bytes(dim, ivf_lists(n)) + n * (4 + 8) + 1000  # room for 4-byte codes only
     described = update_ann(str(tmp_path), index_type="ivfpq", max_index_memory=budget, target_recall=0.9)
     assert described["factory"].endswith(",PQ4x8") and described["bytes_per_vector"] * n <= budget

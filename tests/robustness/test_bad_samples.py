@@ -173,7 +173,7 @@ def test_raise_names_the_sample_the_reason_and_the_way_out(pipeline: str) -> Non
 
 
 def test_unknown_policy_is_refused() -> None:
-    with pytest.raises(ValueError, match="unknown bad_sample_policy 'drop'; choose one of: skip, raise"):
+    with pytest.raises(ValueError, match="unknown --bad_sample_policy 'drop'; choose one of: skip, raise"):
         _dataset([], "fast", bad_sample_policy="drop")
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vlfit.errors import DataError
+from vlfit.errors import ConfigError, DataError
 
 BAD_SAMPLE_POLICIES: tuple[str, ...] = ("skip", "raise")
 # The fraction is judged only after at least this many samples were read (and at least 1/max_bad_fraction, so
@@ -36,6 +36,13 @@ RAISE_HINT = (
     "--bad_sample_policy raise stops at the first bad sample: remove or fix this sample, or pass "
     "--bad_sample_policy skip to replace bad samples and count them"
 )
+
+
+def check_bad_sample_policy(policy: str) -> None:
+    """Raises ``ConfigError`` unless ``policy`` is one of ``BAD_SAMPLE_POLICIES``."""
+    if policy not in BAD_SAMPLE_POLICIES:
+        raise ConfigError(f"unknown --bad_sample_policy {policy!r}; choose one of: {', '.join(BAD_SAMPLE_POLICIES)}")
+
 
 BadSampleInfo = tuple[str, str]
 """``(sample id, reason)``."""

@@ -14,11 +14,11 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from vlfit.data.bad_samples import (
-    BAD_SAMPLE_POLICIES,
     MAX_SUBSTITUTE_ATTEMPTS,
     RAISE_HINT,
     BadCaptionError,
     BadSampleError,
+    check_bad_sample_policy,
     clean_caption,
     describe_error,
     substitute_index,
@@ -28,7 +28,6 @@ from vlfit.data.decode import DecodeError
 from vlfit.data.hard_negatives import alternative_captions, tokenize_alternatives
 from vlfit.data.image_transforms import EncodedImage, stack_images
 from vlfit.data.records import BadRecordError
-from vlfit.errors import DataError
 from vlfit.models.family import IMAGE_KEYS
 
 if TYPE_CHECKING:
@@ -121,10 +120,7 @@ class ImageTextDataset(Dataset):
         bad_sample_policy: str = "skip",
         substitute: bool = True,
     ) -> None:
-        if bad_sample_policy not in BAD_SAMPLE_POLICIES:
-            raise DataError(
-                f"unknown bad_sample_policy {bad_sample_policy!r}; choose one of: {', '.join(BAD_SAMPLE_POLICIES)}"
-            )
+        check_bad_sample_policy(bad_sample_policy)
         self.source = source
         self.image_transform = image_transform
         self.bad_sample_policy = bad_sample_policy

@@ -18,10 +18,10 @@ from typing import Any
 from torch.utils.data import IterableDataset
 
 from vlfit.data.bad_samples import (
-    BAD_SAMPLE_POLICIES,
     RAISE_HINT,
     BadCaptionError,
     BadSampleError,
+    check_bad_sample_policy,
     clean_caption,
     describe_error,
 )
@@ -30,7 +30,6 @@ from vlfit.data.dataset import ImageTransform, Sample, set_up_loader_worker
 from vlfit.data.decode import DecodeError
 from vlfit.data.records import BadRecordError
 from vlfit.data.stream import ShardStream, StreamItem
-from vlfit.errors import DataError
 
 
 def _reported(item: StreamItem) -> list[BadSample]:
@@ -54,10 +53,7 @@ class StreamingImageTextDataset(IterableDataset):
     """
 
     def __init__(self, stream: ShardStream, image_transform: ImageTransform, bad_sample_policy: str = "skip") -> None:
-        if bad_sample_policy not in BAD_SAMPLE_POLICIES:
-            raise DataError(
-                f"unknown bad_sample_policy {bad_sample_policy!r}; choose one of: {', '.join(BAD_SAMPLE_POLICIES)}"
-            )
+        check_bad_sample_policy(bad_sample_policy)
         self.stream = stream
         self.image_transform = image_transform
         self.bad_sample_policy = bad_sample_policy

@@ -16,7 +16,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from vlfit.data.bad_samples import BAD_SAMPLE_POLICIES, BAD_SAMPLES_REPORT
+from vlfit.data.bad_samples import BAD_SAMPLES_REPORT, check_bad_sample_policy
 from vlfit.data.prepare.columns import DEFAULT_EXTRA_COLUMNS, output_columns
 from vlfit.data.prepare.manifest import (
     MANIFEST_NAME,
@@ -106,10 +106,7 @@ def prepare_dataset(
             raise DataError(f"--{name} must be at least {low}, got {value}")
     if not 1 <= jpeg_quality <= 100:
         raise DataError(f"--jpeg_quality must be in 1..100, got {jpeg_quality}")
-    if bad_sample_policy not in BAD_SAMPLE_POLICIES:
-        raise DataError(
-            f"unknown --bad_sample_policy {bad_sample_policy!r}; choose one of: {', '.join(BAD_SAMPLE_POLICIES)}"
-        )
+    check_bad_sample_policy(bad_sample_policy)
     if not sources:
         raise DataError("no splits to prepare")
     started = time.perf_counter()
