@@ -27,7 +27,7 @@ from vlfit.data.batch import BadSample, Batch
 from vlfit.data.decode import DecodeError
 from vlfit.data.hard_negatives import alternative_captions, tokenize_alternatives
 from vlfit.data.image_transforms import EncodedImage, stack_images
-from vlfit.data.records import BadRecordError
+from vlfit.data.records import BadRecordError, Record
 from vlfit.models.family import IMAGE_KEYS
 
 if TYPE_CHECKING:
@@ -83,6 +83,26 @@ def set_up_loader_worker() -> None:
         with contextlib.suppress(OSError):  # already a session leader: nothing to leave
             os.setsid()
     _set_up_in = os.getpid()
+
+
+def record_sample(
+    record: Record, image_transform: ImageTransform, position: int, out: torch.Tensor | None = None
+) -> Sample:
+    """The ``Sample`` of one record: its caption checked, its image through ``image_transform`` (into ``out``, a
+    row of the batch's tensor, when given).
+
+    Raises:
+        BadCaptionError, DecodeError: for a missing caption or an image that does not decode.
+    """
+    # The caption is checked first: it is free, and a bad one makes decoding the image pointless.
+    caption = clean_caption(record.caption, record.id)
+    if out is None:
+        image = image_transform(record.image, record.id)
+    else:  # into its row of the batch (a substitute takes the row of the bad sample, which wrote nothing)
+        image = image_transform(record.image, record.id, out=out)  # type: ignore[call-arg]
+    return Sample(
+        record.id, position, image=image, caption=caption, columns=dict(record.extra), image_key=record.image_key
+    )
 
 
 class ImageTextDataset(Dataset):
@@ -168,16 +188,7 @@ class ImageTextDataset(Dataset):
         )
 
     def _load(self, position: int, out: torch.Tensor | None) -> Sample:
-        record = self.source[position]
-        # The caption is checked first: it is free, and a bad one makes decoding the image pointless.
-        caption = clean_caption(record.caption, record.id)
-        if out is None:
-            image = self.image_transform(record.image, record.id)
-        else:  # into its row of the batch (a substitute takes the row of the bad sample, which wrote nothing)
-            image = self.image_transform(record.image, record.id, out=out)  # type: ignore[call-arg]
-        return Sample(
-            record.id, position, image=image, caption=caption, columns=dict(record.extra), image_key=record.image_key
-        )
+        return record_sample(self.source[position], self.image_transform, position, out)
 
     def _set_up_worker(self) -> None:
         set_up_loader_worker()

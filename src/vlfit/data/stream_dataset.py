@@ -22,11 +22,10 @@ from vlfit.data.bad_samples import (
     BadCaptionError,
     BadSampleError,
     check_bad_sample_policy,
-    clean_caption,
     describe_error,
 )
 from vlfit.data.batch import BadSample
-from vlfit.data.dataset import ImageTransform, Sample, set_up_loader_worker
+from vlfit.data.dataset import ImageTransform, Sample, record_sample, set_up_loader_worker
 from vlfit.data.decode import DecodeError
 from vlfit.data.records import BadRecordError
 from vlfit.data.stream import ShardStream, StreamItem
@@ -70,21 +69,17 @@ class StreamingImageTextDataset(IterableDataset):
             skipped += _reported(item)
             if item.record is None:
                 continue
-            record = item.record
             try:
-                caption = clean_caption(record.caption, record.id)
-                image = self.image_transform(record.image, record.id)
+                sample = record_sample(item.record, self.image_transform, -1)
             except (BadRecordError, DecodeError, BadCaptionError) as err:
-                sample_id, reason = describe_error(err, fallback_id=record.id)
+                sample_id, reason = describe_error(err, fallback_id=item.record.id)
                 if self.bad_sample_policy == "raise":
                     raise BadSampleError.for_sample(sample_id, reason, RAISE_HINT) from err
                 skipped.append(BadSample(sample_id, reason))
                 continue
             self._check_raise(skipped)
-            yield Sample(
-                record.id, -1, image=image, caption=caption, columns=dict(record.extra), bad_samples=skipped,
-                image_key=record.image_key, stream_positions=positions,
-            )  # fmt: skip
+            sample.bad_samples, sample.stream_positions = skipped, positions
+            yield sample
             skipped, positions = [], []
         if positions:
             self._check_raise(skipped)
