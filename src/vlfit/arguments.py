@@ -204,8 +204,80 @@ class DataLocationArguments:
         return {f.name: getattr(self, f.name) for f in fields(DataLocationArguments)}
 
 
+def is_stream_spec(spec: str | None) -> bool:
+    """Whether a ``--train_file`` value can only be streamed: several ``::`` sources, or a URL (``https://``,
+    ``s3://``...) rather than a local path."""
+    if not spec:
+        return False
+    return "::" in spec or any("://" in part and not part.startswith("file://") for part in spec.split("::"))
+
+
 @dataclass
-class DataArguments(CompatDataFlags, DataLocationArguments):
+class StreamArguments:
+    """How a streamed training split is read (``vlfit.data.stream``): tar shards at fsspec URLs, mixed, shuffled."""
+
+    streaming: bool = field(
+        default=False,
+        metadata={
+            "help": "Stream the training split shard by shard instead of opening it as a map-style dataset: "
+            "--train_file tar shards (local, or implied by URLs and '::' sources), or --dataset_name's data files "
+            "(a hub id or a local folder of parquet or tar shards). Needs --max_steps: a stream has no length."
+        },
+    )
+    train_data_weights: str | None = field(
+        default=None,
+        metadata={
+            "help": "Comma-separated weights of the '::'-separated sources of --train_file (open_clip's upsampling "
+            "factors): samples are drawn from each source in proportion. Default: all 1."
+        },
+    )
+    shuffle_buffer: int = field(
+        default=1000,
+        metadata={
+            "help": "Samples each loader worker's shuffle buffer holds when streaming (0: shard order, no shuffle); "
+            "shard order is shuffled per epoch too. Deterministic per --seed."
+        },
+    )
+    resampled: bool = field(
+        default=False,
+        metadata={
+            "help": "Streaming: draw shards with replacement, endlessly (open_clip's --dataset-resampled), instead "
+            "of reading each shard once per epoch."
+        },
+    )
+    shard_retries: int = field(
+        default=3,
+        metadata={
+            "help": "Streaming: times a failing shard (HTTP error, dropped connection, timeout) is tried again, with "
+            "backoff, before it is given up and counted as a bad sample under --max_bad_fraction."
+        },
+    )
+    shard_timeout: float = field(
+        default=60.0, metadata={"help": "Streaming: seconds a connection or one read may take before it is a fault."}
+    )
+
+    def streams_training(self) -> bool:
+        """Whether the training split is streamed: ``--streaming``, or a ``--train_file`` that only streams."""
+        return bool(self.streaming or is_stream_spec(getattr(self, "train_file", None)))
+
+    def check_stream_flags(self) -> None:
+        """Refuse stream flags without a stream, and bad values.
+
+        Raises:
+            ConfigError: naming the flag.
+        """
+        if self.train_data_weights is not None and not self.streams_training():
+            raise ConfigError("--train_data_weights weights the '::' sources of a streamed --train_file; add them")
+        if int(self.shuffle_buffer) < 0:
+            raise ConfigError(f"--shuffle_buffer must be 0 (no shuffle) or more samples, not {self.shuffle_buffer}")
+        if int(self.shard_retries) < 0:
+            raise ConfigError(f"--shard_retries must be 0 or more, not {self.shard_retries}")
+        if not float(self.shard_timeout) > 0:
+            raise ConfigError(f"--shard_timeout must be a positive number of seconds, not {self.shard_timeout}")
+
+
+@dataclass
+class DataArguments(CompatDataFlags, StreamArguments, DataLocationArguments):
     """Data location plus how samples are turned into model inputs."""
 
     max_seq_length: int = field(default=128, metadata={"help": "Captions are truncated to this many tokens."})
@@ -300,6 +372,18 @@ class DataArguments(CompatDataFlags, DataLocationArguments):
         check_bad_sample_policy(self.bad_sample_policy)
         if not 0.0 <= self.max_bad_fraction <= 1.0:
             raise ConfigError(f"--max_bad_fraction must be between 0 and 1, got {self.max_bad_fraction}")
+        self.check_stream_flags()
+        if self.streams_training():
+            map_style_only = {
+                "--max_train_samples": self.max_train_samples is not None,
+                "--caption_sampling one_per_image": self.caption_sampling == "one_per_image",
+            }
+            for flag, given in map_style_only.items():
+                if given:
+                    raise ConfigError(
+                        f"{flag} needs a map-style training split; a stream is read in the order of its shards: "
+                        "bound the run with --max_steps instead, or drop --streaming"
+                    )
         if self.mediapipe_dataloader:
             self.decode_on_device = True  # run_bridgetower.py's device-side decode (Gaudi MediaPipe) -> nvJPEG
 

@@ -107,11 +107,11 @@ def test_specs_expand_braces_split_sources_and_check_weights(local_dir: Path) ->
         parse_sources(spec, "0,1")
     with pytest.raises(ConfigError, match=r"--w: 'x' is not a number"):
         parse_sources(spec, "x,1", weights_flag="--w")
-    with pytest.raises(ConfigError, match=r"--train_data: empty source"):
+    with pytest.raises(ConfigError, match=r"--train_file: empty source"):
         parse_sources("https://h/a.tar::")
-    with pytest.raises(MissingFileError, match=r"--train_data: shard '.*nowhere.tar' not found"):
+    with pytest.raises(MissingFileError, match=r"--train_file: shard '.*nowhere.tar' not found"):
         parse_sources(str(local_dir / "nowhere.tar"))
-    with pytest.raises(ConfigError, match=r"--train_data: fsspec knows no protocol 'nosuch'"):
+    with pytest.raises(ConfigError, match=r"--train_file: fsspec knows no protocol 'nosuch'"):
         ShardStream(parse_sources("nosuch://host/0.tar"))
     assert [pick([1, 3], [True, True], u) for u in (0.0, 0.24, 0.26, 0.99)] == [0, 0, 1, 1]
     assert pick([1, 3], [False, True], 0.0) == 1

@@ -14,6 +14,7 @@ from typing import Any
 from vlfit.arguments import DataArguments, ModelArguments
 from vlfit.commands.parsing import CommandParser, ParsedArguments, is_flags_file, load_flags_file
 from vlfit.compat_flags import log_compat_flags
+from vlfit.errors import ConfigError
 from vlfit.logs import quiet_replicas
 from vlfit.training.arguments import VlfitTrainingArguments
 from vlfit.training.output_dir import resolve_output_dir, run_flags, write_run_flags
@@ -105,6 +106,11 @@ def train_parsed(args: ParsedArguments, command_line: str | None = None) -> dict
         main_process=training_args.process_index == 0,
     )
     setup = setup_run(model_args, data_args, training_args)  # data, tokenizer and pipeline, made once
+    if args.auto_workers and setup.train_stream is not None:
+        raise ConfigError(
+            "--dataloader_num_workers auto probes a map-style training split; a streamed one resumes only with the "
+            "worker count it was saved with: give a number"
+        )
     if args.auto_workers:  # parsed as 0; a short probe picks the count
         from vlfit.bench.auto import probe_num_workers
 

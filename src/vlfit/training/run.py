@@ -22,6 +22,8 @@ from vlfit.data.pipeline import InputPipeline, PipelineOptions
 from vlfit.data.records import EVAL_COLUMNS
 from vlfit.data.source_base import ImageTextSource
 from vlfit.data.sources import open_splits
+from vlfit.data.stream import ShardStream
+from vlfit.data.stream.from_arguments import first_captions, open_train_stream
 from vlfit.efficiency.flops import ComputeEfficiency
 from vlfit.efficiency.peaks import matmul_precision, peak_flops
 from vlfit.errors import ConfigError, DataError
@@ -74,6 +76,7 @@ class RunSetup:
         blueprint: The model's family, config, tokenizer and image processor.
         pipeline: The input pipeline every loader of the run comes from.
         zeroshot_sets: The labelled splits every evaluation classifies zero-shot (``--zeroshot_dataset``).
+        train_stream: The training split when it is streamed (``train_source`` is then ``None``).
     """
 
     train_source: ImageTextSource | None
@@ -81,6 +84,7 @@ class RunSetup:
     blueprint: ModelBlueprint
     pipeline: InputPipeline
     zeroshot_sets: list[ZeroShotSet] = field(default_factory=list)
+    train_stream: ShardStream | None = None
 
 
 def setup_run(model_args: ModelArguments, data_args: DataArguments, training_args: VlfitTrainingArguments) -> RunSetup:
@@ -94,11 +98,20 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
         )
     set_seed(training_args.seed)
     extra_columns = tuple(dict.fromkeys([*EVAL_COLUMNS, *filter(None, [data_args.hard_negative_column])]))
-    splits = open_splits(
-        **data_args.source_kwargs(), cache_dir=model_args.cache_dir, token=model_args.token, extra_columns=extra_columns
+    streamed = training_args.do_train and data_args.streams_training()
+    location = data_args.source_kwargs()
+    train_stream = None
+    if streamed:
+        train_stream = _open_stream(data_args, training_args)
+        location["train_file"] = None  # the other splits (evaluation's) still open map-style
+    has_splits = any(location[k] for k in ("dataset_name", "train_file", "validation_file", "test_file"))
+    splits = (
+        open_splits(**location, cache_dir=model_args.cache_dir, token=model_args.token, extra_columns=extra_columns)
+        if has_splits or not streamed
+        else {}
     )
     train_source = eval_source = None
-    if training_args.do_train:
+    if training_args.do_train and not streamed:
         train_source = _limit(_require_split(splits, "train", "--do_train"), data_args.max_train_samples)
         column = data_args.hard_negative_column
         if column is not None and column not in train_source.column_names:
@@ -126,13 +139,37 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
                 len(train_source),
             )
     caption_source = train_source or splits.get("train") or eval_source
-    blueprint = resolve_model(
-        model_args,
-        captions=caption_source.captions if caption_source is not None else None,
-        max_seq_length=data_args.max_seq_length,
-    )
+    captions = caption_source.captions if caption_source is not None else None
+    if train_stream is not None:
+        stream = train_stream
+        captions = lambda: first_captions(stream)  # noqa: E731
+    blueprint = resolve_model(model_args, captions=captions, max_seq_length=data_args.max_seq_length)
     pipeline = InputPipeline(blueprint.inputs, PipelineOptions.from_arguments(data_args), training_args.device)
-    return RunSetup(train_source, eval_source, blueprint, pipeline, open_zeroshot(data_args, training_args))
+    zeroshot = open_zeroshot(data_args, training_args)
+    return RunSetup(train_source, eval_source, blueprint, pipeline, zeroshot, train_stream=train_stream)
+
+
+def _open_stream(data_args: DataArguments, training_args: VlfitTrainingArguments) -> ShardStream:
+    """The streamed training split of this process (``vlfit.data.stream.from_arguments``)."""
+    if training_args.max_steps is None or training_args.max_steps <= 0:
+        raise ConfigError(
+            "a streamed training split has no length: give --max_steps (the number of optimizer steps to train); "
+            "epochs end when the stream's shards are read through (never with --resampled)"
+        )
+    if training_args.dataloader_persistent_workers:
+        raise ConfigError(
+            "--dataloader_persistent_workers with a streamed training split: a worker keeps the epoch it started "
+            "with, so every epoch would read the first one's order; drop the flag"
+        )
+    data_seed = training_args.data_seed if training_args.data_seed is not None else training_args.seed
+    extra = (data_args.hard_negative_column,) if data_args.hard_negative_column else ()
+    return open_train_stream(
+        data_args,
+        seed=data_seed,
+        rank=training_args.process_index,
+        world_size=training_args.world_size,
+        extra_columns=extra,
+    )
 
 
 def open_zeroshot(data_args: DataArguments, training_args: Any) -> list[ZeroShotSet]:
@@ -254,6 +291,10 @@ def run(
     setup = setup or setup_run(model_args, data_args, training_args)
     train_source, eval_source, pipeline = setup.train_source, setup.eval_source, setup.pipeline
     describe_launch(training_args, len(train_source) if train_source is not None else None)
+    if setup.train_stream is not None:
+        train_dataset: Any = pipeline.stream_dataset(setup.train_stream, train=True)
+    else:
+        train_dataset = pipeline.dataset(train_source, train=True) if train_source is not None else None
     set_seed(training_args.seed)  # the same initial weights whatever ran since setup (e.g. a worker probe)
     model = build_model(setup.blueprint, model_args)
     if state_dict is not None:
@@ -269,7 +310,7 @@ def run(
     trainer = VlfitTrainer(
         model=model,
         args=training_args,
-        train_dataset=pipeline.dataset(train_source, train=True) if train_source is not None else None,
+        train_dataset=train_dataset,
         eval_dataset=pipeline.dataset(eval_source, train=False) if eval_source is not None else None,
         processing_class=saved_tokenizer(setup.blueprint),  # what the Trainer saves beside every checkpoint
         pipeline=pipeline,
@@ -294,7 +335,11 @@ def run(
         sum(p.numel() for p in model.parameters()) / 1e6,
         pipeline.inputs.image_size,
         pipeline.description,
-        f"{len(train_source)} training samples" if train_source is not None else "no training",
+        f"{len(train_source)} training samples"
+        if train_source is not None
+        else "streamed training data"
+        if setup.train_stream is not None
+        else "no training",
     )
 
     results: dict[str, Any] = {}

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from functools import partial
 from typing import Any
 
@@ -39,6 +39,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from vlfit.data.bad_samples import BAD_SAMPLES_REPORT
 from vlfit.data.batch import Batch
 from vlfit.data.pipeline import DeviceFeed, InputPipeline, LoaderSettings, shard_loader
+from vlfit.data.stream import ShardStream
+from vlfit.data.stream_dataset import StreamingImageTextDataset
 from vlfit.efficiency.flops import count_flops
 from vlfit.errors import ConfigError
 from vlfit.evaluation.retrieval import EmbeddedSplit, evaluate_retrieval
@@ -48,6 +50,7 @@ from vlfit.models.trainable import temporarily_trainable
 from vlfit.training.bad_sample_ledger import BadSampleLedger, TooManyBadSamplesError, process_file_name
 from vlfit.training.fsdp import enable_fsdp_on_cpu, reshape_scalar_parameters, scalar_state_dict
 from vlfit.training.gradient_cache import gradient_cached_backward
+from vlfit.training.stream_epochs import StreamEpochs, agreed_batches, load_stream_state, save_stream_state
 from vlfit.training.throughput import ThroughputMeter
 
 # Checkpoints are staged in ``<output_dir>/.partial-checkpoint-N/checkpoint-N``: the name matches neither
@@ -91,14 +94,20 @@ class VlfitTrainer(Trainer):
         self.family = family
         self.eval_pool_size = eval_pool_size
         self.throughput = ThroughputMeter(self.args.world_size)
-        split_size = len(self.train_dataset) if self.train_dataset is not None else None
+        split_size = len(self.train_dataset) if isinstance(self.train_dataset, Sized) else None
         self.bad_samples = BadSampleLedger(max_bad_fraction, log=True, split_size=split_size)
         self.flops_per_sample: float | None = None
         self._scalar_parameters: list[str] = []  # reshaped for fully_shard (FSDP runs)
         self._feed_source: Any = None
         self._feed: DeviceFeed | None = None
         self._staging_run_dir: str | None = None
+        self._feed_done = False  # a streamed epoch ran out on some process (vlfit.training.stream_epochs)
         self.add_callback(_CountOptimizerSteps(self))
+
+    @property
+    def train_stream(self) -> ShardStream | None:
+        """The stream of a streamed training split (``None`` for a map-style one)."""
+        return self.train_dataset.stream if isinstance(self.train_dataset, StreamingImageTextDataset) else None
 
     def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:
         # Parameters --unfreeze_after_steps trains later are in the optimizer from the start (vlfit.training.unfreeze).
@@ -124,9 +133,15 @@ class VlfitTrainer(Trainer):
         checkpoint = resume_from_checkpoint
         if checkpoint is True:
             checkpoint = get_last_checkpoint(self.args.output_dir)
+        stream = self.train_stream
+        if stream is not None:
+            # A stream resumes from the position the checkpoint holds, not by reading and dropping its batches.
+            self.args.ignore_data_skip = True
         if isinstance(checkpoint, str):
             # Batches before the checkpoint are skipped without being read: their bad samples come from the ledger.
             self.bad_samples.load(checkpoint, self.args.process_index)
+            if stream is not None:
+                load_stream_state(stream, checkpoint, self.args.process_index)
         if self.is_fsdp_enabled and not self._scalar_parameters:
             self._scalar_parameters = reshape_scalar_parameters(self.model)
         try:
@@ -152,6 +167,20 @@ class VlfitTrainer(Trainer):
     def get_train_dataloader(self) -> Any:
         if self.train_dataset is None:
             raise ConfigError("training needs a training split")
+        stream = self.train_stream
+        if stream is not None:
+            # The stream splits its shards over processes and workers itself: accelerate neither shards nor
+            # dispatches it, and a resumed run skips no batches (ignore_data_skip).
+            loader = self.pipeline.loader(
+                self.train_dataset,
+                batch_size=self._train_batch_size,
+                settings=LoaderSettings.from_training_args(self.args),
+                generator=torch.Generator(),
+                worker_init_fn=partial(
+                    seed_worker, num_workers=self.args.dataloader_num_workers, rank=self.args.process_index
+                ),
+            )
+            return StreamEpochs(loader, stream)
         loader = self.pipeline.loader(
             self.train_dataset,
             batch_size=self._train_batch_size,
@@ -182,15 +211,24 @@ class VlfitTrainer(Trainer):
         if self._feed_source is not epoch_iterator:
             self._feed_source = epoch_iterator
             self._feed = self.pipeline.feed(epoch_iterator, self._model_dtype, train=True)
+            self._feed_done = False
         assert self._feed is not None
         batches: list[Batch] = []
         waited = 0.0
-        for _ in range(num_batches):
+        for _ in range(num_batches if not self._feed_done else 0):
             try:
                 batches.append(next(self._feed))
             except StopIteration:
                 break
             waited += self._feed.last_wait
+        stream = self.train_stream
+        if stream is not None:
+            if not self._feed_done and self.args.world_size > 1:
+                del batches[agreed_batches(len(batches), self.args.device) :]
+            self._feed_done = self._feed_done or len(batches) < num_batches
+            for batch in batches:  # used by the coming step: a checkpoint after it resumes after them
+                for position in batch.stream_positions:
+                    stream.mark_consumed(position)
         self.throughput.add(waited, sum(len(batch) for batch in batches))
         for batch in batches:
             self.bad_samples.add(batch.bad_samples, rows=len(batch), step=self.state.global_step + 1)
@@ -290,14 +328,16 @@ class VlfitTrainer(Trainer):
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         """Save a checkpoint into a staging folder, then rename it to ``checkpoint-N`` (atomic on one filesystem).
 
-        The checkpoint also holds this process's bad-sample ledger. With ``--push_to_hub`` the Trainer uploads
+        The checkpoint also holds this process's bad-sample ledger and, for a streamed split, its stream position.
+        With ``--push_to_hub`` the Trainer uploads
         the folder in the background while training goes on, so it is written in place as the Trainer does.
         """
         if self.args.push_to_hub:
             super()._save_checkpoint(model, trial)
-            self.bad_samples.save(
-                os.path.join(self._get_output_dir(trial), self._checkpoint_name), self.args.process_index
-            )
+            folder = os.path.join(self._get_output_dir(trial), self._checkpoint_name)
+            self.bad_samples.save(folder, self.args.process_index)
+            if self.train_stream is not None:
+                save_stream_state(self.train_stream, folder, self.args.process_index)
             return
         run_dir = self._get_output_dir(trial)
         name = self._checkpoint_name
@@ -315,6 +355,8 @@ class VlfitTrainer(Trainer):
             self._staging_run_dir = None
         os.makedirs(staged_dir, exist_ok=True)
         self.bad_samples.save(staged_dir, self.args.process_index)
+        if self.train_stream is not None:
+            save_stream_state(self.train_stream, staged_dir, self.args.process_index)
         self.accelerator.wait_for_everyone()  # every process has written its part (RNG states, ledgers, shards)
         if self.args.should_save:
             if self.state.best_model_checkpoint == staged_dir:

@@ -76,7 +76,7 @@ class ShardStream(torch.utils.data.IterableDataset):
     ) -> None:
         super().__init__()
         if not sources or any(not s.urls for s in sources):
-            raise ConfigError("--train_data: every source of the stream needs at least one shard")
+            raise ConfigError("--train_file: every source of the stream needs at least one shard")
         if any(not s.weight > 0 for s in sources):
             raise ConfigError("--train_data_weights: every source's weight must be positive")
         if shuffle_buffer < 0:
@@ -227,6 +227,6 @@ def _check_protocols(protocols: set[str]) -> None:
         try:
             fsspec.get_filesystem_class(name)
         except ValueError:
-            raise ConfigError(f"--train_data: fsspec knows no protocol {name!r} (in {name}://...)") from None
+            raise ConfigError(f"--train_file: fsspec knows no protocol {name!r} (in {name}://...)") from None
         except ImportError as err:
-            raise ConfigError(f"--train_data: {name}:// URLs need a package fsspec could not import: {err}") from None
+            raise ConfigError(f"--train_file: {name}:// URLs need a package fsspec could not import: {err}") from None

@@ -2,12 +2,13 @@
 
 ``'https://host/a/{000..099}.tar::s3://bucket/b/{000..009}.tar'`` is two sources (open_clip's form), the first of
 100 shards and the second of 10. A part is a URL fsspec knows (``https://``, ``s3://``, ``gs://``, ``file://``...)
-or a plain local path. fsspec's own URL chaining (``simplecache::s3://...``) uses the same separator, so it cannot be
-written in a spec: pass caching options through ``storage_options`` instead.
+or a plain local path (globs expand too). fsspec's own URL chaining (``simplecache::s3://...``) uses the same
+separator, so it cannot be written in a spec: pass caching options through ``storage_options`` instead.
 """
 
 from __future__ import annotations
 
+import glob
 import math
 import os
 from collections.abc import Sequence
@@ -70,7 +71,7 @@ def parse_sources(
     spec: str,
     weights: str | Sequence[float] | None = None,
     *,
-    flag: str = "--train_data",
+    flag: str = "--train_file",
     weights_flag: str = "--train_data_weights",
 ) -> list[StreamSource]:
     """Split a spec into its sources, expand each one's braces, and attach the weights.
@@ -99,16 +100,22 @@ def parse_sources(
         )
     sources = []
     for pattern, weight in zip(patterns, values, strict=True):
-        urls = tuple(_local(url, flag, spec) for url in expand_braces(pattern))
+        urls = tuple(found for url in expand_braces(pattern) for found in _local(url, flag, spec))
         sources.append(StreamSource(urls, weight, pattern))
     return sources
 
 
-def _local(url: str, flag: str, spec: str) -> str:
-    """A plain path with ``~`` expanded; a local one that does not exist is refused now rather than as bad shards."""
+def _local(url: str, flag: str, spec: str) -> list[str]:
+    """A URL as it is; a local path with ``~`` expanded and a glob expanded (sorted). A local path that does not
+    exist is refused now rather than as bad shards."""
     if protocol(url) != "file":
-        return url
+        return [url]
     path = os.path.expanduser(url[len("file://") :] if url.startswith("file://") else url)
+    if glob.has_magic(path):
+        matches = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+        if not matches:
+            raise MissingFileError(f"{flag}: no shard matches {path!r} (from {spec!r})")
+        return matches
     if not os.path.isfile(path):
         raise MissingFileError(f"{flag}: shard {path!r} not found (from {spec!r})")
-    return url if url.startswith("file://") else path
+    return [url if url.startswith("file://") else path]
