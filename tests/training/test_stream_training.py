@@ -1,0 +1,153 @@
+"""``vlfit train`` on a streamed training split: shards over loopback HTTP train as the same shards read locally,
+a run stopped by SIGTERM and resumed logs the uninterrupted run's losses (across an epoch of the stream), a shard
+that fails is a bad sample under ``--max_bad_fraction``, and flags that a stream cannot honour are refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from transformers import TrainerCallback
+
+from tests.http_shards import ShardServer, webdataset_shard
+from tests.training.train_runs import logged_losses, single_torch_thread, tiny_train_argv
+from vlfit.arguments import DataArguments
+from vlfit.cli import main
+from vlfit.commands import train as train_command
+from vlfit.errors import ConfigError
+from vlfit.training.run import run
+
+# Two sources of 2 shards each, weighted 1:3. 4 x 24 samples at batch 6 is an epoch of 16 steps: 20 steps cross
+# into the stream's second epoch.
+SHARDS, PER_SHARD, STEPS, STOP_AT = 4, 24, 20, 10
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    with single_torch_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, bytes]]:
+    folder = tmp_path_factory.mktemp("shards")
+    served = {}
+    for i in range(SHARDS):
+        data, _ = webdataset_shard(f"s{i}", PER_SHARD, seed=i, size=32)
+        (folder / f"{i:03d}.tar").write_bytes(data)
+        served[f"/s/{i:03d}.tar"] = data
+    return folder, served
+
+
+def _spec(root: str) -> str:
+    return f"{root}/{{000..001}}.tar::{root}/{{002..003}}.tar"
+
+
+def _argv(spec: str, out: Path, *extra: str) -> list[str]:
+    flags = ["--train_file", spec, "--train_data_weights", "1,3", "--shuffle_buffer", "10", "--caption_column", "txt"]
+    argv = tiny_train_argv("unused", out, *flags, *extra, steps=STEPS, workers=2)
+    i = argv.index("--dataset_name")
+    return argv[:i] + argv[i + 2 :]  # the stream is the only data
+
+
+class _SigtermAtStep(TrainerCallback):
+    """Sends this process SIGTERM at the end of a step, as a scheduler would: vlfit's handler takes it."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        if state.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_streamed_over_http_trains_as_read_locally_and_resumes_after_sigterm_exactly(
+    tmp_path: Path, shards: tuple[Path, dict[str, bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder, served = shards
+    straight = tmp_path / "straight"
+    assert main(["train", *_argv(_spec(str(folder)), straight, "--streaming", "--save_strategy", "no")]) == 0
+    expected = logged_losses(straight)
+    assert sorted(expected) == list(range(1, STEPS + 1))
+
+    out = tmp_path / "run"
+    with ShardServer(served) as server:
+        argv = _argv(_spec(server.url("/s")), out, "--save_strategy", "no")  # URLs: streamed without --streaming
+
+        def run_with_a_sigterm(*args, callbacks=(), **kwargs):
+            return run(*args, callbacks=[*callbacks, _SigtermAtStep(STOP_AT)], **kwargs)
+
+        monkeypatch.setattr(train_command, "run", run_with_a_sigterm)
+        assert main(["train", *argv]) == 128 + signal.SIGTERM
+        monkeypatch.undo()
+        (checkpoint,) = [p for p in out.iterdir() if p.name.startswith("checkpoint-")]
+        state = json.loads((checkpoint / "stream_state.json").read_text())
+        assert state["epoch"] == 0 and state["num_workers"] == 2 and set(state["workers"]) == {"0", "1"}
+        interrupted = logged_losses(checkpoint)
+        assert max(interrupted) == STOP_AT + 1  # the handler stops at the end of the step in progress
+        assert all(interrupted[s] == pytest.approx(expected[s], abs=1e-6) for s in interrupted)  # HTTP = local
+
+        assert main(["train", *argv]) == 0  # resumed from the checkpoint it finds in --output_dir
+    resumed = logged_losses(out)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    diffs = {s: abs(resumed[s] - expected[s]) for s in expected}
+    assert max(diffs.values()) <= 1e-6, diffs  # the same batches after the resume, into the stream's next epoch
+
+
+def test_a_failing_shard_is_a_bad_sample_under_max_bad_fraction(
+    tmp_path: Path, shards: tuple[Path, dict[str, bytes]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, served = shards
+    with ShardServer(served) as server:
+        server.fail("/s/001.tar", status=500)  # every request, every retry
+
+        def argv(out: str, max_bad_fraction: str) -> list[str]:
+            flags = ["--train_file", server.url("/s/{000..003}.tar"), "--shard_retries", "0", "--caption_column", "txt",
+                     "--save_strategy", "no", "--max_bad_fraction", max_bad_fraction]  # fmt: skip
+            return [
+                a
+                for a in tiny_train_argv("unused", tmp_path / out, *flags, steps=6)
+                if a not in ("--dataset_name", "unused")
+            ]
+
+        assert main(["train", *argv("lenient", "1")]) == 0
+        metrics = json.loads((tmp_path / "lenient" / "train_results.json").read_text())
+        assert metrics["train_bad_samples"] == 1  # the shard, once
+        (bad,) = [json.loads(line) for line in (tmp_path / "lenient" / "bad_samples.jsonl").read_text().splitlines()]
+        assert bad["id"] == server.url("/s/001.tar") and "500" in bad["reason"], bad
+
+        assert main(["train", *argv("strict", "0")]) != 0  # the first bad sample stops the run, naming the shard
+        assert server.url("/s/001.tar") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"train_file": "a.parquet", "train_data_weights": "1,3"}, "--train_data_weights weights the '::' sources"),
+        ({"train_file": "a/{0..1}.tar::b.tar", "max_train_samples": 10}, "--max_train_samples needs a map-style"),
+        ({"streaming": True, "caption_sampling": "one_per_image"}, "--caption_sampling one_per_image needs"),
+        ({"streaming": True, "shuffle_buffer": -1}, "--shuffle_buffer must be 0"),
+    ],
+)
+def test_flags_a_stream_cannot_honour_are_refused(flags: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        DataArguments(**flags)
+
+
+def test_a_stream_needs_max_steps_and_a_worker_count(
+    tmp_path: Path, shards: tuple[Path, dict[str, bytes]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder, _ = shards
+    argv = _argv(_spec(str(folder)), tmp_path / "out")
+    no_steps = list(argv)
+    no_steps[no_steps.index("--max_steps") + 1] = "-1"
+    assert main(["train", *no_steps]) == 2
+    assert "a streamed training split has no length: give --max_steps" in capsys.readouterr().err
+    workers = list(argv)
+    workers[workers.index("--dataloader_num_workers") + 1] = "auto"
+    assert main(["train", *workers]) == 2
+    assert "resumes only with the worker count it was saved with" in capsys.readouterr().err
