@@ -21,6 +21,7 @@ MODULES = (
     "tests.models.test_dual_encoders",
     "tests.training.test_gradient_cache",
     "tests.inference.test_retrieve",
+    "tests.training.test_stream_training",
 )
 
 

@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 from transformers import TrainerCallback
 
 from tests.http_shards import ShardServer, webdataset_shard
@@ -20,6 +22,7 @@ from vlfit.cli import main
 from vlfit.commands import train as train_command
 from vlfit.errors import ConfigError
 from vlfit.training.run import run
+from vlfit.training.stream_epochs import agreed_batches
 
 # Two sources of 2 shards each, weighted 1:3. 4 x 24 samples at batch 6 is an epoch of 16 steps: 20 steps cross
 # into the stream's second epoch.
@@ -151,3 +154,26 @@ def test_a_stream_needs_max_steps_and_a_worker_count(
     workers[workers.index("--dataloader_num_workers") + 1] = "auto"
     assert main(["train", *workers]) == 2
     assert "resumes only with the worker count it was saved with" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------- on two processes (tests.two_processes)
+
+
+def two_process_payload() -> dict:
+    return {"counts": [3, 1]}  # rank 1's share of the epoch ran out first
+
+
+def two_process_worker(rank: int, world: int, init_file: str, payload_path: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        counts = torch.load(payload_path)["counts"]
+        agreed = [agreed_batches(counts[rank], torch.device("cpu")), agreed_batches(2, torch.device("cpu"))]
+        torch.save({"agreed": agreed}, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_processes_agree_on_the_fewest_batches_any_has(two_process_results) -> None:
+    results = two_process_results["tests.training.test_stream_training"]
+    assert [r["agreed"] for r in results] == [[1, 2], [1, 2]]  # both end the epoch when one runs out
+    assert agreed_batches(3, torch.device("cpu")) == 3  # one process: its own count
