@@ -13,6 +13,9 @@ checkpoints; the input pipeline owns the placement of batches. vlfit hooks in at
 - ``compute_loss`` is the model family's contrastive loss, with local or global negatives; the run's first
   ``training_step`` also counts its FLOPs (``flops_per_sample``, for TFLOP/s and MFU).
 - ``evaluate`` computes recall@k and matching accuracy instead of a validation loss.
+- A streamed training split (``StreamingImageTextDataset``) bypasses accelerate's sharding (the stream splits its
+  shards over processes itself); ``get_batch_samples`` marks each batch's items consumed, checkpoints save the
+  stream's position and a resume loads it instead of skipping batches (``vlfit.training.stream_epochs``).
 
 It also keeps the run's ledger of bad samples (reported in each ``Batch``: counted in the logs, saved in
 checkpoints, bounded by ``--max_bad_fraction``) and writes checkpoints atomically: each is written into a hidden
