@@ -5,7 +5,6 @@ trial."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,10 +15,9 @@ from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState
 from PIL import Image
 from safetensors.torch import load_file
-from transformers import TrainerCallback
 
 from tests.search.search_runs import SPACE, STUDY, load_trials, search_argv, write_space
-from tests.training.train_runs import single_torch_thread
+from tests.training.train_runs import SigtermAtStep, single_torch_thread
 from vlfit.cli import main
 from vlfit.commands.train import parse_arguments
 from vlfit.search import objective
@@ -84,17 +82,6 @@ def test_a_three_trial_study_writes_every_output(tmp_path: Path, synthetic_datas
     assert float(trained) == pytest.approx(best.params["logit_scale_init_value"], abs=0.1)
 
 
-class _SigtermAtStep(TrainerCallback):
-    """Sends this process SIGTERM at the end of a training step, as a scheduler would during trial 1."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs) -> None:
-        if state.global_step == self.step:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-
 def test_a_killed_study_resumes_and_ends_with_n_trials(
     tmp_path: Path, synthetic_dataset_dir: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -103,7 +90,7 @@ def test_a_killed_study_resumes_and_ends_with_n_trials(
 
     def run_with_a_kill_in_trial_1(*args, callbacks=(), **kwargs):
         if Path(args[2].output_dir).name == "trial-1":
-            callbacks = [*callbacks, _SigtermAtStep(1)]
+            callbacks = [*callbacks, SigtermAtStep(1)]
         return run(*args, callbacks=callbacks, **kwargs)
 
     monkeypatch.setattr(objective, "run", run_with_a_kill_in_trial_1)

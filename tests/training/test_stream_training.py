@@ -5,7 +5,6 @@ that fails is a bad sample under ``--max_bad_fraction``, and flags that a stream
 from __future__ import annotations
 
 import json
-import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,10 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import TrainerCallback
 
 from tests.http_shards import ShardServer, webdataset_shard
-from tests.training.train_runs import logged_losses, single_torch_thread, tiny_train_argv
+from tests.training.train_runs import SigtermAtStep, logged_losses, single_torch_thread, tiny_train_argv
 from vlfit.arguments import DataArguments
 from vlfit.cli import main
 from vlfit.commands import train as train_command
@@ -57,17 +55,6 @@ def _argv(spec: str, out: Path, *extra: str) -> list[str]:
     return argv[:i] + argv[i + 2 :]  # the stream is the only data
 
 
-class _SigtermAtStep(TrainerCallback):
-    """Sends this process SIGTERM at the end of a step, as a scheduler would: vlfit's handler takes it."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs) -> None:
-        if state.global_step == self.step:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-
 def test_streamed_over_http_trains_as_read_locally_and_resumes_after_sigterm_exactly(
     tmp_path: Path, shards: tuple[Path, dict[str, bytes]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -82,7 +69,7 @@ def test_streamed_over_http_trains_as_read_locally_and_resumes_after_sigterm_exa
         argv = _argv(_spec(server.url("/s")), out, "--save_strategy", "no")  # URLs: streamed without --streaming
 
         def run_with_a_sigterm(*args, callbacks=(), **kwargs):
-            return run(*args, callbacks=[*callbacks, _SigtermAtStep(STOP_AT)], **kwargs)
+            return run(*args, callbacks=[*callbacks, SigtermAtStep(STOP_AT)], **kwargs)
 
         monkeypatch.setattr(train_command, "run", run_with_a_sigterm)
         assert main(["train", *argv]) == 128 + signal.SIGTERM

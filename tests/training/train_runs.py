@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import TrainerCallback
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -144,3 +145,15 @@ def train_until_signal(
         for thread in threads:
             thread.join(timeout=10)
     return SignalledRun(proc.returncode, "".join(out), "".join(err), logged)
+
+
+class SigtermAtStep(TrainerCallback):
+    """Sends this process SIGTERM at the end of training step ``step``, as a scheduler would: vlfit's handler takes
+    it (an in-process stop, for tests that resume in the same process)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        if state.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
