@@ -99,12 +99,11 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
     set_seed(training_args.seed)
     extra_columns = tuple(dict.fromkeys([*EVAL_COLUMNS, *filter(None, [data_args.hard_negative_column])]))
     streamed = training_args.do_train and data_args.streams_training()
+    train_stream = _open_stream(data_args, training_args) if streamed else None
     location = data_args.source_kwargs()
-    train_stream = None
-    if streamed:
-        train_stream = _open_stream(data_args, training_args)
-        location["train_file"] = None  # the other splits (evaluation's) still open map-style
-    has_splits = any(location[k] for k in ("dataset_name", "train_file", "validation_file", "test_file"))
+    if data_args.streams_training():
+        location["train_file"] = None  # a stream's spec; the other splits (evaluation's) still open map-style
+    has_splits = any(location[k] for k in ("dataset_name", "validation_file", "test_file"))
     splits = (
         open_splits(**location, cache_dir=model_args.cache_dir, token=model_args.token, extra_columns=extra_columns)
         if has_splits or not streamed

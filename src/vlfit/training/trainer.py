@@ -170,30 +170,22 @@ class VlfitTrainer(Trainer):
     def get_train_dataloader(self) -> Any:
         if self.train_dataset is None:
             raise ConfigError("training needs a training split")
-        stream = self.train_stream
-        if stream is not None:
-            # The stream splits its shards over processes and workers itself: accelerate neither shards nor
-            # dispatches it, and a resumed run skips no batches (ignore_data_skip).
-            loader = self.pipeline.loader(
-                self.train_dataset,
-                batch_size=self._train_batch_size,
-                settings=LoaderSettings.from_training_args(self.args),
-                generator=torch.Generator(),
-                worker_init_fn=partial(
-                    seed_worker, num_workers=self.args.dataloader_num_workers, rank=self.args.process_index
-                ),
-            )
-            return StreamEpochs(loader, stream)
-        loader = self.pipeline.loader(
+        make_loader = partial(
+            self.pipeline.loader,
             self.train_dataset,
             batch_size=self._train_batch_size,
             settings=LoaderSettings.from_training_args(self.args),
-            sampler=self.train_sampler if self.train_sampler is not None else self._get_train_sampler(),
             worker_init_fn=partial(
                 seed_worker, num_workers=self.args.dataloader_num_workers, rank=self.args.process_index
             ),
         )
-        return shard_loader(loader, self.accelerator)
+        stream = self.train_stream
+        if stream is not None:
+            # The stream splits its shards over processes and workers itself: accelerate neither shards nor
+            # dispatches it, and a resumed run skips no batches (ignore_data_skip).
+            return StreamEpochs(make_loader(generator=torch.Generator()), stream)
+        sampler = self.train_sampler if self.train_sampler is not None else self._get_train_sampler()
+        return shard_loader(make_loader(sampler=sampler), self.accelerator)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
@@ -337,10 +329,7 @@ class VlfitTrainer(Trainer):
         """
         if self.args.push_to_hub:
             super()._save_checkpoint(model, trial)
-            folder = os.path.join(self._get_output_dir(trial), self._checkpoint_name)
-            self.bad_samples.save(folder, self.args.process_index)
-            if self.train_stream is not None:
-                save_stream_state(self.train_stream, folder, self.args.process_index)
+            self._save_data_position(os.path.join(self._get_output_dir(trial), self._checkpoint_name))
             return
         run_dir = self._get_output_dir(trial)
         name = self._checkpoint_name
@@ -357,9 +346,7 @@ class VlfitTrainer(Trainer):
         finally:
             self._staging_run_dir = None
         os.makedirs(staged_dir, exist_ok=True)
-        self.bad_samples.save(staged_dir, self.args.process_index)
-        if self.train_stream is not None:
-            save_stream_state(self.train_stream, staged_dir, self.args.process_index)
+        self._save_data_position(staged_dir)
         self.accelerator.wait_for_everyone()  # every process has written its part (RNG states, ledgers, shards)
         if self.args.should_save:
             if self.state.best_model_checkpoint == staged_dir:
@@ -381,6 +368,12 @@ class VlfitTrainer(Trainer):
                 use_mtime=True,
             )
         self.accelerator.wait_for_everyone()
+
+    def _save_data_position(self, folder: str) -> None:
+        """This process's part of a checkpoint beside the Trainer's: its bad-sample ledger and its stream position."""
+        self.bad_samples.save(folder, self.args.process_index)
+        if self.train_stream is not None:
+            save_stream_state(self.train_stream, folder, self.args.process_index)
 
     @property
     def _checkpoint_name(self) -> str:
