@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from vlfit.compat_flags import CompatDataFlags
 from vlfit.data.bad_samples import BAD_SAMPLE_POLICIES, MIN_SAMPLES_FOR_BAD_FRACTION, check_bad_sample_policy
+from vlfit.data.file_patterns import is_stream_spec
 from vlfit.errors import ConfigError
 from vlfit.extras import require_extra
 from vlfit.models.preset_names import PRESET_NAMES
@@ -182,7 +183,10 @@ class DataLocationArguments:
         default=None,
         metadata={"help": "Training data: parquet, jsonl/json or csv (image paths relative to it), or .tar shards."},
     )
-    validation_file: str | None = field(default=None, metadata={"help": "Validation data, same formats."})
+    validation_file: str | None = field(
+        default=None,
+        metadata={"help": "Validation data, same formats; shard URLs (https://, s3://...) are read from local copies."},
+    )
     test_file: str | None = field(default=None, metadata={"help": "Test data, same formats."})
     image_column: str = field(default="image", metadata={"help": "Column holding images (bytes, paths or PIL)."})
     caption_column: str = field(default="image_description", metadata={"help": "Column holding the captions."})
@@ -202,14 +206,6 @@ class DataLocationArguments:
     def source_kwargs(self) -> dict[str, Any]:
         """The data-location and column flags as keyword arguments of ``vlfit.data.sources.open_splits``."""
         return {f.name: getattr(self, f.name) for f in fields(DataLocationArguments)}
-
-
-def is_stream_spec(spec: str | None) -> bool:
-    """Whether a ``--train_file`` value can only be streamed: several ``::`` sources, or a URL (``https://``,
-    ``s3://``...) rather than a local path."""
-    if not spec:
-        return False
-    return "::" in spec or any("://" in part and not part.startswith("file://") for part in spec.split("::"))
 
 
 @dataclass

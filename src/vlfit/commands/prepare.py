@@ -14,7 +14,7 @@ from typing import Any
 from vlfit.arguments import DataLocationArguments
 from vlfit.commands.parsing import CommandParser
 from vlfit.data.bad_samples import BAD_SAMPLE_POLICIES
-from vlfit.data.file_patterns import resolve_files
+from vlfit.data.file_patterns import is_stream_spec, resolve_files
 from vlfit.data.prepare import (
     DEFAULT_EXTRA_COLUMNS,
     DEFAULT_JPEG_QUALITY,
@@ -24,6 +24,7 @@ from vlfit.data.prepare import (
     resolve_short_side,
 )
 from vlfit.data.sources import open_splits
+from vlfit.data.stream.urls import parse_sources
 from vlfit.errors import ConfigError
 
 
@@ -83,7 +84,8 @@ def _split_list(text: str | None) -> list[str]:
 
 
 def _source_description(data: DataLocationArguments) -> dict[str, Any]:
-    """What identifies the source, with local paths made absolute so a re-run from elsewhere compares equal."""
+    """What identifies the source, with local paths made absolute so a re-run from elsewhere compares equal (shard
+    URLs are fetched to local copies by ``open_splits``; the description names the URLs)."""
     name = data.dataset_name
     description: dict[str, Any] = {
         "dataset_name": os.path.abspath(name) if name and os.path.exists(name) else name,
@@ -93,7 +95,10 @@ def _source_description(data: DataLocationArguments) -> dict[str, Any]:
     }
     for flag in ("train_file", "validation_file", "test_file"):
         spec = getattr(data, flag)
-        description[flag] = [os.path.abspath(p) for p in resolve_files(spec)] if spec else None
+        if spec and is_stream_spec(spec):  # shard URLs: as written, one per shard
+            description[flag] = [url for source in parse_sources(spec, flag=f"--{flag}") for url in source.urls]
+        else:
+            description[flag] = [os.path.abspath(p) for p in resolve_files(spec)] if spec else None
     return description
 
 

@@ -74,3 +74,11 @@ def resolve_files(spec: str) -> list[str]:
     if not files:
         raise MissingFileError(f"no files given in {spec!r}")
     return list(files)
+
+
+def is_stream_spec(spec: str | None) -> bool:
+    """Whether a file spec (``--train_file``, ``--validation_file``, a ``--dataset_name`` of shards) can only be
+    streamed: several ``::`` sources, or a URL (``https://``, ``s3://``...) rather than a local path."""
+    if not spec:
+        return False
+    return "::" in spec or any("://" in part and not part.startswith("file://") for part in spec.split("::"))

@@ -17,9 +17,11 @@ import datasets
 import numpy as np
 import pyarrow.compute as pc
 
-from vlfit.data.file_patterns import resolve_files
+from vlfit.data.file_patterns import is_stream_spec, resolve_files
 from vlfit.data.records import Record, image_key, image_value_to_bytes
 from vlfit.data.source_base import ImageTextSource, as_caption
+from vlfit.data.stream.fetch import spec_files
+from vlfit.data.stream.shards import ShardReader
 from vlfit.data.tar_source import TarSource
 from vlfit.errors import DataError, first_line
 
@@ -379,7 +381,11 @@ def _open_named(
     cache_dir: str | None,
     token: str | None,
     columns: _Columns,
+    shard_reader: ShardReader | None = None,
 ) -> dict[str, ImageTextSource]:
+    if is_stream_spec(dataset_name):  # shard URLs: one split, 'train', read from local copies
+        files = spec_files(dataset_name, shard_reader, flag="--dataset_name")
+        return {"train": _open_files("train", files, columns, cache_dir, of=dataset_name)}
     if _names_files(dataset_name):  # a file or a pattern of them: one split, 'train' (as datasets' builders do)
         return {"train": _open_files("train", resolve_files(dataset_name), columns, cache_dir)}
     root = os.path.join(dataset_name, data_dir) if data_dir and os.path.isdir(dataset_name) else dataset_name
@@ -423,6 +429,7 @@ def open_splits(
     extra_columns: Sequence[str] = (),
     caption_role: str = "caption",
     image_id_column: str | None = None,
+    shard_reader: ShardReader | None = None,
 ) -> dict[str, ImageTextSource]:
     """Open every split of an image-text dataset as a map-style source.
 
@@ -431,7 +438,8 @@ def open_splits(
     ``{split}/`` folders; with no recognisable split names everything is ``train``). The ``*_file`` arguments
     take ``.parquet``, ``.jsonl``/``.json``, ``.csv`` or WebDataset ``.tar`` files: a path, a glob, ``{000..009}``
     braces, or a comma-separated list. In JSON lines and CSV files, image paths are relative to the file's folder.
-    When both are given, the files replace (or add) their splits.
+    When both are given, the files replace (or add) their splits. A spec of shard URLs (``https://``, ``s3://``...,
+    or ``::``-joined sources) is fetched to local copies first (``vlfit.data.stream.fetch``).
 
     Args:
         dataset_name: Hub id or local folder.
@@ -451,6 +459,7 @@ def open_splits(
         caption_role: What the caption column is called in error messages (``label`` for a class column).
         image_id_column: Column (tar shards: member or ``.json`` key) naming the image a row shows; rows with
             equal values are captions of one image. ``None``: rows are grouped by their image bytes.
+        shard_reader: Retries and timeout of fetching shard URLs (default: ``ShardReader()``'s).
 
     Returns:
         Split name -> source.
@@ -471,10 +480,13 @@ def open_splits(
         )
     columns = _Columns(image_column, caption_column, id_column, tuple(extra_columns), caption_role, image_id_column)
     # Resolve every pattern first so a typo fails before any slow dataset loading.
-    resolved = {split: resolve_files(spec) for split, spec in file_specs.items()}
-    for files in resolved.values():
+    local = {split: resolve_files(spec) for split, spec in file_specs.items() if not is_stream_spec(spec)}
+    for files in local.values():
         for path in files:
             _file_extension(path)
+    streamed = {split: spec for split, spec in file_specs.items() if is_stream_spec(spec)}
+    for split, spec in streamed.items():  # URLs: checked, then fetched once every local pattern is known good
+        local[split] = spec_files(spec, shard_reader, flag=f"--{split}_file")
     sources: dict[str, ImageTextSource] = {}
     if dataset_name:
         sources.update(
@@ -486,8 +498,9 @@ def open_splits(
                 cache_dir=cache_dir,
                 token=token,
                 columns=columns,
+                shard_reader=shard_reader,
             )
         )
-    for split, files in resolved.items():
-        sources[split] = _open_files(split, files, columns, cache_dir)
+    for split in file_specs:
+        sources[split] = _open_files(split, local[split], columns, cache_dir, of=streamed.get(split))
     return sources

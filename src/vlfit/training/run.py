@@ -23,7 +23,7 @@ from vlfit.data.records import EVAL_COLUMNS
 from vlfit.data.source_base import ImageTextSource
 from vlfit.data.sources import open_splits
 from vlfit.data.stream import ShardStream
-from vlfit.data.stream.from_arguments import first_captions, open_train_stream
+from vlfit.data.stream.from_arguments import first_captions, open_train_stream, shard_reader
 from vlfit.efficiency.flops import ComputeEfficiency
 from vlfit.efficiency.peaks import matmul_precision, peak_flops
 from vlfit.errors import ConfigError, DataError
@@ -102,10 +102,16 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
     train_stream = _open_stream(data_args, training_args) if streamed else None
     location = data_args.source_kwargs()
     if data_args.streams_training():
-        location["train_file"] = None  # a stream's spec; the other splits (evaluation's) still open map-style
+        location["train_file"] = None  # a stream's spec; evaluation's splits open map-style (URLs: local copies)
     has_splits = any(location[k] for k in ("dataset_name", "validation_file", "test_file"))
     splits = (
-        open_splits(**location, cache_dir=model_args.cache_dir, token=model_args.token, extra_columns=extra_columns)
+        open_splits(
+            **location,
+            cache_dir=model_args.cache_dir,
+            token=model_args.token,
+            extra_columns=extra_columns,
+            shard_reader=shard_reader(data_args),
+        )
         if has_splits or not streamed
         else {}
     )

@@ -22,6 +22,13 @@ logger = logging.getLogger(__name__)
 TOKENIZER_CAPTIONS = 20_000
 
 
+def shard_reader(data_args: Any, layout: WebDatasetLayout | None = None) -> ShardReader:
+    """The ``ShardReader`` of ``--shard_retries`` and ``--shard_timeout`` (what fetching evaluation shards uses
+    too), reading samples with ``layout``."""
+    retries, timeout = int(data_args.shard_retries), float(data_args.shard_timeout)
+    return ShardReader(layout or WebDatasetLayout(), retries=retries, timeout=timeout)
+
+
 def open_train_stream(
     data_args: Any, *, seed: int, rank: int, world_size: int, extra_columns: tuple[str, ...] = ()
 ) -> ShardStream:
@@ -49,7 +56,7 @@ def open_train_stream(
         extra_columns=tuple(extra_columns),
         image_id_column=data_args.image_id_column,
     )
-    reader = ShardReader(layout, retries=int(data_args.shard_retries), timeout=float(data_args.shard_timeout))
+    reader = shard_reader(data_args, layout)
     sources = parse_sources(spec, data_args.train_data_weights)
     for source in sources:
         not_tar = [url for url in source.urls if not url.lower().endswith(".tar")]

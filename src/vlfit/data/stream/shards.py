@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import tarfile
 import time
 from collections.abc import Iterator, Mapping
@@ -156,7 +157,7 @@ class ShardReader:
                         return
                     except faults as err:
                         failures += 1
-                        self._retry_or_give_up(url, err, failures, reached)
+                        self.retry_or_give_up(url, err, failures, reached)
                         break
                     if next_offset is not None:
                         known = (index + 1, next_offset)
@@ -167,7 +168,47 @@ class ShardReader:
             finally:
                 groups.close()  # a consumer that stops early leaves no connection open
 
-    def _retry_or_give_up(self, url: str, error: BaseException, failures: int, reached: int) -> None:
+    def copy_to(self, url: str, path: str, chunk_size: int = 1 << 20) -> int:
+        """Copy the shard at ``url`` byte for byte to the local file ``path``, retrying faults as ``samples`` does:
+        a retry continues at the first byte not yet written when the file can seek, else starts over. The file
+        appears only once complete (written beside it, then renamed).
+
+        Returns:
+            The bytes copied.
+
+        Raises:
+            ShardUnreadableError: once the retries are spent (nothing is left at ``path``).
+        """
+        faults = _faults()
+        partial = f"{path}.part"
+        written, failures = 0, 0
+        try:
+            with open(partial, "wb") as out:
+                while True:
+                    try:
+                        with self.open(url) as file:
+                            if written:
+                                try:
+                                    file.seek(written)
+                                except (OSError, ValueError):  # a streaming file: from the start again
+                                    out.seek(0)
+                                    out.truncate()
+                                    written = 0
+                            while chunk := file.read(chunk_size):
+                                out.write(chunk)
+                                written += len(chunk)
+                                failures = 0
+                        break
+                    except faults as err:
+                        failures += 1
+                        self.retry_or_give_up(url, err, failures, 0)
+            os.replace(partial, path)
+        finally:
+            if os.path.exists(partial):
+                os.remove(partial)
+        return written
+
+    def retry_or_give_up(self, url: str, error: BaseException, failures: int, reached: int) -> None:
         """Wait before retry number ``failures``, or raise ``ShardUnreadableError`` when the retries are spent."""
         reason = describe_fault(error)
         if failures > self.retries:
