@@ -104,6 +104,11 @@ class ShardServer:
         """Send the headers of the next ``times`` GETs of ``path`` and then nothing (HEADs are answered)."""
         self._add(path, _Fault("stall", times))
 
+    def heal(self, path: str) -> None:
+        """Drop every fault set on ``path``: it is served normally from now on."""
+        with self._lock:
+            self._faults.pop(path, None)
+
     def _add(self, path: str, fault: _Fault) -> None:
         with self._lock:
             self._faults.setdefault(path, []).append(fault)

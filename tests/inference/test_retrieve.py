@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.http_shards import ShardServer, webdataset_shard
 from vlfit.cli import main
+from vlfit.data.tar_source import TarSource, WebDatasetLayout
 from vlfit.inference.backends import TorchEncoder
-from vlfit.inference.collection import ImageFolderSource
-from vlfit.inference.index import EmbeddingIndex, build_index
+from vlfit.inference.collection import ImageFolderSource, ShardCollection, open_image_collection
+from vlfit.inference.index import FETCH_FOLDER, EmbeddingIndex, build_index
 
 from .tiny_models import save_tiny_checkpoint, write_image_folder
 
@@ -112,7 +114,28 @@ def two_process_payload(folder: Path, dataset_dir: str) -> dict:
     argv = ["index", "--model", str(checkpoint), "--images", str(images), "--output_dir",
             str(folder / "parallel"), "--batch_size", "2", "--shard_size", "2", "--dataloader_num_workers", "0",
             "--disable_tqdm", "true"]  # fmt: skip
-    return {"argv": argv, "once": str(folder / "once"), "parallel": str(folder / "parallel")}
+    # Three tar shards of a '::' spec (streamed, as URLs are): indexed a shard at a time, 2 on rank 0, 1 on rank 1.
+    spec = "::".join(_write_shards(folder / "tars", {"a": 2, "b": 1}))
+    shards, collection = open_image_collection(dataset_name=spec, caption_column="txt")
+    build_index(encoder, shards, str(folder / "stream_once"), collection=collection, batch_size=2, progress=False)
+    stream_argv = ["index", "--model", str(checkpoint), "--dataset_name", spec, "--caption_column", "txt",
+                   "--output_dir", str(folder / "stream_parallel"), "--batch_size", "2",
+                   "--dataloader_num_workers", "0", "--disable_tqdm", "true"]  # fmt: skip
+    return {"argv": argv, "once": str(folder / "once"), "parallel": str(folder / "parallel"),
+            "stream_argv": stream_argv, "stream_once": str(folder / "stream_once"),
+            "stream_parallel": str(folder / "stream_parallel")}  # fmt: skip
+
+
+def _write_shards(root: Path, counts: dict[str, int], samples: int = 5) -> list[str]:
+    """Tar shards ``root/<source>/000.tar``... of ``samples`` samples each; per source, its brace pattern."""
+    specs = []
+    for source, count in counts.items():
+        (root / source).mkdir(parents=True)
+        for i in range(count):
+            data, _ = webdataset_shard(f"{source}{i}", samples, seed=10 * ord(source) + i)
+            (root / source / f"{i:03d}.tar").write_bytes(data)
+        specs.append(str(root / source / f"{{000..{count - 1:03d}}}.tar"))
+    return specs
 
 
 def two_process_worker(rank: int, world: int, init_file: str, payload_path: str, out_dir: str) -> None:
@@ -125,6 +148,7 @@ def two_process_worker(rank: int, world: int, init_file: str, payload_path: str,
     try:
         payload = torch.load(payload_path)
         code = retrieve(payload["argv"])
+        code += retrieve(payload["stream_argv"])
         joined = join_gloo_group(60)  # what the build took its rank and world size from
         torch.save({"code": code, "joined": joined, **payload}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -140,6 +164,45 @@ def test_two_processes_resume_a_stopped_build_to_the_index_one_process_makes(two
     torch.testing.assert_close(parallel.embeddings(), once.embeddings(), atol=1e-5, rtol=0)
     assert parallel.manifest.bad_samples == once.manifest.bad_samples
     assert parallel.manifest.ann is not None and parallel.manifest.ann["count"] == once.manifest.count
+    once, parallel = EmbeddingIndex(ranks[0]["stream_once"]), EmbeddingIndex(ranks[0]["stream_parallel"])
+    sources = [shard["source"] for shard in parallel.manifest.shards]
+    assert sources == [shard["source"] for shard in once.manifest.shards] and len(sources) == 3
+    assert parallel.ids() == once.ids() and len(parallel) == 15
+    torch.testing.assert_close(parallel.embeddings(), once.embeddings(), atol=1e-5, rtol=0)
+    assert not os.path.exists(os.path.join(ranks[0]["stream_parallel"], FETCH_FOLDER))
+
+
+def test_tar_shards_at_urls_are_indexed_as_read_locally_and_a_failed_shard_is_tried_again(tiny_checkpoint, tmp_path):
+    """Over a loopback HTTP server: one index shard per tar shard, the same embeddings as the same shards indexed
+    map-style from disk; a shard that keeps failing is listed as bad by its URL, and the next run fetches it alone."""
+    paths = [tmp_path / "tars" / "s" / f"{i:03d}.tar" for i in range(3)]
+    _write_shards(tmp_path / "tars", {"s": 3})
+    encoder = TorchEncoder(str(tiny_checkpoint))
+    local = TarSource([str(p) for p in paths], name="local", caption_column="txt")
+    build_index(encoder, local, str(tmp_path / "local"), collection={}, batch_size=2, shard_size=100, progress=False)
+    local_index = EmbeddingIndex(str(tmp_path / "local"))
+    expected = dict(zip(local_index.ids(), local_index.embeddings(), strict=True))
+
+    out = str(tmp_path / "streamed")
+    with ShardServer({f"/s/{p.name}": p.read_bytes() for p in paths}) as server:
+        urls = [server.url(f"/s/{p.name}") for p in paths]
+        shards = ShardCollection(server.url("/s/{000..002}.tar"), tuple(urls), WebDatasetLayout(caption_column="txt"),
+                                 retries=1, timeout=2.0, backoff=0.01)  # fmt: skip
+        server.fail("/s/001.tar", status=500)
+        build_index(encoder, shards, out, collection={"streamed": True}, batch_size=2, progress=False)
+        first = EmbeddingIndex(out).manifest
+        assert [shard["source"] for shard in first.shards] == [urls[0], urls[2]]
+        assert [bad["id"] for bad in first.bad_samples] == [urls[1]] and "500" in first.bad_samples[0]["reason"]
+        server.heal("/s/001.tar")
+        asked = len(server.requests)
+        build_index(encoder, shards, out, collection={"streamed": True}, batch_size=2, progress=False)
+        assert {path for _, path, _ in server.requests[asked:]} == {"/s/001.tar"}
+    index = EmbeddingIndex(out)
+    assert [shard["source"] for shard in index.manifest.shards] == [urls[0], urls[2], urls[1]]
+    assert index.manifest.bad_samples == [] and sorted(index.ids()) == sorted(expected) and len(index) == 15
+    for item, embedding in zip(index.ids(), index.embeddings(), strict=True):
+        torch.testing.assert_close(embedding, expected[item], atol=1e-5, rtol=0)
+    assert not os.path.exists(os.path.join(out, FETCH_FOLDER))
 
 
 def test_appending_embeds_only_the_new_images(tiny_checkpoint, image_folder, tmp_path, capsys):

@@ -6,6 +6,7 @@ anything."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -18,7 +19,7 @@ from vlfit.evaluation.topk import DEFAULT_CHUNK_ELEMENTS
 from vlfit.extras import require_extra
 from vlfit.inference.ann import DEFAULT_MAX_INDEX_MEMORY, DEFAULT_TARGET_RECALL, check_target_recall
 from vlfit.inference.backends import open_encoder
-from vlfit.inference.collection import COLLECTION_KEYS, open_image_collection
+from vlfit.inference.collection import COLLECTION_KEYS, ShardCollection, open_image_collection
 from vlfit.inference.index import MANIFEST_NAME, EmbeddingIndex, build_index, refuse_other_model
 from vlfit.inference.query import Query, embed_queries, read_queries, search
 
@@ -40,7 +41,8 @@ class IndexArguments:
     dataset_name: str | None = field(
         default=None,
         metadata={
-            "help": "Or a dataset to embed a split of: a hub id, a folder, data files or tar shards (as vlfit train)."
+            "help": "Or a dataset to embed a split of: a hub id, a folder, data files or tar shards (as vlfit train); "
+            "tar shards at URLs (https://, s3://...) are fetched one at a time beside the index, embedded, deleted."
         },
     )
     split: str = field(default="test", metadata={"help": "Split of --dataset_name."})
@@ -70,6 +72,14 @@ class IndexArguments:
     target_recall: float = field(
         default=DEFAULT_TARGET_RECALL,
         metadata={"help": "Recall@10 against exact search that the ANN search parameter is tuned to reach."},
+    )
+    shard_retries: int = field(
+        default=3,
+        metadata={"help": "Tar shards at URLs: times a failing shard is fetched again (with backoff) before it is "
+                  "left out, listed as bad, and tried again by the next run."},
+    )  # fmt: skip
+    shard_timeout: float = field(
+        default=60.0, metadata={"help": "Tar shards at URLs: seconds a connection or one read may take."}
     )
     ddp_timeout: int = field(
         default=1800,
@@ -121,6 +131,9 @@ def run_index(argv: list[str]) -> int:
     require_extra("serve", "vlfit retrieve index", modules=("faiss",))
     check_target_recall(args.target_recall)  # before anything is embedded
     source, collection = open_image_collection(**{key: getattr(args, key) for key in COLLECTION_KEYS})
+    if isinstance(source, ShardCollection):
+        source = dataclasses.replace(source, retries=args.shard_retries, timeout=args.shard_timeout)
+        source.reader()  # a bad --shard_retries or --shard_timeout is refused before the model loads
     encoder = open_encoder(args.model, args.backend, args.precision, num_threads=args.num_threads)
     existing = os.path.join(args.output_dir, MANIFEST_NAME)
     before = EmbeddingIndex(args.output_dir) if os.path.isfile(existing) else None

@@ -10,18 +10,23 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from vlfit.data.batch import BadSample, Batch
+from vlfit.data.file_patterns import is_stream_spec
 from vlfit.data.pipeline import InputPipeline, LoaderSettings, PipelineOptions
 from vlfit.data.records import BadRecordError, Record, image_value_to_bytes
 from vlfit.data.source_base import ImageTextSource
+from vlfit.data.tar_source import WebDatasetLayout
 from vlfit.errors import ConfigError, DataError, MissingFileError
 from vlfit.models.family import InputSpec
+
+if TYPE_CHECKING:
+    from vlfit.data.stream import ShardReader
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
@@ -182,6 +187,38 @@ def open_dataset_splits(
     return {split: opened[split] for split in splits}
 
 
+@dataclass(frozen=True)
+class ShardCollection:
+    """WebDataset tar shards at URLs, to index one shard at a time: each is fetched to a local copy beside the
+    index, embedded and deleted (``vlfit.inference.index.build_index``), so the disk holds two shards, not the set.
+
+    Attributes:
+        spec: The shards as given (``--dataset_name``: a URL pattern, or ``::``-joined ones).
+        urls: Every shard, in the order the spec expands to.
+        layout: Which members are a sample's image and caption.
+        retries: Times a failing shard is fetched again (with backoff) before it is given up.
+        timeout: Seconds a connection or one read may take.
+        backoff: Seconds before the first retry (doubling after).
+    """
+
+    spec: str
+    urls: tuple[str, ...]
+    layout: WebDatasetLayout
+    retries: int = 3
+    timeout: float = 60.0
+    backoff: float = 1.0
+
+    def reader(self) -> ShardReader:
+        """How the shards are fetched (``vlfit.data.stream.ShardReader``)."""
+        from vlfit.data.stream import ShardReader
+
+        return ShardReader(self.layout, retries=self.retries, timeout=self.timeout, backoff=self.backoff)
+
+    @property
+    def name(self) -> str:
+        return f"{len(self.urls)} shard{'s' * (len(self.urls) != 1)} of {self.spec}"
+
+
 # What an index records of the collection it embedded (``open_image_collection``'s arguments), per build.
 COLLECTION_KEYS = ("images", "dataset_name", "split", "image_column", "caption_column")
 
@@ -193,8 +230,9 @@ def open_image_collection(
     split: str = "test",
     image_column: str = "image",
     caption_column: str | None = "image_description",
-) -> tuple[ImageTextSource, dict[str, Any]]:
-    """What an index embeds: a folder of image files, or a split of a dataset; and how to open it again.
+) -> tuple[ImageTextSource | ShardCollection, dict[str, Any]]:
+    """What an index embeds: a folder of image files, a split of a dataset, or tar shards at URLs (a
+    ``ShardCollection``; ``split`` does not apply); and how to open it again.
 
     Returns:
         The source, and its description for the index manifest (``COLLECTION_KEYS``; passed back as keyword
@@ -207,6 +245,13 @@ def open_image_collection(
         raise ConfigError("pass exactly one of --images (a folder of image files) or --dataset_name")
     if images is not None:
         return ImageFolderSource(images), {"images": os.path.abspath(images)}
+    if is_stream_spec(dataset_name):
+        from vlfit.data.stream.urls import parse_sources
+
+        urls = tuple(url for part in parse_sources(dataset_name, flag="--dataset_name") for url in part.urls)
+        layout = WebDatasetLayout(image_column=image_column, caption_column=caption_column or "txt")
+        collection = {"dataset_name": dataset_name, "image_column": image_column, "caption_column": caption_column}
+        return ShardCollection(dataset_name, urls, layout), {**collection, "streamed": True}
     source = open_dataset_split(dataset_name, split, image_column=image_column, caption_column=caption_column)
     collection = {"dataset_name": dataset_name, "split": split, "image_column": image_column,
                   "caption_column": caption_column}  # fmt: skip

@@ -14,7 +14,9 @@ An item's id is the absolute path of its file for an image folder, the sample id
 embeds, in collection order, every item whose id is not in the index yet (nor listed as bad), and writes a shard
 each ``shard_size`` items, the manifest after it: an interrupted build resumes at the first unwritten shard with the
 same batches, so its index equals one built in one go, and running it again over a folder that gained images
-appends them.
+appends them. Tar shards at URLs (``ShardCollection``) are indexed a tar shard at a time, each into one index
+shard whose manifest entry names it (``source``): a resumed or repeated build fetches only the tar shards not listed
+(one given up earlier is tried again), and the disk holds two tar shards per process, not the set.
 
 Rows are never deleted: re-indexing a folder lists, under ``removed``, the ids of its files that are gone (and
 takes back one that returned), and queries leave those rows out. A manifest names an ANN structure only while it
@@ -23,10 +25,14 @@ covers exactly its shards: a build that adds rows drops ``ann`` before writing t
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
+import shutil
 import struct
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,10 +41,12 @@ import torch
 from tqdm.auto import tqdm
 
 from vlfit.atomic_files import replace_on_success, write_text_atomically
+from vlfit.data.batch import Batch
 from vlfit.data.source_base import ImageTextSource
-from vlfit.errors import ConfigError, DataError, MissingFileError
+from vlfit.data.tar_source import TarSource
+from vlfit.errors import ConfigError, DataError, MissingFileError, first_line
 from vlfit.inference.backends import Encoder
-from vlfit.inference.collection import ImageFolderSource, host_batches
+from vlfit.inference.collection import ImageFolderSource, ShardCollection, host_batches
 from vlfit.inference.identity import ModelIdentity
 
 MANIFEST_NAME = "index_manifest.json"
@@ -343,9 +351,39 @@ def _gather_parts(part: _ShardPart | None, world_size: int) -> list[_ShardPart]:
     return [p for p in parts or [] if p is not None]
 
 
+def _record_round(
+    part: _ShardPart | None, output_dir: str, manifest: IndexManifest, world_size: int
+) -> list[_ShardPart]:
+    """One round: every process's shard file is written; rank 0 lists the round's shards in order and writes the
+    manifest (a build stopped in between redoes them). Returns the parts listed (rank 0; none elsewhere)."""
+    parts = _gather_parts(part, world_size)
+    for done_part in sorted(parts, key=lambda p: p.position):
+        manifest.bad_samples.extend(done_part.bad_samples)
+        if done_part.entry is not None:
+            manifest.shards.append(done_part.entry)
+    if parts:
+        write_manifest(output_dir, manifest)
+    return parts
+
+
+def _embed_batches(
+    encoder: Encoder, batches: Iterator[Batch], to_item: Callable[[str], str], count: int | None = None
+) -> tuple[list[str], list[torch.Tensor], list[dict[str, str]]]:
+    """Ids, embeddings and bad items of the next ``count`` batches (``None``: all that are left)."""
+    ids: list[str] = []
+    parts: list[torch.Tensor] = []
+    bad: list[dict[str, str]] = []
+    for batch in batches if count is None else itertools.islice(batches, count):
+        bad.extend({"id": to_item(b.id), "reason": b.reason} for b in batch.bad_samples)
+        if len(batch):
+            parts.append(encoder.embed_pixels(batch["pixel_values"]).float().cpu())
+            ids.extend(to_item(sample_id) for sample_id in batch.sample_ids)
+    return ids, parts, bad
+
+
 def build_index(
     encoder: Encoder,
-    source: ImageTextSource,
+    source: ImageTextSource | ShardCollection,
     output_dir: str,
     *,
     collection: dict[str, Any],
@@ -360,21 +398,24 @@ def build_index(
 ) -> IndexManifest:
     """Embed every item of ``source`` not in the index at ``output_dir`` yet, and add it (creating the index).
 
-    The items to embed are cut into shards in collection order. On several processes (``world_size`` > 1, in an
-    initialized ``torch.distributed`` group: ``torchrun ... vlfit retrieve index``), process ``rank`` embeds and
-    writes shards ``rank``, ``rank + world_size``, ...; after each round of ``world_size`` shards, rank 0 lists
-    them in the manifest in order. The index is the one a single process builds: the same shards of the same
-    items, embedded in the same batches; a build stopped midway resumes at the first shard the manifest does not
-    list, on any number of processes.
+    The items to embed are cut into shards in collection order; tar shards at URLs (a ``ShardCollection``) make
+    one index shard each, and are fetched one at a time (the next while this one is embedded) beside the index,
+    then deleted. On several processes (``world_size`` > 1, in an initialized ``torch.distributed`` group:
+    ``torchrun ... vlfit retrieve index``), process ``rank`` embeds and writes shards ``rank``,
+    ``rank + world_size``, ...; after each round of ``world_size`` shards, rank 0 lists them in the manifest in
+    order. The index is the one a single process builds: the same shards of the same items, embedded in the same
+    batches; a build stopped midway resumes at the first shard the manifest does not list, on any number of
+    processes.
 
     Args:
         encoder: The model, on its backend.
-        source: The images (an ``ImageFolderSource`` or a dataset split).
+        source: The images (an ``ImageFolderSource``, a dataset split, or a ``ShardCollection``).
         output_dir: The index folder.
         collection: What ``source`` is (recorded in the manifest).
         batch_size: Images per forward pass.
         num_workers: Loader worker processes decoding and resizing (per process).
-        shard_size: Items per shard (rounded up to whole batches, so a resumed build forms the same batches).
+        shard_size: Items per shard (rounded up to whole batches, so a resumed build forms the same batches);
+            a ``ShardCollection``'s index shards are its tar shards.
         storage: ``safetensors`` or ``npy`` (of a new index; an existing one keeps its own).
         progress: Show a progress bar (rank 0's).
         on_shard: Called with the manifest after each round of shards is listed (rank 0).
@@ -395,22 +436,34 @@ def build_index(
     lead = rank == 0
     if lead:
         os.makedirs(output_dir, exist_ok=True)
+    streamed = isinstance(source, ShardCollection)
     if os.path.isfile(os.path.join(output_dir, MANIFEST_NAME)):
         manifest = EmbeddingIndex(output_dir).manifest
         manifest.identity.check_compatible(
             encoder.identity, what=f"the index {output_dir}", other_what=f"the model {encoder.model_path}"
         )
-        indexed = set(EmbeddingIndex(output_dir).ids())
-        manifest.removed = _removed_ids(source, manifest, indexed)
-        done = indexed | {bad["id"] for bad in manifest.bad_samples}
+        if streamed:  # a tar shard is done once an index shard is made of it; one given up is tried again
+            done = {shard.get("source") for shard in manifest.shards}
+            retried = set(source.urls) - done
+            manifest.bad_samples = [bad for bad in manifest.bad_samples if bad["id"] not in retried]
+        else:
+            indexed = set(EmbeddingIndex(output_dir).ids())
+            manifest.removed = _removed_ids(source, manifest, indexed)
+            done = indexed | {bad["id"] for bad in manifest.bad_samples}
     else:
         model = {"path": os.path.abspath(encoder.model_path), "backend": encoder.backend}
         manifest = IndexManifest(encoder.identity, {**model, "precision": encoder.precision}, storage)
         done = set()
-    to_item = _item_ids(source)
-    todo = [i for i, record_id in enumerate(_record_ids(source)) if to_item(record_id) not in done] if done else None
-    todo = list(range(len(source))) if todo is None else todo
-    manifest.collections.append({**collection, "items": len(source), "new": len(todo)})
+    if streamed:
+        todo = [url for url in source.urls if url not in done]
+        manifest.collections.append({**collection, "shards": len(source.urls), "new_shards": len(todo)})
+    else:
+        to_item = _item_ids(source)
+        rows = (
+            [i for i, record_id in enumerate(_record_ids(source)) if to_item(record_id) not in done] if done else None
+        )
+        todo = list(range(len(source))) if rows is None else rows
+        manifest.collections.append({**collection, "items": len(source), "new": len(todo)})
     if todo:
         manifest.ann = None  # it will not cover the new shards: queries scan them until it is brought up to date
     if world_size > 1:
@@ -421,53 +474,123 @@ def build_index(
         write_manifest(output_dir, manifest)
     if not todo:
         return manifest
-    rows_per_shard = -(-shard_size // batch_size) * batch_size
-    shards = [todo[start : start + rows_per_shard] for start in range(0, len(todo), rows_per_shard)]
-    mine = list(range(rank, len(shards), world_size))
     first_number = _next_shard_number(manifest)
+    embed = {"batch_size": batch_size, "num_workers": num_workers, "rank": rank, "world_size": world_size}
+    if streamed:
+        sizes, unit = [1] * len(todo), "shard"
+        parts = _embed_shards(encoder, source, todo, output_dir, first_number, manifest.storage, **embed)
+    else:
+        rows_per_shard = -(-shard_size // batch_size) * batch_size
+        shards = [todo[start : start + rows_per_shard] for start in range(0, len(todo), rows_per_shard)]
+        sizes, unit = [len(shard) for shard in shards], "img"
+        parts = _embed_rows(encoder, source, shards, output_dir, first_number, manifest.storage, **embed)
+    bar = tqdm(total=sum(sizes), unit=unit, desc="index", disable=not (progress and lead))
+    rounds = 0
+    try:
+        for part in parts:
+            listed = _record_round(part, output_dir, manifest, world_size)
+            rounds += 1
+            bar.update(sum(sizes[p.position] for p in listed))
+            if lead and on_shard is not None:
+                on_shard(manifest)
+        for _ in range(rounds, -(-len(sizes) // world_size)):  # rounds where this process has no shard
+            _record_round(None, output_dir, manifest, world_size)
+    finally:
+        bar.close()
+    return manifest
+
+
+def _embed_rows(
+    encoder: Encoder,
+    source: ImageTextSource,
+    shards: list[list[int]],
+    output_dir: str,
+    first_number: int,
+    storage: str,
+    *,
+    batch_size: int,
+    num_workers: int,
+    rank: int,
+    world_size: int,
+) -> Iterator[_ShardPart]:
+    """This process's shards of rows (positions ``rank``, ``rank + world_size``...), each embedded into one index
+    shard file, through one loader over all of them."""
+    mine = list(range(rank, len(shards), world_size))
+    to_item = _item_ids(source)
     batches = host_batches(
         source.select([row for position in mine for row in shards[position]]),
         encoder.spec,
         batch_size=batch_size,
         num_workers=num_workers,
     )
-    bar = tqdm(total=len(todo), unit="img", desc="index", disable=not (progress and lead))
+    batch_iter = iter(batches)
+    for position in mine:
+        ids, parts, bad = _embed_batches(encoder, batch_iter, to_item, -(-len(shards[position]) // batch_size))
+        entry = _write_shard(output_dir, first_number + position, ids, torch.cat(parts), storage) if ids else None
+        yield _ShardPart(position, entry, bad)
 
-    def record(part: _ShardPart | None) -> None:
-        # Each shard's file first, then (rank 0) the manifest naming it: a build stopped in between redoes it.
-        parts = _gather_parts(part, world_size)
-        if not lead:
-            return
-        for done_part in sorted(parts, key=lambda p: p.position):
-            manifest.bad_samples.extend(done_part.bad_samples)
-            if done_part.entry is not None:
-                manifest.shards.append(done_part.entry)
-        write_manifest(output_dir, manifest)
-        bar.update(sum(len(shards[p.position]) for p in parts))
-        if on_shard is not None:
-            on_shard(manifest)
 
-    try:
-        batch_iter = iter(batches)
-        for position in mine:
-            ids: list[str] = []
-            parts: list[torch.Tensor] = []
-            bad: list[dict[str, str]] = []
-            for _ in range(-(-len(shards[position]) // batch_size)):
-                batch = next(batch_iter)
-                bad.extend({"id": to_item(b.id), "reason": b.reason} for b in batch.bad_samples)
-                if len(batch):
-                    parts.append(encoder.embed_pixels(batch["pixel_values"]).float().cpu())
-                    ids.extend(to_item(sample_id) for sample_id in batch.sample_ids)
+FETCH_FOLDER = ".fetching"  # inside the index folder: the tar shards being embedded, one process's each
+
+
+def _embed_shards(
+    encoder: Encoder,
+    shards: ShardCollection,
+    todo: list[str],
+    output_dir: str,
+    first_number: int,
+    storage: str,
+    *,
+    batch_size: int,
+    num_workers: int,
+    rank: int,
+    world_size: int,
+) -> Iterator[_ShardPart]:
+    """This process's tar shards of ``todo`` (positions ``rank``, ``rank + world_size``...), each fetched to a
+    local copy (the next one while this one is embedded), embedded into one index shard file, and deleted. A
+    shard that cannot be fetched or read is a bad item named by its URL."""
+    from vlfit.data.stream import ShardUnreadableError
+
+    reader = shards.reader()
+    folder = os.path.join(output_dir, FETCH_FOLDER, f"rank-{rank:05d}")
+    os.makedirs(folder, exist_ok=True)
+    mine = list(range(rank, len(todo), world_size))
+
+    def fetch(position: int) -> str:
+        path = os.path.join(folder, f"{position:05d}.tar")
+        reader.copy_to(todo[position], path)
+        return path
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(fetch, mine[0]) if mine else None
+        for number, position in enumerate(mine):
+            url, fetching = todo[position], pending
+            pending = pool.submit(fetch, mine[number + 1]) if number + 1 < len(mine) else None
+            path = None
+            try:
+                path = fetching.result()
+                layout = shards.layout
+                tar = TarSource(
+                    [path], name=f"shard {url}", image_column=layout.image_column, caption_column=layout.caption_column
+                )
+                batches = iter(host_batches(tar, encoder.spec, batch_size=batch_size, num_workers=num_workers))
+                ids, parts, bad = _embed_batches(encoder, batches, lambda key: key)
+            except (ShardUnreadableError, DataError) as err:
+                yield _ShardPart(position, None, [{"id": url, "reason": f"shard not indexed: {first_line(err, 300)}"}])
+                continue
+            finally:
+                if path is not None and os.path.exists(path):
+                    os.remove(path)
             entry = None
             if ids:
-                entry = _write_shard(output_dir, first_number + position, ids, torch.cat(parts), manifest.storage)
-            record(_ShardPart(position, entry, bad))
-        for _ in range(len(mine), -(-len(shards) // world_size)):  # rounds where this process has no shard
-            record(None)
-    finally:
-        bar.close()
-    return manifest
+                entry = {
+                    **_write_shard(output_dir, first_number + position, ids, torch.cat(parts), storage),
+                    "source": url,
+                }
+            yield _ShardPart(position, entry, bad)
+    shutil.rmtree(folder, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.dirname(folder))  # the last process out removes the fetch folder
 
 
 def refuse_other_model(index: EmbeddingIndex, encoder: Encoder) -> None:

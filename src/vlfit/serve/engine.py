@@ -99,8 +99,8 @@ class Snapshot:
             if collection.get("images"):
                 files = True
                 continue
-            if not collection.get("dataset_name"):
-                continue
+            if not collection.get("dataset_name") or collection.get("streamed"):
+                continue  # tar shards at URLs are not fetched again to show captions: results come with ids
             try:
                 source, _ = open_image_collection(**{k: collection[k] for k in COLLECTION_KEYS if k in collection})
             except (OSError, ValueError) as err:  # the dataset moved: results come without captions or images
