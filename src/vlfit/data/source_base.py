@@ -98,6 +98,11 @@ class ImageTextSource(ABC):
     def _read_captions(self, rows: np.ndarray | None) -> list[str | None]: ...
 
 
+def default_id_column(columns: Sequence[str]) -> str | None:
+    """The id column a source uses when ``--id_column`` is not given: ``instance_id`` or ``id`` when present."""
+    return next((c for c in ("instance_id", "id") if c in columns), None)
+
+
 def as_caption(value: Any) -> str | None:
     if value is None or (isinstance(value, float) and math.isnan(value)):  # CSV readers turn empty cells into NaN
         return None

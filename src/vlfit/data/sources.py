@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 
 from vlfit.data.file_patterns import is_stream_spec, resolve_files
 from vlfit.data.records import Record, image_key, image_value_to_bytes
-from vlfit.data.source_base import ImageTextSource, as_caption
+from vlfit.data.source_base import ImageTextSource, as_caption, default_id_column
 from vlfit.data.stream.fetch import spec_files
 from vlfit.data.stream.shards import ShardReader
 from vlfit.data.tar_source import TarSource
@@ -32,11 +32,6 @@ KNOWN_SPLIT_NAMES: tuple[str, ...] = ("train", "validation", "valid", "val", "de
 _HUB_SHARD_NAME = re.compile(r"^(?P<split>[\w.]+?)-\d+-of-\d+")
 
 logger = logging.getLogger(__name__)
-
-
-def default_id_column(columns: Sequence[str]) -> str | None:
-    """The id column a source uses when ``--id_column`` is not given: ``instance_id`` or ``id`` when present."""
-    return next((c for c in ("instance_id", "id") if c in columns), None)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from vlfit.data.records import EVAL_COLUMNS
 from vlfit.data.source_base import ImageTextSource
 from vlfit.data.sources import open_splits
 from vlfit.data.stream import ShardStream
-from vlfit.data.stream.from_arguments import first_captions, open_train_stream, shard_reader
+from vlfit.data.stream.from_arguments import dataset_split_files, first_captions, open_train_stream, shard_reader
 from vlfit.efficiency.flops import ComputeEfficiency
 from vlfit.efficiency.peaks import matmul_precision, peak_flops
 from vlfit.errors import ConfigError, DataError
@@ -99,10 +99,15 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
     set_seed(training_args.seed)
     extra_columns = tuple(dict.fromkeys([*EVAL_COLUMNS, *filter(None, [data_args.hard_negative_column])]))
     streamed = training_args.do_train and data_args.streams_training()
-    train_stream = _open_stream(data_args, training_args) if streamed else None
+    train_stream = _open_stream(data_args, training_args, model_args) if streamed else None
     location = data_args.source_kwargs()
     if data_args.streams_training():
         location["train_file"] = None  # a stream's spec; evaluation's splits open map-style (URLs: local copies)
+    if data_args.streaming and not data_args.train_file and data_args.dataset_name:
+        # A streamed dataset is never loaded whole: evaluation opens its split's own files (remote ones fetched).
+        location["dataset_name"] = None
+        if training_args.do_eval:
+            location.update(_streamed_eval_files(data_args, model_args))
     has_splits = any(location[k] for k in ("dataset_name", "validation_file", "test_file"))
     splits = (
         open_splits(
@@ -154,7 +159,24 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
     return RunSetup(train_source, eval_source, blueprint, pipeline, zeroshot, train_stream=train_stream)
 
 
-def _open_stream(data_args: DataArguments, training_args: VlfitTrainingArguments) -> ShardStream:
+def _streamed_eval_files(data_args: DataArguments, model_args: ModelArguments) -> dict[str, str]:
+    """``--streaming --dataset_name``: the evaluation split's data files as ``validation_file`` or ``test_file``
+    (given ones kept), a spec of local paths or, for a hub dataset, of URLs read from local copies."""
+    split = data_args.eval_split
+    if split not in ("validation", "test"):
+        raise ConfigError(
+            f"--streaming --dataset_name evaluates the dataset's 'validation' or 'test' split, not {split!r}; "
+            "set --eval_split, or name the files with --validation_file"
+        )
+    if getattr(data_args, f"{split}_file"):
+        return {}
+    files = dataset_split_files(data_args, split, token=model_args.token, cache_dir=model_args.cache_dir)
+    return {f"{split}_file": ("::" if any("://" in f for f in files) else ",").join(files)}
+
+
+def _open_stream(
+    data_args: DataArguments, training_args: VlfitTrainingArguments, model_args: ModelArguments
+) -> ShardStream:
     """The streamed training split of this process (``vlfit.data.stream.from_arguments``)."""
     if training_args.max_steps is None or training_args.max_steps <= 0:
         raise ConfigError(
@@ -174,6 +196,8 @@ def _open_stream(data_args: DataArguments, training_args: VlfitTrainingArguments
         rank=training_args.process_index,
         world_size=training_args.world_size,
         extra_columns=extra,
+        token=model_args.token,
+        cache_dir=model_args.cache_dir,
     )
 
 

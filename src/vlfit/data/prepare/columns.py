@@ -10,8 +10,8 @@ import datasets
 import pyarrow as pa
 
 from vlfit.data.records import EVAL_COLUMNS
-from vlfit.data.source_base import ImageTextSource
-from vlfit.data.sources import ArrowSource, default_id_column
+from vlfit.data.source_base import ImageTextSource, default_id_column
+from vlfit.data.sources import ArrowSource
 from vlfit.errors import DataError
 
 # The columns copied along by default: those evaluation reads besides image, caption and id.

@@ -1,20 +1,23 @@
 """The training stream a run's flags describe: ``--train_file`` sources (or ``--dataset_name``'s data files with
-``--streaming``), ``--train_data_weights``, ``--shuffle_buffer``, ``--resampled``, ``--shard_retries`` and
-``--shard_timeout``, split over this run's processes."""
+``--streaming``: a hub dataset's parquet files), ``--train_data_weights``, ``--shuffle_buffer``, ``--resampled``,
+``--shard_retries`` and ``--shard_timeout``, split over this run's processes."""
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 from vlfit.data.records import Record
+from vlfit.data.stream.parquet_rows import is_parquet
 from vlfit.data.stream.shards import ShardReader, ShardUnreadableError
 from vlfit.data.stream.stream import ShardStream
-from vlfit.data.stream.urls import parse_sources
+from vlfit.data.stream.urls import StreamSource, parse_sources
 from vlfit.data.tar_source import WebDatasetLayout
-from vlfit.errors import ConfigError
+from vlfit.errors import ConfigError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -30,9 +33,20 @@ def shard_reader(data_args: Any, layout: WebDatasetLayout | None = None) -> Shar
 
 
 def open_train_stream(
-    data_args: Any, *, seed: int, rank: int, world_size: int, extra_columns: tuple[str, ...] = ()
+    data_args: Any,
+    *,
+    seed: int,
+    rank: int,
+    world_size: int,
+    extra_columns: tuple[str, ...] = (),
+    token: str | None = None,
+    cache_dir: str | None = None,
 ) -> ShardStream:
     """The training split as a ``ShardStream`` over this process's share of the shards.
+
+    The shards are ``--train_file``'s (tar or parquet files: paths, patterns, URLs, ``::`` sources), or with
+    ``--streaming --dataset_name`` the data files of the dataset's training split: a hub id's (``hf://`` URLs,
+    read with ``token``) or a local folder's, as ``datasets.load_dataset_builder`` resolves them.
 
     Args:
         data_args: ``vlfit.arguments.DataArguments`` (its location, column and stream flags).
@@ -40,31 +54,41 @@ def open_train_stream(
         rank: This process.
         world_size: How many processes read the stream.
         extra_columns: Columns carried per sample (``--hard_negative_column``).
+        token: Hub access token (``--token``), for a hub dataset's files.
+        cache_dir: Where the datasets library caches what it resolves (``--cache_dir``).
 
     Raises:
         ConfigError: for a spec, weights or settings the stream refuses, or for nothing to stream.
     """
-    spec = data_args.train_file
-    if not spec:
-        raise ConfigError(
-            "--streaming reads the training split from --train_file: tar shards as a path, glob, {000..099} "
-            "pattern or URL, several sources joined by '::' (hub datasets: pass their shards' hf:// URLs)"
-        )
     layout = WebDatasetLayout(
         image_column=data_args.image_column,
         caption_column=data_args.caption_column,
         extra_columns=tuple(extra_columns),
         image_id_column=data_args.image_id_column,
     )
-    reader = shard_reader(data_args, layout)
-    sources = parse_sources(spec, data_args.train_data_weights)
+    if data_args.train_file:
+        sources = parse_sources(data_args.train_file, data_args.train_data_weights)
+        flag = "--train_file"
+    elif data_args.dataset_name:
+        if data_args.train_data_weights is not None:
+            raise ConfigError("--train_data_weights weights the '::' sources of --train_file; a dataset is one source")
+        files = dataset_split_files(data_args, token=token, cache_dir=cache_dir)
+        sources = [StreamSource(tuple(files), 1.0, data_args.dataset_name)]
+        flag = "--dataset_name"
+    else:
+        raise ConfigError(
+            "--streaming reads the training split from --train_file (tar or parquet shards as a path, glob, "
+            "{000..099} pattern or URL, several sources joined by '::') or from --dataset_name's data files"
+        )
     for source in sources:
-        not_tar = [url for url in source.urls if not url.lower().endswith(".tar")]
-        if not_tar:
+        unknown = [url for url in source.urls if not (url.lower().endswith(".tar") or is_parquet(url))]
+        if unknown:
             raise ConfigError(
-                f"--train_file: a stream reads WebDataset .tar shards; {not_tar[0]!r} (of {source.spec!r}) is not one "
-                "(other local formats train map-style: drop --streaming)"
+                f"{flag}: a stream reads WebDataset .tar or .parquet shards; {unknown[0]!r} (of {source.spec!r}) is "
+                "neither (other formats train map-style: drop --streaming)"
             )
+    hub = {"token": token} if token and any(url.startswith("hf://") for s in sources for url in s.urls) else {}
+    reader = replace(shard_reader(data_args, layout), storage_options=hub)
     stream = ShardStream(
         sources,
         reader=reader,
@@ -82,6 +106,46 @@ def open_train_stream(
         stream.shuffle_buffer, ", resampled" if stream.resampled else "",
     )  # fmt: skip
     return stream
+
+
+def dataset_split_files(
+    data_args: Any, split: str = "train", *, token: str | None = None, cache_dir: str | None = None
+) -> list[str]:
+    """The data files of a split of ``--dataset_name``, as ``datasets.load_dataset_builder`` resolves them (a hub
+    id: ``hf://`` URLs at ``--dataset_revision``; a local folder: its files by split name).
+
+    Raises:
+        ConfigError: when the dataset cannot be resolved or has no files for ``split`` (naming its splits).
+    """
+    import datasets
+
+    name = data_args.dataset_name
+    if os.path.isdir(name) and any(os.path.isfile(os.path.join(name, f)) for f in ("dataset_dict.json", "state.json")):
+        raise ConfigError(
+            f"--dataset_name {name}: a save_to_disk folder (Arrow files) is not streamed; train on it map-style "
+            "(drop --streaming), or stream its parquet or tar shards"
+        )
+    try:
+        builder = datasets.load_dataset_builder(
+            name,
+            data_args.dataset_config_name,
+            revision=data_args.dataset_revision,
+            data_dir=data_args.data_dir,
+            token=token,
+            cache_dir=cache_dir,
+        )
+    except (OSError, ValueError) as error:  # not found (locally or on the hub), offline, a wrong config name
+        raise ConfigError(
+            f"--dataset_name {name!r}: cannot resolve its data files: {first_line(error, 300)}"
+        ) from error
+    data_files = builder.config.data_files or {}
+    files = list(data_files.get(split) or [])
+    if not files:
+        raise ConfigError(
+            f"--dataset_name {name!r}: no data files of split {split!r} (its splits: "
+            f"{', '.join(data_files) or 'none'}); name the files with --{split}_file"
+        )
+    return files
 
 
 def first_captions(stream: ShardStream, limit: int = TOKENIZER_CAPTIONS) -> list[str | None]:

@@ -1,4 +1,5 @@
-"""One WebDataset tar shard read as a stream from an fsspec URL: its samples as records, through network faults.
+"""One shard read as a stream from an fsspec URL: its samples as records, through network faults. A shard is a
+WebDataset tar file, or a parquet file (``vlfit.data.stream.parquet_rows``: a hub dataset's files).
 
 The shard is read front to back (tarfile's ``r|`` mode) as fsspec fetches it, so a sample is ready as soon as its
 bytes arrive and nothing is downloaded ahead of the reader beyond fsspec's read-ahead block. A sample is a run of
@@ -25,6 +26,7 @@ from typing import IO, Any
 
 from vlfit.data.bad_samples import BadSampleInfo, describe_error
 from vlfit.data.records import BadRecordError, Record
+from vlfit.data.stream.parquet_rows import is_parquet, parquet_rows
 from vlfit.data.stream.urls import is_http
 from vlfit.data.tar_source import WebDatasetLayout, split_member_name
 from vlfit.errors import ConfigError, DataError, first_line
@@ -148,25 +150,43 @@ class ShardReader:
         known = (0, 0)  # (index, byte offset) of a sample's first header at or before `reached`
         failures = 0
         while True:
-            groups = self._groups(url, known, reached)
+            attempt = self._attempt(url, known, reached)
             try:
                 while True:
                     try:
-                        index, key, members, next_offset = next(groups)
+                        index, item, next_known = next(attempt)
                     except StopIteration:
                         return
                     except faults as err:
                         failures += 1
                         self.retry_or_give_up(url, err, failures, reached)
                         break
-                    if next_offset is not None:
-                        known = (index + 1, next_offset)
-                    if members is None:  # before `start`, or yielded before a retry
+                    if next_known is not None:
+                        known = next_known
+                    if item is None:  # before `start`, or yielded before a retry
                         continue
                     reached, failures = index + 1, 0
-                    yield index, self._assemble(url, key, members)
+                    yield index, item
             finally:
-                groups.close()  # a consumer that stops early leaves no connection open
+                attempt.close()  # a consumer that stops early leaves no connection open
+
+    def _attempt(
+        self, url: str, known: tuple[int, int], wanted: int
+    ) -> Iterator[tuple[int, Record | BadSampleInfo | None, tuple[int, int] | None]]:
+        """One attempt at the shard from sample ``wanted`` on: ``(index, record or None before wanted, where the
+        next sample starts when known)``. A parquet file reads from the row group holding ``wanted``."""
+        if is_parquet(url):
+            with self.open(url) as file:
+                for index, item in parquet_rows(file, url, self.layout, wanted):
+                    yield index, item, None
+            return
+        groups = self._groups(url, known, wanted)
+        try:
+            for index, key, members, next_offset in groups:
+                item = None if members is None else self._assemble(url, key, members)
+                yield index, item, None if next_offset is None else (index + 1, next_offset)
+        finally:
+            groups.close()
 
     def copy_to(self, url: str, path: str, chunk_size: int = 1 << 20) -> int:
         """Copy the shard at ``url`` byte for byte to the local file ``path``, retrying faults as ``samples`` does:
