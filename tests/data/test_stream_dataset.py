@@ -19,6 +19,8 @@ from vlfit.data.tar_source import TarSource, WebDatasetLayout
 from vlfit.models.family import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, InputSpec
 from vlfit.models.tokenizer import train_caption_tokenizer
 
+CPU = torch.device("cpu")
+
 SHARDS, PER_SHARD, BATCH = 4, 6, 4
 
 
@@ -91,3 +93,30 @@ def test_streamed_shards_decode_to_the_pixels_of_local_reads_and_resume_exactly(
         resumed.load_state_dict(stream.state_dict())
         rest = [batch.sample_ids for batch in _loader(pipeline, resumed, workers=2)]
         assert rest == [batch.sample_ids for batch in batches[2:]]
+
+
+def test_device_decode_takes_streamed_bytes_as_it_takes_local_ones(
+    pipeline: InputPipeline, shards: dict[str, bytes], tmp_path: Path
+) -> None:
+    """``--decode_on_device`` on a stream: workers pass the streamed bytes on, the device stage decodes them (its
+    CPU seam here: the code path nvJPEG runs on a GPU), to the pixels the same shards give read locally."""
+    seam = InputPipeline(pipeline.inputs, PipelineOptions(decode_on_device=True), CPU, cpu_device_decode=True)
+    for path, data in shards.items():
+        (tmp_path / Path(path).name).write_bytes(data)
+    local = TarSource(sorted(str(p) for p in tmp_path.glob("*.tar")), name="local shards")
+
+    def decoded(batches) -> tuple[dict[str, torch.Tensor], list[str]]:
+        pixels, bad = {}, []
+        for batch in seam.feed(batches, torch.float32, train=False):
+            bad += [b.id for b in batch.bad_samples]
+            if len(batch):  # a batch whose every image was bad is empty once the device stage has decoded it
+                pixels.update(zip(batch.sample_ids, batch["pixel_values"], strict=True))
+        return pixels, bad
+
+    expected, _ = decoded(seam.loader(seam.dataset(local, train=False), batch_size=BATCH))
+    with ShardServer(shards) as server:
+        loader = seam.loader(seam.stream_dataset(_stream(server), train=False), batch_size=BATCH)
+        got, bad = decoded(loader)
+    assert sorted(got) == sorted(expected) and len(got) == SHARDS * PER_SHARD
+    assert all(torch.equal(got[i], expected[i]) for i in got)
+    assert bad == ["broken"]  # the image the device stage could not decode, left out and named
