@@ -18,8 +18,9 @@ from vlfit.cli import main
 from vlfit.data.sources import open_splits
 from vlfit.data.stream import ShardReader
 from vlfit.data.stream.from_arguments import dataset_split_files
+from vlfit.data.stream.shards import ShardUnreadableError
 from vlfit.data.tar_source import WebDatasetLayout
-from vlfit.errors import ConfigError
+from vlfit.errors import ConfigError, DataError
 
 ROW_GROUP = 8
 
@@ -43,9 +44,12 @@ def _rows(items) -> list[tuple[str, bytes, str | None]]:
     return [(record.id, record.image, record.caption) for _, record in items]
 
 
-def test_parquet_rows_stream_as_the_map_style_split_reads_them_and_resume_at_a_row(parquet_folder: Path) -> None:
+def test_parquet_rows_stream_as_the_map_style_split_reads_them_and_resume_at_a_row(
+    parquet_folder: Path, synthetic_dataset_dir: str
+) -> None:
     files = sorted(str(p) for p in (parquet_folder / "data").glob("train-*.parquet"))
-    expected = [(r.id, r.image, r.caption) for r in open_splits(dataset_name=str(parquet_folder))["train"]]
+    # The rows the files were written from, as the map-style split reads them.
+    expected = [(r.id, r.image, r.caption) for r in open_splits(dataset_name=synthetic_dataset_dir)["train"]]
     reader = ShardReader(WebDatasetLayout(caption_column="image_description"), retries=2, backoff=0.01, timeout=2.0)
     assert [row for f in files for row in _rows(reader.samples(f))] == expected and len(expected) > 2 * ROW_GROUP
     assert _rows(reader.samples(files[0], start=ROW_GROUP + 2)) == expected[ROW_GROUP + 2 : len(expected) // 2]
@@ -56,8 +60,9 @@ def test_parquet_rows_stream_as_the_map_style_split_reads_them_and_resume_at_a_r
         streamed = _rows(reader.samples(server.url("/train-1.parquet")))
     assert streamed == expected[len(expected) // 2 :]  # every row once, through the cut connection
 
-    with pytest.raises(Exception, match=r"no caption column 'caption'; its columns: .*image_description"):
+    with pytest.raises(DataError, match=r"no caption column 'caption'; its columns: .*image_description") as caught:
         list(ShardReader(WebDatasetLayout(caption_column="caption")).samples(files[0]))
+    assert not isinstance(caught.value, ShardUnreadableError)  # wrong settings fail at once, never retried
 
 
 def test_dataset_files_are_resolved_per_split_and_an_arrow_folder_is_refused(

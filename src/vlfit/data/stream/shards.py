@@ -29,7 +29,7 @@ from vlfit.data.records import BadRecordError, Record
 from vlfit.data.stream.parquet_rows import is_parquet, parquet_rows
 from vlfit.data.stream.urls import is_http
 from vlfit.data.tar_source import WebDatasetLayout, split_member_name
-from vlfit.errors import ConfigError, DataError, first_line
+from vlfit.errors import ConfigError, DataError, UserError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,8 @@ class ShardUnreadableError(DataError):
 
 
 def _faults() -> tuple[type[BaseException], ...]:
-    """The errors that mean the shard (or the way to it) failed, not the caller: these are retried."""
+    """The errors that mean the shard (or the way to it) failed, not the caller: these are retried (a ``UserError``,
+    which names wrong data or settings, never is)."""
     errors: list[type[BaseException]] = [OSError, EOFError, TimeoutError, asyncio.TimeoutError, tarfile.TarError]
     # fsspec's HTTP files raise ValueError when a server stops honouring Range requests midway.
     errors.append(ValueError)
@@ -157,6 +158,8 @@ class ShardReader:
                         index, item, next_known = next(attempt)
                     except StopIteration:
                         return
+                    except UserError:  # the data or the settings are wrong: no retry reads it differently
+                        raise
                     except faults as err:
                         failures += 1
                         self.retry_or_give_up(url, err, failures, reached)
@@ -219,6 +222,8 @@ class ShardReader:
                                 written += len(chunk)
                                 failures = 0
                         break
+                    except UserError:
+                        raise
                     except faults as err:
                         failures += 1
                         self.retry_or_give_up(url, err, failures, 0)
