@@ -16,6 +16,7 @@ the retries are spent the shard is given up with ``ShardUnreadableError`` carryi
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import os
 import tarfile
@@ -27,11 +28,13 @@ from typing import IO, Any
 from vlfit.data.bad_samples import BadSampleInfo, describe_error
 from vlfit.data.records import BadRecordError, Record
 from vlfit.data.stream.parquet_rows import is_parquet, parquet_rows
-from vlfit.data.stream.urls import is_http
+from vlfit.data.stream.urls import is_http, protocol
 from vlfit.data.tar_source import WebDatasetLayout, split_member_name
 from vlfit.errors import ConfigError, DataError, UserError, first_line
 
 logger = logging.getLogger(__name__)
+
+READ_BUFFER_BYTES = 1 << 20  # what a remote shard is read in at a time from fsspec's block cache (at most a block)
 
 ShardSample = tuple[int, "Record | BadSampleInfo"]
 """``(index of the sample in its shard, its record)``, or ``(index, (key, reason))`` for a sample that has no
@@ -131,7 +134,17 @@ class ShardReader:
             client.setdefault("timeout", aiohttp.ClientTimeout(total=None, connect=t, sock_connect=t, sock_read=t))
             options["client_kwargs"] = client
         fs, path = fsspec.core.url_to_fs(url, **options)
-        return fs.open(path, "rb")
+        if protocol(url) in ("file", "local"):
+            return fs.open(path, "rb")
+        # A remote file (HTTP, S3, GCS, hf://...) is read front to back: fsspec's "readahead" cache replaces its
+        # block on each fetch, where the default "bytes" cache grows and trims it (copying ~10 MB per 5 MB block).
+        # tarfile reads 10 KB at a time, ~35 us a call through fsspec's Python-level cache: a C buffer in between
+        # takes them in 1 MB calls. Together they cut the client's CPU per sample by a third (loopback, 40 KB).
+        file = fs.open(path, "rb", cache_type="readahead")
+        if isinstance(file, fsspec.spec.AbstractBufferedFile):
+            buffer = min(READ_BUFFER_BYTES, file.blocksize) if file.blocksize else READ_BUFFER_BYTES
+            return io.BufferedReader(file, buffer_size=buffer)  # no read bigger than the requests asked for
+        return file
 
     def samples(self, url: str, start: int = 0) -> Iterator[ShardSample]:
         """The samples of one shard from sample ``start`` on, retrying faults (see the module's docstring).
