@@ -1,7 +1,7 @@
 """One shard read as a stream from an fsspec URL: its samples as records, through network faults. A shard is a
 WebDataset tar file, or a parquet file (``vlfit.data.stream.parquet_rows``: a hub dataset's files).
 
-The shard is read front to back (tarfile's ``r|`` mode) as fsspec fetches it, so a sample is ready as soon as its
+The shard is read front to back (``TarMembers``) as fsspec fetches it, so a sample is ready as soon as its
 bytes arrive and nothing is downloaded ahead of the reader beyond fsspec's read-ahead block. A sample is a run of
 consecutive members with the same key (WebDataset writes them so); ``WebDatasetLayout`` makes its record by the
 rules ``TarSource`` reads shards with.
@@ -28,6 +28,7 @@ from typing import IO, Any
 from vlfit.data.bad_samples import BadSampleInfo, describe_error
 from vlfit.data.records import BadRecordError, Record
 from vlfit.data.stream.parquet_rows import is_parquet, parquet_rows
+from vlfit.data.stream.tar_members import TarMembers
 from vlfit.data.stream.urls import is_http, protocol
 from vlfit.data.tar_source import WebDatasetLayout, split_member_name
 from vlfit.errors import ConfigError, DataError, UserError, first_line
@@ -272,22 +273,21 @@ class ShardReader:
                     pass
             key: str | None = None
             members: dict[str, bytes] = {}
-            with tarfile.open(fileobj=file, mode="r|") as archive:
-                for member in archive:
-                    parts = split_member_name(member.name) if member.isfile() else None
-                    if parts is None:
-                        continue
-                    name, ext = parts
-                    if name != key:
-                        if key is not None:
-                            yield index, key, members if index >= wanted else None, base + member.offset
-                            index += 1
-                        key, members = name, {}
-                    if index >= wanted:
-                        data = archive.extractfile(member)
-                        members[ext] = data.read() if data is not None else b""
-                if key is not None:
-                    yield index, key, members if index >= wanted else None, None
+            archive = TarMembers(file, base)
+            for member in archive:
+                parts = split_member_name(member.name) if member.is_file else None
+                if parts is None:
+                    continue
+                name, ext = parts
+                if name != key:
+                    if key is not None:
+                        yield index, key, members if index >= wanted else None, member.offset
+                        index += 1
+                    key, members = name, {}
+                if index >= wanted:
+                    members[ext] = archive.read()
+            if key is not None:
+                yield index, key, members if index >= wanted else None, None
 
     def _assemble(self, url: str, key: str, members: dict[str, bytes]) -> Record | BadSampleInfo:
         layout = self.layout
