@@ -21,6 +21,7 @@ import tarfile
 import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 from tests.data.image_factory import jpeg_bytes
 
@@ -46,6 +47,16 @@ def webdataset_shard(name: str, samples: int, *, seed: int = 0, size: int = 24) 
                 archive.addfile(info, io.BytesIO(data))
             written.append({"key": key, "image": image, "caption": caption})
     return buffer.getvalue(), written
+
+
+def write_files(files: dict[str, bytes], root: Path) -> Path:
+    """The served files written under ``root`` at their paths (``"/a/000.tar"`` -> ``root/a/000.tar``): the same
+    shards read locally."""
+    for path, data in files.items():
+        target = root / path.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    return root
 
 
 @dataclass

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch.utils.data
 
-from tests.http_shards import ShardServer, webdataset_shard
+from tests.http_shards import ShardServer, webdataset_shard, write_files
 from vlfit.data.stream import (
     ShardReader,
     ShardStream,
@@ -48,11 +48,7 @@ def shard_files() -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def local_dir(shard_files: dict[str, bytes], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("shards")
-    for path, data in shard_files.items():
-        (root / path.lstrip("/")).parent.mkdir(exist_ok=True)
-        (root / path.lstrip("/")).write_bytes(data)
-    return root
+    return write_files(shard_files, tmp_path_factory.mktemp("shards"))
 
 
 @pytest.fixture()

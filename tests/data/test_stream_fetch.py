@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.http_shards import ShardServer, webdataset_shard
+from tests.http_shards import ShardServer, webdataset_shard, write_files
 from vlfit.data.prepare.manifest import MANIFEST_NAME
 from vlfit.data.sources import open_splits
 from vlfit.data.stream import ShardReader, ShardUnreadableError
@@ -32,11 +32,7 @@ def shards() -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def local(shards: dict[str, bytes], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("local")
-    for path, data in shards.items():
-        (root / path.lstrip("/")).parent.mkdir(exist_ok=True)
-        (root / path.lstrip("/")).write_bytes(data)
-    return root
+    return write_files(shards, tmp_path_factory.mktemp("local"))
 
 
 def _records(source: TarSource) -> list[tuple[str, bytes, str | None]]:
