@@ -43,6 +43,11 @@ def _number(field: bytes) -> int:
         raise ReadError(f"invalid number {digits!r} in a tar header") from None
 
 
+def _padded(size: int) -> int:
+    """The bytes a member of ``size`` data bytes takes: whole blocks."""
+    return -(-size // BLOCK) * BLOCK
+
+
 def _text(field: bytes) -> str:
     return field.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
 
@@ -109,7 +114,7 @@ class TarMembers:
                 raise StopIteration
             self._check(header)
             size, kind = _number(header[124:136]), header[156:157]
-            padded = -(-size // BLOCK) * BLOCK
+            padded = _padded(size)
             if kind in (b"L", b"x", b"g"):  # a GNU long name, a pax header (for the next member, or global)
                 data = self._exactly(padded)[:size]
                 if kind == b"L":
@@ -126,7 +131,7 @@ class TarMembers:
             name = pax.get("path", long_name or name)
             if "size" in pax:
                 size = int(pax["size"])
-                padded = -(-size // BLOCK) * BLOCK
+                padded = _padded(size)
             if kind == b"5" or (kind == b"\0" and name.endswith("/")):  # a folder (old tars: a file named "x/")
                 kind, name = b"5", name.rstrip("/")
             self._size, self._unread = size, padded
