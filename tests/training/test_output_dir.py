@@ -68,3 +68,18 @@ def test_a_folder_of_other_files_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="holds no vlfit run"):
         _resolve(tmp_path)
     assert os.path.isfile(tmp_path / "notes.txt") and not os.path.exists(tmp_path / RUN_FLAGS_FILE)
+
+
+def test_rerunning_a_finished_run_trains_nothing_and_writes_nothing(synthetic_dataset_dir, tmp_path, caplog):
+    from vlfit.cli import main
+
+    out = tmp_path / "run"
+    argv = ["train", "--model_preset", "clip-tiny", "--dataset_name", synthetic_dataset_dir, "--output_dir", str(out),
+            "--max_steps", "2", "--per_device_train_batch_size", "4", "--save_steps", "1", "--report_to", "none",
+            "--disable_tqdm", "true"]  # fmt: skip
+    assert main(argv) == 0
+    written = {str(p): p.stat().st_mtime_ns for p in out.rglob("*")}
+    assert main(argv) == 0
+    # Resuming from checkpoint-2 used to train a third step, save checkpoint-3 and rewrite the metrics and the card.
+    assert {str(p): p.stat().st_mtime_ns for p in out.rglob("*")} == written
+    assert "already complete at step 2" in caplog.text

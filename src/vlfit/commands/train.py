@@ -7,6 +7,7 @@ each noted in one log line (``vlfit.compat_flags``).
 
 from __future__ import annotations
 
+import logging
 import shlex
 import sys
 from typing import Any
@@ -17,9 +18,17 @@ from vlfit.compat_flags import log_compat_flags
 from vlfit.errors import ConfigError
 from vlfit.logs import quiet_replicas
 from vlfit.training.arguments import VlfitTrainingArguments
-from vlfit.training.output_dir import resolve_output_dir, run_flags, write_run_flags
+from vlfit.training.output_dir import (
+    completed_at_step,
+    resolve_output_dir,
+    run_flags,
+    saved_results,
+    write_run_flags,
+)
 from vlfit.training.preemption import TrainingPreempted
 from vlfit.training.run import run, setup_run
+
+logger = logging.getLogger(__name__)
 
 
 def parser_for(prog: str) -> CommandParser:
@@ -105,6 +114,21 @@ def train_parsed(args: ParsedArguments, command_line: str | None = None) -> dict
         resume_from_checkpoint=training_args.resume_from_checkpoint,
         main_process=training_args.process_index == 0,
     )
+    done = completed_at_step(
+        training_args.output_dir,
+        training_args.resume_from_checkpoint,
+        max_steps=training_args.max_steps,
+        num_train_epochs=training_args.num_train_epochs,
+        overwrite=training_args.overwrite_output_dir,
+    )
+    if done is not None:  # a rerun of a finished run: nothing to train, nothing to write
+        logger.warning(
+            "%s: already complete at step %d; nothing trained or written (--overwrite_output_dir trains it again, "
+            "vlfit eval evaluates it)",
+            training_args.output_dir,
+            done,
+        )
+        return saved_results(training_args.output_dir)
     setup = setup_run(model_args, data_args, training_args)  # data, tokenizer and pipeline, made once
     if args.auto_workers and setup.train_stream is not None:
         raise ConfigError(

@@ -1,11 +1,13 @@
 """What ``vlfit train`` does with an ``--output_dir`` that already holds something, as HF scripts' users expect.
 
 - An empty or new folder: a fresh run.
-- ``--overwrite_output_dir``: a fresh run, whatever the folder holds (its old checkpoints are removed, so a later
-  rerun cannot resume from them).
+- ``--overwrite_output_dir``: a fresh run, whatever the folder holds (its old checkpoints and final state are
+  removed, so a later rerun can neither resume from them nor take the old run as finished).
 - ``--resume_from_checkpoint PATH``: resume from that checkpoint.
 - A folder holding a run (``run_flags.json``, written when a run starts) made with the same flags: resume from its
   last checkpoint (what rerunning an interrupted command does), or, with none, start over.
+- A folder holding that run finished (its training reached its last step): nothing to train, nothing written
+  (``completed_at_step``); the run's saved metrics are its result.
 - A folder holding another run, or files vlfit did not write: refused in one line naming the flags that differ.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
 from typing import Any
@@ -27,6 +30,7 @@ from vlfit.version import __version__
 logger = logging.getLogger(__name__)
 
 RUN_FLAGS_FILE = "run_flags.json"
+FINAL_STATE_FILE = "trainer_state.json"  # in output_dir: written by a run once its training ended and was saved
 # Flags that do not change what a run computes: a rerun may change them and still resume.
 NEUTRAL_FLAGS = frozenset(
     {
@@ -71,6 +75,10 @@ def _differences(saved: dict[str, Any], current: dict[str, Any], names: set[str]
 
 
 def _remove_checkpoints(output_dir: str) -> None:
+    """Remove the old run's checkpoints and its final state, so that nothing of it is resumed or taken as done."""
+    final_state = os.path.join(output_dir, FINAL_STATE_FILE)
+    if os.path.isfile(final_state):
+        os.remove(final_state)
     for name in os.listdir(output_dir):
         path = os.path.join(output_dir, name)
         if name.startswith(f"{PREFIX_CHECKPOINT_DIR}-") and os.path.isdir(path):
@@ -132,3 +140,60 @@ def write_run_flags(output_dir: str, flags: dict[str, Any], given: frozenset[str
     os.makedirs(output_dir, exist_ok=True)
     record = {"vlfit_version": __version__, "given": sorted(given), "flags": flags}
     write_text_atomically(os.path.join(output_dir, RUN_FLAGS_FILE), json.dumps(record, indent=1, sort_keys=True))
+
+
+def _state(folder: str) -> dict[str, Any] | None:
+    path = os.path.join(folder, FINAL_STATE_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def completed_at_step(
+    output_dir: str,
+    checkpoint: str | None,
+    *,
+    max_steps: int,
+    num_train_epochs: float,
+    overwrite: bool,
+) -> int | None:
+    """The step at which the run in ``output_dir`` finished, when resuming it would train nothing; else ``None``.
+
+    A run that finished training saved its final model, metrics and ``trainer_state.json`` in ``output_dir``.
+    Resuming it from its last checkpoint would not stop there: the Trainer trains a step before it checks the step
+    count, so every rerun added a checkpoint past ``--max_steps`` and rewrote the metrics and the model card.
+
+    Args:
+        output_dir: The run's ``--output_dir``.
+        checkpoint: What ``resolve_output_dir`` returned: the checkpoint the run would resume from, or ``None``.
+        max_steps: ``--max_steps`` (``<= 0``: the epochs decide).
+        num_train_epochs: ``--num_train_epochs``.
+        overwrite: ``--overwrite_output_dir`` (a fresh run: never complete).
+    """
+    if overwrite or _state(output_dir) is None:
+        return None
+    state = _state(checkpoint) if checkpoint is not None else _state(output_dir)
+    if state is None:
+        return None
+    step = int(state.get("global_step", 0))
+    if max_steps > 0:
+        planned = max_steps
+    elif int(state.get("num_train_epochs", -1)) == math.ceil(num_train_epochs):
+        planned = int(state.get("max_steps", 0))  # the step count its epochs came to
+    else:
+        return None
+    return step if 0 < planned <= step else None
+
+
+def saved_results(output_dir: str) -> dict[str, Any]:
+    """The metrics a finished run saved (``train_results.json``, ``eval_results.json``), named as ``run`` returns
+    them: every training metric prefixed ``train_``."""
+    results: dict[str, Any] = {}
+    for split in ("train", "eval"):
+        path = os.path.join(output_dir, f"{split}_results.json")
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                metrics = json.load(f)
+            results.update({k if k.startswith(f"{split}_") else f"{split}_{k}": v for k, v in metrics.items()})
+    return results
