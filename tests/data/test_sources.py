@@ -24,6 +24,7 @@ from vlfit.data.records import Record
 from vlfit.data.source_base import ImageTextSource
 from vlfit.data.sources import ArrowSource, open_splits
 from vlfit.data.tar_source import TarSource
+from vlfit.errors import DataError
 
 COLOURS = [(220, 30, 30), (30, 200, 40), (40, 50, 230), (240, 220, 20)]
 CAPTIONS = ["a red square", "a green square", "a blue square", "a yellow square"]
@@ -502,8 +503,11 @@ def test_missing_columns_name_split_and_list_columns(tmp_path: Path) -> None:
         ValueError, match=r"split 'train' \(.*c\.jsonl\): image column 'image' not found.*\['img', 'text'\]"
     ):
         open_splits(train_file=str(tmp_path / "c.jsonl"), cache_dir=cache)
-    with pytest.raises(ValueError, match=r"caption column 'image_description' not found.*\['img', 'text'\]"):
-        open_splits(train_file=str(tmp_path / "c.jsonl"), image_column="img", cache_dir=cache)
+    # No image_description column: text, a common caption column, is read as the default one.
+    assert (
+        open_splits(train_file=str(tmp_path / "c.jsonl"), image_column="img", cache_dir=cache)["train"][0].caption
+        == "t"
+    )
     with pytest.raises(ValueError, match=r"id column 'uid' not found"):
         open_splits(train_file=str(tmp_path / "c.jsonl"), image_column="img", caption_column="text", id_column="uid")
 
@@ -512,8 +516,28 @@ def test_missing_columns_name_split_and_list_columns(tmp_path: Path) -> None:
         ArrowSource(numbers, name="multi", image_column="image", caption_column="caps")
 
 
+def test_common_column_names_are_read_as_the_defaults_are_and_explicit_flags_win(tmp_path: Path) -> None:
+    blobs = _write_images(tmp_path, 2)
+    with open(tmp_path / "hf.csv", "w", newline="") as f:  # imagefolder's metadata names
+        csv.writer(f).writerows([["file_name", "text"], ["images/0.jpg", "a red square"], ["images/1.jpg", "green"]])
+    coco = [{"image": f"images/{i}.jpg", "caption": CAPTIONS[i], "text": "not this"} for i in range(2)]
+    (tmp_path / "coco.jsonl").write_text("".join(json.dumps(row) + "\n" for row in coco))
+    cache = str(tmp_path / "hf_cache")
+    hf = open_splits(train_file=str(tmp_path / "hf.csv"), cache_dir=cache)["train"]
+    assert [r.image for r in hf] == blobs and hf.captions() == ["a red square", "green"]
+    coco_source = open_splits(train_file=str(tmp_path / "coco.jsonl"), cache_dir=cache)["train"]
+    assert coco_source.captions() == CAPTIONS[:2]  # caption comes before text in the list of common names
+    assert (
+        open_splits(train_file=str(tmp_path / "coco.jsonl"), caption_column="text", cache_dir=cache)["train"].captions()
+        == ["not this"] * 2
+    )
+    with pytest.raises(DataError, match=r"caption column 'caption' not found; available columns: \['file_name', "
+                                        r"'text'\]\. Name the caption column with --caption_column"):  # fmt: skip
+        open_splits(train_file=str(tmp_path / "hf.csv"), caption_column="caption", cache_dir=cache)
+
+
 def test_file_errors(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"pass dataset_name .* or train_file"):
+    with pytest.raises(ValueError, match=r"pass --dataset_name .* or --train_file"):
         open_splits()
     (tmp_path / "data.txt").write_text("x")
     with pytest.raises(ValueError, match=r"data\.txt.*\['\.parquet', '\.jsonl', '\.json', '\.csv', '\.tar'\]"):
@@ -596,5 +620,5 @@ def test_a_class_label_caption_column_reads_as_its_names_and_no_caption_column_a
     assert labelled.class_names == ["cat", "dog"]
     images_only = open_splits(dataset_name=str(tmp_path / "d"), caption_column=None)["train"]
     assert images_only.captions() == ["a", "b", "c"] and images_only[2].caption == "c"
-    with pytest.raises(ValueError, match=r"label column 'kind' not found.*Pass label_column="):
+    with pytest.raises(ValueError, match=r"label column 'kind' not found.*Name the label column with --label_column"):
         open_splits(dataset_name=str(tmp_path / "d"), caption_column="kind", caption_role="label")

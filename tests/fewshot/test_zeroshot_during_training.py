@@ -51,3 +51,14 @@ def test_zero_shot_without_evaluation_is_refused(labelled_dataset_dir, tmp_path,
     assert main(["train", "--model_preset", "tiny", "--dataset_name", labelled_dataset_dir, "--output_dir",
                  str(tmp_path / "run"), "--zeroshot_dataset", labelled_dataset_dir]) == 2  # fmt: skip
     assert "--zeroshot_dataset is scored at every evaluation: add --do_eval" in capsys.readouterr().err
+
+
+def test_zero_shot_data_errors_name_the_zero_shot_flags(labelled_dataset_dir) -> None:
+    from vlfit.errors import DataError
+    from vlfit.evaluation.zeroshot import open_zeroshot_sets
+
+    with pytest.raises(DataError, match=r"label column 'nope' not found.*Name the label column with "
+                                        r"--zeroshot_label_column"):  # fmt: skip
+        open_zeroshot_sets([labelled_dataset_dir], label_column="nope", split="test")
+    with pytest.raises(DataError, match=r"has no split 'tset'; its splits: .*Pick one with --zeroshot_split"):
+        open_zeroshot_sets([labelled_dataset_dir], label_column="kind", split="tset")

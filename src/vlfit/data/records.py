@@ -87,7 +87,7 @@ def image_value_to_bytes(value: Any, *, base_dir: str | None = None, sample_id: 
         raise BadRecordError(f"sample {sample_id}: image is missing (None)")
     raise BadRecordError(
         f"sample {sample_id}: unsupported image value of type {type(value).__name__}; "
-        "expected {bytes, path} dict, bytes, a path string or a PIL image"
+        "expected {bytes, path} dict, bytes, a path string or a PIL image (is --image_column the image column?)"
     )
 
 

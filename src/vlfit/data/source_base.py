@@ -7,6 +7,7 @@ without decoding them, and is safe to pickle or use after ``fork`` (file handles
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import operator
 from abc import ABC, abstractmethod
@@ -16,6 +17,9 @@ from typing import Any
 import numpy as np
 
 from vlfit.data.records import Record
+from vlfit.errors import DataError
+
+logger = logging.getLogger(__name__)
 
 
 class ImageTextSource(ABC):
@@ -96,6 +100,47 @@ class ImageTextSource(ABC):
 
     @abstractmethod
     def _read_captions(self, rows: np.ndarray | None) -> list[str | None]: ...
+
+
+# The columns a source looks for when a column flag is left at its default (the first name), in order: the names
+# common data uses (HF imagefolder's metadata file_name/text, COCO-style image/caption, open_clip's CSV
+# filepath/title). An explicit flag naming another column always wins, and names a column that must exist.
+DEFAULT_COLUMNS: dict[str, tuple[str, ...]] = {
+    "image": ("image", "file_name", "image_path", "filepath"),
+    "caption": ("image_description", "caption", "text", "captions", "title"),
+}
+
+
+def resolve_column(role: str, column: str, available: Sequence[str], *, name: str, flag: str) -> str:
+    """The column that holds ``role`` (``image``, ``caption``) in a source with columns ``available``.
+
+    ``column`` is used when present. When it is the role's default (``DEFAULT_COLUMNS[role][0]``, what the flag
+    holds when not given) and absent, the first of the role's other common names present is used instead.
+
+    Args:
+        role: What the column holds, as error messages call it.
+        column: The flag's value.
+        available: The source's columns.
+        name: The source, for error messages.
+        flag: The flag that names the column (``--image_column``).
+
+    Raises:
+        DataError: naming the source, the flag and the available columns, when no such column is there.
+    """
+    if column in available:
+        return column
+    candidates = DEFAULT_COLUMNS.get(role, ())
+    tried = ""
+    if candidates and column == candidates[0]:
+        found = next((c for c in candidates[1:] if c in available), None)
+        if found is not None:
+            logger.info("%s: the %s column is %r (%s not given, and no %r column)", name, role, found, flag, column)
+            return found
+        tried = f" (nor {', '.join(map(repr, candidates[1:]))})"
+    raise DataError(
+        f"{name}: {role} column {column!r} not found{tried}; available columns: {list(available)}. "
+        f"Name the {role} column with {flag}."
+    )
 
 
 def default_id_column(columns: Sequence[str]) -> str | None:

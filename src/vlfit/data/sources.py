@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 
 from vlfit.data.file_patterns import is_stream_spec, resolve_files
 from vlfit.data.records import Record, image_key, image_value_to_bytes
-from vlfit.data.source_base import ImageTextSource, as_caption, default_id_column
+from vlfit.data.source_base import ImageTextSource, as_caption, default_id_column, resolve_column
 from vlfit.data.stream.fetch import spec_files
 from vlfit.data.stream.shards import ShardReader
 from vlfit.data.tar_source import TarSource
@@ -42,6 +42,7 @@ class _Columns:
     extras: tuple[str, ...]
     caption_role: str = "caption"
     image_id: str | None = None
+    caption_flag: str | None = None
 
 
 class ArrowSource(ImageTextSource):
@@ -65,12 +66,18 @@ class ArrowSource(ImageTextSource):
             column, its flag ``--label_column``).
         image_id_column: Column naming which image a row shows (``Record.image_id``): rows with equal values are
             captions of one image. ``None``: rows are grouped by their image bytes.
+        caption_flag: The flag that names the caption column, for error messages (default
+            ``--{caption_role}_column``).
+
+    The image and caption columns at their defaults (``image``, ``image_description``) stand for the common names
+    of ``vlfit.data.source_base.DEFAULT_COLUMNS``: the first present is read.
 
     Attributes:
         class_names: The names of a ``ClassLabel`` caption column, in label order (``None`` for text captions).
 
     Raises:
-        ValueError: when the image, caption or explicitly requested id column is missing, or captions are not text.
+        DataError: naming the flag, when the image, caption or explicitly requested id column is missing, or
+            captions are not text.
     """
 
     def __init__(
@@ -86,17 +93,17 @@ class ArrowSource(ImageTextSource):
         base_dirs: Sequence[tuple[int, str]] = (),
         caption_role: str = "caption",
         image_id_column: str | None = None,
+        caption_flag: str | None = None,
     ) -> None:
         super().__init__(name=name, column_names=dataset.column_names, num_rows=len(dataset))
         available = dataset.column_names
-        named = (("image", image_column), (caption_role, caption_column), ("id", id_column),
-                 ("image_id", image_id_column))  # fmt: skip
-        for role, column in named:
-            if column is not None and column not in available:
-                raise DataError(
-                    f"{name}: {role} column {column!r} not found; available columns: {available}. "
-                    f"Pass {role}_column=<one of these>."
-                )
+        caption_flag = caption_flag or f"--{caption_role}_column"
+        image_column = resolve_column("image", image_column, available, name=name, flag="--image_column")
+        named = ((caption_role, caption_column, caption_flag), ("id", id_column, "--id_column"),
+                 ("image_id", image_id_column, "--image_id_column"))  # fmt: skip
+        resolved = [None if column is None else resolve_column(role, column, available, name=name, flag=flag)
+                    for role, column, flag in named]  # fmt: skip
+        caption_column, id_column, image_id_column = resolved
         if id_column is None:
             id_column = default_id_column(available)
         caption_feature = dataset.features[caption_column] if caption_column is not None else datasets.Value("string")
@@ -104,7 +111,8 @@ class ArrowSource(ImageTextSource):
         if not (caption_lists or isinstance(caption_feature, (datasets.Value, datasets.ClassLabel))):
             expected = "one text value per row, or a list of texts" if caption_role == "caption" else "one value"
             raise DataError(
-                f"{name}: {caption_role} column {caption_column!r} holds {caption_feature}, expected {expected} per row"
+                f"{name}: {caption_role} column {caption_column!r} holds {caption_feature}, expected {expected} "
+                f"per row; name another column with {caption_flag}"
             )
         self.class_names: list[str] | None = (
             list(caption_feature.names) if isinstance(caption_feature, datasets.ClassLabel) else None
@@ -287,7 +295,7 @@ def _open_files(
     if ext == ".tar":
         caption = columns.caption
         if caption is None:
-            raise DataError(f"{name}: WebDataset shards are read with a caption member; name one")
+            raise DataError(f"{name}: WebDataset shards are read with a caption member; name it with --caption_column")
         return TarSource(
             files,
             name=name,
@@ -318,6 +326,7 @@ def _arrow_source(
         base_dirs=base_dirs,
         caption_role=columns.caption_role,
         image_id_column=columns.image_id,
+        caption_flag=columns.caption_flag,
     )
 
 
@@ -341,7 +350,7 @@ def _data_file_splits(root: str) -> dict[str, list[str]]:
     elif len(by_extension) > 1:
         raise DataError(
             f"{root}: holds data files of several formats ({', '.join(sorted(by_extension))}); keep one format per "
-            "folder, or name the files of each split with train_file / validation_file / test_file"
+            "folder, or name the files of each split with --train_file / --validation_file / --test_file"
         )
     else:
         (ext,) = by_extension
@@ -425,6 +434,7 @@ def open_splits(
     caption_role: str = "caption",
     image_id_column: str | None = None,
     shard_reader: ShardReader | None = None,
+    caption_flag: str | None = None,
 ) -> dict[str, ImageTextSource]:
     """Open every split of an image-text dataset as a map-style source.
 
@@ -446,15 +456,18 @@ def open_splits(
         train_file: Files for split ``train``.
         validation_file: Files for split ``validation``.
         test_file: Files for split ``test``.
-        image_column: Column holding the image (for tar shards: preferred image member extension).
+        image_column: Column holding the image (for tar shards: preferred image member extension). At its
+            default, ``image``, the first of ``source_base.DEFAULT_COLUMNS["image"]`` present is read.
         caption_column: Column holding the caption (for tar shards: member extension or ``.json`` key); ``None``
-            for images only (datasets, not tar shards: captions are then the sample ids).
+            for images only (datasets, not tar shards: captions are then the sample ids). At its default,
+            ``image_description``, the first of ``source_base.DEFAULT_COLUMNS["caption"]`` present is read.
         id_column: Column holding ids; by default ``instance_id`` or ``id`` when present, else ``"{split}-{row}"``.
         extra_columns: Columns copied into ``Record.extra`` when present (missing ones are left out).
         caption_role: What the caption column is called in error messages (``label`` for a class column).
         image_id_column: Column (tar shards: member or ``.json`` key) naming the image a row shows; rows with
             equal values are captions of one image. ``None``: rows are grouped by their image bytes.
         shard_reader: Retries and timeout of fetching shard URLs (default: ``ShardReader()``'s).
+        caption_flag: The flag naming the caption column in error messages (default ``--{caption_role}_column``).
 
     Returns:
         Split name -> source.
@@ -470,10 +483,12 @@ def open_splits(
     }
     if not dataset_name and not file_specs:
         raise DataError(
-            "no data given: pass dataset_name (a hub id, a save_to_disk folder or a folder of parquet files) "
-            "or train_file / validation_file / test_file (.parquet, .jsonl, .json, .csv or .tar)"
+            "no data given: pass --dataset_name (a hub id, a save_to_disk folder or a folder of parquet files) "
+            "or --train_file / --validation_file / --test_file (.parquet, .jsonl, .json, .csv or .tar)"
         )
-    columns = _Columns(image_column, caption_column, id_column, tuple(extra_columns), caption_role, image_id_column)
+    columns = _Columns(
+        image_column, caption_column, id_column, tuple(extra_columns), caption_role, image_id_column, caption_flag
+    )
     # Resolve every pattern first so a typo fails before any slow dataset loading.
     local = {split: resolve_files(spec) for split, spec in file_specs.items() if not is_stream_spec(spec)}
     for files in local.values():

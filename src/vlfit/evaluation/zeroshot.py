@@ -67,10 +67,15 @@ def open_zeroshot_sets(
     sets = []
     for dataset, name in zip(dataset_names, names, strict=True):
         labelled, _ = labelled_splits(
-            dataset, train_split=split, eval_split=split, label_column=label_column, image_column=image_column
-        )
+            dataset, train_split=split, eval_split=split, label_column=label_column, image_column=image_column,
+            flags=_FLAGS,
+        )  # fmt: skip
         sets.append(ZeroShotSet(name, labelled, tuple(templates)))
     return sets
+
+
+# What the labelled splits' error messages call the options: ``vlfit train``'s flags of the zero-shot sets.
+_FLAGS = {"label": "--zeroshot_label_column", "train_split": "--zeroshot_split", "eval_split": "--zeroshot_split"}
 
 
 def _metric_name(dataset: str) -> str:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -40,52 +42,74 @@ class LabelledSplit:
         return LabelledSplit(self.source.select(rows), self.labels[rows], self.class_names, self.label_column)
 
 
-def _row_names(source: ImageTextSource, label_column: str) -> list[str]:
+def _row_names(source: ImageTextSource, label_column: str, label_flag: str) -> list[str]:
     names = source.captions()
     for row, name in enumerate(names):
         if name is None or not str(name).strip():
             raise DataError(
-                f"{source.name}: row {row} has no value in label column {label_column!r}; drop unlabelled rows first"
+                f"{source.name}: row {row} has no value in label column {label_column!r} ({label_flag}); drop "
+                "unlabelled rows first"
             )
     return [str(name) for name in names]
 
 
 def labelled_splits(
-    dataset_name: str,
+    dataset_name: str | None = None,
     *,
     train_split: str,
     eval_split: str,
     label_column: str,
     image_column: str = "image",
+    data: Mapping[str, Any] | None = None,
+    flags: Mapping[str, str] | None = None,
 ) -> tuple[LabelledSplit, LabelledSplit]:
     """The split the shots come from and the split accuracy is measured on.
 
     The classes are those of the training split, in the order of a ``ClassLabel`` column's names (sorted for a
     text column).
 
+    Args:
+        dataset_name: The dataset, in any form ``vlfit.data.sources.open_splits`` opens.
+        train_split: The split the shots come from.
+        eval_split: The split accuracy is measured on (may be ``train_split``).
+        label_column: The class column.
+        image_column: The image column.
+        data: More ``open_splits`` keyword arguments: ``train_file``, ``validation_file``, ``test_file`` (splits
+            ``train``, ``validation``, ``test``), ``dataset_config_name``, ``data_dir``, ``cache_dir``...
+        flags: The flags that name the label column and the two splits in error messages (keys ``label``,
+            ``train_split``, ``eval_split``; defaults ``--label_column``, ``--train_split``, ``--eval_split``).
+
     Raises:
-        ValueError: naming the column or split, when the label column does not exist, a row has no label, the
+        DataError: naming the flag, when the label column or a split does not exist, a row has no label, the
             training split holds fewer than two classes, or the evaluation split holds a class the training split
             lacks.
     """
-    from vlfit.inference.collection import open_dataset_splits
+    from vlfit.data.sources import open_splits  # only here: it imports the datasets library
 
-    sources = open_dataset_splits(
-        dataset_name,
-        list(dict.fromkeys((train_split, eval_split))),
+    flags = {"label": "--label_column", "train_split": "--train_split", "eval_split": "--eval_split", **(flags or {})}
+    label_flag = flags["label"]
+    opened = open_splits(
+        dataset_name=dataset_name,
+        **(data or {}),
         image_column=image_column,
         caption_column=label_column,
         caption_role="label",
+        caption_flag=label_flag,
     )
-    train_source, eval_source = sources[train_split], sources[eval_split]
-    train_names, eval_names = _row_names(train_source, label_column), _row_names(eval_source, label_column)
+    for split, flag in ((train_split, flags["train_split"]), (eval_split, flags["eval_split"])):
+        if split not in opened:
+            given = dataset_name or "the data files given"
+            raise DataError(f"{given} has no split {split!r}; its splits: {', '.join(opened)}. Pick one with {flag}")
+    train_source, eval_source = opened[train_split], opened[eval_split]
+    train_names = _row_names(train_source, label_column, label_flag)
+    eval_names = _row_names(eval_source, label_column, label_flag)
     present = set(train_names)
     declared = getattr(train_source, "class_names", None)
     class_names = [name for name in declared if name in present] if declared else sorted(present)
     if len(class_names) < 2:
         raise DataError(
             f"label column {label_column!r} of split {train_split!r} holds {len(class_names)} class "
-            f"({', '.join(map(repr, class_names))}); classification needs at least two: pick another --label_column"
+            f"({', '.join(map(repr, class_names))}); classification needs at least two: pick another {label_flag}"
         )
     unknown = sorted(set(eval_names) - present)
     if unknown:
