@@ -236,11 +236,12 @@ def evaluate(**flags: Any) -> RunResult:
 
 @dataclass(frozen=True)
 class SearchHit:
-    """One result of ``Index.search``: the item's id (its path in the image folder, or the dataset sample's id)
-    and its cosine score."""
+    """One result of ``Index.search``: the item's id (its path in the image folder, or the dataset image's id),
+    its cosine score, and the image's captions when the index stores them."""
 
     id: str
     score: float
+    captions: list[str] | None = None
 
 
 class Index:
@@ -284,6 +285,7 @@ class Index:
         split: str = "test",
         image_column: str = "image",
         caption_column: str | None = "image_description",
+        image_id_column: str | None = None,
         batch_size: int = 32,
         num_workers: int = 0,
         shard_size: int = 4096,
@@ -295,7 +297,9 @@ class Index:
         """Embed a folder of images (``images``) or a dataset split into the index at ``path`` (created, or resumed
         and appended to when it exists: only items not in it yet are embedded; an index of another model is
         refused), then bring its ANN structure up to date as ``vlfit retrieve index`` does (``index_type``:
-        ``auto``, ``flat``, ``hnsw`` or ``ivfpq``; needs the serve extra)."""
+        ``auto``, ``flat``, ``hnsw`` or ``ivfpq``; needs the serve extra). A dataset's rows that show one image
+        (one ``image_id_column`` value, one row of a list caption column, or identical bytes) are one item with all
+        their captions, as evaluation groups them."""
         from vlfit.extras import require_extra
         from vlfit.inference.ann import DEFAULT_MAX_INDEX_MEMORY
         from vlfit.inference.collection import open_image_collection
@@ -306,7 +310,7 @@ class Index:
 
         source, collection = open_image_collection(
             images=images, dataset_name=dataset_name, split=split, image_column=image_column,
-            caption_column=caption_column,
+            caption_column=caption_column, image_id_column=image_id_column,
         )  # fmt: skip
         model = load(model) if isinstance(model, str) else model
         build_index(
@@ -356,5 +360,5 @@ class Index:
         else:
             embeddings = torch.from_numpy(self.model.encode_texts(queries))
         hits = search(self._index, embeddings, k)
-        results = [[SearchHit(hit.id, hit.score) for hit in row] for row in hits]
+        results = [[SearchHit(hit.id, hit.score, hit.captions) for hit in row] for row in hits]
         return results[0] if single else results

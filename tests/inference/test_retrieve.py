@@ -374,3 +374,49 @@ def test_indexing_without_faiss_stops_in_one_line_before_embedding(image_folder,
         "pip install 'vlfit[serve]'"
     )
     assert not (tmp_path / "index").exists()
+
+
+def test_captions_of_one_image_are_one_item_with_all_its_captions(tiny_checkpoint, tmp_path, capsys):
+    # 8 images x 3 captions: rows with an image_id column (by the column, and by their identical bytes), and one
+    # row per image with a list caption column. Each way: 8 items, each with its 3 captions, one embedding each.
+    from .several_captions import IMAGES, captions_of, write_caption_lists, write_csv
+
+    csv_file = write_csv(tmp_path / "csv")
+    lists = write_caption_lists(tmp_path / "lists")
+    common = ["retrieve", "index", "--model", str(tiny_checkpoint), "--dataloader_num_workers", "0",
+              "--disable_tqdm", "true", "--batch_size", "5"]  # fmt: skip
+    variants = {
+        "by_id": ["--dataset_name", str(csv_file), "--split", "train", "--image_column", "file_name",
+                  "--caption_column", "caption", "--image_id_column", "image_id"],
+        "by_bytes": ["--dataset_name", str(csv_file), "--split", "train", "--image_column", "file_name",
+                     "--caption_column", "caption"],
+        "lists": ["--dataset_name", str(lists), "--caption_column", "captions"],
+    }  # fmt: skip
+    for name, argv in variants.items():
+        out = tmp_path / name
+        assert main([*common, *argv, "--output_dir", str(out)]) == 0, name
+        index = EmbeddingIndex(str(out))
+        assert len(index) == IMAGES, (name, index.ids())
+        captions = index.item_captions()
+        assert sorted(sorted(c) for c in captions.values()) == [captions_of(n) for n in range(IMAGES)], name
+        if name == "by_id":
+            assert index.ids() == [f"img-{n}" for n in range(IMAGES)]
+        result = _query_json(capsys, "--index", str(out), "--text", "picture 3 caption 1", "-k", "3", "--exact")
+        hits = result["queries"][0]["results"]
+        assert len({hit["id"] for hit in hits}) == 3, (name, hits)
+        assert all(hit["captions"] == captions[hit["id"]] for hit in hits)
+
+
+def test_index_build_takes_the_image_id_column_and_its_hits_carry_the_captions(tiny_checkpoint, tmp_path):
+    import vlfit
+
+    from .several_captions import IMAGES, captions_of, write_csv
+
+    csv_file = write_csv(tmp_path / "csv")
+    index = vlfit.Index.build(str(tiny_checkpoint), str(tmp_path / "index"), dataset_name=str(csv_file),
+                              split="train", image_column="file_name", caption_column="caption",
+                              image_id_column="image_id")  # fmt: skip
+    assert len(index) == IMAGES
+    hits = index.search("picture 5 caption 2", k=4)
+    assert len({hit.id for hit in hits}) == 4
+    assert all(hit.captions == captions_of(int(hit.id.split("-")[1])) for hit in hits)

@@ -48,6 +48,14 @@ class IndexArguments:
     split: str = field(default="test", metadata={"help": "Split of --dataset_name."})
     image_column: str = field(default="image", metadata={"help": "Image column of --dataset_name."})
     caption_column: str = field(default="image_description", metadata={"help": "Caption column of --dataset_name."})
+    image_id_column: str | None = field(
+        default=None,
+        metadata={
+            "help": "Column of --dataset_name naming the image a row shows: rows of one image are one item, with all "
+            "their captions (as vlfit eval groups them). Default: rows with identical image bytes are one image; a "
+            "list caption column's row is one image."
+        },
+    )
     backend: Backend = field(default="auto", metadata={"help": "auto: the model folder's own runtime."})
     precision: Precision = field(default="auto", metadata={"help": "Exported graphs: auto (INT8 when exported)."})
     batch_size: int = field(default=32, metadata={"help": "Images per forward pass."})
@@ -206,7 +214,7 @@ def run_query(argv: list[str]) -> int:
     results = search(index, embeddings, args.k, chunk_elements=args.chunk_elements, exact=args.exact)
     if args.json:
         out = [
-            {"query": q.description, "results": [{"id": hit.id, "score": hit.score} for hit in hits]}
+            {"query": q.description, "results": [hit.to_dict() for hit in hits]}
             for q, hits in zip(queries, results, strict=True)
         ]
         print(json.dumps({"model": encoder.description, "queries": out}, indent=1))
@@ -215,6 +223,8 @@ def run_query(argv: list[str]) -> int:
             print(q.description)
             for rank, hit in enumerate(hits, start=1):
                 print(f"  {rank:>3}  {hit.score:.4f}  {hit.id}")
+                for caption in hit.captions or ():
+                    print(f"{'':>15}{caption}")
     return 0
 
 

@@ -1,10 +1,17 @@
 """Which records show the same image, from their image keys (``vlfit.data.records.image_key``): the unique images
-in the order they first appear. Evaluation scores over them; ``--caption_sampling one_per_image`` walks them."""
+in the order they first appear. Evaluation scores over them; ``--caption_sampling one_per_image`` walks them; an
+index embeds each once, with all its captions (``image_items``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from vlfit.data.source_base import ImageTextSource
 
 
 def group_images(image_keys: torch.Tensor | None, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,3 +44,42 @@ def image_groups(image_keys: np.ndarray) -> list[np.ndarray]:
     image_of_record = image_of_record.numpy()
     by_image = np.argsort(image_of_record, kind="stable")
     return np.split(by_image, np.cumsum(np.bincount(image_of_record))[:-1])
+
+
+@dataclass(frozen=True)
+class ImageItems:
+    """The unique images of a source (``image_groups``' order), each one item with every caption it has: what an
+    index embeds (one embedding per image) and what its results show.
+
+    Attributes:
+        rows: Each image's first record, in the source (its bytes are the image's).
+        record_ids: That record's id.
+        ids: Each image's id: its ``--image_id_column`` value when it has one, else its first record's id.
+        captions: Each image's captions, in record order (``None``: the source has no captions, an image folder).
+    """
+
+    rows: list[int]
+    record_ids: list[str]
+    ids: list[str]
+    captions: list[list[str]] | None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def image_items(source: ImageTextSource) -> ImageItems:
+    """The unique images of ``source`` as ``ImageItems``: records with equal ``Record.image_key`` (one
+    ``--image_id_column`` value, one row of a list caption column, or identical bytes) are one image, as
+    evaluation scores them. Reads every record's bytes once unless the source knows its image ids."""
+    if not len(source):
+        return ImageItems([], [], [], [])
+    groups = image_groups(source.image_keys())
+    captions = source.captions()
+    rows = [int(group[0]) for group in groups]
+    firsts = [source[row] for row in rows]
+    return ImageItems(
+        rows=rows,
+        record_ids=[record.id for record in firsts],
+        ids=[record.id if record.image_id is None else record.image_id for record in firsts],
+        captions=[[captions[int(row)] for row in group if captions[int(row)] is not None] for group in groups],
+    )

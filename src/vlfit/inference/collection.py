@@ -149,16 +149,23 @@ def open_dataset_split(
     image_column: str = "image",
     caption_column: str | None = "image_description",
     caption_role: str = "caption",
+    image_id_column: str | None = None,
 ) -> ImageTextSource:
     """One split of a dataset (hub id, ``save_to_disk`` folder, parquet folder), as ``vlfit train`` opens it.
 
-    ``caption_role`` names the caption column in error messages (``label`` when it holds classes).
+    ``caption_role`` names the caption column in error messages (``label`` when it holds classes);
+    ``image_id_column`` names the image each row shows (``Record.image_id``).
 
     Raises:
         ValueError: when the split does not exist.
     """
     (source,) = open_dataset_splits(
-        dataset_name, [split], image_column=image_column, caption_column=caption_column, caption_role=caption_role
+        dataset_name,
+        [split],
+        image_column=image_column,
+        caption_column=caption_column,
+        caption_role=caption_role,
+        image_id_column=image_id_column,
     ).values()
     return source
 
@@ -170,6 +177,7 @@ def open_dataset_splits(
     image_column: str = "image",
     caption_column: str | None = "image_description",
     caption_role: str = "caption",
+    image_id_column: str | None = None,
 ) -> dict[str, ImageTextSource]:
     """Several splits of a dataset, opened once (as ``open_dataset_split`` opens one).
 
@@ -179,7 +187,11 @@ def open_dataset_splits(
     from vlfit.data.sources import open_splits  # only here: it imports the datasets library
 
     opened = open_splits(
-        dataset_name=dataset_name, image_column=image_column, caption_column=caption_column, caption_role=caption_role
+        dataset_name=dataset_name,
+        image_column=image_column,
+        caption_column=caption_column,
+        caption_role=caption_role,
+        image_id_column=image_id_column,
     )
     for split in splits:
         if split not in opened:
@@ -220,7 +232,7 @@ class ShardCollection:
 
 
 # What an index records of the collection it embedded (``open_image_collection``'s arguments), per build.
-COLLECTION_KEYS = ("images", "dataset_name", "split", "image_column", "caption_column")
+COLLECTION_KEYS = ("images", "dataset_name", "split", "image_column", "caption_column", "image_id_column")
 
 
 def open_image_collection(
@@ -230,9 +242,11 @@ def open_image_collection(
     split: str = "test",
     image_column: str = "image",
     caption_column: str | None = "image_description",
+    image_id_column: str | None = None,
 ) -> tuple[ImageTextSource | ShardCollection, dict[str, Any]]:
     """What an index embeds: a folder of image files, a split of a dataset, or tar shards at URLs (a
-    ``ShardCollection``; ``split`` does not apply); and how to open it again.
+    ``ShardCollection``; ``split`` does not apply); and how to open it again. ``image_id_column`` names the image
+    a dataset row shows (rows of one image are one item; without it, rows with identical bytes are).
 
     Returns:
         The source, and its description for the index manifest (``COLLECTION_KEYS``; passed back as keyword
@@ -244,17 +258,26 @@ def open_image_collection(
     if (images is None) == (dataset_name is None):
         raise ConfigError("pass exactly one of --images (a folder of image files) or --dataset_name")
     if images is not None:
+        if image_id_column is not None:
+            raise ConfigError(
+                "--image_id_column names a column of --dataset_name; an image folder's files are its items"
+            )
         return ImageFolderSource(images), {"images": os.path.abspath(images)}
     if is_stream_spec(dataset_name):
         from vlfit.data.stream.urls import parse_sources
 
         urls = tuple(url for part in parse_sources(dataset_name, flag="--dataset_name") for url in part.urls)
-        layout = WebDatasetLayout(image_column=image_column, caption_column=caption_column or "txt")
-        collection = {"dataset_name": dataset_name, "image_column": image_column, "caption_column": caption_column}
+        layout = WebDatasetLayout(
+            image_column=image_column, caption_column=caption_column or "txt", image_id_column=image_id_column
+        )
+        collection = {"dataset_name": dataset_name, "image_column": image_column, "caption_column": caption_column,
+                      "image_id_column": image_id_column}  # fmt: skip
         return ShardCollection(dataset_name, urls, layout), {**collection, "streamed": True}
-    source = open_dataset_split(dataset_name, split, image_column=image_column, caption_column=caption_column)
+    source = open_dataset_split(
+        dataset_name, split, image_column=image_column, caption_column=caption_column, image_id_column=image_id_column
+    )
     collection = {"dataset_name": dataset_name, "split": split, "image_column": image_column,
-                  "caption_column": caption_column}  # fmt: skip
+                  "caption_column": caption_column, "image_id_column": image_id_column}  # fmt: skip
     return source, collection
 
 

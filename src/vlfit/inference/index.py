@@ -7,10 +7,15 @@ Layout::
                                  removed from their folder since, and the ANN structure (``ann``) if one was built
     shard-00000.safetensors      float32 embeddings [n, D] (or shard-00000.npy with --storage npy)
     shard-00000.json             the n item ids, in row order
+    shard-00000.captions.json    the n items' captions (a list each), for items of a dataset split or tar shards
     ann.faiss, ann.json          the approximate-nearest-neighbour structure over every row, and its description
                                  (``vlfit.inference.index_ann``; the shards stay the store of record)
 
-An item's id is the absolute path of its file for an image folder, the sample id for a dataset split. Building
+An item is one image. An image folder's items are its files, each id the file's absolute path. A dataset split's (or
+tar shard's) records that show one image (one ``--image_id_column`` value, one row of a list caption column, or
+identical bytes: ``vlfit.data.image_groups``, as evaluation groups them) are one item: embedded once, its id the
+image id or else its first record's id, and its captions all of theirs (``captions`` of the shard's manifest entry;
+an index built before items had captions has none). Building
 embeds, in collection order, every item whose id is not in the index yet (nor listed as bad), and writes a shard
 each ``shard_size`` items, the manifest after it: an interrupted build resumes at the first unwritten shard with the
 same batches, so its index equals one built in one go, and running it again over a folder that gained images
@@ -42,6 +47,7 @@ from tqdm.auto import tqdm
 
 from vlfit.atomic_files import replace_on_success, write_text_atomically
 from vlfit.data.batch import Batch
+from vlfit.data.image_groups import ImageItems, image_items
 from vlfit.data.source_base import ImageTextSource
 from vlfit.data.tar_source import TarSource
 from vlfit.errors import ConfigError, DataError, MissingFileError, first_line
@@ -62,7 +68,7 @@ class IndexManifest:
         identity: The model the embeddings come from.
         model: ``{"path", "backend", "precision"}`` of the encoder that built the index.
         storage: ``safetensors`` or ``npy``.
-        shards: ``{"embeddings", "ids", "count"}`` per shard, in order.
+        shards: ``{"embeddings", "ids", "count"}`` per shard, in order (and ``"captions"``: its items' captions).
         bad_samples: ``{"id", "reason"}`` of every item left out.
         collections: What was embedded into the index, one entry per build or append.
         removed: Ids of indexed items whose files have left their folder since (left out of results).
@@ -127,6 +133,7 @@ class EmbeddingIndex:
         with open(manifest_path, encoding="utf-8") as f:
             self.manifest = IndexManifest.from_dict(json.load(f))
         self.path = path
+        self._item_captions: dict[str, list[str]] | None = None
 
     def __len__(self) -> int:
         return self.manifest.count
@@ -150,6 +157,24 @@ class EmbeddingIndex:
 
     def ids(self) -> list[str]:
         return [item for shard in self.manifest.shards for item in self.shard_ids(shard)]
+
+    def shard_captions(self, shard: dict[str, Any]) -> list[list[str]] | None:
+        """The captions of each item of a shard, in row order (``None``: the shard stores none)."""
+        if not shard.get("captions"):
+            return None
+        with open(os.path.join(self.path, shard["captions"]), encoding="utf-8") as f:
+            return [list(captions) for captions in json.load(f)]
+
+    def item_captions(self) -> dict[str, list[str]]:
+        """Item id -> its captions, for the items whose shards store them (read once, then kept)."""
+        if self._item_captions is None:
+            found: dict[str, list[str]] = {}
+            for shard in self.manifest.shards:
+                captions = self.shard_captions(shard)
+                if captions is not None:
+                    found.update(zip(self.shard_ids(shard), captions, strict=True))
+            self._item_captions = found
+        return self._item_captions
 
     def removed_rows(self, ids: list[str] | None = None) -> list[int]:
         """The rows of items removed from their folder since they were indexed (``ids``: ``self.ids()``)."""
@@ -242,7 +267,14 @@ class ShardVectors:
         return out
 
 
-def _write_shard(folder: str, number: int, ids: list[str], embeddings: torch.Tensor, storage: str) -> dict[str, Any]:
+def _write_shard(
+    folder: str,
+    number: int,
+    ids: list[str],
+    embeddings: torch.Tensor,
+    storage: str,
+    captions: list[list[str]] | None = None,
+) -> dict[str, Any]:
     stem = f"shard-{number:05d}"
     name = f"{stem}.{storage}"
     with replace_on_success(os.path.join(folder, name)) as temp:
@@ -253,8 +285,12 @@ def _write_shard(folder: str, number: int, ids: list[str], embeddings: torch.Ten
             from safetensors.torch import save_file
 
             save_file({EMBEDDINGS_KEY: embeddings.contiguous()}, temp)
+    entry: dict[str, Any] = {"embeddings": name, "ids": f"{stem}.json", "count": len(ids)}
+    if captions is not None:
+        entry["captions"] = f"{stem}.captions.json"
+        write_text_atomically(os.path.join(folder, entry["captions"]), json.dumps(captions) + "\n")
     write_text_atomically(os.path.join(folder, f"{stem}.json"), json.dumps(ids) + "\n")
-    return {"embeddings": name, "ids": f"{stem}.json", "count": len(ids)}
+    return entry
 
 
 def write_manifest(folder: str, manifest: IndexManifest) -> None:
@@ -295,20 +331,15 @@ def write_index_from_embeddings(
     return manifest
 
 
-def _item_ids(source: ImageTextSource) -> Callable[[str], str]:
-    """Record id -> index id: a folder's files by absolute path, so two folders never collide."""
+def _items(source: ImageTextSource) -> ImageItems:
+    """The items of ``source``: a folder's files by absolute path (so two folders never collide), read from its
+    listing; a dataset split's unique images (``image_items``: this reads each record's bytes, not decoding them,
+    unless the split names its image ids)."""
     if isinstance(source, ImageFolderSource):
         root = os.path.abspath(source.root)
-        return lambda record_id: os.path.join(root, record_id)
-    return lambda record_id: record_id
-
-
-def _record_ids(source: ImageTextSource) -> list[str]:
-    """Every record's id. A folder lists its files; a dataset split reads its records (their bytes, without
-    decoding them), which only a resumed or appended build needs."""
-    if isinstance(source, ImageFolderSource):
-        return list(source.paths)
-    return [record.id for record in source]
+        paths = list(source.paths)
+        return ImageItems(list(range(len(paths))), paths, [os.path.join(root, path) for path in paths], None)
+    return image_items(source)
 
 
 def _removed_ids(source: ImageTextSource, manifest: IndexManifest, indexed: set[str]) -> list[str]:
@@ -369,7 +400,8 @@ def _record_round(
 def _embed_batches(
     encoder: Encoder, batches: Iterator[Batch], to_item: Callable[[str], str], count: int | None = None
 ) -> tuple[list[str], list[torch.Tensor], list[dict[str, str]]]:
-    """Ids, embeddings and bad items of the next ``count`` batches (``None``: all that are left)."""
+    """Item ids, embeddings and bad items of the next ``count`` batches (``None``: all that are left); ``to_item``
+    names the item of a record id."""
     ids: list[str] = []
     parts: list[torch.Tensor] = []
     bad: list[dict[str, str]] = []
@@ -458,12 +490,9 @@ def build_index(
         todo = [url for url in source.urls if url not in done]
         manifest.collections.append({**collection, "shards": len(source.urls), "new_shards": len(todo)})
     else:
-        to_item = _item_ids(source)
-        rows = (
-            [i for i, record_id in enumerate(_record_ids(source)) if to_item(record_id) not in done] if done else None
-        )
-        todo = list(range(len(source))) if rows is None else rows
-        manifest.collections.append({**collection, "items": len(source), "new": len(todo)})
+        items = _items(source)
+        todo = [i for i, item in enumerate(items.ids) if item not in done]
+        manifest.collections.append({**collection, "items": len(items), "records": len(source), "new": len(todo)})
     if todo:
         manifest.ann = None  # it will not cover the new shards: queries scan them until it is brought up to date
     if world_size > 1:
@@ -483,7 +512,7 @@ def build_index(
         rows_per_shard = -(-shard_size // batch_size) * batch_size
         shards = [todo[start : start + rows_per_shard] for start in range(0, len(todo), rows_per_shard)]
         sizes, unit = [len(shard) for shard in shards], "img"
-        parts = _embed_rows(encoder, source, shards, output_dir, first_number, manifest.storage, **embed)
+        parts = _embed_rows(encoder, source, items, shards, output_dir, first_number, manifest.storage, **embed)
     bar = tqdm(total=sum(sizes), unit=unit, desc="index", disable=not (progress and lead))
     rounds = 0
     try:
@@ -503,6 +532,7 @@ def build_index(
 def _embed_rows(
     encoder: Encoder,
     source: ImageTextSource,
+    items: ImageItems,
     shards: list[list[int]],
     output_dir: str,
     first_number: int,
@@ -513,12 +543,12 @@ def _embed_rows(
     rank: int,
     world_size: int,
 ) -> Iterator[_ShardPart]:
-    """This process's shards of rows (positions ``rank``, ``rank + world_size``...), each embedded into one index
-    shard file, through one loader over all of them."""
+    """This process's shards of items (positions ``rank``, ``rank + world_size``...), each embedded into one index
+    shard file, through one loader over all of them (an item's first record stands for its image)."""
     mine = list(range(rank, len(shards), world_size))
-    to_item = _item_ids(source)
+    to_item = _item_of_record(items)
     batches = host_batches(
-        source.select([row for position in mine for row in shards[position]]),
+        source.select([items.rows[item] for position in mine for item in shards[position]]),
         encoder.spec,
         batch_size=batch_size,
         num_workers=num_workers,
@@ -526,8 +556,25 @@ def _embed_rows(
     batch_iter = iter(batches)
     for position in mine:
         ids, parts, bad = _embed_batches(encoder, batch_iter, to_item, -(-len(shards[position]) // batch_size))
-        entry = _write_shard(output_dir, first_number + position, ids, torch.cat(parts), storage) if ids else None
+        entry = _write_items(output_dir, first_number + position, ids, parts, storage, items) if ids else None
         yield _ShardPart(position, entry, bad)
+
+
+def _item_of_record(items: ImageItems) -> Callable[[str], str]:
+    """The item id of a record id (of an item's first record: the one embedded)."""
+    item_of = dict(zip(items.record_ids, items.ids, strict=True))
+    return lambda record_id: item_of.get(record_id, record_id)
+
+
+def _write_items(
+    folder: str, number: int, ids: list[str], parts: list[torch.Tensor], storage: str, items: ImageItems
+) -> dict[str, Any]:
+    """``_write_shard`` of embedded items, with their captions when the items have some."""
+    captions = None
+    if items.captions is not None:
+        captions_of = dict(zip(items.ids, items.captions, strict=True))
+        captions = [captions_of[item] for item in ids]
+    return _write_shard(folder, number, ids, torch.cat(parts), storage, captions)
 
 
 FETCH_FOLDER = ".fetching"  # inside the index folder: the tar shards being embedded, one process's each
@@ -571,10 +618,16 @@ def _embed_shards(
                 path = fetching.result()
                 layout = shards.layout
                 tar = TarSource(
-                    [path], name=f"shard {url}", image_column=layout.image_column, caption_column=layout.caption_column
+                    [path],
+                    name=f"shard {url}",
+                    image_column=layout.image_column,
+                    caption_column=layout.caption_column,
+                    image_id_column=layout.image_id_column,
                 )
-                batches = iter(host_batches(tar, encoder.spec, batch_size=batch_size, num_workers=num_workers))
-                ids, parts, bad = _embed_batches(encoder, batches, lambda key: key)
+                items = image_items(tar)  # the images of this tar shard (one shard's captions are grouped)
+                selected = tar.select(items.rows)
+                batches = iter(host_batches(selected, encoder.spec, batch_size=batch_size, num_workers=num_workers))
+                ids, parts, bad = _embed_batches(encoder, batches, _item_of_record(items))
             except (ShardUnreadableError, DataError) as err:
                 yield _ShardPart(position, None, [{"id": url, "reason": f"shard not indexed: {first_line(err, 300)}"}])
                 continue
@@ -583,10 +636,7 @@ def _embed_shards(
                     os.remove(path)
             entry = None
             if ids:
-                entry = {
-                    **_write_shard(output_dir, first_number + position, ids, torch.cat(parts), storage),
-                    "source": url,
-                }
+                entry = {**_write_items(output_dir, first_number + position, ids, parts, storage, items), "source": url}
             yield _ShardPart(position, entry, bad)
     shutil.rmtree(folder, ignore_errors=True)
     with contextlib.suppress(OSError):

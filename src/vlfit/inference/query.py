@@ -45,10 +45,20 @@ class Query:
 
 @dataclass(frozen=True)
 class Hit:
-    """One result: the item's id and its cosine score."""
+    """One result: the item's id, its cosine score, and its captions when the index stores them (every caption of
+    the image, for a dataset split's items)."""
 
     id: str
     score: float
+    captions: list[str] | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        """``{"id", "score"}``, and ``"captions"`` when there are some."""
+        return {
+            "id": self.id,
+            "score": self.score,
+            **({"captions": self.captions} if self.captions is not None else {}),
+        }
 
 
 def read_queries(path: str) -> list[Query]:
@@ -131,13 +141,19 @@ def search(
         chunk_elements: Largest number of scores held at once (exact scan).
         exact: Scan the shards even when the index has an ANN structure.
     """
+    results = None
     if not exact and index.manifest.ann:
         from vlfit.inference.index_ann import open_ann
 
         ann = open_ann(index)
         if ann is not None:
-            return _ann_search(index, ann, queries, k)
-    return _exact_search(index, queries, k, chunk_elements)
+            results = _ann_search(index, ann, queries, k)
+    if results is None:
+        results = _exact_search(index, queries, k, chunk_elements)
+    captions = index.item_captions()
+    if not captions:
+        return results
+    return [[Hit(hit.id, hit.score, captions.get(hit.id)) for hit in hits] for hits in results]
 
 
 def _ann_search(index: EmbeddingIndex, ann: AnnIndex, queries: torch.Tensor, k: int) -> list[list[Hit]]:
