@@ -2,10 +2,11 @@
 
 ``ShardServer`` listens on 127.0.0.1 on a port the OS picks (``http.server.ThreadingHTTPServer`` in a thread) and
 serves the files given to it, honouring ``Range: bytes=a-b`` as fsspec's HTTP files send it (206 with
-``Content-Range``). Faults are set per path: ``fail`` answers a status (500, 404...) to the next requests,
-``drop`` cuts the connection midway through a body, ``stall`` sends the headers of a GET and then nothing until the
-server closes (a stall beyond the client's timeout). ``requests`` logs what was asked. Every wait is bounded and
-``close`` (or leaving the ``with`` block) releases stalled handlers and stops the server.
+``Content-Range``), or with ``ranges=False`` ignoring it as ``python -m http.server`` and many static hosts do (200
+with the whole file, no ``Accept-Ranges``). Faults are set per path: ``fail`` answers a status (500, 404...) to the
+next requests, ``drop`` cuts the connection midway through a body, ``stall`` sends the headers of a GET and then
+nothing until the server closes (a stall beyond the client's timeout). ``requests`` logs what was asked. Every wait
+is bounded and ``close`` (or leaving the ``with`` block) releases stalled handlers and stops the server.
 
 ``webdataset_shard`` writes a shard of small synthetic JPEGs with a ``.txt`` caption and a ``.json`` per sample.
 """
@@ -71,8 +72,9 @@ class _Fault:
 class ShardServer:
     """Files over HTTP on loopback, with faults per path (see the module's docstring)."""
 
-    def __init__(self, files: dict[str, bytes] | None = None) -> None:
+    def __init__(self, files: dict[str, bytes] | None = None, *, ranges: bool = True) -> None:
         self.files: dict[str, bytes] = dict(files or {})
+        self.ranges = ranges
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range header)
         self._faults: dict[str, list[_Fault]] = {}
         self._lock = threading.Lock()
@@ -169,7 +171,7 @@ class _Handler(BaseHTTPRequestHandler):
         size = len(data) if data is not None else 0
         start, end, partial = 0, size, False
         match = _RANGE.match(requested or "")
-        if match and data is not None:
+        if match and data is not None and owner.ranges:
             first, last = match.groups()
             start = int(first) if first else max(0, size - int(last or 0))
             end = min(size, int(last) + 1) if first and last else size
@@ -184,7 +186,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(206 if partial else 200)
         self.send_header("Content-Type", "application/x-tar")
         self.send_header("Content-Length", str(end - start))
-        self.send_header("Accept-Ranges", "bytes")
+        if owner.ranges:
+            self.send_header("Accept-Ranges", "bytes")
         if partial:
             self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
         self.end_headers()

@@ -24,6 +24,7 @@ from vlfit.data.stream import (
     StreamSource,
     parse_sources,
 )
+from vlfit.data.stream.fetch import fetch_shards
 from vlfit.data.stream.order import pick
 from vlfit.data.tar_source import TarSource, WebDatasetLayout
 from vlfit.errors import ConfigError, MissingFileError
@@ -233,6 +234,47 @@ def test_a_connection_dropped_midway_resumes_without_duplicates(server: ShardSer
         assert gets[-1] and not gets[-1].startswith("bytes=0-")
     else:  # a streamed GET cannot seek: it is read again from the start, the samples already yielded skipped
         assert gets == [None, None]
+
+
+def test_a_server_that_ignores_range_is_read_whole_by_streams_and_copies(
+    shard_files: dict[str, bytes], tmp_path: Path
+) -> None:
+    with ShardServer(shard_files, ranges=False) as plain:  # 200 and the whole file to every Range request
+        stream = ShardStream(parse_sources(_http(plain)), reader=_reader(), shuffle_shards=False)
+        items = list(stream)
+        for item in items:
+            stream.mark_consumed(item.position)
+        assert _ids(items) == _all_keys("a") and stream.bad_shards == [] and stream.bad_sample_count == 0
+        gets = [r for method, path, r in plain.requests if method == "GET" and path != "/a/000.tar"]
+        assert gets and all(r is None for r in gets)  # once seen, the host's shards are one plain GET each
+
+        copies = fetch_shards([plain.url("/b/000.tar")], _reader(), str(tmp_path))
+        assert Path(copies[0]).read_bytes() == shard_files["/b/000.tar"]
+
+
+def test_permanent_errors_are_given_up_at_once_and_transient_ones_retried(shard_files: dict[str, bytes]) -> None:
+    html = b"<!DOCTYPE html><html><body>" + b"Sorry, this page moved. " * 40 + b"</body></html>"
+    files = {**shard_files, "/a/002.tar": html}
+    with ShardServer(files) as server:
+        server.files.pop("/a/001.tar")  # 404
+        server.fail("/a/003.tar", 403)
+        server.fail("/a/004.tar", 410)
+        server.fail("/a/005.tar", 503, times=2)  # transient (fsspec's HEAD, then its GET): read whole on the retry
+        reader = _reader(retries=3, backoff=0.3)  # a retry of each permanent error would wait 0.3 + 0.6 + 1.2 s
+        stream = ShardStream(parse_sources(_http(server)), reader=reader, shuffle_shards=False)
+        started = time.monotonic()
+        items = list(stream)
+        elapsed = time.monotonic() - started
+        for item in items:
+            stream.mark_consumed(item.position)
+        assert _ids(items) == [k for k in _all_keys("a") if k.startswith(("a0-", "a5-"))]
+        bad = {shard.url.rsplit("/", 1)[1]: shard.reason for shard in stream.bad_shards}
+        assert sorted(bad) == ["001.tar", "002.tar", "003.tar", "004.tar"]
+        assert "404" in bad["001.tar"] and "not a tar archive" in bad["002.tar"] and "HTML" in bad["002.tar"]
+        assert "403" in bad["003.tar"] and "410" in bad["004.tar"]
+        heads = Counter(path for method, path, _ in server.requests if method == "HEAD")
+        assert [heads[f"/a/00{i}.tar"] for i in range(1, 5)] == [1, 1, 1, 1]  # opened once: no retry
+        assert heads["/a/005.tar"] == 2 and 0.3 <= elapsed < 1.5  # one retry, after one backoff
 
 
 def test_missing_and_stalled_shards_become_bad_shards_and_the_rest_is_read(server: ShardServer) -> None:

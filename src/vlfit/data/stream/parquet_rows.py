@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 from vlfit.data.bad_samples import BadSampleInfo
 from vlfit.data.records import BadRecordError, Record, image_value_to_bytes
 from vlfit.data.source_base import as_caption, default_id_column
+from vlfit.data.stream.tar_members import NotAShardError
 from vlfit.data.tar_source import WebDatasetLayout
 from vlfit.errors import DataError
 
@@ -35,9 +36,13 @@ def parquet_rows(
     Raises:
         DataError: when the file lacks the image or caption column (naming the columns it has).
     """
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    parquet = pq.ParquetFile(file)
+    try:
+        parquet = pq.ParquetFile(file)
+    except pa.ArrowInvalid as err:  # "Parquet magic bytes not found": an error page, another format
+        raise NotAShardError(f"not a parquet file: {err}") from err
     names = parquet.schema_arrow.names
     for role, column in (("image", layout.image_column), ("caption", layout.caption_column)):
         if column not in names:

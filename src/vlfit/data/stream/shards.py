@@ -6,11 +6,23 @@ bytes arrive and nothing is downloaded ahead of the reader beyond fsspec's read-
 consecutive members with the same key (WebDataset writes them so); ``WebDatasetLayout`` makes its record by the
 rules ``TarSource`` reads shards with.
 
-A fault (HTTP 404/500, a reset connection, a read that stalls past ``timeout``, a truncated archive) is retried
-``retries`` times with exponential backoff. A retry resumes at the first sample not yet yielded: it seeks to that
-sample's first tar header when the file can seek (fsspec's HTTP files do, with Range requests), otherwise it reads
-from the start again and skips what was already yielded. The count of retries starts again after any progress. When
-the retries are spent the shard is given up with ``ShardUnreadableError`` carrying a ``BadShard``.
+A transient fault (HTTP 5xx, a refused or reset connection, a read that stalls past ``timeout``, a truncated
+archive) is retried ``retries`` times with exponential backoff. A permanent one is not: an HTTP status that no retry
+changes (404, 403, 410...), a body that is not a tar or parquet file (an HTML error page), a missing local file; the
+shard is given up at once. A shard given up because its host cannot be reached at all (connection refused, no such
+host) is marked ``unreachable``: the stream stops there instead of counting the shard as lost (a dead server).
+
+A server that ignores ``Range`` requests (it answers 200 with the whole file, as ``python -m http.server`` and many
+static hosts do) cannot serve fsspec's block reads past the first block. The first time that is seen for a host,
+the host is remembered (per process) and its shards are read from then on as whole-file streams (fsspec's
+``block_size=0``): one GET per shard, read front to back; the shard being read continues from its start, the
+samples already yielded skipped, without counting a retry. ``storage_options={"block_size": 0}`` (or
+``--shard_block_size 0``) asks for that from the start.
+
+A retry resumes at the first sample not yet yielded: it seeks to that sample's first tar header when the file can
+seek (fsspec's HTTP files do, with Range requests), otherwise it reads from the start again and skips what was
+already yielded. The count of retries starts again after any progress. When the retries are spent the shard is
+given up with ``ShardUnreadableError`` carrying a ``BadShard``.
 """
 
 from __future__ import annotations
@@ -24,11 +36,12 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import IO, Any
+from urllib.parse import urlsplit
 
 from vlfit.data.bad_samples import BadSampleInfo, describe_error
 from vlfit.data.records import BadRecordError, Record
 from vlfit.data.stream.parquet_rows import is_parquet, parquet_rows
-from vlfit.data.stream.tar_members import TarMembers
+from vlfit.data.stream.tar_members import NotAShardError, TarMembers
 from vlfit.data.stream.urls import is_http, protocol
 from vlfit.data.tar_source import WebDatasetLayout, split_member_name
 from vlfit.errors import ConfigError, DataError, UserError, first_line
@@ -50,11 +63,14 @@ class BadShard:
         url: The shard.
         reason: The last error, with its causes (``FileNotFoundError: ... (ClientResponseError: 500, ...)``).
         samples_read: How many of its samples were read (and yielded) before it was given up.
+        unreachable: Its host could not be reached (connection refused, no such host): the source is down, not
+            the shard bad; the stream stops there (``RoleReader``) rather than counting it lost.
     """
 
     url: str
     reason: str
     samples_read: int
+    unreachable: bool = False
 
 
 class ShardUnreadableError(DataError):
@@ -83,15 +99,69 @@ def _faults() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-def describe_fault(error: BaseException) -> str:
-    """``Type: first line`` of ``error`` and of each error that caused it (fsspec hides HTTP statuses as causes)."""
-    parts, seen = [], set()
+# HTTP statuses no retry changes: the shard is not there, or not for us. 408 (timeout), 425 and 429 (too many
+# requests) are a server's "later", retried like 5xx.
+_TRANSIENT_CLIENT_STATUSES = frozenset({408, 425, 429})
+# Hosts (netlocs) seen to ignore Range requests, read as whole-file streams from then on (per process).
+_WHOLE_FILE_HOSTS: set[str] = set()
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    """``error`` and each error that caused it (fsspec hides HTTP statuses and connection errors as causes)."""
+    seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
+        yield current
+        current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
+
+
+def http_status(error: BaseException) -> int | None:
+    """The HTTP status of the response behind ``error`` (``None`` when no response came)."""
+    try:
+        from aiohttp import ClientResponseError
+    except ImportError:  # pragma: no cover - no HTTP without aiohttp
+        return None
+    return next((err.status for err in _chain(error) if isinstance(err, ClientResponseError)), None)
+
+
+def is_permanent(url: str, error: BaseException) -> bool:
+    """Whether no retry can read ``url`` after ``error``: a 4xx status other than 408/425/429, a body that is not
+    a tar or parquet file, a local file that is not there."""
+    status = http_status(error)
+    if status is not None:
+        return 400 <= status < 500 and status not in _TRANSIENT_CLIENT_STATUSES
+    if any(isinstance(err, NotAShardError) for err in _chain(error)):
+        return True
+    return protocol(url) in ("file", "local") and isinstance(error, FileNotFoundError)
+
+
+def is_unreachable(error: BaseException) -> bool:
+    """Whether ``error`` means the host could not be reached at all (refused, no such host): no response came."""
+    if http_status(error) is not None:
+        return False
+    try:
+        from aiohttp import ClientConnectorError
+    except ImportError:  # pragma: no cover - no HTTP without aiohttp
+        ClientConnectorError = ConnectionRefusedError  # noqa: N806
+    return any(isinstance(err, (ConnectionRefusedError, ClientConnectorError)) for err in _chain(error))
+
+
+def _ignores_range(error: BaseException) -> bool:
+    """Whether ``error`` is fsspec's refusal of a server that answered a Range request with the whole file."""
+    return any(isinstance(err, ValueError) and "support range requests" in str(err) for err in _chain(error))
+
+
+def _host(url: str) -> str:
+    return urlsplit(url).netloc.lower()
+
+
+def describe_fault(error: BaseException) -> str:
+    """``Type: first line`` of ``error`` and of each error that caused it (fsspec hides HTTP statuses as causes)."""
+    parts = []
+    for current in _chain(error):
         name, text = type(current).__name__, first_line(current, 300)
         parts.append(name if text == name else f"{name}: {text}")
-        current = current.__cause__ or current.__context__
     return parts[0] + "".join(f" ({part})" for part in parts[1:])
 
 
@@ -105,7 +175,11 @@ class ShardReader:
         timeout: Seconds one connection, or one read on it, may take before it counts as a fault
             (``--shard_timeout``); given to aiohttp for HTTP(S) URLs.
         backoff: Seconds before the first retry; each further retry waits twice as long.
-        storage_options: Passed to fsspec's filesystem (credentials, ``block_size``, ``client_kwargs``...).
+        storage_options: Passed to fsspec's filesystem (credentials, ``headers``, ``block_size``,
+            ``client_kwargs``...: ``--storage_options``).
+        block_size: Bytes fsspec fetches per request of a remote file (``--shard_block_size``); 0: each shard is
+            one whole-file stream (servers that ignore Range requests); ``None``: fsspec's default, with servers
+            that ignore Range detected and read as streams.
     """
 
     layout: WebDatasetLayout = field(default_factory=WebDatasetLayout)
@@ -113,6 +187,7 @@ class ShardReader:
     timeout: float = 60.0
     backoff: float = 1.0
     storage_options: Mapping[str, Any] = field(default_factory=dict)
+    block_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.retries < 0:
@@ -121,6 +196,8 @@ class ShardReader:
             raise ConfigError(f"--shard_timeout must be a positive number of seconds, not {self.timeout}")
         if self.backoff < 0:
             raise ConfigError(f"the retry backoff must be 0 or more seconds, not {self.backoff}")
+        if self.block_size is not None and self.block_size < 0:
+            raise ConfigError(f"--shard_block_size must be 0 (whole-file streams) or more bytes, not {self.block_size}")
 
     def open(self, url: str) -> IO[bytes]:
         """Open ``url`` for reading through fsspec, with ``timeout`` on every connection and read for HTTP(S)."""
@@ -141,7 +218,10 @@ class ShardReader:
         # block on each fetch, where the default "bytes" cache grows and trims it (copying ~10 MB per 5 MB block).
         # Each read through fsspec's Python-level cache costs ~35 us, and the tar reader makes two or more per
         # member (its 512-byte headers): a C buffer in between takes them in 1 MB calls.
-        file = fs.open(path, "rb", cache_type="readahead")
+        block: dict[str, Any] = {} if self.block_size is None else {"block_size": self.block_size}
+        if is_http(url) and _host(url) in _WHOLE_FILE_HOSTS:
+            block = {"block_size": 0}
+        file = fs.open(path, "rb", cache_type="readahead", **block)
         if isinstance(file, fsspec.spec.AbstractBufferedFile):
             buffer = min(READ_BUFFER_BYTES, file.blocksize) if file.blocksize else READ_BUFFER_BYTES
             return io.BufferedReader(file, buffer_size=buffer)  # no read bigger than the requests asked for
@@ -175,8 +255,9 @@ class ShardReader:
                     except UserError:  # the data or the settings are wrong: no retry reads it differently
                         raise
                     except faults as err:
-                        failures += 1
-                        self.retry_or_give_up(url, err, failures, reached)
+                        if not self._whole_file_from_now(url, err):
+                            failures += 1
+                            self.retry_or_give_up(url, err, failures, reached)
                         break
                     if next_known is not None:
                         known = next_known
@@ -239,20 +320,37 @@ class ShardReader:
                     except UserError:
                         raise
                     except faults as err:
-                        failures += 1
-                        self.retry_or_give_up(url, err, failures, 0)
+                        if not self._whole_file_from_now(url, err):
+                            failures += 1
+                            self.retry_or_give_up(url, err, failures, 0)
             os.replace(partial, path)
         finally:
             if os.path.exists(partial):
                 os.remove(partial)
         return written
 
+    def _whole_file_from_now(self, url: str, error: BaseException) -> bool:
+        """Whether ``error`` was a server ignoring Range requests on a host not yet known to: the host is then read
+        as whole-file streams, and the shard is tried again at once (not a retry)."""
+        if not (is_http(url) and _ignores_range(error)) or _host(url) in _WHOLE_FILE_HOSTS:
+            return False
+        _WHOLE_FILE_HOSTS.add(_host(url))
+        logger.warning(
+            "%s ignores Range requests (it answered with the whole file): its shards are read as whole-file streams "
+            "from now on (set --shard_block_size 0 to start so)",
+            _host(url),
+        )
+        return True
+
     def retry_or_give_up(self, url: str, error: BaseException, failures: int, reached: int) -> None:
-        """Wait before retry number ``failures``, or raise ``ShardUnreadableError`` when the retries are spent."""
+        """Wait before retry number ``failures``, or raise ``ShardUnreadableError`` when the retries are spent or
+        the error is permanent (``is_permanent``: no retry)."""
         reason = describe_fault(error)
-        if failures > self.retries:
-            logger.warning("gave up shard %s after %d retries (%d read): %s", url, self.retries, reached, reason)
-            bad = BadShard(url, reason, reached)
+        permanent = is_permanent(url, error)
+        if failures > self.retries or permanent:
+            how = "without retrying (a permanent error)" if permanent else f"after {self.retries} retries"
+            logger.warning("gave up shard %s %s (%d read): %s", url, how, reached, reason)
+            bad = BadShard(url, reason, reached, unreachable=not permanent and is_unreachable(error))
             raise ShardUnreadableError(f"shard {url} could not be read: {reason}", bad) from error
         wait = self.backoff * 2 ** (failures - 1)
         logger.debug("shard %s: %s; retry %d of %d in %.1f s", url, reason, failures, self.retries, wait)
