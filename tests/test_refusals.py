@@ -69,3 +69,14 @@ def test_model_is_an_alias_in_flags_files_and_keyword_arguments_too(tmp_path):
     assert parse_values({"model": "some/folder"}).training.output_dir == "some/folder"
     with pytest.raises(ConfigError, match="pass --model_name_or_path or --model, not both"):
         parse_values({"model": "a", "model_name_or_path": "b"})
+
+
+def test_a_missing_local_model_folder_is_said_to_be_missing_not_looked_for_on_the_hub(tmp_path, monkeypatch):
+    from vlfit.errors import MissingFileError
+    from vlfit.models.loading import resolve_model
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    for name in ("./runs/nothing", "runs/nothing", str(tmp_path / "nothing"), "runs/a/b"):
+        with pytest.raises(MissingFileError, match=rf"--model_name_or_path {name}: no such folder"):
+            resolve_model(parse_arguments(["--model", name, "--output_dir", "/tmp/unused"]).model)

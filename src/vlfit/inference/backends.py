@@ -100,7 +100,7 @@ class TorchEncoder(Encoder):
         if loaded is None:
             from vlfit.inference.loading import load_checkpoint  # only here: it imports transformers' models
 
-            loaded = load_checkpoint(model_path)
+            loaded = load_checkpoint(model_path, flag="--model")
         self.model_path = model_path
         self.spec = loaded.spec
         self.identity = loaded.identity
@@ -233,7 +233,9 @@ def resolve_backend(model_path: str, backend: str = "auto") -> str:
     if backend not in BACKENDS:
         raise ConfigError(f"unknown --backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
     if not os.path.isdir(model_path):
-        raise MissingFileError(f"{model_path}: no such model folder")
+        raise MissingFileError(
+            f"--model {model_path}: no such model folder ({os.path.abspath(model_path)} does not exist)"
+        )
     if is_exported_model(model_path):
         fmt = ExportedModel.open(model_path, check_source=False).format
         native = _FORMAT_BACKEND[fmt]

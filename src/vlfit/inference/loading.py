@@ -40,15 +40,22 @@ class LoadedCheckpoint:
         return self.bundle.inputs
 
 
-def load_checkpoint(path: str, max_seq_length: int = DEFAULT_MAX_SEQ_LENGTH) -> LoadedCheckpoint:
+def load_checkpoint(
+    path: str, max_seq_length: int = DEFAULT_MAX_SEQ_LENGTH, *, flag: str = "--model_name_or_path"
+) -> LoadedCheckpoint:
     """Load a local checkpoint folder for inference (fp32, eval mode, the sdpa attention path).
 
+    Args:
+        path: The checkpoint folder.
+        max_seq_length: Longest tokenized caption.
+        flag: The option that named the folder, for error messages.
+
     Raises:
-        FileNotFoundError: when the folder or its weights do not exist.
+        MissingFileError: naming ``flag``, when the folder or its weights do not exist.
         RefusedModelError: when the folder has no tokenizer.
     """
     if not os.path.isdir(path):
-        raise MissingFileError(f"{path}: no such checkpoint folder")
+        raise MissingFileError(f"{flag} {path}: no such checkpoint folder ({os.path.abspath(path)} does not exist)")
     if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
         raise RefusedModelError(
             f"{path}: the checkpoint has no tokenizer ({' or '.join(TOKENIZER_FILES)}); save one beside the weights "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
-from vlfit.errors import ConfigError, ModelLoadError, first_line
+from vlfit.errors import ConfigError, MissingFileError, ModelLoadError, first_line
 from vlfit.models.family import InputSpec, ModelFamily
 from vlfit.models.lora import adapter_base, is_adapter_folder, load_merged
 from vlfit.models.registry import family_for_config, family_for_preset
@@ -122,6 +123,30 @@ def with_attention_mask(tokenizer: Any) -> Any:
     return tokenizer
 
 
+def check_local_path(name: str, flag: str) -> None:
+    """Refuse a model name that can only be a local path (``./runs/x``, ``/abs/x``, ``a/b/c``, or ``runs/x`` where
+    ``runs`` is a local folder) when nothing is there, instead of asking the hub for it.
+
+    Raises:
+        MissingFileError: naming the flag and the path.
+    """
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if os.path.exists(name):
+        return
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        local = True
+    else:  # "runs/x" has a hub id's form, but is a path when "runs" is a local folder
+        local = "/" in name and os.path.isdir(name.split("/")[0])
+    if local:
+        raise MissingFileError(
+            f"{flag} {name}: no such folder ({os.path.abspath(os.path.expanduser(name))} does not exist); pass a "
+            "checkpoint folder (vlfit train's --output_dir) or a hub id"
+        )
+
+
 def _hub_kwargs(args: ModelArguments) -> dict[str, Any]:
     kwargs = {"cache_dir": args.cache_dir, "revision": args.model_revision, "token": args.token}
     if getattr(args, "trust_remote_code", False):
@@ -158,6 +183,7 @@ def resolve_model(
     Raises:
         ValueError: for neither or both of checkpoint and preset, an unknown preset or model type, a tokenizer
             larger than the model's vocabulary, or an image size that is not a multiple of the patch size.
+        MissingFileError: for a local path (not a hub id) that does not exist (``check_local_path``).
     """
     checkpoint, preset = args.model_name_or_path, args.model_preset
     if (checkpoint is None) == (preset is None):
@@ -167,6 +193,11 @@ def resolve_model(
         )
     hub = _hub_kwargs(args)
     config_name = getattr(args, "config_name", None)
+    named = {"--model_name_or_path": checkpoint, "--config_name": config_name, "--tokenizer_name": args.tokenizer_name,
+             "--image_processor_name": args.image_processor_name}  # fmt: skip
+    for flag, name in named.items():
+        if name is not None:
+            check_local_path(name, flag)
     adapters = checkpoint if is_adapter_folder(checkpoint) else None
     if adapters is not None:
         # LoRA adapters: the model is their base's, with them merged in; tokenizer and processor are the run's.
