@@ -9,9 +9,11 @@ flight, then exits 0.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
+import socket
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -85,6 +87,37 @@ def app_from_environment():  # uvicorn's factory in each worker process of --wor
     return build_app(ServeArguments(**json.loads(os.environ[SETTINGS_ENV])))
 
 
+def check_address(host: str, port: int) -> None:
+    """Bind ``host:port`` once and let it go, as uvicorn will bind it: a busy port or an address that is not this
+    machine's fails here, in one line, before the model and the index load (uvicorn would fail after them).
+
+    Raises:
+        ConfigError: naming ``--port`` or ``--host``.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's: a port in TIME_WAIT is free
+        try:
+            probe.bind((host, port))
+        except socket.gaierror as error:
+            raise ConfigError(f"--host {host}: not an address of this machine ({error.strerror})") from None
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                raise ConfigError(
+                    f"--port {port}: {host}:{port} is in use by another process; stop it or choose another --port "
+                    "(0: any free one)"
+                ) from None
+            if error.errno == errno.EACCES:
+                raise ConfigError(
+                    f"--port {port}: binding {host}:{port} is not permitted ({error.strerror}); ports below 1024 "
+                    "need privileges: choose another --port"
+                ) from None
+            raise ConfigError(
+                f"--host {host}: cannot bind {host}:{port} ({error.strerror}); use 127.0.0.1, 0.0.0.0 (every "
+                "interface) or an address of this machine"
+            ) from None
+
+
 def _stopped(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
@@ -92,6 +125,7 @@ def _stopped(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``vlfit serve``."""
     (args,) = CommandParser(ServeArguments, prog=PROG).parse_args_into_dataclasses(args=argv)
+    check_address(args.host, args.port)  # before anything loads
     import uvicorn
 
     from vlfit.inference.index import EmbeddingIndex
