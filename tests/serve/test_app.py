@@ -207,3 +207,22 @@ def test_without_an_ann_structure_the_snapshot_scans_exactly_to_the_same_results
     for a, b in zip(with_ann.search(queries, 5), exact.search(queries, 5), strict=True):
         assert [hit.id for hit in a] == [hit.id for hit in b]
         assert [hit.score for hit in a] == pytest.approx([hit.score for hit in b], abs=1e-5)
+
+
+def test_an_item_of_several_captions_is_served_with_all_of_them(synthetic_dataset_dir, tmp_path) -> None:
+    from tests.inference.several_captions import IMAGES, captions_of, jpeg, write_csv
+    from tests.inference.tiny_models import save_tiny_checkpoint
+
+    model = save_tiny_checkpoint(synthetic_dataset_dir, tmp_path / "model")
+    vlfit.Index.build(str(model), str(tmp_path / "index"), dataset_name=str(write_csv(tmp_path / "csv")),
+                      split="train", image_column="file_name", caption_column="caption",
+                      image_id_column="image_id")  # fmt: skip
+    engine = SearchEngine(str(tmp_path / "index"))
+    (results,) = engine.search(engine.embed_texts(["picture 2 caption 0"]), 3)
+    assert len(results) == 3 and len({result.item for result in results}) == 3
+    for result in results:
+        number = int(result.item.split("-")[1])
+        body = result.to_dict()
+        assert body["captions"] == captions_of(number) and body["caption"] == captions_of(number)[0]
+        assert engine.snapshot.image_bytes(result.id) == jpeg(number)
+    assert len(engine.snapshot) == IMAGES

@@ -1,10 +1,11 @@
 """What ``vlfit serve`` serves: the model, loaded once, and a snapshot of the index it answers from.
 
 A snapshot is one manifest's index: the item ids, the ANN structure the manifest names (an IVF index memory-mapped)
-or else the embeddings themselves for an exact scan, and for items of a dataset split their captions and where
-their images are; it answers as ``vlfit retrieve query`` does, removed items left out. Results name an item by its
-row in the index (``id``, stable while the index grows: appends only add rows), so ``GET /api/image/{id}`` looks an
-image up by that number and never opens a path taken from a request.
+or else the embeddings themselves for an exact scan, and for items of a dataset split their captions (every caption
+of the image, as the index stores them; an index built before items had captions: the record's, from the dataset)
+and where their images are; it answers as ``vlfit retrieve query`` does, removed items left out. Results name an
+item by its row in the index (``id``, stable while the index grows: appends only add rows), so ``GET
+/api/image/{id}`` looks an image up by that number and never opens a path taken from a request.
 
 Reloads are atomic: a new snapshot is built beside the one being served (from the manifest as it was read, which
 names only shards already written: ``vlfit retrieve index`` writes each shard before the manifest that lists it)
@@ -37,16 +38,19 @@ THUMBNAIL_SIZES = (16, 1024)  # the smallest and largest ?size= of a thumbnail
 
 @dataclass(frozen=True)
 class Result:
-    """One search result: the item's row in the index, its cosine score, and what is known about it."""
+    """One search result: the item's row in the index, its cosine score, and what is known about it: ``captions``
+    are all of the image's captions, ``caption`` the first of them."""
 
     id: int
     score: float
     item: str
     path: str | None
     caption: str | None
+    captions: list[str] | None = None
 
     def to_dict(self) -> dict[str, object]:
-        return {"id": self.id, "score": self.score, "item": self.item, "path": self.path, "caption": self.caption}
+        return {"id": self.id, "score": self.score, "item": self.item, "path": self.path, "caption": self.caption,
+                "captions": self.captions}  # fmt: skip
 
 
 def _manifest_stamp(folder: str) -> tuple[int, int] | None:
@@ -81,7 +85,8 @@ class Snapshot:
         self.embeddings: torch.Tensor | None = None
         if self.ann is None:
             self.embeddings = index.embeddings().float()
-        self._captions: dict[str, str | None] = {}
+        self._item_captions = index.item_captions()  # what the index stores: every caption of each image
+        self._captions: dict[str, str | None] = {}  # an older index's items: the record's caption, from the dataset
         self._dataset_rows: dict[str, tuple[int, int]] = {}  # item -> (collection, row)
         self._sources = []
         self._folder_items = self._open_collections()
@@ -109,9 +114,11 @@ class Snapshot:
             number = len(self._sources)
             self._sources.append(source)
             captions = source.captions()
-            for row, record_id in enumerate(record.id for record in source):
-                self._captions.setdefault(record_id, captions[row])
-                self._dataset_rows.setdefault(record_id, (number, row))
+            for row, record in enumerate(source):
+                self._captions.setdefault(record.id, captions[row])
+                self._dataset_rows.setdefault(record.id, (number, row))
+                if record.image_id is not None:  # an item of an image id: its image is any of its records'
+                    self._dataset_rows.setdefault(record.image_id, (number, row))
         return files
 
     def __len__(self) -> int:
@@ -120,7 +127,10 @@ class Snapshot:
     def result(self, row: int, score: float) -> Result:
         item = self.items[row]
         path = item if self._folder_items and os.path.isabs(item) else None
-        return Result(row, round(float(score), 6), item, path, self._captions.get(item))
+        captions = self._item_captions.get(item)
+        if captions is None and self._captions.get(item) is not None:
+            captions = [self._captions[item]]  # type: ignore[list-item]
+        return Result(row, round(float(score), 6), item, path, captions[0] if captions else None, captions)
 
     def search(self, queries: torch.Tensor, k: int) -> list[list[Result]]:
         """The ``k`` best items for each query embedding ``[Q, D]``, best first (fewer when the index is smaller),
