@@ -114,6 +114,27 @@ def test_a_failing_shard_is_a_bad_sample_under_max_bad_fraction(
         assert server.url("/s/001.tar") in capsys.readouterr().err
 
 
+def test_a_lost_shard_or_source_of_a_mix_ends_the_run_naming_them(
+    tmp_path: Path, shards: tuple[Path, dict[str, bytes]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, served = shards
+    html = b"<!DOCTYPE html><html><body>" + b"Moved. " * 100 + b"</body></html>"
+    with ShardServer({**served, "/h/page.tar": html}) as server:
+        server.files.pop("/s/003.tar")  # 404: one shard of four
+        flags = ["--train_file", f"{server.url('/s/{000..003}.tar')}::{server.url('/h/page.tar')}",
+                 "--train_data_weights", "1,1", "--caption_column", "txt", "--save_strategy", "no"]  # fmt: skip
+        argv = [
+            a
+            for a in tiny_train_argv("unused", tmp_path / "out", *flags, steps=6)
+            if a not in ("--dataset_name", "unused")
+        ]
+        assert main(["train", *argv]) == 2  # --max_bad_fraction 0.01 of the shards asked for, judged at once
+    err = capsys.readouterr().err
+    assert "1 of the 1 shards of" in err and server.url("/h/page.tar") in err
+    heads = [path for method, path, _ in server.requests if method == "HEAD"]
+    assert heads.count("/h/page.tar") == 2  # the tokenizer's captions, then training: no retries (--shard_retries 3)
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

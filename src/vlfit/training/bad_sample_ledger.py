@@ -1,6 +1,10 @@
 """A training run's record of the bad samples its batches met: counts, ``--max_bad_fraction``, the report file,
 checkpointed state, and a log that stays short on dirty data.
 
+A streamed split's shards given up after their retries (``vlfit.data.stream``: a 404, an HTML page, a server that
+kept failing) are judged as shards, at once: more than ``--max_bad_fraction`` of a source's shards lost stops the
+run naming them, however few samples were read (a lost shard is many samples, not the one record it is listed as).
+
 Every bad sample is kept (``bad_samples.jsonl`` lists each one); the log names the first few and then a summary
 every ``LOG_SUMMARY_EVERY`` bad samples, as open_clip's ``log_and_continue`` does, so a dirty run's log does not
 grow with its data.
@@ -12,7 +16,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -79,14 +83,33 @@ class BadSampleLedger:
         log: Log bad samples as they are added (the first ``LOG_FIRST``, then a summary every
             ``LOG_SUMMARY_EVERY``).
         split_size: Samples in the split: one smaller than ``min_samples_for_fraction`` is judged once read whole.
+        shard_sources: A streamed split's sources as ``(spec, shard URLs)``: a bad sample whose id is one of these
+            URLs is a lost shard, judged against its source's shard count.
     """
 
-    def __init__(self, max_bad_fraction: float = 1.0, log: bool = False, split_size: int | None = None) -> None:
+    def __init__(
+        self,
+        max_bad_fraction: float = 1.0,
+        log: bool = False,
+        split_size: int | None = None,
+        shard_sources: Sequence[tuple[str, Sequence[str]]] = (),
+    ) -> None:
         self.max_bad_fraction = max_bad_fraction
         self.log = log
         self.split_size = split_size
+        self.shard_sources = [(spec, tuple(urls)) for spec, urls in shard_sources]
+        self._source_of = {url: i for i, (_, urls) in enumerate(self.shard_sources) for url in urls}
         self.samples_read = 0
         self.records: list[BadSampleRecord] = []
+
+    def lost_shards(self) -> dict[int, list[str]]:
+        """Per source (its position in ``shard_sources``), the distinct shards given up, in the order met."""
+        lost: dict[int, dict[str, None]] = {}
+        for record in self.records:
+            source = self._source_of.get(record.id)
+            if source is not None:
+                lost.setdefault(source, {})[record.id] = None
+        return {source: list(urls) for source, urls in lost.items()}
 
     @property
     def count(self) -> int:
@@ -126,9 +149,20 @@ class BadSampleLedger:
             )  # fmt: skip
 
     def check(self) -> None:
-        """Raise ``TooManyBadSamplesError`` when the bad fraction is over the limit (once enough were read)."""
+        """Raise ``TooManyBadSamplesError`` when a source lost more than ``--max_bad_fraction`` of its shards, or
+        when the bad fraction of samples is over the limit (once enough were read)."""
         if self.max_bad_fraction >= 1.0 or not self.records:
             return
+        for source, urls in self.lost_shards().items():
+            spec, shards = self.shard_sources[source]
+            if len(urls) / len(shards) > self.max_bad_fraction:
+                named = "; ".join(urls[:5]) + ("; ..." if len(urls) > 5 else "")
+                raise TooManyBadSamplesError(
+                    f"{len(urls)} of the {len(shards)} shards of {spec} could not be read ({named}), over "
+                    f"--max_bad_fraction {self.max_bad_fraction:g} of what the run was asked to read. Each reason is "
+                    f"in {BAD_SAMPLES_REPORT} in the output folder: fix the URLs or the server, or leave those shards "
+                    "out of the spec."
+                )
         if self.samples_read < min_samples_for_fraction(self.max_bad_fraction, self.split_size):
             return
         if self.fraction > self.max_bad_fraction:

@@ -129,14 +129,17 @@ class VlfitTrainer(Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         # The clock starts with training, not with construction; --throughput_warmup_steps leaves out the first steps.
         self.throughput = ThroughputMeter(self.args.world_size, getattr(self.args, "throughput_warmup_steps", 0))
+        stream = self.train_stream
         self.bad_samples = BadSampleLedger(
-            self.bad_samples.max_bad_fraction, log=True, split_size=self.bad_samples.split_size
+            self.bad_samples.max_bad_fraction,
+            log=True,
+            split_size=self.bad_samples.split_size,
+            shard_sources=[(s.spec or "the stream", s.urls) for s in stream.sources] if stream is not None else (),
         )
         self.family.prepare_for_training(self.model)
         checkpoint = resume_from_checkpoint
         if checkpoint is True:
             checkpoint = get_last_checkpoint(self.args.output_dir)
-        stream = self.train_stream
         if stream is not None:
             # A stream resumes from the position the checkpoint holds, not by reading and dropping its batches.
             self.args.ignore_data_skip = True
