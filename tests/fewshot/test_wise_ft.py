@@ -18,7 +18,7 @@ KEYS = ("eval_t2i_recall@1", "eval_i2t_recall@5", "eval_zeroshot_top1", "eval_ze
 
 
 def test_the_curve_ends_at_both_models_and_the_chosen_mix_is_saved(labelled_checkpoint, labelled_dataset_dir,
-                                                                   tmp_path) -> None:  # fmt: skip
+                                                                   tmp_path, capsys) -> None:  # fmt: skip
     data = ["--dataset_name", labelled_dataset_dir, "--zeroshot_dataset", labelled_dataset_dir,
             "--zeroshot_label_column", "kind", "--report_to", "none"]  # fmt: skip
     finetuned, mixed_in_training = tmp_path / "finetuned", tmp_path / "mixed"
@@ -32,8 +32,12 @@ def test_the_curve_ends_at_both_models_and_the_chosen_mix_is_saved(labelled_chec
         assert main(["eval", "--model", str(model), *data, "--output_dir", str(tmp_path / f"eval-{name}")]) == 0
         alone[name] = json.loads((tmp_path / f"eval-{name}" / "eval_results.json").read_text())
     out = tmp_path / "wise"
+    capsys.readouterr()
     assert main(["wise-ft", "--zeroshot_model", str(labelled_checkpoint), "--finetuned_model", str(finetuned),
                  "--alphas", "1,0,0.5", "--select", "mean", *data, "--output_dir", str(out)]) == 0  # fmt: skip
+    printed = capsys.readouterr().out.split("vlfit wise-ft: alpha ")  # each alpha's line, then its metric table
+    assert [part.split(":")[0] for part in printed[1:4]] == ["0 (1 of 3)", "0.5 (2 of 3)", "1 (3 of 3)"]
+    assert [part.count("***** eval metrics *****") for part in printed] == [0, 1, 1, 1, 0]
     results = json.loads((out / "wise-ft.json").read_text())
     rows = {row["alpha"]: row for row in results["alphas"]}
     assert sorted(rows) == [0.0, 0.5, 1.0] and results["zeroshot_metric"] == "eval_zeroshot_top1"

@@ -13,8 +13,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
+from vlfit.arguments import DataLocationArguments
 from vlfit.commands.parsing import CommandParser
-from vlfit.errors import ConfigError
+from vlfit.errors import ConfigError, DataError
 from vlfit.evaluation.topk import DEFAULT_CHUNK_ELEMENTS
 from vlfit.extras import require_extra
 from vlfit.inference.ann import DEFAULT_MAX_INDEX_MEMORY, DEFAULT_TARGET_RECALL, check_target_recall
@@ -89,6 +90,17 @@ class IndexArguments:
     shard_timeout: float = field(
         default=60.0, metadata={"help": "Tar shards at URLs: seconds a connection or one read may take."}
     )
+    storage_options: str | None = field(
+        default=None,
+        metadata={
+            "help": "Tar shards at URLs: fsspec storage options, a JSON object (headers, auth, client_kwargs...)."
+        },
+    )
+    shard_block_size: int | None = field(
+        default=None,
+        metadata={"help": "Tar shards at URLs: bytes per HTTP Range request; 0: one whole-file GET per shard (servers "
+                  "that ignore Range requests, otherwise detected on the first such answer)."},
+    )  # fmt: skip
     ddp_timeout: int = field(
         default=1800,
         metadata={"help": "Under torchrun: seconds the processes wait for each other (to start, and per shard)."},
@@ -140,8 +152,15 @@ def run_index(argv: list[str]) -> int:
     check_target_recall(args.target_recall)  # before anything is embedded
     source, collection = open_image_collection(**{key: getattr(args, key) for key in COLLECTION_KEYS})
     if isinstance(source, ShardCollection):
-        source = dataclasses.replace(source, retries=args.shard_retries, timeout=args.shard_timeout)
-        source.reader()  # a bad --shard_retries or --shard_timeout is refused before the model loads
+        options = DataLocationArguments.fsspec_options(args)  # type: ignore[arg-type]
+        source = dataclasses.replace(
+            source,
+            retries=args.shard_retries,
+            timeout=args.shard_timeout,
+            storage_options=options,
+            block_size=args.shard_block_size,
+        )
+        source.reader()  # bad --shard_retries, --shard_timeout or --shard_block_size: refused before the model loads
     encoder = open_encoder(args.model, args.backend, args.precision, num_threads=args.num_threads)
     existing = os.path.join(args.output_dir, MANIFEST_NAME)
     before = EmbeddingIndex(args.output_dir) if os.path.isfile(existing) else None
@@ -184,6 +203,15 @@ def run_index(argv: list[str]) -> int:
         "ann": {key: ann[key] for key in ANN_SUMMARY if key in ann},
     }
     print(json.dumps(summary, indent=1))
+    if isinstance(source, ShardCollection):
+        lost = [bad for bad in summary["bad_samples"] if bad["id"] in set(source.urls)]
+        if lost:  # listed as bad in the manifest: the next run tries them again
+            raise DataError(
+                f"{len(lost)} of {len(source.urls)} shards could not be indexed: "
+                + "; ".join(f"{bad['id']} ({bad['reason']})" for bad in lost[:5])
+                + ("; ..." if len(lost) > 5 else "")
+                + ". Rerun the same command to try them again (the index keeps what was embedded)."
+            )
     return 0
 
 

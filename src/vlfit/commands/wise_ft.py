@@ -142,7 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     theta_b = build_model(setup.blueprint, finetuned_args).state_dict()
 
     rows = []
-    for alpha in alphas:
+    for number, alpha in enumerate(alphas, 1):
+        # Each alpha's evaluation prints its metric table: say first which mix it is.
+        print(f"\nvlfit wise-ft: alpha {alpha:g} ({number} of {len(alphas)}): (1 - {alpha:g}) x --zeroshot_model + "
+              f"{alpha:g} x --finetuned_model", flush=True)  # fmt: skip
         output_dir = os.path.join(settings.output_dir, f"alpha-{alpha:g}")
         alpha_training = as_training_arguments(finetuned_args, dataclasses.replace(settings, output_dir=output_dir))
         mixed = interpolate(theta_a, theta_b, alpha)

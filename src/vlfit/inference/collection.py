@@ -8,8 +8,8 @@ caption is its path, which nothing embeds.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -211,6 +211,9 @@ class ShardCollection:
         retries: Times a failing shard is fetched again (with backoff) before it is given up.
         timeout: Seconds a connection or one read may take.
         backoff: Seconds before the first retry (doubling after).
+        storage_options: fsspec options (``--storage_options``: headers, auth...).
+        block_size: Bytes per HTTP request (``--shard_block_size``; 0: whole-file streams; ``None``: fsspec's,
+            with servers that ignore Range requests detected).
     """
 
     spec: str
@@ -219,12 +222,21 @@ class ShardCollection:
     retries: int = 3
     timeout: float = 60.0
     backoff: float = 1.0
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    block_size: int | None = None
 
     def reader(self) -> ShardReader:
         """How the shards are fetched (``vlfit.data.stream.ShardReader``)."""
         from vlfit.data.stream import ShardReader
 
-        return ShardReader(self.layout, retries=self.retries, timeout=self.timeout, backoff=self.backoff)
+        return ShardReader(
+            self.layout,
+            retries=self.retries,
+            timeout=self.timeout,
+            backoff=self.backoff,
+            storage_options=dict(self.storage_options),
+            block_size=self.block_size,
+        )
 
     @property
     def name(self) -> str:

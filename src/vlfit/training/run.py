@@ -23,7 +23,7 @@ from vlfit.data.records import EVAL_COLUMNS
 from vlfit.data.source_base import ImageTextSource
 from vlfit.data.sources import open_splits
 from vlfit.data.stream import ShardStream
-from vlfit.data.stream.from_arguments import dataset_split_files, first_captions, open_train_stream, shard_reader
+from vlfit.data.stream.from_arguments import dataset_split_files, first_captions, open_train_stream
 from vlfit.efficiency.flops import ComputeEfficiency
 from vlfit.efficiency.peaks import matmul_precision, peak_flops
 from vlfit.errors import ConfigError, DataError
@@ -115,7 +115,6 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
             cache_dir=model_args.cache_dir,
             token=model_args.token,
             extra_columns=extra_columns,
-            shard_reader=shard_reader(data_args),
         )
         if has_splits or not streamed
         else {}
