@@ -76,6 +76,7 @@ class ShardServer:
         self.files: dict[str, bytes] = dict(files or {})
         self.ranges = ranges
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range header)
+        self.headers: list[dict[str, str]] = []  # every request's headers, in the order of `requests`
         self._faults: dict[str, list[_Fault]] = {}
         self._lock = threading.Lock()
         self._closing = threading.Event()
@@ -167,6 +168,7 @@ class _Handler(BaseHTTPRequestHandler):
         requested = self.headers.get("Range")
         with owner._lock:
             owner.requests.append((method, path, requested))
+            owner.headers.append(dict(self.headers.items()))
         data = owner.files.get(path)
         size = len(data) if data is not None else 0
         start, end, partial = 0, size, False

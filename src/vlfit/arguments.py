@@ -8,6 +8,7 @@ command's ``--help`` answers without loading them.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -19,12 +20,16 @@ from vlfit.extras import require_extra
 from vlfit.models.preset_names import PRESET_NAMES
 
 if TYPE_CHECKING:
+    from vlfit.data.stream.shards import ShardReader
     from vlfit.models.lora import LoraSettings
 
 # The CPU-stage pipelines (--image_pipeline): vlfit.data.image_transforms implements each.
 IMAGE_PIPELINES = ("fast", "reference")
 # How a training epoch walks several captions per image (vlfit.data.caption_sampling).
 CAPTION_SAMPLING = ("every", "one_per_image")
+
+# The data-location flags that say how shard URLs are read rather than where the data is.
+SHARD_ACCESS = ("storage_options", "shard_block_size")
 
 # What --freeze names (each family's module_groups says which it has).
 TOWERS = ("text", "vision", "cross")
@@ -203,9 +208,69 @@ class DataLocationArguments:
         },
     )
 
+    storage_options: str | None = field(
+        default=None,
+        metadata={
+            "help": "Shard URLs: fsspec storage options, a JSON object (headers, auth, client_kwargs, block_size...), "
+            'e.g. \'{"headers": {"Authorization": "Bearer ..."}}\'; every command that reads shard URLs uses them.'
+        },
+    )
+    shard_block_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Shard URLs: bytes fetched per HTTP Range request (fsspec's block_size). 0: each shard is one "
+            "whole-file GET, for servers that ignore Range requests (otherwise detected on the first such answer)."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        self.fsspec_options()
+        if self.shard_block_size is not None and int(self.shard_block_size) < 0:
+            raise ConfigError(
+                f"--shard_block_size must be 0 (whole-file streams) or more bytes, not {self.shard_block_size}"
+            )
+
+    def fsspec_options(self) -> dict[str, Any]:
+        """``--storage_options`` as a dict (``{}`` when not given).
+
+        Raises:
+            ConfigError: naming the flag, when it is not a JSON object.
+        """
+        raw = self.storage_options
+        if raw is None or raw == "":
+            return {}
+        if isinstance(raw, dict):
+            return dict(raw)
+        try:
+            options = json.loads(raw)
+        except ValueError as err:
+            raise ConfigError(
+                f"--storage_options is not valid JSON ({err}); give an object, e.g. '{{\"headers\": {{}}}}'"
+            ) from None
+        if not isinstance(options, dict):
+            raise ConfigError(
+                f"--storage_options must be a JSON object of fsspec options, not {type(options).__name__}"
+            )
+        return options
+
+    def shard_reader(self) -> ShardReader:
+        """How shard URLs are read: ``--storage_options``, ``--shard_block_size`` and, where the command has them,
+        ``--shard_retries`` and ``--shard_timeout``."""
+        from vlfit.data.stream.shards import ShardReader
+
+        retries, timeout = getattr(self, "shard_retries", None), getattr(self, "shard_timeout", None)
+        return ShardReader(
+            retries=3 if retries is None else int(retries),
+            timeout=60.0 if timeout is None else float(timeout),
+            storage_options=self.fsspec_options(),
+            block_size=None if self.shard_block_size is None else int(self.shard_block_size),
+        )
+
     def source_kwargs(self) -> dict[str, Any]:
-        """The data-location and column flags as keyword arguments of ``vlfit.data.sources.open_splits``."""
-        return {f.name: getattr(self, f.name) for f in fields(DataLocationArguments)}
+        """The data-location and column flags as keyword arguments of ``vlfit.data.sources.open_splits`` (the
+        shard-access flags as its ``shard_reader``)."""
+        kwargs = {f.name: getattr(self, f.name) for f in fields(DataLocationArguments) if f.name not in SHARD_ACCESS}
+        return {**kwargs, "shard_reader": self.shard_reader()}
 
 
 @dataclass
@@ -357,6 +422,7 @@ class DataArguments(CompatDataFlags, StreamArguments, DataLocationArguments):
     )
 
     def __post_init__(self) -> None:
+        DataLocationArguments.__post_init__(self)
         if self.image_pipeline not in IMAGE_PIPELINES:
             raise ConfigError(
                 f"unknown --image_pipeline {self.image_pipeline!r}; choose one of: {', '.join(IMAGE_PIPELINES)}"

@@ -1,6 +1,7 @@
 """The training stream a run's flags describe: ``--train_file`` sources (or ``--dataset_name``'s data files with
 ``--streaming``: a hub dataset's parquet files), ``--train_data_weights``, ``--shuffle_buffer``, ``--resampled``,
-``--shard_retries`` and ``--shard_timeout``, split over this run's processes."""
+``--shard_retries``, ``--shard_timeout``, ``--storage_options`` and ``--shard_block_size``, split over this run's
+processes."""
 
 from __future__ import annotations
 
@@ -26,10 +27,9 @@ TOKENIZER_CAPTIONS = 20_000
 
 
 def shard_reader(data_args: Any, layout: WebDatasetLayout | None = None) -> ShardReader:
-    """The ``ShardReader`` of ``--shard_retries`` and ``--shard_timeout`` (what fetching evaluation shards uses
-    too), reading samples with ``layout``."""
-    retries, timeout = int(data_args.shard_retries), float(data_args.shard_timeout)
-    return ShardReader(layout or WebDatasetLayout(), retries=retries, timeout=timeout)
+    """The ``ShardReader`` of ``--shard_retries``, ``--shard_timeout``, ``--storage_options`` and
+    ``--shard_block_size`` (what fetching evaluation shards uses too), reading samples with ``layout``."""
+    return replace(data_args.shard_reader(), layout=layout or WebDatasetLayout())
 
 
 def open_train_stream(
@@ -88,7 +88,8 @@ def open_train_stream(
                 "neither (other formats train map-style: drop --streaming)"
             )
     hub = {"token": token} if token and any(url.startswith("hf://") for s in sources for url in s.urls) else {}
-    reader = replace(shard_reader(data_args, layout), storage_options=hub)
+    reader = shard_reader(data_args, layout)
+    reader = replace(reader, storage_options={**hub, **reader.storage_options})
     stream = ShardStream(
         sources,
         reader=reader,
