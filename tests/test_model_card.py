@@ -140,3 +140,27 @@ def test_a_saved_classifier_has_a_card_beside_its_checkpoint(tmp_path):
     assert "| eval_accuracy | 0.875 |" in body and "| shots_per_class | 4 |" in body
     assert "SetFit's recipe on 4 labelled images per class" in body and HEAD_FILE in body
     assert "vlfit fewshot --dataset_name nlphuji/shapes" in body
+
+
+def test_a_mix_names_both_models_and_alpha_and_a_linear_probe_claims_no_fine_tuning(tmp_path):
+    from vlfit.fewshot.classifier import MODEL_FOLDER, ClassifierInfo, save_classifier
+    from vlfit.fewshot.heads import LinearHead
+    from vlfit.model_card import WiseFtMix
+
+    zeroshot, finetuned = "openai/clip-vit-base-patch32", "someone/clip-flickr"
+    write_model_card(str(tmp_path / "mix"), family_name="clip", base_model=None, preset=None, datasets=[],
+                     metrics=None, command_line=None, mix=WiseFtMix(0.3, zeroshot, finetuned))  # fmt: skip
+    header, body = read_card(tmp_path / "mix")
+    assert header["base_model"] == [zeroshot, finetuned] and header["base_model_relation"] == "merge"
+    assert header["tags"] == ["vlfit", "clip", "wise-ft"]
+    assert f"(1 - 0.3) x the zero-shot model [{zeroshot}](https://huggingface.co/{zeroshot}) + 0.3 x the " \
+           f"fine-tuned model [{finetuned}](https://huggingface.co/{finetuned}) (alpha 0.3" in body  # fmt: skip
+    assert "fine-tuned version" not in body and "(see the base models' licenses)" in body
+
+    bundle = load_model_bundle(ModelArguments(model_preset="clip-tiny"), captions=lambda: TRAINING_CAPTIONS)
+    info = ClassifierInfo(
+        "linear_probe", ["circle", "square"], "kind", 4, 1, "logistic", 0.875, [], str(tmp_path / "src")
+    )
+    save_classifier(str(tmp_path / "clf"), bundle.save, LinearHead(torch.randn(2, 64), torch.zeros(2)), info)
+    _, body = read_card(tmp_path / "clf" / MODEL_FOLDER)
+    assert f"holds the weights of `{tmp_path / 'src'}`, unchanged" in body and "fine-tuned version" not in body

@@ -3,8 +3,11 @@
 A card is the hub's YAML metadata header (``library_name``, ``license``, ``base_model``, ``tags``, ``datasets``,
 ``pipeline_tag``) and a body: what the model was made from (a checkpoint or a preset), on which data, its final
 metrics, the command line that made it, the versions, and how plain transformers loads it and embeds captions and
-images as vlfit did. As the Trainer does, ``base_model`` and ``datasets`` in the header name hub repositories only:
-a local folder is named in the body, never in the metadata (the hub reads those keys as repository ids).
+images as vlfit did. The first sentence says what the model is: a fine-tuning of a checkpoint, a preset trained from
+scratch, a checkpoint's weights unchanged (a few-shot classifier's linear probe) or a WiSE-FT mix of two models (both
+named, with alpha; the hub's ``base_model_relation: merge``). As the Trainer does, ``base_model`` and ``datasets``
+in the header name hub repositories only: a local folder is named in the body, never in the metadata (the hub reads
+those keys as repository ids).
 """
 
 from __future__ import annotations
@@ -21,6 +24,23 @@ from vlfit.atomic_files import write_text_atomically
 
 MODEL_CARD_FILE = "README.md"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+@dataclass(frozen=True)
+class WiseFtMix:
+    """A WiSE-FT mix: the weights are ``(1 - alpha) x zeroshot_model + alpha x finetuned_model``.
+
+    Attributes:
+        alpha: The fine-tuned model's weight.
+        zeroshot_model: The model before fine-tuning (hub id or folder); None: the run's own starting weights
+            (``base_model`` or ``preset`` of the card).
+        finetuned_model: The fine-tuned model (hub id or folder); None: the run's own fine-tuning of its start
+            (``vlfit train --wise_ft_alpha``), whose checkpoints hold the unmixed weights.
+    """
+
+    alpha: float
+    zeroshot_model: str | None = None
+    finetuned_model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -73,15 +93,32 @@ def _hub_ids(names: Sequence[str]) -> list[str]:
     return [name for name in names if _HUB_ID.match(name) and not os.path.exists(name)]
 
 
+def _base_models(base_model: str | None, mix: WiseFtMix | None) -> list[str]:
+    """The models this one was made from: a mix's two endpoints, or its base."""
+    if mix is not None and mix.finetuned_model is not None:
+        return [name for name in (mix.zeroshot_model or base_model, mix.finetuned_model) if name]
+    return [base_model] if base_model else []
+
+
 def _metadata(
-    family_name: str, base_model: str | None, datasets: Sequence[str], license: str, adapters: bool
+    family_name: str,
+    base_model: str | None,
+    datasets: Sequence[str],
+    license: str,
+    adapters: bool,
+    mix: WiseFtMix | None,
 ) -> dict[str, Any]:
     usage = _USAGE.get(family_name)
     metadata: dict[str, Any] = {"library_name": "peft" if adapters else "transformers", "license": license}
-    bases = _hub_ids([base_model] if base_model else [])
+    bases = _hub_ids(_base_models(base_model, mix))
+    merged = mix is not None and mix.finetuned_model is not None
     if bases:
-        metadata["base_model"] = bases[0]
-    metadata["tags"] = ["vlfit", family_name, *(["lora"] if adapters else [])]
+        metadata["base_model"] = bases if merged else bases[0]
+        if merged:
+            metadata["base_model_relation"] = "merge"  # the hub's word for weights mixed from its base models
+    tags = ["lora"] if adapters else []
+    tags += ["wise-ft"] if mix is not None else []
+    metadata["tags"] = ["vlfit", family_name, *tags]
     hub_datasets = _hub_ids(datasets)
     if hub_datasets:
         metadata["datasets"] = hub_datasets
@@ -105,19 +142,62 @@ def _metrics_table(metrics: Mapping[str, Any]) -> str:
     return "\n".join(["| Metric | Value |", "| --- | --- |", *rows]) + "\n"
 
 
-def _origin(family_title: str, base_model: str | None, preset: str | None, datasets: Sequence[str]) -> str:
+def _model_name(name: str) -> str:
+    """A model in the card's text: a hub id as a link, a folder in code quotes."""
+    return f"[{name}](https://huggingface.co/{name})" if _hub_ids([name]) else f"`{name}`"
+
+
+def _on(datasets: Sequence[str]) -> str:
+    named = ", ".join(f"`{name}`" for name in datasets)
+    return f"`{datasets[0]}`" if len(datasets) == 1 else f"the datasets {named}"
+
+
+def _mix_origin(
+    family_title: str, base_model: str | None, preset: str | None, datasets: Sequence[str], mix: WiseFtMix
+) -> str:
+    a = mix.alpha
+    zeroshot = mix.zeroshot_model or base_model
+    if mix.finetuned_model is not None:
+        return (
+            f"This {family_title} model is a WiSE-FT mix of two models, a fine-tuning of neither: its weights are "
+            f"(1 - {a:g}) x the zero-shot model {_model_name(zeroshot) if zeroshot else 'named below'} + {a:g} x "
+            f"the fine-tuned model {_model_name(mix.finetuned_model)} (alpha {a:g}; alpha 0 is the zero-shot "
+            "model, alpha 1 the fine-tuned one)."
+        )
+    if zeroshot:
+        start = f"the starting model {_model_name(zeroshot)}"
+    else:
+        start = f"the random initialization of vlfit's `{preset}` preset" if preset else "the starting weights"
+    tuned = f"its fine-tuning on {_on(datasets)}" if datasets else "its fine-tuning"
+    return (
+        f"This {family_title} model is a WiSE-FT mix: its weights are (1 - {a:g}) x {start} + {a:g} x {tuned} by "
+        f"the run below (alpha {a:g}; that run's checkpoints hold the unmixed fine-tuned weights). Its training "
+        "metrics are the fine-tuning's; its evaluation metrics are the mix's."
+    )
+
+
+def _origin(
+    family_title: str,
+    base_model: str | None,
+    preset: str | None,
+    datasets: Sequence[str],
+    *,
+    fine_tuned: bool = True,
+    mix: WiseFtMix | None = None,
+) -> str:
+    if mix is not None:
+        return _mix_origin(family_title, base_model, preset, datasets, mix)
+    if base_model and not fine_tuned:
+        return f"This {family_title} model holds the weights of {_model_name(base_model)}, unchanged."
     if base_model:
-        hub = _hub_ids([base_model])
-        start = f"[{base_model}](https://huggingface.co/{base_model})" if hub else f"`{base_model}`"
-        origin = f"This {family_title} model is a fine-tuned version of {start}"
+        origin = f"This {family_title} model is a fine-tuned version of {_model_name(base_model)}"
     elif preset:
         origin = f"This {family_title} model was trained from scratch, starting from vlfit's `{preset}` preset"
         origin += " (random initialization)"
     else:
         origin = f"This {family_title} model was trained from scratch"
     if datasets:
-        named = ", ".join(f"`{name}`" for name in datasets)
-        origin += f", on {named}" if len(datasets) == 1 else f", on the datasets {named}"
+        origin += f", on {_on(datasets)}"
     return origin + "."
 
 
@@ -171,6 +251,8 @@ def write_model_card(
     how_made: str | None = None,
     license: str = "other",
     adapters: bool = False,
+    fine_tuned: bool = True,
+    mix: WiseFtMix | None = None,
 ) -> str:
     """Write ``output_dir/README.md``, the model card of a saved model folder (replacing one already there).
 
@@ -179,12 +261,16 @@ def write_model_card(
         family_name: The model family's ``name`` (``bridgetower``, ``clip``, ``siglip``).
         base_model: The checkpoint (hub id or folder) the model was made from; None for a preset.
         preset: The preset a model trained from scratch started from; None for a checkpoint.
-        datasets: The training data (hub ids or local paths).
+        datasets: The training data (hub ids or local paths): data the model was only evaluated on is not named
+            here (``how_made`` can say so).
         metrics: The final metrics (a table of the card); None or empty: none recorded.
         command_line: The command that made the folder; None when not known.
         how_made: A sentence or two more on how the model was made (merged adapters, a few-shot head, ...).
         license: The license's hub identifier (``apache-2.0``, ``mit``, ...; ``other`` when not known).
         adapters: The folder holds LoRA adapters, not a whole model (loaded through peft).
+        fine_tuned: False: the weights are ``base_model``'s, unchanged (a few-shot classifier's linear probe).
+        mix: The weights are a WiSE-FT mix (``WiseFtMix``): the card names both endpoints and alpha, and lists the
+            endpoints that are hub repositories as ``base_model`` with ``base_model_relation: merge``.
 
     Returns:
         The card's path.
@@ -193,11 +279,13 @@ def write_model_card(
     title = usage.title if usage else family_name
     folder_name = os.path.basename(os.path.abspath(output_dir))
     datasets = list(datasets)
-    header = yaml.safe_dump(_metadata(family_name, base_model, datasets, license, adapters), sort_keys=False)
+    header = yaml.safe_dump(_metadata(family_name, base_model, datasets, license, adapters, mix), sort_keys=False)
+    origin = _origin(title, base_model, preset, datasets, fine_tuned=fine_tuned, mix=mix)
+    bases = _base_models(base_model, mix)
     parts = [
         f"---\n{header}---\n",
         f"# {folder_name}\n",
-        _origin(title, base_model, preset, datasets) + (f" {how_made.strip()}" if how_made else "") + "\n",
+        origin + (f" {how_made.strip()}" if how_made else "") + "\n",
         "## Results\n",
         _metrics_table(metrics or {}),
         "## How it was made\n",
@@ -205,12 +293,18 @@ def write_model_card(
         "".join(f"- {package} {_version_of(package)}\n" for package in ("vlfit", "transformers", "torch")),
         _usage_section(family_name, folder_name, base_model, adapters),
         "## License\n",
-        f"`{license}`" + (" (see the base model's license)" if license == "other" and base_model else "") + "\n",
+        f"`{license}`" + (_see_licenses(len(bases)) if license == "other" else "") + "\n",
     ]
     path = os.path.join(output_dir, MODEL_CARD_FILE)
     os.makedirs(output_dir, exist_ok=True)
     write_text_atomically(path, "\n".join(parts))
     return path
+
+
+def _see_licenses(base_models: int) -> str:
+    if not base_models:
+        return ""
+    return " (see the base model's license)" if base_models == 1 else " (see the base models' licenses)"
 
 
 def _version_of(package: str) -> str:

@@ -56,7 +56,13 @@ def test_the_curve_ends_at_both_models_and_the_chosen_mix_is_saved(labelled_chec
         results["chosen_alpha"],
     )
     assert all(torch.equal(saved[name], expected[name]) for name in expected)
-    assert "WiSE-FT" in (out / "model" / "README.md").read_text()
+    card = (out / "model" / "README.md").read_text()
+    assert "WiSE-FT" in card
+    # The mix is no fine-tuning of the fine-tuned model on the evaluation data: the card names both ends and alpha.
+    alpha = f"{results['chosen_alpha']:g}"
+    assert f"(1 - {alpha}) x the zero-shot model `{labelled_checkpoint}` + {alpha} x the fine-tuned model " \
+           f"`{finetuned}` (alpha {alpha}" in card  # fmt: skip
+    assert "fine-tuned version of" not in card and "wise-ft" in card.split("\n---\n")[0]
 
     # --wise_ft_alpha ends the same training run with that mix of its start and its end.
     half = interpolate(
@@ -67,7 +73,9 @@ def test_the_curve_ends_at_both_models_and_the_chosen_mix_is_saved(labelled_chec
     trained = BridgeTowerForContrastiveLearning.from_pretrained(mixed_in_training).state_dict()
     for name, tensor in half.items():
         torch.testing.assert_close(trained[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
-    assert "--wise_ft_alpha" in (mixed_in_training / "README.md").read_text()
+    card = (mixed_in_training / "README.md").read_text()
+    assert "--wise_ft_alpha" in card and "fine-tuned version of" not in card
+    assert f"(1 - 0.5) x the starting model `{labelled_checkpoint}` + 0.5 x its fine-tuning on" in card
 
 
 def test_models_that_cannot_be_mixed_stop_in_one_line(labelled_checkpoint, labelled_dataset_dir, tmp_path,

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     alphas = parse_alphas(args.alphas)
 
     from vlfit.commands.evaluate import as_training_arguments
-    from vlfit.model_card import write_model_card
+    from vlfit.model_card import WiseFtMix, write_model_card
     from vlfit.models.interpolation import interpolate
     from vlfit.models.loading import build_model, resolve_model, save_inputs
     from vlfit.training.run import run, setup_run
@@ -161,18 +161,23 @@ def main(argv: list[str] | None = None) -> int:
     model.load_state_dict(interpolate(theta_a, theta_b, chosen["alpha"]))
     model.save_pretrained(folder)
     save_inputs(setup.blueprint, folder)
+    target_file = data.validation_file or data.test_file
+    evaluated = [f"the `{data.eval_split}` split of `{data.dataset_name}`"] if data.dataset_name else []
+    evaluated += [f"`{target_file}`"] if target_file and not data.dataset_name else []
+    evaluated += [f"`{name}` zero-shot" for name in data.zeroshot_dataset]
     write_model_card(
         folder,
         family_name=setup.blueprint.family.name,
-        base_model=args.finetuned_model,
+        base_model=None,
         preset=None,
-        datasets=[d for d in (data.dataset_name, *data.zeroshot_dataset) if d],
+        datasets=[],  # the two endpoints' cards name their training data; this mix was only evaluated
         metrics={key: value for key, value in chosen.items() if key != "alpha"},
         command_line="vlfit wise-ft " + shlex.join(argv),
-        how_made=f"WiSE-FT: the weights are (1 - {chosen['alpha']:g}) x `{args.zeroshot_model}` + "
-        f"{chosen['alpha']:g} x `{args.finetuned_model}` (chosen by --select {args.select}"
+        mix=WiseFtMix(chosen["alpha"], zeroshot_model=args.zeroshot_model, finetuned_model=args.finetuned_model),
+        how_made=f"Alpha {chosen['alpha']:g} was chosen by --select {args.select}"
         + (f", --max_zeroshot_drop {args.max_zeroshot_drop:g}" if args.max_zeroshot_drop is not None else "")
-        + f" among alphas {', '.join(f'{a:g}' for a in alphas)}).",
+        + f" among alphas {', '.join(f'{a:g}' for a in alphas)}, each evaluated on {' and '.join(evaluated)}; "
+        "the results below are the mix's.",
     )
     results = {"zeroshot_model": args.zeroshot_model, "finetuned_model": args.finetuned_model,
                "target_metric": args.target_metric, "zeroshot_metric": zeroshot, "select": args.select,

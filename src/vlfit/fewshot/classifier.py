@@ -90,6 +90,7 @@ def write_classifier_card(
         metrics=metrics,
         command_line=command_line,
         how_made=how_made,
+        fine_tuned=info.method == "setfit",  # other methods train only the head: the weights are the source's
     )
 
 

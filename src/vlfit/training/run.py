@@ -29,7 +29,7 @@ from vlfit.efficiency.peaks import matmul_precision, peak_flops
 from vlfit.errors import ConfigError, DataError
 from vlfit.evaluation.zeroshot import ZeroShotSet, open_zeroshot_sets
 from vlfit.fewshot.zeroshot import DEFAULT_TEMPLATES
-from vlfit.model_card import write_model_card
+from vlfit.model_card import WiseFtMix, write_model_card
 from vlfit.models.family import ModelFamily
 from vlfit.models.interpolation import interpolate
 from vlfit.models.loading import ModelBlueprint, build_model, resolve_model, save_inputs, saved_tokenizer
@@ -435,10 +435,7 @@ def run(
             metrics=results,
             command_line=command_line,
             adapters=lora is not None,
-            how_made=None
-            if starting_weights is None
-            else f"WiSE-FT: the weights are (1 - {training_args.wise_ft_alpha:g}) x the starting weights + "
-            f"{training_args.wise_ft_alpha:g} x the fine-tuned ones (--wise_ft_alpha).",
+            mix=None if starting_weights is None else WiseFtMix(training_args.wise_ft_alpha),
         )
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
