@@ -124,3 +124,20 @@ def test_unknown_format_or_quantization_is_one_line(tiny_checkpoint, tmp_path, c
         main([*argv, "--format", "tflite"])
     assert exit_info.value.code == 2
     assert "invalid choice: 'tflite'" in error_lines(capsys.readouterr().err)[-1]
+
+
+def test_export_recall_on_three_captions_per_image_is_evals_and_torch_and_onnx_agree(tiny_checkpoint, tmp_path):
+    from .several_captions import write_csv
+
+    csv_file = str(write_csv(tmp_path / "csv"))
+    columns = ["--image_column", "file_name", "--caption_column", "caption", "--image_id_column", "image_id"]
+    assert main(["export", "--model_name_or_path", str(tiny_checkpoint), "--output_dir", str(tmp_path / "onnx"),
+                 "--calibration_dataset", csv_file, "--parity_samples", "24", *columns]) == 0  # fmt: skip
+    accuracy = json.loads((tmp_path / "onnx" / "export_manifest.json").read_text())["accuracy"]
+    assert accuracy["torch_fp32"] == accuracy["fp32"]
+    assert main(["eval", "--model_name_or_path", str(tiny_checkpoint), "--dataset_name", csv_file, "--eval_split",
+                 "train", *columns, "--output_dir", str(tmp_path / "eval"), "--report_to", "none"]) == 0  # fmt: skip
+    metrics = json.loads((tmp_path / "eval" / "eval_results.json").read_text())
+    assert metrics["eval_num_images"] == 8 and metrics["eval_num_texts"] == 24
+    for k in (1, 5):
+        assert accuracy["torch_fp32"][f"t2i_recall@{k}"] == round(metrics[f"eval_t2i_recall@{k}"], 4)

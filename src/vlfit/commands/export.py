@@ -52,6 +52,13 @@ class ExportArguments:
     caption_column: str = field(
         default="image_description", metadata={"help": "Caption column of --calibration_dataset."}
     )
+    image_id_column: str | None = field(
+        default=None,
+        metadata={
+            "help": "Column of --calibration_dataset naming the image a row shows: the accuracy figures are recall "
+            "over unique images, as vlfit eval's (default: rows with identical image bytes are one image)."
+        },
+    )
     max_seq_length: int = field(
         default=DEFAULT_MAX_SEQ_LENGTH, metadata={"help": "Captions are truncated to this many tokens."}
     )
@@ -71,6 +78,7 @@ def _samples(args: ExportArguments, spec) -> tuple[Samples, Samples | None]:
             args.calibration_split,
             image_column=args.image_column,
             caption_column=args.caption_column,
+            image_id_column=args.image_id_column,
         )
     else:
         source = synthetic_source(needed)

@@ -23,7 +23,7 @@ from vlfit.data.records import BadRecordError, Record, image_value_to_bytes
 from vlfit.data.source_base import ImageTextSource
 from vlfit.data.tar_source import WebDatasetLayout
 from vlfit.errors import ConfigError, DataError, MissingFileError
-from vlfit.models.family import InputSpec
+from vlfit.models.family import IMAGE_KEYS, InputSpec
 
 if TYPE_CHECKING:
     from vlfit.data.stream import ShardReader
@@ -331,12 +331,15 @@ class Samples:
         captions: The N captions.
         ids: The N sample ids.
         bad_samples: Samples left out.
+        image_keys: int64 ``[N]``, which image each sample shows (``Record.image_key``: samples of one image share
+            it, as evaluation groups them); ``None``: each sample its own image.
     """
 
     pixels: torch.Tensor
     captions: list[str]
     ids: list[str]
     bad_samples: list[BadSample]
+    image_keys: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -363,7 +366,7 @@ def load_samples(
         DataError: when no sample is usable.
     """
     captions = source.captions()
-    pixels, ids, texts, bad = [], [], [], []
+    pixels, ids, texts, bad, keys = [], [], [], [], []
     bar = tqdm(total=len(source), unit="img", desc=progress, leave=False, disable=progress is None)
     for batch in host_batches(source, spec, batch_size=batch_size, num_workers=num_workers):
         bar.update(len(batch) + len(batch.bad_samples))
@@ -372,7 +375,8 @@ def load_samples(
             pixels.append(batch["pixel_values"].contiguous())
             ids.extend(batch.sample_ids)
             texts.extend(str(captions[position]) for position in batch.positions)
+            keys.append(batch[IMAGE_KEYS])
     bar.close()
     if not pixels:
         raise DataError(f"{source.name}: no usable sample ({len(bad)} bad)")
-    return Samples(torch.cat(pixels), texts, ids, bad)
+    return Samples(torch.cat(pixels), texts, ids, bad, torch.cat(keys))

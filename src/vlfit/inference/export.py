@@ -8,6 +8,9 @@ Steps, in a staging folder that replaces nothing until every check passed:
    export example's, and refuse (``ExportParityError``) when any embedding's cosine is below the threshold;
 3. with ``--quantize int8``, write INT8 graphs (``vlfit.inference.quantize``) and measure their cosine to PyTorch
    and the change of text->image recall on the same samples;
+
+Recall is evaluation's (``vlfit eval``): over the unique images of the samples (several captions of one image, or
+repeated bytes, are one image, ``vlfit.data.image_groups``), a caption finding any row of its image counts.
 4. save the tokenizer and a manifest (``vlfit.inference.exported``) beside the graphs.
 """
 
@@ -26,8 +29,9 @@ from typing import Any
 import torch
 
 from vlfit.atomic_files import write_text_atomically
+from vlfit.data.image_groups import group_images
 from vlfit.errors import ConfigError
-from vlfit.evaluation.metrics import embedding_recall_at_k
+from vlfit.evaluation.metrics import pooled_recall_at_k
 from vlfit.inference.backends import Encoder, OnnxRuntimeEncoder, OpenVinoEncoder
 from vlfit.inference.collection import Samples
 from vlfit.inference.exported import FORMATS, MANIFEST_NAME, TOWERS, ExportedModel, graph_name
@@ -159,9 +163,11 @@ def cosine_figures(reference: torch.Tensor, other: torch.Tensor) -> dict[str, fl
     return {"min_cosine": round(float(cosine.min()), 7), "mean_cosine": round(float(cosine.mean()), 7)}
 
 
-def t2i_recall(text: torch.Tensor, image: torch.Tensor) -> dict[str, float]:
-    """Text->image recall@1/5 of paired embeddings."""
-    metrics = embedding_recall_at_k(text, image, RECALL_KS)
+def t2i_recall(text: torch.Tensor, image: torch.Tensor, image_keys: torch.Tensor | None = None) -> dict[str, float]:
+    """Text->image recall@1/5 of paired embeddings, as ``vlfit eval`` scores them: over the unique images
+    (``image_keys``: which image each row shows; ``None``: each row its own), each caption against them all."""
+    first_rows, image_of_text = group_images(image_keys, text.shape[0])
+    metrics = pooled_recall_at_k(text, image[first_rows], None, RECALL_KS, image_of_text=image_of_text)
     return {f"t2i_recall@{k}": round(metrics[f"t2i_recall@{k}"], 4) for k in RECALL_KS}
 
 
@@ -255,14 +261,15 @@ def export_model(
             lambda texts: _tokenize(loaded, texts),
         )
         parity: dict[str, Any] = {"samples": len(parity_samples), "threshold": settings.parity_threshold}
-        accuracy: dict[str, Any] = {"torch_fp32": t2i_recall(reference_texts, reference_images)}
+        keys = parity_samples.image_keys
+        accuracy: dict[str, Any] = {"torch_fp32": t2i_recall(reference_texts, reference_images, keys)}
         options = {"inference_precision": "f32"} if settings.format == "openvino" else {}
         images, texts = _embed(_open_staged(staging, manifest, "fp32", **options), parity_samples)
         parity["fp32"] = {
             "image": cosine_figures(reference_images, images),
             "text": cosine_figures(reference_texts, texts),
         }
-        accuracy["fp32"] = t2i_recall(texts, images)
+        accuracy["fp32"] = t2i_recall(texts, images, keys)
         for tower in TOWERS:
             worst = parity["fp32"][tower]["min_cosine"]
             if worst < settings.parity_threshold:
@@ -285,7 +292,7 @@ def export_model(
                 "text": cosine_figures(reference_texts, texts8),
                 "calibration_samples": len(calibration),
             }
-            accuracy["int8"] = t2i_recall(texts8, images8)
+            accuracy["int8"] = t2i_recall(texts8, images8, keys)
             accuracy["int8_change"] = {
                 key: round(accuracy["int8"][key] - accuracy["fp32"][key], 4) for key in accuracy["fp32"]
             }
