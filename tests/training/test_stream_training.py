@@ -86,6 +86,12 @@ def test_streamed_over_http_trains_as_read_locally_and_resumes_after_sigterm_exa
     assert sorted(resumed) == list(range(1, STEPS + 1))
     diffs = {s: abs(resumed[s] - expected[s]) for s in expected}
     assert max(diffs.values()) <= 1e-6, diffs  # the same batches after the resume, into the stream's next epoch
+    assert _logged_epochs(out) == _logged_epochs(straight)  # 0.55 after the resume at step 10, not 0.05 again
+
+
+def _logged_epochs(output_dir: Path) -> dict[int, float]:
+    history = json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
+    return {entry["step"]: round(entry["epoch"], 6) for entry in history if "loss" in entry}
 
 
 def test_a_failing_shard_is_a_bad_sample_under_max_bad_fraction(

@@ -7,6 +7,9 @@
 - A checkpoint holds each process's stream state (``stream_state.json``, ``stream_state_N.json`` for process N):
   where every loader worker of the process stands (``ShardStream.state_dict``). A resumed run loads it instead of
   skipping batches, so it reads on from there, exactly.
+- The epoch a run logs is the stream's epoch plus the share of ``max_steps`` read in it, counted in batches
+  (``StreamEpochs.batches``, saved with the stream state), as the Trainer counts it for a loader without length:
+  a resumed run logs the values the uninterrupted one did, not a count restarted at the resume.
 - With several processes, the shards of an epoch rarely give every process the same number of batches. A process
   that ran out would stop taking part in DDP's gradient all-reduce while the others wait in it. ``agreed_batches``
   has the processes agree, step by step, on the fewest batches any of them has: the epoch ends for all at once,
@@ -37,9 +40,10 @@ STREAM_STATE_FILE = "stream_state.json"
 class StreamEpochs:
     """The loader of a streamed training split; each pass over it after the first reads the stream's next epoch."""
 
-    def __init__(self, loader: DataLoader, stream: ShardStream) -> None:
+    def __init__(self, loader: DataLoader, stream: ShardStream, batches: int = 0) -> None:
         self.loader = loader
         self.stream = stream
+        self.batches = batches  # batches consumed in the stream's current epoch (the trainer counts them)
         self._passes = 0
 
     def __iter__(self) -> Iterator[Any]:
@@ -66,6 +70,7 @@ class StreamEpochs:
         return iter(self.loader)
 
     def _next_epoch(self) -> None:
+        self.batches = 0
         self.stream.set_epoch(self.stream.epoch + 1)
         logger.info("the training stream was read through: epoch %d of the stream begins", self.stream.epoch)
 
@@ -80,15 +85,16 @@ def agreed_batches(count: int, device: torch.device) -> int:
     return int(fewest.item())
 
 
-def save_stream_state(stream: ShardStream, folder: str, process_index: int) -> None:
-    """Write this process's stream state into a checkpoint folder."""
+def save_stream_state(stream: ShardStream, folder: str, process_index: int, batches: int = 0) -> None:
+    """Write this process's stream state into a checkpoint folder, with the batches consumed in its epoch."""
     path = os.path.join(folder, process_file_name(STREAM_STATE_FILE, process_index))
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(stream.state_dict(), f)
+        json.dump({**stream.state_dict(), "batches_in_epoch": batches}, f)
 
 
-def load_stream_state(stream: ShardStream, folder: str, process_index: int) -> None:
-    """Resume ``stream`` from the state a checkpoint holds for this process.
+def load_stream_state(stream: ShardStream, folder: str, process_index: int) -> int:
+    """Resume ``stream`` from the state a checkpoint holds for this process; returns the batches consumed in its
+    epoch (0 for a state saved without the count).
 
     Raises:
         ConfigError: when the checkpoint holds none (it was saved by a run that did not stream, or by fewer
@@ -106,3 +112,4 @@ def load_stream_state(stream: ShardStream, folder: str, process_index: int) -> N
         ) from None
     stream.load_state_dict(state)
     logger.info("resuming the training stream at epoch %d from %s", stream.epoch, path)
+    return int(state.get("batches_in_epoch", 0))

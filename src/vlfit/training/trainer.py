@@ -105,6 +105,8 @@ class VlfitTrainer(Trainer):
         self._feed: DeviceFeed | None = None
         self._staging_run_dir: str | None = None
         self._feed_done = False  # a streamed epoch ran out on some process (vlfit.training.stream_epochs)
+        self._stream_epochs: StreamEpochs | None = None
+        self._resumed_batches = 0  # batches of the stream's epoch a resumed checkpoint had consumed
         self.add_callback(_CountOptimizerSteps(self))
 
     @property
@@ -147,7 +149,7 @@ class VlfitTrainer(Trainer):
             # Batches before the checkpoint are skipped without being read: their bad samples come from the ledger.
             self.bad_samples.load(checkpoint, self.args.process_index)
             if stream is not None:
-                load_stream_state(stream, checkpoint, self.args.process_index)
+                self._resumed_batches = load_stream_state(stream, checkpoint, self.args.process_index)
         if self.is_fsdp_enabled and not self._scalar_parameters:
             self._scalar_parameters = reshape_scalar_parameters(self.model)
         try:
@@ -186,7 +188,8 @@ class VlfitTrainer(Trainer):
         if stream is not None:
             # The stream splits its shards over processes and workers itself: accelerate neither shards nor
             # dispatches it, and a resumed run skips no batches (ignore_data_skip).
-            return StreamEpochs(make_loader(generator=torch.Generator()), stream)
+            self._stream_epochs = StreamEpochs(make_loader(generator=torch.Generator()), stream, self._resumed_batches)
+            return self._stream_epochs
         sampler = self.train_sampler if self.train_sampler is not None else self._get_train_sampler()
         return shard_loader(make_loader(sampler=sampler), self.accelerator)
 
@@ -227,6 +230,8 @@ class VlfitTrainer(Trainer):
             for batch in batches:  # used by the coming step: a checkpoint after it resumes after them
                 for position in batch.stream_positions:
                     stream.mark_consumed(position)
+            if self._stream_epochs is not None:
+                self._stream_epochs.batches += len(batches)
         self.throughput.add(waited, sum(len(batch) for batch in batches))
         for batch in batches:
             self.bad_samples.add(batch.bad_samples, rows=len(batch), step=self.state.global_step + 1)
@@ -376,7 +381,8 @@ class VlfitTrainer(Trainer):
         """This process's part of a checkpoint beside the Trainer's: its bad-sample ledger and its stream position."""
         self.bad_samples.save(folder, self.args.process_index)
         if self.train_stream is not None:
-            save_stream_state(self.train_stream, folder, self.args.process_index)
+            batches = self._stream_epochs.batches if self._stream_epochs is not None else 0
+            save_stream_state(self.train_stream, folder, self.args.process_index, batches)
 
     @property
     def _checkpoint_name(self) -> str:
@@ -430,13 +436,19 @@ class VlfitTrainer(Trainer):
 
 
 class _CountOptimizerSteps(TrainerCallback):
-    """Tells the throughput meter where each optimizer step ends (for ``--throughput_warmup_steps``)."""
+    """Tells the throughput meter where each optimizer step ends (for ``--throughput_warmup_steps``), and for a
+    streamed split sets the epoch the step logs: the stream's epoch plus the batches read in it over the Trainer's
+    steps per epoch (``max_steps`` for a loader without length), so that a resumed run logs what the uninterrupted
+    one did (the Trainer's own count restarts at the resume)."""
 
     def __init__(self, trainer: VlfitTrainer) -> None:
         self.trainer = trainer
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer.throughput.step()
+        epochs = self.trainer._stream_epochs
+        if epochs is not None and args.max_steps > 0:
+            state.epoch = epochs.stream.epoch + epochs.batches / (args.max_steps * args.gradient_accumulation_steps)
 
 
 def gather_parts(part: EmbeddedSplit) -> list[EmbeddedSplit]:
