@@ -141,6 +141,20 @@ def test_a_lost_shard_or_source_of_a_mix_ends_the_run_naming_them(
     assert heads.count("/h/page.tar") == 2  # the tokenizer's captions, then training: no retries (--shard_retries 3)
 
 
+def test_a_source_whose_server_is_down_is_named_in_one_line_before_any_tokenizer_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with ShardServer({}) as gone:
+        spec = gone.url("/s/{000..003}.tar")
+    flags = ["--train_file", spec, "--caption_column", "txt", "--shard_retries", "1"]
+    argv = [
+        a for a in tiny_train_argv("unused", tmp_path / "out", *flags, steps=4) if a not in ("--dataset_name", "unused")
+    ]
+    assert main(["train", *argv]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
+    assert "cannot reach the server of " + gone.url("/s/000.tar") in line and "tokenizer" not in line
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

@@ -23,7 +23,12 @@ from vlfit.data.records import EVAL_COLUMNS
 from vlfit.data.source_base import ImageTextSource
 from vlfit.data.sources import open_splits
 from vlfit.data.stream import ShardStream
-from vlfit.data.stream.from_arguments import dataset_split_files, first_captions, open_train_stream
+from vlfit.data.stream.from_arguments import (
+    check_reachable,
+    dataset_split_files,
+    first_captions,
+    open_train_stream,
+)
 from vlfit.efficiency.flops import ComputeEfficiency
 from vlfit.efficiency.peaks import matmul_precision, peak_flops
 from vlfit.errors import ConfigError, DataError
@@ -100,6 +105,8 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
     extra_columns = tuple(dict.fromkeys([*EVAL_COLUMNS, *filter(None, [data_args.hard_negative_column])]))
     streamed = training_args.do_train and data_args.streams_training()
     train_stream = _open_stream(data_args, training_args, model_args) if streamed else None
+    if train_stream is not None:
+        check_reachable(train_stream)  # a dead server in one line, before a tokenizer is trained on nothing
     location = data_args.source_kwargs()
     if data_args.streams_training():
         location["train_file"] = None  # a stream's spec; evaluation's splits open map-style (URLs: local copies)

@@ -14,11 +14,11 @@ from typing import Any
 
 from vlfit.data.records import Record
 from vlfit.data.stream.parquet_rows import is_parquet
-from vlfit.data.stream.shards import ShardReader, ShardUnreadableError
+from vlfit.data.stream.shards import ShardReader, ShardUnreadableError, describe_fault, is_unreachable
 from vlfit.data.stream.stream import ShardStream
 from vlfit.data.stream.urls import StreamSource, parse_sources
 from vlfit.data.tar_source import WebDatasetLayout
-from vlfit.errors import ConfigError, first_line
+from vlfit.errors import ConfigError, DataError, UserError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +147,43 @@ def dataset_split_files(
             f"{', '.join(data_files) or 'none'}); name the files with --{split}_file"
         )
     return files
+
+
+def check_reachable(stream: ShardStream) -> None:
+    """Open the first shard of every source, so that a server that cannot be reached at all is named in one line
+    before anything else runs (a preset's tokenizer would otherwise be trained on no captions). Transient faults
+    are retried as a shard read retries them; an answer that is an error (a 404...) is left to the stream, which
+    judges lost shards as they come.
+
+    Raises:
+        DataError: naming the source and the URL its server could not be reached at.
+    """
+    reader = stream.reader
+    for source in stream.sources:
+        url, failures = source.urls[0], 0
+        while True:
+            try:
+                with reader.open(url) as file:
+                    file.read(1)
+                break
+            except UserError:
+                raise
+            except Exception as err:  # noqa: BLE001 - judged by is_unreachable; the stream reports the others
+                if not is_unreachable(err):
+                    break
+                failures += 1
+                try:
+                    reader.retry_or_give_up(url, err, failures, 0)
+                except ShardUnreadableError:
+                    raise DataError(
+                        f"{stream_flag(source)}: cannot reach the server of {url} ({describe_fault(err)}); check "
+                        "that it is running and the URL, then run again"
+                    ) from None
+
+
+def stream_flag(source: StreamSource) -> str:
+    """How a source is named in messages: its spec as written."""
+    return f"source {source.spec!r}" if source.spec else "the stream"
 
 
 def first_captions(stream: ShardStream, limit: int = TOKENIZER_CAPTIONS) -> list[str | None]:
