@@ -448,3 +448,25 @@ def test_cli_errors(source_dir: str, tmp_path: Path) -> None:
         main(["--dataset_name", source_dir, "--output_dir", out, "--short_side", "64", "--splits", "dev"])
     with pytest.raises(ValueError, match="inside the source dataset"):
         main(["--dataset_name", source_dir, "--output_dir", os.path.join(source_dir, "x"), "--short_side", "64"])
+
+
+def test_prepared_shards_group_captions_into_images_as_the_source_does(tmp_path: Path) -> None:
+    # 8 images x 3 captions: rows with an image_id column (--image_id_column), and a list caption column.
+    from tests.inference.several_captions import IMAGES, captions_of, write_caption_lists, write_csv
+    from vlfit.data.image_groups import image_items
+
+    csv_file = str(write_csv(tmp_path / "csv"))
+    columns = ["--image_column", "file_name", "--caption_column", "caption", "--image_id_column", "image_id"]
+    common = ["--short_side", "16", "--progress", "false", "--cache_dir", str(tmp_path / "cache")]
+    assert main(["--dataset_name", csv_file, *columns, "--output_dir", str(tmp_path / "rows"), *common]) == 0
+    rows = open_splits(dataset_name=str(tmp_path / "rows"), image_column="file_name", caption_column="caption",
+                       image_id_column="image_id", cache_dir=str(tmp_path / "cache"))["train"]  # fmt: skip
+    items = image_items(rows)
+    assert items.ids == [f"img-{n}" for n in range(IMAGES)]
+    assert items.captions == [captions_of(n) for n in range(IMAGES)]
+
+    lists = str(write_caption_lists(tmp_path / "lists"))
+    assert main(["--dataset_name", lists, "--caption_column", "captions", "--output_dir", str(tmp_path / "out"),
+                 *common]) == 0  # fmt: skip
+    prepared = open_splits(dataset_name=str(tmp_path / "out"), caption_column="captions")["test"]
+    assert image_items(prepared).captions == [captions_of(n) for n in range(IMAGES)]

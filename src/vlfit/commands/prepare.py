@@ -166,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         caption_column=data.caption_column,
         id_column=data.id_column,
         extra_columns=extra_columns,
+        image_id_column=data.image_id_column,
         source_description=description,
         bad_sample_policy=args.bad_sample_policy,
         progress=args.progress,

@@ -28,6 +28,9 @@ class OutputColumns:
         id: Id column: the source's id column, else ``instance_id`` holding the ids the source generated.
         extras: Extra columns copied from the source.
         features: Features of all of these, written into the parquet schema metadata.
+        image_id: Image id column (``--image_id_column``: which image a row shows, ``Record.image_id``), so the
+            shards group captions into images as the source does; ``None``: rows are grouped by their bytes, which
+            re-encoding keeps equal for equal source bytes.
     """
 
     image: str
@@ -35,6 +38,7 @@ class OutputColumns:
     id: str
     extras: tuple[str, ...]
     features: datasets.Features
+    image_id: str | None = None
 
 
 def _infer_feature(value: Any) -> datasets.features.features.FeatureType:
@@ -51,6 +55,7 @@ def output_columns(
     caption_column: str,
     id_column: str | None = None,
     extra_columns: Sequence[str] = DEFAULT_EXTRA_COLUMNS,
+    image_id_column: str | None = None,
 ) -> OutputColumns:
     """Decide the output columns of a split so that it reads back exactly as the source did.
 
@@ -65,6 +70,7 @@ def output_columns(
         caption_column: Source caption column; the output uses the same name.
         id_column: Source id column, as given to ``open_splits``.
         extra_columns: Extra columns to copy when the source has them.
+        image_id_column: Source image id column, as given to ``open_splits``; the output uses the same name.
 
     Returns:
         The output columns and features.
@@ -79,7 +85,9 @@ def output_columns(
         first = source[0].extra if len(source) else {}
         extras = tuple(c for c in extra_columns if c in first)
         extra_features = {c: _infer_feature(first[c]) for c in extras}
-    names = [image_column, caption_column, id_name, *extras]
+    extras = tuple(c for c in extras if c != image_id_column)
+    extra_features = {c: f for c, f in extra_features.items() if c in extras}
+    names = [image_column, caption_column, id_name, *extras, *([image_id_column] if image_id_column else [])]
     if len(set(names)) != len(names):
         raise DataError(f"split {split!r}: output columns {names} are not distinct; check the column arguments")
     features = datasets.Features(
@@ -88,6 +96,7 @@ def output_columns(
             caption_column: datasets.Value("string"),
             id_name: datasets.Value("string"),
             **extra_features,
+            **({image_id_column: datasets.Value("string")} if image_id_column else {}),
         }
     )
-    return OutputColumns(image_column, caption_column, id_name, extras, features)
+    return OutputColumns(image_column, caption_column, id_name, extras, features, image_id_column)

@@ -60,6 +60,7 @@ def prepare_dataset(
     caption_column: str = "image_description",
     id_column: str | None = None,
     extra_columns: Sequence[str] = DEFAULT_EXTRA_COLUMNS,
+    image_id_column: str | None = None,
     source_description: Mapping[str, Any] | None = None,
     bad_sample_policy: str = "skip",
     progress: bool = True,
@@ -86,6 +87,8 @@ def prepare_dataset(
         caption_column: Caption column of the source and the output.
         id_column: Id column the source was opened with (see ``output_columns``).
         extra_columns: Extra columns to copy when present.
+        image_id_column: Image id column the sources were opened with: written along under its name, so the
+            shards group captions into images as the source does (read them back with the same flag).
         source_description: Where the data came from (flags, paths); compared on resumption. Defaults to the
             sources' names.
         bad_sample_policy: ``skip`` or ``raise``. Not a setting compared on resumption: a run stopped by
@@ -125,6 +128,8 @@ def prepare_dataset(
         },
         "source": description,
     }
+    if image_id_column is not None:  # only then: a folder prepared before the setting existed still resumes
+        settings["columns"]["image_id"] = image_id_column
 
     os.makedirs(output_dir, exist_ok=True)
     manifest_path = os.path.join(output_dir, MANIFEST_NAME)
@@ -154,6 +159,7 @@ def prepare_dataset(
             caption_column=caption_column,
             id_column=id_column,
             extra_columns=extra_columns,
+            image_id_column=image_id_column,
         )
         names = [shard_file_name(split, i, num_shards) for i in range(num_shards)]
         kept = (earlier or {}).get("shards", {})
@@ -161,7 +167,12 @@ def prepare_dataset(
             "rows": rows,
             "num_shards": num_shards,
             "source_name": source.name,
-            "columns": {"image": columns.image, "caption": columns.caption, "id": columns.id},
+            "columns": {
+                "image": columns.image,
+                "caption": columns.caption,
+                "id": columns.id,
+                **({"image_id": columns.image_id} if columns.image_id else {}),
+            },  # fmt: skip
             "extra_columns": list(columns.extras),
             "bad_samples": 0,
             "shards": {n: kept[n] for n in names if n in kept},

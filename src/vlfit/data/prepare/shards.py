@@ -189,7 +189,8 @@ def build_shard(task: ShardTask, source: ImageTextSource, settings: ShardSetting
         PrepareError: under ``raise``, naming the split, the sample and the reason at the first bad sample.
     """
     cols = task.columns
-    values: dict[str, list[Any]] = {name: [] for name in (cols.image, cols.caption, cols.id, *cols.extras)}
+    names = (cols.image, cols.caption, cols.id, *cols.extras, *([cols.image_id] if cols.image_id else []))
+    values: dict[str, list[Any]] = {name: [] for name in names}
     built = BuiltShard(task, ShardStats())
     stats = built.stats
     for row in range(task.start, task.stop):
@@ -213,6 +214,8 @@ def build_shard(task: ShardTask, source: ImageTextSource, settings: ShardSetting
         values[cols.id].append(record.id)
         for name in cols.extras:
             values[name].append(record.extra.get(name))
+        if cols.image_id:
+            values[cols.image_id].append(record.image_id)
         stats.rows += 1
         stats.input_bytes += len(record.image)
         stats.image_bytes += len(prepared.data)
