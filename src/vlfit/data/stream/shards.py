@@ -10,7 +10,7 @@ A transient fault (HTTP 5xx, a refused or reset connection, a read that stalls p
 archive) is retried ``retries`` times with exponential backoff. A permanent one is not: an HTTP status that no retry
 changes (404, 403, 410...), a body that is not a tar or parquet file (an HTML error page), a missing local file; the
 shard is given up at once. A shard given up because its host cannot be reached at all (connection refused, no such
-host) is marked ``unreachable``: the stream stops there instead of counting the shard as lost (a dead server).
+host) is marked ``unreachable``: the server is down, rather than the shard bad.
 
 A server that ignores ``Range`` requests (it answers 200 with the whole file, as ``python -m http.server`` and many
 static hosts do) cannot serve fsspec's block reads past the first block. The first time that is seen for a host,
@@ -64,7 +64,7 @@ class BadShard:
         reason: The last error, with its causes (``FileNotFoundError: ... (ClientResponseError: 500, ...)``).
         samples_read: How many of its samples were read (and yielded) before it was given up.
         unreachable: Its host could not be reached (connection refused, no such host): the source is down, not
-            the shard bad; the stream stops there (``RoleReader``) rather than counting it lost.
+            the shard bad.
     """
 
     url: str
