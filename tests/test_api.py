@@ -61,18 +61,18 @@ def test_every_image_kind_gives_the_same_normalized_embedding(preset_model, tmp_
 
 def test_bad_images_name_their_position(preset_model, tmp_path):
     good = np.zeros((32, 32, 3), dtype=np.uint8)
-    with pytest.raises(vlfit.MissingFileError, match=r"image 1 \(.*nope.jpg\): no such file"):
+    with pytest.raises(vlfit.MissingFileError, match=r"images\[1\] \(.*nope.jpg\): no such file"):
         preset_model.encode_images([good, str(tmp_path / "nope.jpg")])
-    with pytest.raises(vlfit.DataError, match="image 2"):
+    with pytest.raises(vlfit.DataError, match=r"images\[2\]"):
         preset_model.encode_images([good, good, b"not an image"])
-    with pytest.raises(vlfit.DataError, match="image 0: a numpy image must be uint8"):
+    with pytest.raises(vlfit.DataError, match=r"images\[0\]: a numpy image must be uint8"):
         preset_model.encode_images([good.astype(np.float32)])
 
 
 def test_errors_name_keyword_arguments_not_flags(tmp_path):
-    with pytest.raises(vlfit.ConfigError, match=r"^`lora_r` must be at least 1, got 0$"):
+    with pytest.raises(vlfit.ConfigError, match=r"^`lora_r=` must be at least 1, got 0$"):
         vlfit.train(model_preset="clip-tiny", lora_r=0, output_dir=str(tmp_path))
-    with pytest.raises(vlfit.ConfigError, match=r"unknown option learning_rat \(did you mean learning_rate\?\)"):
+    with pytest.raises(vlfit.ArgumentError, match=r"`learning_rat=` \(did you mean `learning_rate=`\?\)"):
         vlfit.train(model_preset="clip-tiny", learning_rat=1e-3, output_dir=str(tmp_path))
 
 

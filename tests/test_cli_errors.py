@@ -64,13 +64,13 @@ def test_anything_else_keeps_its_traceback(monkeypatch, capsys, error):
 def test_python_callers_get_options_as_keywords_and_command_lines_stay():
     register_option_names(["lora_r"])
 
-    @python_api
-    def api_function():
+    @python_api(flags=True)  # takes a command's flags as keywords, as vlfit.train does
+    def api_function(**flags):
         raise ConfigError("--lora_r must be at least 1; launch with torchrun --nproc_per_node 2")
 
     with pytest.raises(ConfigError) as caught:
         api_function()
-    assert str(caught.value) == "`lora_r` must be at least 1; launch with torchrun --nproc_per_node 2"
+    assert str(caught.value) == "`lora_r=` must be at least 1; launch with torchrun --nproc_per_node 2"
 
 
 def test_a_user_error_keeps_its_type_when_a_dataloader_worker_reraises_it():

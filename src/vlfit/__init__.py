@@ -3,17 +3,27 @@
 The API (``vlfit.api``): ``load`` a model and ``Model.encode_images`` / ``encode_texts`` / ``similarity``;
 ``train`` and ``evaluate`` with the CLI's flags as keyword arguments (a ``RunResult``); ``Index`` to build, open,
 append and search an embedding index; ``UserError`` (and its kinds in ``vlfit.errors``) for every mistake of the
-caller. Importing ``vlfit`` is cheap: the API loads on first use.
+caller, each naming the keyword argument (``ArgumentError`` for an unknown keyword or a value of the wrong type).
+Importing ``vlfit`` is cheap: the API loads on first use.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from vlfit.errors import ConfigError, DataError, MissingExtraError, MissingFileError, ModelLoadError, UserError
+from vlfit.errors import (
+    ArgumentError,
+    ConfigError,
+    DataError,
+    MissingExtraError,
+    MissingFileError,
+    ModelLoadError,
+    UserError,
+)
 from vlfit.version import __version__
 
 __all__ = [
+    "ArgumentError",
     "ConfigError",
     "DataError",
     "Index",

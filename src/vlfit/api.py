@@ -11,7 +11,10 @@
     result.metrics["train_loss"], result.output_dir
 
 Every function takes the flags of the matching CLI command as keyword arguments (``vlfit.train(learning_rate=1e-4)``
-is ``vlfit train --learning_rate 1e-4``). A mistake raises a ``vlfit.UserError`` naming the keyword argument.
+is ``vlfit train --learning_rate 1e-4``), converted and checked as the command line's are (``max_steps="10"`` is
+10, ``max_steps="ten"`` is refused), before anything is loaded or written. A mistake raises a ``vlfit.UserError``
+naming the keyword argument (``learning_rate=``): an unknown keyword or a value of the wrong type is an
+``ArgumentError`` (also a ``TypeError``), with the closest keywords (``did you mean `precision=`?``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 from PIL import Image, ImageOps
 
 from vlfit.data.image_transforms import FastImageTransform, hwc_to_chw_view, resize_crop_uint8, stack_images
-from vlfit.errors import ConfigError, DataError, MissingFileError, python_api
+from vlfit.errors import ConfigError, DataError, MissingFileError, python_api, unknown_keywords
 from vlfit.inference.backends import Encoder, TorchEncoder, open_encoder
 
 # What encode_images takes, each item on its own: a path, encoded bytes, a PIL image or a uint8 HWC (or HW) array.
@@ -38,23 +41,26 @@ def _pixels_of(item: ImageInput, image_size: int, position: int) -> torch.Tensor
     if isinstance(item, (str, os.PathLike)):
         path = os.fspath(item)
         if not os.path.isfile(path):
-            raise MissingFileError(f"image {position} ({path}): no such file")
+            raise MissingFileError(f"images[{position}] ({path}): no such file")
         with open(path, "rb") as f:
             item = f.read()
     if isinstance(item, (bytes, bytearray, memoryview)):
-        return FastImageTransform(image_size)(bytes(item), sample_id=f"image {position}")  # DataError names it
+        return FastImageTransform(image_size)(bytes(item), sample_id=f"images[{position}]")  # DataError names it
     if isinstance(item, Image.Image):
         array = np.array(ImageOps.exif_transpose(item).convert("RGB"))
     elif isinstance(item, np.ndarray):
         if item.dtype != np.uint8:
-            raise DataError(f"image {position}: a numpy image must be uint8 (HWC or HW), got {item.dtype}")
+            raise DataError(f"images[{position}]: a numpy image must be uint8 (HWC or HW), got {item.dtype}")
         array = np.repeat(item[..., None], 3, axis=2) if item.ndim == 2 else item
         if array.ndim != 3 or array.shape[2] not in (3, 4):
-            raise DataError(f"image {position}: a numpy image must be [H, W], [H, W, 3] or [H, W, 4], got {item.shape}")
+            raise DataError(
+                f"images[{position}]: a numpy image must be [H, W], [H, W, 3] or [H, W, 4], got {item.shape}"
+            )
         array = array[..., :3]
     else:
         raise DataError(
-            f"image {position}: expected a path, encoded bytes, a PIL image or a uint8 array, got {type(item).__name__}"
+            f"images[{position}]: expected a path, encoded bytes, a PIL image or a uint8 array, got "
+            f"{type(item).__name__}"
         )
     return resize_crop_uint8(hwc_to_chw_view(array), image_size)
 
@@ -97,7 +103,9 @@ class Model:
         Raises:
             MissingFileError: for a path that does not exist.
             DataError: for an image that cannot be decoded or an input of another kind (naming its position).
+            ArgumentError: for ``images`` that is neither an image nor an iterable of them, a bad ``batch_size``.
         """
+        _check_at_least("batch_size", batch_size, 1)
         items = [images] if isinstance(images, (str, os.PathLike, bytes, Image.Image, np.ndarray)) else list(images)
         if isinstance(images, np.ndarray) and images.ndim == 4:  # a batch of arrays
             items = list(images)
@@ -112,10 +120,8 @@ class Model:
     @python_api
     def encode_texts(self, texts: str | Sequence[str], batch_size: int = 256) -> np.ndarray:
         """L2-normalized float32 embeddings ``[N, D]`` of captions, tokenized as training tokenizes them."""
-        items = [texts] if isinstance(texts, str) else list(texts)
-        for position, text in enumerate(items):
-            if not isinstance(text, str):
-                raise DataError(f"text {position}: expected a string, got {type(text).__name__}")
+        _check_at_least("batch_size", batch_size, 1)
+        items = _strings("texts", texts)
         rows = [self.encoder.embed_texts(items[s : s + batch_size]) for s in range(0, len(items), batch_size)]
         return _as_numpy(rows, self.embedding_dim)
 
@@ -125,13 +131,27 @@ class Model:
         return self.encode_images(images) @ self.encode_texts(texts).T
 
 
+def _check_at_least(keyword: str, value: int | float, least: int | float) -> None:
+    if value < least:
+        raise ConfigError(f"--{keyword} must be at least {least}, got {value}")
+
+
+def _strings(keyword: str, texts: str | Sequence[str]) -> list[str]:
+    """``texts`` as a list of strings (a string alone: a list of one)."""
+    items = [texts] if isinstance(texts, str) else list(texts)
+    for position, text in enumerate(items):
+        if not isinstance(text, str):
+            raise DataError(f"{keyword}[{position}]: expected a string, got {type(text).__name__}")
+    return items
+
+
 def _as_numpy(rows: list[torch.Tensor], dim: int) -> np.ndarray:
     if not rows:
         return np.zeros((0, dim), dtype=np.float32)
     return np.ascontiguousarray(torch.cat(rows).float().numpy(), dtype=np.float32)
 
 
-@python_api
+@python_api(renames={"model": "path_or_preset", "model_name_or_path": "path_or_preset"})
 def load(
     path_or_preset: str | os.PathLike,
     backend: str = "auto",
@@ -153,13 +173,24 @@ def load(
         allow_spinning: ONNX Runtime's idle threads spin-wait for the next call (its default; a server that shares
             its cores with an event loop turns it off).
     """
+    from vlfit.inference.backends import BACKENDS, PRECISION_CHOICES
     from vlfit.models.preset_names import PRESET_NAMES
 
     name = os.fspath(path_or_preset)
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown --backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
+    if precision not in PRECISION_CHOICES:
+        raise ConfigError(f"unknown --precision {precision!r}; choose one of: {', '.join(PRECISION_CHOICES)}")
+    if num_threads is not None:
+        _check_at_least("num_threads", num_threads, 1)
     if not os.path.exists(name) and name in PRESET_NAMES:
         if backend not in ("auto", "torch"):
-            raise ConfigError(f"preset {name} runs on torch; export a trained checkpoint for backend {backend!r}")
+            raise ConfigError(f"preset {name} runs on torch; export a trained checkpoint for --backend {backend!r}")
         return Model(_preset_encoder(name, num_threads))
+    if not os.path.exists(name):
+        raise MissingFileError(
+            f"--model {name}: no such model folder, and not a preset (one of: {', '.join(sorted(PRESET_NAMES))})"
+        )
     return Model(open_encoder(name, backend, precision, num_threads=num_threads, allow_spinning=allow_spinning))
 
 
@@ -194,19 +225,22 @@ class RunResult:
     output_dir: str
 
 
-def _parse(prog: str, values: dict[str, Any]) -> Any:
-    if prog == "vlfit eval":
-        from vlfit.commands.evaluate import parse_values
-
-        return parse_values(values)
+def _parse(prog: str, function: str, values: dict[str, Any]) -> Any:
+    """The parsed flags of ``values``, converted and checked as the command line's (unknown keywords first)."""
+    from vlfit.commands import evaluate, train
     from vlfit.commands.parsing import ParsedArguments
-    from vlfit.commands.train import parser_for
 
-    parsed, given = parser_for(prog).parse_values(values)
+    parser = evaluate.parser() if prog == "vlfit eval" else train.parser_for(prog)
+    known = parser.keyword_names()
+    if set(values) - known:
+        raise unknown_keywords(function, set(values) - known, known)
+    if prog == "vlfit eval":
+        return evaluate.parse_values(values)
+    parsed, given = parser.parse_values(values)
     return ParsedArguments(*parsed, given=given)
 
 
-@python_api
+@python_api(flags=True)
 def train(**flags: Any) -> RunResult:
     """Fine-tune as ``vlfit train`` does, with its flags as keyword arguments; returns the metrics and the folder.
 
@@ -214,19 +248,19 @@ def train(**flags: Any) -> RunResult:
     """
     from vlfit.commands.train import train_parsed
 
-    args = _parse("vlfit train", flags)
+    args = _parse("vlfit train", "train", flags)
     call = ", ".join(f"{name}={value!r}" for name, value in flags.items())
     metrics = train_parsed(args, command_line=f"vlfit.train({call})")
     return RunResult(metrics, args.training.output_dir)
 
 
-@python_api
+@python_api(flags=True)
 def evaluate(**flags: Any) -> RunResult:
     """Evaluate as ``vlfit eval`` does (recall@1/5/10 both ways, matching accuracy) with its flags as keyword
     arguments; the metrics are also written to ``output_dir`` (default: the model folder) as ``eval_results.json``."""
     from vlfit.commands.evaluate import evaluate_parsed
 
-    args = _parse("vlfit eval", flags)
+    args = _parse("vlfit eval", "evaluate", flags)
     metrics = evaluate_parsed(args)
     return RunResult(metrics, args.training.output_dir)
 
@@ -274,7 +308,7 @@ class Index:
         return self._model
 
     @classmethod
-    @python_api
+    @python_api(renames={"index": "path", "output_dir": "path", "dataloader_num_workers": "num_workers"})
     def build(
         cls,
         model: Model | str,
@@ -301,12 +335,23 @@ class Index:
         (one ``image_id_column`` value, one row of a list caption column, or identical bytes) are one item with all
         their captions, as evaluation groups them."""
         from vlfit.extras import require_extra
-        from vlfit.inference.ann import DEFAULT_MAX_INDEX_MEMORY
+        from vlfit.inference.ann import DEFAULT_MAX_INDEX_MEMORY, INDEX_TYPES, check_target_recall
         from vlfit.inference.collection import open_image_collection
         from vlfit.inference.index import build_index
         from vlfit.inference.index_ann import update_ann
 
         require_extra("serve", "vlfit.Index.build", modules=("faiss",))
+        # Every value is checked before anything is opened, embedded or written.
+        if index_type not in INDEX_TYPES:
+            raise ConfigError(f"unknown --index_type {index_type!r}; choose one of: {', '.join(INDEX_TYPES)}")
+        check_target_recall(target_recall)
+        for keyword, value, least in (
+            ("batch_size", batch_size, 1),
+            ("num_workers", num_workers, 0),
+            ("shard_size", shard_size, 1),
+            ("max_index_memory", max_index_memory or 1, 1),
+        ):
+            _check_at_least(keyword, value, least)  # fmt: skip
 
         source, collection = open_image_collection(
             images=images, dataset_name=dataset_name, split=split, image_column=image_column,
@@ -322,7 +367,7 @@ class Index:
         return cls(path, model)
 
     @classmethod
-    @python_api
+    @python_api(renames={"index": "path"})
     def open(cls, path: str, model: Model | None = None) -> Index:
         """The index at ``path``; queries are embedded with ``model`` (default: the one it was built with)."""
         index = cls(path, model)
@@ -332,7 +377,7 @@ class Index:
             refuse_other_model(index._index, model.encoder)
         return index
 
-    @python_api
+    @python_api(renames={"index": "path"})
     def append(self, progress: bool = False, batch_size: int = 32, num_workers: int = 0) -> int:
         """Embed what the index's folder or dataset holds that the index does not yet; returns how many were added."""
         from vlfit.inference.collection import COLLECTION_KEYS
@@ -346,19 +391,32 @@ class Index:
         self._reload()
         return len(self._index) - before
 
-    @python_api
+    @python_api(renames={"index": "path"})
     def search(self, queries: str | Sequence[str] | np.ndarray, k: int = 10) -> list[SearchHit] | list[list[SearchHit]]:
         """The ``k`` best items for a text (a list of ``SearchHit``), for several texts or for query embeddings
         ``[Q, D]`` (a list of lists), best first."""
         from vlfit.inference.query import search
 
-        if k < 1:
-            raise ConfigError(f"k must be at least 1, got {k}")
+        _check_at_least("k", k, 1)
         single = isinstance(queries, str)
         if isinstance(queries, np.ndarray):
-            embeddings = torch.from_numpy(np.atleast_2d(queries).astype(np.float32))
+            embeddings = torch.from_numpy(self._query_embeddings(queries))
         else:
-            embeddings = torch.from_numpy(self.model.encode_texts(queries))
+            embeddings = torch.from_numpy(self.model.encode_texts(_strings("queries", queries)))
         hits = search(self._index, embeddings, k)
         results = [[SearchHit(hit.id, hit.score, hit.captions) for hit in row] for row in hits]
         return results[0] if single else results
+
+    def _query_embeddings(self, queries: np.ndarray) -> np.ndarray:
+        """Query embeddings ``[Q, D]`` (one ``[D]`` alone: one query), checked against the index's size."""
+        dim = self._index.manifest.identity.embedding_size
+        array = np.atleast_2d(queries)
+        if array.ndim != 2 or array.shape[1] != dim or not np.issubdtype(array.dtype, np.number):
+            raise DataError(
+                f"--queries: embeddings must be numbers of shape [Q, {dim}] (or [{dim}]) for this index, got "
+                f"{queries.dtype} {list(queries.shape)}"
+            )
+        array = array.astype(np.float32)
+        if not np.isfinite(array).all():
+            raise DataError("--queries: embeddings hold NaN or infinite values")
+        return array

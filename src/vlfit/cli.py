@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"vlfit: unknown command {command!r}; choose one of: {', '.join(COMMANDS)}\n\n{usage()}", file=sys.stderr)
         return 2
-    from vlfit.errors import UserError
+    from vlfit.errors import UserError, cli_wording
     from vlfit.logs import configure_logging
 
     rest, log_level = take_log_level(rest)
@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         if command in COMMAND_EXTRAS:
             require_extra(COMMAND_EXTRAS[command], f"vlfit {command}")
         module = importlib.import_module(COMMANDS[command][0])
-        code = int(module.main(rest) or 0)
+        with cli_wording():  # the API functions a command calls keep its flags' names in their messages
+            code = int(module.main(rest) or 0)
     except UserError as err:
         if debug:
             raise

@@ -5,20 +5,37 @@ its traceback. Python callers catch ``vlfit.UserError`` (or one of its kinds) th
 
 Messages are written with the CLI's flag names (``--freeze``). Where a Python caller passed the option as a
 keyword argument (``vlfit.train(freeze=...)``), the API rewords the message as it leaves (``python_api``): the
-option is then quoted as ```freeze```. Only names of vlfit's options are rewritten (``register_option_names``), so
-a command line quoted in a message (``torchrun --nproc_per_node 2``) stays as it is.
+option is then quoted as the keyword, ```freeze=```, with its value when the message gives one
+(``--images /x: no such folder`` becomes ```images=/x`: no such folder``). Only the keywords of the function
+called are rewritten (for ``vlfit.train``, every registered option name: ``register_option_names``), and never
+inside a quoted command line (``vlfit export --model_name_or_path x``, ``torchrun --nproc_per_node 2``).
+
+``python_api`` also checks a call before the function runs: an unknown keyword gets the closest ones (``did you
+mean `precision=`?``), a value of the wrong type is refused, both as an ``ArgumentError``.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
+import inspect
+import numbers
 import re
-from collections.abc import Callable, Iterable
+import reprlib
+import threading
+import types
+import typing
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_OPTION = re.compile(r"(?<![\w-])--([a-z][a-z0-9_]*)")
+# ``--name``, with the value that follows it when it looks like one: quoted, a number, or a path.
+_OPTION = re.compile(
+    r"(?<![\w-])--([a-z][a-z0-9_]*)(?: ('[^']*'|\"[^\"]*\"|-?\d[\w.+-]*|[^\s;,()'\"]*/[^\s;,()'\"]*))?"
+)
+_COMMAND_LINE = re.compile(r"\b(?:vlfit [a-z]|torchrun\b|accelerate launch\b|python -m\b)")
 _option_names: set[str] = set()
 
 
@@ -27,9 +44,27 @@ def register_option_names(names: Iterable[str]) -> None:
     _option_names.update(names)
 
 
-def python_wording(message: str) -> str:
-    """``message`` with each ``--option`` of vlfit's written as the keyword argument a Python caller passed."""
-    return _OPTION.sub(lambda m: f"`{m.group(1)}`" if m.group(1) in _option_names else m.group(0), message)
+def python_wording(message: str, keywords: Mapping[str, str] | None = None) -> str:
+    """``message`` with each ``--option`` of vlfit's written as the keyword argument a Python caller passed.
+
+    Args:
+        message: A message in the CLI's words.
+        keywords: ``{option: keyword}`` of the function called (default: every registered option, as itself).
+    """
+
+    def keyword(match: re.Match[str]) -> str:
+        name, value = match.group(1), match.group(2)
+        clause = re.split(r"[;()]", message[: match.start()])[-1]
+        target = keywords.get(name) if keywords is not None else (name if name in _option_names else None)
+        if target is None or _COMMAND_LINE.search(clause):  # not a keyword, or inside a quoted command line
+            return match.group(0)
+        if value is None:
+            return f"`{target}=`"
+        trailing = len(value) - len(value.rstrip(":."))
+        value, rest = value[: len(value) - trailing], value[len(value) - trailing :]
+        return f"`{target}={value}`{rest}"
+
+    return _OPTION.sub(keyword, message)
 
 
 def first_line(error: BaseException, limit: int | None = None) -> str:
@@ -68,16 +103,130 @@ class MissingExtraError(UserError, ImportError):
         self.extra = extra
 
 
-def python_api(function: F) -> F:
-    """Decorate a public function: a ``UserError`` it raises leaves worded for Python callers (``python_wording``)."""
+class ArgumentError(ConfigError, TypeError):
+    """A call of the Python API with an unknown keyword, a missing or extra argument, or a value of the wrong type
+    (a ``TypeError`` too, as Python's own for a bad call)."""
+
+
+def unknown_keywords(function: str, unknown: Iterable[str], known: Iterable[str]) -> ArgumentError:
+    """The error for keywords ``function`` does not take, each with the closest it does (``did you mean``)."""
+    known = sorted(known)
+    parts = []
+    for name in sorted(unknown):
+        small = len(known) <= 30  # a signature, not a command's hundreds of flags
+        close = difflib.get_close_matches(name, known, n=3 if small else 2, cutoff=0.5 if small else 0.6)
+        quoted = [f"`{c}=`" for c in close]
+        choices = f"{', '.join(quoted[:-1])} or {quoted[-1]}" if len(quoted) > 1 else "".join(quoted)
+        hint = f" (did you mean {choices}?)" if close else ""
+        parts.append(f"`{name}=`{hint}")
+    plural = "s" if len(parts) > 1 else ""
+    return ArgumentError(f"{function}() got an unknown keyword argument{plural} {', '.join(parts)}")
+
+
+def _members(hint: Any) -> list[Any]:
+    """The types a hint allows: the members of a union (``X | None``), or the hint itself."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return [member for arg in typing.get_args(hint) for member in _members(arg)]
+    return [hint]
+
+
+def _accepts(value: Any, hint: Any) -> bool:
+    """Whether ``value`` is of the annotated type, looking one level deep (``Sequence[str]``: a sequence)."""
+    for member in _members(hint):
+        if member is Any or member is None or member is type(None):
+            if member is Any or value is None:
+                return True
+            continue
+        if member is bool:
+            ok = isinstance(value, bool)
+        elif member is int:
+            ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        elif member is float:
+            ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        else:
+            origin = typing.get_origin(member) or member
+            ok = not isinstance(origin, type) or isinstance(value, origin)
+        if ok:
+            return True
+    return False
+
+
+def _shown(value: Any) -> str:
+    return f"{type(value).__name__} {reprlib.repr(value)}"
+
+
+class _Calls(threading.local):
+    depth = 0  # python_api functions running in this thread (the outermost one rewords)
+
+
+_calls = _Calls()
+_command_line = [0]  # > 0: a CLI command is running; its messages keep the flags' names
+
+
+@contextmanager
+def cli_wording() -> Iterator[None]:
+    """While a CLI command runs, messages of the API functions it calls keep the CLI's flag names."""
+    _command_line[0] += 1
+    try:
+        yield
+    finally:
+        _command_line[0] -= 1
+
+
+def python_api(function: F | None = None, *, renames: Mapping[str, str] | None = None, flags: bool = False) -> Any:
+    """Decorate a public function of the Python API.
+
+    Before it runs, the call is checked against its signature: an unknown keyword (with the closest ones), a
+    missing or extra argument, or a value that is not of the annotated type raises an ``ArgumentError``. A
+    ``UserError`` it raises leaves worded for Python callers (``python_wording``) with the keywords of the outermost
+    API function called: its parameters, ``renames`` (``{"index": "path"}``: the flag ``--index`` is the keyword
+    ``path=``), and, with ``flags`` (a function taking a command's flags as ``**flags``), every registered option.
+    Called while a CLI command runs (``cli_wording``), messages keep the flags' names.
+    """
+    if function is None:
+        return functools.partial(python_api, renames=renames, flags=flags)
+    signature = inspect.signature(function)
+    parameters = [p for p in signature.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    own = {p.name: p.name for p in parameters if p.name not in ("self", "cls")} | dict(renames or {})
+    name = function.__qualname__
+    hints: list[dict[str, Any]] = []  # the resolved annotations, on the first call (the module is loaded by then)
+
+    def check(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as error:
+            known = [p.name for p in parameters]
+            unknown = [key for key in kwargs if key not in known]
+            if unknown and not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
+                raise unknown_keywords(name, unknown, (k for k in known if k not in ("self", "cls"))) from None
+            raise ArgumentError(f"{name}(): {error}") from None
+        if not hints:
+            hints.append(typing.get_type_hints(function))
+        for key, value in bound.arguments.items():
+            hint = hints[0].get(key)
+            if hint is not None and key in own and not _accepts(value, hint):
+                annotation = function.__annotations__.get(key)
+                shown = annotation if isinstance(annotation, str) else getattr(hint, "__name__", str(hint))
+                raise ArgumentError(f"`{key}=` must be {shown}, got {_shown(value)}")
 
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        outer = _calls.depth == 0
+        _calls.depth += 1
         try:
+            check(args, kwargs)
             return function(*args, **kwargs)
         except UserError as error:
-            if error.args and isinstance(error.args[0], str):
-                error.args = (python_wording(error.args[0]), *error.args[1:])
+            keywords = dict(own)
+            if flags:
+                keywords |= {option: option for option in _option_names if option not in keywords}
+            scopes = error.__dict__.setdefault("_python_keywords", [])
+            scopes.append(keywords)  # innermost first: an outer function's keyword wins
+            if outer and not _command_line[0] and error.args and isinstance(error.args[0], str):
+                merged = {key: value for scope in scopes for key, value in scope.items()}
+                error.args = (python_wording(error.args[0], merged), *error.args[1:])
             raise
+        finally:
+            _calls.depth -= 1
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper

@@ -1,7 +1,12 @@
 """The one way a vlfit command parses its flags: ``HfArgumentParser`` over its dataclasses, made strict.
 
 - No abbreviations: ``--learning_rat`` is an unknown flag, not ``--learning_rate``.
-- An unknown flag stops with argparse's usage line and the closest known flags (``did you mean --learning_rate?``).
+- A bad flag or value stops in one line, without argparse's usage (which lists every flag: 175 lines for
+  ``vlfit train``): the closest known flags (``did you mean --learning_rate?``) and where the flags are listed
+  (``see vlfit train --help``), exit 2.
+- Values given as a mapping (a flags file, the API's keyword arguments) are converted and checked as the command
+  line's are: ``"2"`` for an int flag is 2, ``"ten"`` is refused, ``1e-4`` for a float is 0.0001, a choice must be
+  one of its choices; a value of the wrong type (``max_steps=1.5``) is refused naming the flag.
 - ``--model`` and ``--model_name_or_path`` name the same field on every command that takes a model.
 - A value a dataclass refuses (vlfit's checks, ``TrainingArguments.__post_init__``) is a ``ConfigError``.
 - Every field name is registered with ``vlfit.errors``, so messages quote it as a flag on the command line and as a
@@ -15,9 +20,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import numbers
 import os
+import types
+import typing
 from collections.abc import Collection, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from enum import Enum
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 from transformers import HfArgumentParser
 
@@ -120,6 +129,15 @@ class CommandParser(HfArgumentParser):
                 group.title = None
                 group.description = None
 
+    def error(self, message: str) -> NoReturn:
+        """Stop as argparse does (exit 2) in one line, pointing at ``--help`` instead of printing the usage."""
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+    def keyword_names(self) -> set[str]:
+        """The names a mapping of values may hold: every field, and the model alias the command takes."""
+        names = self._field_names()
+        return names | {flag.lstrip("-") for field_name, flag in MODEL_FLAG_ALIASES.items() if field_name in names}
+
     def known_flags(self) -> list[str]:
         """The option strings the parser accepts, in their underscore spelling (HfArgumentParser also takes
         ``--learning-rate`` for ``--learning_rate``: not worth suggesting twice)."""
@@ -136,6 +154,73 @@ class CommandParser(HfArgumentParser):
         if others and not flags:
             parts.append(" ".join(others))
         self.error(f"unrecognized arguments: {', '.join(parts)}")
+
+    def typed_values(self, values: dict[str, Any]) -> dict[str, Any]:
+        """``values`` (field names to values) converted as the command line converts its strings, and checked.
+
+        A string is converted by the flag's own type (``"2"`` -> 2, ``"true"`` -> True), a number of the right
+        kind is kept (an int for a float flag becomes a float), a path-like for a string flag becomes its string,
+        a single value for a list flag becomes a list of one; choices are checked.
+
+        Raises:
+            ConfigError: a value the command line would refuse, or one of another type, naming the flag.
+        """
+        hints: dict[str, Any] = {}
+        defaults: dict[str, Any] = {}
+        for dtype in self.dataclass_types:
+            type_hints = typing.get_type_hints(dtype)
+            for f in dataclasses.fields(dtype):
+                hints[f.name] = type_hints.get(f.name, Any)
+                defaults[f.name] = f.default
+        return {
+            name: self._typed(name, value, hints[name], defaults[name]) if name in hints else value
+            for name, value in values.items()
+        }
+
+    def _typed(self, name: str, value: Any, hint: Any, default: Any) -> Any:
+        action = self._option_string_actions.get(f"--{name}")
+        kinds = _members(hint)
+        if action is None or Any in kinds:
+            return value
+        if value is None:
+            if type(None) in kinds or default is None:
+                return None
+            raise ConfigError(f"--{name} takes {_described(kinds, action)}, got None")
+        listed = next((kind for kind in kinds if typing.get_origin(kind) is list), None)
+        if listed is not None and not (isinstance(value, str) and str in kinds):
+            items = value if isinstance(value, (list, tuple)) else [value]
+            elements = _members(typing.get_args(listed)[0]) if typing.get_args(listed) else [Any]
+            return [self._scalar(name, item, elements, action) for item in items]
+        return self._scalar(name, value, kinds, action)
+
+    @staticmethod
+    def _scalar(name: str, value: Any, kinds: list[Any], action: argparse.Action) -> Any:
+        if Any in kinds:
+            return value
+        if isinstance(value, os.PathLike) and str in kinds:
+            value = os.fspath(value)
+        if isinstance(value, bool):
+            ok = bool in kinds
+        elif isinstance(value, numbers.Integral) and (int in kinds or float in kinds):
+            value, ok = (int(value) if int in kinds else float(value)), True
+        elif isinstance(value, numbers.Real) and float in kinds:
+            value, ok = float(value), True
+        elif isinstance(value, str) and str in kinds:
+            ok = True
+        else:
+            ok = any(isinstance(kind, type) and isinstance(value, kind) for kind in kinds if kind not in _PLAIN)
+            if not ok and isinstance(value, str) and callable(action.type):
+                try:
+                    value, ok = action.type(value), True
+                except (ValueError, TypeError, argparse.ArgumentTypeError):
+                    raise ConfigError(f"--{name} takes {_described(kinds, action)}, got {value!r}") from None
+        if not ok:
+            raise ConfigError(f"--{name} takes {_described(kinds, action)}, got {type(value).__name__} {value!r}")
+        if action.choices is not None:
+            plain = value.value if isinstance(value, Enum) else value
+            if plain not in action.choices:
+                raise ConfigError(f"--{name} {plain!r}: choose one of {', '.join(map(str, action.choices))}")
+        return value
 
     @staticmethod
     def _unaliased(values: dict[str, Any], known: Collection[str]) -> dict[str, Any]:
@@ -201,9 +286,31 @@ class CommandParser(HfArgumentParser):
                 close = difflib.get_close_matches(key, sorted(known), n=2, cutoff=0.6)
                 hints.append(f"{key} (did you mean {' or '.join(close)}?)" if close else key)
             raise ConfigError(f"unknown option{'s' if len(hints) > 1 else ''} {', '.join(hints)}")
+        args = self.typed_values(args)
         try:
             return super().parse_dict(args, allow_extra_keys=allow_extra_keys)
         except UserError:
             raise
         except (ValueError, TypeError) as error:
             raise ConfigError(str(error)) from error
+
+
+_PLAIN = (bool, int, float, str)
+_KIND_WORDS = {bool: "true or false", int: "an int", float: "a number", str: "a string", dict: "a dict"}
+
+
+def _members(hint: Any) -> list[Any]:
+    """The types a field's hint allows: a union's members (``int | None``), a ``Literal``'s values' types."""
+    origin = typing.get_origin(hint)
+    if origin is typing.Union or isinstance(hint, types.UnionType):
+        return [member for arg in typing.get_args(hint) for member in _members(arg)]
+    if origin is typing.Literal:
+        return list(dict.fromkeys(type(arg) for arg in typing.get_args(hint)))
+    return [hint]
+
+
+def _described(kinds: list[Any], action: argparse.Action) -> str:
+    if action.choices is not None:
+        return f"one of {', '.join(map(str, action.choices))}"
+    words = [_KIND_WORDS.get(kind) or getattr(kind, "__name__", str(kind)) for kind in kinds if kind is not type(None)]
+    return " or ".join(dict.fromkeys(words))
