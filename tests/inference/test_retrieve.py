@@ -210,7 +210,7 @@ def test_appending_embeds_only_the_new_images(tiny_checkpoint, image_folder, tmp
     shutil.copytree(image_folder / "validation", folder)
     argv = ["retrieve", "index", "--model", str(tiny_checkpoint), "--images", str(folder), "--output_dir",
             str(tmp_path / "index"), "--storage", "npy", "--dataloader_num_workers", "0",
-            "--disable_tqdm", "true"]  # fmt: skip
+            "--disable_tqdm", "true", "--json"]  # fmt: skip
     assert main(argv) == 0
     first = EmbeddingIndex(str(tmp_path / "index"))
     shutil.copytree(image_folder / "test", folder / "more")
@@ -276,7 +276,7 @@ def test_a_dataset_split_is_indexed_by_sample_id_and_a_second_run_adds_nothing(
 ):
     argv = ["retrieve", "index", "--model", str(tiny_checkpoint), "--dataset_name", synthetic_dataset_dir, "--split",
             "validation", "--output_dir", str(tmp_path / "index"), "--dataloader_num_workers", "0",
-            "--disable_tqdm", "true"]  # fmt: skip
+            "--disable_tqdm", "true", "--json"]  # fmt: skip
     assert main(argv) == 0
     capsys.readouterr()
     assert main(argv) == 0
@@ -318,7 +318,7 @@ def test_an_hnsw_index_answers_as_the_exact_scan_follows_appends_and_drops_remov
     shutil.copytree(image_folder / "validation", folder)
     out = tmp_path / "index"
     argv = ["retrieve", "index", "--model", str(tiny_checkpoint), "--images", str(folder), "--output_dir", str(out),
-            "--index_type", "hnsw", "--dataloader_num_workers", "0", "--disable_tqdm", "true"]  # fmt: skip
+            "--index_type", "hnsw", "--dataloader_num_workers", "0", "--disable_tqdm", "true", "--json"]  # fmt: skip
     assert main(argv) == 0
     summary = json.loads(capsys.readouterr().out)
     manifest = EmbeddingIndex(str(out)).manifest
@@ -420,3 +420,23 @@ def test_index_build_takes_the_image_id_column_and_its_hits_carry_the_captions(t
     hits = index.search("picture 5 caption 2", k=4)
     assert len({hit.id for hit in hits}) == 4
     assert all(hit.captions == captions_of(int(hit.id.split("-")[1])) for hit in hits)
+
+
+def test_export_and_index_end_with_what_they_wrote_and_print_json_only_when_asked(tiny_checkpoint, image_folder,
+                                                                                  tmp_path, capsys):  # fmt: skip
+    exported, index = tmp_path / "onnx", tmp_path / "index"
+    capsys.readouterr()
+    assert main(["export", "--model_name_or_path", str(tiny_checkpoint), "--output_dir", str(exported),
+                 "--parity_samples", "4"]) == 0  # fmt: skip
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert re.fullmatch(r"fp32 graphs: lowest cosine to PyTorch's embeddings on 4 samples: image [01]\.\d+, "
+                        r"text [01]\.\d+", lines[0])  # fmt: skip
+    assert lines[-1] == f"wrote {exported}: onnx graphs image.onnx, text.onnx, the tokenizer and export_manifest.json"
+    argv = ["retrieve", "index", "--model", str(exported), "--images", str(image_folder / "validation"),
+            "--output_dir", str(index), "--dataloader_num_workers", "0", "--disable_tqdm", "true"]  # fmt: skip
+    assert main(argv) == 0
+    items = len(EmbeddingIndex(str(index)))
+    assert re.fullmatch(rf"wrote {re.escape(str(index))}: {items} items \({items} added, 0 left out, 0 removed\) "
+                        r"embedded by .*; ANN flat.*", capsys.readouterr().out.strip().splitlines()[-1])  # fmt: skip
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["added"] == 0

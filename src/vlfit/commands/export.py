@@ -68,6 +68,7 @@ class ExportArguments:
         metadata={"help": "Refuse to write graphs whose fp32 embeddings have a cosine to PyTorch's below this."},
     )
     dataloader_num_workers: int = field(default=0, metadata={"help": "Loader workers decoding the samples."})
+    json: bool = field(default=False, metadata={"help": "Print the summary as JSON instead of lines of text."})
 
 
 def _samples(args: ExportArguments, spec) -> tuple[Samples, Samples | None]:
@@ -122,5 +123,28 @@ def main(argv: list[str] | None = None) -> int:
         "parity": manifest["parity"],
         "accuracy": manifest["accuracy"],
     }
-    print(json.dumps(summary, indent=1))
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        print_export_summary(summary)
     return 0
+
+
+def _figures(values: dict) -> str:  # the manifest's figures are rounded already: as they are stored
+    return ", ".join(f"{key} {value}" for key, value in values.items())
+
+
+def print_export_summary(summary: dict) -> None:
+    """``vlfit export``'s summary as lines of text, ending with what was written."""
+    parity = summary["parity"]
+    for precision in ("fp32", "int8"):
+        if precision in parity:
+            towers = {tower: parity[precision][tower]["min_cosine"] for tower in ("image", "text")}
+            print(f"{precision} graphs: lowest cosine to PyTorch's embeddings on {parity['samples']} samples: "
+                  f"{_figures(towers)}")  # fmt: skip
+    for name, figures in summary["accuracy"].items():
+        if isinstance(figures, dict):
+            print(f"{name}: {_figures(figures)}")
+    graphs = [name for tower in summary["graphs"].values() for name in tower.values()]
+    print(f"wrote {summary['output_dir']}: {summary['format']} graphs {', '.join(graphs)}, the tokenizer and "
+          "export_manifest.json")  # fmt: skip

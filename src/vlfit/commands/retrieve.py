@@ -68,6 +68,7 @@ class IndexArguments:
     storage: Literal["safetensors", "npy"] = field(default="safetensors", metadata={"help": "Shard file format."})
     num_threads: int | None = field(default=None, metadata={"help": "Threads of the runtime (default: its own)."})
     disable_tqdm: bool = field(default=False, metadata={"help": "No progress bar."})
+    json: bool = field(default=False, metadata={"help": "Print the summary as JSON instead of lines of text."})
     index_type: IndexType = field(
         default="auto",
         metadata={
@@ -202,7 +203,10 @@ def run_index(argv: list[str]) -> int:
         "removed": len(manifest.removed),
         "ann": {key: ann[key] for key in ANN_SUMMARY if key in ann},
     }
-    print(json.dumps(summary, indent=1))
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        print_index_summary(summary)
     if isinstance(source, ShardCollection):
         lost = [bad for bad in summary["bad_samples"] if bad["id"] in set(source.urls)]
         if lost:  # listed as bad in the manifest: the next run tries them again
@@ -213,6 +217,20 @@ def run_index(argv: list[str]) -> int:
                 + ". Rerun the same command to try them again (the index keeps what was embedded)."
             )
     return 0
+
+
+def print_index_summary(summary: dict) -> None:
+    """``vlfit retrieve index``'s summary as lines of text, ending with what was written."""
+    bad_samples = summary["bad_samples"]
+    for bad in bad_samples[:10]:
+        print(f"left out {bad['id']}: {bad['reason']}")
+    if len(bad_samples) > 10:
+        print(f"... and {len(bad_samples) - 10} more left out (the index manifest lists them all)")
+    ann = summary["ann"]
+    recall = f", recall@10 {ann['recall_at_10']:.3f}" if ann.get("recall_at_10") is not None else ""
+    print(f"wrote {summary['index']}: {summary['items']} items ({summary['added']} added, "
+          f"{len(bad_samples)} left out, {summary['removed']} removed) embedded by {summary['model']}; "
+          f"ANN {ann.get('type')}{recall}")  # fmt: skip
 
 
 def run_query(argv: list[str]) -> int:
