@@ -2,7 +2,9 @@
 
 Each image is decoded with DCT scaling, resized so its short side equals the training resolution (aspect kept, no
 crop, so a random resized crop at train time still sees the whole frame) and re-encoded as a metadata-free 4:2:0
-JPEG (``reencode``). Captions, ids and extra columns are copied unchanged. Training then decodes several times
+JPEG (``reencode``). Captions, ids, extra columns and the ``--image_id_column`` column are copied unchanged (a list
+caption column is written a row per caption; equal source bytes re-encode to equal bytes, so captions of one image
+still group into it). Training then decodes several times
 fewer pixels per sample. The output folder holds ``{split}-{shard:05d}-of-{num_shards:05d}.parquet`` files (the
 image column is a ``datasets.Image`` feature) and a manifest, and reads back with
 ``open_splits(dataset_name=output_dir)``.
