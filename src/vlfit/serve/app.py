@@ -4,7 +4,8 @@ Routes:
 
 - ``POST /api/search``: JSON ``{"text": "...", "k": 10}`` or ``{"image": "<base64>", "k": 10}``, or a multipart
   upload (an image file in the field ``file``, ``k`` as a form field) -> ``{"results": [{"id", "score", "item",
-  "path", "caption"}], "took_ms", "k", "generation"}``;
+  "path", "caption", "captions"}], "took_ms", "k", "generation"}`` (``captions``: every caption of an image item,
+  ``caption`` the first);
 - ``GET /api/image/{id}?size=256``: the indexed image ``id`` (a result's ``id``) as a JPEG thumbnail;
 - ``GET /api/health``, ``GET /metrics`` (Prometheus text), ``POST /api/reload`` (serve the index's current manifest
   if it changed; the server also checks every ``reload_interval`` seconds);
