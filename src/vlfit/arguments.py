@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from vlfit.compat_flags import CompatDataFlags
 from vlfit.data.bad_samples import BAD_SAMPLE_POLICIES, MIN_SAMPLES_FOR_BAD_FRACTION, check_bad_sample_policy
 from vlfit.data.file_patterns import is_stream_spec
+from vlfit.data.source_base import DEFAULT_COLUMNS
 from vlfit.errors import ConfigError
 from vlfit.extras import require_extra
 from vlfit.models.preset_names import PRESET_NAMES
@@ -193,8 +194,20 @@ class DataLocationArguments:
         metadata={"help": "Validation data, same formats; shard URLs (https://, s3://...) are read from local copies."},
     )
     test_file: str | None = field(default=None, metadata={"help": "Test data, same formats."})
-    image_column: str = field(default="image", metadata={"help": "Column holding images (bytes, paths or PIL)."})
-    caption_column: str = field(default="image_description", metadata={"help": "Column holding the captions."})
+    image_column: str = field(
+        default=DEFAULT_COLUMNS["image"][0],
+        metadata={
+            "help": "Column holding images (bytes, paths or PIL). Not given: the first of "
+            f"{', '.join(DEFAULT_COLUMNS['image'])} that the data has."
+        },
+    )
+    caption_column: str = field(
+        default=DEFAULT_COLUMNS["caption"][0],
+        metadata={
+            "help": "Column holding the captions. Not given: the first of "
+            f"{', '.join(DEFAULT_COLUMNS['caption'])} that the data has."
+        },
+    )
     id_column: str | None = field(
         default=None, metadata={"help": "Column with sample ids (default: instance_id or id if present, else row)."}
     )

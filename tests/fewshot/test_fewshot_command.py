@@ -146,3 +146,20 @@ def test_bad_input_stops_with_one_line(extra, message, labelled_checkpoint, one_
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("vlfit fewshot: error:")]
     assert code == 2 and len(errors) == 1 and message in errors[0], errors
     assert not (tmp_path / "out").exists()
+
+
+def test_the_splits_can_be_data_files_as_train_and_eval_take_them(labelled_checkpoint, labelled_dataset_dir,
+                                                                   tmp_path) -> None:  # fmt: skip
+    import datasets
+
+    loaded = datasets.load_from_disk(labelled_dataset_dir)
+    files = {split: str(tmp_path / f"{split}.parquet") for split in ("train", "test")}
+    for split, path in files.items():
+        loaded[split].to_parquet(path)
+    out = tmp_path / "out"
+    assert main(["fewshot", "--model_name_or_path", str(labelled_checkpoint), "--train_file", files["train"],
+                 "--test_file", files["test"], "--label_column", "kind", "--output_dir", str(out), "--shots", "1",
+                 "--seeds", "1", "--methods", "zeroshot"]) == 0  # fmt: skip
+    document = json.loads((out / "fewshot.json").read_text())
+    assert document["dataset"] == f"{files['train']}, {files['test']}"
+    assert document["eval_images"] == len(loaded["test"])

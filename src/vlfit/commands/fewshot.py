@@ -6,13 +6,20 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
+from vlfit.arguments import DataLocationArguments
 from vlfit.commands.parsing import CommandParser
 from vlfit.errors import ConfigError
 from vlfit.fewshot.experiment import METHODS, FewShotSettings
 from vlfit.fewshot.setfit import SetFitSettings
 from vlfit.fewshot.zeroshot import DEFAULT_TEMPLATES, check_templates
+
+# The data-location flags vlfit train and vlfit eval take, with their help: fewshot reads data as they do.
+DATA_FLAGS = ("dataset_config_name", "dataset_revision", "data_dir", "train_file", "validation_file", "test_file",
+              "cache_dir", "token")  # fmt: skip
+_DATA_HELP = {f.name: f.metadata for f in fields(DataLocationArguments)}
 
 
 @dataclass
@@ -20,14 +27,24 @@ class FewShotArguments:
     """Flags of ``vlfit fewshot``."""
 
     model_name_or_path: str = field(metadata={"help": "A checkpoint folder (vlfit train's output, or its adapters)."})
-    dataset_name: str = field(
-        metadata={
-            "help": "A dataset with a class column: a hub id, a folder, data files or tar shards, as vlfit train takes."
-        }
-    )
     label_column: str = field(metadata={"help": "The class column (a ClassLabel or text)."})
     output_dir: str = field(metadata={"help": "Where fewshot.json, fewshot.md and fewshot.png go."})
-    image_column: str = field(default="image", metadata={"help": "The image column."})
+    dataset_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "A dataset with a class column: a hub id, a folder, data files or tar shards, as vlfit train "
+            "takes (or name the files of each split with --train_file, --validation_file, --test_file)."
+        },
+    )
+    dataset_config_name: str | None = field(default=None, metadata=_DATA_HELP["dataset_config_name"])
+    dataset_revision: str | None = field(default=None, metadata=_DATA_HELP["dataset_revision"])
+    data_dir: str | None = field(default=None, metadata=_DATA_HELP["data_dir"])
+    train_file: str | None = field(default=None, metadata={"help": "Files of split train (as vlfit train takes)."})
+    validation_file: str | None = field(default=None, metadata={"help": "Files of split validation, same forms."})
+    test_file: str | None = field(default=None, metadata={"help": "Files of split test, same forms."})
+    cache_dir: str | None = field(default=None, metadata={"help": "Where the datasets library caches downloads."})
+    token: str | None = field(default=None, metadata={"help": "Hub token for private datasets."})
+    image_column: str = field(default="image", metadata=_DATA_HELP["image_column"])
     train_split: str = field(default="train", metadata={"help": "The split the labelled shots are drawn from."})
     eval_split: str = field(default="test", metadata={"help": "The split accuracy is measured on."})
     max_eval_samples: int | None = field(
@@ -54,6 +71,17 @@ class FewShotArguments:
     )
     batch_size: int = field(default=64, metadata={"help": "Images per forward pass when embedding."})
     dataloader_num_workers: int = field(default=0, metadata={"help": "Loader worker processes decoding images."})
+
+
+def data_of(args: FewShotArguments) -> dict[str, Any]:
+    """The data-location flags given, as ``vlfit.data.sources.open_splits`` keyword arguments."""
+    return {name: getattr(args, name) for name in DATA_FLAGS if getattr(args, name) is not None}
+
+
+def data_description(args: FewShotArguments) -> str:
+    """What the data is called in reports and the classifier's card: the dataset, or the split files."""
+    files = [getattr(args, f"{split}_file") for split in ("train", "validation", "test")]
+    return ", ".join(name for name in (args.dataset_name, *files) if name)
 
 
 def _shot_counts(text: str) -> list[int]:
@@ -118,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         eval_split=args.eval_split,
         label_column=args.label_column,
         image_column=args.image_column,
+        data=data_of(args),
     )
     if args.max_eval_samples is not None:
         evaluation = evaluation.first(args.max_eval_samples)
@@ -135,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         summary,
         [run.to_dict() for run in results.runs],
         model=args.model_name_or_path,
-        dataset=args.dataset_name,
+        dataset=data_description(args),
         label_column=args.label_column,
         classes=train.class_names,
         train_split=args.train_split,
@@ -174,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             source_model=os.path.abspath(args.model_name_or_path),
         )
         save_classifier(
-            args.save_classifier, loaded.bundle.save, kept.head, info, dataset=args.dataset_name,
+            args.save_classifier, loaded.bundle.save, kept.head, info, dataset=data_description(args),
             command_line=shlex.join(["vlfit", "fewshot", *argv]),
         )  # fmt: skip
         print(f"saved the {best.method} classifier ({best.shots} shots, seed {best.seed}) to {args.save_classifier}")
