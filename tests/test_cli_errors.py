@@ -121,3 +121,21 @@ def test_error_line_joins_a_message_of_several_lines():
 )
 def test_take_debug_flag(argv, kept, debug):
     assert take_debug_flag(argv) == (kept, debug)
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["train", "--learning_rat", "1e-3"], "unrecognized arguments: --learning_rat (did you mean --learning_rate?)"),
+        (["train", "--max_steps", "ten"], "invalid int value: 'ten'"),
+        (["eval", "--eval_split", "test", "--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_a_bad_flag_is_one_line_pointing_at_help_without_the_usage(capsys, argv, named):
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
+    assert stop.value.code == cli.USAGE_ERROR_EXIT_CODE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "usage:" not in err, err
+    assert err.startswith(f"vlfit {argv[0]}: error: ") and named in err
+    assert err.endswith(f"; see vlfit {argv[0]} --help\n")
