@@ -144,7 +144,7 @@ class CommandParser(HfArgumentParser):
         return sorted(flag for flag in self._option_string_actions if "-" not in flag.lstrip("-"))
 
     def refuse_unknown(self, unknown: Iterable[str]) -> None:
-        """Stop as argparse does (usage, exit 2), naming each unknown flag and the closest known ones."""
+        """Stop in one line (exit 2, as argparse), naming each unknown flag and the closest known ones."""
         flags = [arg.split("=", 1)[0] for arg in unknown if arg.startswith("-")]
         others = [arg for arg in unknown if not arg.startswith("-")]
         parts = []
