@@ -60,7 +60,7 @@ def parse_arguments(
         from vlfit.bench.auto import take_auto_workers  # the bench's modules: only when asked for
 
         argv, auto = take_auto_workers(argv)  # type: ignore[assignment]
-    parsed, given = parser_for(prog).parse(argv)  # a bad flag stops here, with the usage
+    parsed, given = parser_for(prog).parse(argv)  # a bad flag stops here, in one line
     return ParsedArguments(*parsed, given=given, auto_workers=auto)
 
 
