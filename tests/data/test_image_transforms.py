@@ -136,17 +136,18 @@ def test_resize_crop_uint8_is_the_same_in_every_layout(box) -> None:
 
 
 def test_resize_crop_uint8_matches_torchvision_resize() -> None:
-    """The CPU path calls torch's kernel directly; it must be what torchvision's uint8 resize gives."""
+    """The CPU path calls torch's kernel directly; it must be what torchvision's uint8 resize gives: the short side
+    resized, then the central square cut (offsets rounded down), as a saved folder's image processor does."""
     from torchvision.transforms import InterpolationMode
     from torchvision.transforms.v2.functional import resize
 
     array = textured_array(160, 120)
     expected = resize(
-        torch.from_numpy(array).permute(2, 0, 1)[:, :, 20:140].contiguous(),
-        [50, 50],
+        torch.from_numpy(array).permute(2, 0, 1).contiguous(),
+        [50, 66],  # 66 = int(50 * 160 / 120)
         interpolation=InterpolationMode.BICUBIC,
         antialias=True,
-    )
+    )[:, :, 8:58]
     assert torch.equal(resize_crop_uint8(hwc_to_chw_view(array), 50), expected)
 
 

@@ -45,22 +45,37 @@ def new_image_batch(count: int, size: int, *, shared: bool = False) -> torch.Ten
     return hwc.permute(0, 3, 1, 2)
 
 
+def center_resize_geometry(height: int, width: int, size: int) -> tuple[int, int, int, int]:
+    """Where "resize the short side to ``size``, then cut the central ``size x size``" puts an image:
+    ``(resized_height, resized_width, top, left)``, rounded as transformers' image processors round them (the long
+    side ``int(size * long / short)``, as torchvision's ``Resize`` too; the offsets ``(side - size) // 2``), so that
+    a saved folder's processor gives the pixels vlfit gives."""
+    if height <= width:
+        resized_height, resized_width = size, int(size * width / height)
+    else:
+        resized_height, resized_width = int(size * height / width), size
+    return resized_height, resized_width, (resized_height - size) // 2, (resized_width - size) // 2
+
+
 def resize_crop_uint8(
     image: torch.Tensor,
     size: int,
     crop_box: tuple[int, int, int, int] | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Center crop to a square and resize it to ``size x size`` (bicubic, antialiased), staying uint8.
+    """Resize the short side to ``size`` and cut the central square (bicubic, antialiased), staying uint8; or cut
+    ``crop_box`` and resize it to ``size x size``.
 
-    Cropping first is what "resize the short side, then center crop" computes, but only the pixels that survive
-    the crop are resampled (a quarter fewer for 4:3 images). Device-agnostic: the CPU stage and the device-decode
-    stage share it.
+    The center path resizes the whole image, then crops, with ``center_resize_geometry``'s rounding: what the
+    image processor of every saved folder computes. (Cropping the
+    central square first resamples fewer pixels, but from a window up to a pixel off theirs, and without the
+    neighbours the kernel reads at its edges: plain transformers' embeddings then drifted from vlfit's.)
+    Device-agnostic: the CPU stage and the device-decode stage share it.
 
     Args:
         image: uint8 ``[3, H, W]``. A channels-last view (what ``permute`` of an HWC array gives) is fastest on CPU.
         size: Output side.
-        crop_box: ``(top, left, height, width)`` to cut instead of the central square (random resized crop).
+        crop_box: ``(top, left, height, width)`` to cut and resize instead (random resized crop).
         out: A uint8 ``[3, size, size]`` tensor on ``image``'s device to write the result into (a row of
             ``new_image_batch``); default a new one.
 
@@ -70,8 +85,10 @@ def resize_crop_uint8(
     """
     height, width = image.shape[-2:]
     if crop_box is None:
-        side = min(height, width)
-        crop_box = ((height - side) // 2, (width - side) // 2, side, side)
+        resized_height, resized_width, cut_top, cut_left = center_resize_geometry(height, width, size)
+        crop_box = (0, 0, height, width)
+    else:
+        resized_height, resized_width, cut_top, cut_left = size, size, 0, 0
     top, left, crop_height, crop_width = crop_box
     region = image[..., top : top + crop_height, left : left + crop_width].unsqueeze(0)
     # Decoders give HWC (channels-last) pixels. Kept channels-last and made dense, the crop takes torch's
@@ -83,18 +100,28 @@ def resize_crop_uint8(
         # A size-1 batch dimension can carry any stride; torch then reads a channels-last view whose batch stride is
         # not its size as ambiguous and allocates a contiguous output (pytorch#68430). Restating it is free.
         region = region.as_strided(region.shape, (region.numel(), *region.stride()[1:]))
-    if crop_height == crop_width == size:  # prepared data is stored at the model's size already: crop only
-        return region[0] if out is None else out.copy_(region[0])
-    if region.device.type == "cpu":
+    square = (resized_height, resized_width) == (size, size)
+    if (crop_height, crop_width) == (resized_height, resized_width):  # prepared data is at the model's size already
+        resized = region[0]
+    elif region.device.type == "cpu":
         # torch's native uint8 kernel, which torchvision's resize also calls on CPU (its checks cost 0.05 ms an image).
-        if out is not None:
+        if out is not None and square:
             batched = out.unsqueeze(0).as_strided((1, *out.shape), (out.numel(), *out.stride()))  # as above
             _RESIZE_INTO(region, [size, size], False, None, None, out=batched)
             return out
-        return torch.nn.functional.interpolate(region, size=(size, size), mode="bicubic", antialias=True)[0]
-    # Elsewhere (nvJPEG output on CUDA) torch has no uint8 bicubic: torchvision resamples in float and rounds back.
-    resized = F.resize(region, [size, size], interpolation=InterpolationMode.BICUBIC, antialias=True)[0]
-    return resized if out is None else out.copy_(resized)
+        resized = torch.nn.functional.interpolate(
+            region, size=(resized_height, resized_width), mode="bicubic", antialias=True
+        )[0]
+    else:
+        # Elsewhere (nvJPEG output on CUDA) torch has no uint8 bicubic: torchvision resamples in float and rounds.
+        resized = F.resize(
+            region, [resized_height, resized_width], interpolation=InterpolationMode.BICUBIC, antialias=True
+        )[0]
+    cut = resized[:, cut_top : cut_top + size, cut_left : cut_left + size]
+    if out is not None:
+        return out.copy_(cut)
+    # Dense again, in the layout it came in (an HWC buffer for channels-last: what ``stack_images`` batches as is).
+    return cut.permute(1, 2, 0).contiguous().permute(2, 0, 1) if cut.stride(-3) == 1 else cut.contiguous()
 
 
 def stack_images(images: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -175,6 +202,21 @@ class FastImageTransform:
         return new_image_batch(count, self.image_size, shared=shared)
 
 
+class _CenterCrop(torch.nn.Module):
+    """The central ``size x size``, its offsets rounded down as transformers' image processors and
+    ``center_resize_geometry`` round them (torchvision's ``CenterCrop`` rounds them to the nearest: a pixel apart
+    when the margin is odd)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        height, width = image.shape[-2:]
+        top, left = (height - self.size) // 2, (width - self.size) // 2
+        return image[..., top : top + self.size, left : left + self.size]
+
+
 class ReferenceImageTransform:
     """bytes -> normalized float32 ``[3, S, S]``, as run_bridgetower.py computes it (Pillow, float, bicubic)."""
 
@@ -182,7 +224,7 @@ class ReferenceImageTransform:
         self.image_size = image_size
         self.transforms = torch.nn.Sequential(
             T.Resize([image_size], interpolation=InterpolationMode.BICUBIC, antialias=True),
-            T.CenterCrop(image_size),
+            _CenterCrop(image_size),
             T.Normalize(list(mean), list(std)),
         )
 

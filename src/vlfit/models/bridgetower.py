@@ -297,6 +297,11 @@ class BridgeTowerFamily(ModelFamily):
             image_std=list(OPENAI_CLIP_STD),
         )
 
+    # saved_image_processor: the default CLIPImageProcessor. BridgeTowerImageProcessor cannot be set to vlfit's
+    # resize: it rounds both sides down to a multiple of size_divisor and caps the long side at 1333/800 of the
+    # short one (a 16:9 photo then has a short side below the crop). BridgeTowerProcessor takes any image processor,
+    # and the model's pixel_mask defaults to the whole image, which is what vlfit feeds it.
+
     def build(self, config: Any) -> BridgeTowerForContrastiveLearning:
         return BridgeTowerForContrastiveLearning(config)
 

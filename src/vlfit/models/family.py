@@ -61,6 +61,27 @@ class InputSpec:
     max_seq_length: int = 128
 
 
+def pipeline_image_processing(inputs: InputSpec) -> dict[str, Any]:
+    """What vlfit's input pipeline does to an image, as image-processor settings: RGB, the central square
+    resized (bicubic) to ``image_size`` (``resize_crop_uint8``: the short side resized, then the center cropped),
+    scaled to 0..1 and normalized with the spec's mean and std. Every family's saved processor is built from these.
+    """
+    side = inputs.image_size
+    return {
+        "do_convert_rgb": True,
+        "do_resize": True,
+        "size": {"shortest_edge": side},
+        "resample": 3,  # PIL's BICUBIC
+        "do_center_crop": True,
+        "crop_size": {"height": side, "width": side},
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": list(inputs.image_mean),
+        "image_std": list(inputs.image_std),
+    }
+
+
 @dataclass
 class LossEmbeddings:
     """What a family's loss is computed from, and all it needs from the model's forward.
@@ -117,6 +138,18 @@ class ModelFamily(ABC):
     @abstractmethod
     def preset_image_processor(self, preset: str) -> Any:
         """The image processor (mean, std) of ``preset``."""
+
+    def saved_image_processor(self, inputs: InputSpec) -> Any:
+        """The image processor a saved model folder carries: one that does what vlfit's input pipeline does
+        (``pipeline_image_processing``), so that ``AutoProcessor`` in plain transformers feeds the model the pixels
+        vlfit trained and evaluated it on, whatever the image's shape.
+
+        Default: a ``CLIPImageProcessor``, whose resize and crop are exactly these. A family overrides it to keep
+        its own class where that class can be set to do the same.
+        """
+        from transformers import CLIPImageProcessor
+
+        return CLIPImageProcessor(**pipeline_image_processing(inputs))
 
     @abstractmethod
     def build(self, config: Any) -> nn.Module:

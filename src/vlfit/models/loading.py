@@ -110,9 +110,16 @@ def saved_tokenizer(blueprint: ModelBlueprint) -> Any:
 
 
 def save_inputs(blueprint: ModelBlueprint, folder: str) -> None:
-    """Save the tokenizer (``saved_tokenizer``) and image processor of ``blueprint`` into a model folder."""
+    """Save the tokenizer (``saved_tokenizer``) and image processor (``save_image_processor``) of ``blueprint``
+    into a model folder."""
     saved_tokenizer(blueprint).save_pretrained(folder)
-    blueprint.image_processor.save_pretrained(folder)
+    save_image_processor(blueprint, folder)
+
+
+def save_image_processor(blueprint: ModelBlueprint, folder: str) -> None:
+    """Save the image processor that does what vlfit's input pipeline does to an image
+    (``ModelFamily.saved_image_processor``; a checkpoint's own may resize otherwise, e.g. SigLIP's squashes)."""
+    blueprint.family.saved_image_processor(blueprint.inputs).save_pretrained(folder)
 
 
 def with_attention_mask(tokenizer: Any) -> Any:

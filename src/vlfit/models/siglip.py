@@ -35,7 +35,7 @@ from vlfit.models.dual_encoder import (
     initialize_position_embedding,
     normalized,
 )
-from vlfit.models.family import LossEmbeddings, ModelFamily
+from vlfit.models.family import InputSpec, LossEmbeddings, ModelFamily, pipeline_image_processing
 from vlfit.models.logit_scale import install_output_hook
 from vlfit.models.losses import (
     HardNegatives,
@@ -193,6 +193,11 @@ class SiglipFamily(ModelFamily):
         return SiglipImageProcessor(
             size={"height": size, "width": size}, image_mean=list(SIGLIP_MEAN), image_std=list(SIGLIP_STD)
         )
+
+    def saved_image_processor(self, inputs: InputSpec) -> SiglipImageProcessor:
+        # SigLIP's own processors squash the whole image to the square; vlfit crops its central square. The class
+        # takes a short-side resize and a center crop too: set to them, plain transformers sees vlfit's pixels.
+        return SiglipImageProcessor(**pipeline_image_processing(inputs))
 
     def build(self, config: Any) -> SiglipModel:
         return SiglipModel(config)

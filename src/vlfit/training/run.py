@@ -37,7 +37,14 @@ from vlfit.fewshot.zeroshot import DEFAULT_TEMPLATES
 from vlfit.model_card import WiseFtMix, write_model_card
 from vlfit.models.family import ModelFamily
 from vlfit.models.interpolation import interpolate
-from vlfit.models.loading import ModelBlueprint, build_model, resolve_model, save_inputs, saved_tokenizer
+from vlfit.models.loading import (
+    ModelBlueprint,
+    build_model,
+    resolve_model,
+    save_image_processor,
+    save_inputs,
+    saved_tokenizer,
+)
 from vlfit.models.logit_scale import set_logit_scale
 from vlfit.models.lora import BASE_MODEL_DIR, LoraSettings, apply_lora, group_of, trainable_parameters
 from vlfit.training.arguments import VlfitTrainingArguments
@@ -399,7 +406,7 @@ def run(
                         training_args.wise_ft_alpha, training_args.wise_ft_alpha)  # fmt: skip
         trainer.save_model()
         if trainer.is_world_process_zero():
-            setup.blueprint.image_processor.save_pretrained(training_args.output_dir)
+            save_image_processor(setup.blueprint, training_args.output_dir)
         metrics = dict(train_result.metrics)
         if not metrics.get("total_flos"):  # the Trainer counts no FLOPs for these models; train_flops_* do
             metrics.pop("total_flos", None)
