@@ -6,7 +6,9 @@ serves the files given to it, honouring ``Range: bytes=a-b`` as fsspec's HTTP fi
 with the whole file, no ``Accept-Ranges``). Faults are set per path: ``fail`` answers a status (500, 404...) to the
 next requests, ``drop`` cuts the connection midway through a body, ``stall`` sends the headers of a GET and then
 nothing until the server closes (a stall beyond the client's timeout). ``requests`` logs what was asked. Every wait
-is bounded and ``close`` (or leaving the ``with`` block) releases stalled handlers and stops the server.
+is bounded and ``close`` (or leaving the ``with`` block) releases stalled handlers and stops the server. ``down``
+makes the server die as a crashed one does (new connections refused, open keep-alive ones cut) and ``up`` brings it
+back on the same port.
 
 ``webdataset_shard`` writes a shard of small synthetic JPEGs with a ``.txt`` caption and a ``.json`` per sample.
 """
@@ -80,7 +82,13 @@ class ShardServer:
         self._faults: dict[str, list[_Fault]] = {}
         self._lock = threading.Lock()
         self._closing = threading.Event()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+        self._connections: set[socket.socket] = set()  # open connections (kept alive between requests)
+        self._port = 0
+        self._start()
+
+    def _start(self) -> None:
+        self._server = ThreadingHTTPServer(("127.0.0.1", self._port), _Handler)  # allow_reuse_address: same port
+        self._port = self._server.server_address[1]
         self._server.daemon_threads = True
         self._server.owner = self  # type: ignore[attr-defined]
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
@@ -95,9 +103,29 @@ class ShardServer:
     def close(self) -> None:
         """Release stalled handlers and stop serving."""
         self._closing.set()
+        self._stop()
+
+    def _stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
+
+    def down(self) -> None:
+        """Die as a crashed server does: new connections are refused and open ones (kept alive) are cut."""
+        # Shut down, not only closed: a forked DataLoader worker holds a copy of the listening socket, which would
+        # go on queueing connections nobody accepts (a timeout, where a dead server refuses at once).
+        with contextlib.suppress(OSError):
+            self._server.socket.shutdown(socket.SHUT_RDWR)
+        self._stop()
+        with self._lock:
+            connections = list(self._connections)
+        for connection in connections:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
+
+    def up(self) -> None:
+        """Serve again, on the same port, after ``down``."""
+        self._start()
 
     def url(self, path: str) -> str:
         """The URL of ``path`` (``"/a/000.tar"``)."""
@@ -155,6 +183,18 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: object) -> None:  # quiet: the tests read `requests` instead
         pass
+
+    def setup(self) -> None:
+        super().setup()
+        owner: ShardServer = self.server.owner  # type: ignore[attr-defined]
+        with owner._lock:
+            owner._connections.add(self.connection)
+
+    def finish(self) -> None:
+        owner: ShardServer = self.server.owner  # type: ignore[attr-defined]
+        with owner._lock:
+            owner._connections.discard(self.connection)
+        super().finish()
 
     def do_HEAD(self) -> None:
         self._serve("HEAD")

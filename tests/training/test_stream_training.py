@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from transformers import TrainerCallback
 
 from tests.http_shards import ShardServer, webdataset_shard
 from tests.training.train_runs import SigtermAtStep, logged_losses, single_torch_thread, tiny_train_argv
@@ -138,7 +139,8 @@ def test_a_lost_shard_or_source_of_a_mix_ends_the_run_naming_them(
     err = capsys.readouterr().err
     assert "1 of the 1 shards of" in err and server.url("/h/page.tar") in err
     heads = [path for method, path, _ in server.requests if method == "HEAD"]
-    assert heads.count("/h/page.tar") == 2  # the tokenizer's captions, then training: no retries (--shard_retries 3)
+    # the reachability check, the tokenizer's captions, then training: no retries (--shard_retries 3)
+    assert heads.count("/h/page.tar") == 3
 
 
 def test_a_source_whose_server_is_down_is_named_in_one_line_before_any_tokenizer_training(
@@ -153,6 +155,63 @@ def test_a_source_whose_server_is_down_is_named_in_one_line_before_any_tokenizer
     assert main(["train", *argv]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
     assert "cannot reach the server of " + gone.url("/s/000.tar") in line and "tokenizer" not in line
+
+
+class ServerDownAtStep(TrainerCallback):
+    """Takes the shard server down at the end of training step ``step`` (new connections refused, open ones cut)."""
+
+    def __init__(self, server: ShardServer, step: int) -> None:
+        self.server, self.step = server, step
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        if state.global_step == self.step:
+            self.server.down()
+
+
+def test_a_server_that_dies_mid_run_stops_it_with_a_checkpoint_the_rerun_resumes_exactly(
+    tmp_path: Path, shards: tuple[Path, dict[str, bytes]], monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    folder, served = shards
+    steps, down_at = 8, 2  # 8 x 6 samples + a buffer of 10 read 3 of the 4 shards: the third opens at batch 7
+
+    def argv(spec: str, out: Path) -> list[str]:
+        flags = ["--train_file", spec, "--shuffle_buffer", "10", "--caption_column", "txt", "--shard_retries", "1",
+                 "--shard_timeout", "10", "--save_strategy", "no", "--streaming"]  # fmt: skip
+        return [
+            a
+            for a in tiny_train_argv("unused", out, *flags, steps=steps, workers=1)
+            if a not in ("--dataset_name", "unused")
+        ]
+
+    straight = tmp_path / "straight"
+    assert main(["train", *argv(f"{folder}/{{000..003}}.tar", straight)]) == 0
+    expected = logged_losses(straight)
+
+    out = tmp_path / "run"
+    with ShardServer(served) as server:
+        run_argv = argv(server.url("/s/{000..003}.tar"), out)
+
+        def run_until_the_server_dies(*args, callbacks=(), **kwargs):
+            return run(*args, callbacks=[*callbacks, ServerDownAtStep(server, down_at)], **kwargs)
+
+        monkeypatch.setattr(train_command, "run", run_until_the_server_dies)
+        assert main(["train", *run_argv]) == 2
+        monkeypatch.undo()
+        (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
+        assert "the training data's source became unreachable" in line and "Rerun the same command" in line, line
+        (checkpoint,) = [p for p in out.iterdir() if p.name.startswith("checkpoint-")]
+        stopped = int(checkpoint.name.split("-")[1])
+        assert f"saved checkpoint {checkpoint} at step {stopped}" in line
+        assert down_at <= stopped < steps  # the batches read before the server died were trained on
+        assert sorted(logged_losses(checkpoint)) == list(range(1, stopped + 1))
+
+        server.up()
+        assert main(["train", *run_argv]) == 0  # resumed from the checkpoint it finds in --output_dir
+    resumed = logged_losses(out)
+    assert sorted(resumed) == list(range(1, steps + 1))
+    diffs = {s: abs(resumed[s] - expected[s]) for s in expected}
+    assert max(diffs.values()) <= 1e-6, diffs  # nothing read twice or skipped around the stop
 
 
 @pytest.mark.parametrize(

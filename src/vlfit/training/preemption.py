@@ -9,6 +9,11 @@ shell's convention) instead of looking like a finished run.
 
 A second signal while the step finishes restores the previous handler and re-delivers the signal: the usual way
 to force an immediate exit.
+
+A training stream whose server can no longer be reached stops the run the same way (``StreamSourceLost``): the
+trainer saves a checkpoint at the last completed step (the batches read for the next one are not counted as
+consumed, so the resumed run reads them again) and the run ends with a one-line error (exit 2); rerunning the same
+command once the server is back resumes from there.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from typing import Any
 
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from vlfit.errors import DataError
 
 PREEMPTION_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
 
@@ -136,3 +143,23 @@ class PreemptionCallback(TwoStageSignalHandler, TrainerCallback):
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
             requested = bool(flag.item())
         return requested
+
+
+class StreamSourceLost(DataError):
+    """A training stream's server became unreachable mid-run; a checkpoint was saved at the last completed step.
+
+    Attributes:
+        checkpoint: The checkpoint folder to resume from (``None`` when no step had completed: nothing to resume).
+        step: The last completed step.
+    """
+
+    def __init__(self, reason: str, checkpoint: str | None, step: int) -> None:
+        self.checkpoint = checkpoint
+        self.step = step
+        where = (
+            f"saved checkpoint {checkpoint} at step {step}. Rerun the same command once it is reachable again to "
+            "resume from there"
+            if checkpoint
+            else "no step had completed. Rerun the same command once it is reachable again"
+        )
+        super().__init__(f"the training data's source became unreachable ({reason}): {where}")

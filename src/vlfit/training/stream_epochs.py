@@ -76,7 +76,8 @@ class StreamEpochs:
 
 
 def agreed_batches(count: int, device: torch.device) -> int:
-    """The fewest batches any process has for this step (``count`` itself with one process); a collective."""
+    """The fewest batches any process has for this step (``count`` itself with one process); a collective. A process
+    whose stream lost its source passes -1: every process then gets -1 and stops at the same step."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return count
     # gloo reduces CPU tensors, nccl CUDA ones: the run's device fits its backend.

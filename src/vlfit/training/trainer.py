@@ -15,7 +15,9 @@ checkpoints; the input pipeline owns the placement of batches. vlfit hooks in at
 - ``evaluate`` computes recall@k and matching accuracy instead of a validation loss.
 - A streamed training split (``StreamingImageTextDataset``) bypasses accelerate's sharding (the stream splits its
   shards over processes itself); ``get_batch_samples`` marks each batch's items consumed, checkpoints save the
-  stream's position and a resume loads it instead of skipping batches (``vlfit.training.stream_epochs``).
+  stream's position and a resume loads it instead of skipping batches (``vlfit.training.stream_epochs``). A
+  stream whose server becomes unreachable stops there: a checkpoint at the last completed step, then
+  ``StreamSourceLost`` (``vlfit.training.preemption``).
 
 It also keeps the run's ledger of bad samples (reported in each ``Batch``: counted in the logs, saved in
 checkpoints, bounded by ``--max_bad_fraction``) and writes checkpoints atomically: each is written into a hidden
@@ -42,7 +44,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from vlfit.data.bad_samples import BAD_SAMPLES_REPORT
 from vlfit.data.batch import Batch
 from vlfit.data.pipeline import DeviceFeed, InputPipeline, LoaderSettings, shard_loader
-from vlfit.data.stream import ShardStream
+from vlfit.data.stream import ShardStream, SourceUnreachableError
 from vlfit.data.stream_dataset import StreamingImageTextDataset
 from vlfit.efficiency.flops import count_flops
 from vlfit.errors import ConfigError
@@ -53,6 +55,7 @@ from vlfit.models.trainable import temporarily_trainable
 from vlfit.training.bad_sample_ledger import BadSampleLedger, TooManyBadSamplesError, process_file_name
 from vlfit.training.fsdp import enable_fsdp_on_cpu, reshape_scalar_parameters, scalar_state_dict
 from vlfit.training.gradient_cache import gradient_cached_backward
+from vlfit.training.preemption import StreamSourceLost
 from vlfit.training.stream_epochs import StreamEpochs, agreed_batches, load_stream_state, save_stream_state
 from vlfit.training.throughput import ThroughputMeter
 
@@ -216,16 +219,24 @@ class VlfitTrainer(Trainer):
         assert self._feed is not None
         batches: list[Batch] = []
         waited = 0.0
+        lost: SourceUnreachableError | None = None
         for _ in range(num_batches if not self._feed_done else 0):
             try:
                 batches.append(next(self._feed))
             except StopIteration:
                 break
+            except SourceUnreachableError as err:
+                lost = err
+                break
             waited += self._feed.last_wait
         stream = self.train_stream
         if stream is not None:
+            agreed = len(batches) if lost is None else -1  # -1: this process's stream lost its source
             if not self._feed_done and self.args.world_size > 1:
-                del batches[agreed_batches(len(batches), self.args.device) :]
+                agreed = agreed_batches(agreed, self.args.device)
+            if agreed < 0:
+                self._stop_for_lost_source(lost)
+            del batches[agreed:]
             self._feed_done = self._feed_done or len(batches) < num_batches
             for batch in batches:  # used by the coming step: a checkpoint after it resumes after them
                 for position in batch.stream_positions:
@@ -238,6 +249,24 @@ class VlfitTrainer(Trainer):
         self._check_bad_fraction()
         # The contrastive loss is a mean over the batch: no token count to normalize by (num_items_in_batch).
         return batches, None
+
+    def _stop_for_lost_source(self, error: SourceUnreachableError | None) -> None:
+        """Save a checkpoint at the last completed step, as a stop signal does, and raise ``StreamSourceLost``.
+
+        The batches read for the coming step are not marked consumed (nor their bad samples counted): the stream
+        position saved is the one after the last step trained, and the resumed run reads them again. Every process
+        comes here at the same step (``agreed_batches`` carried the loss), as saving is a collective.
+        """
+        step = self.state.global_step
+        checkpoint = None
+        if step > 0:
+            checkpoint = os.path.join(self.args.output_dir, self._checkpoint_name)
+            if not os.path.isdir(checkpoint):  # not saved at this step already (--save_steps)
+                self.store_flos()
+                self._save_checkpoint(self.model, trial=None)
+        reason = str(error) if error is not None else "another process's stream could not reach its server"
+        logger.error("the training stream stopped at step %d: %s", step, reason)
+        raise StreamSourceLost(reason, checkpoint, step) from error
 
     def _prepare_inputs(self, inputs: Batch) -> Batch:  # type: ignore[override]
         # Batches from get_batch_samples are on the device already and come back as they are; only a host batch

@@ -11,7 +11,7 @@
 Needs the ``stream`` extra for HTTP(S) (``pip install 'vlfit[stream]'``).
 """
 
-from vlfit.data.stream.shards import BadShard, ShardReader, ShardUnreadableError
+from vlfit.data.stream.shards import BadShard, ShardReader, ShardUnreadableError, SourceUnreachableError
 from vlfit.data.stream.state import StreamItem, WorkerPosition, WorkerState
 from vlfit.data.stream.stream import ShardStream
 from vlfit.data.stream.urls import StreamSource, parse_sources, parse_weights
@@ -21,6 +21,7 @@ __all__ = [
     "ShardReader",
     "ShardStream",
     "ShardUnreadableError",
+    "SourceUnreachableError",
     "StreamItem",
     "StreamSource",
     "WorkerPosition",

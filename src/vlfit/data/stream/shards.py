@@ -10,7 +10,8 @@ A transient fault (HTTP 5xx, a refused or reset connection, a read that stalls p
 archive) is retried ``retries`` times with exponential backoff. A permanent one is not: an HTTP status that no retry
 changes (404, 403, 410...), a body that is not a tar or parquet file (an HTML error page), a missing local file; the
 shard is given up at once. A shard given up because its host cannot be reached at all (connection refused, no such
-host) is marked ``unreachable``: the server is down, rather than the shard bad.
+host, the connection reset before an answer) is marked ``unreachable``: the server is down, rather than the shard
+bad. A stream stops at such a shard (``SourceUnreachableError``) instead of giving up the shards after it.
 
 A server that ignores ``Range`` requests (it answers 200 with the whole file, as ``python -m http.server`` and many
 static hosts do) cannot serve fsspec's block reads past the first block. The first time that is seen for a host,
@@ -31,6 +32,7 @@ import asyncio
 import io
 import logging
 import os
+import re
 import tarfile
 import time
 from collections.abc import Iterator, Mapping
@@ -82,6 +84,22 @@ class ShardUnreadableError(DataError):
     def __init__(self, message: str, bad_shard: BadShard | None = None) -> None:
         super().__init__(message)
         self.bad_shard = bad_shard
+
+
+class SourceUnreachableError(ShardUnreadableError):
+    """The server of a stream's shard could not be reached after the shard's retries (``BadShard.unreachable``):
+    the stream stops there, rather than giving up every shard after it one by one, so that its consumer can save
+    its place and resume once the server is back.
+
+    Re-raised by torch from a DataLoader worker, the message is the worker's traceback: the original message (its
+    last line) is kept instead.
+    """
+
+    def __init__(self, message: str, bad_shard: BadShard | None = None) -> None:
+        lines = [line.strip() for line in message.splitlines() if line.strip()]
+        if len(lines) > 2 and lines[0].startswith("Caught ") and lines[1].startswith("Original Traceback"):
+            message = re.sub(rf"^(?:[\w.]+\.)?{type(self).__name__}: ", "", lines[-1])
+        super().__init__(message, bad_shard)
 
 
 def _faults() -> tuple[type[BaseException], ...]:
@@ -137,14 +155,18 @@ def is_permanent(url: str, error: BaseException) -> bool:
 
 
 def is_unreachable(error: BaseException) -> bool:
-    """Whether ``error`` means the host could not be reached at all (refused, no such host): no response came."""
+    """Whether ``error`` means the host could not be reached at all (refused, no such host, the connection reset or
+    closed before an answer): no response came."""
     if http_status(error) is not None:
         return False
+    kinds: tuple[type[BaseException], ...] = (ConnectionRefusedError, ConnectionResetError)
     try:
-        from aiohttp import ClientConnectorError
+        from aiohttp import ClientConnectorError, ServerDisconnectedError
+
+        kinds += (ClientConnectorError, ServerDisconnectedError)
     except ImportError:  # pragma: no cover - no HTTP without aiohttp
-        ClientConnectorError = ConnectionRefusedError  # noqa: N806
-    return any(isinstance(err, (ConnectionRefusedError, ClientConnectorError)) for err in _chain(error))
+        pass
+    return any(isinstance(err, kinds) for err in _chain(error))
 
 
 def _ignores_range(error: BaseException) -> bool:

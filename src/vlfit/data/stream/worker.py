@@ -8,6 +8,9 @@ yields samples in pull order.
 Resuming from a ``WorkerState`` reopens each source's shard at its cursor and skips the samples already read, and
 re-reads the buffered samples from their shards (the buffer's oldest samples come from a few shards before the
 current one), so the reader then yields what the uninterrupted one would have.
+
+A shard whose server cannot be reached (``BadShard.unreachable``) ends the reader with ``SourceUnreachableError``
+instead of being given up: its consumer saves the position of what it consumed, and a resume reads on from there.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import numpy as np
 from vlfit.data.bad_samples import BadSampleInfo
 from vlfit.data.records import Record
 from vlfit.data.stream.order import BUFFER, MIX, Draws, ShardSequence, pick
-from vlfit.data.stream.shards import BadShard, ShardReader, ShardSample, ShardUnreadableError
+from vlfit.data.stream.shards import BadShard, ShardReader, ShardSample, ShardUnreadableError, SourceUnreachableError
 from vlfit.data.stream.state import StreamItem, WorkerPosition, WorkerState
 from vlfit.data.stream.urls import StreamSource
 from vlfit.errors import DataError
@@ -184,6 +187,10 @@ class RoleReader:
 
     def _given_up(self, error: ShardUnreadableError) -> None:
         bad = error.bad_shard or BadShard("?", str(error), 0)
+        if bad.unreachable:
+            # The server is down, not the shard bad: stop here, for the consumer to save its place, rather than give
+            # up each shard after it too (and lose them). Resuming reads this shard again.
+            raise SourceUnreachableError(f"cannot reach the server of {bad.url}: {bad.reason}", bad) from error
         self._bad_shards.append(bad)
         self._bad_in_a_row = self._bad_in_a_row + 1 if bad.samples_read == 0 else 0
         if self._resampled and self._bad_in_a_row >= MAX_BAD_SHARDS_IN_A_ROW:
@@ -229,7 +236,10 @@ class RoleReader:
                         finished = False
                         break
             except ShardUnreadableError as err:
-                self._bad_shards.append(err.bad_shard or BadShard(url, str(err), 0))
+                bad = err.bad_shard or BadShard(url, str(err), 0)
+                if bad.unreachable:
+                    raise SourceUnreachableError(f"cannot reach the server of {url}: {bad.reason}", bad) from err
+                self._bad_shards.append(bad)
             if current and not finished:
                 self._open[source] = samples  # already at the cursor
             else:
