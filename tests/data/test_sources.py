@@ -375,6 +375,32 @@ def test_webdataset_image_column_picks_member(tmp_path: Path) -> None:
     assert open_splits(train_file=str(tmp_path / "x.tar"), caption_column="caption")["train"][0].image == jpg
 
 
+@pytest.mark.parametrize("reader", ["map-style", "stream"])
+def test_webdataset_columns_named_on_purpose_must_exist_and_defaults_find_the_common_members(
+    tmp_path: Path, reader: str
+) -> None:
+    from vlfit.data.stream import ShardReader
+    from vlfit.data.tar_source import WebDatasetLayout
+
+    jpg = _jpeg(COLOURS[0])
+    shard = tmp_path / "x.tar"
+    _write_tar(shard, [("a.jpg", jpg), ("a.txt", b"from txt"), ("a.json", b'{"caption": "from json", "n": 1}')])
+
+    def first(**columns: str) -> Record:
+        if reader == "map-style":
+            return open_splits(train_file=str(shard), **columns)["train"][0]
+        ((_, record),) = ShardReader(WebDatasetLayout(**columns), retries=0).samples(str(shard))
+        return record
+
+    for flag, value in (("caption_column", "title"), ("image_column", "png")):
+        with pytest.raises(DataError, match=rf"--{flag} '{value}': shard .*x\.tar has no '\.{value}' member.*"
+                                            r"\['jpg', 'json', 'txt'\]"):  # fmt: skip
+            first(**{flag: value})  # not the .txt member, nor the .jpg one, in its place
+    assert first(caption_column="caption").caption == "from json"  # a .json key
+    default = first(caption_column="image_description", image_column="image")  # the flags' defaults
+    assert (default.caption, default.image) == ("from txt", jpg)
+
+
 def test_webdataset_reads_after_fork_and_in_dataloader_workers(tmp_path: Path) -> None:
     blobs = [_jpeg(c) for c in COLOURS]
     _write_tar(tmp_path / "s.tar", [m for i, b in enumerate(blobs) for m in ((f"{i}.jpg", b), (f"{i}.txt", b"c"))])
@@ -419,10 +445,10 @@ def test_webdataset_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"no caption found.*\['jpg', 'cls'\]"):
         open_splits(train_file=str(tmp_path / "nocap.tar"))
 
-    _write_tar(tmp_path / "wrongkey.tar", [("a.jpg", b"x"), ("a.json", b'{"caption": "c", "url": "u"}')])
-    with pytest.raises(ValueError, match=r"caption key 'image_description' not found.*\['caption', 'url'\]"):
+    _write_tar(tmp_path / "wrongkey.tar", [("a.jpg", b"x"), ("a.json", b'{"words": "c", "url": "u"}')])
+    with pytest.raises(ValueError, match=r"caption key 'image_description' not found.*\['url', 'words'\]"):
         open_splits(train_file=str(tmp_path / "wrongkey.tar"))
-    assert open_splits(train_file=str(tmp_path / "wrongkey.tar"), caption_column="caption")["train"][0].caption == "c"
+    assert open_splits(train_file=str(tmp_path / "wrongkey.tar"), caption_column="words")["train"][0].caption == "c"
 
     (tmp_path / "gz.tar").write_bytes(b"\x1f\x8b" + b"\0" * 600)
     with pytest.raises(ValueError, match=r"cannot index tar shard .*gz\.tar"):

@@ -111,6 +111,13 @@ DEFAULT_COLUMNS: dict[str, tuple[str, ...]] = {
 }
 
 
+def is_default_column(role: str, column: str | None) -> bool:
+    """Whether ``column`` is what the ``role`` flag holds when not given (``DEFAULT_COLUMNS[role][0]``): the source
+    then looks for the common names, where a column named on purpose must exist."""
+    candidates = DEFAULT_COLUMNS.get(role, ())
+    return bool(candidates) and column == candidates[0]
+
+
 def resolve_column(role: str, column: str, available: Sequence[str], *, name: str, flag: str) -> str:
     """The column that holds ``role`` (``image``, ``caption``) in a source with columns ``available``.
 
@@ -131,7 +138,7 @@ def resolve_column(role: str, column: str, available: Sequence[str], *, name: st
         return column
     candidates = DEFAULT_COLUMNS.get(role, ())
     tried = ""
-    if candidates and column == candidates[0]:
+    if is_default_column(role, column):
         found = next((c for c in candidates[1:] if c in available), None)
         if found is not None:
             logger.info("%s: the %s column is %r (%s not given, and no %r column)", name, role, found, flag, column)

@@ -10,14 +10,14 @@ import contextlib
 import json
 import os
 import tarfile
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from vlfit.data.records import BadRecordError, Record
-from vlfit.data.source_base import ImageTextSource, as_caption
+from vlfit.data.source_base import DEFAULT_COLUMNS, ImageTextSource, as_caption, is_default_column
 from vlfit.errors import DataError
 
 WEBDATASET_IMAGE_EXTENSIONS: tuple[str, ...] = ("jpg", "jpeg", "png", "webp")
@@ -40,7 +40,7 @@ class SampleMembers:
 
     Attributes:
         image: The image member.
-        text: The caption member (``caption_column``, else ``txt``).
+        text: The caption member (see ``WebDatasetLayout``).
         extras: Per column of ``WebDatasetLayout.read_columns``, the member holding it.
     """
 
@@ -53,14 +53,19 @@ class SampleMembers:
 class WebDatasetLayout:
     """Where a WebDataset sample keeps its image, caption, extra columns and image id, and how they make a ``Record``.
 
-    The image is the member whose extension equals ``image_column`` if there is one, else the first of
-    ``jpg``/``jpeg``/``png``/``webp``. The caption is the member whose extension equals ``caption_column``, else
-    the ``.txt`` member, else ``json[caption_column]``. Extra columns come from a member with that extension
-    (parsed as JSON when possible) or from the ``.json`` member. The id is the key.
+    For tar shards a column is a member extension (or, for the caption, a key of the ``.json`` member). A column
+    flag left at its default (``vlfit.data.source_base.is_default_column``) finds the common members: the image is
+    the ``.image`` member or else the first of ``jpg``/``jpeg``/``png``/``webp``; the caption is the member of that
+    name, else ``.txt``, else a member or ``.json`` key with one of the common caption names
+    (``DEFAULT_COLUMNS["caption"]``). A column named on purpose is that member (the caption: that member, else that
+    ``.json`` key), with no fallback: a shard whose first sample has no such thing is a ``DataError`` naming the
+    flag, the shard and what the sample has (``check_columns``; a later sample without it has no image or no
+    caption, a bad sample). Extra columns come from a member with that extension (parsed as JSON when possible) or
+    from the ``.json`` member. The id is the key.
 
     Args:
-        image_column: Preferred image member extension (ignored when no member has it).
-        caption_column: Caption member extension, or the key in the ``.json`` member.
+        image_column: The image member extension (``--image_column``).
+        caption_column: The caption member extension, or the key in the ``.json`` member (``--caption_column``).
         extra_columns: Values copied into ``Record.extra`` when present.
         image_id_column: A member extension or ``.json`` key naming the image a sample shows
             (``Record.image_id``), read like an extra column; ``None``: samples are grouped by their image bytes.
@@ -77,13 +82,61 @@ class WebDatasetLayout:
         ids = [self.image_id_column] if self.image_id_column else []
         return tuple(dict.fromkeys([*self.extra_columns, *ids]))
 
+    @property
+    def _image_members(self) -> tuple[str, ...]:
+        """The member extensions that may hold the image, in order of preference."""
+        if is_default_column("image", self.image_column):
+            return (self.image_column, *WEBDATASET_IMAGE_EXTENSIONS)
+        return (self.image_column,)
+
+    @property
+    def _caption_members(self) -> tuple[str, ...]:
+        """The member extensions that may hold the caption, in order of preference."""
+        if is_default_column("caption", self.caption_column):
+            return tuple(dict.fromkeys((self.caption_column, "txt", *DEFAULT_COLUMNS["caption"])))
+        return (self.caption_column,)
+
+    def caption_key(self, meta: Mapping[str, Any]) -> str:
+        """The ``.json`` key that holds the caption."""
+        if is_default_column("caption", self.caption_column):
+            return next((c for c in DEFAULT_COLUMNS["caption"] if c in meta), self.caption_column)
+        return self.caption_column
+
     def members(self, extensions: Collection[str]) -> SampleMembers:
         """The part each of a sample's member extensions plays."""
-        image = self.image_column if self.image_column in extensions else None
-        image = image or next((e for e in WEBDATASET_IMAGE_EXTENSIONS if e in extensions), None)
-        text = self.caption_column if self.caption_column in extensions else "txt" if "txt" in extensions else None
+        image = next((e for e in self._image_members if e in extensions), None)
+        text = next((e for e in self._caption_members if e in extensions), None)
         extras = tuple(c if c in extensions else None for c in self.read_columns)
         return SampleMembers(image, text, extras)
+
+    def check_columns(self, shard: str, key: str, extensions: Collection[str], meta: Mapping[str, Any]) -> None:
+        """Check a shard's first sample for the columns named on purpose (the defaults find what there is).
+
+        Args:
+            shard: The shard, for the message.
+            key: The sample's key.
+            extensions: Its member extensions.
+            meta: Its parsed ``.json`` member (``{}`` without one).
+
+        Raises:
+            DataError: naming the flag, the shard and the sample's members and ``.json`` keys, when an explicit
+                ``--image_column`` is not one of its members or an explicit ``--caption_column`` neither a member
+                nor a ``.json`` key.
+        """
+        has = f"its first sample {key!r} has members {sorted(extensions)}"
+        if not is_default_column("image", self.image_column) and self.image_column not in extensions:
+            raise DataError(
+                f"--image_column {self.image_column!r}: shard {shard} has no '.{self.image_column}' member ({has}); "
+                f"name the image member's extension with --image_column, or leave it out for the first of "
+                f"{list(WEBDATASET_IMAGE_EXTENSIONS)}"
+            )
+        caption = self.caption_column
+        if not is_default_column("caption", caption) and caption not in extensions and caption not in meta:
+            raise DataError(
+                f"--caption_column {caption!r}: shard {shard} has no '.{caption}' member and no .json key {caption!r} "
+                f"({has} and .json keys {sorted(meta)}); name the caption's member extension or .json key with "
+                "--caption_column, or leave it out for the '.txt' member"
+            )
 
     @staticmethod
     def missing_image(key: str, shard: str, extensions: Collection[str]) -> str:
@@ -109,8 +162,8 @@ class WebDatasetLayout:
         return meta if isinstance(meta, dict) else {}
 
     def caption(self, text: bytes | None, meta: dict[str, Any]) -> str | None:
-        """The caption: the caption member's text when there is one, else ``meta[caption_column]``."""
-        return _text(text) if text is not None else as_caption(meta.get(self.caption_column))
+        """The caption: the caption member's text when there is one, else the caption's ``.json`` key."""
+        return _text(text) if text is not None else as_caption(meta.get(self.caption_key(meta)))
 
     def record(
         self, key: str, image: bytes, text: bytes | None, meta: dict[str, Any], extras: Sequence[bytes | None]
@@ -139,6 +192,16 @@ class WebDatasetLayout:
         return Record(key, image, self.caption(text, meta), extra, image_id=None if image_id is None else str(image_id))
 
 
+def _member_at(shard: str, members: Mapping[str, tuple[int, int]], ext: str = "json") -> bytes | None:
+    """The bytes of a sample's ``ext`` member, from its ``(offset, size)`` in ``shard`` (``None`` without one)."""
+    if ext not in members:
+        return None
+    offset, size = members[ext]
+    with open(shard, "rb") as file:
+        file.seek(offset)
+        return file.read(size)
+
+
 def _text(raw: bytes) -> str:
     # Invalid UTF-8 becomes U+FFFD rather than a bad sample: web captions often carry a few mis-encoded
     # bytes in otherwise good text (see vlfit.data.bad_samples).
@@ -154,14 +217,15 @@ class TarSource(ImageTextSource):
     Args:
         shards: Paths of uncompressed ``.tar`` files.
         name: Description used in error messages.
-        image_column: Preferred image member extension (ignored when no member has it).
-        caption_column: Caption member extension, or the key in the ``.json`` member.
+        image_column: The image member extension (``WebDatasetLayout``: the default finds the common ones).
+        caption_column: The caption member extension, or the key in the ``.json`` member (likewise).
         extra_columns: Values copied into ``Record.extra`` when present.
         image_id_column: A member extension or ``.json`` key naming the image a sample shows
             (``Record.image_id``), read like an extra column; ``None``: samples are grouped by their image bytes.
 
     Raises:
-        ValueError: when a sample has no image member (naming shard and key), or no caption source exists.
+        DataError: when a sample has no image member (naming shard and key), no caption source exists, or a
+            shard's first sample lacks a column named on purpose (``WebDatasetLayout.check_columns``).
     """
 
     def __init__(
@@ -186,7 +250,9 @@ class TarSource(ImageTextSource):
         extensions: dict[str, None] = {}
         absent = (-1, 0)
         for shard_id, shard in enumerate(self._shards):
-            for key, members in self._index_shard(shard):
+            for number, (key, members) in enumerate(self._index_shard(shard)):
+                if number == 0:  # the columns named on purpose, as a stream of the shard checks them
+                    layout.check_columns(shard, key, members, layout.parse_json(key, _member_at(shard, members)))
                 extensions.update(dict.fromkeys(members))
                 parts = layout.members(members)
                 if parts.image is None:
@@ -236,9 +302,9 @@ class TarSource(ImageTextSource):
         # Check one json member now, so a wrong caption_column fails at open time rather than mid-training.
         first = int(np.argmax(self._json_loc[:, 0] >= 0))
         meta = self._load_json(first)
-        if self._layout.caption_column not in meta:
+        if self._layout.caption_key(meta) not in meta:
             raise DataError(
-                f"{name}: caption key {self._layout.caption_column!r} not found in the json of sample "
+                f"{name}: caption key {self._layout.caption_key(meta)!r} not found in the json of sample "
                 f"{self._keys[first]!r} ({self._shards[self._shard_ids[first]]}); keys present: {sorted(meta)}"
             )
 

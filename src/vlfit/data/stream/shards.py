@@ -20,6 +20,9 @@ the host is remembered (per process) and its shards are read from then on as who
 samples already yielded skipped, without counting a retry. ``storage_options={"block_size": 0}`` (or
 ``--shard_block_size 0``) asks for that from the start.
 
+A column named on purpose (``--image_column``, ``--caption_column``) that the first sample read of a shard does
+not have is a ``DataError`` (``WebDatasetLayout.check_columns``, as ``TarSource`` checks it), not retried.
+
 A retry resumes at the first sample not yet yielded: it seeks to that sample's first tar header when the file can
 seek (fsspec's HTTP files do, with Range requests), otherwise it reads from the start again and skips what was
 already yielded. The count of retries starts again after any progress. When the retries are spent the shard is
@@ -301,8 +304,12 @@ class ShardReader:
                     yield index, item, None
             return
         groups = self._groups(url, known, wanted)
+        checked = False
         try:
             for index, key, members, next_offset in groups:
+                if members is not None and not checked:  # the columns named on purpose, as TarSource checks them
+                    self._check_columns(url, key, members)
+                    checked = True
                 item = None if members is None else self._assemble(url, key, members)
                 yield index, item, None if next_offset is None else (index + 1, next_offset)
         finally:
@@ -408,6 +415,13 @@ class ShardReader:
                     members[ext] = archive.read()
             if key is not None:
                 yield index, key, members if index >= wanted else None, None
+
+    def _check_columns(self, url: str, key: str, members: dict[str, bytes]) -> None:
+        try:
+            meta = self.layout.parse_json(key, members.get("json"))
+        except BadRecordError:  # the sample is bad (reported as such); its keys cannot name a column
+            meta = {}
+        self.layout.check_columns(url, key, members, meta)
 
     def _assemble(self, url: str, key: str, members: dict[str, bytes]) -> Record | BadSampleInfo:
         layout = self.layout
