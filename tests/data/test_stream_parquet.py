@@ -60,7 +60,9 @@ def test_parquet_rows_stream_as_the_map_style_split_reads_them_and_resume_at_a_r
         streamed = _rows(reader.samples(server.url("/train-1.parquet")))
     assert streamed == expected[len(expected) // 2 :]  # every row once, through the cut connection
 
-    with pytest.raises(DataError, match=r"no caption column 'caption'; its columns: .*image_description") as caught:
+    with pytest.raises(
+        DataError, match=r"caption column 'caption' not found.*image_description.*--caption_col"
+    ) as caught:
         list(ShardReader(WebDatasetLayout(caption_column="caption")).samples(files[0]))
     assert not isinstance(caught.value, ShardUnreadableError)  # wrong settings fail at once, never retried
 
@@ -94,3 +96,19 @@ def test_streaming_a_dataset_trains_on_its_train_files_and_evaluates_its_validat
     metrics = json.loads((tmp_path / "by_name" / "eval_results.json").read_text())
     validation = datasets.load_from_disk(synthetic_dataset_dir)["validation"]
     assert metrics["eval_num_samples"] == len(validation) and "eval_t2i_recall@1" in metrics
+
+
+def test_columns_left_at_their_defaults_find_the_common_names_as_the_map_style_read_does(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.data.image_factory import jpeg_bytes
+
+    images = [jpeg_bytes(16, 16, seed=i) for i in range(3)]
+    path = tmp_path / "metadata.parquet"  # imagefolder-style names: file_name bytes and text captions
+    pq.write_table(pa.table({"file_name": images, "text": [f"caption {i}" for i in range(3)]}), path)
+    defaults = WebDatasetLayout(image_column="image", caption_column="image_description")  # the flags' defaults
+    rows = _rows(ShardReader(defaults).samples(str(path)))
+    assert [(caption, image) for _, image, caption in rows] == [(f"caption {i}", images[i]) for i in range(3)]
+    with pytest.raises(DataError, match=r"caption column 'title' not found.*Name the caption column with --caption"):
+        list(ShardReader(WebDatasetLayout(image_column="file_name", caption_column="title")).samples(str(path)))

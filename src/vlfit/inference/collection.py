@@ -20,7 +20,7 @@ from vlfit.data.batch import BadSample, Batch
 from vlfit.data.file_patterns import is_stream_spec
 from vlfit.data.pipeline import InputPipeline, LoaderSettings, PipelineOptions
 from vlfit.data.records import BadRecordError, Record, image_value_to_bytes
-from vlfit.data.source_base import ImageTextSource
+from vlfit.data.source_base import DEFAULT_COLUMNS, ImageTextSource
 from vlfit.data.tar_source import WebDatasetLayout
 from vlfit.errors import ConfigError, DataError, MissingFileError
 from vlfit.models.family import IMAGE_KEYS, InputSpec
@@ -280,7 +280,9 @@ def open_image_collection(
 
         urls = tuple(url for part in parse_sources(dataset_name, flag="--dataset_name") for url in part.urls)
         layout = WebDatasetLayout(
-            image_column=image_column, caption_column=caption_column or "txt", image_id_column=image_id_column
+            image_column=image_column,
+            caption_column=caption_column or DEFAULT_COLUMNS["caption"][0],  # unset: the common caption members
+            image_id_column=image_id_column,
         )
         collection = {"dataset_name": dataset_name, "image_column": image_column, "caption_column": caption_column,
                       "image_id_column": image_id_column}  # fmt: skip

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 from vlfit.data.bad_samples import BadSampleInfo
 from vlfit.data.records import BadRecordError, Record, image_value_to_bytes
-from vlfit.data.source_base import as_caption, default_id_column
+from vlfit.data.source_base import as_caption, default_id_column, resolve_column
 from vlfit.data.stream.tar_members import NotAShardError
 from vlfit.data.tar_source import WebDatasetLayout
 from vlfit.errors import DataError
@@ -44,15 +44,14 @@ def parquet_rows(
     except pa.ArrowInvalid as err:  # "Parquet magic bytes not found": an error page, another format
         raise NotAShardError(f"not a parquet file: {err}") from err
     names = parquet.schema_arrow.names
-    for role, column in (("image", layout.image_column), ("caption", layout.caption_column)):
-        if column not in names:
-            raise DataError(
-                f"shard {url}: no {role} column {column!r}; its columns: {', '.join(names)} "
-                f"(name it with --{role}_column)"
-            )
+    # The columns as the map-style read finds them: a flag left at its default finds the common names.
+    image_column = resolve_column("image", layout.image_column, names, name=f"shard {url}", flag="--image_column")
+    caption_column = resolve_column(
+        "caption", layout.caption_column, names, name=f"shard {url}", flag="--caption_column"
+    )
     id_column = default_id_column(names)
     extras = [column for column in layout.read_columns if column in names]
-    columns = list(dict.fromkeys(c for c in (layout.image_column, layout.caption_column, id_column, *extras) if c))
+    columns = list(dict.fromkeys(c for c in (image_column, caption_column, id_column, *extras) if c))
     stem = os.path.splitext(os.path.basename(urlsplit(url).path if "://" in url else url))[0]
     first = 0
     for group in range(parquet.num_row_groups):
@@ -66,16 +65,16 @@ def parquet_rows(
                 continue
             sample_id = str(row[id_column]) if id_column and row[id_column] is not None else f"{stem}-{row_number}"
             try:
-                image = image_value_to_bytes(row[layout.image_column], sample_id=sample_id)
+                image = image_value_to_bytes(row[image_column], sample_id=sample_id)
             except BadRecordError as err:
                 yield row_number, (sample_id, f"{err} (shard {url})")
                 continue
             image_id = row.get(layout.image_id_column) if layout.image_id_column else None
             extra = {column: row[column] for column in layout.extra_columns if column in row}
-            caption = row[layout.caption_column]
+            caption = row[caption_column]
             if isinstance(caption, list):
                 raise DataError(
-                    f"shard {url}, row {row_number}: the caption column {layout.caption_column!r} holds a list of "
+                    f"shard {url}, row {row_number}: the caption column {caption_column!r} holds a list of "
                     "captions; a stream reads one caption per row (open the split map-style, without --streaming, "
                     "to read each caption as a sample)"
                 )
