@@ -126,14 +126,22 @@ def test_unknown_format_or_quantization_is_one_line(tiny_checkpoint, tmp_path, c
     assert "invalid choice: 'tflite'" in error_lines(capsys.readouterr().err)[-1]
 
 
-def test_export_recall_on_three_captions_per_image_is_evals_and_torch_and_onnx_agree(tiny_checkpoint, tmp_path):
+def test_export_recall_on_three_captions_per_image_is_evals_and_torch_and_onnx_agree(tiny_checkpoint, tmp_path,
+                                                                                     capsys):  # fmt: skip
     from .several_captions import write_csv
 
     csv_file = str(write_csv(tmp_path / "csv"))
+    exported = tmp_path / "onnx"
     columns = ["--image_column", "file_name", "--caption_column", "caption", "--image_id_column", "image_id"]
-    assert main(["export", "--model_name_or_path", str(tiny_checkpoint), "--output_dir", str(tmp_path / "onnx"),
+    capsys.readouterr()
+    assert main(["export", "--model_name_or_path", str(tiny_checkpoint), "--output_dir", str(exported),
                  "--calibration_dataset", csv_file, "--parity_samples", "24", *columns]) == 0  # fmt: skip
-    accuracy = json.loads((tmp_path / "onnx" / "export_manifest.json").read_text())["accuracy"]
+    # Without --json, export prints what it measured and ends with what it wrote.
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert re.fullmatch(r"fp32 graphs: lowest cosine to PyTorch's embeddings on 24 samples: image [01]\.\d+, "
+                        r"text [01]\.\d+", lines[0])  # fmt: skip
+    assert lines[-1] == f"wrote {exported}: onnx graphs image.onnx, text.onnx, the tokenizer and export_manifest.json"
+    accuracy = json.loads((exported / "export_manifest.json").read_text())["accuracy"]
     assert accuracy["torch_fp32"] == accuracy["fp32"]
     assert main(["eval", "--model_name_or_path", str(tiny_checkpoint), "--dataset_name", csv_file, "--eval_split",
                  "train", *columns, "--output_dir", str(tmp_path / "eval"), "--report_to", "none"]) == 0  # fmt: skip
