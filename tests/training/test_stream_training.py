@@ -56,6 +56,7 @@ def _argv(spec: str, out: Path, *extra: str) -> list[str]:
     return argv[:i] + argv[i + 2 :]  # the stream is the only data
 
 
+@pytest.mark.slow
 def test_streamed_over_http_trains_as_read_locally_and_resumes_after_sigterm_exactly(
     tmp_path: Path, shards: tuple[Path, dict[str, bytes]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -95,6 +96,7 @@ def _logged_epochs(output_dir: Path) -> dict[int, float]:
     return {entry["step"]: round(entry["epoch"], 6) for entry in history if "loss" in entry}
 
 
+@pytest.mark.slow
 def test_a_failing_shard_is_a_bad_sample_under_max_bad_fraction(
     tmp_path: Path, shards: tuple[Path, dict[str, bytes]], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -121,6 +123,7 @@ def test_a_failing_shard_is_a_bad_sample_under_max_bad_fraction(
         assert server.url("/s/001.tar") in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_lost_shard_or_source_of_a_mix_ends_the_run_naming_them(
     tmp_path: Path, shards: tuple[Path, dict[str, bytes]], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -168,6 +171,7 @@ class ServerDownAtStep(TrainerCallback):
             self.server.down()
 
 
+@pytest.mark.slow
 def test_a_server_that_dies_mid_run_stops_it_with_a_checkpoint_the_rerun_resumes_exactly(
     tmp_path: Path, shards: tuple[Path, dict[str, bytes]], monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
@@ -260,7 +264,36 @@ def two_process_worker(rank: int, world: int, init_file: str, payload_path: str,
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_processes_agree_on_the_fewest_batches_any_has(two_process_results) -> None:
     results = two_process_results["tests.training.test_stream_training"]
     assert [r["agreed"] for r in results] == [[1, 2], [1, 2]]  # both end the epoch when one runs out
     assert agreed_batches(3, torch.device("cpu")) == 3  # one process: its own count
+
+
+@pytest.mark.slow
+def test_a_short_streamed_run_that_lost_too_many_samples_ends_with_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import io
+    import tarfile
+
+    from tests.data.image_factory import jpeg_bytes
+
+    for shard in range(2):  # 3 of every 8 images do not decode: far over --max_bad_fraction, in a run of ~20 reads
+        with tarfile.open(tmp_path / f"{shard:03d}.tar", "w") as archive:
+            for i in range(8):
+                image = b"not a jpeg" if i % 3 == 0 else jpeg_bytes(32, 32, seed=10 * shard + i)
+                for ext, data in (("jpg", image), ("txt", f"sample {i} of shard {shard}".encode())):
+                    info = tarfile.TarInfo(f"s{shard}-{i:04d}.{ext}")
+                    info.size = len(data)
+                    archive.addfile(info, io.BytesIO(data))
+    flags = ["--train_file", f"{tmp_path}/{{000..001}}.tar", "--streaming", "--save_strategy", "no",
+             "--max_bad_fraction", "0.1"]  # fmt: skip
+    argv = [
+        a for a in tiny_train_argv("unused", tmp_path / "out", *flags, steps=2) if a not in ("--dataset_name", "unused")
+    ]
+    assert main(["train", *argv]) == 2  # fewer than 100 reads: judged at the end, not waved through
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "samples the run read were bad" in line and "--max_bad_fraction 0.1" in line, line
+    assert (tmp_path / "out" / "bad_samples.jsonl").is_file() and not (tmp_path / "out" / "model.safetensors").exists()

@@ -173,6 +173,27 @@ class BadSampleLedger:
                 f"in {BAD_SAMPLES_REPORT} in the output folder: fix or filter the data, or raise --max_bad_fraction."
             )
 
+    def judge_whole_run(self, bad: int, read: int) -> None:
+        """At the end of a run, judge everything it read (``bad`` of ``read`` samples, every process's) when the
+        running check never could: fewer samples were read than ``min_samples_for_fraction`` asks for (a short
+        streamed run, whose length is known only now, or ``--max_steps`` ending before a small split was read whole).
+
+        Raises:
+            TooManyBadSamplesError: when ``bad / read`` is over ``--max_bad_fraction``.
+        """
+        limit = self.max_bad_fraction
+        if limit >= 1.0 or not read or bad / read <= limit:
+            return
+        if read >= min_samples_for_fraction(limit, self.split_size):
+            return  # the running check judged these (and would have stopped the run)
+        first = "; ".join(f"{r.id} ({r.reason})" for r in self.records[:3])
+        raise TooManyBadSamplesError(
+            f"{bad} of the {read} samples the run read were bad ({bad / read:.1%}), over --max_bad_fraction "
+            f"{limit:g}, judged at the end of a run too short to judge as it went. First ones: {first}. Every skipped "
+            f"id and reason is in {BAD_SAMPLES_REPORT} in the output folder: fix or filter the data, or raise "
+            "--max_bad_fraction."
+        )
+
     def state_dict(self) -> dict[str, Any]:
         """A JSON-serializable snapshot (saved in checkpoints so that a resumed run keeps counting)."""
         return {"samples_read": self.samples_read, "records": [asdict(r) for r in self.records]}

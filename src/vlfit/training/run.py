@@ -404,6 +404,7 @@ def run(
             model.load_state_dict(interpolate(starting_weights, model.state_dict(), training_args.wise_ft_alpha))
             logger.info("WiSE-FT: the saved weights are (1 - %g) x the starting ones + %g x the fine-tuned ones",
                         training_args.wise_ft_alpha, training_args.wise_ft_alpha)  # fmt: skip
+        bad, read = trainer.judge_whole_run()  # every process's, summed; a short run that lost too much stops here
         trainer.save_model()
         if trainer.is_world_process_zero():
             save_image_processor(setup.blueprint, training_args.output_dir)
@@ -418,7 +419,6 @@ def run(
             efficiency = compute_efficiency(trainer.flops_per_sample, throughput["samples_per_second"], training_args)
             metrics.update(efficiency.metrics("train_"))
             logger.info("compute: %s", efficiency.describe())
-        bad, read = trainer.bad_sample_totals()  # every process's, summed
         metrics["train_bad_samples"] = bad
         metrics["train_bad_sample_fraction"] = bad / read if read else 0.0
         if bad and trainer.is_world_process_zero():

@@ -331,6 +331,21 @@ class VlfitTrainer(Trainer):
             self.write_bad_samples_report()
             raise
 
+    def judge_whole_run(self) -> tuple[int, int]:
+        """The run's bad samples and samples read, summed over every process, after judging them as a whole
+        (``BadSampleLedger.judge_whole_run``: a run too short for the running check). A collective.
+
+        Raises:
+            TooManyBadSamplesError: after writing the bad-sample report, when the run lost too much.
+        """
+        bad, read = self.bad_sample_totals()
+        try:
+            self.bad_samples.judge_whole_run(bad, read)
+        except TooManyBadSamplesError:
+            self.write_bad_samples_report()
+            raise
+        return bad, read
+
     def bad_sample_totals(self) -> tuple[int, int]:
         """Bad samples skipped and samples read, summed over every process (a collective in distributed runs)."""
         totals = torch.tensor(
