@@ -23,6 +23,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/lint-imports  # no import points up the layers of [tool.importlinter] in pyproject.toml
 
 test: lint
 	$(PY) -m pytest

@@ -30,7 +30,7 @@ from PIL import Image, ImageOps
 
 from vlfit.data.image_transforms import FastImageTransform, hwc_to_chw_view, resize_crop_uint8, stack_images
 from vlfit.errors import ConfigError, DataError, MissingFileError, python_api, unknown_keywords
-from vlfit.inference.backends import Encoder, TorchEncoder, open_encoder
+from vlfit.inference.backends import Encoder, load_encoder
 
 # What encode_images takes, each item on its own: a path, encoded bytes, a PIL image or a uint8 HWC (or HW) array.
 ImageInput = str | os.PathLike | bytes | Image.Image | np.ndarray
@@ -173,40 +173,10 @@ def load(
         allow_spinning: ONNX Runtime's idle threads spin-wait for the next call (its default; a server that shares
             its cores with an event loop turns it off).
     """
-    from vlfit.inference.backends import BACKENDS, PRECISION_CHOICES
-    from vlfit.models.preset_names import PRESET_NAMES
-
     name = os.fspath(path_or_preset)
-    if backend not in BACKENDS:
-        raise ConfigError(f"unknown --backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
-    if precision not in PRECISION_CHOICES:
-        raise ConfigError(f"unknown --precision {precision!r}; choose one of: {', '.join(PRECISION_CHOICES)}")
-    if num_threads is not None:
-        _check_at_least("num_threads", num_threads, 1)
-    if not os.path.exists(name) and name in PRESET_NAMES:
-        if backend not in ("auto", "torch"):
-            raise ConfigError(f"preset {name} runs on torch; export a trained checkpoint for --backend {backend!r}")
-        return Model(_preset_encoder(name, num_threads))
-    if not os.path.exists(name):
-        raise MissingFileError(
-            f"--model {name}: no such model folder, and not a preset (one of: {', '.join(sorted(PRESET_NAMES))})"
-        )
-    return Model(open_encoder(name, backend, precision, num_threads=num_threads, allow_spinning=allow_spinning))
-
-
-def _preset_encoder(preset: str, num_threads: int | None) -> TorchEncoder:
-    from vlfit.arguments import ModelArguments
-    from vlfit.data.synthetic.scenes import scene_and_choices
-    from vlfit.inference.loading import DEFAULT_MAX_SEQ_LENGTH, loaded_bundle
-    from vlfit.models.loading import load_model_bundle
-
-    rng = np.random.default_rng(0)
-    captions = [caption for _ in range(64) for caption in scene_and_choices(rng)[1]]
-    bundle = load_model_bundle(
-        ModelArguments(model_preset=preset), captions=lambda: captions, max_seq_length=DEFAULT_MAX_SEQ_LENGTH
+    return Model(
+        load_encoder(name, backend, precision=precision, num_threads=num_threads, allow_spinning=allow_spinning)
     )
-    loaded = loaded_bundle(f"preset:{preset}", bundle, f"preset:{preset}")
-    return TorchEncoder(loaded.path, num_threads=num_threads, loaded=loaded)
 
 
 # ---------------------------------------------------------------------------------------------- train and evaluate

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from vlfit.data.hard_negatives import label_to_index
-from vlfit.evaluation.metrics import matching_accuracy, pooled_recall_at_k, recall_at_k
+from vlfit.inference.recall import matching_accuracy, pooled_recall_at_k, recall_at_k
 
 
 def test_identity_similarity_is_perfect_recall():

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from vlfit.evaluation.metrics import embedding_recall_at_k, pooled_recall_at_k, recall_at_k
-from vlfit.evaluation.topk import best_owned_ranks, chunked_topk, target_ranks
+from vlfit.inference.recall import embedding_recall_at_k, pooled_recall_at_k, recall_at_k
+from vlfit.inference.topk import best_owned_ranks, chunked_topk, target_ranks
 
 
 def _normalized(n: int, d: int, seed: int) -> torch.Tensor:

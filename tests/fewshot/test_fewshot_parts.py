@@ -10,6 +10,7 @@ from tests.inference.tiny_models import save_tiny_checkpoint
 from vlfit.data.records import Record
 from vlfit.data.synthetic import LABEL_CLASSES, REGIONS, SyntheticConfig, make_dataset
 from vlfit.data.synthetic.scenes import parse_caption
+from vlfit.evaluation.labelled_split import LabelledSplit, labelled_splits
 from vlfit.fewshot.experiment import FewShotSettings, run_fewshot
 from vlfit.fewshot.heads import (
     DEFAULT_C,
@@ -19,7 +20,6 @@ from vlfit.fewshot.heads import (
     logistic_candidates,
     sklearn_logistic_head,
 )
-from vlfit.fewshot.labelled_split import LabelledSplit, labelled_splits
 from vlfit.fewshot.setfit import SetFitSettings, WeightSnapshot, image_parameters, pair_loss, tune_image_tower
 from vlfit.fewshot.shots import ShotSampler
 from vlfit.inference.collection import RecordListSource

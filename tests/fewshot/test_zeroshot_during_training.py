@@ -9,8 +9,8 @@ import shutil
 import pytest
 
 from vlfit.cli import main
+from vlfit.evaluation.labelled_split import labelled_splits
 from vlfit.fewshot.experiment import FewShotSettings, run_fewshot
-from vlfit.fewshot.labelled_split import labelled_splits
 from vlfit.inference.loading import load_checkpoint
 
 

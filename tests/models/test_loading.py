@@ -7,7 +7,7 @@ import torch
 from tests.checkpoints import save_bundle
 from vlfit.arguments import ModelArguments
 from vlfit.models.bridgetower import BridgeTowerFamily
-from vlfit.models.loading import load_model_bundle, resolve_model
+from vlfit.models.loading import build_model, load_model_bundle, resolve_model
 
 CAPTIONS = ["two red circles on the left", "one blue square at the top", "three green crosses"] * 10
 
@@ -69,3 +69,18 @@ def test_exactly_one_of_checkpoint_or_preset(path, preset):
 def test_unknown_preset_is_named():
     with pytest.raises(ValueError, match="unknown --model_preset 'giant'"):
         resolve_model(ModelArguments(model_preset="giant"), captions=lambda: CAPTIONS)
+
+
+def test_models_take_keyword_arguments_not_the_clis_dataclasses():
+    """vlfit.models sits under the CLI: the flags arrive as keywords (the CLI and training convert at their edge),
+    and the blueprint keeps the hub settings the weights load with."""
+    blueprint = resolve_model(model_preset="clip-tiny", captions=lambda: CAPTIONS, max_seq_length=16)
+    assert blueprint.description == "preset clip-tiny" and blueprint.hub["revision"] == "main"
+    model = build_model(blueprint, attn_implementation="eager", frozen_towers=("vision",))
+    vision = [p.requires_grad for name, p in model.named_parameters() if name.startswith("vision_model.")]
+    assert vision and not any(vision)
+    assert model.config._attn_implementation == "eager"
+    bundle = load_model_bundle(model_preset="clip-tiny", captions=lambda: CAPTIONS, frozen_towers=("text",))
+    assert not any(p.requires_grad for name, p in bundle.model.named_parameters() if name.startswith("text_model."))
+    with pytest.raises(TypeError, match="not both"):
+        resolve_model(ModelArguments(model_preset="tiny"), model_preset="tiny", captions=lambda: CAPTIONS)

@@ -12,9 +12,9 @@ from typing import Any
 from vlfit.arguments import DataLocationArguments
 from vlfit.commands.parsing import CommandParser
 from vlfit.errors import ConfigError
+from vlfit.evaluation.zeroshot import DEFAULT_TEMPLATES, check_templates
 from vlfit.fewshot.experiment import METHODS, FewShotSettings
 from vlfit.fewshot.setfit import SetFitSettings
-from vlfit.fewshot.zeroshot import DEFAULT_TEMPLATES, check_templates
 
 # The data-location flags vlfit train and vlfit eval take, with their help: fewshot reads data as they do.
 DATA_FLAGS = ("dataset_config_name", "dataset_revision", "data_dir", "train_file", "validation_file", "test_file",
@@ -133,9 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     (args,) = parser.parse_args_into_dataclasses(args=argv)
     settings = settings_of(args)
+    from vlfit.evaluation.labelled_split import labelled_splits
     from vlfit.fewshot.classifier import ClassifierInfo, save_classifier
     from vlfit.fewshot.experiment import run_fewshot
-    from vlfit.fewshot.labelled_split import labelled_splits
     from vlfit.fewshot.report import markdown_table, results_document, write_reports
     from vlfit.fewshot.shots import check_shot_counts
     from vlfit.inference.loading import load_checkpoint

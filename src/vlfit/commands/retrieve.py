@@ -16,13 +16,13 @@ from typing import Literal
 from vlfit.arguments import DataLocationArguments
 from vlfit.commands.parsing import CommandParser
 from vlfit.errors import ConfigError, DataError
-from vlfit.evaluation.topk import DEFAULT_CHUNK_ELEMENTS
 from vlfit.extras import require_extra
 from vlfit.inference.ann import DEFAULT_MAX_INDEX_MEMORY, DEFAULT_TARGET_RECALL, check_target_recall
 from vlfit.inference.backends import open_encoder
 from vlfit.inference.collection import COLLECTION_KEYS, ShardCollection, open_image_collection
 from vlfit.inference.index import MANIFEST_NAME, EmbeddingIndex, build_index, refuse_other_model
 from vlfit.inference.query import Query, embed_queries, read_queries, search
+from vlfit.inference.topk import DEFAULT_CHUNK_ELEMENTS
 
 SUBCOMMANDS = ("index", "query")
 # What the summary of vlfit retrieve index tells of the ANN structure (the manifest's "ann" holds all of it).

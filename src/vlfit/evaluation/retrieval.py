@@ -1,7 +1,7 @@
 """Embed a split and score it: text<->image recall@1/5/10 and New Yorker ``matching`` accuracy.
 
 Rows that show the same image (equal ``image_keys``: several captions of one image) are one image: recall is
-scored over the unique images and all captions (``vlfit.evaluation.metrics``).
+scored over the unique images and all captions (``vlfit.inference.recall``).
 
 Three steps, one way: each process embeds the batches it reads (``embed_split``), the processes' parts are merged
 into one split in dataset order with each sample once (``merge_splits``), and the merged split is scored
@@ -24,7 +24,7 @@ from vlfit.data.batch import BadSample, Batch
 from vlfit.data.hard_negatives import label_to_index
 from vlfit.data.image_groups import group_images
 from vlfit.errors import DataError
-from vlfit.evaluation.metrics import matching_accuracy, pooled_recall_at_k
+from vlfit.inference.recall import matching_accuracy, pooled_recall_at_k
 from vlfit.models.family import IMAGE_KEYS, ModelFamily
 from vlfit.models.sharding import unsharded
 

@@ -1,7 +1,8 @@
-"""Zero-shot classification while fine-tuning (``--zeroshot_dataset``): what the model still knows of other data.
+"""Zero-shot classification by prompts: the class embeddings ``vlfit fewshot`` scores zero-shot with, and the
+zero-shot sets classified while fine-tuning (``--zeroshot_dataset``): what the model still knows of other data.
 
-Each class is the normalized mean of its prompts' text embeddings (``vlfit.fewshot.zeroshot.class_embeddings``,
-the head ``vlfit fewshot`` scores zero-shot with); each image of the labelled split is classified by its highest
+Each class is the normalized mean of its prompts' text embeddings, averaged as CLIP does (the mean of the normalized
+embeddings, normalized again; ``class_embeddings``); each image of the labelled split is classified by its highest
 cosine. Reported as ``zeroshot_top1`` / ``zeroshot_top5`` (``zeroshot_{name}_*`` when several sets are given),
 beside the retrieval metrics, as open_clip's ``--imagenet-val`` does.
 
@@ -12,6 +13,7 @@ same figures.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -22,10 +24,55 @@ from torch import nn
 
 from vlfit.data.pipeline import InputPipeline, LoaderSettings
 from vlfit.errors import ConfigError
-from vlfit.fewshot.labelled_split import LabelledSplit, labelled_splits
-from vlfit.fewshot.zeroshot import DEFAULT_TEMPLATES, check_templates, class_embeddings
+from vlfit.evaluation.labelled_split import LabelledSplit, labelled_splits
 from vlfit.models.family import ModelFamily
+from vlfit.models.logit_scale import logit_scale_parameter
 from vlfit.models.sharding import unsharded
+
+DEFAULT_TEMPLATES: tuple[str, ...] = (
+    "a photo of a {}.",
+    "a drawing of a {}.",
+    "a picture of a {}.",
+    "an image of a {}.",
+    "a {}.",
+)
+# The softmax temperature's inverse when the model has no logit scale (CLIP's largest).
+DEFAULT_SCALE = 100.0
+
+
+def check_templates(templates: Sequence[str]) -> None:
+    """Raises ``ValueError`` for a template without exactly one ``{}``."""
+    if not templates:
+        raise ConfigError("--prompt_template: give at least one template, e.g. 'a photo of a {}.'")
+    for template in templates:
+        if template.count("{}") != 1:
+            raise ConfigError(f"--prompt_template {template!r} must hold '{{}}' once: where the class name goes")
+
+
+def class_embeddings(
+    embed_texts: Callable[[list[str]], torch.Tensor], class_names: Sequence[str], templates: Sequence[str]
+) -> torch.Tensor:
+    """``float32 [C, D]``: per class, the normalized mean of its prompts' normalized text embeddings.
+
+    Args:
+        embed_texts: Texts -> their L2-normalized embeddings (an ``Encoder``'s ``embed_texts``, or a model's).
+        class_names: The classes.
+        templates: The prompts, ``{}`` the class name.
+    """
+    check_templates(templates)
+    rows = []
+    for name in class_names:
+        prompts = embed_texts([template.format(name) for template in templates])
+        rows.append(nn.functional.normalize(prompts.float().mean(dim=0), dim=-1))
+    return torch.stack(rows)
+
+
+def model_scale(model: nn.Module) -> float:
+    """The model's logit scale multiplier (``exp`` of its parameter, at most 100), or ``DEFAULT_SCALE``."""
+    parameter = logit_scale_parameter(model)
+    if parameter is None:
+        return DEFAULT_SCALE
+    return min(DEFAULT_SCALE, math.exp(float(parameter.detach().float())))
 
 
 @dataclass(frozen=True)

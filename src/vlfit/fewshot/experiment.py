@@ -16,6 +16,8 @@ import torch
 from tqdm.auto import tqdm
 
 from vlfit.errors import ConfigError
+from vlfit.evaluation.labelled_split import LabelledSplit
+from vlfit.evaluation.zeroshot import DEFAULT_TEMPLATES, class_embeddings, model_scale
 from vlfit.fewshot.heads import (
     DEFAULT_ANCHOR_STRENGTH,
     DEFAULT_C,
@@ -28,10 +30,8 @@ from vlfit.fewshot.heads import (
     zeroshot_head,
 )
 from vlfit.fewshot.images import decode_rows, embed_pixels
-from vlfit.fewshot.labelled_split import LabelledSplit
 from vlfit.fewshot.setfit import SetFitSettings, WeightSnapshot, image_parameters, tune_image_tower
 from vlfit.fewshot.shots import ShotSampler, check_shot_counts
-from vlfit.fewshot.zeroshot import DEFAULT_TEMPLATES, class_embeddings, model_scale
 from vlfit.inference.backends import TorchEncoder
 from vlfit.inference.loading import LoadedCheckpoint
 

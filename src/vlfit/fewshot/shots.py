@@ -16,8 +16,8 @@ import torch
 
 from vlfit.data.batch import BadSample
 from vlfit.errors import DataError
+from vlfit.evaluation.labelled_split import LabelledSplit
 from vlfit.fewshot.images import DecodedRows, decode_rows
-from vlfit.fewshot.labelled_split import LabelledSplit
 from vlfit.models.family import InputSpec
 
 

@@ -288,3 +288,60 @@ def open_encoder(
     if chosen == "onnxruntime":
         return OnnxRuntimeEncoder(exported, precision, num_threads=num_threads, allow_spinning=allow_spinning)
     return OpenVinoEncoder(exported, precision, inference_precision=inference_precision, num_threads=num_threads)
+
+
+def load_encoder(
+    path_or_preset: str,
+    backend: str = "auto",
+    *,
+    precision: str = "auto",
+    num_threads: int | None = None,
+    allow_spinning: bool = True,
+) -> Encoder:
+    """The encoder of a checkpoint folder, an export folder or a preset (what ``vlfit.load`` and ``vlfit serve``
+    embed with).
+
+    Args:
+        path_or_preset: A checkpoint folder (LoRA adapters included), a folder ``vlfit export`` wrote, or a preset
+            name (random weights, with a byte-level tokenizer trained on ``vlfit make-data``'s caption grammar).
+        backend: ``auto``, ``torch``, ``onnxruntime`` or ``openvino`` (see ``open_encoder``).
+        precision: Exported graphs: ``auto`` (INT8 when exported), ``fp32`` or ``int8``.
+        num_threads: Threads of the runtime (``None``: its default).
+        allow_spinning: ONNX Runtime's idle threads spin-wait for the next call.
+
+    Raises:
+        ConfigError: for an unknown backend or precision, fewer than one thread, or a preset on another runtime.
+        MissingFileError: for a path that is neither a folder nor a preset.
+    """
+    from vlfit.models.preset_names import PRESET_NAMES
+
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown --backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
+    if precision not in PRECISION_CHOICES:
+        raise ConfigError(f"unknown --precision {precision!r}; choose one of: {', '.join(PRECISION_CHOICES)}")
+    if num_threads is not None and num_threads < 1:
+        raise ConfigError(f"--num_threads must be at least 1, got {num_threads}")
+    if not os.path.exists(path_or_preset) and path_or_preset in PRESET_NAMES:
+        if backend not in ("auto", "torch"):
+            raise ConfigError(
+                f"preset {path_or_preset} runs on torch; export a trained checkpoint for --backend {backend!r}"
+            )
+        return _preset_encoder(path_or_preset, num_threads)
+    if not os.path.exists(path_or_preset):
+        raise MissingFileError(
+            f"--model {path_or_preset}: no such model folder, and not a preset (one of: "
+            f"{', '.join(sorted(PRESET_NAMES))})"
+        )
+    return open_encoder(path_or_preset, backend, precision, num_threads=num_threads, allow_spinning=allow_spinning)
+
+
+def _preset_encoder(preset: str, num_threads: int | None) -> TorchEncoder:
+    from vlfit.data.synthetic.scenes import scene_and_choices
+    from vlfit.inference.loading import DEFAULT_MAX_SEQ_LENGTH, loaded_bundle
+    from vlfit.models.loading import load_model_bundle
+
+    rng = np.random.default_rng(0)
+    captions = [caption for _ in range(64) for caption in scene_and_choices(rng)[1]]
+    bundle = load_model_bundle(model_preset=preset, captions=lambda: captions, max_seq_length=DEFAULT_MAX_SEQ_LENGTH)
+    loaded = loaded_bundle(f"preset:{preset}", bundle, f"preset:{preset}")
+    return TorchEncoder(loaded.path, num_threads=num_threads, loaded=loaded)

@@ -31,7 +31,6 @@ import torch
 from vlfit.atomic_files import write_text_atomically
 from vlfit.data.image_groups import group_images
 from vlfit.errors import ConfigError
-from vlfit.evaluation.metrics import pooled_recall_at_k
 from vlfit.inference.backends import Encoder, OnnxRuntimeEncoder, OpenVinoEncoder
 from vlfit.inference.collection import Samples
 from vlfit.inference.exported import FORMATS, MANIFEST_NAME, TOWERS, ExportedModel, graph_name
@@ -43,6 +42,7 @@ from vlfit.inference.quantize import (
     quantize_onnx_text,
     quantize_openvino,
 )
+from vlfit.inference.recall import pooled_recall_at_k
 from vlfit.inference.towers import EMBEDDING_OUTPUT, IMAGE_INPUT, TEXT_INPUTS
 
 logger = logging.getLogger(__name__)

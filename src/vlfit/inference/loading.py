@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import torch
 
-from vlfit.arguments import ModelArguments
 from vlfit.errors import MissingFileError
 from vlfit.inference.exported import TOKENIZER_FILES
 from vlfit.inference.identity import ModelIdentity, RefusedModelError, checkpoint_fingerprint
@@ -61,7 +60,7 @@ def load_checkpoint(
             f"{path}: the checkpoint has no tokenizer ({' or '.join(TOKENIZER_FILES)}); save one beside the weights "
             "(vlfit train does)"
         )
-    bundle = load_model_bundle(ModelArguments(model_name_or_path=path), max_seq_length=max_seq_length)
+    bundle = load_model_bundle(model_name_or_path=path, max_seq_length=max_seq_length)
     return loaded_bundle(path, bundle, checkpoint_fingerprint(path))
 
 

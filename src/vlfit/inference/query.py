@@ -19,10 +19,10 @@ import torch
 
 from vlfit.data.records import Record
 from vlfit.errors import ConfigError, MissingFileError
-from vlfit.evaluation.topk import DEFAULT_CHUNK_ELEMENTS, chunked_topk
 from vlfit.inference.backends import Encoder
 from vlfit.inference.collection import RecordListSource, host_batches
 from vlfit.inference.index import EmbeddingIndex
+from vlfit.inference.topk import DEFAULT_CHUNK_ELEMENTS, chunked_topk
 
 if TYPE_CHECKING:
     from vlfit.inference.ann import AnnIndex

@@ -5,15 +5,18 @@ CLIP_benchmark use. Text->image recall@k ranks each caption's image among the un
 recall@k counts an image as found when any of its captions is within the top k of all captions. With one caption
 per image both are the familiar diagonal ranks.
 
-On embeddings, the similarity is walked in chunks (``vlfit.evaluation.topk``): a whole split is scored without
+On embeddings, the similarity is walked in chunks (``vlfit.inference.topk``): a whole split is scored without
 building its texts x images matrix.
+
+They sit in the inference layer, below evaluation, because both use them: ``vlfit eval`` scores a split, and
+``vlfit export`` checks an exported graph's recall against the torch model's.
 """
 
 from __future__ import annotations
 
 import torch
 
-from vlfit.evaluation.topk import DEFAULT_CHUNK_ELEMENTS, best_owned_ranks, target_ranks
+from vlfit.inference.topk import DEFAULT_CHUNK_ELEMENTS, best_owned_ranks, target_ranks
 
 RECALL_KS = (1, 5, 10)
 

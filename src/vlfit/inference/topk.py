@@ -4,6 +4,8 @@ Retrieval scores queries ``[Q, D]`` against candidates ``[N, D]`` by dot product
 L2-normalized, so that is the cosine). The full ``Q x N`` matrix of a million-image index, or the ``N x N`` matrix
 of a whole evaluation split, does not fit in memory; these functions walk it in blocks of at most
 ``chunk_elements`` scores and keep only what they return (k scores per query, or one rank per query).
+
+The exact search of an index (``retrieve query``, ``serve``) and evaluation's recall both run on them.
 """
 
 from __future__ import annotations

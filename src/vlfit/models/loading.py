@@ -3,6 +3,10 @@
 Two steps, so that what needs no weights never builds them: ``resolve_model`` finds the family, the config, the
 tokenizer (trained on the captions for a preset) and the image processor, which is all the input pipeline needs
 (``InputSpec``); ``load_model_bundle`` adds the model itself.
+
+Everything is passed as keyword arguments named as the CLI's flags (``model_name_or_path=``, ``model_preset=``,
+``attn_implementation=`` ...): the models layer knows nothing of the CLI's argument dataclasses, which sit above it.
+An object holding those names as attributes may still be passed first instead; it is read by name.
 """
 
 from __future__ import annotations
@@ -10,9 +14,9 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
@@ -23,10 +27,41 @@ from vlfit.models.lora import adapter_base, is_adapter_folder, load_merged
 from vlfit.models.registry import family_for_config, family_for_preset
 from vlfit.models.tokenizer import train_caption_tokenizer
 
-if TYPE_CHECKING:
-    from vlfit.arguments import ModelArguments
-
 logger = logging.getLogger(__name__)
+
+# The keywords of ``resolve_model`` (what model, and the hub settings) and of ``build_model``, with their defaults.
+SOURCE_KEYWORDS: dict[str, Any] = {
+    "model_name_or_path": None,
+    "model_preset": None,
+    "config_name": None,
+    "tokenizer_name": None,
+    "image_processor_name": None,
+    "cache_dir": None,
+    "model_revision": "main",
+    "token": None,
+    "trust_remote_code": False,
+}
+BUILD_KEYWORDS: dict[str, Any] = {"attn_implementation": "sdpa", "frozen_towers": (), "freeze_text_pooler": True}
+_HUB_KEYWORDS = ("cache_dir", "model_revision", "token", "trust_remote_code")
+
+
+def _keywords(options: object | None, defaults: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """``given``, or with ``options`` the same names read from its attributes (a method is called: the CLI's
+    ``frozen_towers()``); an attribute it lacks keeps its default.
+
+    Raises:
+        TypeError: for ``options`` together with a keyword set away from its default.
+    """
+    if options is None:
+        return given
+    both = sorted(name for name, value in given.items() if value != defaults[name])
+    if both:
+        raise TypeError(f"pass the model options as an object or as keywords, not both (got {', '.join(both)})")
+    values = {}
+    for name, default in defaults.items():
+        value = getattr(options, name, default)
+        values[name] = value() if callable(value) else value
+    return values
 
 
 @dataclass
@@ -41,6 +76,8 @@ class ModelBlueprint:
         checkpoint: The folder or hub id to load weights from; None for a preset (random init).
         preset: The preset's name, or None for a checkpoint.
         adapters: A folder of LoRA adapters merged into the checkpoint's weights when the model is built.
+        hub: The hub settings the checkpoint's weights are loaded with (``cache_dir``, ``revision``, ``token``,
+            ``trust_remote_code``).
     """
 
     family: ModelFamily
@@ -50,6 +87,7 @@ class ModelBlueprint:
     checkpoint: str | None = None
     preset: str | None = None
     adapters: str | None = None
+    hub: dict[str, Any] = field(default_factory=dict)
 
     @property
     def description(self) -> str:
@@ -154,9 +192,11 @@ def check_local_path(name: str, flag: str) -> None:
         )
 
 
-def _hub_kwargs(args: ModelArguments) -> dict[str, Any]:
-    kwargs = {"cache_dir": args.cache_dir, "revision": args.model_revision, "token": args.token}
-    if getattr(args, "trust_remote_code", False):
+def _hub_kwargs(
+    cache_dir: str | None, model_revision: str, token: str | None, trust_remote_code: bool
+) -> dict[str, Any]:
+    kwargs = {"cache_dir": cache_dir, "revision": model_revision, "token": token}
+    if trust_remote_code:
         kwargs["trust_remote_code"] = True
     return kwargs
 
@@ -173,17 +213,34 @@ def _load_processor(auto_class: Any, what: str, flag: str, name_or_path: str, hu
 
 
 def resolve_model(
-    args: ModelArguments,
+    options: object | None = None,
+    /,
     *,
+    model_name_or_path: str | None = None,
+    model_preset: str | None = None,
+    config_name: str | None = None,
+    tokenizer_name: str | None = None,
+    image_processor_name: str | None = None,
+    cache_dir: str | None = None,
+    model_revision: str = "main",
+    token: str | None = None,
+    trust_remote_code: bool = False,
     captions: Callable[[], Iterable[str | None]] | None = None,
     max_seq_length: int = 128,
 ) -> ModelBlueprint:
     """The family, config, tokenizer and image processor of ``--model_name_or_path`` or ``--model_preset``.
 
     Args:
-        args: ``--model_name_or_path`` or ``--model_preset`` (exactly one), ``--config_name``,
-            ``--tokenizer_name``, ``--image_processor_name``, ``--trust_remote_code`` and the hub settings
-            (``--use_fast_tokenizer`` changes nothing: transformers 5 always loads the fast tokenizer).
+        options: Instead of the keywords below, an object holding them as attributes (read by name).
+        model_name_or_path: A checkpoint folder, LoRA adapters or a hub id; exactly one of it and ``model_preset``.
+        model_preset: A preset's name (random weights).
+        config_name: A config to use instead of the checkpoint's or the preset's.
+        tokenizer_name: A tokenizer to use instead of the checkpoint's (a preset's is trained on ``captions``).
+        image_processor_name: An image processor to use instead of the checkpoint's or the preset's.
+        cache_dir: The hub settings (``--cache_dir``, ``--model_revision``, ``--token``, ``--trust_remote_code``);
+        model_revision: also used by ``build_model`` to load the weights.
+        token: See ``cache_dir``.
+        trust_remote_code: See ``cache_dir``.
         captions: Returns the training captions; a preset without ``--tokenizer_name`` trains its tokenizer on them.
         max_seq_length: Longest tokenized caption.
 
@@ -192,16 +249,23 @@ def resolve_model(
             larger than the model's vocabulary, or an image size that is not a multiple of the patch size.
         MissingFileError: for a local path (not a hub id) that does not exist (``check_local_path``).
     """
-    checkpoint, preset = args.model_name_or_path, args.model_preset
+    given = dict(
+        model_name_or_path=model_name_or_path, model_preset=model_preset, config_name=config_name,
+        tokenizer_name=tokenizer_name, image_processor_name=image_processor_name, cache_dir=cache_dir,
+        model_revision=model_revision, token=token, trust_remote_code=trust_remote_code,
+    )  # fmt: skip
+    keywords = _keywords(options, SOURCE_KEYWORDS, given)
+    checkpoint, preset = keywords["model_name_or_path"], keywords["model_preset"]
+    config_name, tokenizer_name = keywords["config_name"], keywords["tokenizer_name"]
+    image_processor_name = keywords["image_processor_name"]
     if (checkpoint is None) == (preset is None):
         raise ConfigError(
             "pass exactly one of --model_name_or_path (a checkpoint folder or hub id) or --model_preset "
             f"(random init); got model_name_or_path={checkpoint!r}, model_preset={preset!r}"
         )
-    hub = _hub_kwargs(args)
-    config_name = getattr(args, "config_name", None)
-    named = {"--model_name_or_path": checkpoint, "--config_name": config_name, "--tokenizer_name": args.tokenizer_name,
-             "--image_processor_name": args.image_processor_name}  # fmt: skip
+    hub = _hub_kwargs(*(keywords[name] for name in _HUB_KEYWORDS))
+    named = {"--model_name_or_path": checkpoint, "--config_name": config_name, "--tokenizer_name": tokenizer_name,
+             "--image_processor_name": image_processor_name}  # fmt: skip
     for flag, name in named.items():
         if name is not None:
             check_local_path(name, flag)
@@ -219,20 +283,20 @@ def resolve_model(
             ) from error
         family = family_for_config(config)
         tokenizer = _load_processor(
-            AutoTokenizer, "tokenizer", "--tokenizer_name", args.tokenizer_name or adapters or checkpoint, hub
+            AutoTokenizer, "tokenizer", "--tokenizer_name", tokenizer_name or adapters or checkpoint, hub
         )
         image_processor = _load_processor(
             AutoImageProcessor,
             "image processor",
             "--image_processor_name",
-            args.image_processor_name or adapters or checkpoint,
+            image_processor_name or adapters or checkpoint,
             hub,
         )
     else:
         family = family_for_preset(preset)  # type: ignore[arg-type]
         config = AutoConfig.from_pretrained(config_name, **hub) if config_name else family.preset_config(preset)
-        if args.tokenizer_name is not None:
-            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name, **hub)
+        if tokenizer_name is not None:
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_name, **hub)
         else:
             if captions is None:
                 raise ConfigError(f"preset {preset!r} needs training captions or --tokenizer_name")
@@ -244,8 +308,8 @@ def resolve_model(
                 special_tokens=family.preset_special_tokens,
             )
         image_processor = (
-            AutoImageProcessor.from_pretrained(args.image_processor_name, **hub)
-            if args.image_processor_name
+            AutoImageProcessor.from_pretrained(image_processor_name, **hub)
+            if image_processor_name
             else family.preset_image_processor(preset)
         )
     tokenizer = with_attention_mask(tokenizer)
@@ -272,44 +336,85 @@ def resolve_model(
         max_seq_length=max_seq_length,
     )
     return ModelBlueprint(
-        family, config, inputs, image_processor, checkpoint=checkpoint, preset=preset, adapters=adapters
+        family, config, inputs, image_processor, checkpoint=checkpoint, preset=preset, adapters=adapters, hub=hub
     )
 
 
-def build_model(blueprint: ModelBlueprint, args: ModelArguments) -> nn.Module:
-    """The blueprint's model: the checkpoint's weights, or random ones for a preset; with the attention kernel and
-    frozen towers the flags say."""
+def build_model(
+    blueprint: ModelBlueprint,
+    options: object | None = None,
+    /,
+    *,
+    attn_implementation: str = "sdpa",
+    frozen_towers: Sequence[str] = (),
+    freeze_text_pooler: bool = True,
+) -> nn.Module:
+    """The blueprint's model: the checkpoint's weights (loaded with the blueprint's hub settings), or random ones for
+    a preset; with the attention kernel and frozen towers given.
+
+    Args:
+        blueprint: What ``resolve_model`` found.
+        options: Instead of the keywords below, an object holding them as attributes (read by name; its hub
+            settings, when it has them, load the weights).
+        attn_implementation: ``sdpa`` or ``eager``.
+        frozen_towers: The towers not trained: ``vision``, ``text``, ``cross``.
+        freeze_text_pooler: Do not train the text pooler.
+    """
+    given = dict(
+        attn_implementation=attn_implementation, frozen_towers=frozen_towers, freeze_text_pooler=freeze_text_pooler
+    )
+    keywords = _keywords(options, BUILD_KEYWORDS, given)
+    hub = blueprint.hub
+    if options is not None and hasattr(options, "cache_dir"):
+        hub = _hub_kwargs(*(_keywords(options, SOURCE_KEYWORDS, {})[name] for name in _HUB_KEYWORDS))
     family = blueprint.family
     # The model gets its own copy of the config: setting its attention kernel (and whatever else a model writes
     # into its config) must not change the blueprint, from which the bench's worker probe and then training each
     # build a model (transformers refuses to build BridgeTower from a config that says sdpa).
     config = copy.deepcopy(blueprint.config)
     if blueprint.checkpoint is not None:
-        model = family.from_pretrained(blueprint.checkpoint, config=config, **_hub_kwargs(args))
+        model = family.from_pretrained(blueprint.checkpoint, config=config, **hub)
         if blueprint.adapters is not None:
             model = load_merged(model, blueprint.adapters)
     else:
         model = family.build(config)
         if blueprint.preset is not None:
             family.initialize_preset(model, blueprint.preset)
-    family.set_attention_implementation(model, getattr(args, "attn_implementation", "sdpa"))
-    frozen = args.frozen_towers() if hasattr(args, "frozen_towers") else ()
+    family.set_attention_implementation(model, keywords["attn_implementation"])
+    frozen = tuple(keywords["frozen_towers"])
     family.freeze(
         model,
         vision="vision" in frozen,
         text="text" in frozen,
         cross="cross" in frozen,
-        text_pooler=getattr(args, "freeze_text_pooler", True),
+        text_pooler=keywords["freeze_text_pooler"],
     )
     return model
 
 
 def load_model_bundle(
-    args: ModelArguments,
+    options: object | None = None,
+    /,
     *,
     captions: Callable[[], Iterable[str | None]] | None = None,
     max_seq_length: int = 128,
+    **keywords: Any,
 ) -> ModelBundle:
-    """``resolve_model`` then ``build_model``: a model with its family, tokenizer and image processor."""
-    blueprint = resolve_model(args, captions=captions, max_seq_length=max_seq_length)
-    return ModelBundle(build_model(blueprint, args), blueprint)
+    """``resolve_model`` then ``build_model``: a model with its family, tokenizer and image processor.
+
+    Args:
+        options: Instead of keywords, an object holding them as attributes (read by name).
+        captions: Returns the training captions (see ``resolve_model``).
+        max_seq_length: Longest tokenized caption.
+        **keywords: ``resolve_model``'s and ``build_model``'s.
+
+    Raises:
+        TypeError: for a keyword neither function takes.
+    """
+    unknown = sorted(set(keywords) - set(SOURCE_KEYWORDS) - set(BUILD_KEYWORDS))
+    if unknown:
+        raise TypeError(f"load_model_bundle() got unexpected keyword arguments: {', '.join(unknown)}")
+    source = {name: value for name, value in keywords.items() if name in SOURCE_KEYWORDS}
+    build = {name: value for name, value in keywords.items() if name in BUILD_KEYWORDS}
+    blueprint = resolve_model(options, captions=captions, max_seq_length=max_seq_length, **source)
+    return ModelBundle(build_model(blueprint, options, **build), blueprint)

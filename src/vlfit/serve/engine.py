@@ -25,10 +25,12 @@ from dataclasses import dataclass
 import torch
 from PIL import Image, ImageOps
 
+from vlfit.data.image_transforms import FastImageTransform, stack_images
 from vlfit.errors import ConfigError, DataError, MissingFileError
-from vlfit.evaluation.topk import chunked_topk
+from vlfit.inference.backends import load_encoder
 from vlfit.inference.collection import COLLECTION_KEYS, open_image_collection
 from vlfit.inference.index import MANIFEST_NAME, EmbeddingIndex, refuse_other_model
+from vlfit.inference.topk import chunked_topk
 
 logger = logging.getLogger(__name__)
 
@@ -225,8 +227,6 @@ class SearchEngine:
         num_threads: int | None = None,
         search_threads: int = 1,
     ) -> None:
-        from vlfit.api import load
-
         _set_search_threads(search_threads)
         self.folder = index
         self.snapshot = Snapshot(index)
@@ -234,10 +234,11 @@ class SearchEngine:
         if backend == "auto" and model is None:
             backend = built["backend"]
         # Spinning runtime threads would take the cores the event loop parses and answers requests on.
-        self.model = load(
+        self.encoder = load_encoder(
             model or built["path"], backend, precision=precision, num_threads=num_threads, allow_spinning=False
         )
-        refuse_other_model(self.snapshot.index, self.model.encoder)
+        self._image_transform = FastImageTransform(self.encoder.spec.image_size)
+        refuse_other_model(self.snapshot.index, self.encoder)
         self.generation = 1
         self._reload_lock = threading.Lock()
 
@@ -245,7 +246,7 @@ class SearchEngine:
     def description(self) -> dict[str, object]:
         snapshot = self.snapshot
         return {"index": os.path.abspath(self.folder), "items": len(snapshot), "search": snapshot.search_kind,
-                "model": self.model.encoder.description, "generation": self.generation}  # fmt: skip
+                "model": self.encoder.description, "generation": self.generation}  # fmt: skip
 
     def reload_if_changed(self) -> bool:
         """Serve the index's current manifest if it changed since the snapshot was read; True when it did.
@@ -257,7 +258,7 @@ class SearchEngine:
                 return False
             try:
                 fresh = Snapshot(self.folder)
-                refuse_other_model(fresh.index, self.model.encoder)
+                refuse_other_model(fresh.index, self.encoder)
             except Exception as err:  # noqa: BLE001 - whatever broke the new manifest, the old snapshot serves on
                 logger.warning("index %s changed but cannot be served (%s); serving the previous one", self.folder, err)
                 return False
@@ -267,7 +268,12 @@ class SearchEngine:
             return True
 
     def embed_texts(self, texts: Sequence[str]) -> torch.Tensor:
-        return torch.from_numpy(self.model.encode_texts(list(texts)))
+        """L2-normalized float32 embeddings ``[N, D]`` of captions (256 at a time, as ``vlfit.Model`` embeds)."""
+        texts = list(texts)
+        rows = [self.encoder.embed_texts(texts[s : s + 256]) for s in range(0, len(texts), 256)]
+        if not rows:
+            return torch.zeros((0, self.encoder.identity.embedding_size), dtype=torch.float32)
+        return torch.cat(rows).float().contiguous()
 
     def embed_image(self, image: bytes) -> torch.Tensor:
         """The embedding ``[1, D]`` of encoded image bytes.
@@ -275,7 +281,8 @@ class SearchEngine:
         Raises:
             DataError: naming why the bytes are not an image the pipeline can decode.
         """
-        return torch.from_numpy(self.model.encode_images([image]))
+        pixels = self._image_transform(bytes(image), sample_id="images[0]")  # DataError names why
+        return self.encoder.embed_pixels(stack_images([pixels])).float().contiguous()
 
     def search(self, queries: torch.Tensor, k: int) -> list[list[Result]]:
         """The served snapshot's results (``k`` is checked by the caller, ``check_k``, before any batching)."""

@@ -32,12 +32,12 @@ from vlfit.data.stream.from_arguments import (
 from vlfit.efficiency.flops import ComputeEfficiency
 from vlfit.efficiency.peaks import matmul_precision, peak_flops
 from vlfit.errors import ConfigError, DataError
-from vlfit.evaluation.zeroshot import ZeroShotSet, open_zeroshot_sets
-from vlfit.fewshot.zeroshot import DEFAULT_TEMPLATES
+from vlfit.evaluation.zeroshot import DEFAULT_TEMPLATES, ZeroShotSet, open_zeroshot_sets
 from vlfit.model_card import WiseFtMix, write_model_card
 from vlfit.models.family import ModelFamily
 from vlfit.models.interpolation import interpolate
 from vlfit.models.loading import (
+    SOURCE_KEYWORDS,
     ModelBlueprint,
     build_model,
     resolve_model,
@@ -97,6 +97,20 @@ class RunSetup:
     pipeline: InputPipeline
     zeroshot_sets: list[ZeroShotSet] = field(default_factory=list)
     train_stream: ShardStream | None = None
+
+
+def model_source_keywords(model_args: ModelArguments) -> dict[str, Any]:
+    """The model flags as ``vlfit.models.loading.resolve_model`` takes them: keywords, at the CLI's edge."""
+    return {name: getattr(model_args, name) for name in SOURCE_KEYWORDS}
+
+
+def model_build_keywords(model_args: ModelArguments) -> dict[str, Any]:
+    """The flags ``vlfit.models.loading.build_model`` takes: attention kernel and frozen towers."""
+    return {
+        "attn_implementation": model_args.attn_implementation,
+        "frozen_towers": model_args.frozen_towers(),
+        "freeze_text_pooler": model_args.freeze_text_pooler,
+    }
 
 
 def setup_run(model_args: ModelArguments, data_args: DataArguments, training_args: VlfitTrainingArguments) -> RunSetup:
@@ -166,7 +180,9 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
     if train_stream is not None:
         stream = train_stream
         captions = lambda: first_captions(stream)  # noqa: E731
-    blueprint = resolve_model(model_args, captions=captions, max_seq_length=data_args.max_seq_length)
+    blueprint = resolve_model(
+        **model_source_keywords(model_args), captions=captions, max_seq_length=data_args.max_seq_length
+    )
     pipeline = InputPipeline(blueprint.inputs, PipelineOptions.from_arguments(data_args), training_args.device)
     zeroshot = open_zeroshot(data_args, training_args)
     return RunSetup(train_source, eval_source, blueprint, pipeline, zeroshot, train_stream=train_stream)
@@ -338,7 +354,7 @@ def run(
     else:
         train_dataset = pipeline.dataset(train_source, train=True) if train_source is not None else None
     set_seed(training_args.seed)  # the same initial weights whatever ran since setup (e.g. a worker probe)
-    model = build_model(setup.blueprint, model_args)
+    model = build_model(setup.blueprint, **model_build_keywords(model_args))
     if state_dict is not None:
         model.load_state_dict(state_dict)
     if training_args.do_train and model_args.logit_scale_init_value is not None:
