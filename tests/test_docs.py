@@ -84,8 +84,11 @@ def test_the_readme_is_a_front_page():
 
 @pytest.mark.parametrize(
     "page,number,code",
-    [example for example in _python_examples() if example[:2] not in RUN_ELSEWHERE],
-    ids=lambda value: value if isinstance(value, str) and "\n" not in value else "",
+    [
+        pytest.param(*example, id=f"{example[0]}:{example[1]}")
+        for example in _python_examples()
+        if example[:2] not in RUN_ELSEWHERE
+    ],
 )
 def test_python_examples_run(page, number, code, synthetic_dataset_dir, tmp_path, monkeypatch):
     (tmp_path / "data").symlink_to(synthetic_dataset_dir)  # the examples' dataset_name="data"
