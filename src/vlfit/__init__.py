@@ -4,6 +4,7 @@ The API (``vlfit.api``): ``load`` a model and ``Model.encode_images`` / ``encode
 ``train`` and ``evaluate`` with the CLI's flags as keyword arguments (a ``RunResult``); ``Index`` to build, open,
 append and search an embedding index; ``UserError`` (and its kinds in ``vlfit.errors``) for every mistake of the
 caller, each naming the keyword argument (``ArgumentError`` for an unknown keyword or a value of the wrong type).
+``list_presets`` and ``add_preset`` (``vlfit.models.presets``): the presets, one JSON file each.
 Importing ``vlfit`` is cheap: the API loads on first use.
 """
 
@@ -35,15 +36,19 @@ __all__ = [
     "SearchHit",
     "UserError",
     "__version__",
+    "add_preset",
     "evaluate",
+    "list_presets",
     "load",
     "train",
 ]
 
 _API = {"Index", "Model", "RunResult", "SearchHit", "evaluate", "load", "train"}
+_PRESETS = {"add_preset", "list_presets"}
 
 if TYPE_CHECKING:
     from vlfit.api import Index, Model, RunResult, SearchHit, evaluate, load, train
+    from vlfit.models.presets import add_preset, list_presets
 
 
 def __getattr__(name: str) -> Any:
@@ -51,6 +56,10 @@ def __getattr__(name: str) -> Any:
         from vlfit import api
 
         return getattr(api, name)
+    if name in _PRESETS:
+        from vlfit.models import presets
+
+        return getattr(presets, name)
     raise AttributeError(f"module 'vlfit' has no attribute {name!r}")
 
 

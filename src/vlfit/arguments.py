@@ -18,7 +18,7 @@ from vlfit.data.file_patterns import is_stream_spec
 from vlfit.data.source_base import DEFAULT_COLUMNS
 from vlfit.errors import ConfigError
 from vlfit.extras import require_extra
-from vlfit.models.preset_names import PRESET_NAMES
+from vlfit.models.presets import list_presets
 
 if TYPE_CHECKING:
     from vlfit.data.stream.shards import ShardReader
@@ -50,7 +50,8 @@ class ModelArguments:
     model_preset: str | None = field(
         default=None,
         metadata={
-            "help": f"Build a model with random weights instead: one of {', '.join(PRESET_NAMES)}. "
+            "help": f"Build a model with random weights instead: one of {', '.join(list_presets())}, or the path "
+            "of a preset .json file (written as the shipped ones in vlfit/models/presets/ are). "
             "A byte-level BPE tokenizer is trained on the training captions unless --tokenizer_name is given."
         },
     )

@@ -5,7 +5,8 @@ import pytest
 import torch
 from transformers import BridgeTowerConfig, BridgeTowerForContrastiveLearning
 
-from vlfit.models.bridgetower import PRESETS, BridgeTowerFamily, encode_image, encode_text, preset_config
+from vlfit.models.bridgetower import BridgeTowerFamily, encode_image, encode_text, preset_config
+from vlfit.models.presets import get_preset, list_presets
 from vlfit.models.registry import family_for_config, family_for_preset
 
 
@@ -37,12 +38,13 @@ def test_base_is_vit_b16_at_288_with_roberta_base_text():
     assert 320e6 < count_parameters_on_meta("base") < 335e6
 
 
-@pytest.mark.parametrize("name", list(PRESETS))
+@pytest.mark.parametrize("name", [name for name in list_presets() if get_preset(name).family == "bridgetower"])
 def test_every_preset_bridges_no_more_layers_than_its_encoders_have(name):
-    preset = PRESETS[name]
-    assert preset.cross_layers <= min(preset.text_layers, preset.vision_layers)
-    assert preset.text_hidden % preset.text_heads == 0
-    assert preset.vision_hidden % 64 == 0  # BridgeTower's vision tower uses hidden // 64 heads
+    config = preset_config(name)
+    text, vision = config.text_config, config.vision_config
+    assert config.num_hidden_layers <= min(text.num_hidden_layers, vision.num_hidden_layers)
+    assert text.hidden_size % text.num_attention_heads == 0
+    assert vision.hidden_size % 64 == 0  # BridgeTower's vision tower uses hidden // 64 heads
 
 
 def test_presets_grow_in_size():

@@ -14,9 +14,9 @@ from torch.nn.parallel import DistributedDataParallel
 from tests.checkpoints import CAPTIONS
 from vlfit.arguments import ModelArguments
 from vlfit.models import clip, siglip
-from vlfit.models.family import HARD_NEGATIVE_ATTENTION_MASK, HARD_NEGATIVE_INPUT_IDS, IMAGE_KEYS
+from vlfit.models.family import HARD_NEGATIVE_ATTENTION_MASK, HARD_NEGATIVE_INPUT_IDS, IMAGE_KEYS, OPENAI_CLIP_MEAN
 from vlfit.models.loading import load_model_bundle, resolve_model
-from vlfit.models.registry import family_for_config, family_for_preset
+from vlfit.models.registry import family_for_config, family_for_preset, preset_config
 
 FAMILIES = {"clip-tiny": clip.CLIPFamily(), "siglip-tiny": siglip.SiglipFamily()}
 SPLIT = (0, 4, 6)  # rows [0, 4) on rank 0, [4, 6) on rank 1: uneven on purpose
@@ -199,10 +199,10 @@ def test_embeddings_are_the_forwards_and_never_depend_on_the_batchs_padding(pres
 
 def test_base_presets_have_the_published_checkpoints_shapes():
     with torch.device("meta"):
-        clip_base = clip.CLIPFamily().build(clip.preset_config("clip-base"))
+        clip_base = clip.CLIPFamily().build(preset_config("clip-base"))
     # openai/clip-vit-base-patch32: 151,277,313 parameters.
     assert sum(p.numel() for p in clip_base.parameters()) == 151_277_313
-    config = siglip.preset_config("siglip-base")
+    config = preset_config("siglip-base")
     text, vision = config.text_config, config.vision_config
     assert (text.hidden_size, text.num_hidden_layers, text.vocab_size) == (768, 12, 32000)
     assert text.max_position_embeddings == 64
@@ -218,7 +218,7 @@ def test_a_saved_preset_loads_back_as_its_family_with_its_own_image_statistics(p
     bundle.image_processor.save_pretrained(tmp_path)
     loaded = load_model_bundle(ModelArguments(model_name_or_path=str(tmp_path)))
     assert family_for_config(loaded.model.config).name == bundle.family.name
-    expected_mean = siglip.SIGLIP_MEAN if preset.startswith("siglip") else clip.OPENAI_CLIP_MEAN
+    expected_mean = (0.5, 0.5, 0.5) if preset.startswith("siglip") else OPENAI_CLIP_MEAN
     assert loaded.inputs.image_mean == pytest.approx(expected_mean) and loaded.inputs.image_size == 64
     # run_clip.py's default --max_seq_length (128) is cut to the text tower's positions.
     assert loaded.inputs.max_seq_length == (64 if preset.startswith("siglip") else 77)
@@ -229,7 +229,7 @@ def test_a_saved_preset_loads_back_as_its_family_with_its_own_image_statistics(p
 
 
 def test_an_image_size_that_is_no_multiple_of_the_patch_size_is_refused(tmp_path):
-    config = clip.preset_config("clip-tiny")
+    config = preset_config("clip-tiny")
     config.vision_config.image_size = 70
     config.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="image size 70 is not a multiple of the patch size 16"):

@@ -1,4 +1,4 @@
-"""BridgeTower: presets with the real checkpoints' shapes, unimodal embeddings, and its contrastive loss.
+"""BridgeTower: its presets, unimodal embeddings, and its contrastive loss.
 
 ``BridgeTowerForContrastiveLearning`` takes its text and image contrastive embeddings from the *last layers of the
 unimodal encoders*; only the third (cross) embedding needs the fused tower. Retrieval over N images and N captions
@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 from accelerate.utils import extract_model_from_parallel
 from torch import nn
-from transformers import BridgeTowerConfig, BridgeTowerForContrastiveLearning, BridgeTowerImageProcessor
+from transformers import BridgeTowerConfig, BridgeTowerForContrastiveLearning
 from transformers.masking_utils import create_bidirectional_mask
 from transformers.models.bridgetower.modeling_bridgetower import (
     BridgeTowerContrastiveOutput,
@@ -30,8 +30,6 @@ from vlfit.models import activation_checkpointing
 from vlfit.models.family import (
     HARD_NEGATIVE_INPUT_IDS,
     IMAGE_KEYS,
-    OPENAI_CLIP_MEAN,
-    OPENAI_CLIP_STD,
     LossEmbeddings,
     ModelFamily,
 )
@@ -45,109 +43,6 @@ from vlfit.models.losses import (
     image_keys_in,
     info_nce,
 )
-from vlfit.models.position_embeddings import init_vit_position_embedding
-
-
-@dataclass(frozen=True)
-class BridgeTowerPreset:
-    """Sizes of one BridgeTower architecture.
-
-    The unimodal encoders must have at least ``cross_layers`` layers: BridgeTower bridges their top
-    ``cross_layers`` layers into the cross-modal encoder. Vision attention heads are ``vision_hidden // 64``.
-    """
-
-    text_hidden: int
-    text_layers: int
-    text_heads: int
-    text_intermediate: int
-    vocab_size: int
-    max_positions: int
-    vision_hidden: int
-    vision_layers: int
-    patch_size: int
-    image_size: int
-    cross_hidden: int
-    cross_layers: int
-    cross_heads: int
-    contrastive_hidden: int = 512
-    logit_scale_init_value: float = 2.6592
-    dropout: float = 0.1  # of the text and cross-modal layers (hidden states and attention weights)
-    # Initial vision position embeddings: "random" (transformers' init) or "sincos" (2D sine-cosine, see
-    # vlfit.models.position_embeddings); for models trained from scratch, which must otherwise learn where patches are.
-    vision_position_init: str = "random"
-    tokenizer_vocab_size: int | None = None  # size of the BPE trained for this preset when no tokenizer is given
-
-
-PRESETS: dict[str, BridgeTowerPreset] = {
-    # A few hundred thousand parameters: a training step in well under a second on one CPU core.
-    "tiny": BridgeTowerPreset(
-        text_hidden=64, text_layers=2, text_heads=2, text_intermediate=128, vocab_size=1024, max_positions=130,
-        vision_hidden=64, vision_layers=2, patch_size=16, image_size=64,
-        cross_hidden=64, cross_layers=2, cross_heads=2, contrastive_hidden=64, tokenizer_vocab_size=1024,
-    ),
-    # Learns the synthetic captioned dataset in a few CPU minutes (`make demo`).
-    "small": BridgeTowerPreset(
-        text_hidden=192, text_layers=4, text_heads=4, text_intermediate=768, vocab_size=4096, max_positions=130,
-        vision_hidden=192, vision_layers=4, patch_size=16, image_size=128,
-        cross_hidden=192, cross_layers=2, cross_heads=4, contrastive_hidden=128, tokenizer_vocab_size=4096,
-        dropout=0.0,  # trained from scratch for a few hundred steps, it underfits: dropout only slowed it down
-        vision_position_init="sincos",  # learned faster than random ones (docs/demo-recipe.md)
-    ),
-    # `small` with 8-pixel patches at 80 px: a 10x10 grid of finer patches for the same width and depth. What
-    # `make demo` trains: it tells where objects are, which 16-pixel patches at 128 px never learned in the
-    # demo's steps (docs/demo-recipe.md).
-    "small-p8": BridgeTowerPreset(
-        text_hidden=192, text_layers=4, text_heads=4, text_intermediate=768, vocab_size=4096, max_positions=130,
-        vision_hidden=192, vision_layers=4, patch_size=8, image_size=80,
-        cross_hidden=192, cross_layers=2, cross_heads=4, contrastive_hidden=128, tokenizer_vocab_size=4096,
-        dropout=0.0, vision_position_init="sincos",
-    ),
-    # ViT-B/16 at 288 with RoBERTa-base text: the shapes of BridgeTower/bridgetower-base.
-    "base": BridgeTowerPreset(
-        text_hidden=768, text_layers=12, text_heads=12, text_intermediate=3072, vocab_size=50265, max_positions=514,
-        vision_hidden=768, vision_layers=12, patch_size=16, image_size=288,
-        cross_hidden=768, cross_layers=6, cross_heads=12,
-    ),
-    # The shapes of BridgeTower/bridgetower-large-itm-mlm-itc (about 866M parameters).
-    "large": BridgeTowerPreset(
-        text_hidden=1024, text_layers=24, text_heads=16, text_intermediate=4096, vocab_size=50265, max_positions=514,
-        vision_hidden=1024, vision_layers=24, patch_size=14, image_size=294,
-        cross_hidden=1024, cross_layers=6, cross_heads=16,
-    ),
-}  # fmt: skip
-
-
-def preset_config(name: str) -> BridgeTowerConfig:
-    """Build the ``BridgeTowerConfig`` of a preset.
-
-    ``contrastive_hidden_size`` and ``logit_scale_init_value`` are passed explicitly: transformers 5 does not
-    fill them in from defaults for a config built from parts.
-    """
-    p = PRESETS[name]
-    return BridgeTowerConfig(
-        text_config={
-            "vocab_size": p.vocab_size,
-            "hidden_size": p.text_hidden,
-            "num_hidden_layers": p.text_layers,
-            "num_attention_heads": p.text_heads,
-            "intermediate_size": p.text_intermediate,
-            "max_position_embeddings": p.max_positions,
-            "hidden_dropout_prob": p.dropout,
-            "attention_probs_dropout_prob": p.dropout,
-        },
-        vision_config={
-            "hidden_size": p.vision_hidden,
-            "num_hidden_layers": p.vision_layers,
-            "patch_size": p.patch_size,
-            "image_size": p.image_size,
-        },
-        hidden_size=p.cross_hidden,
-        num_hidden_layers=p.cross_layers,
-        num_attention_heads=p.cross_heads,
-        contrastive_hidden_size=p.contrastive_hidden,
-        logit_scale_init_value=p.logit_scale_init_value,
-    )
-
 
 # ------------------------------------------------------------------------------------------------ embeddings
 
@@ -273,29 +168,11 @@ def layer_stacks(model: BridgeTowerForContrastiveLearning) -> list[Sequence[nn.M
 
 
 class BridgeTowerFamily(ModelFamily):
-    """``BridgeTowerForContrastiveLearning`` checkpoints and the presets above."""
+    """``BridgeTowerForContrastiveLearning`` checkpoints and the BridgeTower presets (tiny, small, base, large...)."""
 
     name = "bridgetower"
     model_types = ("bridgetower",)
-
-    def preset_names(self) -> tuple[str, ...]:
-        return tuple(PRESETS)
-
-    def preset_config(self, preset: str) -> BridgeTowerConfig:
-        return preset_config(preset)
-
-    def preset_tokenizer_vocab_size(self, preset: str) -> int:
-        p = PRESETS[preset]
-        return p.tokenizer_vocab_size or p.vocab_size
-
-    def preset_image_processor(self, preset: str) -> BridgeTowerImageProcessor:
-        size = PRESETS[preset].image_size
-        return BridgeTowerImageProcessor(
-            size={"shortest_edge": size},
-            crop_size={"shortest_edge": size},
-            image_mean=list(OPENAI_CLIP_MEAN),
-            image_std=list(OPENAI_CLIP_STD),
-        )
+    config_class = BridgeTowerConfig
 
     # saved_image_processor: the default CLIPImageProcessor. BridgeTowerImageProcessor cannot be set to vlfit's
     # resize: it rounds both sides down to a multiple of size_divisor and caps the long side at 1333/800 of the
@@ -305,13 +182,8 @@ class BridgeTowerFamily(ModelFamily):
     def build(self, config: Any) -> BridgeTowerForContrastiveLearning:
         return BridgeTowerForContrastiveLearning(config)
 
-    def initialize_preset(self, model: nn.Module, preset: str) -> None:
-        position_init = PRESETS[preset].vision_position_init
-        if position_init == "sincos":
-            embeddings = model.bridgetower.vision_model.visual.embeddings
-            init_vit_position_embedding(embeddings.position_embedding.weight, class_token=True)
-        elif position_init != "random":
-            raise ConfigError(f"preset {preset}: unknown vision_position_init {position_init!r} (random or sincos)")
+    def vision_position_embedding(self, model: nn.Module) -> torch.Tensor:
+        return model.bridgetower.vision_model.visual.embeddings.position_embedding.weight
 
     def from_pretrained(self, name_or_path: str, **hub_kwargs: Any) -> BridgeTowerForContrastiveLearning:
         return BridgeTowerForContrastiveLearning.from_pretrained(name_or_path, **hub_kwargs)
@@ -389,3 +261,8 @@ class BridgeTowerFamily(ModelFamily):
         return info_nce(
             terms, embeddings.shared["logit_scale"], gather=global_negatives, image_keys=image_keys_in(rows)
         )
+
+
+def preset_config(name: str) -> BridgeTowerConfig:
+    """The ``BridgeTowerConfig`` of a BridgeTower preset (``BridgeTowerFamily().preset_config``)."""
+    return BridgeTowerFamily().preset_config(name)

@@ -1,4 +1,4 @@
-"""CLIP: any ``transformers.CLIPModel`` checkpoint, random-init presets, and CLIP's softmax contrastive loss.
+"""CLIP: any ``transformers.CLIPModel`` checkpoint, the ``clip-*`` presets, and CLIP's softmax contrastive loss.
 
 The loss is the mean of text->image and image->text InfoNCE over L2-normalized embeddings, logits scaled by the
 learnable ``logit_scale.exp()``: what ``CLIPModel(return_loss=True)`` returns, and with global negatives the same
@@ -14,19 +14,13 @@ from typing import Any
 import torch
 from accelerate.utils import extract_model_from_parallel
 from torch import nn
-from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
+from transformers import CLIPConfig, CLIPModel
 from transformers.models.clip.modeling_clip import CLIPOutput
 
-from vlfit.models.dual_encoder import (
-    DualEncoderPreset,
-    initialize_position_embedding,
-    normalized,
-)
+from vlfit.models.dual_encoder import normalized
 from vlfit.models.family import (
     HARD_NEGATIVE_INPUT_IDS,
     IMAGE_KEYS,
-    OPENAI_CLIP_MEAN,
-    OPENAI_CLIP_STD,
     LossEmbeddings,
     ModelFamily,
 )
@@ -42,40 +36,9 @@ from vlfit.models.losses import (
 )
 
 # CLIP's text tower pools at the first ``eos_token_id``, except that ``eos_token_id == 2`` selects its legacy rule
-# (the highest token id): a preset's tokenizer puts ``</s>`` at id 4, not RoBERTa's 2.
+# (the highest token id): a preset's tokenizer puts ``</s>`` at id 4, not RoBERTa's 2 (the ``clip-*`` preset files
+# say so in their text_config: bos 0, pad 1, eos 4).
 SPECIAL_TOKENS = ("<s>", "<pad>", "<unk>", "<mask>", "</s>")
-TOKEN_IDS = {"bos_token_id": 0, "pad_token_id": 1, "eos_token_id": 4}
-
-PRESETS: dict[str, DualEncoderPreset] = {
-    # A few hundred thousand parameters, for tests.
-    "clip-tiny": DualEncoderPreset(
-        text_hidden=64, text_layers=2, text_heads=2, text_intermediate=128, vocab_size=1024, max_positions=77,
-        vision_hidden=64, vision_layers=2, vision_heads=2, vision_intermediate=128, patch_size=16, image_size=64,
-        projection_dim=64, vision_position_init="sincos", tokenizer_vocab_size=1024,
-    ),
-    # The width and depth of BridgeTower's `small-p8` (what `make demo` trains): 8-pixel patches at 80 px.
-    "clip-small": DualEncoderPreset(
-        text_hidden=192, text_layers=4, text_heads=4, text_intermediate=768, vocab_size=4096, max_positions=77,
-        vision_hidden=192, vision_layers=4, vision_heads=4, vision_intermediate=768, patch_size=8, image_size=80,
-        projection_dim=128, vision_position_init="sincos", tokenizer_vocab_size=4096,
-    ),
-    # The shapes of openai/clip-vit-base-patch32 (about 151M parameters).
-    "clip-base": DualEncoderPreset(
-        text_hidden=512, text_layers=12, text_heads=8, text_intermediate=2048, vocab_size=49408, max_positions=77,
-        vision_hidden=768, vision_layers=12, vision_heads=12, vision_intermediate=3072, patch_size=32,
-        image_size=224, projection_dim=512,
-    ),
-}  # fmt: skip
-
-
-def preset_config(name: str) -> CLIPConfig:
-    p = PRESETS[name]
-    return CLIPConfig(
-        text_config=p.text_config(**TOKEN_IDS),
-        vision_config=p.vision_config(),
-        projection_dim=p.projection_dim,
-        logit_scale_init_value=2.6592,  # ln(1 / 0.07), CLIP's initial temperature
-    )
 
 
 @dataclass
@@ -110,33 +73,14 @@ class CLIPFamily(ModelFamily):
 
     name = "clip"
     model_types = ("clip",)
+    config_class = CLIPConfig
     preset_special_tokens = SPECIAL_TOKENS
-
-    def preset_names(self) -> tuple[str, ...]:
-        return tuple(PRESETS)
-
-    def preset_config(self, preset: str) -> CLIPConfig:
-        return preset_config(preset)
-
-    def preset_tokenizer_vocab_size(self, preset: str) -> int:
-        p = PRESETS[preset]
-        return p.tokenizer_vocab_size or p.vocab_size
-
-    def preset_image_processor(self, preset: str) -> CLIPImageProcessor:
-        size = PRESETS[preset].image_size
-        return CLIPImageProcessor(
-            size={"shortest_edge": size},
-            crop_size={"height": size, "width": size},
-            image_mean=list(OPENAI_CLIP_MEAN),
-            image_std=list(OPENAI_CLIP_STD),
-        )
 
     def build(self, config: Any) -> CLIPModel:
         return CLIPModel(config)
 
-    def initialize_preset(self, model: nn.Module, preset: str) -> None:
-        weight = model.vision_model.embeddings.position_embedding.weight
-        initialize_position_embedding(preset, PRESETS[preset], weight, class_token=True)
+    def vision_position_embedding(self, model: nn.Module) -> torch.Tensor:
+        return model.vision_model.embeddings.position_embedding.weight
 
     def from_pretrained(self, name_or_path: str, **hub_kwargs: Any) -> CLIPModel:
         return CLIPModel.from_pretrained(name_or_path, **hub_kwargs)

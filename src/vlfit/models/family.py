@@ -5,8 +5,9 @@ and registers itself in ``vlfit.models.registry``. Nothing in ``vlfit.data``, ``
 ``vlfit.evaluation`` names a family: they read the image spec and tokenizer from an ``InputSpec``, embed with
 ``encode_text`` / ``encode_image`` and train with ``contrastive_loss``. A contributor adding a family writes:
 
-- its presets (random-init architectures with the real checkpoints' shapes) and how to build each config;
-- ``from_pretrained`` and ``build`` (random init) of the model class, and a default image processor for presets;
+- its transformers config class (``config_class``: a preset file's ``config`` is its keyword arguments; the presets
+  themselves are JSON files in ``vlfit.models.presets``) and where its vision position embeddings are;
+- ``from_pretrained`` and ``build`` (random init) of the model class;
 - ``image_size`` (from the config), ``encode_text``, ``encode_image`` (L2-normalized embeddings, the ones the
   contrastive loss compares) and ``contrastive_loss`` with local or global negatives (``vlfit.models.losses``
   has InfoNCE over any set of (query, candidate) embedding pairs, gathered across processes when asked);
@@ -15,6 +16,7 @@ and registers itself in ``vlfit.models.registry``. Nothing in ``vlfit.data``, ``
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,6 +26,8 @@ import torch
 from torch import nn
 
 from vlfit.errors import ConfigError
+from vlfit.models.position_embeddings import init_vit_position_embedding
+from vlfit.models.presets import Preset, get_preset
 from vlfit.models.tokenizer import SPECIAL_TOKENS
 
 # The batch's hard negatives (``--hard_negative_column``): each row's alternative captions, ``[B, K, L]`` token ids
@@ -104,14 +108,19 @@ class ModelFamily(ABC):
     """One model family: presets, loading, unimodal embeddings and the contrastive loss.
 
     Attributes:
-        name: Shown in logs and reports.
+        name: Shown in logs and reports, and what a preset file's ``family`` says.
         model_types: The transformers ``config.model_type`` values a checkpoint of this family has.
+        config_class: The transformers config class; a preset file's ``config`` holds its keyword arguments.
         model_inputs: The keys of a batch's model inputs the forward takes.
         preset_special_tokens: Special tokens of a preset's trained tokenizer, in id order.
+        vision_class_token: The vision position embeddings' first row is the class token's (left at zero by a
+            preset's ``sincos`` init).
     """
 
     name: ClassVar[str]
     model_types: ClassVar[tuple[str, ...]]
+    config_class: ClassVar[Any]
+    vision_class_token: ClassVar[bool] = True
     model_inputs: ClassVar[tuple[str, ...]] = ("input_ids", "attention_mask", "pixel_values")
     # The special tokens of the tokenizer trained for a preset, in id order (vlfit.models.tokenizer).
     preset_special_tokens: ClassVar[tuple[str, ...]] = SPECIAL_TOKENS
@@ -123,21 +132,39 @@ class ModelFamily(ABC):
         so that plain transformers tokenizes as vlfit does (SigLIP: pad to the positions, no attention mask)."""
         return {}
 
-    @abstractmethod
-    def preset_names(self) -> tuple[str, ...]:
-        """The presets this family builds with random weights (names are unique across families)."""
+    def preset(self, preset: str) -> Preset:
+        """The preset ``preset`` (a name or a preset file's path), which must be of this family."""
+        found = get_preset(preset)
+        if found.family != self.name:
+            raise ConfigError(f"preset {preset} ({found.path}) is a {found.family} preset, not a {self.name} one")
+        return found
 
-    @abstractmethod
     def preset_config(self, preset: str) -> Any:
-        """The transformers config of ``preset``."""
+        """The transformers config of ``preset``: ``config_class`` called with its file's ``config`` (as a
+        ``config.json`` does, settings the class does not name are kept as attributes: BridgeTower's
+        ``contrastive_hidden_size`` and ``logit_scale_init_value`` are read so)."""
+        return self.config_class(**copy.deepcopy(self.preset(preset).config))
 
-    @abstractmethod
     def preset_tokenizer_vocab_size(self, preset: str) -> int:
-        """Vocabulary size of the tokenizer trained for ``preset`` when none is given."""
+        """Vocabulary size of the tokenizer trained for ``preset`` when none is given (default: its text tower's)."""
+        size = self.preset(preset).tokenizer_vocab_size
+        return size if size is not None else int(self.vocab_size(self.preset_config(preset)))  # type: ignore[arg-type]
 
-    @abstractmethod
     def preset_image_processor(self, preset: str) -> Any:
-        """The image processor (mean, std) of ``preset``."""
+        """The image processor (mean, std) of ``preset``: its file's ``image_processor``."""
+        import transformers
+        from transformers.image_processing_utils import BaseImageProcessor
+
+        found = self.preset(preset)
+        settings = copy.deepcopy(found.image_processor)
+        kind = settings.pop("image_processor_type")
+        image_processor_class = getattr(transformers, kind, None)
+        if not (isinstance(image_processor_class, type) and issubclass(image_processor_class, BaseImageProcessor)):
+            raise ConfigError(
+                f"preset {preset} ({found.path}): image_processor_type {kind!r} is not a transformers image "
+                "processor class (e.g. CLIPImageProcessor)"
+            )
+        return image_processor_class(**settings)
 
     def saved_image_processor(self, inputs: InputSpec) -> Any:
         """The image processor a saved model folder carries: one that does what vlfit's input pipeline does
@@ -155,8 +182,15 @@ class ModelFamily(ABC):
     def build(self, config: Any) -> nn.Module:
         """The model with random weights."""
 
-    def initialize_preset(self, model: nn.Module, preset: str) -> None:  # noqa: B027
-        """Initialize a freshly built ``preset`` where it starts otherwise than ``build`` (default: nothing)."""
+    def initialize_preset(self, model: nn.Module, preset: str) -> None:
+        """Initialize a freshly built ``preset`` where it starts otherwise than ``build``: the vision position
+        embeddings as its ``vision_position_init`` says."""
+        if self.preset(preset).vision_position_init == "sincos":
+            init_vit_position_embedding(self.vision_position_embedding(model), class_token=self.vision_class_token)
+
+    def vision_position_embedding(self, model: nn.Module) -> torch.Tensor:
+        """The weight of the vision tower's position embeddings, ``[positions, width]``."""
+        raise NotImplementedError(f"{self.name} does not say where its vision position embeddings are")
 
     @abstractmethod
     def from_pretrained(self, name_or_path: str, **hub_kwargs: Any) -> nn.Module:

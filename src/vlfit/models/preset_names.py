@@ -1,10 +1,5 @@
-"""The preset names, without importing the families (flag help and ``--model_preset`` checks stay light).
+"""The preset names, read from the preset files (``vlfit.models.presets.list_presets``; kept for old imports)."""
 
-Each family module defines its presets; ``tests/models/test_registry.py`` checks this list is theirs, in order.
-"""
+from vlfit.models.presets import list_presets
 
-PRESET_NAMES = (
-    "tiny", "small", "small-p8", "base", "large",
-    "clip-tiny", "clip-small", "clip-base",
-    "siglip-tiny", "siglip-small", "siglip-base",
-)  # fmt: skip
+PRESET_NAMES = tuple(list_presets())

@@ -1,7 +1,8 @@
-"""The model families vlfit knows, looked up by a checkpoint's ``config.model_type`` or by a preset's name.
+"""The model families vlfit knows, looked up by a checkpoint's ``config.model_type`` or by a preset's ``family``.
 
 Adding a family: implement ``vlfit.models.family.ModelFamily`` in a module of its own and list an instance in
-``FAMILIES``. Nothing else changes: loading, training, evaluation and the bench reach it through this registry.
+``FAMILIES``; its presets are JSON files in ``vlfit.models.presets``. Nothing else changes: loading, training,
+evaluation and the bench reach it through this registry.
 """
 
 from __future__ import annotations
@@ -12,26 +13,30 @@ from vlfit.errors import ConfigError
 from vlfit.models.bridgetower import BridgeTowerFamily
 from vlfit.models.clip import CLIPFamily
 from vlfit.models.family import ModelFamily
+from vlfit.models.presets import get_preset
 from vlfit.models.siglip import SiglipFamily
 
 FAMILIES: tuple[ModelFamily, ...] = (BridgeTowerFamily(), CLIPFamily(), SiglipFamily())
 
 
-def preset_names() -> list[str]:
-    """Every preset of every family."""
-    return [name for family in FAMILIES for name in family.preset_names()]
-
-
 def family_for_preset(preset: str) -> ModelFamily:
-    """The family that builds ``preset``.
+    """The family that builds ``preset`` (a preset's name or a preset file's path).
 
     Raises:
-        ValueError: naming the unknown preset and listing the valid ones.
+        ConfigError: naming the unknown preset and listing the valid ones, or a preset of an unknown family.
+        MissingFileError: a ``.json`` path with no file.
     """
+    found = get_preset(preset)
     for family in FAMILIES:
-        if preset in family.preset_names():
+        if family.name == found.family:
             return family
-    raise ConfigError(f"unknown --model_preset {preset!r}; choose one of: {', '.join(preset_names())}")
+    names = ", ".join(family.name for family in FAMILIES)
+    raise ConfigError(f"preset {preset} ({found.path}): unknown family {found.family!r}; choose one of: {names}")
+
+
+def preset_config(preset: str) -> Any:
+    """The transformers config of ``preset``, built by its family."""
+    return family_for_preset(preset).preset_config(preset)
 
 
 def family_for_config(config: Any) -> ModelFamily:

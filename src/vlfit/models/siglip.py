@@ -1,4 +1,4 @@
-"""SigLIP: any ``transformers.SiglipModel`` checkpoint, random-init presets, and the sigmoid pairwise loss.
+"""SigLIP: any ``transformers.SiglipModel`` checkpoint, the ``siglip-*`` presets, and the sigmoid pairwise loss.
 
 Every (caption, image) pair of the batch is a binary problem: ``-log sigmoid(z * (s * cos + b))`` with ``z = 1``
 for the matching pair and ``-1`` for every other, ``s = logit_scale.exp()`` and the learnable bias ``b``; summed
@@ -30,11 +30,7 @@ from torch import nn
 from transformers import SiglipConfig, SiglipImageProcessor, SiglipModel
 from transformers.models.siglip.modeling_siglip import SiglipOutput
 
-from vlfit.models.dual_encoder import (
-    DualEncoderPreset,
-    initialize_position_embedding,
-    normalized,
-)
+from vlfit.models.dual_encoder import normalized
 from vlfit.models.family import InputSpec, LossEmbeddings, ModelFamily, pipeline_image_processing
 from vlfit.models.logit_scale import install_output_hook
 from vlfit.models.losses import (
@@ -48,39 +44,9 @@ from vlfit.models.losses import (
     same_image_pairs,
 )
 
-SIGLIP_MEAN = (0.5, 0.5, 0.5)
-SIGLIP_STD = (0.5, 0.5, 0.5)
 # The paper's initial temperature and bias: log(10) and -10 (transformers initializes both to 0).
 INITIAL_LOGIT_SCALE = math.log(10.0)
 INITIAL_LOGIT_BIAS = -10.0
-
-PRESETS: dict[str, DualEncoderPreset] = {
-    "siglip-tiny": DualEncoderPreset(
-        text_hidden=64, text_layers=2, text_heads=2, text_intermediate=128, vocab_size=1024, max_positions=64,
-        vision_hidden=64, vision_layers=2, vision_heads=2, vision_intermediate=128, patch_size=16, image_size=64,
-        projection_dim=64, vision_position_init="sincos", tokenizer_vocab_size=1024,
-    ),
-    "siglip-small": DualEncoderPreset(
-        text_hidden=192, text_layers=4, text_heads=4, text_intermediate=768, vocab_size=4096, max_positions=64,
-        vision_hidden=192, vision_layers=4, vision_heads=4, vision_intermediate=768, patch_size=8, image_size=80,
-        projection_dim=192, vision_position_init="sincos", tokenizer_vocab_size=4096,
-    ),
-    # The shapes of google/siglip-base-patch16-224 (about 203M parameters).
-    "siglip-base": DualEncoderPreset(
-        text_hidden=768, text_layers=12, text_heads=12, text_intermediate=3072, vocab_size=32000, max_positions=64,
-        vision_hidden=768, vision_layers=12, vision_heads=12, vision_intermediate=3072, patch_size=16,
-        image_size=224, projection_dim=768,
-    ),
-}  # fmt: skip
-
-
-def preset_config(name: str) -> SiglipConfig:
-    p = PRESETS[name]
-    # SigLIP projects the text tower's pooled state to projection_size and keeps the vision width: the two match.
-    return SiglipConfig(
-        text_config=p.text_config(projection_size=p.projection_dim, pad_token_id=1, bos_token_id=0, eos_token_id=2),
-        vision_config=p.vision_config(),
-    )
 
 
 @dataclass
@@ -177,22 +143,8 @@ class SiglipFamily(ModelFamily):
 
     name = "siglip"
     model_types = ("siglip",)
-
-    def preset_names(self) -> tuple[str, ...]:
-        return tuple(PRESETS)
-
-    def preset_config(self, preset: str) -> SiglipConfig:
-        return preset_config(preset)
-
-    def preset_tokenizer_vocab_size(self, preset: str) -> int:
-        p = PRESETS[preset]
-        return p.tokenizer_vocab_size or p.vocab_size
-
-    def preset_image_processor(self, preset: str) -> SiglipImageProcessor:
-        size = PRESETS[preset].image_size
-        return SiglipImageProcessor(
-            size={"height": size, "width": size}, image_mean=list(SIGLIP_MEAN), image_std=list(SIGLIP_STD)
-        )
+    config_class = SiglipConfig
+    vision_class_token = False
 
     def saved_image_processor(self, inputs: InputSpec) -> SiglipImageProcessor:
         # SigLIP's own processors squash the whole image to the square; vlfit crops its central square. The class
@@ -202,9 +154,11 @@ class SiglipFamily(ModelFamily):
     def build(self, config: Any) -> SiglipModel:
         return SiglipModel(config)
 
+    def vision_position_embedding(self, model: nn.Module) -> torch.Tensor:
+        return model.vision_model.embeddings.position_embedding.weight
+
     def initialize_preset(self, model: nn.Module, preset: str) -> None:
-        weight = model.vision_model.embeddings.position_embedding.weight
-        initialize_position_embedding(preset, PRESETS[preset], weight, class_token=False)
+        super().initialize_preset(model, preset)
         with torch.no_grad():
             model.logit_scale.fill_(INITIAL_LOGIT_SCALE)
             model.logit_bias.fill_(INITIAL_LOGIT_BIAS)
