@@ -7,7 +7,7 @@ STAMP := $(VENV)/.vlfit-installed
 LOCK := requirements/ci.txt
 DEMO_DIR ?= runs/demo
 
-.PHONY: install demo test lint lock clean
+.PHONY: install demo test test-fast lint lock clean
 
 $(STAMP): pyproject.toml $(LOCK)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -27,6 +27,11 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest
+
+# The edit-test loop (under 2 minutes on 2 cores): every test but those marked slow (whole commands, training runs,
+# subprocesses, torchrun, the server process, exports). `make test` runs them all, as CI does.
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow"
 
 # Re-pin requirements/ci.txt: a fresh venv with the newest releases pyproject.toml allows, frozen.
 lock:

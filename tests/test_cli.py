@@ -14,6 +14,7 @@ from vlfit.commands.train import parse_arguments
 from vlfit.training import run as training_run
 
 
+@pytest.mark.slow
 def test_make_data_train_eval_end_to_end(tmp_path, capsys):
     data = tmp_path / "data"
     assert main(["make-data", "--output_dir", str(data), "--num_samples", "60", "--min_long_side", "200",
@@ -47,6 +48,7 @@ def test_make_data_train_eval_end_to_end(tmp_path, capsys):
     assert test_results["eval_chance_recall@1"] == pytest.approx(1 / 3)
 
 
+@pytest.mark.slow
 def test_train_from_a_json_file_of_flags(tmp_path, synthetic_dataset_dir):
     out = tmp_path / "model"
     flags = {
@@ -131,6 +133,7 @@ def test_unknown_pipeline_is_an_argparse_error(tmp_path, capsys):
     assert "invalid choice: 'turbo'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_python_dash_m_runs_the_cli():
     # torchrun and accelerate launch start `python -m vlfit ...`.
     done = subprocess.run([sys.executable, "-m", "vlfit", "--help"], capture_output=True, text=True, timeout=120)
@@ -138,6 +141,7 @@ def test_python_dash_m_runs_the_cli():
     assert "make-data" in done.stdout and "eval" in done.stdout
 
 
+@pytest.mark.slow
 def test_demo_runs_end_to_end_and_reuses_its_data(tmp_path, capsys):
     argv = ["demo", "--output_dir", str(tmp_path), "--num_samples", "40", "--model_preset", "tiny",
             "--num_train_epochs", "1", "--per_device_train_batch_size", "8", "--eval_pool_size", "4",

@@ -13,6 +13,8 @@ from vlfit.arguments import ModelArguments
 from vlfit.cli import main
 from vlfit.models.loading import load_model_bundle
 
+pytestmark = pytest.mark.slow
+
 # transformers examples/pytorch/contrastive-image-text/README.md: the flags after run_clip.py, with MODEL, DATA and
 # OUT in place of ./clip-roberta, ydshieh/coco_dataset_script and ./clip-roberta-finetuned, and this dataset's
 # caption column.

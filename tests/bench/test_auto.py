@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from vlfit.bench.auto import take_auto_workers
@@ -23,6 +24,7 @@ def test_take_auto_workers_rewrites_only_the_auto_value() -> None:
     assert take_auto_workers(None) == (None, False)
 
 
+@pytest.mark.slow
 def test_train_with_auto_workers_probes_and_uses_the_choice(tmp_path: Path, synthetic_dataset_dir: str, caplog) -> None:
     out = tmp_path / "model"
     caplog.set_level("INFO", logger="vlfit")

@@ -85,6 +85,7 @@ def test_a_sweep_that_cannot_fit_stops_before_building_the_model(
     assert "test memory is 0.0 GiB" in error and "--mode loader" in error
 
 
+@pytest.mark.slow
 def test_skip_fit_check_runs_anyway(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any) -> None:
         raise AssertionError("the fit check ran")

@@ -14,6 +14,8 @@ import torch
 
 from tests.bench.bench_runs import REPO, TINY, assert_png, run_bench
 
+pytestmark = pytest.mark.slow
+
 
 def test_gpu_script_runs_on_a_cpu(tmp_path: Path) -> None:
     out = tmp_path / "out"

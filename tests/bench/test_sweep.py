@@ -39,6 +39,7 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
     return out, results, stdout
 
 
+@pytest.mark.slow
 def test_bench_json_has_every_field_with_consistent_values(bench_run) -> None:
     _, results, _ = bench_run
     assert results["complete"] is True
@@ -98,6 +99,7 @@ def test_bench_json_has_every_field_with_consistent_values(bench_run) -> None:
             assert row["tflops_per_second"] is None and row["mfu"] is None
 
 
+@pytest.mark.slow
 def test_bench_profiles_every_stage_of_every_pipeline(bench_run) -> None:
     _, results, _ = bench_run
     assert set(results["stages"]) == set(PIPELINES)
@@ -111,6 +113,7 @@ def test_bench_profiles_every_stage_of_every_pipeline(bench_run) -> None:
         assert profile["largest_worker_stage"] in WORKER_STAGES
 
 
+@pytest.mark.slow
 def test_bench_verdict_follows_the_threshold(bench_run) -> None:
     _, results, _ = bench_run
     verdict = results["verdict"]
@@ -122,6 +125,7 @@ def test_bench_verdict_follows_the_threshold(bench_run) -> None:
     assert verdict["bound"] in verdict["text"] and f"{fraction:.2f}" in verdict["text"]
 
 
+@pytest.mark.slow
 def test_bench_writes_markdown_png_and_a_terminal_table(bench_run) -> None:
     out, results, stdout = bench_run
     assert_png(out / "bench.png")
@@ -136,6 +140,7 @@ def test_bench_writes_markdown_png_and_a_terminal_table(bench_run) -> None:
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporary files left behind
 
 
+@pytest.mark.slow
 def test_auto_recommends_a_configuration_that_is_in_the_sweep(bench_run) -> None:
     _, results, stdout = bench_run
     chosen = results["recommendation"]["row"]
@@ -156,6 +161,7 @@ def test_auto_recommends_a_configuration_that_is_in_the_sweep(bench_run) -> None
             assert {r["prefetch_factor"] for r in same} == {2, 4}
 
 
+@pytest.mark.slow
 def test_bench_reads_a_dataset_folder_and_prepares_it(tmp_path: Path, synthetic_dataset_dir: str) -> None:
     cache = tmp_path / "cache"
     code, results, _ = run_bench(tmp_path / "out", *TINY, "--dataset_name", synthetic_dataset_dir, "--pipelines",
@@ -170,6 +176,7 @@ def test_bench_reads_a_dataset_folder_and_prepares_it(tmp_path: Path, synthetic_
     assert list(prepared.glob("train-*.parquet"))
 
 
+@pytest.mark.slow
 def test_loader_mode_never_builds_the_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("loader mode built a model")
@@ -196,6 +203,7 @@ def _exit_in_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ImageTextDataset, "_sample", die_in_a_worker)
 
 
+@pytest.mark.slow
 def test_a_killed_worker_fails_its_row_and_the_sweep_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _exit_in_workers(monkeypatch)
     code, results, stdout = run_bench(tmp_path, *QUICK, "--mode", "loader", "--workers", "1,0")
@@ -245,6 +253,7 @@ def test_a_failing_configuration_becomes_a_row_with_its_error(error: BaseExcepti
         measure_configuration(_StubSession(KeyboardInterrupt()), ("loader", "fast", 0, None))  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
 def test_a_stopped_sweep_keeps_what_was_measured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop: str) -> None:
     """Ctrl-C, or a real SIGTERM to the process running the sweep (this one), once a reading exists."""
@@ -269,6 +278,7 @@ def test_a_stopped_sweep_keeps_what_was_measured(tmp_path: Path, monkeypatch: py
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler was removed
 
 
+@pytest.mark.slow
 def test_a_compile_backend_that_fails_loses_its_reading_not_the_sweep(tmp_path: Path) -> None:
     code, results, stdout = run_bench(tmp_path, *QUICK, "--mode", "train", "--workers", "0", "--compare_compile",
                                       "--torch_compile_backend", "no_such_backend")  # fmt: skip

@@ -82,6 +82,7 @@ def test_dataset_files_are_resolved_per_split_and_an_arrow_folder_is_refused(
         dataset_split_files(SimpleNamespace(**{**vars(args), "dataset_name": synthetic_dataset_dir}))
 
 
+@pytest.mark.slow
 def test_streaming_a_dataset_trains_on_its_train_files_and_evaluates_its_validation_files(
     parquet_folder: Path, synthetic_dataset_dir: str, tmp_path: Path
 ) -> None:

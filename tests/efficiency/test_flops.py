@@ -43,6 +43,7 @@ def hand_count_forward(config, batch: int, text_len: int) -> tuple[int, int]:
     return batch * flops, batch * patch_embedding
 
 
+@pytest.mark.slow
 def test_a_training_step_of_the_tiny_preset_counts_as_its_matmuls_by_hand() -> None:
     torch.manual_seed(0)
     config = preset_config("tiny")

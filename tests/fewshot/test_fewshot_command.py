@@ -10,6 +10,8 @@ import pytest
 from tests.bench.bench_runs import assert_png
 from vlfit.cli import main
 
+pytestmark = pytest.mark.slow
+
 METHODS = ("zeroshot", "linear_probe", "setfit")
 
 

@@ -42,6 +42,7 @@ def test_a_labelled_set_shares_its_class_attribute_in_every_group_and_choice(att
     assert len(set(split[attribute])) > 1
 
 
+@pytest.mark.slow
 def test_shots_are_the_same_per_seed_nested_over_counts_and_skip_a_bad_image(labelled_checkpoint,
                                                                              labelled_dataset_dir) -> None:  # fmt: skip
     train, _ = labelled_splits(labelled_dataset_dir, train_split="train", eval_split="test", label_column="kind")
@@ -107,6 +108,7 @@ def test_pair_loss_is_the_balanced_squared_error_of_cosine_similarities() -> Non
     torch.testing.assert_close(pair_loss(e, labels), (positives + negatives) / 2)
 
 
+@pytest.mark.slow
 def test_setfit_tunes_only_the_image_tower_and_a_snapshot_puts_it_back(labelled_checkpoint) -> None:
     loaded = load_checkpoint(str(labelled_checkpoint))
     tower = loaded.image_tower
@@ -126,6 +128,7 @@ def test_setfit_tunes_only_the_image_tower_and_a_snapshot_puts_it_back(labelled_
     assert all(torch.equal(p, everything[name]) for name, p in loaded.bundle.model.named_parameters())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["clip-tiny", "siglip-tiny"])
 def test_every_method_runs_on_the_dual_encoders(preset, labelled_dataset_dir, tmp_path) -> None:
     folder = save_tiny_checkpoint(labelled_dataset_dir, tmp_path / preset, preset=preset)
@@ -141,6 +144,7 @@ def test_every_method_runs_on_the_dual_encoders(preset, labelled_dataset_dir, tm
     assert all(torch.equal(p, before[name]) for name, p in loaded.bundle.model.named_parameters())
 
 
+@pytest.mark.slow
 def test_a_saved_setfit_classifier_reloads_to_the_labels_it_gave_in_memory(labelled_checkpoint, labelled_dataset_dir,
                                                                             tmp_path) -> None:  # fmt: skip
     from vlfit.fewshot.classifier import Classifier, ClassifierInfo, save_classifier

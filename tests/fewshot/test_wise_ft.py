@@ -14,6 +14,8 @@ from vlfit.cli import main
 from vlfit.errors import ConfigError
 from vlfit.models.interpolation import interpolate
 
+pytestmark = pytest.mark.slow
+
 KEYS = ("eval_t2i_recall@1", "eval_i2t_recall@5", "eval_zeroshot_top1", "eval_zeroshot_top5")
 
 

@@ -14,6 +14,7 @@ from vlfit.fewshot.experiment import FewShotSettings, run_fewshot
 from vlfit.inference.loading import load_checkpoint
 
 
+@pytest.mark.slow
 def test_eval_reports_the_zero_shot_accuracy_vlfit_fewshot_measures(labelled_checkpoint, labelled_dataset_dir,
                                                                     tmp_path) -> None:  # fmt: skip
     train, test = labelled_splits(labelled_dataset_dir, train_split="test", eval_split="test", label_column="kind")
@@ -30,6 +31,7 @@ def test_eval_reports_the_zero_shot_accuracy_vlfit_fewshot_measures(labelled_che
     assert "eval_t2i_recall@1" in metrics  # beside the retrieval metrics
 
 
+@pytest.mark.slow
 def test_training_logs_each_sets_accuracy_under_its_name(labelled_dataset_dir, tmp_path) -> None:
     shapes, again = tmp_path / "shapes", tmp_path / "shapes-again"
     shutil.copytree(labelled_dataset_dir, shapes)

@@ -107,6 +107,7 @@ def test_hnsw_reaches_its_target_recall_against_exact_search():
     assert described["query_latency_ms"] > 0
 
 
+@pytest.mark.slow
 def test_ivfpq_reaches_its_target_within_its_memory_budget(ivfpq):
     vectors, budget, ann = ivfpq
     described = ann.describe()
@@ -167,6 +168,7 @@ def _clustered(rows: int, dim: int, seed: int, centres: int = 100) -> np.ndarray
     return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
 
 
+@pytest.mark.slow
 def test_coarse_pq_codes_are_re_ranked_from_the_shards_to_reach_the_target(tmp_path, monkeypatch):
     from vlfit.inference import ann as ann_module
     from vlfit.inference.identity import ModelIdentity

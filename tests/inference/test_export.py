@@ -16,6 +16,8 @@ from vlfit.inference.export import ExportSettings, export_model
 from vlfit.inference.identity import checkpoint_fingerprint
 from vlfit.inference.loading import load_checkpoint
 
+pytestmark = pytest.mark.slow
+
 
 def error_lines(stderr: str) -> list[str]:
     """The error lines of stderr (``vlfit <command>: ...``), without the log lines and progress bars before them."""

@@ -20,6 +20,8 @@ from vlfit.inference.index import FETCH_FOLDER, EmbeddingIndex, build_index
 
 from .tiny_models import save_tiny_checkpoint, write_image_folder
 
+pytestmark = pytest.mark.slow
+
 
 def _query_json(capsys, *argv: str) -> dict:
     capsys.readouterr()

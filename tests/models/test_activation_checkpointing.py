@@ -47,6 +47,7 @@ def _step(model: BridgeTowerForContrastiveLearning) -> tuple[torch.Tensor, dict[
     return loss.detach(), grads, saved_bytes
 
 
+@pytest.mark.slow
 def test_checkpointing_keeps_loss_and_gradients_and_saves_fewer_activations():
     model = _tiny_model()
     loss, grads, saved = _step(model)
@@ -72,6 +73,7 @@ def test_every_n_layers_counts_within_each_tower():
     assert [[is_checkpointed(layer) for layer in stack] for stack in layer_stacks(model)] == [[True, False]] * 4
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing_flag_trains_the_same_steps(tmp_path: Path, synthetic_dataset_dir: str) -> None:
     def losses(out: Path, *extra: str) -> dict[int, float]:
         argv = tiny_train_argv(synthetic_dataset_dir, out, "--save_strategy", "no", *extra, steps=3)

@@ -158,6 +158,7 @@ def two_process_worker(rank: int, world: int, init_file: str, payload_path: str,
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_global_negatives_on_two_processes_equal_one_process_on_the_concatenated_batch(two_process_results):
     batches = _two_process_batches()
     ranks = two_process_results[__name__]

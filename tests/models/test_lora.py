@@ -81,6 +81,7 @@ def test_saved_adapters_reload_merged_to_the_adapted_models_embeddings(tmp_path)
     torch.testing.assert_close(family.encode_image(again.model, pixels), expected_image, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_lora_run_trains_only_adapters_and_eval_loads_it(tmp_path, synthetic_dataset_dir):
     out = tmp_path / "run"
     assert main(["train", "--model_preset", "clip-tiny", "--dataset_name", synthetic_dataset_dir, "--output_dir",

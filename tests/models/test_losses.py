@@ -197,6 +197,7 @@ def test_exposed_logit_scale_is_in_the_outputs_and_carries_gradient():
     assert len(model._forward_hooks) == 1
 
 
+@pytest.mark.slow
 def test_global_negatives_on_two_processes_equal_one_process_on_the_concatenated_batch(two_process_results):
     inputs = _inputs()
     model = _model()

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.robustness.fuzz_decoders import BASES, mutate
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,6 +25,7 @@ def test_mutate_applies_each_kind_of_mutation() -> None:
     assert mutate(base, [("overwrite", len(base) + 1, b"zz")]) == b"zz" + base[2:]  # positions wrap around
 
 
+@pytest.mark.slow
 def test_mutated_jpegs_never_crash_hang_or_raise_anything_but_decode_error() -> None:
     # A segfault in native code kills only the child (faulthandler prints where); the timeout catches hangs.
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}

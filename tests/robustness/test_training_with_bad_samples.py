@@ -25,6 +25,8 @@ from vlfit.models.loading import load_model_bundle
 from vlfit.training.bad_sample_ledger import TooManyBadSamplesError
 from vlfit.training.trainer import VlfitTrainer
 
+pytestmark = pytest.mark.slow
+
 TRAIN_ROWS = 60
 BAD_TRAIN = {7: ("image", "zero_bytes"), 23: ("caption", "   "), 41: ("image", "jpeg_truncated")}
 BAD_EVAL = {2: ("image", "random_bytes"), 5: ("caption", None)}

@@ -62,6 +62,7 @@ def test_exception_in_worker_names_the_worker() -> None:
 
 
 # SIGKILL only: both ways of dying reach the training loop as the same DataLoader error (checked above).
+@pytest.mark.slow
 def test_train_fails_naming_the_dead_worker(tmp_path: Path, synthetic_dataset_dir: str, monkeypatch) -> None:
     """A worker of a `vlfit train` run killed mid-epoch: the run stops with the DataLoader's error naming it."""
     victim = datasets.load_from_disk(synthetic_dataset_dir)["train"][5]["instance_id"]  # read in the first epoch

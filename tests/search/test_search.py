@@ -23,6 +23,8 @@ from vlfit.commands.train import parse_arguments
 from vlfit.search import objective
 from vlfit.training.run import run
 
+pytestmark = pytest.mark.slow
+
 METRIC = "eval_t2i_recall@1"
 
 

@@ -9,11 +9,14 @@ import subprocess
 from pathlib import Path
 
 import optuna
+import pytest
 from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState
 
 from tests.search.search_runs import STUDY, load_trials, search_argv, write_space
 from tests.training.train_runs import torchrun_command, torchrun_env
+
+pytestmark = pytest.mark.slow
 
 TIMEOUT = 240  # a guard against hangs, far above the time the run takes
 

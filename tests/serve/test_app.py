@@ -40,6 +40,7 @@ def _good_query_still_works(client: TestClient, caption: str) -> None:
     assert answer.status_code == 200 and len(answer.json()["results"]) == 3
 
 
+@pytest.mark.slow
 def test_a_text_query_gets_the_librarys_top_k_with_captions(client, served_index, train_records) -> None:
     index = vlfit.Index.open(str(served_index))
     for record in train_records[:5]:
@@ -57,6 +58,7 @@ def test_a_text_query_gets_the_librarys_top_k_with_captions(client, served_index
     assert found >= 0.9 * len(train_records)
 
 
+@pytest.mark.slow
 def test_an_image_finds_itself_by_base64_and_by_upload(client, train_records) -> None:
     record = train_records[7]
     by_json = _search(client, image=base64.b64encode(record.image).decode(), k=3).json()["results"]
@@ -67,6 +69,7 @@ def test_an_image_finds_itself_by_base64_and_by_upload(client, train_records) ->
     assert by_json[0]["item"] == record.id and by_json[0]["score"] == pytest.approx(1.0, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_thumbnails_by_id_only(client, engine, train_records) -> None:
     hit = _search(client, text=train_records[0].caption, k=1).json()["results"][0]
     answer = client.get(f"/api/image/{hit['id']}?size=64")
@@ -85,6 +88,7 @@ def test_thumbnails_by_id_only(client, engine, train_records) -> None:
         assert b"root:" not in answer.content
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("request_kwargs", "status", "says"),
     [
@@ -123,6 +127,7 @@ def test_a_bad_request_gets_its_status_and_reason_and_the_server_serves_on(
     _good_query_still_works(client, train_records[0].caption)
 
 
+@pytest.mark.slow
 def test_a_chunked_body_over_the_limit_is_refused_too(client, train_records) -> None:
     def chunks():
         for _ in range(20):
@@ -133,6 +138,7 @@ def test_a_chunked_body_over_the_limit_is_refused_too(client, train_records) -> 
     _good_query_still_works(client, train_records[0].caption)
 
 
+@pytest.mark.slow
 def test_health_metrics_and_page(client, engine) -> None:
     health = client.get("/api/health").json()
     assert health["status"] == "ok" and health["items"] == len(engine.snapshot) == 64
@@ -148,6 +154,7 @@ def test_health_metrics_and_page(client, engine) -> None:
     assert "http://" not in page.text and "https://" not in page.text  # no external asset
 
 
+@pytest.mark.slow
 def test_concurrent_text_queries_are_batched_and_answered_as_alone(engine, train_records) -> None:
     captions = [record.caption for record in train_records[:16]]
 
@@ -169,6 +176,7 @@ def test_concurrent_text_queries_are_batched_and_answered_as_alone(engine, train
     assert count < len(captions) + 4  # fewer batches than queries: some were embedded together
 
 
+@pytest.mark.slow
 def test_reload_switches_to_a_grown_index_and_keeps_serving_through_a_broken_manifest(
     served_index, synthetic_dataset_dir, tmp_path
 ) -> None:
@@ -193,6 +201,7 @@ def test_reload_switches_to_a_grown_index_and_keeps_serving_through_a_broken_man
         assert client.post("/api/reload").json()["generation"] == 3
 
 
+@pytest.mark.slow
 def test_without_an_ann_structure_the_snapshot_scans_exactly_to_the_same_results(served_index, tmp_path) -> None:
     from vlfit.serve.engine import Snapshot
 

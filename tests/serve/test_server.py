@@ -19,6 +19,8 @@ import pytest
 
 from tests.training.train_runs import free_port
 
+pytestmark = pytest.mark.slow
+
 START_TIMEOUT = 120  # seconds for the process to load the model and bind, far above what it takes
 REQUEST_TIMEOUT = 30
 

@@ -47,6 +47,7 @@ def _one_thread() -> Iterator[None]:
         yield
 
 
+@pytest.mark.slow
 def test_kill_during_save_leaves_no_checkpoint_that_resume_would_take(
     tmp_path: Path, synthetic_dataset_dir: str
 ) -> None:

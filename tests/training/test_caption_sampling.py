@@ -8,6 +8,7 @@ from pathlib import Path
 
 import datasets
 import numpy as np
+import pytest
 
 from tests.data.test_several_captions import _caption_lists
 from vlfit.cli import main
@@ -47,6 +48,7 @@ def test_image_keys_from_the_id_column_equal_the_records_keys() -> None:
     assert keys[0] == keys[1] == keys[3] != keys[2]
 
 
+@pytest.mark.slow
 def test_train_one_caption_per_image_makes_an_epoch_of_images(tmp_path: Path) -> None:
     data = _caption_lists([["red", "a red one", "red square"], ["green", "g", "green square"], ["blue", "b", "bb"],
                            ["yellow", "y", "yy"]])  # fmt: skip

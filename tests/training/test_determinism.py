@@ -10,6 +10,8 @@ import pytest
 from tests.training.train_runs import logged_losses, single_torch_thread, tiny_train_argv
 from vlfit.cli import main
 
+pytestmark = pytest.mark.slow
+
 STEPS = 3
 
 

@@ -115,6 +115,7 @@ def ddp_run(tmp_path_factory, synthetic_dataset_dir) -> tuple[Path, list[dict]]:
     return folder / "model", records
 
 
+@pytest.mark.slow
 def test_two_nodes_with_global_negatives_shard_the_data_and_rank0_writes_the_checkpoint(
     tmp_path, synthetic_dataset_dir, train_ids, ddp_run, capsys
 ):
@@ -157,6 +158,7 @@ FSDP_FLAGS = ["--fsdp", "full_shard auto_wrap", "--fsdp_config",
               json.dumps({"fsdp_version": 2, "transformer_layer_cls_to_wrap": FSDP_LAYERS})]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_fsdp_on_two_cpu_processes_shards_trains_as_ddp_and_saves_a_checkpoint(
     tmp_path, synthetic_dataset_dir, ddp_run
 ):
@@ -215,6 +217,7 @@ def test_nccl_without_gpus_is_refused_before_any_work(tmp_path):
         VlfitTrainingArguments(output_dir=str(tmp_path), ddp_backend="nccl", report_to="none")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.accelerator.is_available(), reason="checks a machine without accelerators")
 def test_a_machine_without_accelerators_trains_on_cpu_and_accepts_bf16(tmp_path):
     # transformers alone refuses --bf16 here without --use_cpu, and treats torchrun processes as separate runs.

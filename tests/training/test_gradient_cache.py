@@ -113,6 +113,7 @@ def two_process_worker(rank: int, world: int, init_file: str, payload_path: str,
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_processes_with_global_negatives_equal_one_process_on_the_whole_batch(two_process_results):
     model, inputs = _model("tiny"), _inputs(hard_negatives=True, same_images=True)
     ranks = two_process_results[__name__]
@@ -122,6 +123,7 @@ def test_two_processes_with_global_negatives_equal_one_process_on_the_whole_batc
         _assert_equal_gradients(rank["grads"], reference_grads, "ddp")
 
 
+@pytest.mark.slow
 def test_the_flag_trains_the_steps_a_plain_batch_trains(tmp_path, synthetic_dataset_dir):
     def losses(out: str, *extra: str) -> dict[int, float]:
         assert main(["train", "--model_preset", "clip-tiny", "--dataset_name", synthetic_dataset_dir, "--output_dir",

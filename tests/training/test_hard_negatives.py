@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.training.train_runs import logged_losses, tiny_train_argv
 from vlfit.cli import main
+
+pytestmark = pytest.mark.slow
 
 
 def test_training_with_hard_negatives_changes_the_loss_and_counts_their_text_passes(tmp_path, synthetic_dataset_dir):

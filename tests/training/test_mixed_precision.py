@@ -11,6 +11,8 @@ import vlfit.training.run as run_module
 from tests.training.recording import RecordingTrainer
 from vlfit.cli import main
 
+pytestmark = pytest.mark.slow
+
 
 def _train(monkeypatch: pytest.MonkeyPatch, dataset_dir: str, output_dir: str, *flags: str) -> RecordingTrainer:
     trainers: list[RecordingTrainer] = []

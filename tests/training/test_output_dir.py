@@ -70,6 +70,7 @@ def test_a_folder_of_other_files_is_refused(tmp_path):
     assert os.path.isfile(tmp_path / "notes.txt") and not os.path.exists(tmp_path / RUN_FLAGS_FILE)
 
 
+@pytest.mark.slow
 def test_rerunning_a_finished_run_trains_nothing_and_writes_nothing(synthetic_dataset_dir, tmp_path, caplog):
     from vlfit.cli import main
 

@@ -50,6 +50,7 @@ def straight_losses(tmp_path_factory: pytest.TempPathFactory, synthetic_dataset_
 # One run: SIGTERM (what schedulers send), DataLoader workers (whose position the checkpoint must hold), resumed by
 # finding the checkpoint in --output_dir. SIGINT takes the same handler (test_second_signal_gives_up_waiting), and
 # --resume_from_checkpoint the same path (vlfit.training.output_dir decides both).
+@pytest.mark.slow
 @pytest.mark.parametrize(("workers", "sig", "explicit_resume"), [(2, signal.SIGTERM, False)], ids=["workers2-sigterm"])
 def test_signal_saves_a_checkpoint_and_resume_reproduces_the_losses(
     tmp_path: Path,

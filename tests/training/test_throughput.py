@@ -82,6 +82,7 @@ def test_bad_arguments_are_refused(processes, warmup_steps):
         ThroughputMeter(processes=processes, warmup_steps=warmup_steps)
 
 
+@pytest.mark.slow
 def test_train_leaves_the_warmup_steps_out_of_its_logs_and_metrics(tmp_path, synthetic_dataset_dir):
     from tests.training.train_runs import tiny_train_argv
     from vlfit.cli import main

@@ -17,6 +17,8 @@ from torch._dynamo.utils import counters
 from tests.training.train_runs import logged_losses, single_torch_thread, tiny_train_argv
 from vlfit.cli import main
 
+pytestmark = pytest.mark.slow
+
 STEPS = 2
 
 
