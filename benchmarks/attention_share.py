@@ -34,12 +34,16 @@ from transformers import BridgeTowerForContrastiveLearning
 import vlfit.efficiency.flops  # noqa: F401  (registers the FLOP formula of the CPU SDPA kernel)
 from vlfit.bench.measure import TrainStep, synchronize
 from vlfit.data.batch import Batch
-from vlfit.models.bridgetower import PRESETS, BridgeTowerFamily, preset_config, set_attention_implementation
+from vlfit.models.bridgetower import BridgeTowerFamily, set_attention_implementation
+from vlfit.models.presets import get_preset, list_presets
+from vlfit.models.registry import preset_config
+
+BRIDGETOWER_PRESETS = [name for name in list_presets() if get_preset(name).family == "bridgetower"]
 
 
 def batch(preset: str, batch_size: int, text_length: int, device: torch.device) -> Batch:
     """One model-ready batch of random captions and normalized pixels."""
-    size = PRESETS[preset].image_size
+    size = preset_config(preset).vision_config.image_size
     generator = torch.Generator().manual_seed(0)
     inputs = {
         "input_ids": torch.randint(5, 1000, (batch_size, text_length), generator=generator),
@@ -114,7 +118,7 @@ def measure(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="large", choices=list(PRESETS))
+    parser.add_argument("--preset", default="large", choices=BRIDGETOWER_PRESETS)
     parser.add_argument("--batch_size", type=int, default=2)
     parser.add_argument("--text_length", type=int, default=40, help="Caption tokens (New Yorker descriptions: ~40).")
     parser.add_argument("--repeats", type=int, default=3)

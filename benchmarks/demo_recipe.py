@@ -38,15 +38,21 @@ from vlfit.data.records import EVAL_COLUMNS
 from vlfit.data.sources import open_splits
 from vlfit.data.synthetic.scenes import differing_attributes, parse_caption
 from vlfit.evaluation.retrieval import embed_split
-from vlfit.models import bridgetower
 from vlfit.models.loading import load_model_bundle
+from vlfit.models.presets import PRESET_FOLDER
 from vlfit.training.run import run
 
 
 @dataclass
 class ScreenArguments:
     name: str = field(metadata={"help": "Name of the run (its folder and its results row)."})
-    preset_overrides: str = field(default="{}", metadata={"help": "JSON of BridgeTowerPreset fields to change."})
+    preset_overrides: str = field(
+        default="{}",
+        metadata={
+            "help": "JSON of preset settings to change: patch_size, image_size (the vision tower and the image "
+            "processor), vision_position_init, tokenizer_vocab_size, or any other key of the preset's config."
+        },
+    )
     training_overrides: str = field(default="{}", metadata={"help": "JSON of TrainingArguments fields to change."})
     diagnose: bool = field(default=False, metadata={"help": "Per-attribute matching errors of the trained model."})
     results: str | None = field(default=None, metadata={"help": "JSONL file to append to (default: in output_dir)."})
@@ -81,12 +87,34 @@ def matching_errors(model_dir: str, data_dir: str, split: str = "test") -> dict[
     }
 
 
+def write_preset(demo: DemoArguments, name: str, overrides: dict) -> str:
+    """A copy of the demo's preset file with ``overrides`` applied, beside the run; its path (``--model_preset``
+    takes a preset file)."""
+    with open(PRESET_FOLDER / f"{demo.model_preset}.json", encoding="utf-8") as f:
+        preset = json.load(f)
+    for key, value in overrides.items():
+        if key in ("vision_position_init", "tokenizer_vocab_size"):
+            preset[key] = value
+        elif key in ("patch_size", "image_size"):
+            preset["config"]["vision_config"][key] = value
+            if key == "image_size":
+                for size in ("size", "crop_size"):
+                    preset["image_processor"][size] = {"shortest_edge": value}
+        else:
+            preset["config"][key] = value
+    os.makedirs(demo.output_dir, exist_ok=True)
+    path = os.path.join(demo.output_dir, f"{name}-preset.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(preset, f, indent=2)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = HfArgumentParser((ScreenArguments, DemoArguments))
     screen, demo = parser.parse_args_into_dataclasses(args=argv)
     preset = json.loads(screen.preset_overrides)
     if preset:
-        bridgetower.PRESETS[demo.model_preset] = dataclasses.replace(bridgetower.PRESETS[demo.model_preset], **preset)
+        demo = dataclasses.replace(demo, model_preset=write_preset(demo, screen.name, preset))
     data_dir = ensure_synthetic_data(os.path.join(demo.output_dir, "data"), synthetic_config(demo))
     overrides = json.loads(screen.training_overrides)
     model_args, data_args, training_args = recipe(

@@ -392,7 +392,7 @@ def test_foreign_output_dir_is_refused(source_dir: str, workdir: Path, tmp_path:
 
 
 def test_short_side_from_preset_checkpoint_or_number(tmp_path: Path) -> None:
-    from vlfit.models.bridgetower import preset_config
+    from vlfit.models.registry import preset_config
 
     preset_config("tiny").save_pretrained(str(tmp_path / "ckpt"))
     assert resolve_short_side(model_preset="tiny") == 64

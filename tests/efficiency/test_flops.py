@@ -8,7 +8,8 @@ import torch
 
 from vlfit.efficiency.flops import ComputeEfficiency, count_flops
 from vlfit.efficiency.peaks import PeakFlops
-from vlfit.models.bridgetower import BridgeTowerFamily, preset_config
+from vlfit.models.bridgetower import BridgeTowerFamily
+from vlfit.models.registry import preset_config
 
 
 def _encoder_layer(n: int, h: int, i: int) -> int:

@@ -72,6 +72,7 @@ def test_a_preset_file_builds_by_its_path_and_by_the_name_add_preset_gives_it(tm
     assert vlfit.add_preset(path) == "clip-narrow"
     assert "clip-narrow" in vlfit.list_presets()
     assert family_for_preset("clip-narrow").preset_config("clip-narrow").projection_dim == 32
+    assert vlfit.load(str(path)).encode_texts(["a red circle"]).shape == (1, 32)  # vlfit.load takes the file too
     with pytest.raises(vlfit.ConfigError, match="a preset named 'tiny' exists already"):
         vlfit.add_preset(_write(tmp_path / "tiny.json"))
 

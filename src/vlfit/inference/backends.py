@@ -303,7 +303,8 @@ def load_encoder(
 
     Args:
         path_or_preset: A checkpoint folder (LoRA adapters included), a folder ``vlfit export`` wrote, or a preset
-            name (random weights, with a byte-level tokenizer trained on ``vlfit make-data``'s caption grammar).
+            (its name or its ``.json`` file: random weights, with a byte-level tokenizer trained on
+            ``vlfit make-data``'s caption grammar).
         backend: ``auto``, ``torch``, ``onnxruntime`` or ``openvino`` (see ``open_encoder``).
         precision: Exported graphs: ``auto`` (INT8 when exported), ``fp32`` or ``int8``.
         num_threads: Threads of the runtime (``None``: its default).
@@ -313,7 +314,7 @@ def load_encoder(
         ConfigError: for an unknown backend or precision, fewer than one thread, or a preset on another runtime.
         MissingFileError: for a path that is neither a folder nor a preset.
     """
-    from vlfit.models.preset_names import PRESET_NAMES
+    from vlfit.models.presets import is_preset_file, list_presets
 
     if backend not in BACKENDS:
         raise ConfigError(f"unknown --backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
@@ -321,7 +322,9 @@ def load_encoder(
         raise ConfigError(f"unknown --precision {precision!r}; choose one of: {', '.join(PRECISION_CHOICES)}")
     if num_threads is not None and num_threads < 1:
         raise ConfigError(f"--num_threads must be at least 1, got {num_threads}")
-    if not os.path.exists(path_or_preset) and path_or_preset in PRESET_NAMES:
+    presets = list_presets()
+    preset = path_or_preset in presets and not os.path.exists(path_or_preset)
+    if preset or (is_preset_file(path_or_preset) and os.path.isfile(path_or_preset)):  # a name, or a preset file
         if backend not in ("auto", "torch"):
             raise ConfigError(
                 f"preset {path_or_preset} runs on torch; export a trained checkpoint for --backend {backend!r}"
@@ -330,7 +333,7 @@ def load_encoder(
     if not os.path.exists(path_or_preset):
         raise MissingFileError(
             f"--model {path_or_preset}: no such model folder, and not a preset (one of: "
-            f"{', '.join(sorted(PRESET_NAMES))})"
+            f"{', '.join(presets)}; or a preset .json file)"
         )
     return open_encoder(path_or_preset, backend, precision, num_threads=num_threads, allow_spinning=allow_spinning)
 

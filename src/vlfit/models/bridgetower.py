@@ -261,8 +261,3 @@ class BridgeTowerFamily(ModelFamily):
         return info_nce(
             terms, embeddings.shared["logit_scale"], gather=global_negatives, image_keys=image_keys_in(rows)
         )
-
-
-def preset_config(name: str) -> BridgeTowerConfig:
-    """The ``BridgeTowerConfig`` of a BridgeTower preset (``BridgeTowerFamily().preset_config``)."""
-    return BridgeTowerFamily().preset_config(name)
