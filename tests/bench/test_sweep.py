@@ -29,11 +29,12 @@ MODES = ("loader", "train")
 def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], str]:
     """One tiny sweep over both modes, three pipelines and 0/1 workers, with --auto, --compare_bf16,
     --compare_attention and --compare_compile (aot_eager: inductor's graph capture without its code generation,
-    which takes minutes)."""
+    which takes minutes). Two timed steps a window: what is checked is the fields and how they relate, not the
+    rates."""
     out = tmp_path_factory.mktemp("bench")
-    code, results, stdout = run_bench(out, *TINY, "--mode", "loader,train", "--pipelines", ",".join(PIPELINES),
-                                      "--workers", "0,1", "--auto", "--compare_bf16",
-                                      "--compare_compile", "--torch_compile_backend", "aot_eager",
+    code, results, stdout = run_bench(out, *TINY, "--steps", "2", "--mode", "loader,train",
+                                      "--pipelines", ",".join(PIPELINES), "--workers", "0,1", "--auto",
+                                      "--compare_bf16", "--compare_compile", "--torch_compile_backend", "aot_eager",
                                       "--compare_attention")  # fmt: skip
     assert code == 0 and results is not None
     return out, results, stdout
@@ -68,7 +69,7 @@ def test_bench_json_has_every_field_with_consistent_values(bench_run) -> None:
         assert row["speedup_vs_reference"] > 0
         assert row["peak_host_rss_mib"] > 50  # at least the Python process with torch loaded
         assert row["peak_device_memory_mib"] is None  # CPU
-        # Three timed steps on a shared machine can read above the ceiling: the flag says so when they do.
+        # Two timed steps on a shared machine can read above the ceiling: the flag says so when they do.
         assert row["above_ceiling"] is (row["mode"] == "train" and rate > ceiling * (1 + tolerance))
         if row["pipeline"] == "reference" and row["workers"] == 0:
             assert row["speedup_vs_reference"] == pytest.approx(1.0)
