@@ -139,6 +139,14 @@ def test_a_chunked_body_over_the_limit_is_refused_too(client, train_records) -> 
 
 
 @pytest.mark.slow
+def _labels_of(exposition: str, sample: str) -> list[dict[str, str]]:
+    """The label sets of ``sample`` in a Prometheus text exposition (whose label order is free)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = text_string_to_metric_families(exposition)
+    return [s.labels for family in families for s in family.samples if s.name == sample]
+
+
 def test_health_metrics_and_page(client, engine) -> None:
     health = client.get("/api/health").json()
     assert health["status"] == "ok" and health["items"] == len(engine.snapshot) == 64
@@ -147,7 +155,7 @@ def test_health_metrics_and_page(client, engine) -> None:
     text = client.get("/metrics").text
     assert 'vlfit_requests_total{route="/api/search",status="200"}' in text
     assert 'vlfit_requests_total{route="/api/image/{item}",status="404"}' in text
-    assert 'vlfit_request_seconds_bucket{route="/api/search",le="+Inf"}' in text
+    assert {"route": "/api/search", "le": "+Inf"} in _labels_of(text, "vlfit_request_seconds_bucket")
     assert "vlfit_index_items 64" in text and "vlfit_search_batch_size_count" in text
     page = client.get("/")
     assert page.status_code == 200 and 'id="query"' in page.text
@@ -172,7 +180,7 @@ def test_concurrent_text_queries_are_batched_and_answered_as_alone(engine, train
     together, alone, metrics = asyncio.run(run())
     assert together[:4] == alone
     (line,) = [line for line in metrics.splitlines() if line.startswith("vlfit_search_batch_size_count")]
-    count = int(line.split()[-1])
+    count = float(line.split()[-1])  # the exposition format's numbers are floats ("17.0")
     assert count < len(captions) + 4  # fewer batches than queries: some were embedded together
 
 

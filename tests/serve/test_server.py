@@ -1,13 +1,14 @@
 """The real ``vlfit serve`` process on a free loopback port: queried over HTTP, driven from headless Chromium, and
 stopped by SIGTERM with a request in flight (answered; exit 0). One server for the module; every request has a
-timeout. ``--workers N`` hands its settings to uvicorn's worker processes through the environment: that hand-off is
-checked in-process (a second real start, with two model loads, costs more of the test budget than it adds)."""
+timeout. ``--workers N`` hands its settings to uvicorn's worker processes through the environment (checked
+in-process), and one real two-worker start checks that ``/metrics`` counts both workers' requests."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -163,6 +164,44 @@ def test_worker_processes_build_their_app_from_the_settings_in_the_environment(s
         health = client.get("/api/health").json()
         assert health["status"] == "ok" and health["index"] == str(served_index.resolve())
         assert client.app.state.batcher.max_batch == 3
+
+
+def _requests_counted(text: str, route: str) -> float:
+    pattern = rf'^vlfit_requests_total{{route="{re.escape(route)}",status="200"}} (\S+)$'
+    return sum(float(value) for value in re.findall(pattern, text, flags=re.M))
+
+
+def test_with_two_workers_metrics_counts_the_requests_of_every_worker(served_index, tmp_path) -> None:
+    import psutil
+
+    from vlfit.serve.launch import kill_process_tree, start_server
+
+    port = free_port()
+    base, log = f"http://127.0.0.1:{port}", tmp_path / "server.log"
+    flags = ["--index", str(served_index), "--workers", "2", "--reload_interval", "0"]
+    env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    process = start_server(flags, port, str(log), timeout=START_TIMEOUT, env=env)
+    try:
+        # A new connection per page request (the kernel hands it to either worker, once both have loaded), until
+        # both have answered some; /api/health on the same connection says which worker holds it.
+        pids, pages, deadline = set(), 0, time.monotonic() + START_TIMEOUT
+        while len(pids) < 2 or pages < 6:
+            assert time.monotonic() < deadline, f"one worker answered every connection: {pids}"
+            with httpx.Client(base_url=base, timeout=REQUEST_TIMEOUT) as client:
+                pids.add(client.get("/api/health").json()["pid"])
+                assert client.get("/").status_code == 200
+                pages += 1
+        time.sleep(0.5)  # a worker counts a request just after answering it
+        for _ in range(4):  # new connections: whichever worker answers counts the other's requests too
+            assert _requests_counted(httpx.get(f"{base}/metrics", timeout=REQUEST_TIMEOUT).text, "/") == pages
+        workers = psutil.Process(process.pid).children()
+        (folder,) = {psutil.Process(worker.pid).environ().get("PROMETHEUS_MULTIPROC_DIR") for worker in workers}
+        assert folder and os.path.isdir(folder)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0, log.read_text()[-3000:]
+        assert not os.path.exists(folder)  # the counts' folder goes with the server
+    finally:
+        kill_process_tree(process)
 
 
 def test_a_busy_port_or_a_foreign_host_is_refused_in_one_line_before_anything_loads(tmp_path, capsys) -> None:

@@ -3,17 +3,21 @@
     vlfit serve --index runs/index [--host 127.0.0.1] [--port 8000] [--workers 1]
 
 The model (or its exported graphs, as ``--backend auto`` picks for ``vlfit retrieve query``) and the index are
-loaded once per worker process; see ``vlfit.serve.app`` for the routes. SIGTERM or Ctrl-C finishes the requests in
-flight, then exits 0.
+loaded once per worker process; see ``vlfit.serve.app`` for the routes. With ``--workers N``, ``/metrics`` counts
+the requests of every worker (prometheus_client's multiprocess mode, in a temporary folder removed at exit).
+SIGTERM or Ctrl-C finishes the requests in flight, then exits 0.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import signal
 import socket
+import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -138,5 +142,24 @@ def main(argv: list[str] | None = None) -> int:
         uvicorn.run(build_app(args), **common)  # loads the model before binding: the port opens ready
     else:
         os.environ[SETTINGS_ENV] = json.dumps(asdict(args))
-        uvicorn.run("vlfit.commands.serve:app_from_environment", factory=True, workers=args.workers, **common)
+        with _metrics_folder():
+            uvicorn.run("vlfit.commands.serve:app_from_environment", factory=True, workers=args.workers, **common)
     return 0
+
+
+@contextlib.contextmanager
+def _metrics_folder() -> Iterator[str]:
+    """A fresh folder as ``PROMETHEUS_MULTIPROC_DIR`` while the workers run (they inherit it; prometheus_client
+    counts in it, and each worker's ``/metrics`` sums every worker's counts), removed at exit."""
+    from vlfit.serve.metrics import MULTIPROCESS_ENV
+
+    before = os.environ.get(MULTIPROCESS_ENV)
+    with tempfile.TemporaryDirectory(prefix="vlfit-serve-metrics-") as folder:
+        os.environ[MULTIPROCESS_ENV] = folder
+        try:
+            yield folder
+        finally:
+            if before is None:
+                os.environ.pop(MULTIPROCESS_ENV, None)
+            else:
+                os.environ[MULTIPROCESS_ENV] = before

@@ -31,12 +31,13 @@ from importlib import resources
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from vlfit.errors import ConfigError, DataError, MissingFileError
 from vlfit.serve.batching import MicroBatcher
 from vlfit.serve.engine import MAX_K, Result, SearchEngine, check_k, thumbnail
+from vlfit.serve.metrics import MEDIA_TYPE as METRICS_MEDIA_TYPE
 from vlfit.serve.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -179,9 +180,9 @@ def create_app(
         return {"status": "ok", "pid": os.getpid(), **engine.description}  # pid: which worker process answered
 
     @app.get("/metrics")
-    async def prometheus() -> PlainTextResponse:
+    async def prometheus() -> Response:
         text = metrics.render(len(engine.snapshot), engine.generation)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+        return Response(text, media_type=METRICS_MEDIA_TYPE)
 
     @app.post("/api/reload")
     async def reload() -> dict[str, object]:

@@ -1,79 +1,71 @@
-"""The server's Prometheus metrics, in the text exposition format (``GET /metrics``).
+"""The server's Prometheus metrics (``GET /metrics``), kept by ``prometheus_client``.
 
 ``vlfit_requests_total{route, status}``, ``vlfit_request_seconds{route}`` (a latency histogram), the micro-batches'
 sizes (``vlfit_search_batch_size``), and gauges of the served index (``vlfit_index_items``,
 ``vlfit_index_generation``). Routes are the app's route templates (``/api/image/{item}``), never raw paths, so a
 client cannot grow the label set.
+
+With ``PROMETHEUS_MULTIPROC_DIR`` set (``vlfit serve --workers N`` sets it to a fresh folder before the workers
+start), every worker writes its counts there and ``/metrics`` sums the folder (prometheus_client's multiprocess
+mode): any worker answers with the counts of all of them. The index gauges are the answering worker's view of the
+index (each worker loads and reloads the same folder).
 """
 
 from __future__ import annotations
 
-import threading
-from bisect import bisect_left
-from collections import defaultdict
+import os
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's switch to its multiprocess mode
+MEDIA_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # the text format generate_latest writes
 
 
-class Histogram:
-    """Cumulative-bucket histogram of observations (Prometheus ``histogram`` semantics)."""
+class _IndexGauges:
+    """A collector of the served index's size and generation, as given at collection time."""
 
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
-        self.total = 0.0
-        self.count = 0
+    def __init__(self, items: int, generation: int) -> None:
+        self.items, self.generation = items, generation
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.buckets, value)] += 1
-        self.total += value
-        self.count += 1
-
-    def lines(self, name: str, labels: str) -> list[str]:
-        out, running = [], 0
-        sep = "," if labels else ""
-        for bound, count in zip((*self.buckets, float("inf")), self.counts, strict=True):
-            running += count
-            le = "+Inf" if bound == float("inf") else f"{bound:g}"
-            out.append(f'{name}_bucket{{{labels}{sep}le="{le}"}} {running}')
-        label_part = f"{{{labels}}}" if labels else ""
-        out += [f"{name}_sum{label_part} {self.total:.6f}", f"{name}_count{label_part} {self.count}"]
-        return out
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("vlfit_index_items", "Items in the served index.", value=self.items)
+        yield GaugeMetricFamily("vlfit_index_generation", "Index snapshots served so far.", value=self.generation)
 
 
 class ServerMetrics:
-    """Counters and histograms updated by the app; ``render`` gives the exposition text."""
+    """The app's counters and histograms (a registry of its own, so that two apps in one process count apart);
+    ``render`` gives the exposition text."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.requests: dict[tuple[str, int], int] = defaultdict(int)
-        self.latency: dict[str, Histogram] = {}
-        self.batch_sizes = Histogram(BATCH_BUCKETS)
+        self.registry = CollectorRegistry()
+        # prometheus_client picks mmap'ed values at import when the variable is set: collect the same way.
+        self.multiprocess = bool(os.environ.get(MULTIPROCESS_ENV))
+        self.requests = Counter("vlfit_requests", "HTTP requests answered, by route and status.",
+                                ["route", "status"], registry=self.registry)  # fmt: skip
+        self.latency = Histogram("vlfit_request_seconds", "Time to answer a request.", ["route"],
+                                 buckets=LATENCY_BUCKETS, registry=self.registry)  # fmt: skip
+        self.batch_sizes = Histogram("vlfit_search_batch_size", "Text queries per encoder batch.",
+                                     buckets=BATCH_BUCKETS, registry=self.registry)  # fmt: skip
 
     def observe_request(self, route: str, status: int, seconds: float) -> None:
-        with self._lock:
-            self.requests[(route, status)] += 1
-            self.latency.setdefault(route, Histogram(LATENCY_BUCKETS)).observe(seconds)
+        self.requests.labels(route=route, status=str(status)).inc()
+        self.latency.labels(route=route).observe(seconds)
 
     def observe_batch(self, size: int) -> None:
-        with self._lock:
-            self.batch_sizes.observe(size)
+        self.batch_sizes.observe(size)
 
-    def render(self, index_items: int, generation: int) -> str:
-        with self._lock:
-            lines = ["# HELP vlfit_requests_total HTTP requests answered, by route and status.",
-                     "# TYPE vlfit_requests_total counter"]  # fmt: skip
-            for (route, status), count in sorted(self.requests.items()):
-                lines.append(f'vlfit_requests_total{{route="{route}",status="{status}"}} {count}')
-            lines += ["# HELP vlfit_request_seconds Time to answer a request.",
-                      "# TYPE vlfit_request_seconds histogram"]  # fmt: skip
-            for route, histogram in sorted(self.latency.items()):
-                lines += histogram.lines("vlfit_request_seconds", f'route="{route}"')
-            lines += ["# HELP vlfit_search_batch_size Text queries per encoder batch.",
-                      "# TYPE vlfit_search_batch_size histogram"]  # fmt: skip
-            lines += self.batch_sizes.lines("vlfit_search_batch_size", "")
-        lines += ["# HELP vlfit_index_items Items in the served index.", "# TYPE vlfit_index_items gauge",
-                  f"vlfit_index_items {index_items}", "# HELP vlfit_index_generation Index snapshots served so far.",
-                  "# TYPE vlfit_index_generation gauge", f"vlfit_index_generation {generation}"]  # fmt: skip
-        return "\n".join(lines) + "\n"
+    def render(self, index_items: int, generation: int) -> bytes:
+        """The exposition text: this process's counts, or in multiprocess mode every worker's, summed."""
+        if self.multiprocess:
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)
+        else:
+            registry = self.registry
+        gauges = CollectorRegistry()
+        gauges.register(_IndexGauges(index_items, generation))
+        return generate_latest(registry) + generate_latest(gauges)
