@@ -21,7 +21,7 @@ from tests.models.test_transformers_parity import (
 )
 from vlfit import __version__
 from vlfit.arguments import ModelArguments
-from vlfit.model_card import MODEL_CARD_FILE, write_model_card
+from vlfit.model_card import MODEL_CARD_FILE, WiseFtMix, write_model_card
 from vlfit.models.loading import load_model_bundle
 
 METRICS = {"eval_text_to_image_recall@1": 0.123456, "train_loss": 2.5, "epoch": 3.0}
@@ -164,3 +164,20 @@ def test_a_mix_names_both_models_and_alpha_and_a_linear_probe_claims_no_fine_tun
     save_classifier(str(tmp_path / "clf"), bundle.save, LinearHead(torch.randn(2, 64), torch.zeros(2)), info)
     _, body = read_card(tmp_path / "clf" / MODEL_FOLDER)
     assert f"holds the weights of `{tmp_path / 'src'}`, unchanged" in body and "fine-tuned version" not in body
+
+
+def test_names_the_hub_refuses_as_repository_ids_stay_out_of_the_header(tmp_path):
+    from huggingface_hub import ModelCard
+
+    base, refused = "openai/clip-vit-base-patch32", ["team/captions--v2", "team/flickr.git", "someone/clip-ft..old"]
+    write_model_card(str(tmp_path / "run"), family_name="clip", base_model=refused[2], preset=None,
+                     datasets=["nlphuji/flickr30k", *refused[:2]], metrics=None, command_line=None)  # fmt: skip
+    header, body = read_card(tmp_path / "run")
+    assert header["datasets"] == ["nlphuji/flickr30k"] and "base_model" not in header  # not repositories
+    assert all(f"`{name}`" in body for name in refused)  # named in the text, not linked to the hub
+    card = ModelCard.load(tmp_path / "run" / MODEL_CARD_FILE)  # as the hub library reads it, offline
+    assert card.data.to_dict() == header
+
+    write_model_card(str(tmp_path / "mix"), family_name="clip", base_model=None, preset=None, datasets=[],
+                     metrics=None, command_line=None, mix=WiseFtMix(0.5, base, refused[0]))  # fmt: skip
+    assert read_card(tmp_path / "mix")[0]["base_model"] == [base]

@@ -6,24 +6,26 @@ metrics, the command line that made it, the versions, and how plain transformers
 images as vlfit did. The first sentence says what the model is: a fine-tuning of a checkpoint, a preset trained from
 scratch, a checkpoint's weights unchanged (a few-shot classifier's linear probe) or a WiSE-FT mix of two models (both
 named, with alpha; the hub's ``base_model_relation: merge``). As the Trainer does, ``base_model`` and ``datasets``
-in the header name hub repositories only: a local folder is named in the body, never in the metadata (the hub reads
-those keys as repository ids).
+in the header name hub repositories only: a local folder, or a name the hub refuses as a repository id
+(``huggingface_hub``'s ``validate_repo_id``: ``--``, ``..``, a ``.git`` end, over 96 characters), is named in the
+body, never in the metadata (the hub reads those keys as repository ids). The card is a ``huggingface_hub``
+``ModelCard`` whose header is a ``ModelCardData`` (tags without repeats, no empty keys), written offline.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
+from huggingface_hub import ModelCard, ModelCardData
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from vlfit.atomic_files import write_text_atomically
 
 MODEL_CARD_FILE = "README.md"
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+_HEADER_ORDER = ["library_name", "license", "base_model", "base_model_relation", "tags", "datasets", "pipeline_tag"]
 
 
 @dataclass(frozen=True)
@@ -88,9 +90,17 @@ similarity = text_embeds @ image_embeds.T""",
 }
 
 
+def _is_hub_id(name: str) -> bool:
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
 def _hub_ids(names: Sequence[str]) -> list[str]:
-    """The names that can be hub repositories: not local paths."""
-    return [name for name in names if _HUB_ID.match(name) and not os.path.exists(name)]
+    """The names that can be hub repositories (as the hub's own id rules say): not local paths."""
+    return [name for name in names if _is_hub_id(name) and not os.path.exists(name)]
 
 
 def _base_models(base_model: str | None, mix: WiseFtMix | None) -> list[str]:
@@ -107,7 +117,7 @@ def _metadata(
     license: str,
     adapters: bool,
     mix: WiseFtMix | None,
-) -> dict[str, Any]:
+) -> ModelCardData:
     usage = _USAGE.get(family_name)
     metadata: dict[str, Any] = {"library_name": "peft" if adapters else "transformers", "license": license}
     bases = _hub_ids(_base_models(base_model, mix))
@@ -124,7 +134,7 @@ def _metadata(
         metadata["datasets"] = hub_datasets
     if usage is not None and usage.pipeline_tag is not None:
         metadata["pipeline_tag"] = usage.pipeline_tag
-    return metadata
+    return ModelCardData(**metadata)
 
 
 def _format_value(value: Any) -> str:
@@ -279,11 +289,10 @@ def write_model_card(
     title = usage.title if usage else family_name
     folder_name = os.path.basename(os.path.abspath(output_dir))
     datasets = list(datasets)
-    header = yaml.safe_dump(_metadata(family_name, base_model, datasets, license, adapters, mix), sort_keys=False)
+    header = _metadata(family_name, base_model, datasets, license, adapters, mix).to_yaml(original_order=_HEADER_ORDER)
     origin = _origin(title, base_model, preset, datasets, fine_tuned=fine_tuned, mix=mix)
     bases = _base_models(base_model, mix)
     parts = [
-        f"---\n{header}---\n",
         f"# {folder_name}\n",
         origin + (f" {how_made.strip()}" if how_made else "") + "\n",
         "## Results\n",
@@ -295,9 +304,11 @@ def write_model_card(
         "## License\n",
         f"`{license}`" + (_see_licenses(len(bases)) if license == "other" else "") + "\n",
     ]
+    # Parsed back as the hub parses a card: a header that is not hub metadata fails here, not on the hub.
+    card = ModelCard(f"---\n{header}\n---\n\n" + "\n".join(parts))
     path = os.path.join(output_dir, MODEL_CARD_FILE)
     os.makedirs(output_dir, exist_ok=True)
-    write_text_atomically(path, "\n".join(parts))
+    write_text_atomically(path, str(card))
     return path
 
 
