@@ -57,8 +57,12 @@ def test_exception_in_worker_names_the_worker() -> None:
         def __getitem__(self, index: int) -> Any:
             raise KeyError(f"no row {index}")
 
+    batches = iter(DataLoader(Failing(0, ""), batch_size=2, num_workers=2))
     with pytest.raises(KeyError, match=r"Caught KeyError in DataLoader worker process \d"):
-        next(iter(DataLoader(Failing(0, ""), batch_size=2, num_workers=2)))
+        next(batches)
+    # Its workers stopped now (what the iterator does when it is used up): a garbage collection in a later test
+    # would finalize their queues before telling them to stop, and wait 5 s for each.
+    batches._shutdown_workers()
 
 
 # SIGKILL only: both ways of dying reach the training loop as the same DataLoader error (checked above).

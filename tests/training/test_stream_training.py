@@ -272,6 +272,7 @@ def test_processes_agree_on_the_fewest_batches_any_has(two_process_results) -> N
 
 
 @pytest.mark.slow
+@pytest.mark.slow
 def test_a_short_streamed_run_that_lost_too_many_samples_ends_with_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
