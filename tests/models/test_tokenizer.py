@@ -39,3 +39,20 @@ def test_empty_captions_are_ignored_but_all_empty_is_an_error():
 
     with pytest.raises(ValueError, match="caption"):
         train_caption_tokenizer(["", "  ", None], vocab_size=512)
+
+
+def test_the_input_spec_tokenizes_captions_as_every_site_did():
+    from vlfit.models.family import InputSpec
+    from vlfit.models.loading import with_attention_mask
+
+    tok = with_attention_mask(train_caption_tokenizer(CAPTIONS, vocab_size=512))
+    spec = InputSpec(32, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), tok, max_seq_length=16)
+    texts = [CAPTIONS[0] * 3, "one green cross."]
+    tokens = spec.tokenize(texts)
+    expected = tok(texts, max_length=16, truncation=True, padding="longest", return_tensors="pt")
+    assert set(tokens) == {"input_ids", "attention_mask"}
+    assert tokens["input_ids"].tolist() == expected["input_ids"].tolist() and tokens["input_ids"].shape[1] == 16
+    assert tokens["attention_mask"].tolist() == expected["attention_mask"].tolist()
+    short = spec.tokenize(["one green cross."], multiple_of_8=True)  # training batches: a multiple of 8 tokens
+    assert short["input_ids"].shape[1] == 8 and short["attention_mask"][0].sum() < 8
+    assert spec.tokenize(["one green cross."])["input_ids"].shape[1] < 8  # elsewhere the longest caption's length

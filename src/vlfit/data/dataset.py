@@ -28,7 +28,7 @@ from vlfit.data.decode import DecodeError
 from vlfit.data.hard_negatives import alternative_captions, tokenize_alternatives
 from vlfit.data.image_transforms import EncodedImage, stack_images
 from vlfit.data.records import BadRecordError, Record
-from vlfit.models.family import IMAGE_KEYS
+from vlfit.models.family import IMAGE_KEYS, tokenize_captions
 
 if TYPE_CHECKING:
     from vlfit.data.source_base import ImageTextSource
@@ -236,14 +236,8 @@ class ImageTextCollator:
         samples = [sample for sample in samples if sample.image is not None]
         if not samples:
             return Batch.empty(bad_samples, stream_positions)
-        text = self.tokenizer(
-            [sample.caption or "" for sample in samples],
-            max_length=self.max_seq_length,
-            truncation=True,
-            padding="longest",
-            # transformers refuses a truncation length that is not a multiple of pad_to_multiple_of.
-            pad_to_multiple_of=8 if self.max_seq_length % 8 == 0 else None,
-            return_tensors="pt",
+        text = tokenize_captions(
+            self.tokenizer, [sample.caption or "" for sample in samples], self.max_seq_length, multiple_of_8=True
         )
         inputs = {
             "input_ids": text["input_ids"],

@@ -21,6 +21,7 @@ import torch
 from vlfit.errors import DataError
 from vlfit.models.family import HARD_NEGATIVE_ATTENTION_MASK as ATTENTION_MASK
 from vlfit.models.family import HARD_NEGATIVE_INPUT_IDS as INPUT_IDS
+from vlfit.models.family import tokenize_captions
 
 CHOICE_LETTERS = "ABCDE"
 
@@ -83,7 +84,7 @@ def tokenize_alternatives(
     if not flat:
         empty = torch.zeros(rows, 0, 1, dtype=torch.long)
         return {INPUT_IDS: empty, ATTENTION_MASK: empty.clone()}
-    tokens = tokenizer(flat, max_length=max_seq_length, truncation=True, padding="longest", return_tensors="pt")
+    tokens = tokenize_captions(tokenizer, flat, max_seq_length)
     length = tokens["input_ids"].shape[1]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     input_ids = torch.full((rows, most, length), pad_id, dtype=tokens["input_ids"].dtype)

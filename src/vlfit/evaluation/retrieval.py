@@ -25,7 +25,7 @@ from vlfit.data.hard_negatives import label_to_index
 from vlfit.data.image_groups import group_images
 from vlfit.errors import DataError
 from vlfit.inference.recall import matching_accuracy, pooled_recall_at_k
-from vlfit.models.family import IMAGE_KEYS, ModelFamily
+from vlfit.models.family import IMAGE_KEYS, ModelFamily, tokenize_captions
 from vlfit.models.sharding import unsharded
 
 logger = logging.getLogger(__name__)
@@ -97,10 +97,9 @@ def embed_split(
                     part.choices = part.labels = None
                     continue
                 flat = [str(choice) for sample in batch_choices for choice in sample]
-                tokens = tokenizer(
-                    flat, max_length=max_seq_length, truncation=True, padding="longest", return_tensors="pt"
-                ).to(device)
-                embeds = family.encode_text(model, tokens["input_ids"], tokens["attention_mask"]).float().cpu()
+                tokens = tokenize_captions(tokenizer, flat, max_seq_length)
+                input_ids, attention_mask = tokens["input_ids"].to(device), tokens["attention_mask"].to(device)
+                embeds = family.encode_text(model, input_ids, attention_mask).float().cpu()
                 part.choices.append(embeds.view(len(batch_choices), len(batch_choices[0]), -1))
                 part.labels.append(torch.tensor([label_to_index(label) for label in batch_labels]))  # type: ignore[union-attr]
     if was_training:

@@ -151,10 +151,9 @@ def zeroshot_metrics(
     was_training = model.training
     model.eval()
     split, device = zeroshot.split, pipeline.device
-    tokenizer, max_length = pipeline.inputs.tokenizer, pipeline.inputs.max_seq_length
 
     def embed_texts(texts: list[str]) -> torch.Tensor:
-        tokens = tokenizer(texts, max_length=max_length, truncation=True, padding="longest", return_tensors="pt")
+        tokens = pipeline.inputs.tokenize(texts)
         with autocast():
             return family.encode_text(model, tokens["input_ids"].to(device), tokens["attention_mask"].to(device))
 

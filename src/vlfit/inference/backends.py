@@ -57,10 +57,7 @@ class Encoder(ABC):
 
     def tokenize(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
         """Token ids and attention mask of ``texts``, truncated and padded as the collator does."""
-        tokens = self.spec.tokenizer(
-            list(texts), max_length=self.spec.max_seq_length, truncation=True, padding="longest", return_tensors="pt"
-        )
-        return {"input_ids": tokens["input_ids"], "attention_mask": tokens["attention_mask"]}
+        return self.spec.tokenize(texts)
 
     def embed_texts(self, texts: Sequence[str]) -> torch.Tensor:
         """Caption strings -> float32 ``[len(texts), D]``."""

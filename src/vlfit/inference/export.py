@@ -308,11 +308,7 @@ def export_model(
 
 
 def _tokenize(loaded: LoadedCheckpoint, texts: list[str]) -> dict[str, torch.Tensor]:
-    spec = loaded.spec
-    tokens = spec.tokenizer(
-        texts, max_length=spec.max_seq_length, truncation=True, padding="longest", return_tensors="pt"
-    )
-    return {"input_ids": tokens["input_ids"], "attention_mask": tokens["attention_mask"]}
+    return loaded.spec.tokenize(texts)
 
 
 def _openvino_default_precision(

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -63,6 +63,39 @@ class InputSpec:
     image_std: tuple[float, float, float]
     tokenizer: Any
     max_seq_length: int = 128
+
+    def tokenize(self, texts: Sequence[str], *, multiple_of_8: bool = False) -> dict[str, torch.Tensor]:
+        """``tokenize_captions`` with this spec's tokenizer and ``max_seq_length``."""
+        return tokenize_captions(self.tokenizer, texts, self.max_seq_length, multiple_of_8=multiple_of_8)
+
+
+def tokenize_captions(
+    tokenizer: Any, texts: Sequence[str], max_seq_length: int, *, multiple_of_8: bool = False
+) -> dict[str, torch.Tensor]:
+    """Token ids and attention mask of ``texts``, ``[len(texts), L]`` int64 each: every caption vlfit embeds or
+    trains on is tokenized here (``InputSpec.tokenize`` where the spec is at hand).
+
+    Captions are truncated to ``max_seq_length`` and padded to the longest in the batch, never to
+    ``max_seq_length``: shorter sequences are cheaper for every layer. Every family takes this, SigLIP included
+    (its own processor pads to ``max_length`` without a mask; its text tower here reads the mask instead, see
+    ``vlfit.models.siglip``).
+
+    Args:
+        tokenizer: A transformers tokenizer returning an attention mask (``vlfit.models.loading.with_attention_mask``).
+        texts: The captions.
+        max_seq_length: Truncation length.
+        multiple_of_8: Pad to a multiple of 8 tokens when ``max_seq_length`` is one (tensor-core friendly
+            shapes for training batches; transformers refuses a truncation length that is not a multiple of it).
+    """
+    tokens = tokenizer(
+        list(texts),
+        max_length=max_seq_length,
+        truncation=True,
+        padding="longest",
+        pad_to_multiple_of=8 if multiple_of_8 and max_seq_length % 8 == 0 else None,
+        return_tensors="pt",
+    )
+    return {"input_ids": tokens["input_ids"], "attention_mask": tokens["attention_mask"]}
 
 
 def pipeline_image_processing(inputs: InputSpec) -> dict[str, Any]:
