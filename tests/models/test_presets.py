@@ -43,6 +43,7 @@ def test_every_preset_builds_the_parameters_it_always_had():
         assert sum(p.numel() for p in model.parameters()) == expected, name
 
 
+@pytest.mark.slow
 def test_listing_the_presets_imports_neither_torch_nor_transformers():
     code = (
         "import sys, vlfit, vlfit.arguments; names = vlfit.list_presets(); "

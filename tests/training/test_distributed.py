@@ -197,6 +197,7 @@ def test_fsdp_with_hard_negatives_is_refused_before_the_data_opens(tmp_path, syn
         setup_run(ModelArguments(model_preset="tiny"), data, args)
 
 
+@pytest.mark.slow
 def test_unreachable_rendezvous_fails_within_ddp_timeout(tmp_path, synthetic_dataset_dir, monkeypatch, capsys):
     port = free_port()  # nobody listens there
     # Process 1 of a launch whose process 0 never started: in this process, as the CLI runs it.
