@@ -138,7 +138,6 @@ def test_a_chunked_body_over_the_limit_is_refused_too(client, train_records) -> 
     _good_query_still_works(client, train_records[0].caption)
 
 
-@pytest.mark.slow
 def _labels_of(exposition: str, sample: str) -> list[dict[str, str]]:
     """The label sets of ``sample`` in a Prometheus text exposition (whose label order is free)."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -147,6 +146,7 @@ def _labels_of(exposition: str, sample: str) -> list[dict[str, str]]:
     return [s.labels for family in families for s in family.samples if s.name == sample]
 
 
+@pytest.mark.slow
 def test_health_metrics_and_page(client, engine) -> None:
     health = client.get("/api/health").json()
     assert health["status"] == "ok" and health["items"] == len(engine.snapshot) == 64
