@@ -31,6 +31,7 @@ from PIL import Image, ImageOps
 from vlfit.data.image_transforms import FastImageTransform, hwc_to_chw_view, resize_crop_uint8, stack_images
 from vlfit.errors import ConfigError, DataError, MissingFileError, python_api, unknown_keywords
 from vlfit.inference.backends import Encoder, load_encoder
+from vlfit.inference.query import Hit
 
 # What encode_images takes, each item on its own: a path, encoded bytes, a PIL image or a uint8 HWC (or HW) array.
 ImageInput = str | os.PathLike | bytes | Image.Image | np.ndarray
@@ -238,14 +239,7 @@ def evaluate(**flags: Any) -> RunResult:
 # ----------------------------------------------------------------------------------------------------- the index
 
 
-@dataclass(frozen=True)
-class SearchHit:
-    """One result of ``Index.search``: the item's id (its path in the image folder, or the dataset image's id),
-    its cosine score, and the image's captions when the index stores them."""
-
-    id: str
-    score: float
-    captions: list[str] | None = None
+SearchHit = Hit  # one result of ``Index.search``: the one hit type of every search (``vlfit.inference.query.Hit``)
 
 
 class Index:
@@ -372,9 +366,8 @@ class Index:
         if isinstance(queries, np.ndarray):
             embeddings = torch.from_numpy(self._query_embeddings(queries))
         else:
-            embeddings = torch.from_numpy(self.model.encode_texts(_strings("queries", queries)))
-        hits = search(self._index, embeddings, k)
-        results = [[SearchHit(hit.id, hit.score, hit.captions) for hit in row] for row in hits]
+            embeddings = torch.from_numpy(self.model.encode_texts(_strings("queries", queries)))  # a view: no copy
+        results = search(self._index, embeddings, k)
         return results[0] if single else results
 
     def _query_embeddings(self, queries: np.ndarray) -> np.ndarray:

@@ -238,10 +238,10 @@ def test_an_item_of_several_captions_is_served_with_all_of_them(synthetic_datase
                       image_id_column="image_id")  # fmt: skip
     engine = SearchEngine(str(tmp_path / "index"))
     (results,) = engine.search(engine.embed_texts(["picture 2 caption 0"]), 3)
-    assert len(results) == 3 and len({result.item for result in results}) == 3
+    assert len(results) == 3 and len({result["item"] for result in results}) == 3
     for result in results:
-        number = int(result.item.split("-")[1])
-        body = result.to_dict()
+        number = int(result["item"].split("-")[1])
+        body = result  # the engine answers with the server's JSON results
         assert body["captions"] == captions_of(number) and body["caption"] == captions_of(number)[0]
-        assert engine.snapshot.image_bytes(result.id) == jpeg(number)
+        assert engine.snapshot.image_bytes(result["id"]) == jpeg(number)
     assert len(engine.snapshot) == IMAGES

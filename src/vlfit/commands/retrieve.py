@@ -21,7 +21,7 @@ from vlfit.inference.ann import DEFAULT_MAX_INDEX_MEMORY, DEFAULT_TARGET_RECALL,
 from vlfit.inference.backends import open_encoder
 from vlfit.inference.collection import COLLECTION_KEYS, ShardCollection, open_image_collection
 from vlfit.inference.index import MANIFEST_NAME, EmbeddingIndex, build_index, refuse_other_model
-from vlfit.inference.query import Query, embed_queries, read_queries, search
+from vlfit.inference.query import Hit, Query, embed_queries, read_queries, search
 from vlfit.inference.topk import DEFAULT_CHUNK_ELEMENTS
 
 SUBCOMMANDS = ("index", "query")
@@ -260,7 +260,7 @@ def run_query(argv: list[str]) -> int:
     results = search(index, embeddings, args.k, chunk_elements=args.chunk_elements, exact=args.exact)
     if args.json:
         out = [
-            {"query": q.description, "results": [hit.to_dict() for hit in hits]}
+            {"query": q.description, "results": [_hit_json(hit) for hit in hits]}
             for q, hits in zip(queries, results, strict=True)
         ]
         print(json.dumps({"model": encoder.description, "queries": out}, indent=1))
@@ -272,6 +272,11 @@ def run_query(argv: list[str]) -> int:
                 for caption in hit.captions or ():
                     print(f"{'':>15}{caption}")
     return 0
+
+
+def _hit_json(hit: Hit) -> dict[str, object]:
+    """A hit in ``--json``: ``{"id", "score"}``, and ``"captions"`` when the index stores some."""
+    return {"id": hit.id, "score": hit.score, **({"captions": hit.captions} if hit.captions is not None else {})}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,13 +33,15 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import os
 import shutil
 import struct
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -54,6 +56,11 @@ from vlfit.errors import ConfigError, DataError, MissingFileError, first_line
 from vlfit.inference.backends import Encoder
 from vlfit.inference.collection import ImageFolderSource, ShardCollection, host_batches
 from vlfit.inference.identity import ModelIdentity
+
+if TYPE_CHECKING:
+    from vlfit.inference.ann import AnnIndex
+
+logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "index_manifest.json"
 STORAGES = ("safetensors", "npy")
@@ -134,6 +141,7 @@ class EmbeddingIndex:
             self.manifest = IndexManifest.from_dict(json.load(f))
         self.path = path
         self._item_captions: dict[str, list[str]] | None = None
+        self._held: tuple[list[str], torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return self.manifest.count
@@ -182,6 +190,47 @@ class EmbeddingIndex:
             return []
         removed = set(self.manifest.removed)
         return [row for row, item in enumerate(self.ids() if ids is None else ids) if item in removed]
+
+    # What a search reads, read once per EmbeddingIndex (one manifest): a server answers every query from one.
+
+    @cached_property
+    def row_ids(self) -> list[str]:
+        """The item id of each row: ``ids()``, read once (a list to read, not to change)."""
+        return self.ids()
+
+    @cached_property
+    def left_out_rows(self) -> list[int]:
+        """``removed_rows()``, read once, in increasing order: the rows no search returns."""
+        return self.removed_rows(self.row_ids)
+
+    @cached_property
+    def ann(self) -> AnnIndex | None:
+        """The ANN structure the manifest names (memory-mapped, re-ranking from the shards), opened once; None when
+        it names none or the file on disk is not the one it names (then searches scan the shards)."""
+        described = self.manifest.ann
+        if not described:
+            return None
+        from vlfit.inference.ann import ANN_FILE, AnnIndex
+
+        ann = AnnIndex.load(self.path, mmap=True, vectors=self.vectors())  # re-ranking reads the shards
+        if len(ann) != self.manifest.count or ann.description.get("ids_digest") != described.get("ids_digest"):
+            logger.warning("%s: %s does not match the manifest; scanning the shards", self.path, ANN_FILE)
+            return None
+        return ann
+
+    def hold_embeddings(self) -> torch.Tensor:
+        """Read every embedding into memory once (float32 ``[N, D]``): exact searches then scan it rather than
+        read the shard files again for each query (a server without an ANN structure)."""
+        if self._held is None:
+            self._held = (self.row_ids, self.embeddings().float())
+        return self._held[1]
+
+    def scanned_shards(self) -> Iterator[tuple[list[str], torch.Tensor]]:
+        """What an exact search scans, in row order: the embeddings held in memory as one part, else each shard."""
+        if self._held is not None:
+            yield self._held
+        else:
+            yield from self.shards()
 
     def embeddings(self) -> torch.Tensor:
         """Every embedding at once ``[N, D]`` (tests and small indexes; queries read shard by shard)."""

@@ -23,7 +23,6 @@ import numpy as np
 from vlfit.errors import UserError
 from vlfit.inference.ann import (
     ANN_DESCRIPTION,
-    ANN_FILE,
     DEFAULT_MAX_INDEX_MEMORY,
     AnnIndex,
     IndexChoice,
@@ -127,16 +126,9 @@ def update_ann(
 
 
 def open_ann(index: EmbeddingIndex) -> AnnIndex | None:
-    """The ANN structure the manifest of ``index`` names (memory-mapped, re-ranking from its shards), or None when
-    it names none or the file on disk is not the one it names (then queries scan the shards)."""
-    described = index.manifest.ann
-    if not described:
-        return None
-    ann = AnnIndex.load(index.path, mmap=True, vectors=index.vectors())  # re-ranking reads the shards
-    if len(ann) != index.manifest.count or ann.description.get("ids_digest") != described.get("ids_digest"):
-        logger.warning("%s: %s does not match the manifest; scanning the shards", index.path, ANN_FILE)
-        return None
-    return ann
+    """The ANN structure the manifest of ``index`` names (``EmbeddingIndex.ann``: memory-mapped, re-ranking from its
+    shards), or None when it names none or the file on disk is not the one it names (then queries scan the shards)."""
+    return index.ann
 
 
 __all__ = ["ids_digest", "open_ann", "update_ann"]

@@ -1,19 +1,22 @@
-"""Queries against an index: text or image queries embedded by the index's model, answered by its ANN structure
-when the manifest names one, else exactly, top-k by chunks, shard by shard.
+"""The one search of an index, and its one hit type: ``vlfit retrieve query``, ``vlfit.Index.search`` and
+``vlfit serve`` all answer through ``search``.
 
-The exact scan never holds the index whole: each shard's top k comes from ``chunked_topk`` (at most
-``chunk_elements`` scores at once) and is merged into the running top k, so a million-embedding index costs one shard
-and one chunk. The ANN structure (``vlfit.inference.index_ann``) is memory-mapped when it is an IVF index. Either
-way, items removed from their folder since they were indexed (the manifest's ``removed``) are left out, and results
-have the same form: ids with their cosine scores, best first.
+Queries (text or image, embedded by the index's model) are answered by the index's ANN structure when the manifest
+names one, else exactly: top-k by chunks, shard by shard (or over the embeddings a server holds in memory). The
+exact scan never holds the index whole: each shard's top k comes from ``chunked_topk`` (at most ``chunk_elements``
+scores at once) and is merged into the running top k, so a million-embedding index costs one shard and one chunk.
+The ANN structure (``EmbeddingIndex.ann``) is memory-mapped when it is an IVF index. Either way, items removed from
+their folder since they were indexed (the manifest's ``removed``) are left out, and results have the same form: a
+``Hit`` per item (its id, row, cosine score and captions), best first. Query embeddings stay torch tensors (what the
+encoders give) up to faiss, which reads them as a numpy view without a copy.
 """
 
 from __future__ import annotations
 
 import os
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,9 +26,6 @@ from vlfit.inference.backends import Encoder
 from vlfit.inference.collection import RecordListSource, host_batches
 from vlfit.inference.index import EmbeddingIndex
 from vlfit.inference.topk import DEFAULT_CHUNK_ELEMENTS, chunked_topk
-
-if TYPE_CHECKING:
-    from vlfit.inference.ann import AnnIndex
 
 # In a file of queries, a line starting with this is an image query (the rest is the image's path).
 IMAGE_PREFIX = "image:"
@@ -45,20 +45,15 @@ class Query:
 
 @dataclass(frozen=True)
 class Hit:
-    """One result: the item's id, its cosine score, and its captions when the index stores them (every caption of
-    the image, for a dataset split's items)."""
+    """One result of a search (``vlfit.SearchHit``): the item's id (its path in the image folder, or the dataset
+    image's id), its cosine score, its captions when the index stores them (every caption of the image, for a
+    dataset split's items), and its row in the index (stable while the index grows; ``vlfit serve`` names items by
+    it)."""
 
     id: str
     score: float
     captions: list[str] | None = None
-
-    def to_dict(self) -> dict[str, object]:
-        """``{"id", "score"}``, and ``"captions"`` when there are some."""
-        return {
-            "id": self.id,
-            "score": self.score,
-            **({"captions": self.captions} if self.captions is not None else {}),
-        }
+    row: int = -1
 
 
 def read_queries(path: str) -> list[Query]:
@@ -129,61 +124,69 @@ def search(
     queries: torch.Tensor,
     k: int,
     *,
-    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
     exact: bool = False,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
 ) -> list[list[Hit]]:
-    """The ``k`` best items of the index for each query embedding, best first.
+    """The ``k`` best items of the index for each query embedding, best first (fewer when fewer items are left).
+
+    What the index reads to answer (its ids, removed rows, ANN structure, captions; the embeddings when
+    ``hold_embeddings`` was called) is read once per ``EmbeddingIndex`` and kept for the next queries.
 
     Args:
         index: The index.
         queries: ``[Q, D]`` embeddings from the index's model.
         k: Results per query.
-        chunk_elements: Largest number of scores held at once (exact scan).
         exact: Scan the shards even when the index has an ANN structure.
+        chunk_elements: Largest number of scores held at once (exact scan).
     """
-    results = None
-    if not exact and index.manifest.ann:
-        from vlfit.inference.index_ann import open_ann
-
-        ann = open_ann(index)
-        if ann is not None:
-            results = _ann_search(index, ann, queries, k)
-    if results is None:
-        results = _exact_search(index, queries, k, chunk_elements)
+    ids, removed = index.row_ids, index.left_out_rows
+    wanted = min(k, len(ids) - len(removed))
+    if wanted <= 0:
+        return [[] for _ in range(queries.shape[0])]
+    queries = queries.float().contiguous()
+    ann = None if exact else index.ann
+    if ann is not None:
+        scores, rows = ann.search(queries.numpy(), wanted, exclude=removed)  # a view of the tensor: no copy
+        scores, rows = torch.from_numpy(scores), torch.from_numpy(rows)
+    else:
+        scores, rows = _exact_search(index, queries, wanted, chunk_elements)
     captions = index.item_captions()
-    if not captions:
-        return results
-    return [[Hit(hit.id, hit.score, captions.get(hit.id)) for hit in hits] for hits in results]
-
-
-def _ann_search(index: EmbeddingIndex, ann: AnnIndex, queries: torch.Tensor, k: int) -> list[list[Hit]]:
-    ids = index.ids()
-    scores, rows = ann.search(queries.float().numpy(), k, exclude=index.removed_rows(ids))
     return [
-        [Hit(ids[row], round(float(score), 6)) for score, row in zip(row_scores, row_rows, strict=True) if row >= 0]
+        [
+            Hit(ids[row], round(score, 6), captions.get(ids[row]) if captions else None, row)
+            for score, row in zip(row_scores, row_rows, strict=True)
+            if row >= 0
+        ]
         for row_scores, row_rows in zip(scores.tolist(), rows.tolist(), strict=True)
     ]
 
 
-def _exact_search(index: EmbeddingIndex, queries: torch.Tensor, k: int, chunk_elements: int) -> list[list[Hit]]:
-    removed = set(index.manifest.removed)
+def _exact_search(
+    index: EmbeddingIndex, queries: torch.Tensor, k: int, chunk_elements: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scores [Q, k], rows [Q, k])`` of the ``k`` best rows not removed (``k`` at most the rows left), by a scan
+    of each shard merged into the running top k."""
+    removed = index.left_out_rows
     best_scores = torch.empty(queries.shape[0], 0)
-    best_ids: list[list[str]] = [[] for _ in range(queries.shape[0])]
-    for shard_ids, shard_embeddings in index.shards():
-        ids, embeddings = shard_ids, shard_embeddings
-        if removed:
-            kept = [row for row, item in enumerate(shard_ids) if item not in removed]
-            ids, embeddings = [shard_ids[row] for row in kept], shard_embeddings[kept]
-        if not ids:
+    best_rows = torch.empty(queries.shape[0], 0, dtype=torch.long)
+    start = 0
+    for shard_ids, embeddings in index.scanned_shards():
+        count, first = len(shard_ids), start
+        start += count
+        gone = torch.tensor(removed[bisect_left(removed, first) : bisect_left(removed, start)], dtype=torch.long)
+        if count == len(gone):
             continue
-        scores, rows = chunked_topk(queries, embeddings, k, chunk_elements=chunk_elements)
-        merged = torch.cat([best_scores, scores], dim=1)
-        candidates = [previous + [ids[r] for r in row] for previous, row in zip(best_ids, rows.tolist(), strict=True)]
+        # Removed rows may be among the best: ask for that many more, then leave them out (no copy of the shard).
+        scores, rows = chunked_topk(queries, embeddings, min(count, k + len(gone)), chunk_elements=chunk_elements)
+        rows += first
+        if len(gone):
+            # Each query keeps at least min(k, count - len(gone)) rows: a stable sort puts them first, in order.
+            kept = torch.argsort(torch.isin(rows, gone).to(torch.int8), dim=1, stable=True)[
+                :, : min(k, count - len(gone))
+            ]
+            scores, rows = scores.gather(1, kept), rows.gather(1, kept)
         # Earlier shards first, so a stable sort keeps ties in index order.
-        best_scores, order = torch.sort(merged, dim=1, descending=True, stable=True)
+        best_scores, order = torch.sort(torch.cat([best_scores, scores], dim=1), dim=1, descending=True, stable=True)
         best_scores, order = best_scores[:, :k], order[:, :k]
-        best_ids = [[row_ids[j] for j in row] for row_ids, row in zip(candidates, order.tolist(), strict=True)]
-    return [
-        [Hit(item, round(float(score), 6)) for item, score in zip(row_ids, row_scores.tolist(), strict=True)]
-        for row_ids, row_scores in zip(best_ids, best_scores, strict=True)
-    ]
+        best_rows = torch.cat([best_rows, rows], dim=1).gather(1, order)
+    return best_scores, best_rows

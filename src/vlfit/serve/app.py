@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from vlfit.errors import ConfigError, DataError, MissingFileError
 from vlfit.serve.batching import MicroBatcher
-from vlfit.serve.engine import MAX_K, Result, SearchEngine, check_k, thumbnail
+from vlfit.serve.engine import MAX_K, SearchEngine, check_k, thumbnail
 from vlfit.serve.metrics import MEDIA_TYPE as METRICS_MEDIA_TYPE
 from vlfit.serve.metrics import ServerMetrics
 
@@ -153,7 +153,7 @@ def create_app(
     """
     metrics = ServerMetrics()
 
-    def run_batch(texts: Sequence[str], k: int) -> list[list[Result]]:
+    def run_batch(texts: Sequence[str], k: int) -> list[list[dict[str, object]]]:
         return engine.search(engine.embed_texts(texts), k)
 
     batcher = MicroBatcher(run_batch, max_batch=max_batch, max_wait_ms=max_wait_ms, on_batch=metrics.observe_batch)
@@ -222,7 +222,7 @@ def create_app(
             except DataError as err:
                 return _error(400, f"the upload is not an image vlfit can read: {err}")
             (results,) = await loop.run_in_executor(batcher.executor, engine.search, embedding, k)
-        return JSONResponse({"results": [r.to_dict() for r in results], "k": k, "generation": engine.generation,
+        return JSONResponse({"results": results, "k": k, "generation": engine.generation,
                              "took_ms": round(1000 * (time.perf_counter() - started), 3)})  # fmt: skip
 
     app.add_middleware(UploadLimit, max_bytes=int(max_upload_mb * 1e6))

@@ -20,7 +20,6 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from PIL import Image, ImageOps
@@ -30,29 +29,12 @@ from vlfit.errors import ConfigError, DataError, MissingFileError
 from vlfit.inference.backends import load_encoder
 from vlfit.inference.collection import COLLECTION_KEYS, open_image_collection
 from vlfit.inference.index import MANIFEST_NAME, EmbeddingIndex, refuse_other_model
-from vlfit.inference.topk import chunked_topk
+from vlfit.inference.query import Hit, search
 
 logger = logging.getLogger(__name__)
 
 MAX_K = 1000
 THUMBNAIL_SIZES = (16, 1024)  # the smallest and largest ?size= of a thumbnail
-
-
-@dataclass(frozen=True)
-class Result:
-    """One search result: the item's row in the index, its cosine score, and what is known about it: ``captions``
-    are all of the image's captions, ``caption`` the first of them."""
-
-    id: int
-    score: float
-    item: str
-    path: str | None
-    caption: str | None
-    captions: list[str] | None = None
-
-    def to_dict(self) -> dict[str, object]:
-        return {"id": self.id, "score": self.score, "item": self.item, "path": self.path, "caption": self.caption,
-                "captions": self.captions}  # fmt: skip
 
 
 def _manifest_stamp(folder: str) -> tuple[int, int] | None:
@@ -74,19 +56,16 @@ class Snapshot:
     """
 
     def __init__(self, folder: str) -> None:
-        from vlfit.inference.index_ann import open_ann
-
         self.stamp = _manifest_stamp(folder)
         self.index = index = EmbeddingIndex(folder)
         self.manifest = index.manifest
-        self.items: list[str] = index.ids()
-        self.removed_rows = index.removed_rows(self.items)  # files gone from their folder (re-indexed since)
+        # Read now, not by the first query: what every search of this snapshot reads (vlfit.inference.query).
+        self.items: list[str] = index.row_ids
+        self.removed_rows = index.left_out_rows  # files gone from their folder (re-indexed since)
         # The ANN structure when the manifest names one (an IVF index memory-mapped: the server holds what queries
-        # touch), else every embedding, scanned exactly.
-        self.ann = open_ann(index) if self.manifest.ann else None
-        self.embeddings: torch.Tensor | None = None
-        if self.ann is None:
-            self.embeddings = index.embeddings().float()
+        # touch), else every embedding, held in memory and scanned exactly.
+        self.ann = index.ann
+        self.embeddings = index.hold_embeddings() if self.ann is None else None
         self._item_captions = index.item_captions()  # what the index stores: every caption of each image
         self._captions: dict[str, str | None] = {}  # an older index's items: the record's caption, from the dataset
         self._dataset_rows: dict[str, tuple[int, int]] = {}  # item -> (collection, row)
@@ -126,35 +105,21 @@ class Snapshot:
     def __len__(self) -> int:
         return len(self.items)
 
-    def result(self, row: int, score: float) -> Result:
-        item = self.items[row]
-        path = item if self._folder_items and os.path.isabs(item) else None
-        captions = self._item_captions.get(item)
-        if captions is None and self._captions.get(item) is not None:
-            captions = [self._captions[item]]  # type: ignore[list-item]
-        return Result(row, round(float(score), 6), item, path, captions[0] if captions else None, captions)
+    def served(self, hit: Hit) -> dict[str, object]:
+        """A hit as the server answers it: ``id`` is the item's row (what ``GET /api/image/{id}`` takes), ``item``
+        its id in the index, ``path`` its file (items of an image folder), ``captions`` all of the image's captions
+        (an index built before items had captions: the record's, from the dataset) and ``caption`` the first."""
+        path = hit.id if self._folder_items and os.path.isabs(hit.id) else None
+        captions = hit.captions
+        if captions is None and self._captions.get(hit.id) is not None:
+            captions = [self._captions[hit.id]]  # type: ignore[list-item]
+        return {"id": hit.row, "score": hit.score, "item": hit.id, "path": path,
+                "caption": captions[0] if captions else None, "captions": captions}  # fmt: skip
 
-    def search(self, queries: torch.Tensor, k: int) -> list[list[Result]]:
-        """The ``k`` best items for each query embedding ``[Q, D]``, best first (fewer when the index is smaller),
-        as ``vlfit retrieve query`` finds them; items removed from their folder are left out."""
-        available = len(self) - len(self.removed_rows)
-        if available <= 0:
-            return [[] for _ in range(queries.shape[0])]
-        wanted = min(available, k)
-        if self.ann is not None:
-            scores, rows = self.ann.search(queries.float().numpy(), wanted, exclude=self.removed_rows)
-        else:
-            assert self.embeddings is not None
-            # The removed rows may be among the best: ask for that many more, then leave them out.
-            scores, rows = chunked_topk(
-                queries.float(), self.embeddings, min(len(self), wanted + len(self.removed_rows))
-            )
-        removed = set(self.removed_rows)
-        results = []
-        for row_scores, row_ids in zip(scores.tolist(), rows.tolist(), strict=True):
-            hits = [self.result(r, s) for s, r in zip(row_scores, row_ids, strict=True) if r >= 0 and r not in removed]
-            results.append(hits[:wanted])
-        return results
+    def search(self, queries: torch.Tensor, k: int) -> list[list[Hit]]:
+        """The ``k`` best items for each query embedding ``[Q, D]``, best first (fewer when the index is smaller):
+        ``vlfit retrieve query``'s search, items removed from their folder left out."""
+        return search(self.index, queries, k)
 
     def image_bytes(self, row: int) -> bytes:
         """The encoded image of the item at ``row``.
@@ -284,9 +249,11 @@ class SearchEngine:
         pixels = self._image_transform(bytes(image), sample_id="images[0]")  # DataError names why
         return self.encoder.embed_pixels(stack_images([pixels])).float().contiguous()
 
-    def search(self, queries: torch.Tensor, k: int) -> list[list[Result]]:
-        """The served snapshot's results (``k`` is checked by the caller, ``check_k``, before any batching)."""
-        return self.snapshot.search(queries, k)
+    def search(self, queries: torch.Tensor, k: int) -> list[list[dict[str, object]]]:
+        """The served snapshot's results as the server answers them (``Snapshot.served``), all from one snapshot
+        (``k`` is checked by the caller, ``check_k``, before any batching)."""
+        snapshot = self.snapshot  # a reload meanwhile does not mix two snapshots in one answer
+        return [[snapshot.served(hit) for hit in hits] for hits in snapshot.search(queries, k)]
 
 
 def _set_search_threads(threads: int) -> None:

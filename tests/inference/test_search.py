@@ -1,0 +1,43 @@
+"""One search of an index: ``vlfit retrieve query``, ``vlfit.Index.search`` and ``vlfit serve`` answer through the
+same function, with the same hits."""
+
+from __future__ import annotations
+
+import json
+
+import vlfit
+from vlfit.inference.index import EmbeddingIndex
+from vlfit.inference.query import search
+from vlfit.serve.engine import SearchEngine
+
+
+def test_the_library_the_server_and_retrieve_query_give_the_same_hits(synthetic_dataset_dir, tmp_path) -> None:
+    from tests.inference.several_captions import IMAGES, captions_of, write_csv
+    from tests.inference.tiny_models import save_tiny_checkpoint
+
+    model = save_tiny_checkpoint(synthetic_dataset_dir, tmp_path / "model")
+    folder = str(tmp_path / "index")
+    vlfit.Index.build(str(model), folder, dataset_name=str(write_csv(tmp_path / "csv")), split="train",
+                      image_column="file_name", caption_column="caption", image_id_column="image_id")  # fmt: skip
+    manifest_file = tmp_path / "index" / "index_manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    manifest_file.write_text(json.dumps({**manifest, "removed": ["img-3"]}))  # an item gone since: never a hit
+
+    engine = SearchEngine(folder)
+    queries = engine.embed_texts(["picture 3 caption 0", "picture 5 caption 1"])
+    expected = search(EmbeddingIndex(folder), queries, IMAGES)  # the ANN structure (flat at this size)
+    exact = search(EmbeddingIndex(folder), queries, IMAGES, exact=True)
+    assert [[hit.id for hit in hits] for hits in exact] == [[hit.id for hit in hits] for hits in expected]
+    for hits in expected:
+        assert len(hits) == IMAGES - 1 and "img-3" not in {hit.id for hit in hits}
+        assert all(type(hit) is vlfit.SearchHit for hit in hits)  # one hit type, public as vlfit.SearchHit
+        assert all(hit.captions == captions_of(int(hit.id.split("-")[1])) for hit in hits)
+
+    assert vlfit.Index.open(folder).search(queries.numpy(), k=IMAGES) == expected
+    assert engine.snapshot.search(queries, IMAGES) == expected
+    served = engine.search(queries, IMAGES)  # the JSON results: an item's row is its id there
+    for hits, results in zip(expected, served, strict=True):
+        assert [(r["id"], r["item"], r["score"], r["captions"]) for r in results] == [
+            (hit.row, hit.id, hit.score, hit.captions) for hit in hits
+        ]
+        assert all(engine.snapshot.items[hit.row] == hit.id for hit in hits)
