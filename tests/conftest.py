@@ -6,6 +6,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Session fixtures that run a whole command or process (a training run, a 2-process spawn, an export): a test that
+# uses one, directly or through another fixture, is slow as well, so `make test-fast` never builds them.
+SLOW_FIXTURES = frozenset({"trained_clip", "two_process_results", "onnx_export"})
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def synthetic_dataset_dir(tmp_path_factory) -> str:
