@@ -648,3 +648,55 @@ def test_a_class_label_caption_column_reads_as_its_names_and_no_caption_column_a
     assert images_only.captions() == ["a", "b", "c"] and images_only[2].caption == "c"
     with pytest.raises(ValueError, match=r"label column 'kind' not found.*Name the label column with --label_column"):
         open_splits(dataset_name=str(tmp_path / "d"), caption_column="kind", caption_role="label")
+
+
+def test_every_kind_of_source_gives_its_record_ids_and_image_ids_without_reading_an_image(tmp_path: Path) -> None:
+    from vlfit.data.memory_source import MemorySource
+    from vlfit.data.records import BadRecordError
+    from vlfit.inference.collection import ImageFilesSource, ImageFolderSource, synthetic_source
+
+    def check(source: ImageTextSource, unreadable: int | None = None) -> None:
+        """ids() and image_ids() are its records' (read here, but for ``unreadable``, whose image is gone)."""
+        ids, image_ids = source.ids(), source.image_ids()
+        assert len(ids) == len(image_ids) == len(source)
+        for i in range(len(source)):
+            if i == unreadable:
+                with pytest.raises(BadRecordError):
+                    source[i]
+                continue
+            assert (ids[i], image_ids[i]) == (source[i].id, source[i].image_id)
+
+    blobs = _write_images(tmp_path, 3)
+    rows = [{"image": f"images/{i}.jpg", "caption": CAPTIONS[i], "id": f"r{i}", "group": f"g{i % 2}"} for i in range(4)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))  # images/3.jpg is missing
+    split = open_splits(train_file=str(tmp_path / "data.jsonl"), caption_column="caption", image_id_column="group")
+    check(split["train"], unreadable=3)
+    assert split["train"].image_ids() == ["g0", "g1", "g0", "g1"]
+    assert split["train"].select([3, 0]).ids() == ["r3", "r0"]
+    table = {"image": [{"bytes": b, "path": None} for b in blobs], "caption": [["x", "y"], [], ["z"]]}
+    lists = ArrowSource(
+        datasets.Dataset.from_dict(table), name="lists", image_column="image", caption_column="caption", split="val"
+    )
+    check(lists)
+    assert lists.ids() == ["val-0#0", "val-0#1", "val-2#0"] and lists.select([2, 1]).ids() == ["val-2#0", "val-0#1"]
+
+    members = []
+    for i in range(3):  # the image member last, so that cutting the shard short cuts only the last image
+        members += [
+            (f"k{i}.json", json.dumps({"txt": CAPTIONS[i], "photo": f"p{i}"}).encode()),
+            (f"k{i}.jpg", blobs[i]),
+        ]
+    _write_tar(tmp_path / "shard.tar", members)
+    tar = TarSource([str(tmp_path / "shard.tar")], name="shard", caption_column="txt", image_id_column="photo")
+    with open(tmp_path / "shard.tar", "r+b") as f:
+        f.truncate(int(tar._image_loc[2, 0]) + 10)
+    check(tar, unreadable=2)
+    assert tar.select([2, 0]).image_ids() == ["p2", "p0"]
+
+    folder = ImageFolderSource(str(tmp_path / "images"))
+    (tmp_path / "images" / "1.jpg").unlink()
+    check(folder, unreadable=1)
+    assert folder.image_ids() == [str(tmp_path / "images" / f"{i}.jpg") for i in range(3)]
+    check(ImageFilesSource([str(tmp_path / "images" / "0.jpg")]))
+    check(MemorySource([Record("m0", blobs[0], "a", image_id="i0"), Record("m1", blobs[1], "b")]).select([1, 0, 1]))
+    check(synthetic_source(2))

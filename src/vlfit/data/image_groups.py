@@ -70,16 +70,20 @@ class ImageItems:
 def image_items(source: ImageTextSource) -> ImageItems:
     """The unique images of ``source`` as ``ImageItems``: records with equal ``Record.image_key`` (one
     ``--image_id_column`` value, one row of a list caption column, or identical bytes) are one image, as
-    evaluation scores them. Reads every record's bytes once unless the source knows its image ids."""
+    evaluation scores them. Reads the bytes (not decoding them) of the records without an image id, once; ids
+    and captions come from ``ImageTextSource.ids``, ``image_ids`` and ``captions`` (none for a source not
+    ``captioned``)."""
     if not len(source):
-        return ImageItems([], [], [], [])
+        return ImageItems([], [], [], [] if source.captioned else None)
     groups = image_groups(source.image_keys())
-    captions = source.captions()
     rows = [int(group[0]) for group in groups]
-    firsts = [source[row] for row in rows]
+    record_ids, image_ids = source.ids(), source.image_ids()
+    captions = source.captions() if source.captioned else None
     return ImageItems(
         rows=rows,
-        record_ids=[record.id for record in firsts],
-        ids=[record.id if record.image_id is None else record.image_id for record in firsts],
-        captions=[[captions[int(row)] for row in group if captions[int(row)] is not None] for group in groups],
+        record_ids=[record_ids[row] for row in rows],
+        ids=[record_ids[row] if image_ids[row] is None else image_ids[row] for row in rows],  # type: ignore[misc]
+        captions=None
+        if captions is None
+        else [[captions[int(row)] for row in group if captions[int(row)] is not None] for group in groups],
     )

@@ -33,3 +33,9 @@ class MemorySource(ImageTextSource):
     def _read_captions(self, rows: np.ndarray | None) -> list[str | None]:
         records = self._records if rows is None else [self._records[int(row)] for row in rows]
         return [record.caption for record in records]
+
+    def _read_ids(self, rows: np.ndarray | None) -> list[str]:
+        return [self._records[int(row)].id for row in self._positions(rows)]
+
+    def _read_image_ids(self, rows: np.ndarray | None) -> list[str | None]:
+        return [self._records[int(row)].image_id for row in self._positions(rows)]

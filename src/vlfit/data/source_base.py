@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from vlfit.data.records import Record
+from vlfit.data.records import Record, image_key
 from vlfit.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -31,10 +31,16 @@ class ImageTextSource(ABC):
     Attributes:
         column_names: The columns (or, for tar shards, member extensions) the underlying data has.
         name: A human-readable description (split and files) used in error messages.
+        captioned: Whether the records' captions are captions (an image folder's are its paths: an index of it
+            stores none).
+        item_folder: The folder whose image files are all of this source's images (an image folder: its image
+            ids are their absolute paths), or ``None``. An index of it takes files gone from there as removed.
     """
 
     column_names: list[str]
     name: str
+    captioned: bool = True
+    item_folder: str | None = None
 
     def __init__(self, *, name: str, column_names: Sequence[str], num_rows: int) -> None:
         self.name = name
@@ -60,13 +66,25 @@ class ImageTextSource(ABC):
         """Return every caption in index order without reading image bytes (for tokenizer training, stats)."""
         return self._read_captions(self._rows)
 
+    def ids(self) -> list[str]:
+        """Every record's ``Record.id`` in index order, without reading image bytes (the id column, file or member
+        names)."""
+        return self._read_ids(self._rows)
+
+    def image_ids(self) -> list[str | None]:
+        """Every record's ``Record.image_id`` in index order, without reading image bytes (``None`` for a record
+        known by its bytes)."""
+        return self._read_image_ids(self._rows)
+
     def image_keys(self) -> np.ndarray:
         """Every record's ``Record.image_key``, in index order (int64): which records show the same image.
 
-        This reads every record's image bytes (not decoding them); sources that know their images' ids without
-        that override it.
+        From the image ids where records have them; the image bytes (not decoded) of the records that have none.
         """
-        return np.fromiter((self[i].image_key for i in range(len(self))), dtype=np.int64, count=len(self))
+        keys = [
+            self[i].image_key if value is None else image_key(b"", value) for i, value in enumerate(self.image_ids())
+        ]
+        return np.asarray(keys, dtype=np.int64)
 
     def select(self, indices: Sequence[int]) -> ImageTextSource:
         """Return a source holding only ``indices`` (in that order); ids stay those of the original rows.
@@ -100,6 +118,18 @@ class ImageTextSource(ABC):
 
     @abstractmethod
     def _read_captions(self, rows: np.ndarray | None) -> list[str | None]: ...
+
+    def _read_ids(self, rows: np.ndarray | None) -> list[str]:
+        """Each record's id from the record itself; vlfit's sources override this so as not to read images."""
+        return [self._read(int(row)).id for row in self._positions(rows)]
+
+    def _read_image_ids(self, rows: np.ndarray | None) -> list[str | None]:
+        """No image ids: every record is known by its bytes (sources with an image id column override this)."""
+        return [None] * (self._num_rows if rows is None else len(rows))
+
+    def _positions(self, rows: np.ndarray | None) -> range | np.ndarray:
+        """The underlying rows ``rows`` stands for (``None``: all of them)."""
+        return range(self._num_rows) if rows is None else rows
 
 
 # The columns a source looks for when a column flag is left at its default (the first name), in order: the names

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from vlfit.data.file_patterns import is_stream_spec, resolve_files
-from vlfit.data.records import Record, image_key, image_value_to_bytes
+from vlfit.data.records import Record, image_value_to_bytes
 from vlfit.data.source_base import ImageTextSource, as_caption, default_id_column, resolve_column
 from vlfit.data.stream.fetch import spec_files
 from vlfit.data.stream.shards import ShardReader
@@ -200,18 +200,29 @@ class ArrowSource(ImageTextSource):
             return [as_caption(value) for value in (captions if rows is None else captions.take(rows)).to_pylist()]
         return [self._caption(value) for value in self._column_values(cols.caption, rows)]
 
-    def image_keys(self) -> np.ndarray:
-        """``ImageTextSource.image_keys``; from the image id column alone when there is one (no image is read)."""
-        column = self._columns.image_id
-        if column is None:
-            return super().image_keys()
-        rows = self._caption_rows if self._caption_rows is not None else np.arange(len(self._dataset))
-        if self._rows is not None:
-            rows = rows[self._rows]
-        ids = self._column_values(column, rows)
-        # A row without an id is known by its bytes, as Record.image_key knows it.
-        keys = [self[i].image_key if value is None else image_key(b"", str(value)) for i, value in enumerate(ids)]
-        return np.asarray(keys, dtype=np.int64)
+    def _dataset_rows(self, rows: np.ndarray | None) -> np.ndarray:
+        """The dataset rows of records ``rows`` (``None``: all of them)."""
+        records = np.arange(self._num_rows) if rows is None else np.asarray(rows, dtype=np.int64)
+        return records if self._caption_rows is None else self._caption_rows[records]
+
+    def _read_ids(self, rows: np.ndarray | None) -> list[str]:
+        """From the id column alone (or the row numbers), as ``_read`` names records."""
+        data_rows = self._dataset_rows(rows)
+        if self._columns.id is None:
+            ids = [f"{self._split}-{int(row)}" for row in data_rows]
+        else:
+            ids = [str(value) for value in self._column_values(self._columns.id, data_rows)]
+        if self._caption_index is None:
+            return ids
+        index = self._caption_index if rows is None else self._caption_index[np.asarray(rows, dtype=np.int64)]
+        return [f"{sample_id}#{int(k)}" for sample_id, k in zip(ids, index, strict=True)]
+
+    def _read_image_ids(self, rows: np.ndarray | None) -> list[str | None]:
+        """From the image id column alone, when there is one."""
+        if self._columns.image_id is None:
+            return super()._read_image_ids(rows)
+        values = self._column_values(self._columns.image_id, self._dataset_rows(rows))
+        return [None if value is None else str(value) for value in values]
 
     def _arrow_column(self, column: str) -> Any:
         # Arrow format reads only that column, leaving image bytes untouched.

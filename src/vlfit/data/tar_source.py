@@ -370,6 +370,19 @@ class TarSource(ImageTextSource):
         meta = self._load_json(row)
         return self._layout.record(self._keys[row], image, self._member(row, self._text_loc[row]), meta, extras)
 
+    def _read_ids(self, rows: np.ndarray | None) -> list[str]:
+        return [self._keys[int(row)] for row in self._positions(rows)]
+
+    def _read_image_ids(self, rows: np.ndarray | None) -> list[str | None]:
+        """From the image id member or ``.json`` key (the image member is never read)."""
+        if self._layout.image_id_column is None:
+            return super()._read_image_ids(rows)
+        image_ids = []
+        for row in (int(r) for r in self._positions(rows)):
+            extras = [self._member(row, location) for location in self._extra_loc[row]]
+            image_ids.append(self._layout.record(self._keys[row], b"", None, self._load_json(row), extras).image_id)
+        return image_ids
+
     def _read_captions(self, rows: np.ndarray | None) -> list[str | None]:
         order = range(self._num_rows) if rows is None else (int(r) for r in rows)
         captions = []

@@ -53,7 +53,8 @@ def _read_image_file(path: str, sample_id: str) -> bytes:
 
 
 class ImageFolderSource(ImageTextSource):
-    """Every image file under a folder (recursively, in sorted path order); ids are paths relative to it.
+    """Every image file under a folder (recursively, in sorted path order); ids are paths relative to it, image ids
+    their absolute paths (each file is an image of its own, its ``item_folder``'s), captions the ids.
 
     Args:
         root: The folder.
@@ -71,14 +72,23 @@ class ImageFolderSource(ImageTextSource):
             raise DataError(f"--images {root}: no image files ({', '.join(IMAGE_EXTENSIONS)}) in it")
         self.root = root
         self.paths = paths
+        self.captioned = False
+        self.item_folder = os.path.abspath(root)
         super().__init__(name=f"image folder {root}", column_names=["image"], num_rows=len(self.paths))
 
     def _read(self, row: int) -> Record:
         path = self.paths[row]
-        return Record(id=path, image=_read_image_file(os.path.join(self.root, path), path), caption=path)
+        image = _read_image_file(os.path.join(self.root, path), path)
+        return Record(id=path, image=image, caption=path, image_id=os.path.join(self.item_folder, path))
 
     def _read_captions(self, rows: np.ndarray | None) -> list[str | None]:
-        return [self.paths[int(row)] for row in (range(len(self.paths)) if rows is None else rows)]
+        return [self.paths[int(row)] for row in self._positions(rows)]
+
+    def _read_ids(self, rows: np.ndarray | None) -> list[str]:
+        return [self.paths[int(row)] for row in self._positions(rows)]
+
+    def _read_image_ids(self, rows: np.ndarray | None) -> list[str | None]:
+        return [os.path.join(self.item_folder, self.paths[int(row)]) for row in self._positions(rows)]  # type: ignore[arg-type]
 
 
 class ImageFilesSource(ImageTextSource):
@@ -114,6 +124,9 @@ class ImageFilesSource(ImageTextSource):
     def _read_captions(self, rows: np.ndarray | None) -> list[str | None]:
         return [self.paths[int(row)] for row in (range(len(self.paths)) if rows is None else rows)]
 
+    def _read_ids(self, rows: np.ndarray | None) -> list[str]:
+        return [self.paths[int(row)] for row in self._positions(rows)]
+
 
 class RecordListSource(ImageTextSource):
     """Records held in memory (synthetic scenes made on the spot)."""
@@ -127,6 +140,12 @@ class RecordListSource(ImageTextSource):
 
     def _read_captions(self, rows: np.ndarray | None) -> list[str | None]:
         return [self.records[int(row)].caption for row in (range(len(self.records)) if rows is None else rows)]
+
+    def _read_ids(self, rows: np.ndarray | None) -> list[str]:
+        return [self.records[int(row)].id for row in self._positions(rows)]
+
+    def _read_image_ids(self, rows: np.ndarray | None) -> list[str | None]:
+        return [self.records[int(row)].image_id for row in self._positions(rows)]
 
 
 def synthetic_source(num_samples: int, seed: int = 0) -> RecordListSource:

@@ -54,7 +54,7 @@ from vlfit.data.source_base import ImageTextSource
 from vlfit.data.tar_source import TarSource
 from vlfit.errors import ConfigError, DataError, MissingFileError, first_line
 from vlfit.inference.backends import Encoder
-from vlfit.inference.collection import ImageFolderSource, ShardCollection, host_batches
+from vlfit.inference.collection import ShardCollection, host_batches
 from vlfit.inference.identity import ModelIdentity
 
 if TYPE_CHECKING:
@@ -380,24 +380,14 @@ def write_index_from_embeddings(
     return manifest
 
 
-def _items(source: ImageTextSource) -> ImageItems:
-    """The items of ``source``: a folder's files by absolute path (so two folders never collide), read from its
-    listing; a dataset split's unique images (``image_items``: this reads each record's bytes, not decoding them,
-    unless the split names its image ids)."""
-    if isinstance(source, ImageFolderSource):
-        root = os.path.abspath(source.root)
-        paths = list(source.paths)
-        return ImageItems(list(range(len(paths))), paths, [os.path.join(root, path) for path in paths], None)
-    return image_items(source)
-
-
 def _removed_ids(source: ImageTextSource, manifest: IndexManifest, indexed: set[str]) -> list[str]:
-    """The indexed ids the folder ``source`` no longer holds, with those of other folders already listed; a file
-    that came back is taken off the list. Dataset splits do not lose records: their list stays as it was."""
-    if not isinstance(source, ImageFolderSource):
+    """The indexed ids under the ``item_folder`` of ``source`` it no longer holds, with those of other folders
+    already listed; a file that came back is taken off the list. Dataset splits (no ``item_folder``) do not lose
+    records: their list stays as it was."""
+    if source.item_folder is None:
         return manifest.removed
-    root = os.path.join(os.path.abspath(source.root), "")
-    present = {os.path.join(root, path) for path in source.paths}
+    root = os.path.join(source.item_folder, "")
+    present = set(source.image_ids())
     others = [item for item in manifest.removed if not item.startswith(root)]
     gone = sorted(item for item in indexed if item.startswith(root) and item not in present)
     return others + gone
@@ -539,7 +529,7 @@ def build_index(
         todo = [url for url in source.urls if url not in done]
         manifest.collections.append({**collection, "shards": len(source.urls), "new_shards": len(todo)})
     else:
-        items = _items(source)
+        items = image_items(source)  # a folder's files by absolute path (their image ids: two never collide)
         todo = [i for i, item in enumerate(items.ids) if item not in done]
         manifest.collections.append({**collection, "items": len(items), "records": len(source), "new": len(todo)})
     if todo:

@@ -94,12 +94,12 @@ class Snapshot:
                 continue
             number = len(self._sources)
             self._sources.append(source)
-            captions = source.captions()
-            for row, record in enumerate(source):
-                self._captions.setdefault(record.id, captions[row])
-                self._dataset_rows.setdefault(record.id, (number, row))
-                if record.image_id is not None:  # an item of an image id: its image is any of its records'
-                    self._dataset_rows.setdefault(record.image_id, (number, row))
+            captions, image_ids = source.captions(), source.image_ids()
+            for row, record_id in enumerate(source.ids()):  # ids, not records: no image is read here
+                self._captions.setdefault(record_id, captions[row])
+                self._dataset_rows.setdefault(record_id, (number, row))
+                if image_ids[row] is not None:  # an item of an image id: its image is any of its records'
+                    self._dataset_rows.setdefault(image_ids[row], (number, row))  # type: ignore[arg-type]
         return files
 
     def __len__(self) -> int:
