@@ -92,6 +92,10 @@ CASES = [
     ("Index.search", lambda m, i, p, out: i.search("a red square", k=0), vlfit.ConfigError, "`k=`"),
     ("Index.search", lambda m, i, p, out: i.search("a red square", k="3"), vlfit.ArgumentError, "`k=`"),
     ("Index.search", lambda m, i, p, out: i.search(["a red square", 3]), vlfit.DataError, "queries[1]"),
+    ("list_presets", lambda m, i, p, out: vlfit.list_presets(family="clip"), vlfit.ArgumentError, "`family=`"),
+    ("add_preset", lambda m, i, p, out: vlfit.add_preset(5), vlfit.ArgumentError, "`path=`"),
+    ("add_preset", lambda m, i, p, out: vlfit.add_preset(str(out / "mine.json")), vlfit.MissingFileError, "`path="),
+    ("add_preset", lambda m, i, p, out: vlfit.add_preset(str(p)), vlfit.ConfigError, "`path="),
 ]  # fmt: skip
 
 

@@ -363,7 +363,8 @@ def test_a_flat_ann_index_returns_what_the_exact_scan_does(torch_index, tmp_path
     approximate, exact = _query_json(capsys, *query), _query_json(capsys, *query, "--exact")
     for got, want in zip(approximate["queries"], exact["queries"], strict=True):
         assert [hit["id"] for hit in got["results"]] == [hit["id"] for hit in want["results"]]
-        assert [hit["score"] for hit in got["results"]] == pytest.approx([hit["score"] for hit in want["results"]])
+        scores = [hit["score"] for hit in want["results"]]  # faiss's thread count may differ by run order: 1e-6 apart
+        assert [hit["score"] for hit in got["results"]] == pytest.approx(scores, abs=1e-5)
 
 
 def test_indexing_without_faiss_stops_in_one_line_before_embedding(image_folder, tmp_path, capsys, monkeypatch):

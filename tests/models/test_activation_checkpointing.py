@@ -12,7 +12,8 @@ from transformers import BridgeTowerForContrastiveLearning
 from tests.training.train_runs import logged_losses, single_torch_thread, tiny_train_argv
 from vlfit.cli import main
 from vlfit.models.activation_checkpointing import is_checkpointed
-from vlfit.models.bridgetower import BridgeTowerFamily, layer_stacks, preset_config
+from vlfit.models.bridgetower import BridgeTowerFamily, layer_stacks
+from vlfit.models.registry import preset_config
 
 
 def _tiny_model() -> BridgeTowerForContrastiveLearning:

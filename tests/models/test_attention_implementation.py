@@ -7,8 +7,9 @@ import torch
 from transformers import BridgeTowerForContrastiveLearning
 
 from vlfit.arguments import ModelArguments
-from vlfit.models.bridgetower import BridgeTowerFamily, preset_config, set_attention_implementation
+from vlfit.models.bridgetower import BridgeTowerFamily, set_attention_implementation
 from vlfit.models.loading import build_model, load_model_bundle, resolve_model
+from vlfit.models.registry import preset_config
 
 
 def _batch() -> dict[str, torch.Tensor]:

@@ -5,9 +5,9 @@ import pytest
 import torch
 from transformers import BridgeTowerConfig, BridgeTowerForContrastiveLearning
 
-from vlfit.models.bridgetower import BridgeTowerFamily, encode_image, encode_text, preset_config
+from vlfit.models.bridgetower import BridgeTowerFamily, encode_image, encode_text
 from vlfit.models.presets import get_preset, list_presets
-from vlfit.models.registry import family_for_config, family_for_preset
+from vlfit.models.registry import family_for_config, family_for_preset, preset_config
 
 
 def count_parameters_on_meta(name: str) -> int:

@@ -12,9 +12,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from transformers import BridgeTowerForContrastiveLearning
 
-from vlfit.models.bridgetower import BridgeTowerFamily, encode_text, expose_logit_scale, loss_terms, preset_config
+from vlfit.models.bridgetower import BridgeTowerFamily, encode_text, expose_logit_scale, loss_terms
 from vlfit.models.family import HARD_NEGATIVE_ATTENTION_MASK, HARD_NEGATIVE_INPUT_IDS, IMAGE_KEYS
 from vlfit.models.losses import embed_hard_negatives, info_nce
+from vlfit.models.registry import preset_config
 
 # Rows [0, 3) on rank 0 and [3, 6) on rank 1, then an uneven split: [0, 4) and [4, 6).
 SPLITS = {"even": (0, 3, 6), "uneven": (0, 4, 6)}

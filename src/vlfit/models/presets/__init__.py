@@ -28,7 +28,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from vlfit.errors import ConfigError, MissingFileError
+from vlfit.errors import ConfigError, MissingFileError, python_api
 
 PRESET_FOLDER = Path(__file__).resolve().parent
 REQUIRED_KEYS = ("family", "config", "image_processor")
@@ -147,11 +147,13 @@ def _order(preset: Preset) -> tuple[Any, ...]:
     return preset.family, width, depth, preset.name
 
 
+@python_api
 def list_presets() -> list[str]:
     """The names of every preset: the shipped ones and those ``add_preset`` added, by family, smallest first."""
     return [preset.name for preset in sorted(_all().values(), key=_order)]
 
 
+@python_api
 def add_preset(path: str | os.PathLike[str]) -> str:
     """Add the preset in ``path`` (a ``.json`` file as the shipped ones are), named after the file.
 
@@ -165,11 +167,11 @@ def add_preset(path: str | os.PathLike[str]) -> str:
         ConfigError: the file is not a preset, or another preset has its name.
         MissingFileError: no such file.
     """
-    preset = read_preset(path, flag="add_preset")
+    preset = read_preset(path, flag="--path")  # worded `path=...` for the Python caller (python_api)
     known = _all().get(preset.name)
     if known is not None and known.path.resolve() != preset.path.resolve():
         raise ConfigError(
-            f"add_preset {preset.path}: a preset named {preset.name!r} exists already ({known.path}); rename the file"
+            f"--path {preset.path}: a preset named {preset.name!r} exists already ({known.path}); rename the file"
         )
     _added[preset.name] = preset
     return preset.name
