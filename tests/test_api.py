@@ -19,6 +19,7 @@ def _python_example() -> str:
     return re.search(r"```python\n(.*?)```", text, re.S).group(1)
 
 
+@pytest.mark.slow
 def test_the_readme_example_runs(synthetic_dataset_dir, tmp_path, monkeypatch, capsys):
     (tmp_path / "data").symlink_to(synthetic_dataset_dir)
     monkeypatch.chdir(tmp_path)

@@ -96,6 +96,7 @@ def test_the_trainers_batches_are_moved_once_by_the_device_stage(trainer: VlfitT
     trainer._close_feed()
 
 
+@pytest.mark.slow
 def test_training_moves_each_batch_once(trainer: VlfitTrainer, moves: MoveCounter) -> None:
     copies: list[int] = []
     stage_copy = device_stage.copy_to_device
