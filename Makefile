@@ -7,7 +7,7 @@ STAMP := $(VENV)/.vlfit-installed
 LOCK := requirements/ci.txt
 DEMO_DIR ?= runs/demo
 
-.PHONY: install demo test test-fast lint lock clean
+.PHONY: install demo test test-fast lint docs lock clean
 
 $(STAMP): pyproject.toml $(LOCK)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -32,6 +32,10 @@ test: lint
 # subprocesses, torchrun, the server process, exports). `make test` runs them all, as CI does.
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow"
+
+# docs/cli.md from every command's --help (tests/test_docs.py fails when it is stale).
+docs: $(STAMP)
+	$(PY) -m vlfit.commands.cli_reference > docs/cli.md
 
 # Re-pin requirements/ci.txt: a fresh venv with the newest releases pyproject.toml allows, frozen.
 lock:
