@@ -3,7 +3,7 @@
 1. Index structures on synthetic embeddings (no images: the ANN part only, say so): N = 10^5 and 10^6 unit vectors
    of the demo model's embedding size, drawn around 1000 random centres (real embeddings cluster; uniform random
    vectors are the worst case of every quantizer), written as an index's shards. For each type (flat, HNSW, IVF-PQ;
-   HNSW only at 10^5 unless --hnsw_at_1m), built and tuned by ``vlfit.inference.index_ann.update_ann`` as
+   HNSW only at 10^5 unless --hnsw_at_1m), built and tuned by ``vlfit.index.ann_update.update_ann`` as
    ``vlfit retrieve index`` builds it, then opened as a query opens it (IVF-PQ memory-mapped, re-ranking its
    candidates from the memory-mapped shards): build time, bytes per vector of the structure, recall@10 against exact
    search on 1000 fresh queries from the same mixture (not drawn from the index), median latency of one query.
@@ -62,7 +62,7 @@ def _synthetic_index(folder: str, identity, model: dict, vectors: np.ndarray) ->
     """An index of ``vectors`` (ids ``synthetic-{i}``) at ``folder``, as ``vlfit retrieve index`` lays one out."""
     import torch
 
-    from vlfit.inference.index import write_index_from_embeddings
+    from vlfit.index.store import write_index_from_embeddings
 
     ids = [f"synthetic-{i}" for i in range(len(vectors))]
     write_index_from_embeddings(folder, identity, model, ids, torch.from_numpy(vectors),
@@ -74,9 +74,9 @@ def structures(out: str, identity, sizes: list[int], hnsw_at_1m: bool, seed: int
 
     import faiss
 
-    from vlfit.inference.ann import recall_at_k
-    from vlfit.inference.index import EmbeddingIndex
-    from vlfit.inference.index_ann import open_ann, update_ann
+    from vlfit.index.ann import recall_at_k
+    from vlfit.index.ann_update import open_ann, update_ann
+    from vlfit.index.store import EmbeddingIndex
 
     dim = identity.embedding_size
     rng = np.random.default_rng(seed)
@@ -120,7 +120,7 @@ def structures(out: str, identity, sizes: list[int], hnsw_at_1m: bool, seed: int
 
 def write_index(folder: str, encoder, n: int, seed: int = 1) -> None:
     """A served index of ``n`` synthetic embeddings in ``encoder``'s space, with HNSW."""
-    from vlfit.inference.index_ann import update_ann
+    from vlfit.index.ann_update import update_ann
 
     rng = np.random.default_rng(seed)
     vectors = _mixture(rng, _centres(rng, encoder.identity.embedding_size), n)

@@ -30,8 +30,8 @@ from PIL import Image, ImageOps
 
 from vlfit.data.image_transforms import FastImageTransform, hwc_to_chw_view, resize_crop_uint8, stack_images
 from vlfit.errors import ConfigError, DataError, MissingFileError, python_api, unknown_keywords
+from vlfit.index.search import Hit
 from vlfit.inference.backends import Encoder, load_encoder
-from vlfit.inference.query import Hit
 
 # What encode_images takes, each item on its own: a path, encoded bytes, a PIL image or a uint8 HWC (or HW) array.
 ImageInput = str | os.PathLike | bytes | Image.Image | np.ndarray
@@ -239,7 +239,7 @@ def evaluate(**flags: Any) -> RunResult:
 # ----------------------------------------------------------------------------------------------------- the index
 
 
-SearchHit = Hit  # one result of ``Index.search``: the one hit type of every search (``vlfit.inference.query.Hit``)
+SearchHit = Hit  # one result of ``Index.search``: the one hit type of every search (``vlfit.index.search.Hit``)
 
 
 class Index:
@@ -256,7 +256,7 @@ class Index:
         self._reload()
 
     def _reload(self) -> None:
-        from vlfit.inference.index import EmbeddingIndex
+        from vlfit.index.store import EmbeddingIndex
 
         self._index = EmbeddingIndex(self.path)  # the manifest as the last build wrote it
 
@@ -299,10 +299,10 @@ class Index:
         (one ``image_id_column`` value, one row of a list caption column, or identical bytes) are one item with all
         their captions, as evaluation groups them."""
         from vlfit.extras import require_extra
-        from vlfit.inference.ann import DEFAULT_MAX_INDEX_MEMORY, INDEX_TYPES, check_target_recall
+        from vlfit.index.ann import DEFAULT_MAX_INDEX_MEMORY, INDEX_TYPES, check_target_recall
+        from vlfit.index.ann_update import update_ann
+        from vlfit.index.store import build_index
         from vlfit.inference.collection import open_image_collection
-        from vlfit.inference.index import build_index
-        from vlfit.inference.index_ann import update_ann
 
         require_extra("serve", "vlfit.Index.build", modules=("faiss",))
         # Every value is checked before anything is opened, embedded or written.
@@ -336,7 +336,7 @@ class Index:
         """The index at ``path``; queries are embedded with ``model`` (default: the one it was built with)."""
         index = cls(path, model)
         if model is not None:
-            from vlfit.inference.index import refuse_other_model
+            from vlfit.index.store import refuse_other_model
 
             refuse_other_model(index._index, model.encoder)
         return index
@@ -359,7 +359,7 @@ class Index:
     def search(self, queries: str | Sequence[str] | np.ndarray, k: int = 10) -> list[SearchHit] | list[list[SearchHit]]:
         """The ``k`` best items for a text (a list of ``SearchHit``), for several texts or for query embeddings
         ``[Q, D]`` (a list of lists), best first."""
-        from vlfit.inference.query import search
+        from vlfit.index.search import search
 
         _check_at_least("k", k, 1)
         single = isinstance(queries, str)

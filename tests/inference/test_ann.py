@@ -1,4 +1,4 @@
-"""vlfit.inference.ann: the structure chosen per collection size and memory budget, each reaching its recall target
+"""vlfit.index.ann: the structure chosen per collection size and memory budget, each reaching its recall target
 against exact search, IVF-PQ within its budget, save/load (memory-mapped), appends, and the missing-extra error."""
 
 import sys
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vlfit.errors import ConfigError, MissingExtraError
-from vlfit.inference.ann import (
+from vlfit.index.ann import (
     FLAT_THRESHOLD,
     MIN_IVFPQ_VECTORS,
     AnnIndex,
@@ -170,10 +170,10 @@ def _clustered(rows: int, dim: int, seed: int, centres: int = 100) -> np.ndarray
 
 @pytest.mark.slow
 def test_coarse_pq_codes_are_re_ranked_from_the_shards_to_reach_the_target(tmp_path, monkeypatch):
-    from vlfit.inference import ann as ann_module
+    from vlfit.index import ann as ann_module
+    from vlfit.index.ann_update import open_ann, update_ann
+    from vlfit.index.store import EmbeddingIndex, write_index_from_embeddings
     from vlfit.inference.identity import ModelIdentity
-    from vlfit.inference.index import EmbeddingIndex, write_index_from_embeddings
-    from vlfit.inference.index_ann import open_ann, update_ann
 
     n, dim = MIN_IVFPQ_VECTORS + 2000, 32
     vectors, queries = _clustered(n, dim, seed=10), _clustered(200, dim, seed=11)

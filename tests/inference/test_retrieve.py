@@ -14,9 +14,9 @@ import torch
 from tests.http_shards import ShardServer, webdataset_shard
 from vlfit.cli import main
 from vlfit.data.tar_source import TarSource, WebDatasetLayout
+from vlfit.index.store import FETCH_FOLDER, EmbeddingIndex, build_index
 from vlfit.inference.backends import TorchEncoder
 from vlfit.inference.collection import ImageFolderSource, ShardCollection, open_image_collection
-from vlfit.inference.index import FETCH_FOLDER, EmbeddingIndex, build_index
 
 from .tiny_models import save_tiny_checkpoint, write_image_folder
 
@@ -356,7 +356,7 @@ def test_an_hnsw_index_answers_as_the_exact_scan_follows_appends_and_drops_remov
 
 def test_a_flat_ann_index_returns_what_the_exact_scan_does(torch_index, tmp_path, capsys):
     out = shutil.copytree(torch_index, tmp_path / "flat")
-    from vlfit.inference.index_ann import update_ann
+    from vlfit.index.ann_update import update_ann
 
     assert update_ann(str(out), index_type="flat")["type"] == "flat"
     query = ["--index", str(out), "--text", "one blue square at the top.", "--text", "a red circle", "-k", "8"]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import vlfit
-from vlfit.inference.index import EmbeddingIndex
-from vlfit.inference.query import search
+from vlfit.index.search import search
+from vlfit.index.store import EmbeddingIndex
 from vlfit.serve.engine import SearchEngine
 
 

@@ -17,11 +17,11 @@ from vlfit.arguments import DataLocationArguments
 from vlfit.commands.parsing import CommandParser
 from vlfit.errors import ConfigError, DataError
 from vlfit.extras import require_extra
-from vlfit.inference.ann import DEFAULT_MAX_INDEX_MEMORY, DEFAULT_TARGET_RECALL, check_target_recall
+from vlfit.index.ann import DEFAULT_MAX_INDEX_MEMORY, DEFAULT_TARGET_RECALL, check_target_recall
+from vlfit.index.search import Hit, Query, embed_queries, read_queries, search
+from vlfit.index.store import MANIFEST_NAME, EmbeddingIndex, build_index, refuse_other_model
 from vlfit.inference.backends import open_encoder
 from vlfit.inference.collection import COLLECTION_KEYS, ShardCollection, open_image_collection
-from vlfit.inference.index import MANIFEST_NAME, EmbeddingIndex, build_index, refuse_other_model
-from vlfit.inference.query import Hit, Query, embed_queries, read_queries, search
 from vlfit.inference.topk import DEFAULT_CHUNK_ELEMENTS
 
 SUBCOMMANDS = ("index", "query")
@@ -185,7 +185,7 @@ def run_index(argv: list[str]) -> int:
     )
     if rank != 0:
         return 0  # rank 0 lists the shards, builds the ANN structure and reports
-    from vlfit.inference.index_ann import update_ann
+    from vlfit.index.ann_update import update_ann
 
     ann = update_ann(
         args.output_dir,

@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     check_address(args.host, args.port)  # before anything loads
     import uvicorn
 
-    from vlfit.inference.index import EmbeddingIndex
+    from vlfit.index.store import EmbeddingIndex
 
     EmbeddingIndex(args.index)  # no index: one line now, not a traceback in every worker
     common = dict(host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30)

@@ -221,7 +221,7 @@ def open_dataset_splits(
 @dataclass(frozen=True)
 class ShardCollection:
     """WebDataset tar shards at URLs, to index one shard at a time: each is fetched to a local copy beside the
-    index, embedded and deleted (``vlfit.inference.index.build_index``), so the disk holds two shards, not the set.
+    index, embedded and deleted (``vlfit.index.store.build_index``), so the disk holds two shards, not the set.
 
     Attributes:
         spec: The shards as given (``--dataset_name``: a URL pattern, or ``::``-joined ones).

@@ -26,10 +26,10 @@ from PIL import Image, ImageOps
 
 from vlfit.data.image_transforms import FastImageTransform, stack_images
 from vlfit.errors import ConfigError, DataError, MissingFileError
+from vlfit.index.search import Hit, search
+from vlfit.index.store import MANIFEST_NAME, EmbeddingIndex, refuse_other_model
 from vlfit.inference.backends import load_encoder
 from vlfit.inference.collection import COLLECTION_KEYS, open_image_collection
-from vlfit.inference.index import MANIFEST_NAME, EmbeddingIndex, refuse_other_model
-from vlfit.inference.query import Hit, search
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class Snapshot:
         self.stamp = _manifest_stamp(folder)
         self.index = index = EmbeddingIndex(folder)
         self.manifest = index.manifest
-        # Read now, not by the first query: what every search of this snapshot reads (vlfit.inference.query).
+        # Read now, not by the first query: what every search of this snapshot reads (vlfit.index.search).
         self.items: list[str] = index.row_ids
         self.removed_rows = index.left_out_rows  # files gone from their folder (re-indexed since)
         # The ANN structure when the manifest names one (an IVF index memory-mapped: the server holds what queries

@@ -1,4 +1,4 @@
-"""Keeps an index folder's ANN structure (``ann.faiss``, ``vlfit.inference.ann``) covering exactly its shards.
+"""Keeps an index folder's ANN structure (``ann.faiss``, ``vlfit.index.ann``) covering exactly its shards.
 
 The shards are the store of record; the ANN structure is derived from them, in row order. After a build,
 ``update_ann`` brings it up to date: it extends the one on disk when that still fits (the same type, its rows a
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from vlfit.errors import UserError
-from vlfit.inference.ann import (
+from vlfit.index.ann import (
     ANN_DESCRIPTION,
     DEFAULT_MAX_INDEX_MEMORY,
     AnnIndex,
@@ -29,7 +29,7 @@ from vlfit.inference.ann import (
     build_ann,
     choose_index_type,
 )
-from vlfit.inference.index import EmbeddingIndex, write_manifest
+from vlfit.index.store import EmbeddingIndex, write_manifest
 
 logger = logging.getLogger(__name__)
 

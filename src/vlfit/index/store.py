@@ -9,7 +9,7 @@ Layout::
     shard-00000.json             the n item ids, in row order
     shard-00000.captions.json    the n items' captions (a list each), for items of a dataset split or tar shards
     ann.faiss, ann.json          the approximate-nearest-neighbour structure over every row, and its description
-                                 (``vlfit.inference.index_ann``; the shards stay the store of record)
+                                 (``vlfit.index.ann_update``; the shards stay the store of record)
 
 An item is one image. An image folder's items are its files, each id the file's absolute path. A dataset split's (or
 tar shard's) records that show one image (one ``--image_id_column`` value, one row of a list caption column, or
@@ -58,7 +58,7 @@ from vlfit.inference.collection import ShardCollection, host_batches
 from vlfit.inference.identity import ModelIdentity
 
 if TYPE_CHECKING:
-    from vlfit.inference.ann import AnnIndex
+    from vlfit.index.ann import AnnIndex
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class IndexManifest:
         bad_samples: ``{"id", "reason"}`` of every item left out.
         collections: What was embedded into the index, one entry per build or append.
         removed: Ids of indexed items whose files have left their folder since (left out of results).
-        ann: The description of ``ann.faiss`` when it covers every row (``vlfit.inference.index_ann``), else None.
+        ann: The description of ``ann.faiss`` when it covers every row (``vlfit.index.ann_update``), else None.
     """
 
     identity: ModelIdentity
@@ -210,7 +210,7 @@ class EmbeddingIndex:
         described = self.manifest.ann
         if not described:
             return None
-        from vlfit.inference.ann import ANN_FILE, AnnIndex
+        from vlfit.index.ann import ANN_FILE, AnnIndex
 
         ann = AnnIndex.load(self.path, mmap=True, vectors=self.vectors())  # re-ranking reads the shards
         if len(ann) != self.manifest.count or ann.description.get("ids_digest") != described.get("ids_digest"):

@@ -22,9 +22,9 @@ import torch
 
 from vlfit.data.records import Record
 from vlfit.errors import ConfigError, MissingFileError
+from vlfit.index.store import EmbeddingIndex
 from vlfit.inference.backends import Encoder
 from vlfit.inference.collection import RecordListSource, host_batches
-from vlfit.inference.index import EmbeddingIndex
 from vlfit.inference.topk import DEFAULT_CHUNK_ELEMENTS, chunked_topk
 
 # In a file of queries, a line starting with this is an image query (the rest is the image's path).

@@ -11,7 +11,7 @@ autofaiss chooses (``choose_index_type``):
 PQ codes rank coarsely: however many lists an IVF-PQ search visits, its top 10 holds only part of the exact top 10
 (0.72 of it at 10^6 vectors with 64-byte codes). So an IVF-PQ index re-ranks: it asks faiss for ``rerank`` times
 ``k`` candidates, reads their full vectors from the index's memory-mapped shards (``vectors``, the store of record,
-``vlfit.inference.index.ShardVectors``) and keeps the ``k`` of highest exact score. The structure in memory stays
+``vlfit.index.store.ShardVectors``) and keeps the ``k`` of highest exact score. The structure in memory stays
 within its budget; a query reads ``rerank * k`` vectors from the shards.
 
 ``build_ann`` trains on the embeddings themselves (a sample when there are many), adds them, then tunes the search
@@ -267,7 +267,7 @@ class AnnIndex:
         if self.rerank > 1 and self.vectors is None:
             raise ConfigError(
                 f"this {self.type} index re-ranks its candidates with the full vectors: open it with its vectors "
-                "(vlfit.inference.index_ann.open_ann, or AnnIndex.load(folder, vectors=...))"
+                "(vlfit.index.ann_update.open_ann, or AnnIndex.load(folder, vectors=...))"
             )
         wanted = max(k, min(len(self), k * self.rerank)) if self.rerank > 1 else k
         if exclude is None or len(exclude) == 0:
