@@ -12,7 +12,8 @@ checkpoints; the input pipeline owns the placement of batches. vlfit hooks in at
   the feed already staged.
 - ``compute_loss`` is the model family's contrastive loss, with local or global negatives; the run's first
   ``training_step`` also counts its FLOPs (``flops_per_sample``, for TFLOP/s and MFU).
-- ``evaluate`` computes recall@k and matching accuracy instead of a validation loss.
+- ``evaluate`` computes recall@k and matching accuracy instead of a validation loss
+  (``vlfit.training.evaluation_metrics``).
 - A streamed training split (``StreamingImageTextDataset``) bypasses accelerate's sharding (the stream splits its
   shards over processes itself); ``get_batch_samples`` marks each batch's items consumed, checkpoints save the
   stream's position and a resume loads it instead of skipping batches (``vlfit.training.stream_epochs``). A
@@ -21,23 +22,20 @@ checkpoints; the input pipeline owns the placement of batches. vlfit hooks in at
 
 It also keeps the run's ledger of bad samples (reported in each ``Batch``: counted in the logs, saved in
 checkpoints, bounded by ``--max_bad_fraction``) and writes checkpoints atomically: each is written into a hidden
-staging folder and renamed into place once complete, so a kill during saving never leaves a ``checkpoint-N``
-folder that resuming (``get_last_checkpoint``) would take for a complete one.
+staging folder and renamed into place once complete (``vlfit.training.checkpoint_folders``), so a kill during
+saving never leaves a ``checkpoint-N`` folder that resuming (``get_last_checkpoint``) would take for a complete one.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
 from collections.abc import Sequence, Sized
 from functools import partial
 from typing import Any
 
 import torch
-from accelerate.utils import gather_object
 from torch.utils.data import Sampler
-from tqdm.auto import tqdm
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints, seed_worker
 
@@ -48,20 +46,17 @@ from vlfit.data.stream import ShardStream, SourceUnreachableError
 from vlfit.data.stream_dataset import StreamingImageTextDataset
 from vlfit.efficiency.flops import count_flops
 from vlfit.errors import ConfigError
-from vlfit.evaluation.retrieval import EmbeddedSplit, evaluate_retrieval
-from vlfit.evaluation.zeroshot import ZeroShotSet, zeroshot_metrics
+from vlfit.evaluation.zeroshot import ZeroShotSet
 from vlfit.models.family import ModelFamily
 from vlfit.models.trainable import temporarily_trainable
 from vlfit.training.bad_sample_ledger import BadSampleLedger, TooManyBadSamplesError, process_file_name
+from vlfit.training.checkpoint_folders import STAGING_PREFIX, publish_staged_checkpoint, remove_partial_checkpoints
+from vlfit.training.evaluation_metrics import evaluation_metrics
 from vlfit.training.fsdp import enable_fsdp_on_cpu, reshape_scalar_parameters, scalar_state_dict
 from vlfit.training.gradient_cache import gradient_cached_backward
 from vlfit.training.preemption import StreamSourceLost
 from vlfit.training.stream_epochs import StreamEpochs, agreed_batches, load_stream_state, save_stream_state
 from vlfit.training.throughput import ThroughputMeter
-
-# Checkpoints are staged in ``<output_dir>/.partial-checkpoint-N/checkpoint-N``: the name matches neither
-# ``get_last_checkpoint``'s ``^checkpoint-\d+$`` nor the ``checkpoint-*`` glob of checkpoint rotation.
-STAGING_PREFIX = ".partial-"
 
 logger = logging.getLogger(__name__)
 
@@ -405,13 +400,7 @@ class VlfitTrainer(Trainer):
                 # The Trainer recorded where it just wrote the best checkpoint: record where it will stay instead.
                 self.state.best_model_checkpoint = final_dir
                 self.state.save_to_json(os.path.join(staged_dir, "trainer_state.json"))
-            _fsync_tree(staged_dir)
-            if os.path.isdir(final_dir):
-                # The same step saved twice (a stop requested on a save step): swap, then drop the old copy.
-                os.replace(final_dir, os.path.join(staging_root, "previous"))
-            os.replace(staged_dir, final_dir)
-            _fsync_dir(run_dir)
-            shutil.rmtree(staging_root, ignore_errors=True)
+            publish_staged_checkpoint(staged_dir, final_dir)
             # The Trainer rotated inside the staging folder (one checkpoint: nothing to do); rotate for real.
             rotate_checkpoints(
                 output_dir=run_dir,
@@ -435,44 +424,7 @@ class VlfitTrainer(Trainer):
     def evaluate(
         self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
     ) -> dict[str, float]:
-        loader = self.get_eval_dataloader(eval_dataset)
-        batches = tqdm(
-            self.pipeline.feed(loader, self._model_dtype, train=False),
-            total=len(loader),
-            desc="eval",
-            unit="batch",
-            leave=False,
-            disable=self.args.disable_tqdm or not self.is_local_process_zero(),
-        )
-        metrics, skipped = evaluate_retrieval(
-            self.family,
-            self.model,
-            batches,
-            tokenizer=self.pipeline.inputs.tokenizer,
-            max_seq_length=self.pipeline.inputs.max_seq_length,
-            device=self.args.device,
-            pool_size=self.eval_pool_size,
-            autocast=self.autocast_smart_context_manager,
-            gather_parts=gather_parts if self.accelerator.num_processes > 1 else None,
-        )
-        if self.is_world_process_zero():
-            for bad in skipped[:10]:
-                logger.warning("evaluation left out bad sample %s: %s", bad.id, bad.reason)
-            if len(skipped) > 10:
-                logger.warning("evaluation left out %d bad samples in all", len(skipped))
-        for zeroshot in self.zeroshot_sets:
-            metrics.update(
-                zeroshot_metrics(
-                    self.family,
-                    self.model,
-                    self.pipeline,
-                    zeroshot,
-                    dtype=self._model_dtype,
-                    batch_size=self.args.eval_batch_size,
-                    settings=LoaderSettings.from_training_args(self.args, drop_last=False),
-                    autocast=self.autocast_smart_context_manager,
-                )
-            )
+        metrics = evaluation_metrics(self, self.get_eval_dataloader(eval_dataset))
         metrics = {f"{metric_key_prefix}_{key}": value for key, value in metrics.items()}
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
@@ -493,40 +445,3 @@ class _CountOptimizerSteps(TrainerCallback):
         epochs = self.trainer._stream_epochs
         if epochs is not None and args.max_steps > 0:
             state.epoch = epochs.stream.epoch + epochs.batches / (args.max_steps * args.gradient_accumulation_steps)
-
-
-def gather_parts(part: EmbeddedSplit) -> list[EmbeddedSplit]:
-    """Every process's evaluation part, in rank order (a collective: every process calls it once)."""
-    return gather_object([part])
-
-
-def remove_partial_checkpoints(run_dir: str) -> list[str]:
-    """Delete staging folders left by saves that were killed; returns what was removed."""
-    if not os.path.isdir(run_dir):
-        return []
-    removed = []
-    for entry in os.listdir(run_dir):
-        if entry.startswith(STAGING_PREFIX + PREFIX_CHECKPOINT_DIR):
-            shutil.rmtree(os.path.join(run_dir, entry), ignore_errors=True)
-            removed.append(entry)
-    return removed
-
-
-def _fsync_tree(folder: str) -> None:
-    """Flush every file of ``folder`` to disk, so the rename never publishes data still in the page cache."""
-    for root, _, files in os.walk(folder):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(root)
-
-
-def _fsync_dir(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -1,0 +1,62 @@
+"""Checkpoint folders that appear whole or not at all.
+
+A checkpoint is written into ``<output_dir>/.partial-checkpoint-N/checkpoint-N`` and renamed into place once
+complete: the staging name matches neither ``get_last_checkpoint``'s ``^checkpoint-\\d+$`` nor the
+``checkpoint-*`` glob of checkpoint rotation, so a kill during saving never leaves a folder that resuming would take
+for a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+STAGING_PREFIX = ".partial-"
+
+
+def publish_staged_checkpoint(staged_dir: str, final_dir: str) -> None:
+    """Flush ``staged_dir`` to disk and rename it to ``final_dir`` (atomic on one filesystem), replacing a
+    checkpoint of the same step saved before; then remove the staging folder around it."""
+    staging_root = os.path.dirname(staged_dir)
+    run_dir = os.path.dirname(final_dir)
+    _fsync_tree(staged_dir)
+    if os.path.isdir(final_dir):
+        # The same step saved twice (a stop requested on a save step): swap, then drop the old copy.
+        os.replace(final_dir, os.path.join(staging_root, "previous"))
+    os.replace(staged_dir, final_dir)
+    _fsync_dir(run_dir)
+    shutil.rmtree(staging_root, ignore_errors=True)
+
+
+def remove_partial_checkpoints(run_dir: str) -> list[str]:
+    """Delete staging folders left by saves that were killed; returns what was removed."""
+    if not os.path.isdir(run_dir):
+        return []
+    removed = []
+    for entry in os.listdir(run_dir):
+        if entry.startswith(STAGING_PREFIX + PREFIX_CHECKPOINT_DIR):
+            shutil.rmtree(os.path.join(run_dir, entry), ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+def _fsync_tree(folder: str) -> None:
+    """Flush every file of ``folder`` to disk, so the rename never publishes data still in the page cache."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(root)
+
+
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
