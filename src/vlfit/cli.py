@@ -124,6 +124,15 @@ def error_line(err: BaseException) -> str:
     return " ".join(lines)
 
 
+def _stop_loader_workers(error: BaseException) -> None:
+    """Stop the loader workers of whatever loop ``error`` ended, now rather than at garbage collection
+    (``vlfit.data.loader_workers``); nothing to do where torch was never imported."""
+    if "torch" in sys.modules:
+        from vlfit.data.loader_workers import stop_loader_workers
+
+        stop_loader_workers(error.__traceback__)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``vlfit <command>``; returns the process exit code."""
     argv, debug = take_debug_flag(list(sys.argv[1:] if argv is None else argv))
@@ -152,8 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(COMMANDS[command][0])
         with cli_wording():  # the API functions a command calls keep its flags' names in their messages
             code = int(module.main(rest) or 0)
-    except UserError as err:
-        if debug:
+    except BaseException as err:
+        _stop_loader_workers(err)
+        if debug or not isinstance(err, UserError):
             raise
         print(f"vlfit {command}: error: {error_line(err)}", file=sys.stderr)
         return USAGE_ERROR_EXIT_CODE
