@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -24,6 +25,8 @@ pytestmark = pytest.mark.slow
 
 START_TIMEOUT = 120  # seconds for the process to load the model and bind, far above what it takes
 REQUEST_TIMEOUT = 30
+HEADER_TIMEOUT = 2  # the module's server lets a connection go this long without a whole request head
+MAX_CONNECTIONS = 16
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +35,9 @@ def server(served_index: Path, tmp_path_factory):
 
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    process = start_server(["--index", str(served_index)], port, str(log), timeout=START_TIMEOUT,
+    flags = ["--index", str(served_index), "--header_timeout", str(HEADER_TIMEOUT), "--max_connections",
+             str(MAX_CONNECTIONS)]  # fmt: skip
+    process = start_server(flags, port, str(log), timeout=START_TIMEOUT,
                            env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})  # fmt: skip
     try:
         yield f"http://127.0.0.1:{port}", process, log
@@ -132,6 +137,47 @@ def _read_response(connection: socket.socket) -> bytes:
 def _content_length(data: bytes) -> int:
     head = data.split(b"\r\n\r\n", 1)[0].lower()
     return int(head.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0]) if b"content-length:" in head else 0
+
+
+def test_connections_heads_and_idle_sockets_are_bounded_and_a_good_query_is_answered_after(server, train_records):
+    base, _, log = server
+    port = int(base.rsplit(":", 1)[1])
+
+    def connect() -> socket.socket:
+        return socket.create_connection(("127.0.0.1", port), timeout=REQUEST_TIMEOUT)
+
+    with connect() as big:  # 20 KB of headers (uvicorn on httptools took 100 MB): 431, closed
+        big.sendall(b"GET /api/health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n")
+        assert _read_response(big).startswith(b"HTTP/1.1 431")
+    started = time.monotonic()
+    with connect() as trickle:  # a head that never ends: 408 after --header_timeout, closed
+        trickle.sendall(b"GET /api/health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        assert _read_response(trickle).startswith(b"HTTP/1.1 408")
+    assert HEADER_TIMEOUT - 0.5 < time.monotonic() - started < HEADER_TIMEOUT + 5
+    # Silent connections, up to the cap: the next one is answered 503 and closed at once; the silent ones are let
+    # go after --header_timeout (uvicorn held them forever).
+    extra = 3
+    opened = [connect() for _ in range(MAX_CONNECTIONS + extra)]  # within milliseconds: all open at once
+    started = time.monotonic()
+    try:
+        time.sleep(0.5)
+        answered = [connection for connection in opened if select.select([connection], [], [], 0)[0]]
+        refusals = [connection.recv(4096) for connection in answered]
+        # Those beyond the cap (a browser's last connections may still be closing: a few more may get in).
+        assert 1 <= len(refusals) <= extra and answered == opened[len(opened) - len(answered) :]
+        assert all(r.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in r.lower() for r in refusals), refusals
+        for connection in opened[: len(opened) - len(answered)]:
+            connection.settimeout(HEADER_TIMEOUT + 5)
+            assert connection.recv(4096) == b""  # closed by the server, with nothing to answer
+        assert time.monotonic() - started < HEADER_TIMEOUT + 5
+    finally:
+        for connection in opened:
+            connection.close()
+    answer = httpx.post(f"{base}/api/search", json={"text": train_records[1].caption, "k": 2}, timeout=REQUEST_TIMEOUT)
+    assert answer.status_code == 200 and len(answer.json()["results"]) == 2
+    metrics = httpx.get(f"{base}/metrics", timeout=REQUEST_TIMEOUT).text
+    assert re.search(r'^vlfit_refused_total\{limit="connections"\} [1-9]', metrics, flags=re.M), metrics
+    assert f"over the limit of {MAX_CONNECTIONS} open (--max_connections)" in log.read_text()
 
 
 def test_sigterm_finishes_the_request_in_flight_and_exits_zero(server, train_records) -> None:

@@ -18,13 +18,15 @@ import signal
 import socket
 import tempfile
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Literal
 
 from vlfit.commands.parsing import CommandParser
 from vlfit.errors import ConfigError
+from vlfit.serve.limits import ServerLimits
 
 PROG = "vlfit serve"
+CONNECTION_PROTOCOL = "vlfit.serve.connections:BoundedHttpToolsProtocol"  # uvicorn's http=, as an import string
 SETTINGS_ENV = "VLFIT_SERVE_SETTINGS"  # how --workers > 1 hands the settings to uvicorn's worker processes
 
 
@@ -45,7 +47,10 @@ class ServeArguments:
     precision: Literal["auto", "fp32", "int8"] = field(
         default="auto", metadata={"help": "Exported graphs: auto (INT8 when exported)."}
     )
-    num_threads: int | None = field(default=None, metadata={"help": "Threads of the runtime (default: its own)."})
+    num_threads: int | None = field(
+        default=1,
+        metadata={"help": "Intra-op threads of the runtime (torch, ONNX Runtime); 1: batching makes the concurrency."},
+    )
     max_upload_mb: float = field(default=20.0, metadata={"help": "Largest request body in MB (413 beyond)."})
     max_batch: int = field(default=32, metadata={"help": "Most text queries embedded in one batch."})
     max_wait_ms: float = field(
@@ -61,6 +66,37 @@ class ServeArguments:
     reload_interval: float = field(
         default=2.0, metadata={"help": "Seconds between checks for a new index manifest (0: POST /api/reload only)."}
     )
+    max_concurrency: int = field(
+        default=ServerLimits.max_concurrency,
+        metadata={"help": "Requests in flight (health, metrics not counted); beyond: 503 with Retry-After."},
+    )
+    max_connections: int = field(
+        default=ServerLimits.max_connections, metadata={"help": "Open connections; beyond: 503 and closed."}
+    )
+    header_timeout: float = field(
+        default=ServerLimits.header_timeout,
+        metadata={"help": "Seconds for a request head to arrive (and for a new connection to start one); 408 after."},
+    )
+    body_timeout: float = field(
+        default=ServerLimits.body_timeout, metadata={"help": "Seconds for a whole request body to arrive; 408 after."}
+    )
+    max_header_bytes: int = field(
+        default=ServerLimits.max_header_bytes, metadata={"help": "Largest request line plus headers; 431 beyond."}
+    )
+    keep_alive_timeout: int = field(
+        default=ServerLimits.keep_alive_timeout,
+        metadata={"help": "Seconds an idle keep-alive connection stays open after a response."},
+    )
+    max_text_chars: int = field(
+        default=ServerLimits.max_text_chars, metadata={"help": "Longest text query in characters; 422 beyond."}
+    )
+    max_query_pixels: int = field(
+        default=ServerLimits.max_query_pixels,
+        metadata={"help": "Most pixels a query image may declare (read before decoding); 422 beyond."},
+    )
+    thumbnail_cache_mb: float = field(
+        default=ServerLimits.thumbnail_cache_mb, metadata={"help": "MB of small thumbnails kept for repeat requests."}
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -75,6 +111,11 @@ class ServeArguments:
             raise ConfigError(f"--search_threads must be at least 1, got {self.search_threads}")
         if self.workers > 1 and self.port == 0:
             raise ConfigError("--port 0 with --workers > 1: the workers must share one port; choose it")
+        self.limits()  # refuses a limit out of range now, in one line
+
+    def limits(self) -> ServerLimits:
+        """The server's bounds these flags set."""
+        return ServerLimits(**{limit.name: getattr(self, limit.name) for limit in fields(ServerLimits)})
 
 
 def build_app(args: ServeArguments):  # -> fastapi.FastAPI (fastapi is imported only when serving)
@@ -84,7 +125,8 @@ def build_app(args: ServeArguments):  # -> fastapi.FastAPI (fastapi is imported 
 
     engine = SearchEngine(args.index, args.model, args.backend, args.precision, args.num_threads, args.search_threads)
     return create_app(engine, max_upload_mb=args.max_upload_mb, max_batch=args.max_batch,
-                      max_wait_ms=args.max_wait_ms, reload_interval=args.reload_interval)  # fmt: skip
+                      max_wait_ms=args.max_wait_ms, reload_interval=args.reload_interval,
+                      limits=args.limits())  # fmt: skip
 
 
 def app_from_environment():  # uvicorn's factory in each worker process of --workers N
@@ -135,7 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     from vlfit.index.store import EmbeddingIndex
 
     EmbeddingIndex(args.index)  # no index: one line now, not a traceback in every worker
-    common = dict(host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30)
+    # uvicorn on vlfit's httptools protocol, which bounds connections and request heads by the app's limits
+    # (vlfit.serve.connections); h11's own head limit in case a caller picks h11.
+    common = dict(host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30,
+                  http=CONNECTION_PROTOCOL, timeout_keep_alive=args.keep_alive_timeout,
+                  h11_max_incomplete_event_size=args.max_header_bytes)  # fmt: skip
     # uvicorn finishes the requests in flight on SIGTERM, then raises the signal again: end with 0 then, not -15.
     signal.signal(signal.SIGTERM, _stopped)
     if args.workers == 1:

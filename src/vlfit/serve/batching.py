@@ -5,7 +5,11 @@ A request puts its query on a queue and awaits its result. One collector task ta
 at most that long. It runs the batch (embed the texts, search the index at the largest k asked) on a single worker
 thread, so the event loop keeps accepting requests meanwhile. Alone, a query runs at once (``max_wait_ms`` 0, the
 default); under load the worker is never idle, each batch is what arrived during the last one, and throughput grows
-with concurrency. An error in a batch is every one of its requests' error.
+with concurrency.
+
+No query hurts another: texts are checked before they are submitted (``vlfit.serve.queries``); a batch that fails
+anyway is run again one query at a time, so only the query that fails gets its error; and a query whose request was
+cancelled (its client went away) while it waited is dropped before it is computed.
 """
 
 from __future__ import annotations
@@ -90,18 +94,41 @@ class MicroBatcher:
             k = max(pending.k for pending in live)
             try:
                 results = await loop.run_in_executor(self.executor, self.run_batch, [p.text for p in live], k)
-            except Exception as err:  # noqa: BLE001 - handed to every request of the batch
-                for pending in live:
-                    if not pending.future.done():
-                        pending.future.set_exception(err)
+            except Exception as err:  # noqa: BLE001 - one query alone gets its error; several are run one by one
+                if len(live) == 1:
+                    _settle(live[0], error=err)
+                else:
+                    await self._one_by_one(live)
                 continue
             for pending, result in zip(live, results, strict=True):
-                if not pending.future.done():
-                    pending.future.set_result(result[: pending.k])
+                _settle(pending, result=result[: pending.k])
+
+    async def _one_by_one(self, batch: list[_Pending]) -> None:
+        """Each query of a failed batch alone: the one that failed it gets its error, the others their results."""
+        loop = asyncio.get_running_loop()
+        for pending in batch:
+            if pending.future.done():  # cancelled meanwhile
+                continue
+            try:
+                (result,) = await loop.run_in_executor(self.executor, self.run_batch, [pending.text], pending.k)
+            except Exception as err:  # noqa: BLE001 - this query's own error
+                _settle(pending, error=err)
+            else:
+                _settle(pending, result=result)
 
     async def close(self) -> None:
+        """Stop collecting; queries waiting are cancelled."""
         if self._collector is not None:
             self._collector.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._collector
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _settle(pending: _Pending, result: Any = None, error: BaseException | None = None) -> None:
+    if pending.future.done():  # the request was cancelled while its batch ran
+        return
+    if error is not None:
+        pending.future.set_exception(error)
+    else:
+        pending.future.set_result(result)

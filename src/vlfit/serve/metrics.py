@@ -1,9 +1,10 @@
 """The server's Prometheus metrics (``GET /metrics``), kept by ``prometheus_client``.
 
 ``vlfit_requests_total{route, status}``, ``vlfit_request_seconds{route}`` (a latency histogram), the micro-batches'
-sizes (``vlfit_search_batch_size``), and gauges of the served index (``vlfit_index_items``,
-``vlfit_index_generation``). Routes are the app's route templates (``/api/image/{item}``), never raw paths, so a
-client cannot grow the label set.
+sizes (``vlfit_search_batch_size``), requests and connections refused at a limit (``vlfit_refused_total{limit}``:
+``requests`` beyond ``--max_concurrency``, ``connections`` beyond ``--max_connections``), and gauges of the served
+index (``vlfit_index_items``, ``vlfit_index_generation``). Routes are the app's route templates
+(``/api/image/{item}``), never raw paths, so a client cannot grow the label set.
 
 With ``PROMETHEUS_MULTIPROC_DIR`` set (``vlfit serve --workers N`` sets it to a fresh folder before the workers
 start), every worker writes its counts there and ``/metrics`` sums the folder (prometheus_client's multiprocess
@@ -51,10 +52,16 @@ class ServerMetrics:
                                  buckets=LATENCY_BUCKETS, registry=self.registry)  # fmt: skip
         self.batch_sizes = Histogram("vlfit_search_batch_size", "Text queries per encoder batch.",
                                      buckets=BATCH_BUCKETS, registry=self.registry)  # fmt: skip
+        self.refused = Counter("vlfit_refused", "Requests (503) and connections refused at a limit, by limit.",
+                               ["limit"], registry=self.registry)  # fmt: skip
 
     def observe_request(self, route: str, status: int, seconds: float) -> None:
         self.requests.labels(route=route, status=str(status)).inc()
         self.latency.labels(route=route).observe(seconds)
+
+    def observe_refused(self, limit: str) -> None:
+        """One refusal at ``limit`` (``requests`` or ``connections``)."""
+        self.refused.labels(limit=limit).inc()
 
     def observe_batch(self, size: int) -> None:
         self.batch_sizes.observe(size)

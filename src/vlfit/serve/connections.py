@@ -1,0 +1,159 @@
+"""What a connection may hold before it is a request: uvicorn's httptools protocol with the bounds it lacks.
+
+uvicorn (0.3x to 0.5x, on httptools) closes a keep-alive connection idle ``timeout_keep_alive`` seconds after a
+response, and with ``limit_concurrency`` answers 503 (counting idle keep-alive connections as load). It does not
+bound how long a connection may stay open before its first request, how long a request head may take to arrive, or
+how large the head may be (h11's ``h11_max_incomplete_event_size`` bounds the head only on the h11 protocol), and it
+accepts connections up to the file-descriptor limit, beyond which clients are refused without a log line.
+``BoundedHttpToolsProtocol`` adds, for every connection of a ``vlfit serve`` app:
+
+- ``max_connections``: a connection beyond it is answered 503 with ``Retry-After`` and closed at once (logged,
+  counted in ``vlfit_refused_total{limit="connections"}``);
+- ``header_timeout``: a request head (request line and headers) must be whole within this many seconds of the
+  connection opening or of its first byte; otherwise 408 and close (a connection that never sends a byte is
+  closed silently), so idle and trickling connections are let go;
+- ``max_header_bytes``: a request line and headers larger than this get 431 and the connection is closed.
+
+The app hands its ``ServerLimits`` and its metrics to the protocol through the lifespan state (``LIMITS_KEY``,
+``METRICS_KEY``), so every uvicorn worker process reads those of its own app, whether uvicorn runs one process or
+several; a connection to an app that gives none is not bounded here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import httptools
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from vlfit.serve.limits import LIMITS_KEY, METRICS_KEY, ServerLimits
+
+logger = logging.getLogger(__name__)
+
+REFUSAL_LOG_INTERVAL_S = 10.0  # refused connections are logged at most this often, with the count since
+
+
+class _Refusals:
+    """A count of refused connections, logged once per interval rather than once per connection."""
+
+    count = 0
+    logged_at = 0.0
+
+    @classmethod
+    def note(cls, limit: int) -> None:
+        cls.count += 1
+        now = time.monotonic()
+        if now - cls.logged_at >= REFUSAL_LOG_INTERVAL_S:
+            logger.warning("refused %d connection(s) over the limit of %d open (--max_connections)", cls.count, limit)
+            cls.count, cls.logged_at = 0, now
+
+
+class BoundedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a connection cap, a request-head timeout and a head size limit."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.limits: ServerLimits | None = self.app_state.get(LIMITS_KEY)
+        self.metrics = self.app_state.get(METRICS_KEY)
+        self._head_bytes = 0
+        self._head_timer: Any = None
+        self._in_head = False  # between a request's first byte and the end of its headers
+        self._admitted = True  # False: refused at the connection cap, never counted among the connections
+        self._refused = False  # answered and closed by a limit: nothing more is read
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        limits = self.limits
+        if limits is not None and len(self.connections) >= limits.max_connections:
+            self.transport, self._admitted, self._refused = transport, False, True
+            _Refusals.note(limits.max_connections)
+            if self.metrics is not None:
+                self.metrics.observe_refused("connections")
+            self._answer_and_close(503, b"too many connections (--max_connections)", retry_after=1)
+            return
+        super().connection_made(transport)
+        self._arm_head_timer()  # a connection that never sends a request is let go too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head_timer()
+        if self._admitted:
+            super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError:
+            if not self._refused:  # not our own refusal: uvicorn's answer to a callback that failed
+                self._invalid_request()
+        except httptools.HttpParserError:
+            self._invalid_request()
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+
+    def _invalid_request(self) -> None:
+        message = "Invalid HTTP request received."
+        self.logger.warning(message)
+        self.send_400_response(message)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_bytes, self._in_head = 0, True
+        if self._head_timer is None:  # a keep-alive connection's next request
+            self._arm_head_timer()
+
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value) + 4)  # ": " and CRLF
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._disarm_head_timer()
+        self._in_head = False
+        super().on_headers_complete()
+
+    def _count_head(self, size: int) -> None:
+        self._head_bytes += size
+        limits = self.limits
+        if limits is not None and self._head_bytes > limits.max_header_bytes:
+            self._refused = True
+            message = f"the request head is over {limits.max_header_bytes} bytes (--max_header_bytes)"
+            self._answer_and_close(431, message.encode())
+            raise OverflowError(message)  # stops the parser; data_received knows it was ours
+
+    def _arm_head_timer(self) -> None:
+        if self.limits is not None:
+            self._head_timer = self.loop.call_later(self.limits.header_timeout, self._head_timed_out)
+
+    def _disarm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing():
+            return
+        if self._in_head:
+            assert self.limits is not None
+            message = f"the request head did not arrive within {self.limits.header_timeout:g} s (--header_timeout)"
+            self._answer_and_close(408, message.encode())
+        else:  # nothing sent since the connection opened (or since its last response): no request to answer
+            self.transport.close()
+
+    def _answer_and_close(self, status: int, message: bytes, retry_after: int | None = None) -> None:
+        head = [STATUS_LINE[status], b"content-type: text/plain; charset=utf-8\r\n",
+                b"content-length: %d\r\n" % len(message), b"connection: close\r\n"]  # fmt: skip
+        if retry_after is not None:
+            head.append(b"retry-after: %d\r\n" % retry_after)
+        self.transport.write(b"".join([*head, b"\r\n", message]))
+        self.transport.close()

@@ -1,0 +1,59 @@
+"""Every bound of ``vlfit serve`` in one place, with its default and why (docs/serving.md has the table).
+
+``vlfit serve``'s flags of the same names set them; ``create_app(engine, limits=ServerLimits(...))`` takes them.
+Who enforces each: ``vlfit.serve.connections`` (connections and request heads, under uvicorn), the app's
+middlewares in ``vlfit.serve.middleware`` (requests in flight, bodies) and ``vlfit.serve.queries`` /
+``vlfit.serve.images`` (what a query may ask).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vlfit.errors import ConfigError
+
+LIMITS_KEY = "vlfit.limits"  # the app's lifespan state entries its connections read: its ServerLimits and metrics
+METRICS_KEY = "vlfit.metrics"
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """The server's bounds.
+
+    Args:
+        max_concurrency: Requests in flight (queued or computing; health and metrics not counted); one beyond is
+            answered 503 with ``Retry-After`` at once. 32: at 2x a 2-core server's capacity the requests admitted
+            wait about one batch, not seconds.
+        max_connections: Open connections; one beyond is answered 503 and closed (far below the usual 1024
+            file-descriptor limit, so the server never runs out of them).
+        header_timeout: Seconds a request head may take to arrive (also: how long a new connection may stay
+            silent).
+        body_timeout: Seconds a request body may take to arrive, whole (408 beyond): 20 MB at about 3 Mbit/s.
+        max_header_bytes: The largest request line plus headers (431 beyond); 16 KiB, h11's default.
+        keep_alive_timeout: Seconds an idle keep-alive connection stays open after a response (uvicorn's).
+        max_text_chars: The longest text query (422 beyond). A CLIP text tower reads 77 tokens, a few hundred
+            characters; 2000 is far above any caption and tokenizes in well under a millisecond.
+        max_query_pixels: The most pixels a query image may declare (422 beyond), read from its header before
+            any decoding: 40 megapixels, a large camera photo; Pillow's bomb limit for training data is 178.9.
+        thumbnail_cache_mb: Bytes of small thumbnails kept for the next request of the same image and size.
+    """
+
+    max_concurrency: int = 32
+    max_connections: int = 512
+    header_timeout: float = 10.0
+    body_timeout: float = 60.0
+    max_header_bytes: int = 16 * 1024
+    keep_alive_timeout: int = 5
+    max_text_chars: int = 2000
+    max_query_pixels: int = 40_000_000
+    thumbnail_cache_mb: float = 32.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_concurrency", "max_connections", "max_header_bytes", "max_text_chars", "max_query_pixels"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("header_timeout", "body_timeout", "keep_alive_timeout"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
+        if self.thumbnail_cache_mb < 0:
+            raise ConfigError(f"--thumbnail_cache_mb must be at least 0, got {self.thumbnail_cache_mb}")

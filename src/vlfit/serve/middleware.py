@@ -1,0 +1,165 @@
+"""The app's ASGI middlewares, outermost first: ``RequestMetrics`` (counts every answer), ``InFlightLimit`` (503
+beyond ``max_concurrency`` requests in flight), ``HeadAsGet`` (``HEAD`` wherever ``GET`` is answered) and
+``UploadLimit`` (413 beyond the body limit, 408 for a body that does not arrive in time).
+
+What the connection carries before a request exists (idle connections, the request head's size and time, the
+number of connections) is bounded one level below, in ``vlfit.serve.connections``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from vlfit.serve.metrics import ServerMetrics
+from vlfit.serve.queries import error_response
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1  # what a refused client is told to wait: a batch takes milliseconds, the queue drains in < 1 s
+
+
+class UploadLimit:
+    """A request body over ``max_bytes`` is answered 413 before the app sees it; one that has not arrived within
+    ``timeout`` seconds of the request's start is answered 408.
+
+    A declared ``Content-Length`` over the limit is refused at once; a body without one (chunked) is read up to the
+    limit and refused when it goes beyond. An accepted body is handed to the app as it was received.
+    """
+
+    def __init__(self, app: Any, max_bytes: int, timeout: float | None = None) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.timeout = timeout
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        try:
+            body = await asyncio.wait_for(self._read(receive), self.timeout)
+        except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
+            message = f"the request body did not arrive within {self.timeout:g} s (--body_timeout)"
+            await error_response(408, message, {"Connection": "close"})(scope, receive, send)
+            return
+        if body is None:  # the client went away
+            return
+        if len(body) > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        sent = False
+
+        async def replay() -> dict:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _read(self, receive: Any) -> bytes | None:
+        """The body, or the first chunk beyond the limit; ``None`` when the client disconnected."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes or not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def _refuse(self, scope: dict, receive: Any, send: Any) -> None:
+        megabytes = self.max_bytes / 1e6
+        message = f"the request body is over the upload limit of {megabytes:g} MB (--max_upload_mb)"
+        await error_response(413, message)(scope, receive, send)
+
+
+class InFlightLimit:
+    """At most ``max_requests`` requests in flight; one beyond is answered 503 with ``Retry-After`` at once, and
+    counted (``vlfit_refused_total{limit="requests"}``), rather than queued behind the others.
+
+    ``exempt`` paths (health and metrics: answered on the event loop, microseconds) are never refused, so that a
+    monitor sees an overloaded server as up and overloaded, not as down.
+    """
+
+    def __init__(self, app: Any, max_requests: int, metrics: ServerMetrics, exempt: tuple[str, ...] = ()) -> None:
+        self.app = app
+        self.max_requests = max_requests
+        self.metrics = metrics
+        self.exempt = frozenset(exempt)
+        self.in_flight = 0
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in self.exempt:
+            await self.app(scope, receive, send)
+            return
+        if self.in_flight >= self.max_requests:
+            self.metrics.observe_refused("requests")
+            message = (f"the server is answering its limit of {self.max_requests} requests (--max_concurrency); "
+                       f"retry after {RETRY_AFTER_S} s")  # fmt: skip
+            await error_response(503, message, {"Retry-After": str(RETRY_AFTER_S)})(scope, receive, send)
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+
+class HeadAsGet:
+    """``HEAD`` is answered wherever ``GET`` is: the app answers the ``GET``, and only its head is sent."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def head_only(message: dict) -> None:
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        as_get = {**scope, "method": "GET"}  # a copy: the server still knows the request as HEAD
+        try:
+            await self.app(as_get, receive, head_only)
+        finally:
+            if "route" in as_get:  # for RequestMetrics, outside: the route the GET matched
+                scope["route"] = as_get["route"]
+
+
+class RequestMetrics:
+    """Counts every request and its latency by route template and status."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started, status = time.perf_counter(), 500
+
+        async def recording_send(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, recording_send)
+        finally:
+            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            self.metrics.observe_request(route, status, time.perf_counter() - started)

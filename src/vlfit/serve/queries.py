@@ -1,0 +1,155 @@
+"""A search request read and checked before anything is computed for it: ``read_query`` turns the body into a
+``Query`` or the error response it gets.
+
+Every check here is cheap and runs on the event loop, so a bad request is answered without touching the encoder
+and never joins a batch with good ones:
+
+- JSON: duplicate keys, nesting deeper than ``MAX_JSON_DEPTH``, unknown fields, ``k`` that is not a JSON integer
+  (``true``, ``"5"``, ``5.0``) -> 422;
+- text: empty, longer than ``max_text_chars``, or not valid Unicode (a lone surrogate such as ``"\\ud800"``, which
+  no UTF-8 encoder or tokenizer takes) -> 422, naming the field and the limit;
+- multipart: exactly one file part, ``file``; ``k`` as a form field of digits; more than one file -> 400;
+- ``image``: base64 -> 400 when it is not.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
+
+MAX_JSON_DEPTH = 8  # a search request is one flat object; this leaves room and refuses pathological nesting
+MULTIPART_MAX_FIELDS = 8
+
+
+class SearchQuery(BaseModel):
+    """A JSON search request: exactly one of ``text`` and ``image`` (base64 of the encoded image bytes)."""
+
+    model_config = ConfigDict(extra="forbid")
+    text: str | None = None
+    image: str | None = None
+    k: StrictInt = 10  # a JSON integer: no bool, string or float
+
+
+@dataclass(frozen=True)
+class Query:
+    """A checked search request: ``text`` or ``image`` (encoded bytes), and ``k`` (not yet range-checked)."""
+
+    text: str | None
+    image: bytes | None
+    k: int
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The server's error answer: ``{"error": message}``."""
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise _DuplicateKey(key)
+        found[key] = value
+    return found
+
+
+def _depth(value: Any) -> int:
+    """How deep ``value`` nests (a scalar 0, a flat object 1), iteratively: never recursion-bound."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict | list):
+            level += 1
+            deepest = max(deepest, level)
+            stack.extend((child, level) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def parse_json(body: bytes) -> Any:
+    """The JSON value of ``body``.
+
+    Raises:
+        ValueError: for malformed JSON, duplicate keys, or nesting deeper than ``MAX_JSON_DEPTH`` (the message
+            says which).
+    """
+    try:
+        value = json.loads(body, object_pairs_hook=_refuse_duplicates)
+    except _DuplicateKey as err:
+        raise ValueError(f"the key {err.args[0]!r} appears more than once in one object") from None
+    except RecursionError:  # the C parser's own bound: far deeper than MAX_JSON_DEPTH
+        raise ValueError(f"the JSON nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"the request body is not valid JSON ({err})") from None
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise ValueError(f"the JSON nests deeper than {MAX_JSON_DEPTH} levels")
+    return value
+
+
+def check_text(text: str, max_chars: int) -> str | None:
+    """Why ``text`` cannot be a query (``None``: it can)."""
+    if not text.strip():
+        return '"text" is empty'
+    if len(text) > max_chars:
+        return f'"text" is {len(text)} characters, over the limit of {max_chars} (--max_text_chars)'
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return f'"text" is not valid Unicode text: {err.reason} at character {err.start}'
+    return None
+
+
+async def read_query(request: Request, max_text_chars: int) -> Query | JSONResponse:
+    """The checked query of a search request (texts of at most ``max_text_chars``), or the error response it gets."""
+    content_type = request.headers.get("content-type", "")
+    if content_type.startswith("multipart/form-data"):
+        return await _read_multipart(request)
+    try:
+        body = parse_json(await request.body())
+    except ValueError as err:
+        return error_response(422, f'{err}; send {{"text": "...", "k": 10}}')
+    try:
+        query = SearchQuery.model_validate(body)
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in err.errors())
+        return error_response(422, f"invalid search request: {problems}")
+    if (query.text is None) == (query.image is None):
+        return error_response(422, 'a search takes exactly one of "text" and "image" (base64 of the image file)')
+    if query.text is not None:
+        problem = check_text(query.text, max_text_chars)
+        return error_response(422, problem) if problem else Query(query.text, None, query.k)
+    try:
+        image = base64.b64decode(query.image or "", validate=True)
+    except (binascii.Error, ValueError) as err:
+        return error_response(400, f'"image" is not base64 ({err}): send the image file\'s bytes base64-encoded')
+    return Query(None, image, query.k)
+
+
+async def _read_multipart(request: Request) -> Query | JSONResponse:
+    try:  # more file parts than one, or many fields, are refused while parsing: never spooled
+        form = await request.form(max_files=1, max_fields=MULTIPART_MAX_FIELDS)
+    except HTTPException as err:
+        return error_response(400, f"a multipart search takes one image file in the field 'file': {err.detail}")
+    files = [value for _, value in form.multi_items() if isinstance(value, UploadFile)]
+    upload = form.get("file")
+    if not isinstance(upload, UploadFile):
+        return error_response(422, "a multipart search needs the image file in the field 'file'")
+    if len(files) > 1 or len(form.getlist("k")) > 1:
+        return error_response(400, "a multipart search takes one image file in the field 'file' and at most one k")
+    raw_k = form.get("k", "10")
+    if not isinstance(raw_k, str) or not re.fullmatch(r"[0-9]{1,9}", raw_k):
+        return error_response(422, f"k must be an integer, got {raw_k!r}")
+    return Query(None, await upload.read(), int(raw_k))
