@@ -27,9 +27,12 @@ from pathlib import Path
 
 import torch
 
+from vlfit.commands.export import SYNTHETIC_LONG_SIDE
+from vlfit.data.sources.openers import open_split
+from vlfit.data.sources.synthetic import synthetic_source
 from vlfit.inference.backends import Encoder, OnnxRuntimeEncoder, OpenVinoEncoder, TorchEncoder
-from vlfit.inference.collection import Samples, load_samples, open_dataset_split, synthetic_source
 from vlfit.inference.export import ExportSettings, embed_samples, export_model, t2i_recall
+from vlfit.inference.export_samples import Samples, load_samples
 from vlfit.inference.exported import ExportedModel
 from vlfit.inference.loading import load_checkpoint
 
@@ -129,11 +132,12 @@ def main() -> None:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="vlfit-inference-"))
     work.mkdir(parents=True, exist_ok=True)
     if args.dataset_name:
-        eval_source = open_dataset_split(args.dataset_name, args.eval_split)
-        calibration_source = open_dataset_split(args.dataset_name, args.calibration_split)
+        eval_source = open_split(args.dataset_name, args.eval_split)
+        calibration_source = open_split(args.dataset_name, args.calibration_split)
     else:
-        eval_source = synthetic_source(args.eval_samples, seed=1)
-        calibration_source = synthetic_source(args.calibration_samples, seed=2)
+        low, high = SYNTHETIC_LONG_SIDE
+        eval_source = synthetic_source(args.eval_samples, seed=1, min_long_side=low, max_long_side=high)
+        calibration_source = synthetic_source(args.calibration_samples, seed=2, min_long_side=low, max_long_side=high)
     checkpoint = args.model_name_or_path
     if checkpoint is None:
         checkpoint = str(save_preset_checkpoint(args.model_preset, work / "checkpoint", calibration_source.captions()))

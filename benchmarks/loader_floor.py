@@ -31,10 +31,10 @@ import simplejpeg
 import torch
 
 from vlfit.arguments import ModelArguments
-from vlfit.bench.data import synthetic_source
 from vlfit.bench.plan import SweepPlan
 from vlfit.bench.session import BenchSession
 from vlfit.data.image_transforms import FastImageTransform
+from vlfit.data.sources.synthetic import synthetic_source
 from vlfit.models.loading import resolve_model
 
 MEASURES: tuple[str, ...] = ("floor", "transform", "batches", "bench")

@@ -105,8 +105,8 @@ def _pipeline():
 
 
 def _dataset(pipeline, mode: str, paths: list[str], base_url: str, seed: int):
+    from vlfit.data.sources.tar import TarSource
     from vlfit.data.stream import ShardReader, ShardStream, parse_sources
-    from vlfit.data.tar_source import TarSource
 
     if mode == "local map":
         return pipeline.dataset(TarSource(paths, name="shards"), train=True)

@@ -298,11 +298,11 @@ class Index:
         ``auto``, ``flat``, ``hnsw`` or ``ivfpq``; needs the serve extra). A dataset's rows that show one image
         (one ``image_id_column`` value, one row of a list caption column, or identical bytes) are one item with all
         their captions, as evaluation groups them."""
+        from vlfit.data.sources.openers import open_collection
         from vlfit.extras import require_extra
         from vlfit.index.ann import DEFAULT_MAX_INDEX_MEMORY, INDEX_TYPES, check_target_recall
         from vlfit.index.ann_update import update_ann
         from vlfit.index.store import build_index
-        from vlfit.inference.collection import open_image_collection
 
         require_extra("serve", "vlfit.Index.build", modules=("faiss",))
         # Every value is checked before anything is opened, embedded or written.
@@ -317,7 +317,7 @@ class Index:
         ):
             _check_at_least(keyword, value, least)  # fmt: skip
 
-        source, collection = open_image_collection(
+        source, collection = open_collection(
             images=images, dataset_name=dataset_name, split=split, image_column=image_column,
             caption_column=caption_column, image_id_column=image_id_column,
         )  # fmt: skip
@@ -344,7 +344,7 @@ class Index:
     @python_api(renames={"index": "path"})
     def append(self, progress: bool = False, batch_size: int = 32, num_workers: int = 0) -> int:
         """Embed what the index's folder or dataset holds that the index does not yet; returns how many were added."""
-        from vlfit.inference.collection import COLLECTION_KEYS
+        from vlfit.data.sources.openers import COLLECTION_KEYS
 
         last = self._index.manifest.collections[-1]  # what the latest build embedded, opened again
         before = len(self._index)

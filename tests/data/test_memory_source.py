@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vlfit.data.memory_source import MemorySource
 from vlfit.data.records import Record
+from vlfit.data.sources.memory import MemorySource
 
 
 def test_memory_source_selects_indexes_and_lists_captions() -> None:

@@ -27,8 +27,7 @@ from vlfit.data.prepare import (
     resolve_short_side,
 )
 from vlfit.data.records import BadRecordError, Record
-from vlfit.data.source_base import ImageTextSource
-from vlfit.data.sources import open_splits
+from vlfit.data.sources import ImageTextSource, open_splits
 from vlfit.data.synthetic import SyntheticConfig, make_dataset, save_dataset
 
 SHORT_SIDE = 64

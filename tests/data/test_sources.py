@@ -18,12 +18,9 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from vlfit.data import sources
 from vlfit.data.file_patterns import expand_braces, resolve_files
 from vlfit.data.records import Record
-from vlfit.data.source_base import ImageTextSource
-from vlfit.data.sources import ArrowSource, open_splits
-from vlfit.data.tar_source import TarSource
+from vlfit.data.sources import ArrowSource, ImageTextSource, TarSource, locations, open_splits
 from vlfit.errors import DataError
 
 COLOURS = [(220, 30, 30), (30, 200, 40), (40, 50, 230), (240, 220, 20)]
@@ -380,7 +377,7 @@ def test_webdataset_columns_named_on_purpose_must_exist_and_defaults_find_the_co
     tmp_path: Path, reader: str
 ) -> None:
     from vlfit.data.stream import ShardReader
-    from vlfit.data.tar_source import WebDatasetLayout
+    from vlfit.data.webdataset import WebDatasetLayout
 
     jpg = _jpeg(COLOURS[0])
     shard = tmp_path / "x.tar"
@@ -625,7 +622,7 @@ def test_split_rules_for_parquet_folders(tmp_path: Path) -> None:
     for rel in ("train-0.parquet", "val/a.parquet", "extra-00000-of-00001.parquet", "custom/x.parquet"):
         _mk(tmp_path / rel)
         (tmp_path / rel).write_bytes(b"")
-    splits = sources._data_file_splits(str(tmp_path))
+    splits = locations._data_file_splits(str(tmp_path))
     assert {k: [os.path.relpath(p, tmp_path) for p in v] for k, v in splits.items()} == {
         "train": ["train-0.parquet"],
         "val": [os.path.join("val", "a.parquet")],
@@ -651,9 +648,8 @@ def test_a_class_label_caption_column_reads_as_its_names_and_no_caption_column_a
 
 
 def test_every_kind_of_source_gives_its_record_ids_and_image_ids_without_reading_an_image(tmp_path: Path) -> None:
-    from vlfit.data.memory_source import MemorySource
     from vlfit.data.records import BadRecordError
-    from vlfit.inference.collection import ImageFilesSource, ImageFolderSource, synthetic_source
+    from vlfit.data.sources import ImageFilesSource, ImageFolderSource, MemorySource, synthetic_source
 
     def check(source: ImageTextSource, unreadable: int | None = None) -> None:
         """ids() and image_ids() are its records' (read here, but for ``unreadable``, whose image is gone)."""

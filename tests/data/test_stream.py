@@ -17,6 +17,7 @@ import pytest
 import torch.utils.data
 
 from tests.http_shards import ShardServer, webdataset_shard, write_files
+from vlfit.data.sources.tar import TarSource
 from vlfit.data.stream import (
     ShardReader,
     ShardStream,
@@ -26,7 +27,7 @@ from vlfit.data.stream import (
 )
 from vlfit.data.stream.fetch import fetch_shards
 from vlfit.data.stream.order import pick
-from vlfit.data.tar_source import TarSource, WebDatasetLayout
+from vlfit.data.webdataset import WebDatasetLayout
 from vlfit.errors import ConfigError, MissingFileError
 
 SAMPLES_PER_SHARD = 8

@@ -14,8 +14,9 @@ import torch
 from tests.data.test_dataset import CAPTIONS
 from tests.http_shards import ShardServer, webdataset_shard
 from vlfit.data.pipeline import InputPipeline, LoaderSettings, PipelineOptions
+from vlfit.data.sources.tar import TarSource
 from vlfit.data.stream import ShardReader, ShardStream, parse_sources
-from vlfit.data.tar_source import TarSource, WebDatasetLayout
+from vlfit.data.webdataset import WebDatasetLayout
 from vlfit.models.family import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, InputSpec
 from vlfit.models.tokenizer import train_caption_tokenizer
 

@@ -12,9 +12,9 @@ import pytest
 from tests.http_shards import ShardServer, webdataset_shard, write_files
 from vlfit.data.prepare.manifest import MANIFEST_NAME
 from vlfit.data.sources import open_splits
+from vlfit.data.sources.tar import TarSource
 from vlfit.data.stream import ShardReader, ShardUnreadableError
 from vlfit.data.stream.fetch import fetch_shards
-from vlfit.data.tar_source import TarSource
 
 FAST_RETRIES = {"retries": 2, "backoff": 0.02, "timeout": 2.0}
 BLOCK = {"block_size": 4096}  # several Range requests per shard, so a cut connection can be resumed midway

@@ -17,9 +17,9 @@ from tests.training.train_runs import logged_losses, tiny_train_argv
 from vlfit.cli import main
 from vlfit.data.sources import open_splits
 from vlfit.data.stream import ShardReader
-from vlfit.data.stream.from_arguments import dataset_split_files
 from vlfit.data.stream.shards import ShardUnreadableError
-from vlfit.data.tar_source import WebDatasetLayout
+from vlfit.data.stream.train_stream import dataset_split_files
+from vlfit.data.webdataset import WebDatasetLayout
 from vlfit.errors import ConfigError, DataError
 
 ROW_GROUP = 8
@@ -72,14 +72,14 @@ def test_dataset_files_are_resolved_per_split_and_an_arrow_folder_is_refused(
 ) -> None:
     args = SimpleNamespace(dataset_name=str(parquet_folder), dataset_config_name=None, dataset_revision=None,
                            data_dir=None)  # fmt: skip
-    assert [Path(f).name for f in dataset_split_files(args)] == [
+    assert [Path(f).name for f in dataset_split_files(**vars(args))] == [
         "train-00000-of-00002.parquet",
         "train-00001-of-00002.parquet",
     ]
     with pytest.raises(ConfigError, match=r"no data files of split 'test' \(its splits: train, validation\)"):
-        dataset_split_files(args, "test")
+        dataset_split_files(**vars(args), split="test")
     with pytest.raises(ConfigError, match="a save_to_disk folder .* is not streamed"):
-        dataset_split_files(SimpleNamespace(**{**vars(args), "dataset_name": synthetic_dataset_dir}))
+        dataset_split_files(**{**vars(args), "dataset_name": synthetic_dataset_dir})
 
 
 @pytest.mark.slow

@@ -8,9 +8,10 @@ import torch
 
 from tests.inference.tiny_models import save_tiny_checkpoint
 from vlfit.data.records import Record
+from vlfit.data.sources import LabelledSplit, labelled_splits
+from vlfit.data.sources.memory import MemorySource
 from vlfit.data.synthetic import LABEL_CLASSES, REGIONS, SyntheticConfig, make_dataset
 from vlfit.data.synthetic.scenes import parse_caption
-from vlfit.evaluation.labelled_split import LabelledSplit, labelled_splits
 from vlfit.fewshot.experiment import FewShotSettings, run_fewshot
 from vlfit.fewshot.heads import (
     DEFAULT_C,
@@ -22,7 +23,6 @@ from vlfit.fewshot.heads import (
 )
 from vlfit.fewshot.setfit import SetFitSettings, WeightSnapshot, image_parameters, pair_loss, tune_image_tower
 from vlfit.fewshot.shots import ShotSampler
-from vlfit.inference.collection import RecordListSource
 from vlfit.inference.loading import load_checkpoint
 
 
@@ -57,7 +57,7 @@ def test_shots_are_the_same_per_seed_nested_over_counts_and_skip_a_bad_image(lab
     broken_row = int(sampler.order(0, seed=0)[0])
     records = [train.source[i] for i in range(len(train))]
     records[broken_row] = Record(records[broken_row].id, b"not a jpeg", "circle")
-    broken = LabelledSplit(RecordListSource(records, "broken"), train.labels, train.class_names, "kind")
+    broken = LabelledSplit(MemorySource(records, "broken"), train.labels, train.class_names, "kind")
     drawn = ShotSampler(broken, spec).draw(2, seed=0)
     assert broken_row not in drawn.rows and np.bincount(drawn.labels).tolist() == [2, 2, 2, 2]
     assert int(sampler.order(0, seed=0)[2]) in drawn.rows
@@ -65,7 +65,7 @@ def test_shots_are_the_same_per_seed_nested_over_counts_and_skip_a_bad_image(lab
     first, second = (int(row) for row in sampler.order(0, seed=0)[:2])
     records = [train.source[i] for i in range(len(train))]
     records[second] = Record(records[second].id, records[first].image, "circle")
-    repeated = LabelledSplit(RecordListSource(records, "repeated"), train.labels, train.class_names, "kind")
+    repeated = LabelledSplit(MemorySource(records, "repeated"), train.labels, train.class_names, "kind")
     drawn = ShotSampler(repeated, spec).draw(2, seed=0)
     assert first in drawn.rows and second not in drawn.rows and np.bincount(drawn.labels).tolist() == [2, 2, 2, 2]
 

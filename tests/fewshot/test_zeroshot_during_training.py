@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from vlfit.cli import main
-from vlfit.evaluation.labelled_split import labelled_splits
+from vlfit.data.sources.openers import labelled_splits
 from vlfit.fewshot.experiment import FewShotSettings, run_fewshot
 from vlfit.inference.loading import load_checkpoint
 
@@ -56,8 +56,8 @@ def test_zero_shot_without_evaluation_is_refused(labelled_dataset_dir, tmp_path,
 
 
 def test_zero_shot_data_errors_name_the_zero_shot_flags(labelled_dataset_dir) -> None:
+    from vlfit.data.sources.openers import open_zeroshot_sets
     from vlfit.errors import DataError
-    from vlfit.evaluation.zeroshot import open_zeroshot_sets
 
     with pytest.raises(DataError, match=r"label column 'nope' not found.*Name the label column with "
                                         r"--zeroshot_label_column"):  # fmt: skip

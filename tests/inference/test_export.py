@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from vlfit.cli import main
+from vlfit.data.sources.synthetic import synthetic_source
 from vlfit.inference import export as export_module
 from vlfit.inference.backends import TorchEncoder, open_encoder
-from vlfit.inference.collection import load_samples, synthetic_source
 from vlfit.inference.export import ExportSettings, export_model
+from vlfit.inference.export_samples import load_samples
 from vlfit.inference.identity import checkpoint_fingerprint
 from vlfit.inference.loading import load_checkpoint
 

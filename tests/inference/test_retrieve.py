@@ -13,10 +13,12 @@ import torch
 
 from tests.http_shards import ShardServer, webdataset_shard
 from vlfit.cli import main
-from vlfit.data.tar_source import TarSource, WebDatasetLayout
+from vlfit.data.sources.images import ImageFolderSource
+from vlfit.data.sources.openers import open_collection
+from vlfit.data.sources.tar import ShardCollection, TarSource
+from vlfit.data.webdataset import WebDatasetLayout
 from vlfit.index.store import FETCH_FOLDER, EmbeddingIndex, build_index
 from vlfit.inference.backends import TorchEncoder
-from vlfit.inference.collection import ImageFolderSource, ShardCollection, open_image_collection
 
 from .tiny_models import save_tiny_checkpoint, write_image_folder
 
@@ -118,7 +120,7 @@ def two_process_payload(folder: Path, dataset_dir: str) -> dict:
             "--disable_tqdm", "true"]  # fmt: skip
     # Three tar shards of a '::' spec (streamed, as URLs are): indexed a shard at a time, 2 on rank 0, 1 on rank 1.
     spec = "::".join(_write_shards(folder / "tars", {"a": 2, "b": 1}))
-    shards, collection = open_image_collection(dataset_name=spec, caption_column="txt")
+    shards, collection = open_collection(dataset_name=spec, caption_column="txt")
     build_index(encoder, shards, str(folder / "stream_once"), collection=collection, batch_size=2, progress=False)
     stream_argv = ["index", "--model", str(checkpoint), "--dataset_name", spec, "--caption_column", "txt",
                    "--output_dir", str(folder / "stream_parallel"), "--batch_size", "2",

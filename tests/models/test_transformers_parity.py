@@ -41,7 +41,7 @@ import vlfit
 from vlfit.arguments import ModelArguments
 from vlfit.data.pipeline import InputPipeline, PipelineOptions
 from vlfit.data.records import Record
-from vlfit.inference.collection import RecordListSource
+from vlfit.data.sources.memory import MemorySource
 from vlfit.models.loading import ModelBundle, load_model_bundle
 
 TRAINING_CAPTIONS = [
@@ -89,7 +89,7 @@ def vlfit_embeddings(bundle: ModelBundle, images: list[bytes]) -> Embeddings:
     """vlfit's embeddings of ``TEXTS`` and ``images``, through its input pipeline as evaluation runs it."""
     records = [Record(str(i), image, text) for i, (image, text) in enumerate(zip(images, TEXTS, strict=True))]
     pipeline = InputPipeline(bundle.inputs, PipelineOptions(image_pipeline="fast"), torch.device("cpu"))
-    loader = pipeline.loader(pipeline.dataset(RecordListSource(records, "parity"), train=False), batch_size=8)
+    loader = pipeline.loader(pipeline.dataset(MemorySource(records, "parity"), train=False), batch_size=8)
     (batch,) = list(pipeline.feed(loader, torch.float32, train=False))
     model = bundle.model.eval()
     with torch.no_grad():

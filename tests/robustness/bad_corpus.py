@@ -35,7 +35,7 @@ from tests.data.image_factory import (
     textured_image,
     webp_bytes,
 )
-from vlfit.data.memory_source import MemorySource
+from vlfit.data.sources.memory import MemorySource
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from vlfit.compat_flags import CompatDataFlags
 from vlfit.data.bad_samples import BAD_SAMPLE_POLICIES, MIN_SAMPLES_FOR_BAD_FRACTION, check_bad_sample_policy
+from vlfit.data.columns import DEFAULT_COLUMNS
 from vlfit.data.file_patterns import is_stream_spec
-from vlfit.data.source_base import DEFAULT_COLUMNS
 from vlfit.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """The samples a benchmark cycles through, and what each pipeline reads.
 
-By default the samples are synthetic New-Yorker-like JPEGs (``vlfit.data.synthetic``) held in memory, so a sweep
-needs no download, and every machine reads them the same way. ``--dataset_name``, ``--train_file`` and the other
+By default the samples are synthetic New-Yorker-like JPEGs held in memory (``vlfit.data.sources.synthetic``), so a
+sweep needs no download, and every machine reads them the same way. ``--dataset_name``, ``--train_file`` and the other
 data-location flags of ``vlfit train`` read any source it reads instead. The ``prepared`` pipeline runs the same
 samples through ``vlfit.data.prepare.prepare_dataset`` at the model's image size once, into a cache folder, and
 reads the parquet shards back like ``vlfit train --dataset_name prepared/`` does.
@@ -12,74 +12,18 @@ the same as decoding new ones, since nothing in the pipeline caches pixels.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
-import multiprocessing
 import os
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from vlfit.data.memory_source import MemorySource
 from vlfit.data.prepare import prepare_dataset
-from vlfit.data.records import EVAL_COLUMNS, Record
-from vlfit.data.sources import open_splits
-from vlfit.data.synthetic import SyntheticConfig, make_record
+from vlfit.data.records import EVAL_COLUMNS
+from vlfit.data.sources.openers import open_splits
 from vlfit.errors import DataError
-
-
-def _synthetic_record(index: int, config: SyntheticConfig) -> Record:
-    row = make_record(index, config)
-    return Record(
-        id=row["instance_id"],
-        image=row["image"]["bytes"],
-        caption=row["image_description"],
-        extra={name: row[name] for name in EVAL_COLUMNS},
-    )
-
-
-def synthetic_source(
-    num_samples: int,
-    *,
-    seed: int = 0,
-    min_long_side: int = 600,
-    max_long_side: int = 1400,
-    num_proc: int = 1,
-) -> MemorySource:
-    """Generate ``num_samples`` synthetic New-Yorker-like samples in memory.
-
-    Args:
-        num_samples: Distinct samples to make.
-        seed: Base seed; each record depends only on it and its index.
-        min_long_side: Smallest long side of an image in pixels.
-        max_long_side: Largest long side of an image in pixels.
-        num_proc: Processes that render images.
-
-    Returns:
-        The samples, ids ``synthetic-{seed}-{index}``.
-    """
-    if num_samples < 1:
-        raise DataError(f"--num_samples must be at least 1, got {num_samples}")
-    config = SyntheticConfig(
-        num_samples=max(num_samples, 3),
-        validation_fraction=0.0,
-        test_fraction=0.0,
-        seed=seed,
-        min_long_side=min_long_side,
-        max_long_side=max_long_side,
-    )
-    make = functools.partial(_synthetic_record, config=config)
-    workers = max(1, min(num_proc, num_samples // 8))
-    if workers == 1:
-        records = [make(i) for i in range(num_samples)]
-    else:
-        method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-        with multiprocessing.get_context(method).Pool(workers) as pool:
-            records = pool.map(make, range(num_samples), chunksize=max(1, num_samples // (4 * workers)))
-    name = f"synthetic seed {seed}, {num_samples} images, long side {min_long_side}-{max_long_side} px"
-    return MemorySource(records, name)
 
 
 def dataset_source(

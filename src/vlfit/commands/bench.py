@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from vlfit.arguments import DataLocationArguments, ModelArguments
-from vlfit.bench.data import dataset_source, source_key, synthetic_source
+from vlfit.bench.data import dataset_source, source_key
 from vlfit.bench.files import write_outputs
 from vlfit.bench.fit import DoesNotFit, available_memory, check_fit, estimate_training_memory, memory_settings
 from vlfit.bench.plan import MODES, SweepPlan, available_cores, default_pipelines, default_precision, default_workers
@@ -33,6 +33,7 @@ from vlfit.bench.selection import PIPELINES, get_pipeline
 from vlfit.bench.session import BenchSession
 from vlfit.bench.sweep import run_sweep
 from vlfit.commands.parsing import CommandParser
+from vlfit.data.sources.synthetic import synthetic_source
 from vlfit.errors import ConfigError
 from vlfit.models.loading import ModelBlueprint, build_model, resolve_model
 

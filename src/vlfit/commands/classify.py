@@ -45,13 +45,15 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError("give image files or folders, or --dataset_name (with --split), not both and not neither")
     if args.batch_size < 1:
         raise ConfigError(f"--batch_size must be at least 1, got {args.batch_size}")
+    from vlfit.data.pipeline import host_batches
+    from vlfit.data.sources.images import ImageFilesSource
+    from vlfit.data.sources.openers import open_split
     from vlfit.fewshot.classifier import Classifier
-    from vlfit.inference.collection import ImageFilesSource, host_batches, open_dataset_split
 
     if paths:
         source = ImageFilesSource(paths)
     else:
-        source = open_dataset_split(
+        source = open_split(
             args.dataset_name,
             args.split,
             image_column=args.image_column,

@@ -9,12 +9,17 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from vlfit.commands.parsing import CommandParser
+from vlfit.data.sources.openers import open_split
+from vlfit.data.sources.synthetic import synthetic_source
 from vlfit.errors import ConfigError
-from vlfit.inference.collection import Samples, load_samples, open_dataset_split, synthetic_source
 from vlfit.inference.export import DEFAULT_OPSET, PARITY_THRESHOLD, ExportSettings, check_output_dir, export_model
+from vlfit.inference.export_samples import Samples, load_samples
 from vlfit.inference.loading import DEFAULT_MAX_SEQ_LENGTH, load_checkpoint
 
 logger = logging.getLogger(__name__)
+
+# The long side of synthetic parity and calibration images, in pixels: photo-sized, quick to make.
+SYNTHETIC_LONG_SIDE = (160, 320)
 
 
 @dataclass
@@ -74,7 +79,7 @@ class ExportArguments:
 def _samples(args: ExportArguments, spec) -> tuple[Samples, Samples | None]:
     needed = args.parity_samples + (args.calibration_samples if args.quantize else 0)
     if args.calibration_dataset:
-        source = open_dataset_split(
+        source = open_split(
             args.calibration_dataset,
             args.calibration_split,
             image_column=args.image_column,
@@ -82,7 +87,7 @@ def _samples(args: ExportArguments, spec) -> tuple[Samples, Samples | None]:
             image_id_column=args.image_id_column,
         )
     else:
-        source = synthetic_source(needed)
+        source = synthetic_source(needed, min_long_side=SYNTHETIC_LONG_SIDE[0], max_long_side=SYNTHETIC_LONG_SIDE[1])
     parity_rows = range(min(args.parity_samples, len(source)))
     parity = load_samples(source.select(parity_rows), spec, num_workers=args.dataloader_num_workers, progress="parity")
     if not args.quantize:

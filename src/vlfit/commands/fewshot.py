@@ -11,8 +11,8 @@ from typing import Any
 
 from vlfit.arguments import DataLocationArguments
 from vlfit.commands.parsing import CommandParser
+from vlfit.data.sources.labelled import DEFAULT_TEMPLATES, check_templates
 from vlfit.errors import ConfigError
-from vlfit.evaluation.zeroshot import DEFAULT_TEMPLATES, check_templates
 from vlfit.fewshot.experiment import METHODS, FewShotSettings
 from vlfit.fewshot.setfit import SetFitSettings
 
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     (args,) = parser.parse_args_into_dataclasses(args=argv)
     settings = settings_of(args)
-    from vlfit.evaluation.labelled_split import labelled_splits
+    from vlfit.data.sources.openers import labelled_splits
     from vlfit.fewshot.classifier import ClassifierInfo, save_classifier
     from vlfit.fewshot.experiment import run_fewshot
     from vlfit.fewshot.report import markdown_table, results_document, write_reports

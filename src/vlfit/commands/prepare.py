@@ -23,7 +23,7 @@ from vlfit.data.prepare import (
     prepare_dataset,
     resolve_short_side,
 )
-from vlfit.data.sources import open_splits
+from vlfit.data.sources.openers import open_splits
 from vlfit.data.stream.urls import parse_sources
 from vlfit.errors import ConfigError
 

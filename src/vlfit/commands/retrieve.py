@@ -15,13 +15,14 @@ from typing import Literal
 
 from vlfit.arguments import DataLocationArguments
 from vlfit.commands.parsing import CommandParser
+from vlfit.data.sources.openers import COLLECTION_KEYS, open_collection
+from vlfit.data.sources.tar import ShardCollection
 from vlfit.errors import ConfigError, DataError
 from vlfit.extras import require_extra
 from vlfit.index.ann import DEFAULT_MAX_INDEX_MEMORY, DEFAULT_TARGET_RECALL, check_target_recall
 from vlfit.index.search import Hit, Query, embed_queries, read_queries, search
 from vlfit.index.store import MANIFEST_NAME, EmbeddingIndex, build_index, refuse_other_model
 from vlfit.inference.backends import open_encoder
-from vlfit.inference.collection import COLLECTION_KEYS, ShardCollection, open_image_collection
 from vlfit.inference.topk import DEFAULT_CHUNK_ELEMENTS
 
 SUBCOMMANDS = ("index", "query")
@@ -151,7 +152,7 @@ def run_index(argv: list[str]) -> int:
     (args,) = parser.parse_args_into_dataclasses(args=argv)
     require_extra("serve", "vlfit retrieve index", modules=("faiss",))
     check_target_recall(args.target_recall)  # before anything is embedded
-    source, collection = open_image_collection(**{key: getattr(args, key) for key in COLLECTION_KEYS})
+    source, collection = open_collection(**{key: getattr(args, key) for key in COLLECTION_KEYS})
     if isinstance(source, ShardCollection):
         options = DataLocationArguments.fsspec_options(args)  # type: ignore[arg-type]
         source = dataclasses.replace(

@@ -8,7 +8,7 @@ import multiprocessing
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset, get_worker_info
@@ -30,9 +30,6 @@ from vlfit.data.image_transforms import EncodedImage, stack_images
 from vlfit.data.records import BadRecordError, Record
 from vlfit.models.family import IMAGE_KEYS, tokenize_captions
 
-if TYPE_CHECKING:
-    from vlfit.data.source_base import ImageTextSource
-
 ImageTransform = Callable[[bytes, str], "torch.Tensor | EncodedImage"]
 """bytes and sample id -> the image a sample carries (pixels, or ``EncodedImage`` for device decode)."""
 
@@ -49,7 +46,7 @@ class Sample:
         columns: Extra columns of the record (``caption_choices``, ``label``).
         bad_samples: Bad samples met while making this one (the sample itself, for a placeholder).
         image_key: ``Record.image_key`` (None for a placeholder).
-        stream_positions: From a stream (``vlfit.data.stream_dataset``): the positions of the stream items this
+        stream_positions: From a stream (``vlfit.data.stream.dataset``): the positions of the stream items this
             sample was made from, for ``ShardStream.mark_consumed``; empty for a map-style source.
     """
 
@@ -127,7 +124,7 @@ class ImageTextDataset(Dataset):
     is copied again on its way to the main process.
 
     Args:
-        source: The records.
+        source: The records: a map-style source (``vlfit.data.sources``), read by length and index.
         image_transform: bytes -> model input (or ``EncodedImage`` for device decode).
         bad_sample_policy: ``skip`` or ``raise``.
         substitute: Replace skipped samples (``True``) or return placeholders (``False``).
@@ -135,7 +132,7 @@ class ImageTextDataset(Dataset):
 
     def __init__(
         self,
-        source: ImageTextSource,
+        source: Sequence[Record],
         image_transform: ImageTransform,
         bad_sample_policy: str = "skip",
         substitute: bool = True,

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from vlfit.data.source_base import ImageTextSource
+    from vlfit.data.sources.base import ImageTextSource
 
 
 def group_images(image_keys: torch.Tensor | None, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:

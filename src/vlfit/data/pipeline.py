@@ -11,14 +11,15 @@ The feed is the one owner of device placement: it copies each host batch to the 
 prefetcher's side stream). Training wraps the loader with ``shard_loader``, which lets accelerate shard and seed
 it across processes without placing its batches; ``vlfit bench`` and the worker probe wrap theirs the same way.
 The trainer, ``vlfit eval``, the bench and the worker probe all go through it (in the spirit of composer's
-``DataSpec`` and timm's ``create_loader``).
+``DataSpec`` and timm's ``create_loader``); code that embeds on the CPU (the index, export, few-shot, classify)
+takes its host batches from ``host_batches``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -37,9 +38,9 @@ from vlfit.errors import ConfigError, DataError
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    from vlfit.data.source_base import ImageTextSource
+    from vlfit.data.sources.base import ImageTextSource
     from vlfit.data.stream import ShardStream
-    from vlfit.data.stream_dataset import StreamingImageTextDataset
+    from vlfit.data.stream.dataset import StreamingImageTextDataset
     from vlfit.models.family import InputSpec
 
 logger = logging.getLogger(__name__)
@@ -261,8 +262,8 @@ class InputPipeline:
 
     def stream_dataset(self, stream: ShardStream, *, train: bool) -> StreamingImageTextDataset:
         """The iterable dataset over a shard stream: the same image transform and bad-sample policy, bad samples
-        left out rather than substituted (``vlfit.data.stream_dataset``)."""
-        from vlfit.data.stream_dataset import StreamingImageTextDataset
+        left out rather than substituted (``vlfit.data.stream.dataset``)."""
+        from vlfit.data.stream.dataset import StreamingImageTextDataset
 
         return StreamingImageTextDataset(stream, self.image_transform(train=train), self.options.bad_sample_policy)
 
@@ -307,3 +308,26 @@ class InputPipeline:
         if not len(batch):
             return replace(batch, on_device=True)
         return self.device_stage(batch, self.device, dtype, train=train)
+
+
+@dataclass
+class HostBatches:
+    """Host batches of uint8 pixels from the fast CPU pipeline, with the bad samples they left out."""
+
+    pipeline: InputPipeline
+    loader: DataLoader
+
+    def __iter__(self) -> Iterator[Batch]:
+        return iter(self.loader)
+
+
+def host_batches(source: ImageTextSource, spec: InputSpec, *, batch_size: int, num_workers: int = 0) -> HostBatches:
+    """Batches of ``source`` as the fast CPU pipeline collates them (uint8 ``pixel_values``, tokenized captions),
+    in source order, on the CPU; bad images are left out of their batch and listed in its ``bad_samples``."""
+    pipeline = InputPipeline(spec, PipelineOptions(image_pipeline="fast"), torch.device("cpu"), keep_columns=())
+    loader = pipeline.loader(
+        pipeline.dataset(source, train=False),
+        batch_size=batch_size,
+        settings=LoaderSettings(num_workers=num_workers, prefetch_factor=4 if num_workers else None),
+    )
+    return HostBatches(pipeline, loader)

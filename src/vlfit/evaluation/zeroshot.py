@@ -1,5 +1,6 @@
 """Zero-shot classification by prompts: the class embeddings ``vlfit fewshot`` scores zero-shot with, and the
-zero-shot sets classified while fine-tuning (``--zeroshot_dataset``): what the model still knows of other data.
+zero-shot sets classified while fine-tuning (``--zeroshot_dataset``, opened as ``vlfit.data.sources.labelled``'s
+``ZeroShotSet``s): what the model still knows of other data.
 
 Each class is the normalized mean of its prompts' text embeddings, averaged as CLIP does (the mean of the normalized
 embeddings, normalized again; ``class_embeddings``); each image of the labelled split is classified by its highest
@@ -14,39 +15,20 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from vlfit.data.pipeline import InputPipeline, LoaderSettings
+from vlfit.data.sources.labelled import ZeroShotSet, check_templates
 from vlfit.errors import ConfigError
-from vlfit.evaluation.labelled_split import LabelledSplit, labelled_splits
 from vlfit.models.family import ModelFamily
 from vlfit.models.logit_scale import logit_scale_parameter
 from vlfit.models.sharding import unsharded
 
-DEFAULT_TEMPLATES: tuple[str, ...] = (
-    "a photo of a {}.",
-    "a drawing of a {}.",
-    "a picture of a {}.",
-    "an image of a {}.",
-    "a {}.",
-)
 # The softmax temperature's inverse when the model has no logit scale (CLIP's largest).
 DEFAULT_SCALE = 100.0
-
-
-def check_templates(templates: Sequence[str]) -> None:
-    """Raises ``ValueError`` for a template without exactly one ``{}``."""
-    if not templates:
-        raise ConfigError("--prompt_template: give at least one template, e.g. 'a photo of a {}.'")
-    for template in templates:
-        if template.count("{}") != 1:
-            raise ConfigError(f"--prompt_template {template!r} must hold '{{}}' once: where the class name goes")
 
 
 def class_embeddings(
@@ -55,7 +37,7 @@ def class_embeddings(
     """``float32 [C, D]``: per class, the normalized mean of its prompts' normalized text embeddings.
 
     Args:
-        embed_texts: Texts -> their L2-normalized embeddings (an ``Encoder``'s ``embed_texts``, or a model's).
+        embed_texts: Texts -> their L2-normalized embeddings (an ``Encoder``'s ``encode_texts``, or a model's).
         class_names: The classes.
         templates: The prompts, ``{}`` the class name.
     """
@@ -73,60 +55,6 @@ def model_scale(model: nn.Module) -> float:
     if parameter is None:
         return DEFAULT_SCALE
     return min(DEFAULT_SCALE, math.exp(float(parameter.detach().float())))
-
-
-@dataclass(frozen=True)
-class ZeroShotSet:
-    """A labelled split to classify zero-shot.
-
-    Attributes:
-        name: What its metrics are called: ``zeroshot`` alone, or ``zeroshot_{name}`` among several.
-        split: The images, their labels and the class names.
-        templates: The prompts, ``{}`` the class name.
-    """
-
-    name: str
-    split: LabelledSplit
-    templates: tuple[str, ...] = DEFAULT_TEMPLATES
-
-    @property
-    def prefix(self) -> str:
-        return f"zeroshot_{self.name}" if self.name else "zeroshot"
-
-
-def open_zeroshot_sets(
-    dataset_names: Sequence[str],
-    *,
-    label_column: str,
-    split: str,
-    image_column: str = "image",
-    templates: Sequence[str] = DEFAULT_TEMPLATES,
-) -> list[ZeroShotSet]:
-    """One ``ZeroShotSet`` per dataset (any data source form); the classes are those of ``split``'s label column.
-
-    Raises:
-        ConfigError: for a bad template, or two datasets whose names would give the same metric names.
-    """
-    check_templates(templates)
-    names = [_metric_name(dataset) for dataset in dataset_names] if len(dataset_names) > 1 else [""]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"--zeroshot_dataset: {list(dataset_names)} would share metric names {names}; rename one")
-    sets = []
-    for dataset, name in zip(dataset_names, names, strict=True):
-        labelled, _ = labelled_splits(
-            dataset, train_split=split, eval_split=split, label_column=label_column, image_column=image_column,
-            flags=_FLAGS,
-        )  # fmt: skip
-        sets.append(ZeroShotSet(name, labelled, tuple(templates)))
-    return sets
-
-
-# What the labelled splits' error messages call the options: ``vlfit train``'s flags of the zero-shot sets.
-_FLAGS = {"label": "--zeroshot_label_column", "train_split": "--zeroshot_split", "eval_split": "--zeroshot_split"}
-
-
-def _metric_name(dataset: str) -> str:
-    return re.sub(r"\W+", "_", os.path.basename(dataset.rstrip("/")) or dataset).strip("_").lower()
 
 
 @torch.no_grad()

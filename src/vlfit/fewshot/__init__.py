@@ -5,5 +5,5 @@ method), ``heads`` (linear classifiers on embeddings: zero-shot, logistic regres
 fine-tuning of the image tower on pairs of the shots), ``experiment`` (every method over shot counts and seeds),
 ``report`` (``fewshot.json``/``.md``/``.png``), ``classifier`` (a saved model and head, what ``vlfit classify`` runs).
 The labelled splits (a dataset split with a class column) and the zero-shot prompts are evaluation code, a layer
-below: ``vlfit.evaluation.labelled_split`` and ``vlfit.evaluation.zeroshot``.
+below: ``vlfit.data.sources.labelled`` and ``vlfit.evaluation.zeroshot``.
 """

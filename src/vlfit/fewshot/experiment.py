@@ -15,9 +15,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from vlfit.data.sources.labelled import DEFAULT_TEMPLATES, LabelledSplit
 from vlfit.errors import ConfigError
-from vlfit.evaluation.labelled_split import LabelledSplit
-from vlfit.evaluation.zeroshot import DEFAULT_TEMPLATES, class_embeddings, model_scale
+from vlfit.evaluation.zeroshot import class_embeddings, model_scale
 from vlfit.fewshot.heads import (
     DEFAULT_ANCHOR_STRENGTH,
     DEFAULT_C,

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from vlfit.data.batch import BadSample
-from vlfit.data.source_base import ImageTextSource
-from vlfit.inference.collection import host_batches
+from vlfit.data.pipeline import host_batches
+from vlfit.data.sources.base import ImageTextSource
 from vlfit.models.family import InputSpec
 
 

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from vlfit.data.batch import BadSample
+from vlfit.data.sources.labelled import LabelledSplit
 from vlfit.errors import DataError
-from vlfit.evaluation.labelled_split import LabelledSplit
 from vlfit.fewshot.images import DecodedRows, decode_rows
 from vlfit.models.family import InputSpec
 

@@ -20,11 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
+from vlfit.data.pipeline import host_batches
 from vlfit.data.records import Record
+from vlfit.data.sources.memory import MemorySource
 from vlfit.errors import ConfigError, MissingFileError
 from vlfit.index.store import EmbeddingIndex
 from vlfit.inference.backends import Encoder
-from vlfit.inference.collection import RecordListSource, host_batches
 from vlfit.inference.topk import DEFAULT_CHUNK_ELEMENTS, chunked_topk
 
 # In a file of queries, a line starting with this is an image query (the rest is the image's path).
@@ -107,7 +108,7 @@ def embed_queries(encoder: Encoder, queries: Sequence[Query], batch_size: int = 
                 raise MissingFileError(f"--image {path}: no such file")
             with open(path, "rb") as f:
                 records.append(Record(id=path, image=f.read(), caption=path))
-        source = RecordListSource(records, "query images")
+        source = MemorySource(records, "query images")
         done = 0
         for batch in host_batches(source, encoder.spec, batch_size=batch_size):
             if batch.bad_samples:

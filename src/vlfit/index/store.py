@@ -50,11 +50,11 @@ from tqdm.auto import tqdm
 from vlfit.atomic_files import replace_on_success, write_text_atomically
 from vlfit.data.batch import Batch
 from vlfit.data.image_groups import ImageItems, image_items
-from vlfit.data.source_base import ImageTextSource
-from vlfit.data.tar_source import TarSource
+from vlfit.data.pipeline import host_batches
+from vlfit.data.sources.base import ImageTextSource
+from vlfit.data.sources.tar import ShardCollection, TarSource
 from vlfit.errors import ConfigError, DataError, MissingFileError, first_line
 from vlfit.inference.backends import Encoder
-from vlfit.inference.collection import ShardCollection, host_batches
 from vlfit.inference.identity import ModelIdentity
 
 if TYPE_CHECKING:

@@ -2,6 +2,6 @@
 
 ``towers`` (the two towers of any family as modules), ``export`` (ONNX / OpenVINO graphs checked against PyTorch)
 and ``quantize`` (INT8), ``exported`` (an export folder and its manifest), ``backends`` (PyTorch, ONNX Runtime,
-OpenVINO encoders), ``collection`` (folders, dataset splits and synthetic scenes through the input pipeline),
+OpenVINO encoders), ``export_samples`` (the decoded samples export checks parity and calibrates on),
 ``topk`` and ``recall`` (chunked top-k and the recall figures over embeddings). The embedding index is ``vlfit.index``.
 """

@@ -32,7 +32,7 @@ from vlfit.atomic_files import write_text_atomically
 from vlfit.data.image_groups import group_images
 from vlfit.errors import ConfigError
 from vlfit.inference.backends import Encoder, OnnxRuntimeEncoder, OpenVinoEncoder
-from vlfit.inference.collection import Samples
+from vlfit.inference.export_samples import Samples
 from vlfit.inference.exported import FORMATS, MANIFEST_NAME, TOWERS, ExportedModel, graph_name
 from vlfit.inference.identity import RefusedModelError, library_versions
 from vlfit.inference.loading import LoadedCheckpoint

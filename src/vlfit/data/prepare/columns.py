@@ -9,9 +9,10 @@ from typing import Any
 import datasets
 import pyarrow as pa
 
+from vlfit.data.columns import default_id_column
 from vlfit.data.records import EVAL_COLUMNS
-from vlfit.data.source_base import ImageTextSource, default_id_column
-from vlfit.data.sources import ArrowSource
+from vlfit.data.sources.arrow import ArrowSource
+from vlfit.data.sources.base import ImageTextSource
 from vlfit.errors import DataError
 
 # The columns copied along by default: those evaluation reads besides image, caption and id.

@@ -44,7 +44,7 @@ from vlfit.data.prepare.shards import (
     build_shards,
     shard_file_name,
 )
-from vlfit.data.source_base import ImageTextSource
+from vlfit.data.sources.base import ImageTextSource
 from vlfit.errors import DataError
 
 

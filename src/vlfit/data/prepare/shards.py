@@ -24,7 +24,7 @@ from vlfit.data.decode import DecodeError
 from vlfit.data.prepare.columns import OutputColumns
 from vlfit.data.prepare.reencode import prepare_image
 from vlfit.data.records import BadRecordError
-from vlfit.data.source_base import ImageTextSource
+from vlfit.data.sources.base import ImageTextSource
 from vlfit.threads import torch_threads
 
 DEFAULT_SHARD_SIZE = 1000

@@ -14,10 +14,10 @@ from typing import IO
 from urllib.parse import urlsplit
 
 from vlfit.data.bad_samples import BadSampleInfo
+from vlfit.data.columns import as_caption, default_id_column, resolve_column
 from vlfit.data.records import BadRecordError, Record, image_value_to_bytes
-from vlfit.data.source_base import as_caption, default_id_column, resolve_column
 from vlfit.data.stream.tar_members import NotAShardError
-from vlfit.data.tar_source import WebDatasetLayout
+from vlfit.data.webdataset import WebDatasetLayout
 from vlfit.errors import DataError
 
 PARQUET_EXTENSION = ".parquet"

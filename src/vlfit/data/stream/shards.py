@@ -48,7 +48,7 @@ from vlfit.data.records import BadRecordError, Record
 from vlfit.data.stream.parquet_rows import is_parquet, parquet_rows
 from vlfit.data.stream.tar_members import NotAShardError, TarMembers
 from vlfit.data.stream.urls import is_http, protocol
-from vlfit.data.tar_source import WebDatasetLayout, split_member_name
+from vlfit.data.webdataset import WebDatasetLayout, split_member_name
 from vlfit.errors import ConfigError, DataError, UserError, first_line
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,5 @@
-"""A source over records held in memory (generated samples, tests): the same interface as every stored format."""
+"""A source over records held in memory (synthetic scenes, query images, tests): the same interface as every stored
+format."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from vlfit.data.records import Record
-from vlfit.data.source_base import ImageTextSource
+from vlfit.data.sources.base import ImageTextSource
 
 
 class MemorySource(ImageTextSource):
@@ -31,8 +32,7 @@ class MemorySource(ImageTextSource):
         return self._records[row]
 
     def _read_captions(self, rows: np.ndarray | None) -> list[str | None]:
-        records = self._records if rows is None else [self._records[int(row)] for row in rows]
-        return [record.caption for record in records]
+        return [self._records[int(row)].caption for row in self._positions(rows)]
 
     def _read_ids(self, rows: np.ndarray | None) -> list[str]:
         return [self._records[int(row)].id for row in self._positions(rows)]

@@ -1,23 +1,24 @@
-"""The training stream a run's flags describe: ``--train_file`` sources (or ``--dataset_name``'s data files with
-``--streaming``: a hub dataset's parquet files), ``--train_data_weights``, ``--shuffle_buffer``, ``--resampled``,
-``--shard_retries``, ``--shard_timeout``, ``--storage_options`` and ``--shard_block_size``, split over this run's
-processes."""
+"""The streamed training split of a run: ``--train_file`` sources (or ``--dataset_name``'s data files with
+``--streaming``: a hub dataset's parquet files), mixed by ``--train_data_weights``, shuffled through
+``--shuffle_buffer``, ``--resampled`` or not, read with the location's ``ShardReader`` (retries, timeout, storage
+options) and split over the run's processes; and the checks and captions a run takes from it before training."""
 
 from __future__ import annotations
 
 import itertools
 import logging
 import os
-from collections.abc import Iterator
-from dataclasses import replace
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
+from vlfit.data.columns import DEFAULT_COLUMNS
 from vlfit.data.records import Record
 from vlfit.data.stream.parquet_rows import is_parquet
 from vlfit.data.stream.shards import ShardReader, ShardUnreadableError, describe_fault, is_unreachable
 from vlfit.data.stream.stream import ShardStream
 from vlfit.data.stream.urls import StreamSource, parse_sources
-from vlfit.data.tar_source import WebDatasetLayout
+from vlfit.data.webdataset import WebDatasetLayout
 from vlfit.errors import ConfigError, DataError, UserError, first_line
 
 logger = logging.getLogger(__name__)
@@ -26,18 +27,31 @@ logger = logging.getLogger(__name__)
 TOKENIZER_CAPTIONS = 20_000
 
 
-def shard_reader(data_args: Any, layout: WebDatasetLayout | None = None) -> ShardReader:
-    """The ``ShardReader`` of ``--shard_retries``, ``--shard_timeout``, ``--storage_options`` and
-    ``--shard_block_size`` (what fetching evaluation shards uses too), reading samples with ``layout``."""
-    return replace(data_args.shard_reader(), layout=layout or WebDatasetLayout())
+@dataclass(frozen=True)
+class StreamSettings:
+    """How a streamed training split is mixed, shuffled and split over a run's processes.
+
+    Attributes:
+        weights: ``--train_data_weights``: comma-separated weights of ``--train_file``'s ``::`` sources.
+        shuffle_buffer: Samples each loader worker's shuffle buffer holds (0: shard order).
+        resampled: Draw shards with replacement, endlessly.
+        seed: Seeds the shard order and the shuffle (the same on every process).
+        rank: This process.
+        world_size: How many processes read the stream.
+    """
+
+    weights: str | None = None
+    shuffle_buffer: int = 1000
+    resampled: bool = False
+    seed: int = 0
+    rank: int = 0
+    world_size: int = 1
 
 
 def open_train_stream(
-    data_args: Any,
+    location: Mapping[str, Any],
+    settings: StreamSettings,
     *,
-    seed: int,
-    rank: int,
-    world_size: int,
     extra_columns: tuple[str, ...] = (),
     token: str | None = None,
     cache_dir: str | None = None,
@@ -49,10 +63,10 @@ def open_train_stream(
     read with ``token``) or a local folder's, as ``datasets.load_dataset_builder`` resolves them.
 
     Args:
-        data_args: ``vlfit.arguments.DataArguments`` (its location, column and stream flags).
-        seed: Seeds the shard order and the shuffle (the same on every process).
-        rank: This process.
-        world_size: How many processes read the stream.
+        location: Where the data is and its columns, as ``vlfit.data.sources.openers.open_splits``'s keywords
+            (``train_file``, ``dataset_name`` and its config, revision and ``data_dir``, ``image_column``,
+            ``caption_column``, ``image_id_column``, ``shard_reader``).
+        settings: Mixing, shuffling and this process's share.
         extra_columns: Columns carried per sample (``--hard_negative_column``).
         token: Hub access token (``--token``), for a hub dataset's files.
         cache_dir: Where the datasets library caches what it resolves (``--cache_dir``).
@@ -61,19 +75,27 @@ def open_train_stream(
         ConfigError: for a spec, weights or settings the stream refuses, or for nothing to stream.
     """
     layout = WebDatasetLayout(
-        image_column=data_args.image_column,
-        caption_column=data_args.caption_column,
+        image_column=location.get("image_column", "image"),
+        caption_column=location.get("caption_column") or DEFAULT_COLUMNS["caption"][0],
         extra_columns=tuple(extra_columns),
-        image_id_column=data_args.image_id_column,
+        image_id_column=location.get("image_id_column"),
     )
-    if data_args.train_file:
-        sources = parse_sources(data_args.train_file, data_args.train_data_weights)
+    train_file, dataset_name = location.get("train_file"), location.get("dataset_name")
+    if train_file:
+        sources = parse_sources(train_file, settings.weights)
         flag = "--train_file"
-    elif data_args.dataset_name:
-        if data_args.train_data_weights is not None:
+    elif dataset_name:
+        if settings.weights is not None:
             raise ConfigError("--train_data_weights weights the '::' sources of --train_file; a dataset is one source")
-        files = dataset_split_files(data_args, token=token, cache_dir=cache_dir)
-        sources = [StreamSource(tuple(files), 1.0, data_args.dataset_name)]
+        files = dataset_split_files(
+            dataset_name,
+            dataset_config_name=location.get("dataset_config_name"),
+            dataset_revision=location.get("dataset_revision"),
+            data_dir=location.get("data_dir"),
+            token=token,
+            cache_dir=cache_dir,
+        )
+        sources = [StreamSource(tuple(files), 1.0, dataset_name)]
         flag = "--dataset_name"
     else:
         raise ConfigError(
@@ -88,16 +110,16 @@ def open_train_stream(
                 "neither (other formats train map-style: drop --streaming)"
             )
     hub = {"token": token} if token and any(url.startswith("hf://") for s in sources for url in s.urls) else {}
-    reader = shard_reader(data_args, layout)
+    reader = replace(location.get("shard_reader") or ShardReader(), layout=layout)
     reader = replace(reader, storage_options={**hub, **reader.storage_options})
     stream = ShardStream(
         sources,
         reader=reader,
-        shuffle_buffer=int(data_args.shuffle_buffer),
-        seed=seed,
-        resampled=bool(data_args.resampled),
-        rank=rank,
-        world_size=world_size,
+        shuffle_buffer=int(settings.shuffle_buffer),
+        seed=settings.seed,
+        resampled=bool(settings.resampled),
+        rank=settings.rank,
+        world_size=settings.world_size,
     )
     shards = sum(len(s.urls) for s in sources)
     logger.info(
@@ -110,7 +132,14 @@ def open_train_stream(
 
 
 def dataset_split_files(
-    data_args: Any, split: str = "train", *, token: str | None = None, cache_dir: str | None = None
+    dataset_name: str,
+    split: str = "train",
+    *,
+    dataset_config_name: str | None = None,
+    dataset_revision: str | None = None,
+    data_dir: str | None = None,
+    token: str | None = None,
+    cache_dir: str | None = None,
 ) -> list[str]:
     """The data files of a split of ``--dataset_name``, as ``datasets.load_dataset_builder`` resolves them (a hub
     id: ``hf://`` URLs at ``--dataset_revision``; a local folder: its files by split name).
@@ -120,7 +149,7 @@ def dataset_split_files(
     """
     import datasets
 
-    name = data_args.dataset_name
+    name = dataset_name
     if os.path.isdir(name) and any(os.path.isfile(os.path.join(name, f)) for f in ("dataset_dict.json", "state.json")):
         raise ConfigError(
             f"--dataset_name {name}: a save_to_disk folder (Arrow files) is not streamed; train on it map-style "
@@ -129,9 +158,9 @@ def dataset_split_files(
     try:
         builder = datasets.load_dataset_builder(
             name,
-            data_args.dataset_config_name,
-            revision=data_args.dataset_revision,
-            data_dir=data_args.data_dir,
+            dataset_config_name,
+            revision=dataset_revision,
+            data_dir=data_dir,
             token=token,
             cache_dir=cache_dir,
         )
@@ -206,3 +235,27 @@ def _records(reader: ShardReader, urls: tuple[str, ...]) -> Iterator[Record]:
                     yield record
         except ShardUnreadableError as err:
             logger.warning("tokenizer captions: %s", err)
+
+
+def streamed_eval_files(
+    location: Mapping[str, Any], split: str, *, token: str | None, cache_dir: str | None
+) -> dict[str, str]:
+    """``--streaming --dataset_name``: the evaluation split's data files as ``validation_file`` or ``test_file``
+    (given ones kept), a spec of local paths or, for a hub dataset, of URLs read from local copies."""
+    if split not in ("validation", "test"):
+        raise ConfigError(
+            f"--streaming --dataset_name evaluates the dataset's 'validation' or 'test' split, not {split!r}; "
+            "set --eval_split, or name the files with --validation_file"
+        )
+    if location.get(f"{split}_file"):
+        return {}
+    files = dataset_split_files(
+        location["dataset_name"],
+        split,
+        dataset_config_name=location.get("dataset_config_name"),
+        dataset_revision=location.get("dataset_revision"),
+        data_dir=location.get("data_dir"),
+        token=token,
+        cache_dir=cache_dir,
+    )
+    return {f"{split}_file": ("::" if any("://" in f for f in files) else ",").join(files)}

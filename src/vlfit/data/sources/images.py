@@ -1,0 +1,113 @@
+"""Image files as a map-style source: every image under a folder (``ImageFolderSource``: what ``retrieve index
+--images`` embeds) or files and folders given by path (``ImageFilesSource``: what ``vlfit classify`` reads). They
+have no captions: each image's caption is its path, which nothing embeds."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from vlfit.data.records import BadRecordError, Record
+from vlfit.data.sources.base import ImageTextSource
+from vlfit.errors import DataError, MissingFileError
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+
+
+def image_files(root: str) -> list[str]:
+    """The image files under a folder (recursively, not hidden), as sorted ``/``-separated paths relative to it."""
+    paths = []
+    for folder, dirs, files in os.walk(root):
+        dirs.sort()
+        paths.extend(
+            os.path.relpath(os.path.join(folder, name), root)
+            for name in files
+            if name.lower().endswith(IMAGE_EXTENSIONS) and not name.startswith(".")
+        )
+    return sorted(path.replace(os.sep, "/") for path in paths)
+
+
+def _read_image_file(path: str, sample_id: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as err:
+        raise BadRecordError(f"sample {sample_id}: cannot read image file: {err.strerror}") from err
+
+
+class ImageFolderSource(ImageTextSource):
+    """Every image file under a folder (recursively, in sorted path order); ids are paths relative to it, image ids
+    their absolute paths (each file is an image of its own, its ``item_folder``'s), captions the ids.
+
+    Args:
+        root: The folder.
+
+    Raises:
+        NotADirectoryError: when ``root`` is not a folder.
+        ValueError: when it holds no image files.
+    """
+
+    def __init__(self, root: str) -> None:
+        if not os.path.isdir(root):
+            raise MissingFileError(f"--images {root}: no such folder")
+        paths = image_files(root)
+        if not paths:
+            raise DataError(f"--images {root}: no image files ({', '.join(IMAGE_EXTENSIONS)}) in it")
+        self.root = root
+        self.paths = paths
+        self.captioned = False
+        self.item_folder = os.path.abspath(root)
+        super().__init__(name=f"image folder {root}", column_names=["image"], num_rows=len(self.paths))
+
+    def _read(self, row: int) -> Record:
+        path = self.paths[row]
+        image = _read_image_file(os.path.join(self.root, path), path)
+        return Record(id=path, image=image, caption=path, image_id=os.path.join(self.item_folder, path))
+
+    def _read_captions(self, rows: np.ndarray | None) -> list[str | None]:
+        return [self.paths[int(row)] for row in self._positions(rows)]
+
+    def _read_ids(self, rows: np.ndarray | None) -> list[str]:
+        return [self.paths[int(row)] for row in self._positions(rows)]
+
+    def _read_image_ids(self, rows: np.ndarray | None) -> list[str | None]:
+        return [os.path.join(self.item_folder, self.paths[int(row)]) for row in self._positions(rows)]  # type: ignore[arg-type]
+
+
+class ImageFilesSource(ImageTextSource):
+    """Image files given by path, and every image file under the folders given (in sorted order); each id is the
+    file's path as given (a folder's files joined to it).
+
+    Args:
+        paths: Files and folders.
+
+    Raises:
+        FileNotFoundError: when a path does not exist.
+        ValueError: when no image file is given or found.
+    """
+
+    def __init__(self, paths: Sequence[str]) -> None:
+        files: list[str] = []
+        for path in paths:
+            if os.path.isdir(path):
+                files.extend(os.path.join(path, name) for name in image_files(path))
+            elif os.path.isfile(path):
+                files.append(path)
+            else:
+                raise MissingFileError(f"{path}: no such image file or folder")
+        if not files:
+            raise DataError(f"no image files ({', '.join(IMAGE_EXTENSIONS)}) in {', '.join(paths) or 'no path given'}")
+        self.paths = files
+        super().__init__(name=f"{len(files)} image files", column_names=["image"], num_rows=len(files))
+
+    def _read(self, row: int) -> Record:
+        path = self.paths[row]
+        return Record(id=path, image=_read_image_file(path, path), caption=path)
+
+    def _read_captions(self, rows: np.ndarray | None) -> list[str | None]:
+        return [self.paths[int(row)] for row in (range(len(self.paths)) if rows is None else rows)]
+
+    def _read_ids(self, rows: np.ndarray | None) -> list[str]:
+        return [self.paths[int(row)] for row in self._positions(rows)]

@@ -1,0 +1,157 @@
+"""Labelled splits: a dataset split whose rows carry a class (the image source, each row's class index, the class
+names), what ``vlfit fewshot`` draws shots from; and the zero-shot sets classified while fine-tuning
+(``--zeroshot_dataset``): a labelled split with the prompts its classes are written into. Both are opened by
+``vlfit.data.sources.openers`` (``labelled_splits``, ``open_zeroshot_sets``)."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from vlfit.data.sources.base import ImageTextSource
+from vlfit.errors import ConfigError, DataError
+
+DEFAULT_TEMPLATES: tuple[str, ...] = (
+    "a photo of a {}.",
+    "a drawing of a {}.",
+    "a picture of a {}.",
+    "an image of a {}.",
+    "a {}.",
+)
+
+
+@dataclass
+class LabelledSplit:
+    """Attributes:
+    source: The split's images (its captions are the class names).
+    labels: Each row's class index into ``class_names``, ``int64 [N]``.
+    class_names: The classes, in label order.
+    label_column: The column the classes come from.
+    """
+
+    source: ImageTextSource
+    labels: np.ndarray
+    class_names: list[str]
+    label_column: str
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def class_counts(self) -> np.ndarray:
+        return np.bincount(self.labels, minlength=len(self.class_names))
+
+    def majority_share(self) -> float:
+        """The accuracy of always answering the most frequent class: chance."""
+        return float(self.class_counts().max() / len(self.labels))
+
+    def first(self, count: int) -> LabelledSplit:
+        """The split's first ``count`` rows."""
+        rows = np.arange(min(count, len(self)))
+        return LabelledSplit(self.source.select(rows), self.labels[rows], self.class_names, self.label_column)
+
+
+def check_templates(templates: Sequence[str]) -> None:
+    """Raises ``ConfigError`` for no template, or a template without exactly one ``{}``."""
+    if not templates:
+        raise ConfigError("--prompt_template: give at least one template, e.g. 'a photo of a {}.'")
+    for template in templates:
+        if template.count("{}") != 1:
+            raise ConfigError(f"--prompt_template {template!r} must hold '{{}}' once: where the class name goes")
+
+
+@dataclass(frozen=True)
+class ZeroShotSet:
+    """A labelled split to classify zero-shot (``vlfit.evaluation.zeroshot`` scores it).
+
+    Attributes:
+        name: What its metrics are called: ``zeroshot`` alone, or ``zeroshot_{name}`` among several.
+        split: The images, their labels and the class names.
+        templates: The prompts, ``{}`` the class name.
+    """
+
+    name: str
+    split: LabelledSplit
+    templates: tuple[str, ...] = DEFAULT_TEMPLATES
+
+    @property
+    def prefix(self) -> str:
+        return f"zeroshot_{self.name}" if self.name else "zeroshot"
+
+
+def label_splits(
+    train_source: ImageTextSource,
+    eval_source: ImageTextSource,
+    *,
+    train_split: str,
+    eval_split: str,
+    label_column: str,
+    label_flag: str,
+) -> tuple[LabelledSplit, LabelledSplit]:
+    """Two sources whose captions are class names (the label column read as captions) as labelled splits.
+
+    The classes are those of the training split, in the order of a ``ClassLabel`` column's names (sorted for a
+    text column).
+
+    Raises:
+        DataError: naming ``label_flag``, when a row has no label, the training split holds fewer than two
+            classes, or the evaluation split holds a class the training split lacks.
+    """
+    train_names = _row_names(train_source, label_column, label_flag)
+    eval_names = _row_names(eval_source, label_column, label_flag)
+    present = set(train_names)
+    declared = getattr(train_source, "class_names", None)
+    class_names = [name for name in declared if name in present] if declared else sorted(present)
+    if len(class_names) < 2:
+        raise DataError(
+            f"label column {label_column!r} of split {train_split!r} holds {len(class_names)} class "
+            f"({', '.join(map(repr, class_names))}); classification needs at least two: pick another {label_flag}"
+        )
+    unknown = sorted(set(eval_names) - present)
+    if unknown:
+        raise DataError(
+            f"split {eval_split!r} has classes that split {train_split!r} lacks in label column {label_column!r}: "
+            f"{', '.join(map(repr, unknown[:5]))}; no shot of them can be drawn"
+        )
+    index = {name: i for i, name in enumerate(class_names)}
+
+    def split_of(source: ImageTextSource, names: list[str]) -> LabelledSplit:
+        labels = np.array([index[name] for name in names], dtype=np.int64)
+        return LabelledSplit(source, labels, class_names, label_column)
+
+    return split_of(train_source, train_names), split_of(eval_source, eval_names)
+
+
+def _row_names(source: ImageTextSource, label_column: str, label_flag: str) -> list[str]:
+    names = source.captions()
+    for row, name in enumerate(names):
+        if name is None or not str(name).strip():
+            raise DataError(
+                f"{source.name}: row {row} has no value in label column {label_column!r} ({label_flag}); drop "
+                "unlabelled rows first"
+            )
+    return [str(name) for name in names]
+
+
+# What the labelled splits' error messages call the options: ``vlfit train``'s flags of the zero-shot sets.
+ZEROSHOT_FLAGS = {"label": "--zeroshot_label_column", "train_split": "--zeroshot_split",
+                  "eval_split": "--zeroshot_split"}  # fmt: skip
+
+
+def zeroshot_names(dataset_names: Sequence[str]) -> list[str]:
+    """The name of each zero-shot set's metrics: ``""`` for one set, else from each dataset's name.
+
+    Raises:
+        ConfigError: when two datasets would give the same metric names.
+    """
+    names = [_metric_name(dataset) for dataset in dataset_names] if len(dataset_names) > 1 else [""]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--zeroshot_dataset: {list(dataset_names)} would share metric names {names}; rename one")
+    return names
+
+
+def _metric_name(dataset: str) -> str:
+    return re.sub(r"\W+", "_", os.path.basename(dataset.rstrip("/")) or dataset).strip("_").lower()
