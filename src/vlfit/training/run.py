@@ -1,4 +1,5 @@
-"""Fine-tune and/or evaluate: sources -> model bundle -> datasets -> VlfitTrainer. One function, both commands."""
+"""Fine-tune and/or evaluate: the run's data (``vlfit.data.sources.open_run_data``) -> model -> datasets ->
+VlfitTrainer. One function, both commands."""
 
 from __future__ import annotations
 
@@ -19,20 +20,14 @@ from vlfit.data.bad_samples import BAD_SAMPLES_REPORT
 from vlfit.data.caption_sampling import OneCaptionPerImageSampler
 from vlfit.data.image_groups import image_groups
 from vlfit.data.pipeline import InputPipeline, PipelineOptions
-from vlfit.data.records import EVAL_COLUMNS
-from vlfit.data.source_base import ImageTextSource
-from vlfit.data.sources import open_splits
+from vlfit.data.sources.base import ImageTextSource
+from vlfit.data.sources.labelled import ZeroShotSet
+from vlfit.data.sources.openers import open_run_data
 from vlfit.data.stream import ShardStream
-from vlfit.data.stream.from_arguments import (
-    check_reachable,
-    dataset_split_files,
-    first_captions,
-    open_train_stream,
-)
+from vlfit.data.stream.train_stream import StreamSettings
 from vlfit.efficiency.flops import ComputeEfficiency
 from vlfit.efficiency.peaks import matmul_precision, peak_flops
-from vlfit.errors import ConfigError, DataError
-from vlfit.evaluation.zeroshot import DEFAULT_TEMPLATES, ZeroShotSet, open_zeroshot_sets
+from vlfit.errors import ConfigError
 from vlfit.model_card import WiseFtMix, write_model_card
 from vlfit.models.family import ModelFamily
 from vlfit.models.interpolation import interpolate
@@ -64,18 +59,6 @@ def compute_efficiency(
     device = training_args.device
     peak = peak_flops(device, matmul_precision(device, autocast))
     return ComputeEfficiency(flops_per_sample, samples_per_second, peak, processes=training_args.world_size)
-
-
-def _limit(source: ImageTextSource, max_samples: int | None) -> ImageTextSource:
-    if max_samples is None or max_samples >= len(source):
-        return source
-    return source.select(range(max_samples))
-
-
-def _require_split(splits: dict[str, ImageTextSource], name: str, flag: str) -> ImageTextSource:
-    if name not in splits:
-        raise ConfigError(f"{flag} needs a {name!r} split; the data has: {', '.join(splits) or 'none'}")
-    return splits[name]
 
 
 @dataclass
@@ -114,7 +97,7 @@ def model_build_keywords(model_args: ModelArguments) -> dict[str, Any]:
 
 
 def setup_run(model_args: ModelArguments, data_args: DataArguments, training_args: VlfitTrainingArguments) -> RunSetup:
-    """Open the splits, resolve the model (training a preset's tokenizer once) and build the input pipeline."""
+    """Open the run's data, resolve the model (training a preset's tokenizer once) and build the input pipeline."""
     if not (training_args.do_train or training_args.do_eval):
         raise ConfigError("nothing to do: pass --do_train and/or --do_eval")
     if training_args.fsdp and data_args.hard_negative_column and training_args.do_train:
@@ -123,90 +106,43 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
             "forward, where FSDP holds only shards of the weights; drop one of the two"
         )
     set_seed(training_args.seed)
-    extra_columns = tuple(dict.fromkeys([*EVAL_COLUMNS, *filter(None, [data_args.hard_negative_column])]))
-    streamed = training_args.do_train and data_args.streams_training()
-    train_stream = _open_stream(data_args, training_args, model_args) if streamed else None
-    if train_stream is not None:
-        check_reachable(train_stream)  # a dead server in one line, before a tokenizer is trained on nothing
-    location = data_args.source_kwargs()
-    if data_args.streams_training():
-        location["train_file"] = None  # a stream's spec; evaluation's splits open map-style (URLs: local copies)
-    if data_args.streaming and not data_args.train_file and data_args.dataset_name:
-        # A streamed dataset is never loaded whole: evaluation opens its split's own files (remote ones fetched).
-        location["dataset_name"] = None
-        if training_args.do_eval:
-            location.update(_streamed_eval_files(data_args, model_args))
-    has_splits = any(location[k] for k in ("dataset_name", "validation_file", "test_file"))
-    splits = (
-        open_splits(
-            **location,
-            cache_dir=model_args.cache_dir,
-            token=model_args.token,
-            extra_columns=extra_columns,
-        )
-        if has_splits or not streamed
-        else {}
+    if training_args.do_train and data_args.streams_training():
+        _check_streamed_training(training_args)
+    data = open_run_data(
+        data_args.source_kwargs(),
+        train=training_args.do_train,
+        evaluate=training_args.do_eval,
+        streaming=data_args.streaming,
+        stream=StreamSettings(
+            weights=data_args.train_data_weights,
+            shuffle_buffer=data_args.shuffle_buffer,
+            resampled=data_args.resampled,
+            seed=training_args.data_seed if training_args.data_seed is not None else training_args.seed,
+            rank=training_args.process_index,
+            world_size=training_args.world_size,
+        ),
+        eval_split=data_args.eval_split,
+        max_train_samples=data_args.max_train_samples,
+        max_eval_samples=data_args.max_eval_samples,
+        hard_negative_column=data_args.hard_negative_column,
+        zeroshot_datasets=data_args.zeroshot_dataset or (),
+        zeroshot_label_column=data_args.zeroshot_label_column,
+        zeroshot_split=data_args.zeroshot_split,
+        prompt_templates=data_args.prompt_template,
+        cache_dir=model_args.cache_dir,
+        token=model_args.token,
     )
-    train_source = eval_source = None
-    if training_args.do_train and not streamed:
-        train_source = _limit(_require_split(splits, "train", "--do_train"), data_args.max_train_samples)
-        column = data_args.hard_negative_column
-        if column is not None and column not in train_source.column_names:
-            raise ConfigError(
-                f"--hard_negative_column {column!r} is not a column of the training split; it has: "
-                f"{', '.join(train_source.column_names)}"
-            )
-    if training_args.do_eval:
-        eval_source = _limit(_require_split(splits, data_args.eval_split, "--do_eval"), data_args.max_eval_samples)
-    for source, what in ((train_source, "training"), (eval_source, "evaluation")):
-        if source is not None and len(source) < 2:
-            raise DataError(
-                f"the {what} split ({source.name}) has {len(source)} sample{'s' if len(source) != 1 else ''}: "
-                "contrastive training and retrieval need at least 2 (with one, every loss is 0 and every recall 1)"
-            )
-    if train_source is not None:
-        global_batch = training_args.per_device_train_batch_size * training_args.world_size
-        if global_batch > len(train_source):
-            logger.warning(
-                "--per_device_train_batch_size %d%s is larger than the training split (%d samples): each batch "
-                "holds the %d samples there are",
-                training_args.per_device_train_batch_size,
-                f" x {training_args.world_size} processes" if training_args.world_size > 1 else "",
-                len(train_source),
-                len(train_source),
-            )
-    caption_source = train_source or splits.get("train") or eval_source
-    captions = caption_source.captions if caption_source is not None else None
-    if train_stream is not None:
-        stream = train_stream
-        captions = lambda: first_captions(stream)  # noqa: E731
+    if data.train is not None:
+        _warn_batch_over_split(len(data.train), training_args)
     blueprint = resolve_model(
-        **model_source_keywords(model_args), captions=captions, max_seq_length=data_args.max_seq_length
+        **model_source_keywords(model_args), captions=data.captions, max_seq_length=data_args.max_seq_length
     )
     pipeline = InputPipeline(blueprint.inputs, PipelineOptions.from_arguments(data_args), training_args.device)
-    zeroshot = open_zeroshot(data_args, training_args)
-    return RunSetup(train_source, eval_source, blueprint, pipeline, zeroshot, train_stream=train_stream)
+    return RunSetup(data.train, data.eval, blueprint, pipeline, data.zeroshot, train_stream=data.train_stream)
 
 
-def _streamed_eval_files(data_args: DataArguments, model_args: ModelArguments) -> dict[str, str]:
-    """``--streaming --dataset_name``: the evaluation split's data files as ``validation_file`` or ``test_file``
-    (given ones kept), a spec of local paths or, for a hub dataset, of URLs read from local copies."""
-    split = data_args.eval_split
-    if split not in ("validation", "test"):
-        raise ConfigError(
-            f"--streaming --dataset_name evaluates the dataset's 'validation' or 'test' split, not {split!r}; "
-            "set --eval_split, or name the files with --validation_file"
-        )
-    if getattr(data_args, f"{split}_file"):
-        return {}
-    files = dataset_split_files(data_args, split, token=model_args.token, cache_dir=model_args.cache_dir)
-    return {f"{split}_file": ("::" if any("://" in f for f in files) else ",").join(files)}
-
-
-def _open_stream(
-    data_args: DataArguments, training_args: VlfitTrainingArguments, model_args: ModelArguments
-) -> ShardStream:
-    """The streamed training split of this process (``vlfit.data.stream.from_arguments``)."""
+def _check_streamed_training(training_args: VlfitTrainingArguments) -> None:
+    """Refuse training settings a streamed training split cannot honour."""
     if training_args.max_steps is None or training_args.max_steps <= 0:
         raise ConfigError(
             "a streamed training split has no length: give --max_steps (the number of optimizer steps to train); "
@@ -217,32 +153,19 @@ def _open_stream(
             "--dataloader_persistent_workers with a streamed training split: a worker keeps the epoch it started "
             "with, so every epoch would read the first one's order; drop the flag"
         )
-    data_seed = training_args.data_seed if training_args.data_seed is not None else training_args.seed
-    extra = (data_args.hard_negative_column,) if data_args.hard_negative_column else ()
-    return open_train_stream(
-        data_args,
-        seed=data_seed,
-        rank=training_args.process_index,
-        world_size=training_args.world_size,
-        extra_columns=extra,
-        token=model_args.token,
-        cache_dir=model_args.cache_dir,
-    )
 
 
-def open_zeroshot(data_args: DataArguments, training_args: Any) -> list[ZeroShotSet]:
-    """The ``--zeroshot_dataset`` sets, checked before any weights load; they are scored wherever evaluation runs."""
-    if not data_args.zeroshot_dataset:
-        return []
-    if not training_args.do_eval:
-        raise ConfigError("--zeroshot_dataset is scored at every evaluation: add --do_eval (or an --eval_strategy)")
-    return open_zeroshot_sets(
-        data_args.zeroshot_dataset,
-        label_column=data_args.zeroshot_label_column,
-        split=data_args.zeroshot_split,
-        image_column=data_args.image_column,
-        templates=data_args.prompt_template or DEFAULT_TEMPLATES,
-    )
+def _warn_batch_over_split(samples: int, training_args: VlfitTrainingArguments) -> None:
+    """A global batch larger than the training split holds the samples there are: say so."""
+    if training_args.per_device_train_batch_size * training_args.world_size > samples:
+        logger.warning(
+            "--per_device_train_batch_size %d%s is larger than the training split (%d samples): each batch "
+            "holds the %d samples there are",
+            training_args.per_device_train_batch_size,
+            f" x {training_args.world_size} processes" if training_args.world_size > 1 else "",
+            samples,
+            samples,
+        )
 
 
 def wise_ft_start(
