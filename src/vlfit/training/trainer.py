@@ -41,6 +41,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from vlfit.data.bad_samples import BAD_SAMPLES_REPORT
 from vlfit.data.batch import Batch
+from vlfit.data.loader_workers import stop_loader_workers
 from vlfit.data.pipeline import DeviceFeed, InputPipeline, LoaderSettings, shard_loader
 from vlfit.data.stream import ShardStream, SourceUnreachableError
 from vlfit.data.stream.dataset import StreamingImageTextDataset
@@ -152,6 +153,9 @@ class VlfitTrainer(Trainer):
             self._scalar_parameters = reshape_scalar_parameters(self.model)
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
+        except BaseException as error:
+            stop_loader_workers(error.__traceback__)
+            raise
         finally:
             self._close_feed()
 
