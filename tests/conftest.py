@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +28,34 @@ def synthetic_dataset_dir(tmp_path_factory) -> str:
     config = SyntheticConfig(num_samples=80, seed=3, min_long_side=160, max_long_side=320)
     save_dataset(make_dataset(config), str(path), format="arrow")
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(synthetic_dataset_dir, tmp_path_factory) -> Path:
+    """A tiny random-init checkpoint with its tokenizer, as ``vlfit train`` saves one (the export and index tests)."""
+    from tests.inference.tiny_models import save_tiny_checkpoint
+
+    return save_tiny_checkpoint(synthetic_dataset_dir, tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def other_checkpoint(synthetic_dataset_dir, tmp_path_factory) -> Path:
+    """A second tiny checkpoint: same architecture and tokenizer, other weights."""
+    from tests.inference.tiny_models import save_tiny_checkpoint
+
+    return save_tiny_checkpoint(synthetic_dataset_dir, tmp_path_factory.mktemp("other") / "model", seed=1)
+
+
+@pytest.fixture(scope="session")
+def onnx_export(tiny_checkpoint, synthetic_dataset_dir, tmp_path_factory) -> Path:
+    """``vlfit export --quantize int8`` of the tiny checkpoint, calibrated on the synthetic dataset."""
+    from vlfit.cli import main
+
+    out = tmp_path_factory.mktemp("export") / "onnx"
+    assert main(["export", "--model_name_or_path", str(tiny_checkpoint), "--output_dir", str(out), "--quantize",
+                 "int8", "--calibration_dataset", synthetic_dataset_dir, "--parity_samples", "13",
+                 "--calibration_samples", "16"]) == 0  # fmt: skip
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ MODULES = (
     "tests.models.test_losses",
     "tests.models.test_dual_encoders",
     "tests.training.test_gradient_cache",
-    "tests.inference.test_retrieve",
+    "tests.index.test_retrieve",
     "tests.training.test_stream_training",
 )
 

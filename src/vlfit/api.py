@@ -115,7 +115,7 @@ class Model:
             pixels = [
                 _pixels_of(item, self.image_size, start + i) for i, item in enumerate(items[start : start + batch_size])
             ]
-            rows.append(self.encoder.embed_pixels(stack_images(pixels)))  # one copy, as the collator makes
+            rows.append(self.encoder.encode_images(stack_images(pixels)))  # one copy, as the collator makes
         return _as_numpy(rows, self.embedding_dim)
 
     @python_api
@@ -123,7 +123,7 @@ class Model:
         """L2-normalized float32 embeddings ``[N, D]`` of captions, tokenized as training tokenizes them."""
         _check_at_least("batch_size", batch_size, 1)
         items = _strings("texts", texts)
-        rows = [self.encoder.embed_texts(items[s : s + batch_size]) for s in range(0, len(items), batch_size)]
+        rows = [self.encoder.encode_texts(items[s : s + batch_size]) for s in range(0, len(items), batch_size)]
         return _as_numpy(rows, self.embedding_dim)
 
     @python_api
@@ -300,9 +300,9 @@ class Index:
         their captions, as evaluation groups them."""
         from vlfit.data.sources.openers import open_collection
         from vlfit.extras import require_extra
-        from vlfit.index.ann import DEFAULT_MAX_INDEX_MEMORY, INDEX_TYPES, check_target_recall
+        from vlfit.index.ann_choice import DEFAULT_MAX_INDEX_MEMORY, INDEX_TYPES, check_target_recall
         from vlfit.index.ann_update import update_ann
-        from vlfit.index.store import build_index
+        from vlfit.index.build import BuildRequest, build_index
 
         require_extra("serve", "vlfit.Index.build", modules=("faiss",))
         # Every value is checked before anything is opened, embedded or written.
@@ -322,10 +322,9 @@ class Index:
             caption_column=caption_column, image_id_column=image_id_column,
         )  # fmt: skip
         model = load(model) if isinstance(model, str) else model
-        build_index(
-            model.encoder, source, path, collection=collection, batch_size=batch_size, num_workers=num_workers,
-            shard_size=shard_size, progress=progress,
-        )  # fmt: skip
+        request = BuildRequest(path, collection, batch_size=batch_size, num_workers=num_workers,
+                               shard_size=shard_size, progress=progress)  # fmt: skip
+        build_index(model.encoder, source, request)
         update_ann(path, index_type=index_type, max_index_memory=max_index_memory or DEFAULT_MAX_INDEX_MEMORY,
                    target_recall=target_recall)  # fmt: skip
         return cls(path, model)

@@ -19,9 +19,10 @@ from vlfit.data.sources.openers import COLLECTION_KEYS, open_collection
 from vlfit.data.sources.tar import ShardCollection
 from vlfit.errors import ConfigError, DataError
 from vlfit.extras import require_extra
-from vlfit.index.ann import DEFAULT_MAX_INDEX_MEMORY, DEFAULT_TARGET_RECALL, check_target_recall
+from vlfit.index.ann_choice import DEFAULT_MAX_INDEX_MEMORY, DEFAULT_TARGET_RECALL, check_target_recall
+from vlfit.index.build import BuildRequest, build_index
 from vlfit.index.search import Hit, Query, embed_queries, read_queries, search
-from vlfit.index.store import MANIFEST_NAME, EmbeddingIndex, build_index, refuse_other_model
+from vlfit.index.store import EmbeddingIndex, refuse_other_model
 from vlfit.inference.backends import open_encoder
 from vlfit.inference.topk import DEFAULT_CHUNK_ELEMENTS
 
@@ -108,6 +109,20 @@ class IndexArguments:
         metadata={"help": "Under torchrun: seconds the processes wait for each other (to start, and per shard)."},
     )
 
+    def build_request(self, collection: dict, rank: int, world_size: int) -> BuildRequest:
+        """The build these flags ask for, of the collection ``collection`` describes, by process ``rank``."""
+        return BuildRequest(
+            self.output_dir,
+            collection,
+            batch_size=self.batch_size,
+            num_workers=self.dataloader_num_workers,
+            shard_size=self.shard_size,
+            storage=self.storage,
+            progress=not self.disable_tqdm,
+            rank=rank,
+            world_size=world_size,
+        )
+
 
 @dataclass
 class QueryArguments:
@@ -142,14 +157,24 @@ class QueryArguments:
     )
 
 
-def run_index(argv: list[str]) -> int:
-    parser = CommandParser(
+# Each subcommand's flags, the description its --help opens with, and the flags that may be repeated.
+PARSERS: dict[str, tuple[type, str, tuple[str, ...]]] = {
+    "index": (
         IndexArguments,
-        prog="vlfit retrieve index",
-        description="Embed a folder of images or a dataset split into an index (resumable; new images are "
-        "appended when run again). Bad images are skipped and listed.",
-    )
-    (args,) = parser.parse_args_into_dataclasses(args=argv)
+        "Embed a folder of images or a dataset split into an index (resumable; new images are appended when run "
+        "again). Bad images are skipped and listed.",
+        (),
+    ),
+    "query": (
+        QueryArguments,
+        "The top-k images of an index for text queries, image queries or a file of them.",
+        ("text", "image"),
+    ),
+}
+
+
+def run_index(args: IndexArguments) -> int:
+    """``vlfit retrieve index``: embed the collection, bring the ANN structure up to date, report."""
     require_extra("serve", "vlfit retrieve index", modules=("faiss",))
     check_target_recall(args.target_recall)  # before anything is embedded
     source, collection = open_collection(**{key: getattr(args, key) for key in COLLECTION_KEYS})
@@ -164,26 +189,12 @@ def run_index(argv: list[str]) -> int:
         )
         source.reader()  # bad --shard_retries, --shard_timeout or --shard_block_size: refused before the model loads
     encoder = open_encoder(args.model, args.backend, args.precision, num_threads=args.num_threads)
-    existing = os.path.join(args.output_dir, MANIFEST_NAME)
-    before = EmbeddingIndex(args.output_dir) if os.path.isfile(existing) else None
-    count_before, bad_before = (len(before), len(before.manifest.bad_samples)) if before else (0, 0)
     from vlfit.launch import join_gloo_group
 
     # torchrun: each process embeds its share of the shards (vlfit.cli closes the group after a normal return).
     rank, world_size = join_gloo_group(args.ddp_timeout)
-    build_index(
-        encoder,
-        source,
-        args.output_dir,
-        collection=collection,
-        batch_size=args.batch_size,
-        num_workers=args.dataloader_num_workers,
-        shard_size=args.shard_size,
-        storage=args.storage,
-        progress=not args.disable_tqdm,
-        rank=rank,
-        world_size=world_size,
-    )
+    request = args.build_request(collection, rank, world_size)
+    built = build_index(encoder, source, request)
     if rank != 0:
         return 0  # rank 0 lists the shards, builds the ANN structure and reports
     from vlfit.index.ann_update import update_ann
@@ -194,13 +205,13 @@ def run_index(argv: list[str]) -> int:
         max_index_memory=args.max_index_memory,
         target_recall=args.target_recall,
     )
-    manifest = EmbeddingIndex(args.output_dir).manifest
+    manifest = built.manifest
     summary = {
         "index": args.output_dir,
         "model": encoder.description,
         "items": manifest.count,
-        "added": manifest.count - count_before,
-        "bad_samples": manifest.bad_samples[bad_before:],
+        "added": built.added,
+        "bad_samples": built.bad_samples,
         "removed": len(manifest.removed),
         "ann": {key: ann[key] for key in ANN_SUMMARY if key in ann},
     }
@@ -234,14 +245,8 @@ def print_index_summary(summary: dict) -> None:
           f"ANN {ann.get('type')}{recall}")  # fmt: skip
 
 
-def run_query(argv: list[str]) -> int:
-    parser = CommandParser(
-        QueryArguments,
-        prog="vlfit retrieve query",
-        description="The top-k images of an index for text queries, image queries or a file of them.",
-        repeatable=("text", "image"),
-    )
-    (args,) = parser.parse_args_into_dataclasses(args=argv)
+def run_query(args: QueryArguments) -> int:
+    """``vlfit retrieve query``: embed the queries with the index's model, search, print the hits."""
     queries = [Query(text=text) for text in args.text] + [Query(image=image) for image in args.image]
     if args.queries:
         queries += read_queries(args.queries)
@@ -289,4 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             print("usage: vlfit retrieve index|query [flags]   (vlfit retrieve index --help for its flags)")
             return 0
         raise ConfigError(f"vlfit retrieve takes a subcommand, index or query; got {given}")
-    return run_index(argv[1:]) if argv[0] == "index" else run_query(argv[1:])
+    flags, description, repeatable = PARSERS[argv[0]]
+    parser = CommandParser(flags, prog=f"vlfit retrieve {argv[0]}", description=description, repeatable=repeatable)
+    (args,) = parser.parse_args_into_dataclasses(args=argv[1:])
+    return run_index(args) if isinstance(args, IndexArguments) else run_query(args)

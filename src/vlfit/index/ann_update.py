@@ -18,17 +18,9 @@ import logging
 import os
 from typing import Any
 
-import numpy as np
-
 from vlfit.errors import UserError
-from vlfit.index.ann import (
-    ANN_DESCRIPTION,
-    DEFAULT_MAX_INDEX_MEMORY,
-    AnnIndex,
-    IndexChoice,
-    build_ann,
-    choose_index_type,
-)
+from vlfit.index.ann import ANN_DESCRIPTION, AnnIndex, build_ann
+from vlfit.index.ann_choice import DEFAULT_MAX_INDEX_MEMORY, IndexChoice, choose_index_type
 from vlfit.index.store import EmbeddingIndex, write_manifest
 
 logger = logging.getLogger(__name__)
@@ -83,7 +75,7 @@ def update_ann(
     ids = index.ids()
     if not ids:
         return {}
-    embeddings = np.ascontiguousarray(index.embeddings().numpy(), dtype=np.float32)
+    embeddings = index.embeddings().numpy()  # float32 [N, D] read from the mapped shards; faiss reads it as is
     wanted = choose_index_type(len(ids), embeddings.shape[1], max_index_memory, index_type)
     budget = DEFAULT_MAX_INDEX_MEMORY if max_index_memory is None else max_index_memory
     current = manifest.ann

@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from tests.http_shards import ShardServer, webdataset_shard
+from tests.inference.tiny_models import save_tiny_checkpoint, write_image_folder
 from vlfit.cli import main
 from vlfit.data.sources.images import ImageFolderSource
 from vlfit.data.sources.openers import open_collection
 from vlfit.data.sources.tar import ShardCollection, TarSource
 from vlfit.data.webdataset import WebDatasetLayout
-from vlfit.index.store import FETCH_FOLDER, EmbeddingIndex, build_index
-from vlfit.inference.backends import TorchEncoder
-
-from .tiny_models import save_tiny_checkpoint, write_image_folder
+from vlfit.index.build import FETCH_FOLDER, BuildRequest, build_index
+from vlfit.index.store import EmbeddingIndex
+from vlfit.inference.backends import load_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -69,9 +69,9 @@ def test_index_lists_bad_images_and_queries_match_brute_force(
     result = _query_json(capsys, "--index", str(torch_index), "--text", "one blue square at the top.",
                          "--text", "two red circles on the left.", "--queries", str(queries), "-k", "4",
                          "--chunk_elements", "7")  # fmt: skip
-    encoder = TorchEncoder(str(tiny_checkpoint))
+    encoder = load_checkpoint(str(tiny_checkpoint))
     embeddings = index.embeddings()
-    texts = encoder.embed_texts(["one blue square at the top.", "two red circles on the left."])
+    texts = encoder.encode_texts(["one blue square at the top.", "two red circles on the left."])
     expected = torch.topk(texts @ embeddings.t(), 4, dim=1).indices.tolist()
     got = [[files.index(hit["id"]) for hit in q["results"]] for q in result["queries"][:2]]
     assert got == expected
@@ -80,20 +80,20 @@ def test_index_lists_bad_images_and_queries_match_brute_force(
 
 
 def test_an_interrupted_build_resumes_to_the_index_a_one_shot_build_makes(tiny_checkpoint, image_folder, tmp_path):
-    encoder = TorchEncoder(str(tiny_checkpoint))
+    encoder = load_checkpoint(str(tiny_checkpoint))
     source = ImageFolderSource(str(image_folder))
     settings = {"collection": {"images": str(image_folder)}, "batch_size": 3, "shard_size": 4, "progress": False}
-    build_index(encoder, source, str(tmp_path / "once"), **settings)
+    build_index(encoder, source, BuildRequest(str(tmp_path / "once"), **settings))
 
     def interrupt(manifest):
         if len(manifest.shards) == 2:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        build_index(encoder, source, str(tmp_path / "resumed"), on_shard=interrupt, **settings)
+        build_index(encoder, source, BuildRequest(str(tmp_path / "resumed"), **settings), on_shard=interrupt)
     stopped = EmbeddingIndex(str(tmp_path / "resumed")).manifest
     assert stopped.count + len(stopped.bad_samples) == 12  # two shards of two batches of 3, the broken file in them
-    build_index(encoder, source, str(tmp_path / "resumed"), **settings)
+    build_index(encoder, source, BuildRequest(str(tmp_path / "resumed"), **settings))
     once, resumed = EmbeddingIndex(str(tmp_path / "once")), EmbeddingIndex(str(tmp_path / "resumed"))
     assert resumed.ids() == once.ids()
     assert torch.equal(resumed.embeddings(), once.embeddings())
@@ -106,22 +106,22 @@ def two_process_payload(folder: Path, dataset_dir: str) -> dict:
     finish through ``vlfit retrieve index``."""
     checkpoint = save_tiny_checkpoint(dataset_dir, folder / "model")
     images = write_image_folder(dataset_dir, folder / "images")
-    encoder, source = TorchEncoder(str(checkpoint)), ImageFolderSource(str(images))
+    encoder, source = load_checkpoint(str(checkpoint)), ImageFolderSource(str(images))
     settings = {"collection": {"images": str(images)}, "batch_size": 2, "shard_size": 2, "progress": False}
-    build_index(encoder, source, str(folder / "once"), **settings)
+    build_index(encoder, source, BuildRequest(str(folder / "once"), **settings))
 
     def stop(manifest):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        build_index(encoder, source, str(folder / "parallel"), on_shard=stop, **settings)
+        build_index(encoder, source, BuildRequest(str(folder / "parallel"), **settings), on_shard=stop)
     argv = ["index", "--model", str(checkpoint), "--images", str(images), "--output_dir",
             str(folder / "parallel"), "--batch_size", "2", "--shard_size", "2", "--dataloader_num_workers", "0",
             "--disable_tqdm", "true"]  # fmt: skip
     # Three tar shards of a '::' spec (streamed, as URLs are): indexed a shard at a time, 2 on rank 0, 1 on rank 1.
     spec = "::".join(_write_shards(folder / "tars", {"a": 2, "b": 1}))
     shards, collection = open_collection(dataset_name=spec, caption_column="txt")
-    build_index(encoder, shards, str(folder / "stream_once"), collection=collection, batch_size=2, progress=False)
+    build_index(encoder, shards, BuildRequest(str(folder / "stream_once"), collection, batch_size=2, progress=False))
     stream_argv = ["index", "--model", str(checkpoint), "--dataset_name", spec, "--caption_column", "txt",
                    "--output_dir", str(folder / "stream_parallel"), "--batch_size", "2",
                    "--dataloader_num_workers", "0", "--disable_tqdm", "true"]  # fmt: skip
@@ -181,9 +181,9 @@ def test_tar_shards_at_urls_are_indexed_as_read_locally_and_a_failed_shard_is_tr
     map-style from disk; a shard that keeps failing is listed as bad by its URL, and the next run fetches it alone."""
     paths = [tmp_path / "tars" / "s" / f"{i:03d}.tar" for i in range(3)]
     _write_shards(tmp_path / "tars", {"s": 3})
-    encoder = TorchEncoder(str(tiny_checkpoint))
+    encoder = load_checkpoint(str(tiny_checkpoint))
     local = TarSource([str(p) for p in paths], name="local", caption_column="txt")
-    build_index(encoder, local, str(tmp_path / "local"), collection={}, batch_size=2, shard_size=100, progress=False)
+    build_index(encoder, local, BuildRequest(str(tmp_path / "local"), {}, batch_size=2, shard_size=100, progress=False))
     local_index = EmbeddingIndex(str(tmp_path / "local"))
     expected = dict(zip(local_index.ids(), local_index.embeddings(), strict=True))
 
@@ -193,13 +193,13 @@ def test_tar_shards_at_urls_are_indexed_as_read_locally_and_a_failed_shard_is_tr
         shards = ShardCollection(server.url("/s/{000..002}.tar"), tuple(urls), WebDatasetLayout(caption_column="txt"),
                                  retries=1, timeout=2.0, backoff=0.01)  # fmt: skip
         server.fail("/s/001.tar", status=500)
-        build_index(encoder, shards, out, collection={"streamed": True}, batch_size=2, progress=False)
+        build_index(encoder, shards, BuildRequest(out, {"streamed": True}, batch_size=2, progress=False))
         first = EmbeddingIndex(out).manifest
         assert [shard["source"] for shard in first.shards] == [urls[0], urls[2]]
         assert [bad["id"] for bad in first.bad_samples] == [urls[1]] and "500" in first.bad_samples[0]["reason"]
         server.heal("/s/001.tar")
         asked = len(server.requests)
-        build_index(encoder, shards, out, collection={"streamed": True}, batch_size=2, progress=False)
+        build_index(encoder, shards, BuildRequest(out, {"streamed": True}, batch_size=2, progress=False))
         assert {path for _, path, _ in server.requests[asked:]} == {"/s/001.tar"}
     index = EmbeddingIndex(out)
     assert [shard["source"] for shard in index.manifest.shards] == [urls[0], urls[2], urls[1]]
@@ -384,7 +384,7 @@ def test_indexing_without_faiss_stops_in_one_line_before_embedding(image_folder,
 def test_captions_of_one_image_are_one_item_with_all_its_captions(tiny_checkpoint, tmp_path, capsys):
     # 8 images x 3 captions: rows with an image_id column (by the column, and by their identical bytes), and one
     # row per image with a list caption column. Each way: 8 items, each with its 3 captions, one embedding each.
-    from .several_captions import IMAGES, captions_of, write_caption_lists, write_csv
+    from tests.inference.several_captions import IMAGES, captions_of, write_caption_lists, write_csv
 
     csv_file = write_csv(tmp_path / "csv")
     lists = write_caption_lists(tmp_path / "lists")
@@ -414,8 +414,7 @@ def test_captions_of_one_image_are_one_item_with_all_its_captions(tiny_checkpoin
 
 def test_index_build_takes_the_image_id_column_and_its_hits_carry_the_captions(tiny_checkpoint, tmp_path):
     import vlfit
-
-    from .several_captions import IMAGES, captions_of, write_csv
+    from tests.inference.several_captions import IMAGES, captions_of, write_csv
 
     csv_file = write_csv(tmp_path / "csv")
     index = vlfit.Index.build(str(tiny_checkpoint), str(tmp_path / "index"), dataset_name=str(csv_file),

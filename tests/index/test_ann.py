@@ -9,16 +9,8 @@ import pytest
 import torch
 
 from vlfit.errors import ConfigError, MissingExtraError
-from vlfit.index.ann import (
-    FLAT_THRESHOLD,
-    MIN_IVFPQ_VECTORS,
-    AnnIndex,
-    build_ann,
-    choose_index_type,
-    ivf_lists,
-    ivfpq_fixed_bytes,
-    recall_at_k,
-)
+from vlfit.index.ann import AnnIndex, build_ann, recall_at_k
+from vlfit.index.ann_choice import FLAT_THRESHOLD, MIN_IVFPQ_VECTORS, choose_index_type, ivf_lists, ivfpq_fixed_bytes
 
 GiB = 2**30
 

@@ -1,0 +1,151 @@
+"""Which approximate-nearest-neighbour structure fits a collection: sized by arithmetic alone, without faiss.
+
+Embeddings are L2-normalized float32, so the inner product faiss ranks by is the cosine. Three structures, chosen as
+autofaiss chooses (``choose_index_type``):
+
+* ``flat``: exact, every vector scanned (``Flat``); below ``FLAT_THRESHOLD`` vectors it is fast enough.
+* ``hnsw``: a graph over the full vectors (``HNSW32``) while vectors plus links fit ``max_index_memory``.
+* ``ivfpq``: ``IVF{nlist}_HNSW32,PQ{m}x8``: ``nlist`` ~ 4 sqrt(N) inverted lists found through an HNSW graph of their
+  centroids, each vector kept as an ``m``-byte product-quantization code, ``m`` as large as the budget allows.
+
+Building, tuning and searching the structure chosen is ``vlfit.index.ann``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from vlfit.errors import ConfigError
+
+INDEX_TYPES = ("auto", "flat", "hnsw", "ivfpq")
+DEFAULT_MAX_INDEX_MEMORY = 4 * 2**30
+DEFAULT_TARGET_RECALL = 0.95
+FLAT_THRESHOLD = 100_000  # below this many vectors an exact scan is fast enough (autofaiss's rule)
+HNSW_M = 32  # graph links per vector (twice that on the bottom layer)
+PQ_NBITS = 8  # bits per PQ sub-code: 256 centroids per sub-quantizer
+MAX_PQ_M = 64  # more sub-quantizers buy little recall and cost search time
+MIN_POINTS_PER_CENTROID = 39  # faiss warns below this many training points per k-means centroid
+MIN_IVFPQ_VECTORS = MIN_POINTS_PER_CENTROID * 2**PQ_NBITS  # what the PQ codebooks need to train
+TRAIN_POINTS_PER_LIST = 100  # training sample per inverted list (faiss samples 256 per centroid at most)
+ID_BYTES = 8  # an IVF list stores each vector's int64 id beside its code
+
+
+@dataclass(frozen=True)
+class IndexChoice:
+    """The structure for a collection.
+
+    Attributes:
+        type: ``flat``, ``hnsw`` or ``ivfpq``.
+        factory: The faiss ``index_factory`` string.
+        params: Its build parameters (``M``; ``nlist``, ``m``, ``nbits``).
+        bytes_per_vector: Expected memory per vector, fixed costs (centroids, codebooks) shared out.
+    """
+
+    type: str
+    factory: str
+    params: dict[str, int] = field(default_factory=dict)
+    bytes_per_vector: float = 0.0
+
+
+def flat_bytes(dim: int) -> int:
+    """Bytes per vector of a flat index: the float32 vector."""
+    return 4 * dim
+
+
+def hnsw_bytes(dim: int, m: int = HNSW_M) -> int:
+    """Bytes per vector of an HNSW index: the vector, 2M int32 links on the bottom layer (~1 above), a level and
+    an offset."""
+    return 4 * dim + 4 * (2 * m + 1) + 12
+
+
+def ivf_lists(num_vectors: int) -> int:
+    """Inverted lists for ``num_vectors``: about 4 sqrt(N), at most one per ``MIN_POINTS_PER_CENTROID`` vectors."""
+    return max(1, min(round(4 * math.sqrt(num_vectors)), num_vectors // MIN_POINTS_PER_CENTROID))
+
+
+def ivf_training_size(num_vectors: int, nlist: int) -> int:
+    """How many vectors an IVF-PQ index trains on: enough for its lists and its PQ codebooks."""
+    return min(num_vectors, max(TRAIN_POINTS_PER_LIST * nlist, TRAIN_POINTS_PER_LIST * 2**PQ_NBITS))
+
+
+def ivfpq_fixed_bytes(dim: int, nlist: int) -> int:
+    """What an IVF-PQ index holds whatever its size: the centroids in their HNSW graph, the PQ codebooks, and the
+    lists' bookkeeping."""
+    return nlist * hnsw_bytes(dim) + 2**PQ_NBITS * dim * 4 + nlist * 48
+
+
+def _pq_sizes(dim: int) -> list[int]:
+    """The numbers of sub-quantizers that divide ``dim``, largest first."""
+    return [m for m in range(min(dim, MAX_PQ_M), 0, -1) if dim % m == 0]
+
+
+def _ivfpq_choice(num_vectors: int, dim: int, max_index_memory: int) -> IndexChoice:
+    if num_vectors < MIN_IVFPQ_VECTORS:
+        raise ConfigError(
+            f"--index_type ivfpq needs at least {MIN_IVFPQ_VECTORS} vectors to train its codebooks, the collection "
+            f"has {num_vectors}; use hnsw or flat"
+        )
+    nlist = ivf_lists(num_vectors)
+    fixed = ivfpq_fixed_bytes(dim, nlist)
+    for m in _pq_sizes(dim):
+        total = fixed + num_vectors * (m * PQ_NBITS // 8 + ID_BYTES)
+        if total <= max_index_memory:
+            params = {"nlist": nlist, "m": m, "nbits": PQ_NBITS}
+            return IndexChoice("ivfpq", f"IVF{nlist}_HNSW{HNSW_M},PQ{m}x{PQ_NBITS}", params, total / num_vectors)
+    smallest = fixed + num_vectors * (1 + ID_BYTES)
+    raise ConfigError(
+        f"--max_index_memory {max_index_memory} is too small for {num_vectors} vectors of size {dim}: the smallest "
+        f"IVF-PQ index needs about {smallest} bytes"
+    )
+
+
+def choose_index_type(
+    num_vectors: int, dim: int, max_index_memory: int | None = None, index_type: str = "auto"
+) -> IndexChoice:
+    """The structure for ``num_vectors`` vectors of size ``dim`` within ``max_index_memory`` bytes.
+
+    ``auto`` follows autofaiss: exact ``flat`` below ``FLAT_THRESHOLD`` vectors, ``hnsw`` while vectors and links fit
+    the budget, else ``ivfpq`` with the largest code that fits. A type named outright is sized the same way and
+    refused when it cannot fit.
+
+    Raises:
+        ConfigError: for an unknown type, or a budget nothing (or the type named) fits in.
+    """
+    if index_type not in INDEX_TYPES:
+        raise ConfigError(f"unknown --index_type {index_type!r}; choose one of: {', '.join(INDEX_TYPES)}")
+    if num_vectors < 1 or dim < 1:
+        raise ConfigError(f"an ANN index needs vectors, got {num_vectors} of size {dim}")
+    budget = DEFAULT_MAX_INDEX_MEMORY if max_index_memory is None else max_index_memory
+    flat = IndexChoice("flat", "Flat", {}, float(flat_bytes(dim)))
+    hnsw = IndexChoice("hnsw", f"HNSW{HNSW_M}", {"M": HNSW_M}, float(hnsw_bytes(dim)))
+    if index_type == "ivfpq":
+        return _ivfpq_choice(num_vectors, dim, budget)
+    for choice in (flat, hnsw):
+        fits = num_vectors * choice.bytes_per_vector <= budget
+        if index_type == choice.type:
+            if not fits:
+                raise ConfigError(
+                    f"--index_type {choice.type} needs about {round(num_vectors * choice.bytes_per_vector)} bytes for "
+                    f"{num_vectors} vectors, over --max_index_memory {budget}; raise it or use ivfpq"
+                )
+            return choice
+        if index_type == "auto" and fits and (choice.type != "flat" or num_vectors < FLAT_THRESHOLD):
+            return choice
+    return _ivfpq_choice(num_vectors, dim, budget)
+
+
+def check_target_recall(target_recall: float) -> None:
+    """Raises ``ConfigError`` unless ``0 < target_recall <= 1``."""
+    if not 0 < target_recall <= 1:
+        raise ConfigError(f"--target_recall must be in (0, 1], got {target_recall}")
+
+
+__all__ = [
+    "DEFAULT_MAX_INDEX_MEMORY",
+    "DEFAULT_TARGET_RECALL",
+    "INDEX_TYPES",
+    "IndexChoice",
+    "check_target_recall",
+    "choose_index_type",
+]

@@ -1,0 +1,396 @@
+"""Building an index: embedding a collection's items into shards of the store (``vlfit.index.store``).
+
+An item is one image. An image folder's items are its files, each id the file's absolute path. A dataset split's (or
+tar shard's) records that show one image (one ``--image_id_column`` value, one row of a list caption column, or
+identical bytes: ``vlfit.data.image_groups``, as evaluation groups them) are one item: embedded once, its id the
+image id or else its first record's id, and its captions all of theirs (``captions`` of the shard's manifest entry;
+an index built before items had captions has none).
+
+A build (``BuildRequest``: the folder, what the collection is, batch and shard sizes, the processes) embeds, in
+collection order, every item whose id is not in the index yet (nor listed as bad), and writes a shard each
+``shard_size`` items, the manifest after it: an interrupted build resumes at the first unwritten shard with the same
+batches, so its index equals one built in one go, and running it again over a folder that gained images appends
+them. Tar shards at URLs (``ShardCollection``) are indexed a tar shard at a time, each into one index shard whose
+manifest entry names it (``source``): a resumed or repeated build fetches only the tar shards not listed (one given
+up earlier is tried again), and the disk holds two tar shards per process, not the set. Under torchrun each process
+embeds its share of the shards and rank 0 lists them in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from vlfit.data.batch import Batch
+from vlfit.data.image_groups import ImageItems, image_items
+from vlfit.data.pipeline import host_batches
+from vlfit.data.sources.base import ImageTextSource
+from vlfit.data.sources.tar import ShardCollection, TarSource
+from vlfit.errors import ConfigError, DataError, first_line
+from vlfit.index.store import (
+    MANIFEST_NAME,
+    STORAGES,
+    EmbeddingIndex,
+    IndexManifest,
+    refuse_other_model,
+    write_manifest,
+    write_shard,
+)
+from vlfit.inference.backends import Encoder
+
+FETCH_FOLDER = ".fetching"  # inside the index folder: the tar shards being embedded, one process's each
+
+
+@dataclass(frozen=True)
+class BuildRequest:
+    """One build of an index: where it goes, what the collection is, and how it is embedded.
+
+    Attributes:
+        output_dir: The index folder (created; an existing index is resumed and appended to).
+        collection: What the source is, recorded in the manifest (``images``, or ``dataset_name``, ``split``...).
+        batch_size: Images per forward pass.
+        num_workers: Loader worker processes decoding and resizing (per process).
+        shard_size: Items per shard (rounded up to whole batches, so a resumed build forms the same batches);
+            a ``ShardCollection``'s index shards are its tar shards.
+        storage: ``safetensors`` or ``npy`` (of a new index; an existing one keeps its own).
+        progress: Show a progress bar (rank 0's).
+        rank: This process's rank.
+        world_size: How many processes build together.
+
+    Raises:
+        ConfigError: for an unknown storage, or a batch or shard size below 1.
+    """
+
+    output_dir: str
+    collection: dict[str, Any] = field(default_factory=dict)
+    batch_size: int = 32
+    num_workers: int = 0
+    shard_size: int = 1024
+    storage: str = "safetensors"
+    progress: bool = True
+    rank: int = 0
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.storage not in STORAGES:
+            raise ConfigError(f"unknown --storage {self.storage!r}; choose one of: {', '.join(STORAGES)}")
+        if self.batch_size < 1 or self.shard_size < 1:
+            raise ConfigError(
+                f"--batch_size and --shard_size must be at least 1, got {self.batch_size} and {self.shard_size}"
+            )
+
+    @property
+    def lead(self) -> bool:
+        """This process lists the shards and writes the manifest (rank 0)."""
+        return self.rank == 0
+
+    def mine(self, count: int) -> list[int]:
+        """The positions of ``count`` shards this process embeds: ``rank``, ``rank + world_size``..."""
+        return list(range(self.rank, count, self.world_size))
+
+
+@dataclass(frozen=True)
+class BuiltIndex:
+    """What a build did.
+
+    Attributes:
+        manifest: The index's manifest as this process wrote it (rank 0: every shard of the build).
+        added: The rows the build added.
+        bad_samples: The items it left out (``{"id", "reason"}``), after those the manifest listed already.
+    """
+
+    manifest: IndexManifest
+    added: int
+    bad_samples: list[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class _ShardPart:
+    """What one process made of one shard of a build: its manifest entry (None when every image was bad), and
+    the items it left out."""
+
+    position: int
+    entry: dict[str, Any] | None
+    bad_samples: list[dict[str, str]]
+
+
+def build_index(
+    encoder: Encoder,
+    source: ImageTextSource | ShardCollection,
+    request: BuildRequest,
+    *,
+    on_shard: Callable[[IndexManifest], None] | None = None,
+) -> BuiltIndex:
+    """Embed every item of ``source`` not in the index at ``request.output_dir`` yet, and add it (creating the index).
+
+    The items to embed are cut into shards in collection order; tar shards at URLs (a ``ShardCollection``) make
+    one index shard each, and are fetched one at a time (the next while this one is embedded) beside the index,
+    then deleted. On several processes (``world_size`` > 1, in an initialized ``torch.distributed`` group:
+    ``torchrun ... vlfit retrieve index``), process ``rank`` embeds and writes shards ``rank``,
+    ``rank + world_size``, ...; after each round of ``world_size`` shards, rank 0 lists them in the manifest in
+    order. The index is the one a single process builds: the same shards of the same items, embedded in the same
+    batches; a build stopped midway resumes at the first shard the manifest does not list, on any number of
+    processes.
+
+    Args:
+        encoder: The model, on its backend.
+        source: The images (an ``ImageFolderSource``, a dataset split, or a ``ShardCollection``).
+        request: Where the index goes, what ``source`` is, and how it is embedded.
+        on_shard: Called with the manifest after each round of shards is listed (rank 0).
+
+    Returns:
+        The index's manifest (as rank 0 wrote it; other ranks get theirs without the new shards), the rows this
+        build added and the items it left out.
+
+    Raises:
+        vlfit.inference.identity.RefusedModelError: when the index exists and was built with a model whose
+            embeddings are not comparable.
+    """
+    output_dir = request.output_dir
+    if request.lead:
+        os.makedirs(output_dir, exist_ok=True)
+    index = EmbeddingIndex(output_dir) if os.path.isfile(os.path.join(output_dir, MANIFEST_NAME)) else None
+    if index is None:
+        model = {"path": os.path.abspath(encoder.model_path), "backend": encoder.backend}
+        manifest = IndexManifest(encoder.identity, {**model, "precision": encoder.precision}, request.storage)
+    else:
+        refuse_other_model(index, encoder)
+        manifest = index.manifest
+    count_before, bad_before = manifest.count, len(manifest.bad_samples)
+    done = _already_done(index, source) if index is not None else set()
+    streamed = isinstance(source, ShardCollection)
+    collection = request.collection
+    if streamed:
+        todo = [url for url in source.urls if url not in done]
+        manifest.collections.append({**collection, "shards": len(source.urls), "new_shards": len(todo)})
+    else:
+        items = image_items(source)  # a folder's files by absolute path (their image ids: two never collide)
+        todo = [i for i, item in enumerate(items.ids) if item not in done]
+        manifest.collections.append({**collection, "items": len(items), "records": len(source), "new": len(todo)})
+    if todo:
+        manifest.ann = None  # it will not cover the new shards: queries scan them until it is brought up to date
+    if request.world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()  # every process has read the manifest before rank 0 rewrites it
+    if request.lead:
+        write_manifest(output_dir, manifest)
+    if not todo:
+        return BuiltIndex(manifest, 0, [])
+    first_number = _next_shard_number(manifest)
+    if streamed:
+        sizes, unit = [1] * len(todo), "shard"
+        parts = _embed_shards(encoder, source, todo, first_number, manifest.storage, request)
+    else:
+        rows_per_shard = -(-request.shard_size // request.batch_size) * request.batch_size
+        shards = [todo[start : start + rows_per_shard] for start in range(0, len(todo), rows_per_shard)]
+        sizes, unit = [len(shard) for shard in shards], "img"
+        parts = _embed_rows(encoder, source, items, shards, first_number, manifest.storage, request)
+    bar = tqdm(total=sum(sizes), unit=unit, desc="index", disable=not (request.progress and request.lead))
+    rounds = 0
+    try:
+        for part in parts:
+            listed = _record_round(part, output_dir, manifest, request.world_size)
+            rounds += 1
+            bar.update(sum(sizes[p.position] for p in listed))
+            if request.lead and on_shard is not None:
+                on_shard(manifest)
+        for _ in range(rounds, -(-len(sizes) // request.world_size)):  # rounds where this process has no shard
+            _record_round(None, output_dir, manifest, request.world_size)
+    finally:
+        bar.close()
+    return BuiltIndex(manifest, manifest.count - count_before, manifest.bad_samples[bad_before:])
+
+
+def _already_done(index: EmbeddingIndex, source: ImageTextSource | ShardCollection) -> set[str]:
+    """What the index holds already: the ids indexed or listed as bad, or for tar shards at URLs the shards an index
+    shard was made of (a shard given up earlier is taken off the bad list, to be tried again). Re-indexing a folder
+    lists, in the manifest, the files gone from it."""
+    manifest = index.manifest
+    if isinstance(source, ShardCollection):
+        done = {shard.get("source") for shard in manifest.shards}
+        retried = set(source.urls) - done
+        manifest.bad_samples = [bad for bad in manifest.bad_samples if bad["id"] not in retried]
+        return done
+    indexed = set(index.ids())
+    manifest.removed = _removed_ids(source, manifest, indexed)
+    return indexed | {bad["id"] for bad in manifest.bad_samples}
+
+
+def _removed_ids(source: ImageTextSource, manifest: IndexManifest, indexed: set[str]) -> list[str]:
+    """The indexed ids under the ``item_folder`` of ``source`` it no longer holds, with those of other folders
+    already listed; a file that came back is taken off the list. Dataset splits (no ``item_folder``) do not lose
+    records: their list stays as it was."""
+    if source.item_folder is None:
+        return manifest.removed
+    root = os.path.join(source.item_folder, "")
+    present = set(source.image_ids())
+    others = [item for item in manifest.removed if not item.startswith(root)]
+    gone = sorted(item for item in indexed if item.startswith(root) and item not in present)
+    return others + gone
+
+
+def _next_shard_number(manifest: IndexManifest) -> int:
+    """The number after every shard file the manifest names (a shard whose images were all bad has no file, so
+    numbers may skip; a new shard never takes the name of one listed)."""
+    numbers = [int(shard["ids"].split("-")[1].split(".")[0]) for shard in manifest.shards]
+    return max(numbers, default=-1) + 1
+
+
+def _gather_parts(part: _ShardPart | None, world_size: int) -> list[_ShardPart]:
+    """Every process's part of one round, on rank 0 (an empty list elsewhere)."""
+    if world_size == 1:
+        return [part] if part is not None else []
+    import torch.distributed as dist
+
+    parts: list[_ShardPart | None] | None = [None] * world_size if dist.get_rank() == 0 else None
+    dist.gather_object(part, parts, dst=0)
+    return [p for p in parts or [] if p is not None]
+
+
+def _record_round(
+    part: _ShardPart | None, output_dir: str, manifest: IndexManifest, world_size: int
+) -> list[_ShardPart]:
+    """One round: every process's shard file is written; rank 0 lists the round's shards in order and writes the
+    manifest (a build stopped in between redoes them). Returns the parts listed (rank 0; none elsewhere)."""
+    parts = _gather_parts(part, world_size)
+    for done_part in sorted(parts, key=lambda p: p.position):
+        manifest.bad_samples.extend(done_part.bad_samples)
+        if done_part.entry is not None:
+            manifest.shards.append(done_part.entry)
+    if parts:
+        write_manifest(output_dir, manifest)
+    return parts
+
+
+def _batches(encoder: Encoder, source: ImageTextSource, request: BuildRequest) -> Iterator[Batch]:
+    """The host batches of ``source`` as ``encoder`` takes its images, ``request.batch_size`` at a time (the one
+    loader of a build: items of a folder or split, and each tar shard's)."""
+    return iter(host_batches(source, encoder.spec, batch_size=request.batch_size, num_workers=request.num_workers))
+
+
+def _embed_batches(
+    encoder: Encoder, batches: Iterator[Batch], to_item: Callable[[str], str], count: int | None = None
+) -> tuple[list[str], list[torch.Tensor], list[dict[str, str]]]:
+    """Item ids, embeddings and bad items of the next ``count`` batches (``None``: all that are left); ``to_item``
+    names the item of a record id."""
+    ids: list[str] = []
+    parts: list[torch.Tensor] = []
+    bad: list[dict[str, str]] = []
+    for batch in batches if count is None else itertools.islice(batches, count):
+        bad.extend({"id": to_item(b.id), "reason": b.reason} for b in batch.bad_samples)
+        if len(batch):
+            parts.append(encoder.encode_images(batch["pixel_values"]).float().cpu())
+            ids.extend(to_item(sample_id) for sample_id in batch.sample_ids)
+    return ids, parts, bad
+
+
+def _embed_rows(
+    encoder: Encoder,
+    source: ImageTextSource,
+    items: ImageItems,
+    shards: list[list[int]],
+    first_number: int,
+    storage: str,
+    request: BuildRequest,
+) -> Iterator[_ShardPart]:
+    """This process's shards of items (``request.mine``), each embedded into one index shard file, through one
+    loader over all of them (an item's first record stands for its image)."""
+    mine = request.mine(len(shards))
+    to_item = _item_of_record(items)
+    selected = source.select([items.rows[item] for position in mine for item in shards[position]])
+    batch_iter = _batches(encoder, selected, request)
+    for position in mine:
+        count = -(-len(shards[position]) // request.batch_size)
+        ids, parts, bad = _embed_batches(encoder, batch_iter, to_item, count)
+        number = first_number + position
+        entry = _write_items(request.output_dir, number, ids, parts, storage, items) if ids else None
+        yield _ShardPart(position, entry, bad)
+
+
+def _item_of_record(items: ImageItems) -> Callable[[str], str]:
+    """The item id of a record id (of an item's first record: the one embedded)."""
+    item_of = dict(zip(items.record_ids, items.ids, strict=True))
+    return lambda record_id: item_of.get(record_id, record_id)
+
+
+def _write_items(
+    folder: str, number: int, ids: list[str], parts: list[torch.Tensor], storage: str, items: ImageItems
+) -> dict[str, Any]:
+    """``write_shard`` of embedded items, with their captions when the items have some."""
+    captions = None
+    if items.captions is not None:
+        captions_of = dict(zip(items.ids, items.captions, strict=True))
+        captions = [captions_of[item] for item in ids]
+    return write_shard(folder, number, ids, torch.cat(parts), storage, captions)
+
+
+def _embed_shards(
+    encoder: Encoder,
+    shards: ShardCollection,
+    todo: list[str],
+    first_number: int,
+    storage: str,
+    request: BuildRequest,
+) -> Iterator[_ShardPart]:
+    """This process's tar shards of ``todo`` (``request.mine``), each fetched to a local copy (the next one while
+    this one is embedded), embedded into one index shard file, and deleted. A shard that cannot be fetched or read
+    is a bad item named by its URL."""
+    from vlfit.data.stream import ShardUnreadableError
+
+    reader = shards.reader()
+    folder = os.path.join(request.output_dir, FETCH_FOLDER, f"rank-{request.rank:05d}")
+    os.makedirs(folder, exist_ok=True)
+    mine = request.mine(len(todo))
+
+    def fetch(position: int) -> str:
+        path = os.path.join(folder, f"{position:05d}.tar")
+        reader.copy_to(todo[position], path)
+        return path
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(fetch, mine[0]) if mine else None
+        for number, position in enumerate(mine):
+            url, fetching = todo[position], pending
+            pending = pool.submit(fetch, mine[number + 1]) if number + 1 < len(mine) else None
+            path = None
+            try:
+                path = fetching.result()
+                layout = shards.layout
+                tar = TarSource(
+                    [path],
+                    name=f"shard {url}",
+                    image_column=layout.image_column,
+                    caption_column=layout.caption_column,
+                    image_id_column=layout.image_id_column,
+                )
+                items = image_items(tar)  # the images of this tar shard (one shard's captions are grouped)
+                selected = tar.select(items.rows)
+                batches = _batches(encoder, selected, request)
+                ids, parts, bad = _embed_batches(encoder, batches, _item_of_record(items))
+            except (ShardUnreadableError, DataError) as err:
+                yield _ShardPart(position, None, [{"id": url, "reason": f"shard not indexed: {first_line(err, 300)}"}])
+                continue
+            finally:
+                if path is not None and os.path.exists(path):
+                    os.remove(path)
+            entry = None
+            if ids:
+                written = _write_items(request.output_dir, first_number + position, ids, parts, storage, items)
+                entry = {**written, "source": url}
+            yield _ShardPart(position, entry, bad)
+    shutil.rmtree(folder, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.dirname(folder))  # the last process out removes the fetch folder
+
+
+__all__ = ["FETCH_FOLDER", "BuildRequest", "BuiltIndex", "build_index"]
