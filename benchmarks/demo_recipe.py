@@ -31,14 +31,13 @@ from dataclasses import dataclass, field
 import torch
 from transformers import HfArgumentParser
 
-from vlfit.arguments import ModelArguments
 from vlfit.commands.demo import DemoArguments, ensure_synthetic_data, recipe, synthetic_config
 from vlfit.data.pipeline import InputPipeline, PipelineOptions
 from vlfit.data.records import EVAL_COLUMNS
 from vlfit.data.sources import open_splits
 from vlfit.data.synthetic.scenes import differing_attributes, parse_caption
 from vlfit.evaluation.retrieval import embed_split
-from vlfit.models.loading import load_model_bundle
+from vlfit.models.loading import load_model
 from vlfit.models.presets import PRESET_FOLDER
 from vlfit.training.run import run
 
@@ -60,7 +59,7 @@ class ScreenArguments:
 
 def matching_errors(model_dir: str, data_dir: str, split: str = "test") -> dict[str, dict[str, float]]:
     """Pairwise matching errors of a trained model, by the attributes a wrong choice changes (see module doc)."""
-    bundle = load_model_bundle(ModelArguments(model_name_or_path=model_dir))
+    bundle = load_model(model_name_or_path=model_dir)
     model, blueprint = bundle.model.eval(), bundle.blueprint
     source = open_splits(dataset_name=data_dir, extra_columns=EVAL_COLUMNS)[split]
     pipeline = InputPipeline(blueprint.inputs, PipelineOptions(), torch.device("cpu"))

@@ -30,11 +30,10 @@ import torch
 from vlfit.commands.export import SYNTHETIC_LONG_SIDE
 from vlfit.data.sources.openers import open_split
 from vlfit.data.sources.synthetic import synthetic_source
-from vlfit.inference.backends import Encoder, OnnxRuntimeEncoder, OpenVinoEncoder, TorchEncoder
+from vlfit.inference.backends import Encoder, OnnxRuntimeEncoder, OpenVinoEncoder, load_checkpoint, open_encoder
 from vlfit.inference.export import ExportSettings, embed_samples, export_model, t2i_recall
 from vlfit.inference.export_samples import Samples, load_samples
-from vlfit.inference.exported import ExportedModel
-from vlfit.inference.loading import load_checkpoint
+from vlfit.inference.exported import ExportFolder
 
 
 def save_preset_checkpoint(preset: str, folder: Path, captions: list[str]) -> Path:
@@ -43,9 +42,9 @@ def save_preset_checkpoint(preset: str, folder: Path, captions: list[str]) -> Pa
     from vlfit.models.loading import build_model, resolve_model
 
     args = ModelArguments(model_preset=preset)
-    blueprint = resolve_model(args, captions=lambda: captions)
+    blueprint = resolve_model(**args.source_keywords(), captions=lambda: captions)
     torch.manual_seed(0)
-    build_model(blueprint, args).save_pretrained(folder)
+    build_model(blueprint, **args.build_keywords()).save_pretrained(folder)
     blueprint.inputs.tokenizer.save_pretrained(folder)
     blueprint.image_processor.save_pretrained(folder)
     return folder
@@ -67,9 +66,9 @@ def latency(call: Callable[[], object], iterations: int, warmup: int = 2) -> tup
 def make_encoder(name: str, checkpoint: str, work: Path, threads: int) -> Encoder:
     """The encoder of one row of the table."""
     if name == "torch eager fp32":
-        return TorchEncoder(checkpoint, num_threads=threads)
+        return open_encoder(checkpoint, "torch", num_threads=threads)
     fmt, precision = name.split()
-    exported = ExportedModel.open(str(work / ("onnx" if fmt == "onnxruntime" else "openvino")))
+    exported = ExportFolder.open(str(work / ("onnx" if fmt == "onnxruntime" else "openvino")))
     if fmt == "onnxruntime":
         return OnnxRuntimeEncoder(exported, precision, num_threads=threads)
     if precision == "default":
@@ -100,13 +99,13 @@ def measure(encoder: Encoder, samples: Samples, batch_sizes: list[int], iteratio
             pixels = pixels.repeat((batch // pixels.shape[0]) + 1, 1, 1, 1)[:batch].contiguous()
         captions = (samples.captions * (batch // len(samples.captions) + 1))[:batch]
         tokens = encoder.tokenize(captions)
-        p50, p95 = latency(lambda pixels=pixels: encoder.embed_pixels(pixels), iterations)
+        p50, p95 = latency(lambda pixels=pixels: encoder.encode_images(pixels), iterations)
         row[f"image_b{batch}"] = {"per_s": round(batch / p50, 1), "p50_ms": round(p50 * 1e3, 2),
                                   "p95_ms": round(p95 * 1e3, 2)}  # fmt: skip
-        p50, p95 = latency(lambda tokens=tokens: encoder.embed_tokens(**tokens), iterations)
+        p50, p95 = latency(lambda tokens=tokens: encoder.encode_tokens(**tokens), iterations)
         row[f"text_b{batch}"] = {"per_s": round(batch / p50, 1), "p50_ms": round(p50 * 1e3, 2),
                                  "p95_ms": round(p95 * 1e3, 2)}  # fmt: skip
-    images, texts = embed_samples(samples, encoder.embed_pixels, encoder.embed_tokens, encoder.tokenize)
+    images, texts = embed_samples(samples, encoder.encode_images, encoder.encode_tokens, encoder.tokenize)
     row["t2i_recall@1"] = t2i_recall(texts, images)["t2i_recall@1"]
     return row
 

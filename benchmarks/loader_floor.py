@@ -30,7 +30,6 @@ from collections.abc import Callable
 import simplejpeg
 import torch
 
-from vlfit.arguments import ModelArguments
 from vlfit.bench.plan import SweepPlan
 from vlfit.bench.session import BenchSession
 from vlfit.data.image_transforms import FastImageTransform
@@ -60,7 +59,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     source = synthetic_source(args.num_samples, num_proc=2)
-    blueprint = resolve_model(ModelArguments(model_preset=args.model_preset), captions=source.captions)
+    blueprint = resolve_model(model_preset=args.model_preset, captions=source.captions)
     size = blueprint.inputs.image_size
     records = [source[i] for i in range(len(source))]
     transform = FastImageTransform(size)

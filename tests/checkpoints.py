@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from vlfit.arguments import ModelArguments
-from vlfit.models.loading import ModelBundle, load_model_bundle
+from vlfit.models.loading import LoadedModel, load_model
 
 CAPTIONS = ["two red circles on the left", "one blue square at the top", "three green crosses"] * 10
 
 
-def save_bundle(bundle: ModelBundle, path: str) -> str:
+def save_bundle(bundle: LoadedModel, path: str) -> str:
     """Write what ``vlfit train`` writes into its output folder; returns ``path``."""
     bundle.model.save_pretrained(path)
     bundle.tokenizer.save_pretrained(path)
@@ -18,4 +17,4 @@ def save_bundle(bundle: ModelBundle, path: str) -> str:
 
 def save_tiny_checkpoint(path: str) -> str:
     """A random-init tiny preset saved as a checkpoint at ``path``; returns ``path``."""
-    return save_bundle(load_model_bundle(ModelArguments(model_preset="tiny"), captions=lambda: CAPTIONS), path)
+    return save_bundle(load_model(model_preset="tiny", captions=lambda: CAPTIONS), path)

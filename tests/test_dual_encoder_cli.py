@@ -9,9 +9,8 @@ import shlex
 import pytest
 
 from tests.checkpoints import CAPTIONS, save_bundle
-from vlfit.arguments import ModelArguments
 from vlfit.cli import main
-from vlfit.models.loading import load_model_bundle
+from vlfit.models.loading import load_model
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +28,7 @@ RUN_CLIP_COMMAND = """
 
 
 def test_a_run_clip_command_line_fine_tunes_a_clip_checkpoint(tmp_path, synthetic_dataset_dir):
-    bundle = load_model_bundle(ModelArguments(model_preset="clip-tiny"), captions=lambda: CAPTIONS)
+    bundle = load_model(model_preset="clip-tiny", captions=lambda: CAPTIONS)
     model = save_bundle(bundle, str(tmp_path / "clip"))
     out = tmp_path / "out"
     argv = shlex.split(
@@ -43,7 +42,7 @@ def test_a_run_clip_command_line_fine_tunes_a_clip_checkpoint(tmp_path, syntheti
     assert 0.0 <= results["eval_t2i_recall@1"] <= 1.0
     # --freeze_vision_model, as run_clip.py means it: the image tower did not move; its projection and the text
     # tower did.
-    tuned = load_model_bundle(ModelArguments(model_name_or_path=str(out))).model.state_dict()
+    tuned = load_model(model_name_or_path=str(out)).model.state_dict()
     start = bundle.model.state_dict()
     assert all((tuned[k] == start[k]).all() for k in start if k.startswith("vision_model."))
     for moved in ("visual_projection.weight", "text_projection.weight"):
@@ -74,7 +73,7 @@ def test_a_siglip_preset_trains_evaluates_and_exports(preset, tmp_path, syntheti
 
 def test_a_checkpoint_without_its_tokenizer_stops_in_one_line_and_writes_nothing(tmp_path, synthetic_dataset_dir,
                                                                                  capsys):  # fmt: skip
-    bundle = load_model_bundle(ModelArguments(model_preset="siglip-tiny"), captions=lambda: CAPTIONS)
+    bundle = load_model(model_preset="siglip-tiny", captions=lambda: CAPTIONS)
     bundle.model.save_pretrained(tmp_path / "model")
     bundle.image_processor.save_pretrained(tmp_path / "model")  # no tokenizer files
     out = tmp_path / "out"

@@ -20,9 +20,8 @@ from tests.models.test_transformers_parity import (
     vlfit_embeddings,
 )
 from vlfit import __version__
-from vlfit.arguments import ModelArguments
 from vlfit.model_card import MODEL_CARD_FILE, WiseFtMix, write_model_card
-from vlfit.models.loading import load_model_bundle
+from vlfit.models.loading import load_model
 
 METRICS = {"eval_text_to_image_recall@1": 0.123456, "train_loss": 2.5, "epoch": 3.0}
 
@@ -80,7 +79,7 @@ def test_a_preset_run_names_its_preset_and_lora_adapters_load_through_peft(tmp_p
 def test_the_cards_code_embeds_captions_and_images_as_vlfit_does(family, tmp_path):
     preset, _ = PLAIN[family]
     torch.manual_seed(0)
-    bundle = load_model_bundle(ModelArguments(model_preset=preset), captions=lambda: TRAINING_CAPTIONS)
+    bundle = load_model(model_preset=preset, captions=lambda: TRAINING_CAPTIONS)
     folder = tmp_path / "model"
     bundle.save(str(folder))
     write_model_card(str(folder), family_name=family, base_model=None, preset=preset, datasets=[], metrics=None,
@@ -102,7 +101,7 @@ def test_merge_lora_writes_a_card_with_the_runs_datasets_license_and_metrics(tmp
     from vlfit.commands import merge_lora
     from vlfit.models.lora import LoraSettings, apply_lora
 
-    bundle = load_model_bundle(ModelArguments(model_preset="clip-tiny"), captions=lambda: TRAINING_CAPTIONS)
+    bundle = load_model(model_preset="clip-tiny", captions=lambda: TRAINING_CAPTIONS)
     run = tmp_path / "run"
     bundle.model.save_pretrained(run / "base_model")
     adapted = apply_lora(bundle.family, bundle.model, LoraSettings(r=2, targets=("q_proj",)))
@@ -129,7 +128,7 @@ def test_a_saved_classifier_has_a_card_beside_its_checkpoint(tmp_path):
     from vlfit.fewshot.classifier import HEAD_FILE, MODEL_FOLDER, ClassifierInfo, save_classifier
     from vlfit.fewshot.heads import LinearHead
 
-    bundle = load_model_bundle(ModelArguments(model_preset="siglip-tiny"), captions=lambda: TRAINING_CAPTIONS)
+    bundle = load_model(model_preset="siglip-tiny", captions=lambda: TRAINING_CAPTIONS)
     info = ClassifierInfo("setfit", ["circle", "square"], "kind", 4, 1, "logistic", 0.875, [], str(tmp_path / "src"))
     head = LinearHead(torch.randn(2, 64), torch.zeros(2))
     save_classifier(str(tmp_path / "clf"), bundle.save, head, info, dataset="nlphuji/shapes",
@@ -157,7 +156,7 @@ def test_a_mix_names_both_models_and_alpha_and_a_linear_probe_claims_no_fine_tun
            f"fine-tuned model [{finetuned}](https://huggingface.co/{finetuned}) (alpha 0.3" in body  # fmt: skip
     assert "fine-tuned version" not in body and "(see the base models' licenses)" in body
 
-    bundle = load_model_bundle(ModelArguments(model_preset="clip-tiny"), captions=lambda: TRAINING_CAPTIONS)
+    bundle = load_model(model_preset="clip-tiny", captions=lambda: TRAINING_CAPTIONS)
     info = ClassifierInfo(
         "linear_probe", ["circle", "square"], "kind", 4, 1, "logistic", 0.875, [], str(tmp_path / "src")
     )

@@ -79,4 +79,4 @@ def test_a_missing_local_model_folder_is_said_to_be_missing_not_looked_for_on_th
     (tmp_path / "runs").mkdir()
     for name in ("./runs/nothing", "runs/nothing", str(tmp_path / "nothing"), "runs/a/b"):
         with pytest.raises(MissingFileError, match=rf"--model_name_or_path {name}: no such folder"):
-            resolve_model(parse_arguments(["--model", name, "--output_dir", "/tmp/unused"]).model)
+            resolve_model(**parse_arguments(["--model", name, "--output_dir", "/tmp/unused"]).model.source_keywords())

@@ -13,14 +13,13 @@ from accelerate.data_loader import DataLoaderShard, SeedableRandomSampler
 from transformers import TrainingArguments
 
 from tests.data.test_dataset import CAPTIONS, FakeSource
-from vlfit.arguments import ModelArguments
 from vlfit.data import device_stage
 from vlfit.data.batch import Batch
 from vlfit.data.device_stage import CudaPrefetcher, DeviceStage, copy_to_device
 from vlfit.data.pipeline import InputPipeline, PipelineOptions, shard_loader
 from vlfit.errors import ConfigError
 from vlfit.models.family import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, InputSpec
-from vlfit.models.loading import load_model_bundle
+from vlfit.models.loading import load_model
 from vlfit.models.tokenizer import train_caption_tokenizer
 from vlfit.training.trainer import VlfitTrainer
 
@@ -54,7 +53,7 @@ def moves(monkeypatch: pytest.MonkeyPatch) -> MoveCounter:
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VlfitTrainer]:
     """A VlfitTrainer on the tiny preset over 9 samples, as ``vlfit train`` builds one (CPU, 1 loader worker)."""
-    bundle = load_model_bundle(ModelArguments(model_preset="tiny"), captions=lambda: CAPTIONS * 5)
+    bundle = load_model(model_preset="tiny", captions=lambda: CAPTIONS * 5)
     args = TrainingArguments(
         output_dir=str(tmp_path_factory.mktemp("run")), report_to="none", use_cpu=True, max_steps=2,
         per_device_train_batch_size=BATCH, dataloader_num_workers=1, save_strategy="no", disable_tqdm=True,

@@ -23,7 +23,7 @@ from vlfit.fewshot.heads import (
 )
 from vlfit.fewshot.setfit import SetFitSettings, WeightSnapshot, image_parameters, pair_loss, tune_image_tower
 from vlfit.fewshot.shots import ShotSampler
-from vlfit.inference.loading import load_checkpoint
+from vlfit.inference.backends import load_checkpoint
 
 
 @pytest.mark.parametrize("attribute", ["kind", "colour", "region"])
@@ -116,16 +116,16 @@ def test_setfit_tunes_only_the_image_tower_and_a_snapshot_puts_it_back(labelled_
     pixels = torch.randint(0, 256, (8, 3, size, size), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     labels = np.arange(8) % 2
     parameters = image_parameters(tower, pixels[:1])
-    everything = {name: p.detach().clone() for name, p in loaded.bundle.model.named_parameters()}
+    everything = {name: p.detach().clone() for name, p in loaded.model.named_parameters()}
     snapshot = WeightSnapshot(parameters)
     losses = tune_image_tower(tower, parameters, pixels, labels, SetFitSettings(steps=8, learning_rate=1e-3), seed=0)
     assert losses[-1] < losses[0]
-    changed = {name for name, p in loaded.bundle.model.named_parameters() if not torch.equal(p, everything[name])}
+    changed = {name for name, p in loaded.model.named_parameters() if not torch.equal(p, everything[name])}
     assert changed and all(name.startswith("model.") for name in parameters)
     assert changed <= {name.removeprefix("model.") for name in parameters}
     assert not any("text" in name for name in changed)
     snapshot.restore()
-    assert all(torch.equal(p, everything[name]) for name, p in loaded.bundle.model.named_parameters())
+    assert all(torch.equal(p, everything[name]) for name, p in loaded.model.named_parameters())
 
 
 @pytest.mark.slow
@@ -133,7 +133,7 @@ def test_setfit_tunes_only_the_image_tower_and_a_snapshot_puts_it_back(labelled_
 def test_every_method_runs_on_the_dual_encoders(preset, labelled_dataset_dir, tmp_path) -> None:
     folder = save_tiny_checkpoint(labelled_dataset_dir, tmp_path / preset, preset=preset)
     loaded = load_checkpoint(str(folder))
-    before = {name: p.detach().clone() for name, p in loaded.bundle.model.named_parameters()}
+    before = {name: p.detach().clone() for name, p in loaded.model.named_parameters()}
     train, evaluation = labelled_splits(labelled_dataset_dir, train_split="train", eval_split="test",
                                         label_column="kind")  # fmt: skip
     settings = FewShotSettings(shot_counts=[2], seeds=[0], setfit=SetFitSettings(steps=2, learning_rate=1e-3))
@@ -141,7 +141,7 @@ def test_every_method_runs_on_the_dual_encoders(preset, labelled_dataset_dir, tm
     assert [(run.method, run.shots) for run in results.runs] == [("zeroshot", 0), ("linear_probe", 2), ("setfit", 2)]
     assert all(0 <= run.accuracy <= 1 for run in results.runs)
     # SetFit tuned the image tower and put its weights back.
-    assert all(torch.equal(p, before[name]) for name, p in loaded.bundle.model.named_parameters())
+    assert all(torch.equal(p, before[name]) for name, p in loaded.model.named_parameters())
 
 
 @pytest.mark.slow
@@ -163,7 +163,7 @@ def test_a_saved_setfit_classifier_reloads_to_the_labels_it_gave_in_memory(label
     in_memory = classifier.head.predict(embed_pixels(loaded.image_tower, pixels)).tolist()
     info = ClassifierInfo("setfit", train.class_names, "kind", 2, 0, classifier.run.head, classifier.run.accuracy,
                           [], str(labelled_checkpoint))  # fmt: skip
-    save_classifier(str(tmp_path / "clf"), loaded.bundle.save, classifier.head, info)
+    save_classifier(str(tmp_path / "clf"), loaded.save, classifier.head, info)
     reloaded = Classifier(str(tmp_path / "clf"))
     predictions = reloaded.predict(pixels, [str(i) for i in range(len(pixels))])
     assert [train.class_names.index(p.label) for p in predictions] == in_memory

@@ -11,7 +11,7 @@ import pytest
 from vlfit.cli import main
 from vlfit.data.sources.openers import labelled_splits
 from vlfit.fewshot.experiment import FewShotSettings, run_fewshot
-from vlfit.inference.loading import load_checkpoint
+from vlfit.inference.backends import load_checkpoint
 
 
 @pytest.mark.slow

@@ -11,11 +11,10 @@ import torch
 from vlfit.cli import main
 from vlfit.data.sources.synthetic import synthetic_source
 from vlfit.inference import export as export_module
-from vlfit.inference.backends import TorchEncoder, open_encoder
+from vlfit.inference.backends import TorchEncoder, load_checkpoint, open_encoder
 from vlfit.inference.export import ExportSettings, export_model
 from vlfit.inference.export_samples import load_samples
 from vlfit.inference.identity import checkpoint_fingerprint
-from vlfit.inference.loading import load_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -34,13 +33,13 @@ def _cosines(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _check_against_torch(encoder, reference: TorchEncoder, pixels: torch.Tensor, min_cosine: float) -> None:
     for rows in (slice(0, 5), slice(5, 6)):  # odd batch sizes; the export example has 2 rows
-        assert _cosines(encoder.embed_pixels(pixels[rows]), reference.embed_pixels(pixels[rows])).min() >= min_cosine
+        assert _cosines(encoder.encode_images(pixels[rows]), reference.encode_images(pixels[rows])).min() >= min_cosine
     tokens = reference.tokenize(CAPTIONS * 2 + CAPTIONS[:1])  # 5 captions, 3 and ~25 tokens (the example has 9)
     assert tokens["input_ids"].shape[1] not in (9,)
-    texts, expected = encoder.embed_tokens(**tokens), reference.embed_tokens(**tokens)
+    texts, expected = encoder.encode_tokens(**tokens), reference.encode_tokens(**tokens)
     assert _cosines(texts, expected).min() >= min_cosine
     short = reference.tokenize(CAPTIONS[:1])
-    assert _cosines(encoder.embed_tokens(**short), reference.embed_tokens(**short)).min() >= min_cosine
+    assert _cosines(encoder.encode_tokens(**short), reference.encode_tokens(**short)).min() >= min_cosine
 
 
 def test_onnx_export_matches_pytorch_and_its_int8_graphs_run(onnx_export, tiny_checkpoint):
@@ -56,7 +55,7 @@ def test_onnx_export_matches_pytorch_and_its_int8_graphs_run(onnx_export, tiny_c
         assert manifest["parity"]["int8"][tower]["min_cosine"] >= 0.999  # 0.9997 and 0.9999 measured
     assert set(manifest["accuracy"]["int8_change"]) == {"t2i_recall@1", "t2i_recall@5"}
 
-    reference = TorchEncoder(str(tiny_checkpoint))
+    reference = load_checkpoint(str(tiny_checkpoint))
     pixels = load_samples(synthetic_source(6, seed=5), reference.spec).pixels
     _check_against_torch(open_encoder(str(onnx_export), precision="fp32"), reference, pixels, 0.9999)
     int8 = open_encoder(str(onnx_export))
@@ -88,7 +87,7 @@ def test_openvino_export_matches_pytorch_and_its_int8_graphs_run(tiny_checkpoint
                                                                        "text.int8.xml", "text.xml"]  # fmt: skip
     assert not list((tmp_path / "ov").glob("*.onnx"))
     assert manifest["parity"]["openvino_default_precision"]["precision"] in ("f32", "bf16", "f16")
-    reference = TorchEncoder(str(tiny_checkpoint))
+    reference = load_checkpoint(str(tiny_checkpoint))
     pixels = load_samples(synthetic_source(6, seed=5), reference.spec).pixels
     fp32 = open_encoder(str(tmp_path / "ov"), precision="fp32", inference_precision="f32")
     assert fp32.backend == "openvino"

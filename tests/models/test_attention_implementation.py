@@ -6,9 +6,8 @@ import pytest
 import torch
 from transformers import BridgeTowerForContrastiveLearning
 
-from vlfit.arguments import ModelArguments
 from vlfit.models.bridgetower import BridgeTowerFamily, set_attention_implementation
-from vlfit.models.loading import build_model, load_model_bundle, resolve_model
+from vlfit.models.loading import build_model, load_model, resolve_model
 from vlfit.models.registry import preset_config
 
 
@@ -48,20 +47,20 @@ def test_sdpa_equals_eager_in_embeddings_loss_and_gradients():
 
 def test_the_flag_reaches_every_attention_module():
     for implementation in ("eager", "sdpa"):
-        args = ModelArguments(model_preset="tiny", attn_implementation=implementation)
-        model = load_model_bundle(args, captions=lambda: ["a red circle"] * 8).model
+        model = load_model(
+            model_preset="tiny", attn_implementation=implementation, captions=lambda: ["a red circle"] * 8
+        ).model
         modules = [m for m in model.modules() if hasattr(m, "query") and hasattr(m, "config")]
         assert modules and {m.config._attn_implementation for m in modules} == {implementation}
 
 
-def test_models_built_one_after_another_from_one_blueprint():
-    # The bench's worker probe and then training build two models from one blueprint.
-    args = ModelArguments(model_preset="tiny", attn_implementation="sdpa")
-    blueprint = resolve_model(args, captions=lambda: ["a red circle"] * 8)
-    unset = blueprint.config._attn_implementation
-    first = build_model(blueprint, args)
-    second = build_model(blueprint, args)  # transformers refuses a BridgeTower config that says sdpa
-    assert first.config is not second.config and blueprint.config._attn_implementation == unset != "sdpa"
+def test_models_built_one_after_another_from_one_spec():
+    # The bench's worker probe and then training build two models from one spec.
+    spec = resolve_model(model_preset="tiny", captions=lambda: ["a red circle"] * 8)
+    unset = spec.config._attn_implementation
+    first = build_model(spec, attn_implementation="sdpa")
+    second = build_model(spec, attn_implementation="sdpa")  # transformers refuses a BridgeTower config that says sdpa
+    assert first.config is not second.config and spec.config._attn_implementation == unset != "sdpa"
     assert first.config._attn_implementation == second.config._attn_implementation == "sdpa"
 
 

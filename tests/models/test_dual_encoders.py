@@ -12,10 +12,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from tests.checkpoints import CAPTIONS
-from vlfit.arguments import ModelArguments
 from vlfit.models import clip, siglip
 from vlfit.models.family import HARD_NEGATIVE_ATTENTION_MASK, HARD_NEGATIVE_INPUT_IDS, IMAGE_KEYS, OPENAI_CLIP_MEAN
-from vlfit.models.loading import load_model_bundle, resolve_model
+from vlfit.models.loading import load_model, resolve_model
 from vlfit.models.registry import family_for_config, family_for_preset, preset_config
 
 FAMILIES = {"clip-tiny": clip.CLIPFamily(), "siglip-tiny": siglip.SiglipFamily()}
@@ -212,12 +211,12 @@ def test_base_presets_have_the_published_checkpoints_shapes():
 
 @pytest.mark.parametrize("preset", FAMILIES)
 def test_a_saved_preset_loads_back_as_its_family_with_its_own_image_statistics(preset, tmp_path):
-    bundle = load_model_bundle(ModelArguments(model_preset=preset), captions=lambda: CAPTIONS)
+    bundle = load_model(model_preset=preset, captions=lambda: CAPTIONS)
     assert family_for_preset(preset).name == bundle.family.name == preset.split("-")[0]
     bundle.model.save_pretrained(tmp_path)
     bundle.tokenizer.save_pretrained(tmp_path)
     bundle.image_processor.save_pretrained(tmp_path)
-    loaded = load_model_bundle(ModelArguments(model_name_or_path=str(tmp_path)))
+    loaded = load_model(model_name_or_path=str(tmp_path))
     assert family_for_config(loaded.model.config).name == bundle.family.name
     expected_mean = (0.5, 0.5, 0.5) if preset.startswith("siglip") else OPENAI_CLIP_MEAN
     assert loaded.inputs.image_mean == pytest.approx(expected_mean) and loaded.inputs.image_size == 64
@@ -234,4 +233,4 @@ def test_an_image_size_that_is_no_multiple_of_the_patch_size_is_refused(tmp_path
     config.vision_config.image_size = 70
     config.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="image size 70 is not a multiple of the patch size 16"):
-        resolve_model(ModelArguments(model_preset="clip-tiny", config_name=str(tmp_path)), captions=lambda: CAPTIONS)
+        resolve_model(model_preset="clip-tiny", config_name=str(tmp_path), captions=lambda: CAPTIONS)

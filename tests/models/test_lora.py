@@ -11,10 +11,9 @@ import torch
 from torch import nn
 
 from tests.checkpoints import CAPTIONS
-from vlfit.arguments import ModelArguments
 from vlfit.cli import main
 from vlfit.models import bridgetower, clip
-from vlfit.models.loading import load_model_bundle
+from vlfit.models.loading import load_model
 from vlfit.models.lora import LoraSettings, apply_lora, target_modules, trainable_parameters
 
 
@@ -44,7 +43,7 @@ def test_adapters_and_heads_are_all_that_trains():
 
 def test_saved_adapters_reload_merged_to_the_adapted_models_embeddings(tmp_path):
     family = clip.CLIPFamily()
-    bundle = load_model_bundle(ModelArguments(model_preset="clip-tiny"), captions=lambda: CAPTIONS)
+    bundle = load_model(model_preset="clip-tiny", captions=lambda: CAPTIONS)
     base_dir = tmp_path / "run" / "base_model"
     bundle.model.save_pretrained(base_dir)
     adapted = apply_lora(family, bundle.model, LoraSettings(r=4, targets=("q_proj", "v_proj", "fc1")))
@@ -68,16 +67,16 @@ def test_saved_adapters_reload_merged_to_the_adapted_models_embeddings(tmp_path)
     plain = family.encode_text(family.from_pretrained(str(base_dir)), ids["input_ids"], ids["attention_mask"])
     assert not torch.allclose(plain, expected_text, atol=1e-3)  # the adapters matter: the checks below can fail
 
-    merged = load_model_bundle(ModelArguments(model_name_or_path=str(run)))
-    assert merged.blueprint.adapters == str(run) and type(merged.model).__name__ == "CLIPModel"
+    merged = load_model(model_name_or_path=str(run))
+    assert merged.spec.adapters == str(run) and type(merged.model).__name__ == "CLIPModel"
     torch.testing.assert_close(family.encode_text(merged.model, ids["input_ids"], ids["attention_mask"]),
                                expected_text, rtol=1e-4, atol=1e-5)  # fmt: skip
     torch.testing.assert_close(family.encode_image(merged.model, pixels), expected_image, rtol=1e-4, atol=1e-5)
 
     out = tmp_path / "merged"
     assert main(["merge-lora", "--model_name_or_path", str(run), "--output_dir", str(out)]) == 0
-    again = load_model_bundle(ModelArguments(model_name_or_path=str(out)))
-    assert again.blueprint.adapters is None
+    again = load_model(model_name_or_path=str(out))
+    assert again.spec.adapters is None
     torch.testing.assert_close(family.encode_image(again.model, pixels), expected_image, rtol=1e-4, atol=1e-5)
 
 
@@ -95,8 +94,8 @@ def test_a_lora_run_trains_only_adapters_and_eval_loads_it(tmp_path, synthetic_d
                  "--report_to", "none"]) == 0  # fmt: skip
     assert 0.0 <= json.loads((out / "eval_results.json").read_text())["eval_t2i_recall@1"] <= 1.0
     # Trained: the merged model differs from its base.
-    merged = load_model_bundle(ModelArguments(model_name_or_path=str(out))).model.state_dict()
-    base = load_model_bundle(ModelArguments(model_name_or_path=str(out / "base_model"))).model.state_dict()
+    merged = load_model(model_name_or_path=str(out)).model.state_dict()
+    base = load_model(model_name_or_path=str(out / "base_model")).model.state_dict()
     assert not torch.equal(merged["text_model.encoder.layers.0.self_attn.q_proj.weight"],
                            base["text_model.encoder.layers.0.self_attn.q_proj.weight"])  # fmt: skip
     assert torch.equal(merged["logit_scale"], base["logit_scale"])  # the temperature stays

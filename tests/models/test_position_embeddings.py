@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlfit.arguments import ModelArguments
 from vlfit.models.loading import build_model, resolve_model
 from vlfit.models.position_embeddings import init_vit_position_embedding, sincos_1d, sincos_2d
 
@@ -31,8 +30,7 @@ def test_vit_init_zeroes_the_class_token_and_refuses_a_non_square_grid():
 
 @pytest.mark.parametrize(("preset", "sincos"), [("small", True), ("small-p8", True), ("tiny", False)])
 def test_a_preset_starts_from_the_position_embeddings_it_names(preset, sincos):
-    args = ModelArguments(model_preset=preset)
-    model = build_model(resolve_model(args, captions=lambda: ["a red circle."] * 50, max_seq_length=16), args)
+    model = build_model(resolve_model(model_preset=preset, captions=lambda: ["a red circle."] * 50, max_seq_length=16))
     weight = model.bridgetower.vision_model.visual.embeddings.position_embedding.weight
     expected = sincos_2d(weight.shape[1], round((weight.shape[0] - 1) ** 0.5))
     assert torch.equal(weight[1:].detach(), expected) is sincos

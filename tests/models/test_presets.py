@@ -66,8 +66,7 @@ def test_a_preset_file_builds_by_its_path_and_by_the_name_add_preset_gives_it(tm
     data["config"]["projection_dim"] = 32
     path = _write(tmp_path / "clip-narrow.json", config=data["config"])
 
-    args = ModelArguments(model_preset=str(path))
-    model = build_model(resolve_model(args, captions=lambda: CAPTIONS, max_seq_length=16), args)
+    model = build_model(resolve_model(model_preset=str(path), captions=lambda: CAPTIONS, max_seq_length=16))
     assert model.text_projection.out_features == 32
 
     assert vlfit.add_preset(path) == "clip-narrow"

@@ -1,8 +1,8 @@
 """A saved model folder embeds in plain transformers as in vlfit.
 
-Each family's tiny preset is built as ``vlfit train`` builds it (``load_model_bundle``: the BPE tokenizer trained on
+Each family's tiny preset is built as ``vlfit train`` builds it (``load_model``: the BPE tokenizer trained on
 the captions, the preset's image processor) and saved as every vlfit command saves a model folder
-(``ModelBundle.save``: ``save_pretrained`` of the model, then ``save_inputs``, whose ``saved_tokenizer`` is also
+(``LoadedModel.save``: ``save_pretrained`` of the model, then ``save_inputs``, whose ``saved_tokenizer`` is also
 what the Trainer of ``vlfit train`` is given to save). The folder is then loaded with transformers alone, called as
 the family's model card documents, and compared with vlfit's own embeddings: captions tokenized by the collator and
 embedded by ``family.encode_text``, images through the fast pipeline (decode, uint8 crop and resize, normalization
@@ -38,11 +38,10 @@ from transformers import (
 )
 
 import vlfit
-from vlfit.arguments import ModelArguments
 from vlfit.data.pipeline import InputPipeline, PipelineOptions
 from vlfit.data.records import Record
 from vlfit.data.sources.memory import MemorySource
-from vlfit.models.loading import ModelBundle, load_model_bundle
+from vlfit.models.loading import LoadedModel, load_model
 
 TRAINING_CAPTIONS = [
     "two red circles on the left",
@@ -85,7 +84,7 @@ class Embeddings:
     image: torch.Tensor
 
 
-def vlfit_embeddings(bundle: ModelBundle, images: list[bytes]) -> Embeddings:
+def vlfit_embeddings(bundle: LoadedModel, images: list[bytes]) -> Embeddings:
     """vlfit's embeddings of ``TEXTS`` and ``images``, through its input pipeline as evaluation runs it."""
     records = [Record(str(i), image, text) for i, (image, text) in enumerate(zip(images, TEXTS, strict=True))]
     pipeline = InputPipeline(bundle.inputs, PipelineOptions(image_pipeline="fast"), torch.device("cpu"))
@@ -154,7 +153,7 @@ def assert_same_directions(ours: torch.Tensor, theirs: torch.Tensor, what: str) 
 def test_a_saved_folder_embeds_in_plain_transformers_as_in_vlfit(family: str, tmp_path: Path):
     preset, plain = PLAIN[family]
     torch.manual_seed(0)
-    bundle = load_model_bundle(ModelArguments(model_preset=preset), captions=lambda: TRAINING_CAPTIONS)
+    bundle = load_model(model_preset=preset, captions=lambda: TRAINING_CAPTIONS)
     assert bundle.family.name == family
     folder = str(tmp_path / "model")
     bundle.save(folder)
@@ -166,7 +165,7 @@ def test_a_saved_folder_embeds_in_plain_transformers_as_in_vlfit(family: str, tm
     assert_same_directions(ours.image, theirs.image, f"{family} images")
 
     # vlfit reads the folder back (its collator still gets an attention mask) to the same embeddings.
-    reloaded = vlfit_embeddings(load_model_bundle(ModelArguments(model_name_or_path=folder)), images)
+    reloaded = vlfit_embeddings(load_model(model_name_or_path=folder), images)
     assert_same_directions(reloaded.text, ours.text, f"{family} text, reloaded")
     assert_same_directions(reloaded.image, ours.image, f"{family} images, reloaded")
 
@@ -179,7 +178,7 @@ PHOTO_SHAPES = [(150, 100), (90, 170), (256, 144)]
 def test_non_square_photos_embed_in_plain_transformers_as_in_vlfit(family: str, tmp_path: Path):
     preset, plain = PLAIN[family]
     torch.manual_seed(0)
-    bundle = load_model_bundle(ModelArguments(model_preset=preset), captions=lambda: TRAINING_CAPTIONS)
+    bundle = load_model(model_preset=preset, captions=lambda: TRAINING_CAPTIONS)
     folder = str(tmp_path / "model")
     bundle.save(folder)
     photos = png_images(bundle.image_size, len(TEXTS), PHOTO_SHAPES)
@@ -192,7 +191,7 @@ def test_non_square_photos_embed_in_plain_transformers_as_in_vlfit(family: str, 
 @pytest.mark.parametrize("family", sorted(PLAIN))
 def test_saved_special_token_ids_fit_the_vocabulary_and_the_tokenizer(family: str, tmp_path: Path):
     preset, _ = PLAIN[family]
-    bundle = load_model_bundle(ModelArguments(model_preset=preset), captions=lambda: TRAINING_CAPTIONS)
+    bundle = load_model(model_preset=preset, captions=lambda: TRAINING_CAPTIONS)
     folder = str(tmp_path / "model")
     bundle.save(folder)
     warned: list[str] = []

@@ -5,15 +5,13 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from vlfit.arguments import ModelArguments
 from vlfit.models.loading import build_model, resolve_model
 from vlfit.models.logit_scale import logit_scale_parameter, set_logit_scale
 
 
 def test_sets_the_parameter_and_the_config() -> None:
-    args = ModelArguments(model_preset="tiny", tokenizer_name=None)
-    blueprint = resolve_model(args, captions=lambda: ["a cat on a mat", "two dogs"] * 20, max_seq_length=16)
-    model = build_model(blueprint, args)
+    spec = resolve_model(model_preset="tiny", captions=lambda: ["a cat on a mat", "two dogs"] * 20, max_seq_length=16)
+    model = build_model(spec)
     before = logit_scale_parameter(model).item()
     set_logit_scale(model, 3.5)
     assert before != pytest.approx(3.5) and logit_scale_parameter(model).item() == pytest.approx(3.5)

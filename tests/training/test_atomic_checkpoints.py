@@ -14,11 +14,10 @@ from transformers import TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 from tests.training.train_runs import REPO, logged_losses, single_torch_thread, tiny_train_argv
-from vlfit.arguments import ModelArguments
 from vlfit.cli import main
 from vlfit.data.batch import BadSample
 from vlfit.data.pipeline import InputPipeline, PipelineOptions
-from vlfit.models.loading import load_model_bundle
+from vlfit.models.loading import load_model
 from vlfit.training.trainer import VlfitTrainer
 
 COMPLETE = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json")
@@ -79,7 +78,7 @@ def test_kill_during_save_leaves_no_checkpoint_that_resume_would_take(
 
 
 def test_same_step_saved_twice_rotation_and_leftovers(tmp_path: Path) -> None:
-    bundle = load_model_bundle(ModelArguments(model_preset="tiny"), captions=lambda: ["a cat", "a dog"] * 20)
+    bundle = load_model(model_preset="tiny", captions=lambda: ["a cat", "a dog"] * 20)
     args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, save_total_limit=2)
     pipeline = InputPipeline(bundle.inputs, PipelineOptions(), args.device)
     trainer = VlfitTrainer(model=bundle.model, args=args, pipeline=pipeline, family=bundle.family)

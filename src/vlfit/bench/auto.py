@@ -11,7 +11,7 @@ from typing import Any
 from vlfit.bench.plan import SweepPlan, default_workers
 from vlfit.bench.selection import WORKERS_FLAG, choose
 from vlfit.bench.session import BenchSession
-from vlfit.models.loading import ModelBlueprint, build_model
+from vlfit.models.loading import ModelSpec, build_model
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def take_auto_workers(argv: list[str] | None) -> tuple[list[str] | None, bool]:
 
 def probe_num_workers(
     source: Any,
-    blueprint: ModelBlueprint,
+    blueprint: ModelSpec,
     model_args: Any,
     training_args: Any,
     *,
@@ -65,7 +65,7 @@ def probe_num_workers(
 
     Args:
         source: The training split.
-        blueprint: The model's ``vlfit.models.loading.ModelBlueprint``.
+        blueprint: The model's ``vlfit.models.loading.ModelSpec``.
         model_args: ``vlfit.arguments.ModelArguments`` (to build the model the same way training will).
         training_args: ``vlfit.training.arguments.VlfitTrainingArguments``.
         decode_on_device: ``--decode_on_device``.
@@ -103,7 +103,7 @@ def probe_num_workers(
             blueprint.inputs,
             device,
             plan,
-            model=build_model(blueprint, model_args),
+            model=build_model(blueprint, **model_args.build_keywords()),
             family=blueprint.family,
             cache_dir=cache_dir,
             source_key="probe",

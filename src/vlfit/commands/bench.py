@@ -35,7 +35,7 @@ from vlfit.bench.sweep import run_sweep
 from vlfit.commands.parsing import CommandParser
 from vlfit.data.sources.synthetic import synthetic_source
 from vlfit.errors import ConfigError
-from vlfit.models.loading import ModelBlueprint, build_model, resolve_model
+from vlfit.models.loading import ModelSpec, build_model, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ def open_source(
 
 
 def check_train_fits(
-    blueprint: ModelBlueprint, model_args: ModelArguments, plan: SweepPlan, device: torch.device
+    blueprint: ModelSpec, model_args: ModelArguments, plan: SweepPlan, device: torch.device
 ) -> dict[str, Any]:
     """Stop before the sweep when train mode cannot fit in memory (see ``vlfit.bench.fit``).
 
@@ -267,7 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("sweep on %s: pipelines %s, workers %s, modes %s", device, plan.pipelines, plan.workers, plan.modes)
     source, description = open_source(args, data_args, model_args, num_proc)
     torch.manual_seed(args.seed)
-    blueprint = resolve_model(model_args, captions=source.captions, max_seq_length=args.max_seq_length)
+    blueprint = resolve_model(
+        **model_args.source_keywords(), captions=source.captions, max_seq_length=args.max_seq_length
+    )
     info: dict[str, Any] = {}
     if plan.trains and not args.skip_fit_check:
         try:
@@ -276,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"vlfit bench: {err}", file=sys.stderr)
             return 2
     # Loader mode needs the input spec only: the model (4 GB for the large preset) is built for train mode alone.
-    model = build_model(blueprint, model_args) if plan.trains else None
+    model = build_model(blueprint, **model_args.build_keywords()) if plan.trains else None
     size = f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, " if model is not None else ""
     preset, checkpoint = model_args.model_preset, model_args.model_name_or_path
     info = {

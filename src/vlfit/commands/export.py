@@ -12,9 +12,9 @@ from vlfit.commands.parsing import CommandParser
 from vlfit.data.sources.openers import open_split
 from vlfit.data.sources.synthetic import synthetic_source
 from vlfit.errors import ConfigError
+from vlfit.inference.backends import DEFAULT_MAX_SEQ_LENGTH, load_checkpoint
 from vlfit.inference.export import DEFAULT_OPSET, PARITY_THRESHOLD, ExportSettings, check_output_dir, export_model
 from vlfit.inference.export_samples import Samples, load_samples
-from vlfit.inference.loading import DEFAULT_MAX_SEQ_LENGTH, load_checkpoint
 
 logger = logging.getLogger(__name__)
 

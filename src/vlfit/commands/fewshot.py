@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     from vlfit.fewshot.experiment import run_fewshot
     from vlfit.fewshot.report import markdown_table, results_document, write_reports
     from vlfit.fewshot.shots import check_shot_counts
-    from vlfit.inference.loading import load_checkpoint
+    from vlfit.inference.backends import load_checkpoint
 
     train, evaluation = labelled_splits(
         args.dataset_name,
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             source_model=os.path.abspath(args.model_name_or_path),
         )
         save_classifier(
-            args.save_classifier, loaded.bundle.save, kept.head, info, dataset=data_description(args),
+            args.save_classifier, loaded.save, kept.head, info, dataset=data_description(args),
             command_line=shlex.join(["vlfit", "fewshot", *argv]),
         )  # fmt: skip
         print(f"saved the {best.method} classifier ({best.shots} shots, seed {best.seed}) to {args.save_classifier}")

@@ -9,12 +9,11 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlfit.arguments import ModelArguments
 from vlfit.commands.parsing import CommandParser
 from vlfit.errors import ConfigError
 from vlfit.model_card import MODEL_CARD_FILE, write_model_card
-from vlfit.models.loading import ModelBundle, load_model_bundle
-from vlfit.models.lora import is_adapter_folder
+from vlfit.models.loading import LoadedModel, load_model
+from vlfit.models.reference import parse_model_reference
 
 # What ``vlfit train`` leaves beside its adapters: the final metrics (Trainer.save_metrics).
 RESULTS_FILE = "all_results.json"
@@ -54,14 +53,14 @@ def run_metrics(folder: str) -> dict[str, Any]:
     return metrics if isinstance(metrics, dict) else {}
 
 
-def write_merged_card(bundle: ModelBundle, adapters: str, output_dir: str, command_line: str | None) -> str:
+def write_merged_card(loaded: LoadedModel, adapters: str, output_dir: str, command_line: str | None) -> str:
     """The model card of a merged checkpoint: its base, the adapters' run's datasets, license and final metrics."""
     trained = card_metadata(adapters)
     datasets = trained.get("datasets") or []
     return write_model_card(
         output_dir,
-        family_name=bundle.family.name,
-        base_model=bundle.blueprint.checkpoint,
+        family_name=loaded.family.name,
+        base_model=loaded.spec.checkpoint,
         preset=None,
         datasets=[str(name) for name in datasets] if isinstance(datasets, list) else [],
         metrics=run_metrics(adapters),
@@ -75,14 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``vlfit merge-lora``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     (args,) = CommandParser(MergeArguments, prog="vlfit merge-lora").parse_args_into_dataclasses(args=argv)
-    if not is_adapter_folder(args.model_name_or_path):
+    adapters = parse_model_reference(args.model_name_or_path, kinds=("checkpoint", "adapters", "export"))
+    if adapters.kind != "adapters":
         raise ConfigError(
             f"{args.model_name_or_path} holds no LoRA adapters (adapter_config.json); it is already a plain checkpoint"
         )
     if os.path.abspath(args.output_dir) == os.path.abspath(args.model_name_or_path):
         raise ConfigError("--output_dir is the adapters' folder; merge into a folder of its own")
-    bundle = load_model_bundle(ModelArguments(model_name_or_path=args.model_name_or_path))
-    bundle.save(args.output_dir)
-    write_merged_card(bundle, args.model_name_or_path, args.output_dir, shlex.join(["vlfit", "merge-lora", *argv]))
-    print(f"merged {args.model_name_or_path} into {bundle.blueprint.checkpoint}'s weights: {args.output_dir}")
+    loaded = load_model(model_name_or_path=adapters)
+    loaded.save(args.output_dir)
+    write_merged_card(loaded, args.model_name_or_path, args.output_dir, shlex.join(["vlfit", "merge-lora", *argv]))
+    print(f"merged {args.model_name_or_path} into {adapters.base}'s weights: {args.output_dir}")
     return 0

@@ -130,16 +130,16 @@ def main(argv: list[str] | None = None) -> int:
     zeroshot_args = ModelArguments(model_name_or_path=args.zeroshot_model)
     training = as_training_arguments(finetuned_args, settings)
     setup = setup_run(finetuned_args, data, training)
-    zeroshot_blueprint = resolve_model(zeroshot_args, max_seq_length=data.max_seq_length)
-    if zeroshot_blueprint.family.name != setup.blueprint.family.name:
+    zeroshot_spec = resolve_model(**zeroshot_args.source_keywords(), max_seq_length=data.max_seq_length)
+    if zeroshot_spec.family.name != setup.blueprint.family.name:
         raise ConfigError(
-            f"--zeroshot_model is a {zeroshot_blueprint.family.name} model and --finetuned_model a "
+            f"--zeroshot_model is a {zeroshot_spec.family.name} model and --finetuned_model a "
             f"{setup.blueprint.family.name} one: WiSE-FT mixes a model with its own fine-tuning"
         )
-    if zeroshot_blueprint.inputs.tokenizer.get_vocab() != setup.blueprint.inputs.tokenizer.get_vocab():
+    if zeroshot_spec.inputs.tokenizer.get_vocab() != setup.blueprint.inputs.tokenizer.get_vocab():
         raise ConfigError("the two models' tokenizers differ: --finetuned_model is no fine-tuning of --zeroshot_model")
-    theta_a = build_model(zeroshot_blueprint, zeroshot_args).state_dict()
-    theta_b = build_model(setup.blueprint, finetuned_args).state_dict()
+    theta_a = build_model(zeroshot_spec, **zeroshot_args.build_keywords()).state_dict()
+    theta_b = build_model(setup.blueprint, **finetuned_args.build_keywords()).state_dict()
 
     rows = []
     for number, alpha in enumerate(alphas, 1):
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = choose(rows, args)
 
     folder = os.path.join(settings.output_dir, MODEL_DIR)
-    model = build_model(setup.blueprint, finetuned_args)
+    model = build_model(setup.blueprint, **finetuned_args.build_keywords())
     model.load_state_dict(interpolate(theta_a, theta_b, chosen["alpha"]))
     model.save_pretrained(folder)
     save_inputs(setup.blueprint, folder)

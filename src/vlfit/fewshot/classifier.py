@@ -107,7 +107,7 @@ def save_classifier(
 
     Args:
         folder: The classifier folder.
-        save_model: Writes the checkpoint into the folder it is given (``ModelBundle.save``).
+        save_model: Writes the checkpoint into the folder it is given (``TorchEncoder.save``).
         head: The linear head.
         info: What the classifier is.
         dataset: The labelled dataset (named in the model card).
@@ -186,7 +186,7 @@ class Classifier:
 
     def probabilities(self, pixels: torch.Tensor) -> torch.Tensor:
         """``float32 [B, C]`` for uint8 images ``[B, 3, H, W]``."""
-        return self.head.probabilities(self.encoder.embed_pixels(pixels))
+        return self.head.probabilities(self.encoder.encode_images(pixels))
 
     def predict(self, pixels: torch.Tensor, ids: Sequence[str]) -> list[Prediction]:
         probabilities = self.probabilities(pixels)

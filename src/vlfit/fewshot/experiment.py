@@ -33,7 +33,6 @@ from vlfit.fewshot.images import decode_rows, embed_pixels
 from vlfit.fewshot.setfit import SetFitSettings, WeightSnapshot, image_parameters, tune_image_tower
 from vlfit.fewshot.shots import ShotSampler, check_shot_counts
 from vlfit.inference.backends import TorchEncoder
-from vlfit.inference.loading import LoadedCheckpoint
 
 METHODS: tuple[str, ...] = ("zeroshot", "linear_probe", "setfit")
 
@@ -134,7 +133,7 @@ def accuracy(head: LinearHead, embeddings: torch.Tensor, labels: np.ndarray) -> 
 
 
 def run_fewshot(
-    loaded: LoadedCheckpoint,
+    loaded: TorchEncoder,
     train: LabelledSplit,
     evaluation: LabelledSplit,
     settings: FewShotSettings,
@@ -145,7 +144,7 @@ def run_fewshot(
     """Run every method of ``settings`` over its shot counts and seeds.
 
     Args:
-        loaded: The model (its weights are restored after each SetFit run).
+        loaded: The checkpoint on PyTorch (``load_checkpoint``; its weights are restored after each SetFit run).
         train: The split the shots are drawn from.
         evaluation: The split accuracy is measured on.
         settings: Methods, shot counts, seeds and their settings.
@@ -156,7 +155,6 @@ def run_fewshot(
         ValueError: when a shot count exceeds a class's images, or the evaluation split has no usable image.
     """
     check_shot_counts(train, settings.shot_counts)
-    encoder = TorchEncoder(loaded.path, loaded=loaded)
     tower = loaded.image_tower.eval()
     spec = loaded.spec
     decoded = decode_rows(
@@ -190,8 +188,8 @@ def run_fewshot(
         started = time.perf_counter()
         with torch.no_grad():
             anchor = zeroshot_head(
-                class_embeddings(encoder.embed_texts, train.class_names, settings.templates),
-                model_scale(loaded.bundle.model),
+                class_embeddings(loaded.encode_texts, train.class_names, settings.templates),
+                model_scale(loaded.model),
             )
         if "zeroshot" in settings.methods:
             seconds = time.perf_counter() - started

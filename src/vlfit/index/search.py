@@ -97,7 +97,7 @@ def embed_queries(encoder: Encoder, queries: Sequence[Query], batch_size: int = 
     texts = [(i, q.text) for i, q in enumerate(queries) if q.text is not None]
     for start in range(0, len(texts), batch_size):
         chunk = texts[start : start + batch_size]
-        embeddings = encoder.embed_texts([text for _, text in chunk])
+        embeddings = encoder.encode_texts([text for _, text in chunk])
         for (i, _), row in zip(chunk, embeddings, strict=True):
             rows[i] = row
     images = [(i, q.image) for i, q in enumerate(queries) if q.image is not None]
@@ -114,7 +114,7 @@ def embed_queries(encoder: Encoder, queries: Sequence[Query], batch_size: int = 
             if batch.bad_samples:
                 bad = batch.bad_samples[0]
                 raise ConfigError(f"--image {bad.id}: cannot be used: {bad.reason}")
-            for row in encoder.embed_pixels(batch["pixel_values"]):
+            for row in encoder.encode_images(batch["pixel_values"]):
                 rows[images[done][0]] = row
                 done += 1
     return torch.stack([row for row in rows if row is not None])

@@ -1,8 +1,13 @@
 """Encoders that embed images and captions on PyTorch, ONNX Runtime or OpenVINO, behind one interface.
 
-Each takes what the fast CPU pipeline makes, uint8 pixels ``[B, 3, H, W]`` and token ids with their attention
-mask, and returns L2-normalized float32 embeddings on the CPU. ``open_encoder`` picks the backend: a checkpoint
-folder runs on PyTorch, a folder ``vlfit export`` wrote runs on the runtime of its format (``auto``).
+Each takes what the fast CPU pipeline makes, uint8 pixels ``[B, 3, H, W]`` (``encode_images``) and token ids with
+their attention mask (``encode_tokens``; ``encode_texts`` tokenizes captions first), and returns L2-normalized
+float32 embeddings on the CPU.
+
+Three doors, each taking what ``vlfit.models.reference.parse_model_reference`` parsed: ``open_encoder`` (a model
+folder: a checkpoint or LoRA adapters run on PyTorch, a folder ``vlfit export`` wrote on the runtime of its format),
+``load_encoder`` (a folder or a preset: what ``vlfit.load`` and ``vlfit serve`` embed with) and ``load_checkpoint``
+(a checkpoint on PyTorch, its model and towers at hand: what ``vlfit export`` traces and ``vlfit fewshot`` tunes).
 """
 
 from __future__ import annotations
@@ -15,16 +20,23 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from vlfit.errors import ConfigError, MissingFileError
+from vlfit.errors import ConfigError
 from vlfit.extras import require_extra
-from vlfit.inference.exported import ExportedModel, is_exported_model
-from vlfit.inference.identity import ModelIdentity, RefusedModelError
-from vlfit.inference.towers import IMAGE_INPUT, TEXT_INPUTS
+from vlfit.inference.exported import TOKENIZER_FILES, ExportFolder
+from vlfit.inference.identity import ModelIdentity, RefusedModelError, checkpoint_fingerprint
+from vlfit.inference.towers import IMAGE_INPUT, TEXT_INPUTS, ImageTower, TextTower
 from vlfit.models.family import InputSpec
+from vlfit.models.reference import ModelReference, parse_model_reference
 
 if TYPE_CHECKING:
-    from vlfit.inference.loading import LoadedCheckpoint
+    from torch import nn
 
+    from vlfit.models.loading import LoadedModel
+
+# The caption length vlfit train truncates to by default (--max_seq_length).
+DEFAULT_MAX_SEQ_LENGTH = 128
+# What a model folder can be (a preset is not a folder: load_encoder takes one too).
+FOLDER_KINDS = ("checkpoint", "adapters", "export")
 BACKENDS = ("auto", "torch", "onnxruntime", "openvino")
 PRECISION_CHOICES = ("auto", "fp32", "int8")
 _FORMAT_BACKEND = {"onnx": "onnxruntime", "openvino": "openvino"}
@@ -48,21 +60,21 @@ class Encoder(ABC):
     identity: ModelIdentity
 
     @abstractmethod
-    def embed_pixels(self, pixels: torch.Tensor | np.ndarray) -> torch.Tensor:
-        """uint8 ``[B, 3, H, W]`` -> float32 ``[B, D]``."""
+    def encode_images(self, pixels: torch.Tensor | np.ndarray) -> torch.Tensor:
+        """uint8 pixels ``[B, 3, H, W]`` -> float32 ``[B, D]``."""
 
     @abstractmethod
-    def embed_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def encode_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """int64 ``[B, S]`` twice -> float32 ``[B, D]``."""
 
     def tokenize(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
         """Token ids and attention mask of ``texts``, truncated and padded as the collator does."""
         return self.spec.tokenize(texts)
 
-    def embed_texts(self, texts: Sequence[str]) -> torch.Tensor:
+    def encode_texts(self, texts: Sequence[str]) -> torch.Tensor:
         """Caption strings -> float32 ``[len(texts), D]``."""
         tokens = self.tokenize(texts)
-        return self.embed_tokens(tokens["input_ids"], tokens["attention_mask"])
+        return self.encode_tokens(tokens["input_ids"], tokens["attention_mask"])
 
     @property
     def description(self) -> str:
@@ -82,42 +94,58 @@ def _text_feeds(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[s
 
 
 class TorchEncoder(Encoder):
-    """A checkpoint on PyTorch (fp32, eager), through the family's towers.
+    """A loaded model on PyTorch (fp32, eval mode), through the family's towers (``load_checkpoint`` makes one).
 
     Args:
-        model_path: A checkpoint folder (``vlfit train``'s output).
+        loaded: The model with its spec (put in eval mode and fp32 here; its towers use it, not a copy: changes to
+            its weights show).
+        model_path: What the model is called (its folder, or ``preset:NAME`` for a preset's random weights).
+        fingerprint: What identifies its weights (``checkpoint_fingerprint`` of a folder).
         num_threads: torch threads (``None``: torch's default).
-        loaded: The checkpoint already loaded (its towers are used, not copied: changes to their weights show).
+
+    Attributes:
+        loaded: The model with its spec.
+        image_tower: uint8 pixels -> embeddings (what ``vlfit export`` traces).
+        text_tower: Token ids and mask -> embeddings.
     """
 
     backend = "torch"
     precision = "fp32"
 
-    def __init__(self, model_path: str, num_threads: int | None = None, loaded: LoadedCheckpoint | None = None) -> None:
-        if loaded is None:
-            from vlfit.inference.loading import load_checkpoint  # only here: it imports transformers' models
-
-            loaded = load_checkpoint(model_path, flag="--model")
+    def __init__(self, loaded: LoadedModel, model_path: str, fingerprint: str, num_threads: int | None = None) -> None:
+        model = loaded.model.eval().float()
+        self.loaded = loaded
         self.model_path = model_path
-        self.spec = loaded.spec
-        self.identity = loaded.identity
-        self.image_tower = loaded.image_tower
-        self.text_tower = loaded.text_tower
+        self.spec = loaded.inputs
+        self.image_tower = ImageTower(loaded.family, model, loaded.inputs).eval()
+        self.text_tower = TextTower(loaded.family, model).eval()
+        with torch.inference_mode():
+            probe = self.text_tower(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.long))
+        self.identity = ModelIdentity(loaded.family.name, int(probe.shape[-1]), fingerprint)
         if num_threads:
             torch.set_num_threads(num_threads)
 
+    @property
+    def model(self) -> nn.Module:
+        """The model the towers run."""
+        return self.loaded.model
+
+    def save(self, folder: str) -> None:
+        """Save the model with its tokenizer and image processor into ``folder`` (``LoadedModel.save``)."""
+        self.loaded.save(folder)
+
     @torch.inference_mode()
-    def embed_pixels(self, pixels: torch.Tensor | np.ndarray) -> torch.Tensor:
+    def encode_images(self, pixels: torch.Tensor | np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(pixels) if isinstance(pixels, np.ndarray) else pixels
         return self.image_tower(tensor).float()
 
     @torch.inference_mode()
-    def embed_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def encode_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.text_tower(input_ids, attention_mask).float()
 
 
 class _ExportedEncoder(Encoder):
-    def __init__(self, exported: ExportedModel, precision: str) -> None:
+    def __init__(self, exported: ExportFolder, precision: str) -> None:
         if precision == "auto":
             precision = "int8" if "int8" in exported.precisions else "fp32"
         self.precision = precision
@@ -143,7 +171,7 @@ class OnnxRuntimeEncoder(_ExportedEncoder):
 
     def __init__(
         self,
-        exported: ExportedModel,
+        exported: ExportFolder,
         precision: str = "auto",
         num_threads: int | None = None,
         allow_spinning: bool = True,
@@ -164,11 +192,11 @@ class OnnxRuntimeEncoder(_ExportedEncoder):
             for tower in ("image", "text")
         }
 
-    def embed_pixels(self, pixels: torch.Tensor | np.ndarray) -> torch.Tensor:
+    def encode_images(self, pixels: torch.Tensor | np.ndarray) -> torch.Tensor:
         (out,) = self.sessions["image"].run(None, {IMAGE_INPUT: _as_numpy_uint8(pixels)})
         return torch.from_numpy(out).float()
 
-    def embed_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def encode_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         feeds = _text_feeds(input_ids, attention_mask)
         (out,) = self.sessions["text"].run(None, feeds)
         return torch.from_numpy(out).float()
@@ -189,7 +217,7 @@ class OpenVinoEncoder(_ExportedEncoder):
 
     def __init__(
         self,
-        exported: ExportedModel,
+        exported: ExportFolder,
         precision: str = "auto",
         inference_precision: str | None = None,
         num_threads: int | None = None,
@@ -209,50 +237,18 @@ class OpenVinoEncoder(_ExportedEncoder):
             for tower in ("image", "text")
         }
 
-    def embed_pixels(self, pixels: torch.Tensor | np.ndarray) -> torch.Tensor:
+    def encode_images(self, pixels: torch.Tensor | np.ndarray) -> torch.Tensor:
         compiled = self.compiled["image"]
         return torch.from_numpy(np.asarray(compiled({IMAGE_INPUT: _as_numpy_uint8(pixels)})[compiled.output(0)]))
 
-    def embed_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def encode_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         compiled = self.compiled["text"]
         feeds = _text_feeds(input_ids, attention_mask)
         return torch.from_numpy(np.asarray(compiled(feeds)[compiled.output(0)])).float()
 
 
-def resolve_backend(model_path: str, backend: str = "auto") -> str:
-    """The backend ``open_encoder`` would use for ``model_path``.
-
-    Raises:
-        RefusedModelError: for a backend the folder cannot run on (a checkpoint on ONNX Runtime, an ONNX export on
-            OpenVINO...).
-        ValueError: for an unknown backend.
-    """
-    if backend not in BACKENDS:
-        raise ConfigError(f"unknown --backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
-    if not os.path.isdir(model_path):
-        raise MissingFileError(
-            f"--model {model_path}: no such model folder ({os.path.abspath(model_path)} does not exist)"
-        )
-    if is_exported_model(model_path):
-        fmt = ExportedModel.open(model_path, check_source=False).format
-        native = _FORMAT_BACKEND[fmt]
-        if backend not in ("auto", native):
-            raise RefusedModelError(
-                f"{model_path} holds {fmt} graphs, which run on {native}, not {backend}; use --backend {native} "
-                f"(or auto), or export with --format {'onnx' if backend == 'onnxruntime' else 'openvino'}"
-            )
-        return native
-    if backend not in ("auto", "torch"):
-        raise RefusedModelError(
-            f"{model_path} is a checkpoint, which runs on torch; for --backend {backend} export it first with "
-            f"vlfit export --model_name_or_path {model_path} --format "
-            f"{'onnx' if backend == 'onnxruntime' else 'openvino'}"
-        )
-    return "torch"
-
-
 def open_encoder(
-    model_path: str,
+    model: str | ModelReference,
     backend: str = "auto",
     precision: str = "auto",
     *,
@@ -263,7 +259,8 @@ def open_encoder(
     """The encoder of a checkpoint or export folder.
 
     Args:
-        model_path: A checkpoint folder or a folder ``vlfit export`` wrote.
+        model: A checkpoint folder (LoRA adapters included) or a folder ``vlfit export`` wrote, or what it parsed
+            to (``parse_model_reference``).
         backend: ``auto`` (the folder's own), ``torch``, ``onnxruntime`` or ``openvino``.
         precision: For exported graphs: ``auto`` (INT8 when present), ``fp32`` or ``int8``.
         num_threads: Threads of the runtime.
@@ -271,20 +268,70 @@ def open_encoder(
         allow_spinning: ONNX Runtime: idle threads spin-wait (see ``OnnxRuntimeEncoder``).
 
     Raises:
-        RefusedModelError: for a combination that cannot run (see ``resolve_backend``), a missing tokenizer, graphs
-            older than their checkpoint, or a precision that was not exported.
+        ConfigError: for an unknown backend or precision.
+        MissingFileError: for a path that is no folder.
+        RefusedModelError: for a combination that cannot run (a checkpoint on ONNX Runtime, an ONNX export on
+            OpenVINO...), a missing tokenizer, graphs older than their checkpoint, or a precision not exported.
     """
     if precision not in PRECISION_CHOICES:
         raise ConfigError(f"unknown --precision {precision!r}; choose one of: {', '.join(PRECISION_CHOICES)}")
-    chosen = resolve_backend(model_path, backend)
-    if chosen == "torch":
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown --backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
+    if not isinstance(model, ModelReference):
+        model = parse_model_reference(model, flag="--model", kinds=FOLDER_KINDS)
+    other = "onnx" if backend == "onnxruntime" else "openvino"
+    if model.kind != "export":
+        if backend not in ("auto", "torch"):
+            raise RefusedModelError(
+                f"{model.path} is a checkpoint, which runs on torch; for --backend {backend} export it first with "
+                f"vlfit export --model_name_or_path {model.path} --format {other}"
+            )
         if precision == "int8":
-            raise RefusedModelError(f"{model_path}: INT8 runs on exported graphs only; export with --quantize int8")
-        return TorchEncoder(model_path, num_threads=num_threads)
-    exported = ExportedModel.open(model_path)
-    if chosen == "onnxruntime":
+            raise RefusedModelError(f"{model.path}: INT8 runs on exported graphs only; export with --quantize int8")
+        return _torch_encoder(model, DEFAULT_MAX_SEQ_LENGTH, num_threads)
+    exported = ExportFolder.open(model.path, check_source=False)
+    native = _FORMAT_BACKEND[exported.format]
+    if backend not in ("auto", native):
+        raise RefusedModelError(
+            f"{model.path} holds {exported.format} graphs, which run on {native}, not {backend}; use --backend "
+            f"{native} (or auto), or export with --format {other}"
+        )
+    exported.check_source_unchanged()
+    if native == "onnxruntime":
         return OnnxRuntimeEncoder(exported, precision, num_threads=num_threads, allow_spinning=allow_spinning)
     return OpenVinoEncoder(exported, precision, inference_precision=inference_precision, num_threads=num_threads)
+
+
+def load_checkpoint(
+    path: str, max_seq_length: int = DEFAULT_MAX_SEQ_LENGTH, *, flag: str = "--model_name_or_path"
+) -> TorchEncoder:
+    """A local checkpoint folder (LoRA adapters included) on PyTorch, its model and towers at hand.
+
+    Args:
+        path: The checkpoint folder.
+        max_seq_length: Longest tokenized caption.
+        flag: The option that named the folder, for error messages.
+
+    Raises:
+        MissingFileError: naming ``flag``, when the folder or its weights do not exist.
+        RefusedModelError: when the folder has no tokenizer.
+    """
+    reference = parse_model_reference(path, flag=flag, kinds=("checkpoint", "adapters"))
+    return _torch_encoder(reference, max_seq_length, None)
+
+
+def _torch_encoder(reference: ModelReference, max_seq_length: int, num_threads: int | None) -> TorchEncoder:
+    """A checkpoint folder on PyTorch: fp32, eval mode, the sdpa attention path."""
+    from vlfit.models.loading import load_model  # only here: it imports transformers' models
+
+    folder = reference.path
+    if not any(os.path.isfile(os.path.join(folder, name)) for name in TOKENIZER_FILES):
+        raise RefusedModelError(
+            f"{folder}: the checkpoint has no tokenizer ({' or '.join(TOKENIZER_FILES)}); save one beside the weights "
+            "(vlfit train does)"
+        )
+    loaded = load_model(model_name_or_path=reference, max_seq_length=max_seq_length)
+    return TorchEncoder(loaded, folder, checkpoint_fingerprint(folder), num_threads)
 
 
 def load_encoder(
@@ -311,37 +358,27 @@ def load_encoder(
         ConfigError: for an unknown backend or precision, fewer than one thread, or a preset on another runtime.
         MissingFileError: for a path that is neither a folder nor a preset.
     """
-    from vlfit.models.presets import is_preset_file, list_presets
-
     if backend not in BACKENDS:
         raise ConfigError(f"unknown --backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
     if precision not in PRECISION_CHOICES:
         raise ConfigError(f"unknown --precision {precision!r}; choose one of: {', '.join(PRECISION_CHOICES)}")
     if num_threads is not None and num_threads < 1:
         raise ConfigError(f"--num_threads must be at least 1, got {num_threads}")
-    presets = list_presets()
-    preset = path_or_preset in presets and not os.path.exists(path_or_preset)
-    if preset or (is_preset_file(path_or_preset) and os.path.isfile(path_or_preset)):  # a name, or a preset file
+    reference = parse_model_reference(path_or_preset, flag="--model", kinds=("preset", *FOLDER_KINDS))
+    if reference.kind == "preset":
         if backend not in ("auto", "torch"):
             raise ConfigError(
                 f"preset {path_or_preset} runs on torch; export a trained checkpoint for --backend {backend!r}"
             )
-        return _preset_encoder(path_or_preset, num_threads)
-    if not os.path.exists(path_or_preset):
-        raise MissingFileError(
-            f"--model {path_or_preset}: no such model folder, and not a preset (one of: "
-            f"{', '.join(presets)}; or a preset .json file)"
-        )
-    return open_encoder(path_or_preset, backend, precision, num_threads=num_threads, allow_spinning=allow_spinning)
+        return _preset_encoder(reference.path, num_threads)
+    return open_encoder(reference, backend, precision, num_threads=num_threads, allow_spinning=allow_spinning)
 
 
 def _preset_encoder(preset: str, num_threads: int | None) -> TorchEncoder:
     from vlfit.data.synthetic.scenes import scene_and_choices
-    from vlfit.inference.loading import DEFAULT_MAX_SEQ_LENGTH, loaded_bundle
-    from vlfit.models.loading import load_model_bundle
+    from vlfit.models.loading import load_model
 
     rng = np.random.default_rng(0)
     captions = [caption for _ in range(64) for caption in scene_and_choices(rng)[1]]
-    bundle = load_model_bundle(model_preset=preset, captions=lambda: captions, max_seq_length=DEFAULT_MAX_SEQ_LENGTH)
-    loaded = loaded_bundle(f"preset:{preset}", bundle, f"preset:{preset}")
-    return TorchEncoder(loaded.path, num_threads=num_threads, loaded=loaded)
+    loaded = load_model(model_preset=preset, captions=lambda: captions, max_seq_length=DEFAULT_MAX_SEQ_LENGTH)
+    return TorchEncoder(loaded, f"preset:{preset}", f"preset:{preset}", num_threads)

@@ -31,11 +31,10 @@ import torch
 from vlfit.atomic_files import write_text_atomically
 from vlfit.data.image_groups import group_images
 from vlfit.errors import ConfigError
-from vlfit.inference.backends import Encoder, OnnxRuntimeEncoder, OpenVinoEncoder
+from vlfit.inference.backends import Encoder, OnnxRuntimeEncoder, OpenVinoEncoder, TorchEncoder
 from vlfit.inference.export_samples import Samples
-from vlfit.inference.exported import FORMATS, MANIFEST_NAME, TOWERS, ExportedModel, graph_name
+from vlfit.inference.exported import FORMATS, MANIFEST_NAME, TOWERS, ExportFolder, graph_name
 from vlfit.inference.identity import RefusedModelError, library_versions
-from vlfit.inference.loading import LoadedCheckpoint
 from vlfit.inference.quantize import (
     compress_openvino_weights,
     quantize_onnx_image,
@@ -84,7 +83,7 @@ class ExportSettings:
 # ----------------------------------------------------------------------------------------------- tracing
 
 
-def export_onnx_towers(loaded: LoadedCheckpoint, folder: str, opset: int = DEFAULT_OPSET) -> dict[str, str]:
+def export_onnx_towers(loaded: TorchEncoder, folder: str, opset: int = DEFAULT_OPSET) -> dict[str, str]:
     """Trace both towers into ``folder/image.onnx`` and ``folder/text.onnx``; returns tower -> path."""
     spec = loaded.spec
     batch = torch.export.Dim("batch")
@@ -144,16 +143,16 @@ def _batches(n: int) -> Iterator[slice]:
 
 def embed_samples(
     samples: Samples,
-    embed_pixels: Callable[[torch.Tensor], torch.Tensor],
-    embed_tokens: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    encode_images: Callable[[torch.Tensor], torch.Tensor],
+    encode_tokens: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     tokenize: Callable[[list[str]], dict[str, torch.Tensor]],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Image and caption embeddings of every sample, in parity batches (captions padded to each batch's longest)."""
     images, texts = [], []
     for rows in _batches(len(samples)):
-        images.append(embed_pixels(samples.pixels[rows].contiguous()).float())
+        images.append(encode_images(samples.pixels[rows].contiguous()).float())
         tokens = tokenize(samples.captions[rows])
-        texts.append(embed_tokens(tokens["input_ids"], tokens["attention_mask"]).float())
+        texts.append(encode_tokens(tokens["input_ids"], tokens["attention_mask"]).float())
     return torch.cat(images), torch.cat(texts)
 
 
@@ -172,11 +171,11 @@ def t2i_recall(text: torch.Tensor, image: torch.Tensor, image_keys: torch.Tensor
 
 
 def _embed(encoder: Encoder, samples: Samples) -> tuple[torch.Tensor, torch.Tensor]:
-    return embed_samples(samples, encoder.embed_pixels, encoder.embed_tokens, encoder.tokenize)
+    return embed_samples(samples, encoder.encode_images, encoder.encode_tokens, encoder.tokenize)
 
 
 def _open_staged(folder: str, manifest: dict[str, Any], precision: str, **options: Any) -> Encoder:
-    exported = ExportedModel(folder, manifest)
+    exported = ExportFolder(folder, manifest)
     if manifest["format"] == "onnx":
         return OnnxRuntimeEncoder(exported, precision)
     return OpenVinoEncoder(exported, precision, **options)
@@ -185,7 +184,7 @@ def _open_staged(folder: str, manifest: dict[str, Any], precision: str, **option
 # ------------------------------------------------------------------------------------------------ the export
 
 
-def _draft_manifest(loaded: LoadedCheckpoint, settings: ExportSettings, checkpoint: str) -> dict[str, Any]:
+def _draft_manifest(loaded: TorchEncoder, settings: ExportSettings, checkpoint: str) -> dict[str, Any]:
     spec, identity = loaded.spec, loaded.identity
     size = spec.image_size
     return {
@@ -213,7 +212,7 @@ def check_output_dir(checkpoint: str, output_dir: str) -> None:
 
 
 def export_model(
-    loaded: LoadedCheckpoint,
+    loaded: TorchEncoder,
     output_dir: str,
     settings: ExportSettings,
     *,
@@ -223,7 +222,7 @@ def export_model(
     """Export ``loaded``'s towers into ``output_dir`` (created; graphs of an earlier export there are replaced).
 
     Args:
-        loaded: The checkpoint.
+        loaded: The checkpoint on PyTorch (``load_checkpoint``).
         output_dir: Where the graphs, tokenizer and manifest go.
         settings: Format, quantization, opset and parity threshold.
         parity_samples: Real samples the parity and accuracy figures are measured on.
@@ -235,9 +234,9 @@ def export_model(
     Raises:
         ExportParityError: when an fp32 graph's cosine to PyTorch is below the threshold; nothing is written.
     """
-    check_output_dir(loaded.path, output_dir)
+    check_output_dir(loaded.model_path, output_dir)
     exported_at = time.time()
-    manifest = _draft_manifest(loaded, settings, loaded.path)
+    manifest = _draft_manifest(loaded, settings, loaded.model_path)
     manifest["source"]["exported_at"] = exported_at
     os.makedirs(output_dir, exist_ok=True)
     staging = os.path.join(output_dir, ".export-staging")
@@ -258,7 +257,7 @@ def export_model(
             parity_samples,
             loaded.image_tower,
             loaded.text_tower,
-            lambda texts: _tokenize(loaded, texts),
+            loaded.tokenize,
         )
         parity: dict[str, Any] = {"samples": len(parity_samples), "threshold": settings.parity_threshold}
         keys = parity_samples.image_keys
@@ -305,10 +304,6 @@ def export_model(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return manifest
-
-
-def _tokenize(loaded: LoadedCheckpoint, texts: list[str]) -> dict[str, torch.Tensor]:
-    return loaded.spec.tokenize(texts)
 
 
 def _openvino_default_precision(

@@ -22,8 +22,9 @@ from typing import Any
 from vlfit.errors import MissingFileError
 from vlfit.inference.identity import ModelIdentity, RefusedModelError, checkpoint_fingerprint, weights_mtime
 from vlfit.models.family import InputSpec
+from vlfit.models.reference import EXPORT_MANIFEST
 
-MANIFEST_NAME = "export_manifest.json"
+MANIFEST_NAME = EXPORT_MANIFEST  # what tells an export folder apart (vlfit.models.reference)
 FORMATS = ("onnx", "openvino")
 PRECISIONS = ("fp32", "int8")
 TOWERS = ("image", "text")
@@ -36,14 +37,9 @@ def graph_name(tower: str, precision: str, fmt: str) -> str:
     return tower + ("" if precision == "fp32" else f".{precision}") + _EXTENSION[fmt]
 
 
-def is_exported_model(path: str) -> bool:
-    """Whether ``path`` is a folder ``vlfit export`` wrote."""
-    return os.path.isfile(os.path.join(path, MANIFEST_NAME))
-
-
 @dataclass
-class ExportedModel:
-    """An exported model folder and its manifest.
+class ExportFolder:
+    """A folder ``vlfit export`` wrote, and its manifest.
 
     Attributes:
         path: The folder.
@@ -54,7 +50,7 @@ class ExportedModel:
     manifest: dict[str, Any]
 
     @classmethod
-    def open(cls, path: str, *, check_source: bool = True) -> ExportedModel:
+    def open(cls, path: str, *, check_source: bool = True) -> ExportFolder:
         """Read the manifest and refuse a folder that cannot be used.
 
         Args:

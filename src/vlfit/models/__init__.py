@@ -1,1 +1,2 @@
-"""Models: the family interface, one module per family (BridgeTower), the registry, loading and tokenizers."""
+"""Models: what a model name refers to (``reference``), the family interface and one module per family, the
+registry, presets as JSON files, loading (a ``ModelSpec``, then a ``LoadedModel``) and tokenizers."""

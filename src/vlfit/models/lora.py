@@ -10,13 +10,12 @@ A run saves what ``peft`` saves (``adapter_config.json``, ``adapter_model.safete
 with the tokenizer and image processor. The adapters' base is the checkpoint the run started from; a preset has
 none on disk, so its random initial weights are saved once in ``<output_dir>/base_model`` and the adapters point
 there. Loading a folder of adapters (``vlfit eval``, ``export``, ``retrieve``, ``vlfit merge-lora``) loads the base
-and merges the adapters into it: the plain model, computing what the adapted one computes.
+and merges the adapters into it: the plain model, computing what the adapted one computes (``vlfit.models.reference``
+tells such a folder apart and finds its base).
 """
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +26,6 @@ from vlfit.errors import ConfigError
 from vlfit.extras import require_extra
 from vlfit.models.family import ModelFamily
 
-ADAPTER_CONFIG = "adapter_config.json"
 BASE_MODEL_DIR = "base_model"
 
 
@@ -39,26 +37,6 @@ class LoraSettings:
     alpha: float | None = None
     dropout: float = 0.0
     targets: tuple[str, ...] = ()  # empty: every group the family has
-
-
-def is_adapter_folder(path: str | None) -> bool:
-    """Whether ``path`` is a folder of LoRA adapters (``peft``'s ``save_pretrained``)."""
-    return bool(path) and os.path.isfile(os.path.join(str(path), ADAPTER_CONFIG))
-
-
-def adapter_base(path: str) -> str:
-    """The checkpoint a folder of adapters was trained on (``base_model_name_or_path`` of its config), resolved
-    against the folder when relative."""
-    with open(os.path.join(path, ADAPTER_CONFIG), encoding="utf-8") as f:
-        base = json.load(f).get("base_model_name_or_path")
-    if not base:
-        raise ConfigError(f"{path}/{ADAPTER_CONFIG} names no base_model_name_or_path: the adapters have no base model")
-    if not os.path.isabs(base):
-        # A preset's base is saved in the run folder; a checkpoint-N folder's adapters point to the run's.
-        for folder in (path, os.path.dirname(os.path.abspath(path))):
-            if os.path.isdir(os.path.join(folder, base)):
-                return os.path.join(folder, base)
-    return base
 
 
 def target_modules(family: ModelFamily, model: nn.Module, targets: Sequence[str]) -> list[str]:

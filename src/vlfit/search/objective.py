@@ -117,7 +117,7 @@ def available_metrics(
         ValueError: The space sets ``logit_scale_init_value`` and the model has no logit scale.
     """
     assert setup.eval_source is not None
-    model = build_model(setup.blueprint, model_args)
+    model = build_model(setup.blueprint, **model_args.build_keywords())
     if LOGIT_SCALE_PARAMETER in space.names and logit_scale_parameter(model) is None:
         raise ConfigError(
             f"--search_space: {LOGIT_SCALE_PARAMETER}: the model ({setup.blueprint.description}) has no "

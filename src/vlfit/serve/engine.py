@@ -235,7 +235,7 @@ class SearchEngine:
     def embed_texts(self, texts: Sequence[str]) -> torch.Tensor:
         """L2-normalized float32 embeddings ``[N, D]`` of captions (256 at a time, as ``vlfit.Model`` embeds)."""
         texts = list(texts)
-        rows = [self.encoder.embed_texts(texts[s : s + 256]) for s in range(0, len(texts), 256)]
+        rows = [self.encoder.encode_texts(texts[s : s + 256]) for s in range(0, len(texts), 256)]
         if not rows:
             return torch.zeros((0, self.encoder.identity.embedding_size), dtype=torch.float32)
         return torch.cat(rows).float().contiguous()
@@ -247,7 +247,7 @@ class SearchEngine:
             DataError: naming why the bytes are not an image the pipeline can decode.
         """
         pixels = self._image_transform(bytes(image), sample_id="images[0]")  # DataError names why
-        return self.encoder.embed_pixels(stack_images([pixels])).float().contiguous()
+        return self.encoder.encode_images(stack_images([pixels])).float().contiguous()
 
     def search(self, queries: torch.Tensor, k: int) -> list[list[dict[str, object]]]:
         """The served snapshot's results as the server answers them (``Snapshot.served``), all from one snapshot

@@ -32,8 +32,7 @@ from vlfit.model_card import WiseFtMix, write_model_card
 from vlfit.models.family import ModelFamily
 from vlfit.models.interpolation import interpolate
 from vlfit.models.loading import (
-    SOURCE_KEYWORDS,
-    ModelBlueprint,
+    ModelSpec,
     build_model,
     resolve_model,
     save_image_processor,
@@ -76,24 +75,10 @@ class RunSetup:
 
     train_source: ImageTextSource | None
     eval_source: ImageTextSource | None
-    blueprint: ModelBlueprint
+    blueprint: ModelSpec
     pipeline: InputPipeline
     zeroshot_sets: list[ZeroShotSet] = field(default_factory=list)
     train_stream: ShardStream | None = None
-
-
-def model_source_keywords(model_args: ModelArguments) -> dict[str, Any]:
-    """The model flags as ``vlfit.models.loading.resolve_model`` takes them: keywords, at the CLI's edge."""
-    return {name: getattr(model_args, name) for name in SOURCE_KEYWORDS}
-
-
-def model_build_keywords(model_args: ModelArguments) -> dict[str, Any]:
-    """The flags ``vlfit.models.loading.build_model`` takes: attention kernel and frozen towers."""
-    return {
-        "attn_implementation": model_args.attn_implementation,
-        "frozen_towers": model_args.frozen_towers(),
-        "freeze_text_pooler": model_args.freeze_text_pooler,
-    }
 
 
 def setup_run(model_args: ModelArguments, data_args: DataArguments, training_args: VlfitTrainingArguments) -> RunSetup:
@@ -135,7 +120,7 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
     if data.train is not None:
         _warn_batch_over_split(len(data.train), training_args)
     blueprint = resolve_model(
-        **model_source_keywords(model_args), captions=data.captions, max_seq_length=data_args.max_seq_length
+        **model_args.source_keywords(), captions=data.captions, max_seq_length=data_args.max_seq_length
     )
     pipeline = InputPipeline(blueprint.inputs, PipelineOptions.from_arguments(data_args), training_args.device)
     return RunSetup(data.train, data.eval, blueprint, pipeline, data.zeroshot, train_stream=data.train_stream)
@@ -195,7 +180,7 @@ def caption_sampler(source: ImageTextSource, data_args: DataArguments, seed: int
 
 def with_lora_adapters(
     model: torch.nn.Module,
-    blueprint: ModelBlueprint,
+    blueprint: ModelSpec,
     model_args: ModelArguments,
     training_args: VlfitTrainingArguments,
     lora: LoraSettings,
@@ -277,7 +262,7 @@ def run(
     else:
         train_dataset = pipeline.dataset(train_source, train=True) if train_source is not None else None
     set_seed(training_args.seed)  # the same initial weights whatever ran since setup (e.g. a worker probe)
-    model = build_model(setup.blueprint, **model_build_keywords(model_args))
+    model = build_model(setup.blueprint, **model_args.build_keywords())
     if state_dict is not None:
         model.load_state_dict(state_dict)
     if training_args.do_train and model_args.logit_scale_init_value is not None:

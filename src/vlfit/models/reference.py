@@ -1,0 +1,147 @@
+"""What a user names as a model, parsed once: a preset, a checkpoint folder, LoRA adapters, an export folder or a
+hub id.
+
+``parse_model_reference`` is the only code that looks at a model path to decide what it is; every command,
+``vlfit.load`` and ``vlfit serve`` pass what they were given through it and act on the ``ModelReference`` it
+returns (``vlfit.models.loading`` loads a preset, a checkpoint, adapters or a hub id; ``vlfit.inference.backends``
+runs a checkpoint or an export folder). Nothing here imports torch or transformers.
+
+The kinds, and how a folder is told apart:
+
+- ``preset``: a preset's name (``list_presets``) that is not also a path, or a preset ``.json`` file.
+- ``export``: a folder ``vlfit export`` wrote: it holds ``export_manifest.json`` (read by
+  ``vlfit.inference.exported``).
+- ``adapters``: a folder of LoRA adapters a run saved (``adapter_config.json``); its ``base`` is the checkpoint they
+  were trained on.
+- ``checkpoint``: any other folder (a training run's output or one of its ``checkpoint-N`` folders), or an existing
+  file, handed to transformers as it is.
+- ``hub``: a name with a hub id's form and nothing local by that name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from vlfit.errors import ConfigError, MissingFileError
+from vlfit.models.presets import get_preset, is_preset_file, list_presets
+
+KINDS = ("preset", "checkpoint", "adapters", "export", "hub")
+# What a flag naming a model to load with transformers takes (--model_name_or_path, --zeroshot_model ...).
+LOADABLE = ("checkpoint", "adapters", "hub")
+# The file that marks a folder vlfit export wrote (its layout: vlfit.inference.exported).
+EXPORT_MANIFEST = "export_manifest.json"
+# The file peft's save_pretrained writes beside LoRA adapters (vlfit.models.lora).
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+@dataclass(frozen=True)
+class ModelReference:
+    """A model as the user named it, and what kind of thing that name is.
+
+    Attributes:
+        kind: ``preset``, ``checkpoint``, ``adapters``, ``export`` or ``hub``.
+        path: The preset's name or file, the folder, or the hub id, as given.
+        base: For adapters, the checkpoint they were trained on (``base_model_name_or_path``, resolved against the
+            folder when relative); None otherwise.
+    """
+
+    kind: str
+    path: str
+    base: str | None = None
+
+    @property
+    def weights(self) -> str | None:
+        """The folder or hub id whose weights load: the adapters' base, the checkpoint or hub id; None for a preset
+        (random weights) or an export (graphs, not weights)."""
+        if self.kind == "adapters":
+            return self.base
+        return self.path if self.kind in ("checkpoint", "hub") else None
+
+
+def parse_model_reference(
+    value: str | os.PathLike[str], *, flag: str = "--model_name_or_path", kinds: Collection[str] = LOADABLE
+) -> ModelReference:
+    """What ``value`` names, among the ``kinds`` the caller takes.
+
+    Args:
+        value: A preset's name or ``.json`` file, a folder, or a hub id.
+        flag: The option that named it, for error messages.
+        kinds: What the caller can use; ``("preset",)`` alone reads ``value`` as a preset whatever it looks like
+            (``--model_preset``).
+
+    Raises:
+        MissingFileError: naming ``flag`` and what it could have named, when nothing is there (a name that can
+            only be a local path, or any name when ``hub`` is not among ``kinds``).
+        ConfigError: for ``kinds=("preset",)``, an unknown preset or a file that is not one.
+    """
+    name = os.fspath(value)
+    if tuple(kinds) == ("preset",):
+        get_preset(name)  # an unknown name or a bad file fails here, naming --model_preset
+        return ModelReference("preset", name)
+    if "preset" in kinds and (
+        (is_preset_file(name) and os.path.isfile(name)) or (name in list_presets() and not os.path.exists(name))
+    ):
+        return ModelReference("preset", name)
+    if os.path.isdir(name):
+        if os.path.isfile(os.path.join(name, EXPORT_MANIFEST)):
+            return ModelReference("export", name)
+        if is_adapter_folder(name):
+            return ModelReference("adapters", name, base=adapter_base(name))
+        return ModelReference("checkpoint", name)
+    if "hub" in kinds:
+        check_local_path(name, flag)
+        return ModelReference("checkpoint" if os.path.exists(name) else "hub", name)
+    if "preset" in kinds and not os.path.exists(name):
+        raise MissingFileError(
+            f"{flag} {name}: no such model folder, and not a preset (one of: {', '.join(list_presets())}; or a "
+            "preset .json file)"
+        )
+    what = "model" if "export" in kinds else "checkpoint"
+    raise MissingFileError(f"{flag} {name}: no such {what} folder ({os.path.abspath(name)} does not exist)")
+
+
+def check_local_path(name: str, flag: str) -> None:
+    """Refuse a name that can only be a local path (``./runs/x``, ``/abs/x``, ``a/b/c``, or ``runs/x`` where
+    ``runs`` is a local folder) when nothing is there, instead of asking the hub for it.
+
+    Raises:
+        MissingFileError: naming the flag and the path.
+    """
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if os.path.exists(name):
+        return
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        local = True
+    else:  # "runs/x" has a hub id's form, but is a path when "runs" is a local folder
+        local = "/" in name and os.path.isdir(name.split("/")[0])
+    if local:
+        raise MissingFileError(
+            f"{flag} {name}: no such folder ({os.path.abspath(os.path.expanduser(name))} does not exist); pass a "
+            "checkpoint folder (vlfit train's --output_dir) or a hub id"
+        )
+
+
+def is_adapter_folder(path: str | None) -> bool:
+    """Whether ``path`` is a folder of LoRA adapters (``peft``'s ``save_pretrained``)."""
+    return bool(path) and os.path.isfile(os.path.join(str(path), ADAPTER_CONFIG))
+
+
+def adapter_base(path: str) -> str:
+    """The checkpoint a folder of adapters was trained on (``base_model_name_or_path`` of its config), resolved
+    against the folder when relative."""
+    with open(os.path.join(path, ADAPTER_CONFIG), encoding="utf-8") as f:
+        base = json.load(f).get("base_model_name_or_path")
+    if not base:
+        raise ConfigError(f"{path}/{ADAPTER_CONFIG} names no base_model_name_or_path: the adapters have no base model")
+    if not os.path.isabs(base):
+        # A preset's base is saved in the run folder; a checkpoint-N folder's adapters point to the run's.
+        for folder in (path, os.path.dirname(os.path.abspath(path))):
+            if os.path.isdir(os.path.join(folder, base)):
+                return os.path.join(folder, base)
+    return base
