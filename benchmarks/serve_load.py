@@ -13,15 +13,26 @@
    QPS over the three runs, and the server process's memory.
    The load comes from a minimal keep-alive HTTP/1.1 client on asyncio streams in this process (one connection per
    concurrent client), which costs the shared cores far less than a full HTTP client library would.
+3. Overload (open loop): text queries arriving at twice the capacity measured at concurrency 32, at fixed times
+   whatever the answers, for ``OVERLOAD_S`` seconds, over a pool of keep-alive connections; latency counted from
+   each query's arrival time. Goal: p99 of the admitted (200) queries <= 10x the unloaded p50 (concurrency 1), the
+   excess refused with 503 at once (``--max_concurrency``) rather than queued.
+4. Noisy neighbour: 8 clients sending text queries, quiet, then again while one more client sends, one after
+   another, the largest queries the server admits: a text of ``--max_text_chars`` characters, a JPEG and a PNG of
+   ``--max_query_pixels`` pixels. Goal: the 8 clients' p50 within 2x of the quiet run.
+
+Every server flag is its default (``--num_threads 1``, ``--max_concurrency``, ...) but ``--model`` and
+``--reload_interval 0``.
 
 The client runs on the same 2 cores as the server, so the QPS figures are a floor. Goals (issue: text query p50 <=
 20 ms and >= 100 QPS at concurrency 8 on 10^5 vectors; IVF-PQ at 10^6 within 100 bytes/vector and recall@10 >=
 0.90); clip-retrieval's published figures for its back end are about 50 ms and 20 QPS.
 
     python benchmarks/serve_load.py [--model runs/demo/model] [--out runs/serve-bench]
-        [--results benchmarks/results/cpu-2core]
+        [--results benchmarks/results/cpu-2core] [--server_only]
 
-Needs ``make demo`` first. About 5 minutes on an idle 2-core CPU (the 10^6 IVF-PQ build is most of it).
+Needs ``make demo`` first. About 6 minutes on an idle 2-core CPU (the 10^6 IVF-PQ build is most of it;
+``--server_only`` leaves the index structures out).
 """
 
 from __future__ import annotations
@@ -43,6 +54,9 @@ from vlfit.cli import main as vlfit
 LEVELS = {1: 200, 8: 800, 32: 1600}  # concurrency -> requests sent at that level, per repeat
 REPEATS = 3  # each level's figures are the medians over this many runs
 QUERIES = 1000
+OVERLOAD_S = 10.0  # seconds of open-loop arrivals at twice the capacity
+OVERLOAD_CONNECTIONS = 256  # keep-alive connections the open-loop arrivals are sent on
+NOISY_REQUESTS = 800  # text queries of the 8 normal clients, per run (quiet and noisy)
 
 
 def _centres(rng: np.random.Generator, dim: int, count: int = 1000) -> np.ndarray:
@@ -135,6 +149,16 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> int:
+    """Send one request on a keep-alive connection and read its answer; returns the status."""
+    writer.write(request)
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
+    fields = dict(line.split(b":", 1) for line in head.split(b"\r\n")[1:] if b":" in line)
+    length = int({k.strip().lower(): v for k, v in fields.items()}[b"content-length"])
+    await asyncio.wait_for(reader.readexactly(length), 60)
+    return int(head.split(b" ", 2)[1])
+
+
 async def _client(port: int, requests: list[bytes], latencies: list[float]) -> int:
     """Send ``requests`` one after another on one keep-alive connection; returns how many were not answered 200."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -142,13 +166,9 @@ async def _client(port: int, requests: list[bytes], latencies: list[float]) -> i
     try:
         for request in requests:
             started = time.perf_counter()
-            writer.write(request)
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
-            fields = dict(line.split(b":", 1) for line in head.split(b"\r\n")[1:] if b":" in line)
-            length = int({k.strip().lower(): v for k, v in fields.items()}[b"content-length"])
-            await asyncio.wait_for(reader.readexactly(length), 60)
+            status = await _exchange(reader, writer, request)
             latencies.append(time.perf_counter() - started)
-            errors += not head.startswith(b"HTTP/1.1 200")
+            errors += status != 200
     finally:
         writer.close()
     return errors
@@ -158,6 +178,112 @@ def _request(text: str) -> bytes:
     body = json.dumps({"text": text, "k": 10}).encode()
     head = "POST /api/search HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
     return (head + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+def _upload_request(image: bytes, name: str) -> bytes:
+    """A multipart image query (field ``file``, k 10)."""
+    boundary = "vlfit-bench-boundary"
+    fields = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"k\"\r\n\r\n10\r\n--{boundary}\r\n"
+              f"Content-Disposition: form-data; name=\"file\"; filename=\"{name}\"\r\n"
+              "Content-Type: application/octet-stream\r\n\r\n")  # fmt: skip
+    body = fields.encode() + image + f"\r\n--{boundary}--\r\n".encode()
+    head = (f"POST /api/search HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: multipart/form-data; boundary={boundary}"
+            f"\r\nContent-Length: {len(body)}\r\n\r\n")  # fmt: skip
+    return head.encode() + body
+
+
+def _percentiles(seconds: list[float]) -> dict:
+    if not seconds:
+        return {"p50_ms": None, "p99_ms": None}
+    ms = 1000 * np.array(seconds)
+    return {"p50_ms": round(float(np.percentile(ms, 50)), 2), "p99_ms": round(float(np.percentile(ms, 99)), 2)}
+
+
+async def _open_loop(port: int, texts: list[str], rate: float, seconds: float) -> dict:
+    """Queries arriving every ``1 / rate`` seconds whatever the answers (open loop); latency from each arrival."""
+    pool: asyncio.Queue = asyncio.Queue()
+    for _ in range(OVERLOAD_CONNECTIONS):
+        pool.put_nowait(await asyncio.open_connection("127.0.0.1", port))
+    admitted: list[float] = []
+    statuses: dict[int, int] = {}
+    loop = asyncio.get_running_loop()
+
+    async def arrive(request: bytes, at: float) -> None:
+        connection = await pool.get()
+        try:
+            status = await _exchange(*connection, request)
+        except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError):
+            status = 0  # the connection broke: counted, and replaced
+            connection = await asyncio.open_connection("127.0.0.1", port)
+        statuses[status] = statuses.get(status, 0) + 1
+        if status == 200:
+            admitted.append(loop.time() - at)
+        pool.put_nowait(connection)
+
+    count, started, tasks = int(rate * seconds), loop.time(), []
+    for i in range(count):
+        at = started + i / rate
+        if at > loop.time():
+            await asyncio.sleep(at - loop.time())
+        tasks.append(loop.create_task(arrive(_request(texts[i % len(texts)]), at)))
+    await asyncio.gather(*tasks)
+    wall = loop.time() - started
+    while not pool.empty():
+        pool.get_nowait()[1].close()
+    return {"offered_qps": round(rate, 1), "seconds": seconds, "requests": count,
+            "answered_qps": round(statuses.get(200, 0) / wall, 1), "admitted": statuses.get(200, 0),
+            "refused_503": statuses.get(503, 0),
+            "other": {str(k): v for k, v in statuses.items() if k not in (200, 503)},
+            **{f"admitted_{key}": value for key, value in _percentiles(admitted).items()}}  # fmt: skip
+
+
+def _largest_queries(max_text_chars: int, max_pixels: int) -> list[tuple[str, bytes]]:
+    """The largest queries the server admits: a text of ``max_text_chars``, a JPEG and a PNG of ``max_pixels``."""
+    import io
+
+    from PIL import Image
+
+    width = int((max_pixels * 4 / 3) ** 0.5)
+    height = max_pixels // width
+    gradient = Image.linear_gradient("L").resize((width, height))
+    picture = Image.merge("RGB", (gradient, gradient.transpose(Image.Transpose.FLIP_LEFT_RIGHT), gradient))
+    encoded = {}
+    for name, kwargs in (("jpeg", {"quality": 90}), ("png", {"compress_level": 1})):
+        out = io.BytesIO()
+        picture.save(out, format=name.upper(), **kwargs)
+        encoded[name] = out.getvalue()
+    text = ("two red circles on the left of a blue square " * (max_text_chars // 45 + 1))[:max_text_chars]
+    return [("text", _request(text)), ("jpeg", _upload_request(encoded["jpeg"], "max.jpg")),
+            ("png", _upload_request(encoded["png"], "max.png"))]  # fmt: skip
+
+
+async def _noisy_neighbour(port: int, texts: list[str], largest: list[tuple[str, bytes]]) -> dict:
+    """8 clients' text queries, quiet and then beside one client sending the largest queries in turn."""
+    quiet = await _load(port, texts, 8, NOISY_REQUESTS)
+    stop = asyncio.Event()
+    sent: dict[str, list] = {name: [] for name, _ in largest}
+
+    async def neighbour() -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        turn = 0
+        while not stop.is_set():
+            name, request = largest[turn % len(largest)]
+            started = time.perf_counter()
+            status = await _exchange(reader, writer, request)
+            sent[name].append((status, time.perf_counter() - started))
+            turn += 1
+        writer.close()
+
+    task = asyncio.get_running_loop().create_task(neighbour())
+    await asyncio.sleep(1.0)  # the neighbour is under way
+    noisy = await _load(port, texts, 8, NOISY_REQUESTS)
+    stop.set()
+    await task
+    neighbour_figures = {name: {"sent": len(runs), "statuses": sorted({status for status, _ in runs}),
+                                "p50_ms": _percentiles([s for _, s in runs])["p50_ms"]}
+                         for name, runs in sent.items()}  # fmt: skip
+    return {"quiet": quiet, "noisy": noisy, "p50_ratio": round(noisy["p50_ms"] / quiet["p50_ms"], 2),
+            "neighbour": neighbour_figures}  # fmt: skip
 
 
 async def _load(port: int, texts: list[str], concurrency: int, count: int) -> dict:
@@ -203,11 +329,22 @@ def serve_load(index: str, model: str, log_path: str) -> dict:
                 runs[concurrency].append(asyncio.run(_load(port, texts, concurrency, count)))
                 print(json.dumps(runs[concurrency][-1]), flush=True)
         levels = [_median_run(measured) for measured in runs.values()]
+        capacity = levels[-1]["qps"]  # closed loop at concurrency 32
+        overload = asyncio.run(_open_loop(port, texts, 2 * capacity, OVERLOAD_S))
+        overload["unloaded_p50_ms"] = levels[0]["p50_ms"]
+        overload["p99_over_unloaded_p50"] = round((overload["admitted_p99_ms"] or 0) / levels[0]["p50_ms"], 2)
+        print(json.dumps({"overload": overload}), flush=True)
+        from vlfit.serve.limits import ServerLimits
+
+        largest = _largest_queries(ServerLimits.max_text_chars, ServerLimits.max_query_pixels)
+        noisy = asyncio.run(_noisy_neighbour(port, texts, largest))
+        print(json.dumps({"noisy_neighbour": noisy}), flush=True)
         memory_mb = psutil.Process(server.pid).memory_info().rss / 2**20
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(60)
-    return {"health": health, "levels": levels, "server_rss_mb": round(memory_mb, 1), "exit_code": server.returncode}
+    return {"health": health, "levels": levels, "overload": overload, "noisy_neighbour": noisy,
+            "server_rss_mb": round(memory_mb, 1), "exit_code": server.returncode}  # fmt: skip
 
 
 def main() -> int:
@@ -217,6 +354,7 @@ def main() -> int:
     parser.add_argument("--out", default="runs/serve-bench")
     parser.add_argument("--results", default=None, help="Also write serve_load.json here.")
     parser.add_argument("--hnsw_at_1m", action="store_true", help="Also build HNSW on 10^6 vectors (minutes).")
+    parser.add_argument("--server_only", action="store_true", help="Leave the index structures (1.) out.")
     args = parser.parse_args()
     if not os.path.isdir(args.model):
         sys.exit(f"{args.model}: no model; run make demo first")
@@ -234,7 +372,7 @@ def main() -> int:
     if not os.path.isfile(os.path.join(index, "index_manifest.json")):
         write_index(index, encoder, 100_000)
     served = serve_load(index, exported, os.path.join(args.out, "server.log"))
-    built = structures(args.out, encoder.identity, [100_000, 1_000_000], args.hnsw_at_1m)
+    built = [] if args.server_only else structures(args.out, encoder.identity, [100_000, 1_000_000], args.hnsw_at_1m)
     machine = {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
     results = {"machine": machine, "embedding_dim": dim, "text_tower": encoder.description, "server": served,
                "structures": built}  # fmt: skip
