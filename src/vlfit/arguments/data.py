@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 IMAGE_PIPELINES = ("fast", "reference")
 # How a training epoch walks several captions per image (vlfit.data.caption_sampling).
 CAPTION_SAMPLING = ("every", "one_per_image")
+# What a run fine-tunes for (--task): image-text retrieval, or visual question answering (BridgeTower).
+TASKS = ("retrieval", "vqa")
 
 # The data-location flags that say how shard URLs are read rather than where the data is.
 SHARD_ACCESS = ("storage_options", "shard_block_size")
@@ -291,8 +293,25 @@ class DataArguments(CompatDataFlags, StreamArguments, DataLocationArguments):
         },
     )
 
+    task: str = field(
+        default="retrieval",
+        metadata={
+            "help": "retrieval (image-text contrastive fine-tuning, recall@k) or vqa (BridgeTower: a classifier over "
+            "the fused tower answers each row's question, the caption column, default question; answers from "
+            "answers or multiple_choice_answer; VQA accuracy). vlfit eval of a vqa model needs no flag."
+        },
+    )
+    max_answers: int = field(
+        default=3129,
+        metadata={"help": "--task vqa: the answer vocabulary, the N answers the training split gives most."},
+    )
+
     def __post_init__(self) -> None:
         DataLocationArguments.__post_init__(self)
+        if self.task not in TASKS:
+            raise ConfigError(f"unknown --task {self.task!r}; choose one of: {', '.join(TASKS)}")
+        if self.max_answers < 1:
+            raise ConfigError(f"--max_answers must be at least 1, got {self.max_answers}")
         if self.image_pipeline not in IMAGE_PIPELINES:
             raise ConfigError(
                 f"unknown --image_pipeline {self.image_pipeline!r}; choose one of: {', '.join(IMAGE_PIPELINES)}"

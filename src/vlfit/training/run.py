@@ -44,8 +44,8 @@ from vlfit.models.lora import BASE_MODEL_DIR, LoraSettings, apply_lora, group_of
 from vlfit.training.arguments import VlfitTrainingArguments
 from vlfit.training.distributed import describe_launch
 from vlfit.training.preemption import PreemptionCallback, TrainingPreempted
-from vlfit.training.trainer import VlfitTrainer
 from vlfit.training.unfreeze import UnfreezeCallback
+from vlfit.training.vqa import pipeline_columns, run_task, trainer_class, vqa_blueprint, vqa_location
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +93,9 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
     set_seed(training_args.seed)
     if training_args.do_train and data_args.streams_training():
         _check_streamed_training(training_args)
+    task = run_task(model_args.model_name_or_path, data_args.task)
     data = open_run_data(
-        data_args.source_kwargs(),
+        vqa_location(data_args.source_kwargs()) if task == "vqa" else data_args.source_kwargs(),
         train=training_args.do_train,
         evaluate=training_args.do_eval,
         streaming=data_args.streaming,
@@ -110,6 +111,7 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
         max_train_samples=data_args.max_train_samples,
         max_eval_samples=data_args.max_eval_samples,
         hard_negative_column=data_args.hard_negative_column,
+        extra_columns=pipeline_columns(task),
         zeroshot_datasets=data_args.zeroshot_dataset or (),
         zeroshot_label_column=data_args.zeroshot_label_column,
         zeroshot_split=data_args.zeroshot_split,
@@ -122,7 +124,11 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
     blueprint = resolve_model(
         **model_args.source_keywords(), captions=data.captions, max_seq_length=data_args.max_seq_length
     )
-    pipeline = InputPipeline(blueprint.inputs, PipelineOptions.from_arguments(data_args), training_args.device)
+    if task == "vqa":
+        blueprint = vqa_blueprint(blueprint, data.train, data.eval, data_args.max_answers, train=training_args.do_train)
+    pipeline = InputPipeline(
+        blueprint.inputs, PipelineOptions.from_arguments(data_args), training_args.device, pipeline_columns(task)
+    )
     return RunSetup(data.train, data.eval, blueprint, pipeline, data.zeroshot, train_stream=data.train_stream)
 
 
@@ -273,7 +279,7 @@ def run(
     starting_weights = wise_ft_start(model, lora, training_args)
     if lora is not None:
         model = with_lora_adapters(model, setup.blueprint, model_args, training_args, lora)
-    trainer = VlfitTrainer(
+    trainer = trainer_class(family)(
         model=model,
         args=training_args,
         train_dataset=train_dataset,

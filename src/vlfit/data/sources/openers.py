@@ -248,6 +248,7 @@ def open_run_data(
     max_train_samples: int | None = None,
     max_eval_samples: int | None = None,
     hard_negative_column: str | None = None,
+    extra_columns: Sequence[str] = (),
     zeroshot_datasets: Sequence[str] = (),
     zeroshot_label_column: str = "label",
     zeroshot_split: str = "test",
@@ -272,6 +273,7 @@ def open_run_data(
         max_train_samples: Keep the training split's first N samples.
         max_eval_samples: Keep the evaluation split's first N samples.
         hard_negative_column: A column of alternative captions the training split must have.
+        extra_columns: More columns the records carry where present (``--task vqa``'s answers).
         zeroshot_datasets: Labelled datasets to classify zero-shot at every evaluation.
         zeroshot_label_column: Their class column.
         zeroshot_split: Their split.
@@ -284,11 +286,12 @@ def open_run_data(
             evaluation, or a stream it refuses.
         DataError: for a split of fewer than 2 samples, or data that cannot be read.
     """
-    extra_columns = tuple(dict.fromkeys([*EVAL_COLUMNS, *filter(None, [hard_negative_column])]))
+    requested = tuple(extra_columns)
+    extra_columns = tuple(dict.fromkeys([*EVAL_COLUMNS, *filter(None, [hard_negative_column]), *requested]))
     streams = bool(streaming or is_stream_spec(location.get("train_file")))
     data = RunData()
     if train and streams:
-        extra = (hard_negative_column,) if hard_negative_column else ()
+        extra = tuple(dict.fromkeys([*filter(None, [hard_negative_column]), *requested]))
         data.train_stream = open_train_stream(location, stream, extra_columns=extra, token=token, cache_dir=cache_dir)
         check_reachable(data.train_stream)  # a dead server in one line, before a tokenizer is trained on nothing
     location = dict(location)

@@ -1,0 +1,75 @@
+"""VQA accuracy as the official VQAv2 evaluation computes it (``vqaEval.py`` of the VQA API).
+
+Answers are compared as ``vlfit.data.answer_normalization.normalize_answer`` makes them (the official
+normalisation: punctuation, articles, number words, contractions). The official script normalises the
+annotators' answers only where they disagree; here they always are, which changes no score (agreeing answers
+compare equal either way).
+
+A prediction scores ``min(1, matches / 3)`` against the annotators' answers; with 10 answers (VQAv2), that is
+averaged over the 10 subsets of 9 (each annotator left out once), as the official evaluation does. With fewer
+answers than 3 the bar is their number (a single ``multiple_choice_answer`` is matched exactly).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+
+from vlfit.data.answer_normalization import normalize_answer
+
+# The answer types of VQAv2 (its ``answer_type`` column).
+ANSWER_TYPES = ("yes/no", "number", "other")
+
+
+def answer_accuracy(prediction: str, answers: Sequence[str]) -> float:
+    """The VQA accuracy of one predicted answer against the annotators' ``answers`` (normalised both).
+
+    With 10 answers: the mean over each annotator left out of ``min(1, matches among the other 9 / 3)``; with
+    fewer, ``min(1, matches / min(3, len(answers)))``.
+    """
+    if not answers:
+        raise ValueError("a question needs at least one annotator answer to be scored")
+    predicted = normalize_answer(prediction)
+    given = [normalize_answer(answer) for answer in answers]
+    if len(given) < 10:
+        return min(1.0, sum(answer == predicted for answer in given) / min(3, len(given)))
+    matches = sum(answer == predicted for answer in given)
+    # Leaving out annotator i removes one match exactly when annotator i gave the predicted answer.
+    scores = [min(1.0, (matches - (answer == predicted)) / 3) for answer in given]
+    return sum(scores) / len(scores)
+
+
+def vqa_metrics(
+    predictions: Sequence[str],
+    answers: Sequence[Sequence[str]],
+    answer_types: Sequence[str | None] | None = None,
+    prefix: str = "vqa_accuracy",
+) -> dict[str, float]:
+    """Mean VQA accuracy (``{prefix}``) and, where ``answer_types`` are given, per type
+    (``{prefix}_yes_no``, ``{prefix}_number``, ``{prefix}_other``: the type with ``/`` and spaces as ``_``).
+
+    Args:
+        predictions: One predicted answer per question.
+        answers: Each question's annotator answers.
+        answer_types: Each question's ``answer_type`` (``None`` where a row has none).
+        prefix: The metrics' name.
+    """
+    if len(predictions) != len(answers):
+        raise ValueError(f"{len(predictions)} predictions for {len(answers)} questions")
+    scores = [answer_accuracy(p, a) for p, a in zip(predictions, answers, strict=True)]
+    metrics = {prefix: sum(scores) / len(scores) if scores else 0.0}
+    if answer_types is not None:
+        by_type: dict[str, list[float]] = defaultdict(list)
+        for score, kind in zip(scores, answer_types, strict=True):
+            if kind:
+                by_type[str(kind)].append(score)
+        for kind, values in sorted(by_type.items()):
+            metrics[f"{prefix}_{re.sub(r'[^0-9a-z]+', '_', kind.lower())}"] = sum(values) / len(values)
+    return metrics
+
+
+def majority_answer(answers: Sequence[Sequence[str]]) -> str:
+    """The answer most annotators gave over all questions (normalised): the majority-answer baseline's one reply."""
+    counts = Counter(normalize_answer(answer) for row in answers for answer in row)
+    return min(counts, key=lambda answer: (-counts[answer], answer)) if counts else ""

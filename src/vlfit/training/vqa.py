@@ -1,0 +1,190 @@
+"""``--task vqa``: fine-tune and evaluate BridgeTower on visual questions, through the run's one input pipeline.
+
+What changes against a retrieval run (``vlfit.training.run`` asks this module at three points):
+
+- the data (``vqa_location``): the caption is the question (``--caption_column`` defaults to ``question``) and the
+  answers travel per row as record columns (``vlfit.data.vqa.VQA_COLUMNS``, kept in ``Batch.columns``);
+- the model (``vqa_blueprint``): ``vlfit.models.vqa.VqaFamily``, its config listing the answer vocabulary, the
+  ``--max_answers`` answers the training split gives most (kept from the model for evaluation alone);
+- the trainer (``VqaTrainer``): the loss is ``vqa_loss`` against the soft targets of each row's answers, and an
+  evaluation reports VQA accuracy (overall, per answer type where the data has ``answer_type``) beside the
+  majority-answer baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+import torch
+from accelerate.utils import gather_object
+from tqdm.auto import tqdm
+
+from vlfit.arguments.data import TASKS
+from vlfit.data.batch import Batch
+from vlfit.data.columns import is_default_column
+from vlfit.data.records import EVAL_COLUMNS
+from vlfit.data.sources.base import ImageTextSource
+from vlfit.data.vqa import (
+    QUESTION_COLUMN,
+    VQA_COLUMNS,
+    AnswerVocabulary,
+    batch_answers,
+    split_answers,
+)
+from vlfit.errors import ConfigError
+from vlfit.evaluation.vqa_accuracy import answer_accuracy, vqa_metrics
+from vlfit.models.loading import ModelSpec
+from vlfit.models.vqa import VQA_INPUTS, VqaFamily, config_answers, is_vqa_config, vqa_loss, with_answers
+from vlfit.training.trainer import VlfitTrainer
+
+logger = logging.getLogger(__name__)
+
+
+def run_task(model_name_or_path: str | None, task: str) -> str:
+    """The run's task: ``--task``, or ``vqa`` for a VQA model's folder (``vlfit eval`` of a ``--task vqa`` run
+    needs no flag)."""
+    if task not in TASKS:
+        raise ConfigError(f"unknown --task {task!r}; choose one of: {', '.join(TASKS)}")
+    if task == "retrieval" and model_name_or_path and os.path.isfile(os.path.join(model_name_or_path, "config.json")):
+        with open(os.path.join(model_name_or_path, "config.json"), encoding="utf-8") as file:
+            config = json.load(file)
+        if "BridgeTowerForQuestionAnswering" in (config.get("architectures") or ()):
+            logger.info("%s is a BridgeTower VQA model: the run answers questions (--task vqa)", model_name_or_path)
+            return "vqa"
+    return task
+
+
+def vqa_location(location: Mapping[str, Any]) -> dict[str, Any]:
+    """The data flags of a VQA run: the caption is the question unless ``--caption_column`` names a column."""
+    location = dict(location)
+    if is_default_column("caption", location.get("caption_column")):
+        location["caption_column"] = QUESTION_COLUMN
+    return location
+
+
+def vqa_blueprint(
+    blueprint: ModelSpec,
+    train_source: ImageTextSource | None,
+    eval_source: ImageTextSource | None,
+    max_answers: int,
+    *,
+    train: bool,
+) -> ModelSpec:
+    """The spec of the VQA model a run trains or evaluates, its answers in its config.
+
+    Training builds the vocabulary from the training split's answers (every question's answers are checked
+    here, before any weights load); evaluation alone takes the model's own.
+
+    Raises:
+        ConfigError: for a model that is not BridgeTower, or an evaluation alone of a model without a VQA head.
+        DataError: for a split without answers, a question without answers or an answer column of the wrong type.
+    """
+    family = blueprint.family
+    if family.name != "bridgetower":
+        raise ConfigError(
+            f"--task vqa fine-tunes BridgeTower (its fused tower answers questions); {blueprint.description} is a "
+            f"{family.name} model, a dual encoder without one"
+        )
+    if eval_source is not None:
+        split_answers(eval_source)  # a bad question fails now, not at the end of training
+    if train and train_source is None:
+        raise ConfigError(
+            "--task vqa builds its answer vocabulary from the training split's answers: stream-free training only "
+            "(drop --streaming, or give the training split as files read map-style)"
+        )
+    if train_source is not None:
+        answers = split_answers(train_source)
+        vocabulary = AnswerVocabulary.build(answers, max_answers)
+        logger.info(
+            "answer vocabulary: %d answers of the training split (%d distinct), %.1f%% of its annotator answers",
+            len(vocabulary), len({a for row in answers for a in row}), 100 * vocabulary.coverage(answers),
+        )  # fmt: skip
+        config = with_answers(blueprint.config, vocabulary.answers)
+    elif is_vqa_config(blueprint.config):
+        config = blueprint.config
+    else:
+        raise ConfigError(f"{blueprint.description} has no VQA head to evaluate: train one with vlfit train --task vqa")
+    return replace(blueprint, family=VqaFamily(), config=config)
+
+
+class VqaTrainer(VlfitTrainer):
+    """``VlfitTrainer`` with the VQA loss and VQA accuracy (the model's config holds its answers)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.vocabulary = AnswerVocabulary(config_answers(self.model.config))
+
+    def training_step(self, model: torch.nn.Module, inputs: Batch, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if getattr(self.args, "gradient_cache_chunk_size", None):
+            raise ConfigError("--gradient_cache_chunk_size is for contrastive losses; --task vqa has none to cache")
+        return super().training_step(model, inputs, *args, **kwargs)
+
+    def compute_loss(
+        self, model: torch.nn.Module, inputs: Batch, return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        logits = model(**{key: inputs.inputs[key] for key in VQA_INPUTS}).logits
+        targets = self.vocabulary.targets(batch_answers(inputs.columns, inputs.sample_ids), device=logits.device)
+        loss = vqa_loss(logits, targets)
+        return (loss, logits) if return_outputs else loss
+
+    def evaluate(
+        self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
+        metrics = self.vqa_metrics(self.get_eval_dataloader(eval_dataset))
+        metrics = {f"{metric_key_prefix}_{key}": value for key, value in metrics.items()}
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    def vqa_metrics(self, loader: Any) -> dict[str, float]:
+        """VQA accuracy of the top answer (overall and per ``answer_type``), and the majority-answer baseline's
+        (the vocabulary's first answer, the most given in training, for every question)."""
+        model = self.model
+        was_training = model.training
+        model.eval()
+        dtype = next(model.parameters()).dtype
+        rows: list[tuple[int, str, list[str], Any]] = []
+        batches = self.pipeline.feed(loader, dtype, train=False)
+        show = not (self.args.disable_tqdm or not self.is_local_process_zero())
+        with torch.no_grad(), self.autocast_smart_context_manager():
+            for batch in tqdm(batches, total=len(loader), desc="eval", unit="batch", leave=False, disable=not show):
+                if not len(batch):
+                    continue
+                logits = model(**{key: batch.inputs[key] for key in VQA_INPUTS}).logits
+                best = logits.argmax(dim=-1).tolist()
+                answers = batch_answers(batch.columns, batch.sample_ids)
+                types = batch.columns.get("answer_type") or [None] * len(batch)
+                for position, index, given, kind in zip(batch.positions, best, answers, types, strict=True):
+                    rows.append((position, self.vocabulary.answers[index], given, kind))
+        model.train(was_training)
+        if self.accelerator.num_processes > 1:
+            rows = gather_object(rows)
+        unique = sorted({row[0]: row for row in rows}.values())  # a padded last batch repeats rows
+        if not unique:
+            return {"vqa_accuracy": 0.0, "vqa_questions": 0}
+        answer_types = [kind for _, _, _, kind in unique]
+        metrics = vqa_metrics(
+            [prediction for _, prediction, _, _ in unique],
+            [given for _, _, given, _ in unique],
+            answer_types if any(answer_types) else None,
+        )
+        majority = self.vocabulary.answers[0]
+        scores = [answer_accuracy(majority, given) for _, _, given, _ in unique]
+        metrics["vqa_accuracy_majority_answer"] = sum(scores) / len(scores)
+        metrics["vqa_questions"] = len(unique)
+        return metrics
+
+
+def trainer_class(family: Any) -> type[VlfitTrainer]:
+    """``VqaTrainer`` for a VQA model's family, else ``VlfitTrainer``."""
+    return VqaTrainer if isinstance(family, VqaFamily) else VlfitTrainer
+
+
+def pipeline_columns(task: str) -> tuple[str, ...]:
+    """The record columns a run's batches carry for ``task``: the answers, or evaluation's caption choices."""
+    return VQA_COLUMNS if task == "vqa" else EVAL_COLUMNS
