@@ -13,7 +13,9 @@ Routes:
 
 Bad requests are answered, never fatal: a body over the upload limit gets 413, bytes that are not an image 400 with
 the decoder's reason, malformed JSON or a missing field 422, ``k`` outside 1..1000 400; errors are
-``{"error": "..."}``.
+``{"error": "..."}``. What a request may ask is bounded before anything is computed for it (``ServerLimits``:
+texts, image pixels, JSON, multipart: 422 or 400; requests in flight: 503 with ``Retry-After``; a body that does
+not arrive in time: 408), and one query's failure is its own 500 only; see ``vlfit.serve.limits``.
 """
 
 from __future__ import annotations
