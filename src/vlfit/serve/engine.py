@@ -15,18 +15,16 @@ cannot be read (half-written by another tool, or gone) leaves the served snapsho
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import threading
 from collections.abc import Sequence
 
 import torch
-from PIL import Image, ImageOps
 
 from vlfit.data.image_transforms import FastImageTransform, stack_images
 from vlfit.data.sources.openers import COLLECTION_KEYS, open_collection
-from vlfit.errors import ConfigError, DataError, MissingFileError
+from vlfit.errors import ConfigError, MissingFileError
 from vlfit.index.search import Hit, search
 from vlfit.index.store import MANIFEST_NAME, EmbeddingIndex, refuse_other_model
 from vlfit.inference.backends import load_encoder
@@ -34,7 +32,6 @@ from vlfit.inference.backends import load_encoder
 logger = logging.getLogger(__name__)
 
 MAX_K = 1000
-THUMBNAIL_SIZES = (16, 1024)  # the smallest and largest ?size= of a thumbnail
 
 
 def _manifest_stamp(folder: str) -> tuple[int, int] | None:
@@ -140,28 +137,6 @@ class Snapshot:
             except OSError:
                 raise MissingFileError(f"item {row}: its image file is gone") from None
         raise MissingFileError(f"item {row}: the index does not say where its image is")
-
-
-def thumbnail(image: bytes, size: int) -> bytes:
-    """A JPEG of ``image`` whose longer side is at most ``size`` pixels (EXIF orientation applied).
-
-    Raises:
-        ConfigError: for a size outside ``THUMBNAIL_SIZES``.
-        DataError: for bytes that do not decode.
-    """
-    low, high = THUMBNAIL_SIZES
-    if not low <= size <= high:
-        raise ConfigError(f"size must be between {low} and {high}, got {size}")
-    try:
-        picture = ImageOps.exif_transpose(Image.open(io.BytesIO(image)))
-        picture.draft("RGB", (size, size))  # DCT-scaled decode for JPEGs
-        picture = picture.convert("RGB")
-    except (OSError, ValueError, Image.DecompressionBombError) as err:
-        raise DataError(f"the indexed image does not decode: {err}") from None
-    picture.thumbnail((size, size), Image.Resampling.BICUBIC)
-    out = io.BytesIO()
-    picture.save(out, format="JPEG", quality=85)
-    return out.getvalue()
 
 
 class SearchEngine:
