@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 
 MODULES = (
     "tests.models.test_losses",
+    "tests.models.test_itm",
     "tests.models.test_dual_encoders",
     "tests.training.test_gradient_cache",
     "tests.index.test_retrieve",

@@ -254,6 +254,13 @@ class DataArguments(CompatDataFlags, StreamArguments, DataLocationArguments):
     eval_pool_size: int | None = field(
         default=None, metadata={"help": "Recall@k over pools of this many images (default: the whole split)."}
     )
+    rerank_top_k: int | None = field(
+        default=None,
+        metadata={
+            "help": "Evaluation: also re-rank each query's top K candidates by the model's image-text matching head "
+            "(BridgeTower with one), both directions, and report recall@k re-ranked beside the cosine ranking."
+        },
+    )
     zeroshot_dataset: list[str] | None = field(
         default=None,
         metadata={

@@ -24,8 +24,17 @@ from vlfit.data.batch import BadSample, Batch
 from vlfit.data.hard_negatives import label_to_index
 from vlfit.data.image_groups import group_images
 from vlfit.errors import DataError
+from vlfit.evaluation.rerank import (
+    PairInputs,
+    check_rerank,
+    choice_scores,
+    merge_pair_inputs,
+    reranked_recall,
+    split_pair_scorer,
+)
 from vlfit.inference.recall import matching_accuracy, pooled_recall_at_k
 from vlfit.models.family import IMAGE_KEYS, ModelFamily, tokenize_captions
+from vlfit.models.itm import has_itm_head
 from vlfit.models.sharding import unsharded
 
 logger = logging.getLogger(__name__)
@@ -44,6 +53,9 @@ class EmbeddedSplit:
         choices: Per batch, embeddings of the caption choices ``[b, c, d]``; ``None`` once a batch had none usable.
         labels: Per batch, the index of the right choice ``[b]``; ``None`` with ``choices``.
         bad_samples: Every sample left out.
+        pair_inputs: The rows' tokens and pixels, kept for re-ranking (``vlfit.evaluation.rerank``), else None.
+        choice_matches: Per batch, the matching head's scores of each image with its caption choices ``[b, c]``;
+            ``None`` without a matching head or choices.
     """
 
     positions: list[int] = field(default_factory=list)
@@ -53,6 +65,8 @@ class EmbeddedSplit:
     choices: list[torch.Tensor] | None = field(default_factory=list)
     labels: list[torch.Tensor] | None = field(default_factory=list)
     bad_samples: list[BadSample] = field(default_factory=list)
+    pair_inputs: PairInputs | None = None
+    choice_matches: list[torch.Tensor] | None = None
 
 
 @torch.no_grad()
@@ -65,23 +79,28 @@ def embed_split(
     max_seq_length: int,
     device: torch.device,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    keep_pair_inputs: bool = False,
 ) -> EmbeddedSplit:
     """Embed every batch with the family's unimodal encoders.
 
     Batches are model-ready evaluation batches (the pipeline's device feed): rows with their dataset positions,
     the samples left out as bad in ``bad_samples``, and ``caption_choices``/``label`` columns when the split has
-    them. Batches left empty by bad samples add only their bad samples.
+    them. Batches left empty by bad samples add only their bad samples. A model with a matching head also scores
+    the caption choices with it; ``keep_pair_inputs`` keeps the rows' tokens and pixels for re-ranking.
     """
     model = getattr(model, "module", model)
     was_training = model.training
     model.eval()
-    part = EmbeddedSplit()
+    part = EmbeddedSplit(pair_inputs=PairInputs() if keep_pair_inputs else None)
+    part.choice_matches = [] if has_itm_head(model) else None
     with unsharded(model):  # FSDP2: the towers run outside the root forward that gathers the shards
         for batch in batches:
             part.bad_samples.extend(batch.bad_samples)
             if not len(batch):
                 continue
             part.positions.extend(int(position) for position in batch.positions)
+            if part.pair_inputs is not None:
+                part.pair_inputs.add(batch)
             if part.image_keys is not None and IMAGE_KEYS in batch:
                 part.image_keys.append(batch[IMAGE_KEYS].cpu())
             else:
@@ -102,6 +121,9 @@ def embed_split(
                 embeds = family.encode_text(model, input_ids, attention_mask).float().cpu()
                 part.choices.append(embeds.view(len(batch_choices), len(batch_choices[0]), -1))
                 part.labels.append(torch.tensor([label_to_index(label) for label in batch_labels]))  # type: ignore[union-attr]
+                if part.choice_matches is not None:
+                    choice_tokens = {"input_ids": input_ids, "attention_mask": attention_mask}
+                    part.choice_matches.append(choice_scores(model, batch, choice_tokens))
     if was_training:
         model.train()
     return part
@@ -139,6 +161,10 @@ def merge_splits(parts: list[EmbeddedSplit]) -> EmbeddedSplit:
         merged.labels = kept_rows([part.labels for part in with_samples])  # type: ignore[misc]
     else:
         merged.choices = merged.labels = None
+    if all(part.choice_matches for part in with_samples) and merged.choices is not None:
+        merged.choice_matches = kept_rows([part.choice_matches for part in with_samples])  # type: ignore[misc]
+    if all(part.pair_inputs is not None for part in with_samples):
+        merged.pair_inputs = merge_pair_inputs([part.pair_inputs for part in with_samples], rows)  # type: ignore[misc]
     return merged
 
 
@@ -160,6 +186,9 @@ def score_split(split: EmbeddedSplit, pool_size: int | None = None) -> dict[str,
         choice_embeds, label_index = torch.cat(split.choices), torch.cat(split.labels)  # type: ignore[arg-type]
         metrics["matching_accuracy"] = matching_accuracy(image_embeds, choice_embeds, label_index)
         metrics["chance_matching_accuracy"] = 1.0 / choice_embeds.shape[1]
+        if split.choice_matches:  # the matching head's choice beside the cosine's
+            hits = torch.cat(split.choice_matches).argmax(dim=1) == label_index
+            metrics["matching_accuracy_itm"] = hits.float().mean().item()
     else:
         logger.info("split has no usable caption_choices/label columns: matching accuracy skipped")
     metrics["bad_samples"] = len(split.bad_samples)
@@ -177,6 +206,7 @@ def evaluate_retrieval(
     pool_size: int | None = None,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     gather_parts: Callable[[EmbeddedSplit], list[EmbeddedSplit]] | None = None,
+    rerank_top_k: int | None = None,
 ) -> tuple[dict[str, float], list[BadSample]]:
     """Embed this process's batches, merge the processes' parts and score the split.
 
@@ -191,12 +221,40 @@ def evaluate_retrieval(
         autocast: Mixed-precision context for the forward passes.
         gather_parts: In distributed runs, every process's part, in rank order (one collective; every process
             must call it). ``None``: this process read the whole split.
+        rerank_top_k: Also re-rank each query's top K by the model's matching head (``vlfit.evaluation.rerank``).
 
     Returns:
         The metrics (see ``score_split``), the same on every process, and the samples left out.
     """
-    part = embed_split(
-        family, model, batches, tokenizer=tokenizer, max_seq_length=max_seq_length, device=device, autocast=autocast
-    )
+    check_rerank(model, rerank_top_k)
+    part = embed_split(family, model, batches, tokenizer=tokenizer, max_seq_length=max_seq_length, device=device,
+                       autocast=autocast, keep_pair_inputs=rerank_top_k is not None)  # fmt: skip
     split = merge_splits(gather_parts(part) if gather_parts is not None else [part])
-    return score_split(split, pool_size), split.bad_samples
+    metrics = score_split(split, pool_size)
+    if rerank_top_k is not None and split.pair_inputs is not None:
+        metrics.update(rerank_split(model, split, pool_size, rerank_top_k, device=device, autocast=autocast))
+    return metrics, split.bad_samples
+
+
+def rerank_split(
+    model: Any,
+    split: EmbeddedSplit,
+    pool_size: int | None,
+    top_k: int,
+    *,
+    device: torch.device,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> dict[str, float]:
+    """``score_split``'s recall@k with each query's top ``top_k`` re-ranked by the matching head (same pools)."""
+    assert split.pair_inputs is not None
+    text_embeds, image_embeds = torch.cat(split.texts), torch.cat(split.images)
+    first_rows, image_of_text = group_images(torch.cat(split.image_keys) if split.image_keys else None,
+                                             text_embeds.shape[0])  # fmt: skip
+    model = getattr(model, "module", model)
+    was_training = model.training
+    model.eval()
+    try:
+        scorer = split_pair_scorer(model, split.pair_inputs, first_rows, device, autocast)
+        return reranked_recall(text_embeds, image_embeds[first_rows], image_of_text, pool_size, top_k, scorer)
+    finally:
+        model.train(was_training)

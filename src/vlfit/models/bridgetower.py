@@ -33,6 +33,7 @@ from vlfit.models.family import (
     LossEmbeddings,
     ModelFamily,
 )
+from vlfit.models.itm import BridgeTowerForContrastiveLearningWithITM, checkpoint_has_itm_head
 from vlfit.models.logit_scale import install_output_hook
 from vlfit.models.losses import (
     HardNegatives,
@@ -88,6 +89,7 @@ class ContrastiveOutputWithScale(BridgeTowerContrastiveOutput):
     """
 
     logit_scale: torch.Tensor | None = None
+    itm_logits: torch.Tensor | None = None  # a model with a matching head (vlfit.models.itm)
 
 
 def _add_logit_scale(module: nn.Module, args: tuple, output: Any) -> ContrastiveOutputWithScale:
@@ -164,6 +166,20 @@ def layer_stacks(model: BridgeTowerForContrastiveLearning) -> list[Sequence[nn.M
     ]
 
 
+def contrastive_embeddings(
+    unwrapped: BridgeTowerForContrastiveLearning, outputs: Any, inputs: Mapping[str, torch.Tensor]
+) -> LossEmbeddings:
+    """What the contrastive loss needs of one forward's ``outputs`` (``BridgeTowerFamily.loss_embeddings``; the
+    matching objective shares the forward, ``vlfit.models.itm_loss``)."""
+    rows = {"text": outputs.text_embeds, "image": outputs.image_embeds, "cross": outputs.cross_embeds}
+    # The text tower outside the wrapper's forward: DDP still reduces its gradients once (autograd sums both
+    # uses of each parameter before its gradient is ready), and activation checkpointing still applies.
+    add_hard_negatives(rows, inputs, lambda ids, mask: text_embeddings(unwrapped, ids, mask))
+    add_image_keys(rows, inputs)
+    # DataParallel (several GPUs, one process) stacks one copy of the scalar per replica.
+    return LossEmbeddings(rows, {"logit_scale": outputs.logit_scale.mean()})
+
+
 # --------------------------------------------------------------------------------------------------- the family
 
 
@@ -186,7 +202,10 @@ class BridgeTowerFamily(ModelFamily):
         return model.bridgetower.vision_model.visual.embeddings.position_embedding.weight
 
     def from_pretrained(self, name_or_path: str, **hub_kwargs: Any) -> BridgeTowerForContrastiveLearning:
-        return BridgeTowerForContrastiveLearning.from_pretrained(name_or_path, **hub_kwargs)
+        # A checkpoint with a matching head (vlfit's with --objective ...itm, the official itm-mlm-itc) keeps it.
+        with_itm = checkpoint_has_itm_head(name_or_path, **hub_kwargs)
+        model_class = BridgeTowerForContrastiveLearningWithITM if with_itm else BridgeTowerForContrastiveLearning
+        return model_class.from_pretrained(name_or_path, **hub_kwargs)
 
     def image_size(self, config: Any) -> int:
         size = config.vision_config.image_size
@@ -243,13 +262,7 @@ class BridgeTowerFamily(ModelFamily):
         unwrapped = extract_model_from_parallel(model)
         expose_logit_scale(unwrapped)
         outputs = model(**{key: inputs[key] for key in self.model_inputs}, return_loss=False)
-        rows = {"text": outputs.text_embeds, "image": outputs.image_embeds, "cross": outputs.cross_embeds}
-        # The text tower outside the wrapper's forward: DDP still reduces its gradients once (autograd sums both
-        # uses of each parameter before its gradient is ready), and activation checkpointing still applies.
-        add_hard_negatives(rows, inputs, lambda ids, mask: text_embeddings(unwrapped, ids, mask))
-        add_image_keys(rows, inputs)
-        # DataParallel (several GPUs, one process) stacks one copy of the scalar per replica.
-        return LossEmbeddings(rows, {"logit_scale": outputs.logit_scale.mean()})
+        return contrastive_embeddings(unwrapped, outputs, inputs)
 
     def loss_from_embeddings(
         self, embeddings: LossEmbeddings, *, global_negatives: bool = False, symmetric: bool = False

@@ -14,6 +14,8 @@ from vlfit.launch import prepare_launch
 CONTRASTIVE_NEGATIVES = ("local", "global")
 # Which terms the contrastive loss has (``--contrastive_loss``).
 CONTRASTIVE_LOSSES = ("model", "symmetric")
+# What training optimizes (--objective; vlfit.training.itm_objective computes each).
+OBJECTIVES = ("contrastive", "contrastive+itm", "itm")
 # Training counts and their smallest valid value: torch would otherwise fail later, deep in the DataLoader.
 LOWEST_COUNTS = {
     "per_device_train_batch_size": 1,
@@ -48,6 +50,15 @@ class VlfitTrainingArguments(CompatTrainingFlags, TrainingArguments):
             "image->text, the direction image->caption retrieval and caption matching score, which the model's own "
             "loss never trains (for a dual encoder such as CLIP, whose loss is symmetric already, the same).",
             "choices": list(CONTRASTIVE_LOSSES),
+        },
+    )
+    objective: str = field(
+        default="contrastive",
+        metadata={
+            "help": "What training optimizes. contrastive: the contrastive loss. contrastive+itm (BridgeTower): also "
+            "the image-text matching head, on each batch's pairs and on hard negatives drawn from the batch's "
+            "contrastive similarities (one caption per image, one image per caption). itm: the matching loss alone.",
+            "choices": list(OBJECTIVES),
         },
     )
     gradient_cache_chunk_size: int | None = field(
@@ -86,6 +97,11 @@ class VlfitTrainingArguments(CompatTrainingFlags, TrainingArguments):
                 f"unknown --contrastive_negatives {self.contrastive_negatives!r}; choose one of: "
                 f"{', '.join(CONTRASTIVE_NEGATIVES)}"
             )
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"unknown --objective {self.objective!r}; choose one of: {', '.join(OBJECTIVES)}")
+        if self.objective != OBJECTIVES[0] and (self.gradient_cache_chunk_size or self.fsdp):
+            flag = "--gradient_cache_chunk_size" if self.gradient_cache_chunk_size else "--fsdp"
+            raise ConfigError(f"--objective {self.objective} with {flag} is not supported; drop one of the two")
         if self.gradient_cache_chunk_size is not None:
             chunk = self.gradient_cache_chunk_size
             if int(chunk) < 1:

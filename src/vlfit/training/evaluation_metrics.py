@@ -44,6 +44,7 @@ def evaluation_metrics(trainer: Any, loader: Any) -> dict[str, float]:
         pool_size=trainer.eval_pool_size,
         autocast=trainer.autocast_smart_context_manager,
         gather_parts=gather_parts if trainer.accelerator.num_processes > 1 else None,
+        rerank_top_k=getattr(trainer, "rerank_top_k", None),
     )
     if trainer.is_world_process_zero():
         for bad in skipped[:10]:

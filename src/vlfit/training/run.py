@@ -43,6 +43,7 @@ from vlfit.models.logit_scale import set_logit_scale
 from vlfit.models.lora import BASE_MODEL_DIR, LoraSettings, apply_lora, group_of, trainable_parameters
 from vlfit.training.arguments import VlfitTrainingArguments
 from vlfit.training.distributed import describe_launch
+from vlfit.training.itm_objective import prepare_model_for_objective
 from vlfit.training.preemption import PreemptionCallback, TrainingPreempted
 from vlfit.training.unfreeze import UnfreezeCallback
 from vlfit.training.vqa import pipeline_columns, run_task, trainer_class, vqa_blueprint, vqa_location
@@ -276,6 +277,9 @@ def run(
     family = setup.blueprint.family
     unfreeze_later = frozen_tower_parameters(model, family, model_args, training_args)
     lora = model_args.lora_settings()
+    model = prepare_model_for_objective(
+        model, family, training_args.objective, lora=lora is not None, train=training_args.do_train
+    )
     starting_weights = wise_ft_start(model, lora, training_args)
     if lora is not None:
         model = with_lora_adapters(model, setup.blueprint, model_args, training_args, lora)
@@ -292,6 +296,7 @@ def run(
         unfreeze_later=unfreeze_later,
         train_sampler=caption_sampler(train_source, data_args, training_args.seed) if train_source else None,
         zeroshot_sets=setup.zeroshot_sets,
+        rerank_top_k=data_args.rerank_top_k,
     )
     if unfreeze_later:
         towers = ", ".join(model_args.frozen_towers())

@@ -47,6 +47,7 @@ from vlfit.data.stream import ShardStream, SourceUnreachableError
 from vlfit.data.stream.dataset import StreamingImageTextDataset
 from vlfit.efficiency.flops import count_flops
 from vlfit.errors import ConfigError
+from vlfit.evaluation.rerank import check_rerank
 from vlfit.evaluation.zeroshot import ZeroShotSet
 from vlfit.models.family import ModelFamily
 from vlfit.models.trainable import temporarily_trainable
@@ -55,6 +56,7 @@ from vlfit.training.checkpoint_folders import STAGING_PREFIX, publish_staged_che
 from vlfit.training.evaluation_metrics import evaluation_metrics
 from vlfit.training.fsdp import enable_fsdp_on_cpu, reshape_scalar_parameters, scalar_state_dict
 from vlfit.training.gradient_cache import gradient_cached_backward
+from vlfit.training.itm_objective import CONTRASTIVE, TrainingObjective
 from vlfit.training.preemption import StreamSourceLost
 from vlfit.training.stream_epochs import StreamEpochs, agreed_batches, load_stream_state, save_stream_state
 from vlfit.training.throughput import ThroughputMeter
@@ -72,6 +74,7 @@ class VlfitTrainer(Trainer):
         max_bad_fraction: Stop training once more than this fraction of the samples read were bad.
         train_sampler: The training order (``--caption_sampling one_per_image``); ``None``: the Trainer's shuffle.
         zeroshot_sets: Labelled splits classified zero-shot at every evaluation (``--zeroshot_dataset``).
+        rerank_top_k: Re-rank each query's top K by the matching head in evaluation (``--rerank_top_k``).
         *args, **kwargs: As ``transformers.Trainer`` (``train_dataset`` / ``eval_dataset`` are the pipeline's
             datasets).
     """
@@ -86,9 +89,13 @@ class VlfitTrainer(Trainer):
         unfreeze_later: Sequence[torch.nn.Parameter] = (),
         train_sampler: Sampler[int] | None = None,
         zeroshot_sets: Sequence[ZeroShotSet] = (),
+        rerank_top_k: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        check_rerank(self.model, rerank_top_k)  # before training, not at its end
+        self.rerank_top_k = rerank_top_k
+        self.objective = TrainingObjective(getattr(self.args, "objective", CONTRASTIVE), self.args.seed)
         self.train_sampler = train_sampler
         self.zeroshot_sets = list(zeroshot_sets)
         self.unfreeze_later = list(unfreeze_later)
@@ -314,6 +321,15 @@ class VlfitTrainer(Trainer):
     ) -> Any:
         if return_outputs:
             raise NotImplementedError("vlfit evaluates by retrieval (evaluate), not by prediction outputs")
+        if self.objective.uses_itm:  # --objective contrastive+itm or itm (vlfit.training.itm_objective)
+            return self.objective.loss(
+                self.family,
+                model,
+                inputs.inputs,
+                step=self.state.global_step,
+                global_negatives=getattr(self.args, "contrastive_negatives", "local") == "global",
+                symmetric=getattr(self.args, "contrastive_loss", "model") == "symmetric",
+            )
         return self.family.contrastive_loss(
             model,
             inputs.inputs,
@@ -365,6 +381,7 @@ class VlfitTrainer(Trainer):
         if "loss" in logs:
             logs.update(self.throughput.window())
             logs["bad_samples"] = self.bad_samples.count
+            logs.update(self.objective.window())  # each term of --objective contrastive+itm, and ITM accuracy
         super().log(logs, start_time)
 
     def _get_output_dir(self, trial: Any) -> str:

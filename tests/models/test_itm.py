@@ -1,0 +1,247 @@
+"""BridgeTower's matching head: vlfit's fused passes equal transformers' ``BridgeTowerForImageAndTextRetrieval``, one
+saved folder loads in plain transformers as both classes, an official-layout folder keeps its head, mined negatives
+never show the query's image, the ITM loss and gradients on two gloo processes equal one process, FLOPs count the
+fused passes, and the objective's refusals and frozen heads."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.nn.parallel import DistributedDataParallel
+from transformers import BridgeTowerForContrastiveLearning, BridgeTowerForImageAndTextRetrieval
+
+from vlfit.efficiency.flops import count_flops
+from vlfit.errors import ConfigError
+from vlfit.models.bridgetower import BridgeTowerFamily, expose_logit_scale
+from vlfit.models.family import IMAGE_KEYS
+from vlfit.models.itm import (
+    BridgeTowerForContrastiveLearningWithITM,
+    has_itm_head,
+    match_log_odds,
+    pair_scores,
+    with_itm_head,
+)
+from vlfit.models.itm_loss import contrastive_and_matching_loss, excluded_candidates, sample_negatives
+from vlfit.models.registry import family_for_preset, preset_config
+from vlfit.training.itm_objective import TrainingObjective, prepare_model_for_objective
+
+KEYS = torch.tensor([0, 1, 0, 2, 1, 3])  # rows 0, 2 and 1, 4 show one image each (across ranks)
+SPLITS = {"even": (0, 3, 6), "uneven": (0, 4, 6)}
+
+
+def _model(state_dict: dict[str, torch.Tensor] | None = None) -> BridgeTowerForContrastiveLearningWithITM:
+    torch.manual_seed(0)
+    model = BridgeTowerForContrastiveLearningWithITM(preset_config("tiny"))
+    if state_dict is not None:
+        model.load_state_dict(state_dict)
+    return model.eval()
+
+
+def _inputs(n: int = 6) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    attention_mask = torch.ones(n, 10, dtype=torch.long)
+    attention_mask[1::3, 7:] = 0  # some padded captions
+    return {
+        "input_ids": torch.randint(3, 1024, (n, 10), generator=generator),
+        "attention_mask": attention_mask,
+        "pixel_values": torch.randn(n, 3, 64, 64, generator=generator),
+        IMAGE_KEYS: KEYS[:n],
+    }
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _retrieval_logits(folder_or_model, inputs) -> torch.Tensor:
+    model = folder_or_model
+    if isinstance(folder_or_model, (str, os.PathLike)):
+        model = BridgeTowerForImageAndTextRetrieval.from_pretrained(folder_or_model).eval()
+    with torch.no_grad():
+        return model(**{k: inputs[k] for k in ("input_ids", "attention_mask", "pixel_values")}).logits
+
+
+def test_fused_passes_equal_transformers_image_and_text_retrieval():
+    model = _model()
+    reference = BridgeTowerForImageAndTextRetrieval(copy.deepcopy(model.config)).eval()
+    reference.load_state_dict(model.state_dict(), strict=False)
+    inputs = _inputs()
+    expected = _retrieval_logits(reference, inputs)
+    with torch.no_grad():
+        own = model(**{k: inputs[k] for k in ("input_ids", "attention_mask", "pixel_values")}).itm_logits
+        # Every caption against every image, each tower run once per caption and image.
+        texts, images = torch.arange(6).repeat_interleave(6), torch.arange(6).repeat(6)
+        all_pairs = pair_scores(model, (inputs["input_ids"], inputs["attention_mask"]), inputs["pixel_values"],
+                                texts, images).view(6, 6)  # fmt: skip
+    torch.testing.assert_close(own, expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(all_pairs.diagonal(), match_log_odds(expected), rtol=0, atol=1e-5)
+    swapped = {**inputs, "pixel_values": inputs["pixel_values"].roll(1, 0)}
+    torch.testing.assert_close(all_pairs[torch.arange(6), torch.arange(6).roll(1)],
+                               match_log_odds(_retrieval_logits(reference, swapped)), rtol=0, atol=1e-5)  # fmt: skip
+
+
+def test_saved_folder_loads_in_plain_transformers_as_both_classes(tmp_path):
+    model = _model()
+    model.save_pretrained(tmp_path)
+    inputs = _inputs()
+    forward = {k: inputs[k] for k in ("input_ids", "attention_mask", "pixel_values")}
+    with torch.no_grad():
+        own = model(**forward)
+        contrastive = BridgeTowerForContrastiveLearning.from_pretrained(tmp_path).eval()(**forward)
+    torch.testing.assert_close(contrastive.text_embeds, own.text_embeds, rtol=0, atol=1e-6)
+    torch.testing.assert_close(contrastive.cross_embeds, own.cross_embeds, rtol=0, atol=1e-6)
+    torch.testing.assert_close(_retrieval_logits(tmp_path, inputs), own.itm_logits, rtol=0, atol=1e-5)
+    # vlfit loads it back with its head.
+    loaded = BridgeTowerFamily().from_pretrained(str(tmp_path))
+    assert has_itm_head(loaded)
+    torch.testing.assert_close(loaded.itm_score.fc.weight, model.itm_score.fc.weight)
+
+
+def test_a_folder_laid_out_like_the_official_itm_mlm_itc_checkpoint_keeps_its_itm_head(tmp_path):
+    config = preset_config("tiny")
+    torch.manual_seed(3)
+    retrieval = BridgeTowerForImageAndTextRetrieval(copy.deepcopy(config))
+    contrastive = BridgeTowerForContrastiveLearning(copy.deepcopy(config))
+    state = {**contrastive.state_dict(), **retrieval.state_dict()}  # one backbone, both sets of heads
+    state["mlm_score.bias"] = torch.zeros(config.text_config.vocab_size)  # the official file has an MLM head too
+    config.architectures = ["BridgeTowerForContrastiveLearning"]
+    config.save_pretrained(tmp_path)
+    save_file({k: v.contiguous() for k, v in state.items()}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    loaded = BridgeTowerFamily().from_pretrained(str(tmp_path))
+    assert has_itm_head(loaded)
+    torch.testing.assert_close(loaded.itm_score.fc.weight, retrieval.itm_score.fc.weight)
+    # A contrastive-only folder stays contrastive-only.
+    BridgeTowerForContrastiveLearning(copy.deepcopy(config)).save_pretrained(tmp_path / "plain")
+    assert not has_itm_head(BridgeTowerFamily().from_pretrained(str(tmp_path / "plain")))
+
+
+def test_negatives_are_never_the_pair_or_a_caption_of_the_same_image():
+    keys = torch.tensor([0, 0, 0, 1, 1, 2, 3, 3])
+    excluded = excluded_candidates(keys, 8, keys, 0, 8, torch.device("cpu"))
+    similarity = torch.randn(8, 8) * 5
+    similarity[keys.unsqueeze(1) == keys.unsqueeze(0)] += 100  # the same image's rows score highest
+    drawn = set()
+    for seed in range(200):
+        noise = torch.rand(8, 8, generator=torch.Generator().manual_seed(seed))
+        negatives, found = sample_negatives(similarity, excluded, noise)
+        assert found.all()
+        assert not (keys[negatives] == keys).any()
+        drawn.update(zip(range(8), negatives.tolist(), strict=True))
+    assert len(drawn) > 16  # a draw, not an argmax
+    # A row whose every candidate shows its image has no negative.
+    same = torch.tensor([5, 5])
+    _, found = sample_negatives(torch.zeros(2, 2), excluded_candidates(same, 2, same, 0, 2, torch.device("cpu")),
+                                torch.rand(2, 2))  # fmt: skip
+    assert not found.any()
+
+
+def test_the_draw_follows_the_softmax():
+    similarity = torch.tensor([[0.0, 0.0, 2.0, 1.0]])
+    excluded = torch.tensor([[True, False, False, False]])
+    noise = torch.rand(20000, 4, generator=torch.Generator().manual_seed(0))
+    drawn, _ = sample_negatives(similarity.expand(20000, 4), excluded.expand(20000, 4), noise)
+    share = torch.bincount(drawn, minlength=4).float() / 20000
+    torch.testing.assert_close(share[1:], torch.softmax(similarity[0, 1:], 0), rtol=0, atol=0.02)
+
+
+def two_process_payload() -> dict:
+    """What both processes of the 2-process check read (``tests.two_processes``)."""
+    return {"state_dict": _model().state_dict(), "inputs": _inputs()}
+
+
+def two_process_worker(rank: int, world: int, init_file: str, payload_path: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        payload = torch.load(payload_path)
+        model = _model(payload["state_dict"])
+        expose_logit_scale(model)
+        ddp = DistributedDataParallel(model, find_unused_parameters=True)  # as the Trainer wraps it
+        results = {}
+        for name, bounds in SPLITS.items():
+            rows = {key: value[bounds[rank] : bounds[rank + 1]] for key, value in payload["inputs"].items()}
+            model.zero_grad(set_to_none=True)
+            loss, terms = contrastive_and_matching_loss(BridgeTowerFamily(), ddp, rows, global_negatives=True, seed=7)
+            loss.backward()
+            results[name] = {"loss": terms["loss_itm"], "total": loss.detach(), "grads": _grads(model)}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_itm_loss_and_gradients_on_two_processes_equal_one_process(two_process_results):
+    model = _model()
+    expose_logit_scale(model)
+    loss, terms = contrastive_and_matching_loss(BridgeTowerFamily(), model, _inputs(), global_negatives=True, seed=7)
+    loss.backward()
+    reference = _grads(model)
+    assert any("itm_score" in name for name in reference)
+    for name in SPLITS:
+        ranks = [rank[name] for rank in two_process_results[__name__]]
+        for key, expected in (("loss", terms["loss_itm"]), ("total", loss.detach())):
+            torch.testing.assert_close((ranks[0][key] + ranks[1][key]) / 2, expected, rtol=0, atol=2e-6, msg=name)
+        for rank in ranks:
+            assert rank["grads"].keys() == reference.keys()
+            for param, grad in rank["grads"].items():
+                torch.testing.assert_close(grad, reference[param], rtol=1e-4, atol=1e-6, msg=f"{name} {param}")
+
+
+def test_flops_per_sample_count_the_fused_passes():
+    family, inputs = BridgeTowerFamily(), _inputs()
+    model = _model()
+    family.prepare_for_training(model)
+
+    def contrastive() -> None:
+        family.contrastive_loss(model, inputs).backward()
+
+    def with_itm() -> None:
+        contrastive_and_matching_loss(family, model, inputs)[0].backward()
+
+    _, plain = count_flops(contrastive)
+    _, matched = count_flops(with_itm)
+    assert matched > 1.2 * plain
+
+
+def test_the_objective_logs_its_terms_and_trains_every_head_it_reaches():
+    family = family_for_preset("tiny")
+    model = prepare_model_for_objective(BridgeTowerForContrastiveLearning(preset_config("tiny")), family,
+                                        "contrastive+itm")  # fmt: skip
+    assert has_itm_head(model) and model.itm_score.fc.weight.requires_grad
+    family.prepare_for_training(model)
+    objective = TrainingObjective("contrastive+itm", seed=0)
+    for step in range(2):
+        objective.loss(family, model, _inputs(), step=step, global_negatives=False, symmetric=False).backward()
+    logged = objective.window()
+    assert set(logged) == {"loss_contrastive", "loss_itm", "itm_accuracy"}
+    assert 0.0 <= logged["itm_accuracy"] <= 1.0 and objective.window() == {}
+    assert model.itm_score.fc.weight.grad is not None and model.itc_text_head.fc.weight.grad is not None
+    # itm alone: the contrastive heads only rank the negatives' draw, frozen; contrastive alone: the ITM head frozen.
+    alone = prepare_model_for_objective(_model(), family, "itm")
+    assert not alone.itc_cross_modal_head.fc.weight.requires_grad and not alone.logit_scale.requires_grad
+    assert alone.itm_score.fc.weight.requires_grad
+    kept = prepare_model_for_objective(_model(), family, "contrastive")
+    assert has_itm_head(kept) and not kept.itm_score.fc.weight.requires_grad
+
+
+def test_objective_refusals_name_the_flag():
+    clip = family_for_preset("clip-tiny")
+    with pytest.raises(ConfigError, match=r"^--objective contrastive\+itm: .*clip model"):
+        prepare_model_for_objective(torch.nn.Linear(1, 1), clip, "contrastive+itm")
+    with pytest.raises(ConfigError, match=r"--objective itm with --lora_r"):
+        prepare_model_for_objective(_model(), family_for_preset("tiny"), "itm", lora=True)
+    with pytest.raises(ConfigError, match="unknown --objective 'mlm'"):
+        TrainingObjective("mlm")
+
+
+def test_adding_a_head_keeps_the_model_and_its_weights():
+    model = BridgeTowerForContrastiveLearning(preset_config("tiny"))
+    before = {name: p.clone() for name, p in model.state_dict().items()}
+    same = with_itm_head(model)
+    assert same is model and has_itm_head(model)
+    assert all(torch.equal(model.state_dict()[name], value) for name, value in before.items())
