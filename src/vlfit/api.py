@@ -131,6 +131,39 @@ class Model:
         """Cosine similarities ``[num_images, num_texts]`` (the model's temperature is not applied)."""
         return self.encode_images(images) @ self.encode_texts(texts).T
 
+    @python_api
+    def answer(
+        self, images: ImageInput | Iterable[ImageInput], questions: str | Sequence[str], top_k: int = 3
+    ) -> list[list[tuple[str, float]]]:
+        """The ``top_k`` best answers to each question, best first, as ``(answer, score)`` pairs (score: the
+        sigmoid of the answer's logit), from a model ``vlfit train --task vqa`` saved (PyTorch backend).
+
+        One image per question, or one image for every question. Images go through the fast CPU pipeline.
+
+        Raises:
+            ConfigError: for a model without a VQA head, or another backend than PyTorch.
+            DataError: for as many images as questions but not one image per question, or a bad image.
+        """
+        _check_at_least("top_k", top_k, 1)
+        texts = _strings("questions", questions)
+        items = [images] if isinstance(images, (str, os.PathLike, bytes, Image.Image, np.ndarray)) else list(images)
+        if len(items) == 1:
+            items = items * len(texts)
+        if len(items) != len(texts):
+            raise DataError(f"{len(items)} images for {len(texts)} questions: give one image per question, or one")
+        answerer = self._question_answerer()
+        pixels = [_pixels_of(item, answerer.image_size, position) for position, item in enumerate(items)]
+        return [[tuple(a) for a in row] for row in answerer.answer(stack_images(pixels), texts, top_k)]  # type: ignore[misc]
+
+    def _question_answerer(self) -> Any:
+        if self.backend != "torch":
+            raise ConfigError(f"answering questions runs on the PyTorch backend; this model runs on {self.backend}")
+        if getattr(self, "_answerer", None) is None:
+            from vlfit.inference.vqa import QuestionAnswerer
+
+            self._answerer = QuestionAnswerer(self.encoder.model_path)
+        return self._answerer
+
 
 def _check_at_least(keyword: str, value: int | float, least: int | float) -> None:
     if value < least:

@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "fewshot": ("vlfit.commands.fewshot", "zero-shot, linear probe and SetFit compared at 1-16 labelled images/class"),
     "classify": ("vlfit.commands.classify", "label images with a classifier vlfit fewshot saved"),
     "wise-ft": ("vlfit.commands.wise_ft", "interpolate a zero-shot and a fine-tuned model (WiSE-FT): curve and pick"),
+    "vqa": ("vlfit.commands.vqa", "answer questions about an image with a model vlfit train --task vqa saved"),
 }
 
 DEBUG_FLAG = "--debug"

@@ -14,6 +14,7 @@ body, never in the metadata (the hub reads those keys as repository ids). The ca
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -249,6 +250,68 @@ def _usage_section(family_name: str, folder_name: str, base_model: str | None, a
     return text + "```python\n" + "\n".join(lines) + "\n" + embed + "\n```\n"
 
 
+# What a VQA folder's config names in ``architectures`` (vlfit.models.vqa.VQA_ARCHITECTURE).
+_VQA_ARCHITECTURE = "BridgeTowerForQuestionAnswering"
+
+_VQA_USAGE = """\
+## How to use it
+
+A BridgeTower model fine-tuned to answer questions about images (`vlfit train --task vqa`): the fused tower
+(`bridgetower.*`, transformers' `BridgeTowerModel`) and the BridgeTower paper's VQA classifier over its pooled output
+(`vqa_classifier.*`: `Linear(2h, 4h) -> LayerNorm -> GELU -> Linear(4h, answers)`, `h` the config's `hidden_size`),
+trained with binary cross-entropy on soft targets (`min(1, annotators / 3)`). The config's `id2label` lists the
+{answers} answers in output order. In vlfit:
+
+```python
+import vlfit
+
+model = vlfit.load("{folder}")
+model.answer(["photo.jpg"], ["how many dogs are there?"], top_k=3)  # [[(answer, score), ...]]
+```
+
+or `vlfit vqa --model {folder} photo.jpg "how many dogs are there?"`. transformers has no BridgeTower VQA class:
+it loads the backbone, and the head is four modules rebuilt from the config:
+
+```python
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoProcessor, BridgeTowerModel
+
+path = "{folder}"  # this folder
+config = AutoConfig.from_pretrained(path)
+backbone = BridgeTowerModel.from_pretrained(path).eval()  # pooler_output: [B, 2h]
+processor = AutoProcessor.from_pretrained(path)
+h = config.hidden_size
+head = torch.nn.Sequential(
+    torch.nn.Linear(2 * h, 4 * h), torch.nn.LayerNorm(4 * h), torch.nn.GELU(), torch.nn.Linear(4 * h, config.num_labels)
+)
+weights = load_file(f"{{path}}/model.safetensors")
+head.load_state_dict({{k.removeprefix("vqa_classifier."): v for k, v in weights.items() if k.startswith("vqa_")}})
+head.eval()
+
+inputs = processor(images=[Image.open("photo.jpg").convert("RGB")], text=["how many dogs are there?"],
+                   return_tensors="pt")
+with torch.no_grad():
+    scores = head(backbone(**inputs).pooler_output).sigmoid()[0]  # one score per answer
+top = scores.topk(3)
+print([(config.id2label[int(i)], float(s)) for s, i in zip(top.values, top.indices)])
+```
+"""
+
+
+def _vqa_usage_section(output_dir: str, folder_name: str) -> str | None:
+    """The usage section of a VQA model's folder (its ``config.json`` says so), else None."""
+    try:
+        with open(os.path.join(output_dir, "config.json"), encoding="utf-8") as file:
+            config = json.load(file)
+    except (OSError, ValueError):
+        return None
+    if _VQA_ARCHITECTURE not in (config.get("architectures") or ()):
+        return None
+    return _VQA_USAGE.format(folder=folder_name, answers=len(config.get("id2label") or {}))
+
+
 def write_model_card(
     output_dir: str,
     *,
@@ -300,7 +363,7 @@ def write_model_card(
         "## How it was made\n",
         f"```bash\n{command_line}\n```\n" if command_line else "The command line was not recorded.\n",
         "".join(f"- {package} {_version_of(package)}\n" for package in ("vlfit", "transformers", "torch")),
-        _usage_section(family_name, folder_name, base_model, adapters),
+        _vqa_usage_section(output_dir, folder_name) or _usage_section(family_name, folder_name, base_model, adapters),
         "## License\n",
         f"`{license}`" + (_see_licenses(len(bases)) if license == "other" else "") + "\n",
     ]

@@ -1,4 +1,5 @@
-"""``vlfit make-data``: write the deterministic synthetic caption matching dataset to disk."""
+"""``vlfit make-data``: write the deterministic synthetic caption matching dataset (or, with ``--task vqa``, its
+questions) to disk."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from PIL import Image
 
 from vlfit.commands.parsing import CommandParser
 from vlfit.data.synthetic import SPLITS, SyntheticConfig, make_dataset, save_dataset
+from vlfit.data.synthetic.questions import make_question_dataset
 from vlfit.errors import ConfigError
 
 
@@ -57,6 +59,14 @@ class MakeDataArguments:
             'circles and ..."): with --background, a shifted distribution of the same scenes.'
         },
     )
+    task: Literal["captions", "vqa"] = field(
+        default="captions",
+        metadata={
+            "help": "'captions' (the caption matching set) or 'vqa' (one question about each scene, with 10 "
+            "annotator answers, in the VQAv2 layout: question, answers, multiple_choice_answer, answer_type, "
+            "question_type, question_id, image_id; for vlfit train --task vqa)."
+        },
+    )
     num_proc: int = field(
         default_factory=_default_num_proc,
         metadata={"help": "Worker processes for generation; the default is min(2, CPU count)."},
@@ -97,7 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         background=args.background,
         caption_grammar=args.caption_grammar,
     )
-    dataset_dict = make_dataset(config, num_proc=args.num_proc)
+    if args.task == "vqa":
+        dataset_dict = make_question_dataset(config, num_proc=args.num_proc)
+    else:
+        dataset_dict = make_dataset(config, num_proc=args.num_proc)
     paths = save_dataset(dataset_dict, args.output_dir, format=args.format)
     for name in SPLITS:
         # Read the stored bytes straight from Arrow: going through the Image feature would decode every image.

@@ -13,7 +13,7 @@ answers than 3 the bar is their number (a single ``multiple_choice_answer`` is m
 from __future__ import annotations
 
 import re
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Sequence
 
 from vlfit.data.answer_normalization import normalize_answer
@@ -67,9 +67,3 @@ def vqa_metrics(
         for kind, values in sorted(by_type.items()):
             metrics[f"{prefix}_{re.sub(r'[^0-9a-z]+', '_', kind.lower())}"] = sum(values) / len(values)
     return metrics
-
-
-def majority_answer(answers: Sequence[Sequence[str]]) -> str:
-    """The answer most annotators gave over all questions (normalised): the majority-answer baseline's one reply."""
-    counts = Counter(normalize_answer(answer) for row in answers for answer in row)
-    return min(counts, key=lambda answer: (-counts[answer], answer)) if counts else ""

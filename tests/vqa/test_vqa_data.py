@@ -1,0 +1,60 @@
+"""VQA data: annotator answers, the answer vocabulary and soft targets, the synthetic questions, and bad input."""
+
+import pytest
+import torch
+
+from vlfit.data.synthetic import SyntheticConfig
+from vlfit.data.synthetic.questions import ANNOTATORS, QUESTION_TYPES, make_question_record
+from vlfit.data.vqa import AnswerVocabulary, annotator_answers
+from vlfit.errors import ConfigError, DataError
+
+
+def test_answers_as_strings_dicts_or_multiple_choice():
+    assert annotator_answers({"answers": ["Two", "2"]}, "q1") == ["2", "2"]
+    assert annotator_answers({"answers": [{"answer": "yes", "answer_id": 1}]}, "q2") == ["yes"]
+    assert annotator_answers({"multiple_choice_answer": "the red ball"}, "q3") == ["red ball"]
+
+
+def test_question_without_answers_is_one_clear_line():
+    with pytest.raises(DataError, match="question q7 has no answers") as error:
+        annotator_answers({"answers": [], "multiple_choice_answer": None}, "q7")
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("value", [3, "yes", [1, 2], [{"text": "yes"}]])
+def test_answer_column_of_the_wrong_type_is_one_clear_line(value):
+    with pytest.raises(DataError, match="question q8: the 'answers' column holds") as error:
+        annotator_answers({"answers": value}, "q8")
+    assert "\n" not in str(error.value)
+
+
+def test_vocabulary_and_soft_targets():
+    answers = [["yes"] * 10, ["no"] * 9 + ["yes"], ["2", "2", "3"], ["red"]]
+    vocabulary = AnswerVocabulary.build(answers, max_answers=3)
+    assert vocabulary.answers == ("yes", "no", "2")  # most given first; "3" and "red" fall out
+    targets = vocabulary.targets(answers)
+    expected = torch.tensor(
+        [[1.0, 0.0, 0.0], [1 / 3, 1.0, 0.0], [0.0, 0.0, 2 / 3], [0.0, 0.0, 0.0]]  # min(count / 3, 1)
+    )
+    assert torch.allclose(targets, expected)
+
+
+def test_synthetic_questions_have_ten_answers_some_disagreeing():
+    config = SyntheticConfig(num_samples=40, min_long_side=48, max_long_side=64)
+    rows = [make_question_record(i, config) for i in range(40)]
+    assert {row["question_type"] for row in rows} == set(QUESTION_TYPES)
+    assert all(len(row["answers"]) == ANNOTATORS for row in rows)
+    assert any(len(set(row["answers"])) > 1 for row in rows)
+    assert all(row["multiple_choice_answer"] in row["answers"] for row in rows)
+    assert rows[0] == make_question_record(0, config)  # deterministic
+    assert {row["answer_type"] for row in rows} == {"yes/no", "number", "other"}
+
+
+def test_vqa_task_refuses_a_dual_encoder(tmp_path):
+    from vlfit.models.loading import resolve_model
+    from vlfit.training.vqa import vqa_blueprint
+
+    spec = resolve_model(model_preset="clip-tiny", captions=lambda: ["a red circle"] * 4)
+    with pytest.raises(ConfigError, match="--task vqa fine-tunes BridgeTower.*clip model") as error:
+        vqa_blueprint(spec, None, None, 10, train=True)
+    assert "\n" not in str(error.value)

@@ -1,0 +1,94 @@
+"""A tiny ``--task vqa`` run on synthetic questions: it learns, evaluates, answers, and its folder loads in plain
+transformers as its model card says."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def vqa_run(tmp_path_factory):
+    """Synthetic questions (make-data --task vqa) and a 24-step --task vqa run of the tiny preset on them."""
+    import vlfit
+    from vlfit.commands.make_data import main as make_data
+
+    root = tmp_path_factory.mktemp("vqa")
+    data = root / "data"
+    make_data([
+        "--task", "vqa", "--output_dir", str(data), "--num_samples", "200", "--validation_fraction", "0.2",
+        "--test_fraction", "0", "--min_long_side", "64", "--max_long_side", "96", "--format", "parquet",
+        "--num_proc", "1",
+    ])  # fmt: skip
+    result = vlfit.train(
+        task="vqa", model_preset="tiny", train_file=str(data / "train.parquet"),
+        validation_file=str(data / "validation.parquet"), output_dir=str(root / "run"), max_steps=24,
+        per_device_train_batch_size=32, learning_rate=2e-3, lr_scheduler_type="constant", do_eval=True,
+        save_strategy="no", report_to="none", seed=0, disable_tqdm=True,
+    )  # fmt: skip
+    return data, root / "run", result.metrics
+
+
+def test_learns_above_the_majority_answer(vqa_run):
+    _, _, metrics = vqa_run
+    assert metrics["eval_vqa_questions"] == 40
+    assert metrics["eval_vqa_accuracy"] > metrics["eval_vqa_accuracy_majority_answer"] + 0.05
+    assert {"eval_vqa_accuracy_yes_no", "eval_vqa_accuracy_number", "eval_vqa_accuracy_other"} <= set(metrics)
+
+
+def test_eval_of_the_saved_model_needs_no_task_flag(vqa_run, tmp_path):
+    import vlfit
+
+    data, run, metrics = vqa_run
+    result = vlfit.evaluate(
+        model_name_or_path=str(run), validation_file=str(data / "validation.parquet"), output_dir=str(tmp_path)
+    )
+    assert result.metrics["eval_vqa_accuracy"] == pytest.approx(metrics["eval_vqa_accuracy"])
+
+
+def test_answer_api_cli_and_plain_transformers_agree(vqa_run, tmp_path):
+    import datasets
+    from PIL import Image
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoProcessor, BridgeTowerModel
+
+    import vlfit
+
+    data, run, _ = vqa_run
+    row = datasets.load_dataset("parquet", data_files=str(data / "validation.parquet"))["train"][0]
+    image = tmp_path / "image.png"
+    row["image"].save(image)
+    question = row["question"]
+    answers = vlfit.load(str(run)).answer(str(image), question, top_k=2)
+    assert len(answers) == 1 and len(answers[0]) == 2 and answers[0][0][1] >= answers[0][1][1]
+
+    printed = subprocess.run(
+        [sys.executable, "-m", "vlfit", "vqa", "--model", str(run), str(image), question, "--top_k", "2"],
+        capture_output=True, text=True, check=True,
+    ).stdout.splitlines()  # fmt: skip
+    assert printed[0].split("\t")[:2] == [question, answers[0][0][0]]
+
+    # The model card's recipe: the backbone in plain transformers, the head rebuilt from the config.
+    assert "BridgeTowerModel.from_pretrained(path)" in (run / "README.md").read_text()
+    config = AutoConfig.from_pretrained(run)
+    backbone = BridgeTowerModel.from_pretrained(run).eval()
+    h = config.hidden_size
+    head = torch.nn.Sequential(
+        torch.nn.Linear(2 * h, 4 * h),
+        torch.nn.LayerNorm(4 * h),
+        torch.nn.GELU(),
+        torch.nn.Linear(4 * h, config.num_labels),
+    )
+    weights = load_file(run / "model.safetensors")
+    head.load_state_dict({k.removeprefix("vqa_classifier."): v for k, v in weights.items() if k.startswith("vqa_")})
+    inputs = AutoProcessor.from_pretrained(run)(images=[Image.open(image).convert("RGB")], text=[question],
+                                                return_tensors="pt")  # fmt: skip
+    with torch.no_grad():
+        scores = head.eval()(backbone(**inputs).pooler_output).sigmoid()[0]
+    assert config.id2label[int(scores.argmax())] == answers[0][0][0]
+    assert float(scores.max()) == pytest.approx(answers[0][0][1], abs=0.02)
+    assert json.loads((run / "config.json").read_text())["architectures"] == ["BridgeTowerForQuestionAnswering"]
