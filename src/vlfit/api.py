@@ -280,18 +280,21 @@ class Index:
 
     Build one with ``Index.build(model, "runs/index", images="photos/")`` (or ``dataset_name=..., split=...``),
     open it later with ``Index.open("runs/index")``, add the new images of the folder with ``append()``, and
-    search it with ``search("a red square", k=5)``.
+    search it with ``search("a red square", k=5)``. An index opens only when its files are those its manifest
+    records (``verify``: ``quick``, each file there with its size, or ``full``, checksums and finite embeddings
+    too); otherwise ``vlfit.index.integrity.DamagedIndexError`` (a ``DataError``) names the file and the command
+    that rebuilds it.
     """
 
-    def __init__(self, path: str, model: Model | None = None) -> None:
+    def __init__(self, path: str, model: Model | None = None, verify: str = "quick") -> None:
         self.path = path
         self._model = model
-        self._reload()
+        self._reload(verify)
 
-    def _reload(self) -> None:
-        from vlfit.index.store import EmbeddingIndex
+    def _reload(self, verify: str = "quick") -> None:
+        from vlfit.index.verify import open_index
 
-        self._index = EmbeddingIndex(self.path)  # the manifest as the last build wrote it
+        self._index = open_index(self.path, verify)  # the manifest as the last build wrote it
 
     def __len__(self) -> int:
         return len(self._index)
@@ -364,9 +367,10 @@ class Index:
 
     @classmethod
     @python_api(renames={"index": "path"})
-    def open(cls, path: str, model: Model | None = None) -> Index:
-        """The index at ``path``; queries are embedded with ``model`` (default: the one it was built with)."""
-        index = cls(path, model)
+    def open(cls, path: str, model: Model | None = None, verify: str = "quick") -> Index:
+        """The index at ``path``, checked against its manifest (``verify``: ``quick`` or ``full``, as ``vlfit
+        retrieve verify`` checks it); queries are embedded with ``model`` (default: the one it was built with)."""
+        index = cls(path, model, verify)
         if model is not None:
             from vlfit.index.store import refuse_other_model
 

@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("vlfit.commands.demo", "make data, fine-tune the small-p8 preset on the CPU, evaluate, summarize"),
     "bench": ("vlfit.commands.bench", "input-pipeline throughput sweep: the bottleneck and the settings to use"),
     "export": ("vlfit.commands.export", "a checkpoint's two towers as ONNX/OpenVINO graphs (fp32, INT8), checked"),
-    "retrieve": ("vlfit.commands.retrieve", "embed images into an index (retrieve index), search it (retrieve query)"),
+    "retrieve": ("vlfit.commands.retrieve", "image index: built (retrieve index), searched (query), checked (verify)"),
     "serve": ("vlfit.commands.serve", "an index as an HTTP search API with a web page (FastAPI on uvicorn)"),
     "search": ("vlfit.commands.search", "hyperparameter search over train runs (Optuna; resumable, pruned)"),
     "merge-lora": ("vlfit.commands.merge_lora", "a plain checkpoint from a run's LoRA adapters"),

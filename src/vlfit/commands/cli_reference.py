@@ -16,7 +16,7 @@ REGENERATE = "python -m vlfit.commands.cli_reference > docs/cli.md"
 # argparse wraps help to the terminal's width: fixed, so the page does not depend on who generated it.
 HELP_COLUMNS = "120"
 # Commands with subcommands, each with flags of its own.
-SUBCOMMANDS = {"retrieve": ("index", "query")}
+SUBCOMMANDS = {"retrieve": ("index", "query", "verify")}
 
 
 def command_lines() -> list[list[str]]:

@@ -1,5 +1,6 @@
-"""``vlfit retrieve index`` (embed a collection of images into an index, then bring its ANN structure up to date)
-and ``vlfit retrieve query`` (top-k images of text or image queries: through the ANN structure, or ``--exact``).
+"""``vlfit retrieve index`` (embed a collection of images into an index, then bring its ANN structure up to date),
+``vlfit retrieve query`` (top-k images of text or image queries: through the ANN structure, or ``--exact``) and
+``vlfit retrieve verify`` (check an index's files against its manifest: one line per problem, exit 2 unless whole).
 
 The ANN structure needs the ``serve`` extra (faiss); ``vlfit retrieve index`` checks for it before embedding
 anything."""
@@ -22,14 +23,16 @@ from vlfit.extras import require_extra
 from vlfit.index.ann_choice import DEFAULT_MAX_INDEX_MEMORY, DEFAULT_TARGET_RECALL, check_target_recall
 from vlfit.index.build import BuildRequest, build_index
 from vlfit.index.search import Hit, Query, embed_queries, read_queries, search
-from vlfit.index.store import EmbeddingIndex, refuse_other_model
+from vlfit.index.store import refuse_other_model
+from vlfit.index.verify import open_index, verify_index
 from vlfit.inference.backends import open_encoder
 from vlfit.inference.topk import DEFAULT_CHUNK_ELEMENTS
 
-SUBCOMMANDS = ("index", "query")
+SUBCOMMANDS = ("index", "query", "verify")
 # What the summary of vlfit retrieve index tells of the ANN structure (the manifest's "ann" holds all of it).
 ANN_SUMMARY = ("type", "factory", "search_params", "recall_at_10", "bytes_per_vector", "query_latency_ms", "extended")
 Backend = Literal["auto", "torch", "onnxruntime", "openvino"]
+Verify = Literal["quick", "full"]
 Precision = Literal["auto", "fp32", "int8"]
 IndexType = Literal["auto", "flat", "hnsw", "ivfpq"]
 
@@ -108,6 +111,11 @@ class IndexArguments:
         default=1800,
         metadata={"help": "Under torchrun: seconds the processes wait for each other (to start, and per shard)."},
     )
+    verify: Verify = field(
+        default="quick",
+        metadata={"help": "How an existing index is checked before appending: quick (sizes) or full (checksums, "
+                  "finite embeddings); the items of a damaged shard are embedded again, a damaged ANN file rebuilt."},
+    )  # fmt: skip
 
     def build_request(self, collection: dict, rank: int, world_size: int) -> BuildRequest:
         """The build these flags ask for, of the collection ``collection`` describes, by process ``rank``."""
@@ -121,6 +129,7 @@ class IndexArguments:
             progress=not self.disable_tqdm,
             rank=rank,
             world_size=world_size,
+            verify=self.verify,
         )
 
 
@@ -129,6 +138,11 @@ class QueryArguments:
     """Flags of ``vlfit retrieve query``."""
 
     index: str = field(metadata={"help": "The index folder (vlfit retrieve index's output)."})
+    verify: Verify = field(
+        default="quick",
+        metadata={"help": "How the index is checked before it is searched: quick (each file there with its recorded "
+                  "size) or full (checksums and finite embeddings too: reads the whole index)."},
+    )  # fmt: skip
     text: list[str] = field(
         default_factory=list, metadata={"help": "Text queries (repeat the flag or list several: --text a --text b)."}
     )
@@ -157,6 +171,19 @@ class QueryArguments:
     )
 
 
+@dataclass
+class VerifyArguments:
+    """Flags of ``vlfit retrieve verify``."""
+
+    index: str = field(metadata={"help": "The index folder (vlfit retrieve index's output)."})
+    verify: Verify = field(
+        default="quick",
+        metadata={"help": "quick: the manifest parses and each file is there with its recorded size; full: checksums, "
+                  "ids and captions that parse, finite embeddings too (reads the whole index)."},
+    )  # fmt: skip
+    json: bool = field(default=False, metadata={"help": "Print the report as JSON."})
+
+
 # Each subcommand's flags, the description its --help opens with, and the flags that may be repeated.
 PARSERS: dict[str, tuple[type, str, tuple[str, ...]]] = {
     "index": (
@@ -169,6 +196,12 @@ PARSERS: dict[str, tuple[type, str, tuple[str, ...]]] = {
         QueryArguments,
         "The top-k images of an index for text queries, image queries or a file of them.",
         ("text", "image"),
+    ),
+    "verify": (
+        VerifyArguments,
+        "Check an index's files against its manifest: one line per damaged file, naming the command that rebuilds "
+        "it; exit 0 when the index is whole, 2 otherwise.",
+        (),
     ),
 }
 
@@ -204,6 +237,7 @@ def run_index(args: IndexArguments) -> int:
         index_type=args.index_type,
         max_index_memory=args.max_index_memory,
         target_recall=args.target_recall,
+        verify=args.verify,
     )
     manifest = built.manifest
     summary = {
@@ -254,7 +288,7 @@ def run_query(args: QueryArguments) -> int:
         raise ConfigError("no query given: pass --text, --image or --queries FILE")
     if args.k < 1:
         raise ConfigError(f"-k must be at least 1, got {args.k}")
-    index = EmbeddingIndex(args.index)
+    index = open_index(args.index, args.verify)
     built_with = index.manifest.model
     model = args.model or built_with["path"]
     backend = args.backend
@@ -280,21 +314,34 @@ def run_query(args: QueryArguments) -> int:
     return 0
 
 
+def run_verify(args: VerifyArguments) -> int:
+    """``vlfit retrieve verify``: the checks ``vlfit serve`` and ``vlfit retrieve query`` run as they open the index,
+    reported in full; 0 when the index is whole, 2 otherwise."""
+    check = verify_index(args.index, args.verify)
+    if args.json:
+        print(json.dumps(check.to_dict(), indent=1))
+    else:
+        print("\n".join(check.lines()))
+    return 0 if check.whole else 2
+
+
 def _hit_json(hit: Hit) -> dict[str, object]:
     """A hit in ``--json``: ``{"id", "score"}``, and ``"captions"`` when the index stores some."""
     return {"id": hit.id, "score": hit.score, **({"captions": hit.captions} if hit.captions is not None else {})}
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``vlfit retrieve index|query`` (``argv`` None reads ``sys.argv[1:]``)."""
+    """Entry point of ``vlfit retrieve index|query|verify`` (``argv`` None reads ``sys.argv[1:]``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in SUBCOMMANDS:
         given = repr(argv[0]) if argv else "nothing"
         if argv and argv[0] in ("-h", "--help"):
-            print("usage: vlfit retrieve index|query [flags]   (vlfit retrieve index --help for its flags)")
+            print("usage: vlfit retrieve index|query|verify [flags]   (vlfit retrieve index --help for its flags)")
             return 0
-        raise ConfigError(f"vlfit retrieve takes a subcommand, index or query; got {given}")
+        raise ConfigError(f"vlfit retrieve takes a subcommand, index, query or verify; got {given}")
     flags, description, repeatable = PARSERS[argv[0]]
     parser = CommandParser(flags, prog=f"vlfit retrieve {argv[0]}", description=description, repeatable=repeatable)
     (args,) = parser.parse_args_into_dataclasses(args=argv[1:])
+    if isinstance(args, VerifyArguments):
+        return run_verify(args)
     return run_index(args) if isinstance(args, IndexArguments) else run_query(args)

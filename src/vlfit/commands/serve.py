@@ -35,6 +35,11 @@ class ServeArguments:
     """Flags of ``vlfit serve``."""
 
     index: str = field(metadata={"help": "The index folder (vlfit retrieve index's output)."})
+    verify: Literal["quick", "full"] = field(
+        default="quick",
+        metadata={"help": "How the index is checked as it opens and reloads: quick (each file there with its "
+                  "recorded size) or full (checksums and finite embeddings too: reads the whole index)."},
+    )  # fmt: skip
     host: str = field(default="127.0.0.1", metadata={"help": "Address to bind (0.0.0.0: every interface)."})
     port: int = field(default=8000, metadata={"help": "TCP port (0: any free one, printed at start)."})
     workers: int = field(default=1, metadata={"help": "Server processes, each with its own model and index."})
@@ -123,7 +128,8 @@ def build_app(args: ServeArguments):  # -> fastapi.FastAPI (fastapi is imported 
     from vlfit.serve.app import create_app
     from vlfit.serve.engine import SearchEngine
 
-    engine = SearchEngine(args.index, args.model, args.backend, args.precision, args.num_threads, args.search_threads)
+    engine = SearchEngine(args.index, args.model, args.backend, args.precision, args.num_threads, args.search_threads,
+                          verify=args.verify)  # fmt: skip
     return create_app(engine, max_upload_mb=args.max_upload_mb, max_batch=args.max_batch,
                       max_wait_ms=args.max_wait_ms, reload_interval=args.reload_interval,
                       limits=args.limits())  # fmt: skip
@@ -174,9 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     check_address(args.host, args.port)  # before anything loads
     import uvicorn
 
-    from vlfit.index.store import EmbeddingIndex
+    from vlfit.index.verify import open_index
 
-    EmbeddingIndex(args.index)  # no index: one line now, not a traceback in every worker
+    # No index, or a damaged one: one line now, not a traceback in every worker (one worker checks as its app loads).
+    open_index(args.index, args.verify if args.workers > 1 else "quick")
     # uvicorn on vlfit's httptools protocol, which bounds connections and request heads by the app's limits
     # (vlfit.serve.connections); h11's own head limit in case a caller picks h11.
     common = dict(host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30,

@@ -14,10 +14,16 @@ queries, each query's own row left out of both its exact and its found neighbour
 nearest neighbour, which would flatter every structure). Rows of results are positions in the order the vectors
 were added (the shards' order); ``-1`` pads where fewer than ``k`` were found. faiss is imported only inside
 functions: it is the ``serve`` extra.
+
+``save`` records the size and SHA-256 of ``ann.faiss`` (computed as faiss writes it, the file flushed to disk before
+its description is written); ``load`` reads it into memory, hashing it as faiss reads it, and refuses a file that
+is not the one recorded. Searches never read the file again: one replaced or overwritten underneath cannot take a
+server down (a memory-mapped IVF index did, with SIGBUS), and a reload opens the new file whole.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -27,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from vlfit.atomic_files import replace_on_success, write_text_atomically
+from vlfit.atomic_files import WrittenFile, write_file_atomically, write_text_atomically
 from vlfit.errors import ConfigError, DataError, MissingFileError
 from vlfit.extras import require_extra
 from vlfit.index.ann_choice import (
@@ -37,6 +43,7 @@ from vlfit.index.ann_choice import (
     choose_index_type,
     ivf_training_size,
 )
+from vlfit.index.integrity import DamagedIndexError, sha256_problem
 
 RETRAIN_GROWTH = 4  # an IVF index trained on n vectors is retrained once it holds more than 4n
 RECALL_K = 10
@@ -273,38 +280,106 @@ class AnnIndex:
         return [(1, [{}])]
 
     def save(self, folder: str) -> dict[str, Any]:
-        """Write ``ann.faiss``, then ``ann.json`` (its description), each atomically; returns the description."""
+        """Write ``ann.faiss``, then ``ann.json`` (its description, with the file's ``bytes`` and ``sha256``), each
+        atomically and flushed to disk; returns the description."""
         faiss = _faiss()
         os.makedirs(folder, exist_ok=True)
-        with replace_on_success(os.path.join(folder, ANN_FILE)) as temp:
-            faiss.write_index(self.index, temp)
-        described = {**self.describe(), "file": ANN_FILE}
-        write_text_atomically(os.path.join(folder, ANN_DESCRIPTION), json.dumps(described, indent=1) + "\n")
+
+        def write(f: Any) -> None:
+            faiss.write_index(self.index, faiss.PyCallbackIOWriter(f.write))
+
+        written = write_file_atomically(os.path.join(folder, ANN_FILE), write)
+        described = {**self.describe(), "file": ANN_FILE, **written.to_dict()}
+        text = json.dumps(described, indent=1) + "\n"
+        write_text_atomically(os.path.join(folder, ANN_DESCRIPTION), text, durable=True)
         return described
 
     @classmethod
-    def load(cls, folder: str, mmap: bool = True, what: str = "vlfit retrieve query", vectors: Any = None) -> AnnIndex:
-        """The ANN index ``save`` wrote in ``folder``; an IVF index is memory-mapped unless ``mmap`` is False (which
-        ``add`` needs). ``vectors``: the full vectors by row, which a re-ranking index searches with.
+    def load(
+        cls,
+        folder: str,
+        mmap: bool = False,
+        what: str = "vlfit retrieve query",
+        vectors: Any = None,
+        *,
+        recorded: dict[str, Any] | None = None,
+        repair: str = "vlfit retrieve index",
+    ) -> AnnIndex:
+        """The ANN index ``save`` wrote in ``folder``, read into memory (its size and SHA-256 checked against
+        ``recorded``, else against ``ann.json``, as faiss reads it). ``mmap``: memory-map an IVF index instead (its
+        pages are then read from the file by every search: a file overwritten underneath kills the process with
+        SIGBUS; only for a file nothing rewrites). ``vectors``: the full vectors by row, which a re-ranking index
+        searches with.
+
+        Args:
+            folder: The index folder.
+            mmap: Memory-map an IVF index rather than read it.
+            what: The command named if faiss is missing.
+            vectors: The full vectors by row.
+            recorded: The description the index manifest holds (its ``bytes`` and ``sha256`` of ``ann.faiss``).
+            repair: The command that rebuilds a damaged file, for the message.
 
         Raises:
             MissingFileError: when the folder holds none.
-            DataError: when ``ann.faiss`` does not hold what ``ann.json`` says (a write was interrupted).
+            DamagedIndexError: when ``ann.faiss`` is not the file recorded, does not parse, or does not hold what
+                ``ann.json`` says (a write was interrupted, or the file was changed since).
         """
         faiss = _faiss(what)
         description_path = os.path.join(folder, ANN_DESCRIPTION)
-        if not os.path.isfile(description_path) or not os.path.isfile(os.path.join(folder, ANN_FILE)):
+        path = os.path.join(folder, ANN_FILE)
+        if not os.path.isfile(description_path) or not os.path.isfile(path):
             raise MissingFileError(f"{folder}: no {ANN_FILE}; build one with vlfit retrieve index")
-        with open(description_path, encoding="utf-8") as f:
-            description = json.load(f)
-        flags = faiss.IO_FLAG_MMAP if mmap and description["type"] == "ivfpq" else 0
-        index = faiss.read_index(os.path.join(folder, ANN_FILE), flags)
+        try:
+            with open(description_path, encoding="utf-8") as f:
+                description = dict(json.load(f))
+            if "type" not in description or "count" not in description:
+                raise ValueError("no type or count")
+        except (ValueError, KeyError, TypeError) as err:
+            raise DamagedIndexError(description_path, f"does not parse ({type(err).__name__}: {err})", repair) from None
+        recorded = recorded or description
+        if mmap and description["type"] == "ivfpq":
+            index = faiss.read_index(path, faiss.IO_FLAG_MMAP)
+        else:
+            index, found = _read_hashed(faiss, path, repair)
+            problem = sha256_problem(found, recorded)
+            if problem:
+                raise DamagedIndexError(path, problem, repair)
         if index.ntotal != description["count"]:
-            raise DataError(
-                f"{folder}: {ANN_FILE} holds {index.ntotal} vectors but {ANN_DESCRIPTION} says {description['count']}; "
-                "run vlfit retrieve index again to rebuild it"
-            )
+            problem = f"holds {index.ntotal} vectors but {ANN_DESCRIPTION} says {description['count']}"
+            raise DamagedIndexError(path, problem, repair)
         return cls(index, description, vectors)
+
+
+def _read_hashed(faiss: Any, path: str, repair: str) -> tuple[Any, WrittenFile]:
+    """The faiss index in ``path``, read into memory, and the size and SHA-256 of the bytes it was read from.
+
+    Raises:
+        DamagedIndexError: when faiss cannot parse the file (cut short, or not an index).
+    """
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+
+        def read(count: int) -> bytes:
+            nonlocal size
+            block = f.read(count)
+            digest.update(block)
+            size += len(block)
+            return block
+
+        try:
+            index = faiss.read_index(faiss.PyCallbackIOReader(read))
+        except RuntimeError as err:
+            problem = f"does not parse as a faiss index ({first_error_line(err)})"
+            raise DamagedIndexError(path, problem, repair) from None
+        while read(1 << 20):  # what faiss left unread is part of the file too
+            pass
+    return index, WrittenFile(size, digest.hexdigest())
+
+
+def first_error_line(error: BaseException) -> str:
+    """faiss's message without the C++ function, file and line it names (``Error in ... at file:line: Error: ...``)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0].rsplit("Error: ", 1)[-1] if lines else type(error).__name__
 
 
 def _leave_out(rows: np.ndarray, own: np.ndarray, k: int) -> np.ndarray:

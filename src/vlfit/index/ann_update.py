@@ -7,7 +7,8 @@ was trained on), and builds a new one otherwise. Either way the search parameter
 collection. The order of writes keeps a reader safe: the manifest drops its ``ann`` entry before the file is
 replaced, ``ann.faiss`` and ``ann.json`` are each written atomically, and the manifest names the new one last.
 Each description records the digest of the ids it covers, so a structure left from another collection is never
-extended.
+extended, and the size and SHA-256 of ``ann.faiss``: one that is not the file recorded (cut short, overwritten) is
+built again rather than kept or extended.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import os
 from typing import Any
 
 from vlfit.errors import UserError
-from vlfit.index.ann import ANN_DESCRIPTION, AnnIndex, build_ann
+from vlfit.index.ann import ANN_DESCRIPTION, ANN_FILE, AnnIndex, build_ann
 from vlfit.index.ann_choice import DEFAULT_MAX_INDEX_MEMORY, IndexChoice, choose_index_type
+from vlfit.index.integrity import check_verify_level, file_problem
 from vlfit.index.store import EmbeddingIndex, write_manifest
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,7 @@ def update_ann(
     max_index_memory: int | None = None,
     target_recall: float = 0.95,
     seed: int = 0,
+    verify: str = "quick",
 ) -> dict[str, Any]:
     """Make the ANN structure of the index at ``folder`` cover every row of its shards; record it in the manifest.
 
@@ -65,11 +68,14 @@ def update_ann(
         max_index_memory: Bytes the ANN structure may take.
         target_recall: Recall@10 against exact search that the search parameter is tuned to.
         seed: Draws the training and tuning samples.
+        verify: How the ANN file on disk is checked before it is kept as it is: ``quick`` its size, ``full`` its
+            SHA-256 too (one that differs is built again).
 
     Returns:
         The description written to the manifest's ``ann`` (with ``"extended": True`` when rows were added in place);
         empty when the index holds no rows yet.
     """
+    check_verify_level(verify)
     index = EmbeddingIndex(folder)
     manifest = index.manifest
     ids = index.ids()
@@ -85,6 +91,7 @@ def update_ann(
         and current.get("type") == wanted.type
         and current.get("target_recall") == target_recall
         and current.get("max_index_memory") == budget
+        and file_problem(os.path.join(folder, ANN_FILE), current, verify) is None
     ):
         return current  # already covers these rows as asked
     if manifest.ann is not None:  # from here ann.faiss changes: the manifest must not name it meanwhile
@@ -118,7 +125,7 @@ def update_ann(
 
 
 def open_ann(index: EmbeddingIndex) -> AnnIndex | None:
-    """The ANN structure the manifest of ``index`` names (``EmbeddingIndex.ann``: memory-mapped, re-ranking from its
+    """The ANN structure the manifest of ``index`` names (``EmbeddingIndex.ann``: in memory, re-ranking from its
     shards), or None when it names none or the file on disk is not the one it names (then queries scan the shards)."""
     return index.ann
 

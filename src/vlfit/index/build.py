@@ -14,12 +14,17 @@ them. Tar shards at URLs (``ShardCollection``) are indexed a tar shard at a time
 manifest entry names it (``source``): a resumed or repeated build fetches only the tar shards not listed (one given
 up earlier is tried again), and the disk holds two tar shards per process, not the set. Under torchrun each process
 embeds its share of the shards and rank 0 lists them in order.
+
+A build over an existing index first checks its shards (``vlfit.index.verify``, ``verify`` of the request): a shard
+with a damaged file (missing, cut short, another checksum) is taken off the manifest and its items are embedded
+again into new shards, so running the build again is how a damaged index is repaired.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -36,6 +41,7 @@ from vlfit.data.pipeline import host_batches
 from vlfit.data.sources.base import ImageTextSource
 from vlfit.data.sources.tar import ShardCollection, TarSource
 from vlfit.errors import ConfigError, DataError, first_line
+from vlfit.index.integrity import check_verify_level
 from vlfit.index.store import (
     MANIFEST_NAME,
     STORAGES,
@@ -45,7 +51,10 @@ from vlfit.index.store import (
     write_manifest,
     write_shard,
 )
+from vlfit.index.verify import Problem, damaged_shards
 from vlfit.inference.backends import Encoder
+
+logger = logging.getLogger(__name__)
 
 FETCH_FOLDER = ".fetching"  # inside the index folder: the tar shards being embedded, one process's each
 
@@ -65,9 +74,11 @@ class BuildRequest:
         progress: Show a progress bar (rank 0's).
         rank: This process's rank.
         world_size: How many processes build together.
+        verify: How an existing index's shards are checked before the build: ``quick`` (sizes) or ``full``
+            (checksums, finite embeddings); a damaged shard's items are embedded again.
 
     Raises:
-        ConfigError: for an unknown storage, or a batch or shard size below 1.
+        ConfigError: for an unknown storage or verify level, or a batch or shard size below 1.
     """
 
     output_dir: str
@@ -79,8 +90,10 @@ class BuildRequest:
     progress: bool = True
     rank: int = 0
     world_size: int = 1
+    verify: str = "quick"
 
     def __post_init__(self) -> None:
+        check_verify_level(self.verify)
         if self.storage not in STORAGES:
             raise ConfigError(f"unknown --storage {self.storage!r}; choose one of: {', '.join(STORAGES)}")
         if self.batch_size < 1 or self.shard_size < 1:
@@ -165,6 +178,7 @@ def build_index(
     else:
         refuse_other_model(index, encoder)
         manifest = index.manifest
+        _drop_damaged_shards(index, request)
     count_before, bad_before = manifest.count, len(manifest.bad_samples)
     done = _already_done(index, source) if index is not None else set()
     streamed = isinstance(source, ShardCollection)
@@ -209,6 +223,27 @@ def build_index(
     finally:
         bar.close()
     return BuiltIndex(manifest, manifest.count - count_before, manifest.bad_samples[bad_before:])
+
+
+def _drop_damaged_shards(index: EmbeddingIndex, request: BuildRequest) -> None:
+    """Take the shards of ``index`` with a damaged file off its manifest (and the ANN structure, which covered
+    them), so that their items are embedded again; rank 0 removes their files."""
+    damaged = damaged_shards(index, request.verify)
+    if not damaged:
+        return
+    manifest = index.manifest
+    problems: list[Problem] = [problem for found in damaged.values() for problem in found]
+    for problem in problems:
+        logger.warning("%s: %s; its shard's items are embedded again", problem.file, problem.what)
+    if request.lead:
+        for position in damaged:
+            shard = manifest.shards[position]
+            for name in (shard["embeddings"], shard["ids"], shard.get("captions")):
+                if name:
+                    with contextlib.suppress(OSError):
+                        os.remove(os.path.join(index.path, name))
+    manifest.shards = [shard for position, shard in enumerate(manifest.shards) if position not in damaged]
+    manifest.ann = None
 
 
 def _already_done(index: EmbeddingIndex, source: ImageTextSource | ShardCollection) -> set[str]:

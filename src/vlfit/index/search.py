@@ -5,14 +5,17 @@ Queries (text or image, embedded by the index's model) are answered by the index
 names one, else exactly: top-k by chunks, shard by shard (or over the embeddings a server holds in memory). The
 exact scan never holds the index whole: each shard's top k comes from ``chunked_topk`` (at most ``chunk_elements``
 scores at once) and is merged into the running top k, so a million-embedding index costs one shard and one chunk.
-The ANN structure (``EmbeddingIndex.ann``) is memory-mapped when it is an IVF index. Either way, items removed from
-their folder since they were indexed (the manifest's ``removed``) are left out, and results have the same form: a
-``Hit`` per item (its id, row, cosine score and captions), best first. Query embeddings stay torch tensors (what the
-encoders give) up to faiss, which reads them as a numpy view without a copy.
+The ANN structure (``EmbeddingIndex.ann``) is read into memory, checked against its recorded checksum. Either way,
+items removed from their folder since they were indexed (the manifest's ``removed``) are left out, and so are rows
+whose embeddings are not finite (NaN or infinite: an index written before vlfit refused them, or damaged since;
+``vlfit retrieve verify --verify full`` names them): no score that is not a number reaches a result. Results have
+the same form: a ``Hit`` per item (its id, row, cosine score and captions), best first. Query embeddings stay torch
+tensors (what the encoders give) up to faiss, which reads them as a numpy view without a copy.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from bisect import bisect_left
 from collections.abc import Sequence
@@ -23,7 +26,7 @@ import torch
 from vlfit.data.pipeline import host_batches
 from vlfit.data.records import Record
 from vlfit.data.sources.memory import MemorySource
-from vlfit.errors import ConfigError, MissingFileError
+from vlfit.errors import ConfigError, DataError, MissingFileError
 from vlfit.index.store import EmbeddingIndex
 from vlfit.inference.backends import Encoder
 from vlfit.inference.topk import DEFAULT_CHUNK_ELEMENTS, chunked_topk
@@ -139,12 +142,21 @@ def search(
         k: Results per query.
         exact: Scan the shards even when the index has an ANN structure.
         chunk_elements: Largest number of scores held at once (exact scan).
+
+    Raises:
+        DataError: when a query embedding holds NaN or infinite values (the model's output: nothing to rank by).
     """
     ids, removed = index.row_ids, index.left_out_rows
     wanted = min(k, len(ids) - len(removed))
     if wanted <= 0:
         return [[] for _ in range(queries.shape[0])]
     queries = queries.float().contiguous()
+    broken = (~torch.isfinite(queries).all(dim=1)).nonzero().flatten().tolist()
+    if broken:
+        raise DataError(
+            f"the model embeds query {broken[0]} to NaN or infinite values: nothing to rank by (its weights or "
+            "inputs are broken: a diverged fine-tune?)"
+        )
     ann = None if exact else index.ann
     if ann is not None:
         scores, rows = ann.search(queries.numpy(), wanted, exclude=removed)  # a view of the tensor: no copy
@@ -156,7 +168,7 @@ def search(
         [
             Hit(ids[row], round(score, 6), captions.get(ids[row]) if captions else None, row)
             for score, row in zip(row_scores, row_rows, strict=True)
-            if row >= 0
+            if row >= 0 and math.isfinite(score)  # an ANN structure over embeddings that are not finite
         ]
         for row_scores, row_rows in zip(scores.tolist(), rows.tolist(), strict=True)
     ]
@@ -166,7 +178,8 @@ def _exact_search(
     index: EmbeddingIndex, queries: torch.Tensor, k: int, chunk_elements: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scores [Q, k], rows [Q, k])`` of the ``k`` best rows not removed (``k`` at most the rows left), by a scan
-    of each shard merged into the running top k."""
+    of each shard merged into the running top k. A shard whose top scores are not finite has rows whose embeddings
+    are not (a NaN sorts first): it is scanned again without them."""
     removed = index.left_out_rows
     best_scores = torch.empty(queries.shape[0], 0)
     best_rows = torch.empty(queries.shape[0], 0, dtype=torch.long)
@@ -179,6 +192,12 @@ def _exact_search(
             continue
         # Removed rows may be among the best: ask for that many more, then leave them out (no copy of the shard).
         scores, rows = chunked_topk(queries, embeddings, min(count, k + len(gone)), chunk_elements=chunk_elements)
+        if not bool(torch.isfinite(scores).all()):
+            broken = (~torch.isfinite(embeddings).all(dim=1)).nonzero().flatten() + first
+            gone = torch.unique(torch.cat([gone, broken]))
+            if count == len(gone):
+                continue
+            scores, rows = chunked_topk(queries, embeddings, min(count, k + len(gone)), chunk_elements=chunk_elements)
         rows += first
         if len(gone):
             # Each query keeps at least min(k, count - len(gone)) rows: a stable sort puts them first, in order.

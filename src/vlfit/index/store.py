@@ -1,4 +1,4 @@
-"""The store of an index: its manifest, its shards of embeddings, and the one reader of them.
+"""The store of an index: its manifest and its shards of embeddings (read through ``vlfit.index.shard_vectors``).
 
 Layout::
 
@@ -11,10 +11,13 @@ Layout::
     ann.faiss, ann.json          the approximate-nearest-neighbour structure over every row, and its description
                                  (``vlfit.index.ann_update``; the shards stay the store of record)
 
-Shards are read one way: memory-mapped (``ShardVectors``; a ``.safetensors`` file's header is parsed and its data
-mapped, a ``.npy`` file is mapped by numpy), by exact search (a shard at a time, as torch tensors over the mapped
-pages: no copy), by the ANN structure's rebuilds (every row) and by its re-ranking (a query's candidates, by row).
-What the operating system caches of the files is shared between processes and given back under pressure.
+The manifest records the size and SHA-256 of every file it names (``files`` of each shard entry; ``bytes`` and
+``sha256`` of ``ann``), each computed as the file was written; every file is flushed to disk before the manifest
+that names it is written (``vlfit.index.integrity`` checks them; embeddings that are not finite are never written).
+
+Shards are read one way: memory-mapped (``vlfit.index.shard_vectors.ShardVectors``), by exact search (a shard at a
+time, as torch tensors over the mapped pages: no copy), by the ANN structure's rebuilds (every row) and by its
+re-ranking (a query's candidates, by row).
 
 Rows are never deleted: re-indexing a folder lists, under ``removed``, the ids of its files that are gone (and
 takes back one that returned), and queries leave those rows out. A manifest names an ANN structure only while it
@@ -27,7 +30,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -36,8 +38,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from vlfit.atomic_files import replace_on_success, write_text_atomically
+from vlfit.atomic_files import write_file_atomically, write_text_atomically
 from vlfit.errors import ConfigError, DataError, MissingFileError
+from vlfit.index.integrity import DamagedIndexError, rebuild_command
+from vlfit.index.shard_vectors import EMBEDDINGS_KEY, ShardVectors
 from vlfit.inference.identity import ModelIdentity
 
 if TYPE_CHECKING:
@@ -48,7 +52,6 @@ logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "index_manifest.json"
 STORAGES = ("safetensors", "npy")
-EMBEDDINGS_KEY = "embeddings"
 
 
 @dataclass
@@ -59,7 +62,8 @@ class IndexManifest:
         identity: The model the embeddings come from.
         model: ``{"path", "backend", "precision"}`` of the encoder that built the index.
         storage: ``safetensors`` or ``npy``.
-        shards: ``{"embeddings", "ids", "count"}`` per shard, in order (and ``"captions"``: its items' captions).
+        shards: ``{"embeddings", "ids", "count"}`` per shard, in order (and ``"captions"``: its items' captions;
+            ``"files"``: ``{name: {"bytes", "sha256"}}`` of each of its files, absent in indexes written before).
         bad_samples: ``{"id", "reason"}`` of every item left out.
         collections: What was embedded into the index, one entry per build or append.
         removed: Ids of indexed items whose files have left their folder since (left out of results).
@@ -121,8 +125,16 @@ class EmbeddingIndex:
         manifest_path = os.path.join(path, MANIFEST_NAME)
         if not os.path.isfile(manifest_path):
             raise MissingFileError(f"--index {path}: no {MANIFEST_NAME}; build one with vlfit retrieve index")
-        with open(manifest_path, encoding="utf-8") as f:
-            self.manifest = IndexManifest.from_dict(json.load(f))
+        try:
+            with open(manifest_path, encoding="utf-8") as f:
+                self.manifest = IndexManifest.from_dict(json.load(f))
+            for shard in self.manifest.shards:
+                if not (isinstance(shard.get("embeddings"), str) and isinstance(shard.get("ids"), str)):
+                    raise ValueError(f"a shard entry without its files: {shard}")
+                shard["count"] = int(shard["count"])
+        except (ValueError, KeyError, TypeError, AttributeError) as err:  # JSONDecodeError, UnicodeDecodeError too
+            problem = f"does not parse ({type(err).__name__}: {err})"
+            raise DamagedIndexError(manifest_path, problem, rebuild_command(path)) from None
         self.path = path
         self._item_captions: dict[str, list[str]] | None = None
         self._held: tuple[list[str], torch.Tensor] | None = None
@@ -131,9 +143,32 @@ class EmbeddingIndex:
     def __len__(self) -> int:
         return self.manifest.count
 
+    def rebuild_command(self, *, full: bool = False) -> str:
+        """The command that rebuilds what is damaged in this index (``vlfit.index.integrity.rebuild_command``)."""
+        return rebuild_command(self.path, self.manifest.model, self.manifest.collections, full=full)
+
+    def read_rows(self, name: str, rows: int) -> list:
+        """A shard's ids or captions file: a list of ``rows`` entries.
+
+        Raises:
+            DamagedIndexError: naming the file when it is missing, does not parse or holds another number of rows.
+        """
+        file = os.path.join(self.path, name)
+        try:
+            with open(file, encoding="utf-8") as f:
+                values = json.load(f)
+        except FileNotFoundError:
+            problem = "missing"
+        except (ValueError, OSError) as err:
+            problem = f"does not parse ({type(err).__name__}: {err})"
+        else:
+            if isinstance(values, list) and len(values) == rows:
+                return values
+            problem = f"holds {len(values) if isinstance(values, list) else type(values).__name__}, not {rows} rows"
+        raise DamagedIndexError(file, problem, self.rebuild_command())
+
     def shard_ids(self, shard: dict[str, Any]) -> list[str]:
-        with open(os.path.join(self.path, shard["ids"]), encoding="utf-8") as f:
-            return list(json.load(f))
+        return [str(item) for item in self.read_rows(shard["ids"], int(shard["count"]))]
 
     def shards(self) -> Iterator[tuple[list[str], torch.Tensor]]:
         """``(ids, embeddings [n, D])`` of each shard, in order: float32 tensors over the memory-mapped shard files
@@ -149,8 +184,7 @@ class EmbeddingIndex:
         """The captions of each item of a shard, in row order (``None``: the shard stores none)."""
         if not shard.get("captions"):
             return None
-        with open(os.path.join(self.path, shard["captions"]), encoding="utf-8") as f:
-            return [list(captions) for captions in json.load(f)]
+        return [list(captions) for captions in self.read_rows(shard["captions"], int(shard["count"]))]
 
     def item_captions(self) -> dict[str, list[str]]:
         """Item id -> its captions, for the items whose shards store them (read once, then kept)."""
@@ -184,14 +218,21 @@ class EmbeddingIndex:
 
     @cached_property
     def ann(self) -> AnnIndex | None:
-        """The ANN structure the manifest names (memory-mapped, re-ranking from the shards), opened once; None when
-        it names none or the file on disk is not the one it names (then searches scan the shards)."""
+        """The ANN structure the manifest names (read into memory, its size and checksum checked against the
+        manifest as it is read, re-ranking from the shards), opened once; None when it names none or the file on
+        disk is not the one it names (then searches scan the shards).
+
+        Raises:
+            DamagedIndexError: when ``ann.faiss`` is not the file the manifest records (size or checksum).
+        """
         described = self.manifest.ann
         if not described:
             return None
         from vlfit.index.ann import ANN_FILE, AnnIndex
 
-        ann = AnnIndex.load(self.path, mmap=True, vectors=self.vectors())  # re-ranking reads the shards
+        # In memory, not memory-mapped: a file replaced or overwritten underneath cannot take the process down.
+        ann = AnnIndex.load(self.path, mmap=False, vectors=self.vectors(), recorded=described,
+                            repair=self.rebuild_command())  # fmt: skip
         if len(ann) != self.manifest.count or ann.description.get("ids_digest") != described.get("ids_digest"):
             logger.warning("%s: %s does not match the manifest; scanning the shards", self.path, ANN_FILE)
             return None
@@ -227,82 +268,9 @@ class EmbeddingIndex:
                 [os.path.join(self.path, shard["embeddings"]) for shard in shards],
                 [int(shard["count"]) for shard in shards],
                 self.manifest.identity.embedding_size,
+                repair=self.rebuild_command(),
             )
         return self._vectors
-
-
-def _mapped_shard(file: str, dim: int) -> np.ndarray:
-    """The ``[n, D]`` float32 embeddings of one shard file, memory-mapped.
-
-    A ``.safetensors`` file is 8 bytes of little-endian header length, a JSON header giving the tensor's dtype,
-    shape and byte range, then the data (the format's specification); a ``.npy`` file maps through numpy. The
-    mapping is copy-on-write (``mode="c"``): the file is never written, and torch can view the array without a copy.
-
-    Raises:
-        DataError: when the file does not hold float32 embeddings of size ``dim``.
-    """
-    if file.endswith(".npy"):
-        mapped = np.load(file, mmap_mode="c")
-    else:
-        with open(file, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-        entry = header.get(EMBEDDINGS_KEY) or {}
-        begin, end = entry.get("data_offsets", (0, 0))
-        shape = tuple(entry.get("shape", ()))
-        if entry.get("dtype") != "F32" or len(shape) != 2 or end - begin != 4 * shape[0] * shape[1]:
-            raise DataError(f"{file}: not a shard of float32 embeddings (header {entry}); rebuild the index")
-        mapped = np.memmap(file, dtype=np.float32, mode="c", offset=8 + length + begin, shape=shape)
-    if mapped.dtype != np.float32 or mapped.ndim != 2 or mapped.shape[1] != dim:
-        raise DataError(f"{file}: holds {mapped.dtype} {mapped.shape}, not float32 embeddings of size {dim}")
-    return mapped
-
-
-class ShardVectors:
-    """An index's embeddings by row, straight from its memory-mapped shards: a query's candidates are read,
-    not the index (what the operating system caches of the files is shared, and given back under pressure). A
-    shard is mapped when a row of it is first read.
-
-    Args:
-        files: The shard files, in row order.
-        counts: The rows of each.
-        dim: The embedding size.
-    """
-
-    def __init__(self, files: list[str], counts: list[int], dim: int) -> None:
-        self.files = files
-        self.dim = dim
-        self.starts = np.cumsum([0, *counts])
-        self._mapped: dict[int, np.ndarray] = {}
-
-    def __len__(self) -> int:
-        return int(self.starts[-1])
-
-    def shard(self, number: int) -> np.ndarray:
-        """Shard ``number``'s embeddings ``[n, D]``, mapped when first asked for.
-
-        Raises:
-            DataError: when the file does not hold the float32 rows the manifest lists.
-        """
-        mapped = self._mapped.get(number)
-        if mapped is None:
-            mapped = _mapped_shard(self.files[number], self.dim)
-            if len(mapped) != self.starts[number + 1] - self.starts[number]:
-                raise DataError(f"{self.files[number]}: holds {len(mapped)} rows, the manifest says otherwise")
-            mapped = self._mapped.setdefault(number, mapped)
-        return mapped
-
-    def __getitem__(self, rows: Any) -> np.ndarray:
-        """The float32 embeddings ``[len(rows), D]`` of ``rows`` (any order, repeats allowed)."""
-        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
-        if rows.size and (rows.min() < 0 or rows.max() >= len(self)):
-            raise IndexError(f"rows must be in [0, {len(self)}), got {rows.min()}..{rows.max()}")
-        out = np.empty((rows.size, self.dim), dtype=np.float32)
-        shard_of = np.searchsorted(self.starts, rows, side="right") - 1
-        for number in np.unique(shard_of).tolist():
-            picked = shard_of == number
-            out[picked] = self.shard(number)[rows[picked] - self.starts[number]]
-        return out
 
 
 def write_shard(
@@ -313,30 +281,53 @@ def write_shard(
     storage: str,
     captions: list[list[str]] | None = None,
 ) -> dict[str, Any]:
-    """Write shard ``number`` of ``folder`` (its embeddings, ids and captions, each atomically) and return its
-    manifest entry; the manifest that lists it is written after it (``write_manifest``)."""
+    """Write shard ``number`` of ``folder`` (its embeddings, ids and captions, each atomically and flushed to disk)
+    and return its manifest entry, with the size and SHA-256 of each file; the manifest that lists it is written
+    after it (``write_manifest``).
+
+    Raises:
+        DataError: naming the items whose embeddings hold NaN or infinite values (nothing is written).
+    """
+    refuse_nonfinite(ids, embeddings)
     stem = f"shard-{number:05d}"
     name = f"{stem}.{storage}"
-    with replace_on_success(os.path.join(folder, name)) as temp:
-        if storage == "npy":
-            with open(temp, "wb") as f:
-                np.save(f, embeddings.numpy())
-        else:
-            from safetensors.torch import save_file
+    if storage == "npy":
+        array = embeddings.contiguous().numpy()
+        written = write_file_atomically(os.path.join(folder, name), lambda f: np.save(f, array))
+    else:
+        from safetensors.torch import save
 
-            save_file({EMBEDDINGS_KEY: embeddings.contiguous()}, temp)
+        data = save({EMBEDDINGS_KEY: embeddings.contiguous()})
+        written = write_file_atomically(os.path.join(folder, name), lambda f: f.write(data))
     entry: dict[str, Any] = {"embeddings": name, "ids": f"{stem}.json", "count": len(ids)}
+    files = {name: written.to_dict()}
+    texts = {f"{stem}.json": ids}
     if captions is not None:
         entry["captions"] = f"{stem}.captions.json"
-        write_text_atomically(os.path.join(folder, entry["captions"]), json.dumps(captions) + "\n")
-    write_text_atomically(os.path.join(folder, f"{stem}.json"), json.dumps(ids) + "\n")
-    return entry
+        texts[entry["captions"]] = captions
+    for file, values in texts.items():
+        encoded = (json.dumps(values) + "\n").encode("utf-8")
+        files[file] = write_file_atomically(os.path.join(folder, file), lambda f, b=encoded: f.write(b)).to_dict()
+    return {**entry, "files": files}
+
+
+def refuse_nonfinite(ids: list[str], embeddings: torch.Tensor) -> None:
+    """Raise a ``DataError`` naming the items whose embeddings hold NaN or infinite values (a diverged model)."""
+    finite = torch.isfinite(embeddings).all(dim=1)
+    if bool(finite.all()):
+        return
+    bad = [ids[row] for row in (~finite).nonzero().flatten().tolist()]
+    named = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+    raise DataError(
+        f"{len(bad)} of {len(ids)} items embed to NaN or infinite values, which no search can rank: {named}. The "
+        "model's weights or inputs are broken (a diverged fine-tune?); nothing of them was written to the index"
+    )
 
 
 def write_manifest(folder: str, manifest: IndexManifest) -> None:
-    """Write ``index_manifest.json`` atomically (after the files it names)."""
+    """Write ``index_manifest.json`` atomically and flushed to disk (after the files it names, flushed before it)."""
     text = json.dumps(manifest.to_dict(), indent=1) + "\n"
-    write_text_atomically(os.path.join(folder, MANIFEST_NAME), text)
+    write_text_atomically(os.path.join(folder, MANIFEST_NAME), text, durable=True)
 
 
 def write_index_from_embeddings(
@@ -355,6 +346,7 @@ def write_index_from_embeddings(
 
     Raises:
         ConfigError: when ``folder`` already holds an index, or ids and embeddings do not pair up.
+        DataError: naming the items whose embeddings hold NaN or infinite values (nothing is written).
     """
     if os.path.isfile(os.path.join(folder, MANIFEST_NAME)):
         raise ConfigError(f"{folder} already holds an index; write a new one to an empty folder")
@@ -362,6 +354,7 @@ def write_index_from_embeddings(
         raise ConfigError(
             f"{len(ids)} ids need embeddings [{len(ids)}, {identity.embedding_size}], got {list(embeddings.shape)}"
         )
+    refuse_nonfinite(ids, embeddings)  # before the folder is made
     os.makedirs(folder, exist_ok=True)
     manifest = IndexManifest(identity, dict(model), storage)
     for number, start in enumerate(range(0, len(ids), shard_size)):
@@ -382,7 +375,7 @@ def refuse_other_model(index: EmbeddingIndex, encoder: Encoder) -> None:
 __all__ = [
     "EmbeddingIndex",
     "IndexManifest",
-    "ShardVectors",
+    "refuse_nonfinite",
     "refuse_other_model",
     "write_index_from_embeddings",
     "write_manifest",

@@ -1,16 +1,20 @@
 """What ``vlfit serve`` serves: the model, loaded once, and a snapshot of the index it answers from.
 
-A snapshot is one manifest's index: the item ids, the ANN structure the manifest names (an IVF index memory-mapped)
-or else the embeddings themselves for an exact scan, and for items of a dataset split their captions (every caption
-of the image, as the index stores them; an index built before items had captions: the record's, from the dataset)
-and where their images are; it answers as ``vlfit retrieve query`` does, removed items left out. Results name an
-item by its row in the index (``id``, stable while the index grows: appends only add rows), so ``GET
-/api/image/{id}`` looks an image up by that number and never opens a path taken from a request.
+A snapshot is one manifest's index, checked against its manifest as it opens (``--verify``: ``quick``, every file
+there with its recorded size, or ``full``, checksums and finite embeddings too; ``vlfit.index.verify``): the item
+ids, the ANN structure the manifest names (read into memory and checked against its recorded checksum, so a file
+replaced or overwritten underneath cannot take the server down) or else the embeddings themselves for an exact
+scan, and for items of a dataset split their captions (every caption of the image, as the index stores them; an
+index built before items had captions: the record's, from the dataset) and where their images are; it answers as
+``vlfit retrieve query`` does, removed items left out. Results name an item by its row in the index (``id``,
+stable while the index grows: appends only add rows), so ``GET /api/image/{id}`` looks an image up by that number
+and never opens a path taken from a request.
 
 Reloads are atomic: a new snapshot is built beside the one being served (from the manifest as it was read, which
 names only shards already written: ``vlfit retrieve index`` writes each shard before the manifest that lists it)
 and replaces it in one assignment; requests in flight finish on the snapshot they started with. A manifest that
-cannot be read (half-written by another tool, or gone) leaves the served snapshot as it is.
+cannot be read (half-written by another tool, or gone), or an index that fails its check, leaves the served
+snapshot as it is (logged in one line naming the file).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from vlfit.data.image_transforms import FastImageTransform, stack_images
 from vlfit.data.sources.openers import COLLECTION_KEYS, open_collection
 from vlfit.errors import ConfigError, MissingFileError
 from vlfit.index.search import Hit, search
-from vlfit.index.store import MANIFEST_NAME, EmbeddingIndex, refuse_other_model
+from vlfit.index.store import MANIFEST_NAME, refuse_other_model
+from vlfit.index.verify import open_index
 from vlfit.inference.backends import load_encoder
 
 logger = logging.getLogger(__name__)
@@ -47,22 +52,33 @@ class Snapshot:
 
     Args:
         folder: The index folder.
+        verify: How its files are checked against the manifest: ``quick`` or ``full`` (``vlfit.index.verify``).
 
     Raises:
         MissingFileError: when the folder holds no index.
+        DamagedIndexError: naming the first damaged file and the command that rebuilds it.
     """
 
-    def __init__(self, folder: str) -> None:
+    def __init__(self, folder: str, verify: str = "quick") -> None:
         self.stamp = _manifest_stamp(folder)
-        self.index = index = EmbeddingIndex(folder)
+        self.index = index = open_index(folder, verify)
         self.manifest = index.manifest
         # Read now, not by the first query: what every search of this snapshot reads (vlfit.index.search).
         self.items: list[str] = index.row_ids
         self.removed_rows = index.left_out_rows  # files gone from their folder (re-indexed since)
-        # The ANN structure when the manifest names one (an IVF index memory-mapped: the server holds what queries
-        # touch), else every embedding, held in memory and scanned exactly.
+        # The ANN structure when the manifest names one (in memory, its checksum checked as it was read), else every
+        # embedding, held in memory and scanned exactly.
         self.ann = index.ann
         self.embeddings = index.hold_embeddings() if self.ann is None else None
+        if self.embeddings is not None and not bool(torch.isfinite(self.embeddings).all()):
+            broken = int((~torch.isfinite(self.embeddings).all(dim=1)).sum())
+            logger.warning(
+                "%s: %d embeddings hold NaN or infinite values and are left out of results; "
+                "vlfit retrieve verify --index %s --verify full names their files",
+                folder,
+                broken,
+                folder,
+            )
         self._item_captions = index.item_captions()  # what the index stores: every caption of each image
         self._captions: dict[str, str | None] = {}  # an older index's items: the record's caption, from the dataset
         self._dataset_rows: dict[str, tuple[int, int]] = {}  # item -> (collection, row)
@@ -152,9 +168,11 @@ class SearchEngine:
         search_threads: faiss's OpenMP threads in this process. One by default: the server's concurrency comes
             from batching, and idle OpenMP threads spin on cores the event loop and the encoder need (searching a
             batch of 8 on a busy 2-core machine: 12 ms with 2 threads, 1 ms with 1).
+        verify: How the index's files are checked as each snapshot opens: ``quick`` or ``full``.
 
     Raises:
         MissingFileError: when the folder holds no index.
+        DamagedIndexError: naming the first damaged file of the index and the command that rebuilds it.
         RefusedModelError: when ``model`` embeds into another space than the index.
     """
 
@@ -166,10 +184,12 @@ class SearchEngine:
         precision: str = "auto",
         num_threads: int | None = None,
         search_threads: int = 1,
+        verify: str = "quick",
     ) -> None:
         _set_search_threads(search_threads)
         self.folder = index
-        self.snapshot = Snapshot(index)
+        self.verify = verify
+        self.snapshot = Snapshot(index, verify)
         built = self.snapshot.manifest.model
         if backend == "auto" and model is None:
             backend = built["backend"]
@@ -191,13 +211,14 @@ class SearchEngine:
     def reload_if_changed(self) -> bool:
         """Serve the index's current manifest if it changed since the snapshot was read; True when it did.
 
-        A manifest that cannot be read, or an index now built with another model, keeps the served snapshot."""
+        A manifest that cannot be read, an index that fails its check (``verify``), or an index now built with
+        another model, keeps the served snapshot."""
         with self._reload_lock:  # one reload at a time; searches go on meanwhile
             stamp = _manifest_stamp(self.folder)
             if stamp is None or stamp == self.snapshot.stamp:
                 return False
             try:
-                fresh = Snapshot(self.folder)
+                fresh = Snapshot(self.folder, self.verify)
                 refuse_other_model(fresh.index, self.encoder)
             except Exception as err:  # noqa: BLE001 - whatever broke the new manifest, the old snapshot serves on
                 logger.warning("index %s changed but cannot be served (%s); serving the previous one", self.folder, err)
