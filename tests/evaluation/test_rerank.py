@@ -61,6 +61,8 @@ def test_bad_rerank_requests_are_one_line_each():
         reranked_recall(texts, texts, torch.arange(4), None, 5, lambda t, i: torch.zeros(len(t)))
     with pytest.raises(ConfigError, match=r"^--rerank_top_k 3: the model has no image-text matching head"):
         check_rerank(BridgeTowerForContrastiveLearning(preset_config("tiny")), 3)
+    with pytest.raises(ConfigError, match=r"^--rerank_top_k 20 is larger than --eval_pool_size 10"):
+        check_rerank(BridgeTowerForContrastiveLearningWithITM(preset_config("tiny")), 20, 10)
     with pytest.raises(ConfigError, match="at least 1"):
         check_rerank(BridgeTowerForContrastiveLearningWithITM(preset_config("tiny")), 0)
 
@@ -97,3 +99,16 @@ def test_evaluation_reports_reranked_recall_and_itm_matching_beside_cosine():
     assert metrics["rerank_top_k"] == 2 and metrics["pool_size"] == 3
     # Re-ranking the top 3 of pools of 3 reorders everything; recall@3 (@5, @10) cannot change.
     assert metrics["t2i_rerank_recall@5"] == metrics["t2i_recall@5"] == 1.0
+
+
+@pytest.mark.slow
+def test_vlfit_eval_refuses_reranking_without_a_matching_head_in_one_line(tiny_checkpoint, synthetic_dataset_dir,
+                                                                           tmp_path, capsys):  # fmt: skip
+    from vlfit import cli
+
+    argv = ["eval", "--model_name_or_path", str(tiny_checkpoint), "--dataset_name", synthetic_dataset_dir,
+            "--eval_split", "test", "--rerank_top_k", "3", "--output_dir", str(tmp_path)]  # fmt: skip
+    assert cli.main(argv) == cli.USAGE_ERROR_EXIT_CODE
+    err = capsys.readouterr().err.strip()  # progress bars of the weights' loading come before it
+    assert "Traceback" not in err and "--rerank_top_k 3: the model has no image-text matching head" in err
+    assert err.splitlines()[-1].startswith("vlfit eval: error: --rerank_top_k 3")

@@ -193,7 +193,7 @@ def test_itm_loss_and_gradients_on_two_processes_equal_one_process(two_process_r
 
 
 def test_flops_per_sample_count_the_fused_passes():
-    family, inputs = BridgeTowerFamily(), _inputs()
+    family, inputs = BridgeTowerFamily(), _inputs(3)
     model = _model()
     family.prepare_for_training(model)
 
@@ -215,8 +215,7 @@ def test_the_objective_logs_its_terms_and_trains_every_head_it_reaches():
     assert has_itm_head(model) and model.itm_score.fc.weight.requires_grad
     family.prepare_for_training(model)
     objective = TrainingObjective("contrastive+itm", seed=0)
-    for step in range(2):
-        objective.loss(family, model, _inputs(), step=step, global_negatives=False, symmetric=False).backward()
+    objective.loss(family, model, _inputs(4), step=0, global_negatives=False, symmetric=False).backward()
     logged = objective.window()
     assert set(logged) == {"loss_contrastive", "loss_itm", "itm_accuracy"}
     assert 0.0 <= logged["itm_accuracy"] <= 1.0 and objective.window() == {}
@@ -245,3 +244,13 @@ def test_adding_a_head_keeps_the_model_and_its_weights():
     same = with_itm_head(model)
     assert same is model and has_itm_head(model)
     assert all(torch.equal(model.state_dict()[name], value) for name, value in before.items())
+
+
+def test_each_process_draws_its_rows_of_one_noise_matrix():
+    from vlfit.models.itm_loss import noise_rows
+
+    whole = noise_rows(5, 7, 0, 7, torch.device("cpu"), block=3)
+    assert whole.shape == (2, 7, 7)
+    for offset, rows in ((0, 4), (4, 3), (2, 1)):
+        torch.testing.assert_close(noise_rows(5, 7, offset, rows, torch.device("cpu"), block=3),
+                                   whole[:, offset : offset + rows], rtol=0, atol=0)  # fmt: skip

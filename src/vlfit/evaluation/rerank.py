@@ -29,12 +29,16 @@ PAIRS_PER_PASS = 256
 PairScorer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def check_rerank(model: Any, top_k: int | None) -> None:
-    """Refuse ``--rerank_top_k`` below 1 or for a model without a matching head, in one line."""
+def check_rerank(model: Any, top_k: int | None, pool_size: int | None = None) -> None:
+    """Refuse ``--rerank_top_k`` below 1, above ``--eval_pool_size`` or for a model without a matching head, in one
+    line each (before anything is embedded; a K above a smaller split is refused when the split is scored)."""
     if top_k is None:
         return
     if int(top_k) < 1:
         raise ConfigError(f"--rerank_top_k must be at least 1, got {top_k}")
+    if pool_size is not None and 0 < pool_size < top_k:
+        raise ConfigError(f"--rerank_top_k {top_k} is larger than --eval_pool_size {pool_size}: a query has "
+                          f"{pool_size} candidates; lower it")  # fmt: skip
     if not has_itm_head(model):
         raise ConfigError(
             f"--rerank_top_k {top_k}: the model has no image-text matching head to re-rank with (a BridgeTower "

@@ -226,7 +226,7 @@ def evaluate_retrieval(
     Returns:
         The metrics (see ``score_split``), the same on every process, and the samples left out.
     """
-    check_rerank(model, rerank_top_k)
+    check_rerank(model, rerank_top_k, pool_size)
     part = embed_split(family, model, batches, tokenizer=tokenizer, max_seq_length=max_seq_length, device=device,
                        autocast=autocast, keep_pair_inputs=rerank_top_k is not None)  # fmt: skip
     split = merge_splits(gather_parts(part) if gather_parts is not None else [part])

@@ -78,6 +78,20 @@ def excluded_candidates(image_keys: torch.Tensor | None, rows: int, all_keys: to
     return excluded
 
 
+def noise_rows(seed: int, total: int, offset: int, rows: int, device: torch.device, block: int = 256) -> torch.Tensor:
+    """Rows ``[offset, offset + rows)`` of the draw's ``[2, total, total]`` uniform noise, the same on every process
+    whatever its rows: drawn ``block`` rows at a time from one seeded generator, so memory stays at ``2 x block x
+    total`` however large the global batch."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    parts = []
+    for start in range(0, offset + rows, block):
+        chunk = torch.rand(2, min(block, total - start), total, generator=generator, device=device)
+        low, high = max(offset - start, 0), min(offset + rows - start, chunk.shape[1])
+        if low < high:
+            parts.append(chunk[:, low:high])
+    return torch.cat(parts, dim=1)
+
+
 def _gather_states(states: UnimodalStates, world: int) -> tuple[UnimodalStates, int, int]:
     """Every process's unimodal states (with gradient), captions padded to the longest of any process."""
     if world == 1:
@@ -127,8 +141,7 @@ def matching_loss(
             all_texts, all_images, offset, total, all_keys = text_embeds, image_embeds, 0, rows, keys
         scale = outputs.logit_scale.detach().float().mean()
         excluded = excluded_candidates(keys, rows, all_keys, offset, total, device)
-        generator = torch.Generator(device=device).manual_seed(seed)
-        noise = torch.rand(2, total, total, generator=generator, device=device)[:, offset : offset + rows]
+        noise = noise_rows(seed, total, offset, rows, device)
         negative_image, image_found = sample_negatives(text_embeds @ all_images.t() * scale, excluded, noise[0])
         negative_text, text_found = sample_negatives(image_embeds @ all_texts.t() * scale, excluded, noise[1])
     every, offset, total = _gather_states(states, world)

@@ -93,7 +93,7 @@ class VlfitTrainer(Trainer):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        check_rerank(self.model, rerank_top_k)  # before training, not at its end
+        check_rerank(self.model, rerank_top_k, eval_pool_size)  # before training, not at its end
         self.rerank_top_k = rerank_top_k
         self.objective = TrainingObjective(getattr(self.args, "objective", CONTRASTIVE), self.args.seed)
         self.train_sampler = train_sampler
