@@ -27,6 +27,8 @@ START_TIMEOUT = 120  # seconds for the process to load the model and bind, far a
 REQUEST_TIMEOUT = 30
 HEADER_TIMEOUT = 2  # the module's server lets a connection go this long without a whole request head
 MAX_CONNECTIONS = 16
+API_KEY = "module-server-key-0123456789"  # the module's server needs it (given through VLFIT_API_KEY, never argv)
+KEYED = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,7 @@ def server(served_index: Path, tmp_path_factory):
     flags = ["--index", str(served_index), "--header_timeout", str(HEADER_TIMEOUT), "--max_connections",
              str(MAX_CONNECTIONS)]  # fmt: skip
     process = start_server(flags, port, str(log), timeout=START_TIMEOUT,
-                           env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})  # fmt: skip
+                           env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "VLFIT_API_KEY": API_KEY})  # fmt: skip
     try:
         yield f"http://127.0.0.1:{port}", process, log
     finally:
@@ -48,13 +50,16 @@ def server(served_index: Path, tmp_path_factory):
 def test_the_server_process_answers_over_http_on_loopback(server, train_records) -> None:
     base, _, log = server
     record = train_records[3]
-    answer = httpx.post(f"{base}/api/search", json={"text": record.caption, "k": 5}, timeout=REQUEST_TIMEOUT)
+    query = {"text": record.caption, "k": 5}
+    assert httpx.post(f"{base}/api/search", json=query, timeout=REQUEST_TIMEOUT).status_code == 401  # no key
+    answer = httpx.post(f"{base}/api/search", json=query, headers=KEYED, timeout=REQUEST_TIMEOUT)
     assert answer.status_code == 200
     results = answer.json()["results"]
     assert len(results) == 5 and results[0]["caption"] is not None
-    thumb = httpx.get(f"{base}/api/image/{results[0]['id']}?size=96", timeout=REQUEST_TIMEOUT)
+    thumb = httpx.get(f"{base}/api/image/{results[0]['id']}?size=96", headers=KEYED, timeout=REQUEST_TIMEOUT)
     assert thumb.status_code == 200 and thumb.content[:2] == b"\xff\xd8"
     assert "127.0.0.1" in log.read_text()  # bound to loopback, as by default
+    assert API_KEY not in log.read_text()
 
 
 def _chrome_driver(tmp_path: Path):
@@ -95,6 +100,10 @@ def test_the_web_page_shows_the_expected_images_for_a_typed_query(server, served
         box.clear()
         box.send_keys(record.caption)
         driver.find_element(By.ID, "go").click()
+        # The server needs a key: the page asks for it once (and keeps it for the session's later requests).
+        prompt = WebDriverWait(driver, REQUEST_TIMEOUT).until(expected_conditions.alert_is_present())
+        prompt.send_keys(API_KEY)
+        prompt.accept()
         WebDriverWait(driver, REQUEST_TIMEOUT).until(
             expected_conditions.presence_of_element_located((By.CSS_SELECTOR, "#results figure.hit"))
         )
@@ -120,6 +129,7 @@ def _post_in_two_parts(port: int, body: bytes) -> socket.socket:
     """A search request on a raw connection with only half its body sent: in flight until the rest is."""
     connection = socket.create_connection(("127.0.0.1", port), timeout=REQUEST_TIMEOUT)
     head = "POST /api/search HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    head += f"X-API-Key: {API_KEY}\r\n"
     connection.sendall((head + f"Content-Length: {len(body)}\r\n\r\n").encode() + body[: len(body) // 2])
     return connection
 
@@ -173,9 +183,10 @@ def test_connections_heads_and_idle_sockets_are_bounded_and_a_good_query_is_answ
     finally:
         for connection in opened:
             connection.close()
-    answer = httpx.post(f"{base}/api/search", json={"text": train_records[1].caption, "k": 2}, timeout=REQUEST_TIMEOUT)
+    answer = httpx.post(f"{base}/api/search", json={"text": train_records[1].caption, "k": 2}, headers=KEYED,
+                        timeout=REQUEST_TIMEOUT)  # fmt: skip
     assert answer.status_code == 200 and len(answer.json()["results"]) == 2
-    metrics = httpx.get(f"{base}/metrics", timeout=REQUEST_TIMEOUT).text
+    metrics = httpx.get(f"{base}/metrics", headers=KEYED, timeout=REQUEST_TIMEOUT).text
     assert re.search(r'^vlfit_refused_total\{limit="connections"\} [1-9]', metrics, flags=re.M), metrics
     assert f"over the limit of {MAX_CONNECTIONS} open (--max_connections)" in log.read_text()
 
@@ -206,9 +217,9 @@ def test_worker_processes_build_their_app_from_the_settings_in_the_environment(s
 
     settings = ServeArguments(index=str(served_index), workers=2, port=8123, max_batch=3, reload_interval=0)
     monkeypatch.setenv(SETTINGS_ENV, json.dumps(dataclasses.asdict(settings)))
-    with TestClient(app_from_environment()) as client:  # what each of uvicorn's workers calls
+    with TestClient(app_from_environment(), base_url="http://127.0.0.1:8123") as client:  # what each worker calls
         health = client.get("/api/health").json()
-        assert health["status"] == "ok" and health["index"] == str(served_index.resolve())
+        assert health["status"] == "ok" and health["index"] == served_index.name
         assert client.app.state.batcher.max_batch == 3
 
 

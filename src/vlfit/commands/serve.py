@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import signal
 import socket
@@ -23,10 +24,12 @@ from typing import Literal
 
 from vlfit.commands.parsing import CommandParser
 from vlfit.errors import ConfigError
+from vlfit.serve.access import ADMIN_KEY_ENV, API_KEY_ENV, AccessPolicy, allowed_hosts, exposure_warning, read_key
 from vlfit.serve.limits import ServerLimits
 
 PROG = "vlfit serve"
 CONNECTION_PROTOCOL = "vlfit.serve.connections:BoundedHttpToolsProtocol"  # uvicorn's http=, as an import string
+logger = logging.getLogger(__name__)
 SETTINGS_ENV = "VLFIT_SERVE_SETTINGS"  # how --workers > 1 hands the settings to uvicorn's worker processes
 
 
@@ -102,6 +105,32 @@ class ServeArguments:
     thumbnail_cache_mb: float = field(
         default=ServerLimits.thumbnail_cache_mb, metadata={"help": "MB of small thumbnails kept for repeat requests."}
     )
+    api_key: str | None = field(
+        default=None,
+        repr=False,
+        metadata={"help": f"Key every route but the page and /api/health needs (Authorization: Bearer KEY); also "
+                  f"--api_key_file or ${API_KEY_ENV}. Never logged."},
+    )  # fmt: skip
+    api_key_file: str | None = field(default=None, metadata={"help": "A file whose first line is --api_key."})
+    admin_key: str | None = field(
+        default=None,
+        repr=False,
+        metadata={"help": f"Key POST /api/reload needs (default: --api_key; with no key at all, reload is answered "
+                  f"to loopback clients only); also --admin_key_file or ${ADMIN_KEY_ENV}. Never logged."},
+    )  # fmt: skip
+    admin_key_file: str | None = field(default=None, metadata={"help": "A file whose first line is --admin_key."})
+    allowed_hosts: list[str] | None = field(
+        default=None,
+        metadata={"help": "Host header names answered (default: localhost, 127.0.0.1, ::1 and --host); '*': any. "
+                  "Guards a loopback server against DNS rebinding."},
+    )  # fmt: skip
+    show_absolute_paths: bool = field(
+        default=False,
+        metadata={"help": "Show results' files, the index and the model as absolute paths (local use); by default "
+                  "files relative to the folder indexed, the index and model by name."},
+    )  # fmt: skip
+    ssl_certfile: str | None = field(default=None, metadata={"help": "TLS certificate (PEM); serve HTTPS."})
+    ssl_keyfile: str | None = field(default=None, metadata={"help": "TLS private key (PEM) of --ssl_certfile."})
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -117,6 +146,19 @@ class ServeArguments:
         if self.workers > 1 and self.port == 0:
             raise ConfigError("--port 0 with --workers > 1: the workers must share one port; choose it")
         self.limits()  # refuses a limit out of range now, in one line
+        self.api_key = read_key(self.api_key, self.api_key_file, API_KEY_ENV, "--api_key")
+        self.admin_key = read_key(self.admin_key, self.admin_key_file, ADMIN_KEY_ENV, "--admin_key")
+        self.api_key_file = self.admin_key_file = None  # read: the workers get the keys themselves
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ConfigError("--ssl_certfile and --ssl_keyfile go together: give both to serve HTTPS, or neither")
+        for flag, path in (("--ssl_certfile", self.ssl_certfile), ("--ssl_keyfile", self.ssl_keyfile)):
+            if path is not None and not os.path.isfile(path):
+                raise ConfigError(f"{flag} {path}: no such file")
+
+    def access(self) -> AccessPolicy:
+        """Who may ask what (``vlfit.serve.access``)."""
+        hosts = allowed_hosts(self.allowed_hosts, self.host)
+        return AccessPolicy(api_key=self.api_key, admin_key=self.admin_key, allowed_hosts=hosts)
 
     def limits(self) -> ServerLimits:
         """The server's bounds these flags set."""
@@ -129,10 +171,10 @@ def build_app(args: ServeArguments):  # -> fastapi.FastAPI (fastapi is imported 
     from vlfit.serve.engine import SearchEngine
 
     engine = SearchEngine(args.index, args.model, args.backend, args.precision, args.num_threads, args.search_threads,
-                          verify=args.verify)  # fmt: skip
+                          verify=args.verify, absolute_paths=args.show_absolute_paths)  # fmt: skip
     return create_app(engine, max_upload_mb=args.max_upload_mb, max_batch=args.max_batch,
                       max_wait_ms=args.max_wait_ms, reload_interval=args.reload_interval,
-                      limits=args.limits())  # fmt: skip
+                      limits=args.limits(), access=args.access())  # fmt: skip
 
 
 def app_from_environment():  # uvicorn's factory in each worker process of --workers N
@@ -189,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     common = dict(host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30,
                   http=CONNECTION_PROTOCOL, timeout_keep_alive=args.keep_alive_timeout,
                   h11_max_incomplete_event_size=args.max_header_bytes)  # fmt: skip
+    if args.ssl_certfile:
+        common.update(ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
+    warning = exposure_warning(args.host, args.access())
+    if warning:
+        logger.warning(warning)
     # uvicorn finishes the requests in flight on SIGTERM, then raises the signal again: end with 0 then, not -15.
     signal.signal(signal.SIGTERM, _stopped)
     if args.workers == 1:

@@ -11,7 +11,8 @@ Routes:
   if it changed; the server also checks every ``reload_interval`` seconds);
 - ``GET /``: the web page (``vlfit/serve/static/index.html``, no external assets).
 
-Bad requests are answered, never fatal: a body over the upload limit gets 413, bytes that are not an image 400 with
+Access (keys, the hosts answered, the bodies taken) is checked first, by ``vlfit.serve.access``. Bad requests are
+answered, never fatal: a body over the upload limit gets 413, bytes that are not an image 400 with
 the decoder's reason, malformed JSON or a missing field 422, ``k`` outside 1..1000 400; errors are
 ``{"error": "..."}``. What a request may ask is bounded before anything is computed for it (``ServerLimits``:
 texts, image pixels, JSON, multipart: 422 or 400; requests in flight: 503 with ``Retry-After``; a body that does
@@ -34,6 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from vlfit.errors import ConfigError, DataError, MissingFileError
+from vlfit.serve.access import AccessControl, AccessPolicy
 from vlfit.serve.batching import MicroBatcher
 from vlfit.serve.engine import MAX_K, SearchEngine, check_k
 from vlfit.serve.images import QueryImageTooLarge, ThumbnailCache, check_query_pixels, thumbnail
@@ -57,6 +59,7 @@ def create_app(
     max_wait_ms: float = 0.0,
     reload_interval: float = 2.0,
     limits: ServerLimits | None = None,
+    access: AccessPolicy | None = None,
 ) -> FastAPI:
     """The app serving ``engine``.
 
@@ -67,6 +70,7 @@ def create_app(
         max_wait_ms: How long a batch waits for more text queries after taking those already queued.
         reload_interval: Seconds between checks of the index's manifest (0: only ``POST /api/reload``).
         limits: The server's other bounds (default: ``ServerLimits()``'s).
+        access: Keys, hosts and bodies the server takes (``vlfit serve`` always gives one); ``None``: no checks.
     """
     limits = limits or ServerLimits()
     metrics = ServerMetrics()
@@ -173,6 +177,8 @@ def create_app(
     app.add_middleware(HeadAsGet)
     app.add_middleware(InFlightLimit, max_requests=limits.max_concurrency, metrics=metrics,
                        exempt=("/api/health", "/metrics"))  # fmt: skip
+    if access is not None:
+        app.add_middleware(AccessControl, policy=access)  # before any work is done for a request
     app.add_middleware(RequestMetrics, metrics=metrics)  # outermost: counts the 413s and 503s too
     app.state.engine, app.state.batcher, app.state.metrics = engine, batcher, metrics
     app.state.limits, app.state.thumbnail_cache = limits, thumbnail_cache

@@ -169,6 +169,8 @@ class SearchEngine:
             from batching, and idle OpenMP threads spin on cores the event loop and the encoder need (searching a
             batch of 8 on a busy 2-core machine: 12 ms with 2 threads, 1 ms with 1).
         verify: How the index's files are checked as each snapshot opens: ``quick`` or ``full``.
+        absolute_paths: Show results' files and the index and model as absolute paths (for local use); by
+            default files relative to the folder indexed, the index and model by name.
 
     Raises:
         MissingFileError: when the folder holds no index.
@@ -185,8 +187,10 @@ class SearchEngine:
         num_threads: int | None = None,
         search_threads: int = 1,
         verify: str = "quick",
+        absolute_paths: bool = False,
     ) -> None:
         _set_search_threads(search_threads)
+        self.absolute_paths = absolute_paths
         self.folder = index
         self.verify = verify
         self.snapshot = Snapshot(index, verify)
@@ -205,8 +209,14 @@ class SearchEngine:
     @property
     def description(self) -> dict[str, object]:
         snapshot = self.snapshot
-        return {"index": os.path.abspath(self.folder), "items": len(snapshot), "search": snapshot.search_kind,
-                "model": self.encoder.description, "generation": self.generation}  # fmt: skip
+        encoder = self.encoder
+        model = encoder.description
+        index = os.path.abspath(self.folder)
+        if not self.absolute_paths:  # names, not the server's directories
+            index = os.path.basename(index)
+            model = model.replace(encoder.model_path, os.path.basename(encoder.model_path.rstrip(os.sep)), 1)
+        return {"index": index, "items": len(snapshot), "search": snapshot.search_kind, "model": model,
+                "generation": self.generation}  # fmt: skip
 
     def reload_if_changed(self) -> bool:
         """Serve the index's current manifest if it changed since the snapshot was read; True when it did.
@@ -249,7 +259,18 @@ class SearchEngine:
         """The served snapshot's results as the server answers them (``Snapshot.served``), all from one snapshot
         (``k`` is checked by the caller, ``check_k``, before any batching)."""
         snapshot = self.snapshot  # a reload meanwhile does not mix two snapshots in one answer
-        return [[snapshot.served(hit) for hit in hits] for hits in snapshot.search(queries, k)]
+        return [[self._shown(snapshot.served(hit)) for hit in hits] for hits in snapshot.search(queries, k)]
+
+    def _shown(self, result: dict[str, object]) -> dict[str, object]:
+        """``result`` with its file shown relative to the indexed folder it came from (``absolute_paths``: as it
+        is): a client learns nothing of the server's directories."""
+        path = result["path"]
+        if self.absolute_paths or not isinstance(path, str):
+            return result
+        roots = [c["images"] for c in self.snapshot.manifest.collections if c.get("images")]
+        root = next((r for r in roots if path.startswith(os.path.join(r, ""))), None)
+        shown = os.path.relpath(path, root) if root is not None else os.path.basename(path)
+        return {**result, "path": shown, "item": shown}
 
 
 def _set_search_threads(threads: int) -> None:
