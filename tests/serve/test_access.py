@@ -133,3 +133,16 @@ def test_binding_beyond_loopback_without_a_key_is_warned_about() -> None:
     assert allowed_hosts(None, "10.0.0.5")[-1] == "10.0.0.5" and allowed_hosts(["Search.Example"], "x") == (
         "search.example",
     )
+
+
+def test_tls_files_go_together_and_must_exist(tmp_path) -> None:
+    from vlfit.commands.serve import ServeArguments
+
+    cert = tmp_path / "cert.pem"
+    cert.write_text("-----BEGIN CERTIFICATE-----\n")
+    with pytest.raises(ConfigError, match="--ssl_certfile and --ssl_keyfile go together"):
+        ServeArguments(index="i", ssl_certfile=str(cert))
+    with pytest.raises(ConfigError, match=r"--ssl_keyfile .*missing.pem: no such file"):
+        ServeArguments(index="i", ssl_certfile=str(cert), ssl_keyfile=str(tmp_path / "missing.pem"))
+    settings = ServeArguments(index="i", api_key=KEY)
+    assert KEY not in repr(settings) and settings.access().api_key == KEY
