@@ -10,6 +10,7 @@ traceback.
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import sys
 
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"vlfit: unknown command {command!r}; choose one of: {', '.join(COMMANDS)}\n\n{usage()}", file=sys.stderr)
         return 2
-    from vlfit.errors import UserError, cli_wording
+    from vlfit.errors import NO_SPACE_ERRNOS, UserError, cli_wording, disk_full_error
     from vlfit.logs import configure_logging
 
     rest, log_level = take_log_level(rest)
@@ -164,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
             code = int(module.main(rest) or 0)
     except BaseException as err:
         _stop_loader_workers(err)
+        if isinstance(err, OSError) and err.errno in NO_SPACE_ERRNOS and not isinstance(err, UserError):
+            err = disk_full_error(err, os.path.dirname(err.filename or "") or os.getcwd())  # no traceback for it
         if debug or not isinstance(err, UserError):
             raise
         print(f"vlfit {command}: error: {error_line(err)}", file=sys.stderr)

@@ -17,11 +17,14 @@ mean `precision=`?``), a value of the wrong type is refused, both as an ``Argume
 from __future__ import annotations
 
 import difflib
+import errno
 import functools
 import inspect
 import numbers
+import os
 import re
 import reprlib
+import shutil
 import threading
 import types
 import typing
@@ -101,6 +104,30 @@ class MissingExtraError(UserError, ImportError):
         detail = f" ({module} not installed)" if module else ""
         super().__init__(f"{what} needs the {extra} extra{detail}: pip install 'vlfit[{extra}]'")
         self.extra = extra
+
+
+class DiskFullError(UserError, OSError):
+    """A write that ran out of disk space (or quota): names the folder, its free space and what to do."""
+
+
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full_error(error: OSError, folder: str, *, needed: int | None = None, note: str = "") -> DiskFullError:
+    """``error`` (a write that found no space) as one line: the folder, its free space and, when known, about
+    how much the write needed; ``note`` adds what the caller knows (the last complete checkpoint)."""
+    try:
+        where = folder if os.path.isdir(folder) else os.path.dirname(folder) or "."
+        free = f"{shutil.disk_usage(where).free / 1e6:,.0f} MB free"
+    except OSError:
+        free = "free space unknown"
+    need = f", about {needed / 1e6:,.0f} MB needed" if needed else ""
+    written = f" writing {error.filename}" if error.filename else ""
+    extra = f"; {note}" if note else ""
+    return DiskFullError(
+        f"no space left on the device of {folder}{written} ({free}{need}){extra}: free space there or write "
+        "elsewhere (--output_dir)"
+    )
 
 
 class ArgumentError(ConfigError, TypeError):

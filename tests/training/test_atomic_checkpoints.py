@@ -97,3 +97,35 @@ def test_same_step_saved_twice_rotation_and_leftovers(tmp_path: Path) -> None:
     resumed = VlfitTrainer(model=bundle.model, args=args, pipeline=pipeline, family=bundle.family)
     assert resumed.bad_samples.load(str(tmp_path / "checkpoint-4"))
     assert resumed.bad_samples.state_dict() == trainer.bad_samples.state_dict()
+
+
+def test_a_full_disk_while_saving_ends_in_one_line_naming_the_last_complete_checkpoint(
+    tmp_path: Path, synthetic_dataset_dir: str, monkeypatch, capsys
+) -> None:
+    """The device fills during the second checkpoint (ENOSPC from the Trainer's last write): the run ends with exit 2
+    and one line naming the folder, its free space, about what a checkpoint takes and the checkpoint to resume
+    from; the partial copy is removed, giving its space back."""
+    import errno
+
+    from transformers import Trainer
+
+    saves: list[str] = []
+    original = Trainer._save_rng_state
+
+    def save_rng_state(self, output_dir):
+        saves.append(output_dir)
+        if len(saves) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", os.path.join(output_dir, "rng_state.pth"))
+        return original(self, output_dir)
+
+    monkeypatch.setattr(Trainer, "_save_rng_state", save_rng_state)
+    out = tmp_path / "run"
+    argv = ["train", *tiny_train_argv(synthetic_dataset_dir, out, "--save_steps", "2", steps=4)]
+    with single_torch_thread():
+        assert main(argv) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith(f"vlfit train: error: no space left on the device of {out} writing ")
+    assert "MB free" in error and "MB needed" in error
+    assert f"the last complete checkpoint is {out / 'checkpoint-2'}" in error
+    assert not any(entry.startswith(".partial") for entry in os.listdir(out))  # the partial copy's space is back
+    assert get_last_checkpoint(str(out)) == str(out / "checkpoint-2")

@@ -11,7 +11,9 @@ from __future__ import annotations
 import os
 import shutil
 
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from vlfit.errors import DiskFullError, disk_full_error
 
 STAGING_PREFIX = ".partial-"
 
@@ -60,3 +62,19 @@ def _fsync_dir(folder: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def no_space_for_checkpoint(error: OSError, run_dir: str, staging_root: str) -> DiskFullError:
+    """The disk filled while a checkpoint was staged in ``staging_root``: the partial copy goes (its space is given
+    back), and the error names the folder, about what a checkpoint takes (the last one's size, or what was written
+    before the disk filled) and the last complete checkpoint, from which a rerun resumes."""
+    partial = _folder_size(staging_root)
+    shutil.rmtree(staging_root, ignore_errors=True)
+    last = get_last_checkpoint(run_dir) if os.path.isdir(run_dir) else None
+    needed = (_folder_size(last) if last else 0) or partial or None
+    note = f"the last complete checkpoint is {last}" if last else "no complete checkpoint was saved yet"
+    return disk_full_error(error, run_dir, needed=needed, note=note)
+
+
+def _folder_size(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(folder) for name in names)

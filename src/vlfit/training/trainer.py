@@ -46,13 +46,18 @@ from vlfit.data.pipeline import DeviceFeed, InputPipeline, LoaderSettings, shard
 from vlfit.data.stream import ShardStream, SourceUnreachableError
 from vlfit.data.stream.dataset import StreamingImageTextDataset
 from vlfit.efficiency.flops import count_flops
-from vlfit.errors import ConfigError
+from vlfit.errors import NO_SPACE_ERRNOS, ConfigError
 from vlfit.evaluation.rerank import check_rerank
 from vlfit.evaluation.zeroshot import ZeroShotSet
 from vlfit.models.family import ModelFamily
 from vlfit.models.trainable import temporarily_trainable
 from vlfit.training.bad_sample_ledger import BadSampleLedger, TooManyBadSamplesError, process_file_name
-from vlfit.training.checkpoint_folders import STAGING_PREFIX, publish_staged_checkpoint, remove_partial_checkpoints
+from vlfit.training.checkpoint_folders import (
+    STAGING_PREFIX,
+    no_space_for_checkpoint,
+    publish_staged_checkpoint,
+    remove_partial_checkpoints,
+)
 from vlfit.training.evaluation_metrics import evaluation_metrics
 from vlfit.training.fsdp import enable_fsdp_on_cpu, reshape_scalar_parameters, scalar_state_dict
 from vlfit.training.gradient_cache import gradient_cached_backward
@@ -411,6 +416,11 @@ class VlfitTrainer(Trainer):
         self._staging_run_dir = staging_root
         try:
             super()._save_checkpoint(model, trial)
+        except OSError as error:
+            if error.errno not in NO_SPACE_ERRNOS:
+                raise
+            logger.error("saving %s failed: %s", self._checkpoint_name, error)
+            raise no_space_for_checkpoint(error, run_dir, staging_root) from error
         finally:
             self._staging_run_dir = None
         os.makedirs(staged_dir, exist_ok=True)
