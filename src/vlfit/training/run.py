@@ -45,6 +45,7 @@ from vlfit.training.arguments import VlfitTrainingArguments
 from vlfit.training.distributed import describe_launch
 from vlfit.training.itm_objective import prepare_model_for_objective
 from vlfit.training.preemption import PreemptionCallback, TrainingPreempted
+from vlfit.training.trainer import VlfitTrainer
 from vlfit.training.unfreeze import UnfreezeCallback
 from vlfit.training.vqa import pipeline_columns, run_task, trainer_class, vqa_blueprint, vqa_location
 
@@ -283,7 +284,7 @@ def run(
     starting_weights = wise_ft_start(model, lora, training_args)
     if lora is not None:
         model = with_lora_adapters(model, setup.blueprint, model_args, training_args, lora)
-    trainer = trainer_class(family)(
+    trainer = trainer_class(family, VlfitTrainer)(
         model=model,
         args=training_args,
         train_dataset=train_dataset,

@@ -39,7 +39,6 @@ from torch.utils.data import Sampler
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints, seed_worker
 
-from vlfit.data.bad_samples import BAD_SAMPLES_REPORT
 from vlfit.data.batch import Batch
 from vlfit.data.loader_workers import stop_loader_workers
 from vlfit.data.pipeline import DeviceFeed, InputPipeline, LoaderSettings, shard_loader
@@ -51,7 +50,8 @@ from vlfit.evaluation.rerank import check_rerank
 from vlfit.evaluation.zeroshot import ZeroShotSet
 from vlfit.models.family import ModelFamily
 from vlfit.models.trainable import temporarily_trainable
-from vlfit.training.bad_sample_ledger import BadSampleLedger, TooManyBadSamplesError, process_file_name
+from vlfit.training.bad_sample_accounting import BadSampleAccounting
+from vlfit.training.bad_sample_ledger import BadSampleLedger
 from vlfit.training.checkpoint_folders import (
     STAGING_PREFIX,
     no_space_for_checkpoint,
@@ -69,7 +69,7 @@ from vlfit.training.throughput import ThroughputMeter
 logger = logging.getLogger(__name__)
 
 
-class VlfitTrainer(Trainer):
+class VlfitTrainer(BadSampleAccounting, Trainer):
     """A Trainer for contrastive image-text fine-tuning.
 
     Args:
@@ -341,46 +341,6 @@ class VlfitTrainer(Trainer):
             global_negatives=getattr(self.args, "contrastive_negatives", "local") == "global",
             symmetric=getattr(self.args, "contrastive_loss", "model") == "symmetric",
         )
-
-    # ------------------------------------------------------------------------------------------- bad samples
-
-    def _check_bad_fraction(self) -> None:
-        try:
-            self.bad_samples.check()
-        except TooManyBadSamplesError:
-            self.write_bad_samples_report()
-            raise
-
-    def judge_whole_run(self) -> tuple[int, int]:
-        """The run's bad samples and samples read, summed over every process, after judging them as a whole
-        (``BadSampleLedger.judge_whole_run``: a run too short for the running check). A collective.
-
-        Raises:
-            TooManyBadSamplesError: after writing the bad-sample report, when the run lost too much.
-        """
-        bad, read = self.bad_sample_totals()
-        try:
-            self.bad_samples.judge_whole_run(bad, read)
-        except TooManyBadSamplesError:
-            self.write_bad_samples_report()
-            raise
-        return bad, read
-
-    def bad_sample_totals(self) -> tuple[int, int]:
-        """Bad samples skipped and samples read, summed over every process (a collective in distributed runs)."""
-        totals = torch.tensor(
-            [self.bad_samples.count, self.bad_samples.samples_read], dtype=torch.long, device=self.args.device
-        )
-        if self.accelerator.num_processes > 1:
-            totals = self.accelerator.reduce(totals, reduction="sum")
-        return int(totals[0]), int(totals[1])
-
-    def write_bad_samples_report(self) -> str:
-        """Write this process's bad samples to ``bad_samples.jsonl`` in the output folder; returns the path."""
-        os.makedirs(self.args.output_dir, exist_ok=True)
-        path = os.path.join(self.args.output_dir, process_file_name(BAD_SAMPLES_REPORT, self.args.process_index))
-        self.bad_samples.write_report(path)
-        return path
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:

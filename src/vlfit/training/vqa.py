@@ -180,9 +180,9 @@ class VqaTrainer(VlfitTrainer):
         return metrics
 
 
-def trainer_class(family: Any) -> type[VlfitTrainer]:
-    """``VqaTrainer`` for a VQA model's family, else ``VlfitTrainer``."""
-    return VqaTrainer if isinstance(family, VqaFamily) else VlfitTrainer
+def trainer_class(family: Any, contrastive: type[VlfitTrainer] = VlfitTrainer) -> type[VlfitTrainer]:
+    """``VqaTrainer`` for a VQA model's family, else ``contrastive`` (the run's trainer class)."""
+    return VqaTrainer if isinstance(family, VqaFamily) else contrastive
 
 
 def pipeline_columns(task: str) -> tuple[str, ...]:
