@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import datasets
@@ -86,6 +87,22 @@ def make_dataset(config: SyntheticConfig, num_proc: int = 1) -> datasets.Dataset
     Returns:
         A ``DatasetDict`` with the splits in ``SPLITS``, features ``features(config)``.
     """
+    return generate_splits(config, features(config), _make_batch, num_proc)
+
+
+def generate_splits(
+    config: SyntheticConfig,
+    split_features: datasets.Features,
+    make_batch: Callable[..., dict[str, list]],
+    num_proc: int = 1,
+    what: str = "",
+) -> datasets.DatasetDict:
+    """The splits in ``SPLITS`` (sizes as ``split_sizes``), each made by ``make_batch(batch, config)`` from its
+    contiguous index range (train first), so rows are the same for any ``num_proc``.
+
+    Raises:
+        DataError: for a ``num_proc`` below 1.
+    """
     if num_proc < 1:
         raise DataError(f"--num_proc must be at least 1, got {num_proc}")
     splits = {}
@@ -94,18 +111,18 @@ def make_dataset(config: SyntheticConfig, num_proc: int = 1) -> datasets.Dataset
         indices = datasets.Dataset.from_dict({"index": list(range(start, start + size))})
         start += size
         if size == 0:
-            splits[name] = datasets.Dataset.from_dict({k: [] for k in features(config)}, features=features(config))
+            splits[name] = datasets.Dataset.from_dict({k: [] for k in split_features}, features=split_features)
             continue
         splits[name] = indices.map(
-            _make_batch,
+            make_batch,
             batched=True,
             batch_size=16,
             fn_kwargs={"config": config},
             remove_columns=["index"],
-            features=features(config),
+            features=split_features,
             num_proc=min(num_proc, size),
             keep_in_memory=True,
-            desc=f"Generating {name}",
+            desc=f"Generating {name}{what}",
         )
     return datasets.DatasetDict({name: splits[name] for name in SPLITS})
 

@@ -19,6 +19,7 @@ from typing import Any
 import datasets
 import numpy as np
 
+from vlfit.data.synthetic.dataset import generate_splits
 from vlfit.data.synthetic.render import render_scene
 from vlfit.data.synthetic.scenes import (
     COLOUR_NAMES,
@@ -26,11 +27,9 @@ from vlfit.data.synthetic.scenes import (
     PLURALS,
     REGION_PHRASES,
     REGIONS,
-    SPLITS,
     Scene,
     SyntheticConfig,
     scene_and_choices,
-    split_sizes,
 )
 from vlfit.errors import DataError
 
@@ -147,25 +146,4 @@ def make_question_dataset(config: SyntheticConfig, num_proc: int = 1) -> dataset
     """
     if config.labels:
         raise DataError("--labels makes a labelled set for vlfit fewshot; --task vqa writes questions: drop one")
-    if num_proc < 1:
-        raise DataError(f"--num_proc must be at least 1, got {num_proc}")
-    splits = {}
-    start = 0
-    for name, size in split_sizes(config).items():
-        indices = datasets.Dataset.from_dict({"index": list(range(start, start + size))})
-        start += size
-        if size == 0:
-            splits[name] = datasets.Dataset.from_dict({k: [] for k in QUESTION_FEATURES}, features=QUESTION_FEATURES)
-            continue
-        splits[name] = indices.map(
-            _make_batch,
-            batched=True,
-            batch_size=16,
-            fn_kwargs={"config": config},
-            remove_columns=["index"],
-            features=QUESTION_FEATURES,
-            num_proc=min(num_proc, size),
-            keep_in_memory=True,
-            desc=f"Generating {name} questions",
-        )
-    return datasets.DatasetDict({name: splits[name] for name in SPLITS})
+    return generate_splits(config, QUESTION_FEATURES, _make_batch, num_proc, " questions")
