@@ -13,6 +13,7 @@ import shutil
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from vlfit.atomic_files import fsync_file, fsync_folder
 from vlfit.errors import DiskFullError, disk_full_error
 
 STAGING_PREFIX = ".partial-"
@@ -28,7 +29,7 @@ def publish_staged_checkpoint(staged_dir: str, final_dir: str) -> None:
         # The same step saved twice (a stop requested on a save step): swap, then drop the old copy.
         os.replace(final_dir, os.path.join(staging_root, "previous"))
     os.replace(staged_dir, final_dir)
-    _fsync_dir(run_dir)
+    fsync_folder(run_dir)
     shutil.rmtree(staging_root, ignore_errors=True)
 
 
@@ -48,20 +49,8 @@ def _fsync_tree(folder: str) -> None:
     """Flush every file of ``folder`` to disk, so the rename never publishes data still in the page cache."""
     for root, _, files in os.walk(folder):
         for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(root)
-
-
-def _fsync_dir(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+            fsync_file(os.path.join(root, name))
+        fsync_folder(root)
 
 
 def no_space_for_checkpoint(error: OSError, run_dir: str, staging_root: str) -> DiskFullError:
