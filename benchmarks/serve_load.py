@@ -10,26 +10,29 @@
 2. The server: a real ``vlfit serve`` process on a free loopback port, with the ``make demo`` model's INT8 text
    tower (``vlfit export --quantize int8``, ONNX Runtime) and a 10^5-vector index (HNSW), loaded by a bounded
    number of text queries at concurrency 1, 8 and 32, three times in turn: the medians of p50/p95/p99 latency and
-   QPS over the three runs, and the server process's memory.
+   QPS over the three runs, and the server process's memory. QPS and latencies are of the answered (200) queries;
+   queries refused with 503 (the server's admission) are counted apart and not sent again.
    The load comes from a minimal keep-alive HTTP/1.1 client on asyncio streams in this process (one connection per
    concurrent client), which costs the shared cores far less than a full HTTP client library would.
-3. Overload (open loop): text queries arriving at twice the capacity measured at concurrency 32, at fixed times
+3. Overload (open loop): text queries arriving at twice the capacity measured at concurrency 32 (or at
+   ``--overload_qps``, to offer two servers the same load), at fixed times
    whatever the answers, for ``OVERLOAD_S`` seconds, over a pool of keep-alive connections; latency counted from
    each query's arrival time. Goal: p99 of the admitted (200) queries <= 10x the unloaded p50 (concurrency 1), the
-   excess refused with 503 at once (``--max_concurrency``) rather than queued.
+   excess refused with 503 at once (``--max_queue_wait_ms``, ``--max_concurrency``) rather than queued.
 4. Noisy neighbour: 8 clients sending text queries, quiet, then again while one more client sends, one after
    another, the largest queries the server admits: a text of ``--max_text_chars`` characters, a JPEG and a PNG of
    ``--max_query_pixels`` pixels. Goal: the 8 clients' p50 within 2x of the quiet run.
 
 Every server flag is its default (``--num_threads 1``, ``--max_concurrency``, ...) but ``--model`` and
-``--reload_interval 0``.
+``--reload_interval 0``, and those given after ``--server_flags``.
 
 The client runs on the same 2 cores as the server, so the QPS figures are a floor. Goals (issue: text query p50 <=
 20 ms and >= 100 QPS at concurrency 8 on 10^5 vectors; IVF-PQ at 10^6 within 100 bytes/vector and recall@10 >=
 0.90); clip-retrieval's published figures for its back end are about 50 ms and 20 QPS.
 
     python benchmarks/serve_load.py [--model runs/demo/model] [--out runs/serve-bench]
-        [--results benchmarks/results/cpu-2core] [--server_only]
+        [--results benchmarks/results/cpu-2core] [--server_only] [--overload_qps 400]
+        [--server_flags --max_queue_wait_ms 20]
 
 Needs ``make demo`` first. About 6 minutes on an idle 2-core CPU (the 10^6 IVF-PQ build is most of it;
 ``--server_only`` leaves the index structures out).
@@ -159,19 +162,21 @@ async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, 
     return int(head.split(b" ", 2)[1])
 
 
-async def _client(port: int, requests: list[bytes], latencies: list[float]) -> int:
-    """Send ``requests`` one after another on one keep-alive connection; returns how many were not answered 200."""
+async def _client(port: int, requests: list[bytes], latencies: list[float]) -> dict[int, int]:
+    """Send ``requests`` one after another on one keep-alive connection (a refused one is not sent again); returns
+    the count of each status. ``latencies`` gets the answered (200) requests' times."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    errors = 0
+    statuses: dict[int, int] = {}
     try:
         for request in requests:
             started = time.perf_counter()
             status = await _exchange(reader, writer, request)
-            latencies.append(time.perf_counter() - started)
-            errors += status != 200
+            if status == 200:
+                latencies.append(time.perf_counter() - started)
+            statuses[status] = statuses.get(status, 0) + 1
     finally:
         writer.close()
-    return errors
+    return statuses
 
 
 def _request(text: str) -> bytes:
@@ -292,10 +297,15 @@ async def _load(port: int, texts: list[str], concurrency: int, count: int) -> di
     latencies: list[float] = []
     started = time.perf_counter()
     per_client = [requests[i::concurrency] for i in range(concurrency)]
-    errors = sum(await asyncio.gather(*(_client(port, part, latencies) for part in per_client)))
+    statuses: dict[int, int] = {}
+    for counted in await asyncio.gather(*(_client(port, part, latencies) for part in per_client)):
+        for status, number in counted.items():
+            statuses[status] = statuses.get(status, 0) + number
     wall = time.perf_counter() - started
-    ms = 1000 * np.array(latencies)
-    return {"concurrency": concurrency, "requests": count, "errors": errors, "qps": round(count / wall, 1),
+    ms = 1000 * np.array(latencies or [float("nan")])
+    refused, answered = statuses.get(503, 0), statuses.get(200, 0)
+    return {"concurrency": concurrency, "requests": count, "errors": count - answered - refused,
+            "refused_503": refused, "qps": round(answered / wall, 1),
             "p50_ms": round(float(np.percentile(ms, 50)), 2), "p95_ms": round(float(np.percentile(ms, 95)), 2),
             "p99_ms": round(float(np.percentile(ms, 99)), 2)}  # fmt: skip
 
@@ -305,10 +315,13 @@ def _median_run(measured: list[dict]) -> dict:
     keys = ("qps", "p50_ms", "p95_ms", "p99_ms")
     median = {key: round(float(np.median([run[key] for run in measured])), 2) for key in keys}
     errors = sum(run["errors"] for run in measured)
-    return {**measured[0], **median, "errors": errors, "repeats": len(measured), "runs": measured}
+    refused = sum(run["refused_503"] for run in measured)
+    return {**measured[0], **median, "errors": errors, "refused_503": refused, "repeats": len(measured),
+            "runs": measured}  # fmt: skip
 
 
-def serve_load(index: str, model: str, log_path: str) -> dict:
+def serve_load(index: str, model: str, log_path: str, server_flags: list[str] | None = None,
+               overload_qps: float | None = None) -> dict:  # fmt: skip
     import httpx
     import psutil
 
@@ -319,8 +332,8 @@ def serve_load(index: str, model: str, log_path: str) -> dict:
     texts = [text for _ in range(100) for text in scene_and_choices(rng)[1]]
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
-    server = start_server(["--index", index, "--model", model, "--reload_interval", "0"], port, log_path,
-                          timeout=180)  # fmt: skip
+    flags = ["--index", index, "--model", model, "--reload_interval", "0", *(server_flags or [])]
+    server = start_server(flags, port, log_path, timeout=180)
     try:
         health = httpx.get(f"{base}/api/health", timeout=10).json()
         runs: dict[int, list[dict]] = {concurrency: [] for concurrency in LEVELS}
@@ -330,7 +343,7 @@ def serve_load(index: str, model: str, log_path: str) -> dict:
                 print(json.dumps(runs[concurrency][-1]), flush=True)
         levels = [_median_run(measured) for measured in runs.values()]
         capacity = levels[-1]["qps"]  # closed loop at concurrency 32
-        overload = asyncio.run(_open_loop(port, texts, 2 * capacity, OVERLOAD_S))
+        overload = asyncio.run(_open_loop(port, texts, overload_qps or 2 * capacity, OVERLOAD_S))
         overload["unloaded_p50_ms"] = levels[0]["p50_ms"]
         overload["p99_over_unloaded_p50"] = round((overload["admitted_p99_ms"] or 0) / levels[0]["p50_ms"], 2)
         print(json.dumps({"overload": overload}), flush=True)
@@ -355,6 +368,18 @@ def main() -> int:
     parser.add_argument("--results", default=None, help="Also write serve_load.json here.")
     parser.add_argument("--hnsw_at_1m", action="store_true", help="Also build HNSW on 10^6 vectors (minutes).")
     parser.add_argument("--server_only", action="store_true", help="Leave the index structures (1.) out.")
+    parser.add_argument(
+        "--overload_qps",
+        type=float,
+        default=None,
+        help="Arrivals per second of the overload level (default: 2x the concurrency-32 capacity).",
+    )
+    parser.add_argument(
+        "--server_flags",
+        nargs=argparse.REMAINDER,
+        default=[],
+        help="Flags of vlfit serve (last: everything after it is passed on).",
+    )
     args = parser.parse_args()
     if not os.path.isdir(args.model):
         sys.exit(f"{args.model}: no model; run make demo first")
@@ -371,10 +396,11 @@ def main() -> int:
     index = os.path.join(args.out, "index-100k")
     if not os.path.isfile(os.path.join(index, "index_manifest.json")):
         write_index(index, encoder, 100_000)
-    served = serve_load(index, exported, os.path.join(args.out, "server.log"))
+    served = serve_load(index, exported, os.path.join(args.out, "server.log"), args.server_flags, args.overload_qps)
     built = [] if args.server_only else structures(args.out, encoder.identity, [100_000, 1_000_000], args.hnsw_at_1m)
     machine = {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
-    results = {"machine": machine, "embedding_dim": dim, "text_tower": encoder.description, "server": served,
+    results = {"machine": machine, "load_average": os.getloadavg(), "embedding_dim": dim,
+               "text_tower": encoder.description, "server_flags": args.server_flags, "server": served,
                "structures": built}  # fmt: skip
     for folder in filter(None, (args.out, args.results)):
         os.makedirs(folder, exist_ok=True)

@@ -15,8 +15,9 @@ Access (keys, the hosts answered, the bodies taken) is checked first, by ``vlfit
 answered, never fatal: a body over the upload limit gets 413, bytes that are not an image 400 with
 the decoder's reason, malformed JSON or a missing field 422, ``k`` outside 1..1000 400; errors are
 ``{"error": "..."}``. What a request may ask is bounded before anything is computed for it (``ServerLimits``:
-texts, image pixels, JSON, multipart: 422 or 400; requests in flight: 503 with ``Retry-After``; a body that does
-not arrive in time: 408), and one query's failure is its own 500 only; see ``vlfit.serve.limits``.
+texts, image pixels, JSON, multipart: 422 or 400; requests in flight, and a search's expected wait
+(``vlfit.serve.admission``): 503 with ``Retry-After``; a body that does not arrive in time: 408), and one query's
+failure is its own 500 only; see ``vlfit.serve.limits``.
 """
 
 from __future__ import annotations
@@ -36,13 +37,14 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from vlfit.errors import ConfigError, DataError, MissingFileError
 from vlfit.serve.access import AccessControl, AccessPolicy
+from vlfit.serve.admission import WaitAdmission
 from vlfit.serve.batching import MicroBatcher
 from vlfit.serve.engine import MAX_K, SearchEngine, check_k
 from vlfit.serve.images import QueryImageTooLarge, ThumbnailCache, check_query_pixels, thumbnail
 from vlfit.serve.limits import LIMITS_KEY, METRICS_KEY, ServerLimits
 from vlfit.serve.metrics import MEDIA_TYPE as METRICS_MEDIA_TYPE
 from vlfit.serve.metrics import ServerMetrics
-from vlfit.serve.middleware import HeadAsGet, InFlightLimit, RequestMetrics, UploadLimit
+from vlfit.serve.middleware import RETRY_AFTER_S, HeadAsGet, InFlightLimit, RequestMetrics, UploadLimit
 from vlfit.serve.queries import Query, SearchQuery, error_response, read_query
 
 logger = logging.getLogger(__name__)
@@ -78,7 +80,14 @@ def create_app(
     def run_batch(texts: Sequence[str], k: int) -> list[list[dict[str, object]]]:
         return engine.search(engine.embed_texts(texts), k)
 
-    batcher = MicroBatcher(run_batch, max_batch=max_batch, max_wait_ms=max_wait_ms, on_batch=metrics.observe_batch)
+    budget = limits.max_queue_wait_ms
+    admission = WaitAdmission(None if budget is None else budget / 1000.0)  # one text thread, one image thread
+
+    def text_batch_computed(size: int, seconds: float) -> None:
+        admission.observe("text", size, seconds)
+
+    batcher = MicroBatcher(run_batch, max_batch=max_batch, max_wait_ms=max_wait_ms, on_batch=metrics.observe_batch,
+                           on_computed=text_batch_computed)  # fmt: skip
     # Image queries decode and embed on a thread of their own, never the text encoder's; thumbnails on a small pool.
     image_queries = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlfit-image-query")
     thumbnails = ThreadPoolExecutor(max_workers=THUMBNAIL_THREADS, thread_name_prefix="vlfit-thumbnail")
@@ -148,6 +157,18 @@ def create_app(
             check_k(query.k)
         except ConfigError as err:
             return error_response(400, str(err))
+        kind = "text" if query.text is not None else "image"
+        over = admission.over_budget(kind)
+        if over is not None:
+            metrics.observe_refused("wait")
+            message = (f"a {kind} query would wait about {_ms(over[0])} here, over the budget of {_ms(over[1])} "
+                       f"(--max_queue_wait_ms); retry after {RETRY_AFTER_S} s")  # fmt: skip
+            return error_response(503, message, {"Retry-After": str(RETRY_AFTER_S)})
+        with admission.admitted(kind):
+            return await _answer(request, query, started)
+
+    async def _answer(request: Request, query: Query, started: float) -> Response:
+        """The search's answer, or the error of this query alone."""
         try:
             if query.text is not None:
                 text, k = query.text, query.k
@@ -156,8 +177,12 @@ def create_app(
                 image_bytes, k = query.image or b"", query.k
 
                 def image_search() -> list[dict[str, object]]:
-                    check_query_pixels(image_bytes, limits.max_query_pixels)
-                    (found,) = engine.search(engine.embed_image(image_bytes), k)
+                    computing = time.perf_counter()
+                    try:
+                        check_query_pixels(image_bytes, limits.max_query_pixels)
+                        (found,) = engine.search(engine.embed_image(image_bytes), k)
+                    finally:  # the image thread was busy this long, whatever the outcome
+                        admission.observe("image", 1, time.perf_counter() - computing)
                     return found
 
                 results = await _unless_disconnected(request, image_queries, image_search)
@@ -181,6 +206,7 @@ def create_app(
         app.add_middleware(AccessControl, policy=access)  # before any work is done for a request
     app.add_middleware(RequestMetrics, metrics=metrics)  # outermost: counts the 413s and 503s too
     app.state.engine, app.state.batcher, app.state.metrics = engine, batcher, metrics
+    app.state.admission = admission
     app.state.limits, app.state.thumbnail_cache = limits, thumbnail_cache
     return app
 
@@ -211,6 +237,11 @@ async def _disconnected(request: Request) -> None:
     """Returns when the client disconnects (the body has been read: what the server receives now is the end)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _ms(seconds: float) -> str:
+    milliseconds = 1000 * seconds
+    return f"{milliseconds:.0f} ms" if milliseconds >= 100 else f"{milliseconds:.2g} ms"
 
 
 def _describe(query: Query) -> str:

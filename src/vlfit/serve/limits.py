@@ -2,8 +2,8 @@
 
 ``vlfit serve``'s flags of the same names set them; ``create_app(engine, limits=ServerLimits(...))`` takes them.
 Who enforces each: ``vlfit.serve.connections`` (connections and request heads, under uvicorn), the app's
-middlewares in ``vlfit.serve.middleware`` (requests in flight, bodies) and ``vlfit.serve.queries`` /
-``vlfit.serve.images`` (what a query may ask).
+middlewares in ``vlfit.serve.middleware`` (requests in flight, bodies), ``vlfit.serve.admission`` (a search's
+expected wait) and ``vlfit.serve.queries`` / ``vlfit.serve.images`` (what a query may ask).
 """
 
 from __future__ import annotations
@@ -23,7 +23,12 @@ class ServerLimits:
     Args:
         max_concurrency: Requests in flight (queued or computing; health and metrics not counted); one beyond is
             answered 503 with ``Retry-After`` at once. 32: at 2x a 2-core server's capacity the requests admitted
-            wait about one batch, not seconds.
+            wait about one batch, not seconds. A hard ceiling: ``max_queue_wait_ms`` refuses earlier.
+        max_queue_wait_ms: The longest expected wait, in milliseconds, a search is admitted with (queries of its
+            kind not yet answered x their recent time per query; ``vlfit.serve.admission``); a search over it is
+            answered 503 with ``Retry-After`` at once. ``None`` (the default): 10x the recent time of a query
+            computed alone, per kind (text, image), so the budget follows the model and the machine. Before a
+            query of a kind has been timed, and with nothing ahead, only ``max_concurrency`` applies.
         max_connections: Open connections; one beyond is answered 503 and closed (far below the usual 1024
             file-descriptor limit, so the server never runs out of them).
         header_timeout: Seconds a request head may take to arrive (also: how long a new connection may stay
@@ -39,6 +44,7 @@ class ServerLimits:
     """
 
     max_concurrency: int = 32
+    max_queue_wait_ms: float | None = None
     max_connections: int = 512
     header_timeout: float = 10.0
     body_timeout: float = 60.0
@@ -55,5 +61,10 @@ class ServerLimits:
         for name in ("header_timeout", "body_timeout", "keep_alive_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
+        if self.max_queue_wait_ms is not None and not self.max_queue_wait_ms > 0:
+            raise ConfigError(
+                f"--max_queue_wait_ms must be positive milliseconds, got {self.max_queue_wait_ms} (leave it out for "
+                "10x the time of a query computed alone; inf: no wait budget)"
+            )
         if self.thumbnail_cache_mb < 0:
             raise ConfigError(f"--thumbnail_cache_mb must be at least 0, got {self.thumbnail_cache_mb}")

@@ -2,7 +2,8 @@
 
 ``vlfit_requests_total{route, status}``, ``vlfit_request_seconds{route}`` (a latency histogram), the micro-batches'
 sizes (``vlfit_search_batch_size``), requests and connections refused at a limit (``vlfit_refused_total{limit}``:
-``requests`` beyond ``--max_concurrency``, ``connections`` beyond ``--max_connections``), and gauges of the served
+``requests`` beyond ``--max_concurrency``, ``wait`` a search whose expected wait is over ``--max_queue_wait_ms``,
+``connections`` beyond ``--max_connections``), and gauges of the served
 index (``vlfit_index_items``, ``vlfit_index_generation``). Routes are the app's route templates
 (``/api/image/{item}``), never raw paths, so a client cannot grow the label set.
 
@@ -60,7 +61,7 @@ class ServerMetrics:
         self.latency.labels(route=route).observe(seconds)
 
     def observe_refused(self, limit: str) -> None:
-        """One refusal at ``limit`` (``requests`` or ``connections``)."""
+        """One refusal at ``limit`` (``requests``, ``wait`` or ``connections``)."""
         self.refused.labels(limit=limit).inc()
 
     def observe_batch(self, size: int) -> None:

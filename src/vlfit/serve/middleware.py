@@ -89,6 +89,9 @@ class InFlightLimit:
 
     ``exempt`` paths (health and metrics: answered on the event loop, microseconds) are never refused, so that a
     monitor sees an overloaded server as up and overloaded, not as down.
+
+    A ceiling: searches are refused earlier by their expected wait (``vlfit.serve.admission``, in the search route,
+    where the kind of query is known).
     """
 
     def __init__(self, app: Any, max_requests: int, metrics: ServerMetrics, exempt: tuple[str, ...] = ()) -> None:
