@@ -1,7 +1,8 @@
 """Write a file so that a reader (or a resumed run) sees either the old file, the complete new one, or none.
 
 The data goes to a hidden temporary file beside the target (``.{name}.{pid}.tmp``, same folder so the rename
-stays on one filesystem), which is renamed over the target once the writer is done; a failure removes it.
+stays on one filesystem), which is renamed over the target once the writer is done; a failure removes it. A disk
+that fills meanwhile raises the ``OSError`` (ENOSPC) with the target as its ``filename``, so the message names it.
 
 A durable write (``durable=True``: index files and their manifests, as checkpoints are written) also flushes the
 temporary file to disk before the rename and the folder after it, so a power loss never leaves a name pointing at
@@ -18,6 +19,8 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
+
+from vlfit.errors import NO_SPACE_ERRNOS
 
 # What ``temporary_path`` names its files: ``.{final name}.{pid}.tmp``.
 TEMP_FILE_PATTERN = re.compile(r"^\.(?P<name>.+)\.\d+\.tmp$")
@@ -62,6 +65,10 @@ def replace_on_success(path: str, *, durable: bool = False) -> Iterator[str]:
         os.replace(temp, path)
         if durable:
             fsync_folder(os.path.dirname(path))
+    except OSError as error:
+        if error.errno in NO_SPACE_ERRNOS and not error.filename:
+            error.filename = path  # a file's write() names no file: the full disk's message names this one
+        raise
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(temp)

@@ -113,21 +113,34 @@ class DiskFullError(UserError, OSError):
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
-def disk_full_error(error: OSError, folder: str, *, needed: int | None = None, note: str = "") -> DiskFullError:
+def format_bytes(size: float) -> str:
+    """``size`` in the unit a disk-space message gives it: MB from one megabyte up (free space, checkpoints, graphs),
+    kB or bytes below (an index shard of a small model)."""
+    if size >= 1e6:
+        return f"{size / 1e6:,.0f} MB"
+    return f"{size / 1e3:,.0f} kB" if size >= 1e3 else f"{size:.0f} bytes"
+
+
+def disk_full_error(
+    error: OSError,
+    folder: str,
+    *,
+    needed: int | None = None,
+    note: str = "",
+    remedy: str = "free space there or write elsewhere (--output_dir)",
+) -> DiskFullError:
     """``error`` (a write that found no space) as one line: the folder, its free space and, when known, about
-    how much the write needed; ``note`` adds what the caller knows (the last complete checkpoint)."""
+    how much the write needed; ``note`` adds what the caller knows (what is kept: the last complete checkpoint, the
+    shards an index lists), ``remedy`` what to do."""
     try:
         where = folder if os.path.isdir(folder) else os.path.dirname(folder) or "."
-        free = f"{shutil.disk_usage(where).free / 1e6:,.0f} MB free"
+        free = f"{format_bytes(shutil.disk_usage(where).free)} free"
     except OSError:
         free = "free space unknown"
-    need = f", about {needed / 1e6:,.0f} MB needed" if needed else ""
+    need = f", about {format_bytes(needed)} needed" if needed else ""
     written = f" writing {error.filename}" if error.filename else ""
     extra = f"; {note}" if note else ""
-    return DiskFullError(
-        f"no space left on the device of {folder}{written} ({free}{need}){extra}: free space there or write "
-        "elsewhere (--output_dir)"
-    )
+    return DiskFullError(f"no space left on the device of {folder}{written} ({free}{need}){extra}: {remedy}")
 
 
 class ArgumentError(ConfigError, TypeError):

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from vlfit.atomic_files import write_file_atomically, write_text_atomically
-from vlfit.errors import ConfigError, DataError, MissingFileError
+from vlfit.errors import NO_SPACE_ERRNOS, ConfigError, DataError, MissingFileError, disk_full_error
 from vlfit.index.integrity import DamagedIndexError, rebuild_command
 from vlfit.index.shard_vectors import EMBEDDINGS_KEY, ShardVectors
 from vlfit.inference.identity import ModelIdentity
@@ -287,27 +287,40 @@ def write_shard(
 
     Raises:
         DataError: naming the items whose embeddings hold NaN or infinite values (nothing is written).
+        DiskFullError: when the disk fills: names the folder, about what the shard needs (rows x size x 4 bytes)
+            and that the index keeps the shards its manifest lists (a rerun resumes).
     """
     refuse_nonfinite(ids, embeddings)
     stem = f"shard-{number:05d}"
     name = f"{stem}.{storage}"
-    if storage == "npy":
-        array = embeddings.contiguous().numpy()
-        written = write_file_atomically(os.path.join(folder, name), lambda f: np.save(f, array))
-    else:
-        from safetensors.torch import save
+    try:
+        if storage == "npy":
+            array = embeddings.contiguous().numpy()
+            written = write_file_atomically(os.path.join(folder, name), lambda f: np.save(f, array))
+        else:
+            from safetensors.torch import save
 
-        data = save({EMBEDDINGS_KEY: embeddings.contiguous()})
-        written = write_file_atomically(os.path.join(folder, name), lambda f: f.write(data))
-    entry: dict[str, Any] = {"embeddings": name, "ids": f"{stem}.json", "count": len(ids)}
-    files = {name: written.to_dict()}
-    texts = {f"{stem}.json": ids}
-    if captions is not None:
-        entry["captions"] = f"{stem}.captions.json"
-        texts[entry["captions"]] = captions
-    for file, values in texts.items():
-        encoded = (json.dumps(values) + "\n").encode("utf-8")
-        files[file] = write_file_atomically(os.path.join(folder, file), lambda f, b=encoded: f.write(b)).to_dict()
+            data = save({EMBEDDINGS_KEY: embeddings.contiguous()})
+            written = write_file_atomically(os.path.join(folder, name), lambda f: f.write(data))
+        entry: dict[str, Any] = {"embeddings": name, "ids": f"{stem}.json", "count": len(ids)}
+        files = {name: written.to_dict()}
+        texts = {f"{stem}.json": ids}
+        if captions is not None:
+            entry["captions"] = f"{stem}.captions.json"
+            texts[entry["captions"]] = captions
+        for file, values in texts.items():
+            encoded = (json.dumps(values) + "\n").encode("utf-8")
+            files[file] = write_file_atomically(os.path.join(folder, file), lambda f, b=encoded: f.write(b)).to_dict()
+    except OSError as error:
+        if error.errno not in NO_SPACE_ERRNOS:
+            raise
+        raise disk_full_error(
+            error,
+            folder,
+            needed=embeddings.numel() * embeddings.element_size(),
+            note="the index keeps every shard its manifest lists",
+            remedy="free space there and run the same command again to resume",
+        ) from error
     return {**entry, "files": files}
 
 

@@ -1,0 +1,193 @@
+"""A disk that fills during ``vlfit retrieve index`` or ``vlfit export`` ends the command in one line naming the
+folder, about the space needed and what was kept; the index resumes to the one a clean build makes, and an earlier
+export in the folder is left as it was.
+
+The full disk is simulated where the bytes are written: ``builtins.open`` is wrapped so that the files opened for
+writing under one folder share a budget of bytes, and a ``write`` past it raises ``OSError(ENOSPC)`` as a full
+device does (no file name, the bytes that fit written). (``vlfit train``'s full disk is tested in
+tests/training/test_atomic_checkpoints.py.)
+"""
+
+from __future__ import annotations
+
+import builtins
+import errno
+import hashlib
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.inference.tiny_models import write_image_folder
+from vlfit.atomic_files import write_text_atomically
+from vlfit.cli import main
+from vlfit.errors import format_bytes
+from vlfit.index.store import EmbeddingIndex
+from vlfit.inference.exported import graph_name
+
+WRITE_MODES = frozenset("wax+")
+
+
+class SmallDisk:
+    """The files written under ``folder`` share ``free`` bytes (None: no limit); every write is recorded.
+
+    Attributes:
+        writes: ``(path relative to folder, bytes)`` of each write, in order.
+    """
+
+    def __init__(self, folder: Path, free: int | None = None) -> None:
+        self.folder = os.path.join(os.path.abspath(folder), "")
+        self.free = free
+        self.writes: list[tuple[str, int]] = []
+        self._open = builtins.open
+
+    def open(self, file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        opened = self._open(file, mode, *args, **kwargs)
+        if isinstance(file, (str, os.PathLike)) and WRITE_MODES & set(mode):
+            path = os.path.abspath(os.fspath(file))
+            if path.startswith(self.folder):
+                return _LimitedFile(opened, self, os.path.relpath(path, self.folder))
+        return opened
+
+    def take(self, name: str, size: int) -> int:
+        """Record a write of ``size`` bytes to ``name``; returns how many fit."""
+        self.writes.append((name, size))
+        if self.free is None:
+            return size
+        fits = min(size, self.free)
+        self.free -= fits
+        return fits
+
+
+class _LimitedFile:
+    """A file opened for writing on a ``SmallDisk``: a write past the disk's free bytes writes what fits, then
+    raises ENOSPC."""
+
+    def __init__(self, file: Any, disk: SmallDisk, name: str) -> None:
+        self._file, self._disk, self._name = file, disk, name
+
+    def write(self, data: Any) -> int:
+        raw = data.encode() if isinstance(data, str) else memoryview(data).cast("B")
+        fits = self._disk.take(self._name, len(raw))
+        if fits < len(raw):
+            self._file.write(raw[:fits] if not isinstance(data, str) else data[:fits])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return self._file.write(data)
+
+    def __enter__(self) -> _LimitedFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._file.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._file, name)
+
+
+def _error_line(capsys) -> str:
+    lines = [line for line in capsys.readouterr().err.strip().splitlines() if "error:" in line]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def _temporary_files(folder: Path) -> list[str]:
+    return [name for _, _, names in os.walk(folder) for name in names if name.endswith(".tmp")]
+
+
+def test_an_atomic_write_that_fills_the_disk_names_its_file_and_leaves_the_old_one(tmp_path, monkeypatch):
+    target = tmp_path / "manifest.json"
+    target.write_text("old\n")
+    monkeypatch.setattr(builtins, "open", SmallDisk(tmp_path, free=3).open)
+    with pytest.raises(OSError) as raised:
+        write_text_atomically(str(target), "a longer new text\n", durable=True)
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(target)
+    monkeypatch.undo()
+    assert target.read_text() == "old\n" and not _temporary_files(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def few_images(synthetic_dataset_dir, tmp_path_factory) -> Path:
+    return write_image_folder(synthetic_dataset_dir, tmp_path_factory.mktemp("images"))
+
+
+def _index(model: Path, images: Path, out: Path) -> int:
+    return main(["retrieve", "index", "--model", str(model), "--images", str(images), "--output_dir", str(out),
+                 "--batch_size", "4", "--shard_size", "4", "--disable_tqdm", "true"])  # fmt: skip
+
+
+@pytest.mark.slow
+def test_retrieve_index_on_a_full_disk_ends_in_one_line_and_resumes(
+    tiny_checkpoint, few_images, tmp_path, monkeypatch, capsys
+):
+    """The disk fills while the second shard's embeddings are written: exit 2 and one line naming the index folder,
+    the file, about the shard's size (rows x embedding size x 4 bytes) and that the index keeps the shards its
+    manifest lists; the index opens with the first shard, and the same command run again completes it into the
+    index a clean build makes."""
+    clean = SmallDisk(tmp_path / "clean")
+    monkeypatch.setattr(builtins, "open", clean.open)
+    assert _index(tiny_checkpoint, few_images, tmp_path / "clean") == 0
+    monkeypatch.undo()
+    expected = EmbeddingIndex(str(tmp_path / "clean"))
+    names = [name for name, _ in clean.writes]
+    second = next(i for i, name in enumerate(names) if name.startswith(".shard-00001.safetensors."))
+    before = sum(size for _, size in clean.writes[:second])  # the bytes written before the second shard
+
+    out = tmp_path / "index"
+    monkeypatch.setattr(builtins, "open", SmallDisk(out, free=before + 64).open)
+    capsys.readouterr()
+    assert _index(tiny_checkpoint, few_images, out) == 2
+    monkeypatch.undo()
+    line = _error_line(capsys)
+    first, second_shard = expected.manifest.shards[:2]
+    shard_bytes = second_shard["count"] * expected.manifest.identity.embedding_size * 4
+    assert line.startswith(f"vlfit retrieve: error: no space left on the device of {out} writing "
+                           f"{out / 'shard-00001.safetensors'} (")  # fmt: skip
+    assert f"free, about {format_bytes(shard_bytes)} needed); the index keeps every shard its manifest lists" in line
+    assert line.endswith("free space there and run the same command again to resume")
+    assert not _temporary_files(out)
+    assert EmbeddingIndex(str(out)).ids() == expected.shard_ids(first)  # the first shard, listed
+
+    assert _index(tiny_checkpoint, few_images, out) == 0
+    resumed = EmbeddingIndex(str(out))
+    assert resumed.ids() == expected.ids()
+    assert resumed.embeddings().equal(expected.embeddings())
+
+
+def _needed_bytes(line: str) -> float:
+    """The ``about N <unit> needed`` of a full disk's message, in bytes."""
+    number, unit = line.split(" needed")[0].rsplit("about ", 1)[1].split(" ")
+    return float(number.replace(",", "")) * {"MB": 1e6, "kB": 1e3, "bytes": 1}[unit]
+
+
+def _digests(folder: Path) -> dict[str, str]:
+    return {
+        os.path.relpath(os.path.join(root, name), folder): hashlib.sha256(Path(root, name).read_bytes()).hexdigest()
+        for root, _, names in os.walk(folder)
+        for name in names
+    }
+
+
+@pytest.mark.slow
+def test_export_on_a_full_disk_ends_in_one_line_and_replaces_nothing(
+    tiny_checkpoint, onnx_export, tmp_path, monkeypatch, capsys
+):
+    """Exporting over an earlier export, the disk fills while the first graph is staged: exit 2 and one line naming
+    the folder and about what the graphs need; the earlier export is as it was and the staging folder is gone."""
+    out = tmp_path / "export"
+    shutil.copytree(onnx_export, out)
+    earlier = _digests(out)
+    image_graph = os.path.getsize(out / graph_name("image", "fp32", "onnx"))
+    monkeypatch.setattr(builtins, "open", SmallDisk(out, free=1000).open)
+    capsys.readouterr()
+    assert main(["export", "--model_name_or_path", str(tiny_checkpoint), "--output_dir", str(out),
+                 "--parity_samples", "2"]) == 2  # fmt: skip
+    monkeypatch.undo()
+    line = _error_line(capsys)
+    assert line.startswith(f"vlfit export: error: no space left on the device of {out} (")
+    graphs = image_graph + os.path.getsize(out / graph_name("text", "fp32", "onnx"))
+    assert graphs / 2 <= _needed_bytes(line) <= 3 * graphs  # the two fp32 graphs, roughly
+    assert line.endswith(f"; nothing in {out} was replaced (the export is staged in .export-staging and moved in "
+                         "once complete): free space there or export elsewhere (--output_dir)")  # fmt: skip
+    assert _digests(out) == earlier
