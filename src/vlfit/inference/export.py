@@ -8,10 +8,13 @@ Steps, in a staging folder that replaces nothing until every check passed:
    export example's, and refuse (``ExportParityError``) when any embedding's cosine is below the threshold;
 3. with ``--quantize int8``, write INT8 graphs (``vlfit.inference.quantize``) and measure their cosine to PyTorch
    and the change of text->image recall on the same samples;
+4. when the model has an image-text matching head (BridgeTower trained with ``--objective contrastive+itm``) and
+   the format is ONNX, trace the fused tower and head as ``itm.onnx`` (and ``itm.int8.onnx``), checked on the same
+   samples (``vlfit.inference.export_itm``);
+5. save the tokenizer and a manifest (``vlfit.inference.exported``) beside the graphs.
 
 Recall is evaluation's (``vlfit eval``): over the unique images of the samples (several captions of one image, or
 repeated bytes, are one image, ``vlfit.data.image_groups``), a caption finding any row of its image counts.
-4. save the tokenizer and a manifest (``vlfit.inference.exported``) beside the graphs.
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ from vlfit.data.image_groups import group_images
 from vlfit.errors import NO_SPACE_ERRNOS, ConfigError, DiskFullError, disk_full_error
 from vlfit.inference.backends import Encoder, OnnxRuntimeEncoder, OpenVinoEncoder, TorchEncoder
 from vlfit.inference.export_samples import Samples
-from vlfit.inference.exported import FORMATS, MANIFEST_NAME, TOWERS, ExportFolder, graph_name
-from vlfit.inference.identity import RefusedModelError, library_versions
+from vlfit.inference.exported import FORMATS, MANIFEST_NAME, TOWERS, ExportFolder, ExportParityError, graph_name
+from vlfit.inference.identity import library_versions
 from vlfit.inference.quantize import (
     compress_openvino_weights,
     quantize_onnx_image,
@@ -48,15 +51,12 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_OPSET = 18
 PARITY_THRESHOLD = 0.9999
+ITM_PARITY_TOLERANCE = 1e-3  # largest fp32 matching log-odds difference (vlfit.inference.export_itm)
 # Parity batches: one single sample, then odd sizes; the export example has 2 rows of 9 tokens.
 PARITY_BATCH_SIZES = (1, 7)
 EXAMPLE_BATCH, EXAMPLE_TOKENS = 2, 9
 CALIBRATION_BATCH_SIZE = 8
 RECALL_KS = (1, 5)
-
-
-class ExportParityError(RefusedModelError):
-    """An exported graph's embeddings differ from PyTorch's by more than the parity threshold allows."""
 
 
 @dataclass(frozen=True)
@@ -66,12 +66,14 @@ class ExportSettings:
     quantize: ``None`` or ``int8``.
     opset: ONNX opset of the graphs.
     parity_threshold: Smallest fp32 cosine to PyTorch accepted, per embedding.
+    itm_tolerance: Largest fp32 difference of matching log-odds to PyTorch accepted (the itm graph's).
     """
 
     format: str = "onnx"
     quantize: str | None = None
     opset: int = DEFAULT_OPSET
     parity_threshold: float = PARITY_THRESHOLD
+    itm_tolerance: float = ITM_PARITY_TOLERANCE
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -297,6 +299,7 @@ def export_model(
                 key: round(accuracy["int8"][key] - accuracy["fp32"][key], 4) for key in accuracy["fp32"]
             }
         manifest["parity"], manifest["accuracy"] = parity, accuracy
+        _export_matching_graph(loaded, staging, manifest, settings, parity_samples)
 
         if settings.format == "openvino":
             shutil.rmtree(onnx_dir)
@@ -331,6 +334,31 @@ def no_space_for_export(
         needed=max(graphs, staged),
         note=note,
         remedy="free space there or export elsewhere (--output_dir)",
+    )
+
+
+def _export_matching_graph(
+    loaded: TorchEncoder, staging: str, manifest: dict[str, Any], settings: ExportSettings, samples: Samples
+) -> None:
+    """The fused tower and ITM head as ``itm.onnx`` when the model has a matching head
+    (``vlfit.inference.export_itm``)."""
+    from vlfit.models.itm import has_itm_head
+
+    if not has_itm_head(loaded.model):
+        return
+    if settings.format != "onnx":
+        logger.warning("the matching head is exported with --format onnx only: %s gets no itm graph", settings.format)
+        return
+    from vlfit.inference.export_itm import export_itm_graph  # only here: it imports transformers' models
+
+    export_itm_graph(
+        loaded,
+        staging,
+        manifest,
+        opset=settings.opset,
+        quantize=settings.quantize == "int8",
+        samples=samples,
+        tolerance=settings.itm_tolerance,
     )
 
 

@@ -6,6 +6,8 @@ Layout::
                               the parity and accuracy figures measured at export
     image.onnx, text.onnx     (or image.xml/.bin, text.xml/.bin for OpenVINO) fp32 graphs
     image.int8.onnx, ...      INT8 graphs, with --quantize int8
+    itm.onnx, itm.int8.onnx   ONNX only, for a model with an image-text matching head: captions, images and pair
+                              rows -> matching log-odds (vlfit.inference.export_itm, vlfit.inference.pair_scorer)
     tokenizer.json, ...       the tokenizer (saved by transformers)
 
 A folder whose tokenizer is missing, or whose source checkpoint changed after the export, is refused with one line
@@ -30,6 +32,10 @@ PRECISIONS = ("fp32", "int8")
 TOWERS = ("image", "text")
 _EXTENSION = {"onnx": ".onnx", "openvino": ".xml"}
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
+
+
+class ExportParityError(RefusedModelError):
+    """An exported graph's outputs differ from PyTorch's by more than the parity check allows."""
 
 
 def graph_name(tower: str, precision: str, fmt: str) -> str:

@@ -2,6 +2,8 @@
 
 - Text tower, ONNX: dynamic quantization (weights INT8 ahead of time, activation ranges computed per call), which
   needs no calibration data and suits inputs of varying length.
+- Matching graph (the fused tower and ITM head, ``vlfit.inference.export_itm``), ONNX: dynamic quantization as the
+  text tower's: its inputs vary in length and pair count, and it needs no calibration pairs.
 - Image tower, ONNX: static quantization in QDQ form with activation ranges calibrated on real images, of the
   ``MatMul`` nodes only (every linear layer of the transformer): quantizing every op (the convolution of the patch
   embedding, additions, normalizations) cost far more accuracy in a trial (cosine 0.90 to fp32, against 0.9997).
@@ -35,12 +37,17 @@ def _drop_preprocessing_advice(record: logging.LogRecord) -> bool:
     return "pre-processing before quantization" not in record.getMessage()
 
 
-def quantize_onnx_text(source: str, destination: str) -> None:
-    """Dynamic INT8 quantization of the text tower's ``MatMul`` nodes (signed INT8 weights)."""
+def quantize_onnx_dynamic(source: str, destination: str) -> None:
+    """Dynamic INT8 quantization of a graph's ``MatMul`` nodes (signed INT8 weights, activation ranges per call)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     _quiet_onnxruntime_advice()
     quantize_dynamic(source, destination, op_types_to_quantize=list(QUANTIZED_OP_TYPES), weight_type=QuantType.QInt8)
+
+
+def quantize_onnx_text(source: str, destination: str) -> None:
+    """Dynamic INT8 quantization of the text tower's ``MatMul`` nodes."""
+    quantize_onnx_dynamic(source, destination)
 
 
 def quantize_onnx_image(source: str, destination: str, calibration: Sequence[dict[str, np.ndarray]]) -> None:

@@ -66,6 +66,11 @@ def has_itm_head(model: nn.Module) -> bool:
     return isinstance(_unwrap(model), BridgeTowerForContrastiveLearningWithITM)
 
 
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The model a DDP, FSDP or PEFT wrapper holds (``model`` itself when it is no wrapper)."""
+    return _unwrap(model)
+
+
 def _unwrap(model: nn.Module) -> nn.Module:
     while True:
         inner = getattr(model, "module", None) or getattr(getattr(model, "base_model", None), "model", None)

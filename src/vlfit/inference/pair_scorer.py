@@ -1,0 +1,301 @@
+"""Matching log-odds of (caption, image) pairs on PyTorch or ONNX Runtime, behind one interface: what re-ranking
+calls.
+
+A ``PairScorer`` takes what the fast CPU pipeline makes, captions (strings, or token ids with their attention
+mask) and uint8 pixels ``[Ni, 3, H, W]``, and returns the float32 log-odds of a match (``match - no match`` logit
+of the ITM head, ``vlfit.models.itm.match_log_odds``) of each pair. Pairs are given as rows into the captions and
+the images (``text_rows[i]``, ``image_rows[i]``), so each caption and each image runs its unimodal encoder once
+however many pairs it is in: re-ranking K images for one caption is ``score_pairs([caption], images,
+text_rows=[0] * K, image_rows=range(K))``. Without rows, caption ``i`` pairs with image ``i``.
+
+``vlfit.inference.itm_graph.PairScoringGraph`` is what both backends run: PyTorch eagerly, ONNX Runtime as the
+``itm.onnx`` graph ``vlfit export`` traced from it (``vlfit.inference.export_itm``). ``open_pair_scorer`` opens the
+scorer of a checkpoint or export folder, as ``vlfit.inference.backends.open_encoder`` opens its encoder;
+``pair_scorer_for`` gives the scorer beside an encoder already open. A model without a matching head has no
+scorer: ``pair_scorer_for`` returns None and ``open_pair_scorer`` refuses it in one line (``NoMatchingHeadError``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from vlfit.errors import ConfigError
+from vlfit.extras import require_extra
+from vlfit.inference.backends import (
+    FOLDER_KINDS,
+    PRECISION_CHOICES,
+    Encoder,
+    OnnxRuntimeEncoder,
+    TorchEncoder,
+    open_encoder,
+)
+from vlfit.inference.exported import ExportFolder
+from vlfit.inference.identity import RefusedModelError
+from vlfit.inference.towers import IMAGE_INPUT, TEXT_INPUTS
+from vlfit.models.family import InputSpec
+from vlfit.models.reference import ModelReference, parse_model_reference
+
+ITM_GRAPH = "itm"  # the graph's key in the export manifest and its file name (itm.onnx, itm.int8.onnx)
+ROW_INPUTS = ("text_rows", "image_rows")
+ITM_INPUTS = (*TEXT_INPUTS, IMAGE_INPUT, *ROW_INPUTS)
+ITM_OUTPUT = "match_log_odds"
+SCORER_BACKENDS = ("auto", "torch", "onnxruntime")
+NO_HEAD_ADVICE = (
+    "re-ranking needs a model with an image-text matching head: train one with vlfit train --objective "
+    "contrastive+itm (BridgeTower)"
+)
+
+
+class NoMatchingHeadError(RefusedModelError):
+    """A model or export folder without an image-text matching head was asked to score pairs."""
+
+
+class PairScorer(ABC):
+    """Scores (caption, image) pairs by the matching head.
+
+    Attributes:
+        backend: ``torch`` or ``onnxruntime``.
+        precision: ``fp32`` or ``int8`` (PyTorch: ``fp32``).
+        model_path: The checkpoint or export folder.
+        spec: Image size, mean, std, tokenizer and caption length.
+    """
+
+    backend: str
+    precision: str
+    model_path: str
+    spec: InputSpec
+
+    @abstractmethod
+    def score_tokens(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        pixels: torch.Tensor,
+        text_rows: torch.Tensor,
+        image_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """``PairScoringGraph``'s inputs, checked -> float32 log-odds ``[P]`` on the CPU."""
+
+    def score_pairs(
+        self,
+        texts: Sequence[str] | Mapping[str, torch.Tensor],
+        images: torch.Tensor | np.ndarray,
+        text_rows: Sequence[int] | torch.Tensor | None = None,
+        image_rows: Sequence[int] | torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Matching log-odds of pairs of ``texts`` and ``images``.
+
+        Args:
+            texts: Captions, or their token ids and attention mask (``{"input_ids", "attention_mask"}``,
+                ``[Nt, T]`` each, as ``tokenize`` makes them).
+            images: uint8 pixels ``[Ni, 3, H, W]`` at the model's image size.
+            text_rows, image_rows: Pair ``i`` is (caption ``text_rows[i]``, image ``image_rows[i]``); both None:
+                caption ``i`` with image ``i``.
+
+        Returns:
+            float32 ``[P]``: the log-odds of a match, higher for a better match.
+
+        Raises:
+            ConfigError: for pixels that are not uint8 ``[N, 3, H, W]`` at the model's size, rows given for one side
+                only, rows of different lengths or out of range, or captions and images of different counts
+                without rows.
+        """
+        if isinstance(texts, Mapping):
+            input_ids, attention_mask = texts["input_ids"], texts["attention_mask"]
+        else:
+            tokens = self.spec.tokenize(list(texts))
+            input_ids, attention_mask = tokens["input_ids"], tokens["attention_mask"]
+        pixels = torch.from_numpy(images) if isinstance(images, np.ndarray) else images
+        size = self.spec.image_size
+        if pixels.dtype != torch.uint8 or pixels.dim() != 4 or tuple(pixels.shape[1:]) != (3, size, size):
+            raise ConfigError(
+                f"pair scoring takes uint8 pixels [N, 3, {size}, {size}], got {pixels.dtype} "
+                f"{list(pixels.shape)}; resize and crop the images as the input pipeline does"
+            )
+        rows = _pair_rows(len(input_ids), len(pixels), text_rows, image_rows)
+        if len(rows[0]) == 0:
+            return torch.zeros(0, dtype=torch.float32)
+        return self.score_tokens(input_ids.long(), attention_mask.long(), pixels.contiguous(), rows[0], rows[1]).float()
+
+    @property
+    def description(self) -> str:
+        return f"pair scorer {self.model_path} on {self.backend} ({self.precision})"
+
+
+def _pair_rows(
+    num_texts: int, num_images: int, text_rows: Sequence[int] | torch.Tensor | None,
+    image_rows: Sequence[int] | torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    if (text_rows is None) != (image_rows is None):
+        raise ConfigError("pair scoring takes text_rows and image_rows together, or neither (caption i, image i)")
+    if text_rows is None or image_rows is None:
+        if num_texts != num_images:
+            raise ConfigError(
+                f"pair scoring got {num_texts} captions and {num_images} images; without text_rows and image_rows "
+                "caption i pairs with image i, so their counts must be equal"
+            )
+        rows = torch.arange(num_texts)
+        return rows, rows
+    texts = torch.as_tensor(text_rows, dtype=torch.long).reshape(-1)
+    images = torch.as_tensor(image_rows, dtype=torch.long).reshape(-1)
+    if len(texts) != len(images):
+        raise ConfigError(f"text_rows has {len(texts)} pairs but image_rows {len(images)}; give one row each per pair")
+    for name, values, count in (("text_rows", texts, num_texts), ("image_rows", images, num_images)):
+        if len(values) and (int(values.min()) < 0 or int(values.max()) >= count):
+            raise ConfigError(f"{name} must lie in [0, {count}) (one per caption or image given), got "
+                              f"{int(values.min())}..{int(values.max())}")  # fmt: skip
+    return texts, images
+
+
+class TorchPairScorer(PairScorer):
+    """A loaded model with a matching head on PyTorch (fp32, eval mode).
+
+    Args:
+        encoder: The model's ``TorchEncoder`` (its model and spec; the scorer shares the model, not a copy).
+
+    Raises:
+        NoMatchingHeadError: when the model has no matching head.
+    """
+
+    backend = "torch"
+    precision = "fp32"
+
+    def __init__(self, encoder: TorchEncoder) -> None:
+        from vlfit.inference.itm_graph import PairScoringGraph  # only here: it imports transformers' models
+        from vlfit.models.itm import has_itm_head
+
+        if not has_itm_head(encoder.model):
+            raise NoMatchingHeadError(f"{encoder.model_path} has no image-text matching head; {NO_HEAD_ADVICE}")
+        self.model_path = encoder.model_path
+        self.spec = encoder.spec
+        self.graph = PairScoringGraph(encoder.model, encoder.spec).eval()
+
+    @torch.inference_mode()
+    def score_tokens(self, input_ids, attention_mask, pixels, text_rows, image_rows) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        return self.graph(input_ids, attention_mask, pixels, text_rows, image_rows)
+
+
+class OnnxRuntimePairScorer(PairScorer):
+    """The ``itm`` graph of an exported ONNX folder on ONNX Runtime's CPU provider.
+
+    Args:
+        exported: The export folder.
+        precision: ``fp32``, ``int8`` or ``auto`` (INT8 when exported).
+        num_threads: Intra-op threads (``None``: ONNX Runtime's default).
+        allow_spinning: Let idle intra-op threads spin-wait for the next call (see ``OnnxRuntimeEncoder``).
+
+    Raises:
+        NoMatchingHeadError: when the folder has no ``itm`` graph.
+        RefusedModelError: when it has none of ``precision``.
+    """
+
+    backend = "onnxruntime"
+
+    def __init__(
+        self,
+        exported: ExportFolder,
+        precision: str = "auto",
+        num_threads: int | None = None,
+        allow_spinning: bool = True,
+    ) -> None:
+        require_extra("export", "the onnxruntime backend", ("onnxruntime",))
+        import onnxruntime as ort
+
+        precisions = exported_itm_precisions(exported)
+        if not precisions:
+            raise NoMatchingHeadError(
+                f"{exported.path} has no image-text matching graph ({ITM_GRAPH}.onnx): its checkpoint has no "
+                f"matching head, or it was exported as {exported.format} or by an older vlfit; {NO_HEAD_ADVICE}, "
+                "then export it with vlfit export --format onnx"
+            )
+        if precision == "auto":
+            precision = "int8" if "int8" in precisions else "fp32"
+        self.precision = precision
+        self.model_path = exported.path
+        self.exported = exported
+        self.spec = exported.input_spec()
+        options = ort.SessionOptions()
+        if num_threads:
+            options.intra_op_num_threads = num_threads
+        if not allow_spinning:
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        path = exported.graph_path(ITM_GRAPH, precision)
+        self.session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+
+    def score_tokens(self, input_ids, attention_mask, pixels, text_rows, image_rows) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        values = (input_ids, attention_mask, pixels, text_rows, image_rows)
+        feeds = {name: np.ascontiguousarray(value.numpy()) for name, value in zip(ITM_INPUTS, values, strict=True)}
+        (out,) = self.session.run(None, feeds)
+        return torch.from_numpy(out)
+
+
+def exported_itm_precisions(exported: ExportFolder) -> tuple[str, ...]:
+    """The precisions of the folder's ``itm`` graph (none: the folder cannot score pairs)."""
+    graphs = exported.manifest.get("graphs", {}).get(ITM_GRAPH, {})
+    return tuple(precision for precision in ("fp32", "int8") if graphs.get(precision))
+
+
+def pair_scorer_for(encoder: Encoder, *, num_threads: int | None = None) -> PairScorer | None:
+    """The pair scorer beside an open encoder, on the same backend; None when its model has no matching head.
+
+    A PyTorch encoder's scorer shares its model; an ONNX Runtime encoder's scorer runs the folder's ``itm`` graph
+    of the encoder's precision (fp32 when that precision has none). OpenVINO folders have no ``itm`` graph.
+    """
+    if isinstance(encoder, TorchEncoder):
+        from vlfit.models.itm import has_itm_head
+
+        return TorchPairScorer(encoder) if has_itm_head(encoder.model) else None
+    if isinstance(encoder, OnnxRuntimeEncoder):
+        precisions = exported_itm_precisions(encoder.exported)
+        if not precisions:
+            return None
+        precision = encoder.precision if encoder.precision in precisions else "fp32"
+        return OnnxRuntimePairScorer(encoder.exported, precision, num_threads=num_threads)
+    return None
+
+
+def open_pair_scorer(
+    model: str | ModelReference,
+    backend: str = "auto",
+    precision: str = "auto",
+    *,
+    num_threads: int | None = None,
+    allow_spinning: bool = True,
+) -> PairScorer:
+    """The pair scorer of a checkpoint folder (PyTorch) or an ONNX export folder (ONNX Runtime).
+
+    Args:
+        model: A checkpoint folder or a folder ``vlfit export`` wrote, or what it parsed to.
+        backend: ``auto`` (the folder's own), ``torch`` or ``onnxruntime``.
+        precision: For exported graphs: ``auto`` (INT8 when present), ``fp32`` or ``int8``.
+        num_threads: Threads of the runtime.
+        allow_spinning: ONNX Runtime's idle threads spin-wait for the next call.
+
+    Raises:
+        NoMatchingHeadError: when the model has no matching head (or the folder no ``itm`` graph).
+        ConfigError, MissingFileError, RefusedModelError: as ``open_encoder`` for the same arguments.
+    """
+    if precision not in PRECISION_CHOICES:
+        raise ConfigError(f"unknown --precision {precision!r}; choose one of: {', '.join(PRECISION_CHOICES)}")
+    if backend not in SCORER_BACKENDS:
+        raise ConfigError(
+            f"unknown --backend {backend!r} for pair scoring; choose one of: {', '.join(SCORER_BACKENDS)} (export "
+            "with vlfit export --format onnx for a graph of the matching head)"
+        )
+    if not isinstance(model, ModelReference):
+        model = parse_model_reference(model, flag="--model", kinds=FOLDER_KINDS)
+    if model.kind == "export":
+        if backend == "torch":
+            raise RefusedModelError(
+                f"{model.path} holds exported graphs, which run on onnxruntime, not torch; use --backend onnxruntime "
+                "(or auto), or pass the checkpoint it was exported from"
+            )
+        exported = ExportFolder.open(model.path)
+        return OnnxRuntimePairScorer(exported, precision, num_threads=num_threads, allow_spinning=allow_spinning)
+    encoder = open_encoder(model, backend, precision, num_threads=num_threads)
+    assert isinstance(encoder, TorchEncoder)  # a checkpoint or adapters: open_encoder refuses them on onnxruntime
+    return TorchPairScorer(encoder)

@@ -1,0 +1,223 @@
+"""The matching graph (BridgeTower's fused tower and ITM head) in vlfit export: fp32 log-odds equal PyTorch's on
+calls unlike the trace example, the INT8 graph's agreement is recorded, the ONNX Runtime pair scorer equals the
+PyTorch one, a graph that does not match is refused, and a model without a matching head gets no graph and no
+scorer, in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from vlfit.cli import main
+from vlfit.data.device_stage import normalize_uint8
+from vlfit.data.sources.synthetic import synthetic_source
+from vlfit.errors import ConfigError
+from vlfit.inference import export as export_module
+from vlfit.inference import export_itm
+from vlfit.inference.backends import load_checkpoint, open_encoder
+from vlfit.inference.export import ExportSettings, export_model
+from vlfit.inference.export_itm import agreement_figures, parity_calls
+from vlfit.inference.export_samples import load_samples
+from vlfit.inference.exported import ExportParityError
+from vlfit.inference.pair_scorer import (
+    NoMatchingHeadError,
+    OnnxRuntimePairScorer,
+    TorchPairScorer,
+    open_pair_scorer,
+    pair_scorer_for,
+)
+from vlfit.models.itm import pair_scores, with_itm_head
+
+CAPTIONS = ["red", "two blue squares on the left and one green circle at the top of the picture, and more words"]
+
+
+def save_itm_checkpoint(checkpoint: Path, output_dir: Path, seed: int = 2) -> Path:
+    """``checkpoint`` with a new matching head (initialized as transformers does), saved as vlfit train saves a run
+    of ``--objective contrastive+itm``."""
+    from transformers import BridgeTowerForContrastiveLearning
+
+    model = BridgeTowerForContrastiveLearning.from_pretrained(checkpoint)
+    torch.manual_seed(seed)
+    with_itm_head(model).save_pretrained(output_dir)
+    for path in checkpoint.iterdir():  # the tokenizer and image processor
+        if not (output_dir / path.name).exists():
+            shutil.copy(path, output_dir / path.name)
+    return output_dir
+
+
+@pytest.fixture(scope="module")
+def itm_checkpoint(tiny_checkpoint, tmp_path_factory) -> Path:
+    return save_itm_checkpoint(tiny_checkpoint, tmp_path_factory.mktemp("itm") / "model")
+
+
+@pytest.fixture(scope="module")
+def itm_export(itm_checkpoint, synthetic_dataset_dir, tmp_path_factory) -> Path:
+    """``vlfit export --quantize int8`` of the checkpoint with a matching head."""
+    out = tmp_path_factory.mktemp("itm-export") / "onnx"
+    assert main(["export", "--model_name_or_path", str(itm_checkpoint), "--output_dir", str(out), "--quantize",
+                 "int8", "--calibration_dataset", synthetic_dataset_dir, "--parity_samples", "13",
+                 "--calibration_samples", "16"]) == 0  # fmt: skip
+    return out
+
+
+def _pixels(scorer_or_encoder, n: int, seed: int = 5) -> torch.Tensor:
+    return load_samples(synthetic_source(n, seed=seed), scorer_or_encoder.spec).pixels
+
+
+# ------------------------------------------------------------------------------------------ fast: PyTorch
+
+
+def test_torch_scorer_is_pair_scores_and_pairs_by_rows_or_by_position(itm_checkpoint):
+    encoder = load_checkpoint(str(itm_checkpoint))
+    scorer = pair_scorer_for(encoder)
+    assert isinstance(scorer, TorchPairScorer) and (scorer.backend, scorer.precision) == ("torch", "fp32")
+    pixels = _pixels(scorer, 3)
+    tokens = scorer.spec.tokenize(CAPTIONS)
+    text_rows, image_rows = torch.tensor([0, 0, 0, 1, 1]), torch.tensor([0, 1, 2, 1, 0])
+    scores = scorer.score_pairs(CAPTIONS, pixels, text_rows, image_rows)
+    mean, std = torch.tensor(scorer.spec.image_mean), torch.tensor(scorer.spec.image_std)
+    with torch.no_grad():
+        expected = pair_scores(encoder.model, (tokens["input_ids"], tokens["attention_mask"]),
+                               normalize_uint8(pixels, mean, std, torch.float32), text_rows, image_rows)  # fmt: skip
+    assert scores.dtype == torch.float32 and scores.shape == (5,)
+    torch.testing.assert_close(scores, expected, atol=1e-5, rtol=0)
+    assert scores.unique().numel() == 5  # the head tells the pairs apart
+    # Tokens in place of strings, and pairs by position without rows: the same scores.
+    torch.testing.assert_close(scorer.score_pairs(tokens, pixels[:2]), scores[[0, 3]], atol=1e-5, rtol=0)
+    torch.testing.assert_close(scorer.score_pairs(CAPTIONS[:1], pixels[:1]), scores[:1], atol=1e-5, rtol=0)
+    assert scorer.score_pairs(CAPTIONS, pixels, [], []).shape == (0,)
+
+
+def test_bad_pair_requests_are_one_line_each(itm_checkpoint):
+    scorer = open_pair_scorer(str(itm_checkpoint))
+    pixels = _pixels(scorer, 2)
+    with pytest.raises(ConfigError, match=r"^pair scoring got 2 captions and 1 images; without text_rows"):
+        scorer.score_pairs(CAPTIONS, pixels[:1])
+    with pytest.raises(ConfigError, match=r"^pair scoring takes text_rows and image_rows together"):
+        scorer.score_pairs(CAPTIONS, pixels, [0, 1])
+    with pytest.raises(ConfigError, match=r"^text_rows has 2 pairs but image_rows 1"):
+        scorer.score_pairs(CAPTIONS, pixels, [0, 1], [0])
+    with pytest.raises(ConfigError, match=r"^image_rows must lie in \[0, 2\).*got 0\.\.2$"):
+        scorer.score_pairs(CAPTIONS, pixels, [0, 1], [0, 2])
+    with pytest.raises(ConfigError, match=r"^pair scoring takes uint8 pixels \[N, 3, 64, 64\], got torch.float32"):
+        scorer.score_pairs(CAPTIONS, pixels.float())
+    with pytest.raises(ConfigError, match=r"^unknown --backend 'openvino' for pair scoring"):
+        open_pair_scorer(str(itm_checkpoint), backend="openvino")
+
+
+def test_a_checkpoint_without_a_matching_head_has_no_scorer(tiny_checkpoint):
+    assert pair_scorer_for(load_checkpoint(str(tiny_checkpoint))) is None
+    with pytest.raises(
+        NoMatchingHeadError,
+        match=r"has no image-text matching head; re-ranking needs a model with "
+        r"an image-text matching head: train one with vlfit train --objective contrastive\+itm",
+    ):
+        open_pair_scorer(str(tiny_checkpoint))  # fmt: skip
+
+
+def test_agreement_counts_swapped_candidates_beyond_ties_only():
+    reference = torch.tensor([[3.0, 2.0, 1.0, 0.0], [1.0, 1.00001, 0.0, -1.0]])
+    figures = agreement_figures(reference, torch.tensor([[3.0, 1.0, 2.0, 0.0], [1.00001, 1.0, 0.0, -1.0]]), 1e-4)
+    assert figures["discordant_pairs"] == 1  # row 0's middle pair; row 1's swap is a tie
+    assert figures["same_order"] == 0.0 and figures["top1_agreement"] == 0.5
+    assert figures["max_abs_diff"] == pytest.approx(1.0)
+    assert agreement_figures(reference, reference + 0.5)["discordant_pairs"] == 0
+    assert agreement_figures(reference, reference + 0.5)["spearman"] == pytest.approx(1.0)
+
+
+def test_parity_calls_hold_each_image_once_and_sizes_unlike_the_trace_example():
+    calls = list(parity_calls(13, 8))
+    assert [len(queries) for queries, _, _ in calls] == [1, 3, 3, 3, 3]
+    for queries, images, rows in calls:
+        assert images.unique().numel() == images.numel()  # each image once per call
+        assert torch.equal(images[rows], (queries[:, None] + torch.arange(8)) % 13)  # each caption's candidates
+    assert {(len(q), len(i), r.numel()) for q, i, r in calls}.isdisjoint({(2, 3, 5)})
+
+
+# ------------------------------------------------------------------------------------------ slow: exports
+
+
+@pytest.mark.slow
+def test_itm_graph_matches_pytorch_and_its_int8_agreement_is_recorded(itm_export, itm_checkpoint):
+    manifest = json.loads((itm_export / "export_manifest.json").read_text())
+    assert manifest["graphs"]["itm"] == {"fp32": "itm.onnx", "int8": "itm.int8.onnx"}
+    assert [i["name"] for i in manifest["inputs"]["itm"]] == ["input_ids", "attention_mask", "pixels", "text_rows",
+                                                              "image_rows"]  # fmt: skip
+    assert manifest["itm_output"] == {"name": "match_log_odds", "dtype": "float32", "shape": ["pairs"]}
+    assert manifest["quantization"]["itm"] == "onnxruntime dynamic (MatMul)"
+    parity = manifest["parity"]["itm"]
+    assert (parity["queries"], parity["candidates"], parity["tolerance"]) == (13, 8, 1e-3)
+    assert parity["fp32"]["max_abs_diff"] <= 1e-5 and parity["fp32"]["discordant_pairs"] == 0  # 3e-07 measured
+    assert parity["fp32"]["same_order"] == 1.0 and parity["fp32"]["reference_std"] > 0.01
+    int8 = parity["int8"]
+    assert set(int8) == set(parity["fp32"])
+    assert 0 < int8["max_abs_diff"] < 0.05 and int8["spearman"] > 0.95  # 0.0114 and 0.9945 measured
+
+    # The ONNX Runtime scorer equals the PyTorch one on pairs unlike the parity check's (2 captions x 5 images).
+    onnx = open_pair_scorer(str(itm_export), precision="fp32")
+    torch_scorer = open_pair_scorer(str(itm_checkpoint))
+    assert isinstance(onnx, OnnxRuntimePairScorer) and (onnx.backend, onnx.precision) == ("onnxruntime", "fp32")
+    pixels = _pixels(onnx, 5, seed=7)
+    rows = (torch.arange(2).repeat_interleave(5), torch.arange(5).repeat(2))
+    expected = torch_scorer.score_pairs(CAPTIONS, pixels, *rows)
+    torch.testing.assert_close(onnx.score_pairs(CAPTIONS, pixels, *rows), expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(onnx.score_pairs(CAPTIONS[:1], pixels[:1]), expected[:1], atol=1e-4, rtol=0)
+    int8_scorer = pair_scorer_for(open_encoder(str(itm_export)))  # beside the folder's INT8 encoder
+    assert isinstance(int8_scorer, OnnxRuntimePairScorer) and int8_scorer.precision == "int8"
+    assert (int8_scorer.score_pairs(CAPTIONS, pixels, *rows) - expected).abs().max() < 0.05
+    with pytest.raises(ConfigError, match="holds exported graphs, which run on onnxruntime, not torch"):
+        open_pair_scorer(str(itm_export), backend="torch")
+
+
+@pytest.mark.slow
+def test_a_model_without_a_matching_head_gets_no_itm_graph_and_its_scorer_is_refused(onnx_export):
+    manifest = json.loads((onnx_export / "export_manifest.json").read_text())
+    assert "itm" not in manifest["graphs"] and "itm" not in manifest["parity"]
+    assert not list(onnx_export.glob("itm*"))
+    assert pair_scorer_for(open_encoder(str(onnx_export))) is None
+    with pytest.raises(
+        NoMatchingHeadError,
+        match=r"has no image-text matching graph \(itm.onnx\): its checkpoint "
+        r"has no matching head.*re-ranking needs a model with an image-text matching head",
+    ):
+        open_pair_scorer(str(onnx_export))  # fmt: skip
+
+
+@pytest.mark.slow
+def test_an_itm_graph_that_does_not_match_its_checkpoint_is_not_written(itm_checkpoint, itm_export, tmp_path,
+                                                                         monkeypatch):  # fmt: skip
+    # The towers are the export's above (tested there); the matching graph's tracer is handed a model whose head
+    # says "match" a little more for every pair: parity must catch it.
+    def copy_towers(loaded, folder, opset):
+        return {t: shutil.copy(itm_export / f"{t}.onnx", f"{folder}/{t}.onnx") for t in ("image", "text")}
+
+    monkeypatch.setattr(export_module, "export_onnx_towers", copy_towers)
+    trace = export_itm.export_onnx_itm
+
+    def shifted(graph, *args):
+        head = graph.model.itm_score.fc
+        saved = head.bias.detach().clone()
+        with torch.no_grad():
+            head.bias[1] += 0.01
+        try:
+            trace(graph, *args)
+        finally:
+            with torch.no_grad():
+                head.bias.copy_(saved)
+
+    monkeypatch.setattr(export_itm, "export_onnx_itm", shifted)
+    loaded = load_checkpoint(str(itm_checkpoint))
+    samples = load_samples(synthetic_source(5), loaded.spec)
+    out = tmp_path / "refused"
+    with pytest.raises(
+        ExportParityError,
+        match=r"^the exported fp32 itm graph's matching log-odds differ from "
+        r"PyTorch's: largest difference 0\.0100\d+ \(at most 0\.001 allowed\), 0 candidate pairs "
+        r"ordered otherwise, on 25 pairs of 5 captions; nothing was written$",
+    ):
+        export_model(loaded, str(out), ExportSettings(), parity_samples=samples)  # fmt: skip
+    assert list(out.iterdir()) == []
