@@ -28,7 +28,6 @@ from vlfit.serve.access import ADMIN_KEY_ENV, API_KEY_ENV, AccessPolicy, allowed
 from vlfit.serve.limits import ServerLimits
 
 PROG = "vlfit serve"
-CONNECTION_PROTOCOL = "vlfit.serve.connections:BoundedHttpToolsProtocol"  # uvicorn's http=, as an import string
 logger = logging.getLogger(__name__)
 SETTINGS_ENV = "VLFIT_SERVE_SETTINGS"  # how --workers > 1 hands the settings to uvicorn's worker processes
 
@@ -229,13 +228,14 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from vlfit.index.verify import open_index
+    from vlfit.serve.connections import http_protocol
 
     # No index, or a damaged one: one line now, not a traceback in every worker (one worker checks as its app loads).
     open_index(args.index, args.verify if args.workers > 1 else "quick")
     # uvicorn on vlfit's httptools protocol, which bounds connections and request heads by the app's limits
-    # (vlfit.serve.connections); h11's own head limit in case a caller picks h11.
+    # (vlfit.serve.connections; h11 where this uvicorn's lacks what it needs); h11's own head limit for h11.
     common = dict(host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30,
-                  http=CONNECTION_PROTOCOL, timeout_keep_alive=args.keep_alive_timeout,
+                  http=http_protocol(), timeout_keep_alive=args.keep_alive_timeout,
                   h11_max_incomplete_event_size=args.max_header_bytes)  # fmt: skip
     if args.ssl_certfile:
         common.update(ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)

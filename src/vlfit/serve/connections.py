@@ -17,22 +17,121 @@ accepts connections up to the file-descriptor limit, beyond which clients are re
 The app hands its ``ServerLimits`` and its metrics to the protocol through the lifespan state (``LIMITS_KEY``,
 ``METRICS_KEY``), so every uvicorn worker process reads those of its own app, whether uvicorn runs one process or
 several; a connection to an app that gives none is not bounded here.
+
+The subclass relies on uvicorn's private API (tested on uvicorn 0.54): ``http_protocol`` checks at server start that
+what it uses is there (``protocol_api_problems``: methods and their arguments, the attributes uvicorn's
+``__init__`` sets, the status lines it writes). Where something is missing, ``vlfit serve`` logs one warning and runs
+on uvicorn's own h11 protocol instead of failing at the first connection: the app's middlewares and query checks
+still bound requests and bodies, h11 bounds the head's size, and connections and head time are not bounded.
 """
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import inspect
 import logging
+import textwrap
 import time
+from collections.abc import Mapping
 from typing import Any
 
-import httptools
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
-
+from vlfit.errors import first_line
 from vlfit.serve.limits import LIMITS_KEY, METRICS_KEY, ServerLimits
+
+try:  # uvicorn's private protocol module: where it moved or went, http_protocol() falls back to h11
+    import httptools
+    from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+except ImportError as error:
+    IMPORT_PROBLEM: str | None = f"uvicorn.protocols.http.httptools_impl: {first_line(error)}"
+    STATUS_LINE, HttpToolsProtocol = {}, object  # type: ignore[assignment,misc]
+else:
+    IMPORT_PROBLEM = None
 
 logger = logging.getLogger(__name__)
 
 REFUSAL_LOG_INTERVAL_S = 10.0  # refused connections are logged at most this often, with the count since
+BOUNDED_PROTOCOL = f"{__name__}:BoundedHttpToolsProtocol"  # uvicorn's http=, as an import string
+FALLBACK_PROTOCOL = "h11"  # uvicorn's own, bounding the head's size (h11_max_incomplete_event_size)
+# What BoundedHttpToolsProtocol uses of uvicorn's protocol: the methods it overrides or calls, each with the number of
+# arguments it passes; the attributes uvicorn's __init__ sets that it reads; the status lines it writes.
+PROTOCOL_METHODS = {
+    "connection_made": 1, "connection_lost": 1, "data_received": 1, "on_message_begin": 0, "on_url": 1,
+    "on_header": 2, "on_headers_complete": 0, "_unset_keepalive_if_required": 0, "_should_upgrade": 0,
+    "handle_websocket_upgrade": 0, "_unsupported_upgrade_warning": 0, "send_400_response": 1,
+}  # fmt: skip
+PROTOCOL_KEYWORDS = ("config", "server_state", "app_state")  # how uvicorn creates a protocol per connection
+PROTOCOL_ATTRIBUTES = ("app_state", "connections", "parser", "loop", "logger", "transport")
+STATUS_CODES = (408, 431, 503)
+
+
+def protocol_api_problems(protocol: type, status_line: Mapping[int, bytes]) -> list[str]:
+    """What ``BoundedHttpToolsProtocol`` needs and ``protocol`` (uvicorn's ``HttpToolsProtocol``) lacks: a missing
+    method, one that does not take the arguments passed, an attribute its ``__init__`` does not set, a status
+    line ``status_line`` (uvicorn's ``STATUS_LINE``) does not hold; empty when everything is there."""
+    problems = []
+    for name, count in {"__init__": 0, **PROTOCOL_METHODS}.items():
+        method = getattr(protocol, name, None)
+        if not callable(method):
+            problems.append(f"no {name}()")
+            continue
+        try:
+            signature = inspect.signature(method)
+        except (TypeError, ValueError):
+            continue  # a builtin without a signature: nothing to check
+        keywords = dict.fromkeys(PROTOCOL_KEYWORDS) if name == "__init__" else {}
+        try:
+            signature.bind(None, *[None] * count, **keywords)
+        except TypeError:
+            passed = ", ".join(f"{key}=" for key in keywords) if keywords else f"{count} argument(s)"
+            problems.append(f"{name}{signature} does not take {passed}")
+    assigned = _assigned_attributes(protocol)
+    problems += [f"no self.{name}" for name in PROTOCOL_ATTRIBUTES if name not in assigned]
+    problems += [f"no STATUS_LINE[{code}]" for code in STATUS_CODES if code not in status_line]
+    return problems
+
+
+def _assigned_attributes(protocol: type) -> set[str]:
+    """The attributes of ``protocol``'s class and those its ``__init__`` methods (along the MRO) assign."""
+    names = {name for cls in protocol.__mro__ for name in vars(cls)}
+    for cls in protocol.__mro__:
+        init = vars(cls).get("__init__")
+        if init is not None and cls is not object:
+            with contextlib.suppress(OSError, TypeError, SyntaxError):  # no source: its attributes count as missing
+                tree = ast.parse(textwrap.dedent(inspect.getsource(init)))
+                names.update(
+                    node.attr
+                    for node in ast.walk(tree)
+                    if isinstance(node, ast.Attribute)
+                    and isinstance(node.ctx, ast.Store)
+                    and isinstance(node.value, ast.Name)
+                    and node.value.id == "self"
+                )
+    return names
+
+
+def http_protocol(protocol: type | None = None, status_line: Mapping[int, bytes] | None = None) -> str:
+    """uvicorn's ``http=`` for ``vlfit serve``: ``BOUNDED_PROTOCOL`` when uvicorn's httptools protocol (or
+    ``protocol``, with ``status_line``) has what it needs; else one warning saying which limits are then enforced,
+    and uvicorn's own h11 protocol."""
+    if protocol is None:
+        problems = [IMPORT_PROBLEM] if IMPORT_PROBLEM else protocol_api_problems(HttpToolsProtocol, STATUS_LINE)
+    else:
+        problems = protocol_api_problems(protocol, STATUS_LINE if status_line is None else status_line)
+    if not problems:
+        return BOUNDED_PROTOCOL
+    import uvicorn
+
+    logger.warning(
+        "uvicorn %s's httptools protocol lacks what vlfit's connection limits use (tested on uvicorn 0.54): %s; "
+        "serving on uvicorn's h11 protocol: --max_header_bytes is bounded by h11, requests and bodies by vlfit's "
+        "middlewares and query checks (--max_concurrency, --max_queue_wait_ms, --max_upload_mb, --body_timeout, "
+        "--max_text_chars, --max_query_pixels), idle keep-alive connections by uvicorn (--keep_alive_timeout); "
+        "--max_connections and --header_timeout are not enforced",
+        getattr(uvicorn, "__version__", "?"),
+        "; ".join(problems),
+    )
+    return FALLBACK_PROTOCOL
 
 
 class _Refusals:
