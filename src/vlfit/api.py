@@ -19,6 +19,7 @@ naming the keyword argument (``learning_rate=``): an unknown keyword or a value 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -327,6 +328,7 @@ class Index:
         index_type: str = "auto",
         max_index_memory: int | None = None,
         target_recall: float = 0.95,
+        verify: str = "quick",
     ) -> Index:
         """Embed a folder of images (``images``) or a dataset split into the index at ``path`` (created, or resumed
         and appended to when it exists: only items not in it yet are embedded; an index of another model is
@@ -334,35 +336,21 @@ class Index:
         ``auto``, ``flat``, ``hnsw`` or ``ivfpq``; needs the serve extra). A dataset's rows that show one image
         (one ``image_id_column`` value, one row of a list caption column, or identical bytes) are one item with all
         their captions, as evaluation groups them."""
-        from vlfit.data.sources.openers import open_collection
-        from vlfit.extras import require_extra
-        from vlfit.index.ann_choice import DEFAULT_MAX_INDEX_MEMORY, INDEX_TYPES, check_target_recall
-        from vlfit.index.ann_update import update_ann
-        from vlfit.index.build import BuildRequest, build_index
+        from vlfit.index.ann_choice import DEFAULT_MAX_INDEX_MEMORY
+        from vlfit.index.job import IndexJob, index_collection
 
-        require_extra("serve", "vlfit.Index.build", modules=("faiss",))
-        # Every value is checked before anything is opened, embedded or written.
-        if index_type not in INDEX_TYPES:
-            raise ConfigError(f"unknown --index_type {index_type!r}; choose one of: {', '.join(INDEX_TYPES)}")
-        check_target_recall(target_recall)
-        for keyword, value, least in (
-            ("batch_size", batch_size, 1),
-            ("num_workers", num_workers, 0),
-            ("shard_size", shard_size, 1),
-            ("max_index_memory", max_index_memory or 1, 1),
-        ):
-            _check_at_least(keyword, value, least)  # fmt: skip
-
-        source, collection = open_collection(
-            images=images, dataset_name=dataset_name, split=split, image_column=image_column,
-            caption_column=caption_column, image_id_column=image_id_column,
+        # Every value is checked as the job is made, before the model loads.
+        job = IndexJob(
+            model if isinstance(model, str) else model.encoder, path, images=images, dataset_name=dataset_name,
+            split=split, image_column=image_column, caption_column=caption_column, image_id_column=image_id_column,
+            batch_size=batch_size, num_workers=num_workers, shard_size=shard_size, progress=progress, verify=verify,
+            index_type=index_type, max_index_memory=max_index_memory or DEFAULT_MAX_INDEX_MEMORY,
+            target_recall=target_recall,
         )  # fmt: skip
-        model = load(model) if isinstance(model, str) else model
-        request = BuildRequest(path, collection, batch_size=batch_size, num_workers=num_workers,
-                               shard_size=shard_size, progress=progress)  # fmt: skip
-        build_index(model.encoder, source, request)
-        update_ann(path, index_type=index_type, max_index_memory=max_index_memory or DEFAULT_MAX_INDEX_MEMORY,
-                   target_recall=target_recall)  # fmt: skip
+        if isinstance(model, str):
+            model = load(model)
+            job = dataclasses.replace(job, model=model.encoder)
+        index_collection(job).raise_for_lost_shards()
         return cls(path, model)
 
     @classmethod

@@ -4,7 +4,6 @@ compatibility flags)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +11,7 @@ from vlfit.compat_flags import CompatDataFlags
 from vlfit.data.bad_samples import BAD_SAMPLE_POLICIES, MIN_SAMPLES_FOR_BAD_FRACTION, check_bad_sample_policy
 from vlfit.data.columns import DEFAULT_COLUMNS
 from vlfit.data.file_patterns import is_stream_spec
+from vlfit.data.stream.urls import parse_storage_options
 from vlfit.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -108,22 +108,7 @@ class DataLocationArguments:
         Raises:
             ConfigError: naming the flag, when it is not a JSON object.
         """
-        raw = self.storage_options
-        if raw is None or raw == "":
-            return {}
-        if isinstance(raw, dict):
-            return dict(raw)
-        try:
-            options = json.loads(raw)
-        except ValueError as err:
-            raise ConfigError(
-                f"--storage_options is not valid JSON ({err}); give an object, e.g. '{{\"headers\": {{}}}}'"
-            ) from None
-        if not isinstance(options, dict):
-            raise ConfigError(
-                f"--storage_options must be a JSON object of fsspec options, not {type(options).__name__}"
-            )
-        return options
+        return parse_storage_options(self.storage_options)
 
     def shard_reader(self) -> ShardReader:
         """How shard URLs are read: ``--storage_options``, ``--shard_block_size`` and, where the command has them,

@@ -14,14 +14,10 @@ import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
-from vlfit.arguments import DataLocationArguments
 from vlfit.commands.parsing import CommandParser
-from vlfit.data.sources.openers import COLLECTION_KEYS, open_collection
-from vlfit.data.sources.tar import ShardCollection
-from vlfit.errors import ConfigError, DataError
-from vlfit.extras import require_extra
-from vlfit.index.ann_choice import DEFAULT_MAX_INDEX_MEMORY, DEFAULT_TARGET_RECALL, check_target_recall
-from vlfit.index.build import BuildRequest, build_index
+from vlfit.errors import ConfigError
+from vlfit.index.ann_choice import DEFAULT_MAX_INDEX_MEMORY, DEFAULT_TARGET_RECALL
+from vlfit.index.job import IndexJob, index_collection
 from vlfit.index.search import Hit, Query, embed_queries, read_queries, search
 from vlfit.index.store import refuse_other_model
 from vlfit.index.verify import open_index, verify_index
@@ -29,8 +25,8 @@ from vlfit.inference.backends import open_encoder
 from vlfit.inference.topk import DEFAULT_CHUNK_ELEMENTS
 
 SUBCOMMANDS = ("index", "query", "verify")
-# What the summary of vlfit retrieve index tells of the ANN structure (the manifest's "ann" holds all of it).
-ANN_SUMMARY = ("type", "factory", "search_params", "recall_at_10", "bytes_per_vector", "query_latency_ms", "extended")
+# Flags of vlfit retrieve index that are the command's, not the job's.
+CLI_ONLY = ("dataloader_num_workers", "disable_tqdm", "json")
 Backend = Literal["auto", "torch", "onnxruntime", "openvino"]
 Verify = Literal["quick", "full"]
 Precision = Literal["auto", "fp32", "int8"]
@@ -117,20 +113,10 @@ class IndexArguments:
                   "finite embeddings); the items of a damaged shard are embedded again, a damaged ANN file rebuilt."},
     )  # fmt: skip
 
-    def build_request(self, collection: dict, rank: int, world_size: int) -> BuildRequest:
-        """The build these flags ask for, of the collection ``collection`` describes, by process ``rank``."""
-        return BuildRequest(
-            self.output_dir,
-            collection,
-            batch_size=self.batch_size,
-            num_workers=self.dataloader_num_workers,
-            shard_size=self.shard_size,
-            storage=self.storage,
-            progress=not self.disable_tqdm,
-            rank=rank,
-            world_size=world_size,
-            verify=self.verify,
-        )
+    def job(self) -> IndexJob:
+        """The indexing these flags ask for (every value checked before anything is opened)."""
+        same = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in CLI_ONLY}
+        return IndexJob(**same, num_workers=self.dataloader_num_workers, progress=not self.disable_tqdm)
 
 
 @dataclass
@@ -207,76 +193,13 @@ PARSERS: dict[str, tuple[type, str, tuple[str, ...]]] = {
 
 
 def run_index(args: IndexArguments) -> int:
-    """``vlfit retrieve index``: embed the collection, bring the ANN structure up to date, report."""
-    require_extra("serve", "vlfit retrieve index", modules=("faiss",))
-    check_target_recall(args.target_recall)  # before anything is embedded
-    source, collection = open_collection(**{key: getattr(args, key) for key in COLLECTION_KEYS})
-    if isinstance(source, ShardCollection):
-        options = DataLocationArguments.fsspec_options(args)  # type: ignore[arg-type]
-        source = dataclasses.replace(
-            source,
-            retries=args.shard_retries,
-            timeout=args.shard_timeout,
-            storage_options=options,
-            block_size=args.shard_block_size,
-        )
-        source.reader()  # bad --shard_retries, --shard_timeout or --shard_block_size: refused before the model loads
-    encoder = open_encoder(args.model, args.backend, args.precision, num_threads=args.num_threads)
-    from vlfit.launch import join_gloo_group
-
-    # torchrun: each process embeds its share of the shards (vlfit.cli closes the group after a normal return).
-    rank, world_size = join_gloo_group(args.ddp_timeout)
-    request = args.build_request(collection, rank, world_size)
-    built = build_index(encoder, source, request)
-    if rank != 0:
-        return 0  # rank 0 lists the shards, builds the ANN structure and reports
-    from vlfit.index.ann_update import update_ann
-
-    ann = update_ann(
-        args.output_dir,
-        index_type=args.index_type,
-        max_index_memory=args.max_index_memory,
-        target_recall=args.target_recall,
-        verify=args.verify,
-    )
-    manifest = built.manifest
-    summary = {
-        "index": args.output_dir,
-        "model": encoder.description,
-        "items": manifest.count,
-        "added": built.added,
-        "bad_samples": built.bad_samples,
-        "removed": len(manifest.removed),
-        "ann": {key: ann[key] for key in ANN_SUMMARY if key in ann},
-    }
-    if args.json:
-        print(json.dumps(summary, indent=1))
-    else:
-        print_index_summary(summary)
-    if isinstance(source, ShardCollection):
-        lost = [bad for bad in summary["bad_samples"] if bad["id"] in set(source.urls)]
-        if lost:  # listed as bad in the manifest: the next run tries them again
-            raise DataError(
-                f"{len(lost)} of {len(source.urls)} shards could not be indexed: "
-                + "; ".join(f"{bad['id']} ({bad['reason']})" for bad in lost[:5])
-                + ("; ..." if len(lost) > 5 else "")
-                + ". Rerun the same command to try them again (the index keeps what was embedded)."
-            )
+    """``vlfit retrieve index``: embed the collection, bring the ANN structure up to date, report (rank 0); exit 2
+    when tar shards at URLs could not be indexed (listed in the manifest; the same command tries them again)."""
+    report = index_collection(args.job())
+    if report.lead:
+        print(json.dumps(report.to_dict(), indent=1) if args.json else "\n".join(report.lines()))
+    report.raise_for_lost_shards()
     return 0
-
-
-def print_index_summary(summary: dict) -> None:
-    """``vlfit retrieve index``'s summary as lines of text, ending with what was written."""
-    bad_samples = summary["bad_samples"]
-    for bad in bad_samples[:10]:
-        print(f"left out {bad['id']}: {bad['reason']}")
-    if len(bad_samples) > 10:
-        print(f"... and {len(bad_samples) - 10} more left out (the index manifest lists them all)")
-    ann = summary["ann"]
-    recall = f", recall@10 {ann['recall_at_10']:.3f}" if ann.get("recall_at_10") is not None else ""
-    print(f"wrote {summary['index']}: {summary['items']} items ({summary['added']} added, "
-          f"{len(bad_samples)} left out, {summary['removed']} removed) embedded by {summary['model']}; "
-          f"ANN {ann.get('type')}{recall}")  # fmt: skip
 
 
 def run_query(args: QueryArguments) -> int:

@@ -9,10 +9,12 @@ separator, so it cannot be written in a spec: pass caching options through ``sto
 from __future__ import annotations
 
 import glob
+import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from vlfit.data.file_patterns import expand_braces
 from vlfit.errors import ConfigError, MissingFileError
@@ -38,6 +40,28 @@ class StreamSource:
 def protocol(url: str) -> str:
     """The fsspec protocol of ``url``: ``"https"``, ``"s3"``..., ``"file"`` for a plain path."""
     return url.split("://", 1)[0].lower() if "://" in url else "file"
+
+
+def parse_storage_options(raw: str | Mapping[str, Any] | None) -> dict[str, Any]:
+    """``--storage_options`` (fsspec options: headers, auth, client_kwargs...) as a dict: a JSON object as text, a
+    mapping as it is, ``{}`` when not given.
+
+    Raises:
+        ConfigError: naming the flag, when it is not a JSON object.
+    """
+    if raw is None or raw == "":
+        return {}
+    if isinstance(raw, Mapping):
+        return dict(raw)
+    try:
+        options = json.loads(raw)
+    except ValueError as err:
+        raise ConfigError(
+            f"--storage_options is not valid JSON ({err}); give an object, e.g. '{{\"headers\": {{}}}}'"
+        ) from None
+    if not isinstance(options, dict):
+        raise ConfigError(f"--storage_options must be a JSON object of fsspec options, not {type(options).__name__}")
+    return options
 
 
 def is_http(url: str) -> bool:

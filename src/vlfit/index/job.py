@@ -1,0 +1,225 @@
+"""Indexing a collection, behind one door: ``vlfit retrieve index`` and ``vlfit.Index.build`` both describe what
+they want as an ``IndexJob`` and hand it to ``index_collection``, so the rules of a build hold on both paths:
+
+- every value is checked when the job is made, before anything is opened, loaded, embedded or written;
+- the collection is opened as ``vlfit.data.sources.open_collection`` opens it (tar shards at URLs with the job's
+  retries, timeout, storage options and block size, their reader checked before the model loads);
+- the model is a reference (``vlfit.models.reference``: a checkpoint, an export, a preset) opened on its backend,
+  or an encoder already open;
+- under torchrun the processes form a gloo group and each embeds its share of the shards (``vlfit.index.build``);
+- rank 0 brings the ANN structure up to date (``vlfit.index.ann_update``) and the report says what was done;
+- tar shards that could not be fetched are listed as bad in the manifest, and ``IndexReport.raise_for_lost_shards``
+  turns them into an error once the report is shown (the next run tries them again): nothing is lost in silence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from vlfit.data.sources.openers import open_collection
+from vlfit.data.sources.tar import ShardCollection
+from vlfit.data.stream.urls import parse_storage_options
+from vlfit.errors import ConfigError, DataError
+from vlfit.extras import require_extra
+from vlfit.index.ann_choice import DEFAULT_MAX_INDEX_MEMORY, DEFAULT_TARGET_RECALL, INDEX_TYPES, check_target_recall
+from vlfit.index.build import BuildRequest, build_index
+from vlfit.index.integrity import check_verify_level
+from vlfit.index.store import STORAGES
+from vlfit.inference.backends import Encoder, load_encoder
+
+# What the report tells of the ANN structure (the manifest's "ann" holds all of it).
+ANN_SUMMARY = ("type", "factory", "search_params", "recall_at_10", "bytes_per_vector", "query_latency_ms", "extended")
+
+
+@dataclass(frozen=True)
+class IndexJob:
+    """One run of indexing: the model, the collection, the index folder, and how each step is done.
+
+    Attributes:
+        model: A model reference (checkpoint or export folder, preset name) or an open ``Encoder``.
+        output_dir: The index folder (created; an existing index is resumed and appended to).
+        images: A folder of image files, or else ``dataset_name`` (a hub id, a folder, data files or tar shards,
+            local or at URLs) with its ``split`` and columns; ``image_id_column`` names the image a row shows.
+        backend, precision, num_threads: How a model reference is run (``vlfit.load``'s).
+        batch_size, num_workers, shard_size, storage, progress, verify: The build's (``BuildRequest``).
+        index_type, max_index_memory, target_recall: The ANN structure's (``vlfit.index.ann_update``).
+        shard_retries, shard_timeout, storage_options, shard_block_size: How tar shards at URLs are fetched.
+        ddp_timeout: Under torchrun, seconds the processes wait for each other.
+
+    Raises:
+        ConfigError: naming the flag, for a value no build could use.
+    """
+
+    model: str | Encoder
+    output_dir: str
+    images: str | None = None
+    dataset_name: str | None = None
+    split: str = "test"
+    image_column: str = "image"
+    caption_column: str | None = "image_description"
+    image_id_column: str | None = None
+    backend: str = "auto"
+    precision: str = "auto"
+    num_threads: int | None = None
+    batch_size: int = 32
+    num_workers: int = 0
+    shard_size: int = 4096
+    storage: str = "safetensors"
+    progress: bool = True
+    verify: str = "quick"
+    index_type: str = "auto"
+    max_index_memory: int = DEFAULT_MAX_INDEX_MEMORY
+    target_recall: float = DEFAULT_TARGET_RECALL
+    shard_retries: int = 3
+    shard_timeout: float = 60.0
+    storage_options: Mapping[str, Any] | str | None = field(default=None, repr=False)  # headers may hold secrets
+    shard_block_size: int | None = None
+    ddp_timeout: int = 1800
+
+    def __post_init__(self) -> None:
+        if self.index_type not in INDEX_TYPES:
+            raise ConfigError(f"unknown --index_type {self.index_type!r}; choose one of: {', '.join(INDEX_TYPES)}")
+        check_target_recall(self.target_recall)
+        check_verify_level(self.verify)
+        if self.storage not in STORAGES:
+            raise ConfigError(f"unknown --storage {self.storage!r}; choose one of: {', '.join(STORAGES)}")
+        for flag, value, least in (
+            ("batch_size", self.batch_size, 1),
+            ("dataloader_num_workers", self.num_workers, 0),
+            ("shard_size", self.shard_size, 1),
+            ("max_index_memory", self.max_index_memory, 1),
+            ("ddp_timeout", self.ddp_timeout, 1),
+        ):
+            if value < least:
+                raise ConfigError(f"--{flag} must be at least {least}, got {value}")
+        object.__setattr__(self, "storage_options", parse_storage_options(self.storage_options))
+
+    def open_collection(self) -> tuple[Any, dict[str, Any]]:
+        """The collection's source (tar shards at URLs fetched as the job says) and its manifest description."""
+        source, collection = open_collection(
+            images=self.images, dataset_name=self.dataset_name, split=self.split, image_column=self.image_column,
+            caption_column=self.caption_column, image_id_column=self.image_id_column,
+        )  # fmt: skip
+        if isinstance(source, ShardCollection):
+            source = dataclasses.replace(
+                source,
+                retries=self.shard_retries,
+                timeout=self.shard_timeout,
+                storage_options=self.storage_options,
+                block_size=self.shard_block_size,
+            )
+            source.reader()  # bad --shard_retries, --shard_timeout, --shard_block_size: refused before the model loads
+        return source, collection
+
+    def encoder(self) -> Encoder:
+        """The model, open on its backend."""
+        if isinstance(self.model, Encoder):
+            return self.model
+        return load_encoder(os.fspath(self.model), self.backend, precision=self.precision, num_threads=self.num_threads)
+
+
+@dataclass(frozen=True)
+class IndexReport:
+    """What ``index_collection`` did (rank 0's account; other ranks' ``lead`` is False and they report nothing).
+
+    Attributes:
+        index: The index folder.
+        model: The model that embedded it, as its encoder describes itself.
+        items: Items in the index now.
+        added: Items this run added.
+        bad_samples: Items (or tar shards) left out, ``{"id", "reason"}``.
+        removed: Items indexed earlier whose files are gone from their folder.
+        ann: The ANN structure (``ANN_SUMMARY``'s keys).
+        lead: This process wrote the manifest and reports (rank 0).
+        lost_shards: Tar shards at URLs that could not be indexed (among ``bad_samples``).
+        shards: How many tar shards the collection has (0 for other collections).
+    """
+
+    index: str
+    model: str
+    items: int = 0
+    added: int = 0
+    bad_samples: list[dict[str, str]] = field(default_factory=list)
+    removed: int = 0
+    ann: dict[str, Any] = field(default_factory=dict)
+    lead: bool = True
+    lost_shards: list[dict[str, str]] = field(default_factory=list)
+    shards: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as ``vlfit retrieve index --json`` prints it."""
+        return {"index": self.index, "model": self.model, "items": self.items, "added": self.added,
+                "bad_samples": self.bad_samples, "removed": self.removed, "ann": self.ann}  # fmt: skip
+
+    def lines(self) -> list[str]:
+        """The report as lines of text: what was left out (ten at most), then what was written."""
+        lines = [f"left out {bad['id']}: {bad['reason']}" for bad in self.bad_samples[:10]]
+        if len(self.bad_samples) > 10:
+            lines.append(f"... and {len(self.bad_samples) - 10} more left out (the index manifest lists them all)")
+        recall = self.ann.get("recall_at_10")
+        shown = f", recall@10 {recall:.3f}" if recall is not None else ""
+        counts = f"{self.added} added, {len(self.bad_samples)} left out, {self.removed} removed"
+        lines.append(f"wrote {self.index}: {self.items} items ({counts}) embedded by {self.model}; "
+                     f"ANN {self.ann.get('type')}{shown}")  # fmt: skip
+        return lines
+
+    def raise_for_lost_shards(self) -> None:
+        """Raises ``DataError`` when tar shards could not be indexed (the index keeps what was embedded, and the
+        same build run again tries them again)."""
+        lost = self.lost_shards
+        if lost:
+            raise DataError(
+                f"{len(lost)} of {self.shards} shards could not be indexed: "
+                + "; ".join(f"{bad['id']} ({bad['reason']})" for bad in lost[:5])
+                + ("; ..." if len(lost) > 5 else "")
+                + ". Rerun the same command to try them again (the index keeps what was embedded)."
+            )
+
+
+def index_collection(job: IndexJob) -> IndexReport:
+    """Embed what ``job``'s collection holds that its index does not yet, bring the ANN structure up to date, and
+    report (see the module's docstring for the rules).
+
+    Raises:
+        vlfit.errors.MissingExtraError: without faiss (the ``serve`` extra), before anything is opened.
+        vlfit.inference.identity.RefusedModelError: when the index was built with a model whose embeddings are not
+            comparable.
+    """
+    require_extra("serve", "vlfit retrieve index", modules=("faiss",))
+    source, collection = job.open_collection()
+    encoder = job.encoder()
+    from vlfit.launch import join_gloo_group
+
+    rank, world_size = join_gloo_group(job.ddp_timeout)  # 0, 1 unless launched by torchrun
+    request = BuildRequest(
+        job.output_dir, collection, batch_size=job.batch_size, num_workers=job.num_workers,
+        shard_size=job.shard_size, storage=job.storage, progress=job.progress, rank=rank, world_size=world_size,
+        verify=job.verify,
+    )  # fmt: skip
+    built = build_index(encoder, source, request)
+    if not request.lead:
+        return IndexReport(job.output_dir, encoder.description, lead=False)  # rank 0 lists, builds the ANN, reports
+    from vlfit.index.ann_update import update_ann
+
+    ann = update_ann(job.output_dir, index_type=job.index_type, max_index_memory=job.max_index_memory,
+                     target_recall=job.target_recall, verify=job.verify)  # fmt: skip
+    urls = set(source.urls) if isinstance(source, ShardCollection) else set()
+    manifest = built.manifest
+    return IndexReport(
+        job.output_dir,
+        encoder.description,
+        items=manifest.count,
+        added=built.added,
+        bad_samples=built.bad_samples,
+        removed=len(manifest.removed),
+        ann={key: ann[key] for key in ANN_SUMMARY if key in ann},
+        lost_shards=[bad for bad in built.bad_samples if bad["id"] in urls],
+        shards=len(urls),
+    )
+
+
+__all__ = ["ANN_SUMMARY", "IndexJob", "IndexReport", "index_collection"]
