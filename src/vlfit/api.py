@@ -32,7 +32,7 @@ from PIL import Image, ImageOps
 from vlfit.data.image_transforms import FastImageTransform, hwc_to_chw_view, resize_crop_uint8, stack_images
 from vlfit.errors import ConfigError, DataError, MissingFileError, python_api, unknown_keywords
 from vlfit.index.search import Hit
-from vlfit.inference.backends import Encoder, load_encoder
+from vlfit.inference.backends import Encoder, open_encoder
 
 # What encode_images takes, each item on its own: a path, encoded bytes, a PIL image or a uint8 HWC (or HW) array.
 ImageInput = str | os.PathLike | bytes | Image.Image | np.ndarray
@@ -210,7 +210,7 @@ def load(
     """
     name = os.fspath(path_or_preset)
     return Model(
-        load_encoder(name, backend, precision=precision, num_threads=num_threads, allow_spinning=allow_spinning)
+        open_encoder(name, backend, precision=precision, num_threads=num_threads, allow_spinning=allow_spinning)
     )
 
 
@@ -304,8 +304,9 @@ class Index:
     def model(self) -> Model:
         """The model the index was built with (loaded on first use)."""
         if self._model is None:
-            built = self._index.manifest.model
-            self._model = load(built["path"], built["backend"], precision=built.get("precision", "auto"))
+            from vlfit.index.search import query_encoder
+
+            self._model = Model(query_encoder(self._index))
         return self._model
 
     @classmethod

@@ -37,3 +37,16 @@ def test_retrieve_index_reads_a_server_without_range_with_storage_options_and_ex
     assert [shard["source"] for shard in manifest["shards"]] == [server.url("/s/000.tar"), server.url("/s/001.tar")]
     assert sum(shard["count"] for shard in manifest["shards"]) == 10  # every sample of the two shards there
     assert [bad["id"] for bad in manifest["bad_samples"]] == [server.url("/s/002.tar")]  # the next run retries it
+
+
+def test_index_build_raises_naming_a_lost_shard_and_keeps_the_others(checkpoint: str, tmp_path: Path) -> None:
+    import vlfit
+
+    files = {f"/s/{i:03d}.tar": webdataset_shard(f"s{i}", 3, seed=i)[0] for i in range(2)}
+    with ShardServer(files) as server:
+        server.files.pop("/s/001.tar")
+        out = tmp_path / "index"
+        with pytest.raises(vlfit.DataError, match=r"1 of 2 shards could not be indexed: .*/s/001\.tar"):
+            vlfit.Index.build(checkpoint, str(out), dataset_name=server.url("/s/{000..001}.tar"), caption_column="txt",
+                              index_type="flat")  # fmt: skip
+    assert len(vlfit.Index.open(str(out))) == 3  # the shard that was there is indexed; a rerun retries the other

@@ -18,10 +18,8 @@ from vlfit.commands.parsing import CommandParser
 from vlfit.errors import ConfigError
 from vlfit.index.ann_choice import DEFAULT_MAX_INDEX_MEMORY, DEFAULT_TARGET_RECALL
 from vlfit.index.job import IndexJob, index_collection
-from vlfit.index.search import Hit, Query, embed_queries, read_queries, search
-from vlfit.index.store import refuse_other_model
+from vlfit.index.search import Hit, Query, embed_queries, query_encoder, read_queries, search
 from vlfit.index.verify import open_index, verify_index
-from vlfit.inference.backends import open_encoder
 from vlfit.inference.topk import DEFAULT_CHUNK_ELEMENTS
 
 SUBCOMMANDS = ("index", "query", "verify")
@@ -212,13 +210,7 @@ def run_query(args: QueryArguments) -> int:
     if args.k < 1:
         raise ConfigError(f"-k must be at least 1, got {args.k}")
     index = open_index(args.index, args.verify)
-    built_with = index.manifest.model
-    model = args.model or built_with["path"]
-    backend = args.backend
-    if backend == "auto" and args.model is None:
-        backend = built_with["backend"]
-    encoder = open_encoder(model, backend, args.precision, num_threads=args.num_threads)
-    refuse_other_model(index, encoder)
+    encoder = query_encoder(index, args.model, args.backend, args.precision, num_threads=args.num_threads)
     embeddings = embed_queries(encoder, queries)
     results = search(index, embeddings, args.k, chunk_elements=args.chunk_elements, exact=args.exact)
     if args.json:

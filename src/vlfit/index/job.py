@@ -29,7 +29,7 @@ from vlfit.index.ann_choice import DEFAULT_MAX_INDEX_MEMORY, DEFAULT_TARGET_RECA
 from vlfit.index.build import BuildRequest, build_index
 from vlfit.index.integrity import check_verify_level
 from vlfit.index.store import STORAGES
-from vlfit.inference.backends import Encoder, load_encoder
+from vlfit.inference.backends import Encoder, open_encoder
 
 # What the report tells of the ANN structure (the manifest's "ann" holds all of it).
 ANN_SUMMARY = ("type", "factory", "search_params", "recall_at_10", "bytes_per_vector", "query_latency_ms", "extended")
@@ -119,7 +119,7 @@ class IndexJob:
         """The model, open on its backend."""
         if isinstance(self.model, Encoder):
             return self.model
-        return load_encoder(os.fspath(self.model), self.backend, precision=self.precision, num_threads=self.num_threads)
+        return open_encoder(os.fspath(self.model), self.backend, precision=self.precision, num_threads=self.num_threads)
 
 
 @dataclass(frozen=True)

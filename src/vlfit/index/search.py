@@ -27,8 +27,8 @@ from vlfit.data.pipeline import host_batches
 from vlfit.data.records import Record
 from vlfit.data.sources.memory import MemorySource
 from vlfit.errors import ConfigError, DataError, MissingFileError
-from vlfit.index.store import EmbeddingIndex
-from vlfit.inference.backends import Encoder
+from vlfit.index.store import EmbeddingIndex, refuse_other_model
+from vlfit.inference.backends import Encoder, open_encoder
 from vlfit.inference.topk import DEFAULT_CHUNK_ELEMENTS, chunked_topk
 
 # In a file of queries, a line starting with this is an image query (the rest is the image's path).
@@ -86,6 +86,32 @@ def read_queries(path: str) -> list[Query]:
     if not queries:
         raise ConfigError(f"--queries {path}: no queries in it (one per line: text, or image:PATH)")
     return queries
+
+
+def query_encoder(
+    index: EmbeddingIndex,
+    model: str | None = None,
+    backend: str = "auto",
+    precision: str = "auto",
+    *,
+    num_threads: int | None = None,
+    allow_spinning: bool = True,
+) -> Encoder:
+    """The encoder of an index's queries (``vlfit retrieve query``, ``vlfit serve``, ``vlfit.Index``): ``model``,
+    or without one the model the index was built with, on the runtime (``backend`` ``auto``) and precision
+    (``precision`` ``auto``) it was built with, so queries and items are embedded alike.
+
+    Raises:
+        vlfit.inference.identity.RefusedModelError: when ``model`` embeds into another space than the index.
+    """
+    if model is None:
+        built = index.manifest.model
+        model = built["path"]
+        backend = built["backend"] if backend == "auto" else backend
+        precision = built.get("precision", "auto") if precision == "auto" else precision
+    encoder = open_encoder(model, backend, precision, num_threads=num_threads, allow_spinning=allow_spinning)
+    refuse_other_model(index, encoder)
+    return encoder
 
 
 def embed_queries(encoder: Encoder, queries: Sequence[Query], batch_size: int = 32) -> torch.Tensor:

@@ -4,10 +4,10 @@ Each takes what the fast CPU pipeline makes, uint8 pixels ``[B, 3, H, W]`` (``en
 their attention mask (``encode_tokens``; ``encode_texts`` tokenizes captions first), and returns L2-normalized
 float32 embeddings on the CPU.
 
-Three doors, each taking what ``vlfit.models.reference.parse_model_reference`` parsed: ``open_encoder`` (a model
-folder: a checkpoint or LoRA adapters run on PyTorch, a folder ``vlfit export`` wrote on the runtime of its format),
-``load_encoder`` (a folder or a preset: what ``vlfit.load`` and ``vlfit serve`` embed with) and ``load_checkpoint``
-(a checkpoint on PyTorch, its model and towers at hand: what ``vlfit export`` traces and ``vlfit fewshot`` tunes).
+Two doors, each taking what ``vlfit.models.reference.parse_model_reference`` parsed: ``open_encoder`` (a checkpoint
+or LoRA adapters on PyTorch, a folder ``vlfit export`` wrote on the runtime of its format, or a preset: what every
+command and ``vlfit.load`` embed with) and ``load_checkpoint`` (a checkpoint on PyTorch, its model and towers at
+hand: what ``vlfit export`` traces and ``vlfit fewshot`` tunes).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 # The caption length vlfit train truncates to by default (--max_seq_length).
 DEFAULT_MAX_SEQ_LENGTH = 128
-# What a model folder can be (a preset is not a folder: load_encoder takes one too).
+# What a model folder can be (a preset is not a folder: open_encoder takes one too).
 FOLDER_KINDS = ("checkpoint", "adapters", "export")
 BACKENDS = ("auto", "torch", "onnxruntime", "openvino")
 PRECISION_CHOICES = ("auto", "fp32", "int8")
@@ -256,11 +256,13 @@ def open_encoder(
     inference_precision: str | None = None,
     allow_spinning: bool = True,
 ) -> Encoder:
-    """The encoder of a checkpoint or export folder.
+    """The encoder of a checkpoint folder, an export folder or a preset: the one way a model is opened to embed
+    with (``vlfit.load``, ``vlfit serve``, indexing and querying, few-shot classifiers).
 
     Args:
-        model: A checkpoint folder (LoRA adapters included) or a folder ``vlfit export`` wrote, or what it parsed
-            to (``parse_model_reference``).
+        model: A checkpoint folder (LoRA adapters included), a folder ``vlfit export`` wrote, or a preset (its name
+            or its ``.json`` file: random weights, with a byte-level tokenizer trained on ``vlfit make-data``'s
+            caption grammar); or what it parsed to (``parse_model_reference``).
         backend: ``auto`` (the folder's own), ``torch``, ``onnxruntime`` or ``openvino``.
         precision: For exported graphs: ``auto`` (INT8 when present), ``fp32`` or ``int8``.
         num_threads: Threads of the runtime.
@@ -268,17 +270,25 @@ def open_encoder(
         allow_spinning: ONNX Runtime: idle threads spin-wait (see ``OnnxRuntimeEncoder``).
 
     Raises:
-        ConfigError: for an unknown backend or precision.
-        MissingFileError: for a path that is no folder.
+        ConfigError: for an unknown backend or precision, fewer than one thread, or a preset on another runtime.
+        MissingFileError: for a path that is neither a folder nor a preset.
         RefusedModelError: for a combination that cannot run (a checkpoint on ONNX Runtime, an ONNX export on
             OpenVINO...), a missing tokenizer, graphs older than their checkpoint, or a precision not exported.
     """
-    if precision not in PRECISION_CHOICES:
-        raise ConfigError(f"unknown --precision {precision!r}; choose one of: {', '.join(PRECISION_CHOICES)}")
     if backend not in BACKENDS:
         raise ConfigError(f"unknown --backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
+    if precision not in PRECISION_CHOICES:
+        raise ConfigError(f"unknown --precision {precision!r}; choose one of: {', '.join(PRECISION_CHOICES)}")
+    if num_threads is not None and num_threads < 1:
+        raise ConfigError(f"--num_threads must be at least 1, got {num_threads}")
     if not isinstance(model, ModelReference):
-        model = parse_model_reference(model, flag="--model", kinds=FOLDER_KINDS)
+        model = parse_model_reference(model, flag="--model", kinds=("preset", *FOLDER_KINDS))
+    if model.kind == "preset":
+        if backend not in ("auto", "torch"):
+            raise ConfigError(
+                f"preset {model.path} runs on torch; export a trained checkpoint for --backend {backend!r}"
+            )
+        return _preset_encoder(model.path, num_threads)
     other = "onnx" if backend == "onnxruntime" else "openvino"
     if model.kind != "export":
         if backend not in ("auto", "torch"):
@@ -332,46 +342,6 @@ def _torch_encoder(reference: ModelReference, max_seq_length: int, num_threads: 
         )
     loaded = load_model(model_name_or_path=reference, max_seq_length=max_seq_length)
     return TorchEncoder(loaded, folder, checkpoint_fingerprint(folder), num_threads)
-
-
-def load_encoder(
-    path_or_preset: str,
-    backend: str = "auto",
-    *,
-    precision: str = "auto",
-    num_threads: int | None = None,
-    allow_spinning: bool = True,
-) -> Encoder:
-    """The encoder of a checkpoint folder, an export folder or a preset (what ``vlfit.load`` and ``vlfit serve``
-    embed with).
-
-    Args:
-        path_or_preset: A checkpoint folder (LoRA adapters included), a folder ``vlfit export`` wrote, or a preset
-            (its name or its ``.json`` file: random weights, with a byte-level tokenizer trained on
-            ``vlfit make-data``'s caption grammar).
-        backend: ``auto``, ``torch``, ``onnxruntime`` or ``openvino`` (see ``open_encoder``).
-        precision: Exported graphs: ``auto`` (INT8 when exported), ``fp32`` or ``int8``.
-        num_threads: Threads of the runtime (``None``: its default).
-        allow_spinning: ONNX Runtime's idle threads spin-wait for the next call.
-
-    Raises:
-        ConfigError: for an unknown backend or precision, fewer than one thread, or a preset on another runtime.
-        MissingFileError: for a path that is neither a folder nor a preset.
-    """
-    if backend not in BACKENDS:
-        raise ConfigError(f"unknown --backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
-    if precision not in PRECISION_CHOICES:
-        raise ConfigError(f"unknown --precision {precision!r}; choose one of: {', '.join(PRECISION_CHOICES)}")
-    if num_threads is not None and num_threads < 1:
-        raise ConfigError(f"--num_threads must be at least 1, got {num_threads}")
-    reference = parse_model_reference(path_or_preset, flag="--model", kinds=("preset", *FOLDER_KINDS))
-    if reference.kind == "preset":
-        if backend not in ("auto", "torch"):
-            raise ConfigError(
-                f"preset {path_or_preset} runs on torch; export a trained checkpoint for --backend {backend!r}"
-            )
-        return _preset_encoder(reference.path, num_threads)
-    return open_encoder(reference, backend, precision, num_threads=num_threads, allow_spinning=allow_spinning)
 
 
 def _preset_encoder(preset: str, num_threads: int | None) -> TorchEncoder:

@@ -29,10 +29,9 @@ import torch
 from vlfit.data.image_transforms import FastImageTransform, stack_images
 from vlfit.data.sources.openers import COLLECTION_KEYS, open_collection
 from vlfit.errors import ConfigError, MissingFileError
-from vlfit.index.search import Hit, search
+from vlfit.index.search import Hit, query_encoder, search
 from vlfit.index.store import MANIFEST_NAME, refuse_other_model
 from vlfit.index.verify import open_index
-from vlfit.inference.backends import load_encoder
 
 logger = logging.getLogger(__name__)
 
@@ -194,15 +193,10 @@ class SearchEngine:
         self.folder = index
         self.verify = verify
         self.snapshot = Snapshot(index, verify)
-        built = self.snapshot.manifest.model
-        if backend == "auto" and model is None:
-            backend = built["backend"]
         # Spinning runtime threads would take the cores the event loop parses and answers requests on.
-        self.encoder = load_encoder(
-            model or built["path"], backend, precision=precision, num_threads=num_threads, allow_spinning=False
-        )
+        self.encoder = query_encoder(self.snapshot.index, model, backend, precision, num_threads=num_threads,
+                                     allow_spinning=False)  # fmt: skip
         self._image_transform = FastImageTransform(self.encoder.spec.image_size)
-        refuse_other_model(self.snapshot.index, self.encoder)
         self.generation = 1
         self._reload_lock = threading.Lock()
 
