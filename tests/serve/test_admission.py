@@ -5,6 +5,7 @@ model, real engine) refusing a search that would wait over its budget with 503 a
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import httpx
@@ -14,7 +15,7 @@ import vlfit
 from tests.serve.test_limits import RecordingEngine, _jpeg
 from vlfit.commands.serve import ServeArguments
 from vlfit.errors import ConfigError
-from vlfit.serve.admission import EWMA_WEIGHT, WAIT_BUDGET_QUERIES, ServiceTime, WaitAdmission
+from vlfit.serve.admission import EWMA_WEIGHT, LAG_WEIGHT, WAIT_BUDGET_QUERIES, ServiceTime, WaitAdmission
 from vlfit.serve.app import create_app
 from vlfit.serve.limits import ServerLimits
 
@@ -26,46 +27,77 @@ def engine(tiny_checkpoint: Path, synthetic_dataset_dir: str, tmp_path_factory) 
     return RecordingEngine(str(path))
 
 
-def test_the_service_time_is_an_ewma_per_query_and_of_queries_computed_alone() -> None:
-    time = ServiceTime()
-    assert time.per_query is None and time.alone is None
-    time.observe(1, 0.004)  # the first sample is the estimate
-    assert time.per_query == pytest.approx(0.004) and time.alone == pytest.approx(0.004)
-    time.observe(8, 0.016)  # 2 ms per query in a batch of 8; not a query alone
-    assert time.per_query == pytest.approx((1 - EWMA_WEIGHT) * 0.004 + EWMA_WEIGHT * 0.002)
-    assert time.alone == pytest.approx(0.004)
-    time.observe(0, 1.0)  # an empty batch says nothing
-    assert time.per_query == pytest.approx((1 - EWMA_WEIGHT) * 0.004 + EWMA_WEIGHT * 0.002)
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
-def test_the_expected_wait_is_the_queries_ahead_times_the_recent_time_per_query() -> None:
-    admission = WaitAdmission(budget=0.010)
-    assert admission.expected_wait("text") is None  # no timing yet: only the count cap applies
+def test_the_time_per_query_ahead_is_an_ewma_of_answers_and_of_queries_with_nothing_ahead() -> None:
+    service = ServiceTime()
+    assert service.per_query is None and service.alone is None
+    service.observe(0, 0.004)  # nothing ahead: the first sample is both estimates
+    assert service.per_query == pytest.approx(0.004) and service.alone == pytest.approx(0.004)
+    service.observe(7, 0.016)  # 7 ahead, answered in 16 ms: 2 ms per query (a batch of 8)
+    assert service.per_query == pytest.approx((1 - EWMA_WEIGHT) * 0.004 + EWMA_WEIGHT * 0.002)
+    assert service.alone == pytest.approx(0.004)
+    service.observe(-1, 1.0)  # nonsense is ignored
+    assert service.per_query == pytest.approx((1 - EWMA_WEIGHT) * 0.004 + EWMA_WEIGHT * 0.002)
+
+
+def test_the_expected_wait_is_the_queries_ahead_times_their_measured_time_each() -> None:
+    clock = FakeClock()
+    admission = WaitAdmission(budget=0.010, clock=clock)
+    assert admission.expected_wait("text") is None  # nothing answered yet: only the count cap applies
     with admission.admitted("text"), admission.admitted("text"), admission.admitted("text"):
         assert admission.pending("text") == 3 and admission.over_budget("text") is None
-        admission.observe("text", 4, 0.012)  # 3 ms per query
-        assert admission.expected_wait("text") == pytest.approx(0.009)
+        with admission.admitted("text"):  # 3 ahead of it, answered 12 ms later: 3 ms per query
+            clock.now += 0.012
+        assert admission.service_time("text").per_query == pytest.approx(0.003)
+        assert admission.expected_wait("text") == pytest.approx(0.009)  # 3 pending x 3 ms
         assert admission.over_budget("text") is None  # 9 ms <= 10 ms
-        with admission.admitted("text"):
-            assert admission.over_budget("text") == pytest.approx((0.012, 0.010))
+        with admission.admitted("text") as ticket:
+            assert admission.over_budget("text") == pytest.approx((0.012, 0.010))  # 4 pending: refuse a fifth
+            ticket.answered = False  # its client went away: not timed
+            clock.now += 5.0
+        assert admission.service_time("text").per_query == pytest.approx(0.003)
         assert admission.expected_wait("image") is None and admission.pending("image") == 0  # a queue of its own
-    assert admission.pending("text") == 0 and admission.expected_wait("text") == 0.0
+        admission.observe_loop_lag(0.005)  # the event loop runs 5 ms late: every query waits for it too
+        assert admission.loop_lag == pytest.approx(LAG_WEIGHT * 0.005)
+        assert admission.expected_wait("text") == pytest.approx(0.009 + LAG_WEIGHT * 0.005)
+    assert admission.pending("text") == 0 and admission.expected_wait("text") == 0.0  # nothing ahead: admitted
 
 
-def test_the_default_budget_is_ten_times_a_query_computed_alone_and_an_idle_server_never_refuses() -> None:
-    admission = WaitAdmission()
-    admission.observe("text", 8, 0.016)  # batches only: 2 ms per query stands in for the lone time
+def test_the_default_budget_is_ten_times_a_query_with_nothing_ahead_and_an_idle_server_never_refuses() -> None:
+    clock = FakeClock()
+    admission = WaitAdmission(clock=clock)
+    with admission.admitted("text") as first, admission.admitted("text"):
+        clock.now += 0.004  # the second: 1 ahead, 4 ms: 2 ms per query, which stands in for the time alone
+        first.answered = False  # (the first failed: untimed)
     assert admission.budget_for("text") == pytest.approx(WAIT_BUDGET_QUERIES * 0.002)
-    admission.observe("text", 1, 0.003)  # the first query computed alone: its time is the reference now
+    with admission.admitted("text"):
+        clock.now += 0.003  # nothing ahead: the time alone is the reference now
     assert admission.budget_for("text") == pytest.approx(WAIT_BUDGET_QUERIES * 0.003)
-    admission.observe("text", 1, 10.0)  # a query alone that took 10 s: nothing ahead, still admitted
-    assert admission.over_budget("text") is None
-    workers = WaitAdmission(budget=0.005, workers={"image": 2})
-    workers.observe("image", 1, 0.004)
-    with workers.admitted("image"), workers.admitted("image"):
-        assert workers.expected_wait("image") == pytest.approx(0.004)  # two queries ahead, two threads
+    with admission.admitted("text"):
+        clock.now += 10.0  # a query alone that took 10 s
+    assert admission.over_budget("text") is None  # nothing ahead: admitted
     with pytest.raises(ValueError, match="positive seconds"):
         WaitAdmission(budget=0)
+
+
+def test_the_loop_watch_samples_how_late_the_event_loop_runs() -> None:
+    async def run() -> float:
+        admission = WaitAdmission()
+        watch = asyncio.get_running_loop().create_task(admission.watch_loop(interval=0.001))
+        await asyncio.sleep(0.02)
+        time.sleep(0.3)  # the event loop is blocked: the next sample is at least 0.3 s late
+        await asyncio.sleep(0.01)
+        watch.cancel()
+        return admission.loop_lag
+
+    assert asyncio.run(run()) >= LAG_WEIGHT * 0.3 * (1 - LAG_WEIGHT) ** 12  # at most ~10 samples since
 
 
 def test_the_wait_budget_flag_is_checked_and_reaches_the_limits() -> None:

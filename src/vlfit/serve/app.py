@@ -44,7 +44,7 @@ from vlfit.serve.images import QueryImageTooLarge, ThumbnailCache, check_query_p
 from vlfit.serve.limits import LIMITS_KEY, METRICS_KEY, ServerLimits
 from vlfit.serve.metrics import MEDIA_TYPE as METRICS_MEDIA_TYPE
 from vlfit.serve.metrics import ServerMetrics
-from vlfit.serve.middleware import RETRY_AFTER_S, HeadAsGet, InFlightLimit, RequestMetrics, UploadLimit
+from vlfit.serve.middleware import HeadAsGet, InFlightLimit, RequestMetrics, UploadLimit, WaitLimit
 from vlfit.serve.queries import Query, SearchQuery, error_response, read_query
 
 logger = logging.getLogger(__name__)
@@ -80,14 +80,9 @@ def create_app(
     def run_batch(texts: Sequence[str], k: int) -> list[list[dict[str, object]]]:
         return engine.search(engine.embed_texts(texts), k)
 
+    batcher = MicroBatcher(run_batch, max_batch=max_batch, max_wait_ms=max_wait_ms, on_batch=metrics.observe_batch)
     budget = limits.max_queue_wait_ms
-    admission = WaitAdmission(None if budget is None else budget / 1000.0)  # one text thread, one image thread
-
-    def text_batch_computed(size: int, seconds: float) -> None:
-        admission.observe("text", size, seconds)
-
-    batcher = MicroBatcher(run_batch, max_batch=max_batch, max_wait_ms=max_wait_ms, on_batch=metrics.observe_batch,
-                           on_computed=text_batch_computed)  # fmt: skip
+    admission = WaitAdmission(None if budget is None else budget / 1000.0)  # searches, by their expected wait
     # Image queries decode and embed on a thread of their own, never the text encoder's; thumbnails on a small pool.
     image_queries = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlfit-image-query")
     thumbnails = ThreadPoolExecutor(max_workers=THUMBNAIL_THREADS, thread_name_prefix="vlfit-thumbnail")
@@ -96,9 +91,11 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         poller = asyncio.get_running_loop().create_task(_poll(engine, reload_interval)) if reload_interval > 0 else None
+        lag_watch = asyncio.get_running_loop().create_task(admission.watch_loop())
         try:
             yield {LIMITS_KEY: limits, METRICS_KEY: metrics}  # what the server's connections are bounded by
         finally:
+            lag_watch.cancel()
             if poller is not None:
                 poller.cancel()
             await batcher.close()
@@ -157,18 +154,6 @@ def create_app(
             check_k(query.k)
         except ConfigError as err:
             return error_response(400, str(err))
-        kind = "text" if query.text is not None else "image"
-        over = admission.over_budget(kind)
-        if over is not None:
-            metrics.observe_refused("wait")
-            message = (f"a {kind} query would wait about {_ms(over[0])} here, over the budget of {_ms(over[1])} "
-                       f"(--max_queue_wait_ms); retry after {RETRY_AFTER_S} s")  # fmt: skip
-            return error_response(503, message, {"Retry-After": str(RETRY_AFTER_S)})
-        with admission.admitted(kind):
-            return await _answer(request, query, started)
-
-    async def _answer(request: Request, query: Query, started: float) -> Response:
-        """The search's answer, or the error of this query alone."""
         try:
             if query.text is not None:
                 text, k = query.text, query.k
@@ -177,12 +162,8 @@ def create_app(
                 image_bytes, k = query.image or b"", query.k
 
                 def image_search() -> list[dict[str, object]]:
-                    computing = time.perf_counter()
-                    try:
-                        check_query_pixels(image_bytes, limits.max_query_pixels)
-                        (found,) = engine.search(engine.embed_image(image_bytes), k)
-                    finally:  # the image thread was busy this long, whatever the outcome
-                        admission.observe("image", 1, time.perf_counter() - computing)
+                    check_query_pixels(image_bytes, limits.max_query_pixels)
+                    (found,) = engine.search(engine.embed_image(image_bytes), k)
                     return found
 
                 results = await _unless_disconnected(request, image_queries, image_search)
@@ -200,6 +181,7 @@ def create_app(
 
     app.add_middleware(UploadLimit, max_bytes=int(max_upload_mb * 1e6), timeout=limits.body_timeout)
     app.add_middleware(HeadAsGet)
+    app.add_middleware(WaitLimit, admission=admission, metrics=metrics, path="/api/search")
     app.add_middleware(InFlightLimit, max_requests=limits.max_concurrency, metrics=metrics,
                        exempt=("/api/health", "/metrics"))  # fmt: skip
     if access is not None:
@@ -237,11 +219,6 @@ async def _disconnected(request: Request) -> None:
     """Returns when the client disconnects (the body has been read: what the server receives now is the end)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _ms(seconds: float) -> str:
-    milliseconds = 1000 * seconds
-    return f"{milliseconds:.0f} ms" if milliseconds >= 100 else f"{milliseconds:.2g} ms"
 
 
 def _describe(query: Query) -> str:

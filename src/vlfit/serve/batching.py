@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,10 +39,7 @@ class MicroBatcher:
         max_batch: The most queries in one batch.
         max_wait_ms: How long a batch waits for more queries after taking those already queued.
         executor: The thread batches run on (one thread: the encoder is not shared between threads).
-        on_batch: Called with each batch's size as it starts (metrics).
-        on_computed: Called with each batch's size and the seconds it took, from its first query's collection to
-            its results (``max_wait_ms`` included: what a query queued behind it waits for; admission by expected
-            wait), when it succeeded.
+        on_batch: Called with each batch's size (metrics).
     """
 
     def __init__(
@@ -54,7 +50,6 @@ class MicroBatcher:
         max_wait_ms: float = 0.0,
         executor: ThreadPoolExecutor | None = None,
         on_batch: Callable[[int], None] | None = None,
-        on_computed: Callable[[int, float], None] | None = None,
     ) -> None:
         if max_batch < 1 or max_wait_ms < 0:
             raise ValueError(f"max_batch must be >= 1 and max_wait_ms >= 0, got {max_batch} and {max_wait_ms}")
@@ -63,7 +58,6 @@ class MicroBatcher:
         self.max_wait = max_wait_ms / 1000.0
         self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlfit-search")
         self.on_batch = on_batch
-        self.on_computed = on_computed
         self._queue: asyncio.Queue[_Pending] | None = None
         self._collector: asyncio.Task | None = None
 
@@ -81,7 +75,6 @@ class MicroBatcher:
         loop = asyncio.get_running_loop()
         while True:
             batch = [await self._queue.get()]
-            started = time.perf_counter()  # the batch's cycle, its wait for more queries (max_wait_ms) included
             while len(batch) < self.max_batch and not self._queue.empty():  # what queued while the last batch ran
                 batch.append(self._queue.get_nowait())
             deadline = loop.time() + self.max_wait
@@ -107,8 +100,6 @@ class MicroBatcher:
                 else:
                     await self._one_by_one(live)
                 continue
-            if self.on_computed is not None:
-                self.on_computed(len(live), time.perf_counter() - started)
             for pending, result in zip(live, results, strict=True):
                 _settle(pending, result=result[: pending.k])
 

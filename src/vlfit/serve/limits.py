@@ -25,10 +25,11 @@ class ServerLimits:
             answered 503 with ``Retry-After`` at once. 32: at 2x a 2-core server's capacity the requests admitted
             wait about one batch, not seconds. A hard ceiling: ``max_queue_wait_ms`` refuses earlier.
         max_queue_wait_ms: The longest expected wait, in milliseconds, a search is admitted with (queries of its
-            kind not yet answered x their recent time per query; ``vlfit.serve.admission``); a search over it is
-            answered 503 with ``Retry-After`` at once. ``None`` (the default): 10x the recent time of a query
-            computed alone, per kind (text, image), so the budget follows the model and the machine. Before a
-            query of a kind has been timed, and with nothing ahead, only ``max_concurrency`` applies.
+            kind ahead x their measured time each, plus the event loop's delay; ``vlfit.serve.admission``); a
+            search over it is answered 503 with ``Retry-After`` at once. ``None`` (the default): 10x the recent
+            time of a query with nothing ahead of it, per kind (text, image), so the budget follows the model and
+            the machine. Before a query of a kind has been answered, and with nothing ahead, only
+            ``max_concurrency`` applies.
         max_connections: Open connections; one beyond is answered 503 and closed (far below the usual 1024
             file-descriptor limit, so the server never runs out of them).
         header_timeout: Seconds a request head may take to arrive (also: how long a new connection may stay

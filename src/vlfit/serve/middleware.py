@@ -1,6 +1,7 @@
 """The app's ASGI middlewares, outermost first: ``RequestMetrics`` (counts every answer), ``InFlightLimit`` (503
-beyond ``max_concurrency`` requests in flight), ``HeadAsGet`` (``HEAD`` wherever ``GET`` is answered) and
-``UploadLimit`` (413 beyond the body limit, 408 for a body that does not arrive in time).
+beyond ``max_concurrency`` requests in flight), ``WaitLimit`` (503 for a search whose expected wait is over its
+budget), ``HeadAsGet`` (``HEAD`` wherever ``GET`` is answered) and ``UploadLimit`` (413 beyond the body limit, 408
+for a body that does not arrive in time).
 
 What the connection carries before a request exists (idle connections, the request head's size and time, the
 number of connections) is bounded one level below, in ``vlfit.serve.connections``.
@@ -13,6 +14,7 @@ import logging
 import time
 from typing import Any
 
+from vlfit.serve.admission import WaitAdmission
 from vlfit.serve.metrics import ServerMetrics
 from vlfit.serve.queries import error_response
 
@@ -90,8 +92,7 @@ class InFlightLimit:
     ``exempt`` paths (health and metrics: answered on the event loop, microseconds) are never refused, so that a
     monitor sees an overloaded server as up and overloaded, not as down.
 
-    A ceiling: searches are refused earlier by their expected wait (``vlfit.serve.admission``, in the search route,
-    where the kind of query is known).
+    A ceiling: searches are refused earlier by their expected wait (``WaitLimit``).
     """
 
     def __init__(self, app: Any, max_requests: int, metrics: ServerMetrics, exempt: tuple[str, ...] = ()) -> None:
@@ -116,6 +117,62 @@ class InFlightLimit:
             await self.app(scope, receive, send)
         finally:
             self.in_flight -= 1
+
+
+class WaitLimit:
+    """A ``POST`` to ``path`` (the searches) whose expected wait is over its budget (``vlfit.serve.admission``) is
+    answered 503 with ``Retry-After`` at once, before its body is read, and counted
+    (``vlfit_refused_total{limit="wait"}``); every other request passes.
+
+    The kind of a search is read from its head: a multipart upload is an image query, any other body a text query
+    (a JSON body's base64 image included: the queue of its kind is only known once the body is parsed). An
+    admitted search is pending from here until its answer is sent, and an answer 200 is timed from here, or from
+    the end of its body when that came in parts (an upload's own speed is the client's, not the queue's).
+    """
+
+    def __init__(self, app: Any, admission: WaitAdmission, metrics: ServerMetrics, path: str) -> None:
+        self.app = app
+        self.admission = admission
+        self.metrics = metrics
+        self.path = path
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != self.path:
+            await self.app(scope, receive, send)
+            return
+        content_type = dict(scope.get("headers") or []).get(b"content-type", b"")
+        kind = "image" if content_type.lower().startswith(b"multipart/") else "text"
+        over = self.admission.over_budget(kind)
+        if over is not None:
+            self.metrics.observe_refused("wait")
+            message = (f"a {kind} query would wait about {_ms(over[0])} here, over the budget of {_ms(over[1])} "
+                       f"(--max_queue_wait_ms); retry after {RETRY_AFTER_S} s")  # fmt: skip
+            await error_response(503, message, {"Retry-After": str(RETRY_AFTER_S)})(scope, receive, send)
+            return
+        with self.admission.admitted(kind) as ticket:
+            in_parts = False
+
+            async def timing_receive() -> dict:
+                nonlocal in_parts
+                message = await receive()
+                if message["type"] == "http.request":
+                    if message.get("more_body", False):
+                        in_parts = True
+                    elif in_parts:
+                        ticket.restart()
+                return message
+
+            async def status_send(message: dict) -> None:
+                if message["type"] == "http.response.start":
+                    ticket.answered = int(message["status"]) == 200  # failures and 499s say nothing of the queue
+                await send(message)
+
+            await self.app(scope, timing_receive, status_send)
+
+
+def _ms(seconds: float) -> str:
+    milliseconds = 1000 * seconds
+    return f"{milliseconds:.0f} ms" if milliseconds >= 100 else f"{milliseconds:.2g} ms"
 
 
 class HeadAsGet:
