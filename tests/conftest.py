@@ -47,6 +47,15 @@ def other_checkpoint(synthetic_dataset_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def itm_checkpoint(tiny_checkpoint, tmp_path_factory) -> Path:
+    """The tiny checkpoint with a new image-text matching head, as ``vlfit train --objective contrastive+itm`` saves
+    one (the export and re-ranking tests)."""
+    from tests.inference.tiny_models import save_itm_checkpoint
+
+    return save_itm_checkpoint(tiny_checkpoint, tmp_path_factory.mktemp("itm") / "model")
+
+
+@pytest.fixture(scope="session")
 def onnx_export(tiny_checkpoint, synthetic_dataset_dir, tmp_path_factory) -> Path:
     """``vlfit export --quantize int8`` of the tiny checkpoint, calibrated on the synthetic dataset."""
     from vlfit.cli import main

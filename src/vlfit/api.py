@@ -296,6 +296,7 @@ class Index:
         from vlfit.index.verify import open_index
 
         self._index = open_index(self.path, verify)  # the manifest as the last build wrote it
+        self._reranker: Any = None  # opened by the first search that re-ranks
 
     def __len__(self) -> int:
         return len(self._index)
@@ -380,19 +381,36 @@ class Index:
         self._reload()
         return len(self._index) - before
 
-    @python_api(renames={"index": "path"})
-    def search(self, queries: str | Sequence[str] | np.ndarray, k: int = 10) -> list[SearchHit] | list[list[SearchHit]]:
+    @python_api(renames={"index": "path", "rerank_top_k": "rerank"})
+    def search(
+        self, queries: str | Sequence[str] | np.ndarray, k: int = 10, rerank: int | None = None
+    ) -> list[SearchHit] | list[list[SearchHit]]:
         """The ``k`` best items for a text (a list of ``SearchHit``), for several texts or for query embeddings
-        ``[Q, D]`` (a list of lists), best first."""
+        ``[Q, D]`` (a list of lists), best first.
+
+        ``rerank``: re-rank each text's top ``rerank`` candidates by the model's image-text matching head (BridgeTower
+        trained with ``--objective contrastive+itm``, or its export) and keep ``k`` of them; re-ranked hits carry
+        ``match_score``. It reads the candidates' images, so the index must reach them (an image folder, a dataset).
+        """
+        from vlfit.index.rerank import Reranker, check_rerank_top_k
         from vlfit.index.search import search
 
         _check_at_least("k", k, 1)
+        check_rerank_top_k(rerank, "--rerank")
         single = isinstance(queries, str)
+        texts: list[str] = []
         if isinstance(queries, np.ndarray):
+            if rerank is not None:
+                raise ConfigError("--rerank scores texts against images: pass the query texts, not embeddings")
             embeddings = torch.from_numpy(self._query_embeddings(queries))
         else:
-            embeddings = torch.from_numpy(self.model.encode_texts(_strings("queries", queries)))  # a view: no copy
-        results = search(self._index, embeddings, k)
+            texts = _strings("queries", queries)
+            embeddings = torch.from_numpy(self.model.encode_texts(texts))  # a view: no copy
+        results = search(self._index, embeddings, max(k, rerank or 0))
+        if rerank is not None:
+            if self._reranker is None:
+                self._reranker = Reranker.beside(self.model.encoder, self._index)
+            results = self._reranker.rerank(results, texts, rerank, k)
         return results[0] if single else results
 
     def _query_embeddings(self, queries: np.ndarray) -> np.ndarray:

@@ -30,28 +30,9 @@ from vlfit.inference.pair_scorer import (
     open_pair_scorer,
     pair_scorer_for,
 )
-from vlfit.models.itm import pair_scores, with_itm_head
+from vlfit.models.itm import pair_scores
 
 CAPTIONS = ["red", "two blue squares on the left and one green circle at the top of the picture, and more words"]
-
-
-def save_itm_checkpoint(checkpoint: Path, output_dir: Path, seed: int = 2) -> Path:
-    """``checkpoint`` with a new matching head (initialized as transformers does), saved as vlfit train saves a run
-    of ``--objective contrastive+itm``."""
-    from transformers import BridgeTowerForContrastiveLearning
-
-    model = BridgeTowerForContrastiveLearning.from_pretrained(checkpoint)
-    torch.manual_seed(seed)
-    with_itm_head(model).save_pretrained(output_dir)
-    for path in checkpoint.iterdir():  # the tokenizer and image processor
-        if not (output_dir / path.name).exists():
-            shutil.copy(path, output_dir / path.name)
-    return output_dir
-
-
-@pytest.fixture(scope="module")
-def itm_checkpoint(tiny_checkpoint, tmp_path_factory) -> Path:
-    return save_itm_checkpoint(tiny_checkpoint, tmp_path_factory.mktemp("itm") / "model")
 
 
 @pytest.fixture(scope="module")

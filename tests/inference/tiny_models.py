@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -36,3 +37,19 @@ def write_image_folder(dataset_dir: str, folder: Path) -> Path:
             (folder / split / f"{record.id}.jpg").write_bytes(record.image)
     (folder / "test" / "broken.jpg").write_bytes(b"not a jpeg at all")
     return folder
+
+
+def save_itm_checkpoint(checkpoint: Path, output_dir: Path, seed: int = 2) -> Path:
+    """``checkpoint`` with a new matching head (initialized as transformers does), saved as vlfit train saves a run
+    of ``--objective contrastive+itm``."""
+    from transformers import BridgeTowerForContrastiveLearning
+
+    from vlfit.models.itm import with_itm_head
+
+    model = BridgeTowerForContrastiveLearning.from_pretrained(checkpoint)
+    torch.manual_seed(seed)
+    with_itm_head(model).save_pretrained(output_dir)
+    for path in checkpoint.iterdir():  # the tokenizer and image processor
+        if not (output_dir / path.name).exists():
+            shutil.copy(path, output_dir / path.name)
+    return output_dir

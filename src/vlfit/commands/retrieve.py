@@ -18,6 +18,7 @@ from vlfit.commands.parsing import CommandParser
 from vlfit.errors import ConfigError
 from vlfit.index.ann_choice import DEFAULT_MAX_INDEX_MEMORY, DEFAULT_TARGET_RECALL
 from vlfit.index.job import IndexJob, index_collection
+from vlfit.index.rerank import Reranker, check_rerank_top_k
 from vlfit.index.search import Hit, Query, embed_queries, query_encoder, read_queries, search
 from vlfit.index.verify import open_index, verify_index
 from vlfit.inference.topk import DEFAULT_CHUNK_ELEMENTS
@@ -153,6 +154,11 @@ class QueryArguments:
     exact: bool = field(
         default=False, metadata={"help": "Scan every embedding of the shards instead of using the ANN structure."}
     )
+    rerank_top_k: int | None = field(
+        default=None,
+        metadata={"help": "Re-rank each text query's top K candidates by the model's image-text matching head "
+                  "(BridgeTower trained with --objective contrastive+itm, or its export), then keep -k of them."},
+    )  # fmt: skip
 
 
 @dataclass
@@ -209,10 +215,19 @@ def run_query(args: QueryArguments) -> int:
         raise ConfigError("no query given: pass --text, --image or --queries FILE")
     if args.k < 1:
         raise ConfigError(f"-k must be at least 1, got {args.k}")
+    top_k = args.rerank_top_k
+    check_rerank_top_k(top_k)
+    if top_k is not None and any(q.image is not None for q in queries):
+        raise ConfigError("--rerank_top_k re-ranks text queries (the matching head scores a caption against an "
+                          "image): search image queries without it")  # fmt: skip
     index = open_index(args.index, args.verify)
     encoder = query_encoder(index, args.model, args.backend, args.precision, num_threads=args.num_threads)
+    reranker = Reranker.beside(encoder, index) if top_k is not None else None  # refused before any query runs
     embeddings = embed_queries(encoder, queries)
-    results = search(index, embeddings, args.k, chunk_elements=args.chunk_elements, exact=args.exact)
+    wanted = max(args.k, top_k or 0)
+    results = search(index, embeddings, wanted, chunk_elements=args.chunk_elements, exact=args.exact)
+    if reranker is not None:
+        results = reranker.rerank(results, [q.text or "" for q in queries], top_k, args.k)
     if args.json:
         out = [
             {"query": q.description, "results": [_hit_json(hit) for hit in hits]}
@@ -223,7 +238,8 @@ def run_query(args: QueryArguments) -> int:
         for q, hits in zip(queries, results, strict=True):
             print(q.description)
             for rank, hit in enumerate(hits, start=1):
-                print(f"  {rank:>3}  {hit.score:.4f}  {hit.id}")
+                match = f"  match {hit.match_score:+.4f}" if hit.match_score is not None else ""
+                print(f"  {rank:>3}  {hit.score:.4f}{match}  {hit.id}")
                 for caption in hit.captions or ():
                     print(f"{'':>15}{caption}")
     return 0
@@ -241,8 +257,12 @@ def run_verify(args: VerifyArguments) -> int:
 
 
 def _hit_json(hit: Hit) -> dict[str, object]:
-    """A hit in ``--json``: ``{"id", "score"}``, and ``"captions"`` when the index stores some."""
-    return {"id": hit.id, "score": hit.score, **({"captions": hit.captions} if hit.captions is not None else {})}
+    """A hit in ``--json``: ``{"id", "score"}``, ``"match_score"`` when re-ranked, and ``"captions"`` when the index
+    stores some."""
+    shown: dict[str, object] = {"id": hit.id, "score": hit.score}
+    if hit.match_score is not None:
+        shown["match_score"] = hit.match_score
+    return {**shown, **({"captions": hit.captions} if hit.captions is not None else {})}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,13 +51,14 @@ class Query:
 class Hit:
     """One result of a search (``vlfit.SearchHit``): the item's id (its path in the image folder, or the dataset
     image's id), its cosine score, its captions when the index stores them (every caption of the image, for a
-    dataset split's items), and its row in the index (stable while the index grows; ``vlfit serve`` names items by
-    it)."""
+    dataset split's items), its row in the index (stable while the index grows; ``vlfit serve`` names items by it),
+    and when re-ranked (``vlfit.index.rerank``) the matching head's log-odds of the query and its image."""
 
     id: str
     score: float
     captions: list[str] | None = None
     row: int = -1
+    match_score: float | None = None
 
 
 def read_queries(path: str) -> list[Query]:

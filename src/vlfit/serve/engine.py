@@ -27,8 +27,8 @@ from collections.abc import Sequence
 import torch
 
 from vlfit.data.image_transforms import FastImageTransform, stack_images
-from vlfit.data.sources.openers import COLLECTION_KEYS, open_collection
-from vlfit.errors import ConfigError, MissingFileError
+from vlfit.errors import ConfigError
+from vlfit.index.items import IndexedItems
 from vlfit.index.search import Hit, query_encoder, search
 from vlfit.index.store import MANIFEST_NAME, refuse_other_model
 from vlfit.index.verify import open_index
@@ -78,41 +78,12 @@ class Snapshot:
                 broken,
                 folder,
             )
-        self._item_captions = index.item_captions()  # what the index stores: every caption of each image
-        self._captions: dict[str, str | None] = {}  # an older index's items: the record's caption, from the dataset
-        self._dataset_rows: dict[str, tuple[int, int]] = {}  # item -> (collection, row)
-        self._sources = []
-        self._folder_items = self._open_collections()
+        self.indexed = IndexedItems(index)  # where items' images are (and an older index's record captions)
 
     @property
     def search_kind(self) -> str:
         """``exact``, or the ANN structure's type."""
         return "exact" if self.ann is None else self.ann.type
-
-    def _open_collections(self) -> bool:
-        """Captions and image locations of dataset items; True when the items are image files (their ids are
-        absolute paths)."""
-        files = False
-        for collection in self.manifest.collections:
-            if collection.get("images"):
-                files = True
-                continue
-            if not collection.get("dataset_name") or collection.get("streamed"):
-                continue  # tar shards at URLs are not fetched again to show captions: results come with ids
-            try:
-                source, _ = open_collection(**{k: collection[k] for k in COLLECTION_KEYS if k in collection})
-            except (OSError, ValueError) as err:  # the dataset moved: results come without captions or images
-                logger.warning("cannot open %s to show captions and images: %s", collection["dataset_name"], err)
-                continue
-            number = len(self._sources)
-            self._sources.append(source)
-            captions, image_ids = source.captions(), source.image_ids()
-            for row, record_id in enumerate(source.ids()):  # ids, not records: no image is read here
-                self._captions.setdefault(record_id, captions[row])
-                self._dataset_rows.setdefault(record_id, (number, row))
-                if image_ids[row] is not None:  # an item of an image id: its image is any of its records'
-                    self._dataset_rows.setdefault(image_ids[row], (number, row))  # type: ignore[arg-type]
-        return files
 
     def __len__(self) -> int:
         return len(self.items)
@@ -121,11 +92,10 @@ class Snapshot:
         """A hit as the server answers it: ``id`` is the item's row (what ``GET /api/image/{id}`` takes), ``item``
         its id in the index, ``path`` its file (items of an image folder), ``captions`` all of the image's captions
         (an index built before items had captions: the record's, from the dataset) and ``caption`` the first."""
-        path = hit.id if self._folder_items and os.path.isabs(hit.id) else None
         captions = hit.captions
-        if captions is None and self._captions.get(hit.id) is not None:
-            captions = [self._captions[hit.id]]  # type: ignore[list-item]
-        return {"id": hit.row, "score": hit.score, "item": hit.id, "path": path,
+        if captions is None and self.indexed.captions.get(hit.id) is not None:
+            captions = [self.indexed.captions[hit.id]]  # type: ignore[list-item]
+        return {"id": hit.row, "score": hit.score, "item": hit.id, "path": self.indexed.path(hit.id),
                 "caption": captions[0] if captions else None, "captions": captions}  # fmt: skip
 
     def search(self, queries: torch.Tensor, k: int) -> list[list[Hit]]:
@@ -134,24 +104,12 @@ class Snapshot:
         return search(self.index, queries, k)
 
     def image_bytes(self, row: int) -> bytes:
-        """The encoded image of the item at ``row``.
+        """The encoded image of the item at ``row`` (``IndexedItems.image_bytes``).
 
         Raises:
             MissingFileError: for a row that is not in the index, or an image that is no longer there.
         """
-        if not 0 <= row < len(self):
-            raise MissingFileError(f"no item {row} in the index ({len(self)} items)")
-        item = self.items[row]
-        if item in self._dataset_rows:
-            number, position = self._dataset_rows[item]
-            return self._sources[number][position].image
-        if self._folder_items and os.path.isabs(item):
-            try:
-                with open(item, "rb") as f:
-                    return f.read()
-            except OSError:
-                raise MissingFileError(f"item {row}: its image file is gone") from None
-        raise MissingFileError(f"item {row}: the index does not say where its image is")
+        return self.indexed.image_bytes(row)
 
 
 class SearchEngine:

@@ -1,0 +1,76 @@
+"""Re-ranking an index's results by the matching head: only the top K change order, each by the log-odds the pair
+scorer gives its (query, image) pair, the same through ``vlfit retrieve query`` and ``vlfit.Index.search``; asked of
+a model without a head, of image queries or of embeddings, one line each."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import vlfit
+from vlfit.cli import main
+from vlfit.data.image_transforms import FastImageTransform, stack_images
+from vlfit.index.job import IndexJob, index_collection
+from vlfit.inference.backends import load_checkpoint
+from vlfit.inference.pair_scorer import pair_scorer_for
+
+QUERY = "a red circle"
+
+
+@pytest.fixture(scope="module")
+def itm_index(itm_checkpoint, image_folder, tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("itm-index") / "index")
+    index_collection(IndexJob(str(itm_checkpoint), out, images=str(image_folder), progress=False, index_type="flat"))
+    return out
+
+
+def _json_hits(capsys, *argv: str) -> list[dict]:
+    capsys.readouterr()
+    assert main(["retrieve", "query", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)["queries"][0]["results"]
+
+
+def test_reranking_reorders_only_the_top_k_by_each_pairs_matching_score(itm_index, itm_checkpoint, capsys) -> None:
+    cosine = _json_hits(capsys, "--index", itm_index, "--text", QUERY, "-k", "8")
+    reranked = _json_hits(capsys, "--index", itm_index, "--text", QUERY, "-k", "8", "--rerank_top_k", "5")
+    assert {hit["id"] for hit in reranked[:5]} == {hit["id"] for hit in cosine[:5]}
+    assert reranked[5:] == cosine[5:]  # beyond K: cosine order, no match score
+    scores = [hit["match_score"] for hit in reranked[:5]]
+    assert scores == sorted(scores, reverse=True)
+
+    # Each score is the pair scorer's for (query, that image file), computed here on its own.
+    scorer = pair_scorer_for(load_checkpoint(str(itm_checkpoint)))
+    transform = FastImageTransform(scorer.spec.image_size)
+    pixels = stack_images([transform(open(hit["id"], "rb").read()) for hit in reranked[:5]])
+    expected = scorer.score_pairs([QUERY] * 5, pixels)
+    assert torch.tensor(scores) == pytest.approx(expected, abs=1e-5)
+
+    library = vlfit.Index.open(itm_index).search(QUERY, k=8, rerank=5)
+    assert [(hit.id, hit.match_score) for hit in library] == [(h["id"], h.get("match_score")) for h in reranked]
+    assert [hit.id for hit in vlfit.Index.open(itm_index).search(QUERY, k=3, rerank=5)] == [
+        hit["id"] for hit in reranked[:3]
+    ]  # K candidates re-scored, k kept
+
+
+def test_reranking_that_cannot_run_is_one_line(itm_index, image_folder, tiny_checkpoint, tmp_path, capsys) -> None:
+    plain = str(tmp_path / "plain")
+    index_collection(IndexJob(str(tiny_checkpoint), plain, images=str(image_folder), progress=False,
+                              index_type="flat"))  # fmt: skip
+    cases = [
+        (["--index", plain, "--text", QUERY, "--rerank_top_k", "3"], "has no image-text matching head; re-ranking"),
+        (["--index", itm_index, "--image", str(next(image_folder.rglob("*.jpg"))), "--rerank_top_k", "3"],
+         "--rerank_top_k re-ranks text queries"),
+        (["--index", itm_index, "--text", QUERY, "--rerank_top_k", "0"], "--rerank_top_k must be a whole number"),
+    ]  # fmt: skip
+    for argv, expected in cases:
+        capsys.readouterr()
+        assert main(["retrieve", "query", *argv]) == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+        assert len(errors) == 1 and errors[0].startswith("vlfit retrieve: error: ") and expected in errors[0], errors
+    index = vlfit.Index.open(itm_index)
+    with pytest.raises(vlfit.ConfigError, match="pass the query texts, not embeddings"):
+        index.search(index.model.encode_texts([QUERY]), rerank=3)
+    with pytest.raises(vlfit.ConfigError, match=r"`rerank=` must be a whole number"):
+        index.search(QUERY, rerank=-1)
