@@ -50,3 +50,20 @@ def test_metrics_per_answer_type():
         "vqa_accuracy_other": 1.0,
         "vqa_accuracy_yes_no": 1.0,
     }
+
+
+def test_metrics_per_question_type_beside_answer_type():
+    metrics = vqa_metrics(
+        ["yes", "no", "2", "left"],
+        [["yes"] * 10, ["yes"] * 10, ["2"] * 10, ["right"] * 10],
+        ["yes/no", "yes/no", "number", "other"],
+        question_types=["is there", "is there", "how many", None],  # a row without a type counts only overall
+    )
+    assert metrics == {
+        "vqa_accuracy": pytest.approx(2 / 4),
+        "vqa_accuracy_number": 1.0,
+        "vqa_accuracy_other": 0.0,
+        "vqa_accuracy_yes_no": pytest.approx(1 / 2),
+        "vqa_accuracy_question_type_how_many": 1.0,
+        "vqa_accuracy_question_type_is_there": pytest.approx(1 / 2),
+    }

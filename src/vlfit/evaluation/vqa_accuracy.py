@@ -45,25 +45,38 @@ def vqa_metrics(
     answers: Sequence[Sequence[str]],
     answer_types: Sequence[str | None] | None = None,
     prefix: str = "vqa_accuracy",
+    question_types: Sequence[str | None] | None = None,
 ) -> dict[str, float]:
     """Mean VQA accuracy (``{prefix}``) and, where ``answer_types`` are given, per type
-    (``{prefix}_yes_no``, ``{prefix}_number``, ``{prefix}_other``: the type with ``/`` and spaces as ``_``).
+    (``{prefix}_yes_no``, ``{prefix}_number``, ``{prefix}_other``: the type with ``/`` and spaces as ``_``);
+    where ``question_types`` are given, per question type as well (``{prefix}_question_type_how_many``, ...).
 
     Args:
         predictions: One predicted answer per question.
         answers: Each question's annotator answers.
         answer_types: Each question's ``answer_type`` (``None`` where a row has none).
         prefix: The metrics' name.
+        question_types: Each question's ``question_type`` (``None`` where a row has none).
     """
     if len(predictions) != len(answers):
         raise ValueError(f"{len(predictions)} predictions for {len(answers)} questions")
     scores = [answer_accuracy(p, a) for p, a in zip(predictions, answers, strict=True)]
     metrics = {prefix: sum(scores) / len(scores) if scores else 0.0}
     if answer_types is not None:
-        by_type: dict[str, list[float]] = defaultdict(list)
-        for score, kind in zip(scores, answer_types, strict=True):
-            if kind:
-                by_type[str(kind)].append(score)
-        for kind, values in sorted(by_type.items()):
-            metrics[f"{prefix}_{re.sub(r'[^0-9a-z]+', '_', kind.lower())}"] = sum(values) / len(values)
+        metrics.update(_mean_per_group(scores, answer_types, prefix))
+    if question_types is not None:
+        metrics.update(_mean_per_group(scores, question_types, f"{prefix}_question_type"))
     return metrics
+
+
+def _mean_per_group(scores: Sequence[float], groups: Sequence[str | None], prefix: str) -> dict[str, float]:
+    """The mean score of each named group (rows without one are left out), keyed ``{prefix}_{group}`` with every
+    run of characters other than lower-case letters and digits as ``_``."""
+    by_group: dict[str, list[float]] = defaultdict(list)
+    for score, group in zip(scores, groups, strict=True):
+        if group:
+            by_group[str(group)].append(score)
+    return {
+        f"{prefix}_{re.sub(r'[^0-9a-z]+', '_', group.lower())}": sum(values) / len(values)
+        for group, values in sorted(by_group.items())
+    }

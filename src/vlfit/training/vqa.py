@@ -7,8 +7,8 @@ What changes against a retrieval run (``vlfit.training.run`` asks this module at
 - the model (``vqa_blueprint``): ``vlfit.models.vqa.VqaFamily``, its config listing the answer vocabulary, the
   ``--max_answers`` answers the training split gives most (kept from the model for evaluation alone);
 - the trainer (``VqaTrainer``): the loss is ``vqa_loss`` against the soft targets of each row's answers, and an
-  evaluation reports VQA accuracy (overall, per answer type where the data has ``answer_type``) beside the
-  majority-answer baseline.
+  evaluation reports VQA accuracy (overall, per answer type and per question type where the data has
+  ``answer_type`` and ``question_type``) beside the majority-answer baseline.
 """
 
 from __future__ import annotations
@@ -142,13 +142,13 @@ class VqaTrainer(VlfitTrainer):
         return metrics
 
     def vqa_metrics(self, loader: Any) -> dict[str, float]:
-        """VQA accuracy of the top answer (overall and per ``answer_type``), and the majority-answer baseline's
-        (the vocabulary's first answer, the most given in training, for every question)."""
+        """VQA accuracy of the top answer (overall, per ``answer_type`` and per ``question_type``), and the
+        majority-answer baseline's (the vocabulary's first answer, the most given in training, for every question)."""
         model = self.model
         was_training = model.training
         model.eval()
         dtype = next(model.parameters()).dtype
-        rows: list[tuple[int, str, list[str], Any]] = []
+        rows: list[tuple[int, str, list[str], Any, Any]] = []
         batches = self.pipeline.feed(loader, dtype, train=False)
         show = not (self.args.disable_tqdm or not self.is_local_process_zero())
         with torch.no_grad(), self.autocast_smart_context_manager():
@@ -159,22 +159,27 @@ class VqaTrainer(VlfitTrainer):
                 best = logits.argmax(dim=-1).tolist()
                 answers = batch_answers(batch.columns, batch.sample_ids)
                 types = batch.columns.get("answer_type") or [None] * len(batch)
-                for position, index, given, kind in zip(batch.positions, best, answers, types, strict=True):
-                    rows.append((position, self.vocabulary.answers[index], given, kind))
+                questions = batch.columns.get("question_type") or [None] * len(batch)
+                for position, index, given, kind, question in zip(
+                    batch.positions, best, answers, types, questions, strict=True
+                ):
+                    rows.append((position, self.vocabulary.answers[index], given, kind, question))
         model.train(was_training)
         if self.accelerator.num_processes > 1:
             rows = gather_object(rows)
         unique = sorted({row[0]: row for row in rows}.values())  # a padded last batch repeats rows
         if not unique:
             return {"vqa_accuracy": 0.0, "vqa_questions": 0}
-        answer_types = [kind for _, _, _, kind in unique]
+        answer_types = [row[3] for row in unique]
+        question_types = [row[4] for row in unique]
         metrics = vqa_metrics(
-            [prediction for _, prediction, _, _ in unique],
-            [given for _, _, given, _ in unique],
+            [row[1] for row in unique],
+            [row[2] for row in unique],
             answer_types if any(answer_types) else None,
+            question_types=question_types if any(question_types) else None,
         )
         majority = self.vocabulary.answers[0]
-        scores = [answer_accuracy(majority, given) for _, _, given, _ in unique]
+        scores = [answer_accuracy(majority, row[2]) for row in unique]
         metrics["vqa_accuracy_majority_answer"] = sum(scores) / len(scores)
         metrics["vqa_questions"] = len(unique)
         return metrics
