@@ -80,8 +80,8 @@ class ServeArguments:
     max_queue_wait_ms: float | None = field(
         default=ServerLimits.max_queue_wait_ms,
         metadata={"help": "Longest expected wait (ms) a search is admitted with (its kind's queries ahead x their "
-                  "measured time each, plus the event loop's delay); beyond: 503 with Retry-After. Default: 10x "
-                  "the recent time of a query with nothing ahead, per kind (text, image); inf: none."},
+                  "measured time each); beyond: 503 with Retry-After. 0: 10x the unloaded time of a query of its "
+                  "kind (text, image). Default: none, --max_concurrency only."},
     )  # fmt: skip
     max_connections: int = field(
         default=ServerLimits.max_connections, metadata={"help": "Open connections; beyond: 503 and closed."}

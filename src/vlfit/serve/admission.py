@@ -5,7 +5,6 @@ admitted query waits about ``max_concurrency`` / throughput. Here the server est
 new query would wait, and refuses it when that is over the budget:
 
     expected wait = queries of its kind admitted and not yet answered x recent seconds per query ahead
-                    + the event loop's recent delay
 
 Seconds per query ahead is measured, not modelled: each answered query's time in the server (from its admission,
 as its request head reaches the app's middleware ``vlfit.serve.middleware.WaitLimit``, to its answer) divided by
@@ -22,12 +21,18 @@ newest). It is the time each queued query really adds, however they are computed
   and then from the time after the query was parsed, both tried first, admitted queries that went on to wait
   several times the budget.)
 
-The event loop's delay (how late it runs a 10 ms timer, an EWMA) stands for the time a request spends before
-the app sees it at all: read and parsed behind every other request the loop is serving, which no count of queries
-shows. (Node's ``under-pressure`` plugin for Fastify answers 503 on the event loop's delay alone.)
+What it cannot see is the time a request spends before the app sees it at all: read and parsed behind every
+other request the event loop is serving, refused ones included. Adding the event loop's delay (how late it runs a
+timer, as Fastify's ``under-pressure`` plugin measures it) was tried and left out: refusals cost the loop about
+half what an answer does, so under a closed-loop client that sends again at once the delay grew with the
+refusals, the server admitted only queries with nothing ahead, and its answers fell from about 450 to 40-160 per
+second at 32 clients (``benchmarks/serve_load.py``).
 
-The budget is ``--max_queue_wait_ms``; without it, ``WAIT_BUDGET_QUERIES`` (10) times the recent time of a query
-that found nothing ahead of it, per kind: "no more than ten unloaded queries' worth of waiting". Before a query of
+The budget is ``--max_queue_wait_ms`` (off unless given: see ``vlfit.serve.limits``); 0 there derives it:
+``WAIT_BUDGET_QUERIES`` (10) times the unloaded time of a query, per kind: the shortest of the last ``REFERENCE_ANSWERS`` (100) that found nothing ahead of them ("no more than ten
+unloaded queries' worth of waiting"). The shortest, as Envoy takes a minimum round-trip time: under overload even a
+query with nothing ahead of it waits for the event loop, and an average of those (tried first) let the budget grow
+with the overload it is meant to bound. Before a query of
 a kind has been answered, only the count cap applies to it; with nothing ahead a query is always admitted (an idle
 server never refuses), whatever the budget; a query whose client went away or that failed is not timed.
 
@@ -44,26 +49,26 @@ Each worker process of ``--workers N`` measures its own queues.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 KINDS = ("text", "image")
 EWMA_WEIGHT = 0.1  # the newest answer's share: about the last 10-20 answers count
+REFERENCE_ANSWERS = 100  # the unloaded time is the shortest of this many answers that found nothing ahead
 WAIT_BUDGET_QUERIES = 10  # the default budget: this many times the time of a query with nothing ahead
-LAG_INTERVAL_S = 0.01  # how often the event loop's delay is sampled
-LAG_WEIGHT = 0.2  # the newest sample's share of the loop's delay: about the last 50-100 ms count
 
 
 @dataclass
 class ServiceTime:
-    """Recent seconds per query ahead of one kind, and the recent time of a query that found nothing ahead (an
-    EWMA each; ``None`` until observed)."""
+    """Recent seconds per query ahead of one kind (an EWMA), and its unloaded time (the shortest of the last
+    ``REFERENCE_ANSWERS`` that found nothing ahead); ``None`` until observed."""
 
     per_query: float | None = None
     alone: float | None = None
+    _alone_times: deque[float] = field(default_factory=lambda: deque(maxlen=REFERENCE_ANSWERS), repr=False)
 
     def observe(self, ahead: int, seconds: float) -> None:
         """A query that found ``ahead`` queries of its kind before it was answered ``seconds`` after admission."""
@@ -71,7 +76,8 @@ class ServiceTime:
             return
         self.per_query = _ewma(self.per_query, seconds / (ahead + 1))
         if ahead == 0:
-            self.alone = _ewma(self.alone, seconds)
+            self._alone_times.append(seconds)
+            self.alone = min(self._alone_times)
 
 
 def _ewma(current: float | None, sample: float) -> float:
@@ -112,20 +118,7 @@ class WaitAdmission:
             raise ValueError(f"the wait budget must be positive seconds, got {budget}")
         self.budget = budget
         self.clock = clock
-        self.loop_lag = 0.0  # recent seconds a callback waits for the event loop (watch_loop)
         self._queues = {kind: _Queue() for kind in KINDS}
-
-    def observe_loop_lag(self, seconds: float) -> None:
-        """The event loop ran a timer ``seconds`` late."""
-        self.loop_lag = (1 - LAG_WEIGHT) * self.loop_lag + LAG_WEIGHT * max(0.0, seconds)
-
-    async def watch_loop(self, interval: float = LAG_INTERVAL_S) -> None:
-        """Samples how late the event loop runs a timer, every ``interval`` seconds, until cancelled."""
-        loop = asyncio.get_running_loop()
-        while True:
-            due = loop.time() + interval
-            await asyncio.sleep(interval)
-            self.observe_loop_lag(loop.time() - due)
 
     def pending(self, kind: str) -> int:
         """Queries of ``kind`` admitted and not yet answered."""
@@ -135,14 +128,11 @@ class WaitAdmission:
         return self._queues[kind].time
 
     def expected_wait(self, kind: str) -> float | None:
-        """Seconds a new query of ``kind`` would wait for those ahead of it, and for the event loop; ``None``
-        before any was answered, 0 with nothing ahead."""
+        """Seconds a new query of ``kind`` would wait for those ahead of it; ``None`` before any was answered."""
         queue = self._queues[kind]
         if queue.time.per_query is None:
             return None
-        if queue.pending == 0:
-            return 0.0
-        return queue.pending * queue.time.per_query + self.loop_lag
+        return queue.pending * queue.time.per_query
 
     def budget_for(self, kind: str) -> float | None:
         """The wait ``kind`` is admitted with: the fixed budget, or the derived one (``None`` before any answer)."""

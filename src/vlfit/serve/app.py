@@ -81,8 +81,8 @@ def create_app(
         return engine.search(engine.embed_texts(texts), k)
 
     batcher = MicroBatcher(run_batch, max_batch=max_batch, max_wait_ms=max_wait_ms, on_batch=metrics.observe_batch)
-    budget = limits.max_queue_wait_ms
-    admission = WaitAdmission(None if budget is None else budget / 1000.0)  # searches, by their expected wait
+    budget = limits.max_queue_wait_ms  # None: no wait budget; 0: derived from the unloaded time; else ms
+    admission = None if budget is None else WaitAdmission(budget / 1000.0 if budget > 0 else None)
     # Image queries decode and embed on a thread of their own, never the text encoder's; thumbnails on a small pool.
     image_queries = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlfit-image-query")
     thumbnails = ThreadPoolExecutor(max_workers=THUMBNAIL_THREADS, thread_name_prefix="vlfit-thumbnail")
@@ -91,11 +91,9 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         poller = asyncio.get_running_loop().create_task(_poll(engine, reload_interval)) if reload_interval > 0 else None
-        lag_watch = asyncio.get_running_loop().create_task(admission.watch_loop())
         try:
             yield {LIMITS_KEY: limits, METRICS_KEY: metrics}  # what the server's connections are bounded by
         finally:
-            lag_watch.cancel()
             if poller is not None:
                 poller.cancel()
             await batcher.close()
@@ -181,7 +179,8 @@ def create_app(
 
     app.add_middleware(UploadLimit, max_bytes=int(max_upload_mb * 1e6), timeout=limits.body_timeout)
     app.add_middleware(HeadAsGet)
-    app.add_middleware(WaitLimit, admission=admission, metrics=metrics, path="/api/search")
+    if admission is not None:
+        app.add_middleware(WaitLimit, admission=admission, metrics=metrics, path="/api/search")
     app.add_middleware(InFlightLimit, max_requests=limits.max_concurrency, metrics=metrics,
                        exempt=("/api/health", "/metrics"))  # fmt: skip
     if access is not None:

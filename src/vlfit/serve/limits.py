@@ -23,12 +23,14 @@ class ServerLimits:
     Args:
         max_concurrency: Requests in flight (queued or computing; health and metrics not counted); one beyond is
             answered 503 with ``Retry-After`` at once. 32: at 2x a 2-core server's capacity the requests admitted
-            wait about one batch, not seconds. A hard ceiling: ``max_queue_wait_ms`` refuses earlier.
+            wait about one batch, not seconds. A hard ceiling: ``max_queue_wait_ms``, when set, refuses earlier.
         max_queue_wait_ms: The longest expected wait, in milliseconds, a search is admitted with (queries of its
-            kind ahead x their measured time each, plus the event loop's delay; ``vlfit.serve.admission``); a
-            search over it is answered 503 with ``Retry-After`` at once. ``None`` (the default): 10x the recent
-            time of a query with nothing ahead of it, per kind (text, image), so the budget follows the model and
-            the machine. Before a query of a kind has been answered, and with nothing ahead, only
+            kind ahead x their measured time each; ``vlfit.serve.admission``); a search over it is answered 503
+            with ``Retry-After`` at once. 0: 10x the unloaded time of a query of its kind (text, image), so the
+            budget follows the model and the machine. ``None`` (the default): no wait budget, only
+            ``max_concurrency``: on a 2-core machine a refusal costs the event loop about half an answer, and
+            clients that send again at once after a 503 then cost more than the waits saved (docs/serving.md has
+            the measurements). Before a query of a kind has been answered, and with nothing ahead, only
             ``max_concurrency`` applies.
         max_connections: Open connections; one beyond is answered 503 and closed (far below the usual 1024
             file-descriptor limit, so the server never runs out of them).
@@ -62,10 +64,10 @@ class ServerLimits:
         for name in ("header_timeout", "body_timeout", "keep_alive_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name} must be positive, got {getattr(self, name)}")
-        if self.max_queue_wait_ms is not None and not self.max_queue_wait_ms > 0:
+        if self.max_queue_wait_ms is not None and not self.max_queue_wait_ms >= 0:
             raise ConfigError(
-                f"--max_queue_wait_ms must be positive milliseconds, got {self.max_queue_wait_ms} (leave it out for "
-                "10x the time of a query computed alone; inf: no wait budget)"
+                f"--max_queue_wait_ms must be at least 0 milliseconds, got {self.max_queue_wait_ms} (0: 10x the "
+                "unloaded time of a query; leave it out for no wait budget)"
             )
         if self.thumbnail_cache_mb < 0:
             raise ConfigError(f"--thumbnail_cache_mb must be at least 0, got {self.thumbnail_cache_mb}")
