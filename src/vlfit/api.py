@@ -32,7 +32,8 @@ from PIL import Image, ImageOps
 from vlfit.data.image_transforms import FastImageTransform, hwc_to_chw_view, resize_crop_uint8, stack_images
 from vlfit.errors import ConfigError, DataError, MissingFileError, python_api, unknown_keywords
 from vlfit.index.search import Hit
-from vlfit.inference.backends import Encoder, open_encoder
+from vlfit.inference.backends import FOLDER_KINDS, Encoder, open_encoder
+from vlfit.models.reference import parse_model_reference
 
 # What encode_images takes, each item on its own: a path, encoded bytes, a PIL image or a uint8 HWC (or HW) array.
 ImageInput = str | os.PathLike | bytes | Image.Image | np.ndarray
@@ -68,24 +69,43 @@ def _pixels_of(item: ImageInput, image_size: int, position: int) -> torch.Tensor
 
 
 class Model:
-    """A model ready to embed: a checkpoint (PyTorch) or a folder ``vlfit export`` wrote (ONNX Runtime, OpenVINO).
+    """A model ready to embed: a checkpoint (PyTorch) or a folder ``vlfit export`` wrote (ONNX Runtime, OpenVINO);
+    or, for a folder ``vlfit train --task vqa`` wrote, ready to answer questions (``answer``), with nothing to embed
+    with.
 
-    Attributes:
-        encoder: The backend's encoder (``vlfit.inference.backends``).
+    Args:
+        encoder: The backend's encoder (``vlfit.inference.backends``); None for a question-answering model.
+        answerer: A question-answering model's ``vlfit.inference.vqa.QuestionAnswerer`` (loaded once, by ``load``).
     """
 
-    def __init__(self, encoder: Encoder) -> None:
-        self.encoder = encoder
+    def __init__(self, encoder: Encoder | None, answerer: Any = None) -> None:
+        self._encoder = encoder
+        self._answerer = answerer
+        self._path = encoder.model_path if encoder is not None else answerer.model_path
+
+    @property
+    def encoder(self) -> Encoder:
+        """The backend's encoder.
+
+        Raises:
+            ConfigError: for a question-answering model, which has no contrastive heads to embed with.
+        """
+        if self._encoder is None:
+            raise ConfigError(
+                f"{self._path} is a question-answering model (vlfit train --task vqa): it answers questions "
+                "(Model.answer) and has no contrastive heads to embed with; load a contrastive checkpoint to embed"
+            )
+        return self._encoder
 
     @property
     def backend(self) -> str:
         """``torch``, ``onnxruntime`` or ``openvino``."""
-        return self.encoder.backend
+        return self.encoder.backend if self._encoder is not None else "torch"
 
     @property
     def image_size(self) -> int:
         """The side of the square images the model takes."""
-        return self.encoder.spec.image_size
+        return self.encoder.spec.image_size if self._encoder is not None else self._answerer.image_size
 
     @property
     def embedding_dim(self) -> int:
@@ -93,7 +113,9 @@ class Model:
         return self.encoder.identity.embedding_size
 
     def __repr__(self) -> str:
-        return f"vlfit.Model({self.encoder.description})"
+        if self._encoder is None:
+            return f"vlfit.Model(question answering {self._path} on torch)"
+        return f"vlfit.Model({self._encoder.description})"
 
     @python_api
     def encode_images(self, images: ImageInput | Iterable[ImageInput], batch_size: int = 32) -> np.ndarray:
@@ -157,12 +179,10 @@ class Model:
         return [[tuple(a) for a in row] for row in answerer.answer(stack_images(pixels), texts, top_k)]  # type: ignore[misc]
 
     def _question_answerer(self) -> Any:
-        if self.backend != "torch":
-            raise ConfigError(f"answering questions runs on the PyTorch backend; this model runs on {self.backend}")
-        if getattr(self, "_answerer", None) is None:
-            from vlfit.inference.vqa import QuestionAnswerer
-
-            self._answerer = QuestionAnswerer(self.encoder.model_path)
+        if self._answerer is None:
+            raise ConfigError(
+                f"{self._path} has no VQA head: answering questions needs a model trained with vlfit train --task vqa"
+            )
         return self._answerer
 
 
@@ -209,8 +229,16 @@ def load(
             its cores with an event loop turns it off).
     """
     name = os.fspath(path_or_preset)
+    reference = parse_model_reference(name, flag="--model", kinds=("preset", *FOLDER_KINDS))
+    if reference.answers_questions:  # it answers; it has nothing to embed with
+        _check_at_least("num_threads", num_threads or 1, 1)
+        if backend not in ("auto", "torch"):
+            raise ConfigError(f"{name} answers questions on the PyTorch backend, not {backend}")
+        from vlfit.inference.vqa import QuestionAnswerer
+
+        return Model(None, QuestionAnswerer(reference.path, num_threads=num_threads))
     return Model(
-        open_encoder(name, backend, precision=precision, num_threads=num_threads, allow_spinning=allow_spinning)
+        open_encoder(reference, backend, precision=precision, num_threads=num_threads, allow_spinning=allow_spinning)
     )
 
 

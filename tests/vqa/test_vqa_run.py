@@ -92,3 +92,26 @@ def test_answer_api_cli_and_plain_transformers_agree(vqa_run, tmp_path):
     assert config.id2label[int(scores.argmax())] == answers[0][0][0]
     assert float(scores.max()) == pytest.approx(answers[0][0][1], abs=0.02)
     assert json.loads((run / "config.json").read_text())["architectures"] == ["BridgeTowerForQuestionAnswering"]
+
+
+def test_a_vqa_model_answers_but_is_refused_as_an_embedder_in_one_line(vqa_run, tmp_path, capsys):
+    import datasets
+
+    import vlfit
+    from vlfit.cli import main
+
+    data, run, _ = vqa_run
+    model = vlfit.load(str(run))  # the question answerer alone: no contrastive model is built beside it
+    assert model._encoder is None and model.image_size == model._answerer.image_size
+    with pytest.raises(vlfit.ConfigError, match="is a question-answering model .*no contrastive heads to embed"):
+        model.encode_texts("a red circle")
+    # Every command that embeds opens its model through one door, which refuses it before any weight loads.
+    images = tmp_path / "images"
+    images.mkdir()
+    datasets.load_dataset("parquet", data_files=str(data / "validation.parquet"))["train"][0]["image"].save(
+        images / "one.png"
+    )
+    argv = ["retrieve", "index", "--model", str(run), "--images", str(images), "--output_dir", str(tmp_path / "i")]
+    assert main(argv) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "is a question-answering model (vlfit train --task vqa)" in errors[0]

@@ -11,7 +11,6 @@ from vlfit.compat_flags import CompatDataFlags
 from vlfit.data.bad_samples import BAD_SAMPLE_POLICIES, MIN_SAMPLES_FOR_BAD_FRACTION, check_bad_sample_policy
 from vlfit.data.columns import DEFAULT_COLUMNS
 from vlfit.data.file_patterns import is_stream_spec
-from vlfit.data.stream.urls import parse_storage_options
 from vlfit.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -108,6 +107,8 @@ class DataLocationArguments:
         Raises:
             ConfigError: naming the flag, when it is not a JSON object.
         """
+        from vlfit.data.stream.urls import parse_storage_options  # the stream package imports torch
+
         return parse_storage_options(self.storage_options)
 
     def shard_reader(self) -> ShardReader:

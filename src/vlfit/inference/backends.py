@@ -335,6 +335,12 @@ def _torch_encoder(reference: ModelReference, max_seq_length: int, num_threads: 
     from vlfit.models.loading import load_model  # only here: it imports transformers' models
 
     folder = reference.path
+    if reference.answers_questions:
+        raise RefusedModelError(
+            f"{folder} is a question-answering model (vlfit train --task vqa): it has no contrastive heads to embed "
+            f"with; ask it questions (vlfit vqa --model {folder}, or vlfit.load(...).answer), or embed with a "
+            "contrastive checkpoint"
+        )
     if not any(os.path.isfile(os.path.join(folder, name)) for name in TOKENIZER_FILES):
         raise RefusedModelError(
             f"{folder}: the checkpoint has no tokenizer ({' or '.join(TOKENIZER_FILES)}); save one beside the weights "

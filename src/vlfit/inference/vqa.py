@@ -29,12 +29,14 @@ class QuestionAnswerer:
 
     Args:
         model_path: A folder ``vlfit train --task vqa`` wrote (or a hub id of one).
+        num_threads: torch threads (``None``: torch's default).
 
     Raises:
         ConfigError: for a model without a VQA head.
     """
 
-    def __init__(self, model_path: str) -> None:
+    def __init__(self, model_path: str, num_threads: int | None = None) -> None:
+        self.model_path = model_path
         spec = resolve_model(model_name_or_path=model_path)
         if not is_vqa_config(spec.config):
             raise ConfigError(
@@ -47,6 +49,8 @@ class QuestionAnswerer:
         mean = torch.tensor(spec.inputs.image_mean, dtype=torch.float32).view(1, -1, 1, 1)
         std = torch.tensor(spec.inputs.image_std, dtype=torch.float32).view(1, -1, 1, 1)
         self._scale, self._shift = 1.0 / (255.0 * std), -mean / std
+        if num_threads:
+            torch.set_num_threads(num_threads)
 
     @property
     def image_size(self) -> int:

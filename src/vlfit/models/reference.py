@@ -14,7 +14,8 @@ The kinds, and how a folder is told apart:
 - ``adapters``: a folder of LoRA adapters a run saved (``adapter_config.json``); its ``base`` is the checkpoint they
   were trained on.
 - ``checkpoint``: any other folder (a training run's output or one of its ``checkpoint-N`` folders), or an existing
-  file, handed to transformers as it is.
+  file, handed to transformers as it is; one whose config names ``VQA_ARCHITECTURE`` answers questions
+  (``answers_questions``) and has nothing to embed with.
 - ``hub``: a name with a hub id's form and nothing local by that name.
 """
 
@@ -35,6 +36,8 @@ LOADABLE = ("checkpoint", "adapters", "hub")
 EXPORT_MANIFEST = "export_manifest.json"
 # The file peft's save_pretrained writes beside LoRA adapters (vlfit.models.lora).
 ADAPTER_CONFIG = "adapter_config.json"
+# What the config of a folder vlfit train --task vqa wrote names in its architectures (vlfit.models.vqa).
+VQA_ARCHITECTURE = "BridgeTowerForQuestionAnswering"
 
 
 @dataclass(frozen=True)
@@ -46,11 +49,14 @@ class ModelReference:
         path: The preset's name or file, the folder, or the hub id, as given.
         base: For adapters, the checkpoint they were trained on (``base_model_name_or_path``, resolved against the
             folder when relative); None otherwise.
+        answers_questions: A checkpoint of a question-answering model (``vlfit train --task vqa``: its config
+            names ``VQA_ARCHITECTURE``): it answers questions and has no contrastive heads to embed with.
     """
 
     kind: str
     path: str
     base: str | None = None
+    answers_questions: bool = False
 
     @property
     def weights(self) -> str | None:
@@ -90,7 +96,7 @@ def parse_model_reference(
             return ModelReference("export", name)
         if is_adapter_folder(name):
             return ModelReference("adapters", name, base=adapter_base(name))
-        return ModelReference("checkpoint", name)
+        return ModelReference("checkpoint", name, answers_questions=_answers_questions(name))
     if "hub" in kinds:
         check_local_path(name, flag)
         return ModelReference("checkpoint" if os.path.exists(name) else "hub", name)
@@ -101,6 +107,17 @@ def parse_model_reference(
         )
     what = "model" if "export" in kinds else "checkpoint"
     raise MissingFileError(f"{flag} {name}: no such {what} folder ({os.path.abspath(name)} does not exist)")
+
+
+def _answers_questions(folder: str) -> bool:
+    """Whether the checkpoint folder's config names the VQA architecture (a folder without a readable config is
+    left for transformers to refuse)."""
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and VQA_ARCHITECTURE in (config.get("architectures") or ())
 
 
 def check_local_path(name: str, flag: str) -> None:

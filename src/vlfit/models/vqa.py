@@ -27,8 +27,8 @@ from transformers.models.bridgetower.modeling_bridgetower import BridgeTowerPreT
 from vlfit.errors import ConfigError
 from vlfit.models import activation_checkpointing
 from vlfit.models.bridgetower import BridgeTowerFamily, layer_stacks
+from vlfit.models.reference import VQA_ARCHITECTURE
 
-VQA_ARCHITECTURE = "BridgeTowerForQuestionAnswering"
 VQA_INPUTS = ("input_ids", "attention_mask", "pixel_values")
 
 
