@@ -87,3 +87,12 @@ def trained_clip(synthetic_dataset_dir, tmp_path_factory):
                  "1e-3", "--warmup_steps", "5", "--save_strategy", "no", "--report_to", "none", "--seed", "0",
                  "--logging_steps", "1000", "--disable_tqdm", "true"]) == 0  # fmt: skip
     return model
+
+
+@pytest.fixture(scope="session")
+def image_folder(synthetic_dataset_dir, tmp_path_factory) -> Path:
+    """The validation and test images of the synthetic dataset as JPEG files in two sub-folders, plus one file that
+    is not an image."""
+    from tests.inference.tiny_models import write_image_folder
+
+    return write_image_folder(synthetic_dataset_dir, tmp_path_factory.mktemp("images"))

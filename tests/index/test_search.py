@@ -24,7 +24,7 @@ def test_the_library_the_server_and_retrieve_query_give_the_same_hits(synthetic_
     manifest_file.write_text(json.dumps({**manifest, "removed": ["img-3"]}))  # an item gone since: never a hit
 
     engine = SearchEngine(folder)
-    queries = engine.embed_texts(["picture 3 caption 0", "picture 5 caption 1"])
+    queries = engine.encode_texts(["picture 3 caption 0", "picture 5 caption 1"])
     expected = search(EmbeddingIndex(folder), queries, IMAGES)  # the ANN structure (flat at this size)
     exact = search(EmbeddingIndex(folder), queries, IMAGES, exact=True)
     assert [[hit.id for hit in hits] for hits in exact] == [[hit.id for hit in hits] for hits in expected]

@@ -237,7 +237,7 @@ def test_an_item_of_several_captions_is_served_with_all_of_them(synthetic_datase
                       split="train", image_column="file_name", caption_column="caption",
                       image_id_column="image_id")  # fmt: skip
     engine = SearchEngine(str(tmp_path / "index"))
-    (results,) = engine.search(engine.embed_texts(["picture 2 caption 0"]), 3)
+    (results,) = engine.search(engine.encode_texts(["picture 2 caption 0"]), 3)
     assert len(results) == 3 and len({result["item"] for result in results}) == 3
     for result in results:
         number = int(result["item"].split("-")[1])

@@ -43,14 +43,14 @@ class RecordingEngine(SearchEngine):
         self.hold = threading.Event()
         self.hold.set()
 
-    def embed_texts(self, texts):
+    def encode_texts(self, texts):
         assert self.hold.wait(30)
         self.embedded.extend(texts)
-        return super().embed_texts(texts)
+        return super().encode_texts(texts)
 
-    def embed_image(self, image):
+    def encode_image(self, image):
         self.image_threads.append(threading.current_thread().name)
-        return super().embed_image(image)
+        return super().encode_image(image)
 
 
 @pytest.fixture(scope="module")
@@ -159,10 +159,10 @@ async def test_a_batch_that_fails_is_retried_one_by_one_and_only_the_failing_que
     failing = "this caption breaks the encoder"
 
     class Breaking(RecordingEngine):
-        def embed_texts(self, texts):
+        def encode_texts(self, texts):
             if failing in texts:
                 raise RuntimeError("the tokenizer broke")
-            return super().embed_texts(texts)
+            return super().encode_texts(texts)
 
     breaking = Breaking.__new__(Breaking)
     breaking.__dict__.update(engine.__dict__)

@@ -25,6 +25,9 @@ from vlfit.inference.pair_scorer import NO_HEAD_ADVICE, NoMatchingHeadError, Pai
 
 logger = logging.getLogger(__name__)
 
+# The most (query, candidate) pairs scored in one call: a batch of queries is split by query, never within one.
+PAIRS_PER_CALL = 256
+
 
 def check_rerank_top_k(top_k: int | None, flag: str = "--rerank_top_k") -> None:
     """Raises ``ConfigError`` naming ``flag`` unless ``top_k`` is None (no re-ranking) or a whole number >= 1."""
@@ -64,38 +67,62 @@ class Reranker:
             )
         return cls(scorer, items)
 
-    def rerank(self, hits: Sequence[list[Hit]], texts: Sequence[str], top_k: int, k: int) -> list[list[Hit]]:
+    def rerank(
+        self, hits: Sequence[list[Hit]], texts: Sequence[str], top_k: int | Sequence[int | None], k: int
+    ) -> list[list[Hit]]:
         """Each query's hits with its first ``top_k`` reordered by the matching score of (its text, the hit's
-        image), cut to ``k``.
+        image), cut to ``k``. The pairs of several queries are scored together (``PAIRS_PER_CALL`` at most per
+        call of the scorer; each caption and image runs its unimodal encoder once per call).
 
         Args:
             hits: Each query's hits in cosine order (at least ``min(k, top_k)`` each where the index has them).
             texts: Each query's text.
-            top_k: Candidates re-scored per query.
+            top_k: Candidates re-scored per query: one number for all, or one per query (None: not re-ranked).
             k: Hits kept per query.
         """
-        check_rerank_top_k(top_k)
-        return [self._rerank_one(found, text, top_k)[:k] for found, text in zip(hits, texts, strict=True)]
+        tops = [top_k] * len(hits) if isinstance(top_k, int) else list(top_k)
+        for top in tops:
+            check_rerank_top_k(top)
+        heads = [found[: top or 0] for found, top in zip(hits, tops, strict=True)]
+        scores: dict[tuple[int, int], float] = {}  # (query, row) -> log-odds
+        group: list[int] = []
+        for query, head in enumerate(heads):
+            if head:
+                group.append(query)
+            if group and (query == len(heads) - 1 or sum(len(heads[q]) for q in group) >= PAIRS_PER_CALL):
+                scores.update(self._score([texts[q] for q in group], [heads[q] for q in group], group))
+                group = []
+        out = []
+        for query, (found, head) in enumerate(zip(hits, heads, strict=True)):
+            scored = [hit for hit in head if (query, hit.row) in scores]
+            unscored = [hit for hit in head if (query, hit.row) not in scores]
+            order = sorted(scored, key=lambda hit: -scores[(query, hit.row)])  # stable: ties keep cosine order
+            reranked = [dataclasses.replace(hit, match_score=round(scores[(query, hit.row)], 6)) for hit in order]
+            out.append((reranked + unscored + found[len(head) :])[:k])
+        return out
 
-    def _rerank_one(self, found: list[Hit], text: str, top_k: int) -> list[Hit]:
-        head, tail = found[:top_k], found[top_k:]
-        pixels, scored, unscored = [], [], []
-        for hit in head:
-            try:
-                pixels.append(self._transform(self.items.image_bytes(hit.row), sample_id=hit.id))
-            except (MissingFileError, DataError) as err:
-                logger.warning("%s is not re-ranked: %s", hit.id, err)
-                unscored.append(hit)
-            else:
-                scored.append(hit)
-        if not scored:
-            return found
-        count = len(scored)
-        log_odds = self.scorer.score_pairs([text], stack_images(pixels), text_rows=[0] * count,
-                                           image_rows=list(range(count))).tolist()  # fmt: skip
-        order = sorted(range(count), key=lambda i: -log_odds[i])  # stable: ties keep their cosine order
-        reranked = [dataclasses.replace(scored[i], match_score=round(log_odds[i], 6)) for i in order]
-        return reranked + unscored + tail
+    def _score(self, texts: list[str], heads: list[list[Hit]], queries: list[int]) -> dict[tuple[int, int], float]:
+        """The log-odds of each (query, candidate) pair of ``heads`` whose image can be read, in one scorer call."""
+        pixels, position_of = [], {}
+        for head in heads:
+            for hit in head:
+                if hit.row in position_of:
+                    continue
+                try:
+                    pixels.append(self._transform(self.items.image_bytes(hit.row), sample_id=hit.id))
+                except (MissingFileError, DataError) as err:
+                    logger.warning("%s is not re-ranked: %s", hit.id, err)
+                    position_of[hit.row] = None
+                else:
+                    position_of[hit.row] = len(pixels) - 1
+        pairs = [
+            (number, hit.row) for number, head in enumerate(heads) for hit in head if position_of[hit.row] is not None
+        ]
+        if not pairs:
+            return {}
+        log_odds = self.scorer.score_pairs(texts, stack_images(pixels), text_rows=[number for number, _ in pairs],
+                                           image_rows=[position_of[row] for _, row in pairs]).tolist()  # fmt: skip
+        return {(queries[number], row): score for (number, row), score in zip(pairs, log_odds, strict=True)}
 
 
-__all__ = ["Reranker", "check_rerank_top_k"]
+__all__ = ["PAIRS_PER_CALL", "Reranker", "check_rerank_top_k"]

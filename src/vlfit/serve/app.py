@@ -77,8 +77,10 @@ def create_app(
     limits = limits or ServerLimits()
     metrics = ServerMetrics()
 
-    def run_batch(texts: Sequence[str], k: int) -> list[list[dict[str, object]]]:
-        return engine.search(engine.embed_texts(texts), k)
+    def run_batch(queries: Sequence[tuple[str, int | None]], k: int) -> list[list[dict[str, object]]]:
+        """A batch of (text, rerank) queries: embedded together, searched, their re-ranking pairs scored together."""
+        texts = [text for text, _ in queries]
+        return engine.search(engine.encode_texts(texts), k, texts, [rerank for _, rerank in queries])
 
     batcher = MicroBatcher(run_batch, max_batch=max_batch, max_wait_ms=max_wait_ms, on_batch=metrics.observe_batch)
     budget = limits.max_queue_wait_ms  # None: no wait budget; 0: derived from the unloaded time; else ms
@@ -150,18 +152,19 @@ def create_app(
             return query
         try:
             check_k(query.k)
+            engine.check_rerank(query.rerank)
         except ConfigError as err:
             return error_response(400, str(err))
         try:
             if query.text is not None:
-                text, k = query.text, query.k
-                results = await _unless_disconnected(request, None, lambda: batcher.submit(text, k))
+                text, k, rerank = query.text, query.k, query.rerank
+                results = await _unless_disconnected(request, None, lambda: batcher.submit((text, rerank), k))
             else:
                 image_bytes, k = query.image or b"", query.k
 
                 def image_search() -> list[dict[str, object]]:
                     check_query_pixels(image_bytes, limits.max_query_pixels)
-                    (found,) = engine.search(engine.embed_image(image_bytes), k)
+                    (found,) = engine.search(engine.encode_image(image_bytes), k)
                     return found
 
                 results = await _unless_disconnected(request, image_queries, image_search)

@@ -2,10 +2,11 @@
 
 A request puts its query on a queue and awaits its result. One collector task takes every query waiting (up to
 ``max_batch``): those that queued while the previous batch ran. With ``max_wait_ms`` > 0 it then keeps taking for
-at most that long. It runs the batch (embed the texts, search the index at the largest k asked) on a single worker
-thread, so the event loop keeps accepting requests meanwhile. Alone, a query runs at once (``max_wait_ms`` 0, the
-default); under load the worker is never idle, each batch is what arrived during the last one, and throughput grows
-with concurrency.
+at most that long. It runs the batch (embed the texts, search the index at the largest k asked, re-score the
+candidates of the queries that ask for re-ranking with the matching head, all the batch's pairs together) on a
+single worker thread, so the event loop keeps accepting requests meanwhile. Alone, a query runs at once
+(``max_wait_ms`` 0, the default); under load the worker is never idle, each batch is what arrived during the last
+one, and throughput grows with concurrency.
 
 No query hurts another: texts are checked before they are submitted (``vlfit.serve.queries``); a batch that fails
 anyway is run again one query at a time, so only the query that fails gets its error; and a query whose request was
@@ -21,12 +22,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-BatchFunction = Callable[[Sequence[str], int], list[Any]]
+BatchFunction = Callable[[Sequence[Any], int], list[Any]]
 
 
 @dataclass
 class _Pending:
-    text: str
+    text: Any  # what run_batch takes of one query (the server: its text and how many candidates it re-ranks)
     k: int
     future: asyncio.Future
 
@@ -61,7 +62,7 @@ class MicroBatcher:
         self._queue: asyncio.Queue[_Pending] | None = None
         self._collector: asyncio.Task | None = None
 
-    async def submit(self, text: str, k: int) -> Any:
+    async def submit(self, text: Any, k: int) -> Any:
         """The result for one query, computed in a batch with the queries that came with it."""
         if self._queue is None:
             self._queue = asyncio.Queue()

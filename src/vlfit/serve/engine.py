@@ -29,13 +29,16 @@ import torch
 from vlfit.data.image_transforms import FastImageTransform, stack_images
 from vlfit.errors import ConfigError
 from vlfit.index.items import IndexedItems
+from vlfit.index.rerank import Reranker
 from vlfit.index.search import Hit, query_encoder, search
 from vlfit.index.store import MANIFEST_NAME, refuse_other_model
 from vlfit.index.verify import open_index
+from vlfit.inference.pair_scorer import NO_HEAD_ADVICE, pair_scorer_for
 
 logger = logging.getLogger(__name__)
 
 MAX_K = 1000
+MAX_RERANK = 100  # candidates one query may have re-scored by the matching head: each is a pass of the fused tower
 
 
 def _manifest_stamp(folder: str) -> tuple[int, int] | None:
@@ -91,12 +94,14 @@ class Snapshot:
     def served(self, hit: Hit) -> dict[str, object]:
         """A hit as the server answers it: ``id`` is the item's row (what ``GET /api/image/{id}`` takes), ``item``
         its id in the index, ``path`` its file (items of an image folder), ``captions`` all of the image's captions
-        (an index built before items had captions: the record's, from the dataset) and ``caption`` the first."""
+        (an index built before items had captions: the record's, from the dataset), ``caption`` the first, and
+        ``match_score`` when it was re-ranked."""
         captions = hit.captions
         if captions is None and self.indexed.captions.get(hit.id) is not None:
             captions = [self.indexed.captions[hit.id]]  # type: ignore[list-item]
-        return {"id": hit.row, "score": hit.score, "item": hit.id, "path": self.indexed.path(hit.id),
-                "caption": captions[0] if captions else None, "captions": captions}  # fmt: skip
+        served = {"id": hit.row, "score": hit.score, "item": hit.id, "path": self.indexed.path(hit.id),
+                  "caption": captions[0] if captions else None, "captions": captions}  # fmt: skip
+        return served if hit.match_score is None else {**served, "match_score": hit.match_score}
 
     def search(self, queries: torch.Tensor, k: int) -> list[list[Hit]]:
         """The ``k`` best items for each query embedding ``[Q, D]``, best first (fewer when the index is smaller):
@@ -155,6 +160,7 @@ class SearchEngine:
         self.encoder = query_encoder(self.snapshot.index, model, backend, precision, num_threads=num_threads,
                                      allow_spinning=False)  # fmt: skip
         self._image_transform = FastImageTransform(self.encoder.spec.image_size)
+        self.pair_scorer = pair_scorer_for(self.encoder)  # the matching head, when the model has one
         self.generation = 1
         self._reload_lock = threading.Lock()
 
@@ -168,7 +174,25 @@ class SearchEngine:
             index = os.path.basename(index)
             model = model.replace(encoder.model_path, os.path.basename(encoder.model_path.rstrip(os.sep)), 1)
         return {"index": index, "items": len(snapshot), "search": snapshot.search_kind, "model": model,
-                "generation": self.generation}  # fmt: skip
+                "rerank": self.rerank_problem() is None, "generation": self.generation}  # fmt: skip
+
+    def rerank_problem(self) -> str | None:
+        """Why the served model and index cannot re-rank (None: they can)."""
+        if self.pair_scorer is None:
+            return f"this server's model has no image-text matching head; {NO_HEAD_ADVICE}"
+        if not self.snapshot.indexed.has_images:
+            return "this index cannot reach its items' images (tar shards at URLs are not fetched again)"
+        return None
+
+    def check_rerank(self, rerank: int | None) -> None:
+        """Raises ``ConfigError`` unless ``rerank`` is None, or 1..``MAX_RERANK`` and re-ranking is available."""
+        if rerank is None:
+            return
+        if not 1 <= rerank <= MAX_RERANK:
+            raise ConfigError(f'"rerank" must be between 1 and {MAX_RERANK} candidates, got {rerank}')
+        problem = self.rerank_problem()
+        if problem is not None:
+            raise ConfigError(f"cannot re-rank: {problem}")
 
     def reload_if_changed(self) -> bool:
         """Serve the index's current manifest if it changed since the snapshot was read; True when it did.
@@ -190,7 +214,7 @@ class SearchEngine:
             logger.info("serving %s: %d items (generation %d)", self.folder, len(fresh), self.generation)
             return True
 
-    def embed_texts(self, texts: Sequence[str]) -> torch.Tensor:
+    def encode_texts(self, texts: Sequence[str]) -> torch.Tensor:
         """L2-normalized float32 embeddings ``[N, D]`` of captions (256 at a time, as ``vlfit.Model`` embeds)."""
         texts = list(texts)
         rows = [self.encoder.encode_texts(texts[s : s + 256]) for s in range(0, len(texts), 256)]
@@ -198,7 +222,7 @@ class SearchEngine:
             return torch.zeros((0, self.encoder.identity.embedding_size), dtype=torch.float32)
         return torch.cat(rows).float().contiguous()
 
-    def embed_image(self, image: bytes) -> torch.Tensor:
+    def encode_image(self, image: bytes) -> torch.Tensor:
         """The embedding ``[1, D]`` of encoded image bytes.
 
         Raises:
@@ -207,11 +231,23 @@ class SearchEngine:
         pixels = self._image_transform(bytes(image), sample_id="images[0]")  # DataError names why
         return self.encoder.encode_images(stack_images([pixels])).float().contiguous()
 
-    def search(self, queries: torch.Tensor, k: int) -> list[list[dict[str, object]]]:
+    def search(
+        self,
+        queries: torch.Tensor,
+        k: int,
+        texts: Sequence[str] = (),
+        rerank: Sequence[int | None] = (),
+    ) -> list[list[dict[str, object]]]:
         """The served snapshot's results as the server answers them (``Snapshot.served``), all from one snapshot
-        (``k`` is checked by the caller, ``check_k``, before any batching)."""
+        (``k`` and ``rerank`` are checked by the caller, ``check_k`` and ``check_rerank``, before any batching).
+        Queries with a ``rerank`` have that many candidates re-scored by the matching head (their ``texts``), all
+        the batch's pairs together."""
         snapshot = self.snapshot  # a reload meanwhile does not mix two snapshots in one answer
-        return [[self._shown(snapshot.served(hit)) for hit in hits] for hits in snapshot.search(queries, k)]
+        tops = [top or 0 for top in rerank]
+        found = snapshot.search(queries, max([k, *tops]))
+        if any(tops):
+            found = Reranker(self.pair_scorer, snapshot.indexed).rerank(found, texts, rerank, max([k, *tops]))
+        return [[self._shown(snapshot.served(hit)) for hit in hits[:k]] for hits in found]
 
     def _shown(self, result: dict[str, object]) -> dict[str, object]:
         """``result`` with its file shown relative to the indexed folder it came from (``absolute_paths``: as it

@@ -38,15 +38,18 @@ class SearchQuery(BaseModel):
     text: str | None = None
     image: str | None = None
     k: StrictInt = 10  # a JSON integer: no bool, string or float
+    rerank: StrictInt | None = None  # text queries: candidates re-scored by the matching head
 
 
 @dataclass(frozen=True)
 class Query:
-    """A checked search request: ``text`` or ``image`` (encoded bytes), and ``k`` (not yet range-checked)."""
+    """A checked search request: ``text`` or ``image`` (encoded bytes), ``k`` and, for a text, ``rerank`` (the
+    candidates the matching head re-scores; neither yet range-checked)."""
 
     text: str | None
     image: bytes | None
     k: int
+    rerank: int | None = None
 
 
 class _DuplicateKey(ValueError):
@@ -130,7 +133,10 @@ async def read_query(request: Request, max_text_chars: int) -> Query | JSONRespo
         return error_response(422, 'a search takes exactly one of "text" and "image" (base64 of the image file)')
     if query.text is not None:
         problem = check_text(query.text, max_text_chars)
-        return error_response(422, problem) if problem else Query(query.text, None, query.k)
+        return error_response(422, problem) if problem else Query(query.text, None, query.k, query.rerank)
+    if query.rerank is not None:
+        return error_response(422, '"rerank" re-ranks text queries (the matching head scores a caption against an '
+                              "image): search an image without it")  # fmt: skip
     try:
         image = base64.b64decode(query.image or "", validate=True)
     except (binascii.Error, ValueError) as err:
