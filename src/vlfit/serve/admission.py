@@ -21,20 +21,21 @@ newest). It is the time each queued query really adds, however they are computed
   and then from the time after the query was parsed, both tried first, admitted queries that went on to wait
   several times the budget.)
 
-What it cannot see is the time a request spends before the app sees it at all: read and parsed behind every
-other request the event loop is serving, refused ones included. Adding the event loop's delay (how late it runs a
-timer, as Fastify's ``under-pressure`` plugin measures it) was tried and left out: refusals cost the loop about
-half what an answer does, so under a closed-loop client that sends again at once the delay grew with the
+What it cannot see is the time a request spends before the app sees it at all: read and parsed behind every other
+request the event loop is serving, refused ones included. Adding the event loop's delay (how late it runs a timer,
+as Fastify's ``under-pressure`` plugin measures it) was tried and left out: a refused request still costs the loop
+its reading, parsing and answer, so under closed-loop clients that send again at once the delay grew with the
 refusals, the server admitted only queries with nothing ahead, and its answers fell from about 450 to 40-160 per
 second at 32 clients (``benchmarks/serve_load.py``).
 
 The budget is ``--max_queue_wait_ms`` (off unless given: see ``vlfit.serve.limits``); 0 there derives it:
-``WAIT_BUDGET_QUERIES`` (10) times the unloaded time of a query, per kind: the shortest of the last ``REFERENCE_ANSWERS`` (100) that found nothing ahead of them ("no more than ten
-unloaded queries' worth of waiting"). The shortest, as Envoy takes a minimum round-trip time: under overload even a
-query with nothing ahead of it waits for the event loop, and an average of those (tried first) let the budget grow
-with the overload it is meant to bound. Before a query of
-a kind has been answered, only the count cap applies to it; with nothing ahead a query is always admitted (an idle
-server never refuses), whatever the budget; a query whose client went away or that failed is not timed.
+``WAIT_BUDGET_QUERIES`` (10) times the unloaded time of a query, per kind: the shortest of the last
+``REFERENCE_ANSWERS`` (100) that found nothing ahead of them ("no more than ten unloaded queries' worth of
+waiting"). The shortest, as Envoy takes a minimum round-trip time: under overload even a query with nothing ahead of
+it waits for the event loop, and an average of those (tried first) let the budget grow with the overload it is meant
+to bound. Before a query of a kind has been answered, only the count cap applies to it; with nothing ahead a query
+is always admitted (an idle server never refuses), whatever the budget; a query whose client went away or that
+failed is not timed.
 
 Where the idea comes from: CoDel (RFC 8289) judges a queue by the time its packets spend in it, not by its length,
 against a small target; Envoy's adaptive concurrency filter (gradient controller) measures an upstream's latency

@@ -25,12 +25,12 @@ class ServerLimits:
             answered 503 with ``Retry-After`` at once. 32: at 2x a 2-core server's capacity the requests admitted
             wait about one batch, not seconds. A hard ceiling: ``max_queue_wait_ms``, when set, refuses earlier.
         max_queue_wait_ms: The longest expected wait, in milliseconds, a search is admitted with (queries of its
-            kind ahead x their measured time each; ``vlfit.serve.admission``); a search over it is answered 503
-            with ``Retry-After`` at once. 0: 10x the unloaded time of a query of its kind (text, image), so the
-            budget follows the model and the machine. ``None`` (the default): no wait budget, only
-            ``max_concurrency``: on a 2-core machine a refusal costs the event loop about half an answer, and
-            clients that send again at once after a 503 then cost more than the waits saved (docs/serving.md has
-            the measurements). Before a query of a kind has been answered, and with nothing ahead, only
+            kind ahead x their measured time each; ``vlfit.serve.admission``); a search over it is answered 503 with
+            ``Retry-After`` at once. 0: 10x the unloaded time of a query of its kind (text, image), so the budget
+            follows the model and the machine. ``None`` (the default): no wait budget, only ``max_concurrency``: on
+            a 2-core machine a refused request still costs the event loop its reading, parsing and answer, and
+            clients that send again at once after a 503 then cost more than the waits saved (docs/serving.md has the
+            measurements). Before a query of a kind has been answered, and with nothing ahead, only
             ``max_concurrency`` applies.
         max_connections: Open connections; one beyond is answered 503 and closed (far below the usual 1024
             file-descriptor limit, so the server never runs out of them).
