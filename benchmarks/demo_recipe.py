@@ -59,14 +59,14 @@ class ScreenArguments:
 
 def matching_errors(model_dir: str, data_dir: str, split: str = "test") -> dict[str, dict[str, float]]:
     """Pairwise matching errors of a trained model, by the attributes a wrong choice changes (see module doc)."""
-    bundle = load_model(model_name_or_path=model_dir)
-    model, blueprint = bundle.model.eval(), bundle.blueprint
+    loaded = load_model(model_name_or_path=model_dir)
+    model, spec = loaded.model.eval(), loaded.spec
     source = open_splits(dataset_name=data_dir, extra_columns=EVAL_COLUMNS)[split]
-    pipeline = InputPipeline(blueprint.inputs, PipelineOptions(), torch.device("cpu"))
+    pipeline = InputPipeline(spec.inputs, PipelineOptions(), torch.device("cpu"))
     batches = pipeline.feed(pipeline.loader(pipeline.dataset(source, train=False), batch_size=100), torch.float32,
                             train=False)  # fmt: skip
-    part = embed_split(blueprint.family, model, batches, tokenizer=blueprint.inputs.tokenizer,
-                       max_seq_length=blueprint.inputs.max_seq_length, device=torch.device("cpu"))  # fmt: skip
+    part = embed_split(spec.family, model, batches, tokenizer=spec.inputs.tokenizer,
+                       max_seq_length=spec.inputs.max_seq_length, device=torch.device("cpu"))  # fmt: skip
     images, choices, labels = torch.cat(part.images), torch.cat(part.choices), torch.cat(part.labels)
     scores = torch.einsum("nd,nkd->nk", images, choices)
     records = [source[position] for position in part.positions]

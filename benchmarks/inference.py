@@ -42,11 +42,11 @@ def save_preset_checkpoint(preset: str, folder: Path, captions: list[str]) -> Pa
     from vlfit.models.loading import build_model, resolve_model
 
     args = ModelArguments(model_preset=preset)
-    blueprint = resolve_model(**args.source_keywords(), captions=lambda: captions)
+    spec = resolve_model(**args.source_keywords(), captions=lambda: captions)
     torch.manual_seed(0)
-    build_model(blueprint, **args.build_keywords()).save_pretrained(folder)
-    blueprint.inputs.tokenizer.save_pretrained(folder)
-    blueprint.image_processor.save_pretrained(folder)
+    build_model(spec, **args.build_keywords()).save_pretrained(folder)
+    spec.inputs.tokenizer.save_pretrained(folder)
+    spec.image_processor.save_pretrained(folder)
     return folder
 
 

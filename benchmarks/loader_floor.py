@@ -59,8 +59,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     source = synthetic_source(args.num_samples, num_proc=2)
-    blueprint = resolve_model(model_preset=args.model_preset, captions=source.captions)
-    size = blueprint.inputs.image_size
+    spec = resolve_model(model_preset=args.model_preset, captions=source.captions)
+    size = spec.inputs.image_size
     records = [source[i] for i in range(len(source))]
     transform = FastImageTransform(size)
     plan = SweepPlan(pipelines=["fast"], workers=[0], modes=["loader"], batch_size=args.batch_size,
@@ -77,7 +77,7 @@ def main() -> None:
         return len(records)
 
     with tempfile.TemporaryDirectory(prefix="loader-floor-") as cache:
-        session = BenchSession(source, blueprint.inputs, torch.device("cpu"), plan, cache_dir=cache,
+        session = BenchSession(source, spec.inputs, torch.device("cpu"), plan, cache_dir=cache,
                                source_key="loader-floor")  # fmt: skip
 
         def batches() -> int:

@@ -18,12 +18,12 @@ def save_tiny_checkpoint(dataset_dir: str, output_dir: Path, seed: int = 0, pres
 
     args = ModelArguments(model_preset=preset)
     train = open_splits(dataset_name=dataset_dir)["train"]
-    blueprint = resolve_model(**args.source_keywords(), captions=train.captions)
+    spec = resolve_model(**args.source_keywords(), captions=train.captions)
     torch.manual_seed(seed)
-    model = build_model(blueprint, **args.build_keywords())
+    model = build_model(spec, **args.build_keywords())
     model.save_pretrained(output_dir)
-    blueprint.inputs.tokenizer.save_pretrained(output_dir)
-    blueprint.image_processor.save_pretrained(output_dir)
+    spec.inputs.tokenizer.save_pretrained(output_dir)
+    spec.image_processor.save_pretrained(output_dir)
     return output_dir
 
 

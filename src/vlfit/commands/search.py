@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     training_args.do_train = training_args.do_eval = True
     setup = setup_run(model_args, data_args, training_args)
     if space is None:
-        space = default_space(contrastive=hasattr(setup.blueprint.config, "logit_scale_init_value"))
+        space = default_space(contrastive=hasattr(setup.spec.config, "logit_scale_init_value"))
     # The check's evaluation logs nowhere (--report_to would start a tracker run for it).
     probe_args = parse_train_values({**base, "output_dir": output_dir, "report_to": "none"})[2]
     metrics = available_metrics(setup, model_args, probe_args, space)

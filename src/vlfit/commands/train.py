@@ -140,7 +140,7 @@ def train_parsed(args: ParsedArguments, command_line: str | None = None) -> dict
 
         training_args.dataloader_num_workers = probe_num_workers(
             setup.train_source,
-            setup.blueprint,
+            setup.spec,
             model_args,
             training_args,
             decode_on_device=setup.pipeline.options.decode_on_device,

@@ -131,15 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     training = as_training_arguments(finetuned_args, settings)
     setup = setup_run(finetuned_args, data, training)
     zeroshot_spec = resolve_model(**zeroshot_args.source_keywords(), max_seq_length=data.max_seq_length)
-    if zeroshot_spec.family.name != setup.blueprint.family.name:
+    if zeroshot_spec.family.name != setup.spec.family.name:
         raise ConfigError(
             f"--zeroshot_model is a {zeroshot_spec.family.name} model and --finetuned_model a "
-            f"{setup.blueprint.family.name} one: WiSE-FT mixes a model with its own fine-tuning"
+            f"{setup.spec.family.name} one: WiSE-FT mixes a model with its own fine-tuning"
         )
-    if zeroshot_spec.inputs.tokenizer.get_vocab() != setup.blueprint.inputs.tokenizer.get_vocab():
+    if zeroshot_spec.inputs.tokenizer.get_vocab() != setup.spec.inputs.tokenizer.get_vocab():
         raise ConfigError("the two models' tokenizers differ: --finetuned_model is no fine-tuning of --zeroshot_model")
     theta_a = build_model(zeroshot_spec, **zeroshot_args.build_keywords()).state_dict()
-    theta_b = build_model(setup.blueprint, **finetuned_args.build_keywords()).state_dict()
+    theta_b = build_model(setup.spec, **finetuned_args.build_keywords()).state_dict()
 
     rows = []
     for number, alpha in enumerate(alphas, 1):
@@ -157,17 +157,17 @@ def main(argv: list[str] | None = None) -> int:
     chosen = choose(rows, args)
 
     folder = os.path.join(settings.output_dir, MODEL_DIR)
-    model = build_model(setup.blueprint, **finetuned_args.build_keywords())
+    model = build_model(setup.spec, **finetuned_args.build_keywords())
     model.load_state_dict(interpolate(theta_a, theta_b, chosen["alpha"]))
     model.save_pretrained(folder)
-    save_inputs(setup.blueprint, folder)
+    save_inputs(setup.spec, folder)
     target_file = data.validation_file or data.test_file
     evaluated = [f"the `{data.eval_split}` split of `{data.dataset_name}`"] if data.dataset_name else []
     evaluated += [f"`{target_file}`"] if target_file and not data.dataset_name else []
     evaluated += [f"`{name}` zero-shot" for name in data.zeroshot_dataset]
     write_model_card(
         folder,
-        family_name=setup.blueprint.family.name,
+        family_name=setup.spec.family.name,
         base_model=None,
         preset=None,
         datasets=[],  # the two endpoints' cards name their training data; this mix was only evaluated

@@ -117,10 +117,10 @@ def available_metrics(
         ValueError: The space sets ``logit_scale_init_value`` and the model has no logit scale.
     """
     assert setup.eval_source is not None
-    model = build_model(setup.blueprint, **model_args.build_keywords())
+    model = build_model(setup.spec, **model_args.build_keywords())
     if LOGIT_SCALE_PARAMETER in space.names and logit_scale_parameter(model) is None:
         raise ConfigError(
-            f"--search_space: {LOGIT_SCALE_PARAMETER}: the model ({setup.blueprint.description}) has no "
+            f"--search_space: {LOGIT_SCALE_PARAMETER}: the model ({setup.spec.description}) has no "
             "logit_scale parameter to set"
         )
     source = setup.eval_source
@@ -131,7 +131,7 @@ def available_metrics(
         eval_dataset=setup.pipeline.dataset(source, train=False),
         processing_class=setup.pipeline.inputs.tokenizer,
         pipeline=setup.pipeline,
-        family=setup.blueprint.family,
+        family=setup.spec.family,
     )
     metrics = trainer.evaluate()
     del trainer, model
@@ -189,7 +189,7 @@ class TrialRunner:
     Args:
         base: The ``vlfit train`` flags of the command (given ones only).
         space: The search space.
-        setup: The command's data, blueprint and pipeline, reused by trials that change no model or data flag.
+        setup: The command's data, spec and pipeline, reused by trials that change no model or data flag.
         metric: The metric to optimize.
         output_dir: The search's output folder (trials go in ``trial-N/``).
         is_main: Whether this is process 0 (writes files).

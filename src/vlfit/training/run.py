@@ -64,12 +64,12 @@ def compute_efficiency(
 
 @dataclass
 class RunSetup:
-    """What a run is made of before any model weights exist: the data, the model's blueprint and the pipeline.
+    """What a run is made of before any model weights exist: the data, the model's spec and the pipeline.
 
     Attributes:
         train_source: The training split (``None`` without ``--do_train``).
         eval_source: The evaluation split (``None`` without ``--do_eval``).
-        blueprint: The model's family, config, tokenizer and image processor.
+        spec: The model's family, config, tokenizer and image processor.
         pipeline: The input pipeline every loader of the run comes from.
         zeroshot_sets: The labelled splits every evaluation classifies zero-shot (``--zeroshot_dataset``).
         train_stream: The training split when it is streamed (``train_source`` is then ``None``).
@@ -77,7 +77,7 @@ class RunSetup:
 
     train_source: ImageTextSource | None
     eval_source: ImageTextSource | None
-    blueprint: ModelSpec
+    spec: ModelSpec
     pipeline: InputPipeline
     zeroshot_sets: list[ZeroShotSet] = field(default_factory=list)
     train_stream: ShardStream | None = None
@@ -123,15 +123,15 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
     )
     if data.train is not None:
         _warn_batch_over_split(len(data.train), training_args)
-    blueprint = resolve_model(
+    spec = resolve_model(
         **model_args.source_keywords(), captions=data.captions, max_seq_length=data_args.max_seq_length
     )
     if task == "vqa":
-        blueprint = vqa_blueprint(blueprint, data.train, data.eval, data_args.max_answers, train=training_args.do_train)
+        spec = vqa_blueprint(spec, data.train, data.eval, data_args.max_answers, train=training_args.do_train)
     pipeline = InputPipeline(
-        blueprint.inputs, PipelineOptions.from_arguments(data_args), training_args.device, pipeline_columns(task)
+        spec.inputs, PipelineOptions.from_arguments(data_args), training_args.device, pipeline_columns(task)
     )
-    return RunSetup(data.train, data.eval, blueprint, pipeline, data.zeroshot, train_stream=data.train_stream)
+    return RunSetup(data.train, data.eval, spec, pipeline, data.zeroshot, train_stream=data.train_stream)
 
 
 def _check_streamed_training(training_args: VlfitTrainingArguments) -> None:
@@ -188,7 +188,7 @@ def caption_sampler(source: ImageTextSource, data_args: DataArguments, seed: int
 
 def with_lora_adapters(
     model: torch.nn.Module,
-    blueprint: ModelSpec,
+    spec: ModelSpec,
     model_args: ModelArguments,
     training_args: VlfitTrainingArguments,
     lora: LoraSettings,
@@ -196,16 +196,16 @@ def with_lora_adapters(
     """``model`` with LoRA adapters (``vlfit.models.lora``), their base recorded where a reload finds it: the
     checkpoint, or for a preset its initial weights, saved in ``<output_dir>/base_model``."""
     frozen = model_args.frozen_towers()
-    initial = copy.deepcopy(model) if blueprint.checkpoint is None else None
-    adapted = apply_lora(blueprint.family, model, lora, frozen)  # refuses bad targets before anything is written
+    initial = copy.deepcopy(model) if spec.checkpoint is None else None
+    adapted = apply_lora(spec.family, model, lora, frozen)  # refuses bad targets before anything is written
     if initial is not None:
         base = BASE_MODEL_DIR
         if training_args.do_train and training_args.process_index == 0:
             folder = os.path.join(training_args.output_dir, BASE_MODEL_DIR)  # a checkpoint of its own
             initial.save_pretrained(folder)
-            save_inputs(blueprint, folder)
+            save_inputs(spec, folder)
     else:
-        checkpoint = str(blueprint.checkpoint)
+        checkpoint = str(spec.checkpoint)
         base = os.path.abspath(checkpoint) if os.path.isdir(checkpoint) else checkpoint
     for config in adapted.peft_config.values():
         config.base_model_name_or_path = base
@@ -270,12 +270,12 @@ def run(
     else:
         train_dataset = pipeline.dataset(train_source, train=True) if train_source is not None else None
     set_seed(training_args.seed)  # the same initial weights whatever ran since setup (e.g. a worker probe)
-    model = build_model(setup.blueprint, **model_args.build_keywords())
+    model = build_model(setup.spec, **model_args.build_keywords())
     if state_dict is not None:
         model.load_state_dict(state_dict)
     if training_args.do_train and model_args.logit_scale_init_value is not None:
         set_logit_scale(model, model_args.logit_scale_init_value)  # a resumed run then loads its trained value
-    family = setup.blueprint.family
+    family = setup.spec.family
     unfreeze_later = frozen_tower_parameters(model, family, model_args, training_args)
     lora = model_args.lora_settings()
     model = prepare_model_for_objective(
@@ -283,13 +283,13 @@ def run(
     )
     starting_weights = wise_ft_start(model, lora, training_args)
     if lora is not None:
-        model = with_lora_adapters(model, setup.blueprint, model_args, training_args, lora)
+        model = with_lora_adapters(model, setup.spec, model_args, training_args, lora)
     trainer = trainer_class(family, VlfitTrainer)(
         model=model,
         args=training_args,
         train_dataset=train_dataset,
         eval_dataset=pipeline.dataset(eval_source, train=False) if eval_source is not None else None,
-        processing_class=saved_tokenizer(setup.blueprint),  # what the Trainer saves beside every checkpoint
+        processing_class=saved_tokenizer(setup.spec),  # what the Trainer saves beside every checkpoint
         pipeline=pipeline,
         family=family,
         eval_pool_size=data_args.eval_pool_size,
@@ -308,7 +308,7 @@ def run(
         trainer.add_callback(callback)
     logger.info(
         "model %s (%s): %.1fM parameters, image %d px, pipeline %s, %s",
-        setup.blueprint.description,
+        setup.spec.description,
         family.name,
         sum(p.numel() for p in model.parameters()) / 1e6,
         pipeline.inputs.image_size,
@@ -343,7 +343,7 @@ def run(
         bad, read = trainer.judge_whole_run()  # every process's, summed; a short run that lost too much stops here
         trainer.save_model()
         if trainer.is_world_process_zero():
-            save_image_processor(setup.blueprint, training_args.output_dir)
+            save_image_processor(setup.spec, training_args.output_dir)
         metrics = dict(train_result.metrics)
         if not metrics.get("total_flos"):  # the Trainer counts no FLOPs for these models; train_flops_* do
             metrics.pop("total_flos", None)
@@ -375,12 +375,12 @@ def run(
         trainer.save_metrics("eval", metrics)
         results.update(metrics)
     if training_args.do_train and trainer.is_world_process_zero():
-        blueprint = setup.blueprint
+        spec = setup.spec
         write_model_card(
             training_args.output_dir,
             family_name=family.name,
-            base_model=blueprint.checkpoint,
-            preset=blueprint.preset,
+            base_model=spec.checkpoint,
+            preset=spec.preset,
             datasets=[d for d in (data_args.dataset_name, data_args.train_file) if d],
             metrics=results,
             command_line=command_line,
