@@ -7,10 +7,13 @@ from dataclasses import fields
 import pytest
 import torch
 
+from tests.bench.bench_runs import QUICK
 from vlfit.arguments import DataLocationArguments, ModelArguments
 from vlfit.bench.plan import SweepPlan, configurations, default_workers
 from vlfit.cli import main
 from vlfit.commands.bench import open_source, parser, resolve_plan
+from vlfit.errors import ConfigError
+from vlfit.training.arguments import OBJECTIVES
 
 
 def _parse(*flags: str):
@@ -81,3 +84,25 @@ def test_plan_rejects_unknown_names_and_empty_sweeps(capsys) -> None:
     assert capsys.readouterr().err.strip() == "vlfit bench: error: --bf16 and --fp32 exclude each other"
     assert main(["bench", "--mode", "infer", "--output_dir", "unused"]) == 2
     assert "vlfit bench: error: unknown --mode 'infer'" in capsys.readouterr().err
+
+
+def test_objective_takes_the_names_default_and_check_of_train() -> None:
+    assert resolve_plan(_parse()[2], torch.device("cpu")).objective == "contrastive"
+    for objective in OBJECTIVES:
+        assert resolve_plan(_parse("--objective", objective)[2], torch.device("cpu")).objective == objective
+    # A plan built without the parser (BenchSession's callers) refuses an unknown name with vlfit train's message.
+    with pytest.raises(
+        ConfigError, match=r"^unknown --objective 'itc'; choose one of: contrastive, contrastive\+itm, itm$"
+    ):
+        SweepPlan(pipelines=["fast"], workers=[0], objective="itc")
+
+
+def test_an_itm_objective_on_a_clip_model_is_refused_in_one_line(tmp_path, capsys) -> None:
+    code = main(["bench", "--output_dir", str(tmp_path), *QUICK, "--model_preset", "clip-tiny", "--workers", "0",
+                 "--objective", "itm"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    [line] = [line for line in err.splitlines() if line.startswith("vlfit bench:")]  # the rest is the run's log
+    assert line.startswith("vlfit bench: error: --objective itm: image-text matching needs BridgeTower's fused tower")
+    assert line.endswith("a clip model does not have; use --objective contrastive")
+    assert not (tmp_path / "bench.json").exists()  # refused before anything was measured

@@ -17,11 +17,13 @@ from vlfit.models.registry import family_for_preset
 FREEZE_POOLER = {"vision": False, "text": False, "text_pooler": True}
 
 
-def _estimate(preset: str, batch_size: int, precision: str, freeze: dict[str, bool] | None = None):
+def _estimate(preset: str, batch_size: int, precision: str, freeze: dict[str, bool] | None = None,
+              objective: str = "contrastive"):  # fmt: skip
     family = family_for_preset(preset)
     config = family.preset_config(preset)
     return estimate_training_memory(family, config, image_size=family.image_size(config), max_seq_length=128,
-                                    batch_size=batch_size, precision=precision, freeze=freeze)  # fmt: skip
+                                    batch_size=batch_size, precision=precision, freeze=freeze,
+                                    objective=objective)  # fmt: skip
 
 
 def test_state_comes_from_the_real_parameter_count() -> None:
@@ -50,6 +52,14 @@ def test_activations_grow_with_the_batch_and_halve_under_autocast() -> None:
     assert 860e6 < study.parameters < 870e6
     assert 12 * GIB < study.weights + study.gradients_and_optimizer < 14 * GIB
     assert study.total < 80e9
+
+
+def test_an_itm_objective_runs_the_cross_modal_tower_on_three_pairs_a_sample() -> None:
+    plain, matched = _estimate("small", 8, "bf16"), _estimate("small", 8, "bf16", objective="contrastive+itm")
+    cross = next(tower for tower in plain.towers if tower.name == "cross-modal").activation_bytes(8, 2)
+    assert matched.activations == pytest.approx(plain.activations + 2 * cross, rel=1e-6)
+    assert _estimate("small", 8, "bf16", objective="itm").activations == matched.activations
+    assert (matched.weights, matched.gradients_and_optimizer) == (plain.weights, plain.gradients_and_optimizer)
 
 
 def test_check_names_model_batch_and_estimate_and_suggests_what_to_change() -> None:

@@ -30,6 +30,19 @@ def test_verdict_threshold_and_ceiling_flag() -> None:
     assert "(!)" in format_terminal(above)
 
 
+def test_the_report_names_the_objective_measured() -> None:
+    results = made_up_results(best=80.0, ceiling=100.0)
+    results["settings"]["objective"] = "contrastive+itm"
+    results.update(flops_per_sample=3e9, peak={"peak_tflops": 100.0, "peak_precision": "bf16",
+                                               "peak_device": "test", "peak_source": "made up"})  # fmt: skip
+    results = finalize(results)
+    text = format_terminal(results)
+    assert "bf16, objective contrastive+itm;" in text
+    assert "counted on a training step of objective contrastive+itm" in text
+    assert results["recommendation"]["command"].endswith("--bf16 --objective contrastive+itm")
+    assert "objective contrastive;" in format_terminal(finalize(made_up_results(best=80.0, ceiling=100.0)))
+
+
 def test_a_failed_row_shows_its_error_on_one_line() -> None:
     results = made_up_results(best=80.0, ceiling=100.0)
     error = "OutOfMemoryError: CUDA out of memory.\nTried to allocate 2.00 GiB | GPU 0"

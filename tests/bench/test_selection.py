@@ -33,6 +33,8 @@ def test_train_flags_reproduce_each_pipeline() -> None:
     reference = train_flags(row("reference", 0, 1.0), precision="fp32", batch_size=8)
     assert reference == ["--image_pipeline", "reference", "--dataloader_num_workers", "0",
                          "--per_device_train_batch_size", "8"]  # fmt: skip
+    matched = train_flags(row("fast", 0, 1.0), precision="bf16", batch_size=8, objective="contrastive+itm")
+    assert matched[-2:] == ["--objective", "contrastive+itm"]  # the default objective adds no flag (above)
     assert describe(row("fast", 1, 1.0)) == "fast, 1 worker, prefetch 2"
     assert describe(row("fast", 0, 1.0)) == "fast, 0 workers"
 

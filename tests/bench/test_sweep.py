@@ -286,3 +286,13 @@ def test_a_compile_backend_that_fails_loses_its_reading_not_the_sweep(tmp_path: 
     assert code == 0 and results["complete"] is True and results["rows"][0]["samples_per_second"] > 0
     assert "no_such_backend" in results["compile_comparison"]["error"]
     assert "torch.compile comparison failed" in stdout
+
+
+@pytest.mark.slow
+def test_bench_with_an_itm_objective_measures_and_records_it(tmp_path: Path) -> None:
+    code, results, stdout = run_bench(tmp_path, *QUICK, "--mode", "train", "--workers", "0",
+                                      "--objective", "contrastive+itm")  # fmt: skip
+    assert code == 0 and results["complete"] is True and results["settings"]["objective"] == "contrastive+itm"
+    assert results["rows"][0]["error"] is None and results["rows"][0]["samples_per_second"] > 0
+    assert results["flops_per_sample"] > 0 and results["rows"][0]["mfu"] > 0
+    assert "objective contrastive+itm" in stdout and "objective contrastive+itm" in (tmp_path / "bench.md").read_text()

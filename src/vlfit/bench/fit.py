@@ -9,7 +9,8 @@ The estimate is arithmetic, not a trial step:
   ``(34 + 5 * heads * keys / hidden) * hidden`` bytes with 16-bit activations (Korthikanti et al., "Reducing
   Activation Recomputation in Large Transformer Models", 2022: eager attention, dropout masks included), twice
   that in fp32; tokens are the caption length for the text tower, the patches (plus the class token) for the
-  vision tower, and both for a cross-modal tower.
+  vision tower, and both for a cross-modal tower, which an image-text matching objective (``--objective
+  contrastive+itm`` or ``itm``) runs on three pairs per sample: the pair, a negative image and a negative caption.
 
 The figure is meant as a floor, not a forecast: under bf16/fp16 autocast some saved tensors stay fp32 (softmax
 outputs, layer-norm inputs, the residual stream), which the 16-bit count leaves out, and allocator slack comes on
@@ -36,6 +37,7 @@ import torch
 
 from vlfit.errors import ConfigError
 from vlfit.models.family import ModelFamily
+from vlfit.training.itm_objective import CONTRASTIVE, uses_itm
 
 GIB = 2**30
 # Bytes of state per parameter: fp32 weights; gradient and AdamW's exp_avg and exp_avg_sq for trainable ones.
@@ -43,6 +45,10 @@ WEIGHT_BYTES = 4
 TRAINABLE_STATE_BYTES = 4 + 8
 # Bytes per saved activation value: fp32, or 16-bit under autocast (the floor: see the module docstring).
 ACTIVATION_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
+# Pairs per sample the cross-modal tower runs under an image-text matching objective (vlfit.models.itm_loss): the
+# pair itself, one negative image per caption and one negative caption per image.
+ITM_FUSED_PAIRS = 3
+CROSS_MODAL = "cross-modal"
 
 
 class DoesNotFit(ConfigError):
@@ -128,7 +134,7 @@ def towers(config: Any, *, image_size: int, max_seq_length: int) -> list[Tower]:
     if (text_config is not None or vision_config is not None) and (shape := _shape(config)):
         # A fused tower (BridgeTower's cross-modal layers): each stream attends to itself and to the other.
         tokens = text_tokens + image_tokens
-        found.append(Tower("cross-modal", *shape, tokens=tokens, keys=tokens))
+        found.append(Tower(CROSS_MODAL, *shape, tokens=tokens, keys=tokens))
     if not found and (shape := _shape(config)):
         found.append(Tower("model", *shape, tokens=text_tokens, keys=text_tokens))
     return found
@@ -142,6 +148,7 @@ def estimate_training_memory(
     max_seq_length: int,
     batch_size: int,
     precision: str,
+    objective: str = CONTRASTIVE,
     freeze: dict[str, bool] | None = None,
 ) -> MemoryEstimate:
     """What one training step of the model needs at least at its peak (see the module docstring).
@@ -153,13 +160,21 @@ def estimate_training_memory(
         max_seq_length: Caption length in tokens (the longest a batch can have).
         batch_size: Samples per step.
         precision: ``fp32``, ``bf16`` or ``fp16``.
+        objective: ``vlfit train --objective``: with image-text matching the cross-modal tower's activations are
+            those of ``ITM_FUSED_PAIRS`` pairs per sample.
         freeze: ``vision``, ``text`` and ``text_pooler`` (the ``--freeze_*`` flags); default: nothing but the text
             pooler, as ``vlfit train`` does.
     """
     freeze = freeze if freeze is not None else {"vision": False, "text": False, "text_pooler": True}
     total, trainable = count_parameters(family, config, freeze)
     stacks = tuple(towers(config, image_size=image_size, max_seq_length=max_seq_length))
-    activations = sum(tower.activation_bytes(batch_size, ACTIVATION_BYTES[precision]) for tower in stacks)
+    fused_pairs = ITM_FUSED_PAIRS if uses_itm(objective) else 1
+    activations = sum(
+        tower.activation_bytes(
+            batch_size * (fused_pairs if tower.name == CROSS_MODAL else 1), ACTIVATION_BYTES[precision]
+        )
+        for tower in stacks
+    )
     return MemoryEstimate(
         parameters=total,
         trainable_parameters=trainable,

@@ -29,6 +29,7 @@ import torch
 from vlfit.data.batch import Batch
 from vlfit.data.pipeline import DeviceFeed
 from vlfit.models.family import ModelFamily
+from vlfit.training.itm_objective import CONTRASTIVE, TrainingObjective
 from vlfit.training.throughput import ThroughputMeter
 
 # A settle step that spends more than this share of its time waiting for data found the prefetch queue empty.
@@ -138,17 +139,21 @@ def synchronize(device: torch.device) -> None:
 
 
 class TrainStep:
-    """One optimizer step of contrastive fine-tuning, as ``VlfitTrainer`` runs it.
+    """One optimizer step of fine-tuning, as ``VlfitTrainer`` runs it.
 
-    The family's contrastive loss under autocast (bf16 or fp16 when asked; the weights stay fp32, as with
-    ``--bf16``), backward, gradient clipping at 1.0 (the Trainer's ``max_grad_norm``) and AdamW.
+    The objective's loss under autocast (bf16 or fp16 when asked; the weights stay fp32, as with ``--bf16``),
+    backward, gradient clipping at 1.0 (the Trainer's ``max_grad_norm``) and AdamW. The loss is the family's
+    contrastive loss, or with an image-text matching objective ``TrainingObjective.loss`` (the fused passes on the
+    pairs and on hard negatives), with each call its own step number so that negatives are drawn as in training.
 
     Args:
-        model: The model, on ``device``.
+        model: The model, on ``device``, prepared for ``objective`` (``prepare_model_for_objective``).
         family: Its model family (the contrastive loss).
         device: Where the model is.
         precision: ``fp32``, ``bf16`` or ``fp16`` (autocast dtype).
         learning_rate: AdamW learning rate (the study's 1e-5).
+        objective: What the step optimizes (``vlfit train --objective``).
+        seed: With the step number, seeds the draw of negatives (as ``--seed`` does in training).
     """
 
     def __init__(
@@ -158,6 +163,9 @@ class TrainStep:
         device: torch.device,
         precision: str,
         learning_rate: float = 1e-5,
+        *,
+        objective: str = CONTRASTIVE,
+        seed: int = 0,
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"unknown precision {precision!r}; choose from: {', '.join(PRECISIONS)}")
@@ -165,6 +173,8 @@ class TrainStep:
         self.family = family
         self.device = device
         self.precision = precision
+        self.objective = TrainingObjective(objective, seed)
+        self.steps_taken = 0
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         # The Trainer's default optimizer (adamw_torch_fused): fused AdamW, on CUDA and on CPUs alike.
         self.optimizer = torch.optim.AdamW(self.parameters, lr=learning_rate, fused=True)
@@ -182,13 +192,22 @@ class TrainStep:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
+    def loss(self, batch: Batch) -> torch.Tensor:
+        """The objective's loss of ``batch``, as ``VlfitTrainer.compute_loss`` computes it for one process (local
+        negatives, the model's own contrastive loss: the bench has no flags for the other choices)."""
+        if self.objective.uses_itm:
+            return self.objective.loss(self.family, self.model, batch.inputs, step=self.steps_taken,
+                                       global_negatives=False, symmetric=False)  # fmt: skip
+        return self.family.contrastive_loss(self.model, batch.inputs)
+
     def __call__(self, batch: Batch, precision: str | None = None) -> torch.Tensor:
         with self.autocast(precision):
-            loss = self.family.contrastive_loss(self.model, batch.inputs)
+            loss = self.loss(batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.parameters, 1.0)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.steps_taken += 1
         return loss.detach()
 
 

@@ -10,6 +10,7 @@ import torch
 from vlfit.bench.measure import PRECISIONS
 from vlfit.bench.selection import get_pipeline
 from vlfit.errors import ConfigError
+from vlfit.training.itm_objective import CONTRASTIVE, TrainingObjective
 
 MODES: tuple[str, ...] = ("loader", "train")
 
@@ -65,6 +66,8 @@ class SweepPlan:
         warmup_steps: Excluded steps at the start of each window.
         repeats: Windows per configuration (median, min and max are reported).
         precision: ``fp32``, ``bf16`` or ``fp16`` autocast for the model.
+        objective: What the training step optimizes, as ``vlfit train --objective`` (one of
+            ``vlfit.training.arguments.OBJECTIVES``).
         profile_batches: Batches the per-stage profile times (0: no profile).
         compare_bf16: Also measure the compute ceiling in the other of fp32 and bf16.
         compare_compile: Also measure the compute ceiling with the model under ``torch.compile``.
@@ -86,6 +89,7 @@ class SweepPlan:
     warmup_steps: int = 3
     repeats: int = 3
     precision: str = "fp32"
+    objective: str = CONTRASTIVE
     profile_batches: int = 2
     compare_bf16: bool = False
     compare_compile: bool = False
@@ -105,6 +109,7 @@ class SweepPlan:
                 raise ConfigError(f"unknown mode {mode!r}; choose from: {', '.join(MODES)}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"unknown precision {self.precision!r}; choose from: {', '.join(PRECISIONS)}")
+        TrainingObjective(self.objective)  # refuses an unknown --objective as vlfit train does
         if not self.pipelines or not self.workers or not self.modes:
             raise ConfigError("nothing to measure: give at least one pipeline, worker count and mode")
         if min(self.workers) < 0:

@@ -11,6 +11,7 @@ from typing import Any
 
 from vlfit.bench.published import citation, per_device, published_figures
 from vlfit.bench.selection import CONFIG_FIELDS, best_row, describe, recommend, samples_per_second, workers_label
+from vlfit.training.itm_objective import CONTRASTIVE
 
 # A train row may read up to this fraction above the compute ceiling before it counts as a measurement problem:
 # both are medians of short windows on a machine that may be doing other work.
@@ -193,7 +194,8 @@ def _published_line(published: dict[str, Any]) -> str:
 def _summary_lines(results: dict[str, Any]) -> list[str]:
     s, m, c = results["settings"], results["machine"], results.get("compute")
     lines = [
-        f"model {s.get('model', '?')}, batch {s['batch_size']}, {s['precision']}; per configuration {s['steps']} "
+        f"model {s.get('model', '?')}, batch {s['batch_size']}, {s['precision']}, objective "
+        f"{s.get('objective', CONTRASTIVE)}; per configuration {s['steps']} "
         f"timed steps after {s['warmup_steps']} warm-up, median of {s['repeats']}",
         f"data: {s.get('data', '?')}",
         f"machine: {m['cpu']}, {m['cores']} cores; device {m['device_name']}; JPEG decoder {m['jpeg_decoder']}; "
@@ -214,8 +216,8 @@ def _summary_lines(results: dict[str, Any]) -> list[str]:
     if results.get("flops_per_sample") and peak:
         lines.append(
             f"compute efficiency: {results['flops_per_sample'] / 1e9:.3g} GFLOPs per sample (forward and backward, "
-            f"counted on a training step); MFU against {peak['peak_tflops']:.4g} TFLOP/s {peak['peak_precision']} "
-            f"({peak['peak_device']}; {peak['peak_source']})"
+            f"counted on a training step of objective {s.get('objective', CONTRASTIVE)}); MFU against "
+            f"{peak['peak_tflops']:.4g} TFLOP/s {peak['peak_precision']} ({peak['peak_device']}; {peak['peak_source']})"
         )
     comparison = results.get("bf16_comparison")
     if comparison:

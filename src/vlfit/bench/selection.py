@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlfit.errors import ConfigError
+from vlfit.training.itm_objective import CONTRASTIVE
 
 # Rows within this fraction of the fastest count as equally fast.
 AUTO_TOLERANCE = 0.05
@@ -106,8 +107,8 @@ def describe(row: dict[str, Any]) -> str:
     return text + (f", prefetch {row['prefetch_factor']}" if row.get("prefetch_factor") else "")
 
 
-def train_flags(row: dict[str, Any], *, precision: str, batch_size: int) -> list[str]:
-    """The ``vlfit train`` flags that reproduce a configuration."""
+def train_flags(row: dict[str, Any], *, precision: str, batch_size: int, objective: str = CONTRASTIVE) -> list[str]:
+    """The ``vlfit train`` flags that reproduce a configuration (``--objective`` when it is not the default)."""
     spec = get_pipeline(row["pipeline"])
     flags = ["--image_pipeline", spec.image_pipeline]
     if spec.decode_on_device:
@@ -120,6 +121,8 @@ def train_flags(row: dict[str, Any], *, precision: str, batch_size: int) -> list
         flags.append("--bf16")
     elif precision == "fp16":
         flags.append("--fp16")
+    if objective != CONTRASTIVE:
+        flags += ["--objective", objective]
     return flags
 
 
@@ -129,7 +132,8 @@ def recommend(results: dict[str, Any]) -> dict[str, Any] | None:
     if row is None:
         return None
     settings = results["settings"]
-    flags = train_flags(row, precision=settings["precision"], batch_size=settings["batch_size"])
+    flags = train_flags(row, precision=settings["precision"], batch_size=settings["batch_size"],
+                        objective=settings.get("objective", CONTRASTIVE))  # fmt: skip
     model = settings.get("model_flags") or ["--model_name_or_path", "MODEL"]
     data = ["--dataset_name", "DATA"]
     prepare = None

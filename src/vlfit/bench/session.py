@@ -1,8 +1,9 @@
 """``BenchSession``: what every configuration of a sweep shares, and the measurement of one configuration.
 
 The samples, one ``InputPipeline`` per benchmark pipeline (the same object ``vlfit train`` builds its loader
-with), the prepared copy of the samples, and, in train mode only, the model with its optimizer (``TrainStep``).
-A loader-only sweep never builds a model.
+with), the prepared copy of the samples, and, in train mode only, the model with its optimizer (``TrainStep``),
+prepared for the plan's objective as ``vlfit train --objective`` prepares it. A loader-only sweep never builds a
+model.
 
 A configuration is measured on the path ``VlfitTrainer`` trains on: the pipeline's loader wrapped by
 ``shard_loader`` as the Trainer wraps it (batches left on the host), then the pipeline's device feed (the one
@@ -40,6 +41,7 @@ from vlfit.data.batch import Batch
 from vlfit.data.pipeline import InputPipeline, LoaderSettings, PipelineOptions, shard_loader
 from vlfit.efficiency.flops import count_flops
 from vlfit.models.family import InputSpec, ModelFamily
+from vlfit.training.itm_objective import prepare_model_for_objective
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +57,9 @@ class BenchSession:
         device: Where the model runs.
         plan: The sweep settings (batch size, steps, precision, ...).
         model: The model (moved to ``device``), needed for train mode and the compute ceiling; ``None`` for a
-            loader-only sweep, which then never builds one.
+            loader-only sweep, which then never builds one. It is prepared for ``plan.objective`` as training
+            prepares it: with an image-text matching objective a matching head is added when it has none, and the
+            heads the objective never reaches are frozen.
         family: The model's family (its contrastive loss); with ``model``.
         cache_dir: Where the prepared copy of the samples goes.
         source_key: Names the samples in cache folders.
@@ -87,7 +91,12 @@ class BenchSession:
         self.cache_dir = cache_dir
         self.source_key = source_key
         self.num_proc = num_proc
-        self.step = None if model is None else TrainStep(model.to(device), family, device, plan.precision)
+        self.step: TrainStep | None = None
+        if model is not None:
+            # Refuses, in one line naming --objective, an ITM objective for a family without a fused tower.
+            model = prepare_model_for_objective(model, family, plan.objective)  # type: ignore[arg-type]
+            self.step = TrainStep(model.to(device), family, device, plan.precision,  # type: ignore[arg-type]
+                                  objective=plan.objective, seed=plan.seed)  # fmt: skip
         self._compiled_step: TrainStep | None = None
         self._pipelines: dict[str, InputPipeline] = {}
         self._sources: dict[str, Any] = {}
@@ -208,7 +217,8 @@ class BenchSession:
         step, batch = self._step_and_ready_batch("the compiled compute ceiling")
         if self._compiled_step is None:
             compiled = torch.compile(step.model, backend=self.plan.torch_compile_backend)
-            self._compiled_step = TrainStep(compiled, step.family, self.device, step.precision)  # type: ignore[arg-type]
+            self._compiled_step = TrainStep(compiled, step.family, self.device, step.precision,  # type: ignore[arg-type]
+                                            objective=self.plan.objective, seed=self.plan.seed)  # fmt: skip
         started = time.perf_counter()
         self._compiled_step(batch)
         synchronize(self.device)
@@ -249,7 +259,8 @@ class BenchSession:
         }
 
     def flops_per_sample(self) -> float:
-        """FLOPs of one training sample (forward and backward), counted on a step of the ceiling's ready batch."""
+        """FLOPs of one training sample (forward and backward), counted on a step of the ceiling's ready batch: the
+        plan's objective's, so with an image-text matching objective the fused passes on the negatives count."""
         step, batch = self._step_and_ready_batch("counting FLOPs")
         _, flops = count_flops(lambda: step(batch))
         return flops / len(batch)

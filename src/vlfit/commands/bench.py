@@ -36,6 +36,8 @@ from vlfit.commands.parsing import CommandParser
 from vlfit.data.sources.synthetic import synthetic_source
 from vlfit.errors import ConfigError
 from vlfit.models.loading import ModelSpec, build_model, resolve_model
+from vlfit.training.arguments import OBJECTIVES
+from vlfit.training.itm_objective import CONTRASTIVE
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +72,15 @@ class BenchArguments:
         default=3, metadata={"help": "Steps excluded at the start of each window (throughput_warmup_steps)."}
     )
     repeats: int = field(default=3, metadata={"help": "Windows per configuration: median, min and max reported."})
+    objective: str = field(
+        default=CONTRASTIVE,
+        metadata={
+            "help": "What train mode's step optimizes, as vlfit train --objective: contrastive, or with BridgeTower "
+            "contrastive+itm / itm, whose fused passes on hard negatives then count in samples/s, the compute "
+            "ceiling, FLOPs per sample and MFU (the model gets a matching head when it has none).",
+            "choices": list(OBJECTIVES),
+        },
+    )
     bf16: bool = field(default=False, metadata={"help": "bf16 autocast (the default on CUDA GPUs that support it)."})
     fp32: bool = field(default=False, metadata={"help": "fp32 even on a GPU."})
     compare_bf16: bool = field(
@@ -165,6 +176,7 @@ def resolve_plan(args: BenchArguments, device: torch.device) -> SweepPlan:
         warmup_steps=args.warmup_steps,
         repeats=args.repeats,
         precision=precision,
+        objective=args.objective,
         profile_batches=args.profile_batches,
         compare_bf16=args.compare_bf16,
         compare_compile=args.compare_compile,
@@ -232,6 +244,7 @@ def check_train_fits(
         max_seq_length=min(plan.max_seq_length, blueprint.inputs.max_seq_length),
         batch_size=plan.batch_size,
         precision=plan.precision,
+        objective=plan.objective,
         freeze={
             "vision": model_args.freeze_vision_model,
             "text": model_args.freeze_text_model,
@@ -293,10 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     def write_partial(results: dict[str, Any]) -> None:
         write_outputs(finalize(copy.deepcopy(results)), output_dir, png=False)
 
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     results: dict[str, Any] | None = None
     partial: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="vlfit-bench-") as temp:
+        # Prepares the model for --objective (refused in one line for a family it does not apply to).
         session = BenchSession(
             source,
             blueprint.inputs,
@@ -309,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             num_proc=num_proc,
         )
         del model
+        previous = signal.signal(signal.SIGTERM, _raise_interrupt)
         try:
             results = run_sweep(session, info=info, on_progress=lambda r: (partial.update(r), write_partial(r)))
         except KeyboardInterrupt:
