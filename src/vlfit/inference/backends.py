@@ -155,6 +155,20 @@ class _ExportedEncoder(Encoder):
         self.identity = exported.identity
 
 
+def onnx_session(path: str, num_threads: int | None = None, allow_spinning: bool = True) -> Any:
+    """An ONNX Runtime session of the graph at ``path`` on the CPU (``num_threads`` intra-op threads, ``None``: its
+    default; ``allow_spinning``: see ``OnnxRuntimeEncoder``)."""
+    require_extra("export", "the onnxruntime backend", ("onnxruntime",))
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if num_threads:
+        options.intra_op_num_threads = num_threads
+    if not allow_spinning:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+
+
 class OnnxRuntimeEncoder(_ExportedEncoder):
     """An exported ONNX folder on ONNX Runtime's CPU provider.
 
@@ -176,19 +190,10 @@ class OnnxRuntimeEncoder(_ExportedEncoder):
         num_threads: int | None = None,
         allow_spinning: bool = True,
     ) -> None:
-        require_extra("export", "the onnxruntime backend", ("onnxruntime",))
-        import onnxruntime as ort
-
+        require_extra("export", "the onnxruntime backend", ("onnxruntime",))  # before the folder is read
         super().__init__(exported, precision)
-        options = ort.SessionOptions()
-        if num_threads:
-            options.intra_op_num_threads = num_threads
-        if not allow_spinning:
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.sessions = {
-            tower: ort.InferenceSession(
-                exported.graph_path(tower, self.precision), options, providers=["CPUExecutionProvider"]
-            )
+            tower: onnx_session(exported.graph_path(tower, self.precision), num_threads, allow_spinning)
             for tower in ("image", "text")
         }
 

@@ -31,6 +31,7 @@ from vlfit.inference.backends import (
     Encoder,
     OnnxRuntimeEncoder,
     TorchEncoder,
+    onnx_session,
     open_encoder,
 )
 from vlfit.inference.exported import ExportFolder
@@ -203,8 +204,6 @@ class OnnxRuntimePairScorer(PairScorer):
         allow_spinning: bool = True,
     ) -> None:
         require_extra("export", "the onnxruntime backend", ("onnxruntime",))
-        import onnxruntime as ort
-
         precisions = exported_itm_precisions(exported)
         if not precisions:
             raise NoMatchingHeadError(
@@ -218,13 +217,7 @@ class OnnxRuntimePairScorer(PairScorer):
         self.model_path = exported.path
         self.exported = exported
         self.spec = exported.input_spec()
-        options = ort.SessionOptions()
-        if num_threads:
-            options.intra_op_num_threads = num_threads
-        if not allow_spinning:
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        path = exported.graph_path(ITM_GRAPH, precision)
-        self.session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        self.session = onnx_session(exported.graph_path(ITM_GRAPH, precision), num_threads, allow_spinning)
 
     def score_tokens(self, input_ids, attention_mask, pixels, text_rows, image_rows) -> torch.Tensor:  # type: ignore[no-untyped-def]
         values = (input_ids, attention_mask, pixels, text_rows, image_rows)
