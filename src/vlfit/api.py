@@ -27,45 +27,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps
+from PIL import Image
 
-from vlfit.data.image_transforms import FastImageTransform, hwc_to_chw_view, resize_crop_uint8, stack_images
-from vlfit.errors import ConfigError, DataError, MissingFileError, python_api, unknown_keywords
+from vlfit.data.image_inputs import ImageInput, pixels_of
+from vlfit.data.image_transforms import stack_images
+from vlfit.errors import ConfigError, DataError, python_api, unknown_keywords
 from vlfit.index.search import Hit
 from vlfit.inference.backends import FOLDER_KINDS, Encoder, open_encoder
 from vlfit.models.reference import parse_model_reference
-
-# What encode_images takes, each item on its own: a path, encoded bytes, a PIL image or a uint8 HWC (or HW) array.
-ImageInput = str | os.PathLike | bytes | Image.Image | np.ndarray
-
-
-def _pixels_of(item: ImageInput, image_size: int, position: int) -> torch.Tensor:
-    """One image as the fast CPU pipeline makes it: uint8 ``[3, S, S]``, center crop, bicubic resize."""
-    if isinstance(item, (str, os.PathLike)):
-        path = os.fspath(item)
-        if not os.path.isfile(path):
-            raise MissingFileError(f"images[{position}] ({path}): no such file")
-        with open(path, "rb") as f:
-            item = f.read()
-    if isinstance(item, (bytes, bytearray, memoryview)):
-        return FastImageTransform(image_size)(bytes(item), sample_id=f"images[{position}]")  # DataError names it
-    if isinstance(item, Image.Image):
-        array = np.array(ImageOps.exif_transpose(item).convert("RGB"))
-    elif isinstance(item, np.ndarray):
-        if item.dtype != np.uint8:
-            raise DataError(f"images[{position}]: a numpy image must be uint8 (HWC or HW), got {item.dtype}")
-        array = np.repeat(item[..., None], 3, axis=2) if item.ndim == 2 else item
-        if array.ndim != 3 or array.shape[2] not in (3, 4):
-            raise DataError(
-                f"images[{position}]: a numpy image must be [H, W], [H, W, 3] or [H, W, 4], got {item.shape}"
-            )
-        array = array[..., :3]
-    else:
-        raise DataError(
-            f"images[{position}]: expected a path, encoded bytes, a PIL image or a uint8 array, got "
-            f"{type(item).__name__}"
-        )
-    return resize_crop_uint8(hwc_to_chw_view(array), image_size)
 
 
 class Model:
@@ -136,7 +105,7 @@ class Model:
         rows = []
         for start in range(0, len(items), batch_size):
             pixels = [
-                _pixels_of(item, self.image_size, start + i) for i, item in enumerate(items[start : start + batch_size])
+                pixels_of(item, self.image_size, start + i) for i, item in enumerate(items[start : start + batch_size])
             ]
             rows.append(self.encoder.encode_images(stack_images(pixels)))  # one copy, as the collator makes
         return _as_numpy(rows, self.embedding_dim)
@@ -175,7 +144,7 @@ class Model:
         if len(items) != len(texts):
             raise DataError(f"{len(items)} images for {len(texts)} questions: give one image per question, or one")
         answerer = self._question_answerer()
-        pixels = [_pixels_of(item, answerer.image_size, position) for position, item in enumerate(items)]
+        pixels = [pixels_of(item, answerer.image_size, position) for position, item in enumerate(items)]
         return [[tuple(a) for a in row] for row in answerer.answer(stack_images(pixels), texts, top_k)]  # type: ignore[misc]
 
     def _question_answerer(self) -> Any:
