@@ -5,6 +5,7 @@ a model without a head, of image queries or of embeddings, one line each."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,7 +44,7 @@ def test_reranking_reorders_only_the_top_k_by_each_pairs_matching_score(itm_inde
     # Each score is the pair scorer's for (query, that image file), computed here on its own.
     scorer = pair_scorer_for(load_checkpoint(str(itm_checkpoint)))
     transform = FastImageTransform(scorer.spec.image_size)
-    pixels = stack_images([transform(open(hit["id"], "rb").read()) for hit in reranked[:5]])
+    pixels = stack_images([transform(Path(hit["id"]).read_bytes()) for hit in reranked[:5]])
     expected = scorer.score_pairs([QUERY] * 5, pixels)
     assert torch.tensor(scores) == pytest.approx(expected, abs=1e-5)
 
