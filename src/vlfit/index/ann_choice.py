@@ -112,8 +112,7 @@ def choose_index_type(
     Raises:
         ConfigError: for an unknown type, or a budget nothing (or the type named) fits in.
     """
-    if index_type not in INDEX_TYPES:
-        raise ConfigError(f"unknown --index_type {index_type!r}; choose one of: {', '.join(INDEX_TYPES)}")
+    check_index_type(index_type)
     if num_vectors < 1 or dim < 1:
         raise ConfigError(f"an ANN index needs vectors, got {num_vectors} of size {dim}")
     budget = DEFAULT_MAX_INDEX_MEMORY if max_index_memory is None else max_index_memory
@@ -135,6 +134,12 @@ def choose_index_type(
     return _ivfpq_choice(num_vectors, dim, budget)
 
 
+def check_index_type(index_type: str) -> None:
+    """Raises ``ConfigError`` unless ``index_type`` is one of ``INDEX_TYPES``."""
+    if index_type not in INDEX_TYPES:
+        raise ConfigError(f"unknown --index_type {index_type!r}; choose one of: {', '.join(INDEX_TYPES)}")
+
+
 def check_target_recall(target_recall: float) -> None:
     """Raises ``ConfigError`` unless ``0 < target_recall <= 1``."""
     if not 0 < target_recall <= 1:
@@ -146,6 +151,7 @@ __all__ = [
     "DEFAULT_TARGET_RECALL",
     "INDEX_TYPES",
     "IndexChoice",
+    "check_index_type",
     "check_target_recall",
     "choose_index_type",
 ]

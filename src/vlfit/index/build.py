@@ -44,9 +44,9 @@ from vlfit.errors import ConfigError, DataError, first_line
 from vlfit.index.integrity import check_verify_level
 from vlfit.index.store import (
     MANIFEST_NAME,
-    STORAGES,
     EmbeddingIndex,
     IndexManifest,
+    check_storage,
     refuse_other_model,
     write_manifest,
     write_shard,
@@ -94,8 +94,7 @@ class BuildRequest:
 
     def __post_init__(self) -> None:
         check_verify_level(self.verify)
-        if self.storage not in STORAGES:
-            raise ConfigError(f"unknown --storage {self.storage!r}; choose one of: {', '.join(STORAGES)}")
+        check_storage(self.storage)
         if self.batch_size < 1 or self.shard_size < 1:
             raise ConfigError(
                 f"--batch_size and --shard_size must be at least 1, got {self.batch_size} and {self.shard_size}"

@@ -25,10 +25,15 @@ from vlfit.data.sources.tar import ShardCollection
 from vlfit.data.stream.urls import parse_storage_options
 from vlfit.errors import ConfigError, DataError
 from vlfit.extras import require_extra
-from vlfit.index.ann_choice import DEFAULT_MAX_INDEX_MEMORY, DEFAULT_TARGET_RECALL, INDEX_TYPES, check_target_recall
+from vlfit.index.ann_choice import (
+    DEFAULT_MAX_INDEX_MEMORY,
+    DEFAULT_TARGET_RECALL,
+    check_index_type,
+    check_target_recall,
+)
 from vlfit.index.build import BuildRequest, build_index
 from vlfit.index.integrity import check_verify_level
-from vlfit.index.store import STORAGES
+from vlfit.index.store import check_storage
 from vlfit.inference.backends import Encoder, open_encoder
 
 # What the report tells of the ANN structure (the manifest's "ann" holds all of it).
@@ -81,12 +86,10 @@ class IndexJob:
     ddp_timeout: int = 1800
 
     def __post_init__(self) -> None:
-        if self.index_type not in INDEX_TYPES:
-            raise ConfigError(f"unknown --index_type {self.index_type!r}; choose one of: {', '.join(INDEX_TYPES)}")
+        check_index_type(self.index_type)
         check_target_recall(self.target_recall)
         check_verify_level(self.verify)
-        if self.storage not in STORAGES:
-            raise ConfigError(f"unknown --storage {self.storage!r}; choose one of: {', '.join(STORAGES)}")
+        check_storage(self.storage)
         for flag, value, least in (
             ("batch_size", self.batch_size, 1),
             ("dataloader_num_workers", self.num_workers, 0),

@@ -54,6 +54,12 @@ MANIFEST_NAME = "index_manifest.json"
 STORAGES = ("safetensors", "npy")
 
 
+def check_storage(storage: str) -> None:
+    """Raises ``ConfigError`` unless ``storage`` is one of ``STORAGES``."""
+    if storage not in STORAGES:
+        raise ConfigError(f"unknown --storage {storage!r}; choose one of: {', '.join(STORAGES)}")
+
+
 @dataclass
 class IndexManifest:
     """What ``index_manifest.json`` holds.
