@@ -25,13 +25,16 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check src tests benchmarks
 	$(VENV)/bin/lint-imports  # no import points up the layers of [tool.importlinter] in pyproject.toml
 
+# Two pytest workers, a test file each at a time (each worker runs torch on one thread: tests/conftest.py).
+PYTEST_WORKERS ?= -n 2 --dist loadfile
+
 test: lint
-	$(PY) -m pytest
+	$(PY) -m pytest $(PYTEST_WORKERS)
 
 # The edit-test loop (under 2 minutes on 2 cores): every test but those marked slow (whole commands, training runs,
 # subprocesses, torchrun, the server process, exports). `make test` runs them all, as CI does.
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest $(PYTEST_WORKERS) -m "not slow"
 
 # docs/cli.md from every command's --help (tests/test_docs.py fails when it is stale).
 docs: $(STAMP)

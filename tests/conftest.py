@@ -6,6 +6,10 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # make test's workers (pytest-xdist) share the cores: one thread each
+    import torch
+
+    torch.set_num_threads(1)
 
 # Session fixtures that run a whole command or process (a training run, a 2-process spawn, an export): a test that
 # uses one, directly or through another fixture, is slow as well, so `make test-fast` never builds them.
