@@ -191,3 +191,42 @@ def test_export_on_a_full_disk_ends_in_one_line_and_replaces_nothing(
     assert line.endswith(f"; nothing in {out} was replaced (the export is staged in .export-staging and moved in "
                          "once complete): free space there or export elsewhere (--output_dir)")  # fmt: skip
     assert _digests(out) == earlier
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_the_ann_structure_is_written_ends_in_one_line_and_the_rerun_builds_it(
+    tiny_checkpoint, few_images, tmp_path, monkeypatch, capsys
+):
+    """Every shard is written and listed, then the disk fills while ``ann.faiss`` is written: exit 2 and one line
+    naming the file, about its size and that the shards are kept (queries scan them); the index opens with every
+    row, no temporary file is left, and the same command run again adds the ANN structure."""
+    flags = ["--index_type", "hnsw"]
+    clean = SmallDisk(tmp_path / "clean")
+    monkeypatch.setattr(builtins, "open", clean.open)
+    assert main(["retrieve", "index", "--model", str(tiny_checkpoint), "--images", str(few_images), "--output_dir",
+                 str(tmp_path / "clean"), "--disable_tqdm", "true", *flags]) == 0  # fmt: skip
+    monkeypatch.undo()
+    expected = EmbeddingIndex(str(tmp_path / "clean"))
+    names = [name for name, _ in clean.writes]
+    ann_write = next(i for i, name in enumerate(names) if name.startswith(".ann.faiss."))
+    before = sum(size for _, size in clean.writes[:ann_write])
+    ann_bytes = os.path.getsize(tmp_path / "clean" / "ann.faiss")
+
+    out = tmp_path / "index"
+    argv = ["retrieve", "index", "--model", str(tiny_checkpoint), "--images", str(few_images), "--output_dir",
+            str(out), "--disable_tqdm", "true", *flags]  # fmt: skip
+    monkeypatch.setattr(builtins, "open", SmallDisk(out, free=before + 64).open)
+    capsys.readouterr()
+    assert main(argv) == 2
+    monkeypatch.undo()
+    line = _error_line(capsys)
+    assert line.startswith(f"vlfit retrieve: error: no space left on the device of {out} writing {out / 'ann.faiss'} (")
+    assert ann_bytes / 2 <= _needed_bytes(line) <= 2 * ann_bytes
+    assert "the index keeps every shard its manifest lists" in line
+    assert line.endswith("free space there and run the same command again to build it")
+    assert not _temporary_files(out) and not (out / "ann.faiss").exists()
+    partial = EmbeddingIndex(str(out))
+    assert partial.ids() == expected.ids() and partial.manifest.ann is None
+
+    assert main(argv) == 0
+    assert EmbeddingIndex(str(out)).manifest.ann is not None

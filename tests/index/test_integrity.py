@@ -245,14 +245,18 @@ def test_the_ann_file_is_read_into_memory_and_checked_against_its_record(tmp_pat
 
 @pytest.mark.slow
 def test_a_build_over_a_damaged_index_embeds_the_damaged_shards_items_again(tiny_checkpoint, image_folder, tmp_path,
-                                                                            capsys) -> None:  # fmt: skip
+                                                                            caplog) -> None:  # fmt: skip
+    """A shard whose embeddings are damaged is embedded again in its place (every row stays where it was: a
+    server's item ids are rows); one whose ids file is damaged cannot be, so its items go to the end, with a
+    warning that the rows after it moved."""
     build = ["retrieve", "index", "--model", str(tiny_checkpoint), "--images", str(image_folder / "validation"),
              "--output_dir", str(tmp_path / "index"), "--shard_size", "4", "--batch_size", "2",
              "--dataloader_num_workers", "0", "--disable_tqdm", "true"]  # fmt: skip
     assert main(build) == 0
     folder = str(tmp_path / "index")
     before = EmbeddingIndex(folder)
-    rows = dict(zip(before.ids(), before.embeddings(), strict=True))
+    ids, embeddings, first_ids = before.ids(), before.embeddings(), before.shard_ids(before.manifest.shards[0])
+    rows = dict(zip(ids, embeddings, strict=True))
     shard = Path(folder) / before.manifest.shards[1]["embeddings"]
     shard.write_bytes(shard.read_bytes()[:50])
     with pytest.raises(DamagedIndexError) as error:
@@ -262,6 +266,15 @@ def test_a_build_over_a_damaged_index_embeds_the_damaged_shards_items_again(tiny
 
     assert main(repair.split()[1:] + ["--disable_tqdm", "true"]) == 0  # the command the error names
     after = open_index(folder, "full")
-    assert sorted(after.ids()) == sorted(rows) and len(after) == len(before)
-    for item, embedding in zip(after.ids(), after.embeddings(), strict=True):
+    assert after.ids() == ids  # in place
+    torch.testing.assert_close(after.embeddings(), embeddings)
+    assert "its shard's items are embedded again in its place" in caplog.text
+
+    (Path(folder) / after.manifest.shards[0]["ids"]).write_text("[")  # the ids of the first shard: unknown now
+    caplog.clear()
+    assert main(repair.split()[1:] + ["--disable_tqdm", "true"]) == 0
+    moved = open_index(folder, "full")
+    assert moved.ids() == ids[len(first_ids) :] + first_ids
+    assert "embedded again at the end of the index: the rows after it move" in caplog.text
+    for item, embedding in zip(moved.ids(), moved.embeddings(), strict=True):
         torch.testing.assert_close(embedding, rows[item])

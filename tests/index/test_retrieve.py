@@ -201,11 +201,23 @@ def test_tar_shards_at_urls_are_indexed_as_read_locally_and_a_failed_shard_is_tr
         asked = len(server.requests)
         build_index(encoder, shards, BuildRequest(out, {"streamed": True}, batch_size=2, progress=False))
         assert {path for _, path, _ in server.requests[asked:]} == {"/s/001.tar"}
-    index = EmbeddingIndex(out)
-    assert [shard["source"] for shard in index.manifest.shards] == [urls[0], urls[2], urls[1]]
-    assert index.manifest.bad_samples == [] and sorted(index.ids()) == sorted(expected) and len(index) == 15
-    for item, embedding in zip(index.ids(), index.embeddings(), strict=True):
-        torch.testing.assert_close(embedding, expected[item], atol=1e-5, rtol=0)
+        index = EmbeddingIndex(out)
+        assert [shard["source"] for shard in index.manifest.shards] == [urls[0], urls[2], urls[1]]
+        assert index.manifest.bad_samples == [] and sorted(index.ids()) == sorted(expected) and len(index) == 15
+        for item, embedding in zip(index.ids(), index.embeddings(), strict=True):
+            torch.testing.assert_close(embedding, expected[item], atol=1e-5, rtol=0)
+        assert not os.path.exists(os.path.join(out, FETCH_FOLDER))
+
+        # A damaged index shard is fetched and embedded again in its place: every row stays where it was.
+        ids, embeddings, asked = index.ids(), index.embeddings(), len(server.requests)
+        damaged = Path(out, index.manifest.shards[0]["embeddings"])
+        damaged.write_bytes(damaged.read_bytes()[:40])
+        build_index(encoder, shards, BuildRequest(out, {"streamed": True}, batch_size=2, progress=False))
+        assert {path for _, path, _ in server.requests[asked:]} == {"/s/000.tar"}
+    repaired = EmbeddingIndex(out)
+    assert [shard["source"] for shard in repaired.manifest.shards] == [urls[0], urls[2], urls[1]]
+    assert repaired.ids() == ids and not damaged.exists()
+    torch.testing.assert_close(repaired.embeddings(), embeddings, atol=1e-5, rtol=0)
     assert not os.path.exists(os.path.join(out, FETCH_FOLDER))
 
 

@@ -15,21 +15,25 @@ manifest entry names it (``source``): a resumed or repeated build fetches only t
 up earlier is tried again), and the disk holds two tar shards per process, not the set. Under torchrun each process
 embeds its share of the shards and rank 0 lists them in order.
 
-A build over an existing index first checks its shards (``vlfit.index.verify``, ``verify`` of the request): a shard
-with a damaged file (missing, cut short, another checksum) is taken off the manifest and its items are embedded
-again into new shards, so running the build again is how a damaged index is repaired.
+A build over an existing index first checks its shards (``vlfit.index.verify``, ``verify`` of the request), so
+running the build again is how a damaged index is repaired. A shard with a damaged file (missing, cut short, another
+checksum) whose ids file is whole and whose items the collection still holds is embedded again in its place: its
+rows, and those after it, stay where they were (a server's item ids are rows). Otherwise (its ids damaged, or an
+item gone) it is taken off the manifest and its items are embedded again into new shards at the end, and a warning
+says that the rows after it moved.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
 import shutil
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,13 +44,12 @@ from vlfit.data.image_groups import ImageItems, image_items
 from vlfit.data.pipeline import host_batches
 from vlfit.data.sources.base import ImageTextSource
 from vlfit.data.sources.tar import ShardCollection, TarSource
-from vlfit.errors import ConfigError, DataError, first_line
-from vlfit.index.integrity import check_verify_level
+from vlfit.errors import DataError, first_line
+from vlfit.index.build_request import BuildRequest, BuiltIndex
 from vlfit.index.store import (
     MANIFEST_NAME,
     EmbeddingIndex,
     IndexManifest,
-    check_storage,
     refuse_other_model,
     write_manifest,
     write_shard,
@@ -57,72 +60,6 @@ from vlfit.inference.backends import Encoder
 logger = logging.getLogger(__name__)
 
 FETCH_FOLDER = ".fetching"  # inside the index folder: the tar shards being embedded, one process's each
-
-
-@dataclass(frozen=True)
-class BuildRequest:
-    """One build of an index: where it goes, what the collection is, and how it is embedded.
-
-    Attributes:
-        output_dir: The index folder (created; an existing index is resumed and appended to).
-        collection: What the source is, recorded in the manifest (``images``, or ``dataset_name``, ``split``...).
-        batch_size: Images per forward pass.
-        num_workers: Loader worker processes decoding and resizing (per process).
-        shard_size: Items per shard (rounded up to whole batches, so a resumed build forms the same batches);
-            a ``ShardCollection``'s index shards are its tar shards.
-        storage: ``safetensors`` or ``npy`` (of a new index; an existing one keeps its own).
-        progress: Show a progress bar (rank 0's).
-        rank: This process's rank.
-        world_size: How many processes build together.
-        verify: How an existing index's shards are checked before the build: ``quick`` (sizes) or ``full``
-            (checksums, finite embeddings); a damaged shard's items are embedded again.
-
-    Raises:
-        ConfigError: for an unknown storage or verify level, or a batch or shard size below 1.
-    """
-
-    output_dir: str
-    collection: dict[str, Any] = field(default_factory=dict)
-    batch_size: int = 32
-    num_workers: int = 0
-    shard_size: int = 1024
-    storage: str = "safetensors"
-    progress: bool = True
-    rank: int = 0
-    world_size: int = 1
-    verify: str = "quick"
-
-    def __post_init__(self) -> None:
-        check_verify_level(self.verify)
-        check_storage(self.storage)
-        if self.batch_size < 1 or self.shard_size < 1:
-            raise ConfigError(
-                f"--batch_size and --shard_size must be at least 1, got {self.batch_size} and {self.shard_size}"
-            )
-
-    @property
-    def lead(self) -> bool:
-        """This process lists the shards and writes the manifest (rank 0)."""
-        return self.rank == 0
-
-    def mine(self, count: int) -> list[int]:
-        """The positions of ``count`` shards this process embeds: ``rank``, ``rank + world_size``..."""
-        return list(range(self.rank, count, self.world_size))
-
-
-@dataclass(frozen=True)
-class BuiltIndex:
-    """What a build did.
-
-    Attributes:
-        manifest: The index's manifest as this process wrote it (rank 0: every shard of the build).
-        added: The rows the build added.
-        bad_samples: The items it left out (``{"id", "reason"}``), after those the manifest listed already.
-    """
-
-    manifest: IndexManifest
-    added: int
-    bad_samples: list[dict[str, str]]
 
 
 @dataclass(frozen=True)
@@ -171,22 +108,25 @@ def build_index(
     if request.lead:
         os.makedirs(output_dir, exist_ok=True)
     index = EmbeddingIndex(output_dir) if os.path.isfile(os.path.join(output_dir, MANIFEST_NAME)) else None
+    streamed = isinstance(source, ShardCollection)
+    # a folder's files by absolute path (their image ids: two never collide)
+    items = None if streamed else image_items(source)
     if index is None:
         model = {"path": os.path.abspath(encoder.model_path), "backend": encoder.backend}
         manifest = IndexManifest(encoder.identity, {**model, "precision": encoder.precision}, request.storage)
+        first_number = 0
     else:
         refuse_other_model(index, encoder)
         manifest = index.manifest
-        _drop_damaged_shards(index, request)
+        first_number = _next_shard_number(manifest)
+        first_number += _repair_damaged_shards(encoder, index, source, items, request, first_number)
     count_before, bad_before = manifest.count, len(manifest.bad_samples)
     done = _already_done(index, source) if index is not None else set()
-    streamed = isinstance(source, ShardCollection)
     collection = request.collection
     if streamed:
         todo = [url for url in source.urls if url not in done]
         manifest.collections.append({**collection, "shards": len(source.urls), "new_shards": len(todo)})
     else:
-        items = image_items(source)  # a folder's files by absolute path (their image ids: two never collide)
         todo = [i for i, item in enumerate(items.ids) if item not in done]
         manifest.collections.append({**collection, "items": len(items), "records": len(source), "new": len(todo)})
     if todo:
@@ -199,7 +139,6 @@ def build_index(
         write_manifest(output_dir, manifest)
     if not todo:
         return BuiltIndex(manifest, 0, [])
-    first_number = _next_shard_number(manifest)
     if streamed:
         sizes, unit = [1] * len(todo), "shard"
         parts = _embed_shards(encoder, source, todo, first_number, manifest.storage, request)
@@ -224,25 +163,74 @@ def build_index(
     return BuiltIndex(manifest, manifest.count - count_before, manifest.bad_samples[bad_before:])
 
 
-def _drop_damaged_shards(index: EmbeddingIndex, request: BuildRequest) -> None:
-    """Take the shards of ``index`` with a damaged file off its manifest (and the ANN structure, which covered
-    them), so that their items are embedded again; rank 0 removes their files."""
+def _repair_damaged_shards(
+    encoder: Encoder,
+    index: EmbeddingIndex,
+    source: ImageTextSource | ShardCollection,
+    items: ImageItems | None,
+    request: BuildRequest,
+    first_number: int,
+) -> int:
+    """Embed each damaged shard of ``index`` again in its place, into shard files numbered from ``first_number``,
+    when its ids are known and ``source`` still holds its items (rank 0; every process decides alike); take the
+    others off the manifest, so that their items are embedded at the end. Rank 0 removes the damaged files. Returns
+    how many shard numbers the repair took (the same on every process)."""
     damaged = damaged_shards(index, request.verify)
     if not damaged:
-        return
+        return 0
     manifest = index.manifest
-    problems: list[Problem] = [problem for found in damaged.values() for problem in found]
-    for problem in problems:
-        logger.warning("%s: %s; its shard's items are embedded again", problem.file, problem.what)
+    in_place = {position: ids for position in damaged if (ids := _known_ids(index, position, damaged[position]))}
+    if items is not None:  # a folder or split: the items must still be there
+        present = set(items.ids)
+        in_place = {position: ids for position, ids in in_place.items() if present.issuperset(ids)}
+    for position, problems in damaged.items():
+        for problem in problems:
+            logger.warning(
+                "%s: %s; its shard's items are embedded again %s",
+                problem.file,
+                problem.what,
+                "in its place" if position in in_place else "at the end of the index: the rows after it move",
+            )
+    old = {position: manifest.shards[position] for position in damaged}
+    if request.lead and in_place:
+        alone = dataclasses.replace(request, rank=0, world_size=1)
+        number = first_number
+        row_of = {item: row for row, item in enumerate(items.ids)} if items is not None else {}
+        for position, ids in sorted(in_place.items()):
+            if items is not None:
+                parts = _embed_rows(encoder, source, items, [[row_of[i] for i in ids]], number, manifest.storage, alone)
+            else:
+                parts = _embed_shards(encoder, source, [old[position]["source"]], number, manifest.storage, alone)
+            (part,) = list(parts)
+            manifest.bad_samples.extend(part.bad_samples)
+            if part.entry is not None and "source" in old[position]:
+                part.entry["source"] = old[position]["source"]
+            manifest.shards[position] = part.entry  # None: every image bad now
+            number += 1
     if request.lead:
-        for position in damaged:
-            shard = manifest.shards[position]
+        for shard in old.values():
             for name in (shard["embeddings"], shard["ids"], shard.get("captions")):
                 if name:
                     with contextlib.suppress(OSError):
                         os.remove(os.path.join(index.path, name))
-    manifest.shards = [shard for position, shard in enumerate(manifest.shards) if position not in damaged]
-    manifest.ann = None
+    manifest.shards = [
+        shard
+        for position, shard in enumerate(manifest.shards)
+        if shard is not None and (position not in damaged or position in in_place)
+    ]
+    manifest.ann = None  # the ANN step checks the structure on disk against the rows (vlfit.index.ann_update)
+    return len(in_place)
+
+
+def _known_ids(index: EmbeddingIndex, position: int, problems: list[Problem]) -> list[str] | None:
+    """The ids of the damaged shard at ``position`` when its ids file is not among its problems and reads whole."""
+    shard = index.manifest.shards[position]
+    if any(problem.file == os.path.join(index.path, shard["ids"]) for problem in problems):
+        return None
+    try:
+        return index.shard_ids(shard)
+    except DataError:
+        return None
 
 
 def _already_done(index: EmbeddingIndex, source: ImageTextSource | ShardCollection) -> set[str]:
