@@ -75,3 +75,8 @@ def test_efficiency_is_achieved_tflops_over_the_peak_of_every_device() -> None:
     metrics = efficiency.metrics("train_")
     assert metrics["train_mfu"] == pytest.approx(0.05) and metrics["train_peak_source"] == "data sheet"
     assert "2.00 GFLOPs per sample" in efficiency.describe() and "5.0% MFU" in efficiency.describe()
+    assert "above 100%" not in efficiency.describe()
+    # A CPU's peak timed while other work held its cores can be below what the run then achieved: said so.
+    disturbed = ComputeEfficiency(2e9, 5000.0, PeakFlops(4.0, "CPU", "fp32", "measured"), processes=2)
+    assert "125.0% MFU" in disturbed.describe() and "above 100%: the peak was measured while other work held the " \
+        "cores, so this MFU means nothing" in disturbed.describe()  # fmt: skip

@@ -90,13 +90,20 @@ class ComputeEfficiency:
         return {f"{prefix}{key}": value for key, value in figures.items()}
 
     def describe(self) -> str:
-        """One line for logs: GFLOPs per sample, TFLOP/s, MFU and where the peak comes from."""
+        """One line for logs: GFLOPs per sample, TFLOP/s, MFU and where the peak comes from (and, above 100%, that
+        the measured peak is not the device's: other work held its cores while it was timed)."""
         devices = f" x {self.processes} devices" if self.processes > 1 else ""
-        return (
+        line = (
             f"{self.flops_per_sample / 1e9:.2f} GFLOPs per sample (forward and backward), "
             f"{flops_rate(self.achieved_tflops)} = {100 * self.mfu:.1f}% MFU of {flops_rate(self.peak.tflops)} "
             f"{self.peak.precision}{devices} ({self.peak.device}; {self.peak.source})"
         )
+        if self.mfu > 1:
+            line += (
+                "; above 100%: the peak was measured while other work held the cores, so this MFU means nothing "
+                "(run on an idle machine, or compare samples/s)"
+            )
+        return line
 
 
 def flops_rate(tflops: float) -> str:

@@ -26,7 +26,7 @@ from vlfit.data.sources.openers import open_run_data
 from vlfit.data.stream import ShardStream
 from vlfit.data.stream.train_stream import StreamSettings
 from vlfit.efficiency.flops import ComputeEfficiency
-from vlfit.efficiency.peaks import matmul_precision, peak_flops
+from vlfit.efficiency.peaks import PeakFlops, matmul_precision, peak_flops
 from vlfit.errors import ConfigError
 from vlfit.model_card import WiseFtMix, write_model_card
 from vlfit.models.family import ModelFamily
@@ -56,10 +56,16 @@ def compute_efficiency(
     flops_per_sample: float, samples_per_second: float, training_args: VlfitTrainingArguments
 ) -> ComputeEfficiency:
     """TFLOP/s and MFU of a run against its device's peak in the precision its matmuls ran in."""
+    return ComputeEfficiency(flops_per_sample, samples_per_second, run_peak(training_args),
+                             processes=training_args.world_size)  # fmt: skip
+
+
+def run_peak(training_args: VlfitTrainingArguments) -> PeakFlops:
+    """The peak of the run's device in the precision its matmuls run in: a data sheet's, or measured once per
+    process (``vlfit.efficiency.peaks``); asked before training, so a CPU is measured before the run loads it."""
     autocast = "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else "fp32"
     device = training_args.device
-    peak = peak_flops(device, matmul_precision(device, autocast))
-    return ComputeEfficiency(flops_per_sample, samples_per_second, peak, processes=training_args.world_size)
+    return peak_flops(device, matmul_precision(device, autocast))
 
 
 @dataclass
@@ -323,6 +329,8 @@ def run(
     results: dict[str, Any] = {}
     if training_args.do_train:
         checkpoint = training_args.resume_from_checkpoint  # vlfit.training.output_dir decided it
+        if trainer.flops_per_sample is not None:
+            run_peak(training_args)  # measured now, on a device the run does not load yet (kept for the end)
         try:
             train_result = trainer.train(resume_from_checkpoint=checkpoint)
         finally:
