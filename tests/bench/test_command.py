@@ -90,6 +90,13 @@ def test_objective_takes_the_names_default_and_check_of_train() -> None:
     assert resolve_plan(_parse()[2], torch.device("cpu")).objective == "contrastive"
     for objective in OBJECTIVES:
         assert resolve_plan(_parse("--objective", objective)[2], torch.device("cpu")).objective == objective
+    with pytest.raises(
+        ConfigError,
+        match=r"^--objective itm changes what train mode's step computes, and --mode "
+        r"loader has no step: add train to --mode \(e\.g\. --mode loader,train\) or leave --objective out$",
+    ):
+        resolve_plan(_parse("--objective", "itm", "--mode", "loader")[2], torch.device("cpu"))  # fmt: skip
+    assert resolve_plan(_parse("--objective", "itm", "--mode", "loader,train")[2], torch.device("cpu")).trains
     # A plan built without the parser (BenchSession's callers) refuses an unknown name with vlfit train's message.
     with pytest.raises(
         ConfigError, match=r"^unknown --objective 'itc'; choose one of: contrastive, contrastive\+itm, itm$"

@@ -160,6 +160,11 @@ def resolve_plan(args: BenchArguments, device: torch.device) -> SweepPlan:
     for mode in _names(args.mode):
         if mode not in MODES:
             raise ConfigError(f"unknown --mode {mode!r}; choose from: {', '.join(MODES)}")
+    if args.objective != CONTRASTIVE and "train" not in _names(args.mode):
+        raise ConfigError(
+            f"--objective {args.objective} changes what train mode's step computes, and --mode {args.mode} has no "
+            "step: add train to --mode (e.g. --mode loader,train) or leave --objective out"
+        )
     precision = "bf16" if args.bf16 else "fp32" if args.fp32 else default_precision(device)
     pipelines = _names(args.pipelines) if args.pipelines else default_pipelines(device)
     for name in pipelines:
@@ -292,15 +297,6 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     # Loader mode needs the input spec only: the model (4 GB for the large preset) is built for train mode alone.
     model = build_model(blueprint, **model_args.build_keywords()) if plan.trains else None
-    size = f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, " if model is not None else ""
-    preset, checkpoint = model_args.model_preset, model_args.model_name_or_path
-    info = {
-        "model": f"{blueprint.description} ({size}{blueprint.inputs.image_size} px)",
-        "model_flags": ["--model_preset", preset] if preset else ["--model_name_or_path", checkpoint],
-        "data": getattr(source, "name", None) or "; ".join(f"{k} {v}" for k, v in description.items() if v),
-        "device": str(device),
-        **info,
-    }
     output_dir = args.output_dir
 
     def write_partial(results: dict[str, Any]) -> None:
@@ -322,6 +318,17 @@ def main(argv: list[str] | None = None) -> int:
             num_proc=num_proc,
         )
         del model
+        # Counted as measured: with the matching head an ITM objective adds.
+        trained = session.step.model if session.step is not None else None
+        size = f"{sum(p.numel() for p in trained.parameters()) / 1e6:.1f}M parameters, " if trained is not None else ""
+        preset, checkpoint = model_args.model_preset, model_args.model_name_or_path
+        info = {
+            "model": f"{blueprint.description} ({size}{blueprint.inputs.image_size} px)",
+            "model_flags": ["--model_preset", preset] if preset else ["--model_name_or_path", checkpoint],
+            "data": getattr(source, "name", None) or "; ".join(f"{k} {v}" for k, v in description.items() if v),
+            "device": str(device),
+            **info,
+        }
         previous = signal.signal(signal.SIGTERM, _raise_interrupt)
         try:
             results = run_sweep(session, info=info, on_progress=lambda r: (partial.update(r), write_partial(r)))
