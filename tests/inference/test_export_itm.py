@@ -194,3 +194,8 @@ def test_an_itm_graph_that_does_not_match_its_checkpoint_is_not_written(itm_chec
     ):
         export_model(loaded, str(out), ExportSettings(), parity_samples=samples)  # fmt: skip
     assert list(out.iterdir()) == []
+    # A tolerance the difference is within (vlfit export --itm_tolerance) lets it through.
+    export_model(loaded, str(out), ExportSettings(itm_tolerance=0.02), parity_samples=samples)
+    assert (out / "itm.onnx").is_file()
+    with pytest.raises(ConfigError, match=r"^--itm_tolerance must be above 0 \(a largest log-odds difference\), got 0"):
+        ExportSettings(itm_tolerance=0)

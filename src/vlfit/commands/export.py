@@ -13,7 +13,14 @@ from vlfit.data.sources.openers import open_split
 from vlfit.data.sources.synthetic import synthetic_source
 from vlfit.errors import ConfigError
 from vlfit.inference.backends import DEFAULT_MAX_SEQ_LENGTH, load_checkpoint
-from vlfit.inference.export import DEFAULT_OPSET, PARITY_THRESHOLD, ExportSettings, check_output_dir, export_model
+from vlfit.inference.export import (
+    DEFAULT_OPSET,
+    ITM_PARITY_TOLERANCE,
+    PARITY_THRESHOLD,
+    ExportSettings,
+    check_output_dir,
+    export_model,
+)
 from vlfit.inference.export_samples import Samples, load_samples
 
 logger = logging.getLogger(__name__)
@@ -72,6 +79,14 @@ class ExportArguments:
         default=PARITY_THRESHOLD,
         metadata={"help": "Refuse to write graphs whose fp32 embeddings have a cosine to PyTorch's below this."},
     )
+    itm_tolerance: float = field(
+        default=ITM_PARITY_TOLERANCE,
+        metadata={
+            "help": "Refuse to write the matching graph (itm.onnx, for a BridgeTower model with an image-text "
+            "matching head) when its fp32 log-odds differ from PyTorch's by more than this, or order a caption's "
+            "candidates otherwise."
+        },
+    )
     dataloader_num_workers: int = field(default=0, metadata={"help": "Loader workers decoding the samples."})
     json: bool = field(default=False, metadata={"help": "Print the summary as JSON instead of lines of text."})
 
@@ -116,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             f"--parity_samples and --calibration_samples must be at least 1, got {args.parity_samples} and "
             f"{args.calibration_samples}"
         )
-    settings = ExportSettings(args.format, args.quantize, args.opset, args.parity_threshold)
+    settings = ExportSettings(args.format, args.quantize, args.opset, args.parity_threshold, args.itm_tolerance)
     check_output_dir(args.model_name_or_path, args.output_dir)
     loaded = load_checkpoint(args.model_name_or_path, max_seq_length=args.max_seq_length)
     parity, calibration = _samples(args, loaded.spec)

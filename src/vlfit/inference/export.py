@@ -80,6 +80,10 @@ class ExportSettings:
             raise ConfigError(f"unknown --format {self.format!r}; choose one of: {', '.join(FORMATS)}")
         if self.quantize not in (None, "int8"):
             raise ConfigError(f"unknown --quantize {self.quantize!r}; the one choice is int8")
+        if not self.itm_tolerance > 0:
+            raise ConfigError(
+                f"--itm_tolerance must be above 0 (a largest log-odds difference), got {self.itm_tolerance}"
+            )
 
 
 # ----------------------------------------------------------------------------------------------- tracing
