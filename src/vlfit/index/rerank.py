@@ -35,6 +35,19 @@ def check_rerank_top_k(top_k: int | None, flag: str = "--rerank_top_k") -> None:
         raise ConfigError(f"{flag} must be a whole number of candidates, at least 1, got {top_k!r}")
 
 
+def rerank_problem(scorer: PairScorer | None, items: IndexedItems, model: str) -> str | None:
+    """Why ``model`` (its name as the reader should see it) with ``scorer`` (None: it has no matching head) cannot
+    re-rank the index of ``items``; None when it can. The one statement of re-ranking's preconditions."""
+    if scorer is None:
+        return f"{model} has no image-text matching head; {NO_HEAD_ADVICE}"
+    if not items.has_images:
+        return (
+            "re-ranking reads the candidates' images, and this index cannot reach them (its items come from tar "
+            "shards at URLs, which are not fetched again, or from a dataset that moved); search without it"
+        )
+    return None
+
+
 class Reranker:
     """Re-ranks the hits of text queries by a pair scorer over the indexed items' images.
 
@@ -57,14 +70,10 @@ class Reranker:
             ConfigError: when the index cannot reach its items' images (tar shards at URLs, a dataset moved).
         """
         scorer = pair_scorer_for(encoder)
-        if scorer is None:
-            raise NoMatchingHeadError(f"{encoder.model_path} has no image-text matching head; {NO_HEAD_ADVICE}")
         items = items if items is not None else IndexedItems(index)
-        if not items.has_images:
-            raise ConfigError(
-                "re-ranking reads the candidates' images, and this index cannot reach them (its items come from tar "
-                "shards at URLs, which are not fetched again, or from a dataset that moved); search without it"
-            )
+        problem = rerank_problem(scorer, items, encoder.model_path)
+        if problem is not None:
+            raise (NoMatchingHeadError if scorer is None else ConfigError)(problem)
         return cls(scorer, items)
 
     def rerank(

@@ -29,11 +29,11 @@ import torch
 from vlfit.data.image_transforms import FastImageTransform, stack_images
 from vlfit.errors import ConfigError
 from vlfit.index.items import IndexedItems
-from vlfit.index.rerank import Reranker
+from vlfit.index.rerank import Reranker, rerank_problem
 from vlfit.index.search import Hit, query_encoder, search
 from vlfit.index.store import MANIFEST_NAME, refuse_other_model
 from vlfit.index.verify import open_index
-from vlfit.inference.pair_scorer import NO_HEAD_ADVICE, pair_scorer_for
+from vlfit.inference.pair_scorer import pair_scorer_for
 
 logger = logging.getLogger(__name__)
 
@@ -177,12 +177,8 @@ class SearchEngine:
                 "rerank": self.rerank_problem() is None, "generation": self.generation}  # fmt: skip
 
     def rerank_problem(self) -> str | None:
-        """Why the served model and index cannot re-rank (None: they can)."""
-        if self.pair_scorer is None:
-            return f"this server's model has no image-text matching head; {NO_HEAD_ADVICE}"
-        if not self.snapshot.indexed.has_images:
-            return "this index cannot reach its items' images (tar shards at URLs are not fetched again)"
-        return None
+        """Why the served model and index cannot re-rank (None: they can); the model unnamed, as paths are hidden."""
+        return rerank_problem(self.pair_scorer, self.snapshot.indexed, "this server's model")
 
     def check_rerank(self, rerank: int | None) -> None:
         """Raises ``ConfigError`` unless ``rerank`` is None, or 1..``MAX_RERANK`` and re-ranking is available."""
