@@ -321,7 +321,7 @@ def _median_run(measured: list[dict]) -> dict:
 
 
 def serve_load(index: str, model: str, log_path: str, server_flags: list[str] | None = None,
-               overload_qps: float | None = None) -> dict:  # fmt: skip
+               overload_qps: float | None = None, pin: bool = False) -> dict:  # fmt: skip
     import httpx
     import psutil
 
@@ -333,7 +333,14 @@ def serve_load(index: str, model: str, log_path: str, server_flags: list[str] | 
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     flags = ["--index", index, "--model", model, "--reload_interval", "0", *(server_flags or [])]
-    server = start_server(flags, port, log_path, timeout=180)
+    cores = sorted(os.sched_getaffinity(0))
+    if pin:  # the server's process and threads on the first core (inherited), this client on the others
+        os.sched_setaffinity(0, cores[:1])
+    try:
+        server = start_server(flags, port, log_path, timeout=180)
+    finally:
+        if pin:
+            os.sched_setaffinity(0, cores[1:])
     try:
         health = httpx.get(f"{base}/api/health", timeout=10).json()
         runs: dict[int, list[dict]] = {concurrency: [] for concurrency in LEVELS}
@@ -375,6 +382,12 @@ def main() -> int:
         help="Arrivals per second of the overload level (default: 2x the concurrency-32 capacity).",
     )
     parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="Run the server on the first core and this load client on the others (Linux), so the client's work "
+        "is not in the server's latencies.",
+    )
+    parser.add_argument(
         "--server_flags",
         nargs=argparse.REMAINDER,
         default=[],
@@ -396,11 +409,13 @@ def main() -> int:
     index = os.path.join(args.out, "index-100k")
     if not os.path.isfile(os.path.join(index, "index_manifest.json")):
         write_index(index, encoder, 100_000)
-    served = serve_load(index, exported, os.path.join(args.out, "server.log"), args.server_flags, args.overload_qps)
+    served = serve_load(index, exported, os.path.join(args.out, "server.log"), args.server_flags, args.overload_qps,
+                        args.pin)  # fmt: skip
     built = [] if args.server_only else structures(args.out, encoder.identity, [100_000, 1_000_000], args.hnsw_at_1m)
     machine = {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
     results = {"machine": machine, "load_average": os.getloadavg(), "embedding_dim": dim,
-               "text_tower": encoder.description, "server_flags": args.server_flags, "server": served,
+               "text_tower": encoder.description, "server_flags": args.server_flags, "pinned": args.pin,
+               "server": served,
                "structures": built}  # fmt: skip
     for folder in filter(None, (args.out, args.results)):
         os.makedirs(folder, exist_ok=True)
