@@ -192,6 +192,10 @@ def _repair_damaged_shards(
                 "in its place" if position in in_place else "at the end of the index: the rows after it move",
             )
     old = {position: manifest.shards[position] for position in damaged}
+    if request.world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()  # every process has read the damaged shards' ids before rank 0 replaces them
     if request.lead and in_place:
         alone = dataclasses.replace(request, rank=0, world_size=1)
         number = first_number
@@ -207,18 +211,19 @@ def _repair_damaged_shards(
                 part.entry["source"] = old[position]["source"]
             manifest.shards[position] = part.entry  # None: every image bad now
             number += 1
-    if request.lead:
-        for shard in old.values():
-            for name in (shard["embeddings"], shard["ids"], shard.get("captions")):
-                if name:
-                    with contextlib.suppress(OSError):
-                        os.remove(os.path.join(index.path, name))
     manifest.shards = [
         shard
         for position, shard in enumerate(manifest.shards)
         if shard is not None and (position not in damaged or position in in_place)
     ]
     manifest.ann = None  # the ANN step checks the structure on disk against the rows (vlfit.index.ann_update)
+    if request.lead:  # the manifest names the new files first: a build stopped here loses no shard it lists
+        write_manifest(index.path, manifest)
+        for shard in old.values():
+            for name in (shard["embeddings"], shard["ids"], shard.get("captions")):
+                if name:
+                    with contextlib.suppress(OSError):
+                        os.remove(os.path.join(index.path, name))
     return len(in_place)
 
 
