@@ -223,6 +223,46 @@ def test_worker_processes_build_their_app_from_the_settings_in_the_environment(s
         assert client.app.state.batcher.max_batch == 3
 
 
+def test_a_search_over_its_wait_budget_is_refused_by_its_connection_which_serves_on(served_index, train_records,
+                                                                                     tmp_path) -> None:  # fmt: skip
+    """With --max_queue_wait_ms, a search that would wait over the budget is answered 503 by the connection as soon
+    as its head is read: the app never sees it (refused, not among the requests answered), its body is dropped,
+    and the same keep-alive connection is served on; the query it waited behind is answered."""
+    from vlfit.serve.launch import kill_process_tree, start_server
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    flags = ["--index", str(served_index), "--reload_interval", "0", "--max_queue_wait_ms", "0.001"]
+    process = start_server(flags, port, str(tmp_path / "server.log"), timeout=START_TIMEOUT,
+                           env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})  # fmt: skip
+    try:
+        body = json.dumps({"text": train_records[1].caption, "k": 2}).encode()
+        # Nothing ahead: admitted whatever the budget, and timed (the time per query ahead the budget is held to).
+        assert httpx.post(f"{base}/api/search", content=body, headers={"Content-Type": "application/json"},
+                          timeout=REQUEST_TIMEOUT).status_code == 200  # fmt: skip
+        held = _post_in_two_parts(port, body)  # admitted, and in flight until the rest of its body comes
+        try:
+            time.sleep(0.5)
+            with socket.create_connection(("127.0.0.1", port), timeout=REQUEST_TIMEOUT) as other:
+                head = b"POST /api/search HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                other.sendall(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+                refused = _read_response(other)
+                assert refused.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in refused.lower(), refused
+                assert b"over the budget of" in refused and b"connection: close" not in refused.lower()
+                other.sendall(b"GET /api/health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")  # the same connection
+                assert _read_response(other).startswith(b"HTTP/1.1 200")
+            held.sendall(body[len(body) // 2 :])
+            assert _read_response(held).startswith(b"HTTP/1.1 200")
+        finally:
+            held.close()
+        metrics = httpx.get(f"{base}/metrics", timeout=REQUEST_TIMEOUT).text
+        assert re.search(r'^vlfit_refused_total\{limit="wait"\} 1\.0$', metrics, flags=re.M), metrics
+        assert not re.search(r'^vlfit_requests_total\{route="/api/search",status="503"\}', metrics, flags=re.M)
+        assert _requests_counted(metrics, "/api/search") == 2
+    finally:
+        kill_process_tree(process)
+
+
 def _requests_counted(text: str, route: str) -> float:
     pattern = rf'^vlfit_requests_total{{route="{re.escape(route)}",status="200"}} (\S+)$'
     return sum(float(value) for value in re.findall(pattern, text, flags=re.M))

@@ -57,6 +57,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 KINDS = ("text", "image")
+RETRY_AFTER_S = 1  # what a refused client is told to wait: a batch takes milliseconds, the queue drains in < 1 s
 EWMA_WEIGHT = 0.1  # the newest answer's share: about the last 10-20 answers count
 REFERENCE_ANSWERS = 100  # the unloaded time is the shortest of this many answers that found nothing ahead
 WAIT_BUDGET_QUERIES = 10  # the default budget: this many times the time of a query with nothing ahead
@@ -164,3 +165,20 @@ class WaitAdmission:
             queue.pending -= 1
         if ticket.answered:
             queue.time.observe(ahead, self.clock() - ticket.started)
+
+
+def query_kind(content_type: bytes) -> str:
+    """The kind of a search from its ``Content-Type``: a multipart upload is an image query, any other body a text
+    query (a JSON body's base64 image included: its queue is only known once the body is parsed)."""
+    return "image" if content_type.lower().startswith(b"multipart/") else "text"
+
+
+def refusal_message(kind: str, over: tuple[float, float]) -> str:
+    """What a search refused by ``WaitAdmission.over_budget`` (``over``: its expected wait and the budget) is told."""
+    return (f"a {kind} query would wait about {_ms(over[0])} here, over the budget of {_ms(over[1])} "
+            f"(--max_queue_wait_ms); retry after {RETRY_AFTER_S} s")  # fmt: skip
+
+
+def _ms(seconds: float) -> str:
+    milliseconds = 1000 * seconds
+    return f"{milliseconds:.0f} ms" if milliseconds >= 100 else f"{milliseconds:.2g} ms"

@@ -41,7 +41,7 @@ from vlfit.serve.admission import WaitAdmission
 from vlfit.serve.batching import MicroBatcher
 from vlfit.serve.engine import MAX_K, SearchEngine, check_k
 from vlfit.serve.images import QueryImageTooLarge, ThumbnailCache, check_query_pixels, thumbnail
-from vlfit.serve.limits import LIMITS_KEY, METRICS_KEY, ServerLimits
+from vlfit.serve.limits import ADMISSION_KEY, LIMITS_KEY, METRICS_KEY, SEARCH_PATH, ServerLimits
 from vlfit.serve.metrics import MEDIA_TYPE as METRICS_MEDIA_TYPE
 from vlfit.serve.metrics import ServerMetrics
 from vlfit.serve.middleware import HeadAsGet, InFlightLimit, RequestMetrics, UploadLimit, WaitLimit
@@ -94,7 +94,8 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         poller = asyncio.get_running_loop().create_task(_poll(engine, reload_interval)) if reload_interval > 0 else None
         try:
-            yield {LIMITS_KEY: limits, METRICS_KEY: metrics}  # what the server's connections are bounded by
+            # what the server's connections are bounded by, and the searches' admission they refuse by
+            yield {LIMITS_KEY: limits, METRICS_KEY: metrics, ADMISSION_KEY: admission}
         finally:
             if poller is not None:
                 poller.cancel()
@@ -183,7 +184,7 @@ def create_app(
     app.add_middleware(UploadLimit, max_bytes=int(max_upload_mb * 1e6), timeout=limits.body_timeout)
     app.add_middleware(HeadAsGet)
     if admission is not None:
-        app.add_middleware(WaitLimit, admission=admission, metrics=metrics, path="/api/search")
+        app.add_middleware(WaitLimit, admission=admission, metrics=metrics, path=SEARCH_PATH)
     app.add_middleware(InFlightLimit, max_requests=limits.max_concurrency, metrics=metrics,
                        exempt=("/api/health", "/metrics"))  # fmt: skip
     if access is not None:

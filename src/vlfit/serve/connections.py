@@ -12,7 +12,13 @@ accepts connections up to the file-descriptor limit, beyond which clients are re
 - ``header_timeout``: a request head (request line and headers) must be whole within this many seconds of the
   connection opening or of its first byte; otherwise 408 and close (a connection that never sends a byte is
   closed silently), so idle and trickling connections are let go;
-- ``max_header_bytes``: a request line and headers larger than this get 431 and the connection is closed.
+- ``max_header_bytes``: a request line and headers larger than this get 431 and the connection is closed;
+- with ``--max_queue_wait_ms``, a search whose expected wait is over its budget (``vlfit.serve.admission``) is
+  answered 503 with ``Retry-After`` as soon as its head is parsed, before the app and its middlewares see it (the
+  body that follows is read and dropped, the connection kept alive), and counted in
+  ``vlfit_refused_total{limit="wait"}`` (not among ``vlfit_requests_total``, which counts what the app answered).
+  Under overload most requests are refused; a refusal here costs the event loop a fraction of one through the app,
+  which leaves it to the admitted (``WaitLimit`` refuses the same way on any other protocol).
 
 The app hands its ``ServerLimits`` and its metrics to the protocol through the lifespan state (``LIMITS_KEY``,
 ``METRICS_KEY``), so every uvicorn worker process reads those of its own app, whether uvicorn runs one process or
@@ -30,6 +36,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import inspect
+import json
 import logging
 import textwrap
 import time
@@ -37,7 +44,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from vlfit.errors import first_line
-from vlfit.serve.limits import LIMITS_KEY, METRICS_KEY, ServerLimits
+from vlfit.serve.admission import RETRY_AFTER_S, query_kind, refusal_message
+from vlfit.serve.limits import ADMISSION_KEY, LIMITS_KEY, METRICS_KEY, SEARCH_PATH, ServerLimits
 
 try:  # uvicorn's private protocol module: where it moved or went, http_protocol() falls back to h11
     import httptools
@@ -58,10 +66,12 @@ FALLBACK_PROTOCOL = "h11"  # uvicorn's own, bounding the head's size (h11_max_in
 PROTOCOL_METHODS = {
     "connection_made": 1, "connection_lost": 1, "data_received": 1, "on_message_begin": 0, "on_url": 1,
     "on_header": 2, "on_headers_complete": 0, "_unset_keepalive_if_required": 0, "_should_upgrade": 0,
-    "handle_websocket_upgrade": 0, "_unsupported_upgrade_warning": 0, "send_400_response": 1,
+    "handle_websocket_upgrade": 0, "_unsupported_upgrade_warning": 0, "send_400_response": 1, "on_body": 1,
+    "on_message_complete": 0, "on_response_complete": 0,
 }  # fmt: skip
 PROTOCOL_KEYWORDS = ("config", "server_state", "app_state")  # how uvicorn creates a protocol per connection
-PROTOCOL_ATTRIBUTES = ("app_state", "connections", "parser", "loop", "logger", "transport")
+PROTOCOL_ATTRIBUTES = ("app_state", "connections", "parser", "loop", "logger", "transport", "cycle", "headers",
+                       "expect_100_continue")  # fmt: skip
 STATUS_CODES = (408, 431, 503)
 
 
@@ -156,11 +166,14 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self.limits: ServerLimits | None = self.app_state.get(LIMITS_KEY)
         self.metrics = self.app_state.get(METRICS_KEY)
+        self.admission = self.app_state.get(ADMISSION_KEY)
         self._head_bytes = 0
         self._head_timer: Any = None
         self._in_head = False  # between a request's first byte and the end of its headers
         self._admitted = True  # False: refused at the connection cap, never counted among the connections
         self._refused = False  # answered and closed by a limit: nothing more is read
+        self._dropping_body = False  # a search refused by its expected wait: its body is read and dropped
+        self._target = b""  # the request target, as on_url gives it
 
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
         limits = self.limits
@@ -203,12 +216,13 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._head_bytes, self._in_head = 0, True
+        self._head_bytes, self._in_head, self._target = 0, True, b""
         if self._head_timer is None:  # a keep-alive connection's next request
             self._arm_head_timer()
 
     def on_url(self, url: bytes) -> None:
         self._count_head(len(url))
+        self._target += url
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -218,7 +232,48 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._disarm_head_timer()
         self._in_head = False
-        super().on_headers_complete()
+        refusal = self._wait_refusal()
+        if refusal is None:
+            super().on_headers_complete()
+            return
+        self._dropping_body = True
+        keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
+        keep_alive = keep_alive and not self.expect_100_continue  # such a client may not send the body now
+        body = json.dumps({"error": refusal}).encode()
+        head = [STATUS_LINE[503], b"content-type: application/json\r\n", b"content-length: %d\r\n" % len(body),
+                b"retry-after: %d\r\n" % RETRY_AFTER_S]  # fmt: skip
+        if not keep_alive:
+            head.append(b"connection: close\r\n")
+        self.transport.write(b"".join([*head, b"\r\n", body]))
+        if not keep_alive:
+            self._refused = True
+            self.transport.close()
+
+    def _wait_refusal(self) -> str | None:
+        """The refusal message when this request is a search the admission refuses now (None: the app takes it).
+        A request pipelined behind one still in the app is left to the app (``WaitLimit``)."""
+        if self.admission is None or (self.cycle is not None and not self.cycle.response_complete):
+            return None
+        if self.parser.get_method() != b"POST" or httptools.parse_url(self._target).path != SEARCH_PATH.encode():
+            return None
+        kind = query_kind(dict(self.headers).get(b"content-type", b""))
+        over = self.admission.over_budget(kind)
+        if over is None:
+            return None
+        if self.metrics is not None:
+            self.metrics.observe_refused("wait")
+        return refusal_message(kind, over)
+
+    def on_body(self, body: bytes) -> None:
+        if not self._dropping_body:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if not self._dropping_body:
+            super().on_message_complete()
+            return
+        self._dropping_body = False
+        self.on_response_complete()  # as after an answer from the app: keep-alive timer, the next request
 
     def _count_head(self, size: int) -> None:
         self._head_bytes += size

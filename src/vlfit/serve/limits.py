@@ -14,6 +14,8 @@ from vlfit.errors import ConfigError
 
 LIMITS_KEY = "vlfit.limits"  # the app's lifespan state entries its connections read: its ServerLimits and metrics
 METRICS_KEY = "vlfit.metrics"
+ADMISSION_KEY = "vlfit.admission"  # and its WaitAdmission (None without --max_queue_wait_ms)
+SEARCH_PATH = "/api/search"  # the route whose requests are admitted by expected wait
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,11 @@ import logging
 import time
 from typing import Any
 
-from vlfit.serve.admission import WaitAdmission
+from vlfit.serve.admission import RETRY_AFTER_S, WaitAdmission, query_kind, refusal_message
 from vlfit.serve.metrics import ServerMetrics
 from vlfit.serve.queries import error_response
 
 logger = logging.getLogger(__name__)
-
-RETRY_AFTER_S = 1  # what a refused client is told to wait: a batch takes milliseconds, the queue drains in < 1 s
 
 
 class UploadLimit:
@@ -140,13 +138,11 @@ class WaitLimit:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != self.path:
             await self.app(scope, receive, send)
             return
-        content_type = dict(scope.get("headers") or []).get(b"content-type", b"")
-        kind = "image" if content_type.lower().startswith(b"multipart/") else "text"
+        kind = query_kind(dict(scope.get("headers") or []).get(b"content-type", b""))
         over = self.admission.over_budget(kind)
-        if over is not None:
+        if over is not None:  # on uvicorn's httptools protocol the connection refused it already, more cheaply
             self.metrics.observe_refused("wait")
-            message = (f"a {kind} query would wait about {_ms(over[0])} here, over the budget of {_ms(over[1])} "
-                       f"(--max_queue_wait_ms); retry after {RETRY_AFTER_S} s")  # fmt: skip
+            message = refusal_message(kind, over)
             await error_response(503, message, {"Retry-After": str(RETRY_AFTER_S)})(scope, receive, send)
             return
         with self.admission.admitted(kind) as ticket:
@@ -168,11 +164,6 @@ class WaitLimit:
                 await send(message)
 
             await self.app(scope, timing_receive, status_send)
-
-
-def _ms(seconds: float) -> str:
-    milliseconds = 1000 * seconds
-    return f"{milliseconds:.0f} ms" if milliseconds >= 100 else f"{milliseconds:.2g} ms"
 
 
 class HeadAsGet:
