@@ -27,7 +27,8 @@ Every server flag is its default (``--num_threads 1``, ``--max_concurrency``, ..
 ``--reload_interval 0``, and those given after ``--server_flags``.
 
 The client runs on the same 2 cores as the server, so the QPS figures are a floor; ``--pin`` (Linux) puts the
-server on the first core and the client on the others, so the client's work is not in the server's latencies. Goals (issue: text query p50 <=
+server on the first core and the client on the others, so the client's work is not in the server's latencies.
+Goals (issue: text query p50 <=
 20 ms and >= 100 QPS at concurrency 8 on 10^5 vectors; IVF-PQ at 10^6 within 100 bytes/vector and recall@10 >=
 0.90); clip-retrieval's published figures for its back end are about 50 ms and 20 QPS.
 
