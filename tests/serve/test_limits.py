@@ -10,6 +10,7 @@ import asyncio
 import functools
 import io
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ from PIL import Image
 import vlfit
 from vlfit.serve.app import create_app
 from vlfit.serve.engine import SearchEngine
-from vlfit.serve.images import ThumbnailCache, thumbnail
+from vlfit.serve.images import IMAGE_THREAD_NICENESS, ThumbnailCache, thumbnail
 from vlfit.serve.limits import ServerLimits
 
 
@@ -220,6 +221,15 @@ def test_image_queries_run_on_their_own_thread_not_the_text_encoders(client, eng
     assert answer.status_code == 200 and len(answer.json()["results"]) == 2
     assert engine.image_threads and engine.image_threads[-1].startswith("vlfit-image-query")
     _good_query_still_works(client)
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="thread niceness is a POSIX call")
+def test_the_threads_decoding_images_run_below_the_text_queries_priority(client) -> None:
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    for pool in client.app.state.image_pools:
+        assert pool.submit(niceness).result(timeout=10) == min(niceness() + IMAGE_THREAD_NICENESS, 19)
 
 
 def test_a_thumbnail_is_decoded_at_a_reduced_scale_before_its_exif_rotation(monkeypatch) -> None:

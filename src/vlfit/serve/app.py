@@ -40,7 +40,13 @@ from vlfit.serve.access import AccessControl, AccessPolicy
 from vlfit.serve.admission import WaitAdmission
 from vlfit.serve.batching import MicroBatcher
 from vlfit.serve.engine import MAX_K, SearchEngine, check_k
-from vlfit.serve.images import QueryImageTooLarge, ThumbnailCache, check_query_pixels, thumbnail
+from vlfit.serve.images import (
+    QueryImageTooLarge,
+    ThumbnailCache,
+    check_query_pixels,
+    thumbnail,
+    yield_to_text_queries,
+)
 from vlfit.serve.limits import ADMISSION_KEY, LIMITS_KEY, METRICS_KEY, SEARCH_PATH, ServerLimits
 from vlfit.serve.metrics import MEDIA_TYPE as METRICS_MEDIA_TYPE
 from vlfit.serve.metrics import ServerMetrics
@@ -86,8 +92,11 @@ def create_app(
     budget = limits.max_queue_wait_ms  # None: no wait budget; 0: derived from the unloaded time; else ms
     admission = None if budget is None else WaitAdmission(budget / 1000.0 if budget > 0 else None)
     # Image queries decode and embed on a thread of their own, never the text encoder's; thumbnails on a small pool.
-    image_queries = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlfit-image-query")
-    thumbnails = ThreadPoolExecutor(max_workers=THUMBNAIL_THREADS, thread_name_prefix="vlfit-thumbnail")
+    # Both yield the cores to the text queries when both want them (a 40-megapixel PNG decodes for seconds).
+    image_queries = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlfit-image-query",
+                                       initializer=yield_to_text_queries)  # fmt: skip
+    thumbnails = ThreadPoolExecutor(max_workers=THUMBNAIL_THREADS, thread_name_prefix="vlfit-thumbnail",
+                                    initializer=yield_to_text_queries)  # fmt: skip
     thumbnail_cache = ThumbnailCache(int(limits.thumbnail_cache_mb * 1e6))
 
     @contextlib.asynccontextmanager
@@ -193,6 +202,7 @@ def create_app(
     app.state.engine, app.state.batcher, app.state.metrics = engine, batcher, metrics
     app.state.admission = admission
     app.state.limits, app.state.thumbnail_cache = limits, thumbnail_cache
+    app.state.image_pools = (image_queries, thumbnails)
     return app
 
 

@@ -6,12 +6,15 @@ below Pillow's 178.9-megapixel bomb limit that training data gets; the decode th
 (libjpeg-turbo decodes at 1/2, 1/4 or 1/8 of the size, never above what the model needs: a 40-megapixel JPEG is
 decoded at about 0.6 megapixels). Formats without scaled decoding (PNG, WebP, ...) decode at full size, which the
 pixel cap bounds. A thumbnail is decoded the same way (``draft`` before the EXIF rotation, so a 12000-pixel JPEG
-becomes a 1500-pixel one while it is read).
+becomes a 1500-pixel one while it is read). The threads that decode them run at a lower CPU priority than the text
+queries' (``yield_to_text_queries``), so a slow decode takes the cores only when the text queries leave them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
 import threading
 from collections import OrderedDict
 
@@ -22,6 +25,14 @@ from vlfit.errors import ConfigError, DataError
 
 THUMBNAIL_SIZES = (16, 1024)  # the smallest and largest ?size= of a thumbnail
 CACHED_THUMBNAIL_BYTES = 256 * 1024  # larger thumbnails are made again when asked again
+IMAGE_THREAD_NICENESS = 10  # added to the niceness of the threads decoding query images and thumbnails
+
+
+def yield_to_text_queries() -> None:
+    """Lower the CPU priority of the calling thread by ``IMAGE_THREAD_NICENESS`` (the initializer of the image
+    threads; on Linux a thread's niceness is its own). Where the system does not allow it, the thread runs as is."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), IMAGE_THREAD_NICENESS)
 
 
 class QueryImageTooLarge(DataError):
