@@ -143,6 +143,24 @@ def disk_full_error(
     return DiskFullError(f"no space left on the device of {folder}{written} ({free}{need}){extra}: {remedy}")
 
 
+@contextmanager
+def full_disk_in_one_line(
+    folder: str,
+    *,
+    needed: int | None = None,
+    note: str = "",
+    remedy: str = "free space there or write elsewhere (--output_dir)",
+) -> Iterator[None]:
+    """Writes inside the block that run out of disk space (or quota) raise ``disk_full_error`` with these words;
+    any other ``OSError`` passes as it is."""
+    try:
+        yield
+    except OSError as error:
+        if error.errno not in NO_SPACE_ERRNOS or isinstance(error, DiskFullError):
+            raise
+        raise disk_full_error(error, folder, needed=needed, note=note, remedy=remedy) from error
+
+
 class ArgumentError(ConfigError, TypeError):
     """A call of the Python API with an unknown keyword, a missing or extra argument, or a value of the wrong type
     (a ``TypeError`` too, as Python's own for a bad call)."""

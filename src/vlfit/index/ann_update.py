@@ -19,7 +19,7 @@ import logging
 import os
 from typing import Any
 
-from vlfit.errors import NO_SPACE_ERRNOS, UserError, disk_full_error
+from vlfit.errors import UserError, full_disk_in_one_line
 from vlfit.index.ann import ANN_DESCRIPTION, ANN_FILE, AnnIndex, build_ann
 from vlfit.index.ann_choice import DEFAULT_MAX_INDEX_MEMORY, IndexChoice, choose_index_type
 from vlfit.index.integrity import check_verify_level, file_problem
@@ -118,19 +118,13 @@ def update_ann(
             target_recall,
         )
     ann.description["ids_digest"] = ids_digest(ids)
-    try:
+    with full_disk_in_one_line(
+        folder,
+        needed=round(len(ids) * wanted.bytes_per_vector),
+        note="the index keeps every shard its manifest lists (queries scan them until the ANN structure is written)",
+        remedy="free space there and run the same command again to build it",
+    ):
         description = ann.save(folder)
-    except OSError as error:
-        if error.errno not in NO_SPACE_ERRNOS:
-            raise
-        raise disk_full_error(
-            error,
-            folder,
-            needed=round(len(ids) * wanted.bytes_per_vector),
-            note="the index keeps every shard its manifest lists (queries scan them until the ANN structure is "
-            "written)",
-            remedy="free space there and run the same command again to build it",
-        ) from error
     manifest.ann = description
     write_manifest(folder, manifest)
     return {**description, "extended": extended}

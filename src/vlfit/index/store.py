@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from vlfit.atomic_files import write_file_atomically, write_text_atomically
-from vlfit.errors import NO_SPACE_ERRNOS, ConfigError, DataError, MissingFileError, disk_full_error
+from vlfit.errors import ConfigError, DataError, MissingFileError, full_disk_in_one_line
 from vlfit.index.integrity import DamagedIndexError, rebuild_command
 from vlfit.index.shard_vectors import EMBEDDINGS_KEY, ShardVectors
 from vlfit.inference.identity import ModelIdentity
@@ -299,7 +299,12 @@ def write_shard(
     refuse_nonfinite(ids, embeddings)
     stem = f"shard-{number:05d}"
     name = f"{stem}.{storage}"
-    try:
+    with full_disk_in_one_line(
+        folder,
+        needed=embeddings.numel() * embeddings.element_size(),
+        note="the index keeps every shard its manifest lists",
+        remedy="free space there and run the same command again to resume",
+    ):
         if storage == "npy":
             array = embeddings.contiguous().numpy()
             written = write_file_atomically(os.path.join(folder, name), lambda f: np.save(f, array))
@@ -317,16 +322,6 @@ def write_shard(
         for file, values in texts.items():
             encoded = (json.dumps(values) + "\n").encode("utf-8")
             files[file] = write_file_atomically(os.path.join(folder, file), lambda f, b=encoded: f.write(b)).to_dict()
-    except OSError as error:
-        if error.errno not in NO_SPACE_ERRNOS:
-            raise
-        raise disk_full_error(
-            error,
-            folder,
-            needed=embeddings.numel() * embeddings.element_size(),
-            note="the index keeps every shard its manifest lists",
-            remedy="free space there and run the same command again to resume",
-        ) from error
     return {**entry, "files": files}
 
 
