@@ -156,7 +156,7 @@ def full_disk_in_one_line(
     try:
         yield
     except OSError as error:
-        if error.errno not in NO_SPACE_ERRNOS or isinstance(error, DiskFullError):
+        if error.errno not in NO_SPACE_ERRNOS:  # a DiskFullError raised inside has no errno: it passes too
             raise
         raise disk_full_error(error, folder, needed=needed, note=note, remedy=remedy) from error
 

@@ -239,15 +239,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._dropping_body = True
         keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
         keep_alive = keep_alive and not self.expect_100_continue  # such a client may not send the body now
+        self._refused = not keep_alive
         body = json.dumps({"error": refusal}).encode()
-        head = [STATUS_LINE[503], b"content-type: application/json\r\n", b"content-length: %d\r\n" % len(body),
-                b"retry-after: %d\r\n" % RETRY_AFTER_S]  # fmt: skip
-        if not keep_alive:
-            head.append(b"connection: close\r\n")
-        self.transport.write(b"".join([*head, b"\r\n", body]))
-        if not keep_alive:
-            self._refused = True
-            self.transport.close()
+        self._answer(503, body, b"application/json", retry_after=RETRY_AFTER_S, close=not keep_alive)
 
     def _wait_refusal(self) -> str | None:
         """The refusal message when this request is a search the admission refuses now (None: the app takes it).
@@ -305,9 +299,15 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()
 
     def _answer_and_close(self, status: int, message: bytes, retry_after: int | None = None) -> None:
-        head = [STATUS_LINE[status], b"content-type: text/plain; charset=utf-8\r\n",
-                b"content-length: %d\r\n" % len(message), b"connection: close\r\n"]  # fmt: skip
+        self._answer(status, message, b"text/plain; charset=utf-8", retry_after=retry_after, close=True)
+
+    def _answer(self, status: int, body: bytes, content_type: bytes, *, retry_after: int | None, close: bool) -> None:
+        """Write a whole answer of the connection's own (no app involved); ``close``: and close the connection."""
+        head = [STATUS_LINE[status], b"content-type: %s\r\n" % content_type, b"content-length: %d\r\n" % len(body)]
+        if close:
+            head.append(b"connection: close\r\n")
         if retry_after is not None:
             head.append(b"retry-after: %d\r\n" % retry_after)
-        self.transport.write(b"".join([*head, b"\r\n", message]))
-        self.transport.close()
+        self.transport.write(b"".join([*head, b"\r\n", body]))
+        if close:
+            self.transport.close()
