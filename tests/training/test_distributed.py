@@ -13,7 +13,12 @@ from types import SimpleNamespace
 import datasets
 import pytest
 import torch
-from transformers import AutoImageProcessor, AutoTokenizer, BridgeTowerForContrastiveLearning
+from transformers import (
+    AutoImageProcessor,
+    AutoTokenizer,
+    BridgeTowerForContrastiveLearning,
+    BridgeTowerForImageAndTextRetrieval,
+)
 
 from tests.training.recording import weights_digest
 from tests.training.train_runs import free_port, torchrun_command, torchrun_env
@@ -178,6 +183,24 @@ def test_fsdp_on_two_cpu_processes_shards_trains_as_ddp_and_saves_a_checkpoint(
     ddp_eval = json.loads((ddp_run[0] / "eval_results.json").read_text())
     for key in ("eval_num_samples", "eval_t2i_recall@5", "eval_i2t_recall@5"):
         assert fsdp_eval[key] == pytest.approx(ddp_eval[key]), key
+
+
+@pytest.mark.slow
+def test_the_matching_objective_under_fsdp_trains_as_under_ddp(tmp_path, synthetic_dataset_dir):
+    """--objective contrastive+itm scores mined negatives with the fused tower outside the root forward: under FSDP2
+    it gives DDP's losses, and the saved folder keeps the matching head."""
+    itm = ["--objective", "contrastive+itm", "--num_train_epochs", "1"]
+    ddp = _torchrun_train(tmp_path / "ddp", [*_shared_flags(synthetic_dataset_dir, tmp_path / "ddp_model"), *itm])
+    flags = [*_shared_flags(synthetic_dataset_dir, tmp_path / "model"), *itm, *FSDP_FLAGS]
+    fsdp = _torchrun_train(tmp_path / "fsdp", flags)
+    assert all(r["sharded_parameters"] > 0 for r in fsdp)
+    for d, f in zip(ddp, fsdp, strict=True):
+        assert len(f["losses"]) == 3
+        torch.testing.assert_close(torch.tensor(f["losses"]), torch.tensor(d["losses"]), rtol=1e-5, atol=1e-6)
+    retrieval = BridgeTowerForImageAndTextRetrieval.from_pretrained(tmp_path / "model")
+    saved = retrieval.itm_score.fc.weight
+    ddp_saved = BridgeTowerForImageAndTextRetrieval.from_pretrained(tmp_path / "ddp_model").itm_score.fc.weight
+    torch.testing.assert_close(saved, ddp_saved, rtol=1e-4, atol=1e-5)
 
 
 def test_fsdp_in_one_process_stops_in_one_line(tmp_path, synthetic_dataset_dir, capsys):

@@ -99,9 +99,9 @@ class VlfitTrainingArguments(CompatTrainingFlags, TrainingArguments):
             )
         if self.objective not in OBJECTIVES:
             raise ConfigError(f"unknown --objective {self.objective!r}; choose one of: {', '.join(OBJECTIVES)}")
-        if self.objective != OBJECTIVES[0] and (self.gradient_cache_chunk_size or self.fsdp):
-            flag = "--gradient_cache_chunk_size" if self.gradient_cache_chunk_size else "--fsdp"
-            raise ConfigError(f"--objective {self.objective} with {flag} is not supported; drop one of the two")
+        if self.objective != OBJECTIVES[0] and self.gradient_cache_chunk_size:
+            raise ConfigError(f"--objective {self.objective} with --gradient_cache_chunk_size is not supported; drop "
+                              "one of the two")  # fmt: skip
         if self.gradient_cache_chunk_size is not None:
             chunk = self.gradient_cache_chunk_size
             if int(chunk) < 1:
