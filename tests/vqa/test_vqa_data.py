@@ -58,3 +58,58 @@ def test_vqa_task_refuses_a_dual_encoder(tmp_path):
     with pytest.raises(ConfigError, match="--task vqa fine-tunes BridgeTower.*clip model") as error:
         vqa_blueprint(spec, None, None, 10, train=True)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("answers.txt", "Yes\nno\n\nTwo\n2\n"),
+        ("answers.json", '["Yes", "no", "Two", "2"]'),
+        ("ans2label.json", '{"no": 1, "yes": 0, "2": 2}'),  # METER's and ViLT's form: the order of the indices
+    ],
+)
+def test_an_answer_vocabulary_file_in_each_form(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    assert AnswerVocabulary.read(str(path)).answers == ("yes", "no", "2")  # normalised as the data is, once each
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("empty.txt", "\n  \n", "holds no answer"),
+        ("bad.json", '{"yes": "a"}', "expected a JSON list of answers or an {answer: index} map"),
+        ("broken.json", "[", "not valid JSON"),
+        ("missing.txt", None, "cannot read it"),
+    ],
+)
+def test_a_bad_answer_vocabulary_file_is_one_line_naming_it(tmp_path, name, text, message):
+    path = tmp_path / name
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(DataError) as error:
+        AnswerVocabulary.read(str(path))
+    line = str(error.value)
+    assert line.startswith(f"--answer_vocabulary {path}") and message in line and "\n" not in line
+
+
+def test_answer_vocabulary_refusals_name_the_flag():
+    from vlfit.models.loading import resolve_model
+    from vlfit.training.vqa import vqa_blueprint
+
+    spec = resolve_model(model_preset="tiny", captions=lambda: ["a red circle"] * 4)
+    with pytest.raises(ConfigError, match="^--task vqa on a streamed training split: .*--answer_vocabulary FILE"):
+        vqa_blueprint(spec, None, None, 10, train=True)  # a stream: no map-style training split
+    with pytest.raises(ConfigError, match="^--answer_vocabulary sets the answers a training run learns"):
+        vqa_blueprint(spec, None, None, 10, train=False, vocabulary_file="answers.txt")
+
+
+def test_an_answer_vocabulary_on_a_retrieval_run_is_refused(tmp_path, synthetic_dataset_dir):
+    from vlfit.arguments import DataArguments, ModelArguments
+    from vlfit.training.arguments import VlfitTrainingArguments
+    from vlfit.training.run import setup_run
+
+    args = VlfitTrainingArguments(output_dir=str(tmp_path / "o"), do_train=True, report_to="none")
+    data = DataArguments(dataset_name=synthetic_dataset_dir, answer_vocabulary="answers.txt")
+    with pytest.raises(ConfigError, match="^--answer_vocabulary lists the answers of --task vqa; .*retrieval run"):
+        setup_run(ModelArguments(model_preset="tiny"), data, args)

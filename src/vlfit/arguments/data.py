@@ -298,6 +298,14 @@ class DataArguments(CompatDataFlags, StreamArguments, DataLocationArguments):
         default=3129,
         metadata={"help": "--task vqa: the answer vocabulary, the N answers the training split gives most."},
     )
+    answer_vocabulary: str | None = field(
+        default=None,
+        metadata={
+            "help": "--task vqa: a file of the answers the classifier chooses from, in place of the --max_answers "
+            "most given in the training split: one answer per line, a JSON list, or a JSON {answer: index} map "
+            "(METER's and ViLT's ans2label). What a streamed training split needs."
+        },
+    )
 
     def __post_init__(self) -> None:
         DataLocationArguments.__post_init__(self)

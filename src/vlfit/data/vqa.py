@@ -13,6 +13,7 @@ form, with ``answer_confidence`` and ``answer_id``); without it, ``multiple_choi
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -125,6 +126,41 @@ class AnswerVocabulary:
             raise DataError("the training split has no answers to build an answer vocabulary from")
         ranked = sorted(counts, key=lambda answer: (-counts[answer], answer))
         return cls(tuple(ranked[:max_answers]))
+
+    @classmethod
+    def read(cls, path: str) -> AnswerVocabulary:
+        """The answers of a file (``--answer_vocabulary``), in the file's order: one answer per line, a JSON list of
+        answers, or a JSON ``{answer: index}`` map (METER's and ViLT's ``ans2label``), each answer normalised as the
+        data's are; a repeated answer keeps its first place.
+
+        Raises:
+            DataError: naming the file, when it cannot be read, is not one of those forms or holds no answer.
+        """
+        flag = "--answer_vocabulary"
+        try:
+            with open(path, encoding="utf-8") as file:
+                text = file.read()
+        except (OSError, UnicodeDecodeError) as error:
+            raise DataError(f"{flag} {path}: cannot read it ({error})") from error
+        if path.endswith(".json"):
+            try:
+                loaded = json.loads(text)
+            except json.JSONDecodeError as error:
+                raise DataError(f"{flag} {path}: not valid JSON ({error})") from error
+            if isinstance(loaded, Mapping) and all(isinstance(v, int) for v in loaded.values()):
+                loaded = sorted(loaded, key=lambda answer: loaded[answer])
+            if not isinstance(loaded, list) or not all(isinstance(answer, str) for answer in loaded):
+                raise DataError(
+                    f"{flag} {path}: expected a JSON list of answers or an {{answer: index}} map, got "
+                    f"{type(loaded).__name__}"
+                )
+            given = loaded
+        else:
+            given = text.splitlines()
+        answers = tuple(dict.fromkeys(normalize_answer(answer) for answer in given if answer.strip()))
+        if not answers:
+            raise DataError(f"{flag} {path} holds no answer: write one answer per line (or a JSON list)")
+        return cls(answers)
 
     def __len__(self) -> int:
         return len(self.answers)

@@ -102,6 +102,9 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
     if training_args.do_train and data_args.streams_training():
         _check_streamed_training(training_args)
     task = run_task(model_args.model_name_or_path, data_args.task)
+    if data_args.answer_vocabulary and task != "vqa":
+        raise ConfigError("--answer_vocabulary lists the answers of --task vqa; this run is a retrieval run: add "
+                          "--task vqa or drop the flag")  # fmt: skip
     data = open_run_data(
         vqa_location(data_args.source_kwargs()) if task == "vqa" else data_args.source_kwargs(),
         train=training_args.do_train,
@@ -133,7 +136,8 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
         **model_args.source_keywords(), captions=data.captions, max_seq_length=data_args.max_seq_length
     )
     if task == "vqa":
-        spec = vqa_blueprint(spec, data.train, data.eval, data_args.max_answers, train=training_args.do_train)
+        spec = vqa_blueprint(spec, data.train, data.eval, data_args.max_answers, train=training_args.do_train,
+                             vocabulary_file=data_args.answer_vocabulary)  # fmt: skip
     pipeline = InputPipeline(
         spec.inputs, PipelineOptions.from_arguments(data_args), training_args.device, pipeline_columns(task)
     )

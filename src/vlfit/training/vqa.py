@@ -74,15 +74,19 @@ def vqa_blueprint(
     max_answers: int,
     *,
     train: bool,
+    vocabulary_file: str | None = None,
 ) -> ModelSpec:
     """The spec of the VQA model a run trains or evaluates, its answers in its config.
 
-    Training builds the vocabulary from the training split's answers (every question's answers are checked
-    here, before any weights load); evaluation alone takes the model's own.
+    Training takes the answers of ``vocabulary_file`` (``--answer_vocabulary``) when given, else builds them from
+    the training split's answers (every question's answers are checked here, before any weights load); a streamed
+    training split without the file trains a VQA model's own answers. Evaluation alone takes the model's own.
 
     Raises:
-        ConfigError: for a model that is not BridgeTower, or an evaluation alone of a model without a VQA head.
-        DataError: for a split without answers, a question without answers or an answer column of the wrong type.
+        ConfigError: for a model that is not BridgeTower, a streamed training split with neither the file nor a
+            VQA model, or an evaluation alone of a model without a VQA head.
+        DataError: for a split without answers, a question without answers, an answer column of the wrong type or
+            an unreadable vocabulary file.
     """
     family = blueprint.family
     if family.name != "bridgetower":
@@ -92,12 +96,22 @@ def vqa_blueprint(
         )
     if eval_source is not None:
         split_answers(eval_source)  # a bad question fails now, not at the end of training
-    if train and train_source is None:
+    if vocabulary_file is not None and not train:
+        raise ConfigError("--answer_vocabulary sets the answers a training run learns; an evaluation alone scores "
+                          "the model's own answers: drop the flag")  # fmt: skip
+    if vocabulary_file is not None:
+        vocabulary = AnswerVocabulary.read(vocabulary_file)
+        if train_source is not None:
+            answers = split_answers(train_source)
+            logger.info("answer vocabulary: %d answers of %s, %.1f%% of the training split's annotator answers",
+                        len(vocabulary), vocabulary_file, 100 * vocabulary.coverage(answers))  # fmt: skip
+        config = with_answers(blueprint.config, vocabulary.answers)
+    elif train and train_source is None and not is_vqa_config(blueprint.config):
         raise ConfigError(
-            "--task vqa builds its answer vocabulary from the training split's answers: stream-free training only "
-            "(drop --streaming, or give the training split as files read map-style)"
+            "--task vqa on a streamed training split: the answer vocabulary cannot be counted from a stream; give "
+            "the answers with --answer_vocabulary FILE (one per line), or read the training split map-style"
         )
-    if train_source is not None:
+    elif train_source is not None:
         answers = split_answers(train_source)
         vocabulary = AnswerVocabulary.build(answers, max_answers)
         logger.info(
