@@ -18,7 +18,7 @@ from transformers import BridgeTowerForContrastiveLearning, BridgeTowerForImageA
 from vlfit.efficiency.flops import count_flops
 from vlfit.errors import ConfigError
 from vlfit.models.bridgetower import BridgeTowerFamily, expose_logit_scale
-from vlfit.models.family import IMAGE_KEYS
+from vlfit.models.family import HARD_NEGATIVE_ATTENTION_MASK, HARD_NEGATIVE_INPUT_IDS, IMAGE_KEYS
 from vlfit.models.itm import (
     BridgeTowerForContrastiveLearningWithITM,
     has_itm_head,
@@ -26,7 +26,13 @@ from vlfit.models.itm import (
     pair_scores,
     with_itm_head,
 )
-from vlfit.models.itm_loss import contrastive_and_matching_loss, excluded_candidates, sample_negatives
+from vlfit.models.itm_loss import (
+    contrastive_and_matching_loss,
+    draw_alternatives,
+    excluded_candidates,
+    matching_loss,
+    sample_negatives,
+)
 from vlfit.models.registry import family_for_preset, preset_config
 from vlfit.training.itm_objective import TrainingObjective, prepare_model_for_objective
 
@@ -52,6 +58,18 @@ def _inputs(n: int = 6) -> dict[str, torch.Tensor]:
         "pixel_values": torch.randn(n, 3, 64, 64, generator=generator),
         IMAGE_KEYS: KEYS[:n],
     }
+
+
+def _with_alternatives(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``inputs`` with ``--hard_negative_column``'s alternative captions: 3 slots a row, rows with 3, 2, 1 or none."""
+    n = len(inputs["input_ids"])
+    generator = torch.Generator().manual_seed(2)
+    mask = torch.ones(n, 3, 8, dtype=torch.long)
+    for row in range(n):
+        mask[row, 3 - row % 4 :] = 0  # row 0: 3 alternatives, row 1: 2, row 2: 1, row 3: none
+    mask[:, :, 6:] *= torch.tensor([1, 0, 1]).view(1, 3, 1)  # one slot's captions padded
+    ids = torch.randint(3, 1024, (n, 3, 8), generator=generator) * mask
+    return {**inputs, HARD_NEGATIVE_INPUT_IDS: ids, HARD_NEGATIVE_ATTENTION_MASK: mask}
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -151,7 +169,7 @@ def test_the_draw_follows_the_softmax():
 
 def two_process_payload() -> dict:
     """What both processes of the 2-process check read (``tests.two_processes``)."""
-    return {"state_dict": _model().state_dict(), "inputs": _inputs()}
+    return {"state_dict": _model().state_dict(), "inputs": _inputs(), "alternatives": _with_alternatives(_inputs())}
 
 
 def two_process_worker(rank: int, world: int, init_file: str, payload_path: str, out_dir: str) -> None:
@@ -163,8 +181,9 @@ def two_process_worker(rank: int, world: int, init_file: str, payload_path: str,
         expose_logit_scale(model)
         ddp = DistributedDataParallel(model, find_unused_parameters=True)  # as the Trainer wraps it
         results = {}
-        for name, bounds in SPLITS.items():
-            rows = {key: value[bounds[rank] : bounds[rank + 1]] for key, value in payload["inputs"].items()}
+        for name, bounds in [*SPLITS.items(), ("alternatives", SPLITS["uneven"])]:
+            batch = payload["alternatives" if name == "alternatives" else "inputs"]
+            rows = {key: value[bounds[rank] : bounds[rank + 1]] for key, value in batch.items()}
             model.zero_grad(set_to_none=True)
             loss, terms = contrastive_and_matching_loss(BridgeTowerFamily(), ddp, rows, global_negatives=True, seed=7)
             loss.backward()
@@ -182,14 +201,41 @@ def test_itm_loss_and_gradients_on_two_processes_equal_one_process(two_process_r
     loss.backward()
     reference = _grads(model)
     assert any("itm_score" in name for name in reference)
-    for name in SPLITS:
+    model.zero_grad(set_to_none=True)
+    alternatives = _with_alternatives(_inputs())
+    loss_alt, terms_alt = contrastive_and_matching_loss(BridgeTowerFamily(), model, alternatives,
+                                                        global_negatives=True, seed=7)  # fmt: skip
+    loss_alt.backward()
+    expected_by_name = {name: (terms["loss_itm"], loss.detach(), reference) for name in SPLITS}
+    expected_by_name["alternatives"] = (terms_alt["loss_itm"], loss_alt.detach(), _grads(model))
+    for name, (itm, total, grads) in expected_by_name.items():
         ranks = [rank[name] for rank in two_process_results[__name__]]
-        for key, expected in (("loss", terms["loss_itm"]), ("total", loss.detach())):
+        for key, expected in (("loss", itm), ("total", total)):
             torch.testing.assert_close((ranks[0][key] + ranks[1][key]) / 2, expected, rtol=0, atol=2e-6, msg=name)
         for rank in ranks:
-            assert rank["grads"].keys() == reference.keys()
+            assert rank["grads"].keys() == grads.keys()
             for param, grad in rank["grads"].items():
-                torch.testing.assert_close(grad, reference[param], rtol=1e-4, atol=1e-6, msg=f"{name} {param}")
+                torch.testing.assert_close(grad, grads[param], rtol=1e-4, atol=1e-6, msg=f"{name} {param}")
+
+
+def test_each_image_is_also_paired_with_one_of_its_own_alternative_captions():
+    inputs = _with_alternatives(_inputs())
+    valid = inputs[HARD_NEGATIVE_ATTENTION_MASK].bool().any(-1)
+    draws = torch.stack([draw_alternatives(valid, seed, 0, 6) for seed in range(600)])  # [seeds, rows]
+    for row in range(6):
+        if valid[row].any():
+            assert valid[row, draws[:, row]].all()  # never an empty slot
+            share = torch.bincount(draws[:, row], minlength=3).float()[valid[row]] / len(draws)
+            torch.testing.assert_close(share, torch.full_like(share, 1 / int(valid[row].sum())), rtol=0, atol=0.07)
+    # A process holding rows 4 and 5 of the global batch draws what one process draws for them.
+    torch.testing.assert_close(draw_alternatives(valid[4:], 9, 4, 6), draw_alternatives(valid, 9, 0, 6)[4:])
+    # The head scores one more pair for each row that has alternatives (5 of the 6 here).
+    model = _model()
+    expose_logit_scale(model)
+    outputs = model(**{k: inputs[k] for k in ("input_ids", "attention_mask", "pixel_values")}, return_loss=False)
+    without = {k: v for k, v in inputs.items() if k not in (HARD_NEGATIVE_INPUT_IDS, HARD_NEGATIVE_ATTENTION_MASK)}
+    assert matching_loss(model, outputs, without).pairs == 3 * 6
+    assert matching_loss(model, outputs, inputs).pairs == 3 * 6 + 5
 
 
 def test_flops_per_sample_count_the_fused_passes():

@@ -5,7 +5,10 @@ For each caption one negative image, and for each image one negative caption, is
 proportional to the softmax of the (scaled) contrastive similarities, never the pair's own and never a row showing
 the same image (``image_keys``: the other captions of the pair's image are not negatives). The fused tower scores
 the positives (the forward's own ``itm_logits``) and the 2 x B negatives from the unimodal states the forward already
-computed; the loss is the 2-way cross-entropy of the head (match / no match) over the 3 x B pairs.
+computed; the loss is the 2-way cross-entropy of the head (match / no match) over the 3 x B pairs. With
+``--hard_negative_column`` each image is also paired with one of its own alternative captions (drawn uniformly; the
+caption through the text tower, then the fused tower): the negatives the data names, as hard as a caption that
+differs by one attribute, one more pair per row.
 
 With global negatives the candidates are every process's rows: similarities against all-gathered embeddings, and
 the unimodal states of the drawn negatives all-gathered with gradient (BLIP's ``all_gather_with_grad``). The draw is
@@ -25,8 +28,8 @@ import torch.nn.functional as F
 from accelerate.utils import extract_model_from_parallel
 
 from vlfit.models.bridgetower import contrastive_embeddings, expose_logit_scale
-from vlfit.models.family import IMAGE_KEYS
-from vlfit.models.itm import UnimodalStates, fused_pooled_output, states_from_outputs
+from vlfit.models.family import HARD_NEGATIVE_ATTENTION_MASK, HARD_NEGATIVE_INPUT_IDS, IMAGE_KEYS
+from vlfit.models.itm import UnimodalStates, fused_pooled_output, states_from_outputs, text_states
 from vlfit.models.losses import distributed_world, gather_rows, gather_with_grad
 
 
@@ -92,6 +95,37 @@ def noise_rows(seed: int, total: int, offset: int, rows: int, device: torch.devi
     return torch.cat(parts, dim=1)
 
 
+def draw_alternatives(valid: torch.Tensor, seed: int, offset: int, total: int) -> torch.Tensor:
+    """For each row of ``valid`` (``[B, K]``: which of its K slots hold an alternative caption), one valid slot drawn
+    uniformly (0 for a row without any), from one uniform number per row of the global batch: rows ``offset`` to
+    ``offset + B`` of ``total`` draw the same slots whichever process holds them."""
+    count = valid.sum(dim=1)
+    generator = torch.Generator(device=valid.device).manual_seed(seed ^ 0x5EED)
+    uniform = torch.rand(total, generator=generator, device=valid.device)[offset : offset + len(valid)]
+    wanted = (uniform * count).long().clamp(max=count.clamp(min=1) - 1)  # the wanted-th valid slot of its row
+    return (valid.cumsum(dim=1) <= wanted.unsqueeze(1)).sum(dim=1)
+
+
+def alternative_caption_logits(model: Any, states: UnimodalStates, inputs: Mapping[str, torch.Tensor], seed: int,
+                               offset: int, total: int) -> torch.Tensor:  # fmt: skip
+    """The matching head's logits of each image with one of its row's own alternative captions
+    (``--hard_negative_column``: captions that differ from the image's by an attribute), drawn uniformly among the
+    row's alternatives; rows without any add no pair.
+
+    The draw depends on the seed and the row's place in the global batch (``offset`` of ``total`` rows), not on
+    how many alternatives other rows have, so one process and two draw the same captions.
+    """
+    ids, mask = inputs[HARD_NEGATIVE_INPUT_IDS], inputs[HARD_NEGATIVE_ATTENTION_MASK]  # [B, K, L]
+    valid = mask.bool().any(dim=-1)
+    slot = draw_alternatives(valid, seed, offset, total)
+    rows = valid.any(dim=1).nonzero().squeeze(1)
+    if not len(rows):
+        return states.text.new_zeros((0, 2))
+    caption_ids, caption_mask = ids[rows, slot[rows]], mask[rows, slot[rows]]
+    pairs = UnimodalStates(text_states(model, caption_ids, caption_mask), caption_mask, states.image[rows])
+    return model.itm_score(fused_pooled_output(model, pairs))
+
+
 def _gather_states(states: UnimodalStates, world: int) -> tuple[UnimodalStates, int, int]:
     """Every process's unimodal states (with gradient), captions padded to the longest of any process."""
     if world == 1:
@@ -150,10 +184,13 @@ def matching_loss(
     image_rows = torch.cat([negative_image[image_found], own[text_found] + offset])
     negatives = UnimodalStates(every.text[text_rows], every.text_mask[text_rows], every.image[image_rows])
     # Captions padded to another process's length: their extra positions are masked out.
-    negative_logits = unwrapped.itm_score(fused_pooled_output(unwrapped, negatives))
-    logits = torch.cat([outputs.itm_logits, negative_logits]).float()
+    negative_logits = [unwrapped.itm_score(fused_pooled_output(unwrapped, negatives))]
+    if HARD_NEGATIVE_INPUT_IDS in inputs:
+        negative_logits.append(alternative_caption_logits(unwrapped, states, inputs, seed, offset, total))
+    logits = torch.cat([outputs.itm_logits, *negative_logits]).float()
+    negative_count = sum(len(part) for part in negative_logits)
     labels = torch.cat([torch.ones(rows, dtype=torch.long, device=device),
-                        torch.zeros(len(text_rows), dtype=torch.long, device=device)])  # fmt: skip
+                        torch.zeros(negative_count, dtype=torch.long, device=device)])  # fmt: skip
     pairs = torch.tensor([float(len(labels))], device=device)
     if world > 1:
         dist.all_reduce(pairs)
