@@ -278,8 +278,6 @@ def test_objective_refusals_name_the_flag():
     clip = family_for_preset("clip-tiny")
     with pytest.raises(ConfigError, match=r"^--objective contrastive\+itm: .*clip model"):
         prepare_model_for_objective(torch.nn.Linear(1, 1), clip, "contrastive+itm")
-    with pytest.raises(ConfigError, match=r"--objective itm with --lora_r"):
-        prepare_model_for_objective(_model(), family_for_preset("tiny"), "itm", lora=True)
     with pytest.raises(ConfigError, match="unknown --objective 'mlm'"):
         TrainingObjective("mlm")
 

@@ -101,6 +101,35 @@ def test_a_lora_run_trains_only_adapters_and_eval_loads_it(tmp_path, synthetic_d
     assert torch.equal(merged["logit_scale"], base["logit_scale"])  # the temperature stays
 
 
+@pytest.mark.slow
+def test_lora_with_the_matching_objective_trains_and_saves_the_head_beside_the_adapters(
+    tmp_path, synthetic_dataset_dir, tiny_checkpoint
+):
+    """A contrastive checkpoint has no matching head: the run adds one, trains it in full beside the adapters, and
+    loading the adapters onto that base adds the head back with the trained weights."""
+    from safetensors.torch import load_file
+
+    from vlfit.models.itm import has_itm_head
+
+    out = tmp_path / "run"
+    assert main(["train", "--model_name_or_path", str(tiny_checkpoint), "--dataset_name", synthetic_dataset_dir,
+                 "--output_dir", str(out), "--objective", "contrastive+itm", "--lora_r", "4", "--max_steps", "3",
+                 "--per_device_train_batch_size", "8", "--learning_rate", "1e-2", "--save_strategy", "no",
+                 "--report_to", "none"]) == 0  # fmt: skip
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert "itm_score" in config["modules_to_save"] and "itc_text_head" in config["modules_to_save"]
+    saved = load_file(out / "adapter_model.safetensors")
+    (head,) = [value for key, value in saved.items() if key.startswith("base_model.model.itm_score.") and
+               key.endswith("fc.weight")]  # fmt: skip
+    merged = load_model(model_name_or_path=str(out)).model
+    assert has_itm_head(merged)
+    torch.testing.assert_close(merged.itm_score.fc.weight, head)
+    base = load_model(model_name_or_path=str(tiny_checkpoint)).model
+    assert not has_itm_head(base)  # the base stays a contrastive checkpoint
+    assert not torch.equal(merged.bridgetower.cross_modal_text_layers[0].attention.self.query.weight,
+                           base.bridgetower.cross_modal_text_layers[0].attention.self.query.weight)  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

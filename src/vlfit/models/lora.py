@@ -39,14 +39,17 @@ class LoraSettings:
     targets: tuple[str, ...] = ()  # empty: every group the family has
 
 
-def target_modules(family: ModelFamily, model: nn.Module, targets: Sequence[str]) -> list[str]:
-    """The full names of the ``nn.Linear`` modules ``targets`` (groups or module names) select.
+def target_modules(
+    family: ModelFamily, model: nn.Module, targets: Sequence[str], heads: Sequence[str] | None = None
+) -> list[str]:
+    """The full names of the ``nn.Linear`` modules ``targets`` (groups or module names) select, never those of
+    ``heads`` (trained in full; the family's heads when None).
 
     Raises:
         ValueError: for a target that selects no linear layer, naming the groups.
     """
     groups = family.module_groups()
-    heads = tuple(family.head_modules())
+    heads = tuple(family.head_modules() if heads is None else heads)
     linear = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     selected: list[str] = []
     for target in targets or tuple(groups):
@@ -74,8 +77,18 @@ def group_of(family: ModelFamily, module_name: str) -> str | None:
     return None
 
 
-def apply_lora(family: ModelFamily, model: nn.Module, settings: LoraSettings, frozen_groups: Sequence[str] = ()) -> Any:
+def apply_lora(
+    family: ModelFamily,
+    model: nn.Module,
+    settings: LoraSettings,
+    frozen_groups: Sequence[str] = (),
+    heads: Sequence[str] | None = None,
+) -> Any:
     """``model`` with LoRA adapters (a ``peft.PeftModel``): only the adapters and the heads train.
+
+    Args:
+        heads: The modules trained in full and saved beside the adapters: the family's heads when None (the
+            matching objective names its own, ``vlfit.training.itm_objective.trained_heads``).
 
     Raises:
         ValueError: for a target in a tower ``--freeze`` froze, or a target that selects nothing.
@@ -83,7 +96,8 @@ def apply_lora(family: ModelFamily, model: nn.Module, settings: LoraSettings, fr
     require_extra("lora", "--lora_r (LoRA adapters)")
     from peft import LoraConfig, get_peft_model
 
-    names = target_modules(family, model, settings.targets)
+    heads = list(family.head_modules() if heads is None else heads)
+    names = target_modules(family, model, settings.targets, heads)
     frozen = sorted({group for name in names if (group := group_of(family, name)) in frozen_groups})
     if frozen:
         raise ConfigError(
@@ -95,7 +109,7 @@ def apply_lora(family: ModelFamily, model: nn.Module, settings: LoraSettings, fr
         lora_alpha=settings.alpha if settings.alpha is not None else 2 * settings.r,
         lora_dropout=settings.dropout,
         target_modules=names,
-        modules_to_save=list(family.head_modules()),
+        modules_to_save=heads,
     )
     return get_peft_model(model, config)
 
@@ -111,6 +125,10 @@ def trainable_parameters(model: nn.Module) -> tuple[int, int]:
 def load_merged(base: nn.Module, adapters: str) -> nn.Module:
     """``base`` with the adapters of the folder ``adapters`` merged into its weights (a plain model)."""
     require_extra("lora", "a folder of LoRA adapters")
-    from peft import PeftModel
+    from peft import PeftConfig, PeftModel
 
+    from vlfit.models.itm import ITM_HEAD, with_itm_head
+
+    if ITM_HEAD in (PeftConfig.from_pretrained(adapters).modules_to_save or ()):
+        base = with_itm_head(base)  # type: ignore[arg-type]  # trained beside adapters on a base without one
     return PeftModel.from_pretrained(base, adapters).merge_and_unload()

@@ -32,14 +32,14 @@ def uses_itm(objective: str) -> bool:
 
 
 def prepare_model_for_objective(
-    model: nn.Module, family: ModelFamily, objective: str, *, lora: bool = False, train: bool = True
+    model: nn.Module, family: ModelFamily, objective: str, *, train: bool = True
 ) -> nn.Module:
     """The model ``objective`` trains: with a matching head when it needs one, and the heads it never reaches
     frozen (DDP fails on parameters that get no gradient). A model that has a matching head keeps it (and it is
     saved) whatever the objective.
 
     Raises:
-        ConfigError: one line, for a family without a fused tower, or with ``--lora_r``.
+        ConfigError: one line, for a family without a fused tower.
     """
     if not train:
         return model
@@ -52,15 +52,19 @@ def prepare_model_for_objective(
             f"--objective {objective}: image-text matching needs BridgeTower's fused tower and matching head, which "
             f"a {family.name} model does not have; use --objective {CONTRASTIVE}"
         )
-    if lora:
-        raise ConfigError(f"--objective {objective} with --lora_r is not supported: train the whole model, or use "
-                          f"--objective {CONTRASTIVE} with LoRA")  # fmt: skip
     model = with_itm_head(model)  # type: ignore[arg-type]
     if objective == "itm":
         for name, parameter in model.named_parameters():
             if name.split(".")[0] in CONTRASTIVE_HEADS:
                 parameter.requires_grad_(False)
     return model
+
+
+def trained_heads(family: ModelFamily, objective: str) -> tuple[str, ...]:
+    """The heads ``objective`` trains in full beside LoRA's adapters (and saves with them): the family's contrastive
+    heads unless the objective is ``itm`` alone, and the matching head when it trains one."""
+    contrastive = () if objective == "itm" else tuple(family.head_modules())
+    return contrastive + ((ITM_HEAD,) if uses_itm(objective) else ())
 
 
 class TrainingObjective:

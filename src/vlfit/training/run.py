@@ -43,7 +43,7 @@ from vlfit.models.logit_scale import set_logit_scale
 from vlfit.models.lora import BASE_MODEL_DIR, LoraSettings, apply_lora, group_of, trainable_parameters
 from vlfit.training.arguments import VlfitTrainingArguments
 from vlfit.training.distributed import describe_launch
-from vlfit.training.itm_objective import prepare_model_for_objective
+from vlfit.training.itm_objective import prepare_model_for_objective, trained_heads
 from vlfit.training.preemption import PreemptionCallback, TrainingPreempted
 from vlfit.training.trainer import VlfitTrainer
 from vlfit.training.unfreeze import UnfreezeCallback
@@ -207,7 +207,8 @@ def with_lora_adapters(
     checkpoint, or for a preset its initial weights, saved in ``<output_dir>/base_model``."""
     frozen = model_args.frozen_towers()
     initial = copy.deepcopy(model) if spec.checkpoint is None else None
-    adapted = apply_lora(spec.family, model, lora, frozen)  # refuses bad targets before anything is written
+    heads = trained_heads(spec.family, training_args.objective)
+    adapted = apply_lora(spec.family, model, lora, frozen, heads)  # refuses bad targets before anything is written
     if initial is not None:
         base = BASE_MODEL_DIR
         if training_args.do_train and training_args.process_index == 0:
@@ -288,9 +289,7 @@ def run(
     family = setup.spec.family
     unfreeze_later = frozen_tower_parameters(model, family, model_args, training_args)
     lora = model_args.lora_settings()
-    model = prepare_model_for_objective(
-        model, family, training_args.objective, lora=lora is not None, train=training_args.do_train
-    )
+    model = prepare_model_for_objective(model, family, training_args.objective, train=training_args.do_train)
     starting_weights = wise_ft_start(model, lora, training_args)
     if lora is not None:
         model = with_lora_adapters(model, setup.spec, model_args, training_args, lora)
