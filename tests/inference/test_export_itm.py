@@ -26,6 +26,7 @@ from vlfit.inference.exported import ExportParityError
 from vlfit.inference.pair_scorer import (
     NoMatchingHeadError,
     OnnxRuntimePairScorer,
+    OpenVinoPairScorer,
     TorchPairScorer,
     open_pair_scorer,
     pair_scorer_for,
@@ -86,7 +87,9 @@ def test_bad_pair_requests_are_one_line_each(itm_checkpoint):
         scorer.score_pairs(CAPTIONS, pixels, [0, 1], [0, 2])
     with pytest.raises(ConfigError, match=r"^pair scoring takes uint8 pixels \[N, 3, 64, 64\], got torch.float32"):
         scorer.score_pairs(CAPTIONS, pixels.float())
-    with pytest.raises(ConfigError, match=r"^unknown --backend 'openvino' for pair scoring"):
+    with pytest.raises(ConfigError, match=r"^unknown --backend 'tensorrt' for pair scoring"):
+        open_pair_scorer(str(itm_checkpoint), backend="tensorrt")
+    with pytest.raises(ConfigError, match=r"openvino"):  # a checkpoint runs on torch; exports run on openvino
         open_pair_scorer(str(itm_checkpoint), backend="openvino")
 
 
@@ -152,6 +155,33 @@ def test_itm_graph_matches_pytorch_and_its_int8_agreement_is_recorded(itm_export
     assert (int8_scorer.score_pairs(CAPTIONS, pixels, *rows) - expected).abs().max() < 0.05
     with pytest.raises(ConfigError, match="holds exported graphs, which run on onnxruntime, not torch"):
         open_pair_scorer(str(itm_export), backend="torch")
+
+
+@pytest.mark.slow
+def test_an_openvino_export_scores_pairs_as_pytorch_does(itm_checkpoint, synthetic_dataset_dir, tmp_path):
+    out = tmp_path / "openvino"
+    assert main(["export", "--model_name_or_path", str(itm_checkpoint), "--output_dir", str(out), "--format",
+                 "openvino", "--quantize", "int8", "--calibration_dataset", synthetic_dataset_dir,
+                 "--parity_samples", "13", "--calibration_samples", "16"]) == 0  # fmt: skip
+    manifest = json.loads((out / "export_manifest.json").read_text())
+    assert manifest["graphs"]["itm"] == {"fp32": "itm.xml", "int8": "itm.int8.xml"}
+    assert manifest["quantization"]["itm"] == "nncf compress_weights (int8_asym)"
+    parity = manifest["parity"]["itm"]
+    assert parity["fp32"]["max_abs_diff"] <= 1e-4 and parity["fp32"]["discordant_pairs"] == 0
+    assert 0 < parity["int8"]["max_abs_diff"] < 0.05 and parity["int8"]["spearman"] > 0.95
+    assert not (out / "onnx").exists() and not list(out.glob("*.onnx"))
+
+    fp32 = open_pair_scorer(str(out), precision="fp32")
+    assert isinstance(fp32, OpenVinoPairScorer) and (fp32.backend, fp32.precision) == ("openvino", "fp32")
+    pixels = _pixels(fp32, 5, seed=7)
+    rows = (torch.arange(2).repeat_interleave(5), torch.arange(5).repeat(2))
+    expected = open_pair_scorer(str(itm_checkpoint)).score_pairs(CAPTIONS, pixels, *rows)
+    torch.testing.assert_close(fp32.score_pairs(CAPTIONS, pixels, *rows), expected, atol=1e-4, rtol=0)
+    int8 = pair_scorer_for(open_encoder(str(out)))  # beside the folder's INT8 encoder, on OpenVINO too
+    assert isinstance(int8, OpenVinoPairScorer) and int8.precision == "int8"
+    assert (int8.score_pairs(CAPTIONS, pixels, *rows) - expected).abs().max() < 0.05
+    with pytest.raises(ConfigError, match="holds exported graphs, which run on openvino, not onnxruntime"):
+        open_pair_scorer(str(out), backend="onnxruntime")
 
 
 @pytest.mark.slow

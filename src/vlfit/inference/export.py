@@ -40,6 +40,7 @@ from vlfit.inference.exported import FORMATS, MANIFEST_NAME, TOWERS, ExportFolde
 from vlfit.inference.identity import library_versions
 from vlfit.inference.quantize import (
     compress_openvino_weights,
+    convert_to_openvino,
     quantize_onnx_image,
     quantize_onnx_text,
     quantize_openvino,
@@ -126,13 +127,6 @@ def export_onnx_towers(loaded: TorchEncoder, folder: str, opset: int = DEFAULT_O
         )
         program.save(paths["text"])
     return paths
-
-
-def convert_to_openvino(onnx_path: str, xml_path: str) -> None:
-    """An ONNX graph as OpenVINO IR, weights kept in fp32 (``compress_to_fp16`` would halve their precision)."""
-    import openvino as ov
-
-    ov.save_model(ov.convert_model(onnx_path), xml_path, compress_to_fp16=False)
 
 
 # ---------------------------------------------------------------------------------------------- measuring
@@ -344,14 +338,11 @@ def no_space_for_export(
 def _export_matching_graph(
     loaded: TorchEncoder, staging: str, manifest: dict[str, Any], settings: ExportSettings, samples: Samples
 ) -> None:
-    """The fused tower and ITM head as ``itm.onnx`` when the model has a matching head
+    """The fused tower and ITM head as ``itm.onnx`` (``itm.xml`` for OpenVINO) when the model has a matching head
     (``vlfit.inference.export_itm``)."""
     from vlfit.models.itm import has_itm_head
 
     if not has_itm_head(loaded.model):
-        return
-    if settings.format != "onnx":
-        logger.warning("the matching head is exported with --format onnx only: %s gets no itm graph", settings.format)
         return
     from vlfit.inference.export_itm import export_itm_graph  # only here: it imports transformers' models
 
@@ -363,6 +354,8 @@ def _export_matching_graph(
         quantize=settings.quantize == "int8",
         samples=samples,
         tolerance=settings.itm_tolerance,
+        fmt=settings.format,
+        onnx_dir=os.path.join(staging, "onnx") if settings.format == "openvino" else None,
     )
 
 

@@ -1,4 +1,5 @@
-"""``vlfit export``'s matching graph: BridgeTower's fused tower and ITM head as ``itm.onnx``, checked against PyTorch.
+"""``vlfit export``'s matching graph: BridgeTower's fused tower and ITM head as ``itm.onnx`` (or, with ``--format
+openvino``, that graph converted to ``itm.xml``), checked against PyTorch.
 
 Where the graph is cut. Re-ranking has, for each query, the query (a caption or an image) and its K candidates, as
 tokens and uint8 pixels. The cross-modal layers read the unimodal encoders' states at every bridged depth
@@ -41,8 +42,8 @@ from vlfit.inference.backends import TorchEncoder
 from vlfit.inference.export_samples import Samples
 from vlfit.inference.exported import ExportFolder, ExportParityError, graph_name
 from vlfit.inference.itm_graph import PairScoringGraph
-from vlfit.inference.pair_scorer import ITM_GRAPH, ITM_INPUTS, ITM_OUTPUT, OnnxRuntimePairScorer
-from vlfit.inference.quantize import quantize_onnx_dynamic
+from vlfit.inference.pair_scorer import ITM_GRAPH, ITM_INPUTS, ITM_OUTPUT, exported_pair_scorer
+from vlfit.inference.quantize import compress_openvino_weights, convert_to_openvino, quantize_onnx_dynamic
 from vlfit.inference.towers import IMAGE_INPUT, TEXT_INPUTS
 from vlfit.models.itm import pair_scores
 
@@ -56,7 +57,7 @@ ITM_CANDIDATES = 8
 QUERY_BATCH_SIZES = (1, 3)
 EXAMPLE_TEXTS, EXAMPLE_IMAGES, EXAMPLE_TOKENS = 2, 3, 9
 EXAMPLE_TEXT_ROWS, EXAMPLE_IMAGE_ROWS = (0, 0, 1, 1, 0), (0, 1, 2, 0, 2)
-QUANTIZATION_METHOD = "onnxruntime dynamic (MatMul)"
+QUANTIZATION_METHODS = {"onnx": "onnxruntime dynamic (MatMul)", "openvino": "nncf compress_weights (int8_asym)"}
 
 
 # ----------------------------------------------------------------------------------------------- tracing
@@ -199,6 +200,8 @@ def export_itm_graph(
     quantize: bool,
     samples: Samples,
     tolerance: float,
+    fmt: str = "onnx",
+    onnx_dir: str | None = None,
 ) -> None:
     """Trace the matching graph of ``loaded`` (a model with an ITM head) into ``staging``, check its fp32 parity
     and, with ``quantize``, write and measure its INT8 graph; the manifest gets its graphs, inputs and figures.
@@ -211,6 +214,9 @@ def export_itm_graph(
         quantize: Also write ``itm.int8.onnx``.
         samples: The parity samples.
         tolerance: Largest fp32 log-odds difference to PyTorch accepted (``ExportSettings.itm_tolerance``).
+        fmt: ``onnx``, or ``openvino``: the traced graph (in ``onnx_dir``) converted to ``itm.xml``, its INT8 by
+            NNCF's INT8 weight compression, as the text tower's.
+        onnx_dir: Where the ONNX graph is traced for ``openvino`` (``staging`` when None).
 
     Raises:
         ExportParityError: when the fp32 graph's log-odds differ from PyTorch's by more than ``tolerance``, or it
@@ -218,9 +224,12 @@ def export_itm_graph(
     """
     spec = loaded.spec
     started = time.perf_counter()
-    fp32 = os.path.join(staging, graph_name(ITM_GRAPH, "fp32", "onnx"))
+    traced = os.path.join(onnx_dir or staging, graph_name(ITM_GRAPH, "fp32", "onnx"))
     graph = PairScoringGraph(loaded.model, spec).eval()
-    export_onnx_itm(graph, fp32, spec.image_size, len(spec.tokenizer), spec.max_seq_length, opset)
+    export_onnx_itm(graph, traced, spec.image_size, len(spec.tokenizer), spec.max_seq_length, opset)
+    fp32 = os.path.join(staging, graph_name(ITM_GRAPH, "fp32", fmt))
+    if fmt == "openvino":
+        convert_to_openvino(traced, fp32)
     manifest["graphs"][ITM_GRAPH] = {"fp32": os.path.basename(fp32)}
     entries = itm_manifest_entries(spec.image_size)
     manifest["inputs"][ITM_GRAPH], manifest["itm_output"] = entries["inputs"], entries["output"]
@@ -245,10 +254,13 @@ def export_itm_graph(
         )
     if quantize:
         started = time.perf_counter()
-        int8 = os.path.join(staging, graph_name(ITM_GRAPH, "int8", "onnx"))
-        quantize_onnx_dynamic(fp32, int8)
+        int8 = os.path.join(staging, graph_name(ITM_GRAPH, "int8", fmt))
+        if fmt == "openvino":
+            compress_openvino_weights(fp32, int8)
+        else:
+            quantize_onnx_dynamic(fp32, int8)
         manifest["graphs"][ITM_GRAPH]["int8"] = os.path.basename(int8)
-        manifest.setdefault("quantization", {})[ITM_GRAPH] = QUANTIZATION_METHOD
+        manifest.setdefault("quantization", {})[ITM_GRAPH] = QUANTIZATION_METHODS[fmt]
         seconds += time.perf_counter() - started
         parity["int8"] = agreement_figures(reference, _graph_scores(staging, manifest, "int8", samples, candidates))
     parity["export_seconds"] = round(seconds, 1)
@@ -257,5 +269,5 @@ def export_itm_graph(
 
 def _graph_scores(staging: str, manifest: dict[str, Any], precision: str, samples: Samples, candidates: int
                   ) -> torch.Tensor:  # fmt: skip
-    scorer = OnnxRuntimePairScorer(ExportFolder(staging, manifest), precision)
+    scorer = exported_pair_scorer(ExportFolder(staging, manifest), precision)
     return score_parity_pairs(samples, scorer.spec.tokenize, scorer.score_tokens, candidates)

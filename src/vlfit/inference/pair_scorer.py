@@ -1,5 +1,5 @@
-"""Matching log-odds of (caption, image) pairs on PyTorch or ONNX Runtime, behind one interface: what re-ranking
-calls.
+"""Matching log-odds of (caption, image) pairs on PyTorch, ONNX Runtime or OpenVINO, behind one interface: what
+re-ranking calls.
 
 A ``PairScorer`` takes what the fast CPU pipeline makes, captions (strings, or token ids with their attention
 mask) and uint8 pixels ``[Ni, 3, H, W]``, and returns the float32 log-odds of a match (``match - no match`` logit
@@ -8,8 +8,9 @@ the images (``text_rows[i]``, ``image_rows[i]``), so each caption and each image
 however many pairs it is in: re-ranking K images for one caption is ``score_pairs([caption], images,
 text_rows=[0] * K, image_rows=range(K))``. Without rows, caption ``i`` pairs with image ``i``.
 
-``vlfit.inference.itm_graph.PairScoringGraph`` is what both backends run: PyTorch eagerly, ONNX Runtime as the
-``itm.onnx`` graph ``vlfit export`` traced from it (``vlfit.inference.export_itm``). ``open_pair_scorer`` opens the
+``vlfit.inference.itm_graph.PairScoringGraph`` is what every backend runs: PyTorch eagerly, ONNX Runtime as the
+``itm.onnx`` graph ``vlfit export`` traced from it (``vlfit.inference.export_itm``), OpenVINO as that graph
+converted (``itm.xml``). ``open_pair_scorer`` opens the
 scorer of a checkpoint or export folder, as ``vlfit.inference.backends.open_encoder`` opens its encoder;
 ``pair_scorer_for`` gives the scorer beside an encoder already open. A model without a matching head has no
 scorer: ``pair_scorer_for`` returns None and ``open_pair_scorer`` refuses it in one line (``NoMatchingHeadError``).
@@ -30,11 +31,12 @@ from vlfit.inference.backends import (
     PRECISION_CHOICES,
     Encoder,
     OnnxRuntimeEncoder,
+    OpenVinoEncoder,
     TorchEncoder,
     onnx_session,
     open_encoder,
 )
-from vlfit.inference.exported import ExportFolder
+from vlfit.inference.exported import ExportFolder, graph_name
 from vlfit.inference.identity import RefusedModelError
 from vlfit.inference.towers import IMAGE_INPUT, TEXT_INPUTS
 from vlfit.models.family import InputSpec
@@ -44,7 +46,7 @@ ITM_GRAPH = "itm"  # the graph's key in the export manifest and its file name (i
 ROW_INPUTS = ("text_rows", "image_rows")
 ITM_INPUTS = (*TEXT_INPUTS, IMAGE_INPUT, *ROW_INPUTS)
 ITM_OUTPUT = "match_log_odds"
-SCORER_BACKENDS = ("auto", "torch", "onnxruntime")
+SCORER_BACKENDS = ("auto", "torch", "onnxruntime", "openvino")
 NO_HEAD_ADVICE = (
     "re-ranking needs a model with an image-text matching head: train one with vlfit train --objective "
     "contrastive+itm (BridgeTower)"
@@ -59,7 +61,7 @@ class PairScorer(ABC):
     """Scores (caption, image) pairs by the matching head.
 
     Attributes:
-        backend: ``torch`` or ``onnxruntime``.
+        backend: ``torch``, ``onnxruntime`` or ``openvino``.
         precision: ``fp32`` or ``int8`` (PyTorch: ``fp32``).
         model_path: The checkpoint or export folder.
         spec: Image size, mean, std, tokenizer and caption length.
@@ -180,7 +182,34 @@ class TorchPairScorer(PairScorer):
         return self.graph(input_ids, attention_mask, pixels, text_rows, image_rows)
 
 
-class OnnxRuntimePairScorer(PairScorer):
+class _ExportedPairScorer(PairScorer):
+    """The ``itm`` graph of an export folder, of the precision asked (``auto``: INT8 when exported).
+
+    Raises:
+        NoMatchingHeadError: when the folder has no ``itm`` graph.
+        RefusedModelError: when it has none of ``precision``.
+    """
+
+    def __init__(self, exported: ExportFolder, precision: str = "auto") -> None:
+        precisions = exported_itm_precisions(exported)
+        if not precisions:
+            raise NoMatchingHeadError(
+                f"{exported.path} has no image-text matching graph ({graph_name(ITM_GRAPH, 'fp32', exported.format)}"
+                f"): its checkpoint has no matching head, or it was exported by an older vlfit; {NO_HEAD_ADVICE}, "
+                "then export it again"
+            )
+        if precision == "auto":
+            precision = "int8" if "int8" in precisions else "fp32"
+        self.precision = precision
+        self.model_path = exported.path
+        self.exported = exported
+        self.spec = exported.input_spec()
+
+    def _feeds(self, values: Sequence[torch.Tensor]) -> dict[str, np.ndarray]:
+        return {name: np.ascontiguousarray(value.numpy()) for name, value in zip(ITM_INPUTS, values, strict=True)}
+
+
+class OnnxRuntimePairScorer(_ExportedPairScorer):
     """The ``itm`` graph of an exported ONNX folder on ONNX Runtime's CPU provider.
 
     Args:
@@ -188,10 +217,6 @@ class OnnxRuntimePairScorer(PairScorer):
         precision: ``fp32``, ``int8`` or ``auto`` (INT8 when exported).
         num_threads: Intra-op threads (``None``: ONNX Runtime's default).
         allow_spinning: Let idle intra-op threads spin-wait for the next call (see ``OnnxRuntimeEncoder``).
-
-    Raises:
-        NoMatchingHeadError: when the folder has no ``itm`` graph.
-        RefusedModelError: when it has none of ``precision``.
     """
 
     backend = "onnxruntime"
@@ -204,26 +229,48 @@ class OnnxRuntimePairScorer(PairScorer):
         allow_spinning: bool = True,
     ) -> None:
         require_extra("export", "the onnxruntime backend", ("onnxruntime",))
-        precisions = exported_itm_precisions(exported)
-        if not precisions:
-            raise NoMatchingHeadError(
-                f"{exported.path} has no image-text matching graph ({ITM_GRAPH}.onnx): its checkpoint has no "
-                f"matching head, or it was exported as {exported.format} or by an older vlfit; {NO_HEAD_ADVICE}, "
-                "then export it with vlfit export --format onnx"
-            )
-        if precision == "auto":
-            precision = "int8" if "int8" in precisions else "fp32"
-        self.precision = precision
-        self.model_path = exported.path
-        self.exported = exported
-        self.spec = exported.input_spec()
-        self.session = onnx_session(exported.graph_path(ITM_GRAPH, precision), num_threads, allow_spinning)
+        super().__init__(exported, precision)
+        self.session = onnx_session(exported.graph_path(ITM_GRAPH, self.precision), num_threads, allow_spinning)
 
     def score_tokens(self, input_ids, attention_mask, pixels, text_rows, image_rows) -> torch.Tensor:  # type: ignore[no-untyped-def]
-        values = (input_ids, attention_mask, pixels, text_rows, image_rows)
-        feeds = {name: np.ascontiguousarray(value.numpy()) for name, value in zip(ITM_INPUTS, values, strict=True)}
-        (out,) = self.session.run(None, feeds)
+        (out,) = self.session.run(None, self._feeds((input_ids, attention_mask, pixels, text_rows, image_rows)))
         return torch.from_numpy(out)
+
+
+class OpenVinoPairScorer(_ExportedPairScorer):
+    """The ``itm`` graph of an exported OpenVINO folder on the CPU plugin, computing in f32 (the precision its
+    parity was checked in).
+
+    Args:
+        exported: The export folder.
+        precision: ``fp32``, ``int8`` or ``auto`` (INT8 when exported).
+        num_threads: ``INFERENCE_NUM_THREADS`` (``None``: the plugin's default).
+    """
+
+    backend = "openvino"
+
+    def __init__(self, exported: ExportFolder, precision: str = "auto", num_threads: int | None = None) -> None:
+        require_extra("export", "the openvino backend", ("openvino",))
+        import openvino as ov
+
+        super().__init__(exported, precision)
+        config: dict[str, object] = {"INFERENCE_PRECISION_HINT": "f32"}
+        if num_threads:
+            config["INFERENCE_NUM_THREADS"] = num_threads
+        self.compiled = ov.Core().compile_model(exported.graph_path(ITM_GRAPH, self.precision), "CPU", config)
+
+    def score_tokens(self, input_ids, attention_mask, pixels, text_rows, image_rows) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        feeds = self._feeds((input_ids, attention_mask, pixels, text_rows, image_rows))
+        return torch.from_numpy(np.asarray(self.compiled(feeds)[self.compiled.output(0)], dtype=np.float32))
+
+
+def exported_pair_scorer(
+    exported: ExportFolder, precision: str = "auto", *, num_threads: int | None = None, allow_spinning: bool = True
+) -> PairScorer:
+    """The scorer of an export folder's ``itm`` graph on the folder's runtime (ONNX Runtime or OpenVINO)."""
+    if exported.format == "openvino":
+        return OpenVinoPairScorer(exported, precision, num_threads=num_threads)
+    return OnnxRuntimePairScorer(exported, precision, num_threads=num_threads, allow_spinning=allow_spinning)
 
 
 def exported_itm_precisions(exported: ExportFolder) -> tuple[str, ...]:
@@ -236,18 +283,18 @@ def pair_scorer_for(encoder: Encoder, *, num_threads: int | None = None) -> Pair
     """The pair scorer beside an open encoder, on the same backend; None when its model has no matching head.
 
     A PyTorch encoder's scorer shares its model; an ONNX Runtime encoder's scorer runs the folder's ``itm`` graph
-    of the encoder's precision (fp32 when that precision has none). OpenVINO folders have no ``itm`` graph.
+    of the encoder's precision (fp32 when that precision has none), an OpenVINO encoder's the same on OpenVINO.
     """
     if isinstance(encoder, TorchEncoder):
         from vlfit.models.itm import has_itm_head
 
         return TorchPairScorer(encoder) if has_itm_head(encoder.model) else None
-    if isinstance(encoder, OnnxRuntimeEncoder):
+    if isinstance(encoder, (OnnxRuntimeEncoder, OpenVinoEncoder)):
         precisions = exported_itm_precisions(encoder.exported)
         if not precisions:
             return None
         precision = encoder.precision if encoder.precision in precisions else "fp32"
-        return OnnxRuntimePairScorer(encoder.exported, precision, num_threads=num_threads)
+        return exported_pair_scorer(encoder.exported, precision, num_threads=num_threads)
     return None
 
 
@@ -259,11 +306,11 @@ def open_pair_scorer(
     num_threads: int | None = None,
     allow_spinning: bool = True,
 ) -> PairScorer:
-    """The pair scorer of a checkpoint folder (PyTorch) or an ONNX export folder (ONNX Runtime).
+    """The pair scorer of a checkpoint folder (PyTorch) or an export folder (ONNX Runtime or OpenVINO).
 
     Args:
         model: A checkpoint folder or a folder ``vlfit export`` wrote, or what it parsed to.
-        backend: ``auto`` (the folder's own), ``torch`` or ``onnxruntime``.
+        backend: ``auto`` (the folder's own), ``torch``, ``onnxruntime`` or ``openvino``.
         precision: For exported graphs: ``auto`` (INT8 when present), ``fp32`` or ``int8``.
         num_threads: Threads of the runtime.
         allow_spinning: ONNX Runtime's idle threads spin-wait for the next call.
@@ -276,19 +323,19 @@ def open_pair_scorer(
         raise ConfigError(f"unknown --precision {precision!r}; choose one of: {', '.join(PRECISION_CHOICES)}")
     if backend not in SCORER_BACKENDS:
         raise ConfigError(
-            f"unknown --backend {backend!r} for pair scoring; choose one of: {', '.join(SCORER_BACKENDS)} (export "
-            "with vlfit export --format onnx for a graph of the matching head)"
+            f"unknown --backend {backend!r} for pair scoring; choose one of: {', '.join(SCORER_BACKENDS)}"
         )
     if not isinstance(model, ModelReference):
         model = parse_model_reference(model, flag="--model", kinds=FOLDER_KINDS)
     if model.kind == "export":
-        if backend == "torch":
+        exported = ExportFolder.open(model.path)
+        runtime = "openvino" if exported.format == "openvino" else "onnxruntime"
+        if backend not in ("auto", runtime):
             raise RefusedModelError(
-                f"{model.path} holds exported graphs, which run on onnxruntime, not torch; use --backend onnxruntime "
+                f"{model.path} holds exported graphs, which run on {runtime}, not {backend}; use --backend {runtime} "
                 "(or auto), or pass the checkpoint it was exported from"
             )
-        exported = ExportFolder.open(model.path)
-        return OnnxRuntimePairScorer(exported, precision, num_threads=num_threads, allow_spinning=allow_spinning)
+        return exported_pair_scorer(exported, precision, num_threads=num_threads, allow_spinning=allow_spinning)
     encoder = open_encoder(model, backend, precision, num_threads=num_threads)
     assert isinstance(encoder, TorchEncoder)  # a checkpoint or adapters: open_encoder refuses them on onnxruntime
     return TorchPairScorer(encoder)

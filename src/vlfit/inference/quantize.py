@@ -1,4 +1,5 @@
-"""INT8 graphs from fp32 ones: ONNX Runtime quantization for ONNX, NNCF post-training quantization for OpenVINO.
+"""INT8 graphs from fp32 ones: ONNX Runtime quantization for ONNX, NNCF post-training quantization for OpenVINO
+(and ``convert_to_openvino``, the fp32 OpenVINO graph of an ONNX one).
 
 - Text tower, ONNX: dynamic quantization (weights INT8 ahead of time, activation ranges computed per call), which
   needs no calibration data and suits inputs of varying length.
@@ -9,11 +10,12 @@
   embedding, additions, normalizations) cost far more accuracy in a trial (cosine 0.90 to fp32, against 0.9997).
 - OpenVINO, image tower: ``nncf.quantize`` with the transformer model type (accuracy-sensitive operations kept
   in floating point, SmoothQuant), calibrated on the same images.
-- OpenVINO, text tower: ``nncf.compress_weights``, INT8 weights with floating-point activations, the OpenVINO
-  counterpart of ONNX Runtime's dynamic quantization. Full post-training quantization did not work for it: with
-  the transformer model type, nncf 3.4 makes a text graph OpenVINO 2026.4's CPU plugin refuses to compile
-  (constant folding fails on a Convert; with or without SmoothQuant, with Converts ignored), and without it the
-  small preset's worst cosine to PyTorch fell to 0.924 (weight compression: 0.99989) in a trial.
+- OpenVINO, text tower and matching graph: ``nncf.compress_weights``, INT8 weights with floating-point
+  activations, the OpenVINO counterpart of ONNX Runtime's dynamic quantization. Full post-training quantization
+  did not work for the text tower: with the transformer model type, nncf 3.4 makes a text graph OpenVINO 2026.4's
+  CPU plugin refuses to compile (constant folding fails on a Convert; with or without SmoothQuant, with Converts
+  ignored), and without it the small preset's worst cosine to PyTorch fell to 0.924 (weight compression: 0.99989)
+  in a trial.
 """
 
 from __future__ import annotations
@@ -112,3 +114,10 @@ def compress_openvino_weights(source: str, destination: str) -> None:
     logging.getLogger("nncf").setLevel(logging.ERROR)
     compressed = nncf.compress_weights(ov.Core().read_model(source), mode=nncf.CompressWeightsMode.INT8_ASYM)
     ov.save_model(compressed, destination, compress_to_fp16=False)
+
+
+def convert_to_openvino(onnx_path: str, xml_path: str) -> None:
+    """An ONNX graph as OpenVINO IR, weights kept in fp32 (``compress_to_fp16`` would halve their precision)."""
+    import openvino as ov
+
+    ov.save_model(ov.convert_model(onnx_path), xml_path, compress_to_fp16=False)
