@@ -186,10 +186,11 @@ def test_fsdp_on_two_cpu_processes_shards_trains_as_ddp_and_saves_a_checkpoint(
 
 
 @pytest.mark.slow
-def test_the_matching_objective_under_fsdp_trains_as_under_ddp(tmp_path, synthetic_dataset_dir):
-    """--objective contrastive+itm scores mined negatives with the fused tower outside the root forward: under FSDP2
-    it gives DDP's losses, and the saved folder keeps the matching head."""
-    itm = ["--objective", "contrastive+itm", "--num_train_epochs", "1"]
+def test_the_matching_objective_and_hard_negatives_under_fsdp_train_as_under_ddp(tmp_path, synthetic_dataset_dir):
+    """--objective contrastive+itm scores mined negatives with the fused tower, and --hard_negative_column embeds
+    each row's alternative captions, outside the root forward: under FSDP2 they give DDP's losses, and the saved
+    folder keeps the matching head."""
+    itm = ["--objective", "contrastive+itm", "--num_train_epochs", "1", "--hard_negative_column", "caption_choices"]
     ddp = _torchrun_train(tmp_path / "ddp", [*_shared_flags(synthetic_dataset_dir, tmp_path / "ddp_model"), *itm])
     flags = [*_shared_flags(synthetic_dataset_dir, tmp_path / "model"), *itm, *FSDP_FLAGS]
     fsdp = _torchrun_train(tmp_path / "fsdp", flags)
@@ -207,17 +208,6 @@ def test_fsdp_in_one_process_stops_in_one_line(tmp_path, synthetic_dataset_dir, 
     assert main(["train", *_common(synthetic_dataset_dir, tmp_path / "o"), *FSDP_FLAGS]) == 2
     assert "--fsdp shards the model over processes: launch at least two" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
-
-
-def test_fsdp_with_hard_negatives_is_refused_before_the_data_opens(tmp_path, synthetic_dataset_dir):
-    from vlfit.arguments import DataArguments, ModelArguments
-    from vlfit.training.run import setup_run
-
-    args = VlfitTrainingArguments(output_dir=str(tmp_path / "o"), do_train=True, report_to="none")
-    args.fsdp = ["full_shard"]  # as a two-process launch has it (one process refuses --fsdp outright)
-    data = DataArguments(dataset_name=synthetic_dataset_dir, hard_negative_column="caption_choices")
-    with pytest.raises(ValueError, match="--hard_negative_column with --fsdp is not supported"):
-        setup_run(ModelArguments(model_preset="tiny"), data, args)
 
 
 @pytest.mark.slow

@@ -93,11 +93,6 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
     """Open the run's data, resolve the model (training a preset's tokenizer once) and build the input pipeline."""
     if not (training_args.do_train or training_args.do_eval):
         raise ConfigError("nothing to do: pass --do_train and/or --do_eval")
-    if training_args.fsdp and data_args.hard_negative_column and training_args.do_train:
-        raise ConfigError(
-            "--hard_negative_column with --fsdp is not supported: hard negatives are embedded outside the model's "
-            "forward, where FSDP holds only shards of the weights; drop one of the two"
-        )
     set_seed(training_args.seed)
     if training_args.do_train and data_args.streams_training():
         _check_streamed_training(training_args)
