@@ -298,3 +298,25 @@ def test_each_process_draws_its_rows_of_one_noise_matrix():
     for offset, rows in ((0, 4), (4, 3), (2, 1)):
         torch.testing.assert_close(noise_rows(5, 7, offset, rows, torch.device("cpu"), block=3),
                                    whole[:, offset : offset + rows], rtol=0, atol=0)  # fmt: skip
+
+
+def test_a_batch_without_any_negative_scores_its_positives_and_runs_every_pass():
+    """Every row showing one image leaves no image to mine, and rows without alternative captions add none: the
+    loss scores the positives alone, and the passes still run (weighed by nothing) so that every process of an FSDP
+    run calls the same layers."""
+    model = _model()
+    expose_logit_scale(model)
+    inputs = _with_alternatives(_inputs())
+    inputs[IMAGE_KEYS] = torch.zeros(6, dtype=torch.long)  # one image
+    inputs[HARD_NEGATIVE_ATTENTION_MASK] = torch.zeros_like(inputs[HARD_NEGATIVE_ATTENTION_MASK])  # no alternatives
+    outputs = model(**{k: inputs[k] for k in ("input_ids", "attention_mask", "pixel_values")}, return_loss=False)
+    assert matching_loss(model, outputs, inputs).pairs == 6
+    calls = []
+    for layer in model.bridgetower.cross_modal_text_layers:
+        layer.register_forward_hook(lambda *args: calls.append(1))
+    loss, terms = contrastive_and_matching_loss(BridgeTowerFamily(), model, inputs)
+    assert len(calls) == 3 * len(model.bridgetower.cross_modal_text_layers)  # the forward, mined, alternatives
+    loss.backward()
+    grads = _grads(model)
+    assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads.values())
+    assert grads["itm_score.fc.weight"].abs().sum() > 0  # the positives still train the head

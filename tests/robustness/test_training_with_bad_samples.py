@@ -98,6 +98,21 @@ def test_bad_samples_are_replaced_counted_reported_and_left_out_of_eval(tmp_path
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the preemption handlers were removed
 
 
+def test_the_matching_objective_replaces_and_counts_bad_samples_as_the_contrastive_one(
+    tmp_path: Path, dirty_dataset: str
+) -> None:
+    out = tmp_path / "run"
+    argv = _argv(dirty_dataset, out, "--num_train_epochs", "1", "--max_bad_fraction", "0.1", "--objective",
+                 "contrastive+itm")  # fmt: skip
+    assert main(argv) == 0
+    records = [json.loads(line) for line in (out / "bad_samples.jsonl").read_text().splitlines()]
+    assert {r["id"] for r in records} == {f"t-{i}" for i in BAD_TRAIN}
+    assert json.loads((out / "train_results.json").read_text())["train_bad_samples"] == len(records)
+    state = json.loads((out / "trainer_state.json").read_text())
+    itm = [entry["loss_itm"] for entry in state["log_history"] if "loss_itm" in entry]
+    assert itm and all(0 < loss < 5 for loss in itm)  # a substitute duplicating a row is never its negative
+
+
 def test_two_processes_count_every_bad_sample_and_evaluate_as_one_process(tmp_path: Path, dirty_dataset: str) -> None:
     """Training: each process reports the bad samples it read, and the run's metrics sum them. Evaluation: two
     processes whose batches lose different numbers of bad samples score the split as one process does.

@@ -107,23 +107,30 @@ def draw_alternatives(valid: torch.Tensor, seed: int, offset: int, total: int) -
 
 
 def alternative_caption_logits(model: Any, states: UnimodalStates, inputs: Mapping[str, torch.Tensor], seed: int,
-                               offset: int, total: int) -> torch.Tensor:  # fmt: skip
+                               offset: int, total: int) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """The matching head's logits of each image with one of its row's own alternative captions
     (``--hard_negative_column``: captions that differ from the image's by an attribute), drawn uniformly among the
     row's alternatives; rows without any add no pair.
 
     The draw depends on the seed and the row's place in the global batch (``offset`` of ``total`` rows), not on
     how many alternatives other rows have, so one process and two draw the same captions.
+
+    Returns:
+        The logits ``[n, 2]``, and when no row has an alternative a zero to add to the loss: the passes then ran on
+        the first row's own caption and image, weighed by nothing, so every process calls the same layers (FSDP
+        gathers their weights inside the calls).
     """
     ids, mask = inputs[HARD_NEGATIVE_INPUT_IDS], inputs[HARD_NEGATIVE_ATTENTION_MASK]  # [B, K, L]
     valid = mask.bool().any(dim=-1)
     slot = draw_alternatives(valid, seed, offset, total)
     rows = valid.any(dim=1).nonzero().squeeze(1)
     if not len(rows):
-        return states.text.new_zeros((0, 2))
-    caption_ids, caption_mask = ids[rows, slot[rows]], mask[rows, slot[rows]]
-    pairs = UnimodalStates(text_states(model, caption_ids, caption_mask), caption_mask, states.image[rows])
-    return model.itm_score(fused_pooled_output(model, pairs))
+        caption_ids, caption_mask, images = inputs["input_ids"][:1], inputs["attention_mask"][:1], states.image[:1]
+    else:
+        caption_ids, caption_mask, images = ids[rows, slot[rows]], mask[rows, slot[rows]], states.image[rows]
+    pairs = UnimodalStates(text_states(model, caption_ids, caption_mask), caption_mask, images)
+    logits = model.itm_score(fused_pooled_output(model, pairs))
+    return (logits[:0], logits.sum() * 0) if not len(rows) else (logits, None)
 
 
 def _gather_states(states: UnimodalStates, world: int) -> tuple[UnimodalStates, int, int]:
@@ -182,11 +189,20 @@ def matching_loss(
     own = torch.arange(rows, device=device)
     text_rows = torch.cat([own[image_found] + offset, negative_text[text_found]])
     image_rows = torch.cat([negative_image[image_found], own[text_found] + offset])
+    # No row had a candidate (every row shows one image): the fused pass still runs, on the first own pair weighed
+    # by nothing, so every process calls the same layers (FSDP gathers their weights inside the calls).
+    placeholder = not len(text_rows)
+    if placeholder:
+        text_rows = image_rows = own[:1] + offset
     negatives = UnimodalStates(every.text[text_rows], every.text_mask[text_rows], every.image[image_rows])
     # Captions padded to another process's length: their extra positions are masked out.
-    negative_logits = [unwrapped.itm_score(fused_pooled_output(unwrapped, negatives))]
+    mined = unwrapped.itm_score(fused_pooled_output(unwrapped, negatives))
+    unweighed = mined.sum() * 0 if placeholder else None
+    negative_logits = [mined[:0] if placeholder else mined]
     if HARD_NEGATIVE_INPUT_IDS in inputs:
-        negative_logits.append(alternative_caption_logits(unwrapped, states, inputs, seed, offset, total))
+        alternatives, none = alternative_caption_logits(unwrapped, states, inputs, seed, offset, total)
+        negative_logits.append(alternatives)
+        unweighed = none if unweighed is None else unweighed + none
     logits = torch.cat([outputs.itm_logits, *negative_logits]).float()
     negative_count = sum(len(part) for part in negative_logits)
     labels = torch.cat([torch.ones(rows, dtype=torch.long, device=device),
@@ -195,6 +211,8 @@ def matching_loss(
     if world > 1:
         dist.all_reduce(pairs)
     loss = F.cross_entropy(logits, labels, reduction="sum") * (world / pairs[0])
+    if unweighed is not None:
+        loss = loss + unweighed
     accuracy = (logits.detach().argmax(dim=1) == labels).float().mean()
     return MatchingLoss(loss, accuracy, len(labels))
 

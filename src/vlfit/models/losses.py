@@ -179,7 +179,11 @@ def embed_hard_negatives(
     ids = input_ids.reshape(rows * slots, length)[flat_valid]
     mask = attention_mask.reshape(rows * slots, length)[flat_valid]
     if not len(ids):
-        return HardNegatives(input_ids.new_zeros((rows, slots, 1), dtype=torch.float32), valid)
+        # The text tower still runs, on one token weighed by nothing, so every process calls the same layers
+        # (FSDP gathers their weights inside the calls).
+        one = input_ids[:1, 0, :1]
+        unweighed = encode_text(one, torch.ones_like(one)).sum() * 0
+        return HardNegatives(input_ids.new_zeros((rows, slots, 1), dtype=torch.float32) + unweighed, valid)
     embeds = encode_text(ids, mask)
     laid_out = embeds.new_zeros((rows * slots, embeds.shape[-1])).index_copy(0, flat_valid.nonzero().squeeze(1), embeds)
     return HardNegatives(laid_out.view(rows, slots, -1), valid)
