@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -278,3 +279,26 @@ def test_a_build_over_a_damaged_index_embeds_the_damaged_shards_items_again(tiny
     assert "embedded again at the end of the index: the rows after it move" in caplog.text
     for item, embedding in zip(moved.ids(), moved.embeddings(), strict=True):
         torch.testing.assert_close(embedding, rows[item])
+
+
+@pytest.mark.slow
+def test_a_repaired_shard_that_lost_an_image_says_the_rows_after_it_move(tiny_checkpoint, image_folder, tmp_path,
+                                                                          caplog) -> None:  # fmt: skip
+    images = tmp_path / "images"
+    shutil.copytree(image_folder / "validation", images)
+    build = ["retrieve", "index", "--model", str(tiny_checkpoint), "--images", str(images), "--output_dir",
+             str(tmp_path / "index"), "--shard_size", "4", "--batch_size", "2", "--dataloader_num_workers", "0",
+             "--disable_tqdm", "true"]  # fmt: skip
+    assert main(build) == 0
+    folder = str(tmp_path / "index")
+    before = EmbeddingIndex(folder)
+    ids, second = before.ids(), before.manifest.shards[1]
+    lost = before.shard_ids(second)[0]
+    (images / lost).write_bytes(b"not a jpeg any more")  # the image the repair would read again
+    shard = Path(folder) / second["embeddings"]
+    shard.write_bytes(shard.read_bytes()[:50])
+    caplog.clear()
+    assert main(build) == 0
+    assert open_index(folder, "full").ids() == [item for item in ids if item != lost]
+    assert f"{second['embeddings']} held 4 items; 3 of them were embedded again" in caplog.text
+    assert "the rows after it move up by 1" in caplog.text

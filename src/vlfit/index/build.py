@@ -206,6 +206,11 @@ def _repair_damaged_shards(
             else:
                 parts = _embed_shards(encoder, source, [old[position]["source"]], number, manifest.storage, alone)
             (part,) = list(parts)
+            rows = int(part.entry["count"]) if part.entry is not None else 0
+            if rows < len(ids):  # images unreadable now: the rows of the shards after it move up
+                logger.warning("%s held %d items; %d of them were embedded again (the rest are bad now, listed in "
+                               "the manifest): the rows after it move up by %d", old[position]["embeddings"],
+                               len(ids), rows, len(ids) - rows)  # fmt: skip
             manifest.bad_samples.extend(part.bad_samples)
             if part.entry is not None and "source" in old[position]:
                 part.entry["source"] = old[position]["source"]
