@@ -7,7 +7,6 @@ import json
 import multiprocessing
 import re
 import signal
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 from transformers import TrainingArguments
 
 from tests.robustness.bad_corpus import ListSource, bad_images, valid_images
-from tests.training.train_runs import single_torch_thread, torchrun_command, torchrun_env
+from tests.training.train_runs import run_torchrun, single_torch_thread
 from vlfit.cli import main
 from vlfit.data.bad_samples import BadSampleError
 from vlfit.data.pipeline import InputPipeline, PipelineOptions
@@ -122,15 +121,7 @@ def test_two_processes_count_every_bad_sample_and_evaluate_as_one_process(tmp_pa
     """
     out = tmp_path / "run"
     eval_flags = ["--per_device_eval_batch_size", "4", "--dataloader_num_workers", "0"]
-    done = subprocess.run(
-        torchrun_command(
-            "-m", "vlfit", *_argv(dirty_dataset, out, "--num_train_epochs", "1", "--do_eval", *eval_flags)
-        ),  # fmt: skip
-        env=torchrun_env(),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    done = run_torchrun("-m", "vlfit", *_argv(dirty_dataset, out, "--num_train_epochs", "1", "--do_eval", *eval_flags))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     reports = [out / "bad_samples.jsonl", out / "bad_samples_1.jsonl"]
     records = [json.loads(line) for report in reports for line in report.read_text().splitlines()]

@@ -5,7 +5,6 @@ its next collective)."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import optuna
@@ -14,7 +13,7 @@ from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState
 
 from tests.search.search_runs import STUDY, load_trials, search_argv, write_space
-from tests.training.train_runs import torchrun_command, torchrun_env
+from tests.training.train_runs import run_torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -38,10 +37,7 @@ def test_torchrun_trains_each_trial_on_every_process_and_prunes_on_both(
     )
     argv = search_argv(synthetic_dataset_dir, out, write_space(tmp_path, space), "--n_trials", "2")
     argv += ["--pruner", "median", "--pruner_startup_trials", "1", "--per_device_train_batch_size", "4"]
-    done = subprocess.run(
-        torchrun_command("-m", "vlfit", "search", *argv), env=torchrun_env(), capture_output=True, text=True,
-        timeout=TIMEOUT,
-    )  # fmt: skip
+    done = run_torchrun("-m", "vlfit", "search", *argv, timeout=TIMEOUT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
     trials = load_trials(out)

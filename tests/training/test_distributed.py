@@ -21,7 +21,7 @@ from transformers import (
 )
 
 from tests.training.recording import weights_digest
-from tests.training.train_runs import free_port, torchrun_command, torchrun_env
+from tests.training.train_runs import free_port, run_torchrun, torchrun_env
 from vlfit.cli import main
 from vlfit.training import throughput
 from vlfit.training.arguments import VlfitTrainingArguments
@@ -35,13 +35,7 @@ TIMEOUT = 240  # a guard against hangs, far above the time a run takes
 
 def _torchrun_train(record_dir: Path, flags: list[str]) -> list[dict]:
     record_dir.mkdir()
-    done = subprocess.run(
-        torchrun_command(RECORDING, "train", *flags),
-        env=torchrun_env(VLFIT_RECORD_DIR=str(record_dir)),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
+    done = run_torchrun(RECORDING, "train", *flags, env=torchrun_env(VLFIT_RECORD_DIR=str(record_dir)), timeout=TIMEOUT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return [json.loads((record_dir / f"rank{rank}.json").read_text()) for rank in range(2)]
 
@@ -74,9 +68,11 @@ def _two_node_train(record_dir: Path, flags: list[str]) -> list[dict]:
                 *flags,
             ],
             env=torchrun_env(VLFIT_RECORD_DIR=str(record_dir)),
+            stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            start_new_session=True,
         )  # fmt: skip
         for node in range(2)
     ]

@@ -46,6 +46,13 @@ def torchrun_command(*args: str, nproc: int = 2) -> list[str]:
             "--master_port", str(free_port()), *args]  # fmt: skip
 
 
+def run_torchrun(*args: str, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``torchrun_command(*args)`` run to its end, its output captured, with no stdin and in a session of its own:
+    nothing it reads or signals reaches the test's process (an xdist worker talks to its controller over stdin)."""
+    return subprocess.run(torchrun_command(*args), env=torchrun_env() if env is None else env, capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+
+
 @contextlib.contextmanager
 def single_torch_thread() -> Iterator[None]:
     """Run torch on one thread: on a shared, loaded machine two OpenMP threads per step can be ten times slower

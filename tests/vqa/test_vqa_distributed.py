@@ -4,11 +4,10 @@ question once, as ``vlfit eval`` of the saved model in one process does."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
-from tests.training.train_runs import torchrun_command, torchrun_env
+from tests.training.train_runs import run_torchrun
 from vlfit.cli import main
 
 pytestmark = pytest.mark.slow
@@ -24,16 +23,10 @@ def test_two_processes_train_and_evaluate_each_question_once(tmp_path, capsys):
                str(QUESTIONS / 120), "--test_fraction", "0", "--min_long_side", "64", "--max_long_side", "96",
                "--num_proc", "1"])  # fmt: skip
     out = tmp_path / "run"
-    done = subprocess.run(
-        torchrun_command("-m", "vlfit", "train", "--task", "vqa", "--model_preset", "tiny", "--dataset_name",
-                         str(data), "--output_dir", str(out), "--max_steps", "4", "--per_device_train_batch_size",
-                         "4", "--per_device_eval_batch_size", "5", "--do_eval", "--report_to", "none",
-                         "--save_strategy", "no", "--disable_tqdm", "true"),
-        env=torchrun_env(),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )  # fmt: skip
+    done = run_torchrun("-m", "vlfit", "train", "--task", "vqa", "--model_preset", "tiny", "--dataset_name", str(data),
+                        "--output_dir", str(out), "--max_steps", "4", "--per_device_train_batch_size", "4",
+                        "--per_device_eval_batch_size", "5", "--do_eval", "--report_to", "none", "--save_strategy",
+                        "no", "--disable_tqdm", "true")  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     distributed = json.loads((out / "eval_results.json").read_text())
     assert distributed["eval_vqa_questions"] == QUESTIONS
