@@ -169,21 +169,6 @@ def onnx_session(path: str, num_threads: int | None = None, allow_spinning: bool
     return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
 
 
-def openvino_model(path: str, inference_precision: str | None = None, num_threads: int | None = None) -> Any:
-    """The OpenVINO graph at ``path`` compiled for the CPU plugin (``inference_precision``: its
-    ``INFERENCE_PRECISION_HINT``, ``None`` for the plugin's default; ``num_threads``: ``INFERENCE_NUM_THREADS``,
-    ``None`` for its default)."""
-    require_extra("export", "the openvino backend", ("openvino",))
-    import openvino as ov
-
-    config: dict[str, Any] = {}
-    if inference_precision:
-        config["INFERENCE_PRECISION_HINT"] = inference_precision
-    if num_threads:
-        config["INFERENCE_NUM_THREADS"] = num_threads
-    return ov.Core().compile_model(path, "CPU", config)
-
-
 class OnnxRuntimeEncoder(_ExportedEncoder):
     """An exported ONNX folder on ONNX Runtime's CPU provider.
 
@@ -243,9 +228,17 @@ class OpenVinoEncoder(_ExportedEncoder):
         num_threads: int | None = None,
     ) -> None:
         require_extra("export", "the openvino backend", ("openvino",))
+        import openvino as ov
+
         super().__init__(exported, precision)
+        config: dict[str, Any] = {}
+        if inference_precision:
+            config["INFERENCE_PRECISION_HINT"] = inference_precision
+        if num_threads:
+            config["INFERENCE_NUM_THREADS"] = num_threads
+        core = ov.Core()
         self.compiled = {
-            tower: openvino_model(exported.graph_path(tower, self.precision), inference_precision, num_threads)
+            tower: core.compile_model(exported.graph_path(tower, self.precision), "CPU", config)
             for tower in ("image", "text")
         }
 

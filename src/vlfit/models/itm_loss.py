@@ -129,13 +129,8 @@ def alternative_caption_logits(model: Any, states: UnimodalStates, inputs: Mappi
     else:
         caption_ids, caption_mask, images = ids[rows, slot[rows]], mask[rows, slot[rows]], states.image[rows]
     pairs = UnimodalStates(text_states(model, caption_ids, caption_mask), caption_mask, images)
-    return _kept(model.itm_score(fused_pooled_output(model, pairs)), placeholder=not len(rows))
-
-
-def _kept(logits: torch.Tensor, *, placeholder: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``logits`` and no zero; or, when they scored a placeholder pair, none of them and a zero tied to them (added
-    to the loss, it keeps the pass in the backward of every process without weighing anything)."""
-    return (logits[:0], logits.sum() * 0) if placeholder else (logits, None)
+    logits = model.itm_score(fused_pooled_output(model, pairs))
+    return (logits[:0], logits.sum() * 0) if not len(rows) else (logits, None)
 
 
 def _gather_states(states: UnimodalStates, world: int) -> tuple[UnimodalStates, int, int]:
@@ -201,10 +196,13 @@ def matching_loss(
         text_rows = image_rows = own[:1] + offset
     negatives = UnimodalStates(every.text[text_rows], every.text_mask[text_rows], every.image[image_rows])
     # Captions padded to another process's length: their extra positions are masked out.
-    scored = [_kept(unwrapped.itm_score(fused_pooled_output(unwrapped, negatives)), placeholder=placeholder)]
+    mined = unwrapped.itm_score(fused_pooled_output(unwrapped, negatives))
+    unweighed = mined.sum() * 0 if placeholder else None
+    negative_logits = [mined[:0] if placeholder else mined]
     if HARD_NEGATIVE_INPUT_IDS in inputs:
-        scored.append(alternative_caption_logits(unwrapped, states, inputs, seed, offset, total))
-    negative_logits = [part for part, _ in scored]
+        alternatives, none = alternative_caption_logits(unwrapped, states, inputs, seed, offset, total)
+        negative_logits.append(alternatives)
+        unweighed = none if unweighed is None else unweighed + none
     logits = torch.cat([outputs.itm_logits, *negative_logits]).float()
     negative_count = sum(len(part) for part in negative_logits)
     labels = torch.cat([torch.ones(rows, dtype=torch.long, device=device),
@@ -213,8 +211,8 @@ def matching_loss(
     if world > 1:
         dist.all_reduce(pairs)
     loss = F.cross_entropy(logits, labels, reduction="sum") * (world / pairs[0])
-    for zero in (zero for _, zero in scored if zero is not None):
-        loss = loss + zero
+    if unweighed is not None:
+        loss = loss + unweighed
     accuracy = (logits.detach().argmax(dim=1) == labels).float().mean()
     return MatchingLoss(loss, accuracy, len(labels))
 
