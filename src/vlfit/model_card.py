@@ -14,7 +14,6 @@ body, never in the metadata (the hub reads those keys as repository ids). The ca
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -250,9 +249,6 @@ def _usage_section(family_name: str, folder_name: str, base_model: str | None, a
     return text + "```python\n" + "\n".join(lines) + "\n" + embed + "\n```\n"
 
 
-# What a VQA folder's config names in ``architectures`` (vlfit.models.vqa.VQA_ARCHITECTURE).
-_VQA_ARCHITECTURE = "BridgeTowerForQuestionAnswering"
-
 _VQA_USAGE = """\
 ## How to use it
 
@@ -300,18 +296,6 @@ print([(config.id2label[int(i)], float(s)) for s, i in zip(top.values, top.indic
 """
 
 
-def _vqa_usage_section(output_dir: str, folder_name: str) -> str | None:
-    """The usage section of a VQA model's folder (its ``config.json`` says so), else None."""
-    try:
-        with open(os.path.join(output_dir, "config.json"), encoding="utf-8") as file:
-            config = json.load(file)
-    except (OSError, ValueError):
-        return None
-    if _VQA_ARCHITECTURE not in (config.get("architectures") or ()):
-        return None
-    return _VQA_USAGE.format(folder=folder_name, answers=len(config.get("id2label") or {}))
-
-
 def write_model_card(
     output_dir: str,
     *,
@@ -326,6 +310,7 @@ def write_model_card(
     adapters: bool = False,
     fine_tuned: bool = True,
     mix: WiseFtMix | None = None,
+    answers: Sequence[str] | None = None,
 ) -> str:
     """Write ``output_dir/README.md``, the model card of a saved model folder (replacing one already there).
 
@@ -344,6 +329,8 @@ def write_model_card(
         fine_tuned: False: the weights are ``base_model``'s, unchanged (a few-shot classifier's linear probe).
         mix: The weights are a WiSE-FT mix (``WiseFtMix``): the card names both endpoints and alpha, and lists the
             endpoints that are hub repositories as ``base_model`` with ``base_model_relation: merge``.
+        answers: The answers of a question-answering model (``vlfit train --task vqa``), in output order: the card
+            shows how to ask it; None for a model that embeds.
 
     Returns:
         The card's path.
@@ -363,7 +350,9 @@ def write_model_card(
         "## How it was made\n",
         f"```bash\n{command_line}\n```\n" if command_line else "The command line was not recorded.\n",
         "".join(f"- {package} {_version_of(package)}\n" for package in ("vlfit", "transformers", "torch")),
-        _vqa_usage_section(output_dir, folder_name) or _usage_section(family_name, folder_name, base_model, adapters),
+        _VQA_USAGE.format(folder=folder_name, answers=len(answers))
+        if answers is not None
+        else _usage_section(family_name, folder_name, base_model, adapters),
         "## License\n",
         f"`{license}`" + (_see_licenses(len(bases)) if license == "other" else "") + "\n",
     ]

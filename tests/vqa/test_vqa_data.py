@@ -104,7 +104,7 @@ def test_answer_vocabulary_refusals_name_the_flag():
         vqa_blueprint(spec, None, None, 10, train=False, vocabulary_file="answers.txt")
 
 
-def test_an_answer_vocabulary_on_a_retrieval_run_is_refused(tmp_path, synthetic_dataset_dir):
+def test_an_answer_vocabulary_on_a_retrieval_run_or_an_evaluation_alone_is_refused(tmp_path, synthetic_dataset_dir):
     from vlfit.arguments import DataArguments, ModelArguments
     from vlfit.training.arguments import VlfitTrainingArguments
     from vlfit.training.run import setup_run
@@ -113,3 +113,8 @@ def test_an_answer_vocabulary_on_a_retrieval_run_is_refused(tmp_path, synthetic_
     data = DataArguments(dataset_name=synthetic_dataset_dir, answer_vocabulary="answers.txt")
     with pytest.raises(ConfigError, match="^--answer_vocabulary lists the answers of --task vqa; .*retrieval run"):
         setup_run(ModelArguments(model_preset="tiny"), data, args)
+    # An evaluation alone is refused before its data opens (the folder named here does not exist).
+    alone = VlfitTrainingArguments(output_dir=str(tmp_path / "e"), do_eval=True, report_to="none")
+    nowhere = DataArguments(dataset_name=str(tmp_path / "nowhere"), task="vqa", answer_vocabulary="answers.txt")
+    with pytest.raises(ConfigError, match="^--answer_vocabulary sets the answers a training run learns"):
+        setup_run(ModelArguments(model_preset="tiny"), nowhere, alone)

@@ -14,6 +14,7 @@ from vlfit.errors import ConfigError
 from vlfit.model_card import MODEL_CARD_FILE, write_model_card
 from vlfit.models.loading import LoadedModel, load_model
 from vlfit.models.reference import parse_model_reference
+from vlfit.models.vqa import model_answers
 
 # What ``vlfit train`` leaves beside its adapters: the final metrics (Trainer.save_metrics).
 RESULTS_FILE = "all_results.json"
@@ -67,6 +68,7 @@ def write_merged_card(loaded: LoadedModel, adapters: str, output_dir: str, comma
         command_line=command_line,
         how_made=f"The LoRA adapters `{adapters}` are merged into its weights (`vlfit merge-lora`).",
         license=str(trained.get("license") or "other"),
+        answers=model_answers(loaded.spec.config),
     )
 
 

@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     from vlfit.model_card import WiseFtMix, write_model_card
     from vlfit.models.interpolation import interpolate
     from vlfit.models.loading import build_model, resolve_model, save_inputs
+    from vlfit.models.vqa import model_answers
     from vlfit.training.run import run, setup_run
 
     finetuned_args = ModelArguments(model_name_or_path=args.finetuned_model)
@@ -174,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics={key: value for key, value in chosen.items() if key != "alpha"},
         command_line="vlfit wise-ft " + shlex.join(argv),
         mix=WiseFtMix(chosen["alpha"], zeroshot_model=args.zeroshot_model, finetuned_model=args.finetuned_model),
+        answers=model_answers(setup.spec.config),
         how_made=f"Alpha {chosen['alpha']:g} was chosen by --select {args.select}"
         + (f", --max_zeroshot_drop {args.max_zeroshot_drop:g}" if args.max_zeroshot_drop is not None else "")
         + f" among alphas {', '.join(f'{a:g}' for a in alphas)}, each evaluated on {' and '.join(evaluated)}; "

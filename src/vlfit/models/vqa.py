@@ -77,6 +77,11 @@ def config_answers(config: Any) -> tuple[str, ...]:
     return tuple(labels[i] for i in range(len(labels)))
 
 
+def model_answers(config: Any) -> tuple[str, ...] | None:
+    """The answers of a VQA model's config, in output order; None for a model that embeds."""
+    return config_answers(config) if is_vqa_config(config) else None
+
+
 def with_answers(config: BridgeTowerConfig, answers: Sequence[str]) -> BridgeTowerConfig:
     """A copy of ``config`` for a VQA model answering ``answers`` (output ``i`` is ``answers[i]``)."""
     config = copy.deepcopy(config)

@@ -41,13 +41,21 @@ from vlfit.models.loading import (
 )
 from vlfit.models.logit_scale import set_logit_scale
 from vlfit.models.lora import BASE_MODEL_DIR, LoraSettings, apply_lora, group_of, trainable_parameters
+from vlfit.models.vqa import model_answers
 from vlfit.training.arguments import VlfitTrainingArguments
 from vlfit.training.distributed import describe_launch
 from vlfit.training.itm_objective import prepare_model_for_objective, trained_heads
 from vlfit.training.preemption import PreemptionCallback, TrainingPreempted
 from vlfit.training.trainer import VlfitTrainer
 from vlfit.training.unfreeze import UnfreezeCallback
-from vlfit.training.vqa import pipeline_columns, run_task, trainer_class, vqa_blueprint, vqa_location
+from vlfit.training.vqa import (
+    check_answer_vocabulary_flag,
+    pipeline_columns,
+    run_task,
+    trainer_class,
+    vqa_blueprint,
+    vqa_location,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -97,9 +105,7 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
     if training_args.do_train and data_args.streams_training():
         _check_streamed_training(training_args)
     task = run_task(model_args.model_name_or_path, data_args.task)
-    if data_args.answer_vocabulary and task != "vqa":
-        raise ConfigError("--answer_vocabulary lists the answers of --task vqa; this run is a retrieval run: add "
-                          "--task vqa or drop the flag")  # fmt: skip
+    check_answer_vocabulary_flag(data_args.answer_vocabulary, task, train=training_args.do_train)
     data = open_run_data(
         vqa_location(data_args.source_kwargs()) if task == "vqa" else data_args.source_kwargs(),
         train=training_args.do_train,
@@ -392,6 +398,7 @@ def run(
             command_line=command_line,
             adapters=lora is not None,
             mix=None if starting_weights is None else WiseFtMix(training_args.wise_ft_alpha),
+            answers=model_answers(spec.config),
         )
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()

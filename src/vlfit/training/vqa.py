@@ -13,7 +13,6 @@ What changes against a retrieval run (``vlfit.training.run`` asks this module at
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Mapping
@@ -39,6 +38,7 @@ from vlfit.data.vqa import (
 from vlfit.errors import ConfigError
 from vlfit.evaluation.vqa_accuracy import answer_accuracy, vqa_metrics
 from vlfit.models.loading import ModelSpec
+from vlfit.models.reference import parse_model_reference
 from vlfit.models.vqa import VQA_INPUTS, VqaFamily, config_answers, is_vqa_config, vqa_loss, with_answers
 from vlfit.training.trainer import VlfitTrainer
 
@@ -50,13 +50,28 @@ def run_task(model_name_or_path: str | None, task: str) -> str:
     needs no flag)."""
     if task not in TASKS:
         raise ConfigError(f"unknown --task {task!r}; choose one of: {', '.join(TASKS)}")
-    if task == "retrieval" and model_name_or_path and os.path.isfile(os.path.join(model_name_or_path, "config.json")):
-        with open(os.path.join(model_name_or_path, "config.json"), encoding="utf-8") as file:
-            config = json.load(file)
-        if "BridgeTowerForQuestionAnswering" in (config.get("architectures") or ()):
-            logger.info("%s is a BridgeTower VQA model: the run answers questions (--task vqa)", model_name_or_path)
-            return "vqa"
+    folder = model_name_or_path if task == "retrieval" and model_name_or_path else None
+    if folder and os.path.isdir(folder) and parse_model_reference(folder).answers_questions:
+        logger.info("%s is a BridgeTower VQA model: the run answers questions (--task vqa)", folder)
+        return "vqa"
     return task
+
+
+def check_answer_vocabulary_flag(vocabulary_file: str | None, task: str, *, train: bool) -> None:
+    """Refuse ``--answer_vocabulary`` where nothing reads it: on a retrieval run, and on an evaluation alone (it
+    scores the model's own answers). Checked before any data opens.
+
+    Raises:
+        ConfigError: naming the flag and what to do.
+    """
+    if vocabulary_file is None:
+        return
+    if task != "vqa":
+        raise ConfigError("--answer_vocabulary lists the answers of --task vqa; this run is a retrieval run: add "
+                          "--task vqa or drop the flag")  # fmt: skip
+    if not train:
+        raise ConfigError("--answer_vocabulary sets the answers a training run learns; an evaluation alone scores "
+                          "the model's own answers: drop the flag")  # fmt: skip
 
 
 def vqa_location(location: Mapping[str, Any]) -> dict[str, Any]:
@@ -96,9 +111,7 @@ def vqa_blueprint(
         )
     if eval_source is not None:
         split_answers(eval_source)  # a bad question fails now, not at the end of training
-    if vocabulary_file is not None and not train:
-        raise ConfigError("--answer_vocabulary sets the answers a training run learns; an evaluation alone scores "
-                          "the model's own answers: drop the flag")  # fmt: skip
+    check_answer_vocabulary_flag(vocabulary_file, "vqa", train=train)
     if vocabulary_file is not None:
         vocabulary = AnswerVocabulary.read(vocabulary_file)
         if train_source is not None:
