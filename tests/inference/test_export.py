@@ -14,7 +14,7 @@ from vlfit.inference import export as export_module
 from vlfit.inference.backends import TorchEncoder, load_checkpoint, open_encoder
 from vlfit.inference.export import ExportSettings, export_model
 from vlfit.inference.export_samples import load_samples
-from vlfit.inference.identity import checkpoint_fingerprint
+from vlfit.inference.identity import RefusedModelError, checkpoint_fingerprint
 
 pytestmark = pytest.mark.slow
 
@@ -59,6 +59,9 @@ def test_onnx_export_matches_pytorch_and_its_int8_graphs_run(onnx_export, tiny_c
     pixels = load_samples(synthetic_source(6, seed=5), reference.spec).pixels
     _check_against_torch(open_encoder(str(onnx_export), precision="fp32"), reference, pixels, 0.9999)
     int8 = open_encoder(str(onnx_export))
+    with pytest.raises(RefusedModelError, match=r"holds onnx graphs, which run on onnxruntime, not openvino; .*"
+                       r"or export with --format openvino$"):  # fmt: skip
+        open_encoder(str(onnx_export), backend="openvino")
     assert (int8.backend, int8.precision) == ("onnxruntime", "int8")
     _check_against_torch(int8, reference, pixels, 0.999)
 

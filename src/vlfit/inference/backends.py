@@ -39,7 +39,6 @@ DEFAULT_MAX_SEQ_LENGTH = 128
 FOLDER_KINDS = ("checkpoint", "adapters", "export")
 BACKENDS = ("auto", "torch", "onnxruntime", "openvino")
 PRECISION_CHOICES = ("auto", "fp32", "int8")
-_FORMAT_BACKEND = {"onnx": "onnxruntime", "openvino": "openvino"}
 
 
 class Encoder(ABC):
@@ -305,14 +304,9 @@ def open_encoder(
             raise RefusedModelError(f"{model.path}: INT8 runs on exported graphs only; export with --quantize int8")
         return _torch_encoder(model, DEFAULT_MAX_SEQ_LENGTH, num_threads)
     exported = ExportFolder.open(model.path, check_source=False)
-    native = _FORMAT_BACKEND[exported.format]
-    if backend not in ("auto", native):
-        raise RefusedModelError(
-            f"{model.path} holds {exported.format} graphs, which run on {native}, not {backend}; use --backend "
-            f"{native} (or auto), or export with --format {other}"
-        )
+    exported.check_backend(backend)
     exported.check_source_unchanged()
-    if native == "onnxruntime":
+    if exported.runtime == "onnxruntime":
         return OnnxRuntimeEncoder(exported, precision, num_threads=num_threads, allow_spinning=allow_spinning)
     return OpenVinoEncoder(exported, precision, inference_precision=inference_precision, num_threads=num_threads)
 

@@ -26,6 +26,8 @@ from vlfit.inference.identity import ModelIdentity, RefusedModelError, checkpoin
 from vlfit.models.family import InputSpec
 from vlfit.models.reference import EXPORT_MANIFEST
 
+# The runtime each export format's graphs run on.
+_FORMAT_RUNTIME = {"onnx": "onnxruntime", "openvino": "openvino"}
 MANIFEST_NAME = EXPORT_MANIFEST  # what tells an export folder apart (vlfit.models.reference)
 FORMATS = ("onnx", "openvino")
 PRECISIONS = ("fp32", "int8")
@@ -85,6 +87,28 @@ class ExportFolder:
     @property
     def format(self) -> str:
         return str(self.manifest["format"])
+
+    @property
+    def runtime(self) -> str:
+        """The runtime the folder's graphs run on: ``onnxruntime`` (format ``onnx``) or ``openvino``."""
+        return _FORMAT_RUNTIME[self.format]
+
+    def check_backend(self, backend: str) -> None:
+        """Refuse a ``--backend`` other than ``auto`` or the folder's own runtime.
+
+        Raises:
+            RefusedModelError: naming the folder, its runtime and what to pass instead.
+        """
+        if backend in ("auto", self.runtime):
+            return
+        if backend == "torch":
+            instead = "pass the checkpoint it was exported from"
+        else:
+            instead = f"export with --format {'onnx' if backend == 'onnxruntime' else 'openvino'}"
+        raise RefusedModelError(
+            f"{self.path} holds {self.format} graphs, which run on {self.runtime}, not {backend}; use --backend "
+            f"{self.runtime} (or auto), or {instead}"
+        )
 
     @property
     def identity(self) -> ModelIdentity:

@@ -268,7 +268,7 @@ def exported_pair_scorer(
     exported: ExportFolder, precision: str = "auto", *, num_threads: int | None = None, allow_spinning: bool = True
 ) -> PairScorer:
     """The scorer of an export folder's ``itm`` graph on the folder's runtime (ONNX Runtime or OpenVINO)."""
-    if exported.format == "openvino":
+    if exported.runtime == "openvino":
         return OpenVinoPairScorer(exported, precision, num_threads=num_threads)
     return OnnxRuntimePairScorer(exported, precision, num_threads=num_threads, allow_spinning=allow_spinning)
 
@@ -329,12 +329,7 @@ def open_pair_scorer(
         model = parse_model_reference(model, flag="--model", kinds=FOLDER_KINDS)
     if model.kind == "export":
         exported = ExportFolder.open(model.path)
-        runtime = "openvino" if exported.format == "openvino" else "onnxruntime"
-        if backend not in ("auto", runtime):
-            raise RefusedModelError(
-                f"{model.path} holds exported graphs, which run on {runtime}, not {backend}; use --backend {runtime} "
-                "(or auto), or pass the checkpoint it was exported from"
-            )
+        exported.check_backend(backend)
         return exported_pair_scorer(exported, precision, num_threads=num_threads, allow_spinning=allow_spinning)
     encoder = open_encoder(model, backend, precision, num_threads=num_threads)
     assert isinstance(encoder, TorchEncoder)  # a checkpoint or adapters: open_encoder refuses them on onnxruntime
