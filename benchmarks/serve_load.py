@@ -48,7 +48,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import sys
 import time
 
@@ -146,12 +145,6 @@ def write_index(folder: str, encoder, n: int, seed: int = 1) -> None:
     model = {"path": os.path.abspath(encoder.model_path), "backend": encoder.backend, "precision": encoder.precision}
     _synthetic_index(folder, encoder.identity, model, vectors)
     update_ann(folder, index_type="hnsw")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> int:
@@ -332,17 +325,16 @@ def serve_load(index: str, model: str, log_path: str, server_flags: list[str] | 
 
     rng = np.random.default_rng(2)
     texts = [text for _ in range(100) for text in scene_and_choices(rng)[1]]
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
     flags = ["--index", index, "--model", model, "--reload_interval", "0", *(server_flags or [])]
     cores = sorted(os.sched_getaffinity(0))
     if pin:  # the server's process and threads on the first core (inherited), this client on the others
         os.sched_setaffinity(0, cores[:1])
     try:
-        server = start_server(flags, port, log_path, timeout=180)
+        server = start_server(flags, log_path, timeout=180)
     finally:
         if pin:
             os.sched_setaffinity(0, cores[1:])
+    base, port = server.url, server.port
     try:
         health = httpx.get(f"{base}/api/health", timeout=10).json()
         runs: dict[int, list[dict]] = {concurrency: [] for concurrency in LEVELS}
@@ -361,12 +353,12 @@ def serve_load(index: str, model: str, log_path: str, server_flags: list[str] | 
         largest = _largest_queries(ServerLimits.max_text_chars, ServerLimits.max_query_pixels)
         noisy = asyncio.run(_noisy_neighbour(port, texts, largest))
         print(json.dumps({"noisy_neighbour": noisy}), flush=True)
-        memory_mb = psutil.Process(server.pid).memory_info().rss / 2**20
+        memory_mb = psutil.Process(server.process.pid).memory_info().rss / 2**20
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(60)
+        server.process.send_signal(signal.SIGTERM)
+        server.process.wait(60)
     return {"health": health, "levels": levels, "overload": overload, "noisy_neighbour": noisy,
-            "server_rss_mb": round(memory_mb, 1), "exit_code": server.returncode}  # fmt: skip
+            "server_rss_mb": round(memory_mb, 1), "exit_code": server.process.returncode}  # fmt: skip
 
 
 def main() -> int:

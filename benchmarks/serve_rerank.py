@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,12 +34,6 @@ TEXTS = ["a red circle", "two blue squares", "a green triangle at the top", "thr
 
 def _vlfit(*argv: str) -> None:
     subprocess.run([sys.executable, "-m", "vlfit", *argv], check=True, stdout=subprocess.DEVNULL)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _search(port: int, body: dict) -> tuple[float, float]:
@@ -88,15 +81,15 @@ def main() -> int:
     if not index.exists():
         _vlfit("retrieve", "index", "--model", str(export), "--dataset_name", str(data), "--split", "train",
                "--output_dir", str(index), "--disable_tqdm", "--dataloader_num_workers", "1")  # fmt: skip
-    port = _free_port()
-    server = start_server(["--index", str(index)], port, str(out / "serve.log"))
+    server = start_server(["--index", str(index)], str(out / "serve.log"))
+    port = server.port
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=10) as answer:
             health = json.load(answer)
         assert health["rerank"], health
         levels = [measure(port, rerank, args.queries) for rerank in (None, 10, 50)]
     finally:
-        kill_process_tree(server)
+        kill_process_tree(server.process)
     result = {"preset": args.preset, "items": health["items"], "model": health["model"], "cpu_count": os.cpu_count(),
               "load_average": os.getloadavg(), "levels": levels}  # fmt: skip
     text = json.dumps(result, indent=1)

@@ -19,8 +19,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.training.train_runs import free_port
-
 pytestmark = pytest.mark.slow
 
 START_TIMEOUT = 120  # seconds for the process to load the model and bind, far above what it takes
@@ -35,16 +33,15 @@ KEYED = {"Authorization": f"Bearer {API_KEY}"}
 def server(served_index: Path, tmp_path_factory):
     from vlfit.serve.launch import kill_process_tree, start_server
 
-    port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     flags = ["--index", str(served_index), "--header_timeout", str(HEADER_TIMEOUT), "--max_connections",
              str(MAX_CONNECTIONS)]  # fmt: skip
-    process = start_server(flags, port, str(log), timeout=START_TIMEOUT,
-                           env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "VLFIT_API_KEY": API_KEY})  # fmt: skip
+    server = start_server(flags, str(log), timeout=START_TIMEOUT,
+                          env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "VLFIT_API_KEY": API_KEY})  # fmt: skip
     try:
-        yield f"http://127.0.0.1:{port}", process, log
+        yield server.url, server.process, log
     finally:
-        kill_process_tree(process)  # and anything it started, if a test left it running
+        kill_process_tree(server.process)  # and anything it started, if a test left it running
 
 
 def test_the_server_process_answers_over_http_on_loopback(server, train_records) -> None:
@@ -234,11 +231,10 @@ def test_a_search_over_its_wait_budget_is_refused_by_its_connection_which_serves
     and the same keep-alive connection is served on; the query it waited behind is answered."""
     from vlfit.serve.launch import kill_process_tree, start_server
 
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
     flags = ["--index", str(served_index), "--reload_interval", "0", "--max_queue_wait_ms", "0.001"]
-    process = start_server(flags, port, str(tmp_path / "server.log"), timeout=START_TIMEOUT,
-                           env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})  # fmt: skip
+    server = start_server(flags, str(tmp_path / "server.log"), timeout=START_TIMEOUT,
+                          env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})  # fmt: skip
+    base, port = server.url, server.port
     try:
         body = json.dumps({"text": train_records[1].caption, "k": 2}).encode()
         # Nothing ahead: admitted whatever the budget, and timed (the time per query ahead the budget is held to).
@@ -264,7 +260,7 @@ def test_a_search_over_its_wait_budget_is_refused_by_its_connection_which_serves
         assert not re.search(r'^vlfit_requests_total\{route="/api/search",status="503"\}', metrics, flags=re.M)
         assert _requests_counted(metrics, "/api/search") == 2
     finally:
-        kill_process_tree(process)
+        kill_process_tree(server.process)
 
 
 def _requests_counted(text: str, route: str) -> float:
@@ -277,11 +273,11 @@ def test_with_two_workers_metrics_counts_the_requests_of_every_worker(served_ind
 
     from vlfit.serve.launch import kill_process_tree, start_server
 
-    port = free_port()
-    base, log = f"http://127.0.0.1:{port}", tmp_path / "server.log"
+    log = tmp_path / "server.log"
     flags = ["--index", str(served_index), "--workers", "2", "--reload_interval", "0"]
     env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    process = start_server(flags, port, str(log), timeout=START_TIMEOUT, env=env)
+    server = start_server(flags, str(log), timeout=START_TIMEOUT, env=env)
+    base, process = server.url, server.process
     try:
         # A new connection per page request (the kernel hands it to either worker, once both have loaded), until
         # both have answered some; /api/health on the same connection says which worker holds it.

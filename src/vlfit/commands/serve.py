@@ -148,8 +148,6 @@ class ServeArguments:
             raise ConfigError("--max_batch must be at least 1, --max_wait_ms and --reload_interval at least 0")
         if self.search_threads < 1:
             raise ConfigError(f"--search_threads must be at least 1, got {self.search_threads}")
-        if self.workers > 1 and self.port == 0:
-            raise ConfigError("--port 0 with --workers > 1: the workers must share one port; choose it")
         self.limits()  # refuses a limit out of range now, in one line
         self.api_key = read_key(self.api_key, self.api_key_file, API_KEY_ENV, "--api_key")
         self.admin_key = read_key(self.admin_key, self.admin_key_file, ADMIN_KEY_ENV, "--admin_key")

@@ -3,26 +3,48 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from vlfit.errors import UserError
+
+# The line uvicorn logs once it listens, with the port it bound (the free one it was given with --port 0).
+_LISTENING = re.compile(r"Uvicorn running on https?://\S+?:(\d+) ")
 
 
 class ServerStartError(UserError):
     """``vlfit serve`` exited, or did not answer ``/api/health`` in time (the message quotes its log)."""
 
 
+@dataclass(frozen=True)
+class ServerProcess:
+    """A ``vlfit serve`` process that answers, and the loopback port it listens on."""
+
+    process: subprocess.Popen
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
 def start_server(
-    flags: Sequence[str], port: int, log_path: str, *, timeout: float = 120.0, env: dict[str, str] | None = None
-) -> subprocess.Popen:
+    flags: Sequence[str], log_path: str, *, port: int = 0, timeout: float = 120.0, env: dict[str, str] | None = None
+) -> ServerProcess:
     """Run ``python -m vlfit serve FLAGS --port PORT`` (output to ``log_path``) and return once it answers on
     ``http://127.0.0.1:PORT/api/health``.
+
+    ``port`` 0 (the default) lets the server bind a free port itself and reads which from its log: no port is
+    picked here and bound there later, where another process could take it in between. The answer must come from
+    the process or one of its workers (``/api/health`` names its pid), not from another server on the port.
 
     Raises:
         ServerStartError: when the process exits first, or ``timeout`` seconds pass (the process is killed then).
@@ -36,16 +58,36 @@ def start_server(
     while True:
         if process.poll() is not None:
             raise ServerStartError(f"vlfit serve exited {process.returncode}: {_tail(log_path)}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2) as answer:
-                if answer.status == 200:
-                    return process
-        except (urllib.error.URLError, OSError):
-            pass
+        bound = port or _logged_port(log_path)
+        if bound and _answers(bound, process):
+            return ServerProcess(process, bound)
         if time.monotonic() > deadline:
             kill_process_tree(process)
             raise ServerStartError(f"vlfit serve did not answer within {timeout:g} s: {_tail(log_path)}")
         time.sleep(0.25)
+
+
+def _logged_port(log_path: str) -> int | None:
+    """The port the server's log says it listens on; None before it says so."""
+    found = _LISTENING.search(_tail(log_path, size=1 << 20))
+    return int(found.group(1)) if found else None
+
+
+def _answers(port: int, process: subprocess.Popen) -> bool:
+    """Whether ``/api/health`` on ``port`` answers 200 from ``process`` or one of the workers it started."""
+    import psutil
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2) as answer:
+            pid = json.load(answer).get("pid") if answer.status == 200 else None
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+    if pid == process.pid:
+        return True
+    try:
+        return pid in {child.pid for child in psutil.Process(process.pid).children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return False
 
 
 def kill_process_tree(process: subprocess.Popen, timeout: float = 10.0) -> None:
