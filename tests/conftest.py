@@ -23,6 +23,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """No test loads OpenVINO's runtime in the test process: left there, its threads crashed a later, unrelated
+    test in the same process (SIGSEGV). OpenVINO runs in processes of their own (tests/inference/openvino_checks.py)."""
+    import sys
+
+    loaded = "openvino" in sys.modules
+    yield
+    if not loaded and sys.modules.get("openvino") is not None:
+        pytest.fail(f"{item.nodeid} loaded openvino in the test process: run it in a process of its own")
+
+
 @pytest.fixture(scope="session")
 def synthetic_dataset_dir(tmp_path_factory) -> str:
     """A small synthetic New-Yorker-like dataset on disk (save_to_disk format), made once per test session."""

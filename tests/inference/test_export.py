@@ -8,11 +8,11 @@ import shutil
 import pytest
 import torch
 
+from tests.inference.openvino_checks import min_cosine_against_torch, run_openvino_check
 from vlfit.cli import main
 from vlfit.data.sources.synthetic import synthetic_source
 from vlfit.inference import export as export_module
-from vlfit.inference.backends import TorchEncoder, load_checkpoint, open_encoder
-from vlfit.inference.export import ExportSettings, export_model
+from vlfit.inference.backends import load_checkpoint, open_encoder
 from vlfit.inference.export_samples import load_samples
 from vlfit.inference.identity import RefusedModelError, checkpoint_fingerprint
 
@@ -24,22 +24,8 @@ def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.strip().splitlines() if line.startswith("vlfit ")]
 
 
-CAPTIONS = ["red", "two blue squares on the left and one green circle at the top of the picture, and more words"]
-
-
-def _cosines(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=1)
-
-
-def _check_against_torch(encoder, reference: TorchEncoder, pixels: torch.Tensor, min_cosine: float) -> None:
-    for rows in (slice(0, 5), slice(5, 6)):  # odd batch sizes; the export example has 2 rows
-        assert _cosines(encoder.encode_images(pixels[rows]), reference.encode_images(pixels[rows])).min() >= min_cosine
-    tokens = reference.tokenize(CAPTIONS * 2 + CAPTIONS[:1])  # 5 captions, 3 and ~25 tokens (the example has 9)
-    assert tokens["input_ids"].shape[1] not in (9,)
-    texts, expected = encoder.encode_tokens(**tokens), reference.encode_tokens(**tokens)
-    assert _cosines(texts, expected).min() >= min_cosine
-    short = reference.tokenize(CAPTIONS[:1])
-    assert _cosines(encoder.encode_tokens(**short), reference.encode_tokens(**short)).min() >= min_cosine
+def _check_against_torch(encoder, reference, pixels: torch.Tensor, min_cosine: float) -> None:
+    assert min_cosine_against_torch(encoder, reference, pixels) >= min_cosine
 
 
 def test_onnx_export_matches_pytorch_and_its_int8_graphs_run(onnx_export, tiny_checkpoint):
@@ -80,22 +66,16 @@ def _copy_graphs(export_dir):
     return export_onnx_towers
 
 
-def test_openvino_export_matches_pytorch_and_its_int8_graphs_run(tiny_checkpoint, onnx_export, tmp_path, monkeypatch):
-    # Tracing is the ONNX export's (tested above): the same checkpoint's traced graphs save the time of a second one.
-    monkeypatch.setattr(export_module, "export_onnx_towers", _copy_graphs(onnx_export))
-    loaded = load_checkpoint(str(tiny_checkpoint))
-    samples = load_samples(synthetic_source(9), loaded.spec)
-    manifest = export_model(loaded, str(tmp_path / "ov"), ExportSettings("openvino", "int8"), parity_samples=samples)
+def test_openvino_export_matches_pytorch_and_its_int8_graphs_run(tiny_checkpoint, onnx_export, tmp_path):
+    # The export's ONNX graphs are copied from the ONNX export above (tracing is tested there), and OpenVINO runs in
+    # a process of its own (tests/inference/openvino_checks.py).
+    checked = run_openvino_check("encoder", str(tiny_checkpoint), str(onnx_export), str(tmp_path / "ov"))
     assert sorted(p.name for p in (tmp_path / "ov").glob("*.xml")) == ["image.int8.xml", "image.xml",
                                                                        "text.int8.xml", "text.xml"]  # fmt: skip
     assert not list((tmp_path / "ov").glob("*.onnx"))
-    assert manifest["parity"]["openvino_default_precision"]["precision"] in ("f32", "bf16", "f16")
-    reference = load_checkpoint(str(tiny_checkpoint))
-    pixels = load_samples(synthetic_source(6, seed=5), reference.spec).pixels
-    fp32 = open_encoder(str(tmp_path / "ov"), precision="fp32", inference_precision="f32")
-    assert fp32.backend == "openvino"
-    _check_against_torch(fp32, reference, pixels, 0.9999)
-    _check_against_torch(open_encoder(str(tmp_path / "ov"), precision="int8"), reference, pixels, 0.98)
+    assert checked["default_precision"] in ("f32", "bf16", "f16")
+    assert checked["fp32_backend"] == "openvino"
+    assert checked["fp32_min_cosine"] >= 0.9999 and checked["int8_min_cosine"] >= 0.98
 
 
 def test_a_graph_that_does_not_match_its_checkpoint_is_not_written(

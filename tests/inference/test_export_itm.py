@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.inference.openvino_checks import run_openvino_check
 from vlfit.cli import main
 from vlfit.data.device_stage import normalize_uint8
 from vlfit.data.sources.synthetic import synthetic_source
@@ -178,10 +179,7 @@ def test_an_openvino_export_scores_pairs_as_pytorch_does(itm_checkpoint, synthet
     assert 0 < parity["int8"]["max_abs_diff"] < 0.05 and parity["int8"]["spearman"] > 0.95
     assert not (out / "onnx").exists() and not list(out.glob("*.onnx"))
 
-    check = [sys.executable, str(Path(__file__).with_name("openvino_pair_check.py")), str(out), str(itm_checkpoint)]
-    done = subprocess.run(check, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
-    assert done.returncode == 0, done.stderr[-3000:]
-    scored = json.loads(done.stdout.strip().splitlines()[-1])
+    scored = run_openvino_check("pair", str(out), str(itm_checkpoint))
     assert scored["fp32"] == [True, "openvino", "fp32"] and scored["fp32_max_diff"] < 1e-4
     assert scored["int8"] == [True, "int8"] and scored["int8_max_diff"] < 0.05  # beside the INT8 encoder
     expected = r"holds openvino graphs, which run on openvino, not onnxruntime; .*--format onnx"

@@ -1,0 +1,98 @@
+"""What the OpenVINO tests check, run in a process of their own: OpenVINO's runtime is never loaded in a test
+process (left in one, its threads outlived the test and later crashed an unrelated test in the same process).
+
+Run as ``python tests/inference/openvino_checks.py encoder CHECKPOINT ONNX_EXPORT OUT`` (export the checkpoint to
+OpenVINO in OUT, its ONNX graphs copied from ONNX_EXPORT instead of traced again, and hold both precisions against
+PyTorch) or ``... pair EXPORT CHECKPOINT`` (the export's pair scorer against PyTorch's); each prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import torch
+
+from vlfit.data.sources.synthetic import synthetic_source
+from vlfit.errors import ConfigError
+from vlfit.inference.backends import TorchEncoder, load_checkpoint, open_encoder
+from vlfit.inference.export_samples import load_samples
+
+CAPTIONS = ["red", "two blue squares on the left and one green circle at the top of the picture, and more words"]
+
+
+def min_cosine_against_torch(encoder, reference: TorchEncoder, pixels: torch.Tensor) -> float:  # type: ignore[no-untyped-def]
+    """The lowest cosine between ``encoder``'s embeddings and PyTorch's, over batches and caption lengths unlike the
+    export example's (odd batch sizes; 3 and ~25 tokens where the example has 9; one caption alone)."""
+
+    def cosines(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=1)
+
+    found = [cosines(encoder.encode_images(pixels[rows]), reference.encode_images(pixels[rows])).min()
+             for rows in (slice(0, 5), slice(5, 6))]  # fmt: skip
+    tokens = reference.tokenize(CAPTIONS * 2 + CAPTIONS[:1])
+    assert tokens["input_ids"].shape[1] != 9
+    found.append(cosines(encoder.encode_tokens(**tokens), reference.encode_tokens(**tokens)).min())
+    short = reference.tokenize(CAPTIONS[:1])
+    found.append(cosines(encoder.encode_tokens(**short), reference.encode_tokens(**short)).min())
+    return float(min(found))
+
+
+def run_openvino_check(*args: str) -> dict:
+    """This file run as a script with ``args`` in a process of its own; what it printed."""
+    command = [sys.executable, __file__, *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def encoder_check(checkpoint: str, onnx_export: str, out: str) -> dict:
+    from vlfit.inference import export as export_module
+    from vlfit.inference.export import ExportSettings, export_model
+
+    def copy_graphs(loaded, folder, opset):  # type: ignore[no-untyped-def]
+        return {t: shutil.copy(f"{onnx_export}/{t}.onnx", f"{folder}/{t}.onnx") for t in ("image", "text")}
+
+    export_module.export_onnx_towers = copy_graphs  # tracing is the ONNX export's, tested in the test process
+    loaded = load_checkpoint(checkpoint)
+    samples = load_samples(synthetic_source(9), loaded.spec)
+    manifest = export_model(loaded, out, ExportSettings("openvino", "int8"), parity_samples=samples)
+    reference = load_checkpoint(checkpoint)
+    pixels = load_samples(synthetic_source(6, seed=5), reference.spec).pixels
+    fp32 = open_encoder(out, precision="fp32", inference_precision="f32")
+    return {
+        "default_precision": manifest["parity"]["openvino_default_precision"]["precision"],
+        "fp32_backend": fp32.backend,
+        "fp32_min_cosine": min_cosine_against_torch(fp32, reference, pixels),
+        "int8_min_cosine": min_cosine_against_torch(open_encoder(out, precision="int8"), reference, pixels),
+    }
+
+
+def pair_check(export: str, checkpoint: str) -> dict:
+    from vlfit.inference.pair_scorer import OpenVinoPairScorer, open_pair_scorer, pair_scorer_for
+
+    fp32 = open_pair_scorer(export, precision="fp32")
+    pixels = load_samples(synthetic_source(5, seed=7), fp32.spec).pixels
+    rows = (torch.arange(2).repeat_interleave(5), torch.arange(5).repeat(2))
+    expected = open_pair_scorer(checkpoint).score_pairs(CAPTIONS, pixels, *rows)
+    int8 = pair_scorer_for(open_encoder(export))  # beside the folder's INT8 encoder
+    try:
+        open_pair_scorer(export, backend="onnxruntime")
+        refusal = ""
+    except ConfigError as error:
+        refusal = str(error)
+    return {
+        "fp32": [type(fp32) is OpenVinoPairScorer, fp32.backend, fp32.precision],
+        "fp32_max_diff": float((fp32.score_pairs(CAPTIONS, pixels, *rows) - expected).abs().max()),
+        "int8": [type(int8) is OpenVinoPairScorer, int8.precision if int8 is not None else None],
+        "int8_max_diff": float((int8.score_pairs(CAPTIONS, pixels, *rows) - expected).abs().max()),
+        "refusal": refusal,
+    }
+
+
+CHECKS = {"encoder": encoder_check, "pair": pair_check}
+
+if __name__ == "__main__":
+    print(json.dumps(CHECKS[sys.argv[1]](*sys.argv[2:])))
