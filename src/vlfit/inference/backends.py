@@ -12,6 +12,7 @@ hand: what ``vlfit export`` traces and ``vlfit fewshot`` tunes).
 
 from __future__ import annotations
 
+import functools
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -168,6 +169,26 @@ def onnx_session(path: str, num_threads: int | None = None, allow_spinning: bool
     return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
 
 
+def openvino_model(path: str, inference_precision: str | None = None, num_threads: int | None = None) -> Any:
+    """The graph at ``path`` compiled on OpenVINO's CPU plugin (``inference_precision``: its
+    ``INFERENCE_PRECISION_HINT``, ``None`` for the plugin's default; ``num_threads``: ``INFERENCE_NUM_THREADS``,
+    ``None`` for its default). Every graph is compiled by one ``openvino.Core`` per process, as OpenVINO advises."""
+    require_extra("export", "the openvino backend", ("openvino",))
+    config: dict[str, Any] = {}
+    if inference_precision:
+        config["INFERENCE_PRECISION_HINT"] = inference_precision
+    if num_threads:
+        config["INFERENCE_NUM_THREADS"] = num_threads
+    return _openvino_core().compile_model(path, "CPU", config)
+
+
+@functools.cache
+def _openvino_core() -> Any:
+    import openvino as ov
+
+    return ov.Core()
+
+
 class OnnxRuntimeEncoder(_ExportedEncoder):
     """An exported ONNX folder on ONNX Runtime's CPU provider.
 
@@ -226,18 +247,10 @@ class OpenVinoEncoder(_ExportedEncoder):
         inference_precision: str | None = None,
         num_threads: int | None = None,
     ) -> None:
-        require_extra("export", "the openvino backend", ("openvino",))
-        import openvino as ov
-
+        require_extra("export", "the openvino backend", ("openvino",))  # before the folder is read
         super().__init__(exported, precision)
-        config: dict[str, Any] = {}
-        if inference_precision:
-            config["INFERENCE_PRECISION_HINT"] = inference_precision
-        if num_threads:
-            config["INFERENCE_NUM_THREADS"] = num_threads
-        core = ov.Core()
         self.compiled = {
-            tower: core.compile_model(exported.graph_path(tower, self.precision), "CPU", config)
+            tower: openvino_model(exported.graph_path(tower, self.precision), inference_precision, num_threads)
             for tower in ("image", "text")
         }
 

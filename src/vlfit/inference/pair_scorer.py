@@ -35,6 +35,7 @@ from vlfit.inference.backends import (
     TorchEncoder,
     onnx_session,
     open_encoder,
+    openvino_model,
 )
 from vlfit.inference.exported import ExportFolder, graph_name
 from vlfit.inference.identity import RefusedModelError
@@ -250,14 +251,9 @@ class OpenVinoPairScorer(_ExportedPairScorer):
     backend = "openvino"
 
     def __init__(self, exported: ExportFolder, precision: str = "auto", num_threads: int | None = None) -> None:
-        require_extra("export", "the openvino backend", ("openvino",))
-        import openvino as ov
-
+        require_extra("export", "the openvino backend", ("openvino",))  # before the folder is read
         super().__init__(exported, precision)
-        config: dict[str, object] = {"INFERENCE_PRECISION_HINT": "f32"}
-        if num_threads:
-            config["INFERENCE_NUM_THREADS"] = num_threads
-        self.compiled = ov.Core().compile_model(exported.graph_path(ITM_GRAPH, self.precision), "CPU", config)
+        self.compiled = openvino_model(exported.graph_path(ITM_GRAPH, self.precision), "f32", num_threads)
 
     def score_tokens(self, input_ids, attention_mask, pixels, text_rows, image_rows) -> torch.Tensor:  # type: ignore[no-untyped-def]
         feeds = self._feeds((input_ids, attention_mask, pixels, text_rows, image_rows))
