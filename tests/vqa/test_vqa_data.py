@@ -1,5 +1,7 @@
 """VQA data: annotator answers, the answer vocabulary and soft targets, the synthetic questions, and bad input."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -118,3 +120,39 @@ def test_an_answer_vocabulary_on_a_retrieval_run_or_an_evaluation_alone_is_refus
     nowhere = DataArguments(dataset_name=str(tmp_path / "nowhere"), task="vqa", answer_vocabulary="answers.txt")
     with pytest.raises(ConfigError, match="^--answer_vocabulary sets the answers a training run learns"):
         setup_run(ModelArguments(model_preset="tiny"), nowhere, alone)
+
+
+@pytest.mark.parametrize(
+    ("flags", "refused"),
+    [
+        ({"objective": "contrastive+itm"}, "--objective"),
+        ({"hard_negative_column": "caption_choices"}, "--hard_negative_column"),
+        ({"gradient_cache_chunk_size": 4}, "--gradient_cache_chunk_size"),
+        ({"zeroshot_dataset": ["labelled"]}, "--zeroshot_dataset"),
+        ({"logit_scale_init_value": 2.0}, "--logit_scale_init_value"),
+    ],
+)
+def test_a_retrieval_flag_on_a_vqa_run_is_refused_before_its_data_opens(tmp_path, flags, refused):
+    from vlfit.arguments import DataArguments, ModelArguments
+    from vlfit.training.arguments import VlfitTrainingArguments
+    from vlfit.training.run import setup_run
+
+    def take(cls, **given):  # each flag to the dataclass that declares it
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in flags.items() if k in known}, **given)
+
+    args = take(VlfitTrainingArguments, output_dir=str(tmp_path / "o"), do_train=True, report_to="none")
+    data = take(DataArguments, dataset_name=str(tmp_path / "nowhere"), task="vqa")
+    with pytest.raises(ConfigError, match=f"^{refused} is a retrieval run's flag; --task vqa .*: drop it$"):
+        setup_run(take(ModelArguments, model_preset="tiny"), data, args)
+
+
+def test_wise_ft_on_a_vqa_run_needs_a_start_with_a_vqa_head(tmp_path):
+    from vlfit.arguments import DataArguments, ModelArguments
+    from vlfit.training.arguments import VlfitTrainingArguments
+    from vlfit.training.run import setup_run
+
+    args = VlfitTrainingArguments(output_dir=str(tmp_path / "o"), do_train=True, report_to="none", wise_ft_alpha=0.5)
+    data = DataArguments(dataset_name=str(tmp_path / "nowhere"), task="vqa")
+    with pytest.raises(ConfigError, match="^--wise_ft_alpha .* a preset has no VQA head to mix"):
+        setup_run(ModelArguments(model_preset="tiny"), data, args)

@@ -115,3 +115,42 @@ def test_a_vqa_model_answers_but_is_refused_as_an_embedder_in_one_line(vqa_run, 
     assert main(argv) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and "is a question-answering model (vlfit train --task vqa)" in errors[0]
+
+
+def test_lora_adapters_of_a_vqa_run_keep_its_answers_through_reload_and_merge(vqa_run, tiny_checkpoint, tmp_path):
+    """A VQA run with LoRA on a contrastive checkpoint: the base's config lists no answers, so the adapters' folder
+    keeps the model's config; loading, evaluating and merging the adapters give the run's VQA model."""
+    import datasets
+    from PIL import Image
+
+    import vlfit
+    from vlfit.cli import main
+
+    data, _, _ = vqa_run
+    adapters = tmp_path / "lora"
+    run = vlfit.train(
+        task="vqa", model_name_or_path=str(tiny_checkpoint), lora_r=8, train_file=str(data / "train.parquet"),
+        validation_file=str(data / "validation.parquet"), output_dir=str(adapters), max_steps=24,
+        per_device_train_batch_size=32, learning_rate=2e-3, lr_scheduler_type="constant", do_eval=True,
+        save_strategy="no", report_to="none", seed=0, disable_tqdm=True,
+    )  # fmt: skip
+    assert (adapters / "adapter_config.json").is_file() and not (adapters / "model.safetensors").exists()
+    saved = json.loads((adapters / "config.json").read_text())
+    assert saved["architectures"] == ["BridgeTowerForQuestionAnswering"] and len(saved["id2label"]) > 2
+
+    # Evaluated again from the folder, with no --task flag: the run's own figures, question type by question type.
+    again = vlfit.evaluate(model_name_or_path=str(adapters), validation_file=str(data / "validation.parquet"),
+                           output_dir=str(tmp_path / "eval"))  # fmt: skip
+    figures = {k: v for k, v in run.metrics.items() if k.startswith("eval_vqa_accuracy")}
+    assert len(figures) > 3 and {k: again.metrics[k] for k in figures} == pytest.approx(figures)
+
+    row = datasets.load_dataset("parquet", data_files=str(data / "validation.parquet"))["train"][0]
+    image = Image.open(row["image"]["path"]) if isinstance(row["image"], dict) else row["image"]
+    answered = vlfit.load(str(adapters)).answer(image, row["question"], top_k=3)
+    assert main(["merge-lora", "--model_name_or_path", str(adapters), "--output_dir", str(tmp_path / "merged")]) == 0
+    merged = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert merged["architectures"] == ["BridgeTowerForQuestionAnswering"] and merged["id2label"] == saved["id2label"]
+    assert "vlfit.load(" in (tmp_path / "merged" / "README.md").read_text()  # the card shows how to ask it
+    merged_answers = vlfit.load(str(tmp_path / "merged")).answer(image, row["question"], top_k=3)
+    assert [a for a, _ in merged_answers[0]] == [a for a, _ in answered[0]]
+    assert [s for _, s in merged_answers[0]] == pytest.approx([s for _, s in answered[0]], abs=1e-4)

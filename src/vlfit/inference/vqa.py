@@ -14,7 +14,7 @@ import torch
 
 from vlfit.errors import ConfigError
 from vlfit.models.loading import LoadedModel, build_model, resolve_model
-from vlfit.models.vqa import VQA_ARCHITECTURE, VqaFamily, config_answers, is_vqa_config
+from vlfit.models.vqa import VQA_ARCHITECTURE, config_answers, is_vqa_config
 
 
 class Answer(NamedTuple):
@@ -43,7 +43,6 @@ class QuestionAnswerer:
                 f"{model_path} has no VQA head (its config names no {VQA_ARCHITECTURE}): answering questions needs "
                 "a model trained with vlfit train --task vqa"
             )
-        spec.family = VqaFamily()
         self.loaded = LoadedModel(build_model(spec).eval(), spec)
         self.answers = config_answers(spec.config)
         mean = torch.tensor(spec.inputs.image_mean, dtype=torch.float32).view(1, -1, 1, 1)

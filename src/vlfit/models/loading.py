@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +26,7 @@ from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 from vlfit.errors import ConfigError, ModelLoadError, first_line
 from vlfit.models.family import InputSpec, ModelFamily
 from vlfit.models.lora import load_merged
-from vlfit.models.reference import ModelReference, check_local_path, parse_model_reference
+from vlfit.models.reference import MODEL_CONFIG, ModelReference, check_local_path, parse_model_reference
 from vlfit.models.registry import family_for_config, family_for_preset
 from vlfit.models.tokenizer import train_caption_tokenizer
 
@@ -223,11 +224,14 @@ def resolve_model(
     adapters = reference.path if reference.kind == "adapters" else None
     if preset is None:
         checkpoint = checkpoint or reference.path  # an export folder has no config: loading it says so
+        # Adapters with a config of their own (a VQA run's: its answers) are that model; others are their base's.
+        own = adapters if adapters and os.path.isfile(os.path.join(adapters, MODEL_CONFIG)) else None
+        config_source = config_name or own or checkpoint
         try:
-            config = AutoConfig.from_pretrained(config_name or checkpoint, **hub)
+            config = AutoConfig.from_pretrained(config_source, **hub)
         except OSError as error:  # not a folder with a config.json, and not a hub id that can be reached
             raise ModelLoadError(
-                f"{config_name or checkpoint}: cannot load a model config ({first_line(error, 200)}); "
+                f"{config_source}: cannot load a model config ({first_line(error, 200)}); "
                 "pass a folder with config.json (what vlfit train writes), a hub id, or --model_preset"
             ) from error
         family = family_for_config(config)

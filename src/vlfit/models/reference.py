@@ -12,7 +12,8 @@ The kinds, and how a folder is told apart:
 - ``export``: a folder ``vlfit export`` wrote: it holds ``export_manifest.json`` (read by
   ``vlfit.inference.exported``).
 - ``adapters``: a folder of LoRA adapters a run saved (``adapter_config.json``); its ``base`` is the checkpoint they
-  were trained on.
+  were trained on. Adapters of a VQA run also hold the model's ``config.json`` (its answers, which the base's config
+  does not list): it is the model's config, and it says the adapters answer questions.
 - ``checkpoint``: any other folder (a training run's output or one of its ``checkpoint-N`` folders), or an existing
   file, handed to transformers as it is; one whose config names ``VQA_ARCHITECTURE`` answers questions
   (``answers_questions``) and has nothing to embed with.
@@ -36,6 +37,8 @@ LOADABLE = ("checkpoint", "adapters", "hub")
 EXPORT_MANIFEST = "export_manifest.json"
 # The file peft's save_pretrained writes beside LoRA adapters (vlfit.models.lora).
 ADAPTER_CONFIG = "adapter_config.json"
+# A transformers model's config file (transformers.utils.CONFIG_NAME).
+MODEL_CONFIG = "config.json"
 # What the config of a folder vlfit train --task vqa wrote names in its architectures (vlfit.models.vqa).
 VQA_ARCHITECTURE = "BridgeTowerForQuestionAnswering"
 
@@ -95,7 +98,9 @@ def parse_model_reference(
         if os.path.isfile(os.path.join(name, EXPORT_MANIFEST)):
             return ModelReference("export", name)
         if is_adapter_folder(name):
-            return ModelReference("adapters", name, base=adapter_base(name))
+            base = adapter_base(name)
+            answers = _answers_questions(name) or _answers_questions(base)  # their own config, else a local base's
+            return ModelReference("adapters", name, base=base, answers_questions=answers)
         return ModelReference("checkpoint", name, answers_questions=_answers_questions(name))
     if "hub" in kinds:
         check_local_path(name, flag)
@@ -113,7 +118,7 @@ def _answers_questions(folder: str) -> bool:
     """Whether the checkpoint folder's config names the VQA architecture (a folder without a readable config is
     left for transformers to refuse)."""
     try:
-        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        with open(os.path.join(folder, MODEL_CONFIG), encoding="utf-8") as f:
             config = json.load(f)
     except (OSError, ValueError):
         return False

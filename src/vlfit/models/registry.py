@@ -15,6 +15,7 @@ from vlfit.models.clip import CLIPFamily
 from vlfit.models.family import ModelFamily
 from vlfit.models.presets import get_preset
 from vlfit.models.siglip import SiglipFamily
+from vlfit.models.vqa import VqaFamily, is_vqa_config
 
 FAMILIES: tuple[ModelFamily, ...] = (BridgeTowerFamily(), CLIPFamily(), SiglipFamily())
 
@@ -40,11 +41,14 @@ def preset_config(preset: str) -> Any:
 
 
 def family_for_config(config: Any) -> ModelFamily:
-    """The family of a checkpoint with ``config`` (a transformers ``PretrainedConfig``).
+    """The family of a checkpoint with ``config`` (a transformers ``PretrainedConfig``): ``VqaFamily`` for a VQA
+    model's (its architectures name ``BridgeTowerForQuestionAnswering``), else the family of its model type.
 
     Raises:
         ValueError: for a model type no family handles, listing those that are supported.
     """
+    if is_vqa_config(config):  # a BridgeTower that answers questions (vlfit train --task vqa)
+        return VqaFamily()
     model_type = getattr(config, "model_type", None)
     for family in FAMILIES:
         if model_type in family.model_types:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import MISSING, Field, fields, replace
 from typing import Any
 
 import torch
@@ -55,6 +55,44 @@ def run_task(model_name_or_path: str | None, task: str) -> str:
         logger.info("%s is a BridgeTower VQA model: the run answers questions (--task vqa)", folder)
         return "vqa"
     return task
+
+
+# Flags of a retrieval run: its contrastive or matching loss, and its retrieval and zero-shot evaluation. A --task vqa
+# run trains with the VQA loss and reports VQA accuracy, so none of them would do anything there.
+RETRIEVAL_FLAGS = ("objective", "contrastive_loss", "contrastive_negatives", "gradient_cache_chunk_size",
+                   "logit_scale_init_value", "hard_negative_column", "eval_pool_size", "rerank_top_k",
+                   "zeroshot_dataset", "prompt_template")  # fmt: skip
+
+
+def check_task_flags(task: str, *arguments: Any, model: str | None, train: bool, wise_ft_alpha: float | None) -> None:
+    """Refuse, before any data opens, a flag the run's task would not use: a retrieval run's flag (``RETRIEVAL_FLAGS``,
+    set to other than its default in any of the ``arguments`` dataclasses) on a ``--task vqa`` run, or
+    ``--answer_vocabulary`` where nothing reads it; and ``--wise_ft_alpha`` on a VQA run whose ``model`` has no VQA
+    head to mix with (the head starts at random).
+
+    Raises:
+        ConfigError: naming the flag and what to do.
+    """
+    vocabulary = next((a.answer_vocabulary for a in arguments if hasattr(a, "answer_vocabulary")), None)
+    check_answer_vocabulary_flag(vocabulary, task, train=train)
+    if task != "vqa":
+        return
+    for flags in arguments:
+        for flag in fields(flags):
+            if flag.name in RETRIEVAL_FLAGS and getattr(flags, flag.name) != _default(flag):
+                raise ConfigError(f"--{flag.name} is a retrieval run's flag; --task vqa trains with the VQA loss and "
+                                  "reports VQA accuracy: drop it")  # fmt: skip
+    if wise_ft_alpha is not None and train and not (model and parse_model_reference(model).answers_questions):
+        raise ConfigError(
+            f"--wise_ft_alpha mixes the trained weights with the starting ones, and {model or 'a preset'} has no VQA "
+            "head to mix (the run's starts at random): drop the flag, or start from a --task vqa run's folder"
+        )
+
+
+def _default(flag: Field) -> Any:
+    if flag.default is not MISSING:
+        return flag.default
+    return flag.default_factory() if flag.default_factory is not MISSING else MISSING
 
 
 def check_answer_vocabulary_flag(vocabulary_file: str | None, task: str, *, train: bool) -> None:
@@ -146,10 +184,11 @@ class VqaTrainer(VlfitTrainer):
         super().__init__(*args, **kwargs)
         self.vocabulary = AnswerVocabulary(config_answers(self.model.config))
 
-    def training_step(self, model: torch.nn.Module, inputs: Batch, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if getattr(self.args, "gradient_cache_chunk_size", None):
-            raise ConfigError("--gradient_cache_chunk_size is for contrastive losses; --task vqa has none to cache")
-        return super().training_step(model, inputs, *args, **kwargs)
+    def _save(self, output_dir: str | None = None, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        super()._save(output_dir, state_dict=state_dict)
+        model = self.accelerator.unwrap_model(self.model)
+        if hasattr(model, "peft_config"):  # LoRA adapters alone do not list the answers: their base's config does
+            model.get_base_model().config.save_pretrained(output_dir or self.args.output_dir)  # not (or other ones)
 
     def compute_loss(
         self, model: torch.nn.Module, inputs: Batch, return_outputs: bool = False, num_items_in_batch: Any = None
