@@ -106,15 +106,18 @@ def test_answer_vocabulary_refusals_name_the_flag():
         vqa_blueprint(spec, None, None, 10, train=False, vocabulary_file="answers.txt")
 
 
-def test_an_answer_vocabulary_on_a_retrieval_run_or_an_evaluation_alone_is_refused(tmp_path, synthetic_dataset_dir):
+def test_vqa_flags_on_a_retrieval_run_and_a_vocabulary_on_an_evaluation_alone_refused(tmp_path, synthetic_dataset_dir):
     from vlfit.arguments import DataArguments, ModelArguments
     from vlfit.training.arguments import VlfitTrainingArguments
     from vlfit.training.run import setup_run
 
     args = VlfitTrainingArguments(output_dir=str(tmp_path / "o"), do_train=True, report_to="none")
     data = DataArguments(dataset_name=synthetic_dataset_dir, answer_vocabulary="answers.txt")
-    with pytest.raises(ConfigError, match="^--answer_vocabulary lists the answers of --task vqa; .*retrieval run"):
+    retrieval = r"is a flag of --task vqa \(its answers\); this run is a retrieval run: add --task vqa or drop it$"
+    with pytest.raises(ConfigError, match="^--answer_vocabulary " + retrieval):
         setup_run(ModelArguments(model_preset="tiny"), data, args)
+    with pytest.raises(ConfigError, match="^--max_answers " + retrieval):
+        setup_run(ModelArguments(model_preset="tiny"), DataArguments(dataset_name=str(tmp_path), max_answers=10), args)
     # An evaluation alone is refused before its data opens (the folder named here does not exist).
     alone = VlfitTrainingArguments(output_dir=str(tmp_path / "e"), do_eval=True, report_to="none")
     nowhere = DataArguments(dataset_name=str(tmp_path / "nowhere"), task="vqa", answer_vocabulary="answers.txt")

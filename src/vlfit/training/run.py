@@ -46,10 +46,10 @@ from vlfit.training.arguments import VlfitTrainingArguments
 from vlfit.training.distributed import describe_launch
 from vlfit.training.itm_objective import prepare_model_for_objective, trained_heads
 from vlfit.training.preemption import PreemptionCallback, TrainingPreempted
+from vlfit.training.task_flags import check_task_flags
 from vlfit.training.trainer import VlfitTrainer
 from vlfit.training.unfreeze import UnfreezeCallback
 from vlfit.training.vqa import (
-    check_task_flags,
     pipeline_columns,
     run_task,
     trainer_class,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import MISSING, Field, fields, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -40,6 +40,7 @@ from vlfit.evaluation.vqa_accuracy import answer_accuracy, vqa_metrics
 from vlfit.models.loading import ModelSpec
 from vlfit.models.reference import parse_model_reference
 from vlfit.models.vqa import VQA_INPUTS, VqaFamily, config_answers, is_vqa_config, vqa_loss, with_answers
+from vlfit.training.task_flags import check_vocabulary_is_trained
 from vlfit.training.trainer import VlfitTrainer
 
 logger = logging.getLogger(__name__)
@@ -55,61 +56,6 @@ def run_task(model_name_or_path: str | None, task: str) -> str:
         logger.info("%s is a BridgeTower VQA model: the run answers questions (--task vqa)", folder)
         return "vqa"
     return task
-
-
-# Flags of a retrieval run: its contrastive or matching loss, and its retrieval and zero-shot evaluation. A --task vqa
-# run trains with the VQA loss and reports VQA accuracy, so none of them would do anything there.
-RETRIEVAL_FLAGS = ("objective", "contrastive_loss", "contrastive_negatives", "gradient_cache_chunk_size",
-                   "logit_scale_init_value", "hard_negative_column", "eval_pool_size", "rerank_top_k",
-                   "zeroshot_dataset", "prompt_template")  # fmt: skip
-
-
-def check_task_flags(task: str, *arguments: Any, model: str | None, train: bool, wise_ft_alpha: float | None) -> None:
-    """Refuse, before any data opens, a flag the run's task would not use: a retrieval run's flag (``RETRIEVAL_FLAGS``,
-    set to other than its default in any of the ``arguments`` dataclasses) on a ``--task vqa`` run, or
-    ``--answer_vocabulary`` where nothing reads it; and ``--wise_ft_alpha`` on a VQA run whose ``model`` has no VQA
-    head to mix with (the head starts at random).
-
-    Raises:
-        ConfigError: naming the flag and what to do.
-    """
-    vocabulary = next((a.answer_vocabulary for a in arguments if hasattr(a, "answer_vocabulary")), None)
-    check_answer_vocabulary_flag(vocabulary, task, train=train)
-    if task != "vqa":
-        return
-    for flags in arguments:
-        for flag in fields(flags):
-            if flag.name in RETRIEVAL_FLAGS and getattr(flags, flag.name) != _default(flag):
-                raise ConfigError(f"--{flag.name} is a retrieval run's flag; --task vqa trains with the VQA loss and "
-                                  "reports VQA accuracy: drop it")  # fmt: skip
-    if wise_ft_alpha is not None and train and not (model and parse_model_reference(model).answers_questions):
-        raise ConfigError(
-            f"--wise_ft_alpha mixes the trained weights with the starting ones, and {model or 'a preset'} has no VQA "
-            "head to mix (the run's starts at random): drop the flag, or start from a --task vqa run's folder"
-        )
-
-
-def _default(flag: Field) -> Any:
-    if flag.default is not MISSING:
-        return flag.default
-    return flag.default_factory() if flag.default_factory is not MISSING else MISSING
-
-
-def check_answer_vocabulary_flag(vocabulary_file: str | None, task: str, *, train: bool) -> None:
-    """Refuse ``--answer_vocabulary`` where nothing reads it: on a retrieval run, and on an evaluation alone (it
-    scores the model's own answers). Checked before any data opens.
-
-    Raises:
-        ConfigError: naming the flag and what to do.
-    """
-    if vocabulary_file is None:
-        return
-    if task != "vqa":
-        raise ConfigError("--answer_vocabulary lists the answers of --task vqa; this run is a retrieval run: add "
-                          "--task vqa or drop the flag")  # fmt: skip
-    if not train:
-        raise ConfigError("--answer_vocabulary sets the answers a training run learns; an evaluation alone scores "
-                          "the model's own answers: drop the flag")  # fmt: skip
 
 
 def vqa_location(location: Mapping[str, Any]) -> dict[str, Any]:
@@ -149,7 +95,7 @@ def vqa_blueprint(
         )
     if eval_source is not None:
         split_answers(eval_source)  # a bad question fails now, not at the end of training
-    check_answer_vocabulary_flag(vocabulary_file, "vqa", train=train)
+    check_vocabulary_is_trained(vocabulary_file, train=train)
     if vocabulary_file is not None:
         vocabulary = AnswerVocabulary.read(vocabulary_file)
         if train_source is not None:
