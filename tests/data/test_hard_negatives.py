@@ -6,7 +6,7 @@ import pytest
 
 from tests.data.image_factory import jpeg_bytes
 from vlfit.data.dataset import ImageTextCollator, ImageTextDataset
-from vlfit.data.hard_negatives import alternative_captions, tokenize_alternatives
+from vlfit.data.hard_negatives import alternative_captions, caption_choice, right_choice, tokenize_alternatives
 from vlfit.data.image_transforms import FastImageTransform
 from vlfit.data.records import Record
 from vlfit.models.family import HARD_NEGATIVE_ATTENTION_MASK, HARD_NEGATIVE_INPUT_IDS
@@ -29,6 +29,16 @@ def test_the_label_names_the_samples_own_choice():
 def test_without_a_label_choices_equal_to_the_caption_are_left_out():
     assert alternative_captions([*CHOICES, " "], CHOICES[2]) == [CHOICES[0], CHOICES[1], CHOICES[3]]
     assert alternative_captions(None, CHOICES[0]) == []
+
+
+def test_the_right_choice_follows_the_same_rule_as_the_alternatives():
+    # Evaluation's matching accuracy scores against this choice; training's hard negatives are the others.
+    assert right_choice(CHOICES, "B", None) == 1 and right_choice(CHOICES, 3, 0) == 3  # a label names it
+    assert caption_choice(CHOICES, CHOICES[2]) == 2 and right_choice(CHOICES, None, 2) == 2  # else the caption's
+    assert caption_choice(CHOICES, "not a choice") is None and caption_choice([CHOICES[0]] * 2, CHOICES[0]) is None
+    assert right_choice(None, "A", 0) is None and right_choice([], None, None) is None
+    with pytest.raises(ValueError, match=r"^sample s7: label 'Z' is neither a letter A-E nor an index; fix"):
+        right_choice(CHOICES, "Z", None, sample_id="s7")
 
 
 @pytest.mark.parametrize(

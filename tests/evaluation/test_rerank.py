@@ -73,6 +73,7 @@ class _Batch(dict):
     def __init__(self, rows: dict, positions: list[int], columns: dict) -> None:
         super().__init__(rows)
         self.positions, self.columns, self.bad_samples, self.inputs = positions, columns, [], rows
+        self.sample_ids = [f"s{position}" for position in positions]
 
     def __len__(self) -> int:
         return len(self.positions)

@@ -25,9 +25,9 @@ from vlfit.data.bad_samples import (
 )
 from vlfit.data.batch import BadSample, Batch
 from vlfit.data.decode import DecodeError
-from vlfit.data.hard_negatives import alternative_captions, tokenize_alternatives
+from vlfit.data.hard_negatives import alternative_captions, caption_choice, tokenize_alternatives
 from vlfit.data.image_transforms import EncodedImage, stack_images
-from vlfit.data.records import BadRecordError, Record
+from vlfit.data.records import CAPTION_CHOICE, BadRecordError, Record
 from vlfit.models.family import IMAGE_KEYS, tokenize_captions
 
 ImageTransform = Callable[[bytes, str], "torch.Tensor | EncodedImage"]
@@ -255,9 +255,19 @@ class ImageTextCollator:
             positions=[sample.position for sample in samples],
             bad_samples=bad_samples,
             encoded_images=encoded,  # type: ignore[arg-type]
-            columns={name: [sample.columns.get(name) for sample in samples] for name in self.keep_columns},
+            columns=self._columns(samples),
             stream_positions=stream_positions,
         )
+
+    def _columns(self, samples: list[Sample]) -> dict[str, list[Any]]:
+        """The kept columns per row, and with ``caption_choices`` each row's ``CAPTION_CHOICE``."""
+        columns = {name: [sample.columns.get(name) for sample in samples] for name in self.keep_columns}
+        if "caption_choices" in columns:
+            columns[CAPTION_CHOICE] = [
+                caption_choice(choices, sample.caption or "")
+                for choices, sample in zip(columns["caption_choices"], samples, strict=True)
+            ]
+        return columns
 
     def _hard_negatives(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
         column = self.hard_negative_column

@@ -26,8 +26,12 @@ from vlfit.models.family import tokenize_captions
 CHOICE_LETTERS = "ABCDE"
 
 
-def label_to_index(label: str | int) -> int:
-    """``"A".."E"`` (the New Yorker matching labels) or an integer to a choice index."""
+def label_to_index(label: str | int, *, sample_id: str = "?") -> int:
+    """``"A".."E"`` (the New Yorker matching labels) or an integer to a choice index.
+
+    Raises:
+        DataError: naming the sample, for any other label.
+    """
     if isinstance(label, int):
         return label
     text = str(label).strip().upper()
@@ -35,7 +39,37 @@ def label_to_index(label: str | int) -> int:
         return CHOICE_LETTERS.index(text)
     if text.isdigit():
         return int(text)
-    raise DataError(f"label {label!r} is neither a letter A-E nor an index")
+    raise DataError(f"sample {sample_id}: label {label!r} is neither a letter A-E nor an index; fix the label column")
+
+
+def caption_choice(choices: Any, caption: str) -> int | None:
+    """The index of the one choice equal to ``caption``; None when none or several are (or there are no choices)."""
+    if not isinstance(choices, Sequence) or isinstance(choices, str):
+        return None
+    same = [i for i, choice in enumerate(choices) if choice == caption]
+    return same[0] if len(same) == 1 else None
+
+
+def right_choice(
+    choices: Any, label: Any, caption_index: int | None, *, column: str = "caption_choices", sample_id: str = "?"
+) -> int | None:
+    """The index of the sample's own caption among its ``choices``, by the rule ``alternative_captions`` keeps: the
+    choice ``label`` points to when the data has a label, else ``caption_index`` (``caption_choice``: the one
+    choice equal to the caption); None when the sample has nothing to be matched against.
+
+    Raises:
+        DataError: naming the sample, for a label that is not a choice index or letter, or points past the choices.
+    """
+    if not isinstance(choices, Sequence) or isinstance(choices, str) or not choices:
+        return None
+    if label is None:
+        return caption_index
+    index = label_to_index(label, sample_id=sample_id)
+    if not 0 <= index < len(choices):
+        raise DataError(
+            f"sample {sample_id}: label {label!r} does not point into its {len(choices)} {column!r} entries"
+        )
+    return index
 
 
 def alternative_captions(
@@ -66,11 +100,7 @@ def alternative_captions(
         )
     if label is None:
         return [choice for choice in choices if choice.strip() and choice != caption]
-    index = label_to_index(label)
-    if not 0 <= index < len(choices):
-        raise DataError(
-            f"sample {sample_id}: label {label!r} does not point into its {len(choices)} {column!r} entries"
-        )
+    index = right_choice(choices, label, None, column=column, sample_id=sample_id)
     return [choice for i, choice in enumerate(choices) if i != index and choice.strip()]
 
 

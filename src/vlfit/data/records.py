@@ -12,6 +12,9 @@ from vlfit.errors import DataError
 
 # Columns evaluation reads besides image and caption (New Yorker ``matching``): carried through as ``extra``.
 EVAL_COLUMNS: tuple[str, ...] = ("caption_choices", "label")
+# The per-row column a batch derives from them: the index of the one choice equal to the row's caption, or None
+# (vlfit.data.hard_negatives.caption_choice; evaluation takes it as the right choice where there is no label).
+CAPTION_CHOICE = "caption_choice"
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 
 from vlfit.data.batch import BadSample, Batch
-from vlfit.data.hard_negatives import label_to_index
+from vlfit.data.hard_negatives import right_choice
 from vlfit.data.image_groups import group_images
+from vlfit.data.records import CAPTION_CHOICE
 from vlfit.errors import DataError
 from vlfit.evaluation.rerank import (
     PairInputs,
@@ -84,9 +85,10 @@ def embed_split(
     """Embed every batch with the family's unimodal encoders.
 
     Batches are model-ready evaluation batches (the pipeline's device feed): rows with their dataset positions,
-    the samples left out as bad in ``bad_samples``, and ``caption_choices``/``label`` columns when the split has
-    them. Batches left empty by bad samples add only their bad samples. A model with a matching head also scores
-    the caption choices with it; ``keep_pair_inputs`` keeps the rows' tokens and pixels for re-ranking.
+    the samples left out as bad in ``bad_samples``, and ``caption_choices`` with each row's ``CAPTION_CHOICE`` when the
+    split has them (the choice its label names, or without a label the one equal to its caption). Batches left
+    empty by bad samples add only their bad samples. A model with a matching head also scores the caption choices
+    with it; ``keep_pair_inputs`` keeps the rows' tokens and pixels for re-ranking.
     """
     model = getattr(model, "module", model)
     was_training = model.training
@@ -109,10 +111,10 @@ def embed_split(
                 text_embeds = family.encode_text(model, batch["input_ids"], batch["attention_mask"])
                 part.texts.append(text_embeds.float().cpu())
                 part.images.append(family.encode_image(model, batch["pixel_values"]).float().cpu())
-                batch_choices, batch_labels = batch.columns.get("caption_choices"), batch.columns.get("label")
                 if part.choices is None:
                     continue
-                if not (batch_choices and batch_labels and all(batch_choices)):
+                batch_choices, right = batch.columns.get("caption_choices"), _right_choices(batch)
+                if not (batch_choices and all(index is not None for index in right)):
                     part.choices = part.labels = None
                     continue
                 flat = [str(choice) for sample in batch_choices for choice in sample]
@@ -120,13 +122,22 @@ def embed_split(
                 input_ids, attention_mask = tokens["input_ids"].to(device), tokens["attention_mask"].to(device)
                 embeds = family.encode_text(model, input_ids, attention_mask).float().cpu()
                 part.choices.append(embeds.view(len(batch_choices), len(batch_choices[0]), -1))
-                part.labels.append(torch.tensor([label_to_index(label) for label in batch_labels]))  # type: ignore[union-attr]
+                part.labels.append(torch.tensor(right))  # type: ignore[union-attr]
                 if part.choice_matches is not None:
                     choice_tokens = {"input_ids": input_ids, "attention_mask": attention_mask}
                     part.choice_matches.append(choice_scores(model, batch, choice_tokens))
     if was_training:
         model.train()
     return part
+
+
+def _right_choices(batch: Batch) -> list[int | None]:
+    """Each row's right choice among its ``caption_choices`` (``right_choice``: its label's, else the one equal to
+    its caption); None for a row with nothing to be matched against."""
+    missing = [None] * len(batch)
+    rows = zip(batch.columns.get("caption_choices") or missing, batch.columns.get("label") or missing,
+               batch.columns.get(CAPTION_CHOICE) or missing, batch.sample_ids, strict=True)  # fmt: skip
+    return [right_choice(choices, label, by_caption, sample_id=row) for choices, label, by_caption, row in rows]
 
 
 def merge_splits(parts: list[EmbeddedSplit]) -> EmbeddedSplit:
@@ -190,7 +201,8 @@ def score_split(split: EmbeddedSplit, pool_size: int | None = None) -> dict[str,
             hits = torch.cat(split.choice_matches).argmax(dim=1) == label_index
             metrics["matching_accuracy_itm"] = hits.float().mean().item()
     else:
-        logger.info("split has no usable caption_choices/label columns: matching accuracy skipped")
+        logger.info("matching accuracy skipped: the split has no caption_choices, or a row whose own caption is not "
+                    "one of its choices (no label names it, and none or several equal it)")  # fmt: skip
     metrics["bad_samples"] = len(split.bad_samples)
     return metrics
 
