@@ -147,6 +147,9 @@ def test_lora_adapters_of_a_vqa_run_keep_its_answers_through_reload_and_merge(vq
     row = datasets.load_dataset("parquet", data_files=str(data / "validation.parquet"))["train"][0]
     image = Image.open(row["image"]["path"]) if isinstance(row["image"], dict) else row["image"]
     answered = vlfit.load(str(adapters)).answer(image, row["question"], top_k=3)
+    # Nothing embeds with it (it loaded as a contrastive model with random heads before).
+    with pytest.raises(vlfit.ConfigError, match="is a question-answering model"):
+        vlfit.load(str(adapters)).encode_texts("a red circle")
     assert main(["merge-lora", "--model_name_or_path", str(adapters), "--output_dir", str(tmp_path / "merged")]) == 0
     merged = json.loads((tmp_path / "merged" / "config.json").read_text())
     assert merged["architectures"] == ["BridgeTowerForQuestionAnswering"] and merged["id2label"] == saved["id2label"]
