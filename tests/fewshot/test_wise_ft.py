@@ -89,6 +89,14 @@ def test_models_that_cannot_be_mixed_stop_in_one_line(labelled_checkpoint, label
                  "--zeroshot_label_column", "kind", "--output_dir", str(tmp_path / "out")]) == 2  # fmt: skip
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("vlfit wise-ft: error")]
     assert len(errors) == 1 and "--zeroshot_model is a bridgetower model and --finetuned_model a clip one" in errors[0]
+    vqa = tmp_path / "vqa"  # what tells a VQA folder apart: its config's architectures
+    vqa.mkdir()
+    (vqa / "config.json").write_text(json.dumps({"architectures": ["BridgeTowerForQuestionAnswering"]}))
+    assert main(["wise-ft", "--zeroshot_model", str(labelled_checkpoint), "--finetuned_model", str(vqa),
+                 "--dataset_name", labelled_dataset_dir, "--zeroshot_dataset", labelled_dataset_dir,
+                 "--zeroshot_label_column", "kind", "--output_dir", str(tmp_path / "out")]) == 2  # fmt: skip
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("vlfit wise-ft: error")]
+    assert len(errors) == 1 and f"--finetuned_model {vqa} answers questions (vlfit train --task vqa)" in errors[0]
     a = {"w": torch.zeros(2, 3), "ids": torch.arange(3)}
     with pytest.raises(ConfigError, match=r"parameter 'w' has shape \(2, 3\) in one model and \(3, 3\)"):
         interpolate(a, {"w": torch.zeros(3, 3), "ids": torch.arange(3)}, 0.5)

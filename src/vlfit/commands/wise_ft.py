@@ -19,6 +19,7 @@ from typing import Any
 from vlfit.arguments import DataArguments, EvalArguments, ModelArguments
 from vlfit.commands.parsing import CommandParser
 from vlfit.errors import ConfigError
+from vlfit.models.reference import parse_model_reference
 
 PROG = "vlfit wise-ft"
 SELECTIONS = ("target", "mean")
@@ -119,12 +120,17 @@ def main(argv: list[str] | None = None) -> int:
     if not data.zeroshot_dataset:
         raise ConfigError("--zeroshot_dataset: the labelled data WiSE-FT must not forget (its zero-shot top-1 curve)")
     alphas = parse_alphas(args.alphas)
+    for flag, model in (("--zeroshot_model", args.zeroshot_model), ("--finetuned_model", args.finetuned_model)):
+        if parse_model_reference(model, flag=flag).answers_questions:
+            raise ConfigError(
+                f"{flag} {model} answers questions (vlfit train --task vqa): vlfit wise-ft mixes a contrastive model "
+                "with its fine-tuning along a zero-shot classification curve, which a VQA model has no embeddings for"
+            )
 
     from vlfit.commands.evaluate import as_training_arguments
     from vlfit.model_card import WiseFtMix, write_model_card
     from vlfit.models.interpolation import interpolate
     from vlfit.models.loading import build_model, resolve_model, save_inputs
-    from vlfit.models.vqa import model_answers
     from vlfit.training.run import run, setup_run
 
     finetuned_args = ModelArguments(model_name_or_path=args.finetuned_model)
@@ -175,7 +181,6 @@ def main(argv: list[str] | None = None) -> int:
         metrics={key: value for key, value in chosen.items() if key != "alpha"},
         command_line="vlfit wise-ft " + shlex.join(argv),
         mix=WiseFtMix(chosen["alpha"], zeroshot_model=args.zeroshot_model, finetuned_model=args.finetuned_model),
-        answers=model_answers(setup.spec.config),
         how_made=f"Alpha {chosen['alpha']:g} was chosen by --select {args.select}"
         + (f", --max_zeroshot_drop {args.max_zeroshot_drop:g}" if args.max_zeroshot_drop is not None else "")
         + f" among alphas {', '.join(f'{a:g}' for a in alphas)}, each evaluated on {' and '.join(evaluated)}; "
