@@ -260,8 +260,15 @@ class ImageTextCollator:
         )
 
     def _columns(self, samples: list[Sample]) -> dict[str, list[Any]]:
-        """The kept columns per row, and with ``caption_choices`` each row's ``CAPTION_CHOICE``."""
+        """The kept columns per row, and with ``caption_choices`` each row's ``CAPTION_CHOICE``. A row without
+        ``caption_choices`` takes its ``hard_negative_column`` alternatives as its choices: matching is evaluated on
+        the column training took its hard negatives from."""
         columns = {name: [sample.columns.get(name) for sample in samples] for name in self.keep_columns}
+        if "caption_choices" in columns and self.hard_negative_column not in (None, "caption_choices"):
+            columns["caption_choices"] = [
+                sample.columns.get(self.hard_negative_column) if choices is None else choices
+                for choices, sample in zip(columns["caption_choices"], samples, strict=True)
+            ]
         if "caption_choices" in columns:
             columns[CAPTION_CHOICE] = [
                 caption_choice(choices, sample.caption or "")
