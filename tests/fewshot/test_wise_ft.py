@@ -106,3 +106,23 @@ def test_models_that_cannot_be_mixed_stop_in_one_line(labelled_checkpoint, label
         {"w": torch.zeros(2), "ids": torch.arange(2)}, {"w": torch.ones(2), "ids": torch.arange(2)}, 0.25
     )
     assert mixed["w"].tolist() == [0.25, 0.25] and mixed["ids"].tolist() == [0, 1]
+
+
+def test_a_head_the_run_added_keeps_its_trained_weights_in_the_mix(tiny_checkpoint, synthetic_dataset_dir, tmp_path):
+    # --objective contrastive+itm adds a matching head to a contrastive checkpoint: it has no start to mix with.
+    from safetensors.torch import load_file
+
+    train = ["train", "--model", str(tiny_checkpoint), "--dataset_name", synthetic_dataset_dir, "--objective",
+             "contrastive+itm", "--max_steps", "2", "--learning_rate", "1e-3", "--per_device_train_batch_size", "8",
+             "--save_strategy", "no", "--report_to", "none", "--dataloader_num_workers", "0"]  # fmt: skip
+    assert main([*train, "--output_dir", str(tmp_path / "trained")]) == 0
+    assert main([*train, "--output_dir", str(tmp_path / "mixed"), "--wise_ft_alpha", "0.5"]) == 0
+    start = load_file(tiny_checkpoint / "model.safetensors")
+    trained, mixed = (load_file(tmp_path / name / "model.safetensors") for name in ("trained", "mixed"))
+    head = [name for name in trained if name not in start]
+    assert head and all(name.startswith("itm_score.") for name in head)
+    for name in head:
+        torch.testing.assert_close(mixed[name], trained[name], rtol=0, atol=0, msg=name)
+    half = interpolate(start, {name: trained[name] for name in start}, 0.5)
+    for name, tensor in half.items():
+        torch.testing.assert_close(mixed[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
