@@ -147,6 +147,13 @@ def test_lora_adapters_of_a_vqa_run_keep_its_answers_through_reload_and_merge(vq
     row = datasets.load_dataset("parquet", data_files=str(data / "validation.parquet"))["train"][0]
     image = Image.open(row["image"]["path"]) if isinstance(row["image"], dict) else row["image"]
     answered = vlfit.load(str(adapters)).answer(image, row["question"], top_k=3)
+    photo = tmp_path / "image.png"
+    image.convert("RGB").save(photo)
+    printed = subprocess.run([sys.executable, "-m", "vlfit", "vqa", "--model", str(adapters), str(photo),
+                              row["question"], "--top_k", "1"], capture_output=True, text=True, check=True)  # fmt: skip
+    assert printed.stdout.split("\t")[1] == answered[0][0][0]
+    # The contrastive base's heads and the classifier it lacks are what is meant: no load report of transformers'.
+    assert "LOAD REPORT" not in printed.stderr
     # Nothing embeds with it (it loaded as a contrastive model with random heads before).
     with pytest.raises(vlfit.ConfigError, match="is a question-answering model"):
         vlfit.load(str(adapters)).encode_texts("a red circle")

@@ -15,6 +15,8 @@ from any BridgeTower checkpoint (a contrastive one's backbone is kept and the cl
 from __future__ import annotations
 
 import copy
+import logging
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,11 +25,14 @@ from torch import nn
 from transformers import BridgeTowerConfig, BridgeTowerModel
 from transformers.modeling_outputs import SequenceClassifierOutput
 from transformers.models.bridgetower.modeling_bridgetower import BridgeTowerPreTrainedModel
+from transformers.utils import logging as transformers_logging
 
 from vlfit.errors import ConfigError
 from vlfit.models import activation_checkpointing
 from vlfit.models.bridgetower import BridgeTowerFamily, layer_stacks
-from vlfit.models.reference import VQA_ARCHITECTURE
+from vlfit.models.reference import VQA_ARCHITECTURE, parse_model_reference
+
+logger = logging.getLogger(__name__)
 
 VQA_INPUTS = ("input_ids", "attention_mask", "pixel_values")
 
@@ -100,8 +105,27 @@ class VqaFamily(BridgeTowerFamily):
 
     def from_pretrained(self, name_or_path: str, **hub_kwargs: Any) -> BridgeTowerForQuestionAnswering:
         """A VQA folder as it was saved, or any BridgeTower checkpoint's backbone with a new classifier (the
-        config passed, ``with_answers``, says the answers; a VQA folder of other answers gets a new one too)."""
-        return BridgeTowerForQuestionAnswering.from_pretrained(name_or_path, ignore_mismatched_sizes=True, **hub_kwargs)
+        config passed, ``with_answers``, says the answers; a VQA folder of other answers gets a new one too).
+
+        A local checkpoint that is no VQA model (a contrastive one, the base of a VQA run's LoRA adapters) loads
+        without transformers' load report, whose lines (its contrastive heads unexpected, the classifier missing)
+        are what is meant; one line says so instead."""
+        fresh_head = os.path.isdir(name_or_path) and not parse_model_reference(name_or_path).answers_questions
+        if not fresh_head:
+            return BridgeTowerForQuestionAnswering.from_pretrained(
+                name_or_path, ignore_mismatched_sizes=True, **hub_kwargs
+            )
+        verbosity = transformers_logging.get_verbosity()
+        transformers_logging.set_verbosity_error()
+        try:
+            model = BridgeTowerForQuestionAnswering.from_pretrained(
+                name_or_path, ignore_mismatched_sizes=True, **hub_kwargs
+            )
+        finally:
+            transformers_logging.set_verbosity(verbosity)
+        logger.info("%s is no VQA model: its backbone is loaded; the VQA classifier comes from LoRA adapters, or "
+                    "starts at random to be trained", name_or_path)  # fmt: skip
+        return model
 
     def head_modules(self) -> tuple[str, ...]:
         return ("vqa_classifier",)
