@@ -14,10 +14,11 @@ from any BridgeTower checkpoint (a contrastive one's backbone is kept and the cl
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -111,20 +112,13 @@ class VqaFamily(BridgeTowerFamily):
         without transformers' load report, whose lines (its contrastive heads unexpected, the classifier missing)
         are what is meant; one line says so instead."""
         fresh_head = os.path.isdir(name_or_path) and not parse_model_reference(name_or_path).answers_questions
-        if not fresh_head:
-            return BridgeTowerForQuestionAnswering.from_pretrained(
-                name_or_path, ignore_mismatched_sizes=True, **hub_kwargs
-            )
-        verbosity = transformers_logging.get_verbosity()
-        transformers_logging.set_verbosity_error()
-        try:
+        with _transformers_quiet() if fresh_head else contextlib.nullcontext():
             model = BridgeTowerForQuestionAnswering.from_pretrained(
                 name_or_path, ignore_mismatched_sizes=True, **hub_kwargs
             )
-        finally:
-            transformers_logging.set_verbosity(verbosity)
-        logger.info("%s is no VQA model: its backbone is loaded; the VQA classifier comes from LoRA adapters, or "
-                    "starts at random to be trained", name_or_path)  # fmt: skip
+        if fresh_head:
+            logger.info("%s is no VQA model: its backbone is loaded; the VQA classifier comes from LoRA adapters, or "
+                        "starts at random to be trained", name_or_path)  # fmt: skip
         return model
 
     def head_modules(self) -> tuple[str, ...]:
@@ -148,3 +142,14 @@ class VqaFamily(BridgeTowerFamily):
         symmetric: bool = False,
     ) -> torch.Tensor:
         raise ConfigError("a BridgeTower VQA model trains with the VQA loss (--task vqa), not a contrastive one")
+
+
+@contextlib.contextmanager
+def _transformers_quiet() -> Iterator[None]:
+    """transformers logs errors only, then as before."""
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers_logging.set_verbosity(verbosity)

@@ -58,9 +58,9 @@ def start_server(
     while True:
         if process.poll() is not None:
             raise ServerStartError(f"vlfit serve exited {process.returncode}: {_tail(log_path)}")
-        bound = port or _logged_port(log_path)
-        if bound and _answers(bound, process):
-            return ServerProcess(process, bound)
+        port = port or _logged_port(log_path) or 0  # read once the log names it
+        if port and _answers(port, process):
+            return ServerProcess(process, port)
         if time.monotonic() > deadline:
             kill_process_tree(process)
             raise ServerStartError(f"vlfit serve did not answer within {timeout:g} s: {_tail(log_path)}")

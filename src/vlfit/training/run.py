@@ -49,13 +49,7 @@ from vlfit.training.preemption import PreemptionCallback, TrainingPreempted
 from vlfit.training.task_flags import check_task_flags
 from vlfit.training.trainer import VlfitTrainer
 from vlfit.training.unfreeze import UnfreezeCallback
-from vlfit.training.vqa import (
-    pipeline_columns,
-    run_task,
-    trainer_class,
-    vqa_blueprint,
-    vqa_location,
-)
+from vlfit.training.vqa import pipeline_columns, run_task, trainer_class, vqa_blueprint, vqa_location
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +99,7 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
     if training_args.do_train and data_args.streams_training():
         _check_streamed_training(training_args)
     task = run_task(model_args.model_name_or_path, data_args.task)
-    check_task_flags(task, model_args, data_args, training_args, model=model_args.model_name_or_path,
-                     train=training_args.do_train, wise_ft_alpha=training_args.wise_ft_alpha)  # fmt: skip
+    check_task_flags(task, model_args, data_args, training_args)
     data = open_run_data(
         vqa_location(data_args.source_kwargs()) if task == "vqa" else data_args.source_kwargs(),
         train=training_args.do_train,

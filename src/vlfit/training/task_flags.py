@@ -6,8 +6,10 @@ from __future__ import annotations
 from dataclasses import MISSING, Field, fields
 from typing import Any
 
+from vlfit.arguments import DataArguments, ModelArguments
 from vlfit.errors import ConfigError
 from vlfit.models.reference import parse_model_reference
+from vlfit.training.arguments import VlfitTrainingArguments
 
 # Flags of a retrieval run: its contrastive or matching loss, and its retrieval and zero-shot evaluation. A --task vqa
 # run trains with the VQA loss and reports VQA accuracy: none of them would do anything there.
@@ -18,17 +20,18 @@ RETRIEVAL_FLAGS = ("objective", "contrastive_loss", "contrastive_negatives", "gr
 VQA_FLAGS = ("answer_vocabulary", "max_answers")
 
 
-def check_task_flags(task: str, *arguments: Any, model: str | None, train: bool, wise_ft_alpha: float | None) -> None:
+def check_task_flags(
+    task: str, model_args: ModelArguments, data_args: DataArguments, training_args: VlfitTrainingArguments
+) -> None:
     """Refuse a flag of the other task (``RETRIEVAL_FLAGS`` on a ``--task vqa`` run, ``VQA_FLAGS`` on a retrieval
-    run) set to other than its default in any of the ``arguments`` dataclasses; ``--answer_vocabulary`` on an
-    evaluation alone; and ``--wise_ft_alpha`` on a VQA run whose ``model`` has no VQA head to mix with (the head
-    starts at random).
+    run) set to other than its default; ``--answer_vocabulary`` on an evaluation alone; and ``--wise_ft_alpha`` on a
+    VQA run whose model has no VQA head to mix with (the head starts at random).
 
     Raises:
         ConfigError: naming the flag and what to do.
     """
     vqa = task == "vqa"
-    for flags in arguments:
+    for flags in (model_args, data_args, training_args):
         for flag in fields(flags):
             if flag.name in (RETRIEVAL_FLAGS if vqa else VQA_FLAGS) and getattr(flags, flag.name) != _default(flag):
                 if vqa:
@@ -38,9 +41,10 @@ def check_task_flags(task: str, *arguments: Any, model: str | None, train: bool,
                                   "add --task vqa or drop it")  # fmt: skip
     if not vqa:
         return
-    vocabulary = next((a.answer_vocabulary for a in arguments if hasattr(a, "answer_vocabulary")), None)
-    check_vocabulary_is_trained(vocabulary, train=train)
-    if wise_ft_alpha is not None and train and not (model and parse_model_reference(model).answers_questions):
+    train, model = training_args.do_train, model_args.model_name_or_path
+    check_vocabulary_is_trained(data_args.answer_vocabulary, train=train)
+    mixes = training_args.wise_ft_alpha is not None and train
+    if mixes and not (model and parse_model_reference(model).answers_questions):
         raise ConfigError(
             f"--wise_ft_alpha mixes the trained weights with the starting ones, and {model or 'a preset'} has no VQA "
             "head to mix (the run's starts at random): drop the flag, or start from a --task vqa run's folder"
