@@ -30,10 +30,11 @@ import torch
 from vlfit.commands.export import SYNTHETIC_LONG_SIDE
 from vlfit.data.sources.openers import open_split
 from vlfit.data.sources.synthetic import synthetic_source
-from vlfit.inference.backends import Encoder, OnnxRuntimeEncoder, OpenVinoEncoder, load_checkpoint, open_encoder
+from vlfit.inference.backends import Encoder, OnnxRuntimeEncoder, OpenVinoEncoder
 from vlfit.inference.export import ExportSettings, embed_samples, export_model, t2i_recall
 from vlfit.inference.export_samples import Samples, load_samples
 from vlfit.inference.exported import ExportFolder
+from vlfit.inference.runtime import ModelRuntime
 
 
 def save_preset_checkpoint(preset: str, folder: Path, captions: list[str]) -> Path:
@@ -66,7 +67,7 @@ def latency(call: Callable[[], object], iterations: int, warmup: int = 2) -> tup
 def make_encoder(name: str, checkpoint: str, work: Path, threads: int) -> Encoder:
     """The encoder of one row of the table."""
     if name == "torch eager fp32":
-        return open_encoder(checkpoint, "torch", num_threads=threads)
+        return ModelRuntime.open(checkpoint, "torch", num_threads=threads).encoder
     fmt, precision = name.split()
     exported = ExportFolder.open(str(work / ("onnx" if fmt == "onnxruntime" else "openvino")))
     if fmt == "onnxruntime":
@@ -140,7 +141,7 @@ def main() -> None:
     checkpoint = args.model_name_or_path
     if checkpoint is None:
         checkpoint = str(save_preset_checkpoint(args.model_preset, work / "checkpoint", calibration_source.captions()))
-    loaded = load_checkpoint(checkpoint)
+    loaded = ModelRuntime.open(checkpoint).encoder
     eval_samples = load_samples(eval_source.select(range(min(args.eval_samples, len(eval_source)))), loaded.spec)
     calibration = load_samples(
         calibration_source.select(range(min(args.calibration_samples, len(calibration_source)))), loaded.spec

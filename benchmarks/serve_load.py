@@ -396,9 +396,9 @@ def main() -> int:
                       "--calibration_dataset", args.data])  # fmt: skip
         if code:
             sys.exit(f"vlfit export exited {code}")
-    from vlfit.inference.backends import open_encoder
+    from vlfit.inference.runtime import ModelRuntime
 
-    encoder = open_encoder(exported, "auto", "int8")
+    encoder = ModelRuntime.open(exported, "auto", "int8").encoder
     dim = encoder.identity.embedding_size
     index = os.path.join(args.out, "index-100k")
     if not os.path.isfile(os.path.join(index, "index_manifest.json")):

@@ -27,54 +27,50 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 
-from vlfit.data.image_inputs import ImageInput, pixels_of
-from vlfit.data.image_transforms import stack_images
+from vlfit.data.image_inputs import ImageInput
 from vlfit.errors import ConfigError, DataError, python_api, unknown_keywords
 from vlfit.index.search import Hit
-from vlfit.inference.backends import FOLDER_KINDS, Encoder, open_encoder
-from vlfit.models.reference import parse_model_reference
+from vlfit.inference.backends import Encoder
+from vlfit.inference.runtime import ModelRuntime
 
 
 class Model:
     """A model ready to embed: a checkpoint (PyTorch) or a folder ``vlfit export`` wrote (ONNX Runtime, OpenVINO);
     or, for a folder ``vlfit train --task vqa`` wrote, ready to answer questions (``answer``), with nothing to embed
-    with.
+    with. Every call runs through one ``vlfit.inference.runtime.ModelRuntime``: the caption length and image
+    settings the run was trained with, one thread setting.
 
     Args:
-        encoder: The backend's encoder (``vlfit.inference.backends``); None for a question-answering model.
-        answerer: A question-answering model's ``vlfit.inference.vqa.QuestionAnswerer`` (loaded once, by ``load``).
+        runtime: The model's runtime (``load`` opens it).
     """
 
-    def __init__(self, encoder: Encoder | None, answerer: Any = None) -> None:
-        self._encoder = encoder
-        self._answerer = answerer
-        self._path = encoder.model_path if encoder is not None else answerer.model_path
+    def __init__(self, runtime: ModelRuntime) -> None:
+        self.runtime = runtime
 
     @property
     def encoder(self) -> Encoder:
         """The backend's encoder.
 
         Raises:
-            ConfigError: for a question-answering model, which has no contrastive heads to embed with.
+            RefusedModelError: for a question-answering model, which has no contrastive heads to embed with.
         """
-        if self._encoder is None:
-            raise ConfigError(
-                f"{self._path} is a question-answering model (vlfit train --task vqa): it answers questions "
-                "(Model.answer) and has no contrastive heads to embed with; load a contrastive checkpoint to embed"
-            )
-        return self._encoder
+        return self.runtime.encoder
 
     @property
     def backend(self) -> str:
         """``torch``, ``onnxruntime`` or ``openvino``."""
-        return self.encoder.backend if self._encoder is not None else "torch"
+        return "torch" if self.runtime.answers_questions else self.encoder.backend
 
     @property
     def image_size(self) -> int:
         """The side of the square images the model takes."""
-        return self.encoder.spec.image_size if self._encoder is not None else self._answerer.image_size
+        return self.runtime.image_size
+
+    @property
+    def max_seq_length(self) -> int:
+        """Captions (questions) are cut at this many tokens: the run's, unless ``load`` was given another."""
+        return self.runtime.inputs.max_seq_length
 
     @property
     def embedding_dim(self) -> int:
@@ -82,13 +78,12 @@ class Model:
         return self.encoder.identity.embedding_size
 
     def __repr__(self) -> str:
-        if self._encoder is None:
-            return f"vlfit.Model(question answering {self._path} on torch)"
-        return f"vlfit.Model({self._encoder.description})"
+        return f"vlfit.{self.runtime!r}".replace("ModelRuntime(", "Model(", 1)
 
     @python_api
     def encode_images(self, images: ImageInput | Iterable[ImageInput], batch_size: int = 32) -> np.ndarray:
-        """L2-normalized float32 embeddings ``[N, D]`` of images: paths, encoded bytes, PIL images or uint8 arrays.
+        """L2-normalized float32 embeddings ``[N, D]`` of images: paths, encoded bytes, PIL images or uint8 arrays
+        (``[H, W(, C)]``, or one ``[N, H, W, C]`` batch).
 
         Images go through the fast CPU pipeline (DCT-scaled decode, center crop, bicubic resize on uint8), as in
         training and evaluation. A single image (not in a list) gives ``[1, D]``.
@@ -99,24 +94,13 @@ class Model:
             ArgumentError: for ``images`` that is neither an image nor an iterable of them, a bad ``batch_size``.
         """
         _check_at_least("batch_size", batch_size, 1)
-        items = [images] if isinstance(images, (str, os.PathLike, bytes, Image.Image, np.ndarray)) else list(images)
-        if isinstance(images, np.ndarray) and images.ndim == 4:  # a batch of arrays
-            items = list(images)
-        rows = []
-        for start in range(0, len(items), batch_size):
-            pixels = [
-                pixels_of(item, self.image_size, start + i) for i, item in enumerate(items[start : start + batch_size])
-            ]
-            rows.append(self.encoder.encode_images(stack_images(pixels)))  # one copy, as the collator makes
-        return _as_numpy(rows, self.embedding_dim)
+        return _as_numpy(self.runtime.embed_images(images, batch_size), self.embedding_dim)
 
     @python_api
     def encode_texts(self, texts: str | Sequence[str], batch_size: int = 256) -> np.ndarray:
-        """L2-normalized float32 embeddings ``[N, D]`` of captions, tokenized as training tokenizes them."""
+        """L2-normalized float32 embeddings ``[N, D]`` of captions, tokenized as training tokenized them."""
         _check_at_least("batch_size", batch_size, 1)
-        items = _strings("texts", texts)
-        rows = [self.encoder.encode_texts(items[s : s + batch_size]) for s in range(0, len(items), batch_size)]
-        return _as_numpy(rows, self.embedding_dim)
+        return _as_numpy(self.runtime.embed_texts(_strings("texts", texts), batch_size), self.embedding_dim)
 
     @python_api
     def similarity(self, images: ImageInput | Iterable[ImageInput], texts: str | Sequence[str]) -> np.ndarray:
@@ -125,34 +109,26 @@ class Model:
 
     @python_api
     def answer(
-        self, images: ImageInput | Iterable[ImageInput], questions: str | Sequence[str], top_k: int = 3
+        self,
+        images: ImageInput | Iterable[ImageInput],
+        questions: str | Sequence[str],
+        top_k: int = 3,
+        batch_size: int = 32,
     ) -> list[list[tuple[str, float]]]:
         """The ``top_k`` best answers to each question, best first, as ``(answer, score)`` pairs (score: the
-        sigmoid of the answer's logit), from a model ``vlfit train --task vqa`` saved (PyTorch backend).
+        sigmoid of the answer's logit), from a model ``vlfit train --task vqa`` saved (PyTorch backend),
+        ``batch_size`` questions to a forward.
 
-        One image per question, or one image for every question. Images go through the fast CPU pipeline.
+        One image per question, or one image for every question (images as ``encode_images`` takes them).
 
         Raises:
-            ConfigError: for a model without a VQA head, or another backend than PyTorch.
+            ConfigError: for a model without a VQA head.
             DataError: for as many images as questions but not one image per question, or a bad image.
         """
         _check_at_least("top_k", top_k, 1)
-        texts = _strings("questions", questions)
-        items = [images] if isinstance(images, (str, os.PathLike, bytes, Image.Image, np.ndarray)) else list(images)
-        if len(items) == 1:
-            items = items * len(texts)
-        if len(items) != len(texts):
-            raise DataError(f"{len(items)} images for {len(texts)} questions: give one image per question, or one")
-        answerer = self._question_answerer()
-        pixels = [pixels_of(item, answerer.image_size, position) for position, item in enumerate(items)]
-        return [[tuple(a) for a in row] for row in answerer.answer(stack_images(pixels), texts, top_k)]  # type: ignore[misc]
-
-    def _question_answerer(self) -> Any:
-        if self._answerer is None:
-            raise ConfigError(
-                f"{self._path} has no VQA head: answering questions needs a model trained with vlfit train --task vqa"
-            )
-        return self._answerer
+        _check_at_least("batch_size", batch_size, 1)
+        answers = self.runtime.answer(images, _strings("questions", questions), top_k, batch_size)
+        return [[(a.answer, a.score) for a in row] for row in answers]
 
 
 def _check_at_least(keyword: str, value: int | float, least: int | float) -> None:
@@ -169,10 +145,10 @@ def _strings(keyword: str, texts: str | Sequence[str]) -> list[str]:
     return items
 
 
-def _as_numpy(rows: list[torch.Tensor], dim: int) -> np.ndarray:
-    if not rows:
+def _as_numpy(embeddings: torch.Tensor, dim: int) -> np.ndarray:
+    if not len(embeddings):
         return np.zeros((0, dim), dtype=np.float32)
-    return np.ascontiguousarray(torch.cat(rows).float().numpy(), dtype=np.float32)
+    return np.ascontiguousarray(embeddings.numpy(), dtype=np.float32)
 
 
 @python_api(renames={"model": "path_or_preset", "model_name_or_path": "path_or_preset"})
@@ -182,9 +158,10 @@ def load(
     *,
     precision: str = "auto",
     num_threads: int | None = None,
+    max_seq_length: int | None = None,
     allow_spinning: bool = True,
 ) -> Model:
-    """Load a model to embed with.
+    """Load a model to embed with (or, for a VQA run, to answer questions with).
 
     Args:
         path_or_preset: A checkpoint folder (``vlfit train``'s output, LoRA adapters included), a folder
@@ -194,21 +171,17 @@ def load(
             ``torch``, ``onnxruntime`` or ``openvino``.
         precision: Exported graphs: ``auto`` (INT8 when exported), ``fp32`` or ``int8``.
         num_threads: Threads of the runtime (``None``: its default).
+        max_seq_length: Cut captions at this many tokens (``None``: the length the run was trained with, from
+            its ``input_spec.json``; another is logged).
         allow_spinning: ONNX Runtime's idle threads spin-wait for the next call (its default; a server that shares
             its cores with an event loop turns it off).
     """
-    name = os.fspath(path_or_preset)
-    reference = parse_model_reference(name, flag="--model", kinds=("preset", *FOLDER_KINDS))
-    if reference.answers_questions:  # it answers; it has nothing to embed with
-        _check_at_least("num_threads", num_threads or 1, 1)
-        if backend not in ("auto", "torch"):
-            raise ConfigError(f"{name} answers questions on the PyTorch backend, not {backend}")
-        from vlfit.inference.vqa import QuestionAnswerer
-
-        return Model(None, QuestionAnswerer(reference.path, num_threads=num_threads))
-    return Model(
-        open_encoder(reference, backend, precision=precision, num_threads=num_threads, allow_spinning=allow_spinning)
-    )
+    runtime = ModelRuntime.open(
+        path_or_preset, backend, precision, num_threads=num_threads, max_seq_length=max_seq_length,
+        allow_spinning=allow_spinning,
+    )  # fmt: skip
+    runtime.answerer if runtime.answers_questions else runtime.encoder  # noqa: B018  (a bad folder fails here)
+    return Model(runtime)
 
 
 # ---------------------------------------------------------------------------------------------- train and evaluate
@@ -302,9 +275,9 @@ class Index:
     def model(self) -> Model:
         """The model the index was built with (loaded on first use)."""
         if self._model is None:
-            from vlfit.index.search import query_encoder
+            from vlfit.index.search import query_runtime
 
-            self._model = Model(query_encoder(self._index))
+            self._model = Model(query_runtime(self._index))
         return self._model
 
     @classmethod
@@ -406,7 +379,7 @@ class Index:
         results = search(self._index, embeddings, max(k, rerank or 0))
         if rerank is not None:
             if self._reranker is None:
-                self._reranker = Reranker.beside(self.model.encoder, self._index)
+                self._reranker = Reranker.beside(self.model.runtime, self._index)
             results = self._reranker.rerank(results, texts, rerank, k)
         return results[0] if single else results
 

@@ -23,7 +23,7 @@ from vlfit.fewshot.heads import (
 )
 from vlfit.fewshot.setfit import SetFitSettings, WeightSnapshot, image_parameters, pair_loss, tune_image_tower
 from vlfit.fewshot.shots import ShotSampler
-from vlfit.inference.backends import load_checkpoint
+from vlfit.inference.runtime import ModelRuntime
 
 
 @pytest.mark.parametrize("attribute", ["kind", "colour", "region"])
@@ -46,7 +46,7 @@ def test_a_labelled_set_shares_its_class_attribute_in_every_group_and_choice(att
 def test_shots_are_the_same_per_seed_nested_over_counts_and_skip_a_bad_image(labelled_checkpoint,
                                                                              labelled_dataset_dir) -> None:  # fmt: skip
     train, _ = labelled_splits(labelled_dataset_dir, train_split="train", eval_split="test", label_column="kind")
-    spec = load_checkpoint(str(labelled_checkpoint)).spec
+    spec = ModelRuntime.open(str(labelled_checkpoint)).encoder.spec
     sampler = ShotSampler(train, spec)
     two, again, other = sampler.draw(2, seed=0), ShotSampler(train, spec).draw(2, seed=0), sampler.draw(2, seed=1)
     assert np.bincount(two.labels).tolist() == [2, 2, 2, 2] and (two.labels == train.labels[two.rows]).all()
@@ -110,7 +110,7 @@ def test_pair_loss_is_the_balanced_squared_error_of_cosine_similarities() -> Non
 
 @pytest.mark.slow
 def test_setfit_tunes_only_the_image_tower_and_a_snapshot_puts_it_back(labelled_checkpoint) -> None:
-    loaded = load_checkpoint(str(labelled_checkpoint))
+    loaded = ModelRuntime.open(str(labelled_checkpoint)).encoder
     tower = loaded.image_tower
     size = loaded.spec.image_size
     pixels = torch.randint(0, 256, (8, 3, size, size), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
@@ -132,7 +132,7 @@ def test_setfit_tunes_only_the_image_tower_and_a_snapshot_puts_it_back(labelled_
 @pytest.mark.parametrize("preset", ["clip-tiny", "siglip-tiny"])
 def test_every_method_runs_on_the_dual_encoders(preset, labelled_dataset_dir, tmp_path) -> None:
     folder = save_tiny_checkpoint(labelled_dataset_dir, tmp_path / preset, preset=preset)
-    loaded = load_checkpoint(str(folder))
+    loaded = ModelRuntime.open(str(folder)).encoder
     before = {name: p.detach().clone() for name, p in loaded.model.named_parameters()}
     train, evaluation = labelled_splits(labelled_dataset_dir, train_split="train", eval_split="test",
                                         label_column="kind")  # fmt: skip
@@ -150,7 +150,7 @@ def test_a_saved_setfit_classifier_reloads_to_the_labels_it_gave_in_memory(label
     from vlfit.fewshot.classifier import Classifier, ClassifierInfo, save_classifier
     from vlfit.fewshot.images import decode_rows, embed_pixels
 
-    loaded = load_checkpoint(str(labelled_checkpoint))
+    loaded = ModelRuntime.open(str(labelled_checkpoint)).encoder
     train, evaluation = labelled_splits(labelled_dataset_dir, train_split="train", eval_split="test",
                                         label_column="kind")  # fmt: skip
     settings = FewShotSettings(shot_counts=[2], seeds=[0], methods=["setfit"],

@@ -11,7 +11,7 @@ import pytest
 from vlfit.cli import main
 from vlfit.data.sources.openers import labelled_splits
 from vlfit.fewshot.experiment import FewShotSettings, run_fewshot
-from vlfit.inference.backends import load_checkpoint
+from vlfit.inference.runtime import ModelRuntime
 
 
 @pytest.mark.slow
@@ -19,7 +19,9 @@ def test_eval_reports_the_zero_shot_accuracy_vlfit_fewshot_measures(labelled_che
                                                                     tmp_path) -> None:  # fmt: skip
     train, test = labelled_splits(labelled_dataset_dir, train_split="test", eval_split="test", label_column="kind")
     settings = FewShotSettings(shot_counts=[1], seeds=[0], methods=("zeroshot",))
-    expected = run_fewshot(load_checkpoint(str(labelled_checkpoint)), train, test, settings, log=lambda line: None)
+    expected = run_fewshot(
+        ModelRuntime.open(str(labelled_checkpoint)).encoder, train, test, settings, log=lambda line: None
+    )
     assert main(["eval", "--model", str(labelled_checkpoint), "--dataset_name", labelled_dataset_dir,
                  "--zeroshot_dataset", labelled_dataset_dir, "--zeroshot_label_column", "kind",
                  "--output_dir", str(tmp_path / "eval"), "--report_to", "none"]) == 0  # fmt: skip

@@ -14,8 +14,8 @@ import vlfit
 from vlfit.cli import main
 from vlfit.data.image_transforms import FastImageTransform, stack_images
 from vlfit.index.job import IndexJob, index_collection
-from vlfit.inference.backends import load_checkpoint
 from vlfit.inference.pair_scorer import pair_scorer_for
+from vlfit.inference.runtime import ModelRuntime
 
 QUERY = "a red circle"
 
@@ -42,7 +42,7 @@ def test_reranking_reorders_only_the_top_k_by_each_pairs_matching_score(itm_inde
     assert scores == sorted(scores, reverse=True)
 
     # Each score is the pair scorer's for (query, that image file), computed here on its own.
-    scorer = pair_scorer_for(load_checkpoint(str(itm_checkpoint)))
+    scorer = pair_scorer_for(ModelRuntime.open(str(itm_checkpoint)).encoder)
     transform = FastImageTransform(scorer.spec.image_size)
     pixels = stack_images([transform(Path(hit["id"]).read_bytes()) for hit in reranked[:5]])
     expected = scorer.score_pairs([QUERY] * 5, pixels)

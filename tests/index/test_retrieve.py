@@ -20,7 +20,7 @@ from vlfit.data.sources.tar import ShardCollection, TarSource
 from vlfit.data.webdataset import WebDatasetLayout
 from vlfit.index.build import FETCH_FOLDER, BuildRequest, build_index
 from vlfit.index.store import EmbeddingIndex
-from vlfit.inference.backends import load_checkpoint
+from vlfit.inference.runtime import ModelRuntime
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +69,7 @@ def test_index_lists_bad_images_and_queries_match_brute_force(
     result = _query_json(capsys, "--index", str(torch_index), "--text", "one blue square at the top.",
                          "--text", "two red circles on the left.", "--queries", str(queries), "-k", "4",
                          "--chunk_elements", "7")  # fmt: skip
-    encoder = load_checkpoint(str(tiny_checkpoint))
+    encoder = ModelRuntime.open(str(tiny_checkpoint)).encoder
     embeddings = index.embeddings()
     texts = encoder.encode_texts(["one blue square at the top.", "two red circles on the left."])
     expected = torch.topk(texts @ embeddings.t(), 4, dim=1).indices.tolist()
@@ -80,7 +80,7 @@ def test_index_lists_bad_images_and_queries_match_brute_force(
 
 
 def test_an_interrupted_build_resumes_to_the_index_a_one_shot_build_makes(tiny_checkpoint, image_folder, tmp_path):
-    encoder = load_checkpoint(str(tiny_checkpoint))
+    encoder = ModelRuntime.open(str(tiny_checkpoint)).encoder
     source = ImageFolderSource(str(image_folder))
     settings = {"collection": {"images": str(image_folder)}, "batch_size": 3, "shard_size": 4, "progress": False}
     build_index(encoder, source, BuildRequest(str(tmp_path / "once"), **settings))
@@ -106,7 +106,7 @@ def two_process_payload(folder: Path, dataset_dir: str) -> dict:
     finish through ``vlfit retrieve index``."""
     checkpoint = save_tiny_checkpoint(dataset_dir, folder / "model")
     images = write_image_folder(dataset_dir, folder / "images")
-    encoder, source = load_checkpoint(str(checkpoint)), ImageFolderSource(str(images))
+    encoder, source = ModelRuntime.open(str(checkpoint)).encoder, ImageFolderSource(str(images))
     settings = {"collection": {"images": str(images)}, "batch_size": 2, "shard_size": 2, "progress": False}
     build_index(encoder, source, BuildRequest(str(folder / "once"), **settings))
 
@@ -181,7 +181,7 @@ def test_tar_shards_at_urls_are_indexed_as_read_locally_and_a_failed_shard_is_tr
     map-style from disk; a shard that keeps failing is listed as bad by its URL, and the next run fetches it alone."""
     paths = [tmp_path / "tars" / "s" / f"{i:03d}.tar" for i in range(3)]
     _write_shards(tmp_path / "tars", {"s": 3})
-    encoder = load_checkpoint(str(tiny_checkpoint))
+    encoder = ModelRuntime.open(str(tiny_checkpoint)).encoder
     local = TarSource([str(p) for p in paths], name="local", caption_column="txt")
     build_index(encoder, local, BuildRequest(str(tmp_path / "local"), {}, batch_size=2, shard_size=100, progress=False))
     local_index = EmbeddingIndex(str(tmp_path / "local"))

@@ -47,13 +47,13 @@ def test_queries_are_embedded_on_the_runtime_and_precision_the_index_was_built_w
     onnx_export, image_folder, tmp_path
 ) -> None:
     from vlfit.index.job import IndexJob, index_collection
-    from vlfit.index.search import query_encoder
+    from vlfit.index.search import query_runtime
     from vlfit.index.verify import open_index
 
     out = str(tmp_path / "index")
     index_collection(IndexJob(str(onnx_export), out, images=str(image_folder), precision="fp32", progress=False,
                               index_type="flat"))  # fmt: skip  # the export holds INT8 graphs too: auto would take them
     index = open_index(out)
-    built = query_encoder(index)
+    built = query_runtime(index).encoder
     assert (built.backend, built.precision) == ("onnxruntime", "fp32")
-    assert query_encoder(index, precision="int8").precision == "int8"  # asked for: what the caller says
+    assert query_runtime(index, precision="int8").encoder.precision == "int8"  # asked for: what the caller says

@@ -17,8 +17,9 @@ import torch
 
 from vlfit.data.sources.synthetic import synthetic_source
 from vlfit.errors import ConfigError
-from vlfit.inference.backends import TorchEncoder, load_checkpoint, open_encoder
+from vlfit.inference.backends import TorchEncoder
 from vlfit.inference.export_samples import load_samples
+from vlfit.inference.runtime import ModelRuntime
 
 CAPTIONS = ["red", "two blue squares on the left and one green circle at the top of the picture, and more words"]
 
@@ -56,30 +57,32 @@ def encoder_check(checkpoint: str, onnx_export: str, out: str) -> dict:
         return {t: shutil.copy(f"{onnx_export}/{t}.onnx", f"{folder}/{t}.onnx") for t in ("image", "text")}
 
     export_module.export_onnx_towers = copy_graphs  # tracing is the ONNX export's, tested in the test process
-    loaded = load_checkpoint(checkpoint)
+    loaded = ModelRuntime.open(checkpoint).encoder
     samples = load_samples(synthetic_source(9), loaded.spec)
     manifest = export_model(loaded, out, ExportSettings("openvino", "int8"), parity_samples=samples)
-    reference = load_checkpoint(checkpoint)
+    reference = ModelRuntime.open(checkpoint).encoder
     pixels = load_samples(synthetic_source(6, seed=5), reference.spec).pixels
-    fp32 = open_encoder(out, precision="fp32", inference_precision="f32")
+    fp32 = ModelRuntime.open(out, precision="fp32", inference_precision="f32").encoder
     return {
         "default_precision": manifest["parity"]["openvino_default_precision"]["precision"],
         "fp32_backend": fp32.backend,
         "fp32_min_cosine": min_cosine_against_torch(fp32, reference, pixels),
-        "int8_min_cosine": min_cosine_against_torch(open_encoder(out, precision="int8"), reference, pixels),
+        "int8_min_cosine": min_cosine_against_torch(
+            ModelRuntime.open(out, precision="int8").encoder, reference, pixels
+        ),
     }
 
 
 def pair_check(export: str, checkpoint: str) -> dict:
-    from vlfit.inference.pair_scorer import OpenVinoPairScorer, open_pair_scorer, pair_scorer_for
+    from vlfit.inference.pair_scorer import OpenVinoPairScorer, pair_scorer_for
 
-    fp32 = open_pair_scorer(export, precision="fp32")
+    fp32 = ModelRuntime.open(export, precision="fp32").require_pair_scorer()
     pixels = load_samples(synthetic_source(5, seed=7), fp32.spec).pixels
     rows = (torch.arange(2).repeat_interleave(5), torch.arange(5).repeat(2))
-    expected = open_pair_scorer(checkpoint).score_pairs(CAPTIONS, pixels, *rows)
-    int8 = pair_scorer_for(open_encoder(export))  # beside the folder's INT8 encoder
+    expected = ModelRuntime.open(checkpoint).require_pair_scorer().score_pairs(CAPTIONS, pixels, *rows)
+    int8 = pair_scorer_for(ModelRuntime.open(export).encoder)  # beside the folder's INT8 encoder
     try:
-        open_pair_scorer(export, backend="onnxruntime")
+        ModelRuntime.open(export, backend="onnxruntime").require_pair_scorer()
         refusal = ""
     except ConfigError as error:
         refusal = str(error)

@@ -12,9 +12,9 @@ from tests.inference.openvino_checks import min_cosine_against_torch, run_openvi
 from vlfit.cli import main
 from vlfit.data.sources.synthetic import synthetic_source
 from vlfit.inference import export as export_module
-from vlfit.inference.backends import load_checkpoint, open_encoder
 from vlfit.inference.export_samples import load_samples
 from vlfit.inference.identity import RefusedModelError, checkpoint_fingerprint
+from vlfit.inference.runtime import ModelRuntime
 
 pytestmark = pytest.mark.slow
 
@@ -41,19 +41,19 @@ def test_onnx_export_matches_pytorch_and_its_int8_graphs_run(onnx_export, tiny_c
         assert manifest["parity"]["int8"][tower]["min_cosine"] >= 0.999  # 0.9997 and 0.9999 measured
     assert set(manifest["accuracy"]["int8_change"]) == {"t2i_recall@1", "t2i_recall@5"}
 
-    reference = load_checkpoint(str(tiny_checkpoint))
+    reference = ModelRuntime.open(str(tiny_checkpoint)).encoder
     pixels = load_samples(synthetic_source(6, seed=5), reference.spec).pixels
-    _check_against_torch(open_encoder(str(onnx_export), precision="fp32"), reference, pixels, 0.9999)
-    int8 = open_encoder(str(onnx_export))
+    _check_against_torch(ModelRuntime.open(str(onnx_export), precision="fp32").encoder, reference, pixels, 0.9999)
+    int8 = ModelRuntime.open(str(onnx_export)).encoder
     with pytest.raises(RefusedModelError, match=r"holds onnx graphs, which run on onnxruntime, not openvino; .*"
                        r"or export with --format openvino$"):  # fmt: skip
-        open_encoder(str(onnx_export), backend="openvino")
+        _ = ModelRuntime.open(str(onnx_export), backend="openvino").encoder
     assert (int8.backend, int8.precision) == ("onnxruntime", "int8")
     _check_against_torch(int8, reference, pixels, 0.999)
 
     # A server's sessions do not spin-wait between calls; by default they do, as ONNX Runtime's own default.
     entry = "session.intra_op.allow_spinning"
-    quiet = open_encoder(str(onnx_export), allow_spinning=False)
+    quiet = ModelRuntime.open(str(onnx_export), allow_spinning=False).encoder
     assert {s.get_session_options().get_session_config_entry(entry) for s in quiet.sessions.values()} == {"0"}
     with pytest.raises(RuntimeError, match="allow_spinning"):  # never set: ONNX Runtime's default, spinning
         int8.sessions["text"].get_session_options().get_session_config_entry(entry)

@@ -22,7 +22,6 @@ from vlfit.data.sources.synthetic import synthetic_source
 from vlfit.errors import ConfigError
 from vlfit.inference import export as export_module
 from vlfit.inference import export_itm
-from vlfit.inference.backends import load_checkpoint, open_encoder
 from vlfit.inference.export import ExportSettings, export_model
 from vlfit.inference.export_itm import agreement_figures, parity_calls
 from vlfit.inference.export_samples import load_samples
@@ -31,9 +30,9 @@ from vlfit.inference.pair_scorer import (
     NoMatchingHeadError,
     OnnxRuntimePairScorer,
     TorchPairScorer,
-    open_pair_scorer,
     pair_scorer_for,
 )
+from vlfit.inference.runtime import ModelRuntime
 from vlfit.models.itm import pair_scores
 
 CAPTIONS = ["red", "two blue squares on the left and one green circle at the top of the picture, and more words"]
@@ -57,7 +56,7 @@ def _pixels(scorer_or_encoder, n: int, seed: int = 5) -> torch.Tensor:
 
 
 def test_torch_scorer_is_pair_scores_and_pairs_by_rows_or_by_position(itm_checkpoint):
-    encoder = load_checkpoint(str(itm_checkpoint))
+    encoder = ModelRuntime.open(str(itm_checkpoint)).encoder
     scorer = pair_scorer_for(encoder)
     assert isinstance(scorer, TorchPairScorer) and (scorer.backend, scorer.precision) == ("torch", "fp32")
     pixels = _pixels(scorer, 3)
@@ -78,7 +77,7 @@ def test_torch_scorer_is_pair_scores_and_pairs_by_rows_or_by_position(itm_checkp
 
 
 def test_bad_pair_requests_are_one_line_each(itm_checkpoint):
-    scorer = open_pair_scorer(str(itm_checkpoint))
+    scorer = ModelRuntime.open(str(itm_checkpoint)).require_pair_scorer()
     pixels = _pixels(scorer, 2)
     with pytest.raises(ConfigError, match=r"^pair scoring got 2 captions and 1 images; without text_rows"):
         scorer.score_pairs(CAPTIONS, pixels[:1])
@@ -90,20 +89,20 @@ def test_bad_pair_requests_are_one_line_each(itm_checkpoint):
         scorer.score_pairs(CAPTIONS, pixels, [0, 1], [0, 2])
     with pytest.raises(ConfigError, match=r"^pair scoring takes uint8 pixels \[N, 3, 64, 64\], got torch.float32"):
         scorer.score_pairs(CAPTIONS, pixels.float())
-    with pytest.raises(ConfigError, match=r"^unknown --backend 'tensorrt' for pair scoring"):
-        open_pair_scorer(str(itm_checkpoint), backend="tensorrt")
+    with pytest.raises(ConfigError, match=r"^unknown --backend 'tensorrt'; choose one of"):
+        ModelRuntime.open(str(itm_checkpoint), backend="tensorrt").require_pair_scorer()
     with pytest.raises(ConfigError, match=r"openvino"):  # a checkpoint runs on torch; exports run on openvino
-        open_pair_scorer(str(itm_checkpoint), backend="openvino")
+        ModelRuntime.open(str(itm_checkpoint), backend="openvino").require_pair_scorer()
 
 
 def test_a_checkpoint_without_a_matching_head_has_no_scorer(tiny_checkpoint):
-    assert pair_scorer_for(load_checkpoint(str(tiny_checkpoint))) is None
+    assert pair_scorer_for(ModelRuntime.open(str(tiny_checkpoint)).encoder) is None
     with pytest.raises(
         NoMatchingHeadError,
         match=r"has no image-text matching head; re-ranking needs a model with "
         r"an image-text matching head: train one with vlfit train --objective contrastive\+itm",
     ):
-        open_pair_scorer(str(tiny_checkpoint))  # fmt: skip
+        ModelRuntime.open(str(tiny_checkpoint)).require_pair_scorer()  # fmt: skip
 
 
 def test_agreement_counts_swapped_candidates_beyond_ties_only():
@@ -145,20 +144,20 @@ def test_itm_graph_matches_pytorch_and_its_int8_agreement_is_recorded(itm_export
     assert 0 < int8["max_abs_diff"] < 0.05 and int8["spearman"] > 0.95  # 0.0114 and 0.9945 measured
 
     # The ONNX Runtime scorer equals the PyTorch one on pairs unlike the parity check's (2 captions x 5 images).
-    onnx = open_pair_scorer(str(itm_export), precision="fp32")
-    torch_scorer = open_pair_scorer(str(itm_checkpoint))
+    onnx = ModelRuntime.open(str(itm_export), precision="fp32").require_pair_scorer()
+    torch_scorer = ModelRuntime.open(str(itm_checkpoint)).require_pair_scorer()
     assert isinstance(onnx, OnnxRuntimePairScorer) and (onnx.backend, onnx.precision) == ("onnxruntime", "fp32")
     pixels = _pixels(onnx, 5, seed=7)
     rows = (torch.arange(2).repeat_interleave(5), torch.arange(5).repeat(2))
     expected = torch_scorer.score_pairs(CAPTIONS, pixels, *rows)
     torch.testing.assert_close(onnx.score_pairs(CAPTIONS, pixels, *rows), expected, atol=1e-4, rtol=0)
     torch.testing.assert_close(onnx.score_pairs(CAPTIONS[:1], pixels[:1]), expected[:1], atol=1e-4, rtol=0)
-    int8_scorer = pair_scorer_for(open_encoder(str(itm_export)))  # beside the folder's INT8 encoder
+    int8_scorer = pair_scorer_for(ModelRuntime.open(str(itm_export)).encoder)  # beside the folder's INT8 encoder
     assert isinstance(int8_scorer, OnnxRuntimePairScorer) and int8_scorer.precision == "int8"
     assert (int8_scorer.score_pairs(CAPTIONS, pixels, *rows) - expected).abs().max() < 0.05
     refusal = r"holds onnx graphs, which run on onnxruntime, not torch; .* or pass the checkpoint it was exported from"
     with pytest.raises(ConfigError, match=refusal):
-        open_pair_scorer(str(itm_export), backend="torch")
+        ModelRuntime.open(str(itm_export), backend="torch").require_pair_scorer()
 
 
 @pytest.mark.slow
@@ -191,13 +190,13 @@ def test_a_model_without_a_matching_head_gets_no_itm_graph_and_its_scorer_is_ref
     manifest = json.loads((onnx_export / "export_manifest.json").read_text())
     assert "itm" not in manifest["graphs"] and "itm" not in manifest["parity"]
     assert not list(onnx_export.glob("itm*"))
-    assert pair_scorer_for(open_encoder(str(onnx_export))) is None
+    assert pair_scorer_for(ModelRuntime.open(str(onnx_export)).encoder) is None
     with pytest.raises(
         NoMatchingHeadError,
         match=r"has no image-text matching graph \(itm.onnx\): its checkpoint "
         r"has no matching head.*re-ranking needs a model with an image-text matching head",
     ):
-        open_pair_scorer(str(onnx_export))  # fmt: skip
+        ModelRuntime.open(str(onnx_export)).require_pair_scorer()  # fmt: skip
 
 
 @pytest.mark.slow
@@ -213,7 +212,7 @@ def test_an_itm_graph_that_does_not_match_its_checkpoint_is_not_written(itm_chec
 
     monkeypatch.setattr(export_module, "export_onnx_towers", copy_towers)
     monkeypatch.setattr(export_itm, "export_onnx_itm", copy_itm)
-    loaded = load_checkpoint(str(itm_checkpoint))
+    loaded = ModelRuntime.open(str(itm_checkpoint)).encoder
     with torch.no_grad():
         loaded.model.itm_score.fc.bias[1] += 0.01
     samples = load_samples(synthetic_source(5), loaded.spec)

@@ -102,7 +102,7 @@ def test_a_vqa_model_answers_but_is_refused_as_an_embedder_in_one_line(vqa_run, 
 
     data, run, _ = vqa_run
     model = vlfit.load(str(run))  # the question answerer alone: no contrastive model is built beside it
-    assert model._encoder is None and model.image_size == model._answerer.image_size
+    assert "encoder" not in vars(model.runtime) and model.image_size == model.runtime.answerer.image_size
     with pytest.raises(vlfit.ConfigError, match="is a question-answering model .*no contrastive heads to embed"):
         model.encode_texts("a red circle")
     # Every command that embeds opens its model through one door, which refuses it before any weight loads.

@@ -12,7 +12,7 @@ from vlfit.commands.parsing import CommandParser
 from vlfit.data.sources.openers import open_split
 from vlfit.data.sources.synthetic import synthetic_source
 from vlfit.errors import ConfigError
-from vlfit.inference.backends import DEFAULT_MAX_SEQ_LENGTH, load_checkpoint
+from vlfit.inference.backends import TorchEncoder
 from vlfit.inference.export import (
     DEFAULT_OPSET,
     ITM_PARITY_TOLERANCE,
@@ -22,6 +22,7 @@ from vlfit.inference.export import (
     export_model,
 )
 from vlfit.inference.export_samples import Samples, load_samples
+from vlfit.inference.runtime import ModelRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +72,12 @@ class ExportArguments:
             "over unique images, as vlfit eval's (default: rows with identical image bytes are one image)."
         },
     )
-    max_seq_length: int = field(
-        default=DEFAULT_MAX_SEQ_LENGTH, metadata={"help": "Captions are truncated to this many tokens."}
-    )
+    max_seq_length: int | None = field(
+        default=None,
+        metadata={"help": "Longest caption the text graph takes, in tokens (default: the length the run was trained "
+                  "with, from its input_spec.json; the export records it, and every door that opens the export "
+                  "cuts captions there)."},
+    )  # fmt: skip
     opset: int = field(default=DEFAULT_OPSET, metadata={"help": "ONNX opset of the graphs."})
     parity_threshold: float = field(
         default=PARITY_THRESHOLD,
@@ -133,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     settings = ExportSettings(args.format, args.quantize, args.opset, args.parity_threshold, args.itm_tolerance)
     check_output_dir(args.model_name_or_path, args.output_dir)
-    loaded = load_checkpoint(args.model_name_or_path, max_seq_length=args.max_seq_length)
+    loaded = ModelRuntime.open(args.model_name_or_path, "torch", max_seq_length=args.max_seq_length,
+                               flag="--model_name_or_path", kinds=("checkpoint", "adapters")).encoder  # fmt: skip
+    assert isinstance(loaded, TorchEncoder)  # a checkpoint runs on torch
     parity, calibration = _samples(args, loaded.spec)
     manifest = export_model(loaded, args.output_dir, settings, parity_samples=parity, calibration_samples=calibration)
     summary = {

@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     from vlfit.fewshot.experiment import run_fewshot
     from vlfit.fewshot.report import markdown_table, results_document, write_reports
     from vlfit.fewshot.shots import check_shot_counts
-    from vlfit.inference.backends import load_checkpoint
+    from vlfit.inference.backends import TorchEncoder
+    from vlfit.inference.runtime import ModelRuntime
 
     train, evaluation = labelled_splits(
         args.dataset_name,
@@ -152,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         evaluation = evaluation.first(args.max_eval_samples)
     check_shot_counts(train, settings.shot_counts)  # before the model loads
     started = time.perf_counter()
-    loaded = load_checkpoint(args.model_name_or_path)
+    loaded = ModelRuntime.open(args.model_name_or_path, "torch", flag="--model_name_or_path",
+                               kinds=("checkpoint", "adapters")).encoder  # fmt: skip
+    assert isinstance(loaded, TorchEncoder)  # a checkpoint runs on torch
     print(
         f"{len(train.class_names)} classes ({', '.join(train.class_names)}); shots from {len(train)} images of "
         f"{args.train_split!r}, accuracy on {len(evaluation)} of {args.eval_split!r}"

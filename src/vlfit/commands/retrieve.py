@@ -19,7 +19,7 @@ from vlfit.errors import ConfigError
 from vlfit.index.ann_choice import DEFAULT_MAX_INDEX_MEMORY, DEFAULT_TARGET_RECALL
 from vlfit.index.job import IndexJob, index_collection
 from vlfit.index.rerank import Reranker, check_rerank_top_k
-from vlfit.index.search import Hit, Query, embed_queries, query_encoder, read_queries, search
+from vlfit.index.search import Hit, Query, embed_queries, query_runtime, read_queries, search
 from vlfit.index.verify import open_index, verify_index
 from vlfit.inference.topk import DEFAULT_CHUNK_ELEMENTS
 
@@ -67,6 +67,10 @@ class IndexArguments:
     shard_size: int = field(default=4096, metadata={"help": "Images per shard (what an interrupted build redoes)."})
     storage: Literal["safetensors", "npy"] = field(default="safetensors", metadata={"help": "Shard file format."})
     num_threads: int | None = field(default=None, metadata={"help": "Threads of the runtime (default: its own)."})
+    max_seq_length: int | None = field(
+        default=None,
+        metadata={"help": "Cut captions at this many tokens (default: the length the model was trained with)."},
+    )
     disable_tqdm: bool = field(default=False, metadata={"help": "No progress bar."})
     json: bool = field(default=False, metadata={"help": "Print the summary as JSON instead of lines of text."})
     index_type: IndexType = field(
@@ -151,6 +155,11 @@ class QueryArguments:
         default=DEFAULT_CHUNK_ELEMENTS, metadata={"help": "Largest number of similarity scores held at once."}
     )
     num_threads: int | None = field(default=None, metadata={"help": "Threads of the runtime (default: its own)."})
+    max_seq_length: int | None = field(
+        default=None,
+        metadata={"help": "Cut query captions at this many tokens (default: the length the index's model was trained "
+                  "and indexed with)."},
+    )  # fmt: skip
     exact: bool = field(
         default=False, metadata={"help": "Scan every embedding of the shards instead of using the ANN structure."}
     )
@@ -221,9 +230,10 @@ def run_query(args: QueryArguments) -> int:
         raise ConfigError("--rerank_top_k re-ranks text queries (the matching head scores a caption against an "
                           "image): search image queries without it")  # fmt: skip
     index = open_index(args.index, args.verify)
-    encoder = query_encoder(index, args.model, args.backend, args.precision, num_threads=args.num_threads)
-    reranker = Reranker.beside(encoder, index) if top_k is not None else None  # refused before any query runs
-    embeddings = embed_queries(encoder, queries)
+    runtime = query_runtime(index, args.model, args.backend, args.precision, num_threads=args.num_threads,
+                            max_seq_length=args.max_seq_length)  # fmt: skip
+    reranker = Reranker.beside(runtime, index) if top_k is not None else None  # refused before any query runs
+    embeddings = embed_queries(runtime.encoder, queries)
     wanted = max(args.k, top_k or 0)
     results = search(index, embeddings, wanted, chunk_elements=args.chunk_elements, exact=args.exact)
     if reranker is not None:
@@ -233,7 +243,7 @@ def run_query(args: QueryArguments) -> int:
             {"query": q.description, "results": [_hit_json(hit) for hit in hits]}
             for q, hits in zip(queries, results, strict=True)
         ]
-        print(json.dumps({"model": encoder.description, "queries": out}, indent=1))
+        print(json.dumps({"model": runtime.encoder.description, "queries": out}, indent=1))
     else:
         for q, hits in zip(queries, results, strict=True):
             print(q.description)

@@ -58,6 +58,11 @@ class ServeArguments:
         default=1,
         metadata={"help": "Intra-op threads of the runtime (torch, ONNX Runtime); 1: batching makes the concurrency."},
     )
+    max_seq_length: int | None = field(
+        default=None,
+        metadata={"help": "Cut query captions at this many tokens (default: the length the index's model was trained "
+                  "and indexed with)."},
+    )  # fmt: skip
     max_upload_mb: float = field(default=20.0, metadata={"help": "Largest request body in MB (413 beyond)."})
     max_batch: int = field(default=32, metadata={"help": "Most text queries embedded in one batch."})
     max_wait_ms: float = field(
@@ -173,8 +178,9 @@ def build_app(args: ServeArguments):  # -> fastapi.FastAPI (fastapi is imported 
     from vlfit.serve.app import create_app
     from vlfit.serve.engine import SearchEngine
 
-    engine = SearchEngine(args.index, args.model, args.backend, args.precision, args.num_threads, args.search_threads,
-                          verify=args.verify, absolute_paths=args.show_absolute_paths)  # fmt: skip
+    engine = SearchEngine(args.index, args.model, args.backend, args.precision, args.num_threads,
+                          max_seq_length=args.max_seq_length, search_threads=args.search_threads, verify=args.verify,
+                          absolute_paths=args.show_absolute_paths)  # fmt: skip
     return create_app(engine, max_upload_mb=args.max_upload_mb, max_batch=args.max_batch,
                       max_wait_ms=args.max_wait_ms, reload_interval=args.reload_interval,
                       limits=args.limits(), access=args.access())  # fmt: skip

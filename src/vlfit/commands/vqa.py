@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 
@@ -24,6 +25,11 @@ class VqaArguments:
     )
     top_k: int = field(default=3, metadata={"help": "Answers printed per question, best first."})
     num_threads: int | None = field(default=None, metadata={"help": "torch threads (default: torch's)."})
+    batch_size: int = field(default=32, metadata={"help": "Questions answered in one forward."})
+    max_seq_length: int | None = field(
+        default=None,
+        metadata={"help": "Cut questions at this many tokens (default: the length the run was trained with)."},
+    )
 
 
 def read_questions(path: str, image: str | None) -> list[tuple[str, str]]:
@@ -59,8 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("image", nargs="?", help="The image file the question is about.")
     parser.add_argument("question", nargs="?", help="The question.")
     args, extra = parser.parse_args_into_dataclasses(args=sys.argv[1:] if argv is None else argv)
-    if args.top_k < 1:
-        raise ConfigError(f"--top_k must be at least 1, got {args.top_k}")
+    for flag, value in (("--top_k", args.top_k), ("--batch_size", args.batch_size)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
     if args.questions is not None:
         if extra.question is not None:
             raise ConfigError("give a question on the command line or --questions FILE, not both")
@@ -69,26 +76,15 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError("give an IMAGE and a question (vlfit vqa --model RUN IMAGE 'question'), or --questions FILE")
     else:
         pairs = [(extra.image, extra.question)]
-    import torch
+    for image in dict.fromkeys(image for image, _ in pairs):  # every image there before the model loads
+        if not os.path.isfile(image):
+            raise MissingFileError(f"{image}: no such image file")
+    from vlfit.inference.runtime import ModelRuntime
 
-    from vlfit.data.image_transforms import FastImageTransform, stack_images
-    from vlfit.inference.vqa import QuestionAnswerer
-
-    if args.num_threads is not None:
-        torch.set_num_threads(args.num_threads)
-    answerer = QuestionAnswerer(args.model)
-    transform = FastImageTransform(answerer.image_size)
-    pixels = {}
-    for image, _ in pairs:
-        if image not in pixels:
-            try:
-                with open(image, "rb") as file:
-                    pixels[image] = transform(file.read(), sample_id=image)  # DataError names an undecodable one
-            except OSError as error:
-                raise MissingFileError(f"{image}: {error.strerror}") from error
+    runtime = ModelRuntime.open(args.model, num_threads=args.num_threads, max_seq_length=args.max_seq_length)
     questions = [question for _, question in pairs]
-    batch = stack_images([pixels[image] for image, _ in pairs])
-    for question, answers in zip(questions, answerer.answer(batch, questions, top_k=args.top_k), strict=True):
+    answered = runtime.answer([image for image, _ in pairs], questions, args.top_k, args.batch_size)
+    for question, answers in zip(questions, answered, strict=True):
         for answer, score in answers:
             print(f"{question}\t{answer}\t{score:.4f}")
     return 0

@@ -106,6 +106,12 @@ def split_answer_types(source: ImageTextSource) -> list[str | None] | None:
     return [record.extra.get(ANSWER_TYPE_COLUMN) for record in source]
 
 
+def ranked_answers(answers: Iterable[Sequence[str]]) -> list[str]:
+    """The distinct answers, most given first (every annotator's answer counted once; ties by name)."""
+    counts = Counter(answer for row in answers for answer in row)
+    return sorted(counts, key=lambda answer: (-counts[answer], answer))
+
+
 @dataclass(frozen=True)
 class AnswerVocabulary:
     """The answers the classifier chooses from, most frequent first (index = output unit).
@@ -121,10 +127,9 @@ class AnswerVocabulary:
         """The ``max_answers`` answers given most often, counting every annotator's answer once."""
         if max_answers < 1:
             raise DataError(f"--max_answers must be at least 1, got {max_answers}")
-        counts = Counter(answer for row in answers for answer in row)
-        if not counts:
+        ranked = ranked_answers(answers)
+        if not ranked:
             raise DataError("the training split has no answers to build an answer vocabulary from")
-        ranked = sorted(counts, key=lambda answer: (-counts[answer], answer))
         return cls(tuple(ranked[:max_answers]))
 
     @classmethod

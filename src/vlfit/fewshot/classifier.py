@@ -24,7 +24,8 @@ import torch
 
 from vlfit.errors import MissingFileError
 from vlfit.fewshot.heads import LinearHead
-from vlfit.inference.backends import Encoder, open_encoder
+from vlfit.inference.backends import Encoder
+from vlfit.inference.runtime import ModelRuntime
 from vlfit.model_card import write_model_card
 
 CLASSIFIER_FILE = "classifier.json"
@@ -177,7 +178,9 @@ class Classifier:
             self.info = ClassifierInfo.from_dict(json.load(f))
         tensors = load_file(os.path.join(folder, HEAD_FILE))
         self.head = LinearHead(tensors["weight"], tensors["bias"])
-        self.encoder: Encoder = open_encoder(os.path.join(folder, MODEL_FOLDER), "torch", num_threads=num_threads)
+        self.encoder: Encoder = ModelRuntime.open(
+            os.path.join(folder, MODEL_FOLDER), "torch", num_threads=num_threads
+        ).encoder
         self.folder = folder
 
     @property

@@ -144,7 +144,8 @@ def run_fewshot(
     """Run every method of ``settings`` over its shot counts and seeds.
 
     Args:
-        loaded: The checkpoint on PyTorch (``load_checkpoint``; its weights are restored after each SetFit run).
+        loaded: The checkpoint on PyTorch (a runtime's ``encoder``; its weights are restored after each
+            SetFit run).
         train: The split the shots are drawn from.
         evaluation: The split accuracy is measured on.
         settings: Methods, shot counts, seeds and their settings.

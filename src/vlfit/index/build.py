@@ -112,8 +112,9 @@ def build_index(
     # a folder's files by absolute path (their image ids: two never collide)
     items = None if streamed else image_items(source)
     if index is None:
-        model = {"path": os.path.abspath(encoder.model_path), "backend": encoder.backend}
-        manifest = IndexManifest(encoder.identity, {**model, "precision": encoder.precision}, request.storage)
+        model = {"path": os.path.abspath(encoder.model_path), "backend": encoder.backend,
+                 "precision": encoder.precision, "max_seq_length": encoder.spec.max_seq_length}  # fmt: skip
+        manifest = IndexManifest(encoder.identity, model, request.storage)
         first_number = 0
     else:
         refuse_other_model(index, encoder)

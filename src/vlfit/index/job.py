@@ -15,7 +15,6 @@ they want as an ``IndexJob`` and hand it to ``index_collection``, so the rules o
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +33,8 @@ from vlfit.index.ann_choice import (
 from vlfit.index.build import BuildRequest, build_index
 from vlfit.index.integrity import check_verify_level
 from vlfit.index.store import check_storage
-from vlfit.inference.backends import Encoder, open_encoder
+from vlfit.inference.backends import Encoder
+from vlfit.inference.runtime import ModelRuntime
 
 # What the report tells of the ANN structure (the manifest's "ann" holds all of it).
 ANN_SUMMARY = ("type", "factory", "search_params", "recall_at_10", "bytes_per_vector", "query_latency_ms", "extended")
@@ -49,7 +49,8 @@ class IndexJob:
         output_dir: The index folder (created; an existing index is resumed and appended to).
         images: A folder of image files, or else ``dataset_name`` (a hub id, a folder, data files or tar shards,
             local or at URLs) with its ``split`` and columns; ``image_id_column`` names the image a row shows.
-        backend, precision, num_threads: How a model reference is run (``vlfit.load``'s).
+        backend, precision, num_threads, max_seq_length: How a model reference is run (``vlfit.load``'s, through
+            one ``ModelRuntime``).
         batch_size, num_workers, shard_size, storage, progress, verify: The build's (``BuildRequest``).
         index_type, max_index_memory, target_recall: The ANN structure's (``vlfit.index.ann_update``).
         shard_retries, shard_timeout, storage_options, shard_block_size: How tar shards at URLs are fetched.
@@ -70,6 +71,7 @@ class IndexJob:
     backend: str = "auto"
     precision: str = "auto"
     num_threads: int | None = None
+    max_seq_length: int | None = None
     batch_size: int = 32
     num_workers: int = 0
     shard_size: int = 4096
@@ -122,7 +124,9 @@ class IndexJob:
         """The model, open on its backend."""
         if isinstance(self.model, Encoder):
             return self.model
-        return open_encoder(os.fspath(self.model), self.backend, precision=self.precision, num_threads=self.num_threads)
+        return ModelRuntime.open(
+            self.model, self.backend, self.precision, num_threads=self.num_threads, max_seq_length=self.max_seq_length
+        ).encoder
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from vlfit.errors import ConfigError, DataError, MissingFileError
 from vlfit.index.items import IndexedItems
 from vlfit.index.search import Hit
 from vlfit.index.store import EmbeddingIndex
-from vlfit.inference.backends import Encoder
-from vlfit.inference.pair_scorer import NO_HEAD_ADVICE, NoMatchingHeadError, PairScorer, pair_scorer_for
+from vlfit.inference.pair_scorer import NO_HEAD_ADVICE, NoMatchingHeadError, PairScorer
+from vlfit.inference.runtime import ModelRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -62,16 +62,17 @@ class Reranker:
         self._transform = FastImageTransform(scorer.spec.image_size)
 
     @classmethod
-    def beside(cls, encoder: Encoder, index: EmbeddingIndex, items: IndexedItems | None = None) -> Reranker:
-        """The re-ranker of an index searched with ``encoder``: its model's matching head, on the same runtime.
+    def beside(cls, runtime: ModelRuntime, index: EmbeddingIndex, items: IndexedItems | None = None) -> Reranker:
+        """The re-ranker of an index searched through ``runtime``: its model's matching head, on the same backend,
+        precision and threads.
 
         Raises:
             NoMatchingHeadError: when the model has no matching head (or its export no ``itm`` graph).
             ConfigError: when the index cannot reach its items' images (tar shards at URLs, a dataset moved).
         """
-        scorer = pair_scorer_for(encoder)
+        scorer = runtime.pair_scorer
         items = items if items is not None else IndexedItems(index)
-        problem = rerank_problem(scorer, items, encoder.model_path)
+        problem = rerank_problem(scorer, items, runtime.path)
         if problem is not None:
             raise (NoMatchingHeadError if scorer is None else ConfigError)(problem)
         return cls(scorer, items)

@@ -28,7 +28,8 @@ from vlfit.data.records import Record
 from vlfit.data.sources.memory import MemorySource
 from vlfit.errors import ConfigError, DataError, MissingFileError
 from vlfit.index.store import EmbeddingIndex, refuse_other_model
-from vlfit.inference.backends import Encoder, open_encoder
+from vlfit.inference.backends import Encoder
+from vlfit.inference.runtime import ModelRuntime
 from vlfit.inference.topk import DEFAULT_CHUNK_ELEMENTS, chunked_topk
 
 # In a file of queries, a line starting with this is an image query (the rest is the image's path).
@@ -89,18 +90,20 @@ def read_queries(path: str) -> list[Query]:
     return queries
 
 
-def query_encoder(
+def query_runtime(
     index: EmbeddingIndex,
     model: str | None = None,
     backend: str = "auto",
     precision: str = "auto",
     *,
     num_threads: int | None = None,
+    max_seq_length: int | None = None,
     allow_spinning: bool = True,
-) -> Encoder:
-    """The encoder of an index's queries (``vlfit retrieve query``, ``vlfit serve``, ``vlfit.Index``): ``model``,
-    or without one the model the index was built with, on the runtime (``backend`` ``auto``) and precision
-    (``precision`` ``auto``) it was built with, so queries and items are embedded alike.
+) -> ModelRuntime:
+    """The runtime that embeds an index's queries (``vlfit retrieve query``, ``vlfit serve``, ``vlfit.Index``):
+    ``model``, or without one the model the index was built with, on the runtime (``backend`` ``auto``), precision
+    (``precision`` ``auto``) and caption length (``max_seq_length`` None) it was built with, so queries and items
+    are embedded alike.
 
     Raises:
         vlfit.inference.identity.RefusedModelError: when ``model`` embeds into another space than the index.
@@ -110,9 +113,11 @@ def query_encoder(
         model = built["path"]
         backend = built["backend"] if backend == "auto" else backend
         precision = built.get("precision", "auto") if precision == "auto" else precision
-    encoder = open_encoder(model, backend, precision, num_threads=num_threads, allow_spinning=allow_spinning)
-    refuse_other_model(index, encoder)
-    return encoder
+        max_seq_length = max_seq_length or built.get("max_seq_length")
+    runtime = ModelRuntime.open(model, backend, precision, num_threads=num_threads, max_seq_length=max_seq_length,
+                                allow_spinning=allow_spinning)  # fmt: skip
+    refuse_other_model(index, runtime.encoder)
+    return runtime
 
 
 def embed_queries(encoder: Encoder, queries: Sequence[Query], batch_size: int = 32) -> torch.Tensor:

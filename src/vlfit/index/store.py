@@ -66,7 +66,8 @@ class IndexManifest:
 
     Attributes:
         identity: The model the embeddings come from.
-        model: ``{"path", "backend", "precision"}`` of the encoder that built the index.
+        model: ``{"path", "backend", "precision", "max_seq_length"}`` of the encoder that built the index (its
+            queries are embedded alike: ``vlfit.index.search.query_runtime``).
         storage: ``safetensors`` or ``npy``.
         shards: ``{"embeddings", "ids", "count"}`` per shard, in order (and ``"captions"``: its items' captions;
             ``"files"``: ``{name: {"bytes", "sha256"}}`` of each of its files, absent in indexes written before).
@@ -356,7 +357,7 @@ def write_index_from_embeddings(
     storage: str = "safetensors",
 ) -> IndexManifest:
     """A new index at ``folder`` holding ``embeddings`` [N, D] (rows of ``ids``) computed elsewhere, in shards of
-    ``shard_size`` rows; ``model`` is ``{"path", "backend", "precision"}`` of what embedded them.
+    ``shard_size`` rows; ``model`` is ``{"path", "backend", "precision", "max_seq_length"}`` of what embedded them.
 
     Raises:
         ConfigError: when ``folder`` already holds an index, or ids and embeddings do not pair up.

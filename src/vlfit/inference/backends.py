@@ -4,10 +4,9 @@ Each takes what the fast CPU pipeline makes, uint8 pixels ``[B, 3, H, W]`` (``en
 their attention mask (``encode_tokens``; ``encode_texts`` tokenizes captions first), and returns L2-normalized
 float32 embeddings on the CPU.
 
-Two doors, each taking what ``vlfit.models.reference.parse_model_reference`` parsed: ``open_encoder`` (a checkpoint
-or LoRA adapters on PyTorch, a folder ``vlfit export`` wrote on the runtime of its format, or a preset: what every
-command and ``vlfit.load`` embed with) and ``load_checkpoint`` (a checkpoint on PyTorch, its model and towers at
-hand: what ``vlfit export`` traces and ``vlfit fewshot`` tunes).
+``build_encoder`` builds one from what ``vlfit.models.reference.parse_model_reference`` parsed (a checkpoint or
+LoRA adapters on PyTorch, a folder ``vlfit export`` wrote on the runtime of its format, or a preset), for
+``vlfit.inference.runtime.ModelRuntime``: every door embeds through a runtime.
 """
 
 from __future__ import annotations
@@ -25,21 +24,18 @@ from vlfit.errors import ConfigError
 from vlfit.extras import require_extra
 from vlfit.inference.exported import TOKENIZER_FILES, ExportFolder
 from vlfit.inference.identity import ModelIdentity, RefusedModelError, checkpoint_fingerprint
+from vlfit.inference.runtime_settings import RuntimeSettings
 from vlfit.inference.towers import IMAGE_INPUT, TEXT_INPUTS, ImageTower, TextTower
 from vlfit.models.family import InputSpec
-from vlfit.models.reference import ModelReference, parse_model_reference
+from vlfit.models.reference import ModelReference
 
 if TYPE_CHECKING:
     from torch import nn
 
     from vlfit.models.loading import LoadedModel
 
-# The caption length vlfit train truncates to by default (--max_seq_length).
-DEFAULT_MAX_SEQ_LENGTH = 128
-# What a model folder can be (a preset is not a folder: open_encoder takes one too).
+# What a model folder can be (a preset is not a folder: a runtime opens one too).
 FOLDER_KINDS = ("checkpoint", "adapters", "export")
-BACKENDS = ("auto", "torch", "onnxruntime", "openvino")
-PRECISION_CHOICES = ("auto", "fp32", "int8")
 
 
 class Encoder(ABC):
@@ -94,14 +90,13 @@ def _text_feeds(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[s
 
 
 class TorchEncoder(Encoder):
-    """A loaded model on PyTorch (fp32, eval mode), through the family's towers (``load_checkpoint`` makes one).
+    """A loaded model on PyTorch (fp32, eval mode), through the family's towers (``build_encoder`` makes one).
 
     Args:
         loaded: The model with its spec (put in eval mode and fp32 here; its towers use it, not a copy: changes to
             its weights show).
         model_path: What the model is called (its folder, or ``preset:NAME`` for a preset's random weights).
         fingerprint: What identifies its weights (``checkpoint_fingerprint`` of a folder).
-        num_threads: torch threads (``None``: torch's default).
 
     Attributes:
         loaded: The model with its spec.
@@ -112,7 +107,7 @@ class TorchEncoder(Encoder):
     backend = "torch"
     precision = "fp32"
 
-    def __init__(self, loaded: LoadedModel, model_path: str, fingerprint: str, num_threads: int | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, model_path: str, fingerprint: str) -> None:
         model = loaded.model.eval().float()
         self.loaded = loaded
         self.model_path = model_path
@@ -122,8 +117,6 @@ class TorchEncoder(Encoder):
         with torch.inference_mode():
             probe = self.text_tower(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.long))
         self.identity = ModelIdentity(loaded.family.name, int(probe.shape[-1]), fingerprint)
-        if num_threads:
-            torch.set_num_threads(num_threads)
 
     @property
     def model(self) -> nn.Module:
@@ -145,13 +138,13 @@ class TorchEncoder(Encoder):
 
 
 class _ExportedEncoder(Encoder):
-    def __init__(self, exported: ExportFolder, precision: str) -> None:
+    def __init__(self, exported: ExportFolder, precision: str, max_seq_length: int | None = None) -> None:
         if precision == "auto":
             precision = "int8" if "int8" in exported.precisions else "fp32"
         self.precision = precision
         self.model_path = exported.path
         self.exported = exported
-        self.spec = exported.input_spec()
+        self.spec = exported.input_spec(max_seq_length)
         self.identity = exported.identity
 
 
@@ -196,6 +189,7 @@ class OnnxRuntimeEncoder(_ExportedEncoder):
         exported: The export folder.
         precision: ``fp32``, ``int8`` or ``auto`` (INT8 when exported).
         num_threads: Intra-op threads (``None``: ONNX Runtime's default, one per physical core).
+        max_seq_length: Caption length (``None``: the export's, which is the run's).
         allow_spinning: Let idle intra-op threads spin-wait for the next call (ONNX Runtime's default: lowest
             latency for back-to-back calls). A server turns it off: spinning threads take the cores its event loop
             needs (on 2 cores at 8 concurrent queries: about 260 QPS with it, about 400 without).
@@ -209,9 +203,10 @@ class OnnxRuntimeEncoder(_ExportedEncoder):
         precision: str = "auto",
         num_threads: int | None = None,
         allow_spinning: bool = True,
+        max_seq_length: int | None = None,
     ) -> None:
         require_extra("export", "the onnxruntime backend", ("onnxruntime",))  # before the folder is read
-        super().__init__(exported, precision)
+        super().__init__(exported, precision, max_seq_length)
         self.sessions = {
             tower: onnx_session(exported.graph_path(tower, self.precision), num_threads, allow_spinning)
             for tower in ("image", "text")
@@ -236,6 +231,7 @@ class OpenVinoEncoder(_ExportedEncoder):
         inference_precision: The plugin's ``INFERENCE_PRECISION_HINT``: ``f32``, or ``None`` for the plugin's
             default (bf16 on CPUs that have it).
         num_threads: ``INFERENCE_NUM_THREADS`` (``None``: the plugin's default).
+        max_seq_length: Caption length (``None``: the export's, which is the run's).
     """
 
     backend = "openvino"
@@ -246,9 +242,10 @@ class OpenVinoEncoder(_ExportedEncoder):
         precision: str = "auto",
         inference_precision: str | None = None,
         num_threads: int | None = None,
+        max_seq_length: int | None = None,
     ) -> None:
         require_extra("export", "the openvino backend", ("openvino",))  # before the folder is read
-        super().__init__(exported, precision)
+        super().__init__(exported, precision, max_seq_length)
         self.compiled = {
             tower: openvino_model(exported.graph_path(tower, self.precision), inference_precision, num_threads)
             for tower in ("image", "text")
@@ -264,109 +261,74 @@ class OpenVinoEncoder(_ExportedEncoder):
         return torch.from_numpy(np.asarray(compiled(feeds)[compiled.output(0)])).float()
 
 
-def open_encoder(
-    model: str | ModelReference,
-    backend: str = "auto",
-    precision: str = "auto",
-    *,
-    num_threads: int | None = None,
-    inference_precision: str | None = None,
-    allow_spinning: bool = True,
-) -> Encoder:
-    """The encoder of a checkpoint folder, an export folder or a preset: the one way a model is opened to embed
-    with (``vlfit.load``, ``vlfit serve``, indexing and querying, few-shot classifiers).
-
-    Args:
-        model: A checkpoint folder (LoRA adapters included), a folder ``vlfit export`` wrote, or a preset (its name
-            or its ``.json`` file: random weights, with a byte-level tokenizer trained on ``vlfit make-data``'s
-            caption grammar); or what it parsed to (``parse_model_reference``).
-        backend: ``auto`` (the folder's own), ``torch``, ``onnxruntime`` or ``openvino``.
-        precision: For exported graphs: ``auto`` (INT8 when present), ``fp32`` or ``int8``.
-        num_threads: Threads of the runtime.
-        inference_precision: OpenVINO's ``INFERENCE_PRECISION_HINT`` (``None``: the plugin's default).
-        allow_spinning: ONNX Runtime: idle threads spin-wait (see ``OnnxRuntimeEncoder``).
+def build_encoder(reference: ModelReference, settings: RuntimeSettings) -> Encoder:
+    """The encoder of a checkpoint folder, an export folder or a preset, on ``settings``: what
+    ``vlfit.inference.runtime.ModelRuntime.encoder`` builds (every door gets its encoder from a runtime).
 
     Raises:
-        ConfigError: for an unknown backend or precision, fewer than one thread, or a preset on another runtime.
-        MissingFileError: for a path that is neither a folder nor a preset.
+        ConfigError: for a preset on another runtime than torch.
         RefusedModelError: for a combination that cannot run (a checkpoint on ONNX Runtime, an ONNX export on
-            OpenVINO...), a missing tokenizer, graphs older than their checkpoint, or a precision not exported.
+            OpenVINO...), a missing tokenizer, graphs older than their checkpoint, a precision not exported, or a
+            question-answering model.
     """
-    if backend not in BACKENDS:
-        raise ConfigError(f"unknown --backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
-    if precision not in PRECISION_CHOICES:
-        raise ConfigError(f"unknown --precision {precision!r}; choose one of: {', '.join(PRECISION_CHOICES)}")
-    if num_threads is not None and num_threads < 1:
-        raise ConfigError(f"--num_threads must be at least 1, got {num_threads}")
-    if not isinstance(model, ModelReference):
-        model = parse_model_reference(model, flag="--model", kinds=("preset", *FOLDER_KINDS))
-    if model.kind == "preset":
+    backend, precision = settings.backend, settings.precision
+    if reference.kind == "preset":
         if backend not in ("auto", "torch"):
             raise ConfigError(
-                f"preset {model.path} runs on torch; export a trained checkpoint for --backend {backend!r}"
+                f"preset {reference.path} runs on torch; export a trained checkpoint for --backend {backend!r}"
             )
-        return _preset_encoder(model.path, num_threads)
+        return _preset_encoder(reference.path, settings.max_seq_length)
     other = "onnx" if backend == "onnxruntime" else "openvino"
-    if model.kind != "export":
+    if reference.kind != "export":
         if backend not in ("auto", "torch"):
             raise RefusedModelError(
-                f"{model.path} is a checkpoint, which runs on torch; for --backend {backend} export it first with "
-                f"vlfit export --model_name_or_path {model.path} --format {other}"
+                f"{reference.path} is a checkpoint, which runs on torch; for --backend {backend} export it first "
+                f"with vlfit export --model_name_or_path {reference.path} --format {other}"
             )
         if precision == "int8":
-            raise RefusedModelError(f"{model.path}: INT8 runs on exported graphs only; export with --quantize int8")
-        return _torch_encoder(model, DEFAULT_MAX_SEQ_LENGTH, num_threads)
-    exported = ExportFolder.open(model.path, check_source=False)
+            raise RefusedModelError(f"{reference.path}: INT8 runs on exported graphs only; export with --quantize int8")
+        return _torch_encoder(reference, settings.max_seq_length)
+    exported = ExportFolder.open(reference.path, check_source=False)
     exported.check_backend(backend)
     exported.check_source_unchanged()
+    exported.check_caption_length(settings.max_seq_length)
     if exported.runtime == "onnxruntime":
-        return OnnxRuntimeEncoder(exported, precision, num_threads=num_threads, allow_spinning=allow_spinning)
-    return OpenVinoEncoder(exported, precision, inference_precision=inference_precision, num_threads=num_threads)
+        return OnnxRuntimeEncoder(
+            exported,
+            precision,
+            num_threads=settings.num_threads,
+            allow_spinning=settings.allow_spinning,
+            max_seq_length=settings.max_seq_length,
+        )
+    return OpenVinoEncoder(
+        exported,
+        precision,
+        inference_precision=settings.inference_precision,
+        num_threads=settings.num_threads,
+        max_seq_length=settings.max_seq_length,
+    )
 
 
-def load_checkpoint(
-    path: str, max_seq_length: int = DEFAULT_MAX_SEQ_LENGTH, *, flag: str = "--model_name_or_path"
-) -> TorchEncoder:
-    """A local checkpoint folder (LoRA adapters included) on PyTorch, its model and towers at hand.
-
-    Args:
-        path: The checkpoint folder.
-        max_seq_length: Longest tokenized caption.
-        flag: The option that named the folder, for error messages.
-
-    Raises:
-        MissingFileError: naming ``flag``, when the folder or its weights do not exist.
-        RefusedModelError: when the folder has no tokenizer.
-    """
-    reference = parse_model_reference(path, flag=flag, kinds=("checkpoint", "adapters"))
-    return _torch_encoder(reference, max_seq_length, None)
-
-
-def _torch_encoder(reference: ModelReference, max_seq_length: int, num_threads: int | None) -> TorchEncoder:
-    """A checkpoint folder on PyTorch: fp32, eval mode, the sdpa attention path."""
+def _torch_encoder(reference: ModelReference, max_seq_length: int | None) -> TorchEncoder:
+    """A checkpoint folder on PyTorch: fp32, eval mode, the sdpa attention path, at the run's caption length (or
+    ``max_seq_length``)."""
     from vlfit.models.loading import load_model  # only here: it imports transformers' models
 
     folder = reference.path
-    if reference.answers_questions:
-        raise RefusedModelError(
-            f"{folder} is a question-answering model (vlfit train --task vqa): it has no contrastive heads to embed "
-            f"with; ask it questions (vlfit vqa --model {folder}, or vlfit.load(...).answer), or embed with a "
-            "contrastive checkpoint"
-        )
     if not any(os.path.isfile(os.path.join(folder, name)) for name in TOKENIZER_FILES):
         raise RefusedModelError(
             f"{folder}: the checkpoint has no tokenizer ({' or '.join(TOKENIZER_FILES)}); save one beside the weights "
             "(vlfit train does)"
         )
     loaded = load_model(model_name_or_path=reference, max_seq_length=max_seq_length)
-    return TorchEncoder(loaded, folder, checkpoint_fingerprint(folder), num_threads)
+    return TorchEncoder(loaded, folder, checkpoint_fingerprint(folder))
 
 
-def _preset_encoder(preset: str, num_threads: int | None) -> TorchEncoder:
+def _preset_encoder(preset: str, max_seq_length: int | None) -> TorchEncoder:
     from vlfit.data.synthetic.scenes import scene_and_choices
     from vlfit.models.loading import load_model
 
     rng = np.random.default_rng(0)
     captions = [caption for _ in range(64) for caption in scene_and_choices(rng)[1]]
-    loaded = load_model(model_preset=preset, captions=lambda: captions, max_seq_length=DEFAULT_MAX_SEQ_LENGTH)
-    return TorchEncoder(loaded, f"preset:{preset}", f"preset:{preset}", num_threads)
+    loaded = load_model(model_preset=preset, captions=lambda: captions, max_seq_length=max_seq_length)
+    return TorchEncoder(loaded, f"preset:{preset}", f"preset:{preset}")

@@ -222,7 +222,7 @@ def export_model(
     """Export ``loaded``'s towers into ``output_dir`` (created; graphs of an earlier export there are replaced).
 
     Args:
-        loaded: The checkpoint on PyTorch (``load_checkpoint``).
+        loaded: The checkpoint on PyTorch (``ModelRuntime.open(...).encoder``).
         output_dir: Where the graphs, tokenizer and manifest go.
         settings: Format, quantization, opset and parity threshold.
         parity_samples: Real samples the parity and accuracy figures are measured on.

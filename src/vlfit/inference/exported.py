@@ -133,8 +133,22 @@ class ExportFolder:
             )
         return os.path.join(self.path, name)
 
-    def input_spec(self) -> InputSpec:
-        """Image size, mean, std and the tokenizer saved beside the graphs."""
+    def check_caption_length(self, max_seq_length: int | None) -> None:
+        """Refuse a caption length longer than the graphs were exported for (their sequence axis ends there).
+
+        Raises:
+            RefusedModelError: naming ``--max_seq_length`` and the longest the folder takes.
+        """
+        exported = int(self.manifest["text"]["max_seq_length"])
+        if max_seq_length is not None and max_seq_length > exported:
+            raise RefusedModelError(
+                f"{self.path}: --max_seq_length {max_seq_length} is longer than the {exported} tokens its graphs take; "
+                f"ask for at most {exported}, or export again with vlfit export --max_seq_length {max_seq_length}"
+            )
+
+    def input_spec(self, max_seq_length: int | None = None) -> InputSpec:
+        """Image size, mean, std and the tokenizer saved beside the graphs, at the caption length of the export (the
+        run's) or ``max_seq_length`` (checked by ``check_caption_length``)."""
         from transformers import AutoTokenizer  # only here: a manifest is read without transformers
 
         image = self.manifest["image"]
@@ -143,7 +157,7 @@ class ExportFolder:
             image_mean=tuple(float(x) for x in image["mean"]),  # type: ignore[arg-type]
             image_std=tuple(float(x) for x in image["std"]),  # type: ignore[arg-type]
             tokenizer=AutoTokenizer.from_pretrained(self.path),
-            max_seq_length=int(self.manifest["text"]["max_seq_length"]),
+            max_seq_length=max_seq_length or int(self.manifest["text"]["max_seq_length"]),
         )
 
     def check_source_unchanged(self) -> None:

@@ -10,10 +10,10 @@ text_rows=[0] * K, image_rows=range(K))``. Without rows, caption ``i`` pairs wit
 
 ``vlfit.inference.itm_graph.PairScoringGraph`` is what every backend runs: PyTorch eagerly, ONNX Runtime as the
 ``itm.onnx`` graph ``vlfit export`` traced from it (``vlfit.inference.export_itm``), OpenVINO as that graph
-converted (``itm.xml``). ``open_pair_scorer`` opens the
-scorer of a checkpoint or export folder, as ``vlfit.inference.backends.open_encoder`` opens its encoder;
-``pair_scorer_for`` gives the scorer beside an encoder already open. A model without a matching head has no
-scorer: ``pair_scorer_for`` returns None and ``open_pair_scorer`` refuses it in one line (``NoMatchingHeadError``).
+converted (``itm.xml``). A model's scorer comes from its runtime (``vlfit.inference.runtime.ModelRuntime``:
+``pair_scorer``, on the threads and precision of its encoder): ``pair_scorer_for`` gives the scorer beside an encoder
+already open, ``exported_scorer_of`` an export folder's without its encoder. A model without a matching head has no
+scorer: both return None and ``ModelRuntime.require_pair_scorer`` refuses it in one line (``NoMatchingHeadError``).
 """
 
 from __future__ import annotations
@@ -27,27 +27,23 @@ import torch
 from vlfit.errors import ConfigError
 from vlfit.extras import require_extra
 from vlfit.inference.backends import (
-    FOLDER_KINDS,
-    PRECISION_CHOICES,
     Encoder,
     OnnxRuntimeEncoder,
     OpenVinoEncoder,
     TorchEncoder,
     onnx_session,
-    open_encoder,
     openvino_model,
 )
 from vlfit.inference.exported import ExportFolder, graph_name
 from vlfit.inference.identity import RefusedModelError
+from vlfit.inference.runtime_settings import RuntimeSettings
 from vlfit.inference.towers import IMAGE_INPUT, TEXT_INPUTS
 from vlfit.models.family import InputSpec
-from vlfit.models.reference import ModelReference, parse_model_reference
 
 ITM_GRAPH = "itm"  # the graph's key in the export manifest and its file name (itm.onnx, itm.int8.onnx)
 ROW_INPUTS = ("text_rows", "image_rows")
 ITM_INPUTS = (*TEXT_INPUTS, IMAGE_INPUT, *ROW_INPUTS)
 ITM_OUTPUT = "match_log_odds"
-SCORER_BACKENDS = ("auto", "torch", "onnxruntime", "openvino")
 NO_HEAD_ADVICE = (
     "re-ranking needs a model with an image-text matching head: train one with vlfit train --objective "
     "contrastive+itm (BridgeTower)"
@@ -56,6 +52,17 @@ NO_HEAD_ADVICE = (
 
 class NoMatchingHeadError(RefusedModelError):
     """A model or export folder without an image-text matching head was asked to score pairs."""
+
+
+def no_matching_head(model_path: str, exported: ExportFolder | None = None) -> NoMatchingHeadError:
+    """The one-line refusal of a checkpoint (or, ``exported``, an export folder) without a matching head."""
+    if exported is None:
+        return NoMatchingHeadError(f"{model_path} has no image-text matching head; {NO_HEAD_ADVICE}")
+    return NoMatchingHeadError(
+        f"{model_path} has no image-text matching graph ({graph_name(ITM_GRAPH, 'fp32', exported.format)}): its "
+        f"checkpoint has no matching head, or it was exported by an older vlfit; {NO_HEAD_ADVICE}, then export it "
+        "again"
+    )
 
 
 class PairScorer(ABC):
@@ -173,7 +180,7 @@ class TorchPairScorer(PairScorer):
         from vlfit.models.itm import has_itm_head
 
         if not has_itm_head(encoder.model):
-            raise NoMatchingHeadError(f"{encoder.model_path} has no image-text matching head; {NO_HEAD_ADVICE}")
+            raise no_matching_head(encoder.model_path)
         self.model_path = encoder.model_path
         self.spec = encoder.spec
         self.graph = PairScoringGraph(encoder.model, encoder.spec).eval()
@@ -194,11 +201,7 @@ class _ExportedPairScorer(PairScorer):
     def __init__(self, exported: ExportFolder, precision: str = "auto") -> None:
         precisions = exported_itm_precisions(exported)
         if not precisions:
-            raise NoMatchingHeadError(
-                f"{exported.path} has no image-text matching graph ({graph_name(ITM_GRAPH, 'fp32', exported.format)}"
-                f"): its checkpoint has no matching head, or it was exported by an older vlfit; {NO_HEAD_ADVICE}, "
-                "then export it again"
-            )
+            raise no_matching_head(exported.path, exported)
         if precision == "auto":
             precision = "int8" if "int8" in precisions else "fp32"
         self.precision = precision
@@ -275,8 +278,11 @@ def exported_itm_precisions(exported: ExportFolder) -> tuple[str, ...]:
     return tuple(precision for precision in ("fp32", "int8") if graphs.get(precision))
 
 
-def pair_scorer_for(encoder: Encoder, *, num_threads: int | None = None) -> PairScorer | None:
-    """The pair scorer beside an open encoder, on the same backend; None when its model has no matching head.
+def pair_scorer_for(
+    encoder: Encoder, *, num_threads: int | None = None, allow_spinning: bool = True
+) -> PairScorer | None:
+    """The pair scorer beside an open encoder, on the same backend; None when its model has no matching head
+    (``ModelRuntime.pair_scorer`` calls it with the runtime's threads).
 
     A PyTorch encoder's scorer shares its model; an ONNX Runtime encoder's scorer runs the folder's ``itm`` graph
     of the encoder's precision (fp32 when that precision has none), an OpenVINO encoder's the same on OpenVINO.
@@ -290,43 +296,18 @@ def pair_scorer_for(encoder: Encoder, *, num_threads: int | None = None) -> Pair
         if not precisions:
             return None
         precision = encoder.precision if encoder.precision in precisions else "fp32"
-        return exported_pair_scorer(encoder.exported, precision, num_threads=num_threads)
+        return exported_pair_scorer(encoder.exported, precision, num_threads=num_threads, allow_spinning=allow_spinning)
     return None
 
 
-def open_pair_scorer(
-    model: str | ModelReference,
-    backend: str = "auto",
-    precision: str = "auto",
-    *,
-    num_threads: int | None = None,
-    allow_spinning: bool = True,
-) -> PairScorer:
-    """The pair scorer of a checkpoint folder (PyTorch) or an export folder (ONNX Runtime or OpenVINO).
-
-    Args:
-        model: A checkpoint folder or a folder ``vlfit export`` wrote, or what it parsed to.
-        backend: ``auto`` (the folder's own), ``torch``, ``onnxruntime`` or ``openvino``.
-        precision: For exported graphs: ``auto`` (INT8 when present), ``fp32`` or ``int8``.
-        num_threads: Threads of the runtime.
-        allow_spinning: ONNX Runtime's idle threads spin-wait for the next call.
-
-    Raises:
-        NoMatchingHeadError: when the model has no matching head (or the folder no ``itm`` graph).
-        ConfigError, MissingFileError, RefusedModelError: as ``open_encoder`` for the same arguments.
-    """
-    if precision not in PRECISION_CHOICES:
-        raise ConfigError(f"unknown --precision {precision!r}; choose one of: {', '.join(PRECISION_CHOICES)}")
-    if backend not in SCORER_BACKENDS:
-        raise ConfigError(
-            f"unknown --backend {backend!r} for pair scoring; choose one of: {', '.join(SCORER_BACKENDS)}"
-        )
-    if not isinstance(model, ModelReference):
-        model = parse_model_reference(model, flag="--model", kinds=FOLDER_KINDS)
-    if model.kind == "export":
-        exported = ExportFolder.open(model.path)
-        exported.check_backend(backend)
-        return exported_pair_scorer(exported, precision, num_threads=num_threads, allow_spinning=allow_spinning)
-    encoder = open_encoder(model, backend, precision, num_threads=num_threads)
-    assert isinstance(encoder, TorchEncoder)  # a checkpoint or adapters: open_encoder refuses them on onnxruntime
-    return TorchPairScorer(encoder)
+def exported_scorer_of(folder: str, settings: RuntimeSettings) -> PairScorer | None:
+    """The scorer of an export folder's ``itm`` graph on ``settings`` (its backend checked against the folder's
+    runtime, its precision ``auto``: INT8 when exported), without opening the folder's encoder; None without the
+    graph."""
+    exported = ExportFolder.open(folder)
+    exported.check_backend(settings.backend)
+    if not exported_itm_precisions(exported):
+        return None
+    return exported_pair_scorer(
+        exported, settings.precision, num_threads=settings.num_threads, allow_spinning=settings.allow_spinning
+    )

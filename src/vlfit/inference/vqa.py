@@ -13,7 +13,9 @@ from typing import NamedTuple
 import torch
 
 from vlfit.errors import ConfigError
+from vlfit.models.family import InputSpec
 from vlfit.models.loading import LoadedModel, build_model, resolve_model
+from vlfit.models.reference import ModelReference
 from vlfit.models.vqa import VQA_ARCHITECTURE, config_answers, is_vqa_config
 
 
@@ -27,17 +29,20 @@ class Answer(NamedTuple):
 class QuestionAnswerer:
     """A BridgeTower VQA model, its answers and its inputs.
 
+    Built by ``vlfit.inference.runtime.ModelRuntime.answerer``, which sets the threads and batches the questions.
+
     Args:
-        model_path: A folder ``vlfit train --task vqa`` wrote (or a hub id of one).
-        num_threads: torch threads (``None``: torch's default).
+        model: A folder ``vlfit train --task vqa`` wrote (or a hub id of one), or what it parsed to.
+        max_seq_length: Question length (``None``: the run's, ``input_spec.json``).
 
     Raises:
         ConfigError: for a model without a VQA head.
     """
 
-    def __init__(self, model_path: str, num_threads: int | None = None) -> None:
+    def __init__(self, model: str | ModelReference, max_seq_length: int | None = None) -> None:
+        model_path = model.path if isinstance(model, ModelReference) else model
         self.model_path = model_path
-        spec = resolve_model(model_name_or_path=model_path)
+        spec = resolve_model(model_name_or_path=model, max_seq_length=max_seq_length)
         if not is_vqa_config(spec.config):
             raise ConfigError(
                 f"{model_path} has no VQA head (its config names no {VQA_ARCHITECTURE}): answering questions needs "
@@ -48,8 +53,11 @@ class QuestionAnswerer:
         mean = torch.tensor(spec.inputs.image_mean, dtype=torch.float32).view(1, -1, 1, 1)
         std = torch.tensor(spec.inputs.image_std, dtype=torch.float32).view(1, -1, 1, 1)
         self._scale, self._shift = 1.0 / (255.0 * std), -mean / std
-        if num_threads:
-            torch.set_num_threads(num_threads)
+
+    @property
+    def inputs(self) -> InputSpec:
+        """The question length, image size, mean, std and tokenizer the model was trained with."""
+        return self.loaded.inputs
 
     @property
     def image_size(self) -> int:

@@ -25,6 +25,12 @@ from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
 from vlfit.errors import ConfigError, ModelLoadError, first_line
 from vlfit.models.family import InputSpec, ModelFamily
+from vlfit.models.input_spec_file import (
+    DEFAULT_MAX_SEQ_LENGTH,
+    check_image_settings,
+    read_input_settings,
+    save_input_settings,
+)
 from vlfit.models.lora import load_merged
 from vlfit.models.reference import MODEL_CONFIG, ModelReference, check_local_path, parse_model_reference
 from vlfit.models.registry import family_for_config, family_for_preset
@@ -127,10 +133,11 @@ def saved_tokenizer(spec: ModelSpec) -> Any:
 
 
 def save_inputs(spec: ModelSpec, folder: str) -> None:
-    """Save the tokenizer (``saved_tokenizer``) and image processor (``save_image_processor``) of ``spec`` into a
-    model folder."""
+    """Save the tokenizer (``saved_tokenizer``), image processor (``save_image_processor``) and input settings
+    (``input_spec.json``: the caption length and image settings every door reads) of ``spec`` into a model folder."""
     saved_tokenizer(spec).save_pretrained(folder)
     save_image_processor(spec, folder)
+    save_input_settings(spec.inputs, folder)
 
 
 def save_image_processor(spec: ModelSpec, folder: str) -> None:
@@ -179,7 +186,7 @@ def resolve_model(
     token: str | None = None,
     trust_remote_code: bool = False,
     captions: Callable[[], Iterable[str | None]] | None = None,
-    max_seq_length: int = 128,
+    max_seq_length: int | None = None,
 ) -> ModelSpec:
     """The family, config, tokenizer and image processor of ``--model_name_or_path`` or ``--model_preset``.
 
@@ -195,7 +202,8 @@ def resolve_model(
         token: See ``cache_dir``.
         trust_remote_code: See ``cache_dir``.
         captions: Returns the training captions; a preset without ``--tokenizer_name`` trains its tokenizer on them.
-        max_seq_length: Longest tokenized caption.
+        max_seq_length: Longest tokenized caption; None: the length the folder's run was trained at
+            (``input_spec.json``), else ``DEFAULT_MAX_SEQ_LENGTH``. One that differs from the run's is logged.
 
     Raises:
         ValueError: for neither or both of checkpoint and preset, an unknown preset or model type, a tokenizer
@@ -257,7 +265,7 @@ def resolve_model(
             tokenizer = train_caption_tokenizer(
                 captions(),
                 vocab_size=family.preset_tokenizer_vocab_size(preset),
-                model_max_length=max_seq_length,
+                model_max_length=max_seq_length or DEFAULT_MAX_SEQ_LENGTH,
                 special_tokens=family.preset_special_tokens,
             )
         image_processor = (
@@ -266,6 +274,9 @@ def resolve_model(
             else family.preset_image_processor(preset)
         )
     tokenizer = with_attention_mask(tokenizer)
+    record_folder = adapters or (checkpoint if checkpoint and os.path.isdir(checkpoint) else None)
+    record = read_input_settings(record_folder) if preset is None else None
+    max_seq_length = _caption_length(max_seq_length, record, record_folder)
     vocab = family.vocab_size(config)
     if vocab is not None and len(tokenizer) > vocab:
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model embeds only {vocab}")
@@ -288,9 +299,23 @@ def resolve_model(
         tokenizer=tokenizer,
         max_seq_length=max_seq_length,
     )
+    if record is not None:
+        check_image_settings(record, inputs, record_folder)  # type: ignore[arg-type]
     return ModelSpec(
         family, config, inputs, image_processor, checkpoint=checkpoint, preset=preset, adapters=adapters, hub=hub
     )
+
+
+def _caption_length(asked: int | None, record: dict[str, Any] | None, folder: str | None) -> int:
+    """The caption length to load at: ``asked``, else the run's record, else the default; a length asked for that
+    differs from the run's is said in one line."""
+    if record is None:
+        return DEFAULT_MAX_SEQ_LENGTH if asked is None else asked
+    trained = int(record["max_seq_length"])
+    if asked is not None and asked != trained:
+        logger.info("captions are cut at %d tokens (--max_seq_length), not the %d %s was trained at", asked,
+                       trained, folder)  # fmt: skip
+    return trained if asked is None else asked
 
 
 def build_model(
@@ -337,14 +362,14 @@ def build_model(
 def load_model(
     *,
     captions: Callable[[], Iterable[str | None]] | None = None,
-    max_seq_length: int = 128,
+    max_seq_length: int | None = None,
     **keywords: Any,
 ) -> LoadedModel:
     """``resolve_model`` then ``build_model``: a model with its family, tokenizer and image processor.
 
     Args:
         captions: Returns the training captions (see ``resolve_model``).
-        max_seq_length: Longest tokenized caption.
+        max_seq_length: Longest tokenized caption (None: the run's, see ``resolve_model``).
         **keywords: ``resolve_model``'s and ``build_model``'s.
 
     Raises:

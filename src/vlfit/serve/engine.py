@@ -30,10 +30,9 @@ from vlfit.data.image_transforms import FastImageTransform, stack_images
 from vlfit.errors import ConfigError
 from vlfit.index.items import IndexedItems
 from vlfit.index.rerank import Reranker, rerank_problem
-from vlfit.index.search import Hit, query_encoder, search
+from vlfit.index.search import Hit, query_runtime, search
 from vlfit.index.store import MANIFEST_NAME, refuse_other_model
 from vlfit.index.verify import open_index
-from vlfit.inference.pair_scorer import pair_scorer_for
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +125,8 @@ class SearchEngine:
             the runtime it was built with).
         backend: ``auto`` or a runtime name, as ``vlfit.load`` takes.
         precision: Exported graphs: ``auto``, ``fp32`` or ``int8``.
-        num_threads: Threads of the runtime.
+        num_threads: Threads of the runtime (the encoder's and the matching head's).
+        max_seq_length: Cut query captions at this many tokens (``None``: as the index was built).
         search_threads: faiss's OpenMP threads in this process. One by default: the server's concurrency comes
             from batching, and idle OpenMP threads spin on cores the event loop and the encoder need (searching a
             batch of 8 on a busy 2-core machine: 12 ms with 2 threads, 1 ms with 1).
@@ -147,6 +147,7 @@ class SearchEngine:
         backend: str = "auto",
         precision: str = "auto",
         num_threads: int | None = None,
+        max_seq_length: int | None = None,
         search_threads: int = 1,
         verify: str = "quick",
         absolute_paths: bool = False,
@@ -157,10 +158,12 @@ class SearchEngine:
         self.verify = verify
         self.snapshot = Snapshot(index, verify)
         # Spinning runtime threads would take the cores the event loop parses and answers requests on.
-        self.encoder = query_encoder(self.snapshot.index, model, backend, precision, num_threads=num_threads,
-                                     allow_spinning=False)  # fmt: skip
+        self.runtime = query_runtime(self.snapshot.index, model, backend, precision, num_threads=num_threads,
+                                     max_seq_length=max_seq_length, allow_spinning=False)  # fmt: skip
+        self.encoder = self.runtime.encoder
         self._image_transform = FastImageTransform(self.encoder.spec.image_size)
-        self.pair_scorer = pair_scorer_for(self.encoder)  # the matching head, when the model has one
+        # The matching head, when the model has one: on the encoder's backend, precision and threads.
+        self.pair_scorer = self.runtime.pair_scorer
         self.generation = 1
         self._reload_lock = threading.Lock()
 

@@ -1,0 +1,42 @@
+"""How a model is run (``RuntimeSettings``): one setting for every part of a ``ModelRuntime``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vlfit.errors import ConfigError
+
+BACKENDS = ("auto", "torch", "onnxruntime", "openvino")
+PRECISION_CHOICES = ("auto", "fp32", "int8")
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    """How a model is run: one setting for all its parts.
+
+    Attributes:
+        backend: ``auto`` (the folder's own runtime), ``torch``, ``onnxruntime`` or ``openvino``.
+        precision: ``auto`` (INT8 when exported), ``fp32`` or ``int8`` (exported graphs only).
+        num_threads: Threads of the runtime (``None``: its default), for the encoder, the pair scorer and the
+            answerer alike.
+        max_seq_length: Caption length (``None``: the one the run was trained with).
+        inference_precision: OpenVINO's ``INFERENCE_PRECISION_HINT`` (``None``: the plugin's default).
+        allow_spinning: ONNX Runtime's idle threads spin-wait for the next call (a server turns it off).
+    """
+
+    backend: str = "auto"
+    precision: str = "auto"
+    num_threads: int | None = None
+    max_seq_length: int | None = None
+    inference_precision: str | None = None
+    allow_spinning: bool = True
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"unknown --backend {self.backend!r}; choose one of: {', '.join(BACKENDS)}")
+        if self.precision not in PRECISION_CHOICES:
+            raise ConfigError(f"unknown --precision {self.precision!r}; choose one of: {', '.join(PRECISION_CHOICES)}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"--num_threads must be at least 1, got {self.num_threads}")
+        if self.max_seq_length is not None and self.max_seq_length < 1:
+            raise ConfigError(f"--max_seq_length must be at least 1, got {self.max_seq_length}")
