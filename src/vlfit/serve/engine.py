@@ -26,7 +26,6 @@ from collections.abc import Sequence
 
 import torch
 
-from vlfit.data.image_transforms import FastImageTransform, stack_images
 from vlfit.errors import ConfigError
 from vlfit.index.items import IndexedItems
 from vlfit.index.rerank import Reranker, rerank_problem
@@ -161,7 +160,6 @@ class SearchEngine:
         self.runtime = query_runtime(self.snapshot.index, model, backend, precision, num_threads=num_threads,
                                      max_seq_length=max_seq_length, allow_spinning=False)  # fmt: skip
         self.encoder = self.runtime.encoder
-        self._image_transform = FastImageTransform(self.encoder.spec.image_size)
         # The matching head, when the model has one: on the encoder's backend, precision and threads.
         self.pair_scorer = self.runtime.pair_scorer
         self.generation = 1
@@ -215,11 +213,9 @@ class SearchEngine:
 
     def encode_texts(self, texts: Sequence[str]) -> torch.Tensor:
         """L2-normalized float32 embeddings ``[N, D]`` of captions (256 at a time, as ``vlfit.Model`` embeds)."""
-        texts = list(texts)
-        rows = [self.encoder.encode_texts(texts[s : s + 256]) for s in range(0, len(texts), 256)]
-        if not rows:
+        if not texts:
             return torch.zeros((0, self.encoder.identity.embedding_size), dtype=torch.float32)
-        return torch.cat(rows).float().contiguous()
+        return self.runtime.embed_texts(list(texts), 256).contiguous()
 
     def encode_image(self, image: bytes) -> torch.Tensor:
         """The embedding ``[1, D]`` of encoded image bytes.
@@ -227,8 +223,7 @@ class SearchEngine:
         Raises:
             DataError: naming why the bytes are not an image the pipeline can decode.
         """
-        pixels = self._image_transform(bytes(image), sample_id="images[0]")  # DataError names why
-        return self.encoder.encode_images(stack_images([pixels])).float().contiguous()
+        return self.runtime.embed_images(bytes(image)).contiguous()  # DataError names images[0] and why
 
     def search(
         self,

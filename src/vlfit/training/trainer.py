@@ -49,6 +49,7 @@ from vlfit.errors import NO_SPACE_ERRNOS, ConfigError
 from vlfit.evaluation.rerank import check_rerank
 from vlfit.evaluation.zeroshot import ZeroShotSet
 from vlfit.models.family import ModelFamily
+from vlfit.models.input_spec_file import save_input_settings
 from vlfit.models.trainable import temporarily_trainable
 from vlfit.training.bad_sample_accounting import BadSampleAccounting
 from vlfit.training.bad_sample_ledger import BadSampleLedger
@@ -177,6 +178,8 @@ class VlfitTrainer(BadSampleAccounting, Trainer):
                 state_dict = self.accelerator.get_state_dict(self.model)
             state_dict = scalar_state_dict(state_dict, self._scalar_parameters)
         super()._save(output_dir, state_dict=state_dict)
+        # The inputs the run trains on, beside the final model and every checkpoint-N: what every door reads.
+        save_input_settings(self.pipeline.inputs, output_dir or self.args.output_dir)
 
     def _close_feed(self) -> None:
         """Let go of the training batches' iterator, so its loader workers stop now, while this process is in a

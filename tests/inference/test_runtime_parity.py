@@ -1,0 +1,117 @@
+"""A run is embedded the way it was trained through every door: ``vlfit.load``, ``retrieve index``, the server's
+query path and the exported ONNX graphs agree with plain transformers fed as training feeds the model (captions
+cut at the run's ``--max_seq_length``, images through the training pipeline's transform), for each family."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+pytestmark = pytest.mark.slow
+
+TRAINED_LENGTH = 16  # not the default (128), nor any family's text positions
+LONG = ("two blue squares on the left and one green circle at the top of the picture, a red triangle below "
+        "them and a yellow square in the right corner beside a purple circle")  # fmt: skip
+TEXTS = ["a red circle", "two green squares on the left", LONG]
+
+
+def _photos(folder) -> list[str]:
+    """Photos of odd aspect ratios (tall, wide, square, tiny) as JPEG files."""
+    rng = np.random.default_rng(0)
+    paths = []
+    for number, (height, width) in enumerate([(301, 97), (80, 410), (128, 128), (9, 13)]):
+        path = os.path.join(folder, f"photo{number}.jpg")
+        Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8)).save(path, quality=92)
+        paths.append(path)
+    return paths
+
+
+def _reference(run, texts, photos) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain transformers: the run's config, weights and tokenizer as saved, captions cut at the trained length,
+    images through the training pipeline's transform, embedded by the family's towers as training embeds."""
+    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+
+    from vlfit.data.image_transforms import FastImageTransform
+    from vlfit.models.registry import family_for_config
+
+    family = family_for_config(AutoConfig.from_pretrained(run))
+    model = family.from_pretrained(run).eval()
+    tokenizer = AutoTokenizer.from_pretrained(run)
+    tokens = tokenizer(texts, max_length=TRAINED_LENGTH, truncation=True, padding="longest", return_tensors="pt",
+                       return_attention_mask=True)  # fmt: skip
+    processor = AutoImageProcessor.from_pretrained(run)
+    transform = FastImageTransform(processor.crop_size["height"])
+    pixels = torch.stack([transform(Path(p).read_bytes(), sample_id=p) for p in photos]).float() / 255
+    mean = torch.tensor(processor.image_mean).view(1, 3, 1, 1)
+    std = torch.tensor(processor.image_std).view(1, 3, 1, 1)
+    with torch.no_grad():
+        text = family.encode_text(model, tokens["input_ids"], tokens["attention_mask"])
+        image = family.encode_image(model, (pixels - mean) / std)
+    return text.float(), image.float()
+
+
+def _cosines(a, b) -> torch.Tensor:
+    return torch.nn.functional.cosine_similarity(torch.as_tensor(a).double(), torch.as_tensor(b).double(), dim=1)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "clip-tiny", "siglip-tiny"])
+def test_every_door_embeds_a_run_as_it_was_trained(preset, synthetic_dataset_dir, tmp_path, caplog):
+    import vlfit
+    from vlfit.cli import main
+    from vlfit.index.store import EmbeddingIndex
+    from vlfit.serve.engine import SearchEngine
+
+    run = str(tmp_path / "run")
+    vlfit.train(model_preset=preset, dataset_name=synthetic_dataset_dir, output_dir=run, max_steps=1,
+                max_seq_length=TRAINED_LENGTH, per_device_train_batch_size=8, per_device_eval_batch_size=8,
+                save_strategy="no", report_to="none", disable_tqdm=True, eval_strategy="no")  # fmt: skip
+    record = json.loads(Path(run, "input_spec.json").read_text())
+    assert record["max_seq_length"] == TRAINED_LENGTH
+    photos = _photos(tmp_path)
+    text, image = _reference(run, TEXTS, photos)
+    figures = {}
+
+    model = vlfit.load(run)
+    assert model.max_seq_length == TRAINED_LENGTH
+    figures["vlfit.load"] = (_cosines(model.encode_texts(TEXTS), text), _cosines(model.encode_images(photos), image))
+
+    index = tmp_path / "index"
+    photo_folder = os.path.dirname(photos[0])
+    assert main(["retrieve", "index", "--model", run, "--images", photo_folder, "--output_dir", str(index),
+                 "--dataloader_num_workers", "0", "--disable_tqdm", "true"]) == 0  # fmt: skip
+    built = EmbeddingIndex(str(index))
+    assert built.manifest.model["max_seq_length"] == TRAINED_LENGTH
+    rows = {os.path.basename(item): row for row, item in enumerate(built.row_ids)}
+    stored = built.embeddings()[[rows[os.path.basename(p)] for p in photos]]
+    engine = SearchEngine(str(index))  # the server's query path: the index's model as it was built
+    figures["retrieve index + serve"] = (_cosines(engine.encode_texts(TEXTS), text), _cosines(stored, image))
+
+    export = tmp_path / "export"
+    assert main(["export", "--model_name_or_path", run, "--output_dir", str(export), "--parity_samples", "8"]) == 0
+    assert json.loads((export / "export_manifest.json").read_text())["text"]["max_seq_length"] == TRAINED_LENGTH
+    exported = vlfit.load(str(export), precision="fp32")
+    figures["onnx"] = (_cosines(exported.encode_texts(TEXTS), text), _cosines(exported.encode_images(photos), image))
+
+    print(preset, {door: (round(float(t.min()), 6), round(float(i.min()), 6)) for door, (t, i) in figures.items()})
+    for door, (texts_cosine, images_cosine) in figures.items():
+        least = 0.999 if door == "onnx" else 0.9999
+        assert float(texts_cosine.min()) >= least, (door, texts_cosine)
+        assert float(images_cosine.min()) >= least, (door, images_cosine)
+
+    # A caption longer than the trained length embeds as its truncation; asked for longer, it embeds otherwise (and
+    # the door says so in one line).
+    tokenizer = model.runtime.inputs.tokenizer
+    assert len(tokenizer(LONG)["input_ids"]) > TRAINED_LENGTH
+    cut = tokenizer.decode(tokenizer(LONG, max_length=TRAINED_LENGTH, truncation=True)["input_ids"],
+                           skip_special_tokens=True)  # fmt: skip
+    assert float(_cosines(model.encode_texts([LONG]), model.encode_texts([cut]))[0]) >= 0.9999
+    with caplog.at_level("INFO", logger="vlfit.models.loading"):
+        longer = vlfit.load(run, max_seq_length=64)
+    assert f"captions are cut at 64 tokens (--max_seq_length), not the {TRAINED_LENGTH}" in caplog.text
+    assert float(_cosines(longer.encode_texts([LONG]), model.encode_texts([LONG]))[0]) < 0.9999
