@@ -230,3 +230,19 @@ def test_an_itm_graph_that_does_not_match_its_checkpoint_is_not_written(itm_chec
     assert (out / "itm.onnx").is_file()
     with pytest.raises(ConfigError, match=r"^--itm_tolerance must be above 0 \(a largest log-odds difference\), got 0"):
         ExportSettings(itm_tolerance=0)
+
+
+@pytest.mark.slow
+def test_the_matching_head_runs_on_the_threads_and_spinning_of_its_runtime(itm_export, itm_checkpoint):
+    runtime = ModelRuntime.open(str(itm_export), num_threads=1, allow_spinning=False)
+    for session in (runtime.pair_scorer.session, runtime.encoder.sessions["text"]):
+        options = session.get_session_options()
+        assert options.intra_op_num_threads == 1
+        assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        checkpoint = ModelRuntime.open(str(itm_checkpoint), num_threads=2)
+        assert isinstance(checkpoint.pair_scorer, TorchPairScorer) and torch.get_num_threads() == 2  # one setting
+    finally:
+        torch.set_num_threads(before)
