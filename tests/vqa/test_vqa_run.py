@@ -164,3 +164,37 @@ def test_lora_adapters_of_a_vqa_run_keep_its_answers_through_reload_and_merge(vq
     merged_answers = vlfit.load(str(tmp_path / "merged")).answer(image, row["question"], top_k=3)
     assert [a for a, _ in merged_answers[0]] == [a for a, _ in answered[0]]
     assert [s for _, s in merged_answers[0]] == pytest.approx([s for _, s in answered[0]], abs=1e-4)
+
+
+def test_the_majority_baseline_is_the_most_given_training_answer_not_the_vocabulary_files_first(vqa_run, tmp_path):
+    import collections
+
+    import datasets
+
+    import vlfit
+    from vlfit.data.vqa import annotator_answers
+    from vlfit.evaluation.vqa_accuracy import answer_accuracy
+
+    data, _, _ = vqa_run
+
+    def answers(split):
+        rows = datasets.load_dataset("parquet", data_files=str(data / f"{split}.parquet"))["train"]
+        return [annotator_answers(row, str(i)) for i, row in enumerate(rows.remove_columns("image"))]
+
+    counts = collections.Counter(answer for row in answers("train") for answer in row)
+    most = min(counts, key=lambda answer: (-counts[answer], answer))
+    rarest_first = [answer for answer in sorted(counts, key=counts.get) if answer != most] + [most]
+    vocabulary = tmp_path / "answers.txt"
+    vocabulary.write_text("\n".join(rarest_first) + "\n")
+    result = vlfit.train(
+        task="vqa", model_preset="tiny", answer_vocabulary=str(vocabulary), train_file=str(data / "train.parquet"),
+        validation_file=str(data / "validation.parquet"), output_dir=str(tmp_path / "run"), max_steps=1,
+        per_device_train_batch_size=8, do_eval=True, save_strategy="no", report_to="none", disable_tqdm=True,
+    )  # fmt: skip
+
+    def baseline(answer):
+        scores = [answer_accuracy(answer, row) for row in answers("validation")]
+        return sum(scores) / len(scores)
+
+    assert baseline(most) != pytest.approx(baseline(rarest_first[0]))  # the two tell apart
+    assert result.metrics["eval_vqa_accuracy_majority_answer"] == pytest.approx(baseline(most))

@@ -33,6 +33,7 @@ from vlfit.data.vqa import (
     VQA_COLUMNS,
     AnswerVocabulary,
     batch_answers,
+    ranked_answers,
     split_answers,
 )
 from vlfit.errors import ConfigError
@@ -44,6 +45,10 @@ from vlfit.training.task_flags import check_vocabulary_is_trained
 from vlfit.training.trainer import VlfitTrainer
 
 logger = logging.getLogger(__name__)
+
+# The config key of a VQA model's majority answer: the answer its training split gave most, the baseline evaluation
+# reports (an --answer_vocabulary file's order says nothing of how often its answers were given).
+MAJORITY_ANSWER_KEY = "vqa_majority_answer"
 
 
 def run_task(model_name_or_path: str | None, task: str) -> str:
@@ -96,6 +101,7 @@ def vqa_blueprint(
     if eval_source is not None:
         split_answers(eval_source)  # a bad question fails now, not at the end of training
     check_vocabulary_is_trained(vocabulary_file, train=train)
+    answers: list[list[str]] | None = None
     if vocabulary_file is not None:
         vocabulary = AnswerVocabulary.read(vocabulary_file)
         if train_source is not None:
@@ -120,6 +126,8 @@ def vqa_blueprint(
         config = blueprint.config
     else:
         raise ConfigError(f"{blueprint.description} has no VQA head to evaluate: train one with vlfit train --task vqa")
+    if answers is not None:
+        setattr(config, MAJORITY_ANSWER_KEY, ranked_answers(answers)[0])
     return replace(blueprint, family=VqaFamily(), config=config)
 
 
@@ -129,6 +137,9 @@ class VqaTrainer(VlfitTrainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.vocabulary = AnswerVocabulary(config_answers(self.model.config))
+        # A model trained before the key was kept, or on a stream with a vocabulary file, falls back to the first
+        # answer (a vocabulary built from the data is most given first).
+        self.majority_answer = getattr(self.model.config, MAJORITY_ANSWER_KEY, None) or self.vocabulary.answers[0]
 
     def _save(self, output_dir: str | None = None, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         super()._save(output_dir, state_dict=state_dict)
@@ -155,7 +166,7 @@ class VqaTrainer(VlfitTrainer):
 
     def vqa_metrics(self, loader: Any) -> dict[str, float]:
         """VQA accuracy of the top answer (overall, per ``answer_type`` and per ``question_type``), and the
-        majority-answer baseline's (the vocabulary's first answer, the most given in training, for every question)."""
+        majority-answer baseline's (the answer the training split gave most, for every question)."""
         model = self.model
         was_training = model.training
         model.eval()
@@ -190,8 +201,7 @@ class VqaTrainer(VlfitTrainer):
             answer_types if any(answer_types) else None,
             question_types=question_types if any(question_types) else None,
         )
-        majority = self.vocabulary.answers[0]
-        scores = [answer_accuracy(majority, row[2]) for row in unique]
+        scores = [answer_accuracy(self.majority_answer, row[2]) for row in unique]
         metrics["vqa_accuracy_majority_answer"] = sum(scores) / len(scores)
         metrics["vqa_questions"] = len(unique)
         return metrics
