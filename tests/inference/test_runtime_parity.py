@@ -94,7 +94,8 @@ def test_every_door_embeds_a_run_as_it_was_trained(preset, synthetic_dataset_dir
 
     export = tmp_path / "export"
     assert main(["export", "--model_name_or_path", run, "--output_dir", str(export), "--parity_samples", "8"]) == 0
-    assert json.loads((export / "export_manifest.json").read_text())["text"]["max_seq_length"] == TRAINED_LENGTH
+    manifest = json.loads((export / "export_manifest.json").read_text())
+    assert manifest["text"]["max_seq_length"] == TRAINED_LENGTH and manifest["input_spec"] == record
     exported = vlfit.load(str(export), precision="fp32")
     figures["onnx"] = (_cosines(exported.encode_texts(TEXTS), text), _cosines(exported.encode_images(photos), image))
 
@@ -103,6 +104,16 @@ def test_every_door_embeds_a_run_as_it_was_trained(preset, synthetic_dataset_dir
         least = 0.999 if door == "onnx" else 0.9999
         assert float(texts_cosine.min()) >= least, (door, texts_cosine)
         assert float(images_cosine.min()) >= least, (door, images_cosine)
+
+    # vlfit eval of the run evaluates it at its length too, unless told otherwise (and then says so).
+    flags = {"model_name_or_path": run, "dataset_name": synthetic_dataset_dir, "output_dir": str(tmp_path / "eval"),
+             "per_device_eval_batch_size": 16, "report_to": "none", "disable_tqdm": True}  # fmt: skip
+    with caplog.at_level("INFO", logger="vlfit.models.loading"):
+        caplog.clear()
+        vlfit.evaluate(**flags)
+        assert "captions are cut at" not in caplog.text
+        vlfit.evaluate(**flags, max_seq_length=24)
+        assert f"captions are cut at 24 tokens (--max_seq_length), not the {TRAINED_LENGTH}" in caplog.text
 
     # A caption longer than the trained length embeds as its truncation; asked for longer, it embeds otherwise (and
     # the door says so in one line).

@@ -199,7 +199,11 @@ class StreamArguments:
 class DataArguments(CompatDataFlags, StreamArguments, DataLocationArguments):
     """Data location plus how samples are turned into model inputs."""
 
-    max_seq_length: int = field(default=128, metadata={"help": "Captions are truncated to this many tokens."})
+    max_seq_length: int | None = field(
+        default=None,
+        metadata={"help": "Captions are truncated to this many tokens (default: the length the model was trained with "
+                  "when it is a vlfit run, from its input_spec.json; else 128, within the model's text positions)."},
+    )  # fmt: skip
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N training samples."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Use only the first N evaluation samples."})
     preprocessing_num_workers: int | None = field(

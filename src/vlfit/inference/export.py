@@ -47,6 +47,7 @@ from vlfit.inference.quantize import (
 )
 from vlfit.inference.recall import pooled_recall_at_k
 from vlfit.inference.towers import EMBEDDING_OUTPUT, IMAGE_INPUT, TEXT_INPUTS
+from vlfit.models.input_spec_file import input_settings
 
 logger = logging.getLogger(__name__)
 
@@ -199,6 +200,7 @@ def _draft_manifest(loaded: TorchEncoder, settings: ExportSettings, checkpoint: 
         "output": {"name": EMBEDDING_OUTPUT, "dtype": "float32", "shape": ["batch", identity.embedding_size]},
         "image": {"size": size, "mean": list(spec.image_mean), "std": list(spec.image_std), "layout": "NCHW"},
         "text": {"max_seq_length": spec.max_seq_length},
+        "input_spec": input_settings(spec),  # the run's input_spec.json, as the graphs take their inputs
         "opset": settings.opset,
         "libraries": library_versions(),
         "source": {"path": os.path.abspath(checkpoint), "sha256": identity.checkpoint_sha256},
