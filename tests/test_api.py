@@ -1,6 +1,7 @@
 """The Python API: docs/python-api.md's example runs as written, and each function keeps its contract."""
 
 import io
+import json
 import re
 from pathlib import Path
 
@@ -93,3 +94,18 @@ def test_an_index_is_built_opened_appended_to_and_searched(preset_model, tmp_pat
     (hits,) = reopened.search(query, k=2)
     assert hits[0].id == str(folder / "c.png") and hits[0].score == pytest.approx(1.0, abs=1e-5)
     assert len(reopened.search("a red square", k=3)) == 3
+
+
+def test_an_append_builds_as_the_index_was_built(preset_model, tmp_path):
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    rng = np.random.default_rng(2)
+    for name in ("a", "b", "c"):
+        Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(folder / f"{name}.png")
+    settings = {"index_type": "hnsw", "max_index_memory": 10**7, "target_recall": 0.9, "shard_size": 2}
+    index = vlfit.Index.build(preset_model, str(tmp_path / "index"), images=str(folder), **settings)
+    Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(folder / "d.png")
+    assert index.append() == 1
+    manifest = json.loads((tmp_path / "index" / "index_manifest.json").read_text())
+    assert [entry["settings"] for entry in manifest["collections"]] == [settings, settings]
+    assert manifest["ann"]["type"] == "hnsw" and manifest["ann"]["max_index_memory"] == 10**7  # not auto's flat

@@ -295,20 +295,20 @@ class Index:
         image_id_column: str | None = None,
         batch_size: int = 32,
         num_workers: int = 0,
-        shard_size: int = 4096,
+        shard_size: int | None = None,
         progress: bool = False,
-        index_type: str = "auto",
+        index_type: str | None = None,
         max_index_memory: int | None = None,
-        target_recall: float = 0.95,
+        target_recall: float | None = None,
         verify: str = "quick",
     ) -> Index:
         """Embed a folder of images (``images``) or a dataset split into the index at ``path`` (created, or resumed
         and appended to when it exists: only items not in it yet are embedded; an index of another model is
         refused), then bring its ANN structure up to date as ``vlfit retrieve index`` does (``index_type``:
-        ``auto``, ``flat``, ``hnsw`` or ``ivfpq``; needs the serve extra). A dataset's rows that show one image
-        (one ``image_id_column`` value, one row of a list caption column, or identical bytes) are one item with all
-        their captions, as evaluation groups them."""
-        from vlfit.index.ann_choice import DEFAULT_MAX_INDEX_MEMORY
+        ``auto``, ``flat``, ``hnsw`` or ``ivfpq``; needs the serve extra). ``shard_size``, ``index_type``,
+        ``max_index_memory`` and ``target_recall`` left None are those the index was built with (of a new index:
+        4096, ``auto``, 4 GiB, 0.95). A dataset's rows that show one image (one ``image_id_column`` value, one row of
+        a list caption column, or identical bytes) are one item with all their captions, as evaluation groups them."""
         from vlfit.index.job import IndexJob, index_collection
 
         # Every value is checked as the job is made, before the model loads.
@@ -316,8 +316,7 @@ class Index:
             model if isinstance(model, str) else model.encoder, path, images=images, dataset_name=dataset_name,
             split=split, image_column=image_column, caption_column=caption_column, image_id_column=image_id_column,
             batch_size=batch_size, num_workers=num_workers, shard_size=shard_size, progress=progress, verify=verify,
-            index_type=index_type, max_index_memory=max_index_memory or DEFAULT_MAX_INDEX_MEMORY,
-            target_recall=target_recall,
+            index_type=index_type, max_index_memory=max_index_memory, target_recall=target_recall,
         )  # fmt: skip
         if isinstance(model, str):
             model = load(model)
@@ -339,7 +338,9 @@ class Index:
 
     @python_api(renames={"index": "path"})
     def append(self, progress: bool = False, batch_size: int = 32, num_workers: int = 0) -> int:
-        """Embed what the index's folder or dataset holds that the index does not yet; returns how many were added."""
+        """Embed what the index's folder or dataset holds that the index does not yet, with the settings it was
+        built with (its columns, shard size, ANN type and parameters, as ``vlfit retrieve index`` appends do);
+        returns how many were added."""
         from vlfit.data.sources.openers import COLLECTION_KEYS
 
         last = self._index.manifest.collections[-1]  # what the latest build embedded, opened again

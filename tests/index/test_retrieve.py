@@ -241,6 +241,24 @@ def test_appending_embeds_only_the_new_images(tiny_checkpoint, image_folder, tmp
     assert os.path.exists(tmp_path / "index" / "shard-00000.npy")
 
 
+def test_an_append_without_the_build_flags_replays_those_the_index_was_built_with(
+    tiny_checkpoint, image_folder, tmp_path, capsys
+):
+    folder = tmp_path / "photos"
+    shutil.copytree(image_folder / "validation", folder)
+    argv = ["retrieve", "index", "--model", str(tiny_checkpoint), "--images", str(folder), "--output_dir",
+            str(tmp_path / "index"), "--dataloader_num_workers", "0", "--disable_tqdm", "true", "--json"]  # fmt: skip
+    settings = {"index_type": "hnsw", "max_index_memory": 10**7, "target_recall": 0.9, "shard_size": 8}
+    assert main([*argv, *(f"--{name}={value}" for name, value in settings.items())]) == 0
+    shutil.copytree(image_folder / "test", folder / "more")
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["ann"]["type"] == "hnsw"  # not auto's flat
+    manifest = EmbeddingIndex(str(tmp_path / "index")).manifest
+    assert [entry["settings"] for entry in manifest.collections] == [settings, settings]
+    assert manifest.ann["max_index_memory"] == 10**7
+
+
 def test_an_index_of_exported_graphs_is_queried_with_them(onnx_export, image_folder, tmp_path, capsys):
     out = tmp_path / "onnx-index"
     assert main(["retrieve", "index", "--model", str(onnx_export), "--images", str(image_folder / "validation"),

@@ -64,7 +64,11 @@ class IndexArguments:
         default_factory=lambda: min(4, os.cpu_count() or 1),
         metadata={"help": "Loader workers decoding and resizing (the default is min(4, CPU count))."},
     )
-    shard_size: int = field(default=4096, metadata={"help": "Images per shard (what an interrupted build redoes)."})
+    shard_size: int | None = field(
+        default=None,
+        metadata={"help": "Images per shard (what an interrupted build redoes). Default: what the index was built "
+                  "with, else 4096."},
+    )  # fmt: skip
     storage: Literal["safetensors", "npy"] = field(default="safetensors", metadata={"help": "Shard file format."})
     num_threads: int | None = field(default=None, metadata={"help": "Threads of the runtime (default: its own)."})
     max_seq_length: int | None = field(
@@ -73,20 +77,23 @@ class IndexArguments:
     )
     disable_tqdm: bool = field(default=False, metadata={"help": "No progress bar."})
     json: bool = field(default=False, metadata={"help": "Print the summary as JSON instead of lines of text."})
-    index_type: IndexType = field(
-        default="auto",
+    index_type: IndexType | None = field(
+        default=None,
         metadata={
             "help": "ANN structure: auto (flat below 100k items, HNSW while it fits --max_index_memory, else IVF-PQ), "
-            "flat (exact), hnsw or ivfpq."
+            "flat (exact), hnsw or ivfpq. Default: what the index was built with, else auto."
         },
     )
-    max_index_memory: int = field(
-        default=DEFAULT_MAX_INDEX_MEMORY, metadata={"help": "Bytes the ANN structure may take (default 4 GiB)."}
-    )
-    target_recall: float = field(
-        default=DEFAULT_TARGET_RECALL,
-        metadata={"help": "Recall@10 against exact search that the ANN search parameter is tuned to reach."},
-    )
+    max_index_memory: int | None = field(
+        default=None,
+        metadata={"help": "Bytes the ANN structure may take. Default: what the index was built with, else "
+                  f"{DEFAULT_MAX_INDEX_MEMORY} (4 GiB)."},
+    )  # fmt: skip
+    target_recall: float | None = field(
+        default=None,
+        metadata={"help": "Recall@10 against exact search that the ANN search parameter is tuned to reach. Default: "
+                  f"what the index was built with, else {DEFAULT_TARGET_RECALL}."},
+    )  # fmt: skip
     shard_retries: int = field(
         default=3,
         metadata={"help": "Tar shards at URLs: times a failing shard is fetched again (with backoff) before it is "

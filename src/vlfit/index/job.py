@@ -8,6 +8,9 @@ they want as an ``IndexJob`` and hand it to ``index_collection``, so the rules o
   or an encoder already open;
 - under torchrun the processes form a gloo group and each embeds its share of the shards (``vlfit.index.build``);
 - rank 0 brings the ANN structure up to date (``vlfit.index.ann_update``) and the report says what was done;
+- the build's settings (``BUILD_SETTINGS``: the ANN type and its parameters, the shard size) are recorded with each
+  build in the manifest's ``collections``, and a job that leaves one unset (None) replays the index's recorded one
+  (``IndexJob.replayed``): an append builds as the index was built, from the CLI and ``vlfit.Index.append`` alike;
 - tar shards that could not be fetched are listed as bad in the manifest, and ``IndexReport.raise_for_lost_shards``
   turns them into an error once the report is shown (the next run tries them again): nothing is lost in silence.
 """
@@ -15,6 +18,7 @@ they want as an ``IndexJob`` and hand it to ``index_collection``, so the rules o
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,12 +36,20 @@ from vlfit.index.ann_choice import (
 )
 from vlfit.index.build import BuildRequest, build_index
 from vlfit.index.integrity import check_verify_level
-from vlfit.index.store import check_storage
+from vlfit.index.store import MANIFEST_NAME, EmbeddingIndex, check_storage
 from vlfit.inference.backends import Encoder
 from vlfit.inference.runtime import ModelRuntime
 
 # What the report tells of the ANN structure (the manifest's "ann" holds all of it).
 ANN_SUMMARY = ("type", "factory", "search_params", "recall_at_10", "bytes_per_vector", "query_latency_ms", "extended")
+# The settings a build records (under "settings" of its manifest's collections entry) and an append replays, with
+# what a new index gets when a job leaves one unset.
+BUILD_SETTINGS: dict[str, Any] = {
+    "index_type": "auto",
+    "max_index_memory": DEFAULT_MAX_INDEX_MEMORY,
+    "target_recall": DEFAULT_TARGET_RECALL,
+    "shard_size": 4096,
+}
 
 
 @dataclass(frozen=True)
@@ -53,6 +65,7 @@ class IndexJob:
             one ``ModelRuntime``).
         batch_size, num_workers, shard_size, storage, progress, verify: The build's (``BuildRequest``).
         index_type, max_index_memory, target_recall: The ANN structure's (``vlfit.index.ann_update``).
+            These three and ``shard_size``, left None, are the index's recorded ones (``BUILD_SETTINGS``).
         shard_retries, shard_timeout, storage_options, shard_block_size: How tar shards at URLs are fetched.
         ddp_timeout: Under torchrun, seconds the processes wait for each other.
 
@@ -74,13 +87,13 @@ class IndexJob:
     max_seq_length: int | None = None
     batch_size: int = 32
     num_workers: int = 0
-    shard_size: int = 4096
+    shard_size: int | None = None
     storage: str = "safetensors"
     progress: bool = True
     verify: str = "quick"
-    index_type: str = "auto"
-    max_index_memory: int = DEFAULT_MAX_INDEX_MEMORY
-    target_recall: float = DEFAULT_TARGET_RECALL
+    index_type: str | None = None
+    max_index_memory: int | None = None
+    target_recall: float | None = None
     shard_retries: int = 3
     shard_timeout: float = 60.0
     storage_options: Mapping[str, Any] | str | None = field(default=None, repr=False)  # headers may hold secrets
@@ -88,8 +101,10 @@ class IndexJob:
     ddp_timeout: int = 1800
 
     def __post_init__(self) -> None:
-        check_index_type(self.index_type)
-        check_target_recall(self.target_recall)
+        if self.index_type is not None:
+            check_index_type(self.index_type)
+        if self.target_recall is not None:
+            check_target_recall(self.target_recall)
         check_verify_level(self.verify)
         check_storage(self.storage)
         for flag, value, least in (
@@ -99,9 +114,24 @@ class IndexJob:
             ("max_index_memory", self.max_index_memory, 1),
             ("ddp_timeout", self.ddp_timeout, 1),
         ):
-            if value < least:
+            if value is not None and value < least:
                 raise ConfigError(f"--{flag} must be at least {least}, got {value}")
         object.__setattr__(self, "storage_options", parse_storage_options(self.storage_options))
+
+    def replayed(self) -> IndexJob:
+        """This job with each ``BUILD_SETTINGS`` entry it leaves unset (None) as the index at ``output_dir`` last
+        recorded it (the default for a new index, or one built before settings were recorded)."""
+        recorded: dict[str, Any] = {}
+        if os.path.isfile(os.path.join(self.output_dir, MANIFEST_NAME)):
+            collections = EmbeddingIndex(self.output_dir).manifest.collections
+            recorded = collections[-1].get("settings", {}) if collections else {}
+        unset = {name: recorded.get(name, default) for name, default in BUILD_SETTINGS.items()
+                 if getattr(self, name) is None}  # fmt: skip
+        return dataclasses.replace(self, **unset)
+
+    def settings(self) -> dict[str, Any]:
+        """The ``BUILD_SETTINGS`` of this job, as a build records them."""
+        return {name: getattr(self, name) for name in BUILD_SETTINGS}
 
     def open_collection(self) -> tuple[Any, dict[str, Any]]:
         """The collection's source (tar shards at URLs fetched as the job says) and its manifest description."""
@@ -197,15 +227,16 @@ def index_collection(job: IndexJob) -> IndexReport:
             comparable.
     """
     require_extra("serve", "vlfit retrieve index", modules=("faiss",))
+    job = job.replayed()
     source, collection = job.open_collection()
     encoder = job.encoder()
     from vlfit.launch import join_gloo_group
 
     rank, world_size = join_gloo_group(job.ddp_timeout)  # 0, 1 unless launched by torchrun
     request = BuildRequest(
-        job.output_dir, collection, batch_size=job.batch_size, num_workers=job.num_workers,
-        shard_size=job.shard_size, storage=job.storage, progress=job.progress, rank=rank, world_size=world_size,
-        verify=job.verify,
+        job.output_dir, {**collection, "settings": job.settings()}, batch_size=job.batch_size,
+        num_workers=job.num_workers, shard_size=job.shard_size, storage=job.storage, progress=job.progress,
+        rank=rank, world_size=world_size, verify=job.verify,
     )  # fmt: skip
     built = build_index(encoder, source, request)
     if not request.lead:
