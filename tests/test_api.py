@@ -92,7 +92,8 @@ def test_an_index_is_built_opened_appended_to_and_searched(preset_model, tmp_pat
     assert reopened.append() == 0  # nothing new in the folder
     query = preset_model.encode_images(str(folder / "c.png"))
     (hits,) = reopened.search(query, k=2)
-    assert hits[0].id == str(folder / "c.png") and hits[0].score == pytest.approx(1.0, abs=1e-5)
+    assert hits[0].id == "c.png" and hits[0].path == str(folder / "c.png")
+    assert hits[0].score == pytest.approx(1.0, abs=1e-5)
     assert len(reopened.search("a red square", k=3)) == 3
 
 

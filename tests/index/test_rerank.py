@@ -5,7 +5,6 @@ a model without a head, of image queries or of embeddings, one line each."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,7 +32,9 @@ def _json_hits(capsys, *argv: str) -> list[dict]:
     return json.loads(capsys.readouterr().out)["queries"][0]["results"]
 
 
-def test_reranking_reorders_only_the_top_k_by_each_pairs_matching_score(itm_index, itm_checkpoint, capsys) -> None:
+def test_reranking_reorders_only_the_top_k_by_each_pairs_matching_score(
+    itm_index, itm_checkpoint, image_folder, capsys
+) -> None:
     cosine = _json_hits(capsys, "--index", itm_index, "--text", QUERY, "-k", "8")
     reranked = _json_hits(capsys, "--index", itm_index, "--text", QUERY, "-k", "8", "--rerank_top_k", "5")
     assert {hit["id"] for hit in reranked[:5]} == {hit["id"] for hit in cosine[:5]}
@@ -44,7 +45,7 @@ def test_reranking_reorders_only_the_top_k_by_each_pairs_matching_score(itm_inde
     # Each score is the pair scorer's for (query, that image file), computed here on its own.
     scorer = pair_scorer_for(ModelRuntime.open(str(itm_checkpoint)).encoder)
     transform = FastImageTransform(scorer.spec.image_size)
-    pixels = stack_images([transform(Path(hit["id"]).read_bytes()) for hit in reranked[:5]])
+    pixels = stack_images([transform((image_folder / hit["id"]).read_bytes()) for hit in reranked[:5]])
     expected = scorer.score_pairs([QUERY] * 5, pixels)
     assert torch.tensor(scores) == pytest.approx(expected, abs=1e-5)
 

@@ -35,12 +35,44 @@ def test_the_library_the_server_and_retrieve_query_give_the_same_hits(synthetic_
 
     assert vlfit.Index.open(folder).search(queries.numpy(), k=IMAGES) == expected
     assert engine.snapshot.search(queries, IMAGES) == expected
-    served = engine.search(queries, IMAGES)  # the JSON results: an item's row is its id there
+    served = engine.search(queries, IMAGES)  # the JSON results: Hit.to_json's, and the server's own fields
     for hits, results in zip(expected, served, strict=True):
-        assert [(r["id"], r["item"], r["score"], r["captions"]) for r in results] == [
-            (hit.row, hit.id, hit.score, hit.captions) for hit in hits
+        assert [{key: r[key] for key in ("id", "row", "score", "captions")} for r in results] == [
+            hit.to_json() for hit in hits
         ]
         assert all(engine.snapshot.items[hit.row] == hit.id for hit in hits)
+
+
+def test_an_image_folders_hit_is_one_json_through_every_door(synthetic_dataset_dir, tmp_path, capsys) -> None:
+    """``id`` is the file relative to the folder indexed in ``retrieve query --json``, the library and
+    ``/api/search`` alike; the row is its own field, what ``GET /api/image/{row}`` takes."""
+    from fastapi.testclient import TestClient
+
+    from tests.inference.several_captions import jpeg
+    from tests.inference.tiny_models import save_tiny_checkpoint
+    from vlfit.cli import main
+    from vlfit.serve.app import create_app
+
+    model = save_tiny_checkpoint(synthetic_dataset_dir, tmp_path / "model")
+    images = tmp_path / "photos"
+    (images / "trips").mkdir(parents=True)
+    for number in range(4):
+        (images / "trips" / f"p{number}.jpg").write_bytes(jpeg(number))
+    folder = str(tmp_path / "index")
+    vlfit.Index.build(str(model), folder, images=str(images))
+    text = "picture 2 caption 0"
+
+    library = [hit.to_json() for hit in vlfit.Index.open(folder).search(text, k=4)]
+    assert sorted(hit["id"] for hit in library) == [f"trips/p{number}.jpg" for number in range(4)]
+    capsys.readouterr()
+    assert main(["retrieve", "query", "--index", folder, "--text", text, "-k", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["queries"][0]["results"] == library
+    engine = SearchEngine(folder)
+    with TestClient(create_app(engine, reload_interval=0)) as client:
+        served = client.post("/api/search", json={"text": text, "k": 4}).json()["results"]
+        assert [{key: hit[key] for key in ("id", "row", "score")} for hit in served] == library
+        thumbnail = client.get(f"/api/image/{served[0]['row']}?size=16")
+    assert thumbnail.status_code == 200 and thumbnail.headers["content-type"] == "image/jpeg"
 
 
 def test_queries_are_embedded_on_the_runtime_and_precision_the_index_was_built_with(

@@ -72,7 +72,7 @@ def test_an_image_finds_itself_by_base64_and_by_upload(client, train_records) ->
 @pytest.mark.slow
 def test_thumbnails_by_id_only(client, engine, train_records) -> None:
     hit = _search(client, text=train_records[0].caption, k=1).json()["results"][0]
-    answer = client.get(f"/api/image/{hit['id']}?size=64")
+    answer = client.get(f"/api/image/{hit['row']}?size=64")
     assert answer.status_code == 200 and answer.headers["content-type"] == "image/jpeg"
     thumb = Image.open(io.BytesIO(answer.content))
     original = Image.open(io.BytesIO(train_records[[r.id for r in train_records].index(hit["item"])].image))
@@ -243,5 +243,5 @@ def test_an_item_of_several_captions_is_served_with_all_of_them(synthetic_datase
         number = int(result["item"].split("-")[1])
         body = result  # the engine answers with the server's JSON results
         assert body["captions"] == captions_of(number) and body["caption"] == captions_of(number)[0]
-        assert engine.snapshot.image_bytes(result["id"]) == jpeg(number)
+        assert engine.snapshot.image_bytes(result["row"]) == jpeg(number)
     assert len(engine.snapshot) == IMAGES

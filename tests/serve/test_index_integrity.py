@@ -86,7 +86,7 @@ def test_full_verify_refuses_embeddings_that_are_not_finite(built_index, tmp_pat
     engine = SearchEngine(str(folder))
     with TestClient(create_app(engine, reload_interval=0)) as client:
         results = _answered(client)
-        assert len(results) == QUERY["k"] and all(result["id"] != 1 for result in results)
+        assert len(results) == QUERY["k"] and all(result["row"] != 1 for result in results)
         assert all(isinstance(result["score"], float) for result in results)
         big = client.post("/api/search", json={**QUERY, "k": 1000}).json()["results"]
         assert len(big) == len(engine.snapshot) - 1

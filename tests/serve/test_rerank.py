@@ -31,7 +31,7 @@ def test_a_rerank_query_gets_the_librarys_reranked_hits_beside_plain_ones(itm_se
         assert client.get("/api/health").json()["rerank"] is True
         answered = client.post("/api/search", json={"text": QUERY, "k": 4, "rerank": 6}).json()["results"]
     library = vlfit.Index.open(itm_served).search(QUERY, k=4, rerank=6)
-    assert [hit["id"] for hit in answered] == [hit.row for hit in library]
+    assert [(hit["id"], hit["row"]) for hit in answered] == [(hit.id, hit.row) for hit in library]
     assert [hit["match_score"] for hit in answered] == pytest.approx([hit.match_score for hit in library], abs=1e-5)
 
     # One batch, two queries: the one that asks is re-ranked, the other is the plain search's.

@@ -19,7 +19,7 @@ from vlfit.errors import ConfigError
 from vlfit.index.ann_choice import DEFAULT_MAX_INDEX_MEMORY, DEFAULT_TARGET_RECALL
 from vlfit.index.job import IndexJob, index_collection
 from vlfit.index.rerank import Reranker, check_rerank_top_k
-from vlfit.index.search import Hit, Query, embed_queries, query_runtime, read_queries, search
+from vlfit.index.search import Query, embed_queries, query_runtime, read_queries, search
 from vlfit.index.verify import open_index, verify_index
 from vlfit.inference.topk import DEFAULT_CHUNK_ELEMENTS
 
@@ -247,7 +247,7 @@ def run_query(args: QueryArguments) -> int:
         results = reranker.rerank(results, [q.text or "" for q in queries], top_k, args.k)
     if args.json:
         out = [
-            {"query": q.description, "results": [_hit_json(hit) for hit in hits]}
+            {"query": q.description, "results": [hit.to_json() for hit in hits]}
             for q, hits in zip(queries, results, strict=True)
         ]
         print(json.dumps({"model": runtime.encoder.description, "queries": out}, indent=1))
@@ -271,15 +271,6 @@ def run_verify(args: VerifyArguments) -> int:
     else:
         print("\n".join(check.lines()))
     return 0 if check.whole else 2
-
-
-def _hit_json(hit: Hit) -> dict[str, object]:
-    """A hit in ``--json``: ``{"id", "score"}``, ``"match_score"`` when re-ranked, and ``"captions"`` when the index
-    stores some."""
-    shown: dict[str, object] = {"id": hit.id, "score": hit.score}
-    if hit.match_score is not None:
-        shown["match_score"] = hit.match_score
-    return {**shown, **({"captions": hit.captions} if hit.captions is not None else {})}
 
 
 def main(argv: list[str] | None = None) -> int:

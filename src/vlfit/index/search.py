@@ -50,16 +50,26 @@ class Query:
 
 @dataclass(frozen=True)
 class Hit:
-    """One result of a search (``vlfit.SearchHit``): the item's id (its path in the image folder, or the dataset
-    image's id), its cosine score, its captions when the index stores them (every caption of the image, for a
-    dataset split's items), its row in the index (stable while the index grows; ``vlfit serve`` names items by it),
-    and when re-ranked (``vlfit.index.rerank``) the matching head's log-odds of the query and its image."""
+    """One result of a search (``vlfit.SearchHit``): the item's id (an image folder's file as a path relative to
+    the folder indexed, or the dataset image's id), its cosine score, its captions when the index stores them (every
+    caption of the image, for a dataset split's items), its row in the index (stable while the index grows; what
+    ``vlfit serve``'s ``GET /api/image/{row}`` takes), when re-ranked (``vlfit.index.rerank``) the matching head's
+    log-odds of the query and its image, and an image folder's file (``path``, absolute)."""
 
     id: str
     score: float
     captions: list[str] | None = None
     row: int = -1
     match_score: float | None = None
+    path: str | None = None
+
+    def to_json(self) -> dict[str, object]:
+        """The hit as ``vlfit retrieve query --json``, ``vlfit serve``'s ``/api/search`` and the Python API give it:
+        ``{"id", "row", "score"}``, ``"match_score"`` when re-ranked, ``"captions"`` when the index stores some."""
+        shown: dict[str, object] = {"id": self.id, "row": self.row, "score": self.score}
+        if self.match_score is not None:
+            shown["match_score"] = self.match_score
+        return shown if self.captions is None else {**shown, "captions": self.captions}
 
 
 def read_queries(path: str) -> list[Query]:
@@ -196,14 +206,28 @@ def search(
     else:
         scores, rows = _exact_search(index, queries, wanted, chunk_elements)
     captions = index.item_captions()
+    roots = [os.path.join(c["images"], "") for c in index.manifest.collections if c.get("images")]
     return [
         [
-            Hit(ids[row], round(score, 6), captions.get(ids[row]) if captions else None, row)
+            Hit(
+                _item_id(ids[row], roots),
+                round(score, 6),
+                captions.get(ids[row]) if captions else None,
+                row,
+                path=ids[row] if roots and os.path.isabs(ids[row]) else None,
+            )
             for score, row in zip(row_scores, row_rows, strict=True)
             if row >= 0 and math.isfinite(score)  # an ANN structure over embeddings that are not finite
         ]
         for row_scores, row_rows in zip(scores.tolist(), rows.tolist(), strict=True)
     ]
+
+
+def _item_id(stored: str, roots: Sequence[str]) -> str:
+    """An item's id as results name it: an image folder's file (stored by its absolute path) relative to the
+    folder indexed (``roots``, each ending in a separator; the longest that holds it), else its stored id."""
+    root = max((root for root in roots if stored.startswith(root)), key=len, default=None)
+    return stored[len(root) :] if root is not None else stored
 
 
 def _exact_search(

@@ -3,10 +3,11 @@
 Routes:
 
 - ``POST /api/search``: JSON ``{"text": "...", "k": 10}`` or ``{"image": "<base64>", "k": 10}``, or a multipart
-  upload (an image file in the field ``file``, ``k`` as a form field) -> ``{"results": [{"id", "score", "item",
-  "path", "caption", "captions"}], "took_ms", "k", "generation"}`` (``captions``: every caption of an image item,
-  ``caption`` the first);
-- ``GET /api/image/{id}?size=256``: the indexed image ``id`` (a result's ``id``) as a JPEG thumbnail;
+  upload (an image file in the field ``file``, ``k`` as a form field) -> ``{"results": [{"id", "row", "score",
+  "item", "path", "caption", "captions"}], "took_ms", "k", "generation"}`` (each result ``Hit.to_json``'s, as
+  ``vlfit retrieve query --json`` prints it: ``id`` the item's id, for an image folder its path relative to the
+  folder; ``captions``: every caption of an image item, ``caption`` the first);
+- ``GET /api/image/{row}?size=256``: the indexed image at ``row`` (a result's ``row``) as a JPEG thumbnail;
 - ``GET /api/health``, ``GET /metrics`` (Prometheus text), ``POST /api/reload`` (serve the index's current manifest
   if it changed; the server also checks every ``reload_interval`` seconds);
 - ``GET /``: the web page (``vlfit/serve/static/index.html``, no external assets).

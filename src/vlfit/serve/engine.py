@@ -6,9 +6,9 @@ ids, the ANN structure the manifest names (read into memory and checked against 
 replaced or overwritten underneath cannot take the server down) or else the embeddings themselves for an exact
 scan, and for items of a dataset split their captions (every caption of the image, as the index stores them; an
 index built before items had captions: the record's, from the dataset) and where their images are; it answers as
-``vlfit retrieve query`` does, removed items left out. Results name an item by its row in the index (``id``,
-stable while the index grows: appends only add rows), so ``GET /api/image/{id}`` looks an image up by that number
-and never opens a path taken from a request.
+``vlfit retrieve query`` does, removed items left out. Results are ``Hit.to_json``'s, as ``vlfit retrieve query
+--json`` prints them: ``id`` the item's id, ``row`` its row in the index (stable while the index grows: appends only
+add rows), so ``GET /api/image/{row}`` looks an image up by that number and never opens a path taken from a request.
 
 Reloads are atomic: a new snapshot is built beside the one being served (from the manifest as it was read, which
 names only shards already written: ``vlfit retrieve index`` writes each shard before the manifest that lists it)
@@ -90,16 +90,15 @@ class Snapshot:
         return len(self.items)
 
     def served(self, hit: Hit) -> dict[str, object]:
-        """A hit as the server answers it: ``id`` is the item's row (what ``GET /api/image/{id}`` takes), ``item``
-        its id in the index, ``path`` its file (items of an image folder), ``captions`` all of the image's captions
-        (an index built before items had captions: the record's, from the dataset), ``caption`` the first, and
-        ``match_score`` when it was re-ranked."""
+        """A hit as the server answers it: ``Hit.to_json`` (``id`` the item's id, ``row`` what ``GET /api/image/{row}``
+        takes, ``match_score`` when it was re-ranked), with ``item`` (the id, or an image folder's file: ``_shown``
+        says how it is shown), ``path`` its file (items of an image folder), ``captions`` all of the image's captions
+        (an index built before items had captions: the record's, from the dataset) and ``caption`` the first."""
         captions = hit.captions
         if captions is None and self.indexed.captions.get(hit.id) is not None:
             captions = [self.indexed.captions[hit.id]]  # type: ignore[list-item]
-        served = {"id": hit.row, "score": hit.score, "item": hit.id, "path": self.indexed.path(hit.id),
-                  "caption": captions[0] if captions else None, "captions": captions}  # fmt: skip
-        return served if hit.match_score is None else {**served, "match_score": hit.match_score}
+        return {**hit.to_json(), "item": hit.path or hit.id, "path": hit.path,
+                "caption": captions[0] if captions else None, "captions": captions}  # fmt: skip
 
     def search(self, queries: torch.Tensor, k: int) -> list[list[Hit]]:
         """The ``k`` best items for each query embedding ``[Q, D]``, best first (fewer when the index is smaller):
