@@ -1,6 +1,7 @@
 """VQA data: annotator answers, the answer vocabulary and soft targets, the synthetic questions, and bad input."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -157,5 +158,8 @@ def test_wise_ft_on_a_vqa_run_needs_a_start_with_a_vqa_head(tmp_path):
 
     args = VlfitTrainingArguments(output_dir=str(tmp_path / "o"), do_train=True, report_to="none", wise_ft_alpha=0.5)
     data = DataArguments(dataset_name=str(tmp_path / "nowhere"), task="vqa")
-    with pytest.raises(ConfigError, match="^--wise_ft_alpha .* a preset has no VQA head to mix"):
-        setup_run(ModelArguments(model_preset="tiny"), data, args)
+    contrastive = tmp_path / "contrastive"  # what tells a VQA folder apart: its config's architectures
+    contrastive.mkdir()
+    (contrastive / "config.json").write_text(json.dumps({"architectures": ["BridgeTowerForContrastiveLearning"]}))
+    with pytest.raises(ConfigError, match=f"^--wise_ft_alpha .* {contrastive} has no VQA head to mix"):
+        setup_run(ModelArguments(model_name_or_path=str(contrastive)), data, args)

@@ -6,7 +6,8 @@ Parsed with ``vlfit.commands.parsing.CommandParser`` (``HfArgumentParser``) toge
 command's ``--help`` answers without loading them.
 
 One module per job: ``model`` (which model, what to freeze, LoRA), ``data`` (where the data is, streaming, the input
-pipeline), ``evaluation`` (``vlfit eval``'s run settings).
+pipeline), ``evaluation`` (``vlfit eval``'s run settings), ``flag_rules`` (the rules that tie flags
+together, one table).
 """
 
 from vlfit.arguments.data import DataArguments, DataLocationArguments, StreamArguments

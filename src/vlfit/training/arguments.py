@@ -99,19 +99,9 @@ class VlfitTrainingArguments(CompatTrainingFlags, TrainingArguments):
             )
         if self.objective not in OBJECTIVES:
             raise ConfigError(f"unknown --objective {self.objective!r}; choose one of: {', '.join(OBJECTIVES)}")
-        if self.objective != OBJECTIVES[0] and self.gradient_cache_chunk_size:
-            raise ConfigError(f"--objective {self.objective} with --gradient_cache_chunk_size is not supported; drop "
-                              "one of the two")  # fmt: skip
-        if self.gradient_cache_chunk_size is not None:
-            chunk = self.gradient_cache_chunk_size
-            if int(chunk) < 1:
-                raise ConfigError(f"--gradient_cache_chunk_size must be at least 1, got {chunk}")
-            if int(self.gradient_accumulation_steps) > 1:
-                raise ConfigError(
-                    "--gradient_cache_chunk_size with --gradient_accumulation_steps > 1: accumulation would split the "
-                    "contrastive batch into independent ones, which caching exists to avoid; raise "
-                    "--per_device_train_batch_size instead and drop --gradient_accumulation_steps"
-                )
+        # Rules tying two flags (gradient caching with --objective, accumulation, --fsdp): vlfit.arguments.flag_rules
+        if self.gradient_cache_chunk_size is not None and int(self.gradient_cache_chunk_size) < 1:
+            raise ConfigError(f"--gradient_cache_chunk_size must be at least 1, got {self.gradient_cache_chunk_size}")
         if self.enable_jit_checkpoint:
             # transformers' SIGTERM handler would be replaced by vlfit's PreemptionCallback, which does the same job.
             raise ConfigError(
@@ -133,9 +123,4 @@ class VlfitTrainingArguments(CompatTrainingFlags, TrainingArguments):
             raise ConfigError(
                 "--fsdp shards the model over processes: launch at least two (torchrun --nproc_per_node 2 ...) or "
                 "drop --fsdp"
-            )
-        if self.fsdp and self.gradient_cache_chunk_size:
-            raise ConfigError(
-                "--gradient_cache_chunk_size with --fsdp is not supported (its second pass per chunk is untested "
-                "under sharding); drop one of the two"
             )

@@ -16,6 +16,7 @@ from transformers import TrainerCallback, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from vlfit.arguments import DataArguments, ModelArguments
+from vlfit.arguments.flag_rules import check_flag_rules
 from vlfit.data.bad_samples import BAD_SAMPLES_REPORT
 from vlfit.data.caption_sampling import OneCaptionPerImageSampler
 from vlfit.data.image_groups import image_groups
@@ -46,7 +47,6 @@ from vlfit.training.arguments import VlfitTrainingArguments
 from vlfit.training.distributed import describe_launch
 from vlfit.training.itm_objective import prepare_model_for_objective, trained_heads
 from vlfit.training.preemption import PreemptionCallback, TrainingPreempted
-from vlfit.training.task_flags import check_task_flags
 from vlfit.training.trainer import VlfitTrainer
 from vlfit.training.unfreeze import UnfreezeCallback
 from vlfit.training.vqa import pipeline_columns, run_task, trainer_class, vqa_blueprint, vqa_location
@@ -99,7 +99,7 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
     if training_args.do_train and data_args.streams_training():
         _check_streamed_training(training_args)
     task = run_task(model_args.model_name_or_path, data_args.task)
-    check_task_flags(task, model_args, data_args, training_args)
+    check_flag_rules(model_args, data_args, training_args, task=task)
     data = open_run_data(
         vqa_location(data_args.source_kwargs()) if task == "vqa" else data_args.source_kwargs(),
         train=training_args.do_train,
@@ -166,16 +166,11 @@ def _warn_batch_over_split(samples: int, training_args: VlfitTrainingArguments) 
         )
 
 
-def wise_ft_start(
-    model: torch.nn.Module, lora: LoraSettings | None, training_args: VlfitTrainingArguments
-) -> dict[str, torch.Tensor] | None:
-    """A copy of the starting weights when ``--wise_ft_alpha`` will mix them into the trained ones, else None."""
+def wise_ft_start(model: torch.nn.Module, training_args: VlfitTrainingArguments) -> dict[str, torch.Tensor] | None:
+    """A copy of the starting weights when ``--wise_ft_alpha`` will mix them into the trained ones, else None
+    (``vlfit.arguments.flag_rules`` refused the runs it cannot mix)."""
     if training_args.wise_ft_alpha is None or not training_args.do_train:
         return None
-    if lora is not None:
-        raise ConfigError("--wise_ft_alpha with --lora_r: merge the adapters (vlfit merge-lora), then vlfit wise-ft")
-    if training_args.fsdp:
-        raise ConfigError("--wise_ft_alpha with --fsdp is not supported: train, then run vlfit wise-ft on the result")
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
 
@@ -279,7 +274,11 @@ def run(
         TooManyBadSamplesError: more than ``--max_bad_fraction`` of the samples read were bad.
         BadSampleError: a bad sample under ``--bad_sample_policy raise``.
     """
-    setup = setup or setup_run(model_args, data_args, training_args)
+    if setup is None:
+        setup = setup_run(model_args, data_args, training_args)
+    else:  # made for other flags (a search trial's, a wise-ft alpha's): these are checked as setup_run checks
+        check_flag_rules(model_args, data_args, training_args, task=run_task(model_args.model_name_or_path,
+                                                                             data_args.task))  # fmt: skip
     train_source, eval_source, pipeline = setup.train_source, setup.eval_source, setup.pipeline
     describe_launch(training_args, len(train_source) if train_source is not None else None)
     if setup.train_stream is not None:
@@ -295,7 +294,7 @@ def run(
     family = setup.spec.family
     unfreeze_later = frozen_tower_parameters(model, family, model_args, training_args)
     lora = model_args.lora_settings()
-    starting_weights = wise_ft_start(model, lora, training_args)  # before the objective adds a head
+    starting_weights = wise_ft_start(model, training_args)  # before the objective adds a head
     model = prepare_model_for_objective(model, family, training_args.objective, train=training_args.do_train)
     if lora is not None:
         model = with_lora_adapters(model, setup.spec, model_args, training_args, lora)

@@ -24,6 +24,7 @@ from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from vlfit.arguments.data import TASKS
+from vlfit.arguments.flag_rules import check_vocabulary_is_trained
 from vlfit.data.batch import Batch
 from vlfit.data.columns import is_default_column
 from vlfit.data.records import EVAL_COLUMNS
@@ -41,7 +42,6 @@ from vlfit.evaluation.vqa_accuracy import answer_accuracy, vqa_metrics
 from vlfit.models.loading import ModelSpec
 from vlfit.models.reference import parse_model_reference
 from vlfit.models.vqa import VQA_INPUTS, VqaFamily, config_answers, is_vqa_config, vqa_loss, with_answers
-from vlfit.training.task_flags import check_vocabulary_is_trained
 from vlfit.training.trainer import VlfitTrainer
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,187 @@
+"""The flag rules: every rule that ties two flags together, or a flag to the kind of model or run, in one table
+(``FLAG_RULES``). ``check_flag_rules`` checks it once per run, before any data opens, whichever door the flags came
+through: the command line, a flags file and ``vlfit.train`` / ``vlfit.evaluate``'s keywords parse into the same
+dataclasses, and ``vlfit.training.run`` checks those. Each refusal is one line naming the flag and what to do.
+
+A rule reads flags by their field names; it is checked only where the run has every flag it reads (``vlfit eval``
+has no ``--wise_ft_alpha``). A check of one flag alone (a range, a choice) stays in its dataclass's
+``__post_init__``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import MISSING, Field, dataclass, fields
+from typing import Any
+
+from vlfit.errors import ConfigError
+from vlfit.models.reference import parse_model_reference
+
+# Flags of a retrieval run: its contrastive or matching loss, and its retrieval and zero-shot evaluation. A --task vqa
+# run trains with the VQA loss and reports VQA accuracy: none of them would do anything there.
+RETRIEVAL_FLAGS = ("objective", "contrastive_loss", "contrastive_negatives", "gradient_cache_chunk_size",
+                   "logit_scale_init_value", "hard_negative_column", "eval_pool_size", "rerank_top_k",
+                   "zeroshot_dataset", "prompt_template")  # fmt: skip
+# Flags of a --task vqa run: its answers.
+VQA_FLAGS = ("answer_vocabulary", "max_answers")
+
+
+class Flags(Mapping[str, Any]):
+    """A run's flags by field name, read from its argument dataclasses, with values the run derived (``task``: a
+    VQA model's folder makes a ``--task vqa`` run) in place of the flag's own."""
+
+    def __init__(self, *arguments: Any, **derived: Any) -> None:
+        self._fields: dict[str, tuple[Any, Field]] = {}
+        for args in arguments:
+            for flag in fields(args):
+                self._fields.setdefault(flag.name, (args, flag))
+        self._derived = derived
+
+    def __getitem__(self, name: str) -> Any:
+        if name in self._derived:
+            return self._derived[name]
+        args, _ = self._fields[name]
+        return getattr(args, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter({**self._fields, **self._derived})
+
+    def __len__(self) -> int:
+        return len({**self._fields, **self._derived})
+
+    def changed(self, name: str) -> bool:
+        """Whether flag ``name`` was set to other than its default."""
+        args, flag = self._fields[name]
+        if flag.default is not MISSING:
+            default = flag.default
+        else:
+            default = flag.default_factory() if flag.default_factory is not MISSING else MISSING
+        return getattr(args, name) != default
+
+
+@dataclass(frozen=True)
+class FlagRule:
+    """One refused combination of flags.
+
+    Attributes:
+        flags: The flags the rule reads; the first is the one its message names first.
+        refuses: Whether a run's ``Flags`` are refused.
+        message: The one line said, a format string filled with the flags' values (``{objective}``) and ``{flag}``,
+            the first of ``flags``.
+    """
+
+    flags: tuple[str, ...]
+    refuses: Callable[[Flags], bool]
+    message: str
+
+
+def _vqa(flags: Flags) -> bool:
+    return flags["task"] == "vqa"
+
+
+def _trains_with_wise_ft(flags: Flags) -> bool:
+    return flags["wise_ft_alpha"] is not None and bool(flags["do_train"])
+
+
+def _has_no_vqa_head(model: str | None) -> bool:
+    return bool(model) and not parse_model_reference(model).answers_questions
+
+
+_WISE_FT = "--wise_ft_alpha mixes the trained weights with the starting ones, and "
+
+FLAG_RULES: tuple[FlagRule, ...] = (
+    # Which flags each task takes: a flag of the other task is refused instead of being ignored (or failing at the
+    # first step, or crashing).
+    *(
+        FlagRule(
+            (name, "task"),
+            lambda flags, name=name: _vqa(flags) and flags.changed(name),
+            "--{flag} is a retrieval run's flag; --task vqa trains with the VQA loss and reports VQA accuracy: drop it",
+        )
+        for name in RETRIEVAL_FLAGS
+    ),
+    *(
+        FlagRule(
+            (name, "task"),
+            lambda flags, name=name: not _vqa(flags) and flags.changed(name),
+            "--{flag} is a flag of --task vqa (its answers); this run is a retrieval run: add --task vqa or drop it",
+        )
+        for name in VQA_FLAGS
+    ),
+    FlagRule(
+        ("answer_vocabulary", "do_train"),
+        lambda flags: flags["answer_vocabulary"] is not None and not flags["do_train"],
+        "--answer_vocabulary sets the answers a training run learns; an evaluation alone scores the model's own "
+        "answers: drop the flag",
+    ),
+    # --wise_ft_alpha needs a start to mix with: pretrained weights, whole, on one process.
+    FlagRule(
+        ("wise_ft_alpha", "model_preset", "do_train"),
+        lambda flags: _trains_with_wise_ft(flags) and flags["model_preset"] is not None,
+        _WISE_FT + "--model_preset {model_preset} starts from random weights, nothing to mix towards: drop "
+        "--wise_ft_alpha, or start from a checkpoint (--model_name_or_path)",
+    ),
+    FlagRule(
+        ("wise_ft_alpha", "model_name_or_path", "task", "do_train"),
+        lambda flags: _trains_with_wise_ft(flags) and _vqa(flags) and _has_no_vqa_head(flags["model_name_or_path"]),
+        _WISE_FT + "{model_name_or_path} has no VQA head to mix (the run's starts at random): drop the flag, or "
+        "start from a --task vqa run's folder",
+    ),
+    FlagRule(
+        ("wise_ft_alpha", "lora_r", "do_train"),
+        lambda flags: _trains_with_wise_ft(flags) and flags["lora_r"] is not None,
+        "--wise_ft_alpha with --lora_r: merge the adapters (vlfit merge-lora), then vlfit wise-ft",
+    ),
+    FlagRule(
+        ("wise_ft_alpha", "fsdp", "do_train"),
+        lambda flags: _trains_with_wise_ft(flags) and bool(flags["fsdp"]),
+        "--wise_ft_alpha with --fsdp is not supported: train, then run vlfit wise-ft on the result",
+    ),
+    # Gradient caching re-runs each chunk of the contrastive batch with gradient: with nothing else.
+    FlagRule(
+        ("objective", "gradient_cache_chunk_size"),
+        lambda flags: flags.changed("objective") and bool(flags["gradient_cache_chunk_size"]),
+        "--objective {objective} with --gradient_cache_chunk_size is not supported; drop one of the two",
+    ),
+    FlagRule(
+        ("gradient_cache_chunk_size", "gradient_accumulation_steps"),
+        lambda flags: flags["gradient_cache_chunk_size"] is not None and int(flags["gradient_accumulation_steps"]) > 1,
+        "--gradient_cache_chunk_size with --gradient_accumulation_steps > 1: accumulation would split the "
+        "contrastive batch into independent ones, which caching exists to avoid; raise "
+        "--per_device_train_batch_size instead and drop --gradient_accumulation_steps",
+    ),
+    FlagRule(
+        ("gradient_cache_chunk_size", "fsdp"),
+        lambda flags: bool(flags["gradient_cache_chunk_size"]) and bool(flags["fsdp"]),
+        "--gradient_cache_chunk_size with --fsdp is not supported (its second pass per chunk is untested under "
+        "sharding); drop one of the two",
+    ),
+)
+
+
+def check_flag_rules(*arguments: Any, **derived: Any) -> None:
+    """Refuse the first combination of ``arguments``' flags that ``FLAG_RULES`` refuses.
+
+    Args:
+        arguments: The run's argument dataclasses (model, data, training).
+        derived: Values the run derived, in place of the flag of that name (``task``).
+
+    Raises:
+        ConfigError: one line, naming the flag and what to do.
+    """
+    flags = Flags(*arguments, **derived)
+    for rule in FLAG_RULES:
+        if all(name in flags for name in rule.flags) and rule.refuses(flags):
+            raise ConfigError(rule.message.format_map({**flags, "flag": rule.flags[0]}))
+
+
+def check_vocabulary_is_trained(vocabulary_file: str | None, *, train: bool) -> None:
+    """The rule of ``--answer_vocabulary`` on an evaluation alone, for code that has the two values only.
+
+    Raises:
+        ConfigError: naming the flag.
+    """
+    rule = next(rule for rule in FLAG_RULES if rule.flags == ("answer_vocabulary", "do_train"))
+    values = {"answer_vocabulary": vocabulary_file, "do_train": train}
+    if rule.refuses(values):  # type: ignore[arg-type]
+        raise ConfigError(rule.message.format_map({**values, "flag": rule.flags[0]}))
