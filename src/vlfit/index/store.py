@@ -197,10 +197,12 @@ class EmbeddingIndex:
         """Item id -> its captions, for the items whose shards store them (read once, then kept)."""
         if self._item_captions is None:
             found: dict[str, list[str]] = {}
+            ids, start = self.row_ids, 0  # each shard's ids read once (``row_ids``)
             for shard in self.manifest.shards:
-                captions = self.shard_captions(shard)
+                count, captions = int(shard["count"]), self.shard_captions(shard)
                 if captions is not None:
-                    found.update(zip(self.shard_ids(shard), captions, strict=True))
+                    found.update(zip(ids[start : start + count], captions, strict=True))
+                start += count
             self._item_captions = found
         return self._item_captions
 

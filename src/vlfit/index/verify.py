@@ -48,6 +48,8 @@ class IndexCheck:
         items: The rows the manifest lists (0 when it does not parse).
         problems: One per damaged file.
         notes: What could not be checked (files the manifest records no size or checksum for).
+        index: The index as its manifest was read for the check (None when it does not parse): what
+            ``open_index`` hands on, so the manifest is read once.
     """
 
     path: str
@@ -56,6 +58,7 @@ class IndexCheck:
     items: int = 0
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    index: EmbeddingIndex | None = field(default=None, repr=False)
 
     @property
     def whole(self) -> bool:
@@ -140,7 +143,7 @@ def verify_index(path: str, level: str = "quick") -> IndexCheck:
         check.problems.append(Problem(err.file, err.problem, err.repair))
         return check
     manifest = index.manifest
-    check.files, check.items = 1, manifest.count
+    check.index, check.files, check.items = index, 1, manifest.count
     repair = index.rebuild_command(full=level == "full")
     unrecorded = 0
     for shard in manifest.shards:
@@ -185,7 +188,8 @@ def open_index(path: str, verify: str = "quick") -> EmbeddingIndex:
         raise DamagedIndexError(first.file, first.what + more, first.repair)
     for note in check.notes:
         logger.info("%s: %s", path, note)
-    return EmbeddingIndex(path)
+    assert check.index is not None  # a manifest that does not parse is a problem
+    return check.index
 
 
 __all__ = ["IndexCheck", "Problem", "damaged_shards", "open_index", "verify_index"]
