@@ -194,7 +194,7 @@ def test_reload_switches_to_a_grown_index_and_keeps_serving_through_a_broken_man
     with TestClient(create_app(engine, reload_interval=0)) as client:
         assert client.post("/api/reload").json()["reloaded"] is False  # nothing changed
         vlfit.Index.build(
-            vlfit.Model(engine.encoder), str(folder), dataset_name=synthetic_dataset_dir, split="validation"
+            vlfit.Model(engine.runtime), str(folder), dataset_name=synthetic_dataset_dir, split="validation"
         )
         answer = client.post("/api/reload").json()
         assert answer["reloaded"] is True and answer["items"] == 72 and answer["generation"] == 2

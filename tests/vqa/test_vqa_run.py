@@ -198,3 +198,25 @@ def test_the_majority_baseline_is_the_most_given_training_answer_not_the_vocabul
 
     assert baseline(most) != pytest.approx(baseline(rarest_first[0]))  # the two tell apart
     assert result.metrics["eval_vqa_accuracy_majority_answer"] == pytest.approx(baseline(most))
+
+
+def test_questions_are_answered_in_batches_through_one_runtime(vqa_run, tmp_path):
+    import datasets
+    import numpy as np
+
+    import vlfit
+
+    data, run, _ = vqa_run
+    rows = datasets.load_dataset("parquet", data_files=str(data / "validation.parquet"))["train"].select(range(5))
+    images = np.stack([np.asarray(row["image"].convert("RGB").resize((80, 64))) for row in rows])  # [5, H, W, 3]
+    questions = [row["question"] for row in rows]
+    model = vlfit.load(str(run))
+    forwards = []
+    model.runtime.answerer.loaded.model.register_forward_hook(lambda module, args, out: forwards.append(1))
+    batched = model.answer(images, questions, top_k=2, batch_size=2)  # a [N, H, W, C] uint8 batch, as encode_images
+    assert len(forwards) == 3 and len(batched) == 5
+    one_by_one = [model.answer(image, question, top_k=2)[0] for image, question in zip(images, questions, strict=True)]
+    assert [[a for a, _ in row] for row in batched] == [[a for a, _ in row] for row in one_by_one]
+    assert np.allclose([[s for _, s in row] for row in batched], [[s for _, s in row] for row in one_by_one], atol=1e-5)
+    with pytest.raises(vlfit.ConfigError, match=r"int8 runs on exported graphs only, and a question-answering model"):
+        vlfit.load(str(run), precision="int8")
