@@ -100,8 +100,8 @@ def test_models_that_cannot_be_mixed_stop_in_one_line(labelled_checkpoint, label
     a = {"w": torch.zeros(2, 3), "ids": torch.arange(3)}
     with pytest.raises(ConfigError, match=r"parameter 'w' has shape \(2, 3\) in one model and \(3, 3\)"):
         interpolate(a, {"w": torch.zeros(3, 3), "ids": torch.arange(3)}, 0.5)
-    with pytest.raises(ConfigError, match="'v' is in only one"):
-        interpolate(a, {**a, "v": torch.zeros(1)}, 0.5)
+    with pytest.raises(ConfigError, match="'v' is in only the zero-shot one"):
+        interpolate({**a, "v": torch.zeros(1)}, a, 0.5)
     mixed = interpolate(
         {"w": torch.zeros(2), "ids": torch.arange(2)}, {"w": torch.ones(2), "ids": torch.arange(2)}, 0.25
     )
@@ -125,4 +125,30 @@ def test_a_head_the_run_added_keeps_its_trained_weights_in_the_mix(tiny_checkpoi
         torch.testing.assert_close(mixed[name], trained[name], rtol=0, atol=0, msg=name)
     half = interpolate(start, {name: trained[name] for name in start}, 0.5)
     for name, tensor in half.items():
+        torch.testing.assert_close(mixed[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_wise_ft_takes_a_run_fine_tuned_with_itm_and_mixes_it_as_training_does(
+    labelled_checkpoint, labelled_dataset_dir, tmp_path
+) -> None:
+    # vlfit wise-ft and --wise_ft_alpha share one mix: the matching head the run added keeps its trained weights.
+    from safetensors.torch import load_file
+
+    train = ["train", "--model", str(labelled_checkpoint), "--dataset_name", labelled_dataset_dir, "--objective",
+             "contrastive+itm", "--max_steps", "2", "--learning_rate", "1e-3", "--per_device_train_batch_size", "8",
+             "--save_strategy", "no", "--report_to", "none", "--dataloader_num_workers", "0"]  # fmt: skip
+    assert main([*train, "--output_dir", str(tmp_path / "trained")]) == 0
+    assert main([*train, "--output_dir", str(tmp_path / "mixed"), "--wise_ft_alpha", "0.5"]) == 0
+    wise = ["wise-ft", "--zeroshot_model", str(labelled_checkpoint), "--finetuned_model", str(tmp_path / "trained"),
+            "--alphas", "0.5", "--dataset_name", labelled_dataset_dir, "--zeroshot_dataset", labelled_dataset_dir,
+            "--zeroshot_label_column", "kind", "--report_to", "none",
+            "--output_dir", str(tmp_path / "wise")]  # fmt: skip
+    assert main(wise) == 0
+    trained, in_training, mixed = (load_file(tmp_path / name / "model.safetensors")
+                                   for name in ("trained", "mixed", "wise/model"))  # fmt: skip
+    head = [name for name in trained if name.startswith("itm_score.")]
+    assert head and sorted(mixed) == sorted(in_training) == sorted(trained)
+    for name in head:
+        torch.testing.assert_close(mixed[name], trained[name], rtol=0, atol=0, msg=name)
+    for name, tensor in in_training.items():
         torch.testing.assert_close(mixed[name], tensor, rtol=1e-5, atol=1e-6, msg=name)

@@ -174,17 +174,6 @@ def wise_ft_start(model: torch.nn.Module, training_args: VlfitTrainingArguments)
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
 
-def wise_ft_mix(model: torch.nn.Module, starting: dict[str, torch.Tensor], alpha: float) -> None:
-    """Load ``(1 - alpha) x starting + alpha x trained`` into ``model``. Weights the starting model did not have (the
-    matching head an ``--objective`` with ITM added) keep their trained values: they have no start to mix with, and
-    mixing them with their random initialisation would undo part of their training."""
-    trained = model.state_dict()
-    model.load_state_dict({**trained, **interpolate(starting, {name: trained[name] for name in starting}, alpha)})
-    added = sorted({name.split(".")[0] for name in trained if name not in starting})
-    logger.info("WiSE-FT: the saved weights are (1 - %g) x the starting ones + %g x the fine-tuned ones%s", alpha,
-                alpha, f"; {', '.join(added)}, new in this run, keep the trained weights" if added else "")  # fmt: skip
-
-
 def caption_sampler(source: ImageTextSource, data_args: DataArguments, seed: int) -> Sampler[int] | None:
     """The training order ``--caption_sampling`` asks for: ``None`` (every caption once per epoch, the Trainer's
     shuffle), or each image once per epoch with one caption drawn (``OneCaptionPerImageSampler``)."""
@@ -353,7 +342,7 @@ def run(
         if preemption.received is not None:
             logger.warning("a stop signal arrived as training was finishing: training completed, saving as usual")
         if starting_weights is not None:
-            wise_ft_mix(model, starting_weights, training_args.wise_ft_alpha)
+            model.load_state_dict(interpolate(starting_weights, model.state_dict(), training_args.wise_ft_alpha))
         bad, read = trainer.judge_whole_run()  # every process's, summed; a short run that lost too much stops here
         trainer.save_model()
         if trainer.is_world_process_zero():
