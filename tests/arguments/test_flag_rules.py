@@ -4,6 +4,7 @@ through the command line, a flags file and the Python API, before any data opens
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import pytest
 
@@ -47,3 +48,17 @@ def test_a_rule_between_training_flags_is_checked_with_the_others(tmp_path) -> N
     model, data = ModelArguments(model_preset="tiny"), DataArguments(dataset_name=str(tmp_path))
     with pytest.raises(ConfigError, match="^--objective itm with --gradient_cache_chunk_size is not supported"):
         check_flag_rules(model, data, training, task="retrieval")
+
+
+@dataclass
+class ShardedRun:
+    """The flags of a training run under --fsdp (VlfitTrainingArguments refuses --fsdp in one CPU process)."""
+
+    fsdp: str = "full_shard auto_wrap"
+    do_train: bool = True
+
+
+def test_re_ranking_in_a_sharded_run_s_evaluation_is_refused(tmp_path) -> None:
+    data = DataArguments(dataset_name=str(tmp_path), rerank_top_k=3)
+    with pytest.raises(ConfigError, match="^--rerank_top_k with --fsdp .*: .* vlfit eval --rerank_top_k 3$"):
+        check_flag_rules(ModelArguments(model_preset="tiny"), data, ShardedRun(), task="retrieval")

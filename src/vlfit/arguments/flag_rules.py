@@ -137,6 +137,13 @@ FLAG_RULES: tuple[FlagRule, ...] = (
         lambda flags: _trains_with_wise_ft(flags) and bool(flags["fsdp"]),
         "--wise_ft_alpha with --fsdp is not supported: train, then run vlfit wise-ft on the result",
     ),
+    # Re-ranking runs the fused tower outside the root forward, which under sharding nothing tests.
+    FlagRule(
+        ("rerank_top_k", "fsdp"),
+        lambda flags: flags["rerank_top_k"] is not None and bool(flags["fsdp"]),
+        "--rerank_top_k with --fsdp is not supported in training's evaluation: drop it, and evaluate the saved run "
+        "with vlfit eval --rerank_top_k {rerank_top_k}",
+    ),
     # Gradient caching re-runs each chunk of the contrastive batch with gradient: with nothing else.
     FlagRule(
         ("objective", "gradient_cache_chunk_size"),

@@ -257,7 +257,8 @@ def rerank_split(
     device: torch.device,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> dict[str, float]:
-    """``score_split``'s recall@k with each query's top ``top_k`` re-ranked by the matching head (same pools)."""
+    """``score_split``'s recall@k with each query's top ``top_k`` re-ranked by the matching head (same pools).
+    The model is whole: ``--rerank_top_k`` with ``--fsdp`` is refused (``vlfit.arguments.flag_rules``)."""
     assert split.pair_inputs is not None
     text_embeds, image_embeds = torch.cat(split.texts), torch.cat(split.images)
     first_rows, image_of_text = group_images(torch.cat(split.image_keys) if split.image_keys else None,
