@@ -198,7 +198,7 @@ def test_reload_switches_to_a_grown_index_and_keeps_serving_through_a_broken_man
         )
         answer = client.post("/api/reload").json()
         assert answer["reloaded"] is True and answer["items"] == 72 and answer["generation"] == 2
-        assert answer["search"] == "flat"  # the append rebuilt it as auto's choice at this size
+        assert answer["search"] == "hnsw"  # the append builds as the index was built (its recorded index_type)
         manifest = folder / "index_manifest.json"
         good = manifest.read_text()
         manifest.write_text(good[: len(good) // 2])  # half-written by something else

@@ -53,7 +53,7 @@ def test_the_server_process_answers_over_http_on_loopback(server, train_records)
     assert answer.status_code == 200
     results = answer.json()["results"]
     assert len(results) == 5 and results[0]["caption"] is not None
-    thumb = httpx.get(f"{base}/api/image/{results[0]['id']}?size=96", headers=KEYED, timeout=REQUEST_TIMEOUT)
+    thumb = httpx.get(f"{base}/api/image/{results[0]['row']}?size=96", headers=KEYED, timeout=REQUEST_TIMEOUT)
     assert thumb.status_code == 200 and thumb.content[:2] == b"\xff\xd8"
     assert "127.0.0.1" in log.read_text()  # bound to loopback, as by default
     assert API_KEY not in log.read_text()
