@@ -9,13 +9,20 @@ import torch
 from transformers import BridgeTowerForContrastiveLearning
 
 from vlfit.errors import ConfigError
-from vlfit.evaluation.rerank import check_rerank, ranks_of_targets, rerank_order, reranked_keys, reranked_recall
+from vlfit.evaluation.rerank import check_rerank, ranks_of_targets, reranked_keys, reranked_recall
 from vlfit.evaluation.retrieval import evaluate_retrieval
 from vlfit.inference.recall import pooled_recall_at_k
 from vlfit.models.bridgetower import BridgeTowerFamily
 from vlfit.models.itm import BridgeTowerForContrastiveLearningWithITM
 from vlfit.models.registry import preset_config
 from vlfit.models.tokenizer import train_caption_tokenizer
+
+
+def rerank_order(in_top: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Each query's candidates in re-ranked order ``[Q, N]`` (``reranked_keys``' keys, descending): the order the
+    ranks ``ranks_of_targets`` counts are checked against."""
+    by_value = value.argsort(dim=1, descending=True, stable=True)
+    return by_value.gather(1, in_top.gather(1, by_value).int().argsort(dim=1, descending=True, stable=True))
 
 
 def test_reranking_changes_the_order_only_within_the_top_k():

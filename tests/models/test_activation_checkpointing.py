@@ -11,7 +11,7 @@ from transformers import BridgeTowerForContrastiveLearning
 
 from tests.training.train_runs import logged_losses, single_torch_thread, tiny_train_argv
 from vlfit.cli import main
-from vlfit.models.activation_checkpointing import is_checkpointed
+from vlfit.models.activation_checkpointing import _UNWRAPPED_FORWARD
 from vlfit.models.bridgetower import BridgeTowerFamily, layer_stacks
 from vlfit.models.registry import preset_config
 
@@ -49,6 +49,11 @@ def _step(model: BridgeTowerForContrastiveLearning) -> tuple[torch.Tensor, dict[
 
 
 @pytest.mark.slow
+def is_checkpointed(layer) -> bool:
+    """Whether ``checkpoint_layers`` wrapped ``layer`` (it keeps the layer's own forward aside)."""
+    return _UNWRAPPED_FORWARD in vars(layer)
+
+
 def test_checkpointing_keeps_loss_and_gradients_and_saves_fewer_activations():
     model = _tiny_model()
     loss, grads, saved = _step(model)

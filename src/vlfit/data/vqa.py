@@ -99,13 +99,6 @@ def split_answers(source: ImageTextSource) -> list[list[str]]:
     return [annotator_answers(record.extra, record.id) for record in source]
 
 
-def split_answer_types(source: ImageTextSource) -> list[str | None] | None:
-    """Each question's ``answer_type`` where the split has the column, else ``None``."""
-    if ANSWER_TYPE_COLUMN not in source.column_names:
-        return None
-    return [record.extra.get(ANSWER_TYPE_COLUMN) for record in source]
-
-
 def ranked_answers(answers: Iterable[Sequence[str]]) -> list[str]:
     """The distinct answers, most given first (every annotator's answer counted once; ties by name)."""
     counts = Counter(answer for row in answers for answer in row)

@@ -68,12 +68,6 @@ def reranked_keys(scores: torch.Tensor, top_k: int, rescore: PairScorer) -> tupl
     return in_top, scores.clone().scatter_(1, top, matched)
 
 
-def rerank_order(in_top: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """Each query's candidates in re-ranked order ``[Q, N]`` (``reranked_keys``' keys, descending)."""
-    by_value = value.argsort(dim=1, descending=True, stable=True)
-    return by_value.gather(1, in_top.gather(1, by_value).int().argsort(dim=1, descending=True, stable=True))
-
-
 def ranks_of_targets(in_top: torch.Tensor, value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """The rank ``[Q]`` of each query's best target (``target`` ``[Q, N]`` bool, at least one per row) in its
     re-ranked list, ties counted against it: how many other candidates sort at or above it."""

@@ -76,19 +76,6 @@ def retrieval_ranks(
     return t2i, i2t
 
 
-def embedding_recall_at_k(
-    text_embeds: torch.Tensor,
-    image_embeds: torch.Tensor,
-    ks: tuple[int, ...] = RECALL_KS,
-    image_of_text: torch.Tensor | None = None,
-    *,
-    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
-) -> dict[str, float]:
-    """``recall_at_k(text_embeds @ image_embeds.T, ks, image_of_text)`` without building that matrix."""
-    t2i, i2t = retrieval_ranks(text_embeds, image_embeds, image_of_text, chunk_elements=chunk_elements)
-    return {**_recall_from_ranks("t2i", t2i, ks), **_recall_from_ranks("i2t", i2t, ks)}
-
-
 def pooled_recall_at_k(
     text_embeds: torch.Tensor,
     image_embeds: torch.Tensor,

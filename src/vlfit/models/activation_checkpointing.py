@@ -68,11 +68,6 @@ def uncheckpoint_layers(layers: Sequence[nn.Module]) -> None:
             delattr(layer, _UNWRAPPED_FORWARD)
 
 
-def is_checkpointed(layer: nn.Module) -> bool:
-    """Whether ``checkpoint_layers`` wrapped ``layer``."""
-    return _UNWRAPPED_FORWARD in vars(layer)
-
-
 def _checkpointed(layer: nn.Module, forward: Callable, offload: bool, kwargs: dict[str, Any]) -> Callable:
     def forward_with_checkpointing(*args: Any, **layer_kwargs: Any) -> Any:
         if not (layer.training and torch.is_grad_enabled()):

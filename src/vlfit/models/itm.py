@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -256,8 +255,3 @@ def pair_scores(
         image_states(unwrapped, pixel_values[used_images]),  # type: ignore[arg-type]
     )
     return match_log_odds(itm_logits(unwrapped, pair_states(states, text_index, image_index)))
-
-
-def itm_head_modules() -> Sequence[str]:
-    """The matching head's module names."""
-    return (ITM_HEAD,)
