@@ -331,9 +331,7 @@ class Index:
         retrieve verify`` checks it); queries are embedded with ``model`` (default: the one it was built with)."""
         index = cls(path, model, verify)
         if model is not None:
-            from vlfit.index.store import refuse_other_model
-
-            refuse_other_model(index._index, model.encoder)
+            model.encoder.check_embeds_into(index._index.manifest.identity, f"the index {path}")
         return index
 
     @python_api(renames={"index": "path"})

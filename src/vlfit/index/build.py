@@ -50,7 +50,6 @@ from vlfit.index.store import (
     MANIFEST_NAME,
     EmbeddingIndex,
     IndexManifest,
-    refuse_other_model,
     write_manifest,
     write_shard,
 )
@@ -117,7 +116,7 @@ def build_index(
         manifest = IndexManifest(encoder.identity, model, request.storage)
         first_number = 0
     else:
-        refuse_other_model(index, encoder)
+        encoder.check_embeds_into(index.manifest.identity, f"the index {index.path}")
         manifest = index.manifest
         first_number = _next_shard_number(manifest)
         first_number += _repair_damaged_shards(encoder, index, source, items, request, first_number)

@@ -13,18 +13,16 @@ An index written before sizes and checksums were recorded gets what can be check
 (``quick``), and parse, hold their rows and finite embeddings (``full``); ``verify_index`` says so in its notes.
 
 A problem is reported in one line naming the file, what is wrong with it and the command that rebuilds it
-(``rebuild_command``): ``vlfit retrieve index`` over the same folder re-embeds the items of a damaged shard and
-rebuilds a damaged ANN structure.
+(``vlfit.index.store.rebuild_command``): ``vlfit retrieve index`` over the same folder re-embeds the items of a
+damaged shard and rebuilds a damaged ANN structure.
 """
 
 from __future__ import annotations
 
 import os
-import shlex
 from typing import Any
 
 from vlfit.atomic_files import WrittenFile, digest_file
-from vlfit.data.sources.openers import COLLECTION_KEYS
 from vlfit.errors import ConfigError, DataError
 
 VERIFY_LEVELS = ("quick", "full")
@@ -37,7 +35,7 @@ class DamagedIndexError(DataError):
     Args:
         file: The damaged file.
         problem: What is wrong with it.
-        repair: The command that rebuilds it (``rebuild_command``).
+        repair: The command that rebuilds it (``vlfit.index.store.rebuild_command``).
     """
 
     def __init__(self, file: str, problem: str, repair: str) -> None:
@@ -52,32 +50,6 @@ def check_verify_level(level: str) -> None:
     """Raises ``ConfigError`` unless ``level`` is ``quick`` or ``full``."""
     if level not in VERIFY_LEVELS:
         raise ConfigError(f"--verify must be one of {', '.join(VERIFY_LEVELS)}, got {level!r}")
-
-
-def rebuild_command(
-    folder: str,
-    model: dict[str, Any] | None = None,
-    collections: list[dict[str, Any]] | None = None,
-    *,
-    full: bool = False,
-) -> str:
-    """The command that rebuilds what is damaged in the index at ``folder``: ``vlfit retrieve index`` over the same
-    folder with the model and collection its manifest records (``full``: with ``--verify full``, for damage only a
-    checksum shows). Without them (the manifest itself is damaged), a build into a new folder."""
-    if not model or not collections:
-        return (
-            "vlfit retrieve index --model MODEL --images FOLDER (or --dataset_name DATA) --output_dir NEW_FOLDER "
-            "(the manifest lists what the index holds: without it, build the index again)"
-        )
-    flags = ["--model", str(model.get("path", "MODEL"))]
-    last = collections[-1]
-    for key in COLLECTION_KEYS:  # the flags of vlfit retrieve index that open it again
-        if last.get(key) is not None:
-            flags += [f"--{key}", str(last[key])]
-    flags += ["--output_dir", folder]
-    if full:
-        flags += ["--verify", "full"]
-    return "vlfit retrieve index " + " ".join(shlex.quote(flag) for flag in flags)
 
 
 def file_problem(path: str, recorded: dict[str, Any] | None, level: str) -> str | None:
@@ -124,6 +96,5 @@ __all__ = [
     "DamagedIndexError",
     "check_verify_level",
     "file_problem",
-    "rebuild_command",
     "sha256_problem",
 ]

@@ -27,7 +27,7 @@ from vlfit.data.pipeline import host_batches
 from vlfit.data.records import Record
 from vlfit.data.sources.memory import MemorySource
 from vlfit.errors import ConfigError, DataError, MissingFileError
-from vlfit.index.store import EmbeddingIndex, refuse_other_model
+from vlfit.index.store import EmbeddingIndex
 from vlfit.inference.backends import Encoder
 from vlfit.inference.runtime import ModelRuntime
 from vlfit.inference.topk import DEFAULT_CHUNK_ELEMENTS, chunked_topk
@@ -126,7 +126,7 @@ def query_runtime(
         max_seq_length = max_seq_length or built.get("max_seq_length")
     runtime = ModelRuntime.open(model, backend, precision, num_threads=num_threads, max_seq_length=max_seq_length,
                                 allow_spinning=allow_spinning)  # fmt: skip
-    refuse_other_model(index, runtime.encoder)
+    runtime.encoder.check_embeds_into(index.manifest.identity, f"the index {index.path}")
     return runtime
 
 

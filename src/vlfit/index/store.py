@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -39,14 +40,14 @@ import numpy as np
 import torch
 
 from vlfit.atomic_files import write_file_atomically, write_text_atomically
+from vlfit.data.sources.openers import COLLECTION_KEYS
 from vlfit.errors import ConfigError, DataError, MissingFileError, full_disk_in_one_line
-from vlfit.index.integrity import DamagedIndexError, rebuild_command
+from vlfit.index.integrity import DamagedIndexError
 from vlfit.index.shard_vectors import EMBEDDINGS_KEY, ShardVectors
 from vlfit.inference.identity import ModelIdentity
 
 if TYPE_CHECKING:
     from vlfit.index.ann import AnnIndex
-    from vlfit.inference.backends import Encoder
 
 logger = logging.getLogger(__name__)
 
@@ -382,18 +383,37 @@ def write_index_from_embeddings(
     return manifest
 
 
-def refuse_other_model(index: EmbeddingIndex, encoder: Encoder) -> None:
-    """Raise ``RefusedModelError`` unless ``encoder`` embeds into the index's space."""
-    index.manifest.identity.check_compatible(
-        encoder.identity, what=f"the index {index.path}", other_what=f"the model {encoder.model_path}"
-    )
+def rebuild_command(
+    folder: str,
+    model: dict[str, Any] | None = None,
+    collections: list[dict[str, Any]] | None = None,
+    *,
+    full: bool = False,
+) -> str:
+    """The command that rebuilds what is damaged in the index at ``folder``: ``vlfit retrieve index`` over the same
+    folder with the model and collection its manifest records (``full``: with ``--verify full``, for damage only a
+    checksum shows). Without them (the manifest itself is damaged), a build into a new folder."""
+    if not model or not collections:
+        return (
+            "vlfit retrieve index --model MODEL --images FOLDER (or --dataset_name DATA) --output_dir NEW_FOLDER "
+            "(the manifest lists what the index holds: without it, build the index again)"
+        )
+    flags = ["--model", str(model.get("path", "MODEL"))]
+    last = collections[-1]
+    for key in COLLECTION_KEYS:  # the flags of vlfit retrieve index that open it again
+        if last.get(key) is not None:
+            flags += [f"--{key}", str(last[key])]
+    flags += ["--output_dir", folder]
+    if full:
+        flags += ["--verify", "full"]
+    return "vlfit retrieve index " + " ".join(shlex.quote(flag) for flag in flags)
 
 
 __all__ = [
     "EmbeddingIndex",
     "IndexManifest",
     "refuse_nonfinite",
-    "refuse_other_model",
+    "rebuild_command",
     "write_index_from_embeddings",
     "write_manifest",
     "write_shard",

@@ -76,6 +76,11 @@ class Encoder(ABC):
     def description(self) -> str:
         return f"{self.model_path} on {self.backend} ({self.precision})"
 
+    def check_embeds_into(self, identity: ModelIdentity, where: str) -> None:
+        """Raise ``RefusedModelError`` unless this model embeds into the space ``identity`` describes (``where``
+        names what holds those embeddings: ``the index INDEX``)."""
+        identity.check_compatible(self.identity, what=where, other_what=f"the model {self.model_path}")
+
 
 def _as_numpy_uint8(pixels: torch.Tensor | np.ndarray) -> np.ndarray:
     array = pixels.numpy() if isinstance(pixels, torch.Tensor) else pixels

@@ -30,7 +30,7 @@ from vlfit.errors import ConfigError
 from vlfit.index.items import IndexedItems
 from vlfit.index.rerank import Reranker, rerank_problem
 from vlfit.index.search import Hit, query_runtime, search
-from vlfit.index.store import MANIFEST_NAME, refuse_other_model
+from vlfit.index.store import MANIFEST_NAME
 from vlfit.index.verify import open_index
 
 logger = logging.getLogger(__name__)
@@ -201,7 +201,7 @@ class SearchEngine:
                 return False
             try:
                 fresh = Snapshot(self.folder, self.verify)
-                refuse_other_model(fresh.index, self.encoder)
+                self.encoder.check_embeds_into(fresh.index.manifest.identity, f"the index {fresh.index.path}")
             except Exception as err:  # noqa: BLE001 - whatever broke the new manifest, the old snapshot serves on
                 logger.warning("index %s changed but cannot be served (%s); serving the previous one", self.folder, err)
                 return False
