@@ -107,6 +107,23 @@ def test_a_reload_onto_a_damaged_index_keeps_serving_the_previous_snapshot(built
         assert _answered(client) == before
 
 
+def test_a_snapshot_skips_the_check_made_at_its_manifest_and_checks_a_manifest_changed_since(
+    built_index, tmp_path, monkeypatch
+) -> None:
+    import vlfit.index.verify
+    from vlfit.serve.engine import Snapshot, verified_stamp
+
+    folder = str(_copy(built_index, tmp_path / "index"))
+    checks, check = [], vlfit.index.verify.verify_index
+    monkeypatch.setattr(vlfit.index.verify, "verify_index", lambda *a, **kw: checks.append(a) or check(*a, **kw))
+    stamp = verified_stamp(folder, "full")  # the serve command's parent
+    assert len(Snapshot(folder, "full", stamp)) > 0 and len(checks) == 1  # a worker: opened, not checked again
+    manifest = Path(folder) / MANIFEST_NAME
+    manifest.write_text(manifest.read_text() + " ")  # rebuilt meanwhile: a new manifest
+    Snapshot(folder, "full", stamp)
+    assert checks == [(folder, "full")] * 2
+
+
 # Run in a process of its own: a SIGBUS there fails the test instead of killing pytest.
 OVERWRITTEN_ANN = textwrap.dedent(
     """

@@ -5,7 +5,6 @@ in-process), and one real two-worker start checks that ``/metrics`` counts both 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -214,10 +213,10 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_zero(server, train_rec
 def test_worker_processes_build_their_app_from_the_settings_in_the_environment(served_index, monkeypatch) -> None:
     from fastapi.testclient import TestClient
 
-    from vlfit.commands.serve import SETTINGS_ENV, ServeArguments, app_from_environment
+    from vlfit.commands.serve import SETTINGS_ENV, ServeArguments, app_from_environment, worker_settings
 
     settings = ServeArguments(index=str(served_index), workers=2, port=8123, max_batch=3, reload_interval=0)
-    monkeypatch.setenv(SETTINGS_ENV, json.dumps(dataclasses.asdict(settings)))
+    monkeypatch.setenv(SETTINGS_ENV, worker_settings(settings, None))
     with TestClient(app_from_environment(), base_url="http://127.0.0.1:8123") as client:  # what each worker calls
         health = client.get("/api/health").json()
         assert health["status"] == "ok" and health["index"] == served_index.name
@@ -299,6 +298,55 @@ def test_with_two_workers_metrics_counts_the_requests_of_every_worker(served_ind
         assert not os.path.exists(folder)  # the counts' folder goes with the server
     finally:
         kill_process_tree(process)
+
+
+# Imported first by every Python process of the server (PYTHONPATH): one line, the process's pid, per check of the
+# index against its manifest (vlfit.index.verify.verify_index, wrapped as the module loads).
+COUNT_CHECKS = """
+import importlib.machinery, os, sys
+
+class CountChecks:
+    def find_spec(self, name, path, target=None):
+        if name != "vlfit.index.verify":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            check = module.verify_index
+
+            def verify_index(*args, **kwargs):
+                with open(os.environ["VLFIT_TEST_CHECKS"], "a") as log:
+                    log.write(f"{os.getpid()}\\n")
+                return check(*args, **kwargs)
+
+            module.verify_index = verify_index
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, CountChecks())
+"""
+
+
+def test_with_two_workers_the_index_is_checked_once_per_start(served_index, tmp_path) -> None:
+    from vlfit.serve.launch import kill_process_tree, start_server
+
+    (tmp_path / "sitecustomize.py").write_text(COUNT_CHECKS)
+    checks, log = tmp_path / "checks.txt", tmp_path / "server.log"
+    env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "VLFIT_TEST_CHECKS": str(checks),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])}  # fmt: skip
+    flags = ["--index", str(served_index), "--workers", "2", "--reload_interval", "0", "--verify", "full"]
+    server = start_server(flags, str(log), timeout=START_TIMEOUT, env=env)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while log.read_text().count("Application startup complete") < 2:  # both workers have opened the index
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.25)
+        assert checks.read_text().split() == [str(server.process.pid)]  # by the parent, not again by each worker
+    finally:
+        kill_process_tree(server.process)
 
 
 def test_a_busy_port_or_a_foreign_host_is_refused_in_one_line_before_anything_loads(tmp_path, capsys) -> None:

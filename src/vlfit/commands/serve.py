@@ -173,21 +173,30 @@ class ServeArguments:
         return ServerLimits(**{limit.name: getattr(self, limit.name) for limit in fields(ServerLimits)})
 
 
-def build_app(args: ServeArguments):  # -> fastapi.FastAPI (fastapi is imported only when serving)
-    """The app for ``args``: its engine loads the model and the index."""
+def build_app(args: ServeArguments, verified: tuple[int, int] | None = None):  # -> fastapi.FastAPI (imported late)
+    """The app for ``args``: its engine loads the model and the index (checked unless ``verified`` is the stamp of
+    its manifest, ``vlfit.serve.engine.verified_stamp``)."""
     from vlfit.serve.app import create_app
     from vlfit.serve.engine import SearchEngine
 
     engine = SearchEngine(args.index, args.model, args.backend, args.precision, args.num_threads,
                           max_seq_length=args.max_seq_length, search_threads=args.search_threads, verify=args.verify,
-                          absolute_paths=args.show_absolute_paths)  # fmt: skip
+                          absolute_paths=args.show_absolute_paths, verified=verified)  # fmt: skip
     return create_app(engine, max_upload_mb=args.max_upload_mb, max_batch=args.max_batch,
                       max_wait_ms=args.max_wait_ms, reload_interval=args.reload_interval,
                       limits=args.limits(), access=args.access())  # fmt: skip
 
 
+def worker_settings(args: ServeArguments, verified: tuple[int, int] | None) -> str:
+    """What ``SETTINGS_ENV`` holds for the workers: the flags, and the manifest stamp the parent checked the index
+    at (each worker opens that manifest without checking it again)."""
+    return json.dumps({"flags": asdict(args), "verified": verified})
+
+
 def app_from_environment():  # uvicorn's factory in each worker process of --workers N
-    return build_app(ServeArguments(**json.loads(os.environ[SETTINGS_ENV])))
+    settings = json.loads(os.environ[SETTINGS_ENV])
+    verified = settings["verified"]
+    return build_app(ServeArguments(**settings["flags"]), tuple(verified) if verified else None)
 
 
 def check_address(host: str, port: int) -> None:
@@ -231,11 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     check_address(args.host, args.port)  # before anything loads
     import uvicorn
 
-    from vlfit.index.verify import open_index
     from vlfit.serve.connections import http_protocol
+    from vlfit.serve.engine import verified_stamp
 
-    # No index, or a damaged one: one line now, not a traceback in every worker (one worker checks as its app loads).
-    open_index(args.index, args.verify if args.workers > 1 else "quick")
+    # No index, or a damaged one: one line now, not a traceback in every worker. Checked once: the engines (this
+    # process's, or each worker's) open the manifest checked here without checking it again.
+    verified = verified_stamp(args.index, args.verify)
     # uvicorn on vlfit's httptools protocol, which bounds connections and request heads by the app's limits
     # (vlfit.serve.connections; h11 where this uvicorn's lacks what it needs); h11's own head limit for h11.
     common = dict(host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30,
@@ -249,9 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     # uvicorn finishes the requests in flight on SIGTERM, then raises the signal again: end with 0 then, not -15.
     signal.signal(signal.SIGTERM, _stopped)
     if args.workers == 1:
-        uvicorn.run(build_app(args), **common)  # loads the model before binding: the port opens ready
+        uvicorn.run(build_app(args, verified), **common)  # loads the model before binding: the port opens ready
     else:
-        os.environ[SETTINGS_ENV] = json.dumps(asdict(args))
+        os.environ[SETTINGS_ENV] = worker_settings(args, verified)
         with _metrics_folder():
             uvicorn.run("vlfit.commands.serve:app_from_environment", factory=True, workers=args.workers, **common)
     return 0

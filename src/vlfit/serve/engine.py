@@ -30,7 +30,7 @@ from vlfit.errors import ConfigError
 from vlfit.index.items import IndexedItems
 from vlfit.index.rerank import Reranker, rerank_problem
 from vlfit.index.search import Hit, query_runtime, search
-from vlfit.index.store import MANIFEST_NAME
+from vlfit.index.store import MANIFEST_NAME, EmbeddingIndex
 from vlfit.index.verify import open_index
 
 logger = logging.getLogger(__name__)
@@ -47,21 +47,43 @@ def _manifest_stamp(folder: str) -> tuple[int, int] | None:
     return stat.st_mtime_ns, stat.st_size
 
 
+def verified_stamp(folder: str, verify: str = "quick") -> tuple[int, int] | None:
+    """Check the index at ``folder`` as a ``Snapshot`` does (``open_index`` at level ``verify``) and return the stamp
+    of the manifest it checked: a ``SearchEngine`` given it as ``verified`` opens that manifest without checking it
+    again (``vlfit serve``'s parent checks once for all its workers).
+
+    Returns:
+        ``(mtime_ns, size)`` of the manifest; None when it changed during the check (the engine checks then).
+
+    Raises:
+        MissingFileError: when the folder holds no index.
+        DamagedIndexError: naming the first damaged file and the command that rebuilds it.
+    """
+    stamp = _manifest_stamp(folder)
+    open_index(folder, verify)
+    return stamp if _manifest_stamp(folder) == stamp else None
+
+
 class Snapshot:
     """One manifest's index, in memory.
 
     Args:
         folder: The index folder.
         verify: How its files are checked against the manifest: ``quick`` or ``full`` (``vlfit.index.verify``).
+        verified: The manifest stamp ``verified_stamp`` returned: while the manifest still has it, the index is
+            opened without checking it again (a changed manifest, a rebuilt index, is checked).
 
     Raises:
         MissingFileError: when the folder holds no index.
         DamagedIndexError: naming the first damaged file and the command that rebuilds it.
     """
 
-    def __init__(self, folder: str, verify: str = "quick") -> None:
+    def __init__(self, folder: str, verify: str = "quick", verified: tuple[int, int] | None = None) -> None:
         self.stamp = _manifest_stamp(folder)
-        self.index = index = open_index(folder, verify)
+        if verified is not None and self.stamp == tuple(verified):
+            self.index = index = EmbeddingIndex(folder)
+        else:
+            self.index = index = open_index(folder, verify)
         self.manifest = index.manifest
         # Read now, not by the first query: what every search of this snapshot reads (vlfit.index.search).
         self.items: list[str] = index.row_ids
@@ -131,6 +153,8 @@ class SearchEngine:
         verify: How the index's files are checked as each snapshot opens: ``quick`` or ``full``.
         absolute_paths: Show results' files and the index and model as absolute paths (for local use); by
             default files relative to the folder indexed, the index and model by name.
+        verified: The manifest stamp at which the index was checked already (``verified_stamp``): the first
+            snapshot skips its check while the manifest keeps it; reloads check as ever.
 
     Raises:
         MissingFileError: when the folder holds no index.
@@ -149,12 +173,13 @@ class SearchEngine:
         search_threads: int = 1,
         verify: str = "quick",
         absolute_paths: bool = False,
+        verified: tuple[int, int] | None = None,
     ) -> None:
         _set_search_threads(search_threads)
         self.absolute_paths = absolute_paths
         self.folder = index
         self.verify = verify
-        self.snapshot = Snapshot(index, verify)
+        self.snapshot = Snapshot(index, verify, verified)
         # Spinning runtime threads would take the cores the event loop parses and answers requests on.
         self.runtime = query_runtime(self.snapshot.index, model, backend, precision, num_threads=num_threads,
                                      max_seq_length=max_seq_length, allow_spinning=False)  # fmt: skip
