@@ -82,3 +82,33 @@ def test_models_take_keyword_arguments_not_the_clis_dataclasses():
     assert not any(p.requires_grad for name, p in bundle.model.named_parameters() if name.startswith("text_model."))
     with pytest.raises(TypeError, match="positional"):  # the CLI's dataclass is no way in: it converts itself
         resolve_model(ModelArguments(model_preset="tiny"), captions=lambda: CAPTIONS)  # type: ignore[misc]
+
+
+def test_the_text_positions_note_is_only_for_a_length_asked_for(caplog):
+    clip_positions = 77  # clip-tiny's text positions, as CLIP's
+    with caplog.at_level("INFO", logger="vlfit.models.loading"):
+        spec = resolve_model(model_preset="clip-tiny", captions=lambda: CAPTIONS)
+        assert spec.inputs.max_seq_length == clip_positions and "text positions" not in caplog.text  # the default
+        resolve_model(model_preset="clip-tiny", captions=lambda: CAPTIONS, max_seq_length=100)
+    assert f"--max_seq_length 100 is longer than the model's {clip_positions} text positions" in caplog.text
+
+
+def test_a_run_folder_loads_at_its_recorded_caption_length_and_refuses_a_record_that_disagrees(tiny_bundle, tmp_path):
+    import json
+
+    from vlfit.errors import ModelLoadError
+    from vlfit.models.loading import save_inputs
+
+    tiny_bundle.model.save_pretrained(tmp_path)
+    save_inputs(tiny_bundle.spec, str(tmp_path))
+    record = json.loads((tmp_path / "input_spec.json").read_text())
+    assert record["max_seq_length"] == tiny_bundle.inputs.max_seq_length == 128
+    (tmp_path / "input_spec.json").write_text(json.dumps({**record, "max_seq_length": 24}))
+    assert resolve_model(model_name_or_path=str(tmp_path)).inputs.max_seq_length == 24
+    assert resolve_model(model_name_or_path=str(tmp_path), max_seq_length=40).inputs.max_seq_length == 40
+    (tmp_path / "input_spec.json").write_text(json.dumps({**record, "image_size": 96}))
+    with pytest.raises(ModelLoadError, match=r"input_spec.json: image_size 96 differs from the model's 64"):
+        resolve_model(model_name_or_path=str(tmp_path))
+    (tmp_path / "input_spec.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match=r"input_spec.json: cannot read the run's input settings"):
+        resolve_model(model_name_or_path=str(tmp_path))

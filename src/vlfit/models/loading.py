@@ -276,7 +276,7 @@ def resolve_model(
     tokenizer = with_attention_mask(tokenizer)
     record_folder = adapters or (checkpoint if checkpoint and os.path.isdir(checkpoint) else None)
     record = read_input_settings(record_folder) if preset is None else None
-    max_seq_length = _caption_length(max_seq_length, record, record_folder)
+    asked, max_seq_length = max_seq_length, _caption_length(max_seq_length, record, record_folder)
     vocab = family.vocab_size(config)
     if vocab is not None and len(tokenizer) > vocab:
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model embeds only {vocab}")
@@ -288,9 +288,11 @@ def resolve_model(
         )
     longest = family.max_text_length(config)
     if longest is not None and max_seq_length > longest:
-        # run_clip.py's default (128) is longer than CLIP's 77 positions: captions are cut where the model stops.
-        logger.info("--max_seq_length %d is longer than the model's %d text positions: using %d", max_seq_length,
-                    longest, longest)  # fmt: skip
+        # The default (128, run_clip.py's) is longer than CLIP's 77 positions: captions are cut where the model stops,
+        # said only to whoever asked for the longer length.
+        if asked is not None:
+            logger.info("--max_seq_length %d is longer than the model's %d text positions: using %d", max_seq_length,
+                        longest, longest)  # fmt: skip
         max_seq_length = longest
     inputs = InputSpec(
         image_size=image_size,
