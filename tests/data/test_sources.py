@@ -574,8 +574,14 @@ def test_file_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"share a format.*\['\.csv', '\.jsonl'\]"):
         open_splits(train_file=f"{tmp_path / 'a.csv'},{tmp_path / 'b.jsonl'}")
     (tmp_path / "c.parquet").write_bytes(b"")
-    with pytest.raises(ValueError, match=r"several formats \(\.csv, \.jsonl, \.parquet\)|cannot read it as parquet"):
+    with pytest.raises(ValueError, match=r"several formats \(\.csv, \.jsonl, \.parquet\)|c\.parquet: the file is emp"):
         open_splits(dataset_name=str(tmp_path))
+
+
+def test_an_empty_data_file_is_refused_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "empty.csv").write_bytes(b"")
+    with pytest.raises(DataError, match=r"empty\.csv: the file is empty \(0 bytes\).*header line naming the columns"):
+        open_splits(validation_file=str(tmp_path / "empty.csv"), cache_dir=str(tmp_path / "hf_cache"))
 
 
 # ------------------------------------------------------------------------------------------------ patterns

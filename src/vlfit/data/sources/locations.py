@@ -21,6 +21,11 @@ from vlfit.errors import DataError, first_line
 
 SUPPORTED_FILE_EXTENSIONS: tuple[str, ...] = (".parquet", ".jsonl", ".json", ".csv", ".tar")
 _BUILDER_FOR_EXTENSION = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
+_EMPTY_FILE_HINT = {
+    "csv": "a header line naming the columns, then one line per sample",
+    "json": "one JSON object per sample",
+    "parquet": "a parquet table, as pandas' to_parquet or vlfit prepare write",
+}
 # Split names recognised in local parquet folders, from file-name prefixes (`train-*.parquet`) or folder names.
 KNOWN_SPLIT_NAMES: tuple[str, ...] = ("train", "validation", "valid", "val", "dev", "test", "eval")
 _HUB_SHARD_NAME = re.compile(r"^(?P<split>[\w.]+?)-\d+-of-\d+")
@@ -51,6 +56,12 @@ def _load_builder_files(
     base_dirs: list[tuple[int, str]] = []
     rows = 0
     for folder, group in groups:
+        for path in group:  # pandas' EmptyDataError would come as a traceback from datasets' builder
+            if os.path.isfile(path) and os.path.getsize(path) == 0:
+                raise DataError(
+                    f"{path}: the file is empty (0 bytes); write its rows into it ({_EMPTY_FILE_HINT[builder]}) "
+                    "or leave it out of the data files"
+                )
         try:
             part = datasets.load_dataset(builder, data_files=group, split="train", cache_dir=cache_dir)
         except (OSError, ValueError) as error:  # pyarrow's ArrowInvalid is a ValueError
