@@ -41,6 +41,10 @@ ADAPTER_CONFIG = "adapter_config.json"
 MODEL_CONFIG = "config.json"
 # What the config of a folder vlfit train --task vqa wrote names in its architectures (vlfit.models.vqa).
 VQA_ARCHITECTURE = "BridgeTowerForQuestionAnswering"
+# What a data folder holds and a model folder does not: datasets' save_to_disk files, and the data files
+# vlfit reads (not .json or .jsonl: a model folder and a run folder hold those too).
+_DATA_MARKERS = frozenset({"dataset_dict.json", "dataset_info.json", "state.json"})
+_DATA_EXTENSIONS = frozenset({".parquet", ".arrow", ".csv", ".tar"})
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,7 @@ def parse_model_reference(
             base = adapter_base(name)
             answers = _answers_questions(name) or _answers_questions(base)  # their own config, else a local base's
             return ModelReference("adapters", name, base=base, answers_questions=answers)
+        refuse_data_folder(name, flag, presets="preset" in kinds)
         return ModelReference("checkpoint", name, answers_questions=_answers_questions(name))
     if "hub" in kinds:
         check_local_path(name, flag)
@@ -112,6 +117,43 @@ def parse_model_reference(
         )
     what = "model" if "export" in kinds else "checkpoint"
     raise MissingFileError(f"{flag} {name}: no such {what} folder ({os.path.abspath(name)} does not exist)")
+
+
+def refuse_data_folder(folder: str, flag: str, *, presets: bool = False) -> None:
+    """Refuse a folder of data (what ``--dataset_name`` takes: a ``save_to_disk`` folder, parquet, csv, arrow or tar
+    files) that has no model config, rather than let transformers say "Unrecognized model".
+
+    Args:
+        folder: The folder named.
+        flag: The option that named it.
+        presets: Whether ``flag`` takes a preset's name too (the message offers them).
+
+    Raises:
+        ConfigError: naming ``flag``, the data it holds and what to pass instead.
+    """
+    if os.path.isfile(os.path.join(folder, MODEL_CONFIG)):
+        return
+    found = _data_files(folder)
+    for entry in sorted(os.listdir(folder)) if not found else ():
+        if os.path.isdir(os.path.join(folder, entry)):
+            found = [os.path.join(entry, name) for name in _data_files(os.path.join(folder, entry))]
+            if found:
+                break
+    if found:
+        preset = f"a preset ({', '.join(list_presets()[:3])}, ...), " if presets else ""
+        raise ConfigError(
+            f"{flag} {folder}: a data folder (it holds {found[0]}), not a model: pass it as --dataset_name, and "
+            f"name a model with {flag}: {preset}a folder vlfit train wrote or a hub id"
+        )
+
+
+def _data_files(folder: str) -> list[str]:
+    """The files of ``folder`` that mark data rather than a model (none of them is written beside a model)."""
+    return [
+        name
+        for name in sorted(os.listdir(folder))
+        if name in _DATA_MARKERS or os.path.splitext(name)[1].lower() in _DATA_EXTENSIONS
+    ]
 
 
 def _answers_questions(folder: str) -> bool:
