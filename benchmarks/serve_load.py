@@ -11,7 +11,10 @@
    tower (``vlfit export --quantize int8``, ONNX Runtime) and a 10^5-vector index (HNSW), loaded by a bounded
    number of text queries at concurrency 1, 8 and 32, three times in turn: the medians of p50/p95/p99 latency and
    QPS over the three runs, and the server process's memory. QPS and latencies are of the answered (200) queries;
-   queries refused with 503 (the server's admission) are counted apart and not sent again.
+   queries refused with 503 (the server's admission) are counted apart and not sent again. What each stage of a
+   query took on the server (decode, encode, search, rerank: ``vlfit_stage_seconds`` of ``/metrics``, read before
+   and after each run), per level the medians over the runs of each stage's p50 and mean, and for the whole
+   benchmark under ``server.stages``; a batched query counts its whole batch's time for each stage.
    The load comes from a minimal keep-alive HTTP/1.1 client on asyncio streams in this process (one connection per
    concurrent client), which costs the shared cores far less than a full HTTP client library would.
 3. Overload (open loop): text queries arriving at twice the capacity measured at concurrency 32 (or at
@@ -308,7 +311,11 @@ async def _load(port: int, texts: list[str], concurrency: int, count: int) -> di
 def _median_run(measured: list[dict]) -> dict:
     """The median of each figure over the repeats of one level, with every run kept under ``runs``."""
     keys = ("qps", "p50_ms", "p95_ms", "p99_ms")
-    median = {key: round(float(np.median([run[key] for run in measured])), 2) for key in keys}
+    median: dict[str, object] = {key: round(float(np.median([run[key] for run in measured])), 2) for key in keys}
+    median["stages"] = {stage: {key: round(float(np.median([run["stages"][stage][key] for run in measured
+                                                               if stage in run["stages"]])), 3)
+                                for key in ("p50_ms", "mean_ms")}
+                        for stage in measured[0]["stages"]}  # fmt: skip
     errors = sum(run["errors"] for run in measured)
     refused = sum(run["refused_503"] for run in measured)
     return {**measured[0], **median, "errors": errors, "refused_503": refused, "repeats": len(measured),
@@ -322,6 +329,7 @@ def serve_load(index: str, model: str, log_path: str, server_flags: list[str] | 
 
     from vlfit.data.synthetic.scenes import scene_and_choices
     from vlfit.serve.launch import start_server
+    from vlfit.serve.metrics import stage_figures
 
     rng = np.random.default_rng(2)
     texts = [text for _ in range(100) for text in scene_and_choices(rng)[1]]
@@ -340,7 +348,10 @@ def serve_load(index: str, model: str, log_path: str, server_flags: list[str] | 
         runs: dict[int, list[dict]] = {concurrency: [] for concurrency in LEVELS}
         for _ in range(REPEATS):  # the levels in turn, REPEATS times: drifts of the shared machine hit each alike
             for concurrency, count in LEVELS.items():
-                runs[concurrency].append(asyncio.run(_load(port, texts, concurrency, count)))
+                before = httpx.get(f"{base}/metrics", timeout=10).text
+                run = asyncio.run(_load(port, texts, concurrency, count))
+                run["stages"] = stage_figures(httpx.get(f"{base}/metrics", timeout=10).text, since=before)
+                runs[concurrency].append(run)
                 print(json.dumps(runs[concurrency][-1]), flush=True)
         levels = [_median_run(measured) for measured in runs.values()]
         capacity = levels[-1]["qps"]  # closed loop at concurrency 32
@@ -353,11 +364,13 @@ def serve_load(index: str, model: str, log_path: str, server_flags: list[str] | 
         largest = _largest_queries(ServerLimits.max_text_chars, ServerLimits.max_query_pixels)
         noisy = asyncio.run(_noisy_neighbour(port, texts, largest))
         print(json.dumps({"noisy_neighbour": noisy}), flush=True)
+        stages = stage_figures(httpx.get(f"{base}/metrics", timeout=10).text)
+        print(json.dumps({"stages": stages}), flush=True)
         memory_mb = psutil.Process(server.process.pid).memory_info().rss / 2**20
     finally:
         server.process.send_signal(signal.SIGTERM)
         server.process.wait(60)
-    return {"health": health, "levels": levels, "overload": overload, "noisy_neighbour": noisy,
+    return {"health": health, "levels": levels, "overload": overload, "noisy_neighbour": noisy, "stages": stages,
             "server_rss_mb": round(memory_mb, 1), "exit_code": server.process.returncode}  # fmt: skip
 
 

@@ -7,7 +7,9 @@ with ``vlfit export --quantize int8``; the index holds the train split of ``vlfi
 
     python benchmarks/serve_rerank.py --preset small-p8 --samples 400 --queries 30 --results benchmarks/results/x.json
 
-Prints one JSON object: per level, the client-side latency p50/p90 in ms and the server's ``took_ms`` p50.
+Prints one JSON object: per level, the client-side latency p50/p90 in ms, the server's ``took_ms`` p50, and what
+each stage took on the server (``stages``: encode, search and rerank, their medians and means from the
+``vlfit_stage_seconds`` histogram of ``/metrics``, read before and after the level).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.inference.
 from tests.inference.tiny_models import save_itm_checkpoint, save_tiny_checkpoint  # noqa: E402
 
 from vlfit.serve.launch import kill_process_tree, start_server  # noqa: E402
+from vlfit.serve.metrics import stage_figures  # noqa: E402
 
 TEXTS = ["a red circle", "two blue squares", "a green triangle at the top", "three yellow circles on the left",
          "a purple square and a red triangle", "one small orange circle"]  # fmt: skip
@@ -46,10 +49,16 @@ def _search(port: int, body: dict) -> tuple[float, float]:
     return 1000 * (time.perf_counter() - started), took
 
 
+def _metrics(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        return answer.read().decode()
+
+
 def measure(port: int, rerank: int | None, queries: int, k: int = 10) -> dict:
     body = {"k": k, **({"rerank": rerank} if rerank else {})}
     for text in TEXTS[:3]:  # warm-up: first calls allocate
         _search(port, {**body, "text": text})
+    before = _metrics(port)
     client, server = [], []
     for i in range(queries):
         latency, took = _search(port, {**body, "text": TEXTS[i % len(TEXTS)]})
@@ -57,7 +66,8 @@ def measure(port: int, rerank: int | None, queries: int, k: int = 10) -> dict:
         server.append(took)
     deciles = statistics.quantiles(client, n=10)
     return {"rerank": rerank, "queries": queries, "p50_ms": round(statistics.median(client), 2),
-            "p90_ms": round(deciles[8], 2), "server_p50_ms": round(statistics.median(server), 2)}  # fmt: skip
+            "p90_ms": round(deciles[8], 2), "server_p50_ms": round(statistics.median(server), 2),
+            "stages": stage_figures(_metrics(port), since=before)}  # fmt: skip
 
 
 def main() -> int:

@@ -56,6 +56,17 @@ def test_reranking_reorders_only_the_top_k_by_each_pairs_matching_score(
     ]  # K candidates re-scored, k kept
 
 
+@pytest.mark.slow
+def test_timing_reports_the_reranking_apart(itm_index, capsys) -> None:
+    capsys.readouterr()
+    assert main(["retrieve", "query", "--index", itm_index, "--text", QUERY, "--rerank_top_k", "3", "--json",
+                 "--timing"]) == 0  # fmt: skip
+    timing = json.loads(capsys.readouterr().out)["timing"]
+    assert list(timing) == ["open", "encode", "search", "rerank", "total"]
+    stages = sum(ms for stage, ms in timing.items() if stage != "total")
+    assert timing["rerank"] > 0 and stages <= timing["total"] + 0.003  # each figure rounded to the microsecond
+
+
 def test_reranking_that_cannot_run_is_one_line(itm_index, image_folder, tiny_checkpoint, tmp_path, capsys) -> None:
     plain = str(tmp_path / "plain")
     index_collection(IndexJob(str(tiny_checkpoint), plain, images=str(image_folder), progress=False,

@@ -388,6 +388,24 @@ def test_an_hnsw_index_answers_as_the_exact_scan_follows_appends_and_drops_remov
         assert os.path.relpath(files[2], folder) not in ids and len(ids) == min(50, len(EmbeddingIndex(str(out))) - 1)
 
 
+def test_timing_splits_a_query_into_its_stages(torch_index, image_folder, capsys):
+    image = str(next(p for p in sorted(image_folder.rglob("*.jpg")) if p.name != "broken.jpg"))
+    query = ["--index", str(torch_index), "--text", "a red circle", "-k", "2"]
+    timing = _query_json(capsys, *query, "--image", image, "--timing")["timing"]
+    assert list(timing) == ["open", "decode", "encode", "search", "total"]
+    assert all(ms >= 0 for ms in timing.values()) and timing["encode"] > 0
+    stages = sum(ms for stage, ms in timing.items() if stage != "total")
+    assert stages <= timing["total"] + 0.003  # each figure is rounded to the microsecond
+    assert "timing" not in _query_json(capsys, *query)  # only when asked
+
+    # Without --json: one line per stage after the results.
+    capsys.readouterr()
+    assert main(["retrieve", "query", *query, "--timing"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines[-4:]] == ["open", "encode", "search", "total"]
+    assert all(line.endswith(" ms") for line in lines[-4:]) and lines[0] == "a red circle"
+
+
 def test_a_flat_ann_index_returns_what_the_exact_scan_does(torch_index, tmp_path, capsys):
     out = shutil.copytree(torch_index, tmp_path / "flat")
     from vlfit.index.ann_update import update_ann

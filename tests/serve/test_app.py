@@ -162,6 +162,37 @@ def test_health_metrics_and_page(client, engine) -> None:
     assert "http://" not in page.text and "https://" not in page.text  # no external asset
 
 
+def _stage_counts(client: TestClient) -> dict[str, float]:
+    """``vlfit_stage_seconds``'s count per stage, as ``/metrics`` shows it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = text_string_to_metric_families(client.get("/metrics").text)
+    return {s.labels["stage"]: s.value for f in families for s in f.samples if s.name == "vlfit_stage_seconds_count"}
+
+
+@pytest.mark.slow
+def test_metrics_split_each_search_into_its_stages(client, train_records) -> None:
+    before = _stage_counts(client)
+    assert _search(client, text=train_records[0].caption, k=2).status_code == 200
+    assert _search(client, image=base64.b64encode(train_records[1].image).decode(), k=2).status_code == 200
+    after = _stage_counts(client)
+    added = {stage: after.get(stage, 0) - before.get(stage, 0) for stage in ("decode", "encode", "search", "rerank")}
+    # The text query: encode and search; the image query: decode too. Nothing re-ranked.
+    assert added == {"decode": 1, "encode": 2, "search": 2, "rerank": 0}
+
+
+@pytest.mark.slow
+def test_a_failure_to_count_stages_does_not_fail_the_search(engine, train_records, monkeypatch) -> None:
+    with TestClient(create_app(engine, reload_interval=0)) as client:
+
+        def broken(**labels):
+            raise RuntimeError("the metrics store is gone")
+
+        monkeypatch.setattr(client.app.state.metrics.stages, "labels", broken)
+        assert _search(client, text=train_records[0].caption, k=2).status_code == 200
+        assert _search(client, image=base64.b64encode(train_records[1].image).decode(), k=2).status_code == 200
+
+
 @pytest.mark.slow
 def test_concurrent_text_queries_are_batched_and_answered_as_alone(engine, train_records) -> None:
     captions = [record.caption for record in train_records[:16]]

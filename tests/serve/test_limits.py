@@ -44,14 +44,14 @@ class RecordingEngine(SearchEngine):
         self.hold = threading.Event()
         self.hold.set()
 
-    def encode_texts(self, texts):
+    def encode_texts(self, texts, times=None):
         assert self.hold.wait(30)
         self.embedded.extend(texts)
-        return super().encode_texts(texts)
+        return super().encode_texts(texts, times)
 
-    def encode_image(self, image):
+    def encode_image(self, image, times=None):
         self.image_threads.append(threading.current_thread().name)
-        return super().encode_image(image)
+        return super().encode_image(image, times)
 
 
 @pytest.fixture(scope="module")
@@ -160,10 +160,10 @@ async def test_a_batch_that_fails_is_retried_one_by_one_and_only_the_failing_que
     failing = "this caption breaks the encoder"
 
     class Breaking(RecordingEngine):
-        def encode_texts(self, texts):
+        def encode_texts(self, texts, times=None):
             if failing in texts:
                 raise RuntimeError("the tokenizer broke")
-            return super().encode_texts(texts)
+            return super().encode_texts(texts, times)
 
     breaking = Breaking.__new__(Breaking)
     breaking.__dict__.update(engine.__dict__)

@@ -30,9 +30,11 @@ def test_a_rerank_query_gets_the_librarys_reranked_hits_beside_plain_ones(itm_se
     with TestClient(create_app(engine, reload_interval=0)) as client:
         assert client.get("/api/health").json()["rerank"] is True
         answered = client.post("/api/search", json={"text": QUERY, "k": 4, "rerank": 6}).json()["results"]
+        metrics = client.get("/metrics").text
     library = vlfit.Index.open(itm_served).search(QUERY, k=4, rerank=6)
     assert [(hit["id"], hit["row"]) for hit in answered] == [(hit.id, hit.row) for hit in library]
     assert [hit["match_score"] for hit in answered] == pytest.approx([hit.match_score for hit in library], abs=1e-5)
+    assert 'vlfit_stage_seconds_count{stage="rerank"} 1.0' in metrics  # the matching head's time, its own stage
 
     # One batch, two queries: the one that asks is re-ranked, the other is the plain search's.
     texts = [QUERY, "two blue squares"]

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -20,6 +21,7 @@ from vlfit.index.ann_choice import DEFAULT_MAX_INDEX_MEMORY, DEFAULT_TARGET_RECA
 from vlfit.index.job import IndexJob, index_collection
 from vlfit.index.rerank import Reranker, check_rerank_top_k
 from vlfit.index.search import Query, embed_queries, query_runtime, read_queries, search
+from vlfit.index.stages import StageTimes
 from vlfit.index.verify import open_index, verify_index
 from vlfit.inference.topk import DEFAULT_CHUNK_ELEMENTS
 
@@ -149,6 +151,12 @@ class QueryArguments:
     )
     k: int = field(default=10, metadata={"aliases": ["-k"], "help": "Results per query."})
     json: bool = field(default=False, metadata={"help": "Print the results as JSON."})
+    timing: bool = field(
+        default=False,
+        metadata={"help": "Report what each stage took, in milliseconds: open (the index and model), decode (image "
+                  "queries), encode, search, rerank (with --rerank_top_k) and total; a timing object with --json, "
+                  "else one line per stage after the results."},
+    )  # fmt: skip
     model: str | None = field(
         default=None,
         metadata={"help": "The model to embed queries with (default: the one the index was built with)."},
@@ -223,7 +231,9 @@ def run_index(args: IndexArguments) -> int:
 
 
 def run_query(args: QueryArguments) -> int:
-    """``vlfit retrieve query``: embed the queries with the index's model, search, print the hits."""
+    """``vlfit retrieve query``: embed the queries with the index's model, search, print the hits (``--timing``: and
+    what each stage took)."""
+    started = time.perf_counter()
     queries = [Query(text=text) for text in args.text] + [Query(image=image) for image in args.image]
     if args.queries:
         queries += read_queries(args.queries)
@@ -236,21 +246,27 @@ def run_query(args: QueryArguments) -> int:
     if top_k is not None and any(q.image is not None for q in queries):
         raise ConfigError("--rerank_top_k re-ranks text queries (the matching head scores a caption against an "
                           "image): search image queries without it")  # fmt: skip
-    index = open_index(args.index, args.verify)
-    runtime = query_runtime(index, args.model, args.backend, args.precision, num_threads=args.num_threads,
-                            max_seq_length=args.max_seq_length)  # fmt: skip
-    reranker = Reranker.beside(runtime, index) if top_k is not None else None  # refused before any query runs
-    embeddings = embed_queries(runtime.encoder, queries)
+    times = StageTimes()
+    with times.stage("open"):
+        index = open_index(args.index, args.verify)
+        runtime = query_runtime(index, args.model, args.backend, args.precision, num_threads=args.num_threads,
+                                max_seq_length=args.max_seq_length)  # fmt: skip
+        reranker = Reranker.beside(runtime, index) if top_k is not None else None  # refused before any query runs
+    embeddings = embed_queries(runtime.encoder, queries, times=times)
     wanted = max(args.k, top_k or 0)
-    results = search(index, embeddings, wanted, chunk_elements=args.chunk_elements, exact=args.exact)
+    with times.stage("search"):
+        results = search(index, embeddings, wanted, chunk_elements=args.chunk_elements, exact=args.exact)
     if reranker is not None:
-        results = reranker.rerank(results, [q.text or "" for q in queries], top_k, args.k)
+        with times.stage("rerank"):
+            results = reranker.rerank(results, [q.text or "" for q in queries], top_k, args.k)
+    timing = {**times.milliseconds(), "total": round(1000 * (time.perf_counter() - started), 3)}
     if args.json:
         out = [
             {"query": q.description, "results": [hit.to_json() for hit in hits]}
             for q, hits in zip(queries, results, strict=True)
         ]
-        print(json.dumps({"model": runtime.encoder.description, "queries": out}, indent=1))
+        report: dict[str, object] = {"model": runtime.encoder.description, "queries": out}
+        print(json.dumps({**report, "timing": timing} if args.timing else report, indent=1))
     else:
         for q, hits in zip(queries, results, strict=True):
             print(q.description)
@@ -259,6 +275,9 @@ def run_query(args: QueryArguments) -> int:
                 print(f"  {rank:>3}  {hit.score:.4f}{match}  {hit.id}")
                 for caption in hit.captions or ():
                     print(f"{'':>15}{caption}")
+        if args.timing:
+            for stage, ms in timing.items():
+                print(f"{stage:<7} {ms:>10.3f} ms")
     return 0
 
 

@@ -27,6 +27,7 @@ from vlfit.data.pipeline import host_batches
 from vlfit.data.records import Record
 from vlfit.data.sources.memory import MemorySource
 from vlfit.errors import ConfigError, DataError, MissingFileError
+from vlfit.index.stages import StageTimes
 from vlfit.index.store import EmbeddingIndex
 from vlfit.inference.backends import Encoder
 from vlfit.inference.runtime import ModelRuntime
@@ -130,36 +131,49 @@ def query_runtime(
     return runtime
 
 
-def embed_queries(encoder: Encoder, queries: Sequence[Query], batch_size: int = 32) -> torch.Tensor:
+def embed_queries(
+    encoder: Encoder, queries: Sequence[Query], batch_size: int = 32, times: StageTimes | None = None
+) -> torch.Tensor:
     """The embeddings ``[Q, D]`` of ``queries`` in order: texts through the text tower, image files through the
-    fast CPU pipeline and the image tower.
+    fast CPU pipeline and the image tower. ``times`` gets the ``decode`` (reading and decoding the image files) and
+    ``encode`` (the towers' forwards) time.
 
     Raises:
         FileNotFoundError: for an image file that does not exist.
         ValueError: for an image that cannot be decoded.
     """
+    times = times or StageTimes()
     rows: list[torch.Tensor | None] = [None] * len(queries)
     texts = [(i, q.text) for i, q in enumerate(queries) if q.text is not None]
     for start in range(0, len(texts), batch_size):
         chunk = texts[start : start + batch_size]
-        embeddings = encoder.encode_texts([text for _, text in chunk])
+        with times.stage("encode"):
+            embeddings = encoder.encode_texts([text for _, text in chunk])
         for (i, _), row in zip(chunk, embeddings, strict=True):
             rows[i] = row
     images = [(i, q.image) for i, q in enumerate(queries) if q.image is not None]
     if images:
         records = []
-        for _, path in images:
-            if not os.path.isfile(path):
-                raise MissingFileError(f"--image {path}: no such file")
-            with open(path, "rb") as f:
-                records.append(Record(id=path, image=f.read(), caption=path))
+        with times.stage("decode"):
+            for _, path in images:
+                if not os.path.isfile(path):
+                    raise MissingFileError(f"--image {path}: no such file")
+                with open(path, "rb") as f:
+                    records.append(Record(id=path, image=f.read(), caption=path))
         source = MemorySource(records, "query images")
         done = 0
-        for batch in host_batches(source, encoder.spec, batch_size=batch_size):
+        batches = iter(host_batches(source, encoder.spec, batch_size=batch_size))
+        while True:
+            with times.stage("decode"):  # the loader decodes and resizes as it is iterated (no workers)
+                batch = next(batches, None)
+            if batch is None:
+                break
             if batch.bad_samples:
                 bad = batch.bad_samples[0]
                 raise ConfigError(f"--image {bad.id}: cannot be used: {bad.reason}")
-            for row in encoder.encode_images(batch["pixel_values"]):
+            with times.stage("encode"):
+                embedded = encoder.encode_images(batch["pixel_values"])
+            for row in embedded:
                 rows[images[done][0]] = row
                 done += 1
     return torch.stack([row for row in rows if row is not None])

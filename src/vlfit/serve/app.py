@@ -37,6 +37,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from vlfit.errors import ConfigError, DataError, MissingFileError
+from vlfit.index.stages import StageTimes
 from vlfit.serve.access import AccessControl, AccessPolicy
 from vlfit.serve.admission import WaitAdmission
 from vlfit.serve.batching import MicroBatcher
@@ -85,9 +86,16 @@ def create_app(
     metrics = ServerMetrics()
 
     def run_batch(queries: Sequence[tuple[str, int | None]], k: int) -> list[list[dict[str, object]]]:
-        """A batch of (text, rerank) queries: embedded together, searched, their re-ranking pairs scored together."""
-        texts = [text for text, _ in queries]
-        return engine.search(engine.encode_texts(texts), k, texts, [rerank for _, rerank in queries])
+        """A batch of (text, rerank) queries: embedded together, searched, their re-ranking pairs scored together.
+        Each query observes the batch's stage times (the re-ranking time: those that asked for it)."""
+        texts, reranks = [text for text, _ in queries], [rerank for _, rerank in queries]
+        times = StageTimes()
+        results = engine.search(engine.encode_texts(texts, times), k, texts, reranks, times)
+        spent = times.seconds
+        metrics.observe_stages({stage: spent[stage] for stage in spent if stage != "rerank"}, len(queries))
+        if "rerank" in spent:
+            metrics.observe_stages({"rerank": spent["rerank"]}, sum(1 for rerank in reranks if rerank))
+        return results
 
     batcher = MicroBatcher(run_batch, max_batch=max_batch, max_wait_ms=max_wait_ms, on_batch=metrics.observe_batch)
     budget = limits.max_queue_wait_ms  # None: no wait budget; 0: derived from the unloaded time; else ms
@@ -174,8 +182,11 @@ def create_app(
                 image_bytes, k = query.image or b"", query.k
 
                 def image_search() -> list[dict[str, object]]:
-                    check_query_pixels(image_bytes, limits.max_query_pixels)
-                    (found,) = engine.search(engine.encode_image(image_bytes), k)
+                    times = StageTimes()
+                    with times.stage("decode"):  # reading the header is part of turning the bytes into pixels
+                        check_query_pixels(image_bytes, limits.max_query_pixels)
+                    (found,) = engine.search(engine.encode_image(image_bytes, times), k, times=times)
+                    metrics.observe_stages(times.seconds)
                     return found
 
                 results = await _unless_disconnected(request, image_queries, image_search)

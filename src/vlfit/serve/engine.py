@@ -30,6 +30,7 @@ from vlfit.errors import ConfigError
 from vlfit.index.items import IndexedItems
 from vlfit.index.rerank import Reranker, rerank_problem
 from vlfit.index.search import Hit, query_runtime, search
+from vlfit.index.stages import StageTimes
 from vlfit.index.store import MANIFEST_NAME, EmbeddingIndex
 from vlfit.index.verify import open_index
 
@@ -235,19 +236,26 @@ class SearchEngine:
             logger.info("serving %s: %d items (generation %d)", self.folder, len(fresh), self.generation)
             return True
 
-    def encode_texts(self, texts: Sequence[str]) -> torch.Tensor:
-        """L2-normalized float32 embeddings ``[N, D]`` of captions (256 at a time, as ``vlfit.Model`` embeds)."""
+    def encode_texts(self, texts: Sequence[str], times: StageTimes | None = None) -> torch.Tensor:
+        """L2-normalized float32 embeddings ``[N, D]`` of captions (256 at a time, as ``vlfit.Model`` embeds);
+        ``times`` gets the ``encode`` time."""
         if not texts:
             return torch.zeros((0, self.encoder.identity.embedding_size), dtype=torch.float32)
-        return self.runtime.embed_texts(list(texts), 256).contiguous()
+        with (times or StageTimes()).stage("encode"):
+            return self.runtime.embed_texts(list(texts), 256).contiguous()
 
-    def encode_image(self, image: bytes) -> torch.Tensor:
-        """The embedding ``[1, D]`` of encoded image bytes.
+    def encode_image(self, image: bytes, times: StageTimes | None = None) -> torch.Tensor:
+        """The embedding ``[1, D]`` of encoded image bytes; ``times`` gets the ``decode`` (bytes to pixels) and
+        ``encode`` (the image tower) times apart.
 
         Raises:
             DataError: naming why the bytes are not an image the pipeline can decode.
         """
-        return self.runtime.embed_images(bytes(image)).contiguous()  # DataError names images[0] and why
+        times = times or StageTimes()
+        with times.stage("decode"):
+            pixels = self.runtime.pixels(bytes(image))  # DataError names images[0] and why
+        with times.stage("encode"):
+            return self.encoder.encode_images(pixels).float().contiguous()
 
     def search(
         self,
@@ -255,16 +263,20 @@ class SearchEngine:
         k: int,
         texts: Sequence[str] = (),
         rerank: Sequence[int | None] = (),
+        times: StageTimes | None = None,
     ) -> list[list[dict[str, object]]]:
         """The served snapshot's results as the server answers them (``Snapshot.served``), all from one snapshot
         (``k`` and ``rerank`` are checked by the caller, ``check_k`` and ``check_rerank``, before any batching).
         Queries with a ``rerank`` have that many candidates re-scored by the matching head (their ``texts``), all
-        the batch's pairs together."""
+        the batch's pairs together. ``times`` gets the ``search`` and ``rerank`` times."""
+        times = times or StageTimes()
         snapshot = self.snapshot  # a reload meanwhile does not mix two snapshots in one answer
         tops = [top or 0 for top in rerank]
-        found = snapshot.search(queries, max([k, *tops]))
+        with times.stage("search"):
+            found = snapshot.search(queries, max([k, *tops]))
         if any(tops):
-            found = Reranker(self.pair_scorer, snapshot.indexed).rerank(found, texts, rerank, max([k, *tops]))
+            with times.stage("rerank"):
+                found = Reranker(self.pair_scorer, snapshot.indexed).rerank(found, texts, rerank, max([k, *tops]))
         return [[self._shown(snapshot.served(hit)) for hit in hits[:k]] for hits in found]
 
     def _shown(self, result: dict[str, object]) -> dict[str, object]:
