@@ -181,6 +181,19 @@ def test_metrics_split_each_search_into_its_stages(client, train_records) -> Non
     assert added == {"decode": 1, "encode": 2, "search": 2, "rerank": 0}
 
 
+def test_stage_figures_count_only_what_came_after_an_earlier_reading() -> None:
+    from vlfit.serve.metrics import ServerMetrics, stage_figures
+
+    metrics = ServerMetrics()
+    metrics.observe_stages({"encode": 0.5}, 2)
+    earlier = metrics.render(0, 1).decode()
+    metrics.observe_stages({"encode": 0.003, "search": 0.0002}, 3)  # a batch of 3: each waited for the whole
+    figures = stage_figures(metrics.render(0, 1).decode(), since=earlier)
+    assert figures["encode"]["requests"] == 3 and figures["encode"]["mean_ms"] == pytest.approx(3.0)
+    assert 2.5 <= figures["encode"]["p50_ms"] <= 5.0  # within the bucket holding 3 ms
+    assert figures["search"]["requests"] == 3 and "decode" not in figures
+
+
 @pytest.mark.slow
 def test_a_failure_to_count_stages_does_not_fail_the_search(engine, train_records, monkeypatch) -> None:
     with TestClient(create_app(engine, reload_interval=0)) as client:
