@@ -47,6 +47,15 @@ def test_other_flags_are_refused_naming_each_difference(tmp_path):
         _resolve(tmp_path, {**FLAGS, "max_steps": -1}, GIVEN - {"max_steps"})
 
 
+def test_a_run_that_stopped_before_its_first_step_is_replaced_by_one_with_other_flags(tmp_path, caplog):
+    write_run_flags(str(tmp_path), FLAGS, GIVEN)
+    (tmp_path / "bad_samples.jsonl").write_text('{"id": "a"}\n')
+    with caplog.at_level("INFO", logger="vlfit.training.output_dir"):
+        assert _resolve(tmp_path, {**FLAGS, "learning_rate": 1e-3}) is None
+    assert "stopped before its first step" in caplog.text and "--learning_rate 0.001 (was 0.0005)" in caplog.text
+    assert not os.listdir(tmp_path)  # its flags and bad-sample report are not taken for the new run's
+
+
 def test_overwrite_starts_over_and_removes_the_old_checkpoints(tmp_path):
     checkpoint = _run_with_checkpoint(tmp_path)
     other = {**FLAGS, "learning_rate": 1e-3}
@@ -84,3 +93,15 @@ def test_rerunning_a_finished_run_trains_nothing_and_writes_nothing(synthetic_da
     # Resuming from checkpoint-2 used to train a third step, save checkpoint-3 and rewrite the metrics and the card.
     assert {str(p): p.stat().st_mtime_ns for p in out.rglob("*")} == written
     assert "already complete at step 2" in caplog.text
+
+
+@pytest.mark.slow
+def test_a_run_failed_on_a_bad_column_does_not_block_its_corrected_rerun(synthetic_dataset_dir, tmp_path):
+    from vlfit.cli import main
+
+    argv = ["train", "--model_preset", "clip-tiny", "--dataset_name", synthetic_dataset_dir, "--output_dir",
+            str(tmp_path / "run"), "--max_steps", "1", "--per_device_train_batch_size", "4", "--report_to", "none",
+            "--disable_tqdm", "true"]  # fmt: skip
+    assert main([*argv, "--image_column", "image_description"]) == 2  # captions are not image files
+    assert main(argv) == 0
+    assert (tmp_path / "run" / "model.safetensors").is_file()

@@ -9,6 +9,8 @@
 - A folder holding that run finished (its training reached its last step): nothing to train, nothing written
   (``completed_at_step``); the run's saved metrics are its result.
 - A folder holding another run, or files vlfit did not write: refused in one line naming the flags that differ.
+  A run that stopped before its first step (no checkpoint, no model: a bad column, unreadable data) is not
+  refused: the rerun with corrected flags replaces it, and says so.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from vlfit.atomic_files import write_text_atomically
+from vlfit.data.bad_samples import BAD_SAMPLES_REPORT
 from vlfit.errors import ConfigError
 from vlfit.version import __version__
 
@@ -43,6 +46,9 @@ NEUTRAL_FLAGS = frozenset(
     }
 )  # fmt: skip
 _PRIMITIVES = (str, int, float, bool, type(None))
+# What a run writes once it has trained: its final state, model and adapters (checkpoints are checkpoint-N folders).
+_MODEL_FILES = frozenset({FINAL_STATE_FILE, "config.json", "adapter_config.json"})
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 
 
 def _plain(value: Any) -> Any:
@@ -85,6 +91,23 @@ def _remove_checkpoints(output_dir: str) -> None:
             shutil.rmtree(path)
 
 
+def _stopped_before_its_first_step(output_dir: str) -> bool:
+    """Whether the run in ``output_dir`` left no checkpoint, no final state and no model: it failed before its
+    first optimizer step (a bad column, unreadable data), so nothing of it can be resumed or used."""
+    for name in os.listdir(output_dir):
+        if name.startswith(f"{PREFIX_CHECKPOINT_DIR}-") or name in _MODEL_FILES or name.endswith(_WEIGHT_SUFFIXES):
+            return False
+    return True
+
+
+def _remove_run_record(output_dir: str) -> None:
+    """Remove what a run that never stepped wrote (its flags, its bad-sample reports), for the run replacing it."""
+    for name in os.listdir(output_dir):
+        stem, ext = os.path.splitext(BAD_SAMPLES_REPORT)
+        if name == RUN_FLAGS_FILE or (name.startswith(stem) and name.endswith(ext)):
+            os.remove(os.path.join(output_dir, name))
+
+
 def resolve_output_dir(
     output_dir: str,
     flags: dict[str, Any],
@@ -124,6 +147,16 @@ def resolve_output_dir(
     with open(record, encoding="utf-8") as f:
         saved = json.load(f)
     differ = _differences(saved["flags"], flags, set(given) | set(saved.get("given", ())))
+    if differ and _stopped_before_its_first_step(output_dir):
+        if main_process:
+            _remove_run_record(output_dir)
+        logger.info(
+            "--output_dir %s held a run that stopped before its first step (no checkpoint, no model), with other "
+            "flags (%s): this run replaces it",
+            output_dir,
+            "; ".join(differ),
+        )
+        return None
     if differ:
         raise ConfigError(
             f"--output_dir {output_dir} holds another run (flags that differ: {'; '.join(differ)}); {what}, or "
