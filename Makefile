@@ -36,9 +36,11 @@ test: lint
 test-fast: $(STAMP)
 	$(PY) -m pytest $(PYTEST_WORKERS) -m "not slow"
 
-# docs/cli.md from every command's --help (tests/test_docs.py fails when it is stale).
+# docs/cli.md from every command's --help, and the flag index vlfit answers --help and typos from before its
+# heavy imports (tests/test_docs.py and tests/test_flag_index.py fail when either is stale).
 docs: $(STAMP)
 	$(PY) -m vlfit.commands.cli_reference > docs/cli.md
+	$(PY) -m vlfit.commands.cli_reference --flag-index
 
 # Re-pin requirements/ci.txt: a fresh venv with the newest releases pyproject.toml allows, frozen.
 lock:

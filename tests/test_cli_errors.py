@@ -131,10 +131,13 @@ def test_take_debug_flag(argv, kept, debug):
         (["eval", "--eval_split", "test", "--bogus"], "unrecognized arguments: --bogus"),
     ],
 )
-def test_a_bad_flag_is_one_line_pointing_at_help_without_the_usage(capsys, argv, named):
-    with pytest.raises(SystemExit) as stop:
-        cli.main(argv)
-    assert stop.value.code == cli.USAGE_ERROR_EXIT_CODE
+@pytest.mark.parametrize("from_index", [True, False], ids=["recorded-flags", "the-parser"])
+def test_a_bad_flag_is_one_line_pointing_at_help_without_the_usage(capsys, argv, named, from_index):
+    try:  # the recorded flags answer an unknown one with a return; the parser exits as argparse does
+        code = cli.main(argv, answer_from_index=from_index)
+    except SystemExit as stop:
+        code = stop.code
+    assert code == cli.USAGE_ERROR_EXIT_CODE
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "usage:" not in err, err
     assert err.startswith(f"vlfit {argv[0]}: error: ") and named in err

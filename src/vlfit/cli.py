@@ -31,6 +31,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "wise-ft": ("vlfit.commands.wise_ft", "interpolate a zero-shot and a fine-tuned model (WiSE-FT): curve and pick"),
     "vqa": ("vlfit.commands.vqa", "answer questions about an image with a model vlfit train --task vqa saved"),
 }
+# Commands with subcommands, each with flags of its own.
+SUBCOMMANDS = {"retrieve": ("index", "query", "verify")}
 
 DEBUG_FLAG = "--debug"
 LOG_LEVEL_FLAG = "--log_level"
@@ -135,8 +137,15 @@ def _stop_loader_workers(error: BaseException) -> None:
         stop_loader_workers(error.__traceback__)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run ``vlfit <command>``; returns the process exit code."""
+def main(argv: list[str] | None = None, *, answer_from_index: bool = True) -> int:
+    """Run ``vlfit <command>``; returns the process exit code.
+
+    Args:
+        argv: The arguments (``None``: ``sys.argv[1:]``).
+        answer_from_index: Answer ``--help`` and a mistyped flag from the recorded flag index, before the command
+            is imported (``vlfit.flag_index``); False asks the command's own parser (what the index and
+            ``docs/cli.md`` are made from).
+    """
     argv, debug = take_debug_flag(list(sys.argv[1:] if argv is None else argv))
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
@@ -150,10 +159,16 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"vlfit: unknown command {command!r}; choose one of: {', '.join(COMMANDS)}\n\n{usage()}", file=sys.stderr)
         return 2
+    from vlfit.flag_index import answer_early
+
+    rest, log_level = take_log_level(rest)
+    # --help, a typo or a missing data file: answered before any heavy import.
+    early = answer_early(command, rest, SUBCOMMANDS.get(command, ())) if answer_from_index else None
+    if early is not None:
+        return early
     from vlfit.errors import NO_SPACE_ERRNOS, UserError, cli_wording, disk_full_error
     from vlfit.logs import configure_logging
 
-    rest, log_level = take_log_level(rest)
     configure_logging(log_level)  # the one place logging is configured
     from vlfit.extras import COMMAND_EXTRAS, require_extra
 

@@ -1,27 +1,30 @@
-"""The command-line reference, ``docs/cli.md``: every command's ``--help``, as ``vlfit <command> --help`` prints it.
+"""The command-line reference, ``docs/cli.md``: every command's ``--help``, as ``vlfit <command> --help`` prints it;
+and the flag index (``vlfit/flag_index.json``: each command's help and option strings, what ``vlfit`` answers
+``--help`` and typos from before its heavy imports).
 
-Regenerate it after changing a flag (a test fails while it is stale)::
+Regenerate both after changing a flag (``make docs``; a test fails while either is stale)::
 
     python -m vlfit.commands.cli_reference > docs/cli.md
+    python -m vlfit.commands.cli_reference --flag-index
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import sys
+from typing import Any
 
 REGENERATE = "python -m vlfit.commands.cli_reference > docs/cli.md"
 # argparse wraps help to the terminal's width: fixed, so the page does not depend on who generated it.
 HELP_COLUMNS = "120"
-# Commands with subcommands, each with flags of its own.
-SUBCOMMANDS = {"retrieve": ("index", "query", "verify")}
 
 
 def command_lines() -> list[list[str]]:
     """The command lines documented: ``[command]`` or ``[command, subcommand]``, in ``vlfit --help``'s order."""
-    from vlfit.cli import COMMANDS
+    from vlfit.cli import COMMANDS, SUBCOMMANDS
 
     lines: list[list[str]] = []
     for command in COMMANDS:
@@ -39,7 +42,7 @@ def help_text(words: list[str]) -> str:
     try:
         quiet = contextlib.redirect_stderr(io.StringIO())
         with contextlib.redirect_stdout(out), quiet, contextlib.suppress(SystemExit):  # argparse exits after the help
-            main([*words, "--help"])
+            main([*words, "--help"], answer_from_index=False)  # the parser's own help, not the recorded one
     finally:
         if old is None:
             os.environ.pop("COLUMNS", None)
@@ -72,7 +75,29 @@ def _anchor(words: list[str]) -> str:
     return "-".join(["vlfit", *words]).lower()
 
 
-def main() -> int:
+def flag_index() -> dict[str, Any]:
+    """Each command line's help (as ``docs/cli.md`` holds it) and the option strings its parser takes (recorded by
+    ``CommandParser.print_help``)."""
+    from vlfit.commands import parsing
+
+    index: dict[str, Any] = {}
+    for words in command_lines():
+        prog = "vlfit " + " ".join(words)
+        parsing.HELP_FLAG_RECORD.clear()
+        text = help_text(words)
+        index[prog] = {"help": text, "flags": sorted(parsing.HELP_FLAG_RECORD.get(prog, ()))}
+    return index
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``docs/cli.md`` on stdout, or with ``--flag-index`` the flag index written to ``vlfit/flag_index.json``."""
+    if (sys.argv[1:] if argv is None else argv) == ["--flag-index"]:
+        from vlfit.flag_index import INDEX_FILE
+
+        with open(INDEX_FILE, "w", encoding="utf-8") as f:
+            f.write(json.dumps(flag_index(), indent=1, sort_keys=True) + "\n")
+        print(f"wrote {INDEX_FILE}")
+        return 0
     sys.stdout.write(render())
     return 0
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 from transformers import HfArgumentParser
 
 from vlfit.errors import ConfigError, MissingFileError, UserError, register_option_names
+from vlfit.flag_index import unrecognized_message
 
 if TYPE_CHECKING:
     from vlfit.arguments import DataArguments, ModelArguments
@@ -84,6 +85,10 @@ def load_flags_file(path: str) -> dict[str, Any]:
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: expected a mapping of flag names to values, got {type(values).__name__}")
     return values
+
+
+# Each parser's option strings as it printed its help: what ``vlfit.flag_index`` writes down.
+HELP_FLAG_RECORD: dict[str, list[str]] = {}
 
 
 class CommandParser(HfArgumentParser):
@@ -144,16 +149,14 @@ class CommandParser(HfArgumentParser):
         return sorted(flag for flag in self._option_string_actions if "-" not in flag.lstrip("-"))
 
     def refuse_unknown(self, unknown: Iterable[str]) -> None:
-        """Stop in one line (exit 2, as argparse), naming each unknown flag and the closest known ones."""
-        flags = [arg.split("=", 1)[0] for arg in unknown if arg.startswith("-")]
-        others = [arg for arg in unknown if not arg.startswith("-")]
-        parts = []
-        for flag in flags:
-            close = difflib.get_close_matches(flag, self.known_flags(), n=2, cutoff=0.75)
-            parts.append(f"{flag} (did you mean {' or '.join(close)}?)" if close else flag)
-        if others and not flags:
-            parts.append(" ".join(others))
-        self.error(f"unrecognized arguments: {', '.join(parts)}")
+        """Stop in one line (exit 2, as argparse), naming each unknown flag and the closest known ones (the line
+        ``vlfit.flag_index`` prints before the command is imported)."""
+        self.error(unrecognized_message(unknown, self.known_flags()))
+
+    def print_help(self, file: Any = None) -> None:
+        """argparse's help; the option strings are recorded on the way for ``vlfit.flag_index``."""
+        HELP_FLAG_RECORD[self.prog] = list(self._option_string_actions)
+        super().print_help(file)
 
     def typed_values(self, values: dict[str, Any]) -> dict[str, Any]:
         """``values`` (field names to values) converted as the command line converts its strings, and checked.

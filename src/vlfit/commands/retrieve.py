@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
+from vlfit.cli import SUBCOMMANDS as COMMAND_SUBCOMMANDS
 from vlfit.commands.parsing import CommandParser
 from vlfit.errors import ConfigError
 from vlfit.index.ann_choice import DEFAULT_MAX_INDEX_MEMORY, DEFAULT_TARGET_RECALL
@@ -25,7 +26,7 @@ from vlfit.index.stages import StageTimes
 from vlfit.index.verify import open_index, verify_index
 from vlfit.inference.topk import DEFAULT_CHUNK_ELEMENTS
 
-SUBCOMMANDS = ("index", "query", "verify")
+SUBCOMMANDS = COMMAND_SUBCOMMANDS["retrieve"]
 # Flags of vlfit retrieve index that are the command's, not the job's.
 CLI_ONLY = ("dataloader_num_workers", "disable_tqdm", "json")
 Backend = Literal["auto", "torch", "onnxruntime", "openvino"]

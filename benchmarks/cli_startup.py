@@ -1,0 +1,59 @@
+"""CPU seconds from start to the answer for what a newcomer types first: a mistyped flag, a missing data file and
+``--help``, answered from the recorded flag index (before the heavy imports) and by the command's own parser (after
+them), each in a fresh process, median of N runs.
+
+    python benchmarks/cli_startup.py [--runs 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+
+CASES = {
+    "typo (train --learning_rat 1e-3)": ["train", "--learning_rat", "1e-3"],
+    "missing --train_file": ["train", "--model_preset", "tiny", "--train_file", "missing.csv", "--output_dir", "out"],
+    "train --help": ["train", "--help"],
+    "import vlfit": None,
+}
+RUN = "import sys; from vlfit.cli import main; sys.exit(main(sys.argv[2:], answer_from_index=sys.argv[1] == '1'))"
+
+
+def cpu_seconds(argv: list[str] | None, from_index: bool, cwd: str) -> float:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    command = (
+        [sys.executable, "-c", "import vlfit"]
+        if argv is None
+        else [sys.executable, "-c", RUN, "1" if from_index else "0", *argv]
+    )
+    subprocess.run(command, capture_output=True, cwd=cwd, timeout=300, check=False)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args()
+    results = {}
+    with tempfile.TemporaryDirectory() as cwd:
+        for name, argv in CASES.items():
+            row = {}
+            for from_index in (True, False):
+                times = [cpu_seconds(argv, from_index, cwd) for _ in range(args.runs)]
+                row["flag index" if from_index else "parser"] = round(statistics.median(times), 3)
+                if argv is None:
+                    break
+            results[name] = row
+            print(f"{name:<36} " + "  ".join(f"{k}: {v:.3f} s CPU" for k, v in row.items()), flush=True)
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Every command's flags and ``--help``, written down ahead of time (``flag_index.json``), so that ``vlfit``
+answers a typo or ``--help`` before it imports torch, transformers or datasets (seconds of CPU).
+
+``vlfit <command> --help`` prints the recorded help; a flag no parser of the command takes stops in one line with
+the closest known flags, as the parser itself would, and so does a local data file that does not exist
+(``--train_file``...), before the command's module is imported. Everything else (a bad value, a flag rule) is the
+command's own parser's and checks' to refuse.
+
+The file is made from the parsers themselves (each ``CommandParser`` records its option strings as it prints its
+help, ``vlfit.commands.cli_reference.flag_index``); regenerate it with the command-line reference after changing a
+flag (``make docs``; a test fails while it is stale)::
+
+    python -m vlfit.commands.cli_reference --flag-index
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import sys
+from collections.abc import Iterable
+from functools import cache
+from typing import Any
+
+INDEX_FILE = os.path.join(os.path.dirname(__file__), "flag_index.json")
+REGENERATE = "python -m vlfit.commands.cli_reference --flag-index"
+HELP_FLAGS = ("-h", "--help")
+# The local data files a command reads (``vlfit.arguments.data``): one that names no file is refused before the
+# imports, naming the flag.
+DATA_FILE_FLAGS = ("--train_file", "--validation_file", "--test_file")
+
+
+def closest_flags(flag: str, known: Iterable[str]) -> list[str]:
+    """The known flags closest to a mistyped one (at most two; their underscore spelling)."""
+    return difflib.get_close_matches(flag, sorted(known), n=2, cutoff=0.75)
+
+
+def unrecognized_message(unknown: Iterable[str], known: Iterable[str]) -> str:
+    """``unrecognized arguments: --learning_rat (did you mean --learning_rate?)``: each unknown flag (``--name``
+    or ``--name=value``) with the closest known ones, then the other unknown words."""
+    unknown = list(unknown)
+    flags = [arg.split("=", 1)[0] for arg in unknown if arg.startswith("-")]
+    others = [arg for arg in unknown if not arg.startswith("-")]
+    underscored = [flag for flag in known if "-" not in flag.lstrip("-")]  # --learning-rate is the same flag
+    parts = []
+    for flag in flags:
+        close = closest_flags(flag, underscored)
+        parts.append(f"{flag} (did you mean {' or '.join(close)}?)" if close else flag)
+    if others and not flags:
+        parts.append(" ".join(others))
+    return f"unrecognized arguments: {', '.join(parts)}"
+
+
+@cache
+def _index() -> dict[str, Any]:
+    try:
+        with open(INDEX_FILE, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):  # no index (a source tree before `make docs`): the parsers answer, as ever
+        return {}
+
+
+def answer_early(command: str, argv: list[str], subcommands: Iterable[str] = ()) -> int | None:
+    """The exit code of ``vlfit <command> argv`` when it can be answered from the index alone (``--help``: 0, an
+    unknown flag: 2, with the line printed), else None (the command runs).
+
+    Args:
+        command: The command's name.
+        argv: Its arguments.
+        subcommands: The command's subcommands (``retrieve``: ``index``, ``query``, ``verify``), the first argument.
+    """
+    words = [command]
+    if argv and argv[0] in subcommands:
+        words.append(argv[0])
+        argv = argv[1:]
+    entry = _index().get("vlfit " + " ".join(words))
+    if entry is None or (len(argv) == 1 and not argv[0].startswith("-")):  # none recorded, or a flags file
+        return None
+    flags = argv[: argv.index("--")] if "--" in argv else argv
+    if any(arg in HELP_FLAGS for arg in flags):
+        sys.stdout.write(entry["help"])
+        return 0
+    known = set(entry["flags"])
+    if not known:  # a command whose parser records none: its own parser answers
+        return None
+    unknown = [arg for arg in flags if arg.startswith("--") and arg.split("=", 1)[0] not in known]
+    prog = "vlfit " + " ".join(words)
+    if not unknown:
+        return refuse_missing_data_files(prog, flags) if known & set(DATA_FILE_FLAGS) else None
+    print(f"{prog}: error: {unrecognized_message(unknown, known)}; see {prog} --help", file=sys.stderr)
+    return 2
+
+
+def refuse_missing_data_files(prog: str, argv: list[str]) -> int | None:
+    """2, with one line naming the flag, when a local data file flag (``DATA_FILE_FLAGS``) names no file; else
+    None. A stream spec (URLs, ``::``-joined sources) is left to the command."""
+    from vlfit.data.file_patterns import is_stream_spec, resolve_files  # light: no torch
+    from vlfit.errors import MissingFileError
+
+    for flag, value in _flag_values(argv, DATA_FILE_FLAGS):
+        if value and not is_stream_spec(value):
+            try:
+                resolve_files(value)
+            except MissingFileError as error:
+                print(f"{prog}: error: {flag} {value}: {error}", file=sys.stderr)
+                return 2
+    return None
+
+
+def _flag_values(argv: list[str], names: Iterable[str]) -> list[tuple[str, str]]:
+    """``(flag, value)`` of each of ``names`` given in ``argv`` (``--flag value`` or ``--flag=value``)."""
+    found = []
+    for i, arg in enumerate(argv):
+        name, equals, value = arg.partition("=")
+        if name in names:
+            if equals:
+                found.append((name, value))
+            elif i + 1 < len(argv):
+                found.append((name, argv[i + 1]))
+    return found
