@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -24,6 +25,13 @@ from vlfit.models.reference import parse_model_reference
 PROG = "vlfit wise-ft"
 SELECTIONS = ("target", "mean")
 RESULTS_FILE, TABLE_FILE, CHART_FILE, MODEL_DIR = "wise-ft.json", "wise-ft.md", "wise-ft.png", "model"
+# The scores of the target split (vlfit.evaluation.retrieval, .rerank) that --target_metric may name.
+TARGET_METRIC = re.compile(r"eval_(?:(?:t2i|i2t)(?:_rerank)?_recall@(?:1|5|10)|matching_accuracy(?:_itm)?)")
+DESCRIPTION = (
+    "Evaluate mixes (1 - alpha) x --zeroshot_model + alpha x --finetuned_model (WiSE-FT) on the target split "
+    "(--eval_split) and on --zeroshot_dataset, which is required: the labelled data the mix must not forget (its "
+    "zero-shot top-1 is the second curve). Writes the curve to --output_dir and saves the alpha --select picks."
+)
 
 
 @dataclass
@@ -38,7 +46,12 @@ class WiseFtArguments:
         default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1", metadata={"help": "The mixing weights, comma-separated."}
     )
     target_metric: str = field(
-        default="eval_t2i_recall@1", metadata={"help": "The target split's metric the curve and --select use."}
+        default="eval_t2i_recall@1",
+        metadata={
+            "help": "The target split's metric the curve and --select use: eval_t2i_recall@k or eval_i2t_recall@k "
+            "(k 1, 5 or 10), eval_matching_accuracy (data with caption choices), eval_t2i_rerank_recall@k or "
+            "eval_i2t_rerank_recall@k (--rerank_top_k)."
+        },
     )
     select: str = field(
         default="target",
@@ -52,6 +65,16 @@ class WiseFtArguments:
         default=None,
         metadata={"help": "Keep only alphas whose zero-shot top-1 is at most this much below alpha 0's (e.g. 0.02)."},
     )
+
+
+def check_target_metric(name: str) -> None:
+    """Refuse a ``--target_metric`` that no evaluation reports as a score, before any model loads."""
+    if not TARGET_METRIC.fullmatch(name):
+        raise ConfigError(
+            f"--target_metric {name!r} is not a metric of the target split; choose one of eval_t2i_recall@1 (the "
+            "default), eval_i2t_recall@1, @5 or @10 of either, eval_matching_accuracy, or with --rerank_top_k "
+            "eval_t2i_rerank_recall@k"
+        )
 
 
 def parse_alphas(text: str) -> list[float]:
@@ -113,12 +136,19 @@ def write_chart(path: str, rows: list[dict[str, Any]], target: str, zeroshot: st
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``vlfit wise-ft``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = CommandParser((WiseFtArguments, DataArguments, EvalArguments), prog=PROG)
+    parser = CommandParser((WiseFtArguments, DataArguments, EvalArguments), prog=PROG, description=DESCRIPTION)
+    for action in parser._actions:
+        if action.dest == "zeroshot_dataset":
+            action.help = f"Required by vlfit wise-ft. {action.help}"
     (args, data, settings), _ = parser.parse(argv)
     if not settings.output_dir:
-        raise ConfigError("--output_dir: where the curve and the chosen model go")
+        raise ConfigError("--output_dir is required: where the curve and the chosen model go")
     if not data.zeroshot_dataset:
-        raise ConfigError("--zeroshot_dataset: the labelled data WiSE-FT must not forget (its zero-shot top-1 curve)")
+        raise ConfigError(
+            "--zeroshot_dataset is required: the labelled data WiSE-FT must not forget (its zero-shot top-1 is "
+            "the second curve), e.g. --zeroshot_dataset DATA --zeroshot_label_column label"
+        )
+    check_target_metric(args.target_metric)
     alphas = parse_alphas(args.alphas)
     for flag, model in (("--zeroshot_model", args.zeroshot_model), ("--finetuned_model", args.finetuned_model)):
         if parse_model_reference(model, flag=flag).answers_questions:
@@ -158,8 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         mixed = interpolate(theta_a, theta_b, alpha)
         metrics = run(finetuned_args, data, alpha_training, setup=setup, state_dict=mixed)
         rows.append({"alpha": alpha, **{key: value for key, value in metrics.items() if key.startswith("eval_")}})
-    if args.target_metric not in rows[0]:
-        raise ConfigError(f"--target_metric {args.target_metric!r} is not a metric; choose one of {sorted(rows[0])}")
+    if args.target_metric not in rows[0]:  # a score this data has none of (caption choices, re-ranking)
+        scores = sorted(key for key in rows[0] if TARGET_METRIC.fullmatch(key))
+        raise ConfigError(f"--target_metric {args.target_metric!r}: this evaluation has no such metric; choose one of "
+                          f"{scores}")  # fmt: skip
     zeroshot = zeroshot_key(rows[0])
     chosen = choose(rows, args)
 

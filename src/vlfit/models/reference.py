@@ -88,7 +88,8 @@ def parse_model_reference(
     Raises:
         MissingFileError: naming ``flag`` and what it could have named, when nothing is there (a name that can
             only be a local path, or any name when ``hub`` is not among ``kinds``).
-        ConfigError: for ``kinds=("preset",)``, an unknown preset or a file that is not one.
+        ConfigError: for ``kinds=("preset",)``, an unknown preset or a file that is not one; a preset's name where
+            ``kinds`` takes no preset; a folder of data.
     """
     name = os.fspath(value)
     if tuple(kinds) == ("preset",):
@@ -108,6 +109,12 @@ def parse_model_reference(
         refuse_data_folder(name, flag, presets="preset" in kinds)
         return ModelReference("checkpoint", name, answers_questions=_answers_questions(name))
     if "hub" in kinds:
+        if "preset" not in kinds and name in list_presets() and not os.path.exists(name):
+            instead = f"; --model_preset {name} builds it with random weights" if flag == "--model_name_or_path" else ""
+            raise ConfigError(
+                f"{flag} {name}: a preset's name, not a trained model: {flag} takes a checkpoint folder (what vlfit "
+                f"train writes) or a hub id{instead}"
+            )
         check_local_path(name, flag)
         return ModelReference("checkpoint" if os.path.exists(name) else "hub", name)
     if "preset" in kinds and not os.path.exists(name):
