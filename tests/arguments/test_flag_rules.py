@@ -62,3 +62,15 @@ def test_re_ranking_in_a_sharded_run_s_evaluation_is_refused(tmp_path) -> None:
     data = DataArguments(dataset_name=str(tmp_path), rerank_top_k=3)
     with pytest.raises(ConfigError, match="^--rerank_top_k with --fsdp .*: .* vlfit eval --rerank_top_k 3$"):
         check_flag_rules(ModelArguments(model_preset="tiny"), data, ShardedRun(), task="retrieval")
+
+
+def test_vqa_on_a_dual_encoder_is_refused_naming_the_task_and_the_model(tmp_path) -> None:
+    training = VlfitTrainingArguments(output_dir=str(tmp_path / "run"), report_to="none")
+    data = DataArguments(dataset_name=str(tmp_path / "nowhere"))  # refused before the data would be opened
+    with pytest.raises(ConfigError, match="^--task vqa fine-tunes BridgeTower .*; --model_preset clip-tiny is a dual"):
+        check_flag_rules(ModelArguments(model_preset="clip-tiny"), data, training, task="vqa")
+    (tmp_path / "siglip").mkdir()
+    (tmp_path / "siglip" / "config.json").write_text(json.dumps({"model_type": "siglip"}))
+    with pytest.raises(ConfigError, match=r"^--task vqa .*--model_name_or_path .*siglip is a dual encoder \(CLIP or"):
+        check_flag_rules(ModelArguments(model_name_or_path=str(tmp_path / "siglip")), data, training, task="vqa")
+    check_flag_rules(ModelArguments(model_preset="tiny"), data, training, task="vqa")  # BridgeTower answers

@@ -15,7 +15,8 @@ from dataclasses import MISSING, Field, dataclass, fields
 from typing import Any
 
 from vlfit.errors import ConfigError
-from vlfit.models.reference import parse_model_reference
+from vlfit.models.presets import get_preset
+from vlfit.models.reference import local_model_type, parse_model_reference
 
 # Flags of a retrieval run: its contrastive or matching loss, and its retrieval and zero-shot evaluation. A --task vqa
 # run trains with the VQA loss and reports VQA accuracy: none of them would do anything there.
@@ -87,6 +88,15 @@ def _has_no_vqa_head(model: str | None) -> bool:
     return bool(model) and not parse_model_reference(model).answers_questions
 
 
+def _is_dual_encoder_preset(preset: str | None) -> bool:
+    return preset is not None and get_preset(preset).family != "bridgetower"
+
+
+def _is_dual_encoder_folder(model: str | None) -> bool:
+    return bool(model) and local_model_type(parse_model_reference(model)) not in (None, "bridgetower")
+
+
+_VQA_NEEDS = "--task vqa fine-tunes BridgeTower (its fused tower answers questions); "
 _WISE_FT = "--wise_ft_alpha mixes the trained weights with the starting ones, and "
 
 FLAG_RULES: tuple[FlagRule, ...] = (
@@ -107,6 +117,20 @@ FLAG_RULES: tuple[FlagRule, ...] = (
             "--{flag} is a flag of --task vqa (its answers); this run is a retrieval run: add --task vqa or drop it",
         )
         for name in VQA_FLAGS
+    ),
+    # VQA answers from BridgeTower's fused tower: a dual encoder is refused before its data opens (with the question
+    # column its caption, a CLIP or SigLIP run would fail on the column first).
+    FlagRule(
+        ("task", "model_preset"),
+        lambda flags: _vqa(flags) and _is_dual_encoder_preset(flags["model_preset"]),
+        _VQA_NEEDS + "--model_preset {model_preset} is a dual encoder without one: choose a BridgeTower preset (tiny, "
+        "small ...) or checkpoint, or drop --task vqa",
+    ),
+    FlagRule(
+        ("task", "model_name_or_path"),
+        lambda flags: _vqa(flags) and _is_dual_encoder_folder(flags["model_name_or_path"]),
+        _VQA_NEEDS + "--model_name_or_path {model_name_or_path} is a dual encoder (CLIP or SigLIP) without one: "
+        "choose a BridgeTower checkpoint or preset, or drop --task vqa",
     ),
     FlagRule(
         ("answer_vocabulary", "do_train"),

@@ -26,6 +26,7 @@ import json
 import os
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Any
 
 from vlfit.errors import ConfigError, MissingFileError
 from vlfit.models.presets import get_preset, is_preset_file, list_presets
@@ -163,15 +164,31 @@ def _data_files(folder: str) -> list[str]:
     ]
 
 
-def _answers_questions(folder: str) -> bool:
-    """Whether the checkpoint folder's config names the VQA architecture (a folder without a readable config is
-    left for transformers to refuse)."""
+def _config(folder: str) -> dict[str, Any]:
+    """The model config in ``folder`` as a dict, or ``{}`` when it has none that reads (transformers refuses it
+    later, naming it)."""
     try:
         with open(os.path.join(folder, MODEL_CONFIG), encoding="utf-8") as f:
             config = json.load(f)
     except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and VQA_ARCHITECTURE in (config.get("architectures") or ())
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _answers_questions(folder: str) -> bool:
+    """Whether the checkpoint folder's config names the VQA architecture (a folder without a readable config is
+    left for transformers to refuse)."""
+    return VQA_ARCHITECTURE in (_config(folder).get("architectures") or ())
+
+
+def local_model_type(reference: ModelReference) -> str | None:
+    """The ``model_type`` of a local checkpoint's config (for adapters, their local base's): ``bridgetower``,
+    ``clip``, ``siglip`` ...; None for a hub id, a preset, an export or a folder without a readable config."""
+    folder = reference.weights
+    if reference.kind not in ("checkpoint", "adapters") or not folder or not os.path.isdir(folder):
+        return None
+    model_type = _config(folder).get("model_type")
+    return model_type if isinstance(model_type, str) else None
 
 
 def check_local_path(name: str, flag: str) -> None:
