@@ -317,6 +317,11 @@ class DataArguments(CompatDataFlags, StreamArguments, DataLocationArguments):
             raise ConfigError(f"unknown --task {self.task!r}; choose one of: {', '.join(TASKS)}")
         if self.max_answers < 1:
             raise ConfigError(f"--max_answers must be at least 1, got {self.max_answers}")
+        if self.eval_pool_size is not None and int(self.eval_pool_size) < 1:
+            raise ConfigError(
+                f"--eval_pool_size must be at least 1 (images per recall@k pool), got {self.eval_pool_size}; leave it "
+                "out to rank over the whole split"
+            )
         if self.image_pipeline not in IMAGE_PIPELINES:
             raise ConfigError(
                 f"unknown --image_pipeline {self.image_pipeline!r}; choose one of: {', '.join(IMAGE_PIPELINES)}"
