@@ -58,10 +58,16 @@ class ModelIdentity:
             )
         if self.checkpoint_sha256 != other.checkpoint_sha256:
             raise RefusedModelError(
-                f"{what} was built with checkpoint {self.checkpoint_sha256[:12]} but {other_what} comes from "
-                f"checkpoint {other.checkpoint_sha256[:12]}: its embeddings are not comparable; use the model the "
+                f"{what} was built with {shown_source(self.checkpoint_sha256)} but {other_what} comes from "
+                f"{shown_source(other.checkpoint_sha256)}: its embeddings are not comparable; use the model the "
                 "index was built with or build a new index"
             )
+
+
+def shown_source(fingerprint: str) -> str:
+    """A fingerprint as a message names it: ``checkpoint`` and a SHA-256's first 12 digits, or a preset's
+    ``preset:NAME`` whole (its random weights have no digest to shorten)."""
+    return f"the {fingerprint}" if fingerprint.startswith("preset:") else f"checkpoint {fingerprint[:12]}"
 
 
 def weight_files(checkpoint: str) -> list[str]:
