@@ -216,7 +216,7 @@ def test_worker_processes_build_their_app_from_the_settings_in_the_environment(s
     from vlfit.commands.serve import SETTINGS_ENV, ServeArguments, app_from_environment, worker_settings
 
     settings = ServeArguments(index=str(served_index), workers=2, port=8123, max_batch=3, reload_interval=0)
-    monkeypatch.setenv(SETTINGS_ENV, worker_settings(settings, None))
+    monkeypatch.setenv(SETTINGS_ENV, worker_settings(settings, None, {}))
     with TestClient(app_from_environment(), base_url="http://127.0.0.1:8123") as client:  # what each worker calls
         health = client.get("/api/health").json()
         assert health["status"] == "ok" and health["index"] == served_index.name
@@ -296,6 +296,58 @@ def test_with_two_workers_metrics_counts_the_requests_of_every_worker(served_ind
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0, log.read_text()[-3000:]
         assert not os.path.exists(folder)  # the counts' folder goes with the server
+    finally:
+        kill_process_tree(process)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_keys_stay_out_of_every_environment_and_a_workers_key_file_goes_with_the_server(
+    served_index, tmp_path, workers
+) -> None:
+    """The API key from --api_key_file, the admin key from $VLFIT_ADMIN_KEY (so in the environment the server was
+    started with, and no other): no process of the server holds a key in its environment; the workers read the
+    keys from a private file, gone once the server stops."""
+    import psutil
+
+    from vlfit.commands.serve import SETTINGS_ENV
+    from vlfit.serve.launch import kill_process_tree, start_server
+
+    api_key, admin_key = "api-key-in-a-file-0123456789", "admin-key-in-the-environment-0123456789"
+    (tmp_path / "api_key.txt").write_text(api_key + "\n")
+    flags = ["--index", str(served_index), "--workers", str(workers), "--reload_interval", "0",
+             "--api_key_file", str(tmp_path / "api_key.txt")]  # fmt: skip
+    env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "VLFIT_ADMIN_KEY": admin_key}
+    log = tmp_path / "server.log"
+    server = start_server(flags, str(log), timeout=START_TIMEOUT, env=env)
+    base, process = server.url, server.process
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while log.read_text().count("Application startup complete") < workers:  # every worker has read its keys
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.25)
+        query, keyed = {"text": "a red circle", "k": 2}, {"Authorization": f"Bearer {api_key}"}
+        for _ in range(2 * workers):  # new connections: either worker may answer
+            assert (
+                httpx.post(f"{base}/api/search", json=query, headers=keyed, timeout=REQUEST_TIMEOUT).status_code == 200
+            )
+            assert httpx.post(f"{base}/api/search", json=query, timeout=REQUEST_TIMEOUT).status_code == 401
+        # The admin key is in the environment the server was started with; nothing may add either key to one.
+        assert api_key.encode() not in Path(f"/proc/{process.pid}/environ").read_bytes()
+        children = psutil.Process(process.pid).children(recursive=True)
+        assert workers == 1 or len(children) >= workers  # uvicorn's workers (and what they start)
+        for child in children:
+            environment = Path(f"/proc/{child.pid}/environ").read_bytes()
+            assert api_key.encode() not in environment and admin_key.encode() not in environment, child.cmdline()
+        given = [json.loads(child.environ()[SETTINGS_ENV])["flags"] for child in children
+                 if SETTINGS_ENV in child.environ()]  # fmt: skip
+        files = {given_flags[name] for given_flags in given for name in ("api_key_file", "admin_key_file")}
+        assert len(files) == 2 * (workers > 1)  # one file per key, the same for every worker
+        folders = {os.path.dirname(file) for file in files}
+        assert all(os.stat(file).st_mode & 0o777 == 0o600 for file in files)
+        assert all(os.stat(folder).st_mode & 0o777 == 0o700 for folder in folders)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0, log.read_text()[-3000:]
+        assert not any(os.path.exists(folder) for folder in folders)  # the keys' folder goes with the server
     finally:
         kill_process_tree(process)
 

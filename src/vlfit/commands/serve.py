@@ -4,7 +4,8 @@
 
 The model (or its exported graphs, as ``--backend auto`` picks for ``vlfit retrieve query``) and the index are
 loaded once per worker process; see ``vlfit.serve.app`` for the routes. With ``--workers N``, ``/metrics`` counts
-the requests of every worker (prometheus_client's multiprocess mode, in a temporary folder removed at exit).
+the requests of every worker (prometheus_client's multiprocess mode, in a temporary folder removed at exit), and
+the keys reach the workers in files of a private temporary folder, removed at exit, never through the environment.
 SIGTERM or Ctrl-C finishes the requests in flight, then exits 0.
 """
 
@@ -156,7 +157,7 @@ class ServeArguments:
         self.limits()  # refuses a limit out of range now, in one line
         self.api_key = read_key(self.api_key, self.api_key_file, API_KEY_ENV, "--api_key")
         self.admin_key = read_key(self.admin_key, self.admin_key_file, ADMIN_KEY_ENV, "--admin_key")
-        self.api_key_file = self.admin_key_file = None  # read: the workers get the keys themselves
+        self.api_key_file = self.admin_key_file = None  # read: --workers N hands them on in files (_key_files)
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ConfigError("--ssl_certfile and --ssl_keyfile go together: give both to serve HTTPS, or neither")
         for flag, path in (("--ssl_certfile", self.ssl_certfile), ("--ssl_keyfile", self.ssl_keyfile)):
@@ -187,10 +188,13 @@ def build_app(args: ServeArguments, verified: tuple[int, int] | None = None):  #
                       limits=args.limits(), access=args.access())  # fmt: skip
 
 
-def worker_settings(args: ServeArguments, verified: tuple[int, int] | None) -> str:
+def worker_settings(args: ServeArguments, verified: tuple[int, int] | None, key_files: dict[str, str]) -> str:
     """What ``SETTINGS_ENV`` holds for the workers: the flags, and the manifest stamp the parent checked the index
-    at (each worker opens that manifest without checking it again)."""
-    return json.dumps({"flags": asdict(args), "verified": verified})
+    at (each worker opens that manifest without checking it again). No key: the keys' files (``_key_files``), which
+    each worker reads as ``--api_key_file``/``--admin_key_file``; an environment is readable by more than the
+    process (``/proc/PID/environ``) and passed on to every process it starts."""
+    flags = {**asdict(args), "api_key": None, "admin_key": None, **key_files}
+    return json.dumps({"flags": flags, "verified": verified})
 
 
 def app_from_environment():  # uvicorn's factory in each worker process of --workers N
@@ -261,10 +265,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers == 1:
         uvicorn.run(build_app(args, verified), **common)  # loads the model before binding: the port opens ready
     else:
-        os.environ[SETTINGS_ENV] = worker_settings(args, verified)
-        with _metrics_folder():
+        with _metrics_folder(), _key_files(args) as key_files:
+            os.environ[SETTINGS_ENV] = worker_settings(args, verified, key_files)
             uvicorn.run("vlfit.commands.serve:app_from_environment", factory=True, workers=args.workers, **common)
     return 0
+
+
+@contextlib.contextmanager
+def _key_files(args: ServeArguments) -> Iterator[dict[str, str]]:
+    """The keys of ``args`` each in a file only this user may read (0600, in a 0700 temporary folder) while the
+    workers run, removed at exit, as ``{"api_key_file": path, ...}``; ``$VLFIT_API_KEY`` and ``$VLFIT_ADMIN_KEY``
+    are taken out of the environment the workers inherit meanwhile (read already: they are in ``args``)."""
+    taken = {name: os.environ.pop(name) for name in (API_KEY_ENV, ADMIN_KEY_ENV) if name in os.environ}
+    try:
+        with tempfile.TemporaryDirectory(prefix="vlfit-serve-keys-") as folder:
+            files = {}
+            for flag, key in (("api_key", args.api_key), ("admin_key", args.admin_key)):
+                if key is not None:
+                    path = files[f"{flag}_file"] = os.path.join(folder, flag)
+                    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="utf-8") as f:
+                        f.write(key + "\n")
+            yield files
+    finally:
+        os.environ.update(taken)
 
 
 @contextlib.contextmanager
