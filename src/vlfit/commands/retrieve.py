@@ -17,11 +17,12 @@ from typing import Literal
 
 from vlfit.cli import SUBCOMMANDS as COMMAND_SUBCOMMANDS
 from vlfit.commands.parsing import CommandParser
+from vlfit.commands.retrieve_queries import Query, check_query_images, embed_queries, read_queries
 from vlfit.errors import ConfigError
 from vlfit.index.ann_choice import DEFAULT_MAX_INDEX_MEMORY, DEFAULT_TARGET_RECALL
 from vlfit.index.job import IndexJob, index_collection
 from vlfit.index.rerank import Reranker, check_rerank_top_k
-from vlfit.index.search import Query, embed_queries, query_runtime, read_queries, search
+from vlfit.index.search import query_runtime, search
 from vlfit.index.stages import StageTimes
 from vlfit.index.verify import open_index, verify_index
 from vlfit.inference.topk import DEFAULT_CHUNK_ELEMENTS
@@ -247,13 +248,14 @@ def run_query(args: QueryArguments) -> int:
     if top_k is not None and any(q.image is not None for q in queries):
         raise ConfigError("--rerank_top_k re-ranks text queries (the matching head scores a caption against an "
                           "image): search image queries without it")  # fmt: skip
+    check_query_images(queries)  # before the index and the model open
     times = StageTimes()
     with times.stage("open"):
         index = open_index(args.index, args.verify)
         runtime = query_runtime(index, args.model, args.backend, args.precision, num_threads=args.num_threads,
                                 max_seq_length=args.max_seq_length)  # fmt: skip
         reranker = Reranker.beside(runtime, index) if top_k is not None else None  # refused before any query runs
-    embeddings = embed_queries(runtime.encoder, queries, times=times)
+    embeddings = embed_queries(runtime, queries, times=times)
     wanted = max(args.k, top_k or 0)
     with times.stage("search"):
         results = search(index, embeddings, wanted, chunk_elements=args.chunk_elements, exact=args.exact)

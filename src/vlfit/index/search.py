@@ -23,30 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from vlfit.data.pipeline import host_batches
-from vlfit.data.records import Record
-from vlfit.data.sources.memory import MemorySource
-from vlfit.errors import ConfigError, DataError, MissingFileError
-from vlfit.index.stages import StageTimes
+from vlfit.errors import DataError
 from vlfit.index.store import EmbeddingIndex
-from vlfit.inference.backends import Encoder
 from vlfit.inference.runtime import ModelRuntime
 from vlfit.inference.topk import DEFAULT_CHUNK_ELEMENTS, chunked_topk
-
-# In a file of queries, a line starting with this is an image query (the rest is the image's path).
-IMAGE_PREFIX = "image:"
-
-
-@dataclass(frozen=True)
-class Query:
-    """A text query, or an image query (``image`` is a file path)."""
-
-    text: str | None = None
-    image: str | None = None
-
-    @property
-    def description(self) -> str:
-        return self.text if self.text is not None else f"{IMAGE_PREFIX}{self.image}"
 
 
 @dataclass(frozen=True)
@@ -71,34 +51,6 @@ class Hit:
         if self.match_score is not None:
             shown["match_score"] = self.match_score
         return shown if self.captions is None else {**shown, "captions": self.captions}
-
-
-def read_queries(path: str) -> list[Query]:
-    """One query per non-empty line: text, or ``image:PATH``.
-
-    ``PATH`` is taken as typed, as ``--image PATH`` would be: a relative path is relative to the working directory
-    (not to the file), and results name it as written.
-
-    Raises:
-        MissingFileError: when the file does not exist.
-        ConfigError: when it holds no query.
-    """
-    if not os.path.isfile(path):
-        raise MissingFileError(f"--queries {path}: no such file")
-    with open(path, encoding="utf-8") as f:
-        lines = [line.strip() for line in f]
-    queries = []
-    for line in lines:
-        if not line:
-            continue
-        if line.startswith(IMAGE_PREFIX):
-            image = line[len(IMAGE_PREFIX) :].strip()
-            queries.append(Query(image=image))
-        else:
-            queries.append(Query(text=line))
-    if not queries:
-        raise ConfigError(f"--queries {path}: no queries in it (one per line: text, or image:PATH)")
-    return queries
 
 
 def query_runtime(
@@ -129,54 +81,6 @@ def query_runtime(
                                 allow_spinning=allow_spinning)  # fmt: skip
     runtime.encoder.check_embeds_into(index.manifest.identity, f"the index {index.path}")
     return runtime
-
-
-def embed_queries(
-    encoder: Encoder, queries: Sequence[Query], batch_size: int = 32, times: StageTimes | None = None
-) -> torch.Tensor:
-    """The embeddings ``[Q, D]`` of ``queries`` in order: texts through the text tower, image files through the
-    fast CPU pipeline and the image tower. ``times`` gets the ``decode`` (reading and decoding the image files) and
-    ``encode`` (the towers' forwards) time.
-
-    Raises:
-        FileNotFoundError: for an image file that does not exist.
-        ValueError: for an image that cannot be decoded.
-    """
-    times = times or StageTimes()
-    rows: list[torch.Tensor | None] = [None] * len(queries)
-    texts = [(i, q.text) for i, q in enumerate(queries) if q.text is not None]
-    for start in range(0, len(texts), batch_size):
-        chunk = texts[start : start + batch_size]
-        with times.stage("encode"):
-            embeddings = encoder.encode_texts([text for _, text in chunk])
-        for (i, _), row in zip(chunk, embeddings, strict=True):
-            rows[i] = row
-    images = [(i, q.image) for i, q in enumerate(queries) if q.image is not None]
-    if images:
-        records = []
-        with times.stage("decode"):
-            for _, path in images:
-                if not os.path.isfile(path):
-                    raise MissingFileError(f"--image {path}: no such file")
-                with open(path, "rb") as f:
-                    records.append(Record(id=path, image=f.read(), caption=path))
-        source = MemorySource(records, "query images")
-        done = 0
-        batches = iter(host_batches(source, encoder.spec, batch_size=batch_size))
-        while True:
-            with times.stage("decode"):  # the loader decodes and resizes as it is iterated (no workers)
-                batch = next(batches, None)
-            if batch is None:
-                break
-            if batch.bad_samples:
-                bad = batch.bad_samples[0]
-                raise ConfigError(f"--image {bad.id}: cannot be used: {bad.reason}")
-            with times.stage("encode"):
-                embedded = encoder.encode_images(batch["pixel_values"])
-            for row in embedded:
-                rows[images[done][0]] = row
-                done += 1
-    return torch.stack([row for row in rows if row is not None])
 
 
 def search(
