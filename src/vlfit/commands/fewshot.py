@@ -11,7 +11,7 @@ from typing import Any
 
 from vlfit.arguments import DataLocationArguments
 from vlfit.commands.parsing import CommandParser
-from vlfit.data.sources.labelled import DEFAULT_TEMPLATES, check_templates
+from vlfit.data.sources.labelled import DEFAULT_TEMPLATES, LabelledSplit, check_templates
 from vlfit.errors import ConfigError
 from vlfit.fewshot.experiment import METHODS, FewShotSettings
 from vlfit.fewshot.setfit import SetFitSettings
@@ -45,10 +45,18 @@ class FewShotArguments:
     cache_dir: str | None = field(default=None, metadata={"help": "Where the datasets library caches downloads."})
     token: str | None = field(default=None, metadata={"help": "Hub token for private datasets."})
     image_column: str = field(default="image", metadata=_DATA_HELP["image_column"])
+    image_id_column: str | None = field(
+        default=None,
+        metadata={
+            "help": "Column naming the image a row shows (e.g. COCO's image_id): rows with equal values are one "
+            "image, drawn as one shot and measured once. Default: rows with identical image bytes are one image."
+        },
+    )
     train_split: str = field(default="train", metadata={"help": "The split the labelled shots are drawn from."})
     eval_split: str = field(default="test", metadata={"help": "The split accuracy is measured on."})
     max_eval_samples: int | None = field(
-        default=None, metadata={"help": "Measure on the evaluation split's first N rows (its images are held at once)."}
+        default=None,
+        metadata={"help": "Measure on the evaluation split's first N images (they are held at once)."},
     )
     shots: str = field(default="1,2,4,8,16", metadata={"help": "Labelled images per class, comma-separated."})
     seeds: int = field(default=5, metadata={"help": "Seeds per shot count (each draws other images)."})
@@ -82,6 +90,15 @@ def data_description(args: FewShotArguments) -> str:
     """What the data is called in reports and the classifier's card: the dataset, or the split files."""
     files = [getattr(args, f"{split}_file") for split in ("train", "validation", "test")]
     return ", ".join(name for name in (args.dataset_name, *files) if name)
+
+
+def data_read(train: LabelledSplit, evaluation: LabelledSplit, train_split: str, eval_split: str) -> str:
+    """What the run read, in images (rows that show one image are one) and rows of the data."""
+
+    def read(split: LabelledSplit) -> str:
+        return f"{len(split)} images ({split.num_rows} rows)"
+
+    return f"shots from {read(train)} of {train_split!r}, accuracy on {read(evaluation)} of {eval_split!r}"
 
 
 def _shot_counts(text: str) -> list[int]:
@@ -147,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         eval_split=args.eval_split,
         label_column=args.label_column,
         image_column=args.image_column,
+        image_id_column=args.image_id_column,
         data=data_of(args),
     )
     if args.max_eval_samples is not None:
@@ -156,10 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     loaded = ModelRuntime.open(args.model_name_or_path, "torch", flag="--model_name_or_path",
                                kinds=("checkpoint", "adapters")).encoder  # fmt: skip
     assert isinstance(loaded, TorchEncoder)  # a checkpoint runs on torch
-    print(
-        f"{len(train.class_names)} classes ({', '.join(train.class_names)}); shots from {len(train)} images of "
-        f"{args.train_split!r}, accuracy on {len(evaluation)} of {args.eval_split!r}"
-    )
+    print(f"{len(train.class_names)} classes ({', '.join(train.class_names)}); "
+          f"{data_read(train, evaluation, args.train_split, args.eval_split)}")  # fmt: skip
     results = run_fewshot(loaded, train, evaluation, settings, keep_largest=args.save_classifier is not None)
     summary = results.summary()
     chance = evaluation.majority_share()

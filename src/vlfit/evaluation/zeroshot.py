@@ -73,7 +73,9 @@ def zeroshot_metrics(
 
     Returns:
         ``{prefix}_top1``, ``{prefix}_top5``, ``{prefix}_chance_top1`` (the majority class's share),
-        ``{prefix}_num_images`` and ``{prefix}_bad_samples`` (images that do not decode, left out).
+        ``{prefix}_num_images`` (the images classified: rows that show one image are one, as retrieval
+        evaluation counts them), ``{prefix}_num_rows`` (the rows of the data they came from) and
+        ``{prefix}_bad_samples`` (images that do not decode, left out).
     """
     model = getattr(model, "module", model)
     was_training = model.training
@@ -111,5 +113,6 @@ def zeroshot_metrics(
         f"{prefix}_top5": correct5 / seen,
         f"{prefix}_chance_top1": split.majority_share(),
         f"{prefix}_num_images": float(seen),
+        f"{prefix}_num_rows": float(split.num_rows),
         f"{prefix}_bad_samples": float(bad),
     }

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vlfit.data.records import BadRecordError, image_key
 from vlfit.data.sources.base import ImageTextSource
 from vlfit.errors import ConfigError, DataError
 
@@ -31,15 +32,47 @@ class LabelledSplit:
     labels: Each row's class index into ``class_names``, ``int64 [N]``.
     class_names: The classes, in label order.
     label_column: The column the classes come from.
+    rows_per_image: For a split of one row per image (``per_image``), how many rows of the data each image
+        had; None: one each.
     """
 
     source: ImageTextSource
     labels: np.ndarray
     class_names: list[str]
     label_column: str
+    rows_per_image: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.labels)
+
+    @property
+    def num_rows(self) -> int:
+        """The rows of the data this split's images came from."""
+        return len(self) if self.rows_per_image is None else int(self.rows_per_image.sum())
+
+    def per_image(self) -> LabelledSplit:
+        """The split with one row per image, its first: rows that show one image are grouped as retrieval
+        evaluation groups them (``Record.image_key``: one ``--image_id_column`` value, or identical bytes), so an
+        image with three rows is one shot and one evaluated image, not three.
+
+        Raises:
+            DataError: for an image whose rows disagree on its class.
+        """
+        from vlfit.data.image_groups import image_groups  # torch: only once a split is grouped
+
+        groups = image_groups(self._image_keys())
+        for group in groups:
+            classes = sorted({self.class_names[label] for label in self.labels[group]})
+            if len(classes) > 1:
+                raise DataError(
+                    f"{self.source.name}: rows {', '.join(str(int(row)) for row in group[:3])} show one image but "
+                    f"are labelled {' and '.join(map(repr, classes))} in {self.label_column!r}: fix their labels, or "
+                    "name what tells images apart with --image_id_column"
+                )
+        firsts = np.array([int(group[0]) for group in groups], dtype=np.int64)
+        counts = np.array([len(group) for group in groups], dtype=np.int64)
+        return LabelledSplit(self.source.select(firsts), self.labels[firsts], self.class_names, self.label_column,
+                             counts)  # fmt: skip
 
     def class_counts(self) -> np.ndarray:
         return np.bincount(self.labels, minlength=len(self.class_names))
@@ -48,10 +81,22 @@ class LabelledSplit:
         """The accuracy of always answering the most frequent class: chance."""
         return float(self.class_counts().max() / len(self.labels))
 
+    def _image_keys(self) -> np.ndarray:
+        """``ImageTextSource.image_keys``, a row whose image cannot be read being an image of its own (the pipeline
+        leaves it out and lists it, as it does an image that does not decode)."""
+        keys = []
+        for row, image_id in enumerate(self.source.image_ids()):
+            try:
+                keys.append(image_key(b"", image_id) if image_id is not None else self.source[row].image_key)
+            except BadRecordError:
+                keys.append(image_key(f"unreadable row {row}".encode()))
+        return np.asarray(keys, dtype=np.int64)
+
     def first(self, count: int) -> LabelledSplit:
-        """The split's first ``count`` rows."""
+        """The split's first ``count`` rows (images, of a split ``per_image``)."""
         rows = np.arange(min(count, len(self)))
-        return LabelledSplit(self.source.select(rows), self.labels[rows], self.class_names, self.label_column)
+        counts = None if self.rows_per_image is None else self.rows_per_image[rows]
+        return LabelledSplit(self.source.select(rows), self.labels[rows], self.class_names, self.label_column, counts)
 
 
 def check_templates(templates: Sequence[str]) -> None:

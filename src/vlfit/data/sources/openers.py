@@ -359,10 +359,12 @@ def labelled_splits(
     eval_split: str,
     label_column: str,
     image_column: str = "image",
+    image_id_column: str | None = None,
     data: Mapping[str, Any] | None = None,
     flags: Mapping[str, str] | None = None,
 ) -> tuple[LabelledSplit, LabelledSplit]:
-    """The split the shots come from and the split accuracy is measured on.
+    """The split the shots come from and the split accuracy is measured on, each with one row per image
+    (``LabelledSplit.per_image``: rows of one ``image_id_column`` value, or of identical bytes, are one image).
 
     The classes are those of the training split, in the order of a ``ClassLabel`` column's names (sorted for a
     text column).
@@ -373,6 +375,7 @@ def labelled_splits(
         eval_split: The split accuracy is measured on (may be ``train_split``).
         label_column: The class column.
         image_column: The image column.
+        image_id_column: The column naming the image a row shows (``--image_id_column``); None: identical bytes.
         data: More ``open_splits`` keyword arguments: ``train_file``, ``validation_file``, ``test_file`` (splits
             ``train``, ``validation``, ``test``), ``dataset_config_name``, ``data_dir``, ``cache_dir``...
         flags: The flags that name the label column and the two splits in error messages (keys ``label``,
@@ -381,7 +384,7 @@ def labelled_splits(
     Raises:
         DataError: naming the flag, when the label column or a split does not exist, a row has no label, the
             training split holds fewer than two classes, or the evaluation split holds a class the training split
-            lacks.
+            lacks, or rows of one image disagree on its class.
     """
     flags = {"label": "--label_column", "train_split": "--train_split", "eval_split": "--eval_split", **(flags or {})}
     label_flag = flags["label"]
@@ -389,6 +392,7 @@ def labelled_splits(
         dataset_name=dataset_name,
         **(data or {}),
         image_column=image_column,
+        image_id_column=image_id_column,
         caption_column=label_column,
         caption_role="label",
         caption_flag=label_flag,
@@ -397,10 +401,12 @@ def labelled_splits(
         if split not in opened:
             given = dataset_name or "the data files given"
             raise DataError(f"{given} has no split {split!r}; its splits: {', '.join(opened)}. Pick one with {flag}")
-    return label_splits(
+    train, evaluation = label_splits(
         opened[train_split], opened[eval_split], train_split=train_split, eval_split=eval_split,
         label_column=label_column, label_flag=label_flag,
     )  # fmt: skip
+    train = train.per_image()
+    return train, train if eval_split == train_split else evaluation.per_image()
 
 
 def open_zeroshot_sets(
