@@ -58,21 +58,22 @@ class LabelledSplit:
         Raises:
             DataError: for an image whose rows disagree on its class.
         """
-        from vlfit.data.image_groups import image_groups  # torch: only once a split is grouped
-
-        groups = image_groups(self._image_keys())
-        for group in groups:
-            classes = sorted({self.class_names[label] for label in self.labels[group]})
-            if len(classes) > 1:
-                raise DataError(
-                    f"{self.source.name}: rows {', '.join(str(int(row)) for row in group[:3])} show one image but "
-                    f"are labelled {' and '.join(map(repr, classes))} in {self.label_column!r}: fix their labels, or "
-                    "name what tells images apart with --image_id_column"
-                )
-        firsts = np.array([int(group[0]) for group in groups], dtype=np.int64)
-        counts = np.array([len(group) for group in groups], dtype=np.int64)
+        # Images in the order they first appear, as vlfit.data.image_groups orders them.
+        _, first, image_of_row = np.unique(self._image_keys(), return_index=True, return_inverse=True)
+        first_of_row = first[image_of_row.reshape(-1)]
+        disagree = np.flatnonzero(self.labels != self.labels[first_of_row])
+        if disagree.size:
+            row = int(disagree[0])
+            head, other = int(first_of_row[row]), self.class_names[self.labels[row]]
+            raise DataError(
+                f"{self.source.name}: rows {head} and {row} show one image but are labelled "
+                f"{self.class_names[self.labels[head]]!r} and {other!r} in {self.label_column!r}: fix their labels, "
+                "or name what tells images apart with --image_id_column"
+            )
+        order = np.argsort(first)
+        firsts, counts = first[order].astype(np.int64), np.bincount(image_of_row.reshape(-1))[order]
         return LabelledSplit(self.source.select(firsts), self.labels[firsts], self.class_names, self.label_column,
-                             counts)  # fmt: skip
+                             counts.astype(np.int64))  # fmt: skip
 
     def class_counts(self) -> np.ndarray:
         return np.bincount(self.labels, minlength=len(self.class_names))
