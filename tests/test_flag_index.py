@@ -31,12 +31,25 @@ def _vlfit(*argv: str, cwd=None) -> subprocess.CompletedProcess:
 
 def test_the_flag_index_is_what_the_parsers_make():
     recorded = json.loads(Path(flag_index.INDEX_FILE).read_text(encoding="utf-8"))
-    assert recorded == cli_reference.flag_index(), (
+    assert recorded == {"fingerprint": flag_index.source_fingerprint(), "commands": cli_reference.flag_index()}, (
         f"src/vlfit/flag_index.json is stale: a command's flags or help changed; regenerate it with "
         f"`{flag_index.REGENERATE}` (make docs)"
     )
-    assert "--learning_rate" in recorded["vlfit train"]["flags"]
-    assert "--text" in recorded["vlfit retrieve query"]["flags"]
+    assert "--learning_rate" in recorded["commands"]["vlfit train"]["flags"]
+    assert "--text" in recorded["commands"]["vlfit retrieve query"]["flags"]
+
+
+def test_an_index_made_from_other_sources_is_not_used(monkeypatch, capsys):
+    flag_index._index.cache_clear()
+    monkeypatch.setattr(flag_index, "source_fingerprint", lambda: "another")  # a flag was added since
+    try:
+        assert flag_index.answer_early("train", ["--a_flag_added_since", "1"]) is None  # the parser decides
+        assert flag_index.answer_early("train", ["--help"]) is None
+    finally:
+        monkeypatch.undo()
+        flag_index._index.cache_clear()
+    assert flag_index.answer_early("train", ["--learning_rat", "1"]) == 2  # the index of these sources answers
+    capsys.readouterr()
 
 
 @pytest.mark.parametrize(

@@ -7,15 +7,19 @@ the closest known flags, as the parser itself would, and so does a local data fi
 command's own parser's and checks' to refuse.
 
 The file is made from the parsers themselves (each ``CommandParser`` records its option strings as it prints its
-help, ``vlfit.commands.cli_reference.flag_index``); regenerate it with the command-line reference after changing a
-flag (``make docs``; a test fails while it is stale)::
+help, ``vlfit.commands.cli_reference.flag_index``), with a fingerprint of the files that define the flags: an index
+made from other sources than the installed ones is not used (the parsers answer). Regenerate it with the
+command-line reference after changing a flag (``make docs``; a test fails while it is stale)::
 
     python -m vlfit.commands.cli_reference --flag-index
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import glob
+import hashlib
 import json
 import os
 import sys
@@ -26,6 +30,8 @@ from typing import Any
 INDEX_FILE = os.path.join(os.path.dirname(__file__), "flag_index.json")
 REGENERATE = "python -m vlfit.commands.cli_reference --flag-index"
 HELP_FLAGS = ("-h", "--help")
+# The files that define the commands' flags, relative to the package (what ``source_fingerprint`` hashes).
+FLAG_SOURCES = ("arguments/*.py", "commands/*.py", "compat_flags.py", "search/study.py", "training/arguments.py")
 # The local data files a command reads (``vlfit.arguments.data``): one that names no file is refused before the
 # imports, naming the flag.
 DATA_FILE_FLAGS = ("--train_file", "--validation_file", "--test_file")
@@ -52,13 +58,32 @@ def unrecognized_message(unknown: Iterable[str], known: Iterable[str]) -> str:
     return f"unrecognized arguments: {', '.join(parts)}"
 
 
+def source_fingerprint() -> str:
+    """SHA-256 of the files that define the flags (``FLAG_SOURCES``) and of transformers' version (its
+    ``TrainingArguments`` are ``vlfit train``'s flags too): an index made from other sources is not used."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    digest = hashlib.sha256()
+    root = os.path.dirname(__file__)
+    for pattern in FLAG_SOURCES:
+        for path in sorted(glob.glob(os.path.join(root, pattern))):
+            with open(path, "rb") as f:
+                digest.update(os.path.relpath(path, root).encode() + b"\0" + f.read())
+    with contextlib.suppress(PackageNotFoundError):
+        digest.update(version("transformers").encode())
+    return digest.hexdigest()
+
+
 @cache
 def _index() -> dict[str, Any]:
+    """The recorded commands, or none when there is no index (a source tree before ``make docs``) or it was made
+    from other sources than these (a flag added since: the parsers answer, as ever)."""
     try:
         with open(INDEX_FILE, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):  # no index (a source tree before `make docs`): the parsers answer, as ever
+            index = json.load(f)
+    except (OSError, ValueError):
         return {}
+    return index.get("commands", {}) if index.get("fingerprint") == source_fingerprint() else {}
 
 
 def answer_early(command: str, argv: list[str], subcommands: Iterable[str] = ()) -> int | None:

@@ -92,10 +92,11 @@ def flag_index() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """``docs/cli.md`` on stdout, or with ``--flag-index`` the flag index written to ``vlfit/flag_index.json``."""
     if (sys.argv[1:] if argv is None else argv) == ["--flag-index"]:
-        from vlfit.flag_index import INDEX_FILE
+        from vlfit.flag_index import INDEX_FILE, source_fingerprint
 
+        recorded = {"fingerprint": source_fingerprint(), "commands": flag_index()}
         with open(INDEX_FILE, "w", encoding="utf-8") as f:
-            f.write(json.dumps(flag_index(), indent=1, sort_keys=True) + "\n")
+            f.write(json.dumps(recorded, indent=1, sort_keys=True) + "\n")
         print(f"wrote {INDEX_FILE}")
         return 0
     sys.stdout.write(render())
