@@ -159,22 +159,22 @@ def main(argv: list[str] | None = None, *, answer_from_index: bool = True) -> in
     if command not in COMMANDS:
         print(f"vlfit: unknown command {command!r}; choose one of: {', '.join(COMMANDS)}\n\n{usage()}", file=sys.stderr)
         return 2
-    from vlfit.flag_index import answer_early
-
-    rest, log_level = take_log_level(rest)
-    # --help, a typo or a missing data file: answered before any heavy import.
-    early = answer_early(command, rest, SUBCOMMANDS.get(command, ())) if answer_from_index else None
-    if early is not None:
-        return early
     from vlfit.errors import NO_SPACE_ERRNOS, UserError, cli_wording, disk_full_error
     from vlfit.logs import configure_logging
 
-    configure_logging(log_level)  # the one place logging is configured
+    rest, log_level = take_log_level(rest)
     from vlfit.extras import COMMAND_EXTRAS, require_extra
+    from vlfit.flag_index import answer_early
 
     try:
         if command in COMMAND_EXTRAS:
             require_extra(COMMAND_EXTRAS[command], f"vlfit {command}")
+        # --help, a typo or a missing data file: answered before any heavy import (logging's set-up imports
+        # transformers).
+        early = answer_early(command, rest, SUBCOMMANDS.get(command, ())) if answer_from_index else None
+        if early is not None:
+            return early
+        configure_logging(log_level)  # the one place logging is configured
         module = importlib.import_module(COMMANDS[command][0])
         with cli_wording():  # the API functions a command calls keep its flags' names in their messages
             code = int(module.main(rest) or 0)
