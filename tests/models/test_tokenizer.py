@@ -56,3 +56,9 @@ def test_the_input_spec_tokenizes_captions_as_every_site_did():
     short = spec.tokenize(["one green cross."], multiple_of_8=True)  # training batches: a multiple of 8 tokens
     assert short["input_ids"].shape[1] == 8 and short["attention_mask"][0].sum() < 8
     assert spec.tokenize(["one green cross."])["input_ids"].shape[1] < 8  # elsewhere the longest caption's length
+
+
+def test_training_prints_nothing(capfd):
+    """The tokenizers trainer's progress wrote three blank lines on stdout (fd 1, from Rust) at each preset load."""
+    train_caption_tokenizer(CAPTIONS, vocab_size=512)
+    assert capfd.readouterr().out == ""

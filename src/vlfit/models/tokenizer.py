@@ -43,7 +43,10 @@ def train_caption_tokenizer(
     if not texts:
         raise ConfigError("cannot train a tokenizer: every caption is empty; check --caption_column")
     bpe = ByteLevelBPETokenizer(add_prefix_space=True)
-    bpe.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=2, special_tokens=list(special_tokens))
+    # No progress: the trainer's bars are drawn on stdout (three blank lines when it is not a terminal).
+    bpe.train_from_iterator(
+        texts, vocab_size=vocab_size, min_frequency=2, special_tokens=list(special_tokens), show_progress=False
+    )
     bpe._tokenizer.post_processor = RobertaProcessing(
         ("</s>", bpe.token_to_id("</s>")), ("<s>", bpe.token_to_id("<s>")), add_prefix_space=True
     )
