@@ -48,3 +48,35 @@ def test_configure_logging_installs_one_handler_on_vlfit_at_the_level():
             if handler not in before:
                 package.removeHandler(handler)
         package.setLevel(logging.NOTSET)
+
+
+QUIET_CHILD = """
+import logging, sys
+from vlfit.logs import configure_logging
+from vlfit.models.loading import load_model
+captions = ["two red circles on the left", "one green cross in the center", "three yellow triangles"] * 20
+configure_logging("info")
+load_model(model_preset="siglip-tiny", captions=lambda: captions).save(sys.argv[1])
+for level in ("info", "debug"):
+    logging.Logger.warning_once.cache_clear()  # transformers says each warning once per process
+    configure_logging(level)
+    print(f"--- {level}", file=sys.stderr, flush=True)
+    load_model(model_name_or_path=sys.argv[1])
+    sys.stderr.flush()
+"""
+
+
+def test_loading_a_checkpoint_shows_transformers_bars_and_token_id_warnings_at_debug_only(tmp_path):
+    """A SigLIP checkpoint's load drew a "Loading weights" bar and warned about its config's bos/eos ids, every
+    time; the CLI hides both unless --log_level debug. A process of its own: transformers' handler and bars write
+    to the stderr of the process that first configured them."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", QUIET_CHILD, str(tmp_path / "siglip")], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == ""
+    at_info, at_debug = done.stderr.split("--- info")[1].split("--- debug")
+    for shown in ("Loading weights", "bos_token_id must be"):
+        assert shown not in at_info and shown in at_debug

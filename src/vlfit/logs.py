@@ -32,6 +32,42 @@ def configure_logging(level: str = "info") -> None:
     package.addHandler(handler)
     package.setLevel(numeric)
     transformers.utils.logging.set_verbosity(max(numeric, logging.WARNING))
+    quiet_third_parties(numeric > logging.DEBUG)
+
+
+# transformers warns at each load of a SigLIP config that its default bos/eos ids (49406/49407) lie outside the
+# vocabulary: SigLIP's text tower never reads them, and nothing the user can pass changes them.
+_TOKEN_ID_WARNING = "Model config: "
+
+
+class _DropTokenIdWarnings(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith(_TOKEN_ID_WARNING) and "_token_id must be `None` or an integer" in message)
+
+
+_TOKEN_ID_FILTER = _DropTokenIdWarnings()
+
+
+def quiet_third_parties(quiet: bool = True) -> None:
+    """Hide (``quiet``) or show again the third-party output that tells a user nothing: transformers' own progress
+    bars ("Loading weights", "Writing model shards") and its warnings about a config's special-token ids.
+
+    Download bars (huggingface_hub's) stay: a large download's progress is news. ``--log_level debug`` shows all.
+    """
+    import huggingface_hub.utils
+    import transformers
+
+    downloads_shown = not huggingface_hub.utils.are_progress_bars_disabled()
+    config_logger = logging.getLogger("transformers.configuration_utils")
+    if quiet:
+        transformers.utils.logging.disable_progress_bar()
+        config_logger.addFilter(_TOKEN_ID_FILTER)
+    else:
+        transformers.utils.logging.enable_progress_bar()
+        config_logger.removeFilter(_TOKEN_ID_FILTER)
+    if downloads_shown:  # transformers' switch turns huggingface_hub's bars too; leave those as they were
+        huggingface_hub.utils.enable_progress_bars()
 
 
 def quiet_replicas(process_log_level: int, should_log: bool) -> None:
