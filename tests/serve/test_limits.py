@@ -216,6 +216,20 @@ def test_an_image_declaring_more_than_max_query_pixels_is_refused_from_its_heade
     _good_query_still_works(client)
 
 
+def test_an_image_refused_from_its_header_draws_no_pillow_warning() -> None:
+    """Pillow warns of a decompression bomb from 89.5 megapixels: for an upload the server refuses anyway, that
+    warning was the log's only other line."""
+    import warnings
+
+    from vlfit.serve.images import QueryImageTooLarge, check_query_pixels
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(QueryImageTooLarge):
+            check_query_pixels(_png(13000, 13000), 40_000_000)
+    assert [str(w.message) for w in caught if issubclass(w.category, Image.DecompressionBombWarning)] == []
+
+
 def test_image_queries_run_on_their_own_thread_not_the_text_encoders(client, engine) -> None:
     answer = client.post("/api/search", files={"file": ("q.jpg", _jpeg(320, 240), "image/jpeg")}, data={"k": "2"})
     assert answer.status_code == 200 and len(answer.json()["results"]) == 2

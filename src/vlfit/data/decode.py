@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import struct
+import warnings
 
 import numpy as np
 import simplejpeg
@@ -115,7 +116,11 @@ def _open_pil(data: bytes, sample_id: str) -> Image.Image:
     if not data:
         raise DecodeError(f"sample {sample_id}: image is empty (0 bytes)")
     try:
-        image = Image.open(io.BytesIO(data))
+        # Pillow warns from 89.5 megapixels; the size is checked against vlfit's own limits below (and a server's
+        # lower --max_query_pixels after), which refuse or accept it, so the warning would only repeat them.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
     except UnidentifiedImageError as err:
         # Pillow's own message names a BytesIO object, which tells the user nothing.
         raise DecodeError(
