@@ -28,7 +28,10 @@ lint: $(STAMP)
 # Two pytest workers, a test file each at a time (each worker runs torch on one thread: tests/conftest.py).
 PYTEST_WORKERS ?= -n 2 --dist loadfile
 
+# scripts/system-packages.sh first: Debian's chromium for the browser test, installed where apt-get and root or sudo
+# allow; elsewhere one line says that test is skipped.
 test: lint
+	@scripts/system-packages.sh
 	$(PY) -m pytest $(PYTEST_WORKERS)
 
 # The edit-test loop (under 2 minutes on 2 cores): every test but those marked slow (whole commands, training runs,

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import select
-import shutil
 import signal
 import socket
 import time
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.serve.browser import browser_verdict, find_browser, under_ci
 
 pytestmark = pytest.mark.slow
 
@@ -62,10 +63,13 @@ def _chrome_driver(tmp_path: Path):
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
-    browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver_path = shutil.which("chromedriver") or "/usr/bin/chromedriver"
-    if not browser or not os.path.exists(driver_path):
-        pytest.fail("the browser test needs Debian's chromium and chromium-driver (apt-get install, as .ci/run does)")
+    browser, driver_path = find_browser()
+    verdict, reason = browser_verdict(browser, driver_path, ci=under_ci(os.environ))
+    if verdict == "skip":
+        pytest.skip(reason)
+    if verdict == "fail":
+        pytest.fail(reason)
+    assert browser is not None and driver_path is not None
     options = webdriver.ChromeOptions()
     options.binary_location = browser
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
