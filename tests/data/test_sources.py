@@ -539,6 +539,26 @@ def test_missing_columns_name_split_and_list_columns(tmp_path: Path) -> None:
         ArrowSource(numbers, name="multi", image_column="image", caption_column="caps")
 
 
+def test_an_image_column_of_text_or_numbers_is_refused_when_the_split_opens(tmp_path: Path) -> None:
+    """Before, every row of such a column failed only once training read it (each a bad sample)."""
+    blobs = _write_images(tmp_path, 1)
+    rows = {"image": [blobs[0]], "caption": ["a red square on grey"], "n": [3], "path": ["images/0.jpg"]}
+    split = datasets.Dataset.from_dict(rows)
+    text = r"^split: --image_column 'caption' holds text that names no file \(first row: 'a red square on grey'\)"
+    with pytest.raises(DataError, match=text + r", not images; .*its columns: image, caption"):
+        ArrowSource(split, name="split", image_column="caption", caption_column="caption")
+    with pytest.raises(DataError, match=r"--image_column 'n' holds Value\('int64'\), not images"):
+        ArrowSource(split, name="split", image_column="n", caption_column="caption")
+    # Bytes, image files, and names of image files that are missing (that row's bad sample) all open.
+    assert ArrowSource(split, name="split", image_column="image", caption_column="caption")[0].image == blobs[0]
+    here = ArrowSource(
+        split, name="split", image_column="path", caption_column="caption", base_dirs=[(0, str(tmp_path))]
+    )
+    assert here[0].image == blobs[0]
+    gone = datasets.Dataset.from_dict({"path": ["images/gone.jpg"], "caption": ["c"]})
+    ArrowSource(gone, name="split", image_column="path", caption_column="caption")
+
+
 def test_common_column_names_are_read_as_the_defaults_are_and_explicit_flags_win(tmp_path: Path) -> None:
     blobs = _write_images(tmp_path, 2)
     with open(tmp_path / "hf.csv", "w", newline="") as f:  # imagefolder's metadata names

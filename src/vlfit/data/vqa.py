@@ -84,18 +84,29 @@ def batch_answers(columns: Mapping[str, Sequence[Any]], sample_ids: Sequence[str
     ]
 
 
+def check_has_answers(source: ImageTextSource) -> None:
+    """Refuse a split with neither an ``answers`` nor a ``multiple_choice_answer`` column (from its column names
+    alone: a run checks this when its splits open, before a tokenizer is trained or a model built).
+
+    Raises:
+        DataError: naming the split, the columns it needs and those it has.
+    """
+    if not {ANSWERS_COLUMN, MULTIPLE_CHOICE_COLUMN} & set(source.column_names):
+        raise DataError(
+            f"{source.name} has no answers: a VQA split (--task vqa) needs an {ANSWERS_COLUMN!r} column (a list of "
+            f"annotator answers) or a {MULTIPLE_CHOICE_COLUMN!r} column; its columns: {', '.join(source.column_names)}"
+        )
+
+
 def split_answers(source: ImageTextSource) -> list[list[str]]:
     """Every question's annotator answers in a split, in index order.
 
     Raises:
-        DataError: for a split with neither an ``answers`` nor a ``multiple_choice_answer`` column, and for a
-            question without answers or with answers of the wrong type (``annotator_answers``).
+        DataError: for a split with neither an ``answers`` nor a ``multiple_choice_answer`` column
+            (``check_has_answers``), and for a question without answers or with answers of the wrong type
+            (``annotator_answers``).
     """
-    if not {ANSWERS_COLUMN, MULTIPLE_CHOICE_COLUMN} & set(source.column_names):
-        raise DataError(
-            f"{source.name} has no answers: a VQA split needs an {ANSWERS_COLUMN!r} column (a list of annotator "
-            f"answers) or a {MULTIPLE_CHOICE_COLUMN!r} column; its columns: {', '.join(source.column_names)}"
-        )
+    check_has_answers(source)
     return [annotator_answers(record.extra, record.id) for record in source]
 
 

@@ -26,6 +26,7 @@ from vlfit.data.sources.labelled import ZeroShotSet
 from vlfit.data.sources.openers import open_run_data
 from vlfit.data.stream import ShardStream
 from vlfit.data.stream.train_stream import StreamSettings
+from vlfit.data.vqa import check_has_answers
 from vlfit.efficiency.flops import ComputeEfficiency
 from vlfit.efficiency.peaks import PeakFlops, matmul_precision, peak_flops
 from vlfit.errors import ConfigError
@@ -127,6 +128,10 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
     )
     if data.train is not None:
         _warn_batch_over_split(len(data.train), training_args)
+    if task == "vqa":  # a split without answers is refused before a tokenizer is trained on its questions
+        for source in (data.train, data.eval):
+            if source is not None:
+                check_has_answers(source)
     spec = resolve_model(
         **model_args.source_keywords(), captions=data.captions, max_seq_length=data_args.max_seq_length
     )

@@ -4,6 +4,8 @@ folders and files, JSON lines and CSV with image paths, all read through the dat
 from __future__ import annotations
 
 import logging
+import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +19,9 @@ from vlfit.data.sources.base import ImageTextSource
 from vlfit.errors import DataError
 
 logger = logging.getLogger(__name__)
+
+# How a text value that is a file name ends (``.jpg``, ``.webp``...): one that does not, and names no file, is text.
+_FILE_SUFFIX = re.compile(r"\.[A-Za-z0-9]{2,5}$")
 
 
 class ArrowSource(ImageTextSource):
@@ -113,6 +118,7 @@ class ArrowSource(ImageTextSource):
             if isinstance(feature, datasets.Image) and feature.decode:
                 dataset = dataset.cast_column(column, datasets.Image(decode=False))
         self._dataset = dataset
+        _check_image_column(dataset, image_column, self._base_dir(0), name=name, available=available)
         # A list column: one record per caption. Record r is caption _caption_index[r] of row _caption_rows[r].
         self._caption_rows: np.ndarray | None = None
         self._caption_index: np.ndarray | None = None
@@ -207,6 +213,40 @@ class ArrowSource(ImageTextSource):
         if rows is not None:
             values = values.take(rows)
         return values.to_pylist()
+
+
+def _check_image_column(
+    dataset: datasets.Dataset, column: str, base_dir: str | None, *, name: str, available: Sequence[str]
+) -> None:
+    """Refuse, when the split opens, an image column that holds no images: numbers, lists, or text that names no
+    file (a caption column given as ``--image_column``), which every row would fail on once training reads it.
+
+    An ``Image`` feature, bytes and ``{bytes, path}`` structs pass; a text column passes when its first row names
+    an existing file or looks like a file name (a missing file is then that row's bad sample, as it always was).
+    """
+    feature = dataset.features[column]
+    if isinstance(feature, datasets.Image):
+        return
+    if isinstance(feature, datasets.Value) and feature.dtype in ("binary", "large_binary"):
+        return
+    if isinstance(feature, dict) and {"bytes", "path"} & set(feature):
+        return
+    if isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string"):
+        first = dataset.select_columns([column]).with_format("arrow")[:1].column(0).to_pylist() if len(dataset) else []
+        value = first[0] if first else None
+        if not isinstance(value, str):
+            return
+        path = value if base_dir is None or os.path.isabs(value) else os.path.join(base_dir, value)
+        if os.path.isfile(path) or _FILE_SUFFIX.search(value):
+            return
+        shown = value if len(value) <= 40 else f"{value[:40]}..."
+        holds = f"text that names no file (first row: {shown!r})"
+    else:
+        holds = f"{feature}"
+    raise DataError(
+        f"{name}: --image_column {column!r} holds {holds}, not images; name the column of images (an Image "
+        f"feature, bytes, or image file paths) with --image_column; its columns: {', '.join(available)}"
+    )
 
 
 def _is_text_list(feature: Any) -> bool:

@@ -1,0 +1,49 @@
+"""Mistakes in the data are refused when the splits open, before a tokenizer is trained or a model built."""
+
+import io
+
+import datasets
+import pytest
+from PIL import Image
+
+import vlfit.models.loading
+from vlfit.cli import main
+
+
+@pytest.fixture
+def no_tokenizer_training(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tokenizer was trained before the data was checked")
+
+    monkeypatch.setattr(vlfit.models.loading, "train_caption_tokenizer", refuse)
+
+
+def _train(tmp_path, *flags: str) -> list[str]:
+    return ["train", "--model_preset", "tiny", "--output_dir", str(tmp_path / "run"), "--max_steps", "1",
+            "--report_to", "none", *flags]  # fmt: skip
+
+
+def test_an_image_column_of_captions_is_refused_before_a_tokenizer_is_trained(
+    tmp_path, synthetic_dataset_dir, no_tokenizer_training, capsys
+):
+    flags = ["--dataset_name", synthetic_dataset_dir, "--image_column", "image_description"]
+    assert main(_train(tmp_path, *flags)) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
+    assert "--image_column 'image_description' holds text that names no file" in line
+    assert "name the column of images" in line
+
+
+def test_a_vqa_split_without_answers_is_refused_before_a_tokenizer_is_trained(tmp_path, no_tokenizer_training, capsys):
+    def jpeg(shade: int) -> bytes:
+        out = io.BytesIO()
+        Image.new("RGB", (32, 32), (shade, 0, 0)).save(out, format="JPEG")
+        return out.getvalue()
+
+    questions = datasets.Dataset.from_dict(
+        {"image": [jpeg(40 * i) for i in range(4)], "question": [f"what colour is square {i}?" for i in range(4)]}
+    )
+    datasets.DatasetDict({"train": questions}).save_to_disk(str(tmp_path / "data"))
+    assert main(_train(tmp_path, "--dataset_name", str(tmp_path / "data"), "--task", "vqa")) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
+    assert "has no answers: a VQA split (--task vqa) needs an 'answers' column" in line
+    assert line.endswith("its columns: image, question")
