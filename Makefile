@@ -6,8 +6,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.vlfit-installed
 LOCK := requirements/ci.txt
 DEMO_DIR ?= runs/demo
+DEMO_QUICK_DIR ?= runs/demo-quick
 
-.PHONY: install demo test test-fast lint docs lock clean
+.PHONY: install demo demo-quick test test-fast lint docs lock clean
 
 $(STAMP): pyproject.toml $(LOCK)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -19,6 +20,10 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/vlfit demo --output_dir $(DEMO_DIR)
+
+# The same run at a size that takes about a minute on 2 cores: a first look.
+demo-quick: $(STAMP)
+	$(VENV)/bin/vlfit demo --quick --output_dir $(DEMO_QUICK_DIR)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
