@@ -94,13 +94,13 @@ class Model:
             ArgumentError: for ``images`` that is neither an image nor an iterable of them, a bad ``batch_size``.
         """
         _check_at_least("batch_size", batch_size, 1)
-        return _as_numpy(self.runtime.embed_images(images, batch_size), self.embedding_dim)
+        return _as_numpy(self.runtime.embed_images(images, batch_size))
 
     @python_api
     def encode_texts(self, texts: str | Sequence[str], batch_size: int = 256) -> np.ndarray:
         """L2-normalized float32 embeddings ``[N, D]`` of captions, tokenized as training tokenized them."""
         _check_at_least("batch_size", batch_size, 1)
-        return _as_numpy(self.runtime.embed_texts(_strings("texts", texts), batch_size), self.embedding_dim)
+        return _as_numpy(self.runtime.embed_texts(_strings("texts", texts), batch_size))
 
     @python_api
     def similarity(self, images: ImageInput | Iterable[ImageInput], texts: str | Sequence[str]) -> np.ndarray:
@@ -145,9 +145,7 @@ def _strings(keyword: str, texts: str | Sequence[str]) -> list[str]:
     return items
 
 
-def _as_numpy(embeddings: torch.Tensor, dim: int) -> np.ndarray:
-    if not len(embeddings):
-        return np.zeros((0, dim), dtype=np.float32)
+def _as_numpy(embeddings: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(embeddings.numpy(), dtype=np.float32)
 
 

@@ -189,12 +189,16 @@ class ModelRuntime:
         items = image_list(images)
         rows = [self.encoder.encode_images(self.pixels(items[s : s + batch_size], s))
                 for s in range(0, len(items), batch_size)]  # fmt: skip
-        return _stacked(rows)
+        return self._stacked(rows)
 
     def embed_texts(self, texts: Sequence[str], batch_size: int = 256) -> torch.Tensor:
         """L2-normalized float32 ``[N, D]``, ``batch_size`` captions at a time (each batch padded to its longest)."""
         rows = [self.encoder.encode_texts(texts[s : s + batch_size]) for s in range(0, len(texts), batch_size)]
-        return _stacked(rows)
+        return self._stacked(rows)
+
+    def _stacked(self, rows: list[torch.Tensor]) -> torch.Tensor:
+        """The batches' embeddings as one float32 ``[N, D]`` (``[0, D]`` for none)."""
+        return torch.cat(rows).float() if rows else torch.zeros(0, self.encoder.identity.embedding_size)
 
     def answer(
         self, images: ImageInput | Iterable[ImageInput], questions: Sequence[str], top_k: int = 3, batch_size: int = 32
@@ -233,7 +237,3 @@ def image_list(images: ImageInput | Iterable[ImageInput]) -> list[ImageInput]:
     if isinstance(images, (str, os.PathLike, bytes, Image.Image)):
         return [images]
     return list(images)
-
-
-def _stacked(rows: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(rows).float() if rows else torch.zeros(0, 0)

@@ -239,8 +239,6 @@ class SearchEngine:
     def encode_texts(self, texts: Sequence[str], times: StageTimes | None = None) -> torch.Tensor:
         """L2-normalized float32 embeddings ``[N, D]`` of captions (256 at a time, as ``vlfit.Model`` embeds);
         ``times`` gets the ``encode`` time."""
-        if not texts:
-            return torch.zeros((0, self.encoder.identity.embedding_size), dtype=torch.float32)
         with (times or StageTimes()).stage("encode"):
             return self.runtime.embed_texts(list(texts), 256).contiguous()
 
