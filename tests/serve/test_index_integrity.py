@@ -111,7 +111,8 @@ def test_a_snapshot_skips_the_check_made_at_its_manifest_and_checks_a_manifest_c
     built_index, tmp_path, monkeypatch
 ) -> None:
     import vlfit.index.verify
-    from vlfit.serve.engine import Snapshot, verified_stamp
+    from vlfit.index.verify import verified_stamp
+    from vlfit.serve.engine import Snapshot
 
     folder = str(_copy(built_index, tmp_path / "index"))
     checks, check = [], vlfit.index.verify.verify_index

@@ -21,7 +21,7 @@ from vlfit.commands.retrieve_queries import Query, check_query_images, embed_que
 from vlfit.errors import ConfigError
 from vlfit.index.ann_choice import DEFAULT_MAX_INDEX_MEMORY, DEFAULT_TARGET_RECALL
 from vlfit.index.job import IndexJob, index_collection
-from vlfit.index.rerank import Reranker, check_rerank_top_k
+from vlfit.index.rerank import Reranker, check_rerank_top_k, rerankable_items
 from vlfit.index.search import query_runtime, search
 from vlfit.index.stages import StageTimes
 from vlfit.index.verify import open_index, verify_index
@@ -252,15 +252,18 @@ def run_query(args: QueryArguments) -> int:
     times = StageTimes()
     with times.stage("open"):
         index = open_index(args.index, args.verify)
+        items = rerankable_items(index) if top_k is not None else None  # refused before the model opens
         runtime = query_runtime(index, args.model, args.backend, args.precision, num_threads=args.num_threads,
                                 max_seq_length=args.max_seq_length)  # fmt: skip
-        reranker = Reranker.beside(runtime, index) if top_k is not None else None  # refused before any query runs
+        if items is not None:
+            runtime.require_pair_scorer()  # refused before any query runs
     embeddings = embed_queries(runtime, queries, times=times)
     wanted = max(args.k, top_k or 0)
     with times.stage("search"):
         results = search(index, embeddings, wanted, chunk_elements=args.chunk_elements, exact=args.exact)
-    if reranker is not None:
+    if items is not None:
         with times.stage("rerank"):
+            reranker = Reranker.beside(runtime, index, items)
             results = reranker.rerank(results, [q.text or "" for q in queries], top_k, args.k)
     timing = {**times.milliseconds(), "total": round(1000 * (time.perf_counter() - started), 3)}
     if args.json:

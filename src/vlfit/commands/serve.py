@@ -176,16 +176,17 @@ class ServeArguments:
 
 def build_app(args: ServeArguments, verified: tuple[int, int] | None = None):  # -> fastapi.FastAPI (imported late)
     """The app for ``args``: its engine loads the model and the index (checked unless ``verified`` is the stamp of
-    its manifest, ``vlfit.serve.engine.verified_stamp``)."""
+    its manifest, ``vlfit.index.verify.verified_stamp``)."""
     from vlfit.serve.app import create_app
     from vlfit.serve.engine import SearchEngine
 
+    limits, access = args.limits(), args.access()
     engine = SearchEngine(args.index, args.model, args.backend, args.precision, args.num_threads,
                           max_seq_length=args.max_seq_length, search_threads=args.search_threads, verify=args.verify,
                           absolute_paths=args.show_absolute_paths, verified=verified)  # fmt: skip
     return create_app(engine, max_upload_mb=args.max_upload_mb, max_batch=args.max_batch,
                       max_wait_ms=args.max_wait_ms, reload_interval=args.reload_interval,
-                      limits=args.limits(), access=args.access())  # fmt: skip
+                      limits=limits, access=access)  # fmt: skip
 
 
 def worker_settings(args: ServeArguments, verified: tuple[int, int] | None, key_files: dict[str, str]) -> str:
@@ -244,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     check_address(args.host, args.port)  # before anything loads
     import uvicorn
 
+    from vlfit.index.verify import verified_stamp
     from vlfit.serve.connections import http_protocol
-    from vlfit.serve.engine import verified_stamp
 
     # No index, or a damaged one: one line now, not a traceback in every worker. Checked once: the engines (this
     # process's, or each worker's) open the manifest checked here without checking it again.

@@ -27,6 +27,10 @@ logger = logging.getLogger(__name__)
 
 # The most (query, candidate) pairs scored in one call: a batch of queries is split by query, never within one.
 PAIRS_PER_CALL = 256
+UNREACHABLE_IMAGES = (
+    "re-ranking reads the candidates' images, and this index cannot reach them (its items come from tar shards at "
+    "URLs, which are not fetched again, or from a dataset that moved); search without it"
+)
 
 
 def check_rerank_top_k(top_k: int | None, flag: str = "--rerank_top_k") -> None:
@@ -40,12 +44,20 @@ def rerank_problem(scorer: PairScorer | None, items: IndexedItems, model: str) -
     re-rank the index of ``items``; None when it can. The one statement of re-ranking's preconditions."""
     if scorer is None:
         return f"{model} has no image-text matching head; {NO_HEAD_ADVICE}"
+    return None if items.has_images else UNREACHABLE_IMAGES
+
+
+def rerankable_items(index: EmbeddingIndex) -> IndexedItems:
+    """Where the items' images of ``index`` are, refused in one line when it cannot reach them: ``vlfit retrieve
+    query --rerank_top_k`` asks before the model opens (and asks the model for its head before any query runs).
+
+    Raises:
+        ConfigError: when the index cannot reach its items' images (``rerank_problem``).
+    """
+    items = IndexedItems(index)
     if not items.has_images:
-        return (
-            "re-ranking reads the candidates' images, and this index cannot reach them (its items come from tar "
-            "shards at URLs, which are not fetched again, or from a dataset that moved); search without it"
-        )
-    return None
+        raise ConfigError(UNREACHABLE_IMAGES)
+    return items
 
 
 class Reranker:
@@ -135,4 +147,4 @@ class Reranker:
         return {(queries[number], row): score for (number, row), score in zip(pairs, log_odds, strict=True)}
 
 
-__all__ = ["PAIRS_PER_CALL", "Reranker", "check_rerank_top_k"]
+__all__ = ["PAIRS_PER_CALL", "Reranker", "check_rerank_top_k", "rerankable_items"]

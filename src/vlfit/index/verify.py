@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from vlfit.index.integrity import DamagedIndexError, check_verify_level, file_problem
-from vlfit.index.store import EmbeddingIndex
+from vlfit.index.store import MANIFEST_NAME, EmbeddingIndex
 
 logger = logging.getLogger(__name__)
 
@@ -173,23 +173,57 @@ def verify_index(path: str, level: str = "quick") -> IndexCheck:
     return check
 
 
-def open_index(path: str, verify: str = "quick") -> EmbeddingIndex:
+def manifest_stamp(path: str) -> tuple[int, int] | None:
+    """``(mtime_ns, size)`` of the manifest of the index at ``path``; None when there is none."""
+    try:
+        stat = os.stat(os.path.join(path, MANIFEST_NAME))
+    except OSError:
+        return None
+    return stat.st_mtime_ns, stat.st_size
+
+
+def verified_stamp(path: str, verify: str = "quick") -> tuple[int, int] | None:
+    """Check the index at ``path`` as ``open_index`` does at level ``verify`` and return the stamp of the manifest
+    it checked (``manifest_stamp``): ``open_index`` given it as ``verified`` opens that manifest without checking it
+    again (``vlfit serve``'s parent checks once for all its workers).
+
+    Returns:
+        The stamp; None when the manifest changed during the check (the next ``open_index`` checks then).
+
+    Raises:
+        MissingFileError: when the folder holds no index.
+        DamagedIndexError: naming the first damaged file and the command that rebuilds it.
+    """
+    stamp = manifest_stamp(path)
+    open_index(path, verify)
+    return stamp if manifest_stamp(path) == stamp else None
+
+
+def open_index(path: str, verify: str = "quick", verified: tuple[int, int] | None = None) -> EmbeddingIndex:
     """The index at ``path``, once ``verify_index`` finds it whole at level ``verify``.
+
+    Args:
+        path: The index folder.
+        verify: ``quick`` or ``full``.
+        verified: The stamp ``verified_stamp`` returned: while the manifest still has it, the index opens without
+            being checked again (a changed manifest, a rebuilt index, is checked).
 
     Raises:
         MissingFileError: when the folder holds no index.
         DamagedIndexError: naming the first damaged file (and how many others there are) and the command that
             rebuilds it.
     """
-    check = verify_index(path, verify)
-    if check.problems:
-        first, others = check.problems[0], len(check.problems) - 1
-        more = f" ({others} more damaged files: vlfit retrieve verify --index {path})" if others else ""
-        raise DamagedIndexError(first.file, first.what + more, first.repair)
-    for note in check.notes:
-        logger.info("%s: %s", path, note)
-    assert check.index is not None  # a manifest that does not parse is a problem
-    return check.index
+    if verified is None or manifest_stamp(path) != tuple(verified):
+        check = verify_index(path, verify)
+        if check.problems:
+            first, others = check.problems[0], len(check.problems) - 1
+            more = f" ({others} more damaged files: vlfit retrieve verify --index {path})" if others else ""
+            raise DamagedIndexError(first.file, first.what + more, first.repair)
+        for note in check.notes:
+            logger.info("%s: %s", path, note)
+        assert check.index is not None  # a manifest that does not parse is a problem
+        return check.index
+    return EmbeddingIndex(path)
 
 
-__all__ = ["IndexCheck", "Problem", "damaged_shards", "open_index", "verify_index"]
+__all__ = ["IndexCheck", "Problem", "damaged_shards", "manifest_stamp", "open_index", "verified_stamp", "verify_index"]

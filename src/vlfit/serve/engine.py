@@ -31,38 +31,12 @@ from vlfit.index.items import IndexedItems
 from vlfit.index.rerank import Reranker, rerank_problem
 from vlfit.index.search import Hit, query_runtime, search
 from vlfit.index.stages import StageTimes
-from vlfit.index.store import MANIFEST_NAME, EmbeddingIndex
-from vlfit.index.verify import open_index
+from vlfit.index.verify import manifest_stamp, open_index
 
 logger = logging.getLogger(__name__)
 
 MAX_K = 1000
 MAX_RERANK = 100  # candidates one query may have re-scored by the matching head: each is a pass of the fused tower
-
-
-def _manifest_stamp(folder: str) -> tuple[int, int] | None:
-    try:
-        stat = os.stat(os.path.join(folder, MANIFEST_NAME))
-    except OSError:
-        return None
-    return stat.st_mtime_ns, stat.st_size
-
-
-def verified_stamp(folder: str, verify: str = "quick") -> tuple[int, int] | None:
-    """Check the index at ``folder`` as a ``Snapshot`` does (``open_index`` at level ``verify``) and return the stamp
-    of the manifest it checked: a ``SearchEngine`` given it as ``verified`` opens that manifest without checking it
-    again (``vlfit serve``'s parent checks once for all its workers).
-
-    Returns:
-        ``(mtime_ns, size)`` of the manifest; None when it changed during the check (the engine checks then).
-
-    Raises:
-        MissingFileError: when the folder holds no index.
-        DamagedIndexError: naming the first damaged file and the command that rebuilds it.
-    """
-    stamp = _manifest_stamp(folder)
-    open_index(folder, verify)
-    return stamp if _manifest_stamp(folder) == stamp else None
 
 
 class Snapshot:
@@ -71,8 +45,8 @@ class Snapshot:
     Args:
         folder: The index folder.
         verify: How its files are checked against the manifest: ``quick`` or ``full`` (``vlfit.index.verify``).
-        verified: The manifest stamp ``verified_stamp`` returned: while the manifest still has it, the index is
-            opened without checking it again (a changed manifest, a rebuilt index, is checked).
+        verified: The manifest stamp ``vlfit.index.verify.verified_stamp`` returned: while the manifest still has
+            it, the index is opened without checking it again (a changed manifest, a rebuilt index, is checked).
 
     Raises:
         MissingFileError: when the folder holds no index.
@@ -80,11 +54,8 @@ class Snapshot:
     """
 
     def __init__(self, folder: str, verify: str = "quick", verified: tuple[int, int] | None = None) -> None:
-        self.stamp = _manifest_stamp(folder)
-        if verified is not None and self.stamp == tuple(verified):
-            self.index = index = EmbeddingIndex(folder)
-        else:
-            self.index = index = open_index(folder, verify)
+        self.stamp = manifest_stamp(folder)
+        self.index = index = open_index(folder, verify, verified)
         self.manifest = index.manifest
         # Read now, not by the first query: what every search of this snapshot reads (vlfit.index.search).
         self.items: list[str] = index.row_ids
@@ -154,7 +125,8 @@ class SearchEngine:
         verify: How the index's files are checked as each snapshot opens: ``quick`` or ``full``.
         absolute_paths: Show results' files and the index and model as absolute paths (for local use); by
             default files relative to the folder indexed, the index and model by name.
-        verified: The manifest stamp at which the index was checked already (``verified_stamp``): the first
+        verified: The manifest stamp at which the index was checked already (``vlfit.index.verify.verified_stamp``):
+            the first
             snapshot skips its check while the manifest keeps it; reloads check as ever.
 
     Raises:
@@ -222,7 +194,7 @@ class SearchEngine:
         A manifest that cannot be read, an index that fails its check (``verify``), or an index now built with
         another model, keeps the served snapshot."""
         with self._reload_lock:  # one reload at a time; searches go on meanwhile
-            stamp = _manifest_stamp(self.folder)
+            stamp = manifest_stamp(self.folder)
             if stamp is None or stamp == self.snapshot.stamp:
                 return False
             try:
