@@ -1,5 +1,6 @@
-"""A run is embedded the way it was trained through every door: ``vlfit.load``, ``retrieve index``, the server's
-query path and the exported ONNX graphs agree with plain transformers fed as training feeds the model (captions
+"""A run is embedded the way it was trained through every door: evaluation (``vlfit eval``, and training's own, which
+run the same ``evaluate_retrieval``), ``vlfit.load``, ``retrieve index``, the server's query path and the exported
+ONNX graphs agree with plain transformers fed as training feeds the model (captions
 cut at the run's ``--max_seq_length``, images through the training pipeline's transform), for each family."""
 
 from __future__ import annotations
@@ -60,8 +61,40 @@ def _cosines(a, b) -> torch.Tensor:
     return torch.nn.functional.cosine_similarity(torch.as_tensor(a).double(), torch.as_tensor(b).double(), dim=1)
 
 
+def _evaluation_embeddings(run, photos, tmp_path, monkeypatch):
+    """``(text cosines, image cosines)`` of what evaluation embeds (``vlfit eval`` of a CSV pairing ``TEXTS`` with
+    the photos, through the evaluation feed and ``embed_split`` that training's evaluation runs) against plain
+    transformers. The split's embeddings are read by a wrapper that records what the real ``embed_split`` returns."""
+    import csv
+
+    import vlfit
+    from vlfit.evaluation import retrieval
+
+    captions = [*TEXTS, "a small picture"][: len(photos)]
+    table = tmp_path / "pairs.csv"
+    with open(table, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["image", "caption"])
+        writer.writerows(zip(photos, captions, strict=True))
+    parts = []
+    real = retrieval.embed_split
+
+    def recorded(*args, **kwargs):
+        parts.append(real(*args, **kwargs))
+        return parts[-1]
+
+    monkeypatch.setattr(retrieval, "embed_split", recorded)
+    vlfit.evaluate(model_name_or_path=run, validation_file=str(table), output_dir=str(tmp_path / "eval-parity"),
+                   per_device_eval_batch_size=2, report_to="none", disable_tqdm=True)  # fmt: skip
+    (part,) = parts
+    order = torch.argsort(torch.tensor(part.positions))
+    texts, images = torch.cat(part.texts)[order], torch.cat(part.images)[order]
+    text, image = _reference(run, captions, photos)
+    return _cosines(texts, text), _cosines(images, image)
+
+
 @pytest.mark.parametrize("preset", ["tiny", "clip-tiny", "siglip-tiny"])
-def test_every_door_embeds_a_run_as_it_was_trained(preset, synthetic_dataset_dir, tmp_path, caplog):
+def test_every_door_embeds_a_run_as_it_was_trained(preset, synthetic_dataset_dir, tmp_path, caplog, monkeypatch):
     import vlfit
     from vlfit.cli import main
     from vlfit.index.store import EmbeddingIndex
@@ -75,7 +108,7 @@ def test_every_door_embeds_a_run_as_it_was_trained(preset, synthetic_dataset_dir
     assert record["max_seq_length"] == TRAINED_LENGTH
     photos = _photos(tmp_path)
     text, image = _reference(run, TEXTS, photos)
-    figures = {}
+    figures = {"evaluation": _evaluation_embeddings(run, photos, tmp_path, monkeypatch)}
 
     model = vlfit.load(run)
     assert model.max_seq_length == TRAINED_LENGTH
