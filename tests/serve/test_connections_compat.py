@@ -46,14 +46,14 @@ def test_a_missing_method_a_changed_signature_an_unset_attribute_and_a_status_li
 
     def __init__(self, config, server_state, state):  # noqa: N807  the lifespan state under another keyword
         self.app_state, self.connections, self.parser, self.loop, self.logger, self.transport = (None,) * 6
-        self.cycle, self.headers, self.expect_100_continue = None, [], False
+        self.tasks, self.cycle, self.headers, self.expect_100_continue = None, None, [], False
 
     (problem,) = protocol_api_problems(_uvicorns_but(__init__=__init__), STATUS_LINE)
     assert problem.startswith("__init__(self, config, server_state, state) does not take ")
 
     def __init__(self, config, server_state, app_state, _loop=None):  # noqa: N807, F811  sets no parser
         self.app_state, self.connections, self.loop, self.logger = app_state, server_state.connections, _loop, None
-        self.transport: object = None
+        self.transport, self.tasks = None, server_state.tasks
         self.cycle, self.headers, self.expect_100_continue = None, [], False
 
     assert protocol_api_problems(_uvicorns_but(__init__=__init__), STATUS_LINE) == ["no self.parser"]

@@ -90,8 +90,25 @@ class ServeArguments:
                   "kind (text, image). Default: none, --max_concurrency only."},
     )  # fmt: skip
     max_connections: int = field(
-        default=ServerLimits.max_connections, metadata={"help": "Open connections; beyond: 503 and closed."}
+        default=ServerLimits.max_connections,
+        metadata={"help": "Open connections (TLS handshakes included); beyond: 503 and closed."},
     )
+    max_connections_per_client: int = field(
+        default=ServerLimits.max_connections_per_client,
+        metadata={"help": "Open connections of one client address (a trusted proxy's not counted); beyond: 429 "
+                  "and closed."},
+    )  # fmt: skip
+    max_concurrency_per_client: int | None = field(
+        default=ServerLimits.max_concurrency_per_client,
+        metadata={"help": "Requests in flight of one client; beyond: 429 with Retry-After. Default: half of "
+                  "--max_concurrency."},
+    )  # fmt: skip
+    forwarded_allow_ips: str | None = field(
+        default=ServerLimits.forwarded_allow_ips,
+        metadata={"help": "Trusted proxies (addresses or networks, comma-separated; *: any): a request from one is "
+                  "the client its X-Forwarded-For names, for the per-client limits and access. Default: none "
+                  "trusted."},
+    )  # fmt: skip
     header_timeout: float = field(
         default=ServerLimits.header_timeout,
         metadata={"help": "Seconds for a request head to arrive (and for a new connection to start one); 408 after."},
@@ -181,12 +198,24 @@ def build_app(args: ServeArguments, verified: tuple[int, int] | None = None):  #
     from vlfit.serve.engine import SearchEngine
 
     limits, access = args.limits(), args.access()
+    if args.ssl_certfile:  # this process's connections (vlfit.serve.tls; each worker of --workers N calls this)
+        from vlfit.serve.tls import server_context, use_tls
+
+        use_tls(server_context(args.ssl_certfile, args.ssl_keyfile), handshake_timeout=args.header_timeout)
     engine = SearchEngine(args.index, args.model, args.backend, args.precision, args.num_threads,
                           max_seq_length=args.max_seq_length, search_threads=args.search_threads, verify=args.verify,
                           absolute_paths=args.show_absolute_paths, verified=verified)  # fmt: skip
     return create_app(engine, max_upload_mb=args.max_upload_mb, max_batch=args.max_batch,
                       max_wait_ms=args.max_wait_ms, reload_interval=args.reload_interval,
                       limits=limits, access=access)  # fmt: skip
+
+
+def _says_https(record: logging.LogRecord) -> bool:
+    """uvicorn's start line names the scheme it did the TLS for: with vlfit doing it, ``https``."""
+    arguments = record.args
+    if isinstance(record.msg, str) and "running on" in record.msg and isinstance(arguments, tuple) and arguments:
+        record.args = tuple("https" if arg == "http" else arg for arg in arguments[:1]) + arguments[1:]
+    return True
 
 
 def worker_settings(args: ServeArguments, verified: tuple[int, int] | None, key_files: dict[str, str]) -> str:
@@ -256,8 +285,18 @@ def main(argv: list[str] | None = None) -> int:
     common = dict(host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30,
                   http=http_protocol(), timeout_keep_alive=args.keep_alive_timeout,
                   h11_max_incomplete_event_size=args.max_header_bytes)  # fmt: skip
+    # X-Forwarded-For is read from the proxies the user trusts, and from no one else (uvicorn trusts 127.0.0.1).
+    common.update(proxy_headers=args.forwarded_allow_ips is not None, forwarded_allow_ips=args.forwarded_allow_ips)
     if args.ssl_certfile:
-        common.update(ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
+        from vlfit.serve.connections import BOUNDED_PROTOCOL
+        from vlfit.serve.tls import TLS_PROTOCOL, server_context
+
+        server_context(args.ssl_certfile, args.ssl_keyfile)  # files that do not load: one line, before anything
+        if common["http"] == BOUNDED_PROTOCOL:  # vlfit does the TLS, its handshakes bounded (vlfit.serve.tls)
+            common.update(http=TLS_PROTOCOL, loop="asyncio")
+            logging.getLogger("uvicorn.error").addFilter(_says_https)
+        else:
+            common.update(ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
     warning = exposure_warning(args.host, args.access())
     if warning:
         logger.warning(warning)

@@ -41,6 +41,7 @@ from vlfit.index.stages import StageTimes
 from vlfit.serve.access import AccessControl, AccessPolicy
 from vlfit.serve.admission import WaitAdmission
 from vlfit.serve.batching import MicroBatcher
+from vlfit.serve.clients import ClientShares
 from vlfit.serve.engine import MAX_K, SearchEngine, check_k
 from vlfit.serve.images import (
     QueryImageTooLarge,
@@ -49,7 +50,15 @@ from vlfit.serve.images import (
     thumbnail,
     yield_to_text_queries,
 )
-from vlfit.serve.limits import ADMISSION_KEY, LIMITS_KEY, METRICS_KEY, SEARCH_PATH, ServerLimits
+from vlfit.serve.limits import (
+    ADMISSION_KEY,
+    CLIENTS_KEY,
+    EXEMPT_PATHS,
+    LIMITS_KEY,
+    METRICS_KEY,
+    SEARCH_PATH,
+    ServerLimits,
+)
 from vlfit.serve.metrics import MEDIA_TYPE as METRICS_MEDIA_TYPE
 from vlfit.serve.metrics import ServerMetrics
 from vlfit.serve.middleware import HeadAsGet, InFlightLimit, RequestMetrics, UploadLimit, WaitLimit
@@ -100,6 +109,7 @@ def create_app(
     batcher = MicroBatcher(run_batch, max_batch=max_batch, max_wait_ms=max_wait_ms, on_batch=metrics.observe_batch)
     budget = limits.max_queue_wait_ms  # None: no wait budget; 0: derived from the unloaded time; else ms
     admission = None if budget is None else WaitAdmission(budget / 1000.0 if budget > 0 else None)
+    clients = ClientShares(limits.max_connections_per_client, limits.requests_per_client, limits.forwarded_allow_ips)
     # Image queries decode and embed on a thread of their own, never the text encoder's; thumbnails on a small pool.
     # Both yield the cores to the text queries when both want them (a 40-megapixel PNG decodes for seconds).
     image_queries = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlfit-image-query",
@@ -113,7 +123,7 @@ def create_app(
         poller = asyncio.get_running_loop().create_task(_poll(engine, reload_interval)) if reload_interval > 0 else None
         try:
             # what the server's connections are bounded by, and the searches' admission they refuse by
-            yield {LIMITS_KEY: limits, METRICS_KEY: metrics, ADMISSION_KEY: admission}
+            yield {LIMITS_KEY: limits, METRICS_KEY: metrics, ADMISSION_KEY: admission, CLIENTS_KEY: clients}
         finally:
             if poller is not None:
                 poller.cancel()
@@ -206,8 +216,7 @@ def create_app(
     app.add_middleware(HeadAsGet)
     if admission is not None:
         app.add_middleware(WaitLimit, admission=admission, metrics=metrics, path=SEARCH_PATH)
-    app.add_middleware(InFlightLimit, max_requests=limits.max_concurrency, metrics=metrics,
-                       exempt=("/api/health", "/metrics"))  # fmt: skip
+    app.add_middleware(InFlightLimit, max_requests=limits.max_concurrency, metrics=metrics, exempt=EXEMPT_PATHS)
     if access is not None:
         app.add_middleware(AccessControl, policy=access)  # before any work is done for a request
     app.add_middleware(RequestMetrics, metrics=metrics)  # outermost: counts the 413s and 503s too

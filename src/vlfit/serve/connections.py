@@ -45,7 +45,16 @@ from typing import Any
 
 from vlfit.errors import first_line
 from vlfit.serve.admission import RETRY_AFTER_S, query_kind, refusal_message
-from vlfit.serve.limits import ADMISSION_KEY, LIMITS_KEY, METRICS_KEY, SEARCH_PATH, ServerLimits
+from vlfit.serve.clients import ClientShares
+from vlfit.serve.limits import (
+    ADMISSION_KEY,
+    CLIENTS_KEY,
+    EXEMPT_PATHS,
+    LIMITS_KEY,
+    METRICS_KEY,
+    SEARCH_PATH,
+    ServerLimits,
+)
 
 try:  # uvicorn's private protocol module: where it moved or went, http_protocol() falls back to h11
     import httptools
@@ -58,6 +67,9 @@ else:
 
 logger = logging.getLogger(__name__)
 
+# The app protocols of TLS connections still in their handshake (vlfit.serve.tls adds them; each leaves as its
+# handshake ends or fails): counted against --max_connections with the connections.
+tls_handshakes: set[Any] = set()
 REFUSAL_LOG_INTERVAL_S = 10.0  # refused connections are logged at most this often, with the count since
 BOUNDED_PROTOCOL = f"{__name__}:BoundedHttpToolsProtocol"  # uvicorn's http=, as an import string
 FALLBACK_PROTOCOL = "h11"  # uvicorn's own, bounding the head's size (h11_max_incomplete_event_size)
@@ -70,9 +82,9 @@ PROTOCOL_METHODS = {
     "on_message_complete": 0, "on_response_complete": 0,
 }  # fmt: skip
 PROTOCOL_KEYWORDS = ("config", "server_state", "app_state")  # how uvicorn creates a protocol per connection
-PROTOCOL_ATTRIBUTES = ("app_state", "connections", "parser", "loop", "logger", "transport", "cycle", "headers",
-                       "expect_100_continue")  # fmt: skip
-STATUS_CODES = (408, 431, 503)
+PROTOCOL_ATTRIBUTES = ("app_state", "connections", "tasks", "parser", "loop", "logger", "transport", "cycle",
+                       "headers", "expect_100_continue")  # fmt: skip
+STATUS_CODES = (408, 429, 431, 503)
 
 
 def protocol_api_problems(protocol: type, status_line: Mapping[int, bytes]) -> list[str]:
@@ -144,7 +156,7 @@ def http_protocol(protocol: type | None = None, status_line: Mapping[int, bytes]
     return FALLBACK_PROTOCOL
 
 
-class _Refusals:
+class ConnectionRefusals:
     """A count of refused connections, logged once per interval rather than once per connection."""
 
     count = 0
@@ -167,6 +179,13 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self.limits: ServerLimits | None = self.app_state.get(LIMITS_KEY)
         self.metrics = self.app_state.get(METRICS_KEY)
         self.admission = self.app_state.get(ADMISSION_KEY)
+        self.shares: ClientShares | None = self.app_state.get(CLIENTS_KEY)
+        self._address = ""  # the peer's address, counted among its connections once admitted
+        self._counted_connection = False
+        self._requests: list[str] = []  # the client of each request handed to the app and not yet answered
+        self._retry_at = 0.0  # loop time before which this connection was told to retry (Retry-After)
+        self._held: Any = None  # the timer of a refusal held until then
+        self._held_body_done = False  # the held request's body was read (and dropped)
         self._head_bytes = 0
         self._head_timer: Any = None
         self._in_head = False  # between a request's first byte and the end of its headers
@@ -176,19 +195,42 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._target = b""  # the request target, as on_url gives it
 
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        tls_handshakes.discard(self)  # a TLS connection (vlfit.serve.tls): its handshake is over
         limits = self.limits
         if limits is not None and len(self.connections) >= limits.max_connections:
             self.transport, self._admitted, self._refused = transport, False, True
-            _Refusals.note(limits.max_connections)
+            ConnectionRefusals.note(limits.max_connections)
             if self.metrics is not None:
                 self.metrics.observe_refused("connections")
             self._answer_and_close(503, b"too many connections (--max_connections)", retry_after=1)
             return
+        peer = transport.get_extra_info("peername")
+        self._address = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        if self.shares is not None and self._address:
+            if not self.shares.open_connection(self._address):
+                self.transport, self._admitted, self._refused = transport, False, True
+                if self.metrics is not None:
+                    self.metrics.observe_refused("client_connections")
+                message = (f"this client has {self.shares.max_connections} connections open here "
+                           "(--max_connections_per_client); reuse them")  # fmt: skip
+                self._answer_and_close(429, message.encode(), retry_after=RETRY_AFTER_S)
+                return
+            self._counted_connection = True
         super().connection_made(transport)
         self._arm_head_timer()  # a connection that never sends a request is let go too
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
+        if self._held is not None:
+            self._held.cancel()
+            self._held = None
+        if self.shares is not None:
+            if self._counted_connection:
+                self.shares.close_connection(self._address)
+                self._counted_connection = False
+            for client in self._requests:  # requests whose answers will not be sent
+                self.shares.end_request(client)
+            self._requests = []
         if self._admitted:
             super().connection_lost(exc)
 
@@ -215,6 +257,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self.send_400_response(message)
 
     def on_message_begin(self) -> None:
+        if self._held is not None:  # a request sent before the held refusal was answered: closed after it
+            self._refused = True
+            return
         super().on_message_begin()
         self._head_bytes, self._in_head, self._target = 0, True, b""
         if self._head_timer is None:  # a keep-alive connection's next request
@@ -232,31 +277,76 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._disarm_head_timer()
         self._in_head = False
-        refusal = self._wait_refusal()
+        if self._refused:  # sent behind a held refusal: dropped with the connection
+            return
+        refusal = self._refusal()
         if refusal is None:
             super().on_headers_complete()
             return
+        status, message, limit = refusal
+        if self.metrics is not None:
+            self.metrics.observe_refused(limit)
         self._dropping_body = True
         keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
         keep_alive = keep_alive and not self.expect_100_continue  # such a client may not send the body now
+        body = json.dumps({"error": message}).encode()
+        now = self.loop.time()
+        if now < self._retry_at:
+            # Sent again before the Retry-After it was given: answered once that time is over, so a client that
+            # resends at once costs the server one refusal a second, not thousands (its body is read meanwhile).
+            self._held_body_done = False
+            self._held = self.loop.call_later(self._retry_at - now, self._answer_held, status, body, keep_alive)
+            return
+        self._retry_at = now + RETRY_AFTER_S
         self._refused = not keep_alive
-        body = json.dumps({"error": refusal}).encode()
-        self._answer(503, body, b"application/json", retry_after=RETRY_AFTER_S, close=not keep_alive)
+        self._answer(status, body, b"application/json", retry_after=RETRY_AFTER_S, close=not keep_alive)
 
-    def _wait_refusal(self) -> str | None:
-        """The refusal message when this request is a search the admission refuses now (None: the app takes it).
-        A request pipelined behind one still in the app is left to the app (``WaitLimit``)."""
-        if self.admission is None or (self.cycle is not None and not self.cycle.response_complete):
+    def _answer_held(self, status: int, body: bytes, keep_alive: bool) -> None:
+        self._held = None
+        if self.transport.is_closing():
+            return
+        close = not keep_alive or self._refused  # another request came behind it: not served on this connection
+        self._retry_at = self.loop.time() + RETRY_AFTER_S
+        self._refused = self._refused or close
+        self._answer(status, body, b"application/json", retry_after=RETRY_AFTER_S, close=close)
+        if not close and self._held_body_done:
+            self._held_body_done = False
+            super().on_response_complete()  # the next request may come
+
+    def _refusal(self) -> tuple[int, str, str] | None:
+        """``(status, message, limit)`` when this request is refused here, before the app sees it; None: the app
+        takes it (and it is counted among its client's requests in flight). A request pipelined behind one still
+        in the app is left to the app (its middlewares refuse the same way). Health and metrics are never refused.
+        """
+        if self.cycle is not None and not self.cycle.response_complete:
             return None
-        if self.parser.get_method() != b"POST" or httptools.parse_url(self._target).path != SEARCH_PATH.encode():
+        path = httptools.parse_url(self._target).path
+        if path.decode("latin-1") in EXEMPT_PATHS:
             return None
-        kind = query_kind(dict(self.headers).get(b"content-type", b""))
-        over = self.admission.over_budget(kind)
-        if over is None:
-            return None
-        if self.metrics is not None:
-            self.metrics.observe_refused("wait")
-        return refusal_message(kind, over)
+        limits = self.limits
+        if limits is not None and len(self.tasks) >= limits.max_concurrency:
+            return 503, (f"the server is answering its limit of {limits.max_concurrency} requests "
+                         f"(--max_concurrency); retry after {RETRY_AFTER_S} s"), "requests"  # fmt: skip
+        if self.admission is not None and self.parser.get_method() == b"POST" and path == SEARCH_PATH.encode():
+            kind = query_kind(dict(self.headers).get(b"content-type", b""))
+            over = self.admission.over_budget(kind)
+            if over is not None:
+                return 503, refusal_message(kind, over), "wait"
+        if self.shares is not None:
+            client = self.shares.client_of(self._address, dict(self.headers).get(b"x-forwarded-for"))
+            if not self.shares.start_request(client):
+                message = (f"this client has {self.shares.max_requests} requests in flight here "
+                           f"(--max_concurrency_per_client); retry after {RETRY_AFTER_S} s")  # fmt: skip
+                return 429, message, "client_requests"
+            self._requests.append(client)
+        return None
+
+    def on_response_complete(self) -> None:
+        """An answer of the app was sent (uvicorn's cycle calls this): its request is no longer in flight."""
+        if self._requests:
+            assert self.shares is not None
+            self.shares.end_request(self._requests.pop(0))
+        super().on_response_complete()
 
     def on_body(self, body: bytes) -> None:
         if not self._dropping_body:
@@ -267,7 +357,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             super().on_message_complete()
             return
         self._dropping_body = False
-        self.on_response_complete()  # as after an answer from the app: keep-alive timer, the next request
+        if self._held is not None:  # answered when its hold is over
+            self._held_body_done = True
+            return
+        super().on_response_complete()  # as after an answer from the app: keep-alive timer, the next request
 
     def _count_head(self, size: int) -> None:
         self._head_bytes += size

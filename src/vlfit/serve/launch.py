@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import ssl
 import subprocess
 import sys
 import time
@@ -30,10 +31,11 @@ class ServerProcess:
 
     process: subprocess.Popen
     port: int
+    scheme: str = "http"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
 
 def start_server(
@@ -54,13 +56,14 @@ def start_server(
             [sys.executable, "-m", "vlfit", "serve", *flags, "--port", str(port)],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
         )  # fmt: skip
+    scheme = "https" if "--ssl_certfile" in flags else "http"
     deadline = time.monotonic() + timeout
     while True:
         if process.poll() is not None:
             raise ServerStartError(f"vlfit serve exited {process.returncode}: {_tail(log_path)}")
         port = port or _logged_port(log_path) or 0  # read once the log names it
-        if port and _answers(port, process):
-            return ServerProcess(process, port)
+        if port and _answers(f"{scheme}://127.0.0.1:{port}", process):
+            return ServerProcess(process, port, scheme)
         if time.monotonic() > deadline:
             kill_process_tree(process)
             raise ServerStartError(f"vlfit serve did not answer within {timeout:g} s: {_tail(log_path)}")
@@ -73,12 +76,14 @@ def _logged_port(log_path: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def _answers(port: int, process: subprocess.Popen) -> bool:
-    """Whether ``/api/health`` on ``port`` answers 200 from ``process`` or one of the workers it started."""
+def _answers(base: str, process: subprocess.Popen) -> bool:
+    """Whether ``/api/health`` at ``base`` answers 200 from ``process`` or one of the workers it started (over
+    HTTPS, whatever certificate the process was given: it is the process started here, on loopback)."""
     import psutil
 
+    context = ssl._create_unverified_context() if base.startswith("https:") else None
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2) as answer:
+        with urllib.request.urlopen(f"{base}/api/health", timeout=2, context=context) as answer:
             pid = json.load(answer).get("pid") if answer.status == 200 else None
     except (urllib.error.URLError, OSError, ValueError):
         return False

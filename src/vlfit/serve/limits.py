@@ -11,11 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vlfit.errors import ConfigError
+from vlfit.serve.clients import trusted_networks
 
 LIMITS_KEY = "vlfit.limits"  # the app's lifespan state entries its connections read: its ServerLimits and metrics
 METRICS_KEY = "vlfit.metrics"
 ADMISSION_KEY = "vlfit.admission"  # and its WaitAdmission (None without --max_queue_wait_ms)
+CLIENTS_KEY = "vlfit.clients"  # and its ClientShares (vlfit.serve.clients)
 SEARCH_PATH = "/api/search"  # the route whose requests are admitted by expected wait
+# Never refused for load (answered on the event loop in microseconds): a monitor sees an overloaded server as up
+# and overloaded, not as down.
+EXEMPT_PATHS = ("/api/health", "/metrics")
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,17 @@ class ServerLimits:
         max_query_pixels: The most pixels a query image may declare (422 beyond), read from its header before
             any decoding: 40 megapixels, a large camera photo; Pillow's bomb limit for training data is 178.9.
         thumbnail_cache_mb: Bytes of small thumbnails kept for the next request of the same image and size.
+        max_connections_per_client: Open connections of one client address; one beyond is answered 429 and
+            closed, so one address cannot hold the slots of ``max_connections`` (64 of 512: eight such clients
+            before the server's own cap). Connections of a trusted proxy (``forwarded_allow_ips``) are not counted
+            per client: they carry many.
+        max_concurrency_per_client: Requests in flight of one client (its address, or behind a trusted proxy the
+            address the proxy names); one beyond is answered 429 with ``Retry-After`` at once. ``None`` (the
+            default): half of ``max_concurrency``, so one client leaves the other half to the rest.
+        forwarded_allow_ips: Addresses of trusted proxies, comma-separated (uvicorn's flag of the same name): a
+            request from one is the client its ``X-Forwarded-For`` names (the last address there that is not a
+            trusted proxy), for the per-client limits and for access (loopback clients). ``None`` (the default): no
+            header is trusted, every client is its connection's address.
     """
 
     max_concurrency: int = 32
@@ -58,10 +74,21 @@ class ServerLimits:
     max_text_chars: int = 2000
     max_query_pixels: int = 40_000_000
     thumbnail_cache_mb: float = 32.0
+    max_connections_per_client: int = 64
+    max_concurrency_per_client: int | None = None
+    forwarded_allow_ips: str | None = None
+
+    @property
+    def requests_per_client(self) -> int:
+        """``max_concurrency_per_client``, or its default: half of ``max_concurrency`` (at least 1)."""
+        if self.max_concurrency_per_client is not None:
+            return self.max_concurrency_per_client
+        return max(1, self.max_concurrency // 2)
 
     def __post_init__(self) -> None:
-        for name in ("max_concurrency", "max_connections", "max_header_bytes", "max_text_chars", "max_query_pixels"):
-            if getattr(self, name) < 1:
+        for name in ("max_concurrency", "max_connections", "max_header_bytes", "max_text_chars", "max_query_pixels",
+                     "max_connections_per_client", "max_concurrency_per_client"):  # fmt: skip
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be at least 1, got {getattr(self, name)}")
         for name in ("header_timeout", "body_timeout", "keep_alive_timeout"):
             if not getattr(self, name) > 0:
@@ -71,5 +98,6 @@ class ServerLimits:
                 f"--max_queue_wait_ms must be at least 0 milliseconds, got {self.max_queue_wait_ms} (0: 10x the "
                 "unloaded time of a query; leave it out for no wait budget)"
             )
+        trusted_networks(self.forwarded_allow_ips)  # an entry that is not an address: one line, now
         if self.thumbnail_cache_mb < 0:
             raise ConfigError(f"--thumbnail_cache_mb must be at least 0, got {self.thumbnail_cache_mb}")

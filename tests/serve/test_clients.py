@@ -1,0 +1,197 @@
+"""Capacity under pressure, on the real ``vlfit serve`` process: one client address cannot take the connection
+slots or the requests in flight of the others, a request beyond ``--max_concurrency`` is refused by its connection
+before the app sees it, a client that sends again before its ``Retry-After`` gets its next refusal only once that
+time is over, and HTTPS handshakes are bounded in time and counted against ``--max_connections``.
+
+Clients are told apart by their loopback source address (127.0.0.2, 127.0.0.3, ...: all of 127/8 is this machine).
+Every request and wait has a timeout; the servers are stopped by the module."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import ssl
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.serve.test_server import _read_response
+
+pytestmark = pytest.mark.slow
+
+START_TIMEOUT = 120
+TIMEOUT = 30
+PER_CLIENT_CONNECTIONS = 3
+CONCURRENCY = 4
+PER_CLIENT_REQUESTS = 2
+HEADER_TIMEOUT = 3
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="module")
+def server(served_index: Path, tmp_path_factory):
+    from vlfit.serve.launch import kill_process_tree, start_server
+
+    log = tmp_path_factory.mktemp("clients") / "server.log"
+    flags = ["--index", str(served_index), "--reload_interval", "0", "--max_connections_per_client",
+             str(PER_CLIENT_CONNECTIONS), "--max_concurrency", str(CONCURRENCY), "--max_concurrency_per_client",
+             str(PER_CLIENT_REQUESTS), "--header_timeout", str(HEADER_TIMEOUT)]  # fmt: skip
+    started = start_server(flags, str(log), timeout=START_TIMEOUT, env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    try:
+        yield started
+    finally:
+        kill_process_tree(started.process)
+
+
+def _connect(port: int, source: str) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT, source_address=(source, 0))
+
+
+def _search(caption: str) -> bytes:
+    body = json.dumps({"text": caption, "k": 2}).encode()
+    head = "POST /api/search HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    return (head + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+def _held(port: int, source: str, caption: str) -> tuple[socket.socket, bytes]:
+    """A search from ``source`` with half its body sent: in flight until the rest (returned) is sent."""
+    request = _search(caption)
+    connection = _connect(port, source)
+    connection.sendall(request[: len(request) - 5])
+    return connection, request[len(request) - 5 :]
+
+
+def _ask(port: int, source: str, request: bytes) -> bytes:
+    with _connect(port, source) as connection:
+        connection.sendall(request)
+        return _read_response(connection)
+
+
+def _metric(base: str, name: str, label: str) -> float:
+    text = httpx.get(f"{base}/metrics", timeout=TIMEOUT).text
+    found = re.search(rf"^{name}\{{{label}\}} (\S+)$", text, flags=re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_one_address_holding_its_connections_leaves_the_others_theirs(server, train_records) -> None:
+    hog = [_connect(server.port, "127.0.0.2") for _ in range(PER_CLIENT_CONNECTIONS)]  # silent, as a hog is
+    try:
+        with _connect(server.port, "127.0.0.2") as extra:
+            refused = _read_response(extra)
+            assert refused.startswith(b"HTTP/1.1 429") and b"--max_connections_per_client" in refused, refused
+            assert extra.recv(1) == b""  # and closed
+        answer = _ask(server.port, "127.0.0.3", _search(train_records[0].caption))
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    finally:
+        for connection in hog:
+            connection.close()
+    time.sleep(0.3)  # the server has seen them close: the address has its share again
+    assert _ask(server.port, "127.0.0.2", _search(train_records[1].caption)).startswith(b"HTTP/1.1 200")
+    assert _metric(server.url, "vlfit_refused_total", 'limit="client_connections"') >= 1
+
+
+def test_requests_in_flight_are_shared_per_client_and_capped_at_the_connection(server, train_records) -> None:
+    base, port = server.url, server.port
+    caption = train_records[2].caption
+    answered_before = _metric(base, "vlfit_requests_total", 'route="/api/search",status="200"')
+    held = [_held(port, "127.0.0.2", caption) for _ in range(PER_CLIENT_REQUESTS)]
+    try:
+        time.sleep(0.5)  # both in the app, waiting for their bodies
+        over = _ask(port, "127.0.0.2", _search(caption))  # this client's third
+        assert over.startswith(b"HTTP/1.1 429") and b"retry-after: 1" in over.lower(), over
+        assert b"--max_concurrency_per_client" in over
+        held += [_held(port, "127.0.0.3", caption) for _ in range(CONCURRENCY - PER_CLIENT_REQUESTS)]
+        time.sleep(0.5)  # the server's CONCURRENCY requests in flight: a fourth client is refused by its connection
+        with _connect(port, "127.0.0.4") as connection:
+            connection.sendall(_search(caption))
+            first = _read_response(connection)
+            assert first.startswith(b"HTTP/1.1 503") and b"--max_concurrency" in first, first
+            started = time.monotonic()
+            connection.sendall(_search(caption))  # again at once, ignoring Retry-After: answered once it is over
+            second = _read_response(connection)
+            waited = time.monotonic() - started
+        assert second.startswith(b"HTTP/1.1 503") and 0.6 < waited < 10, (second[:100], waited)
+    finally:
+        for connection, rest in held:
+            connection.sendall(rest)
+    for connection, _ in held:
+        with connection:
+            assert _read_response(connection).startswith(b"HTTP/1.1 200")
+    # The refusals never reached the app: what it answered is the held requests only.
+    answered = _metric(base, "vlfit_requests_total", 'route="/api/search",status="200"') - answered_before
+    assert answered == CONCURRENCY
+    assert _metric(base, "vlfit_refused_total", 'limit="requests"') >= 2
+    assert _metric(base, "vlfit_refused_total", 'limit="client_requests"') >= 1
+    assert not re.search(r'status="(503|429)"', httpx.get(f"{base}/metrics", timeout=TIMEOUT).text)
+
+
+def test_a_trusted_proxy_names_its_clients_and_an_untrusted_one_does_not() -> None:
+    from vlfit.errors import ConfigError
+    from vlfit.serve.clients import ClientShares
+
+    shares = ClientShares(2, 1, forwarded_allow_ips="127.0.0.1, 10.0.0.0/8")
+    assert shares.client_of("127.0.0.1", b"203.0.113.9, 10.1.2.3") == "203.0.113.9"  # the last untrusted hop
+    assert shares.client_of("127.0.0.1", b"spoofed, 198.51.100.7") == "198.51.100.7"
+    assert shares.client_of("192.0.2.5", b"203.0.113.9") == "192.0.2.5"  # not a trusted proxy: its own address
+    assert all(shares.open_connection("127.0.0.1") for _ in range(5))  # a proxy's connections carry many clients
+    assert shares.open_connection("192.0.2.5") and shares.open_connection("192.0.2.5")
+    assert not shares.open_connection("192.0.2.5")
+    assert shares.start_request("203.0.113.9") and not shares.start_request("203.0.113.9")
+    shares.end_request("203.0.113.9")
+    assert shares.start_request("203.0.113.9")
+    assert ClientShares(1, 1).client_of("127.0.0.1", b"203.0.113.9") == "127.0.0.1"  # none trusted by default
+    with pytest.raises(ConfigError, match=r"--forwarded_allow_ips: 'proxy.local' is not an address"):
+        ClientShares(1, 1, forwarded_allow_ips="proxy.local")
+
+
+def test_tls_handshakes_time_out_and_count_against_max_connections(served_index, tmp_path) -> None:
+    """Plain TCP connections to the HTTPS port that never start a handshake: those beyond --max_connections are
+    closed at once, the others after --header_timeout; an HTTPS client is answered once they are gone."""
+    from vlfit.serve.launch import kill_process_tree, start_server
+
+    cap = 6
+    flags = ["--index", str(served_index), "--reload_interval", "0", "--max_connections", str(cap),
+             "--header_timeout", str(HEADER_TIMEOUT), "--ssl_certfile", str(DATA / "loopback-cert.pem"),
+             "--ssl_keyfile", str(DATA / "loopback-key.pem")]  # fmt: skip
+    log = tmp_path / "server.log"
+    server = start_server(flags, str(log), timeout=START_TIMEOUT, env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    try:
+        assert server.url.startswith("https://") and "Uvicorn running on https://" in log.read_text()
+        client = ssl.create_default_context(cafile=str(DATA / "loopback-cert.pem"))
+        assert httpx.get(f"{server.url}/api/health", verify=client, timeout=TIMEOUT).status_code == 200
+        silent = [_connect(server.port, "127.0.0.2") for _ in range(cap + 2)]
+        started = time.monotonic()
+        try:
+            for connection in silent:
+                connection.settimeout(HEADER_TIMEOUT + 10)
+            closed_at_once = [c for c in silent[cap - 2 :] if _closed_within(c, HEADER_TIMEOUT / 2)]
+            assert len(closed_at_once) >= 2, "connections beyond --max_connections were left in their handshake"
+            for connection in silent:
+                assert _closed_within(connection, HEADER_TIMEOUT + 10)
+            assert time.monotonic() - started < HEADER_TIMEOUT + 10
+        finally:
+            for connection in silent:
+                connection.close()
+        assert httpx.get(f"{server.url}/api/health", verify=client, timeout=TIMEOUT).status_code == 200
+        assert _metric_tls(server.url, client) >= 2
+    finally:
+        kill_process_tree(server.process)
+
+
+def _closed_within(connection: socket.socket, seconds: float) -> bool:
+    connection.settimeout(seconds)
+    try:
+        return connection.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def _metric_tls(base: str, context: ssl.SSLContext) -> float:
+    text = httpx.get(f"{base}/metrics", verify=context, timeout=TIMEOUT).text
+    found = re.search(r'^vlfit_refused_total\{limit="connections"\} (\S+)$', text, flags=re.M)
+    return float(found.group(1)) if found else 0.0
