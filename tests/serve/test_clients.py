@@ -148,13 +148,15 @@ def test_a_trusted_proxy_names_its_clients_and_an_untrusted_one_does_not() -> No
 
 
 def test_tls_handshakes_time_out_and_count_against_max_connections(served_index, tmp_path) -> None:
-    """Plain TCP connections to the HTTPS port that never start a handshake: those beyond --max_connections are
-    closed at once, the others after --header_timeout; an HTTPS client is answered once they are gone."""
+    """Plain TCP connections to the HTTPS port that never start a handshake: those beyond the client's share
+    (--max_connections_per_client) or --max_connections are closed at once, the others after --header_timeout; an
+    HTTPS client is answered once they are gone."""
     from vlfit.serve.launch import kill_process_tree, start_server
 
-    cap = 6
+    cap, share = 6, 4
     flags = ["--index", str(served_index), "--reload_interval", "0", "--max_connections", str(cap),
-             "--header_timeout", str(HEADER_TIMEOUT), "--ssl_certfile", str(DATA / "loopback-cert.pem"),
+             "--max_connections_per_client", str(share), "--header_timeout", str(HEADER_TIMEOUT),
+             "--ssl_certfile", str(DATA / "loopback-cert.pem"),
              "--ssl_keyfile", str(DATA / "loopback-key.pem")]  # fmt: skip
     log = tmp_path / "server.log"
     server = start_server(flags, str(log), timeout=START_TIMEOUT, env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
@@ -162,21 +164,25 @@ def test_tls_handshakes_time_out_and_count_against_max_connections(served_index,
         assert server.url.startswith("https://") and "Uvicorn running on https://" in log.read_text()
         client = ssl.create_default_context(cafile=str(DATA / "loopback-cert.pem"))
         assert httpx.get(f"{server.url}/api/health", verify=client, timeout=TIMEOUT).status_code == 200
-        silent = [_connect(server.port, "127.0.0.2") for _ in range(cap + 2)]
+        hog = [_connect(server.port, "127.0.0.2") for _ in range(share + 2)]  # 2 beyond its share
+        other = [_connect(server.port, "127.0.0.3") for _ in range(cap - share + 2)]  # 2 beyond the server's cap
         started = time.monotonic()
         try:
-            for connection in silent:
+            for connection in hog + other:
                 connection.settimeout(HEADER_TIMEOUT + 10)
-            closed_at_once = [c for c in silent[cap - 2 :] if _closed_within(c, HEADER_TIMEOUT / 2)]
-            assert len(closed_at_once) >= 2, "connections beyond --max_connections were left in their handshake"
-            for connection in silent:
+            beyond_share = [c for c in hog[share:] if _closed_within(c, HEADER_TIMEOUT / 2)]
+            assert len(beyond_share) == 2, "handshakes beyond --max_connections_per_client were left open"
+            beyond_cap = [c for c in other[cap - share :] if _closed_within(c, HEADER_TIMEOUT / 2)]
+            assert len(beyond_cap) == 2, "handshakes beyond --max_connections were left open"
+            for connection in hog + other:
                 assert _closed_within(connection, HEADER_TIMEOUT + 10)
             assert time.monotonic() - started < HEADER_TIMEOUT + 10
         finally:
-            for connection in silent:
+            for connection in hog + other:
                 connection.close()
         assert httpx.get(f"{server.url}/api/health", verify=client, timeout=TIMEOUT).status_code == 200
-        assert _metric_tls(server.url, client) >= 2
+        assert _refused(server.url, client, "connections") >= 2
+        assert _refused(server.url, client, "client_connections") >= 2
     finally:
         kill_process_tree(server.process)
 
@@ -191,7 +197,7 @@ def _closed_within(connection: socket.socket, seconds: float) -> bool:
         return False
 
 
-def _metric_tls(base: str, context: ssl.SSLContext) -> float:
+def _refused(base: str, context: ssl.SSLContext, limit: str) -> float:
     text = httpx.get(f"{base}/metrics", verify=context, timeout=TIMEOUT).text
-    found = re.search(r'^vlfit_refused_total\{limit="connections"\} (\S+)$', text, flags=re.M)
+    found = re.search(rf'^vlfit_refused_total\{{limit="{limit}"\}} (\S+)$', text, flags=re.M)
     return float(found.group(1)) if found else 0.0

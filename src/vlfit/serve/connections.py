@@ -67,9 +67,10 @@ else:
 
 logger = logging.getLogger(__name__)
 
-# The app protocols of TLS connections still in their handshake (vlfit.serve.tls adds them; each leaves as its
-# handshake ends or fails): counted against --max_connections with the connections.
-tls_handshakes: set[Any] = set()
+# The app protocols of TLS connections still in their handshake, each with the client address it is counted for
+# in the app's ClientShares ("" where it is not): vlfit.serve.tls adds them, each leaves as its handshake ends or
+# fails. Counted against --max_connections with the connections, and per client as connections are.
+tls_handshakes: dict[Any, str] = {}
 REFUSAL_LOG_INTERVAL_S = 10.0  # refused connections are logged at most this often, with the count since
 BOUNDED_PROTOCOL = f"{__name__}:BoundedHttpToolsProtocol"  # uvicorn's http=, as an import string
 FALLBACK_PROTOCOL = "h11"  # uvicorn's own, bounding the head's size (h11_max_incomplete_event_size)
@@ -195,7 +196,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._target = b""  # the request target, as on_url gives it
 
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
-        tls_handshakes.discard(self)  # a TLS connection (vlfit.serve.tls): its handshake is over
+        handshake_client = tls_handshakes.pop(self, "")  # a TLS connection (vlfit.serve.tls): its handshake is over
+        if handshake_client and self.shares is not None:
+            self.shares.close_connection(handshake_client)  # counted again below, as the connection it now is
         limits = self.limits
         if limits is not None and len(self.connections) >= limits.max_connections:
             self.transport, self._admitted, self._refused = transport, False, True

@@ -8,9 +8,10 @@ client is refused. Here vlfit does the TLS itself, one level under its bounded H
 ``SSLProtocol`` around a ``BoundedHttpToolsProtocol``, with
 
 - ``--header_timeout`` as the handshake timeout (a handshake is part of what comes before a request head), and
-- every connection in its handshake counted with the open connections against ``--max_connections``: one beyond
-  is closed at once (nothing can be answered before the handshake), logged and counted in
-  ``vlfit_refused_total{limit="connections"}`` as the plain ones are.
+- every connection in its handshake counted with the open connections against ``--max_connections``, and with its
+  address's connections against ``--max_connections_per_client``: one beyond is closed at once (nothing can be
+  answered before the handshake), logged and counted in ``vlfit_refused_total{limit="connections"}`` (or
+  ``"client_connections"``) as the plain ones are.
 
 ``use_tls`` sets the context and the timeout in each server process (the one process, or each worker of
 ``--workers N``) before uvicorn serves; the app's limits and metrics come to each connection from the app's
@@ -27,7 +28,7 @@ from typing import Any
 
 from vlfit.errors import ConfigError
 from vlfit.serve.connections import BoundedHttpToolsProtocol, ConnectionRefusals, tls_handshakes
-from vlfit.serve.limits import LIMITS_KEY, METRICS_KEY
+from vlfit.serve.limits import CLIENTS_KEY, LIMITS_KEY, METRICS_KEY
 
 TLS_PROTOCOL = f"{__name__}:tls_protocol"  # uvicorn's http=, as an import string
 _settings: dict[str, Any] = {}
@@ -71,11 +72,21 @@ class _CountedTLS(SSLProtocol):
                 metrics.observe_refused("connections")
             transport.abort()  # nothing can be answered before a handshake
             return
-        tls_handshakes.add(http)  # left in BoundedHttpToolsProtocol.connection_made, or below
+        shares = http.app_state.get(CLIENTS_KEY)
+        peer = transport.get_extra_info("peername")
+        address = str(peer[0]) if isinstance(peer, tuple) and peer and shares is not None else ""
+        if address and not shares.open_connection(address):
+            if metrics is not None:
+                metrics.observe_refused("client_connections")
+            transport.abort()
+            return
+        tls_handshakes[http] = address  # left in BoundedHttpToolsProtocol.connection_made, or below
         super().connection_made(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        tls_handshakes.discard(self.http)
+        address = tls_handshakes.pop(self.http, "")
+        if address:
+            self.http.app_state[CLIENTS_KEY].close_connection(address)
         super().connection_lost(exc)
 
 
