@@ -33,17 +33,31 @@ def test_an_image_column_of_captions_is_refused_before_a_tokenizer_is_trained(
     assert "name the column of images" in line
 
 
-def test_a_vqa_split_without_answers_is_refused_before_a_tokenizer_is_trained(tmp_path, no_tokenizer_training, capsys):
-    def jpeg(shade: int) -> bytes:
-        out = io.BytesIO()
-        Image.new("RGB", (32, 32), (shade, 0, 0)).save(out, format="JPEG")
-        return out.getvalue()
+def _jpeg(shade: int) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (32, 32), (shade, 0, 0)).save(out, format="JPEG")
+    return out.getvalue()
 
+
+def test_a_vqa_split_without_answers_is_refused_before_a_tokenizer_is_trained(tmp_path, no_tokenizer_training, capsys):
     questions = datasets.Dataset.from_dict(
-        {"image": [jpeg(40 * i) for i in range(4)], "question": [f"what colour is square {i}?" for i in range(4)]}
+        {"image": [_jpeg(40 * i) for i in range(4)], "question": [f"what colour is square {i}?" for i in range(4)]}
     )
     datasets.DatasetDict({"train": questions}).save_to_disk(str(tmp_path / "data"))
     assert main(_train(tmp_path, "--dataset_name", str(tmp_path / "data"), "--task", "vqa")) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
     assert "has no answers: a VQA split (--task vqa) needs an 'answers' column" in line
     assert line.endswith("its columns: image, question")
+
+
+def test_a_streamed_vqa_split_without_an_answer_vocabulary_is_refused_before_a_tokenizer_is_trained(
+    tmp_path, no_tokenizer_training, capsys
+):
+    rows = {"image": [_jpeg(40 * i) for i in range(4)], "question": [f"what colour is square {i}?" for i in range(4)],
+            "answers": [["red"]] * 4}  # fmt: skip
+    datasets.Dataset.from_dict(rows).to_parquet(str(tmp_path / "train.parquet"))
+    flags = ["--task", "vqa", "--streaming", "--train_file", str(tmp_path / "train.parquet")]
+    assert main(_train(tmp_path, *flags)) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
+    assert "--task vqa on a streamed training split" in line
+    assert "give the answers with --answer_vocabulary FILE" in line

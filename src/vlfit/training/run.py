@@ -50,7 +50,14 @@ from vlfit.training.itm_objective import prepare_model_for_objective, trained_he
 from vlfit.training.preemption import PreemptionCallback, TrainingPreempted
 from vlfit.training.trainer import VlfitTrainer
 from vlfit.training.unfreeze import UnfreezeCallback
-from vlfit.training.vqa import pipeline_columns, run_task, trainer_class, vqa_blueprint, vqa_location
+from vlfit.training.vqa import (
+    check_streamed_answers,
+    pipeline_columns,
+    run_task,
+    trainer_class,
+    vqa_blueprint,
+    vqa_location,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +108,9 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
         _check_streamed_training(training_args)
     task = run_task(model_args.model_name_or_path, data_args.task)
     check_flag_rules(model_args, data_args, training_args, task=task)
+    check_streamed_answers(task, streamed=training_args.do_train and data_args.streams_training(),
+                           vocabulary_file=data_args.answer_vocabulary, model_preset=model_args.model_preset,
+                           model_name_or_path=model_args.model_name_or_path)  # fmt: skip
     data = open_run_data(
         vqa_location(data_args.source_kwargs()) if task == "vqa" else data_args.source_kwargs(),
         train=training_args.do_train,

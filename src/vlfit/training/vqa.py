@@ -49,6 +49,11 @@ logger = logging.getLogger(__name__)
 # The config key of a VQA model's majority answer: the answer its training split gave most, the baseline evaluation
 # reports (an --answer_vocabulary file's order says nothing of how often its answers were given).
 MAJORITY_ANSWER_KEY = "vqa_majority_answer"
+# A stream has no length to count answers over: its answers come from a file, or from a VQA model's own.
+STREAMED_WITHOUT_VOCABULARY = (
+    "--task vqa on a streamed training split: the answer vocabulary cannot be counted from a stream; give the "
+    "answers with --answer_vocabulary FILE (one per line), or read the training split map-style"
+)
 
 
 def run_task(model_name_or_path: str | None, task: str) -> str:
@@ -61,6 +66,31 @@ def run_task(model_name_or_path: str | None, task: str) -> str:
         logger.info("%s is a BridgeTower VQA model: the run answers questions (--task vqa)", folder)
         return "vqa"
     return task
+
+
+def check_streamed_answers(
+    task: str,
+    *,
+    streamed: bool,
+    vocabulary_file: str | None,
+    model_preset: str | None,
+    model_name_or_path: str | None,
+) -> None:
+    """Refuse, before any data opens or tokenizer trains, a ``--task vqa`` training run on a streamed split that
+    has no answers to learn: no ``--answer_vocabulary`` and a model without a VQA head of its own (a preset, or a
+    local checkpoint that answers no questions). A hub id is left to ``vqa_blueprint``, which reads its config.
+
+    Raises:
+        ConfigError: naming ``--answer_vocabulary`` and what to do.
+    """
+    if task != "vqa" or not streamed or vocabulary_file is not None:
+        return
+    if model_preset is not None or (
+        model_name_or_path is not None
+        and os.path.exists(model_name_or_path)
+        and not parse_model_reference(model_name_or_path).answers_questions
+    ):
+        raise ConfigError(STREAMED_WITHOUT_VOCABULARY)
 
 
 def vqa_location(location: Mapping[str, Any]) -> dict[str, Any]:
@@ -110,10 +140,7 @@ def vqa_blueprint(
                         len(vocabulary), vocabulary_file, 100 * vocabulary.coverage(answers))  # fmt: skip
         config = with_answers(blueprint.config, vocabulary.answers)
     elif train and train_source is None and not is_vqa_config(blueprint.config):
-        raise ConfigError(
-            "--task vqa on a streamed training split: the answer vocabulary cannot be counted from a stream; give "
-            "the answers with --answer_vocabulary FILE (one per line), or read the training split map-style"
-        )
+        raise ConfigError(STREAMED_WITHOUT_VOCABULARY)
     elif train_source is not None:
         answers = split_answers(train_source)
         vocabulary = AnswerVocabulary.build(answers, max_answers)
