@@ -25,6 +25,10 @@
 4. Noisy neighbour: 8 clients sending text queries, quiet, then again while one more client sends, one after
    another, the largest queries the server admits: a text of ``--max_text_chars`` characters, a JPEG and a PNG of
    ``--max_query_pixels`` pixels. Goal: the 8 clients' p50 within 2x of the quiet run.
+5. Pressure (``benchmarks/serve_pressure.py``, on the same model and index): 8 to 128 closed-loop clients that
+   resend at once, one address hogging the connection slots, idle connections to an HTTPS server that never start
+   their handshake. ``--pressure_only`` runs only this part; ``--server_src`` runs its servers from another
+   checkout's ``src``, to hold two versions to the same load.
 
 Every server flag is its default (``--num_threads 1``, ``--max_concurrency``, ...) but ``--model`` and
 ``--reload_interval 0``, and those given after ``--server_flags``.
@@ -37,7 +41,7 @@ Goals (issue: text query p50 <=
 
     python benchmarks/serve_load.py [--model runs/demo/model] [--out runs/serve-bench]
         [--results benchmarks/results/cpu-2core] [--server_only] [--overload_qps 400] [--pin]
-        [--server_flags --max_queue_wait_ms 20]
+        [--pressure_only [--server_src DIR]] [--server_flags --max_queue_wait_ms 20]
 
 Needs ``make demo`` first. About 6 minutes on an idle 2-core CPU (the 10^6 IVF-PQ build is most of it;
 ``--server_only`` leaves the index structures out).
@@ -394,6 +398,10 @@ def main() -> int:
         help="Run the server on the first core and this load client on the others (Linux), so the client's work "
         "is not in the server's latencies.",
     )
+    parser.add_argument("--pressure_only", action="store_true", help="Run only the pressure levels (5.).")
+    parser.add_argument("--server_src", default=None, help="Pressure levels: the server from this src (PYTHONPATH).")
+    parser.add_argument("--pressure_levels", nargs="+", choices=("resend", "hog", "tls"),
+                        default=["resend", "hog", "tls"], help="The pressure levels to run (5.).")  # fmt: skip
     parser.add_argument(
         "--server_flags",
         nargs=argparse.REMAINDER,
@@ -416,17 +424,25 @@ def main() -> int:
     index = os.path.join(args.out, "index-100k")
     if not os.path.isfile(os.path.join(index, "index_manifest.json")):
         write_index(index, encoder, 100_000)
-    served = serve_load(index, exported, os.path.join(args.out, "server.log"), args.server_flags, args.overload_qps,
-                        args.pin)  # fmt: skip
-    built = [] if args.server_only else structures(args.out, encoder.identity, [100_000, 1_000_000], args.hnsw_at_1m)
+    from serve_pressure import serve_pressure
+
+    served, built = {}, []
+    if not args.pressure_only:
+        served = serve_load(index, exported, os.path.join(args.out, "server.log"), args.server_flags,
+                            args.overload_qps, args.pin)  # fmt: skip
+    pressure = serve_pressure(index, exported, args.out, args.server_flags, args.server_src,
+                              tuple(args.pressure_levels))  # fmt: skip
+    if not (args.pressure_only or args.server_only):
+        built = structures(args.out, encoder.identity, [100_000, 1_000_000], args.hnsw_at_1m)
     machine = {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
     results = {"machine": machine, "load_average": os.getloadavg(), "embedding_dim": dim,
                "text_tower": encoder.description, "server_flags": args.server_flags, "pinned": args.pin,
-               "server": served,
+               "server": served, "pressure": pressure,
                "structures": built}  # fmt: skip
+    name = "serve_pressure.json" if args.pressure_only else "serve_load.json"
     for folder in filter(None, (args.out, args.results)):
         os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, "serve_load.json"), "w") as f:
+        with open(os.path.join(folder, name), "w") as f:
             json.dump(results, f, indent=2)
     print(json.dumps(results, indent=1))
     return 0
