@@ -1,11 +1,12 @@
-"""A disk that fills during ``vlfit retrieve index`` or ``vlfit export`` ends the command in one line naming the
-folder, about the space needed and what was kept; the index resumes to the one a clean build makes, and an earlier
-export in the folder is left as it was.
+"""A disk that fills during ``vlfit retrieve index``, ``vlfit export`` or ``vlfit prepare`` ends the command in one
+line naming the folder, about the space needed and what was kept; the index and the prepared shards resume to what
+a clean run makes, and an earlier export in the folder is left as it was.
 
 The full disk is simulated where the bytes are written: ``builtins.open`` is wrapped so that the files opened for
 writing under one folder share a budget of bytes, and a ``write`` past it raises ``OSError(ENOSPC)`` as a full
-device does (no file name, the bytes that fit written). (``vlfit train``'s full disk is tested in
-tests/training/test_atomic_checkpoints.py.)
+device does (no file name, the bytes that fit written). pyarrow writes a parquet shard without ``builtins.open``:
+one shard of ``vlfit prepare`` is written into /dev/full instead, pyarrow's own error. (``vlfit train``'s full disk
+is tested in tests/training/test_atomic_checkpoints.py.)
 """
 
 from __future__ import annotations
@@ -230,3 +231,48 @@ def test_a_full_disk_while_the_ann_structure_is_written_ends_in_one_line_and_the
 
     assert main(argv) == 0
     assert EmbeddingIndex(str(out)).manifest.ann is not None
+
+
+def _prepare(data: str, out: Path) -> int:
+    return main(["prepare", "--dataset_name", data, "--splits", "train", "--output_dir", str(out), "--model_preset",
+                 "tiny", "--shard_size", "16", "--num_proc", "1", "--progress", "false"])  # fmt: skip
+
+
+def test_prepare_on_a_full_disk_ends_in_one_line_naming_the_shards_kept_and_resumes(
+    synthetic_dataset_dir, tmp_path, monkeypatch, capsys
+):
+    """The second parquet shard is written into /dev/full (a device that is always full; pyarrow's real ENOSPC):
+    exit 2 and one line naming the shard, the folder's free space, about what the shards left need and that the
+    folder keeps the shard its manifest lists; the same command run again completes the folder."""
+    import pyarrow.parquet as pq
+
+    from vlfit.data.prepare import MANIFEST_NAME
+
+    write_table = pq.write_table
+
+    def into_a_full_device(table, where, *args, **kwargs):
+        if "train-00001-of-" not in os.path.basename(str(where)):
+            return write_table(table, where, *args, **kwargs)
+        # An open file, not the path: pyarrow removes a path it failed to write, and that must not be /dev/full.
+        with open("/dev/full", "wb") as full:
+            return write_table(table, full, *args, **kwargs)
+
+    out = tmp_path / "prepared"
+    monkeypatch.setattr(pq, "write_table", into_a_full_device)
+    capsys.readouterr()
+    assert _prepare(synthetic_dataset_dir, out) == 2
+    monkeypatch.undo()
+    line = _error_line(capsys)
+    shards = sorted(name for name in os.listdir(out) if name.endswith(".parquet"))
+    assert shards == ["train-00000-of-00004.parquet"]
+    assert line.startswith(f"vlfit prepare: error: no space left on the device of {out} writing "
+                           f"{out / 'train-00001-of-00004.parquet'} (")  # fmt: skip
+    shard_bytes = os.path.getsize(out / shards[0])
+    assert 2 * shard_bytes <= _needed_bytes(line) <= 4 * shard_bytes  # the three shards left, roughly
+    assert line.endswith(f"free, about {format_bytes(_needed_bytes(line))} needed); the folder keeps the 1 of 4 "
+                         f"shards its {MANIFEST_NAME} lists: free space there and run the same command again to "
+                         "resume")  # fmt: skip
+    assert not [name for name in os.listdir(out) if name.startswith(".")]  # no partial shard left
+
+    assert _prepare(synthetic_dataset_dir, out) == 0
+    assert len([name for name in os.listdir(out) if name.endswith(".parquet")]) == 4

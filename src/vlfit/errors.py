@@ -106,11 +106,23 @@ class MissingExtraError(UserError, ImportError):
         self.extra = extra
 
 
-class DiskFullError(UserError, OSError):
+class WriteFailedError(UserError, OSError):
+    """A write that failed without saying why (torch's zip writer loses the errno): names the folder, its free space
+    and what to do."""
+
+
+class DiskFullError(WriteFailedError):
     """A write that ran out of disk space (or quota): names the folder, its free space and what to do."""
 
 
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# What torch's zip writer (torch.save) raises when a write fails: the errno is lost, so a full disk reads as the
+# stream's "unexpected pos N vs M" (the C++ stream's "basic_ios::clear: iostream error" as its context, or alone
+# when the file is small enough to fail only as it is flushed).
+TORCH_WRITE_FAILURES = ("unexpected pos", "PytorchStreamWriter failed", "file write failed", "basic_ios::clear")
+# Free space under which a write that failed without a cause is taken for a full disk, when it needed less than this.
+LOW_SPACE_BYTES = 16_000_000
+_ENFORCE = re.compile(r"^\[enforce fail at [^\]]*\]\s*\.?\s*")  # the C++ source line torch's message starts with
 
 
 def format_bytes(size: float) -> str:
@@ -143,6 +155,72 @@ def disk_full_error(
     return DiskFullError(f"no space left on the device of {folder}{written} ({free}{need}){extra}: {remedy}")
 
 
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    """``error``, then what it was raised from or during (``__cause__``, else ``__context__``), to the first."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def _free_bytes(folder: str) -> int | None:
+    try:
+        return shutil.disk_usage(folder if os.path.isdir(folder) else os.path.dirname(folder) or ".").free
+    except OSError:
+        return None
+
+
+def failed_write_error(
+    error: BaseException,
+    folder: str,
+    *,
+    needed: int | None = None,
+    note: str = "",
+    remedy: str = "free space there or write elsewhere (--output_dir)",
+) -> WriteFailedError | None:
+    """``error`` as one line when it is a write into ``folder`` that failed for want of space; None for any other.
+
+    Recognised: an ``OSError`` with ENOSPC or EDQUOT anywhere in its ``__cause__``/``__context__`` chain (worded by
+    ``disk_full_error``), and torch's zip-writer failures (``TORCH_WRITE_FAILURES``), which lose the errno: these
+    say "no space left" only when the folder's free space is low (under ``needed``, or ``LOW_SPACE_BYTES`` when the
+    write needed less or its size is unknown), and otherwise that the write failed, in torch's words, with the free
+    space. A ``UserError`` is never one (it already says what happened).
+
+    Args:
+        error: What the write raised.
+        folder: The folder written into (free space is measured there).
+        needed: About how many bytes the write needed, when known.
+        note: What the caller knows (what was kept: the last complete checkpoint, the shards a manifest lists).
+        remedy: What to do.
+    """
+    if isinstance(error, UserError):
+        return None
+    chain = list(_chain(error))
+    for link in chain:
+        if isinstance(link, OSError) and link.errno in NO_SPACE_ERRNOS:
+            return disk_full_error(link, folder, needed=needed, note=note, remedy=remedy)
+    words = next(
+        (
+            _ENFORCE.sub("", first_line(link, 200))
+            for link in chain
+            if isinstance(link, RuntimeError) and any(phrase in str(link) for phrase in TORCH_WRITE_FAILURES)
+        ),
+        None,
+    )
+    if words is None:
+        return None
+    free = _free_bytes(folder)
+    if free is not None and free < max(needed or 0, LOW_SPACE_BYTES):
+        full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return disk_full_error(full, folder, needed=needed, note=note, remedy=remedy)
+    shown = f"{format_bytes(free)} free" if free is not None else "free space unknown"
+    need = f", about {format_bytes(needed)} needed" if needed else ""
+    extra = f"; {note}" if note else ""
+    return WriteFailedError(f"the write to {folder} failed (torch: {words}; {shown}{need}){extra}: {remedy}")
+
+
 @contextmanager
 def full_disk_in_one_line(
     folder: str,
@@ -151,14 +229,15 @@ def full_disk_in_one_line(
     note: str = "",
     remedy: str = "free space there or write elsewhere (--output_dir)",
 ) -> Iterator[None]:
-    """Writes inside the block that run out of disk space (or quota) raise ``disk_full_error`` with these words;
-    any other ``OSError`` passes as it is."""
+    """Writes inside the block that run out of disk space (or quota) raise ``failed_write_error``'s one line with
+    these words; any other error passes as it is."""
     try:
         yield
-    except OSError as error:
-        if error.errno not in NO_SPACE_ERRNOS:  # a DiskFullError raised inside has no errno: it passes too
+    except Exception as error:
+        failure = failed_write_error(error, folder, needed=needed, note=note, remedy=remedy)
+        if failure is None:
             raise
-        raise disk_full_error(error, folder, needed=needed, note=note, remedy=remedy) from error
+        raise failure from error
 
 
 class ArgumentError(ConfigError, TypeError):

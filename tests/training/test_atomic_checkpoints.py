@@ -129,3 +129,38 @@ def test_a_full_disk_while_saving_ends_in_one_line_naming_the_last_complete_chec
     assert f"the last complete checkpoint is {out / 'checkpoint-2'}" in error
     assert not any(entry.startswith(".partial") for entry in os.listdir(out))  # the partial copy's space is back
     assert get_last_checkpoint(str(out)) == str(out / "checkpoint-2")
+
+
+def test_torch_s_own_write_error_on_a_full_device_ends_in_one_line_naming_the_last_complete_checkpoint(
+    tmp_path: Path, synthetic_dataset_dir: str, monkeypatch, capsys
+) -> None:
+    """torch.save loses the errno: writing the second checkpoint's optimizer state into /dev/full (a device that is
+    always full) fails in its zip writer (``unexpected pos ...`` or ``basic_ios::clear``, a RuntimeError). The run
+    ends with exit 2 and one line, no traceback: the write failed in torch's words, the folder's free space, the
+    last complete checkpoint; the partial copy is removed."""
+    import torch
+
+    original = torch.save
+    redirected: list[str] = []
+
+    def save(obj, f, *args, **kwargs):
+        if isinstance(f, str) and f"{os.sep}checkpoint-4{os.sep}" in f:
+            redirected.append(f)
+            f = "/dev/full"
+        return original(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    out = tmp_path / "run"
+    argv = ["train", *tiny_train_argv(synthetic_dataset_dir, out, "--save_steps", "2", steps=4)]
+    capsys.readouterr()
+    with single_torch_thread():
+        assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert redirected and "Traceback" not in err
+    error = err.strip().splitlines()[-1]
+    assert error.startswith(f"vlfit train: error: the write to {out} failed (torch: "), error
+    assert "MB free, about " in error and " needed); " in error
+    assert error.endswith(f"the last complete checkpoint is {out / 'checkpoint-2'}: free space there or write "
+                          "elsewhere (--output_dir)")  # fmt: skip
+    assert not any(entry.startswith(".partial") for entry in os.listdir(out))
+    assert get_last_checkpoint(str(out)) == str(out / "checkpoint-2")

@@ -33,7 +33,7 @@ import torch
 
 from vlfit.atomic_files import write_text_atomically
 from vlfit.data.image_groups import group_images
-from vlfit.errors import NO_SPACE_ERRNOS, ConfigError, DiskFullError, disk_full_error
+from vlfit.errors import ConfigError, WriteFailedError, failed_write_error
 from vlfit.inference.backends import Encoder, OnnxRuntimeEncoder, OpenVinoEncoder, TorchEncoder
 from vlfit.inference.export_samples import Samples
 from vlfit.inference.exported import FORMATS, MANIFEST_NAME, TOWERS, ExportFolder, ExportParityError, graph_name
@@ -235,7 +235,8 @@ def export_model(
 
     Raises:
         ExportParityError: when an fp32 graph's cosine to PyTorch is below the threshold; nothing is written.
-        DiskFullError: when the disk fills while the export is staged; nothing in ``output_dir`` is replaced.
+        WriteFailedError: when a write fails while the export is staged (``DiskFullError``: the disk filled);
+            nothing in ``output_dir`` is replaced.
     """
     check_output_dir(loaded.model_path, output_dir)
     exported_at = time.time()
@@ -304,10 +305,11 @@ def export_model(
         if settings.format == "openvino":
             shutil.rmtree(onnx_dir)
         write_text_atomically(os.path.join(staging, MANIFEST_NAME), json.dumps(manifest, indent=1) + "\n")
-    except OSError as error:  # while staging: the output folder is as it was
-        if error.errno in NO_SPACE_ERRNOS:
-            raise no_space_for_export(error, output_dir, staging, loaded, settings) from error
-        raise
+    except Exception as error:  # while staging: the output folder is as it was
+        failure = failed_export_write(error, output_dir, staging, loaded, settings)
+        if failure is None:
+            raise
+        raise failure from error
     else:
         _move_into(staging, output_dir)
     finally:
@@ -315,12 +317,14 @@ def export_model(
     return manifest
 
 
-def no_space_for_export(
-    error: OSError, output_dir: str, staging: str, loaded: TorchEncoder, settings: ExportSettings
-) -> DiskFullError:
-    """The disk filled while the export was staged: the error names the output folder, about what the staged
-    graphs take (the model's fp32 weights, twice for OpenVINO, which stages the ONNX graphs too, a quarter more with
-    INT8; or what was staged before the disk filled, when more) and that nothing in the folder was replaced."""
+def failed_export_write(
+    error: BaseException, output_dir: str, staging: str, loaded: TorchEncoder, settings: ExportSettings
+) -> WriteFailedError | None:
+    """``error``, raised while the export was staged, as one line when it is a write that failed
+    (``vlfit.errors.failed_write_error``: the disk full, or torch's writer failing without an errno); None for any
+    other error. The line names the output folder, its free space, about what the staged graphs take (the model's
+    fp32 weights, twice for OpenVINO, which stages the ONNX graphs too, a quarter more with INT8; or what was staged
+    before the write failed, when more) and that nothing in the folder was replaced."""
     weights = sum(parameter.numel() for parameter in loaded.model.parameters()) * 4
     graphs = weights * (2 if settings.format == "openvino" else 1) + (weights // 4 if settings.quantize else 0)
     staged = sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(staging) for name in names)
@@ -328,7 +332,7 @@ def no_space_for_export(
         f"nothing in {output_dir} was replaced (the export is staged in {os.path.basename(staging)} and moved in "
         "once complete)"
     )
-    return disk_full_error(
+    return failed_write_error(
         error,
         output_dir,
         needed=max(graphs, staged),

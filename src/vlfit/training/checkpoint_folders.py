@@ -14,7 +14,7 @@ import shutil
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from vlfit.atomic_files import fsync_file, fsync_folder
-from vlfit.errors import DiskFullError, disk_full_error
+from vlfit.errors import WriteFailedError, failed_write_error
 
 STAGING_PREFIX = ".partial-"
 
@@ -53,16 +53,20 @@ def _fsync_tree(folder: str) -> None:
         fsync_folder(root)
 
 
-def no_space_for_checkpoint(error: OSError, run_dir: str, staging_root: str) -> DiskFullError:
-    """The disk filled while a checkpoint was staged in ``staging_root``: the partial copy goes (its space is given
-    back), and the error names the folder, about what a checkpoint takes (the last one's size, or what was written
-    before the disk filled) and the last complete checkpoint, from which a rerun resumes."""
+def failed_checkpoint_write(error: BaseException, run_dir: str, staging_root: str) -> WriteFailedError | None:
+    """``error``, raised while a checkpoint was staged in ``staging_root``, as one line when it is a write that
+    failed (``vlfit.errors.failed_write_error``: the disk full, or torch's zip writer failing without an errno);
+    None for any other error. The line names the folder, its free space as the write failed, about what a checkpoint
+    takes (the last one's size, or what was written before the failure) and the last complete checkpoint, from
+    which a rerun resumes; the partial copy then goes (its space is given back)."""
     partial = _folder_size(staging_root)
-    shutil.rmtree(staging_root, ignore_errors=True)
     last = get_last_checkpoint(run_dir) if os.path.isdir(run_dir) else None
     needed = (_folder_size(last) if last else 0) or partial or None
     note = f"the last complete checkpoint is {last}" if last else "no complete checkpoint was saved yet"
-    return disk_full_error(error, run_dir, needed=needed, note=note)
+    failure = failed_write_error(error, run_dir, needed=needed, note=note)
+    if failure is not None:
+        shutil.rmtree(staging_root, ignore_errors=True)
+    return failure
 
 
 def _folder_size(folder: str) -> int:

@@ -45,7 +45,7 @@ from vlfit.data.pipeline import DeviceFeed, InputPipeline, LoaderSettings, shard
 from vlfit.data.stream import ShardStream, SourceUnreachableError
 from vlfit.data.stream.dataset import StreamingImageTextDataset
 from vlfit.efficiency.flops import count_flops
-from vlfit.errors import NO_SPACE_ERRNOS, ConfigError
+from vlfit.errors import ConfigError, first_line
 from vlfit.evaluation.rerank import check_rerank
 from vlfit.evaluation.zeroshot import ZeroShotSet
 from vlfit.models.family import ModelFamily
@@ -55,7 +55,7 @@ from vlfit.training.bad_sample_accounting import BadSampleAccounting
 from vlfit.training.bad_sample_ledger import BadSampleLedger
 from vlfit.training.checkpoint_folders import (
     STAGING_PREFIX,
-    no_space_for_checkpoint,
+    failed_checkpoint_write,
     publish_staged_checkpoint,
     remove_partial_checkpoints,
 )
@@ -410,15 +410,17 @@ class VlfitTrainer(BadSampleAccounting, Trainer):
         self._staging_run_dir = staging_root
         try:
             super()._save_checkpoint(model, trial)
-        except OSError as error:
-            if error.errno not in NO_SPACE_ERRNOS:
+            self._staging_run_dir = None
+            os.makedirs(staged_dir, exist_ok=True)
+            self._save_data_position(staged_dir)
+        except Exception as error:  # a full disk reaches here as ENOSPC, or as torch's zip writer's RuntimeError
+            failure = failed_checkpoint_write(error, run_dir, staging_root)
+            if failure is None:
                 raise
-            logger.error("saving %s failed: %s", self._checkpoint_name, error)
-            raise no_space_for_checkpoint(error, run_dir, staging_root) from error
+            logger.error("saving %s failed: %s", self._checkpoint_name, first_line(error))
+            raise failure from error
         finally:
             self._staging_run_dir = None
-        os.makedirs(staged_dir, exist_ok=True)
-        self._save_data_position(staged_dir)
         self.accelerator.wait_for_everyone()  # every process has written its part (RNG states, ledgers, shards)
         if self.args.should_save:
             if self.state.best_model_checkpoint == staged_dir:

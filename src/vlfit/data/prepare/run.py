@@ -8,10 +8,11 @@ schema), ``reencode`` (one image), ``shards`` (one shard, the worker pool), ``ma
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -45,7 +46,7 @@ from vlfit.data.prepare.shards import (
     shard_file_name,
 )
 from vlfit.data.sources.base import ImageTextSource
-from vlfit.errors import DataError
+from vlfit.errors import DataError, failed_write_error
 
 
 def prepare_dataset(
@@ -194,8 +195,6 @@ def prepare_dataset(
     if bad_sample_policy == "raise":
         _raise_for_kept_bad_sample(manifest, list(sources))
     manifest["complete"] = not todo
-    write_manifest(manifest_path, manifest)
-
     built: list[str] = []
     samples_built = sum(task.num_samples for task in todo)
     bar = tqdm(total=samples_built, unit="img", desc="prepare", disable=not progress or not todo)
@@ -211,16 +210,17 @@ def prepare_dataset(
         write_manifest(manifest_path, manifest)
         bar.update(task.num_samples)
 
-    try:
-        shard_settings = ShardSettings(output_dir, short_side, jpeg_quality, bad_sample_policy)
-        build_shards(todo, sources, shard_settings, num_proc=num_proc, on_done=record)
-    finally:
-        bar.close()
-        remove_temp_files(output_dir)  # a failed run's workers may leave partial files behind
-
-    # Over every split the folder holds, so that preparing splits in separate runs keeps the whole list.
     bad_samples_path = os.path.join(output_dir, BAD_SAMPLES_REPORT)
-    write_bad_samples(bad_samples_path, skipped_samples(manifest))
+    with _failed_writes_in_one_line(output_dir, manifest, list(sources), len(tasks)):
+        write_manifest(manifest_path, manifest)
+        try:
+            shard_settings = ShardSettings(output_dir, short_side, jpeg_quality, bad_sample_policy)
+            build_shards(todo, sources, shard_settings, num_proc=num_proc, on_done=record)
+        finally:
+            bar.close()
+            remove_temp_files(output_dir)  # a failed run's workers may leave partial files behind
+        # Over every split the folder holds, so that preparing splits in separate runs keeps the whole list.
+        write_bad_samples(bad_samples_path, skipped_samples(manifest))
     totals = ShardStats()
     for split in sources:
         for entry in manifest["splits"][split]["shards"].values():
@@ -239,6 +239,27 @@ def prepare_dataset(
         bad_samples={split: manifest["splits"][split]["bad_samples"] for split in sources},
         bad_samples_path=bad_samples_path,
     )
+
+
+@contextlib.contextmanager
+def _failed_writes_in_one_line(
+    output_dir: str, manifest: Mapping[str, Any], splits: Sequence[str], shards: int
+) -> Iterator[None]:
+    """A write inside the block that fails for want of space (``vlfit.errors.failed_write_error``) ends in one line:
+    the folder, its free space, about what the shards left of ``splits`` need (those built so far, on average) and
+    the shards kept, which the same command run again keeps."""
+    try:
+        yield
+    except Exception as error:
+        listed = [entry for split in splits for entry in manifest["splits"][split]["shards"].values()]
+        sizes = [ShardStats.from_entry(entry).output_bytes for entry in listed]
+        needed = sum(sizes) // len(sizes) * (shards - len(listed)) if sizes else None
+        note = f"the folder keeps the {len(listed)} of {shards} shards its {MANIFEST_NAME} lists"
+        remedy = "free space there and run the same command again to resume"
+        failure = failed_write_error(error, output_dir, needed=needed or None, note=note, remedy=remedy)
+        if failure is None:
+            raise
+        raise failure from error
 
 
 def _count_bad_samples(manifest: dict[str, Any], split: str) -> None:
