@@ -1,6 +1,11 @@
 """Image files as a map-style source: every image under a folder (``ImageFolderSource``: what ``retrieve index
 --images`` embeds) or files and folders given by path (``ImageFilesSource``: what ``vlfit classify`` reads). They
-have no captions: each image's caption is its path, which nothing embeds."""
+have no captions: each image's caption is its path, which nothing embeds.
+
+A folder's file that is a symbolic link resolving out of the folder is a bad record, its target never read: it is
+left out and counted as an unreadable file is (``vlfit retrieve index`` reports it, the index's manifest lists it),
+so indexing a folder never reads what lies outside it. A link inside the folder is read as its target.
+"""
 
 from __future__ import annotations
 
@@ -63,7 +68,12 @@ class ImageFolderSource(ImageTextSource):
 
     def _read(self, row: int) -> Record:
         path = self.paths[row]
-        image = _read_image_file(os.path.join(self.root, path), path)
+        full = os.path.join(self.root, path)
+        inside = os.path.realpath(self.root)
+        if os.path.commonpath([os.path.realpath(full), inside]) != inside:
+            raise BadRecordError(f"sample {path}: cannot read image file: it is a link out of the indexed folder "
+                                 f"{self.root}, not followed (copy the image into the folder to index it)")  # fmt: skip
+        image = _read_image_file(full, path)
         return Record(id=path, image=image, caption=path, image_id=os.path.join(self.item_folder, path))
 
     def _read_captions(self, rows: np.ndarray | None) -> list[str | None]:
