@@ -246,7 +246,9 @@ def test_reload_switches_to_a_grown_index_and_keeps_serving_through_a_broken_man
         manifest = folder / "index_manifest.json"
         good = manifest.read_text()
         manifest.write_text(good[: len(good) // 2])  # half-written by something else
-        assert client.post("/api/reload").json() == {**answer, "reloaded": False}
+        refused = client.post("/api/reload").json()  # the server is degraded, saying why
+        assert refused == {**answer, "reloaded": False, "status": "degraded", "reason": refused["reason"]}
+        assert refused["reason"].startswith("index/index_manifest.json: does not parse (")
         assert _search(client, text="two red circles on the left.", k=72).json()["generation"] == 2
         assert len(_search(client, text="two red circles on the left.", k=100).json()["results"]) == 72
         manifest.write_text(json.dumps({**json.loads(good)}))  # whole again (another stamp): served

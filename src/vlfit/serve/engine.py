@@ -14,7 +14,13 @@ Reloads are atomic: a new snapshot is built beside the one being served (from th
 names only shards already written: ``vlfit retrieve index`` writes each shard before the manifest that lists it)
 and replaces it in one assignment; requests in flight finish on the snapshot they started with. A manifest that
 cannot be read (half-written by another tool, or gone), or an index that fails its check, leaves the served
-snapshot as it is (logged in one line naming the file).
+snapshot as it is, and so does damage in place to the files it was read from (a shard truncated or replaced while
+the manifest stays: each check stats them, and a file changed since is checked against its recorded size and
+checksum once per change). Either way the server is degraded: ``SearchEngine.description`` says
+``"status": "degraded"`` and the ``"reason"`` in one line (files relative to the index's folder unless
+``absolute_paths``), one warning is logged per reason, naming the file and the command that rebuilds it, and a
+refused manifest is tried again only once it or the file it was refused for changes. Once the index is whole again
+(a reload serves it, or the damaged file is restored), the status is ``ok`` and the reason goes.
 """
 
 from __future__ import annotations
@@ -23,14 +29,18 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from vlfit.errors import ConfigError
+from vlfit.errors import ConfigError, first_line
+from vlfit.index.ann import ANN_FILE
+from vlfit.index.integrity import DamagedIndexError, file_problem
 from vlfit.index.items import IndexedItems
 from vlfit.index.rerank import Reranker, rerank_problem
 from vlfit.index.search import Hit, query_runtime, search
 from vlfit.index.stages import StageTimes
+from vlfit.index.store import MANIFEST_NAME, EmbeddingIndex
 from vlfit.index.verify import manifest_stamp, open_index
 
 logger = logging.getLogger(__name__)
@@ -74,6 +84,10 @@ class Snapshot:
                 folder,
             )
         self.indexed = IndexedItems(index)  # where items' images are (and an older index's record captions)
+        # Every file the manifest names, with what it records of it and how it was on disk once read: a later stat
+        # that differs is a file changed in place (``SearchEngine.reload_if_changed`` checks it then).
+        self.files = _recorded_files(index)
+        self.file_stamps = {path: file_stamp(path) for path in self.files}
 
     @property
     def search_kind(self) -> str:
@@ -161,6 +175,9 @@ class SearchEngine:
         self.pair_scorer = self.runtime.pair_scorer
         self.generation = 1
         self._reload_lock = threading.Lock()
+        self._damage: DamagedServing | None = None  # why the index on disk is not what is served (None: it is)
+        self._refused: tuple[object, ...] | None = None  # what the last refused manifest was refused at
+        self._changed_files: dict[str, tuple[tuple[int, int, int] | None, str | None]] = {}  # stamp, problem
 
     @property
     def description(self) -> dict[str, object]:
@@ -171,8 +188,18 @@ class SearchEngine:
         if not self.absolute_paths:  # names, not the server's directories
             index = os.path.basename(index)
             model = model.replace(encoder.model_path, os.path.basename(encoder.model_path.rstrip(os.sep)), 1)
+        damage = self._damage  # why the index on disk is not what is served: the server is degraded
+        status = {"status": "degraded", "reason": self._hide_paths(damage.shown)} if damage else {"status": "ok"}
         return {"index": index, "items": len(snapshot), "search": snapshot.search_kind, "model": model,
-                "rerank": self.rerank_problem() is None, "generation": self.generation}  # fmt: skip
+                "rerank": self.rerank_problem() is None, "generation": self.generation, **status}  # fmt: skip
+
+    def _hide_paths(self, text: str) -> str:
+        """``text`` with the index's folder and the model's named as ``description`` names them."""
+        if self.absolute_paths:
+            return text
+        for path in (os.path.abspath(self.folder), self.encoder.model_path.rstrip(os.sep)):
+            text = text.replace(path, os.path.basename(path))
+        return text
 
     def rerank_problem(self) -> str | None:
         """Why the served model and index cannot re-rank (None: they can); the model unnamed, as paths are hidden."""
@@ -192,21 +219,62 @@ class SearchEngine:
         """Serve the index's current manifest if it changed since the snapshot was read; True when it did.
 
         A manifest that cannot be read, an index that fails its check (``verify``), or an index now built with
-        another model, keeps the served snapshot."""
+        another model, keeps the served snapshot, and so do files of the served snapshot damaged in place; the
+        server is degraded meanwhile (``description``), with one warning logged per reason."""
         with self._reload_lock:  # one reload at a time; searches go on meanwhile
             stamp = manifest_stamp(self.folder)
-            if stamp is None or stamp == self.snapshot.stamp:
+            if stamp == self.snapshot.stamp:
+                self._set_damage(self._damage_in_place())
                 return False
+            if stamp is None:
+                missing = f"{os.path.abspath(os.path.join(self.folder, MANIFEST_NAME))}: missing"
+                self._set_damage(DamagedServing(f"index {self.folder} cannot be served ({missing})", missing))
+                return False
+            if self._refused is not None and self._refused == _refusal(stamp, self._refused[1]):
+                return False  # nothing changed since the manifest was refused: the same reason stands
             try:
                 fresh = Snapshot(self.folder, self.verify)
                 self.encoder.check_embeds_into(fresh.index.manifest.identity, f"the index {fresh.index.path}")
             except Exception as err:  # noqa: BLE001 - whatever broke the new manifest, the old snapshot serves on
-                logger.warning("index %s changed but cannot be served (%s); serving the previous one", self.folder, err)
+                damaged = err if isinstance(err, DamagedIndexError) else None
+                self._refused = _refusal(stamp, damaged.file if damaged else None)
+                why = first_line(err)
+                shown = f"{os.path.abspath(damaged.file)}: {damaged.problem}" if damaged else why
+                self._set_damage(DamagedServing(f"index {self.folder} changed but cannot be served ({why})", shown))
                 return False
+            self._refused = None
+            self._changed_files = {}
             self.snapshot = fresh  # one assignment: a request sees the old snapshot or the new one, whole
             self.generation += 1
             logger.info("serving %s: %d items (generation %d)", self.folder, len(fresh), self.generation)
+            self._set_damage(None)
             return True
+
+    def _damage_in_place(self) -> DamagedServing | None:
+        """The first file of the served snapshot changed on disk since it was read and now damaged; each changed
+        file is checked once per change (its size and checksum against the manifest), a stat per file otherwise."""
+        snapshot = self.snapshot
+        for path, recorded in snapshot.files.items():
+            stamp = file_stamp(path)
+            if stamp == snapshot.file_stamps[path]:
+                continue
+            checked = self._changed_files.get(path)
+            if checked is None or checked[0] != stamp:
+                checked = self._changed_files[path] = (stamp, file_problem(path, recorded, "full"))
+            problem = checked[1]
+            if problem is not None:
+                shown = f"{os.path.abspath(path)}: {problem}"
+                repair = snapshot.index.rebuild_command(full=True)
+                return DamagedServing(f"index {self.folder} damaged in place ({shown}; rebuild it: {repair})", shown)
+        return None
+
+    def _set_damage(self, damage: DamagedServing | None) -> None:
+        """Record why the server is degraded (None: it is not), logging each new reason once."""
+        before, self._damage = self._damage, damage
+        if damage is not None and (before is None or before.logged != damage.logged):
+            logger.warning("%s; serving generation %d as it was read", damage.logged, self.generation)
+        elif damage is None and before is not None:
+            logger.info("index %s is whole again: serving generation %d", self.folder, self.generation)
 
     def encode_texts(self, texts: Sequence[str], times: StageTimes | None = None) -> torch.Tensor:
         """L2-normalized float32 embeddings ``[N, D]`` of captions (256 at a time, as ``vlfit.Model`` embeds);
@@ -259,6 +327,45 @@ class SearchEngine:
         root = next((r for r in roots if path.startswith(os.path.join(r, ""))), None)
         shown = os.path.relpath(path, root) if root is not None else os.path.basename(path)
         return {**result, "path": shown, "item": shown}
+
+
+@dataclass(frozen=True)
+class DamagedServing:
+    """Why the index on disk is not what the server serves: ``logged`` the warning's words (the file and, for a
+    damaged one, the command that rebuilds it), ``shown`` the ``reason`` clients get (the file and what is wrong)."""
+
+    logged: str
+    shown: str
+
+
+def file_stamp(path: str) -> tuple[int, int, int] | None:
+    """``(inode, size, mtime_ns)`` of ``path``: another value is a file changed or replaced; None when it is gone."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
+def _refusal(stamp: tuple[int, int], file: str | None) -> tuple[object, ...]:
+    """What a manifest was refused at: its stamp, and the file it was refused for with that file's stamp (a reload
+    tries again once either changes)."""
+    return stamp, file, file_stamp(file) if file else None
+
+
+def _recorded_files(index: EmbeddingIndex) -> dict[str, dict[str, object] | None]:
+    """Every file the manifest of ``index`` names (shards' embeddings, ids and captions; the ANN structure), with
+    what it records of each (``{"bytes", "sha256"}``; None for an index written before it recorded them)."""
+    files: dict[str, dict[str, object] | None] = {}
+    for shard in index.manifest.shards:
+        recorded = shard.get("files") or {}
+        for name in (shard["embeddings"], shard["ids"], shard.get("captions")):
+            if name:
+                files[os.path.join(index.path, name)] = recorded.get(name)
+    ann = index.manifest.ann
+    if ann:
+        files[os.path.join(index.path, ANN_FILE)] = ann if "bytes" in ann else None
+    return files
 
 
 def _set_search_threads(threads: int) -> None:
