@@ -5,12 +5,18 @@ captions) the caption of its record. What ``vlfit serve`` shows as thumbnails an
 An image folder's items are files (their ids are absolute paths); a dataset split's items are looked up in the
 split, opened again from the manifest's ``collections`` (ids only: no image is read until one is asked for). Tar
 shards at URLs are not fetched again: their items have ids and captions, no image at hand.
+
+A folder's file is read only while it is a regular file inside the folder that was indexed: a file replaced by a
+symbolic link resolving elsewhere (``/etc/...``, another user's home) is refused without opening its target
+(``ItemFileError``), as ``vlfit retrieve index`` refuses such a link when it builds. Errors name the item by its
+number and its path relative to its folder, never the file's content.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import stat
 
 from vlfit.data.sources.base import ImageTextSource
 from vlfit.data.sources.openers import COLLECTION_KEYS, open_collection
@@ -18,6 +24,19 @@ from vlfit.errors import MissingFileError
 from vlfit.index.store import EmbeddingIndex
 
 logger = logging.getLogger(__name__)
+
+
+class ItemFileError(MissingFileError):
+    """An image folder's item whose file cannot be read: gone, not a regular file, or a link out of its folder.
+
+    The message names the item (its number and its path relative to its folder) and what to do, for the client;
+    ``path`` and ``detail`` name the file and what was found there, for the server's log.
+    """
+
+    def __init__(self, message: str, path: str, detail: str) -> None:
+        super().__init__(message)
+        self.path = path
+        self.detail = detail
 
 
 class IndexedItems:
@@ -34,11 +53,14 @@ class IndexedItems:
         self._dataset_rows: dict[str, tuple[int, int]] = {}  # item -> (source, row)
         self._sources: list[ImageTextSource] = []
         self.folder_items = False  # some items are image files
+        roots: set[str] = set()
         for collection in index.manifest.collections:
             if collection.get("images"):
                 self.folder_items = True
+                roots.add(collection["images"])
             elif collection.get("dataset_name") and not collection.get("streamed"):
                 self._add(collection)
+        self.roots = sorted(roots, key=len, reverse=True)  # the folders indexed, the innermost first
 
     def _add(self, collection: dict) -> None:
         try:
@@ -64,12 +86,26 @@ class IndexedItems:
         """The file of an image folder's item (None for a dataset's)."""
         return item if self.folder_items and os.path.isabs(item) else None
 
+    def root(self, item: str) -> str | None:
+        """The indexed folder an image folder's item is in (None: in none the manifest lists)."""
+        return next((root for root in self.roots if item.startswith(os.path.join(root, ""))), None)
+
+    def name(self, row: int) -> str:
+        """The item at ``row`` as messages name it: ``item 3 (trips/p1.jpg)``, a folder's file by its path relative
+        to the folder (a dataset's item by its id)."""
+        item = self.rows[row]
+        root = self.root(item) if self.path(item) is not None else None
+        return f"item {row} ({os.path.relpath(item, root) if root else item})"
+
     def image_bytes(self, row: int) -> bytes:
         """The encoded image of the item at ``row``.
 
         Raises:
-            MissingFileError: for a row that is not in the index, or an image that is no longer there or that the
-                index cannot reach (tar shards at URLs).
+            ItemFileError: for a folder's file that is gone, is not a regular file, or is a link resolving out of
+                the folder indexed (its target is never opened).
+            MissingFileError: for a row that is not in the index, or an image that the index cannot reach (tar
+                shards at URLs).
+            DataError: for a dataset's record that cannot be read.
         """
         if not 0 <= row < len(self.rows):
             raise MissingFileError(f"no item {row} in the index ({len(self.rows)} items)")
@@ -78,12 +114,35 @@ class IndexedItems:
             number, position = self._dataset_rows[item]
             return self._sources[number][position].image
         if self.path(item) is not None:
-            try:
-                with open(item, "rb") as f:
-                    return f.read()
-            except OSError:
-                raise MissingFileError(f"item {row}: its image file is gone") from None
+            return self._file_bytes(row, item)
         raise MissingFileError(f"item {row}: the index does not say where its image is")
 
+    def _file_bytes(self, row: int, path: str) -> bytes:
+        """The bytes of a folder's file, read only when it resolves inside its folder and is a regular file."""
+        root = self.root(path)
+        fix = "put the photo back, or index the folder again (vlfit retrieve index)"
+        if root is None:
+            raise ItemFileError(f"{self.name(row)}: its file is in no folder the index was built from; {fix}", path,
+                                "in no folder the index lists")  # fmt: skip
+        resolved, inside = os.path.realpath(path), os.path.realpath(root)
+        if os.path.commonpath([resolved, inside]) != inside:
+            raise ItemFileError(f"{self.name(row)}: its file is a link out of the indexed root, not followed; {fix}",
+                                path, f"a link to {resolved}, out of the indexed root {root}: not read")  # fmt: skip
+        try:
+            # O_NOFOLLOW: the resolved path's last part is not swapped for a link between the check and the read
+            fd = os.open(resolved, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+        except OSError as err:
+            what = "gone" if isinstance(err, FileNotFoundError) else f"unreadable ({err.strerror})"
+            raise ItemFileError(f"{self.name(row)}: its image file is {what}; {fix}", path, what) from None
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # a folder, a pipe, a device: never read
+                raise ItemFileError(f"{self.name(row)}: its file is not a regular file; {fix}", path,
+                                    "not a regular file")  # fmt: skip
+            try:
+                return f.read()
+            except OSError as err:
+                raise ItemFileError(f"{self.name(row)}: its image file is unreadable; {fix}", path,
+                                    f"unreadable ({err.strerror})") from None  # fmt: skip
 
-__all__ = ["IndexedItems"]
+
+__all__ = ["IndexedItems", "ItemFileError"]

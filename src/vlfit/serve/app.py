@@ -7,7 +7,9 @@ Routes:
   "item", "path", "caption", "captions"}], "took_ms", "k", "generation"}`` (each result ``Hit.to_json``'s, as
   ``vlfit retrieve query --json`` prints it: ``id`` the item's id, for an image folder its path relative to the
   folder; ``captions``: every caption of an image item, ``caption`` the first);
-- ``GET /api/image/{row}?size=256``: the indexed image at ``row`` (a result's ``row``) as a JPEG thumbnail;
+- ``GET /api/image/{row}?size=256``: the indexed image at ``row`` (a result's ``row``) as a JPEG thumbnail; a
+  file that cannot be shown is 404 or 422 naming the item, never its bytes
+  (``vlfit.serve.images.IndexedThumbnails``);
 - ``GET /api/health``, ``GET /metrics`` (Prometheus text), ``POST /api/reload`` (serve the index's current manifest
   if it changed; the server also checks every ``reload_interval`` seconds);
 - ``GET /``: the web page (``vlfit/serve/static/index.html``, no external assets).
@@ -36,7 +38,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from vlfit.errors import ConfigError, DataError, MissingFileError
+from vlfit.errors import ConfigError, DataError
 from vlfit.index.stages import StageTimes
 from vlfit.serve.access import AccessControl, AccessPolicy
 from vlfit.serve.admission import WaitAdmission
@@ -44,10 +46,11 @@ from vlfit.serve.batching import MicroBatcher
 from vlfit.serve.clients import ClientShares
 from vlfit.serve.engine import MAX_K, SearchEngine, check_k
 from vlfit.serve.images import (
+    IndexedThumbnails,
     QueryImageTooLarge,
     ThumbnailCache,
+    ThumbnailRefused,
     check_query_pixels,
-    thumbnail,
     yield_to_text_queries,
 )
 from vlfit.serve.limits import (
@@ -152,24 +155,23 @@ def create_app(
         changed = await asyncio.get_running_loop().run_in_executor(None, engine.reload_if_changed)
         return {"reloaded": changed, **engine.description}
 
+    indexed_thumbnails = IndexedThumbnails()  # answers an item that cannot be shown, and logs it once
+
     @app.get("/api/image/{item}")
     async def image(request: Request, item: int, size: int = 256) -> Response:
-        key = (engine.generation, item, size)
+        row = item
+        key = (engine.generation, row, size)
         data = thumbnail_cache.get(key)
         if data is None:
             snapshot = engine.snapshot
             try:
                 data = await _unless_disconnected(
-                    request, thumbnails, lambda: thumbnail(snapshot.image_bytes(item), size)
+                    request, thumbnails, lambda: indexed_thumbnails.make(snapshot.indexed, row, size)
                 )
             except ClientGone:
                 return Response(status_code=499)  # nobody reads it; counted as what it is
-            except MissingFileError as err:
-                return error_response(404, str(err))
-            except ConfigError as err:
-                return error_response(400, str(err))
-            except DataError as err:
-                return error_response(500, str(err))
+            except ThumbnailRefused as err:
+                return error_response(err.status, str(err))
             thumbnail_cache.put(key, data)
         return Response(data, media_type="image/jpeg", headers={"Cache-Control": "max-age=3600"})
 

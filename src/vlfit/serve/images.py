@@ -8,20 +8,28 @@ decoded at about 0.6 megapixels). Formats without scaled decoding (PNG, WebP, ..
 pixel cap bounds. A thumbnail is decoded the same way (``draft`` before the EXIF rotation, so a 12000-pixel JPEG
 becomes a 1500-pixel one while it is read). The threads that decode them run at a lower CPU priority than the text
 queries' (``yield_to_text_queries``), so a slow decode takes the cores only when the text queries leave them.
+
+An indexed file that cannot be shown (gone, a link out of the indexed root, not an image) is answered 404 or 422 by
+``IndexedThumbnails``, naming the item by its number and at most its path relative to its folder, never the file's
+bytes or size; the server's log says which file and why, once per item.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import threading
 from collections import OrderedDict
 
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from vlfit.data.decode import check_image_header, decode_pil
-from vlfit.errors import ConfigError, DataError
+from vlfit.errors import ConfigError, DataError, MissingFileError, first_line
+from vlfit.index.items import IndexedItems, ItemFileError
+
+logger = logging.getLogger(__name__)
 
 THUMBNAIL_SIZES = (16, 1024)  # the smallest and largest ?size= of a thumbnail
 CACHED_THUMBNAIL_BYTES = 256 * 1024  # larger thumbnails are made again when asked again
@@ -54,6 +62,13 @@ def check_query_pixels(image: bytes, max_pixels: int) -> None:
         )
 
 
+def check_thumbnail_size(size: int) -> None:
+    """Raises ``ConfigError`` for a ``?size=`` outside ``THUMBNAIL_SIZES``."""
+    low, high = THUMBNAIL_SIZES
+    if not low <= size <= high:
+        raise ConfigError(f"size must be between {low} and {high}, got {size}")
+
+
 def thumbnail(image: bytes, size: int) -> bytes:
     """A JPEG of ``image`` whose longer side is at most ``size`` pixels (EXIF orientation applied).
 
@@ -64,17 +79,89 @@ def thumbnail(image: bytes, size: int) -> bytes:
         ConfigError: for a size outside ``THUMBNAIL_SIZES``.
         DataError: for bytes that do not decode.
     """
-    low, high = THUMBNAIL_SIZES
-    if not low <= size <= high:
-        raise ConfigError(f"size must be between {low} and {high}, got {size}")
+    check_thumbnail_size(size)
     try:
         picture = decode_pil(image, sample_id="the indexed image", draft_size=size)
     except DataError as err:
-        raise DataError(f"the indexed image does not decode: {err}") from None
+        raise DataError(f"the indexed image does not decode: {err}") from err
     picture.thumbnail((size, size), Image.Resampling.BICUBIC)
     out = io.BytesIO()
     picture.save(out, format="JPEG", quality=85)
     return out.getvalue()
+
+
+class ThumbnailRefused(Exception):
+    """A thumbnail the server does not make: the status and the one line the client is answered."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class IndexedThumbnails:
+    """Thumbnails of an index's items, and the one way an item that cannot be shown is answered.
+
+    404: a file gone, not a regular file, or a link resolving out of the indexed root (never followed); 422: a file
+    that is not an image that decodes (a zip, a text file); 400: a size outside ``THUMBNAIL_SIZES``. The answer
+    names the item by its number and at most its path relative to its folder, never the file's bytes or size; the
+    server's log gets one WARNING naming the item, its file and the reason, once per item and reason.
+    """
+
+    def __init__(self) -> None:
+        self._warned: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+
+    def make(self, items: IndexedItems, row: int, size: int) -> bytes:
+        """The JPEG thumbnail of the item at ``row`` (``thumbnail``).
+
+        Raises:
+            ThumbnailRefused: with the status and message the client gets.
+        """
+        try:
+            check_thumbnail_size(size)
+        except ConfigError as err:
+            raise ThumbnailRefused(400, str(err)) from None
+        try:
+            data = items.image_bytes(row)
+        except ItemFileError as err:
+            self._warn(items, row, err.path, err.detail)
+            raise ThumbnailRefused(404, str(err)) from None
+        except MissingFileError as err:  # no such row, or no image at hand (tar shards at URLs)
+            raise ThumbnailRefused(404, str(err)) from None
+        except DataError as err:  # a dataset's record that does not read: its message may name the server's files
+            self._warn(items, row, None, first_line(err, 300))
+            raise ThumbnailRefused(422, f"{items.name(row)}: its image cannot be read; {_FIX}") from None
+        try:
+            return thumbnail(data, size)
+        except DataError as err:
+            self._warn(items, row, items.path(items.rows[row]), _why_undecoded(err))
+            message = f"{items.name(row)}: its file is not an image the server can show; {_FIX}"
+            raise ThumbnailRefused(422, message) from None
+
+    def _warn(self, items: IndexedItems, row: int, path: str | None, reason: str) -> None:
+        key = (items.rows[row], reason)
+        with self._lock:
+            if key in self._warned:
+                return
+            self._warned.add(key)
+        logger.warning("%s is not shown: %s: %s", items.name(row), path or "its image", reason)
+
+
+_FIX = "put the image back, or index it again (vlfit retrieve index)"
+
+
+def _why_undecoded(err: BaseException) -> str:
+    """Why an indexed file did not decode, in words quoting none of its bytes (the decoder's message may)."""
+    cause = err
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    if isinstance(cause, UnidentifiedImageError):
+        return "not an image format Pillow reads"
+    if isinstance(cause, Image.DecompressionBombError):
+        return "over Pillow's decompression-bomb limit"
+    if isinstance(cause, DataError):
+        return "not an image (empty, or no format Pillow reads)"
+    return f"does not decode ({type(cause).__name__}: {first_line(cause, 200)})"
 
 
 class ThumbnailCache:
