@@ -7,8 +7,8 @@ Routes:
   "item", "path", "caption", "captions"}], "took_ms", "k", "generation"}`` (each result ``Hit.to_json``'s, as
   ``vlfit retrieve query --json`` prints it: ``id`` the item's id, for an image folder its path relative to the
   folder; ``captions``: every caption of an image item, ``caption`` the first);
-- ``GET /api/image/{row}?size=256``: the indexed image at ``row`` (a result's ``row``) as a JPEG thumbnail; a
-  file that cannot be shown is 404 or 422 naming the item, never its bytes
+- ``GET /api/image/{row}?size=256``: the indexed image at ``row`` (a result's ``row``, ASCII digits) as a JPEG
+  thumbnail; a file that cannot be shown is 404 or 422 naming the item, never its bytes
   (``vlfit.serve.images.IndexedThumbnails``);
 - ``GET /api/health``, ``GET /metrics`` (Prometheus text), ``POST /api/reload`` (serve the index's current manifest
   if it changed; the server also checks every ``reload_interval`` seconds);
@@ -65,7 +65,7 @@ from vlfit.serve.limits import (
 from vlfit.serve.metrics import MEDIA_TYPE as METRICS_MEDIA_TYPE
 from vlfit.serve.metrics import ServerMetrics
 from vlfit.serve.middleware import HeadAsGet, InFlightLimit, RequestMetrics, UploadLimit, WaitLimit
-from vlfit.serve.queries import Query, SearchQuery, error_response, read_query
+from vlfit.serve.queries import ITEM_NUMBER_RULE, Query, SearchQuery, error_response, item_number, read_query
 
 logger = logging.getLogger(__name__)
 
@@ -158,8 +158,10 @@ def create_app(
     indexed_thumbnails = IndexedThumbnails()  # answers an item that cannot be shown, and logs it once
 
     @app.get("/api/image/{item}")
-    async def image(request: Request, item: int, size: int = 256) -> Response:
-        row = item
+    async def image(request: Request, item: str, size: int = 256) -> Response:
+        row = item_number(item)  # the path parameter as sent: int() would take "+1", " 1", "1_0"
+        if row is None:
+            return error_response(404, f"no item {item[:40]!r}: {ITEM_NUMBER_RULE}")
         key = (engine.generation, row, size)
         data = thumbnail_cache.get(key)
         if data is None:

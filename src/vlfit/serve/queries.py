@@ -1,15 +1,18 @@
-"""A search request read and checked before anything is computed for it: ``read_query`` turns the body into a
-``Query`` or the error response it gets.
+"""Requests read and checked before anything is computed for them: ``read_query`` turns a search's body into a
+``Query`` or the error response it gets, ``item_number`` the ``{item}`` of ``GET /api/image/{item}`` into a row.
 
 Every check here is cheap and runs on the event loop, so a bad request is answered without touching the encoder
-and never joins a batch with good ones:
+and never joins a batch with good ones. Nothing lenient is taken: what a client sends wrong is answered 4xx, not
+guessed at.
 
-- JSON: duplicate keys, nesting deeper than ``MAX_JSON_DEPTH``, unknown fields, ``k`` that is not a JSON integer
-  (``true``, ``"5"``, ``5.0``) -> 422;
+- JSON: a ``charset`` other than UTF-8 -> 415; a body that is not UTF-8 (UTF-16 and UTF-32, which ``json.loads``
+  would detect, or a byte order mark) -> 400; duplicate keys, nesting deeper than ``MAX_JSON_DEPTH``, unknown
+  fields, ``k`` that is not a JSON integer (``true``, ``"5"``, ``5.0``) -> 422;
 - text: empty, longer than ``max_text_chars``, or not valid Unicode (a lone surrogate such as ``"\\ud800"``, which
   no UTF-8 encoder or tokenizer takes) -> 422, naming the field and the limit;
 - multipart: exactly one file part, ``file``; ``k`` as a form field of digits; more than one file -> 400;
-- ``image``: base64 -> 400 when it is not.
+- ``image``: standard base64 with its padding -> 400 when it is not (no URL-safe alphabet, no missing ``=``);
+- an item number: ASCII digits only (``int`` would take ``+1``, `` 1``, ``1_0`` and other scripts' digits).
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ from starlette.exceptions import HTTPException
 
 MAX_JSON_DEPTH = 8  # a search request is one flat object; this leaves room and refuses pathological nesting
 MULTIPART_MAX_FIELDS = 8
+MAX_ITEM_DIGITS = 18  # an item number's digits: far above any index's rows, far below int()'s digit limit
+ITEM_NUMBER_RULE = 'an item number is ASCII digits only, a search result\'s "row" (GET /api/image/3)'
+UTF8_CHARSETS = ("utf-8", "utf8")
+_BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")  # the standard alphabet; its length is checked apart
 
 
 class SearchQuery(BaseModel):
@@ -54,6 +61,18 @@ class Query:
 
 class _DuplicateKey(ValueError):
     pass
+
+
+class NotUtf8Error(ValueError):
+    """A JSON body that is not UTF-8 (the message says where)."""
+
+
+def item_number(text: str) -> int | None:
+    """The row an ``{item}`` of ``GET /api/image/{item}`` names: ASCII digits only (``MAX_ITEM_DIGITS`` at most);
+    None for anything else, which ``int`` may take (``+1``, `` 1``, ``1_0``, ``\u0663``) but no result ever shows."""
+    if text.isascii() and text.isdigit() and len(text) <= MAX_ITEM_DIGITS:
+        return int(text)
+    return None
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -86,11 +105,13 @@ def parse_json(body: bytes) -> Any:
     """The JSON value of ``body``.
 
     Raises:
+        NotUtf8Error: for a body that is not UTF-8 (or starts with a byte order mark).
         ValueError: for malformed JSON, duplicate keys, or nesting deeper than ``MAX_JSON_DEPTH`` (the message
             says which).
     """
+    text = utf8_text(body)
     try:
-        value = json.loads(body, object_pairs_hook=_refuse_duplicates)
+        value = json.loads(text, object_pairs_hook=_refuse_duplicates)
     except _DuplicateKey as err:
         raise ValueError(f"the key {err.args[0]!r} appears more than once in one object") from None
     except RecursionError:  # the C parser's own bound: far deeper than MAX_JSON_DEPTH
@@ -100,6 +121,24 @@ def parse_json(body: bytes) -> Any:
     if _depth(value) > MAX_JSON_DEPTH:
         raise ValueError(f"the JSON nests deeper than {MAX_JSON_DEPTH} levels")
     return value
+
+
+def utf8_text(body: bytes) -> str:
+    """``body`` decoded as UTF-8, strictly: JSON is UTF-8 (RFC 8259), and ``json.loads`` of bytes would guess
+    UTF-16 or UTF-32 from their NUL bytes, which UTF-8 JSON never holds.
+
+    Raises:
+        NotUtf8Error: naming what was found and the rule.
+    """
+    rule = "send UTF-8 JSON"
+    if body.startswith((b"\xef\xbb\xbf", b"\xff\xfe", b"\xfe\xff")):
+        raise NotUtf8Error(f"the request body starts with a byte order mark: {rule}, without one")
+    if b"\x00" in body:
+        raise NotUtf8Error(f"the request body holds NUL bytes (UTF-16 or UTF-32, not UTF-8): {rule}")
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise NotUtf8Error(f"the request body is not UTF-8 (byte {err.start} is invalid): {rule}") from None
 
 
 def check_text(text: str, max_chars: int) -> str | None:
@@ -117,11 +156,16 @@ def check_text(text: str, max_chars: int) -> str | None:
 
 async def read_query(request: Request, max_text_chars: int) -> Query | JSONResponse:
     """The checked query of a search request (texts of at most ``max_text_chars``), or the error response it gets."""
-    content_type = request.headers.get("content-type", "")
-    if content_type.startswith("multipart/form-data"):
+    media_type, charset = _content_type(request.headers.get("content-type", ""))
+    if media_type == "multipart/form-data":
         return await _read_multipart(request)
+    if charset is not None and charset not in UTF8_CHARSETS:
+        return error_response(415, f"{request.url.path} takes application/json in UTF-8 (charset=utf-8 or none), "
+                              f"not charset={charset[:40]}: send UTF-8 JSON")  # fmt: skip
     try:
         body = parse_json(await request.body())
+    except NotUtf8Error as err:
+        return error_response(400, str(err))
     except ValueError as err:
         return error_response(422, f'{err}; send {{"text": "...", "k": 10}}')
     try:
@@ -137,11 +181,26 @@ async def read_query(request: Request, max_text_chars: int) -> Query | JSONRespo
     if query.rerank is not None:
         return error_response(422, '"rerank" re-ranks text queries (the matching head scores a caption against an '
                               "image): search an image without it")  # fmt: skip
+    encoded = query.image or ""
+    if _BASE64.fullmatch(encoded) and len(encoded) % 4:  # b64decode says "Incorrect padding": say what is missing
+        return error_response(400, '"image" is base64 without its padding (its length is not a multiple of 4): '
+                              "send the image file's bytes in standard base64, with the trailing '='")  # fmt: skip
     try:
-        image = base64.b64decode(query.image or "", validate=True)
+        image = base64.b64decode(encoded, validate=True)
     except (binascii.Error, ValueError) as err:
         return error_response(400, f'"image" is not base64 ({err}): send the image file\'s bytes base64-encoded')
     return Query(None, image, query.k)
+
+
+def _content_type(header: str) -> tuple[str, str | None]:
+    """The media type of a ``Content-Type`` header and its ``charset`` (lower case, unquoted; None: none given)."""
+    media_type, *params = header.split(";")
+    charset = None
+    for param in params:
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "charset":
+            charset = value.strip().strip('"').lower()
+    return media_type.strip().lower(), charset
 
 
 async def _read_multipart(request: Request) -> Query | JSONResponse:
