@@ -275,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from vlfit.index.verify import verified_stamp
+    from vlfit.serve.access_log import log_config as access_log_config
     from vlfit.serve.connections import http_protocol
 
     # No index, or a damaged one: one line now, not a traceback in every worker. Checked once: the engines (this
@@ -285,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     common = dict(host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30,
                   http=http_protocol(), timeout_keep_alive=args.keep_alive_timeout,
                   h11_max_incomplete_event_size=args.max_header_bytes)  # fmt: skip
+    # uvicorn's logging, with secrets in a request's query string kept out of the access log (applied by uvicorn in
+    # this process and in each worker).
+    common.update(log_config=access_log_config())
     # X-Forwarded-For is read from the proxies the user trusts, and from no one else (uvicorn trusts 127.0.0.1).
     common.update(proxy_headers=args.forwarded_allow_ips is not None, forwarded_allow_ips=args.forwarded_allow_ips)
     if args.ssl_certfile:
