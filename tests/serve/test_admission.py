@@ -91,14 +91,15 @@ def test_the_default_budget_is_ten_times_a_query_with_nothing_ahead_and_an_idle_
 def test_the_wait_budget_flag_is_checked_and_reaches_the_limits() -> None:
     with pytest.raises(ConfigError, match="--max_queue_wait_ms must be at least 0 milliseconds, got -1"):
         ServeArguments(index="x", max_queue_wait_ms=-1)
-    assert ServeArguments(index="x").limits().max_queue_wait_ms is None
+    assert ServeArguments(index="x").limits().max_queue_wait_ms == 0  # derived from the unloaded time
     assert ServeArguments(index="x", max_queue_wait_ms=25).limits().max_queue_wait_ms == 25
 
 
-def test_the_app_has_no_wait_budget_unless_one_is_given_and_0_derives_it(engine) -> None:
-    assert create_app(engine, reload_interval=0).state.admission is None  # --max_concurrency only
-    derived = create_app(engine, reload_interval=0, limits=ServerLimits(max_queue_wait_ms=0)).state.admission
-    assert derived is not None and derived.budget is None
+def test_the_app_derives_its_wait_budget_by_default_and_none_turns_it_off(engine) -> None:
+    derived = create_app(engine, reload_interval=0).state.admission
+    assert derived is not None and derived.budget is None  # 10x the unloaded time of a query of its kind
+    off = ServerLimits(max_queue_wait_ms=None)
+    assert create_app(engine, reload_interval=0, limits=off).state.admission is None  # --max_concurrency only
     fixed = create_app(engine, reload_interval=0, limits=ServerLimits(max_queue_wait_ms=25)).state.admission
     assert fixed.budget == pytest.approx(0.025)
 

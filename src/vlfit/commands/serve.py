@@ -87,7 +87,8 @@ class ServeArguments:
         default=ServerLimits.max_queue_wait_ms,
         metadata={"help": "Longest expected wait (ms) a search is admitted with (its kind's queries ahead x their "
                   "measured time each); beyond: 503 with Retry-After. 0: 10x the unloaded time of a query of its "
-                  "kind (text, image). Default: none, --max_concurrency only."},
+                  "kind (text, image), the default; a budget far above any wait (60000) leaves --max_concurrency "
+                  "alone."},
     )  # fmt: skip
     max_connections: int = field(
         default=ServerLimits.max_connections,

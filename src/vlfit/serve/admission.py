@@ -28,7 +28,7 @@ its reading, parsing and answer, so under closed-loop clients that send again at
 refusals, the server admitted only queries with nothing ahead, and its answers fell from about 450 to 40-160 per
 second at 32 clients (``benchmarks/serve_load.py``).
 
-The budget is ``--max_queue_wait_ms`` (off unless given: see ``vlfit.serve.limits``); 0 there derives it:
+The budget is ``--max_queue_wait_ms`` (see ``vlfit.serve.limits``); 0, its default, derives it:
 ``WAIT_BUDGET_QUERIES`` (10) times the unloaded time of a query, per kind: the shortest of the last
 ``REFERENCE_ANSWERS`` (100) that found nothing ahead of them ("no more than ten unloaded queries' worth of
 waiting"). The shortest, as Envoy takes a minimum round-trip time: under overload even a query with nothing ahead of

@@ -13,9 +13,9 @@ accepts connections up to the file-descriptor limit, beyond which clients are re
   connection opening or of its first byte; otherwise 408 and close (a connection that never sends a byte is
   closed silently), so idle and trickling connections are let go;
 - ``max_header_bytes``: a request line and headers larger than this get 431 and the connection is closed;
-- with ``--max_queue_wait_ms``, a search whose expected wait is over its budget (``vlfit.serve.admission``) is
-  answered 503 with ``Retry-After`` as soon as its head is parsed, before the app and its middlewares see it (the
-  body that follows is read and dropped, the connection kept alive), and counted in
+- with ``--max_queue_wait_ms`` (on by default), a search whose expected wait is over its budget
+  (``vlfit.serve.admission``) is answered 503 with ``Retry-After`` as soon as its head is parsed, before the app and
+  its middlewares see it (the body that follows is read and dropped, the connection kept alive), and counted in
   ``vlfit_refused_total{limit="wait"}`` (not among ``vlfit_requests_total``, which counts what the app answered).
   Under overload most requests are refused; a refusal here costs the event loop a fraction of one through the app,
   which leaves it to the admitted (``WaitLimit`` refuses the same way on any other protocol).
