@@ -1,8 +1,11 @@
 """``vlfit demo``: ``--quick`` (the same run at a first-look size), and a SIGTERM during training, which saves a
-checkpoint and ends with one line naming the command that resumes (exit 143, no traceback)."""
+checkpoint and ends with one line naming the command that resumes (exit 143, no traceback); a SIGTERM or Ctrl-C
+during data generation or the final evaluation ends at once, with one line saying what was kept and the command
+that carries on."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -12,7 +15,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,7 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = ["--num_samples", "40", "--model_preset", "tiny", "--num_train_epochs", "10", "--per_device_train_batch_size",
         "8", "--eval_pool_size", "4", "--dataloader_num_workers", "0", "--min_long_side", "64", "--max_long_side",
         "128"]  # fmt: skip
-TRAINING_STARTED_TIMEOUT = 240  # seconds until the first loss line, far above what it takes
+STARTED_TIMEOUT = 240  # seconds until the line a test waits for, far above what it takes
+STOPPED_TIMEOUT = 120  # seconds from the signal to the end of the demo and of every process it started
 
 
 def test_quick_sets_the_quick_sizes_where_no_flag_set_them() -> None:
@@ -58,51 +65,81 @@ def test_quick_runs_and_prints_the_table(tmp_path, capsys) -> None:
     assert "matching accuracy" in out and "training throughput" in out
 
 
-def _demo_until_training(argv: list[str]) -> tuple[subprocess.Popen, list[str], threading.Thread]:
-    """``vlfit demo`` in a child process, returned once it has printed its first training loss (bounded)."""
+@dataclass
+class Demo:
+    """A ``vlfit demo`` child process, its stderr lines as read so far, and the threads reading its output."""
+
+    proc: subprocess.Popen
+    err: list[str]
+    readers: list[threading.Thread]
+
+
+def _demo_until(argv: list[str], started: Callable[[str], bool]) -> Demo:
+    """``vlfit demo`` in a child process (a session of its own, as a terminal's job), returned once a line of its
+    stdout or stderr satisfies ``started`` (bounded)."""
     proc = subprocess.Popen([sys.executable, "-m", "vlfit", "demo", *argv], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1",
-                                                                    "OMP_NUM_THREADS": "1"})  # fmt: skip
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})  # fmt: skip
     lines: queue.Queue[str | None] = queue.Queue()
     err: list[str] = []
-    stderr_reader = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)
-    stderr_reader.start()
 
-    def pump() -> None:
-        for line in proc.stdout:
+    def pump(stream: Any, keep: list[str] | None) -> None:
+        for line in stream:
             lines.put(line)
+            if keep is not None:
+                keep.append(line)
         lines.put(None)
 
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + TRAINING_STARTED_TIMEOUT
+    readers = [threading.Thread(target=pump, args=(stream, keep), daemon=True)
+               for stream, keep in ((proc.stdout, None), (proc.stderr, err))]  # fmt: skip
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + STARTED_TIMEOUT
+    ended = 0
     try:
-        while True:
+        while ended < 2:
             line = lines.get(timeout=max(deadline - time.monotonic(), 0.1))
             if line is None:
-                raise AssertionError("the demo ended before training logged a loss")
-            if line.startswith("{'loss'"):  # the Trainer's log line (the demo disables tqdm)
-                return proc, err, stderr_reader
+                ended += 1
+            elif started(line):
+                return Demo(proc, err, readers)
+        raise AssertionError("the demo ended before the line the test waits for")
     except BaseException:
-        proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the demo and what it started
         proc.wait()
-        stderr_reader.join(timeout=10)
         raise AssertionError("".join(err)[-3000:]) from None
+
+
+def _stop(demo: Demo, signum: int, *, whole_group: bool = False) -> str:
+    """Send ``signum`` to the demo (to its whole process group, as Ctrl-C in a terminal does, with
+    ``whole_group``) and wait until it has ended and no process it started holds its output open; its stderr."""
+    proc = demo.proc
+    if whole_group:
+        os.killpg(proc.pid, signum)
+    else:
+        proc.send_signal(signum)  # as `kill PID` or a scheduler sends it
+    deadline = time.monotonic() + STOPPED_TIMEOUT
+    try:
+        proc.wait(timeout=STOPPED_TIMEOUT)
+        for reader in demo.readers:
+            reader.join(timeout=max(deadline - time.monotonic(), 0.1))
+        assert not any(reader.is_alive() for reader in demo.readers), "a process the demo started outlived it"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever of its group is left
+    return "".join(demo.err)
 
 
 @pytest.mark.slow
 def test_sigterm_saves_and_prints_one_line_with_the_command_that_resumes(tmp_path, capsys) -> None:
     argv = ["--output_dir", str(tmp_path), *TINY]
-    proc, err, stderr_reader = _demo_until_training(argv)
-    proc.send_signal(signal.SIGTERM)  # as `kill PID` or a scheduler sends it
-    try:
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    stderr_reader.join(timeout=10)
-    stderr = "".join(err)
-    assert proc.returncode == 143, stderr[-3000:]
+    demo = _demo_until(argv, lambda line: line.startswith("{'loss'"))  # a step's log (tqdm is disabled)
+    stderr = _stop(demo, signal.SIGTERM)
+    assert demo.proc.returncode == 143, stderr[-3000:]
     assert "Traceback" not in stderr
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("vlfit demo: stopped by SIGTERM, checkpoint saved in "), stderr[-3000:]
@@ -114,3 +151,43 @@ def test_sigterm_saves_and_prints_one_line_with_the_command_that_resumes(tmp_pat
     assert main(command[1:]) == 0  # the printed command resumes and finishes the run
     out = capsys.readouterr().out
     assert "reusing synthetic data" in out and "text->image recall@1" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("signum", "whole_group"), [(signal.SIGTERM, False), (signal.SIGINT, True)])
+def test_a_stop_during_data_generation_is_one_line_with_the_command_that_starts_again(tmp_path, signum, whole_group):
+    """The generation workers stop with the demo (none is left holding its output open), and
+    Ctrl-C, which reaches every process of the group, prints no worker's traceback."""
+    argv = ["--output_dir", str(tmp_path), "--model_preset", "tiny"]  # 3000 samples: a minute or more to generate
+    demo = _demo_until(argv, lambda line: line.startswith("generating 3000 synthetic samples"))
+    stderr = _stop(demo, signum, whole_group=whole_group)
+    assert demo.proc.returncode == 128 + signum, stderr[-3000:]
+    assert "Traceback" not in stderr
+    last = stderr.strip().splitlines()[-1]
+    name = signal.Signals(signum).name
+    assert last.startswith(f"vlfit demo: stopped by {name} while generating the synthetic data (nothing kept); to "
+                           "start again: "), stderr[-3000:]  # fmt: skip
+    assert shlex.split(last.split("; to start again: ", 1)[1]) == ["vlfit", "demo", *argv]
+    assert not (tmp_path / "data" / "vlfit_synthetic_config.json").exists()  # a rerun generates it again
+
+
+@pytest.mark.slow
+def test_a_sigterm_during_the_final_evaluation_names_the_saved_model_and_the_command_that_evaluates_it(
+    tmp_path, capsys
+):
+    # 100 test samples: some seconds of evaluation; 0.02 epochs of the 800 training samples at batch 8: 2 steps.
+    argv = ["--output_dir", str(tmp_path), "--model_preset", "tiny", "--num_samples", "1000", "--min_long_side", "64",
+            "--max_long_side", "128", "--num_train_epochs", "0.02", "--per_device_train_batch_size", "8",
+            "--eval_pool_size", "10"]  # fmt: skip
+    demo = _demo_until(argv, lambda line: "evaluating on 100 samples" in line)
+    stderr = _stop(demo, signal.SIGTERM)
+    assert demo.proc.returncode == 143, stderr[-3000:]
+    assert "Traceback" not in stderr
+    last = stderr.strip().splitlines()[-1]
+    model = tmp_path / "model"
+    assert last.startswith(f"vlfit demo: stopped by SIGTERM during the final evaluation (the trained model is saved "
+                           f"in {model}); to evaluate it: "), stderr[-3000:]  # fmt: skip
+    command = shlex.split(last.split("; to evaluate it: ", 1)[1])
+    assert command[:2] == ["vlfit", "eval"]
+    assert main(command[1:]) == 0  # the printed command evaluates the saved model
+    assert "eval_t2i_recall@1" in capsys.readouterr().out

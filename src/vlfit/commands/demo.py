@@ -3,7 +3,9 @@
 make-data (reused when already there) -> fine-tune the ``small-p8`` preset -> evaluate on the test split ->
 print samples/s, recall@1 beside chance, and matching accuracy beside chance. ``--quick``: the same at a size
 that takes about a minute on 2 cores (``QUICK``). SIGTERM or Ctrl-C during training saves a checkpoint and ends
-with one line giving the command that resumes from it (exit 128 + the signal's number, as ``vlfit train``).
+with one line giving the command that resumes from it (exit 128 + the signal's number, as ``vlfit train``); at any
+other point (data generation, the final evaluation) it stops at once, with one line saying what was kept and the
+command that carries on (``vlfit.commands.demo_stops``).
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from vlfit.arguments import DataArguments, ModelArguments
+from vlfit.commands.demo_stops import StopSignals
 from vlfit.commands.parsing import CommandParser
 from vlfit.data.synthetic import SyntheticConfig, make_dataset, save_dataset
 from vlfit.errors import ConfigError
 from vlfit.training.arguments import VlfitTrainingArguments
+from vlfit.training.output_dir import FINAL_STATE_FILE
 from vlfit.training.preemption import TrainingPreempted
 from vlfit.training.run import run
 
@@ -89,6 +93,8 @@ def ensure_synthetic_data(path: str, config: SyntheticConfig) -> str:
             if json.load(f) == wanted:
                 print(f"reusing synthetic data in {path}")
                 return path
+    if os.path.exists(stamp):  # the data there is replaced: a generation stopped halfway is never reused
+        os.remove(stamp)
     print(f"generating {config.num_samples} synthetic samples in {path} ...")
     save_dataset(make_dataset(config, num_proc=min(2, os.cpu_count() or 1)), path, format="arrow")
     with open(stamp, "w") as f:
@@ -150,7 +156,8 @@ def synthetic_config(args: DemoArguments) -> SyntheticConfig:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``vlfit demo``.
 
-    Returns 0, or ``128 + signal`` (143 for SIGTERM) when a signal stopped training after saving a checkpoint.
+    Returns 0, or ``128 + signal`` (143 for SIGTERM, 130 for SIGINT) when a signal stopped it: during training
+    after saving a checkpoint, anywhere else at once.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_arguments(argv)
@@ -159,14 +166,34 @@ def main(argv: list[str] | None = None) -> int:
             f"--resume_from_checkpoint {args.resume_from_checkpoint}: no such folder (give the checkpoint the "
             "stopped demo named, under <output_dir>/model)"
         )
-    data_dir = ensure_synthetic_data(os.path.join(args.output_dir, "data"), synthetic_config(args))
+    data_dir = os.path.join(args.output_dir, "data")
+    generated = False
+    stops = StopSignals()
     try:
-        results = run(*recipe(args, data_dir))
+        with stops:
+            ensure_synthetic_data(data_dir, synthetic_config(args))
+            generated = True
+            model_args, data_args, training_args = recipe(args, data_dir)
+            _forget_finished_training(training_args.output_dir)
+            results = run(model_args, data_args, training_args)
     except TrainingPreempted as stop:
         print(f"vlfit demo: {stopped_message(stop, argv)}", file=sys.stderr)
         return stop.exit_code
+    except BaseException:
+        if stops.received is None:
+            raise
+        print(f"vlfit demo: {stopped_outside_training(stops.received, args, argv, generated)}", file=sys.stderr)
+        return stops.exit_code
     print(format_summary(results, args))
     return 0
+
+
+def _forget_finished_training(model_dir: str) -> None:
+    """Remove the final state an earlier demo left in ``model_dir``: this run writes its own once its model is
+    saved, which is how a stop during the final evaluation knows the model is there (``stopped_outside_training``)."""
+    final_state = os.path.join(model_dir, FINAL_STATE_FILE)
+    if os.path.isfile(final_state):
+        os.remove(final_state)
 
 
 def parse_arguments(argv: list[str]) -> DemoArguments:
@@ -188,13 +215,44 @@ def stopped_message(stop: TrainingPreempted, argv: list[str]) -> str:
     return f"stopped by {name}, checkpoint saved in {stop.checkpoint}; to resume: {resume}"
 
 
-def _program() -> list[str]:
-    """How to call vlfit again: ``vlfit`` when it is on PATH, else the script that runs now (``.venv/bin/vlfit``)."""
+def stopped_outside_training(signum: int, args: DemoArguments, argv: list[str], generated: bool) -> str:
+    """One line for a demo a signal stopped outside training: what was kept, and the command that carries on.
+
+    Args:
+        signum: The signal.
+        args: The demo's flags.
+        argv: Its command line.
+        generated: Whether the synthetic data was complete when the signal came.
+    """
+    name = signal.Signals(signum).name
+    again = shlex.join([*_program(), *argv])
+    if not generated:
+        return f"stopped by {name} while generating the synthetic data (nothing kept); to start again: {again}"
+    data_dir = os.path.join(args.output_dir, "data")
+    model_dir = os.path.join(args.output_dir, "model")
+    if not os.path.isfile(os.path.join(model_dir, FINAL_STATE_FILE)):
+        return (
+            f"stopped by {name} before training finished (the synthetic data in {data_dir} is kept); to start "
+            f"again: {again}"
+        )
+    evaluate = [*_program("eval"), "--model_name_or_path", model_dir, "--dataset_name", data_dir, "--eval_split",
+                "test", "--eval_pool_size", str(args.eval_pool_size)]  # fmt: skip
+    if args.image_pipeline != DataArguments.image_pipeline:
+        evaluate += ["--image_pipeline", args.image_pipeline]
+    return (
+        f"stopped by {name} during the final evaluation (the trained model is saved in {model_dir}); to evaluate "
+        f"it: {shlex.join(evaluate)}"
+    )
+
+
+def _program(command: str = "demo") -> list[str]:
+    """How to call vlfit's ``command`` again: ``vlfit`` when it is on PATH, else the script that runs now
+    (``.venv/bin/vlfit``)."""
     script = sys.argv[0] if sys.argv else ""
     if shutil.which("vlfit") is None and os.path.basename(script) == "vlfit":
         relative = os.path.relpath(script)
-        return [relative if not relative.startswith("..") else script, "demo"]
-    return ["vlfit", "demo"]
+        return [relative if not relative.startswith("..") else script, command]
+    return ["vlfit", command]
 
 
 def _without_flag(argv: list[str], flag: str) -> list[str]:

@@ -388,6 +388,8 @@ def run(
         trainer.save_state()
         results.update({k if k.startswith("train_") else f"train_{k}": v for k, v in metrics.items()})
     if training_args.do_eval:
+        if eval_source is not None:  # a minute or more on a large split, without a bar under --disable_tqdm
+            logger.info("evaluating on %d samples of the evaluation split", len(eval_source))
         metrics = trainer.evaluate()
         trainer.log_metrics("eval", metrics)
         trainer.save_metrics("eval", metrics)

@@ -1,0 +1,76 @@
+"""How ``vlfit demo`` ends on SIGTERM or Ctrl-C outside training: at once, with one line saying what was kept and
+the command that carries on, and exit ``128 + signal`` (143 for SIGTERM, 130 for SIGINT), as a shell reports a
+process the signal ended.
+
+Training has its own handling (``vlfit.training.preemption.PreemptionCallback``: finish the step, save, stop); it
+takes the signals over while it trains and gives them back to ``StopSignals`` afterwards. Everywhere else (data
+generation, setting up the run, the final evaluation) there is nothing worth finishing, so the signal raises
+``DemoStopped`` in the main thread, as Ctrl-C raises ``KeyboardInterrupt``, and the code being left cleans up on the
+way out: datasets' ``map`` terminates its generation workers, the loaders stop theirs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from types import FrameType, TracebackType
+from typing import Any
+
+STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
+
+
+class DemoStopped(BaseException):
+    """A stop signal arrived outside training (a ``BaseException``, as ``KeyboardInterrupt``: no ``except Exception``
+    on the way out takes it for an error to handle)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class StopSignals:
+    """While entered, SIGTERM and SIGINT raise ``DemoStopped`` in this process's main thread.
+
+    Children forked meanwhile (datasets' generation workers, loader workers) inherit the handler; there it leaves
+    the stop to this process: SIGINT (which Ctrl-C sends to every process of the terminal's group) is ignored, and
+    SIGTERM (what a pool's ``terminate`` sends its workers) ends the child as it would have without the handler.
+    Outside the main thread, entering does nothing.
+
+    Attributes:
+        received: The first stop signal received, or ``None``.
+    """
+
+    def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> None:
+        self.signals = signals
+        self.received: int | None = None
+        self._pid = os.getpid()
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            self._pid = os.getpid()
+            for signum in self.signals:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    @property
+    def exit_code(self) -> int:
+        """``128 + signal``, what a shell reports for a process the signal ended (``received`` must be set)."""
+        assert self.received is not None
+        return 128 + self.received
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self._pid:  # a forked child: the parent stops it
+            if signum != signal.SIGINT:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            return
+        if self.received is None:
+            self.received = signum
+        raise DemoStopped(signum)
