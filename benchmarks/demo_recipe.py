@@ -1,9 +1,11 @@
 """Screen one change to `vlfit demo`'s recipe: train, evaluate, and say which attributes matching still confuses.
 
 Each run is the demo's own run (``vlfit.commands.demo.recipe``: same data, steps and evaluation) with the flags
-given here changed: any ``vlfit demo`` flag, plus fields of the preset (``--preset_overrides``) and of
-``TrainingArguments`` (``--training_overrides``) as JSON. Runs are deterministic, so the metrics do not depend on
-the machine's load, only the times do. One JSON line per run is appended to ``--results``.
+given here changed: any ``vlfit demo`` flag (``--quick`` screens at the quick demo's sizes, as ``vlfit demo --quick``
+runs), plus fields of the preset (``--preset_overrides``) and of ``TrainingArguments`` (``--training_overrides``) as
+JSON. Runs are deterministic, so the metrics do not depend on the machine's load, only the times do. One JSON line
+per run is appended to ``--results``. A run is timed whole, so it always starts over: ``--resume_from_checkpoint``
+is refused, and a SIGTERM or Ctrl-C ends it in one line giving the command that runs it again.
 
 ``--diagnose`` then scores the trained model's matching on the test split pair by pair: for each wrong choice, the
 attributes (kind, colour, count, region) in which it differs from the right caption, and how often the model
@@ -22,24 +24,31 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import shutil
+import signal
 import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-from transformers import HfArgumentParser
 
-from vlfit.commands.demo import DemoArguments, ensure_synthetic_data, recipe, synthetic_config
+from vlfit.commands.demo import DemoArguments, ensure_synthetic_data, recipe, synthetic_config, with_quick_sizes
+from vlfit.commands.demo_stops import StopSignals
+from vlfit.commands.parsing import CommandParser
 from vlfit.data.pipeline import InputPipeline, PipelineOptions
 from vlfit.data.records import EVAL_COLUMNS
 from vlfit.data.sources import open_splits
 from vlfit.data.synthetic.scenes import differing_attributes, parse_caption
+from vlfit.errors import ConfigError, UserError
 from vlfit.evaluation.retrieval import embed_split
 from vlfit.models.loading import load_model
 from vlfit.models.presets import PRESET_FOLDER
+from vlfit.training.preemption import TrainingPreempted
 from vlfit.training.run import run
+
+PROG = "benchmarks/demo_recipe.py"
 
 
 @dataclass
@@ -108,9 +117,45 @@ def write_preset(demo: DemoArguments, name: str, overrides: dict) -> str:
     return path
 
 
+def parse_arguments(argv: list[str]) -> tuple[ScreenArguments, DemoArguments]:
+    """The screen's flags and the demo's, with the quick demo's sizes under ``--quick`` as ``vlfit demo`` takes them.
+
+    Raises:
+        ConfigError: for ``--resume_from_checkpoint``: a screened run is timed whole.
+    """
+    (screen, demo), given = CommandParser((ScreenArguments, DemoArguments), prog=PROG).parse(argv)
+    if demo.resume_from_checkpoint is not None:
+        raise ConfigError(
+            "--resume_from_checkpoint: a screened run is timed whole, so each one starts over (resumed, its seconds "
+            "and samples/s would count only the rest): drop the flag, or resume with vlfit demo"
+        )
+    return screen, with_quick_sizes(demo, given)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = HfArgumentParser((ScreenArguments, DemoArguments))
-    screen, demo = parser.parse_args_into_dataclasses(args=argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        screen, demo = parse_arguments(argv)
+    except UserError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+    stops = StopSignals()
+    try:
+        with stops:
+            return screen_run(screen, demo)
+    except TrainingPreempted as stop:
+        signum = stop.signum
+    except BaseException:
+        if stops.received is None:
+            raise
+        signum = stops.received
+    again = shlex.join(["python", PROG, *argv])
+    print(f"{PROG}: stopped by {signal.Signals(signum).name}; a screened run starts over: {again}", file=sys.stderr)
+    return 128 + signum
+
+
+def screen_run(screen: ScreenArguments, demo: DemoArguments) -> int:
+    """Train and evaluate one run of the screen, print its results row and append it to the results file."""
     preset = json.loads(screen.preset_overrides)
     if preset:
         demo = dataclasses.replace(demo, model_preset=write_preset(demo, screen.name, preset))

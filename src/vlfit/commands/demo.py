@@ -199,9 +199,14 @@ def _forget_finished_training(model_dir: str) -> None:
 def parse_arguments(argv: list[str]) -> DemoArguments:
     """The demo's flags; with ``--quick``, the ``QUICK`` sizes where no flag set them."""
     (args,), given = CommandParser(DemoArguments, prog="vlfit demo").parse(argv)
-    if args.quick:
-        args = dataclasses.replace(args, **{name: value for name, value in QUICK.items() if name not in given})
-    return args
+    return with_quick_sizes(args, given)
+
+
+def with_quick_sizes(args: DemoArguments, given: frozenset[str]) -> DemoArguments:
+    """``args`` with the ``QUICK`` sizes under ``--quick``, except for the flags in ``given`` (set by the user)."""
+    if not args.quick:
+        return args
+    return dataclasses.replace(args, **{name: value for name, value in QUICK.items() if name not in given})
 
 
 def stopped_message(stop: TrainingPreempted, argv: list[str]) -> str:
