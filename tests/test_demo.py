@@ -137,7 +137,7 @@ def _stop(demo: Demo, signum: int, *, whole_group: bool = False) -> str:
 @pytest.mark.slow
 def test_sigterm_saves_and_prints_one_line_with_the_command_that_resumes(tmp_path, capsys) -> None:
     argv = ["--output_dir", str(tmp_path), *TINY]
-    demo = _demo_until(argv, lambda line: line.startswith("{'loss'"))  # a step's log (tqdm is disabled)
+    demo = _demo_until(argv, lambda line: line.startswith("step "))  # a logging step's line (tqdm is disabled)
     stderr = _stop(demo, signal.SIGTERM)
     assert demo.proc.returncode == 143, stderr[-3000:]
     assert "Traceback" not in stderr

@@ -141,7 +141,7 @@ def train_until_signal(
             line = lines.get(timeout=max(deadline - time.monotonic(), 0.1))
             if line is None:
                 raise AssertionError(f"training ended before step {after_steps}:\n{''.join(err)[-3000:]}")
-            if line.startswith("{'loss'"):  # the Trainer prints each step's logs (--disable_tqdm true)
+            if line.startswith("step "):  # each logging step's line (--disable_tqdm true)
                 logged += 1
         os.killpg(proc.pid, sig)
         proc.wait(timeout=max(deadline - time.monotonic(), 1))

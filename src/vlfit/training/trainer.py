@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import Sampler
-from transformers import PrinterCallback, ProgressCallback, Trainer, TrainerCallback
+from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints, seed_worker
 
 from vlfit.data.batch import Batch
@@ -59,6 +59,7 @@ from vlfit.training.checkpoint_folders import (
     publish_staged_checkpoint,
     remove_partial_checkpoints,
 )
+from vlfit.training.console_log import CONSOLE_CALLBACKS
 from vlfit.training.evaluation_metrics import evaluation_metrics
 from vlfit.training.fsdp import enable_fsdp_on_cpu, reshape_scalar_parameters, scalar_state_dict
 from vlfit.training.gradient_cache import gradient_cached_backward
@@ -68,34 +69,6 @@ from vlfit.training.stream_epochs import StreamEpochs, agreed_batches, load_stre
 from vlfit.training.throughput import ThroughputMeter
 
 logger = logging.getLogger(__name__)
-
-
-class _NoSummaryOnTheConsole(TrainerCallback):
-    """Leaves out of the console the logs a run prints as a table (``Trainer.log_metrics``): the training summary
-    (``train_runtime``, ``train_loss`` ...) and an evaluation after training. ``trainer_state.json`` keeps them."""
-
-    _training = False
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        self._training = True
-        return super().on_train_begin(args, state, control, **kwargs)
-
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        self._training = False
-        return super().on_train_end(args, state, control, **kwargs)
-
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> Any:
-        if logs is not None and ("train_runtime" in logs or not self._training):
-            return None
-        return super().on_log(args, state, control, logs=logs, **kwargs)
-
-
-class _ProgressBar(_NoSummaryOnTheConsole, ProgressCallback):
-    pass
-
-
-class _Printer(_NoSummaryOnTheConsole, PrinterCallback):
-    pass
 
 
 class VlfitTrainer(BadSampleAccounting, Trainer):
@@ -148,9 +121,9 @@ class VlfitTrainer(BadSampleAccounting, Trainer):
         self._stream_epochs: StreamEpochs | None = None
         self._resumed_batches = 0  # batches of the stream's epoch a resumed checkpoint had consumed
         self.add_callback(_CountOptimizerSteps(self))
-        for plain, quieter in ((ProgressCallback, _ProgressBar), (PrinterCallback, _Printer)):
+        for plain, compact in CONSOLE_CALLBACKS:  # one line per log, not the dict (vlfit.training.console_log)
             if self.pop_callback(plain) is not None:
-                self.add_callback(quieter)
+                self.add_callback(compact)
 
     @property
     def train_stream(self) -> ShardStream | None:
