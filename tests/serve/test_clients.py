@@ -80,8 +80,10 @@ def test_one_address_holding_its_connections_leaves_the_others_theirs(server, tr
     hog = [_connect(server.port, "127.0.0.2") for _ in range(PER_CLIENT_CONNECTIONS)]  # silent, as a hog is
     try:
         with _connect(server.port, "127.0.0.2") as extra:
+            opened = time.monotonic()
             refused = _read_response(extra)
             assert refused.startswith(b"HTTP/1.1 429") and b"--max_connections_per_client" in refused, refused
+            assert time.monotonic() - opened >= 0.9  # answered after its Retry-After, not at once
             assert extra.recv(1) == b""  # and closed
         answer = _ask(server.port, "127.0.0.3", _search(train_records[0].caption))
         assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
@@ -103,6 +105,9 @@ def test_requests_in_flight_are_shared_per_client_and_capped_at_the_connection(s
         over = _ask(port, "127.0.0.2", _search(caption))  # this client's third
         assert over.startswith(b"HTTP/1.1 429") and b"retry-after: 1" in over.lower(), over
         assert b"--max_concurrency_per_client" in over
+        # Bodies still arriving are no queue (the wait budget, on by default, counts whole queries): another
+        # client's search is answered.
+        assert _ask(port, "127.0.0.5", _search(caption)).startswith(b"HTTP/1.1 200")
         held += [_held(port, "127.0.0.3", caption) for _ in range(CONCURRENCY - PER_CLIENT_REQUESTS)]
         time.sleep(0.5)  # the server's CONCURRENCY requests in flight: a fourth client is refused by its connection
         with _connect(port, "127.0.0.4") as connection:
@@ -122,7 +127,7 @@ def test_requests_in_flight_are_shared_per_client_and_capped_at_the_connection(s
             assert _read_response(connection).startswith(b"HTTP/1.1 200")
     # The refusals never reached the app: what it answered is the held requests only.
     answered = _metric(base, "vlfit_requests_total", 'route="/api/search",status="200"') - answered_before
-    assert answered == CONCURRENCY
+    assert answered == CONCURRENCY + 1
     assert _metric(base, "vlfit_refused_total", 'limit="requests"') >= 2
     assert _metric(base, "vlfit_refused_total", 'limit="client_requests"') >= 1
     assert not re.search(r'status="(503|429)"', httpx.get(f"{base}/metrics", timeout=TIMEOUT).text)
@@ -201,3 +206,14 @@ def _refused(base: str, context: ssl.SSLContext, limit: str) -> float:
     text = httpx.get(f"{base}/metrics", verify=context, timeout=TIMEOUT).text
     found = re.search(rf'^vlfit_refused_total\{{limit="{limit}"\}} (\S+)$', text, flags=re.M)
     return float(found.group(1)) if found else 0.0
+
+
+def test_refusals_held_for_their_retry_after_are_bounded() -> None:
+    """Beyond HELD_REFUSALS connections waiting for their 429, the next is not held (closed at once)."""
+    from vlfit.serve.clients import HELD_REFUSALS, ClientShares
+
+    shares = ClientShares(max_connections=1, max_requests=1)
+    assert all(shares.hold_refusal() for _ in range(HELD_REFUSALS))
+    assert not shares.hold_refusal()
+    shares.release_refusal()
+    assert shares.hold_refusal()

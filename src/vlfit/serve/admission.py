@@ -88,15 +88,13 @@ def _ewma(current: float | None, sample: float) -> float:
 
 @dataclass
 class Ticket:
-    """An admitted query: timed from ``started`` (``restart``: from now); ``answered`` False leaves it untimed
-    (its client went away, or it failed)."""
+    """An admitted query of ``kind``, pending from ``started`` with ``ahead`` queries of its kind before it;
+    ``answered`` False leaves it untimed (its client went away, or it failed)."""
 
+    kind: str
     started: float
-    clock: Callable[[], float]
+    ahead: int
     answered: bool = True
-
-    def restart(self) -> None:
-        self.started = self.clock()
 
 
 @dataclass
@@ -152,19 +150,32 @@ class WaitAdmission:
             return None
         return wait, budget
 
+    def enter(self, kind: str) -> Ticket:
+        """Count a query of ``kind`` as pending from now (``leave`` ends it)."""
+        queue = self._queues[kind]
+        ticket = Ticket(kind, self.clock(), queue.pending)
+        queue.pending += 1
+        return ticket
+
+    def leave(self, ticket: Ticket) -> None:
+        """The query of ``ticket`` is no longer pending; timed when it was ``answered``."""
+        queue = self._queues[ticket.kind]
+        queue.pending -= 1
+        if ticket.answered:
+            queue.time.observe(ticket.ahead, self.clock() - ticket.started)
+
     @contextlib.contextmanager
     def admitted(self, kind: str) -> Iterator[Ticket]:
         """Counts a query of ``kind`` as pending while the block runs, and times it when the block ends normally
         with its ticket ``answered`` (an exception, such as the request's cancellation, leaves it untimed)."""
-        queue = self._queues[kind]
-        ahead, ticket = queue.pending, Ticket(self.clock(), self.clock)
-        queue.pending += 1
+        ticket = self.enter(kind)
         try:
             yield ticket
+        except BaseException:
+            ticket.answered = False
+            raise
         finally:
-            queue.pending -= 1
-        if ticket.answered:
-            queue.time.observe(ahead, self.clock() - ticket.started)
+            self.leave(ticket)
 
 
 def query_kind(content_type: bytes) -> str:

@@ -7,6 +7,10 @@ as they open and close and its requests from the moment the connection hands the
 is sent, and refuses what goes beyond ``--max_connections_per_client`` and ``--max_concurrency_per_client``
 (``ServerLimits``), before any application work. Each worker process of ``--workers N`` counts its own.
 
+A connection beyond its client's share is answered 429 only after ``Retry-After`` (reading nothing meanwhile), so
+a client that opens another as soon as one closes is held to one accept a second per connection; at most
+``HELD_REFUSALS`` wait so at once (their descriptors are bounded too), and beyond those one is closed at once.
+
 Where the idea comes from: nginx's ``limit_conn`` per ``$binary_remote_addr`` and its ``realip`` module
 (``set_real_ip_from``, ``real_ip_recursive``), which takes the last untrusted address of the header.
 """
@@ -19,6 +23,9 @@ from collections import Counter
 from vlfit.errors import ConfigError
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+# Connections refused beyond their client's share that wait for their answer at once: with --max_connections (512)
+# open, 768 descriptors, within the 1024 most systems give a process.
+HELD_REFUSALS = 256
 
 
 def trusted_networks(forwarded_allow_ips: str | None) -> tuple[Network, ...] | None:
@@ -58,6 +65,7 @@ class ClientShares:
         self._trusted = trusted_networks(forwarded_allow_ips)
         self.connections: Counter[str] = Counter()
         self.requests: Counter[str] = Counter()
+        self.held_refusals = 0
 
     def is_trusted_proxy(self, address: str) -> bool:
         if self._trusted is None:
@@ -97,6 +105,16 @@ class ClientShares:
             if self.connections[address] <= 0:
                 del self.connections[address]
 
+    def hold_refusal(self) -> bool:
+        """Count a refused connection that waits for its answer; False (not counted) at ``HELD_REFUSALS``."""
+        if self.held_refusals >= HELD_REFUSALS:
+            return False
+        self.held_refusals += 1
+        return True
+
+    def release_refusal(self) -> None:
+        self.held_refusals = max(0, self.held_refusals - 1)
+
     def start_request(self, client: str) -> bool:
         """Count a request of ``client`` in flight; False (not counted) when it has its share already."""
         if self.requests[client] >= self.max_requests:
@@ -111,4 +129,4 @@ class ClientShares:
                 del self.requests[client]
 
 
-__all__ = ["ClientShares", "trusted_networks"]
+__all__ = ["HELD_REFUSALS", "ClientShares", "trusted_networks"]

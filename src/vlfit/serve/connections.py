@@ -187,6 +187,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._retry_at = 0.0  # loop time before which this connection was told to retry (Retry-After)
         self._held: Any = None  # the timer of a refusal held until then
         self._held_body_done = False  # the held request's body was read (and dropped)
+        self._held_connection = False  # refused beyond its client's share, answered after RETRY_AFTER_S
         self._head_bytes = 0
         self._head_timer: Any = None
         self._in_head = False  # between a request's first byte and the end of its headers
@@ -216,14 +217,38 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                     self.metrics.observe_refused("client_connections")
                 message = (f"this client has {self.shares.max_connections} connections open here "
                            "(--max_connections_per_client); reuse them")  # fmt: skip
-                self._answer_and_close(429, message.encode(), retry_after=RETRY_AFTER_S)
+                self._refuse_connection_later(message.encode())
                 return
             self._counted_connection = True
         super().connection_made(transport)
         self._arm_head_timer()  # a connection that never sends a request is let go too
 
+    def _refuse_connection_later(self, message: bytes) -> None:
+        """Answer a connection beyond its client's share 429 after ``RETRY_AFTER_S``, reading nothing meanwhile: a
+        client that opens another as soon as one is closed then costs the server one accept a second per
+        connection, not thousands (``ClientShares.hold_refusal`` bounds how many wait so; beyond, closed at once)."""
+        assert self.shares is not None
+        if not self.shares.hold_refusal():
+            self.transport.close()
+            return
+        self._held_connection = True
+        self.transport.pause_reading()
+        self._held = self.loop.call_later(RETRY_AFTER_S, self._answer_held_connection, message)
+
+    def _answer_held_connection(self, message: bytes) -> None:
+        self._held = None
+        self._release_held_connection()
+        if not self.transport.is_closing():
+            self._answer_and_close(429, message, retry_after=RETRY_AFTER_S)
+
+    def _release_held_connection(self) -> None:
+        if self._held_connection and self.shares is not None:
+            self.shares.release_refusal()
+        self._held_connection = False
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
+        self._release_held_connection()
         if self._held is not None:
             self._held.cancel()
             self._held = None

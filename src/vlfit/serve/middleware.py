@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Any
 
-from vlfit.serve.admission import RETRY_AFTER_S, WaitAdmission, query_kind, refusal_message
+from vlfit.serve.admission import RETRY_AFTER_S, Ticket, WaitAdmission, query_kind, refusal_message
 from vlfit.serve.metrics import ServerMetrics
 from vlfit.serve.queries import error_response
 
@@ -124,8 +124,9 @@ class WaitLimit:
 
     The kind of a search is read from its head: a multipart upload is an image query, any other body a text query
     (a JSON body's base64 image included: the queue of its kind is only known once the body is parsed). An
-    admitted search is pending from here until its answer is sent, and an answer 200 is timed from here, or from
-    the end of its body when that came in parts (an upload's own speed is the client's, not the queue's).
+    admitted search is pending from the end of its body until its answer is sent, and an answer 200 is timed over
+    the same span: a body still arriving is the client's speed, not the queue's, so a client that trickles its
+    bodies cannot make the server refuse the searches of others.
     """
 
     def __init__(self, app: Any, admission: WaitAdmission, metrics: ServerMetrics, path: str) -> None:
@@ -145,25 +146,29 @@ class WaitLimit:
             message = refusal_message(kind, over)
             await error_response(503, message, {"Retry-After": str(RETRY_AFTER_S)})(scope, receive, send)
             return
-        with self.admission.admitted(kind) as ticket:
-            in_parts = False
+        ticket: Ticket | None = None
 
-            async def timing_receive() -> dict:
-                nonlocal in_parts
-                message = await receive()
-                if message["type"] == "http.request":
-                    if message.get("more_body", False):
-                        in_parts = True
-                    elif in_parts:
-                        ticket.restart()
-                return message
+        async def pending_from_its_body() -> dict:
+            nonlocal ticket
+            message = await receive()
+            if message["type"] == "http.request" and not message.get("more_body", False) and ticket is None:
+                ticket = self.admission.enter(kind)  # the whole query is here: it waits for the queue now
+            return message
 
-            async def status_send(message: dict) -> None:
-                if message["type"] == "http.response.start":
-                    ticket.answered = int(message["status"]) == 200  # failures and 499s say nothing of the queue
-                await send(message)
+        async def status_send(message: dict) -> None:
+            if message["type"] == "http.response.start" and ticket is not None:
+                ticket.answered = int(message["status"]) == 200  # failures and 499s say nothing of the queue
+            await send(message)
 
-            await self.app(scope, timing_receive, status_send)
+        try:
+            await self.app(scope, pending_from_its_body, status_send)
+        except BaseException:
+            if ticket is not None:
+                ticket.answered = False
+            raise
+        finally:
+            if ticket is not None:
+                self.admission.leave(ticket)
 
 
 class HeadAsGet:
