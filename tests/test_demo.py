@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from tests.training.train_runs import single_torch_thread
 from vlfit.cli import main
 from vlfit.commands.demo import QUICK, parse_arguments, stopped_message
 from vlfit.training.preemption import TrainingPreempted
@@ -57,7 +58,8 @@ def test_the_stop_line_names_the_command_that_resumes() -> None:
 
 @pytest.mark.slow
 def test_quick_runs_and_prints_the_table(tmp_path, capsys) -> None:
-    assert main(["demo", "--quick", "--output_dir", str(tmp_path)]) == 0
+    with single_torch_thread():  # two threads on a loaded machine took 468 s here, one 44 s
+        assert main(["demo", "--quick", "--output_dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "vlfit demo: preset tiny, 500 synthetic samples, 40 epochs at batch 32, fast pipeline" in out
     recall = float(re.search(r"text->image recall@1: ([0-9.]+) +\(chance 0\.020, pool of 50\)", out).group(1))
