@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException:
         if stops.received is None:
             raise
+        stops.end_children()
         signum = stops.received
     again = shlex.join(["python", PROG, *argv])
     print(f"{PROG}: stopped by {signal.Signals(signum).name}; a screened run starts over: {again}", file=sys.stderr)

@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException:
         if stops.received is None:
             raise
+        stops.end_children()
         print(f"vlfit demo: {stopped_outside_training(stops.received, args, argv, generated)}", file=sys.stderr)
         return stops.exit_code
     print(format_summary(results, args))

@@ -11,11 +11,14 @@ way out: datasets' ``map`` terminates its generation workers, the loaders stop t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 from types import FrameType, TracebackType
 from typing import Any
+
+import psutil
 
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
 
@@ -64,6 +67,17 @@ class StopSignals:
         """``128 + signal``, what a shell reports for a process the signal ended (``received`` must be set)."""
         assert self.received is not None
         return 128 + self.received
+
+    @staticmethod
+    def end_children() -> None:
+        """Send SIGTERM to the child processes still there once the stop has unwound. The code left behind stops
+        its own (datasets' pools, loaders), except where the signal came as it started them: a pool interrupted
+        while forking its workers leaves them waiting for work, each holding the pipe a new task would come
+        through, so they would never end. (multiprocessing's resource tracker ignores SIGTERM and ends with this
+        process.)"""
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.terminate()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if os.getpid() != self._pid:  # a forked child: the parent stops it
