@@ -72,6 +72,20 @@ def itm_checkpoint(tiny_checkpoint, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def weighted_itm_checkpoint(itm_checkpoint, tmp_path_factory) -> Path:
+    """A copy of ``itm_checkpoint`` whose run saved a re-ranking weight (``rerank.json``: 4.0), as a training run
+    with a validation split does."""
+    import shutil
+
+    from vlfit.inference.rerank_score import save_rerank_file
+
+    model = tmp_path_factory.mktemp("weighted") / "model"
+    shutil.copytree(itm_checkpoint, model)
+    save_rerank_file(str(model), {"rerank_weight": 4.0, "split": "validation"})
+    return model
+
+
+@pytest.fixture(scope="session")
 def onnx_export(tiny_checkpoint, synthetic_dataset_dir, tmp_path_factory) -> Path:
     """``vlfit export --quantize int8`` of the tiny checkpoint, calibrated on the synthetic dataset."""
     from vlfit.cli import main

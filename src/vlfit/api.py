@@ -73,6 +73,12 @@ class Model:
         return self.runtime.inputs.max_seq_length
 
     @property
+    def rerank_weight(self) -> float | None:
+        """The cosine's weight beside the matching log-odds that re-ranking uses by default (``--rerank_score
+        itm+itc``), as the run saved it (``rerank.json``); None without one (re-ranking by ITM alone)."""
+        return self.runtime.saved_rerank_weight
+
+    @property
     def embedding_dim(self) -> int:
         """Length of an embedding."""
         return self.encoder.identity.embedding_size
@@ -350,7 +356,12 @@ class Index:
 
     @python_api(renames={"index": "path", "rerank_top_k": "rerank"})
     def search(
-        self, queries: str | Sequence[str] | np.ndarray, k: int = 10, rerank: int | None = None
+        self,
+        queries: str | Sequence[str] | np.ndarray,
+        k: int = 10,
+        rerank: int | None = None,
+        rerank_score: str | None = None,
+        rerank_weight: float | None = None,
     ) -> list[SearchHit] | list[list[SearchHit]]:
         """The ``k`` best items for a text (a list of ``SearchHit``), for several texts or for query embeddings
         ``[Q, D]`` (a list of lists), best first.
@@ -358,12 +369,15 @@ class Index:
         ``rerank``: re-rank each text's top ``rerank`` candidates by the model's image-text matching head (BridgeTower
         trained with ``--objective contrastive+itm``, or its export) and keep ``k`` of them; re-ranked hits carry
         ``match_score``. It reads the candidates' images, so the index must reach them (an image folder, a dataset).
+        ``rerank_score``: ``itm`` (the log-odds alone) or ``itm+itc`` (plus ``rerank_weight`` times the cosine, the
+        hits then carry ``fused_score``); by default ``itm+itc`` with the weight the run saved, ``itm`` without one.
         """
         from vlfit.index.rerank import Reranker, check_rerank_top_k
         from vlfit.index.search import search
 
         _check_at_least("k", k, 1)
         check_rerank_top_k(rerank, "--rerank")
+        by = self.model.runtime.rerank_score(rerank_score, rerank_weight) if rerank is not None else None
         single = isinstance(queries, str)
         texts: list[str] = []
         if isinstance(queries, np.ndarray):
@@ -377,7 +391,7 @@ class Index:
         if rerank is not None:
             if self._reranker is None:
                 self._reranker = Reranker.beside(self.model.runtime, self._index)
-            results = self._reranker.rerank(results, texts, rerank, k)
+            results = self._reranker.rerank(results, texts, rerank, k, by)
         return results[0] if single else results
 
     def _query_embeddings(self, queries: np.ndarray) -> np.ndarray:

@@ -26,6 +26,15 @@ def itm_index(itm_checkpoint, image_folder, tmp_path_factory) -> str:
     return out
 
 
+@pytest.fixture(scope="module")
+def weighted_index(weighted_itm_checkpoint, image_folder, tmp_path_factory) -> str:
+    """An index of a model whose run saved a re-ranking weight (4.0)."""
+    out = str(tmp_path_factory.mktemp("weighted-index") / "index")
+    index_collection(IndexJob(str(weighted_itm_checkpoint), out, images=str(image_folder), progress=False,
+                              index_type="flat"))  # fmt: skip
+    return out
+
+
 def _json_hits(capsys, *argv: str) -> list[dict]:
     capsys.readouterr()
     assert main(["retrieve", "query", *argv, "--json"]) == 0
@@ -56,6 +65,39 @@ def test_reranking_reorders_only_the_top_k_by_each_pairs_matching_score(
     ]  # K candidates re-scored, k kept
 
 
+def test_fused_reranking_orders_by_the_log_odds_plus_the_weight_times_the_cosine(itm_index, capsys) -> None:
+    query = ["--index", itm_index, "--text", QUERY, "-k", "8", "--rerank_top_k", "8"]
+    cosine = _json_hits(capsys, "--index", itm_index, "--text", QUERY, "-k", "8")
+    itm = _json_hits(capsys, *query, "--rerank_score", "itm")
+    assert all("fused_score" not in hit for hit in itm)
+    fused = _json_hits(capsys, *query, "--rerank_score", "itm+itc", "--rerank_weight", "2.5")
+    for hit in fused:
+        assert hit["fused_score"] == pytest.approx(hit["match_score"] + 2.5 * hit["score"], abs=1e-5)
+    assert [hit["fused_score"] for hit in fused] == sorted((hit["fused_score"] for hit in fused), reverse=True)
+    # Weight 0 is the matching head's order; a very large weight, the cosine's.
+    at_zero = _json_hits(capsys, *query, "--rerank_score", "itm+itc", "--rerank_weight", "0")
+    assert [hit["id"] for hit in at_zero] == [hit["id"] for hit in itm]
+    at_large = _json_hits(capsys, *query, "--rerank_score", "itm+itc", "--rerank_weight", "1e9")
+    assert [hit["id"] for hit in at_large] == [hit["id"] for hit in cosine]
+    assert [hit["id"] for hit in itm] != [hit["id"] for hit in cosine]  # the head reorders: the ends differ
+
+
+def test_the_runs_saved_weight_is_what_retrieve_query_and_the_library_rerank_with(
+    weighted_index, weighted_itm_checkpoint, capsys
+) -> None:
+    query = ["--index", weighted_index, "--text", QUERY, "-k", "6", "--rerank_top_k", "6"]
+    default = _json_hits(capsys, *query)
+    assert all(hit["fused_score"] == pytest.approx(hit["match_score"] + 4.0 * hit["score"], abs=1e-5)
+               for hit in default)  # fmt: skip
+    assert default == _json_hits(capsys, *query, "--rerank_score", "itm+itc", "--rerank_weight", "4")
+    assert all("fused_score" not in hit for hit in _json_hits(capsys, *query, "--rerank_score", "itm"))
+    assert vlfit.load(str(weighted_itm_checkpoint)).rerank_weight == 4.0
+    library = vlfit.Index.open(weighted_index).search(QUERY, k=6, rerank=6)
+    assert [(hit.id, hit.fused_score) for hit in library] == [(hit["id"], hit["fused_score"]) for hit in default]
+    itm = vlfit.Index.open(weighted_index).search(QUERY, k=6, rerank=6, rerank_score="itm")
+    assert all(hit.fused_score is None for hit in itm)
+
+
 @pytest.mark.slow
 def test_timing_reports_the_reranking_apart(itm_index, capsys) -> None:
     capsys.readouterr()
@@ -76,6 +118,11 @@ def test_reranking_that_cannot_run_is_one_line(itm_index, image_folder, tiny_che
         (["--index", itm_index, "--image", str(next(image_folder.rglob("*.jpg"))), "--rerank_top_k", "3"],
          "--rerank_top_k re-ranks text queries"),
         (["--index", itm_index, "--text", QUERY, "--rerank_top_k", "0"], "--rerank_top_k must be a whole number"),
+        (["--index", itm_index, "--text", QUERY, "--rerank_top_k", "3", "--rerank_weight", "nan"],
+         "--rerank_weight must be a finite number >= 0"),
+        (["--index", itm_index, "--text", QUERY, "--rerank_top_k", "3", "--rerank_score", "itm+itc"],
+         "--rerank_score itm+itc needs a weight"),
+        (["--index", itm_index, "--text", QUERY, "--rerank_weight", "2"], "add --rerank_top_k K"),
     ]  # fmt: skip
     for argv, expected in cases:
         capsys.readouterr()
@@ -87,3 +134,5 @@ def test_reranking_that_cannot_run_is_one_line(itm_index, image_folder, tiny_che
         index.search(index.model.encode_texts([QUERY]), rerank=3)
     with pytest.raises(vlfit.ConfigError, match=r"`rerank=` must be a whole number"):
         index.search(QUERY, rerank=-1)
+    with pytest.raises(vlfit.ConfigError, match=r"^`rerank_score=` must be itm or itm\+itc, got 'cosine'$"):
+        index.search(QUERY, rerank=3, rerank_score="cosine")

@@ -60,3 +60,46 @@ def test_rerank_requests_it_cannot_answer_are_refused_alone(itm_served, tiny_che
             answer = client.post("/api/search", json=body)
             assert answer.status_code == status and says in answer.json()["error"], answer.json()
         assert client.post("/api/search", json={"text": QUERY, "k": 2, "rerank": 2}).status_code == 200
+
+
+def test_the_server_reranks_with_the_runs_saved_weight_unless_told_otherwise(weighted_itm_checkpoint, image_folder,
+                                                                            tmp_path) -> None:  # fmt: skip
+    weighted = _index(weighted_itm_checkpoint, image_folder, tmp_path / "weighted")
+    engine = SearchEngine(weighted)
+    texts = [QUERY, QUERY]
+    fused, by_itm = engine.search(engine.encode_texts(texts), 6, texts, [6, 6], scores=[
+        engine.check_rerank(6), engine.check_rerank(6, "itm")])  # fmt: skip
+    assert all(hit["fused_score"] == pytest.approx(hit["match_score"] + 4.0 * hit["score"], abs=1e-5)
+               for hit in fused)  # fmt: skip
+    assert all("fused_score" not in hit for hit in by_itm)
+    library = vlfit.Index.open(weighted).search(QUERY, k=6, rerank=6)
+    assert [hit["id"] for hit in fused] == [hit.id for hit in library]
+    with TestClient(create_app(engine, reload_interval=0)) as client:
+        answered = client.post("/api/search", json={"text": QUERY, "k": 6, "rerank": 6}).json()["results"]
+        assert [hit["fused_score"] for hit in answered] == pytest.approx(
+            [hit["fused_score"] for hit in fused], abs=1e-4
+        )  # a batch of one, not two
+        for body, status, says in [
+            ({"text": QUERY, "rerank": 6, "rerank_score": "cosine"}, 422, "rerank_score"),
+            ({"text": QUERY, "rerank_score": "itm"}, 400, 'add "rerank"'),
+            ({"image": "aGVsbG8=", "rerank_score": "itm"}, 422, "re-ranks text queries"),
+        ]:
+            answer = client.post("/api/search", json=body)
+            assert answer.status_code == status and says in answer.json()["error"], answer.json()
+    # --rerank_score itm on the server: a query that does not say is re-ranked by the head alone.
+    plain = SearchEngine(weighted, rerank_score="itm")
+    (hits,) = plain.search(plain.encode_texts([QUERY]), 6, [QUERY], [6])
+    assert all("fused_score" not in hit for hit in hits)
+
+
+def test_fused_reranking_a_server_has_no_weight_for_is_refused_in_one_line(itm_served) -> None:
+    with pytest.raises(vlfit.ConfigError, match=r"^--rerank_score itm\+itc needs a weight"):
+        SearchEngine(itm_served, rerank_score="itm+itc")
+    with pytest.raises(vlfit.ConfigError, match=r"^--rerank_weight must be a finite number >= 0"):
+        SearchEngine(itm_served, rerank_weight=-1.0)
+    with TestClient(create_app(SearchEngine(itm_served), reload_interval=0)) as client:
+        refused = client.post("/api/search", json={"text": QUERY, "rerank": 3, "rerank_score": "itm+itc"})
+        assert refused.status_code == 400 and "needs a weight and this server has none" in refused.json()["error"]
+    with TestClient(create_app(SearchEngine(itm_served, rerank_weight=2.0), reload_interval=0)) as client:
+        hits = client.post("/api/search", json={"text": QUERY, "rerank": 3}).json()["results"]
+        assert hits[0]["fused_score"] == pytest.approx(hits[0]["match_score"] + 2.0 * hits[0]["score"], abs=1e-5)

@@ -25,6 +25,7 @@ from vlfit.index.rerank import Reranker, check_rerank_top_k, rerankable_items
 from vlfit.index.search import query_runtime, search
 from vlfit.index.stages import StageTimes
 from vlfit.index.verify import open_index, verify_index
+from vlfit.inference.rerank_score import RERANK_SCORES, check_rerank_weight
 from vlfit.inference.topk import DEFAULT_CHUNK_ELEMENTS
 
 SUBCOMMANDS = COMMAND_SUBCOMMANDS["retrieve"]
@@ -185,6 +186,16 @@ class QueryArguments:
         metadata={"help": "Re-rank each text query's top K candidates by the model's image-text matching head "
                   "(BridgeTower trained with --objective contrastive+itm, or its export), then keep -k of them."},
     )  # fmt: skip
+    rerank_score: str | None = field(
+        default=None,
+        metadata={"help": "What re-ranked candidates are ordered by: itm (the matching log-odds) or itm+itc (plus "
+                  "--rerank_weight times the cosine). Default: itm+itc when the model's run saved a weight "
+                  "(rerank.json), else itm.", "choices": list(RERANK_SCORES)},
+    )  # fmt: skip
+    rerank_weight: float | None = field(
+        default=None,
+        metadata={"help": "The cosine's weight in --rerank_score itm+itc (default: the one the model's run saved)."},
+    )
 
 
 @dataclass
@@ -245,6 +256,10 @@ def run_query(args: QueryArguments) -> int:
         raise ConfigError(f"-k must be at least 1, got {args.k}")
     top_k = args.rerank_top_k
     check_rerank_top_k(top_k)
+    check_rerank_weight(args.rerank_weight)
+    if top_k is None and (args.rerank_score is not None or args.rerank_weight is not None):
+        raise ConfigError("--rerank_score and --rerank_weight say how re-ranked candidates are ordered: add "
+                          "--rerank_top_k K, or drop them")  # fmt: skip
     if top_k is not None and any(q.image is not None for q in queries):
         raise ConfigError("--rerank_top_k re-ranks text queries (the matching head scores a caption against an "
                           "image): search image queries without it")  # fmt: skip
@@ -257,6 +272,7 @@ def run_query(args: QueryArguments) -> int:
                                 max_seq_length=args.max_seq_length)  # fmt: skip
         if items is not None:
             runtime.require_pair_scorer()  # refused before any query runs
+            by = runtime.rerank_score(args.rerank_score, args.rerank_weight)
     embeddings = embed_queries(runtime, queries, times=times)
     wanted = max(args.k, top_k or 0)
     with times.stage("search"):
@@ -264,7 +280,7 @@ def run_query(args: QueryArguments) -> int:
     if items is not None:
         with times.stage("rerank"):
             reranker = Reranker.beside(runtime, index, items)
-            results = reranker.rerank(results, [q.text or "" for q in queries], top_k, args.k)
+            results = reranker.rerank(results, [q.text or "" for q in queries], top_k, args.k, by)
     timing = {**times.milliseconds(), "total": round(1000 * (time.perf_counter() - started), 3)}
     if args.json:
         out = [
@@ -278,6 +294,7 @@ def run_query(args: QueryArguments) -> int:
             print(q.description)
             for rank, hit in enumerate(hits, start=1):
                 match = f"  match {hit.match_score:+.4f}" if hit.match_score is not None else ""
+                match += f"  fused {hit.fused_score:+.4f}" if hit.fused_score is not None else ""
                 print(f"  {rank:>3}  {hit.score:.4f}{match}  {hit.id}")
                 for caption in hit.captions or ():
                     print(f"{'':>15}{caption}")

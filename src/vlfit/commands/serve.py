@@ -25,6 +25,7 @@ from typing import Literal
 
 from vlfit.commands.parsing import CommandParser
 from vlfit.errors import ConfigError
+from vlfit.inference.rerank_score import check_rerank_weight
 from vlfit.serve.access import ADMIN_KEY_ENV, API_KEY_ENV, AccessPolicy, allowed_hosts, exposure_warning, read_key
 from vlfit.serve.limits import ServerLimits
 
@@ -64,6 +65,16 @@ class ServeArguments:
         metadata={"help": "Cut query captions at this many tokens (default: the length the index's model was trained "
                   "and indexed with)."},
     )  # fmt: skip
+    rerank_score: Literal["itm", "itm+itc"] | None = field(
+        default=None,
+        metadata={"help": "What a query's re-ranked candidates (its \"rerank\": K) are ordered by unless it says "
+                  "(\"rerank_score\"): itm (the matching log-odds) or itm+itc (plus --rerank_weight times the "
+                  "cosine). Default: itm+itc when the model's run saved a weight (rerank.json), else itm."},
+    )  # fmt: skip
+    rerank_weight: float | None = field(
+        default=None,
+        metadata={"help": "The cosine's weight in itm+itc re-ranking (default: the one the model's run saved)."},
+    )
     max_upload_mb: float = field(default=20.0, metadata={"help": "Largest request body in MB (413 beyond)."})
     max_batch: int = field(default=32, metadata={"help": "Most text queries embedded in one batch."})
     max_wait_ms: float = field(
@@ -172,6 +183,7 @@ class ServeArguments:
             raise ConfigError("--max_batch must be at least 1, --max_wait_ms and --reload_interval at least 0")
         if self.search_threads < 1:
             raise ConfigError(f"--search_threads must be at least 1, got {self.search_threads}")
+        check_rerank_weight(self.rerank_weight)
         self.limits()  # refuses a limit out of range now, in one line
         self.api_key = read_key(self.api_key, self.api_key_file, API_KEY_ENV, "--api_key")
         self.admin_key = read_key(self.admin_key, self.admin_key_file, ADMIN_KEY_ENV, "--admin_key")
@@ -205,7 +217,8 @@ def build_app(args: ServeArguments, verified: tuple[int, int] | None = None):  #
         use_tls(server_context(args.ssl_certfile, args.ssl_keyfile), handshake_timeout=args.header_timeout)
     engine = SearchEngine(args.index, args.model, args.backend, args.precision, args.num_threads,
                           max_seq_length=args.max_seq_length, search_threads=args.search_threads, verify=args.verify,
-                          absolute_paths=args.show_absolute_paths, verified=verified)  # fmt: skip
+                          absolute_paths=args.show_absolute_paths, verified=verified, rerank_score=args.rerank_score,
+                          rerank_weight=args.rerank_weight)  # fmt: skip
     return create_app(engine, max_upload_mb=args.max_upload_mb, max_batch=args.max_batch,
                       max_wait_ms=args.max_wait_ms, reload_interval=args.reload_interval,
                       limits=limits, access=access)  # fmt: skip

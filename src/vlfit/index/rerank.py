@@ -1,7 +1,9 @@
 """Re-ranking an index's results by the fused tower: the cosine search finds each text query's top K candidates,
 BridgeTower's image-text matching head scores the (query, candidate image) pairs, and the candidates are reordered
-by that score. ``vlfit retrieve query --rerank_top_k``, ``vlfit.Index.search(rerank=)`` and ``vlfit serve``'s
-``"rerank"`` all re-rank through ``Reranker``, as ``vlfit eval --rerank_top_k`` does for its pools.
+by that score (``--rerank_score itm``) or by it plus a weight times their cosine (``itm+itc``, the run's saved
+weight by default: ``vlfit.inference.rerank_score``). ``vlfit retrieve query --rerank_top_k``,
+``vlfit.Index.search(rerank=)`` and ``vlfit serve``'s ``"rerank"`` all re-rank through ``Reranker``, as ``vlfit eval
+--rerank_top_k`` does for its pools.
 
 Only the top K change order (best match first, ties in cosine order); what follows them keeps its cosine order.
 A candidate whose image cannot be read (its file gone since it was indexed) is not scored: it follows the scored
@@ -21,6 +23,7 @@ from vlfit.index.items import IndexedItems
 from vlfit.index.search import Hit
 from vlfit.index.store import EmbeddingIndex
 from vlfit.inference.pair_scorer import NO_HEAD_ADVICE, NoMatchingHeadError, PairScorer
+from vlfit.inference.rerank_score import ITM_ONLY, RerankScore
 from vlfit.inference.runtime import ModelRuntime
 
 logger = logging.getLogger(__name__)
@@ -90,19 +93,28 @@ class Reranker:
         return cls(scorer, items)
 
     def rerank(
-        self, hits: Sequence[list[Hit]], texts: Sequence[str], top_k: int | Sequence[int | None], k: int
+        self,
+        hits: Sequence[list[Hit]],
+        texts: Sequence[str],
+        top_k: int | Sequence[int | None],
+        k: int,
+        score: RerankScore | Sequence[RerankScore] = ITM_ONLY,
     ) -> list[list[Hit]]:
-        """Each query's hits with its first ``top_k`` reordered by the matching score of (its text, the hit's
-        image), cut to ``k``. The pairs of several queries are scored together (``PAIRS_PER_CALL`` at most per
-        call of the scorer; each caption and image runs its unimodal encoder once per call).
+        """Each query's hits with its first ``top_k`` reordered by ``score`` of the matching log-odds of (its text,
+        the hit's image) and the hit's cosine, cut to ``k``. The pairs of several queries are scored together
+        (``PAIRS_PER_CALL`` at most per call of the scorer; each caption and image runs its unimodal encoder once
+        per call).
 
         Args:
             hits: Each query's hits in cosine order (at least ``min(k, top_k)`` each where the index has them).
             texts: Each query's text.
             top_k: Candidates re-scored per query: one number for all, or one per query (None: not re-ranked).
             k: Hits kept per query.
+            score: What a candidate is ordered by (``itm``, or ``itm+itc`` with its weight): one for all, or one
+                per query.
         """
         tops = [top_k] * len(hits) if isinstance(top_k, int) else list(top_k)
+        scored_by = [score] * len(hits) if isinstance(score, RerankScore) else list(score)
         for top in tops:
             check_rerank_top_k(top)
         heads = [found[: top or 0] for found, top in zip(hits, tops, strict=True)]
@@ -115,11 +127,16 @@ class Reranker:
                 scores.update(self._score([texts[q] for q in group], [heads[q] for q in group], group))
                 group = []
         out = []
-        for query, (found, head) in enumerate(zip(hits, heads, strict=True)):
-            scored = [hit for hit in head if (query, hit.row) in scores]
-            unscored = [hit for hit in head if (query, hit.row) not in scores]
-            order = sorted(scored, key=lambda hit: -scores[(query, hit.row)])  # stable: ties keep cosine order
-            reranked = [dataclasses.replace(hit, match_score=round(scores[(query, hit.row)], 6)) for hit in order]
+        for query, (found, head, by) in enumerate(zip(hits, heads, scored_by, strict=True)):
+            final = {hit.row: by(scores[(query, hit.row)], hit.score) for hit in head if (query, hit.row) in scores}
+            scored = [hit for hit in head if hit.row in final]
+            unscored = [hit for hit in head if hit.row not in final]
+            order = sorted(scored, key=lambda hit: -final[hit.row])  # stable: ties keep cosine order
+            reranked = [
+                dataclasses.replace(hit, match_score=round(scores[(query, hit.row)], 6),
+                                    fused_score=round(final[hit.row], 6) if by.fused else None)
+                for hit in order
+            ]  # fmt: skip
             out.append((reranked + unscored + found[len(head) :])[:k])
         return out
 

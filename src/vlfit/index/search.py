@@ -35,7 +35,8 @@ class Hit:
     the folder indexed, or the dataset image's id), its cosine score, its captions when the index stores them (every
     caption of the image, for a dataset split's items), its row in the index (stable while the index grows; what
     ``vlfit serve``'s ``GET /api/image/{row}`` takes), when re-ranked (``vlfit.index.rerank``) the matching head's
-    log-odds of the query and its image, and an image folder's file (``path``, absolute)."""
+    log-odds of the query and its image (and, re-ranked by ``itm+itc``, the ``fused_score`` it was ordered by), and
+    an image folder's file (``path``, absolute)."""
 
     id: str
     score: float
@@ -43,13 +44,17 @@ class Hit:
     row: int = -1
     match_score: float | None = None
     path: str | None = None
+    fused_score: float | None = None
 
     def to_json(self) -> dict[str, object]:
         """The hit as ``vlfit retrieve query --json``, ``vlfit serve``'s ``/api/search`` and the Python API give it:
-        ``{"id", "row", "score"}``, ``"match_score"`` when re-ranked, ``"captions"`` when the index stores some."""
+        ``{"id", "row", "score"}``, ``"match_score"`` when re-ranked (and ``"fused_score"`` by ``itm+itc``),
+        ``"captions"`` when the index stores some."""
         shown: dict[str, object] = {"id": self.id, "row": self.row, "score": self.score}
         if self.match_score is not None:
             shown["match_score"] = self.match_score
+        if self.fused_score is not None:
+            shown["fused_score"] = self.fused_score
         return shown if self.captions is None else {**shown, "captions": self.captions}
 
 

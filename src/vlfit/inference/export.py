@@ -345,12 +345,17 @@ def _export_matching_graph(
     loaded: TorchEncoder, staging: str, manifest: dict[str, Any], settings: ExportSettings, samples: Samples
 ) -> None:
     """The fused tower and ITM head as ``itm.onnx`` (``itm.xml`` for OpenVINO) when the model has a matching head
-    (``vlfit.inference.export_itm``)."""
+    (``vlfit.inference.export_itm``), with the run's re-ranking weight (``rerank.json``) when it saved one."""
     from vlfit.models.itm import has_itm_head
 
     if not has_itm_head(loaded.model):
         return
     from vlfit.inference.export_itm import export_itm_graph  # only here: it imports transformers' models
+    from vlfit.inference.rerank_score import RERANK_FILE
+
+    saved = os.path.join(loaded.model_path, RERANK_FILE)
+    if os.path.isfile(saved):  # the run's re-ranking weight goes with its matching graph
+        shutil.copyfile(saved, os.path.join(staging, RERANK_FILE))
 
     export_itm_graph(
         loaded,

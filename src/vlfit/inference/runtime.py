@@ -9,7 +9,7 @@ re-ranking, ``vlfit vqa`` and ``vlfit fewshot`` open their model here, and nowhe
 - its input spec: the caption length and image settings the run was trained with (``input_spec.json`` beside a
   checkpoint, the manifest of an export folder), or the one ``max_seq_length`` asked for instead (logged);
 - the parts the checkpoint has, each built on first use: the ``encoder`` (embeds), the ``pair_scorer`` (the
-  image-text matching head, for re-ranking) and the ``answerer`` (a VQA head);
+  image-text matching head, for re-ranking, by the ``rerank_score`` the run saved) and the ``answerer`` (a VQA head);
 - one way to turn images into the pixels they all take (``pixels``), and batching (``embed_images``,
   ``embed_texts``, ``answer``).
 """
@@ -36,6 +36,7 @@ from vlfit.models.reference import ModelReference, parse_model_reference
 
 if TYPE_CHECKING:
     from vlfit.inference.pair_scorer import PairScorer
+    from vlfit.inference.rerank_score import RerankScore
     from vlfit.inference.vqa import Answer, QuestionAnswerer
 
 # What a runtime opens: a preset, a checkpoint folder, LoRA adapters or an export folder.
@@ -135,6 +136,29 @@ class ModelRuntime:
             return exported_scorer_of(self.reference.path, self.settings)  # no need to build the encoder first
         return pair_scorer_for(self.encoder, num_threads=self.settings.num_threads,
                                allow_spinning=self.settings.allow_spinning)  # fmt: skip
+
+    @functools.cached_property
+    def saved_rerank_weight(self) -> float | None:
+        """The re-ranking weight the run saved beside its weights (``rerank.json``, copied by ``vlfit export``);
+        None for a preset, a hub id or a run without one.
+
+        Raises:
+            ModelLoadError: naming the file, for a record that cannot be read.
+        """
+        from vlfit.inference.rerank_score import saved_rerank_weight
+
+        return saved_rerank_weight(self.reference.path) if self.reference.kind in FOLDER_KINDS else None
+
+    def rerank_score(
+        self, kind: str | None = None, weight: float | None = None, *, score_flag: str = "--rerank_score",
+        weight_flag: str = "--rerank_weight",
+    ) -> RerankScore:  # fmt: skip
+        """What this model re-ranks by: ``kind`` and ``weight`` as asked (None: the run's saved weight and its
+        default, ``vlfit.inference.rerank_score.resolve_rerank_score``), refused in one line naming the flags."""
+        from vlfit.inference.rerank_score import resolve_rerank_score
+
+        return resolve_rerank_score(kind, weight, self.saved_rerank_weight, score_flag=score_flag,
+                                    weight_flag=weight_flag)  # fmt: skip
 
     def require_pair_scorer(self) -> PairScorer:
         """``pair_scorer``, refused in one line when the model has no matching head.

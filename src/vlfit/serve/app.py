@@ -40,6 +40,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from vlfit.errors import ConfigError, DataError
 from vlfit.index.stages import StageTimes
+from vlfit.inference.rerank_score import RerankScore
 from vlfit.serve.access import AccessControl, AccessPolicy
 from vlfit.serve.admission import WaitAdmission
 from vlfit.serve.batching import MicroBatcher
@@ -97,12 +98,12 @@ def create_app(
     limits = limits or ServerLimits()
     metrics = ServerMetrics()
 
-    def run_batch(queries: Sequence[tuple[str, int | None]], k: int) -> list[list[dict[str, object]]]:
-        """A batch of (text, rerank) queries: embedded together, searched, their re-ranking pairs scored together.
-        Each query observes the batch's stage times (the re-ranking time: those that asked for it)."""
-        texts, reranks = [text for text, _ in queries], [rerank for _, rerank in queries]
+    def run_batch(queries: Sequence[tuple[str, int | None, RerankScore]], k: int) -> list[list[dict[str, object]]]:
+        """A batch of (text, rerank, rerank score) queries: embedded together, searched, their re-ranking pairs
+        scored together. Each query observes the batch's stage times (the re-ranking time: those that asked for it)."""
+        texts, reranks, scores = [list(column) for column in zip(*queries, strict=True)]
         times = StageTimes()
-        results = engine.search(engine.encode_texts(texts, times), k, texts, reranks, times)
+        results = engine.search(engine.encode_texts(texts, times), k, texts, reranks, times, scores)
         spent = times.seconds
         metrics.observe_stages({stage: spent[stage] for stage in spent if stage != "rerank"}, len(queries))
         if "rerank" in spent:
@@ -185,13 +186,13 @@ def create_app(
             return query
         try:
             check_k(query.k)
-            engine.check_rerank(query.rerank)
+            by = engine.check_rerank(query.rerank, query.rerank_score)
         except ConfigError as err:
             return error_response(400, str(err))
         try:
             if query.text is not None:
                 text, k, rerank = query.text, query.k, query.rerank
-                results = await _unless_disconnected(request, None, lambda: batcher.submit((text, rerank), k))
+                results = await _unless_disconnected(request, None, lambda: batcher.submit((text, rerank, by), k))
             else:
                 image_bytes, k = query.image or b"", query.k
 

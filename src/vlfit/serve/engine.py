@@ -42,6 +42,7 @@ from vlfit.index.search import Hit, query_runtime, search
 from vlfit.index.stages import StageTimes
 from vlfit.index.store import MANIFEST_NAME, EmbeddingIndex
 from vlfit.index.verify import manifest_stamp, open_index
+from vlfit.inference.rerank_score import FUSED, ITM_ONLY, RerankScore, check_rerank_weight
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +143,8 @@ class SearchEngine:
         verified: The manifest stamp at which the index was checked already (``vlfit.index.verify.verified_stamp``):
             the first
             snapshot skips its check while the manifest keeps it; reloads check as ever.
+        rerank_score, rerank_weight: What re-ranked queries are ordered by when they do not say
+            (``--rerank_score``, ``--rerank_weight``; None: the run's saved weight, ``ModelRuntime.rerank_score``).
 
     Raises:
         MissingFileError: when the folder holds no index.
@@ -161,7 +164,10 @@ class SearchEngine:
         verify: str = "quick",
         absolute_paths: bool = False,
         verified: tuple[int, int] | None = None,
+        rerank_score: str | None = None,
+        rerank_weight: float | None = None,
     ) -> None:
+        check_rerank_weight(rerank_weight)  # before the index and the model load
         _set_search_threads(search_threads)
         self.absolute_paths = absolute_paths
         self.folder = index
@@ -173,6 +179,8 @@ class SearchEngine:
         self.encoder = self.runtime.encoder
         # The matching head, when the model has one: on the encoder's backend, precision and threads.
         self.pair_scorer = self.runtime.pair_scorer
+        self.rerank_by = self.runtime.rerank_score(rerank_score, rerank_weight)  # a query's "rerank_score" aside
+        self.rerank_weight = rerank_weight if rerank_weight is not None else self.runtime.saved_rerank_weight
         self.generation = 1
         self._reload_lock = threading.Lock()
         self._damage: DamagedServing | None = None  # why the index on disk is not what is served (None: it is)
@@ -205,15 +213,30 @@ class SearchEngine:
         """Why the served model and index cannot re-rank (None: they can); the model unnamed, as paths are hidden."""
         return rerank_problem(self.pair_scorer, self.snapshot.indexed, "this server's model")
 
-    def check_rerank(self, rerank: int | None) -> None:
-        """Raises ``ConfigError`` unless ``rerank`` is None, or 1..``MAX_RERANK`` and re-ranking is available."""
+    def check_rerank(self, rerank: int | None, score: str | None = None) -> RerankScore:
+        """What a query re-ranks by: its ``"rerank_score"`` (None: the server's, ``--rerank_score``).
+
+        Raises:
+            ConfigError: unless ``rerank`` is None (and ``score`` too), or 1..``MAX_RERANK`` and re-ranking is
+                available; for ``itm+itc`` on a server without a weight.
+        """
         if rerank is None:
-            return
+            if score is not None:
+                raise ConfigError('"rerank_score" orders the re-ranked candidates: add "rerank": K, or drop it')
+            return self.rerank_by
         if not 1 <= rerank <= MAX_RERANK:
             raise ConfigError(f'"rerank" must be between 1 and {MAX_RERANK} candidates, got {rerank}')
         problem = self.rerank_problem()
         if problem is not None:
             raise ConfigError(f"cannot re-rank: {problem}")
+        if score is None:
+            return self.rerank_by
+        if score != FUSED:
+            return ITM_ONLY
+        if self.rerank_weight is None:
+            raise ConfigError('"rerank_score": "itm+itc" needs a weight and this server has none: its model saved '
+                              'none (rerank.json) and vlfit serve was started without --rerank_weight')  # fmt: skip
+        return RerankScore(FUSED, self.rerank_weight)
 
     def reload_if_changed(self) -> bool:
         """Serve the index's current manifest if it changed since the snapshot was read; True when it did.
@@ -302,11 +325,13 @@ class SearchEngine:
         texts: Sequence[str] = (),
         rerank: Sequence[int | None] = (),
         times: StageTimes | None = None,
+        scores: Sequence[RerankScore] = (),
     ) -> list[list[dict[str, object]]]:
         """The served snapshot's results as the server answers them (``Snapshot.served``), all from one snapshot
         (``k`` and ``rerank`` are checked by the caller, ``check_k`` and ``check_rerank``, before any batching).
         Queries with a ``rerank`` have that many candidates re-scored by the matching head (their ``texts``), all
-        the batch's pairs together. ``times`` gets the ``search`` and ``rerank`` times."""
+        the batch's pairs together, each ordered by its ``scores`` (``check_rerank``'s; default: the server's).
+        ``times`` gets the ``search`` and ``rerank`` times."""
         times = times or StageTimes()
         snapshot = self.snapshot  # a reload meanwhile does not mix two snapshots in one answer
         tops = [top or 0 for top in rerank]
@@ -314,7 +339,8 @@ class SearchEngine:
             found = snapshot.search(queries, max([k, *tops]))
         if any(tops):
             with times.stage("rerank"):
-                found = Reranker(self.pair_scorer, snapshot.indexed).rerank(found, texts, rerank, max([k, *tops]))
+                by = list(scores) or [self.rerank_by] * len(found)
+                found = Reranker(self.pair_scorer, snapshot.indexed).rerank(found, texts, rerank, max([k, *tops]), by)
         return [[self._shown(snapshot.served(hit)) for hit in hits[:k]] for hits in found]
 
     def _shown(self, result: dict[str, object]) -> dict[str, object]:

@@ -22,7 +22,7 @@ import binascii
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -46,17 +46,19 @@ class SearchQuery(BaseModel):
     image: str | None = None
     k: StrictInt = 10  # a JSON integer: no bool, string or float
     rerank: StrictInt | None = None  # text queries: candidates re-scored by the matching head
+    rerank_score: Literal["itm", "itm+itc"] | None = None  # what they are ordered by (default: the server's)
 
 
 @dataclass(frozen=True)
 class Query:
     """A checked search request: ``text`` or ``image`` (encoded bytes), ``k`` and, for a text, ``rerank`` (the
-    candidates the matching head re-scores; neither yet range-checked)."""
+    candidates the matching head re-scores; neither yet range-checked) and ``rerank_score``."""
 
     text: str | None
     image: bytes | None
     k: int
     rerank: int | None = None
+    rerank_score: str | None = None
 
 
 class _DuplicateKey(ValueError):
@@ -177,8 +179,9 @@ async def read_query(request: Request, max_text_chars: int) -> Query | JSONRespo
         return error_response(422, 'a search takes exactly one of "text" and "image" (base64 of the image file)')
     if query.text is not None:
         problem = check_text(query.text, max_text_chars)
-        return error_response(422, problem) if problem else Query(query.text, None, query.k, query.rerank)
-    if query.rerank is not None:
+        return error_response(422, problem) if problem else Query(query.text, None, query.k, query.rerank,
+                                                                  query.rerank_score)  # fmt: skip
+    if query.rerank is not None or query.rerank_score is not None:
         return error_response(422, '"rerank" re-ranks text queries (the matching head scores a caption against an '
                               "image): search an image without it")  # fmt: skip
     encoded = query.image or ""
