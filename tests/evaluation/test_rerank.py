@@ -9,63 +9,102 @@ import torch
 from transformers import BridgeTowerForContrastiveLearning
 
 from vlfit.errors import ConfigError
-from vlfit.evaluation.rerank import check_rerank, ranks_of_targets, reranked_keys, reranked_recall
+from vlfit.evaluation.rerank import Candidates, check_rerank, rerank_candidates, rerank_table, reranked_recall
 from vlfit.evaluation.retrieval import evaluate_retrieval
 from vlfit.inference.recall import pooled_recall_at_k
+from vlfit.inference.rerank_score import FUSED, SWEPT_WEIGHTS, RerankScore
 from vlfit.models.bridgetower import BridgeTowerFamily
 from vlfit.models.itm import BridgeTowerForContrastiveLearningWithITM
 from vlfit.models.registry import preset_config
 from vlfit.models.tokenizer import train_caption_tokenizer
 
 
-def rerank_order(in_top: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """Each query's candidates in re-ranked order ``[Q, N]`` (``reranked_keys``' keys, descending): the order the
-    ranks ``ranks_of_targets`` counts are checked against."""
-    by_value = value.argsort(dim=1, descending=True, stable=True)
-    return by_value.gather(1, in_top.gather(1, by_value).int().argsort(dim=1, descending=True, stable=True))
+def _split(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Texts ``[24, 16]`` near their images ``[12, 16]`` (two captions per image), and each text's image."""
+    generator = torch.Generator().manual_seed(seed)
+    images = torch.nn.functional.normalize(torch.randn(12, 16, generator=generator), dim=1)
+    image_of_text = torch.arange(12).repeat_interleave(2)
+    texts = torch.nn.functional.normalize(images[image_of_text] + torch.randn(24, 16, generator=generator), dim=1)
+    return texts, images, image_of_text
 
 
-def test_reranking_changes_the_order_only_within_the_top_k():
+def test_reranked_ranks_follow_the_matching_scores_within_the_top_k_and_the_cosine_below():
     generator = torch.Generator().manual_seed(0)
     scores = torch.randn(5, 20, generator=generator)
     matching = torch.randn(5, 20, generator=generator)
-    in_top, value = reranked_keys(scores, 6, lambda q, c: matching[q, c])
-    order = rerank_order(in_top, value)
+    candidates = Candidates.of(scores, torch.eye(20, dtype=torch.bool)[:5], 20, lambda q, c: matching[q, c])
     cosine = scores.argsort(dim=1, descending=True)
-    assert torch.equal(order[:, 6:], cosine[:, 6:])  # below the top K: untouched
-    for q in range(5):
-        assert set(order[q, :6].tolist()) == set(cosine[q, :6].tolist())  # the same K candidates...
-        assert torch.equal(order[q, :6], cosine[q, :6][matching[q, cosine[q, :6]].argsort(descending=True)])  # ...
-    # Every candidate's rank in the re-ranked order is what ranks_of_targets counts.
-    position = torch.empty_like(order).scatter_(1, order, torch.arange(20).expand(5, 20))
-    for candidate in range(20):
-        target = torch.zeros(5, 20, dtype=torch.bool)
-        target[:, candidate] = True
-        assert torch.equal(ranks_of_targets(in_top, value, target), position[:, candidate])
+    for top_k in (1, 6, 20):
+        ranks = []
+        for q in range(5):  # the re-ranked list, built by hand: top K by matching score, then the cosine order
+            head = cosine[q, :top_k][matching[q, cosine[q, :top_k]].argsort(descending=True)]
+            order = torch.cat([head, cosine[q, top_k:]]).tolist()
+            ranks.append(order.index(q))  # the right answer of query q is candidate q
+        assert candidates.ranks(top_k).tolist() == ranks, top_k
 
 
 def test_reranked_recall_uses_the_cosine_pools_and_the_multi_caption_protocol():
-    generator = torch.Generator().manual_seed(1)
-    images = torch.nn.functional.normalize(torch.randn(12, 16, generator=generator), dim=1)
-    image_of_text = torch.arange(12).repeat_interleave(2)  # two captions per image
-    texts = torch.nn.functional.normalize(images[image_of_text] + torch.randn(24, 16, generator=generator), dim=1)
+    texts, images, image_of_text = _split()
     cosine = pooled_recall_at_k(texts, images, 5, image_of_text=image_of_text)
     # Re-scoring with the cosine itself changes nothing.
-    same = reranked_recall(texts, images, image_of_text, 5, 3, lambda t, i: (texts[t] * images[i]).sum(1))
+    same = rerank_candidates(texts, images, image_of_text, 5, 3, lambda t, i: (texts[t] * images[i]).sum(1))
+    recall = reranked_recall(same, 3)
     for key in ("t2i_recall@1", "t2i_recall@5", "i2t_recall@1", "i2t_recall@5"):
-        assert same[key.replace("_recall", "_rerank_recall")] == pytest.approx(cosine[key]), key
+        assert recall[key.replace("_recall", "_rerank_recall")] == pytest.approx(cosine[key]), key
     # An oracle head puts the right answer first whenever it is in the top K: recall@1 becomes recall@K.
-    oracle = reranked_recall(texts, images, image_of_text, 5, 3, lambda t, i: (image_of_text[t] == i).float())
+    oracle = rerank_candidates(texts, images, image_of_text, 5, 3, lambda t, i: (image_of_text[t] == i).float())
+    recall = reranked_recall(oracle, 3)
     pooled_at_3 = pooled_recall_at_k(texts, images, 5, ks=(3,), image_of_text=image_of_text)
-    assert oracle["t2i_rerank_recall@1"] == pytest.approx(pooled_at_3["t2i_recall@3"])
-    assert oracle["i2t_rerank_recall@1"] == pytest.approx(pooled_at_3["i2t_recall@3"])
-    assert oracle["rerank_top_k"] == 3
+    assert recall["t2i_rerank_recall@1"] == pytest.approx(pooled_at_3["t2i_recall@3"])
+    assert recall["i2t_rerank_recall@1"] == pytest.approx(pooled_at_3["i2t_recall@3"])
+    assert recall["rerank_top_k"] == 3 and recall["rerank_ms_per_query"] > 0
+
+
+def test_fused_score_at_weight_zero_is_the_itm_order_and_at_a_large_weight_the_cosine_order():
+    texts, images, image_of_text = _split(2)
+    noise = torch.Generator().manual_seed(3)
+    matching = torch.randn(24, 12, generator=noise)  # a head that disagrees with the cosine
+    candidates = rerank_candidates(texts, images, image_of_text, None, 8, lambda t, i: matching[t, i])
+    itm_only = candidates.recall(8)
+    assert candidates.recall(8, RerankScore(FUSED, 0.0)) == itm_only
+    cosine = pooled_recall_at_k(texts, images, None, image_of_text=image_of_text)
+    by_cosine = candidates.recall(8, RerankScore(FUSED, 1e6))
+    assert by_cosine == {key.replace("_recall", ""): value for key, value in cosine.items() if "recall@" in key
+                         and not key.startswith("chance")}  # fmt: skip
+    assert itm_only != by_cosine  # the head moved something: the two ends differ
+    for way in ("t2i", "i2t"):
+        assert (candidates.t2i if way == "t2i" else candidates.i2t).ranks(8, RerankScore(FUSED, 1e6)).tolist() == (
+            candidates.t2i if way == "t2i" else candidates.i2t
+        ).cosine_rank.tolist()
+
+
+def test_evaluation_reports_the_k_table_and_a_sweep_picks_the_best_weight():
+    texts, images, image_of_text = _split(4)
+    # A head that knows the answer but is swamped by noise: the cosine helps it, so a weight above 0 wins.
+    noise = torch.randn(24, 12, generator=torch.Generator().manual_seed(5))
+    truth = (image_of_text.unsqueeze(1) == torch.arange(12)).float()
+    matching = 2 * truth + 3 * noise
+    candidates = rerank_candidates(texts, images, image_of_text, None, 8, lambda t, i: matching[t, i])
+    weight, tried = candidates.sweep(8)
+    best = max(tried.values())
+    assert tried[f"{weight:g}"] == best and weight in SWEPT_WEIGHTS
+    assert all(value <= best for value in tried.values()) and len(tried) == len(SWEPT_WEIGHTS)
+    metrics = reranked_recall(candidates, 8, weight)
+    fused_at_1 = (metrics["t2i_fused_recall@1"] + metrics["i2t_fused_recall@1"]) / 2
+    assert fused_at_1 == pytest.approx(best, abs=1e-6)
+    assert metrics["rerank_weight"] == weight
+    for top_k in (4, 8):  # the table's Ks the 8 candidates reach; 16 would need more
+        assert {f"t2i_rerank_top{top_k}_recall@1", f"i2t_fused_top{top_k}_recall@5",
+                f"rerank_top{top_k}_ms_per_query"} <= set(metrics)  # fmt: skip
+    assert "rerank_top16_ms_per_query" not in metrics
+    table = rerank_table(metrics)
+    assert table[1].startswith("cosine") and any(line.startswith(f"itm+itc {weight:g}, top 8") for line in table)
 
 
 def test_bad_rerank_requests_are_one_line_each():
     texts = torch.eye(4)
     with pytest.raises(ConfigError, match=r"^--rerank_top_k 5 is larger than the pool of 4 images"):
-        reranked_recall(texts, texts, torch.arange(4), None, 5, lambda t, i: torch.zeros(len(t)))
+        rerank_candidates(texts, texts, torch.arange(4), None, 5, lambda t, i: torch.zeros(len(t)))
     with pytest.raises(ConfigError, match=r"^--rerank_top_k 3: the model has no image-text matching head"):
         check_rerank(BridgeTowerForContrastiveLearning(preset_config("tiny")), 3)
     with pytest.raises(ConfigError, match=r"^--rerank_top_k 20 is larger than --eval_pool_size 10"):

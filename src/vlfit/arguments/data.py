@@ -12,6 +12,7 @@ from vlfit.data.bad_samples import BAD_SAMPLE_POLICIES, MIN_SAMPLES_FOR_BAD_FRAC
 from vlfit.data.columns import DEFAULT_COLUMNS
 from vlfit.data.file_patterns import is_stream_spec
 from vlfit.errors import ConfigError
+from vlfit.inference.rerank_score import RERANK_SCORES, check_rerank_score, check_rerank_weight
 
 if TYPE_CHECKING:
     from vlfit.data.stream.shards import ShardReader
@@ -251,6 +252,28 @@ class DataArguments(CompatDataFlags, StreamArguments, DataLocationArguments):
             "(BridgeTower with one), both directions, and report recall@k re-ranked beside the cosine ranking."
         },
     )
+    rerank_score: str | None = field(
+        default=None,
+        metadata={
+            "help": "Evaluation's re-ranking (--rerank_top_k): also report recall with the candidates ordered by "
+            "itm+itc (the matching log-odds plus --rerank_weight times the cosine; its metrics are named fused), or "
+            "by itm alone. Default: itm+itc when the model's run saved a weight (rerank.json), else itm.",
+            "choices": list(RERANK_SCORES),
+        },
+    )
+    rerank_weight: float | None = field(
+        default=None,
+        metadata={"help": "The cosine's weight in itm+itc re-ranking (default: the one the model's run saved)."},
+    )
+    save_rerank_weight: bool = field(
+        default=False,
+        metadata={
+            "help": "vlfit eval: sweep the itm+itc weight on this split (re-ranking the top --rerank_top_k, or 16) "
+            "and save the best into the model folder (rerank.json), where vlfit eval, retrieve query, serve and "
+            "vlfit.Index read it. vlfit train does it at the end of every run with a matching head and a "
+            "validation split."
+        },
+    )
     zeroshot_dataset: list[str] | None = field(
         default=None,
         metadata={
@@ -322,6 +345,8 @@ class DataArguments(CompatDataFlags, StreamArguments, DataLocationArguments):
                 f"--eval_pool_size must be at least 1 (images per recall@k pool), got {self.eval_pool_size}; leave it "
                 "out to rank over the whole split"
             )
+        check_rerank_score(self.rerank_score)
+        check_rerank_weight(self.rerank_weight)
         if self.image_pipeline not in IMAGE_PIPELINES:
             raise ConfigError(
                 f"unknown --image_pipeline {self.image_pipeline!r}; choose one of: {', '.join(IMAGE_PIPELINES)}"

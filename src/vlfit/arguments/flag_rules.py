@@ -22,7 +22,8 @@ from vlfit.models.reference import local_model_type, parse_model_reference
 # run trains with the VQA loss and reports VQA accuracy: none of them would do anything there.
 RETRIEVAL_FLAGS = ("objective", "contrastive_loss", "contrastive_negatives", "gradient_cache_chunk_size",
                    "logit_scale_init_value", "hard_negative_column", "eval_pool_size", "rerank_top_k",
-                   "zeroshot_dataset", "prompt_template")  # fmt: skip
+                   "rerank_score", "rerank_weight", "save_rerank_weight", "zeroshot_dataset",
+                   "prompt_template")  # fmt: skip
 # Flags of a --task vqa run: its answers.
 VQA_FLAGS = ("answer_vocabulary", "max_answers")
 
@@ -167,6 +168,11 @@ FLAG_RULES: tuple[FlagRule, ...] = (
         lambda flags: flags["rerank_top_k"] is not None and bool(flags["fsdp"]),
         "--rerank_top_k with --fsdp is not supported in training's evaluation: drop it, and evaluate the saved run "
         "with vlfit eval --rerank_top_k {rerank_top_k}",
+    ),
+    FlagRule(
+        ("save_rerank_weight", "fsdp"),
+        lambda flags: bool(flags["save_rerank_weight"]) and bool(flags["fsdp"]),
+        "--save_rerank_weight with --fsdp is not supported: evaluate the saved run without --fsdp",
     ),
     # Gradient caching re-runs each chunk of the contrastive batch with gradient: with nothing else.
     FlagRule(

@@ -1,10 +1,15 @@
 """Re-ranking in evaluation (``--rerank_top_k K``): each query's top K candidates by cosine are scored again by the
 model's image-text matching head (``vlfit.models.itm``), both directions, over the same pools and with the same
-multi-caption protocol as the cosine recall (``vlfit.inference.recall``), which it is reported beside.
+multi-caption protocol as the cosine recall (``vlfit.inference.recall``), which it is reported beside: ordered by
+the head's log-odds alone (``*_rerank_recall@k``) and, with a weight (``--rerank_weight``, the run's saved one, or
+swept here), by the log-odds plus the weight times the cosine (``*_fused_recall@k``, ``vlfit.inference.rerank_score``).
+The pairs of the largest K are scored once; every smaller K, and every weight a sweep tries, re-orders those scores.
+Beside the K asked for, K 4, 8 and 16 are reported (``TABLE_TOP_KS``, those the pools reach) with the head's time
+per query, and logged as one table (``rerank_table``).
 
-A re-ranked list is the top K in the order of their matching scores, then the other candidates in cosine order:
-re-ranking moves candidates only within the top K. Ranks count ties against the right answer, as the cosine ranks
-do. The fused tower needs the captions' tokens and the images' pixels, not their embeddings: evaluation keeps them
+A re-ranked list is the top K in the order of their scores, then the other candidates in cosine order: re-ranking
+moves candidates only within the top K. Ranks count ties against the right answer, as the cosine ranks do. The
+fused tower needs the captions' tokens and the images' pixels, not their embeddings: evaluation keeps them
 (``PairInputs``) when re-ranking is asked for, pixels included (images x 3 x side x side in the model's dtype).
 Matching accuracy by the head (``matching_accuracy_itm``) is scored as the split is embedded.
 """
@@ -12,6 +17,7 @@ Matching accuracy by the head (``matching_accuracy_itm``) is scored as the split
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,10 +27,13 @@ import torch.nn.functional as F
 
 from vlfit.errors import ConfigError
 from vlfit.inference.recall import RECALL_KS
+from vlfit.inference.rerank_score import FUSED, ITM_ONLY, SWEPT_WEIGHTS, RerankScore
 from vlfit.models.itm import has_itm_head, pair_scores
 
 # Pairs per fused pass when re-ranking.
 PAIRS_PER_PASS = 256
+# The Ks of the table evaluation reports beside the one asked for: what re-ranking more candidates buys, and costs.
+TABLE_TOP_KS = (4, 8, 16)
 
 PairScorer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -50,56 +59,116 @@ def check_rerank(model: Any, top_k: int | None, pool_size: int | None = None) ->
 # ----------------------------------------------------------------------------------------------- the ranking
 
 
-def reranked_keys(scores: torch.Tensor, top_k: int, rescore: PairScorer) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sort keys of the re-ranked lists: candidates sort by ``(in_top, value)``, descending.
+@dataclass
+class Candidates:
+    """Each query's best ``K`` candidates by cosine (one direction of one pool, or several concatenated), what every
+    re-ranked rank is counted from: re-ranking only moves candidates within them.
 
-    Args:
-        scores: ``[Q, N]`` cosine scores of each query's candidates.
-        top_k: How many of each query's best candidates are re-scored.
-        rescore: The matching scores ``[P]`` of (query ``q[i]``, candidate ``c[i]``) pairs.
-
-    Returns:
-        ``in_top`` ``[Q, N]`` bool, and ``value`` ``[Q, N]``: the matching score in the top K, the cosine elsewhere.
+    Attributes:
+        cosine: ``[Q, K]`` their cosines, best first.
+        matching: ``[Q, K]`` the matching head's log-odds of each (query, candidate) pair.
+        is_target: ``[Q, K]`` whether the candidate is a right answer.
+        cosine_rank: ``[Q]`` the rank of the query's best right answer in cosine order (ties counted against it).
     """
-    top = scores.topk(min(top_k, scores.shape[1]), dim=1).indices
-    queries = torch.arange(scores.shape[0]).unsqueeze(1).expand_as(top)
-    matched = rescore(queries.reshape(-1), top.reshape(-1)).view_as(top).to(scores.dtype)
-    in_top = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top, True)
-    return in_top, scores.clone().scatter_(1, top, matched)
+
+    cosine: torch.Tensor
+    matching: torch.Tensor
+    is_target: torch.Tensor
+    cosine_rank: torch.Tensor
+
+    @classmethod
+    def of(cls, scores: torch.Tensor, target: torch.Tensor, top_k: int, rescore: PairScorer) -> Candidates:
+        """The top ``top_k`` of each row of ``scores`` ``[Q, N]`` (``target`` ``[Q, N]`` bool, at least one per
+        row), their pairs scored by ``rescore`` (query indices, candidate indices -> log-odds ``[P]``)."""
+        cosine, top = scores.topk(min(top_k, scores.shape[1]), dim=1)  # sorted: the first k are the top k
+        queries = torch.arange(scores.shape[0]).unsqueeze(1).expand_as(top)
+        matching = rescore(queries.reshape(-1), top.reshape(-1)).view_as(top).to(scores.dtype)
+        best = scores.masked_fill(~target, float("-inf")).amax(dim=1, keepdim=True)
+        cosine_rank = ((scores >= best) & ~target).sum(dim=1)
+        return cls(cosine, matching, target.gather(1, top), cosine_rank)
+
+    @classmethod
+    def cat(cls, parts: list[Candidates]) -> Candidates:
+        """The candidates of several pools' queries, in order; a smaller pool's (fewer than K images) padded with
+        candidates that never rank above anything (log-odds -inf, not a right answer)."""
+        width = max(part.cosine.shape[1] for part in parts)
+
+        def padded(tensor: torch.Tensor, value: float | bool) -> torch.Tensor:
+            return F.pad(tensor, (0, width - tensor.shape[1]), value=value) if tensor.shape[1] < width else tensor
+
+        return cls(torch.cat([padded(part.cosine, 0.0) for part in parts]),
+                   torch.cat([padded(part.matching, float("-inf")) for part in parts]),
+                   torch.cat([padded(part.is_target, False) for part in parts]),
+                   torch.cat([part.cosine_rank for part in parts]))  # fmt: skip
+
+    def ranks(self, top_k: int, score: RerankScore = ITM_ONLY) -> torch.Tensor:
+        """The rank ``[Q]`` of each query's best right answer once its top ``top_k`` are re-ordered by ``score``
+        (the log-odds, or the log-odds plus the weight times the cosine), ties counted against it; a query with no
+        right answer among them keeps its cosine rank (everything above it is in the top K, unmoved)."""
+        cosine, matching, target = self.cosine[:, :top_k], self.matching[:, :top_k], self.is_target[:, :top_k]
+        value = matching + score.weight * cosine if score.fused else matching
+        best = value.masked_fill(~target, float("-inf")).amax(dim=1, keepdim=True)
+        above = ((value >= best) & ~target).sum(dim=1)
+        return torch.where(target.any(dim=1), above, self.cosine_rank)
 
 
-def ranks_of_targets(in_top: torch.Tensor, value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The rank ``[Q]`` of each query's best target (``target`` ``[Q, N]`` bool, at least one per row) in its
-    re-ranked list, ties counted against it: how many other candidates sort at or above it."""
-    group = in_top.float()
-    best_group = group.masked_fill(~target, -1).amax(dim=1, keepdim=True)
-    best_value = value.masked_fill(~(target & (group == best_group)), float("-inf")).amax(dim=1, keepdim=True)
-    above = (group > best_group) | ((group == best_group) & (value >= best_value))
-    return (above & ~target).sum(dim=1)
+@dataclass
+class RerankedRecall:
+    """Both directions' candidates of a split and what scoring their pairs cost.
+
+    Attributes:
+        t2i, i2t: Text-to-image and image-to-text ``Candidates``.
+        seconds_per_pair: The matching head's time per (query, candidate) pair, both directions together.
+    """
+
+    t2i: Candidates
+    i2t: Candidates
+    seconds_per_pair: float
+
+    @property
+    def top_k(self) -> int:
+        """The most candidates per query scored."""
+        return int(self.t2i.cosine.shape[1])
+
+    def recall(self, top_k: int, score: RerankScore = ITM_ONLY, ks: tuple[int, ...] = RECALL_KS) -> dict[str, float]:
+        """``{"t2i@k", "i2t@k"}`` recall after re-ranking each query's top ``top_k`` by ``score``."""
+        ranks = {"t2i": self.t2i.ranks(top_k, score), "i2t": self.i2t.ranks(top_k, score)}
+        return {f"{way}@{k}": (rank < k).float().mean().item() for way, rank in ranks.items() for k in ks}
+
+    def milliseconds_per_query(self, top_k: int) -> float:
+        """The matching head's time to re-rank one query's ``top_k`` candidates (its time per pair, times K)."""
+        return 1000.0 * self.seconds_per_pair * top_k
+
+    def sweep(self, top_k: int, weights: tuple[float, ...] = SWEPT_WEIGHTS) -> tuple[float, dict[str, float]]:
+        """The weight of ``itm+itc`` with the best mean of t2i and i2t recall@1 at ``top_k`` (ties: the better
+        mean recall@5, then the first tried), and that mean for each weight tried."""
+        tried: dict[float, tuple[float, float]] = {}
+        for weight in weights:
+            recall = self.recall(top_k, RerankScore(FUSED, weight), ks=(1, 5))
+            tried[weight] = ((recall["t2i@1"] + recall["i2t@1"]) / 2, (recall["t2i@5"] + recall["i2t@5"]) / 2)
+        best = max(weights, key=lambda weight: tried[weight])  # max keeps the first of equals
+        return best, {f"{weight:g}": round(tried[weight][0], 6) for weight in weights}
 
 
-def reranked_recall(
+def rerank_candidates(
     text_embeds: torch.Tensor,
     image_embeds: torch.Tensor,
     image_of_text: torch.Tensor,
     pool_size: int | None,
     top_k: int,
     score_pairs: PairScorer,
-    ks: tuple[int, ...] = RECALL_KS,
-) -> dict[str, float]:
-    """Recall@k both ways after re-ranking each query's top ``top_k``, over ``pooled_recall_at_k``'s pools.
+) -> RerankedRecall:
+    """Each query's best ``top_k`` candidates by cosine, both ways, over ``pooled_recall_at_k``'s pools, their pairs
+    scored by the matching head (timed).
 
     Args:
         text_embeds: ``[texts, D]``; image_embeds: ``[images, D]`` the unique images; image_of_text: ``[texts]``.
         pool_size: Images per pool (``None`` or < 1: all).
-        top_k: Candidates re-scored per query.
+        top_k: Candidates scored per query (the largest K re-ranked).
         score_pairs: Matching scores ``[P]`` of (text ``t[i]``, image ``i[i]``) pairs, indices into the split.
 
     Raises:
         ConfigError: ``top_k`` is larger than the pool.
-
-    Returns:
-        ``t2i_rerank_recall@k``, ``i2t_rerank_recall@k`` and ``rerank_top_k``.
     """
     num_images = image_embeds.shape[0]
     pool_size = num_images if pool_size is None or pool_size <= 0 else min(pool_size, num_images)
@@ -108,33 +177,92 @@ def reranked_recall(
             f"--rerank_top_k {top_k} is larger than the pool of {pool_size} images each query ranks "
             "(--eval_pool_size, or the split); lower it"
         )
-    t2i_ranks, i2t_ranks = [], []
+    pairs, seconds = 0, 0.0
+
+    def timed(texts: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
+        nonlocal pairs, seconds
+        started = time.perf_counter()
+        scores = score_pairs(texts, images)
+        seconds += time.perf_counter() - started
+        pairs += len(texts)
+        return scores
+
+    t2i, i2t = [], []
     for start in range(0, num_images, pool_size):
         stop = min(start + pool_size, num_images)
         texts = ((image_of_text >= start) & (image_of_text < stop)).nonzero().squeeze(1)
         images = torch.arange(start, stop)
         owner = image_of_text[texts].unsqueeze(1) == images.unsqueeze(0)  # [texts, images]
         similarity = text_embeds[texts].float() @ image_embeds[start:stop].float().t()
-        t2i_ranks.append(_ranks(similarity, owner, top_k, lambda q, c, t=texts, i=images: score_pairs(t[q], i[c])))
-        i2t_ranks.append(
-            _ranks(similarity.t(), owner.t(), top_k, lambda q, c, t=texts, i=images: score_pairs(t[c], i[q]))
-        )
-    t2i, i2t = torch.cat(t2i_ranks), torch.cat(i2t_ranks)
-    metrics = {f"t2i_rerank_recall@{k}": (t2i < k).float().mean().item() for k in ks}
-    metrics.update({f"i2t_rerank_recall@{k}": (i2t < k).float().mean().item() for k in ks})
+        t2i.append(_candidates(similarity, owner, top_k, lambda q, c, t=texts, i=images: timed(t[q], i[c])))
+        i2t.append(_candidates(similarity.t(), owner.t(), top_k, lambda q, c, t=texts, i=images: timed(t[c], i[q])))
+    return RerankedRecall(Candidates.cat(t2i), Candidates.cat(i2t), seconds / max(pairs, 1))
+
+
+def _candidates(scores: torch.Tensor, target: torch.Tensor, top_k: int, rescore: PairScorer) -> Candidates:
+    """``Candidates.of`` every query, ``PAIRS_PER_PASS`` pairs of queries at a time."""
+    step = max(1, PAIRS_PER_PASS // top_k)
+    parts = []
+    for first in range(0, scores.shape[0], step):
+        rows = slice(first, first + step)
+        parts.append(Candidates.of(scores[rows], target[rows], top_k, lambda q, c, o=first: rescore(q + o, c)))
+    return Candidates.cat(parts)
+
+
+def reranked_recall(
+    candidates: RerankedRecall,
+    top_k: int,
+    weight: float | None = None,
+    *,
+    top_ks: tuple[int, ...] = TABLE_TOP_KS,
+) -> dict[str, float]:
+    """Recall both ways re-ranked by the matching head alone and, given a ``weight``, fused with the cosine.
+
+    Returns:
+        At ``top_k``: ``t2i_rerank_recall@k`` and ``i2t_rerank_recall@k`` (ITM alone), ``t2i_fused_recall@k`` and
+        ``i2t_fused_recall@k`` (``itm+itc``, with a weight), ``rerank_top_k``, ``rerank_weight`` and
+        ``rerank_ms_per_query``; for each of ``top_ks`` that the candidates reach, recall@1 and @5 of both as
+        ``t2i_rerank_top{K}_recall@k`` and ``t2i_fused_top{K}_recall@k`` and ``rerank_top{K}_ms_per_query``.
+    """
+    scores = {"rerank": ITM_ONLY}
+    if weight is not None:
+        scores["fused"] = RerankScore(FUSED, weight)
+    metrics: dict[str, float] = {}
+    for name, score in scores.items():
+        for key, value in candidates.recall(top_k, score).items():
+            way, k = key.split("@")
+            metrics[f"{way}_{name}_recall@{k}"] = value
     metrics["rerank_top_k"] = float(top_k)
+    if weight is not None:
+        metrics["rerank_weight"] = float(weight)
+    metrics["rerank_ms_per_query"] = candidates.milliseconds_per_query(top_k)
+    for table_k in sorted(k for k in {*top_ks, top_k} if k <= candidates.top_k):
+        for name, score in scores.items():
+            for key, value in candidates.recall(table_k, score, ks=(1, 5)).items():
+                way, k = key.split("@")
+                metrics[f"{way}_{name}_top{table_k}_recall@{k}"] = value
+        metrics[f"rerank_top{table_k}_ms_per_query"] = candidates.milliseconds_per_query(table_k)
     return metrics
 
 
-def _ranks(scores: torch.Tensor, target: torch.Tensor, top_k: int, rescore: PairScorer) -> torch.Tensor:
-    """Re-ranked ranks of every query's target, ``PAIRS_PER_PASS`` pairs of queries at a time."""
-    step = max(1, PAIRS_PER_PASS // top_k)
-    ranks = []
-    for first in range(0, scores.shape[0], step):
-        rows = slice(first, first + step)
-        in_top, value = reranked_keys(scores[rows], top_k, lambda q, c, o=first: rescore(q + o, c))
-        ranks.append(ranks_of_targets(in_top, value, target[rows]))
-    return torch.cat(ranks)
+def rerank_table(metrics: dict[str, float]) -> list[str]:
+    """Cosine, ITM-only and fused recall@1/@5 both ways side by side, one row per K re-ranked, with the matching
+    head's time per query: the lines evaluation logs."""
+    lines = [f"{'ranking':<22} {'t2i R@1':>8} {'t2i R@5':>8} {'i2t R@1':>8} {'i2t R@5':>8} {'ms/query':>9}"]
+
+    def row(name: str, prefix: str, ms: float | None) -> str:
+        cells = [metrics.get(f"{way}_{prefix}recall@{k}", float("nan")) for way in ("t2i", "i2t") for k in (1, 5)]
+        shown = f"{ms:>9.2f}" if ms is not None else f"{'':>9}"
+        return f"{name:<22} " + " ".join(f"{cell:>8.3f}" for cell in cells) + f" {shown}"
+
+    lines.append(row("cosine", "", None))
+    for top_k in sorted({*(int(k[len("rerank_top") : -len("_ms_per_query")]) for k in metrics
+                           if k.startswith("rerank_top") and k.endswith("_ms_per_query"))}):  # fmt: skip
+        ms = metrics[f"rerank_top{top_k}_ms_per_query"]
+        lines.append(row(f"itm, top {top_k}", f"rerank_top{top_k}_", ms))
+        if "rerank_weight" in metrics:
+            lines.append(row(f"itm+itc {metrics['rerank_weight']:g}, top {top_k}", f"fused_top{top_k}_", ms))
+    return lines
 
 
 # --------------------------------------------------------------------------------------- the fused passes

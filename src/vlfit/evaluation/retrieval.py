@@ -26,10 +26,13 @@ from vlfit.data.image_groups import group_images
 from vlfit.data.records import CAPTION_CHOICE
 from vlfit.errors import DataError
 from vlfit.evaluation.rerank import (
+    TABLE_TOP_KS,
     PairInputs,
     check_rerank,
     choice_scores,
     merge_pair_inputs,
+    rerank_candidates,
+    rerank_table,
     reranked_recall,
     split_pair_scorer,
 )
@@ -219,6 +222,8 @@ def evaluate_retrieval(
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     gather_parts: Callable[[EmbeddedSplit], list[EmbeddedSplit]] | None = None,
     rerank_top_k: int | None = None,
+    rerank_weight: float | None = None,
+    save_rerank_weight: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[dict[str, float], list[BadSample]]:
     """Embed this process's batches, merge the processes' parts and score the split.
 
@@ -234,17 +239,24 @@ def evaluate_retrieval(
         gather_parts: In distributed runs, every process's part, in rank order (one collective; every process
             must call it). ``None``: this process read the whole split.
         rerank_top_k: Also re-rank each query's top K by the model's matching head (``vlfit.evaluation.rerank``).
+        rerank_weight: Also re-rank by the head's log-odds plus this weight times the cosine (``itm+itc``).
+        save_rerank_weight: Sweep the weight on this split instead (re-ranking the top ``rerank_top_k``, or 16),
+            report the fused recall at the best one and hand ``rerank_sweep``'s record to this.
 
     Returns:
         The metrics (see ``score_split``), the same on every process, and the samples left out.
     """
     check_rerank(model, rerank_top_k, pool_size)
+    reranks = rerank_top_k is not None or save_rerank_weight is not None
     part = embed_split(family, model, batches, tokenizer=tokenizer, max_seq_length=max_seq_length, device=device,
-                       autocast=autocast, keep_pair_inputs=rerank_top_k is not None)  # fmt: skip
+                       autocast=autocast, keep_pair_inputs=reranks)  # fmt: skip
     split = merge_splits(gather_parts(part) if gather_parts is not None else [part])
     metrics = score_split(split, pool_size)
-    if rerank_top_k is not None and split.pair_inputs is not None:
-        metrics.update(rerank_split(model, split, pool_size, rerank_top_k, device=device, autocast=autocast))
+    if reranks and split.pair_inputs is not None:
+        metrics.update(rerank_split(model, split, pool_size, rerank_top_k, device=device, autocast=autocast,
+                                    weight=rerank_weight, save_weight=save_rerank_weight))  # fmt: skip
+        for line in rerank_table(metrics):  # cosine, ITM and fused side by side
+            logger.info("%s", line)
     return metrics, split.bad_samples
 
 
@@ -252,13 +264,17 @@ def rerank_split(
     model: Any,
     split: EmbeddedSplit,
     pool_size: int | None,
-    top_k: int,
+    top_k: int | None,
     *,
     device: torch.device,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    weight: float | None = None,
+    save_weight: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, float]:
-    """``score_split``'s recall@k with each query's top ``top_k`` re-ranked by the matching head (same pools).
-    The model is whole: ``--rerank_top_k`` with ``--fsdp`` is refused (``vlfit.arguments.flag_rules``)."""
+    """``score_split``'s recall@k with each query's top ``top_k`` (None: 16, or the pool) re-ranked by the matching
+    head alone and, with a ``weight`` or ``save_weight``, fused with the cosine (same pools; ``reranked_recall``'s
+    metrics). ``save_weight`` sweeps the weight here (``rerank_sweep``) and gets the sweep's record. The model is
+    whole: ``--rerank_top_k`` with ``--fsdp`` is refused (``vlfit.arguments.flag_rules``)."""
     assert split.pair_inputs is not None
     text_embeds, image_embeds = torch.cat(split.texts), torch.cat(split.images)
     first_rows, image_of_text = group_images(torch.cat(split.image_keys) if split.image_keys else None,
@@ -266,8 +282,23 @@ def rerank_split(
     model = getattr(model, "module", model)
     was_training = model.training
     model.eval()
+    images = len(first_rows)
+    pool = images if pool_size is None or pool_size <= 0 else min(pool_size, images)
+    top_k = top_k if top_k is not None else min(max(TABLE_TOP_KS), pool)
+    scored = max([top_k, *(k for k in TABLE_TOP_KS if k <= pool)])  # every K of the table from one scoring (a top_k
+    # above the pool is refused by rerank_candidates, naming it)
     try:
         scorer = split_pair_scorer(model, split.pair_inputs, first_rows, device, autocast)
-        return reranked_recall(text_embeds, image_embeds[first_rows], image_of_text, pool_size, top_k, scorer)
+        candidates = rerank_candidates(text_embeds, image_embeds[first_rows], image_of_text, pool_size, scored, scorer)
     finally:
         model.train(was_training)
+    if save_weight is not None:
+        weight, tried = candidates.sweep(top_k)
+        save_weight(rerank_sweep(weight, tried, top_k, len(text_embeds)))
+    return reranked_recall(candidates, top_k, weight)
+
+
+def rerank_sweep(weight: float, tried: dict[str, float], top_k: int, queries: int) -> dict[str, Any]:
+    """What ``rerank.json`` records of a sweep: the weight, the K it re-ranked and the score of each weight tried."""
+    return {"rerank_weight": weight, "top_k": top_k, "texts": queries,
+            "metric": "mean of t2i and i2t recall@1, itm+itc", "swept": tried}  # fmt: skip

@@ -5,6 +5,7 @@ accuracy. Every process calls it; in distributed runs the parts are gathered in 
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any
 
 from accelerate.utils import gather_object
@@ -13,6 +14,7 @@ from tqdm.auto import tqdm
 from vlfit.data.pipeline import LoaderSettings
 from vlfit.evaluation.retrieval import EmbeddedSplit, evaluate_retrieval
 from vlfit.evaluation.zeroshot import zeroshot_metrics
+from vlfit.training.rerank_weight import save_swept_weight
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,9 @@ def evaluation_metrics(trainer: Any, loader: Any) -> dict[str, float]:
         autocast=trainer.autocast_smart_context_manager,
         gather_parts=gather_parts if trainer.accelerator.num_processes > 1 else None,
         rerank_top_k=getattr(trainer, "rerank_top_k", None),
+        rerank_weight=getattr(trainer, "rerank_weight", None),
+        # The final evaluation sweeps the itm+itc weight (vlfit.training.rerank_weight), not those during training.
+        save_rerank_weight=partial(save_swept_weight, trainer) if _sweeps(trainer) else None,
     )
     if trainer.is_world_process_zero():
         for bad in skipped[:10]:
@@ -65,6 +70,11 @@ def evaluation_metrics(trainer: Any, loader: Any) -> dict[str, float]:
             )
         )
     return metrics
+
+
+def _sweeps(trainer: Any) -> bool:
+    """Whether this evaluation sweeps and saves the re-ranking weight: the one after training, or vlfit eval's."""
+    return getattr(trainer, "save_rerank_weight_to", None) is not None and not trainer.is_in_train
 
 
 def gather_parts(part: EmbeddedSplit) -> list[EmbeddedSplit]:

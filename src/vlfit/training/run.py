@@ -48,6 +48,7 @@ from vlfit.training.arguments import VlfitTrainingArguments
 from vlfit.training.distributed import describe_launch
 from vlfit.training.itm_objective import prepare_model_for_objective, trained_heads
 from vlfit.training.preemption import PreemptionCallback, TrainingPreempted
+from vlfit.training.rerank_weight import configure_rerank
 from vlfit.training.trainer import VlfitTrainer
 from vlfit.training.unfreeze import UnfreezeCallback
 from vlfit.training.vqa import (
@@ -317,6 +318,7 @@ def run(
         zeroshot_sets=setup.zeroshot_sets,
         rerank_top_k=data_args.rerank_top_k,
     )
+    configure_rerank(trainer, model_args, data_args, training_args)  # the weight evaluations fuse with, or sweep
     if unfreeze_later:
         towers = ", ".join(model_args.frozen_towers())
         trainer.add_callback(UnfreezeCallback(unfreeze_later, int(model_args.unfreeze_after_steps), towers))
