@@ -259,6 +259,9 @@ class Index:
     records (``verify``: ``quick``, each file there with its size, or ``full``, checksums and finite embeddings
     too); otherwise ``vlfit.index.integrity.DamagedIndexError`` (a ``DataError``) names the file and the command
     that rebuilds it.
+
+    ``push("qdrant:vectors")`` writes the index to a vector database (``vlfit retrieve push``), and
+    ``Index.open("qdrant:vectors")`` searches what was pushed there with the model recorded in it, with the same hits.
     """
 
     def __init__(self, path: str, model: Model | None = None, verify: str = "quick") -> None:
@@ -267,9 +270,15 @@ class Index:
         self._reload(verify)
 
     def _reload(self, verify: str = "quick") -> None:
+        from vlfit.index.push.base import is_target_uri
         from vlfit.index.verify import open_index
 
-        self._index = open_index(self.path, verify)  # the manifest as the last build wrote it
+        if is_target_uri(self.path):  # a collection vlfit retrieve push wrote
+            from vlfit.index.push.pushed import PushedIndex
+
+            self._index: Any = PushedIndex(self.path)
+        else:
+            self._index = open_index(self.path, verify)  # the manifest as the last build wrote it
         self._reranker: Any = None  # opened by the first search that re-ranks
 
     def __len__(self) -> int:
@@ -332,7 +341,9 @@ class Index:
     @python_api(renames={"index": "path"})
     def open(cls, path: str, model: Model | None = None, verify: str = "quick") -> Index:
         """The index at ``path``, checked against its manifest (``verify``: ``quick`` or ``full``, as ``vlfit
-        retrieve verify`` checks it); queries are embedded with ``model`` (default: the one it was built with)."""
+        retrieve verify`` checks it); queries are embedded with ``model`` (default: the one it was built with).
+        ``path`` may name a vector database an index was pushed to (``lancedb:PATH``, ``qdrant:PATH``,
+        ``chroma:PATH``, ``postgresql://...``, ``milvus:PATH.db``, each ``[#collection]``)."""
         index = cls(path, model, verify)
         if model is not None:
             model.encoder.check_embeds_into(index._index.manifest.identity, f"the index {path}")
@@ -354,6 +365,28 @@ class Index:
         self._reload()
         return len(self._index) - before
 
+    @python_api(renames={"to": "uri"})
+    def push(
+        self,
+        uri: str,
+        *,
+        overwrite: bool = False,
+        delete_missing: bool = False,
+        batch_size: int = 1000,
+        progress: bool = False,
+    ) -> dict[str, object]:
+        """Push the index to the vector database ``uri`` as ``vlfit retrieve push --to URI`` does (items already
+        there skipped unless ``overwrite``; ``delete_missing`` removes those the index does not hold); returns its
+        report (``pushed``, ``skipped``, ``deleted``, ``total``, ...)."""
+        from vlfit.index.push.job import push_index
+        from vlfit.index.push.pushed import PushedIndex
+
+        if isinstance(self._index, PushedIndex):
+            raise ConfigError(f"{self.path} is a pushed collection: push the index folder it came from")
+        report = push_index(self._index, uri, overwrite=overwrite, delete_missing=delete_missing,
+                            batch_size=batch_size, progress=progress)  # fmt: skip
+        return report.to_dict()
+
     @python_api(renames={"index": "path", "rerank_top_k": "rerank"})
     def search(
         self,
@@ -372,6 +405,7 @@ class Index:
         ``rerank_score``: ``itm`` (the log-odds alone) or ``itm+itc`` (plus ``rerank_weight`` times the cosine, the
         hits then carry ``fused_score``); by default ``itm+itc`` with the weight the run saved, ``itm`` without one.
         """
+        from vlfit.index.push.pushed import PushedIndex
         from vlfit.index.rerank import Reranker, check_rerank_top_k
         from vlfit.index.search import search
 
@@ -387,7 +421,12 @@ class Index:
         else:
             texts = _strings("queries", queries)
             embeddings = torch.from_numpy(self.model.encode_texts(texts))  # a view: no copy
-        results = search(self._index, embeddings, max(k, rerank or 0))
+        if isinstance(self._index, PushedIndex):  # a pushed collection: its engine searches
+            if rerank is not None:
+                raise ConfigError(f"--rerank reads the candidates' images, which {self.path} does not hold")
+            results = self._index.search(embeddings, k)
+        else:
+            results = search(self._index, embeddings, max(k, rerank or 0))
         if rerank is not None:
             if self._reranker is None:
                 self._reranker = Reranker.beside(self.model.runtime, self._index)

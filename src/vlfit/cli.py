@@ -22,7 +22,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("vlfit.commands.demo", "make data, fine-tune the small-p8 preset on the CPU, evaluate, summarize"),
     "bench": ("vlfit.commands.bench", "input-pipeline throughput sweep: the bottleneck and the settings to use"),
     "export": ("vlfit.commands.export", "a checkpoint's two towers as ONNX/OpenVINO graphs (fp32, INT8), checked"),
-    "retrieve": ("vlfit.commands.retrieve", "image index: built (retrieve index), searched (query), checked (verify)"),
+    "retrieve": (
+        "vlfit.commands.retrieve",
+        "image index: built (retrieve index), searched (query), pushed (push), checked (verify)",
+    ),
     "serve": ("vlfit.commands.serve", "an index as an HTTP search API with a web page (FastAPI on uvicorn)"),
     "search": ("vlfit.commands.search", "hyperparameter search over train runs (Optuna; resumable, pruned)"),
     "merge-lora": ("vlfit.commands.merge_lora", "a plain checkpoint from a run's LoRA adapters"),
@@ -32,7 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "vqa": ("vlfit.commands.vqa", "answer questions about an image with a model vlfit train --task vqa saved"),
 }
 # Commands with subcommands, each with flags of its own.
-SUBCOMMANDS = {"retrieve": ("index", "query", "verify")}
+SUBCOMMANDS = {"retrieve": ("index", "query", "push", "verify")}
 
 DEBUG_FLAG = "--debug"
 LOG_LEVEL_FLAG = "--log_level"

@@ -20,6 +20,12 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "gpu": ("torchcodec",),
     "serve": ("faiss", "fastapi", "uvicorn", "python_multipart"),
     "stream": ("fsspec", "aiohttp"),
+    # vlfit retrieve push --to URI (and query --index URI): one extra per vector database.
+    "lancedb": ("lancedb",),
+    "qdrant": ("qdrant_client",),
+    "chroma": ("chromadb",),
+    "pgvector": ("psycopg", "pgvector"),
+    "milvus": ("pymilvus", "milvus_lite"),
 }
 # The CLI commands that need an extra as a whole.
 COMMAND_EXTRAS: dict[str, str] = {

@@ -1,6 +1,8 @@
 """``vlfit retrieve index`` (embed a collection of images into an index, then bring its ANN structure up to date),
-``vlfit retrieve query`` (top-k images of text or image queries: through the ANN structure, or ``--exact``) and
-``vlfit retrieve verify`` (check an index's files against its manifest: one line per problem, exit 2 unless whole).
+``vlfit retrieve query`` (top-k images of text or image queries: through the ANN structure, or ``--exact``; of an
+index folder or of a vector database it was pushed to), ``vlfit retrieve push`` (write an index to a vector database:
+LanceDB, Qdrant, Chroma, PostgreSQL with pgvector, Milvus) and ``vlfit retrieve verify`` (check an index's files
+against its manifest: one line per problem, exit 2 unless whole).
 
 The ANN structure needs the ``serve`` extra (faiss); ``vlfit retrieve index`` checks for it before embedding
 anything."""
@@ -21,6 +23,8 @@ from vlfit.commands.retrieve_queries import Query, check_query_images, embed_que
 from vlfit.errors import ConfigError
 from vlfit.index.ann_choice import DEFAULT_MAX_INDEX_MEMORY, DEFAULT_TARGET_RECALL
 from vlfit.index.job import IndexJob, index_collection
+from vlfit.index.push.base import is_target_uri
+from vlfit.index.push.pushed import PushedIndex
 from vlfit.index.rerank import Reranker, check_rerank_top_k, rerankable_items
 from vlfit.index.search import query_runtime, search
 from vlfit.index.stages import StageTimes
@@ -138,7 +142,10 @@ class IndexArguments:
 class QueryArguments:
     """Flags of ``vlfit retrieve query``."""
 
-    index: str = field(metadata={"help": "The index folder (vlfit retrieve index's output)."})
+    index: str = field(
+        metadata={"help": "The index folder (vlfit retrieve index's output), or a vector database it was pushed to "
+                  "(lancedb:PATH, qdrant:PATH, chroma:PATH, postgresql://..., milvus:PATH.db; each [#collection])."}
+    )  # fmt: skip
     verify: Verify = field(
         default="quick",
         metadata={"help": "How the index is checked before it is searched: quick (each file there with its recorded "
@@ -199,6 +206,31 @@ class QueryArguments:
 
 
 @dataclass
+class PushArguments:
+    """Flags of ``vlfit retrieve push``."""
+
+    index: str = field(metadata={"help": "The index folder (vlfit retrieve index's output)."})
+    to: str = field(
+        metadata={"help": "The vector database: lancedb:PATH, qdrant:PATH (or qdrant::memory:, "
+                  "qdrant:http://HOST:6333), chroma:PATH (or chroma:http://HOST:8000), postgresql://USER@HOST/DB "
+                  "(pgvector), milvus:PATH.db (or milvus:http://HOST:19530); #NAME at the end names the collection "
+                  "or table (default: vlfit)."}
+    )  # fmt: skip
+    overwrite: bool = field(
+        default=False, metadata={"help": "Write every item again, also those the collection holds already."}
+    )
+    delete_missing: bool = field(
+        default=False, metadata={"help": "Remove the items of the collection that the index does not hold."}
+    )
+    batch_size: int = field(default=1000, metadata={"help": "Items per write."})
+    verify: Verify = field(
+        default="quick", metadata={"help": "How the index is checked before it is pushed: quick or full."}
+    )
+    disable_tqdm: bool = field(default=False, metadata={"help": "No progress bar."})
+    json: bool = field(default=False, metadata={"help": "Print the summary as JSON."})
+
+
+@dataclass
 class VerifyArguments:
     """Flags of ``vlfit retrieve verify``."""
 
@@ -223,6 +255,13 @@ PARSERS: dict[str, tuple[type, str, tuple[str, ...]]] = {
         QueryArguments,
         "The top-k images of an index for text queries, image queries or a file of them.",
         ("text", "image"),
+    ),
+    "push": (
+        PushArguments,
+        "Push an index to a vector database: its items' ids, embeddings, captions and paths, in batches; items "
+        "already there are skipped, so a stopped push resumes when run again. The collection records the model; "
+        "vlfit retrieve query --index URI searches it with that model.",
+        (),
     ),
     "verify": (
         VerifyArguments,
@@ -263,10 +302,14 @@ def run_query(args: QueryArguments) -> int:
     if top_k is not None and any(q.image is not None for q in queries):
         raise ConfigError("--rerank_top_k re-ranks text queries (the matching head scores a caption against an "
                           "image): search image queries without it")  # fmt: skip
+    pushed = is_target_uri(args.index)
+    if pushed and top_k is not None:
+        raise ConfigError(f"--rerank_top_k reads the candidates' images, which {args.index} does not hold: re-rank "
+                          "against the index folder it was pushed from")  # fmt: skip
     check_query_images(queries)  # before the index and the model open
     times = StageTimes()
     with times.stage("open"):
-        index = open_index(args.index, args.verify)
+        index = PushedIndex(args.index) if pushed else open_index(args.index, args.verify)
         items = rerankable_items(index) if top_k is not None else None  # refused before the model opens
         runtime = query_runtime(index, args.model, args.backend, args.precision, num_threads=args.num_threads,
                                 max_seq_length=args.max_seq_length)  # fmt: skip
@@ -276,7 +319,10 @@ def run_query(args: QueryArguments) -> int:
     embeddings = embed_queries(runtime, queries, times=times)
     wanted = max(args.k, top_k or 0)
     with times.stage("search"):
-        results = search(index, embeddings, wanted, chunk_elements=args.chunk_elements, exact=args.exact)
+        if isinstance(index, PushedIndex):
+            results = index.search(embeddings, wanted, exact=args.exact)
+        else:
+            results = search(index, embeddings, wanted, chunk_elements=args.chunk_elements, exact=args.exact)
     if items is not None:
         with times.stage("rerank"):
             reranker = Reranker.beside(runtime, index, items)
@@ -304,6 +350,17 @@ def run_query(args: QueryArguments) -> int:
     return 0
 
 
+def run_push(args: PushArguments) -> int:
+    """``vlfit retrieve push``: push the index to the vector database, report what was written."""
+    from vlfit.index.push.job import push_index
+
+    index = open_index(args.index, args.verify)
+    report = push_index(index, args.to, overwrite=args.overwrite, delete_missing=args.delete_missing,
+                        batch_size=args.batch_size, progress=not args.disable_tqdm)  # fmt: skip
+    print(json.dumps(report.to_dict(), indent=1) if args.json else "\n".join(report.lines()))
+    return 0
+
+
 def run_verify(args: VerifyArguments) -> int:
     """``vlfit retrieve verify``: the checks ``vlfit serve`` and ``vlfit retrieve query`` run as they open the index,
     reported in full; 0 when the index is whole, 2 otherwise."""
@@ -316,17 +373,19 @@ def run_verify(args: VerifyArguments) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``vlfit retrieve index|query|verify`` (``argv`` None reads ``sys.argv[1:]``)."""
+    """Entry point of ``vlfit retrieve index|query|push|verify`` (``argv`` None reads ``sys.argv[1:]``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in SUBCOMMANDS:
         given = repr(argv[0]) if argv else "nothing"
         if argv and argv[0] in ("-h", "--help"):
-            print("usage: vlfit retrieve index|query|verify [flags]   (vlfit retrieve index --help for its flags)")
+            print("usage: vlfit retrieve index|query|push|verify [flags]   (vlfit retrieve push --help: its flags)")
             return 0
-        raise ConfigError(f"vlfit retrieve takes a subcommand, index, query or verify; got {given}")
+        raise ConfigError(f"vlfit retrieve takes a subcommand, index, query, push or verify; got {given}")
     flags, description, repeatable = PARSERS[argv[0]]
     parser = CommandParser(flags, prog=f"vlfit retrieve {argv[0]}", description=description, repeatable=repeatable)
     (args,) = parser.parse_args_into_dataclasses(args=argv[1:])
     if isinstance(args, VerifyArguments):
         return run_verify(args)
+    if isinstance(args, PushArguments):
+        return run_push(args)
     return run_index(args) if isinstance(args, IndexArguments) else run_query(args)

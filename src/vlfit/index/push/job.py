@@ -1,0 +1,202 @@
+"""Pushing an index to a vector database: ``vlfit retrieve push`` and ``vlfit.Index.push`` both call ``push_index``.
+
+A push is an idempotent upsert in batches. The collection is created on the first push, recording the index's model
+(``CollectionRecord``); a later push from an index of another model or embedding size is refused before anything is
+written. The ids the collection holds are read once: items already there are skipped (unless ``overwrite``), so a
+push that was stopped part-way (killed, a server gone) resumes where it stopped when run again, and a push of an
+unchanged index writes nothing. ``delete_missing`` removes the items the index no longer holds (items removed from
+their folder since they were indexed, or pushed from another index). Items of the index left out of its searches
+(the manifest's ``removed``) are never pushed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from vlfit.errors import ConfigError
+from vlfit.index.push.base import CollectionRecord, Items, Target, TargetError, open_target
+from vlfit.index.store import EmbeddingIndex
+from vlfit.inference.identity import shown_source
+
+DEFAULT_BATCH_SIZE = 1000
+
+
+@dataclass
+class PushReport:
+    """What a push did.
+
+    Attributes:
+        target: The target URI.
+        created: Whether the push created the collection.
+        pushed: Items written.
+        skipped: Items of the index already in the collection (not written again).
+        deleted: Items removed from the collection (``delete_missing``).
+        total: Items the collection holds after the push.
+        seconds: How long the push took.
+    """
+
+    target: str
+    created: bool = False
+    pushed: int = 0
+    skipped: int = 0
+    deleted: int = 0
+    total: int = 0
+    seconds: float = 0.0
+
+    @property
+    def items_per_second(self) -> float:
+        return self.pushed / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, object]:
+        """The report as ``vlfit retrieve push --json`` prints it."""
+        return {"target": self.target, "created": self.created, "pushed": self.pushed, "skipped": self.skipped,
+                "deleted": self.deleted, "total": self.total, "seconds": round(self.seconds, 3),
+                "items_per_second": round(self.items_per_second, 1)}  # fmt: skip
+
+    def lines(self) -> list[str]:
+        """The report as ``vlfit retrieve push`` prints it."""
+        made = " (created)" if self.created else ""
+        rate = f" ({self.items_per_second:.0f} items/s)" if self.pushed else ""
+        return [
+            f"{self.target}{made}: pushed {self.pushed} items in {self.seconds:.1f} s{rate}, {self.skipped} already "
+            f"there, {self.deleted} deleted; it holds {self.total} items"
+        ]
+
+
+def item_ids(index: EmbeddingIndex) -> list[str]:
+    """Each row's item id as a search names it: an image folder's file relative to the folder indexed (the longest
+    indexed folder that holds it), else its stored id."""
+    roots = [os.path.join(c["images"], "") for c in index.manifest.collections if c.get("images")]
+    named = []
+    for stored in index.row_ids:
+        root = max((root for root in roots if stored.startswith(root)), key=len, default=None)
+        named.append(stored[len(root) :] if root is not None else stored)
+    return named
+
+
+def index_record(index: EmbeddingIndex) -> CollectionRecord:
+    """The record a collection pushed from ``index`` keeps: its model identity, model folder and runtime."""
+    return CollectionRecord(index.manifest.identity, dict(index.manifest.model))
+
+
+def check_record(target: Target, recorded: CollectionRecord, record: CollectionRecord) -> None:
+    """Refuse a push into a collection of another model, embedding size or metric, naming the target."""
+    held, pushed = recorded.identity, record.identity
+    elsewhere = "push it to another collection (#NAME at the end of the URI) or drop this one"
+    if (held.family, held.embedding_size) != (pushed.family, pushed.embedding_size):
+        raise TargetError(
+            f"{target.uri.text}: the collection holds {held.family} embeddings of size {held.embedding_size}, the "
+            f"index {pushed.family} embeddings of size {pushed.embedding_size}; {elsewhere}"
+        )
+    if held.checkpoint_sha256 != pushed.checkpoint_sha256:
+        raise TargetError(
+            f"{target.uri.text}: the collection holds embeddings of {shown_source(held.checkpoint_sha256)}, the index "
+            f"of {shown_source(pushed.checkpoint_sha256)}: they are not comparable; {elsewhere}"
+        )
+    if recorded.metric != record.metric:
+        ranks = f"the collection ranks by {recorded.metric}, the index by {record.metric}"
+        raise TargetError(f"{target.uri.text}: {ranks}; {elsewhere}")
+
+
+def _batches(index: EmbeddingIndex, wanted: set[str], batch_size: int, model: str) -> Iterator[Items]:
+    """The items of ``index`` whose ids are in ``wanted``, in row order, in batches of ``batch_size``."""
+    names = item_ids(index)
+    file_items = any(c.get("images") for c in index.manifest.collections)
+    buffer: list[tuple[int, np.ndarray, list[str] | None]] = []
+    row = 0
+    for number, shard in enumerate(index.manifest.shards):
+        count = int(shard["count"])
+        captions = index.shard_captions(shard)
+        vectors = index.vectors().shard(number)
+        for offset in range(count):
+            if names[row + offset] in wanted:
+                buffer.append((row + offset, vectors[offset], captions[offset] if captions is not None else None))
+                if len(buffer) == batch_size:
+                    yield _items(buffer, names, file_items, model)
+                    buffer = []
+        row += count
+    if buffer:
+        yield _items(buffer, names, file_items, model)
+
+
+def _items(buffer: list, names: list[str], file_items: bool, model: str) -> Items:
+    rows = [row for row, _, _ in buffer]
+    ids = [names[row] for row in rows]
+    vectors = np.ascontiguousarray(np.stack([vector for _, vector, _ in buffer]), dtype=np.float32)
+    paths: list[str | None] = list(ids) if file_items else [None] * len(ids)
+    return Items(ids, vectors, rows, [captions for _, _, captions in buffer], paths, model)
+
+
+def push_index(
+    index: EmbeddingIndex,
+    to: str,
+    *,
+    overwrite: bool = False,
+    delete_missing: bool = False,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    progress: bool = False,
+) -> PushReport:
+    """Push ``index`` to the vector database ``to`` (a URI of ``vlfit.index.push.base``), as the module says.
+
+    Args:
+        index: The index (opened by ``vlfit.index.verify.open_index``: whole).
+        to: The target URI.
+        overwrite: Write every item, also those already in the collection.
+        delete_missing: Remove items of the collection the index does not hold.
+        batch_size: Items per write.
+        progress: Show a progress bar.
+
+    Raises:
+        ConfigError: for a ``batch_size`` below 1 or a URI of no known form.
+        MissingExtraError: when the target's extra is not installed.
+        TargetError: when the target cannot be reached, holds a collection of another shape, or of another model.
+    """
+    if batch_size < 1:
+        raise ConfigError(f"--batch_size must be at least 1, got {batch_size}")
+    started = time.perf_counter()
+    target = open_target(to)
+    report = PushReport(to)
+    record = index_record(index)
+    with target.failing("reading the collection"):
+        recorded = target.record()
+    if recorded is None:
+        with target.failing("creating the collection"):
+            target.create(record)
+        report.created = True
+        present: set[str] = set()
+    else:
+        check_record(target, recorded, record)
+        with target.failing("reading the ids of the collection"):
+            present = target.ids()
+    removed = set(index.manifest.removed)
+    live = {name for name, stored in zip(item_ids(index), index.row_ids, strict=True) if stored not in removed}
+    wanted = live if overwrite else live - present
+    report.skipped = len(live) - len(wanted)
+    bar = tqdm(total=len(wanted), unit="item", desc=f"push {to}", disable=not progress)
+    try:
+        for items in _batches(index, wanted, batch_size, record.identity.checkpoint_sha256):
+            with target.failing(f"writing {len(items)} items"):
+                target.write(items, new=not (present & set(items.ids)))
+            report.pushed += len(items)
+            bar.update(len(items))
+    finally:
+        bar.close()
+    if delete_missing:
+        gone = sorted(present - live)
+        for start in range(0, len(gone), batch_size):
+            with target.failing("deleting items the index does not hold"):
+                target.delete(gone[start : start + batch_size])
+        report.deleted = len(gone)
+    with target.failing("counting the collection"):
+        report.total = target.count()
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+__all__ = ["DEFAULT_BATCH_SIZE", "PushReport", "check_record", "index_record", "item_ids", "push_index"]

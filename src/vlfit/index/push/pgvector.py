@@ -1,0 +1,136 @@
+"""PostgreSQL with pgvector (``postgresql://USER[:PASSWORD]@HOST[:PORT]/DB[#table]``, ``postgres://`` too; libpq's
+environment variables, ``PGPASSWORD`` and the rest, apply), through psycopg 3.
+
+The push runs ``CREATE EXTENSION IF NOT EXISTS vector`` and makes a table with the columns ``id`` (text, the primary
+key), ``embedding`` (``vector(D)``), ``row``, ``captions`` (jsonb: a list, or null), ``path`` and ``model``, an HNSW
+index over the embeddings by cosine distance (``vector_cosine_ops``), and the ``CollectionRecord`` as the table's
+comment. New items are written with ``COPY`` (PostgreSQL's bulk load); items that may be there already with
+``INSERT ... ON CONFLICT (id) DO UPDATE`` in one pipelined batch. A search orders by ``embedding <=> query`` (cosine
+distance; the score is 1 - distance) through the HNSW index, with ``hnsw.ef_search`` at least the k asked for;
+``exact`` turns index scans off for its transaction, so every row is compared.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import psycopg
+from pgvector.psycopg import register_vector
+from psycopg import sql
+
+from vlfit.index.push.base import CollectionRecord, Found, Items, Target
+
+COLUMNS = ("id", "embedding", "row", "captions", "path", "model")
+
+
+class PgvectorTarget(Target):
+    """A PostgreSQL table with a pgvector column (see the module)."""
+
+    ERRORS = (psycopg.Error,)
+
+    def __init__(self, uri: Any) -> None:
+        super().__init__(uri)
+        self._connection: psycopg.Connection | None = None
+        self.table = sql.Identifier(uri.collection)
+
+    @property
+    def connection(self) -> psycopg.Connection:
+        if self._connection is None:
+            with self.failing("connecting"):
+                connection = psycopg.connect(self.uri.location, autocommit=True, connect_timeout=10)
+                connection.execute("CREATE EXTENSION IF NOT EXISTS vector")
+                register_vector(connection)
+            self._connection = connection
+        return self._connection
+
+    def record(self) -> CollectionRecord | None:
+        name = self.uri.collection
+        found = self.connection.execute(
+            "SELECT obj_description(to_regclass(%s), 'pg_class'), to_regclass(%s) IS NOT NULL",
+            (sql.Identifier(name).as_string(self.connection), sql.Identifier(name).as_string(self.connection)),
+        ).fetchone()
+        assert found is not None
+        comment, exists = found
+        if not exists:
+            return None
+        columns = self.connection.execute(
+            "SELECT column_name FROM information_schema.columns WHERE table_name = %s "
+            "AND table_schema = current_schema() ORDER BY ordinal_position",
+            (name,),
+        ).fetchall()
+        record = CollectionRecord.parse(comment)
+        if record is None or tuple(column for (column,) in columns) != COLUMNS:
+            shown = ", ".join(column for (column,) in columns)
+            raise self.refuse_shape(f"has the columns {shown} and no vlfit record as its comment")
+        return record
+
+    def create(self, record: CollectionRecord) -> None:
+        size = record.identity.embedding_size
+        with self.connection.transaction():
+            self.connection.execute(
+                sql.SQL(
+                    "CREATE TABLE {} (id text PRIMARY KEY, embedding vector({}) NOT NULL, row bigint, "
+                    "captions jsonb, path text, model text)"
+                ).format(self.table, sql.Literal(size))
+            )
+            self.connection.execute(
+                sql.SQL("CREATE INDEX ON {} USING hnsw (embedding vector_cosine_ops)").format(self.table)
+            )
+            comment = sql.SQL("COMMENT ON TABLE {} IS {}").format(self.table, sql.Literal(record.to_json()))
+            self.connection.execute(comment)
+
+    def ids(self) -> set[str]:
+        return {item for (item,) in self.connection.execute(sql.SQL("SELECT id FROM {}").format(self.table))}
+
+    def _rows(self, items: Items) -> list[tuple]:
+        return [
+            (payload["id"], vector, payload["row"],
+             None if payload["captions"] is None else json.dumps(payload["captions"]), payload["path"],
+             payload["model"])
+            for payload, vector in zip(items.payloads(), items.vectors, strict=True)
+        ]  # fmt: skip
+
+    def write(self, items: Items, *, new: bool) -> None:
+        rows = self._rows(items)
+        with self.connection.transaction(), self.connection.cursor() as cursor:
+            if new:
+                copy = sql.SQL("COPY {} (id, embedding, row, captions, path, model) FROM STDIN").format(self.table)
+                with cursor.copy(copy) as writer:
+                    for row in rows:
+                        writer.write_row(row)
+            else:
+                cursor.executemany(
+                    sql.SQL(
+                        "INSERT INTO {} (id, embedding, row, captions, path, model) VALUES (%s, %s, %s, %s, %s, %s) "
+                        "ON CONFLICT (id) DO UPDATE SET embedding = EXCLUDED.embedding, row = EXCLUDED.row, "
+                        "captions = EXCLUDED.captions, path = EXCLUDED.path, model = EXCLUDED.model"
+                    ).format(self.table),
+                    rows,
+                )
+
+    def delete(self, ids: list[str]) -> None:
+        self.connection.execute(sql.SQL("DELETE FROM {} WHERE id = ANY(%s)").format(self.table), (ids,))
+
+    def search(self, queries: np.ndarray, k: int, *, exact: bool = False) -> list[list[Found]]:
+        query = sql.SQL(
+            "SELECT id, 1 - (embedding <=> %s) AS score, row, captions FROM {} ORDER BY embedding <=> %s LIMIT %s"
+        ).format(self.table)
+        results = []
+        with self.connection.transaction(), self.connection.cursor() as cursor:
+            if exact:
+                cursor.execute("SET LOCAL enable_indexscan = off")
+            else:
+                cursor.execute(sql.SQL("SET LOCAL hnsw.ef_search = {}").format(sql.Literal(max(40, min(k, 1000)))))
+            for vector in queries:
+                rows = cursor.execute(query, (vector, vector, k)).fetchall()
+                results.append([Found(item, float(score), int(row), captions) for item, score, row, captions in rows])
+        return results
+
+    def count(self) -> int:
+        found = self.connection.execute(sql.SQL("SELECT count(*) FROM {}").format(self.table)).fetchone()
+        return int(found[0]) if found else 0
+
+
+TARGET = PgvectorTarget

@@ -1,0 +1,168 @@
+"""Each vector database, on its real embedded engine: a push writes every item once, resumes after a stop, writes
+nothing for an unchanged index, deletes what the index no longer holds, searches as the local index does, and refuses
+in one line what it cannot take."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.index.push.conftest import mark_removed, write_synthetic_index
+from vlfit.index.push.base import TargetError, open_target
+from vlfit.index.push.job import push_index
+from vlfit.index.push.pushed import PushedIndex
+from vlfit.index.search import search
+from vlfit.index.store import EmbeddingIndex
+
+BATCH = 128
+
+
+class Stop(Exception):
+    """The push killed part-way."""
+
+
+def _engine_ids(uri: str) -> tuple[int, set[str]]:
+    """How many items the collection holds, and their distinct ids."""
+    target = open_target(uri)
+    assert target.record() is not None
+    return target.count(), target.ids()
+
+
+def test_a_push_stopped_part_way_resumes_to_every_item_once(uri, synthetic_index, monkeypatch) -> None:
+    folder, ids = synthetic_index
+    index = EmbeddingIndex(str(folder))
+    engine = type(open_target(uri))
+    write = engine.write
+    calls = []
+
+    def stop_after_three(self, items, *, new):
+        if len(calls) == 3:
+            raise Stop
+        calls.append(len(items))
+        write(self, items, new=new)
+
+    monkeypatch.setattr(engine, "write", stop_after_three)
+    with pytest.raises(Stop):
+        push_index(index, uri, batch_size=BATCH)
+    assert _engine_ids(uri)[0] == 3 * BATCH
+
+    monkeypatch.setattr(engine, "write", write)
+    report = push_index(index, uri, batch_size=BATCH)
+    assert (report.created, report.skipped, report.pushed, report.total) == (False, 3 * BATCH, 1000 - 3 * BATCH, 1000)
+    count, found = _engine_ids(uri)
+    assert count == 1000 and found == set(ids)  # no duplicates, none missing
+
+
+def test_a_push_of_an_unchanged_index_writes_nothing_unless_told_to_overwrite(uri, synthetic_index, monkeypatch):
+    folder, ids = synthetic_index
+    index = EmbeddingIndex(str(folder))
+    assert push_index(index, uri, batch_size=250).pushed == 1000
+    written = []
+    engine = type(open_target(uri))
+    write = engine.write
+    monkeypatch.setattr(engine, "write", lambda self, items, *, new: written.append(len(items)))
+    report = push_index(index, uri, batch_size=250)
+    assert (report.pushed, report.skipped, report.total, written) == (0, 1000, 1000, [])
+
+    monkeypatch.setattr(engine, "write", lambda self, items, *, new: written.append(new) or write(self, items, new=new))
+    report = push_index(index, uri, batch_size=250, overwrite=True)
+    assert report.pushed == 1000 and written == [False] * 4  # upserts: the items were there
+    assert _engine_ids(uri) == (1000, set(ids))
+
+
+def test_delete_missing_removes_the_items_the_index_no_longer_holds(uri, tmp_path) -> None:
+    folder = tmp_path / "index"
+    ids = write_synthetic_index(folder, 300)
+    push_index(EmbeddingIndex(str(folder)), uri)
+    mark_removed(folder, ids[:40])  # gone from their folder since
+
+    kept = push_index(EmbeddingIndex(str(folder)), uri)
+    assert (kept.pushed, kept.deleted, kept.total) == (0, 0, 300)  # without the flag nothing is removed
+    report = push_index(EmbeddingIndex(str(folder)), uri, delete_missing=True)
+    assert (report.pushed, report.deleted, report.total) == (0, 40, 260)
+    assert _engine_ids(uri) == (260, set(ids[40:]))
+
+
+def test_a_pushed_collection_answers_as_the_local_index_does(uri, synthetic_index) -> None:
+    folder, _ = synthetic_index
+    index = EmbeddingIndex(str(folder))
+    push_index(index, uri, batch_size=500)
+    generator = torch.Generator().manual_seed(7)
+    queries = torch.nn.functional.normalize(torch.randn(5, 16, generator=generator), dim=1)
+
+    local = search(index, queries, 10, exact=True)
+    pushed = PushedIndex(uri).search(queries, 10, exact=True)
+    assert [[hit.id for hit in hits] for hits in pushed] == [[hit.id for hit in hits] for hits in local]
+    for hits, expected in zip(pushed, local, strict=True):
+        assert [(hit.row, hit.captions) for hit in hits] == [(hit.row, hit.captions) for hit in expected]
+        np.testing.assert_allclose([hit.score for hit in hits], [hit.score for hit in expected], atol=1e-5)
+
+
+def test_a_push_from_another_model_or_size_is_refused_in_one_line(uri, tmp_path, synthetic_index) -> None:
+    small = tmp_path / "small"
+    write_synthetic_index(small, 20)
+    push_index(EmbeddingIndex(str(small)), uri)
+    for name, kwargs, expected in [
+        ("other", {"source": "preset:other"}, "holds embeddings of the preset:tiny, the index of the preset:other"),
+        ("wider", {"dim": 8}, "holds tiny embeddings of size 16, the index tiny embeddings of size 8; push it to"),
+    ]:
+        write_synthetic_index(tmp_path / name, 20, **kwargs)
+        with pytest.raises(TargetError) as refused:
+            push_index(EmbeddingIndex(str(tmp_path / name)), uri)
+        message = str(refused.value)
+        assert message.startswith(uri) and expected in message and "\n" not in message
+    assert _engine_ids(uri)[0] == 20  # nothing written
+
+
+def _foreign_collection(uri: str) -> None:
+    """A collection named as the URI's, made by the engine's own client, not by a push."""
+    target = open_target(uri)
+    engine, name = target.uri.scheme, target.uri.collection
+    if engine == "lancedb":
+        target.db.create_table(name, data=[{"vector": [0.0, 1.0], "label": "x"}])
+    elif engine == "qdrant":
+        from qdrant_client import models
+
+        target.client.create_collection(name, vectors_config=models.VectorParams(size=2, distance=models.Distance.DOT))
+    elif engine == "chroma":
+        target.client.create_collection(name)
+    elif engine == "postgresql":
+        target.connection.execute(f'CREATE TABLE "{name}" (label text)')
+    else:
+        target.client.create_collection(name, dimension=2)
+
+
+def test_a_collection_not_written_by_a_push_is_refused_in_one_line(uri, tmp_path) -> None:
+    _foreign_collection(uri)
+    write_synthetic_index(tmp_path / "index", 20)
+    with pytest.raises(TargetError) as refused:
+        push_index(EmbeddingIndex(str(tmp_path / "index")), uri)
+    message = str(refused.value)
+    assert message.startswith(uri) and "was not written by vlfit retrieve push" in message and "\n" not in message
+    with pytest.raises(TargetError, match="was not written by vlfit retrieve push"):
+        PushedIndex(uri)
+
+
+def test_searching_a_collection_never_pushed_says_how_to_push_one(uri) -> None:
+    with pytest.raises(TargetError, match=r"no collection 'items\w*' there; push an index to it first: vlfit retri"):
+        PushedIndex(uri)
+
+
+@pytest.mark.slow
+def test_the_collection_lasts_beyond_the_process_that_pushed_it(tmp_path) -> None:
+    """What another process reads back: the record and the items (the local files closed, then opened again)."""
+    import subprocess
+    import sys
+
+    from vlfit.index.push.base import close_shared_clients
+
+    write_synthetic_index(tmp_path / "index", 50)
+    for engine in ("lancedb", "qdrant", "chroma", "milvus"):
+        uri = f"{engine}:{tmp_path / engine}{'.db' if engine == 'milvus' else ''}#items"
+        push_index(EmbeddingIndex(str(tmp_path / "index")), uri)
+        close_shared_clients(str(tmp_path))
+        code = (f"from vlfit.index.push.pushed import PushedIndex; p = PushedIndex({uri!r}); "
+                "print(len(p), p.record.identity.checkpoint_sha256)")  # fmt: skip
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        assert out.split() == ["50", "preset:tiny"], engine
