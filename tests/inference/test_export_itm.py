@@ -246,3 +246,16 @@ def test_the_matching_head_runs_on_the_threads_and_spinning_of_its_runtime(itm_e
         assert isinstance(checkpoint.pair_scorer, TorchPairScorer) and torch.get_num_threads() == 2  # one setting
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.slow
+def test_an_export_keeps_the_runs_rerank_weight(weighted_itm_checkpoint, itm_checkpoint, synthetic_dataset_dir,
+                                                tmp_path):  # fmt: skip
+    import vlfit
+
+    out = tmp_path / "onnx"
+    assert main(["export", "--model_name_or_path", str(weighted_itm_checkpoint), "--output_dir", str(out),
+                 "--calibration_dataset", synthetic_dataset_dir, "--parity_samples", "8"]) == 0  # fmt: skip
+    assert vlfit.load(str(out)).rerank_weight == 4.0  # what re-ranking through the export fuses with by default
+    assert ModelRuntime.open(str(out)).rerank_score().weight == 4.0
+    assert vlfit.load(str(itm_checkpoint)).rerank_weight is None  # a run that saved none: ITM alone
