@@ -75,6 +75,8 @@ def test_the_server_reranks_with_the_runs_saved_weight_unless_told_otherwise(wei
     library = vlfit.Index.open(weighted).search(QUERY, k=6, rerank=6)
     assert [hit["id"] for hit in fused] == [hit.id for hit in library]
     with TestClient(create_app(engine, reload_interval=0)) as client:
+        health = client.get("/api/health").json()
+        assert (health["rerank_score"], health["rerank_weight"]) == ("itm+itc", 4.0)
         answered = client.post("/api/search", json={"text": QUERY, "k": 6, "rerank": 6}).json()["results"]
         assert [hit["fused_score"] for hit in answered] == pytest.approx(
             [hit["fused_score"] for hit in fused], abs=1e-4
@@ -90,6 +92,7 @@ def test_the_server_reranks_with_the_runs_saved_weight_unless_told_otherwise(wei
     plain = SearchEngine(weighted, rerank_score="itm")
     (hits,) = plain.search(plain.encode_texts([QUERY]), 6, [QUERY], [6])
     assert all("fused_score" not in hit for hit in hits)
+    assert (plain.description["rerank_score"], plain.description["rerank_weight"]) == ("itm", None)
 
 
 def test_fused_reranking_a_server_has_no_weight_for_is_refused_in_one_line(itm_served) -> None:

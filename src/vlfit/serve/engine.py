@@ -198,8 +198,10 @@ class SearchEngine:
             model = model.replace(encoder.model_path, os.path.basename(encoder.model_path.rstrip(os.sep)), 1)
         damage = self._damage  # why the index on disk is not what is served: the server is degraded
         status = {"status": "degraded", "reason": self._hide_paths(damage.shown)} if damage else {"status": "ok"}
+        by = self.rerank_by  # what a re-ranked search that does not say is ordered by
         return {"index": index, "items": len(snapshot), "search": snapshot.search_kind, "model": model,
-                "rerank": self.rerank_problem() is None, "generation": self.generation, **status}  # fmt: skip
+                "rerank": self.rerank_problem() is None, "rerank_score": by.kind,
+                "rerank_weight": by.weight if by.fused else None, "generation": self.generation, **status}  # fmt: skip
 
     def _hide_paths(self, text: str) -> str:
         """``text`` with the index's folder and the model's named as ``description`` names them."""
