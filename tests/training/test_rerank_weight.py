@@ -11,6 +11,7 @@ import pytest
 
 from vlfit.cli import USAGE_ERROR_EXIT_CODE, main
 from vlfit.inference.rerank_score import RERANK_FILE, SWEPT_WEIGHTS, save_rerank_file
+from vlfit.training import rerank_weight
 
 pytestmark = pytest.mark.slow  # each test runs vlfit train or vlfit eval
 
@@ -38,6 +39,20 @@ def test_training_with_a_matching_head_ends_by_saving_the_weight_swept_on_valida
     best = (results["eval_t2i_fused_recall@1"] + results["eval_i2t_fused_recall@1"]) / 2
     assert results["eval_rerank_weight"] == record["rerank_weight"]
     assert best == pytest.approx(max(record["swept"].values()), abs=1e-6)  # the best of the sweep, reported
+
+
+def test_training_on_a_validation_split_too_large_to_hold_sweeps_nothing_and_says_how(
+    tiny_checkpoint, synthetic_dataset_dir, tmp_path, monkeypatch, caplog
+):
+    monkeypatch.setattr(rerank_weight, "SWEEP_MAX_SAMPLES", 4)  # the 8 validation pairs are "too many"
+    out = tmp_path / "run"
+    with caplog.at_level("INFO", logger="vlfit.training.rerank_weight"):
+        assert main(["train", "--model", str(tiny_checkpoint), "--dataset_name", synthetic_dataset_dir,
+                     "--objective", "contrastive+itm", "--max_steps", "1", "--per_device_train_batch_size", "8",
+                     "--do_eval", "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
+                     "--output_dir", str(out)]) == 0  # fmt: skip
+    assert not (out / RERANK_FILE).exists()
+    assert "--save_rerank_weight --max_eval_samples 4" in caplog.text
 
 
 def test_vlfit_eval_fuses_with_the_weight_the_run_saved_and_can_save_one(
@@ -70,6 +85,7 @@ def test_bad_rerank_flags_are_one_line_naming_the_flag(itm_checkpoint, synthetic
         (["--rerank_top_k", "4", "--rerank_score", "itm+itc"], "--rerank_score itm+itc needs a weight"),
         (["--rerank_weight", "2"], "add --rerank_top_k K"),
         (["--rerank_top_k", "4", "--rerank_score", "itm", "--rerank_weight", "2"], "drop it for --rerank_score itm"),
+        (["--save_rerank_weight", "true", "--rerank_weight", "2"], "--save_rerank_weight sweeps the weight it saves"),
         (["--save_rerank_weight", "true", "--model_preset", "tiny", "--model_name_or_path", None],
          "--save_rerank_weight saves the weight into the model's folder"),
     ]  # fmt: skip

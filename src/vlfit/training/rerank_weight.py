@@ -5,13 +5,16 @@ plus the weight times the cosine: ``--rerank_weight``, else the weight the model
 ``vlfit.inference.rerank_score``), as every other door does. ``vlfit eval --save_rerank_weight`` sweeps the weight
 on its split and saves the best into the model folder; ``vlfit train`` does the same in its final evaluation (of
 its validation split) when the model has a matching head, into its output folder. A run being trained is not
-judged by the weight of the checkpoint it started from: its evaluations fuse only with ``--rerank_weight``.
+judged by the weight of the checkpoint it started from: its evaluations fuse only with ``--rerank_weight``. A
+training run whose evaluation split has more than ``SWEEP_MAX_SAMPLES`` samples does not sweep unasked (it logs the
+``vlfit eval`` command that does, on part of the split).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sized
 from typing import Any
 
 from vlfit.arguments import DataArguments, ModelArguments
@@ -21,6 +24,10 @@ from vlfit.models.itm import has_itm_head
 from vlfit.models.reference import parse_model_reference
 
 logger = logging.getLogger(__name__)
+
+# The most evaluation samples a training run sweeps the weight on unasked: re-ranking keeps every sample's pixels in
+# memory (images x 3 x side x side in the model's dtype: 2000 BridgeTower images at 288 px are 2 GB in fp32).
+SWEEP_MAX_SAMPLES = 2000
 
 
 def configure_rerank(trainer: Any, model_args: ModelArguments, data_args: DataArguments, training_args: Any) -> None:
@@ -39,8 +46,16 @@ def configure_rerank(trainer: Any, model_args: ModelArguments, data_args: DataAr
         raise ConfigError("--rerank_score and --rerank_weight say how evaluation's re-ranked candidates are ordered: "
                           "add --rerank_top_k K, or drop them")  # fmt: skip
     sweep_to = _sweep_folder(trainer.model, model_args, data_args, training_args)
-    if sweep_to is not None and data_args.rerank_score == ITM:
+    if sweep_to is not None and not training_args.do_train and data_args.rerank_score == ITM:
         raise ConfigError("--save_rerank_weight sweeps the itm+itc weight: drop --rerank_score itm")
+    if sweep_to is not None and not training_args.do_train and data_args.rerank_weight is not None:
+        raise ConfigError("--save_rerank_weight sweeps the weight it saves: drop --rerank_weight")
+    if sweep_to is not None and training_args.do_train and _too_large(trainer.eval_dataset):
+        logger.info("re-ranking weight not swept: the evaluation split has over %d samples, whose pixels the sweep "
+                    "would hold in memory; sweep it on part of it with vlfit eval --model_name_or_path %s "
+                    "--save_rerank_weight --max_eval_samples %d", SWEEP_MAX_SAMPLES, sweep_to,
+                    SWEEP_MAX_SAMPLES)  # fmt: skip
+        sweep_to = None
     # The starting checkpoint's weight fits that checkpoint, not the run trained from it.
     saved = None if training_args.do_train else saved_rerank_weight(_model_folder(model_args))
     if sweep_to is None or data_args.rerank_weight is not None:
@@ -48,6 +63,11 @@ def configure_rerank(trainer: Any, model_args: ModelArguments, data_args: DataAr
         trainer.rerank_weight = by.weight if by.fused else None
     trainer.save_rerank_weight_to = sweep_to
     trainer.eval_split_name = data_args.eval_split
+
+
+def _too_large(dataset: Any) -> bool:
+    """Whether a training run's evaluation split is too large to sweep unasked (``SWEEP_MAX_SAMPLES``)."""
+    return isinstance(dataset, Sized) and len(dataset) > SWEEP_MAX_SAMPLES
 
 
 def _model_folder(model_args: ModelArguments) -> str | None:
