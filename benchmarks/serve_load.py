@@ -16,7 +16,8 @@
    and after each run), per level the medians over the runs of each stage's p50 and mean, and for the whole
    benchmark under ``server.stages``; a batched query counts its whole batch's time for each stage.
    The load comes from a minimal keep-alive HTTP/1.1 client on asyncio streams in this process (one connection per
-   concurrent client), which costs the shared cores far less than a full HTTP client library would.
+   concurrent client, each from a loopback address of its own, so the server's per-client limits see distinct
+   clients), which costs the shared cores far less than a full HTTP client library would.
 3. Overload (open loop): text queries arriving at twice the capacity measured at concurrency 32 (or at
    ``--overload_qps``, to offer two servers the same load), at fixed times
    whatever the answers, for ``OVERLOAD_S`` seconds, over a pool of keep-alive connections; latency counted from
@@ -164,10 +165,17 @@ async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, 
     return int(head.split(b" ", 2)[1])
 
 
-async def _client(port: int, requests: list[bytes], latencies: list[float]) -> dict[int, int]:
-    """Send ``requests`` one after another on one keep-alive connection (a refused one is not sent again); returns
-    the count of each status. ``latencies`` gets the answered (200) requests' times."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+def _source(number: int) -> tuple[str, int]:
+    """The loopback source address of client ``number``: each client an address of its own (Linux routes all of
+    127/8 to lo), as clients on a network are, so the server's per-client limits see distinct clients."""
+    return f"127.0.{2 + number // 250}.{1 + number % 250}", 0
+
+
+async def _client(port: int, requests: list[bytes], latencies: list[float], number: int = 0) -> dict[int, int]:
+    """Send ``requests`` one after another on one keep-alive connection (a refused one is not sent again) from
+    client ``number``'s address; returns the count of each status. ``latencies`` gets the answered (200) requests'
+    times."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=_source(number))
     statuses: dict[int, int] = {}
     try:
         for request in requests:
@@ -210,7 +218,7 @@ async def _open_loop(port: int, texts: list[str], rate: float, seconds: float) -
     """Queries arriving every ``1 / rate`` seconds whatever the answers (open loop); latency from each arrival."""
     pool: asyncio.Queue = asyncio.Queue()
     for _ in range(OVERLOAD_CONNECTIONS):
-        pool.put_nowait(await asyncio.open_connection("127.0.0.1", port))
+        pool.put_nowait(await asyncio.open_connection("127.0.0.1", port, local_addr=_source(pool.qsize())))
     admitted: list[float] = []
     statuses: dict[int, int] = {}
     loop = asyncio.get_running_loop()
@@ -221,7 +229,7 @@ async def _open_loop(port: int, texts: list[str], rate: float, seconds: float) -
             status = await _exchange(*connection, request)
         except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError):
             status = 0  # the connection broke: counted, and replaced
-            connection = await asyncio.open_connection("127.0.0.1", port)
+            connection = await asyncio.open_connection("127.0.0.1", port, local_addr=_source(pool.qsize()))
         statuses[status] = statuses.get(status, 0) + 1
         if status == 200:
             admitted.append(loop.time() - at)
@@ -271,7 +279,7 @@ async def _noisy_neighbour(port: int, texts: list[str], largest: list[tuple[str,
     sent: dict[str, list] = {name: [] for name, _ in largest}
 
     async def neighbour() -> None:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=_source(999))
         turn = 0
         while not stop.is_set():
             name, request = largest[turn % len(largest)]
@@ -300,7 +308,7 @@ async def _load(port: int, texts: list[str], concurrency: int, count: int) -> di
     started = time.perf_counter()
     per_client = [requests[i::concurrency] for i in range(concurrency)]
     statuses: dict[int, int] = {}
-    for counted in await asyncio.gather(*(_client(port, part, latencies) for part in per_client)):
+    for counted in await asyncio.gather(*(_client(port, part, latencies, i) for i, part in enumerate(per_client))):
         for status, number in counted.items():
             statuses[status] = statuses.get(status, 0) + number
     wall = time.perf_counter() - started
@@ -400,8 +408,8 @@ def main() -> int:
     )
     parser.add_argument("--pressure_only", action="store_true", help="Run only the pressure levels (5.).")
     parser.add_argument("--server_src", default=None, help="Pressure levels: the server from this src (PYTHONPATH).")
-    parser.add_argument("--pressure_levels", nargs="+", choices=("resend", "hog", "tls"),
-                        default=["resend", "hog", "tls"], help="The pressure levels to run (5.).")  # fmt: skip
+    parser.add_argument("--pressure_levels", nargs="*", choices=("resend", "hog", "tls"),
+                        default=["resend", "hog", "tls"], help="Pressure levels (5.); none: none.")  # fmt: skip
     parser.add_argument(
         "--server_flags",
         nargs=argparse.REMAINDER,
@@ -430,8 +438,10 @@ def main() -> int:
     if not args.pressure_only:
         served = serve_load(index, exported, os.path.join(args.out, "server.log"), args.server_flags,
                             args.overload_qps, args.pin)  # fmt: skip
-    pressure = serve_pressure(index, exported, args.out, args.server_flags, args.server_src,
-                              tuple(args.pressure_levels))  # fmt: skip
+    pressure = None
+    if args.pressure_levels:
+        pressure = serve_pressure(index, exported, args.out, args.server_flags, args.server_src,
+                                  tuple(args.pressure_levels))  # fmt: skip
     if not (args.pressure_only or args.server_only):
         built = structures(args.out, encoder.identity, [100_000, 1_000_000], args.hnsw_at_1m)
     machine = {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}

@@ -14,7 +14,14 @@ import vlfit
 from tests.serve.test_limits import RecordingEngine, _jpeg
 from vlfit.commands.serve import ServeArguments
 from vlfit.errors import ConfigError
-from vlfit.serve.admission import EWMA_WEIGHT, REFERENCE_ANSWERS, WAIT_BUDGET_QUERIES, ServiceTime, WaitAdmission
+from vlfit.serve.admission import (
+    EWMA_WEIGHT,
+    REFERENCE_ANSWERS,
+    WAIT_BUDGET_QUERIES,
+    WAIT_FLOOR_QUERIES,
+    ServiceTime,
+    WaitAdmission,
+)
 from vlfit.serve.app import create_app
 from vlfit.serve.limits import ServerLimits
 
@@ -142,3 +149,24 @@ def test_a_search_over_its_wait_budget_gets_503_while_health_and_other_kinds_are
     assert got["after"].status_code == 200 and len(got["after"].json()["results"]) == 2
     assert 'vlfit_refused_total{limit="wait"} 1.0' in got["metrics"]
     assert 'vlfit_refused_total{limit="requests"}' not in got["metrics"]
+
+
+def test_the_derived_budget_admits_a_light_load_and_a_fixed_one_does_not() -> None:
+    """Under the derived budget a query with fewer than WAIT_FLOOR_QUERIES of its kind ahead is admitted whatever
+    the estimate; at the floor the estimate decides. A fixed budget has no floor."""
+    for budget in (None, 0.001):
+        clock = FakeClock()
+        admission = WaitAdmission(budget=budget, clock=clock)
+        with admission.admitted("text"):
+            clock.now += 0.001  # alone: 1 ms, so the derived budget is 10 ms
+        held = [admission.enter("text") for _ in range(WAIT_FLOOR_QUERIES - 1)]
+        clock.now += 1.0
+        for ticket in held:
+            admission.leave(ticket)  # each answered after 1 s: the time per query ahead is far over any budget
+        held = [admission.enter("text") for _ in range(WAIT_FLOOR_QUERIES - 1)]
+        refused_below_the_floor = admission.over_budget("text") is not None
+        assert refused_below_the_floor == (budget is not None)
+        held.append(admission.enter("text"))  # at the floor
+        assert admission.over_budget("text") is not None
+        for ticket in held:
+            admission.leave(ticket)
