@@ -209,11 +209,31 @@ def _refused(base: str, context: ssl.SSLContext, limit: str) -> float:
 
 
 def test_refusals_held_for_their_retry_after_are_bounded() -> None:
-    """Beyond HELD_REFUSALS connections waiting for their 429, the next is not held (closed at once)."""
-    from vlfit.serve.clients import HELD_REFUSALS, ClientShares
+    """Beyond max_held connections waiting for their 429, the next is not held (closed at once)."""
+    from vlfit.serve.clients import ClientShares
 
-    shares = ClientShares(max_connections=1, max_requests=1)
-    assert all(shares.hold_refusal() for _ in range(HELD_REFUSALS))
+    shares = ClientShares(max_connections=1, max_requests=1, max_held=3)
+    assert all(shares.hold_refusal() for _ in range(3))
     assert not shares.hold_refusal()
     shares.release_refusal()
     assert shares.hold_refusal()
+
+
+def test_held_refusals_get_descriptors_beside_the_connections() -> None:
+    """With the common soft limit of 1024 descriptors, the server raises it towards what --max_connections and the
+    held refusals need (as far as the hard limit goes), and holds no more refusals than then fit."""
+    import resource
+
+    from vlfit.serve.clients import DESCRIPTOR_MARGIN, HELD_REFUSALS, held_refusals_that_fit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        low = 1024 if hard == resource.RLIM_INFINITY else min(1024, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+        held = held_refusals_that_fit(512)
+        raised, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        assert raised == min(hard, 512 + HELD_REFUSALS + DESCRIPTOR_MARGIN) or hard == resource.RLIM_INFINITY
+        assert 512 + held + DESCRIPTOR_MARGIN <= raised or raised == resource.RLIM_INFINITY
+        assert held == min(HELD_REFUSALS, raised - 512 - DESCRIPTOR_MARGIN)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -44,7 +44,7 @@ from vlfit.inference.rerank_score import RerankScore
 from vlfit.serve.access import AccessControl, AccessPolicy
 from vlfit.serve.admission import WaitAdmission
 from vlfit.serve.batching import MicroBatcher
-from vlfit.serve.clients import ClientShares
+from vlfit.serve.clients import ClientShares, held_refusals_that_fit
 from vlfit.serve.engine import MAX_K, SearchEngine, check_k
 from vlfit.serve.images import (
     IndexedThumbnails,
@@ -113,7 +113,8 @@ def create_app(
     batcher = MicroBatcher(run_batch, max_batch=max_batch, max_wait_ms=max_wait_ms, on_batch=metrics.observe_batch)
     budget = limits.max_queue_wait_ms  # None: no wait budget; 0: derived from the unloaded time; else ms
     admission = None if budget is None else WaitAdmission(budget / 1000.0 if budget > 0 else None)
-    clients = ClientShares(limits.max_connections_per_client, limits.requests_per_client, limits.forwarded_allow_ips)
+    clients = ClientShares(limits.max_connections_per_client, limits.requests_per_client, limits.forwarded_allow_ips,
+                           max_held=held_refusals_that_fit(limits.max_connections))  # fmt: skip
     # Image queries decode and embed on a thread of their own, never the text encoder's; thumbnails on a small pool.
     # Both yield the cores to the text queries when both want them (a 40-megapixel PNG decodes for seconds).
     image_queries = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlfit-image-query",

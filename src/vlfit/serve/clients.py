@@ -8,8 +8,10 @@ is sent, and refuses what goes beyond ``--max_connections_per_client`` and ``--m
 (``ServerLimits``), before any application work. Each worker process of ``--workers N`` counts its own.
 
 A connection beyond its client's share is answered 429 only after ``Retry-After`` (reading nothing meanwhile), so
-a client that opens another as soon as one closes is held to one accept a second per connection; at most
-``HELD_REFUSALS`` wait so at once (their descriptors are bounded too), and beyond those one is closed at once.
+a client that opens another as soon as one closes is held to one accept a second per connection. At most
+``HELD_REFUSALS`` wait so at once, as many as the process's descriptors allow beside ``--max_connections``
+(``held_refusals_that_fit`` raises the soft limit towards what they need, as far as the hard limit allows, as Go's
+runtime and nginx's ``worker_rlimit_nofile`` do); beyond those one is closed at once.
 
 Where the idea comes from: nginx's ``limit_conn`` per ``$binary_remote_addr`` and its ``realip`` module
 (``set_real_ip_from``, ``real_ip_recursive``), which takes the last untrusted address of the header.
@@ -23,9 +25,10 @@ from collections import Counter
 from vlfit.errors import ConfigError
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-# Connections refused beyond their client's share that wait for their answer at once: with --max_connections (512)
-# open, 768 descriptors, within the 1024 most systems give a process.
-HELD_REFUSALS = 256
+# Connections refused beyond their client's share that may wait for their answer at once (fewer where the
+# descriptors do not allow them: ``held_refusals_that_fit``). A hog that reopens at once holds this many, not more.
+HELD_REFUSALS = 1024
+DESCRIPTOR_MARGIN = 256  # the process's own files beside its connections: the index, the model, logs, sockets
 
 
 def trusted_networks(forwarded_allow_ips: str | None) -> tuple[Network, ...] | None:
@@ -57,11 +60,19 @@ class ClientShares:
         max_connections: Open connections one client address may hold.
         max_requests: Requests in flight one client may have.
         forwarded_allow_ips: The trusted proxies (``trusted_networks``).
+        max_held: Connections refused beyond their share that may wait for their answer at once.
     """
 
-    def __init__(self, max_connections: int, max_requests: int, forwarded_allow_ips: str | None = None) -> None:
+    def __init__(
+        self,
+        max_connections: int,
+        max_requests: int,
+        forwarded_allow_ips: str | None = None,
+        max_held: int = HELD_REFUSALS,
+    ) -> None:
         self.max_connections = max_connections
         self.max_requests = max_requests
+        self.max_held = max_held
         self._trusted = trusted_networks(forwarded_allow_ips)
         self.connections: Counter[str] = Counter()
         self.requests: Counter[str] = Counter()
@@ -106,8 +117,8 @@ class ClientShares:
                 del self.connections[address]
 
     def hold_refusal(self) -> bool:
-        """Count a refused connection that waits for its answer; False (not counted) at ``HELD_REFUSALS``."""
-        if self.held_refusals >= HELD_REFUSALS:
+        """Count a refused connection that waits for its answer; False (not counted) at ``max_held``."""
+        if self.held_refusals >= self.max_held:
             return False
         self.held_refusals += 1
         return True
@@ -129,4 +140,26 @@ class ClientShares:
                 del self.requests[client]
 
 
-__all__ = ["HELD_REFUSALS", "ClientShares", "trusted_networks"]
+def held_refusals_that_fit(max_connections: int) -> int:
+    """How many refused connections may wait for their answer beside ``max_connections`` open ones, at most
+    ``HELD_REFUSALS``: the soft file-descriptor limit is raised first towards what they need (as far as the hard
+    limit allows; a worker process inherits it), and what still does not fit is left out."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX system: nothing to raise or to read
+        return HELD_REFUSALS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = max_connections + HELD_REFUSALS + DESCRIPTOR_MARGIN
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft == resource.RLIM_INFINITY:
+        return HELD_REFUSALS
+    return max(0, min(HELD_REFUSALS, soft - max_connections - DESCRIPTOR_MARGIN))
+
+
+__all__ = ["HELD_REFUSALS", "ClientShares", "held_refusals_that_fit", "trusted_networks"]
