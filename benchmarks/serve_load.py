@@ -436,8 +436,10 @@ def main() -> int:
 
     served, built = {}, []
     if not args.pressure_only:
+        cores = os.sched_getaffinity(0)
         served = serve_load(index, exported, os.path.join(args.out, "server.log"), args.server_flags,
                             args.overload_qps, args.pin)  # fmt: skip
+        os.sched_setaffinity(0, cores)  # --pin's split ends with its levels: part 5 starts its own servers
     pressure = None
     if args.pressure_levels:
         pressure = serve_pressure(index, exported, args.out, args.server_flags, args.server_src,
