@@ -372,7 +372,7 @@ class Index:
         *,
         overwrite: bool = False,
         delete_missing: bool = False,
-        batch_size: int = 1000,
+        batch_size: int | None = None,
         progress: bool = False,
     ) -> dict[str, object]:
         """Push the index to the vector database ``uri`` as ``vlfit retrieve push --to URI`` does (items already

@@ -222,7 +222,11 @@ class PushArguments:
     delete_missing: bool = field(
         default=False, metadata={"help": "Remove the items of the collection that the index does not hold."}
     )
-    batch_size: int = field(default=1000, metadata={"help": "Items per write."})
+    batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Items per write. Default: the engine's bulk size: LanceDB 20000, PostgreSQL "
+                  "10000, Chroma and Milvus 5000, Qdrant 1000."},
+    )  # fmt: skip
     verify: Verify = field(
         default="quick", metadata={"help": "How the index is checked before it is pushed: quick or full."}
     )

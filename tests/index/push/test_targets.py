@@ -10,7 +10,7 @@ import torch
 
 from tests.index.push.conftest import mark_removed, write_synthetic_index
 from vlfit.index.push.base import TargetError, open_target
-from vlfit.index.push.job import push_index
+from vlfit.index.push.job import index_record, push_index
 from vlfit.index.push.pushed import PushedIndex
 from vlfit.index.search import search
 from vlfit.index.store import EmbeddingIndex
@@ -166,3 +166,32 @@ def test_the_collection_lasts_beyond_the_process_that_pushed_it(tmp_path) -> Non
                 "print(len(p), p.record.identity.checkpoint_sha256)")  # fmt: skip
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
         assert out.split() == ["50", "preset:tiny"], engine
+
+
+def test_a_push_writes_in_batches_of_the_engines_bulk_size(uri, synthetic_index, monkeypatch) -> None:
+    folder, _ = synthetic_index
+    engine = type(open_target(uri))
+    monkeypatch.setattr(engine, "BATCH_SIZE", 300)
+    write = engine.write
+    sizes = []
+    monkeypatch.setattr(
+        engine, "write", lambda self, items, *, new: sizes.append(len(items)) or write(self, items, new=new)
+    )
+    push_index(EmbeddingIndex(str(folder)), uri)
+    assert sizes == [300, 300, 300, 100]
+
+
+def test_postgresql_builds_the_hnsw_index_once_the_rows_are_written(request, tmp_path) -> None:
+    from tests.index.push.conftest import target_uri
+
+    uri = target_uri("pgvector", tmp_path, request)
+    write_synthetic_index(tmp_path / "index", 50)
+    target = open_target(uri)
+    indexes = "SELECT indexdef FROM pg_indexes WHERE tablename = %s"
+    target.create(index_record(EmbeddingIndex(str(tmp_path / "index"))))
+    assert [d for (d,) in target.connection.execute(indexes, (target.uri.collection,))] == [
+        f"CREATE UNIQUE INDEX {target.uri.collection}_pkey ON public.{target.uri.collection} USING btree (id)"
+    ]  # the new table: no HNSW index while the first push writes
+    push_index(EmbeddingIndex(str(tmp_path / "index")), uri)
+    found = [d for (d,) in target.connection.execute(indexes, (target.uri.collection,))]
+    assert any("USING hnsw (embedding vector_cosine_ops)" in d for d in found), found

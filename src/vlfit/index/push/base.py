@@ -215,6 +215,9 @@ class Target(ABC):
 
     # The exceptions of the engine's client that mean the target refused or could not be reached.
     ERRORS: ClassVar[tuple[type[BaseException], ...]] = ()
+    # Items per write unless told otherwise: what the engine's bulk path writes at once (fewer commits, fragments or
+    # round trips; benchmarks/push.py).
+    BATCH_SIZE: ClassVar[int] = 1000
 
     def __init__(self, uri: TargetURI) -> None:
         self.uri = uri
@@ -257,6 +260,11 @@ class Target(ABC):
     def write(self, items: Items, *, new: bool) -> None:
         """Write a batch, replacing items of the same ids (``new``: none of them is in the collection yet, so the
         engine's plain bulk insert may be used)."""
+
+    def finish(self) -> None:
+        """What a push does once its items are written (an engine whose index is faster built over the items than
+        kept up during the writes builds it here); nothing by default."""
+        return None
 
     @abstractmethod
     def delete(self, ids: list[str]) -> None:

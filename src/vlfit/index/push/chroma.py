@@ -29,6 +29,7 @@ class ChromaTarget(Target):
     """A Chroma collection (see the module)."""
 
     ERRORS = (ChromaError, ValueError, RuntimeError, OSError)
+    BATCH_SIZE = 5000  # below the largest batch a local Chroma takes (5461)
 
     def __init__(self, uri: Any) -> None:
         super().__init__(uri)

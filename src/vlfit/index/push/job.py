@@ -24,8 +24,6 @@ from vlfit.index.push.base import CollectionRecord, Items, Target, TargetError, 
 from vlfit.index.store import EmbeddingIndex
 from vlfit.inference.identity import shown_source
 
-DEFAULT_BATCH_SIZE = 1000
-
 
 @dataclass
 class PushReport:
@@ -107,30 +105,28 @@ def check_record(target: Target, recorded: CollectionRecord, record: CollectionR
 def _batches(index: EmbeddingIndex, wanted: set[str], batch_size: int, model: str) -> Iterator[Items]:
     """The items of ``index`` whose ids are in ``wanted``, in row order, in batches of ``batch_size``."""
     names = item_ids(index)
-    file_items = any(c.get("images") for c in index.manifest.collections)
-    buffer: list[tuple[int, np.ndarray, list[str] | None]] = []
-    row = 0
+    paths = any(c.get("images") for c in index.manifest.collections)  # an image folder's items are its files
+    parts: list[tuple[list[int], np.ndarray, list[list[str] | None]]] = []
+    held, start = 0, 0
     for number, shard in enumerate(index.manifest.shards):
         count = int(shard["count"])
-        captions = index.shard_captions(shard)
-        vectors = index.vectors().shard(number)
-        for offset in range(count):
-            if names[row + offset] in wanted:
-                buffer.append((row + offset, vectors[offset], captions[offset] if captions is not None else None))
-                if len(buffer) == batch_size:
-                    yield _items(buffer, names, file_items, model)
-                    buffer = []
-        row += count
-    if buffer:
-        yield _items(buffer, names, file_items, model)
-
-
-def _items(buffer: list, names: list[str], file_items: bool, model: str) -> Items:
-    rows = [row for row, _, _ in buffer]
-    ids = [names[row] for row in rows]
-    vectors = np.ascontiguousarray(np.stack([vector for _, vector, _ in buffer]), dtype=np.float32)
-    paths: list[str | None] = list(ids) if file_items else [None] * len(ids)
-    return Items(ids, vectors, rows, [captions for _, _, captions in buffer], paths, model)
+        offsets = [offset for offset in range(count) if names[start + offset] in wanted]
+        if offsets:
+            captions = index.shard_captions(shard) or [None] * count
+            vectors = index.vectors().shard(number)[offsets]  # one gather per shard
+            parts.append(([start + offset for offset in offsets], vectors, [captions[offset] for offset in offsets]))
+            held += len(offsets)
+        start += count
+        while held >= batch_size or (held and number == len(index.manifest.shards) - 1):
+            rows = [row for part in parts for row in part[0]]
+            vectors = np.concatenate([part[1] for part in parts]).astype(np.float32, copy=False)
+            captions = [caption for part in parts for caption in part[2]]
+            ids = [names[row] for row in rows]
+            take = min(batch_size, held)
+            yield Items(ids[:take], np.ascontiguousarray(vectors[:take]), rows[:take], captions[:take],
+                        list(ids[:take]) if paths else [None] * take, model)  # fmt: skip
+            parts = [(rows[take:], vectors[take:], captions[take:])] if held > take else []
+            held -= take
 
 
 def push_index(
@@ -139,7 +135,7 @@ def push_index(
     *,
     overwrite: bool = False,
     delete_missing: bool = False,
-    batch_size: int = DEFAULT_BATCH_SIZE,
+    batch_size: int | None = None,
     progress: bool = False,
 ) -> PushReport:
     """Push ``index`` to the vector database ``to`` (a URI of ``vlfit.index.push.base``), as the module says.
@@ -149,7 +145,7 @@ def push_index(
         to: The target URI.
         overwrite: Write every item, also those already in the collection.
         delete_missing: Remove items of the collection the index does not hold.
-        batch_size: Items per write.
+        batch_size: Items per write (None: the engine's ``Target.BATCH_SIZE``).
         progress: Show a progress bar.
 
     Raises:
@@ -157,10 +153,11 @@ def push_index(
         MissingExtraError: when the target's extra is not installed.
         TargetError: when the target cannot be reached, holds a collection of another shape, or of another model.
     """
-    if batch_size < 1:
+    if batch_size is not None and batch_size < 1:
         raise ConfigError(f"--batch_size must be at least 1, got {batch_size}")
     started = time.perf_counter()
     target = open_target(to)
+    batch_size = batch_size or target.BATCH_SIZE
     report = PushReport(to)
     record = index_record(index)
     with target.failing("reading the collection"):
@@ -187,6 +184,8 @@ def push_index(
             bar.update(len(items))
     finally:
         bar.close()
+    with target.failing("indexing the collection"):
+        target.finish()
     if delete_missing:
         gone = sorted(present - live)
         for start in range(0, len(gone), batch_size):
@@ -199,4 +198,4 @@ def push_index(
     return report
 
 
-__all__ = ["DEFAULT_BATCH_SIZE", "PushReport", "check_record", "index_record", "item_ids", "push_index"]
+__all__ = ["PushReport", "check_record", "index_record", "item_ids", "push_index"]

@@ -30,6 +30,7 @@ class LanceDBTarget(Target):
 
     # lancedb raises the built-in kinds (ValueError, OSError, RuntimeError) for what the Lance engine refuses.
     ERRORS = (ValueError, OSError, RuntimeError, pa.ArrowException)
+    BATCH_SIZE = 20_000  # each write is a commit and a fragment of its own
 
     def __init__(self, uri: TargetURI) -> None:
         super().__init__(uri)

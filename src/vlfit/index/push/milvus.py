@@ -27,6 +27,7 @@ class MilvusTarget(Target):
     """A Milvus collection (see the module)."""
 
     ERRORS = (MilvusException, ValueError, RuntimeError, OSError)
+    BATCH_SIZE = 5000  # under the 64 MB a Milvus request may carry, up to 2048 dimensions
 
     @property
     def client(self) -> MilvusClient:
