@@ -44,7 +44,7 @@ from vlfit.data.image_groups import ImageItems, image_items
 from vlfit.data.pipeline import host_batches
 from vlfit.data.sources.base import ImageTextSource
 from vlfit.data.sources.tar import ShardCollection, TarSource
-from vlfit.errors import DataError, first_line
+from vlfit.errors import ConfigError, DataError, first_line
 from vlfit.index.build_request import BuildRequest, BuiltIndex
 from vlfit.index.store import (
     MANIFEST_NAME,
@@ -111,7 +111,14 @@ def build_index(
     # a folder's files by absolute path (their image ids: two never collide)
     items = None if streamed else image_items(source)
     if index is None:
-        model = {"path": os.path.abspath(encoder.model_path), "backend": encoder.backend,
+        if encoder.model_path.startswith("preset:"):
+            raise ConfigError(
+                f"--model {encoder.model_path.removeprefix('preset:')} is a preset: random weights, drawn again at "
+                "each load, so an index of them could not be searched; index a trained run (the --output_dir of vlfit "
+                "train) or a pretrained checkpoint"
+            )
+        where = encoder.model_path  # a folder by its absolute path; a hub id as it is
+        model = {"path": os.path.abspath(where) if os.path.exists(where) else where, "backend": encoder.backend,
                  "precision": encoder.precision, "max_seq_length": encoder.spec.max_seq_length}  # fmt: skip
         manifest = IndexManifest(encoder.identity, model, request.storage)
         first_number = 0
