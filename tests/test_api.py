@@ -78,33 +78,39 @@ def test_errors_name_keyword_arguments_not_flags(tmp_path):
         vlfit.train(model_preset="clip-tiny", learning_rat=1e-3, output_dir=str(tmp_path))
 
 
-def test_an_index_is_built_opened_appended_to_and_searched(preset_model, tmp_path):
+@pytest.fixture(scope="module")
+def trained_model(tiny_checkpoint):
+    """A saved model (a preset's weights are drawn again at each load, so an index of one is refused)."""
+    return vlfit.load(str(tiny_checkpoint))
+
+
+def test_an_index_is_built_opened_appended_to_and_searched(trained_model, tmp_path):
     folder = tmp_path / "photos"
     folder.mkdir()
     rng = np.random.default_rng(1)
     for name in ("a", "b"):
         Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(folder / f"{name}.png")
-    index = vlfit.Index.build(preset_model, str(tmp_path / "index"), images=str(folder))
+    index = vlfit.Index.build(trained_model, str(tmp_path / "index"), images=str(folder))
     assert len(index) == 2
     Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(folder / "c.png")
-    reopened = vlfit.Index.open(str(tmp_path / "index"), preset_model)
+    reopened = vlfit.Index.open(str(tmp_path / "index"), trained_model)
     assert reopened.append() == 1 and len(reopened) == 3
     assert reopened.append() == 0  # nothing new in the folder
-    query = preset_model.encode_images(str(folder / "c.png"))
+    query = trained_model.encode_images(str(folder / "c.png"))
     (hits,) = reopened.search(query, k=2)
     assert hits[0].id == "c.png" and hits[0].path == str(folder / "c.png")
     assert hits[0].score == pytest.approx(1.0, abs=1e-5)
     assert len(reopened.search("a red square", k=3)) == 3
 
 
-def test_an_append_builds_as_the_index_was_built(preset_model, tmp_path):
+def test_an_append_builds_as_the_index_was_built(trained_model, tmp_path):
     folder = tmp_path / "photos"
     folder.mkdir()
     rng = np.random.default_rng(2)
     for name in ("a", "b", "c"):
         Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(folder / f"{name}.png")
     settings = {"index_type": "hnsw", "max_index_memory": 10**7, "target_recall": 0.9, "shard_size": 2}
-    index = vlfit.Index.build(preset_model, str(tmp_path / "index"), images=str(folder), **settings)
+    index = vlfit.Index.build(trained_model, str(tmp_path / "index"), images=str(folder), **settings)
     Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(folder / "d.png")
     assert index.append() == 1
     manifest = json.loads((tmp_path / "index" / "index_manifest.json").read_text())

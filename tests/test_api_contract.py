@@ -15,8 +15,8 @@ from vlfit.errors import cli_wording
 
 
 @pytest.fixture(scope="module")
-def model():
-    return vlfit.load("clip-tiny")
+def model(tiny_checkpoint):
+    return vlfit.load(str(tiny_checkpoint))  # a saved model: an index of a preset is refused
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +92,12 @@ CASES = [
     ("Index.open", lambda m, i, p, out: vlfit.Index.open(i.path, model="clip-tiny"), vlfit.ArgumentError,
      "`model=`"),
     ("Index.append", lambda m, i, p, out: i.append(batch_size=0), vlfit.ConfigError, "`batch_size=`"),
+    ("Index.push", lambda m, i, p, out: i.push(5), vlfit.ArgumentError, "`uri=` must be str"),
+    ("Index.push", lambda m, i, p, out: i.push("ftp://x"), vlfit.ConfigError, "`uri=ftp://x`: not a vector database"),
+    ("Index.push", lambda m, i, p, out: i.push(f"lancedb:{out}/db", batch_size=0), vlfit.ConfigError,
+     "`batch_size=` must be at least 1"),
+    ("Index.push", lambda m, i, p, out: i.push(f"lancedb:{out}/db", overwrit=True), vlfit.ArgumentError,
+     "did you mean `overwrite=`?"),
     ("Index.search", lambda m, i, p, out: i.search(np.ones((1, 7))), vlfit.DataError, "`queries=`"),
     ("Index.search", lambda m, i, p, out: i.search(np.ones((2, 3, m.embedding_dim))), vlfit.DataError, "`queries=`"),
     ("Index.search", lambda m, i, p, out: i.search("a red square", k=0), vlfit.ConfigError, "`k=`"),

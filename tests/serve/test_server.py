@@ -229,9 +229,9 @@ def test_worker_processes_build_their_app_from_the_settings_in_the_environment(s
 
 def test_a_search_over_its_wait_budget_is_refused_by_its_connection_which_serves_on(served_index, train_records,
                                                                                      tmp_path) -> None:  # fmt: skip
-    """With --max_queue_wait_ms, a search that would wait over the budget is answered 503 by the connection as soon
-    as its head is read: the app never sees it (refused, not among the requests answered), its body is dropped,
-    and the same keep-alive connection is served on; the query it waited behind is answered."""
+    """With --max_queue_wait_ms, a search that would wait over the budget behind the searches already whole and not
+    yet answered is answered 503 by its connection as soon as its head is read: the app never sees it (refused, not
+    among the requests answered), its body is dropped, and the same keep-alive connection is served on."""
     from vlfit.serve.launch import kill_process_tree, start_server
 
     flags = ["--index", str(served_index), "--reload_interval", "0", "--max_queue_wait_ms", "0.001"]
@@ -243,25 +243,29 @@ def test_a_search_over_its_wait_budget_is_refused_by_its_connection_which_serves
         # Nothing ahead: admitted whatever the budget, and timed (the time per query ahead the budget is held to).
         assert httpx.post(f"{base}/api/search", content=body, headers={"Content-Type": "application/json"},
                           timeout=REQUEST_TIMEOUT).status_code == 200  # fmt: skip
-        held = _post_in_two_parts(port, body)  # admitted, and in flight until the rest of its body comes
+        # 16 whole searches sent at once: the first is admitted, those read while it is pending wait over 1 us.
+        head = b"POST /api/search HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        request = head + b"Content-Length: %d\r\n\r\n" % len(body) + body
+        connections = [socket.create_connection(("127.0.0.1", port), timeout=REQUEST_TIMEOUT) for _ in range(16)]
         try:
-            time.sleep(0.5)
-            with socket.create_connection(("127.0.0.1", port), timeout=REQUEST_TIMEOUT) as other:
-                head = b"POST /api/search HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                other.sendall(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
-                refused = _read_response(other)
-                assert refused.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in refused.lower(), refused
-                assert b"over the budget of" in refused and b"connection: close" not in refused.lower()
-                other.sendall(b"GET /api/health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")  # the same connection
-                assert _read_response(other).startswith(b"HTTP/1.1 200")
-            held.sendall(body[len(body) // 2 :])
-            assert _read_response(held).startswith(b"HTTP/1.1 200")
+            for connection in connections:
+                connection.sendall(request)
+            answers = [_read_response(connection) for connection in connections]
+            refused = [n for n, answer in enumerate(answers) if answer.startswith(b"HTTP/1.1 503")]
+            assert answers[0].startswith(b"HTTP/1.1 200") and refused, [answer[:12] for answer in answers]
+            assert all(answer.startswith((b"HTTP/1.1 200", b"HTTP/1.1 503")) for answer in answers)
+            answer = answers[refused[0]]
+            assert b"retry-after: 1" in answer.lower() and b"over the budget of" in answer, answer
+            assert b"connection: close" not in answer.lower()
+            connections[refused[0]].sendall(b"GET /api/health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")  # served on
+            assert _read_response(connections[refused[0]]).startswith(b"HTTP/1.1 200")
         finally:
-            held.close()
+            for connection in connections:
+                connection.close()
         metrics = httpx.get(f"{base}/metrics", timeout=REQUEST_TIMEOUT).text
-        assert re.search(r'^vlfit_refused_total\{limit="wait"\} 1\.0$', metrics, flags=re.M), metrics
+        assert re.search(rf'^vlfit_refused_total\{{limit="wait"\}} {len(refused)}\.0$', metrics, flags=re.M), metrics
         assert not re.search(r'^vlfit_requests_total\{route="/api/search",status="503"\}', metrics, flags=re.M)
-        assert _requests_counted(metrics, "/api/search") == 2
+        assert _requests_counted(metrics, "/api/search") == 1 + 16 - len(refused)
     finally:
         kill_process_tree(server.process)
 
