@@ -6,17 +6,23 @@
   another site that rebinds its DNS name to 127.0.0.1 reaches a loopback server under its own name and would read
   results and thumbnails otherwise. By default the loopback names (``localhost``, ``127.0.0.1``, ``::1``) and the
   address the server binds; ``*`` allows any.
-- **API key.** With a key, every route but the web page itself and ``/api/health`` needs it, as
-  ``Authorization: Bearer <key>`` or ``X-API-Key: <key>`` (401 otherwise). ``POST /api/reload`` changes what is
+- **API key.** With a key, every route but the web page itself, ``/api/health`` and the two probes Weaviate waits
+  on (``/.well-known/live``, ``/.well-known/ready``) needs it, as ``Authorization: Bearer <key>``, ``X-API-Key:
+  <key>`` or HTTP Basic with the key as the password (401 otherwise): Weaviate's module client sends no header of
+  its own, but Go's HTTP client sends Basic credentials written into the URL it is given
+  (``CLIP_INFERENCE_API=http://weaviate:KEY@host:port``). ``POST /api/reload`` changes what is
   served: it needs the admin key when one is set; without one, the API key, and with no key at all it is answered
   only to a loopback client. Keys are compared in constant time and never logged.
 - **Bodies.** A ``POST`` body must be ``application/json`` (or, on ``/api/search``, a ``multipart/form-data``
   upload): anything else is 415, so a cross-site ``text/plain`` form post, which a browser sends without asking
-  the server first, never reaches the JSON parser.
+  the server first, never reaches the JSON parser. ``/vectorize`` also takes a body without ``Content-Type``, as
+  Weaviate's module client sends it (a page on another site can send one too, but cannot read the answer).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 import ipaddress
 import os
@@ -25,15 +31,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlfit.errors import ConfigError
+from vlfit.serve.limits import VECTORIZE_PATH, WEAVIATE_PROBES
 from vlfit.serve.queries import error_response
 
 API_KEY_ENV = "VLFIT_API_KEY"
 ADMIN_KEY_ENV = "VLFIT_ADMIN_KEY"
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 # What anyone who can reach the port may fetch without a key: the page (it asks for the key) and the health check.
-OPEN_PATHS = ("/", "/api/health")
+OPEN_PATHS = ("/", "/api/health", *WEAVIATE_PROBES)
 ADMIN_PATHS = ("/api/reload",)
 UPLOAD_PATHS = ("/api/search",)
+UNTYPED_BODY_PATHS = (VECTORIZE_PATH,)  # Weaviate's Go client posts its JSON without a Content-Type
 _CHALLENGE = {"WWW-Authenticate": "Bearer"}
 
 
@@ -146,7 +154,7 @@ class AccessControl:
         if method == "POST" and _has_body(headers):
             kind = headers.get("content-type", "").split(";", 1)[0].strip().lower()
             accepted = ("application/json", "multipart/form-data") if path in UPLOAD_PATHS else ("application/json",)
-            if kind not in accepted:
+            if kind not in accepted and not (kind == "" and path in UNTYPED_BODY_PATHS):
                 return 415, f"{path} takes {' or '.join(accepted)}, not {kind or 'a body without Content-Type'}", None
         return None
 
@@ -187,7 +195,16 @@ def _host_name(host: str) -> str:
 
 
 def _given_key(headers: dict[str, str]) -> str | None:
+    """The key a request carries: a bearer token, ``X-API-Key``, or the password of HTTP Basic credentials (what Go's
+    HTTP client sends for a URL with ``user:password@``; the user name is not checked)."""
     auth = headers.get("authorization", "")
     if auth[:7].lower() == "bearer ":
         return auth[7:].strip()
+    if auth[:6].lower() == "basic ":
+        try:
+            credentials = base64.b64decode(auth[6:].strip(), validate=True).decode("utf-8")
+        except (binascii.Error, ValueError):
+            return None
+        _, colon, password = credentials.partition(":")
+        return password if colon and password else None
     return headers.get("x-api-key") or None

@@ -15,6 +15,8 @@ newest). It is the time each queued query really adds, however they are computed
   ``--max_batch``, and runs them as one batch on a single encoder thread); where a batch costs less than its
   queries alone (a GPU), the time per query ahead falls as batches grow, and more queries are admitted.
 - **image** queries run one at a time on a thread of their own: a queue of their own, never behind the texts.
+- **vectorize** requests (Weaviate's ``/vectorize``, ``vlfit.serve.weaviate``: texts and images together) run one
+  at a time on a thread of their own: a queue of their own, so a bulk import is never ahead of a search.
 - What the encoder's time alone would not show is in it too: the event loop reading, parsing and answering every
   request in flight (on a 2-core machine under overload, most of a query's time), the interpreter lock the
   encoder thread shares with it, other processes on the same cores. (Estimates from the encoder's batch times,
@@ -56,7 +58,9 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-KINDS = ("text", "image")
+from vlfit.serve.limits import SEARCH_PATH, VECTORIZE_PATH
+
+KINDS = ("text", "image", "vectorize")
 RETRY_AFTER_S = 1  # what a refused client is told to wait: a batch takes milliseconds, the queue drains in < 1 s
 EWMA_WEIGHT = 0.1  # the newest answer's share: about the last 10-20 answers count
 REFERENCE_ANSWERS = 100  # the unloaded time is the shortest of this many answers that found nothing ahead
@@ -185,9 +189,12 @@ class WaitAdmission:
             self.leave(ticket)
 
 
-def query_kind(content_type: bytes) -> str:
-    """The kind of a search from its ``Content-Type``: a multipart upload is an image query, any other body a text
-    query (a JSON body's base64 image included: its queue is only known once the body is parsed)."""
+def query_kind(content_type: bytes, path: str = SEARCH_PATH) -> str:
+    """The kind of a query from its route and ``Content-Type``: on ``/api/search`` a multipart upload is an image
+    query, any other body a text query (a JSON body's base64 image included: its queue is only known once the body
+    is parsed); a request of Weaviate's ``/vectorize`` (texts and images together) is a queue of its own."""
+    if path == VECTORIZE_PATH:
+        return "vectorize"
     return "image" if content_type.lower().startswith(b"multipart/") else "text"
 
 

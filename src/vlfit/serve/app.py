@@ -12,7 +12,9 @@ Routes:
   (``vlfit.serve.images.IndexedThumbnails``);
 - ``GET /api/health``, ``GET /metrics`` (Prometheus text), ``POST /api/reload`` (serve the index's current manifest
   if it changed; the server also checks every ``reload_interval`` seconds);
-- ``GET /``: the web page (``vlfit/serve/static/index.html``, no external assets).
+- ``GET /``: the web page (``vlfit/serve/static/index.html``, no external assets);
+- Weaviate's multi2vec protocol: ``POST /vectorize``, ``GET /meta``, ``GET /.well-known/live`` and ``ready``
+  (``vlfit.serve.weaviate``).
 
 Access (keys, the hosts answered, the bodies taken) is checked first, by ``vlfit.serve.access``. Bad requests are
 answered, never fatal: a body over the upload limit gets 413, bytes that are not an image 400 with
@@ -30,8 +32,8 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from typing import Any
 
@@ -45,6 +47,7 @@ from vlfit.serve.access import AccessControl, AccessPolicy
 from vlfit.serve.admission import WaitAdmission
 from vlfit.serve.batching import MicroBatcher
 from vlfit.serve.clients import ClientShares, held_refusals_that_fit
+from vlfit.serve.disconnects import ClientGone, unless_disconnected
 from vlfit.serve.engine import MAX_K, SearchEngine, check_k
 from vlfit.serve.images import (
     IndexedThumbnails,
@@ -56,17 +59,18 @@ from vlfit.serve.images import (
 )
 from vlfit.serve.limits import (
     ADMISSION_KEY,
+    ADMITTED_PATHS,
     CLIENTS_KEY,
     EXEMPT_PATHS,
     LIMITS_KEY,
     METRICS_KEY,
-    SEARCH_PATH,
     ServerLimits,
 )
 from vlfit.serve.metrics import MEDIA_TYPE as METRICS_MEDIA_TYPE
 from vlfit.serve.metrics import ServerMetrics
 from vlfit.serve.middleware import HeadAsGet, InFlightLimit, RequestMetrics, UploadLimit, WaitLimit
 from vlfit.serve.queries import ITEM_NUMBER_RULE, Query, SearchQuery, error_response, item_number, read_query
+from vlfit.serve.weaviate import add_weaviate_routes
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +126,9 @@ def create_app(
     thumbnails = ThreadPoolExecutor(max_workers=THUMBNAIL_THREADS, thread_name_prefix="vlfit-thumbnail",
                                     initializer=yield_to_text_queries)  # fmt: skip
     thumbnail_cache = ThumbnailCache(int(limits.thumbnail_cache_mb * 1e6))
+    # Weaviate's vectorizing (bulk imports) on a thread of its own, yielding the cores as the image threads do.
+    vectorizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlfit-vectorize",
+                                     initializer=yield_to_text_queries)  # fmt: skip
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
@@ -133,7 +140,7 @@ def create_app(
             if poller is not None:
                 poller.cancel()
             await batcher.close()
-            for pool in (image_queries, thumbnails):
+            for pool in (image_queries, thumbnails, vectorizing):
                 pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="vlfit serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -169,7 +176,7 @@ def create_app(
         if data is None:
             snapshot = engine.snapshot
             try:
-                data = await _unless_disconnected(
+                data = await unless_disconnected(
                     request, thumbnails, lambda: indexed_thumbnails.make(snapshot.indexed, row, size)
                 )
             except ClientGone:
@@ -193,7 +200,7 @@ def create_app(
         try:
             if query.text is not None:
                 text, k, rerank = query.text, query.k, query.rerank
-                results = await _unless_disconnected(request, None, lambda: batcher.submit((text, rerank, by), k))
+                results = await unless_disconnected(request, None, lambda: batcher.submit((text, rerank, by), k))
             else:
                 image_bytes, k = query.image or b"", query.k
 
@@ -205,7 +212,7 @@ def create_app(
                     metrics.observe_stages(times.seconds)
                     return found
 
-                results = await _unless_disconnected(request, image_queries, image_search)
+                results = await unless_disconnected(request, image_queries, image_search)
         except ClientGone:
             return Response(status_code=499)
         except QueryImageTooLarge as err:
@@ -218,10 +225,12 @@ def create_app(
         return JSONResponse({"results": results, "k": query.k, "generation": engine.generation,
                              "took_ms": round(1000 * (time.perf_counter() - started), 3)})  # fmt: skip
 
+    add_weaviate_routes(app, engine, limits=limits, metrics=metrics, pool=vectorizing)
+
     app.add_middleware(UploadLimit, max_bytes=int(max_upload_mb * 1e6), timeout=limits.body_timeout)
     app.add_middleware(HeadAsGet)
     if admission is not None:
-        app.add_middleware(WaitLimit, admission=admission, metrics=metrics, path=SEARCH_PATH)
+        app.add_middleware(WaitLimit, admission=admission, metrics=metrics, paths=ADMITTED_PATHS)
     app.add_middleware(InFlightLimit, max_requests=limits.max_concurrency, metrics=metrics, exempt=EXEMPT_PATHS)
     if access is not None:
         app.add_middleware(AccessControl, policy=access)  # before any work is done for a request
@@ -229,36 +238,8 @@ def create_app(
     app.state.engine, app.state.batcher, app.state.metrics = engine, batcher, metrics
     app.state.admission = admission
     app.state.limits, app.state.thumbnail_cache = limits, thumbnail_cache
-    app.state.image_pools = (image_queries, thumbnails)
+    app.state.image_pools = (image_queries, thumbnails, vectorizing)
     return app
-
-
-class ClientGone(Exception):
-    """The request's client disconnected before its answer was computed."""
-
-
-async def _unless_disconnected(request: Request, pool: Executor | None, work: Callable[[], Any]) -> Any:
-    """``work()``'s result (run on ``pool``; without one, ``work`` makes a coroutine), unless the client disconnects
-    first: then the work is cancelled (a query still queued is never computed) and ``ClientGone`` is raised."""
-    if await request.is_disconnected():
-        raise ClientGone
-    loop = asyncio.get_running_loop()
-    task = asyncio.ensure_future(work() if pool is None else loop.run_in_executor(pool, work))
-    gone = loop.create_task(_disconnected(request))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if not task.done():
-        task.cancel()
-        raise ClientGone
-    return task.result()
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client disconnects (the body has been read: what the server receives now is the end)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def _describe(query: Query) -> str:

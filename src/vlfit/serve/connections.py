@@ -48,11 +48,11 @@ from vlfit.serve.admission import RETRY_AFTER_S, query_kind, refusal_message
 from vlfit.serve.clients import ClientShares
 from vlfit.serve.limits import (
     ADMISSION_KEY,
+    ADMITTED_PATHS,
     CLIENTS_KEY,
     EXEMPT_PATHS,
     LIMITS_KEY,
     METRICS_KEY,
-    SEARCH_PATH,
     ServerLimits,
 )
 
@@ -355,8 +355,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if limits is not None and len(self.tasks) >= limits.max_concurrency:
             return 503, (f"the server is answering its limit of {limits.max_concurrency} requests "
                          f"(--max_concurrency); retry after {RETRY_AFTER_S} s"), "requests"  # fmt: skip
-        if self.admission is not None and self.parser.get_method() == b"POST" and path == SEARCH_PATH.encode():
-            kind = query_kind(dict(self.headers).get(b"content-type", b""))
+        route = path.decode("latin-1")
+        if self.admission is not None and self.parser.get_method() == b"POST" and route in ADMITTED_PATHS:
+            kind = query_kind(dict(self.headers).get(b"content-type", b""), route)
             over = self.admission.over_budget(kind)
             if over is not None:
                 return 503, refusal_message(kind, over), "wait"

@@ -47,14 +47,14 @@ class QueryImageTooLarge(DataError):
     """A query image that declares more pixels than the server decodes for a query."""
 
 
-def check_query_pixels(image: bytes, max_pixels: int) -> None:
+def check_query_pixels(image: bytes, max_pixels: int, name: str = "the query image") -> None:
     """Read the image's declared size from its header and refuse it beyond ``max_pixels``.
 
     Raises:
         QueryImageTooLarge: naming the size and the limit.
-        DataError: for bytes whose header is not an image's.
+        DataError: for bytes whose header is not an image's (naming the image as ``name``).
     """
-    width, height = check_image_header(image, sample_id="the query image")
+    width, height = check_image_header(image, sample_id=name)
     if width * height > max_pixels:
         raise QueryImageTooLarge(
             f"the image is {width}x{height} ({width * height / 1e6:.1f} megapixels), over the query limit of "

@@ -17,10 +17,13 @@ LIMITS_KEY = "vlfit.limits"  # the app's lifespan state entries its connections 
 METRICS_KEY = "vlfit.metrics"
 ADMISSION_KEY = "vlfit.admission"  # and its WaitAdmission (None without --max_queue_wait_ms)
 CLIENTS_KEY = "vlfit.clients"  # and its ClientShares (vlfit.serve.clients)
-SEARCH_PATH = "/api/search"  # the route whose requests are admitted by expected wait
+SEARCH_PATH = "/api/search"  # the routes whose requests are admitted by expected wait
+VECTORIZE_PATH = "/vectorize"  # Weaviate's multi2vec modules' route (vlfit.serve.weaviate)
+ADMITTED_PATHS = (SEARCH_PATH, VECTORIZE_PATH)
+WEAVIATE_PROBES = ("/.well-known/live", "/.well-known/ready")  # what Weaviate waits on before it starts
 # Never refused for load (answered on the event loop in microseconds): a monitor sees an overloaded server as up
 # and overloaded, not as down.
-EXEMPT_PATHS = ("/api/health", "/metrics")
+EXEMPT_PATHS = ("/api/health", "/metrics", *WEAVIATE_PROBES)
 
 
 @dataclass(frozen=True)

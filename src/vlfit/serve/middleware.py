@@ -118,28 +118,29 @@ class InFlightLimit:
 
 
 class WaitLimit:
-    """A ``POST`` to ``path`` (the searches) whose expected wait is over its budget (``vlfit.serve.admission``) is
-    answered 503 with ``Retry-After`` at once, before its body is read, and counted
+    """A ``POST`` to one of ``paths`` (the searches, Weaviate's ``/vectorize``) whose expected wait is over its budget
+    (``vlfit.serve.admission``) is answered 503 with ``Retry-After`` at once, before its body is read, and counted
     (``vlfit_refused_total{limit="wait"}``); every other request passes.
 
-    The kind of a search is read from its head: a multipart upload is an image query, any other body a text query
-    (a JSON body's base64 image included: the queue of its kind is only known once the body is parsed). An
+    The kind of a query is read from its head (``query_kind``): on ``/api/search`` a multipart upload is an image
+    query, any other body a text query (a JSON body's base64 image included: the queue of its kind is only known
+    once the body is parsed); ``/vectorize`` is a kind of its own. An
     admitted search is pending from the end of its body until its answer is sent, and an answer 200 is timed over
     the same span: a body still arriving is the client's speed, not the queue's, so a client that trickles its
     bodies cannot make the server refuse the searches of others.
     """
 
-    def __init__(self, app: Any, admission: WaitAdmission, metrics: ServerMetrics, path: str) -> None:
+    def __init__(self, app: Any, admission: WaitAdmission, metrics: ServerMetrics, paths: tuple[str, ...]) -> None:
         self.app = app
         self.admission = admission
         self.metrics = metrics
-        self.path = path
+        self.paths = frozenset(paths)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != self.path:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.paths:
             await self.app(scope, receive, send)
             return
-        kind = query_kind(dict(scope.get("headers") or []).get(b"content-type", b""))
+        kind = query_kind(dict(scope.get("headers") or []).get(b"content-type", b""), scope["path"])
         over = self.admission.over_budget(kind)
         if over is not None:  # on uvicorn's httptools protocol the connection refused it already, more cheaply
             self.metrics.observe_refused("wait")

@@ -158,7 +158,7 @@ def check_text(text: str, max_chars: int) -> str | None:
 
 async def read_query(request: Request, max_text_chars: int) -> Query | JSONResponse:
     """The checked query of a search request (texts of at most ``max_text_chars``), or the error response it gets."""
-    media_type, charset = _content_type(request.headers.get("content-type", ""))
+    media_type, charset = content_type(request.headers.get("content-type", ""))
     if media_type == "multipart/form-data":
         return await _read_multipart(request)
     if charset is not None and charset not in UTF8_CHARSETS:
@@ -184,18 +184,29 @@ async def read_query(request: Request, max_text_chars: int) -> Query | JSONRespo
     if query.rerank is not None or query.rerank_score is not None:
         return error_response(422, '"rerank" re-ranks text queries (the matching head scores a caption against an '
                               "image): search an image without it")  # fmt: skip
-    encoded = query.image or ""
-    if _BASE64.fullmatch(encoded) and len(encoded) % 4:  # b64decode says "Incorrect padding": say what is missing
-        return error_response(400, '"image" is base64 without its padding (its length is not a multiple of 4): '
-                              "send the image file's bytes in standard base64, with the trailing '='")  # fmt: skip
     try:
-        image = base64.b64decode(encoded, validate=True)
-    except (binascii.Error, ValueError) as err:
-        return error_response(400, f'"image" is not base64 ({err}): send the image file\'s bytes base64-encoded')
+        image = decode_base64(query.image or "", '"image"')
+    except ValueError as err:
+        return error_response(400, str(err))
     return Query(None, image, query.k)
 
 
-def _content_type(header: str) -> tuple[str, str | None]:
+def decode_base64(encoded: str, field: str) -> bytes:
+    """The bytes of an image sent as standard base64 with its padding (``field`` names it in the message).
+
+    Raises:
+        ValueError: saying what is wrong (no padding, not base64) and what to send.
+    """
+    if _BASE64.fullmatch(encoded) and len(encoded) % 4:  # b64decode says "Incorrect padding": say what is missing
+        raise ValueError(f"{field} is base64 without its padding (its length is not a multiple of 4): send the "
+                         "image file's bytes in standard base64, with the trailing '='")  # fmt: skip
+    try:
+        return base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError) as err:
+        raise ValueError(f"{field} is not base64 ({err}): send the image file's bytes base64-encoded") from None
+
+
+def content_type(header: str) -> tuple[str, str | None]:
     """The media type of a ``Content-Type`` header and its ``charset`` (lower case, unquoted; None: none given)."""
     media_type, *params = header.split(";")
     charset = None

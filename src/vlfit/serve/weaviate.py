@@ -1,0 +1,223 @@
+"""Weaviate's multi2vec inference protocol on ``vlfit serve``: a Weaviate with the ``multi2vec-clip`` module whose
+``CLIP_INFERENCE_API`` points at the server vectorizes its objects and its ``nearText``/``nearImage`` queries with
+the served model.
+
+The protocol is the one the module's client speaks (Weaviate 1.24 and later: ``modules/multi2vec-clip/clients``),
+and ``weaviate/multi2vec-clip-inference``'s container answers:
+
+- ``POST /vectorize`` ``{"texts": ["..."], "images": ["<base64>"]}`` -> ``{"textVectors": [[...]], "imageVectors":
+  [[...]]}``, one L2-normalized vector per item, in order (either list may be empty or ``null``); errors are
+  ``{"error": "..."}``, the field the client reads, with a 4xx naming the item;
+- ``GET /meta``: a JSON object, which Weaviate shows under its own ``/v1/meta``: here the model's identity;
+- ``GET /.well-known/live`` and ``GET /.well-known/ready``: 204 (the server answers once the model is loaded; Weaviate
+  waits on ``ready`` before it starts).
+
+The vectors are the model's own: ``vlfit.load(model).encode_texts`` / ``encode_images`` of the same inputs (the
+texts 256 to a batch, the images decoded as every door decodes them, 32 to a batch). A request is bounded as a
+search is: the body (``--max_upload_mb``), each text (``--max_text_chars``), each image's pixels read from its
+header before it is decoded (``--max_query_pixels``), ``MAX_VECTORIZE_ITEMS`` items, requests in flight and the
+expected wait (a queue of its own, ``vlfit.serve.admission``); it runs on a thread of its own at the image
+threads' lower priority, so a bulk import never holds up a search. Keys and metrics are the other routes'
+(``vlfit.serve.access``: Weaviate sends the key as the password of a URL's ``user:key@``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError
+
+from vlfit.errors import DataError
+from vlfit.index.stages import StageTimes
+from vlfit.serve.disconnects import ClientGone, unless_disconnected
+from vlfit.serve.engine import SearchEngine
+from vlfit.serve.images import QueryImageTooLarge, check_query_pixels
+from vlfit.serve.limits import VECTORIZE_PATH, WEAVIATE_PROBES, ServerLimits
+from vlfit.serve.metrics import ServerMetrics
+from vlfit.serve.queries import (
+    UTF8_CHARSETS,
+    NotUtf8Error,
+    content_type,
+    decode_base64,
+    error_response,
+    parse_json,
+)
+from vlfit.version import __version__
+
+logger = logging.getLogger(__name__)
+
+META_PATH = "/meta"
+# Texts and images of one request together. Weaviate sends one object's text and image fields per request (a few
+# items); this bounds what one request may hold the vectorizing thread for.
+MAX_VECTORIZE_ITEMS = 64
+TEXT_BATCH, IMAGE_BATCH = 256, 32  # as vlfit.Model.encode_texts / encode_images batch them
+_EXAMPLE = 'send {"texts": ["a caption"], "images": ["<base64 of an image file>"]}'
+
+
+class VectorizeBody(BaseModel):
+    """A ``POST /vectorize`` body: texts and base64 images, either list may be missing or ``null``."""
+
+    model_config = ConfigDict(extra="forbid")
+    texts: list[StrictStr] | None = None
+    images: list[StrictStr] | None = None
+
+
+@dataclass(frozen=True)
+class VectorizeRequest:
+    """A checked ``POST /vectorize``: the texts and the images' encoded bytes (their pixels not yet checked)."""
+
+    texts: list[str]
+    images: list[bytes]
+
+
+class ItemRefused(Exception):
+    """An item of a vectorize request that is not vectorized: the status and the one line the client gets."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+async def read_vectorize(request: Request, max_text_chars: int) -> VectorizeRequest | JSONResponse:
+    """The checked body of ``POST /vectorize``, or the error response it gets (see ``vlfit.serve.queries`` for the
+    JSON rules: UTF-8, no duplicate keys, bounded nesting, unknown fields refused)."""
+    _, charset = content_type(request.headers.get("content-type", ""))
+    if charset is not None and charset not in UTF8_CHARSETS:
+        return error_response(415, f"{VECTORIZE_PATH} takes JSON in UTF-8 (charset=utf-8 or none), not "
+                              f"charset={charset[:40]}: send UTF-8 JSON")  # fmt: skip
+    try:
+        body = parse_json(await request.body())
+    except NotUtf8Error as err:
+        return error_response(400, str(err))
+    except ValueError as err:
+        return error_response(422, f"{err}; {_EXAMPLE}")
+    try:
+        fields = VectorizeBody.model_validate(body)
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in err.errors())
+        return error_response(422, f"invalid vectorize request: {problems}; {_EXAMPLE}")
+    texts, encoded = fields.texts or [], fields.images or []
+    if len(texts) + len(encoded) > MAX_VECTORIZE_ITEMS:
+        return error_response(422, f"{len(texts)} texts and {len(encoded)} images in one request, over the limit "
+                              f"of {MAX_VECTORIZE_ITEMS} items: send them in several requests")  # fmt: skip
+    for i, text in enumerate(texts):
+        problem = _text_problem(text, max_text_chars)
+        if problem:
+            return error_response(422, f"texts[{i}] {problem}")
+    images = []
+    for i, image in enumerate(encoded):
+        try:
+            images.append(decode_base64(image, f"images[{i}]"))
+        except ValueError as err:
+            return error_response(400, str(err))
+    return VectorizeRequest(texts, images)
+
+
+def _text_problem(text: str, max_chars: int) -> str | None:
+    """Why ``text`` cannot be vectorized (``None``: it can). An empty text can: Weaviate sends an object's empty
+    text fields too, and the model embeds them as the inference container does."""
+    if len(text) > max_chars:
+        return f"is {len(text)} characters, over the limit of {max_chars} (--max_text_chars)"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return f"is not valid Unicode text: {err.reason} at character {err.start}"
+    return None
+
+
+def vectorize(
+    engine: SearchEngine, texts: Sequence[str], images: Sequence[bytes], max_pixels: int, times: StageTimes
+) -> dict[str, list[list[float]]]:
+    """The answer of ``POST /vectorize``: each text's and each image's embedding, in order.
+
+    Raises:
+        ItemRefused: for an image over ``max_pixels`` (422) or bytes that are not an image (400), naming it.
+    """
+    text_vectors = engine.encode_texts(texts, times) if texts else torch.zeros(0)
+    image_vectors = []
+    if images:
+        with times.stage("decode"):
+            for i, image in enumerate(images):
+                try:
+                    check_query_pixels(image, max_pixels, name=f"images[{i}]")
+                except QueryImageTooLarge as err:
+                    raise ItemRefused(422, f"images[{i}]: {err}") from None
+                except DataError as err:  # its message names images[i]
+                    raise ItemRefused(400, f"not an image vlfit can read: {err}") from None
+            try:
+                pixels = engine.runtime.pixels(list(images))  # its DataError names images[i]
+            except DataError as err:
+                raise ItemRefused(400, f"not an image vlfit can read: {err}") from None
+        with times.stage("encode"):
+            for start in range(0, len(images), IMAGE_BATCH):
+                batch = pixels[start : start + IMAGE_BATCH].contiguous()
+                image_vectors.append(engine.encoder.encode_images(batch).float())
+    return {"textVectors": text_vectors.tolist(), "imageVectors": torch.cat(image_vectors).tolist() if images else []}
+
+
+def model_meta(engine: SearchEngine) -> dict[str, object]:
+    """What ``GET /meta`` answers: the served model's identity (its folder by name unless ``absolute_paths``)."""
+    encoder = engine.encoder
+    spec = encoder.spec
+    path = encoder.model_path
+    name = path if engine.absolute_paths else os.path.basename(path.rstrip(os.sep))
+    return {
+        "model": {
+            "name": name,
+            **encoder.identity.to_dict(),
+            "backend": encoder.backend,
+            "precision": encoder.precision,
+            "image_size": spec.image_size,
+            "max_seq_length": spec.max_seq_length,
+        },  # fmt: skip
+        "server": f"vlfit serve {__version__}",
+        "protocol": "multi2vec-clip",
+    }
+
+
+def add_weaviate_routes(
+    app: FastAPI, engine: SearchEngine, *, limits: ServerLimits, metrics: ServerMetrics, pool: Executor
+) -> None:
+    """Answer Weaviate's multi2vec protocol on ``app`` (see the module); ``pool`` runs the vectorizing."""
+
+    async def probe() -> Response:
+        return Response(status_code=204)  # the app exists once its model loaded: live and ready alike
+
+    for path in WEAVIATE_PROBES:
+        app.add_api_route(path, probe, methods=["GET"])
+
+    @app.get(META_PATH)
+    async def meta() -> JSONResponse:
+        return JSONResponse(model_meta(engine))
+
+    @app.post(VECTORIZE_PATH)
+    async def vectorize_route(request: Request) -> Response:
+        checked = await read_vectorize(request, limits.max_text_chars)
+        if isinstance(checked, Response):
+            return checked
+        if not checked.texts and not checked.images:
+            return JSONResponse({"textVectors": [], "imageVectors": []})
+        times = StageTimes()
+
+        def work() -> dict[str, list[list[float]]]:
+            return vectorize(engine, checked.texts, checked.images, limits.max_query_pixels, times)
+
+        try:
+            answer = await unless_disconnected(request, pool, work)
+        except ClientGone:
+            return Response(status_code=499)
+        except ItemRefused as err:
+            return error_response(err.status, str(err))
+        except Exception as err:  # noqa: BLE001 - this request's failure, and only this request's
+            logger.error("a vectorize request (%d texts, %d images) failed: %s", len(checked.texts),
+                         len(checked.images), err, exc_info=err)  # fmt: skip
+            return error_response(500, f"vectorizing failed: {type(err).__name__}: {err}")
+        metrics.observe_stages(times.seconds)
+        return JSONResponse(answer)
