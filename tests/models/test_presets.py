@@ -29,6 +29,8 @@ PARAMETERS = {
     "siglip-tiny": 291_586,
     "siglip-small": 4_896_386,
     "siglip-base": 203_155_970,
+    "siglip2-tiny": 291_586,
+    "siglip2-small": 5_036_930,
 }
 CAPTIONS = ["two red circles on the left", "one blue square at the top", "three green crosses"] * 10
 

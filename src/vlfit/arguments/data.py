@@ -205,6 +205,12 @@ class DataArguments(CompatDataFlags, StreamArguments, DataLocationArguments):
         metadata={"help": "Captions are truncated to this many tokens (default: the length the model was trained with "
                   "when it is a vlfit run, from its input_spec.json; else 128, within the model's text positions)."},
     )  # fmt: skip
+    max_num_patches: int | None = field(
+        default=None,
+        metadata={"help": "NaFlex models (SigLIP 2): each image keeps its aspect ratio as at most this many patches, "
+                  "the token budget (default: the budget the model was trained with when it is a vlfit run, from its "
+                  "input_spec.json; else its image processor's, 256 for SigLIP 2)."},
+    )  # fmt: skip
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N training samples."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Use only the first N evaluation samples."})
     preprocessing_num_workers: int | None = field(

@@ -167,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     zeroshot_args = ModelArguments(model_name_or_path=args.zeroshot_model)
     training = as_training_arguments(finetuned_args, settings)
     setup = setup_run(finetuned_args, data, training)
-    zeroshot_spec = resolve_model(**zeroshot_args.source_keywords(), max_seq_length=data.max_seq_length)
+    zeroshot_spec = resolve_model(
+        **zeroshot_args.source_keywords(), max_seq_length=data.max_seq_length, max_num_patches=data.max_num_patches
+    )
     if zeroshot_spec.family.name != setup.spec.family.name:
         raise ConfigError(
             f"--zeroshot_model is a {zeroshot_spec.family.name} model and --finetuned_model a "

@@ -27,11 +27,13 @@ from vlfit.data.batch import BadSample, Batch
 from vlfit.data.decode import DecodeError
 from vlfit.data.hard_negatives import alternative_captions, caption_choice, tokenize_alternatives
 from vlfit.data.image_transforms import EncodedImage, stack_images
+from vlfit.data.naflex import PatchImage, collate_patches
 from vlfit.data.records import CAPTION_CHOICE, BadRecordError, Record
 from vlfit.models.family import IMAGE_KEYS, tokenize_captions
 
-ImageTransform = Callable[[bytes, str], "torch.Tensor | EncodedImage"]
-"""bytes and sample id -> the image a sample carries (pixels, or ``EncodedImage`` for device decode)."""
+ImageTransform = Callable[[bytes, str], "torch.Tensor | EncodedImage | PatchImage"]
+"""bytes and sample id -> the image a sample carries (pixels, NaFlex patches, or ``EncodedImage`` for device
+decode)."""
 
 
 @dataclass
@@ -52,7 +54,7 @@ class Sample:
 
     id: str
     position: int
-    image: torch.Tensor | EncodedImage | None
+    image: torch.Tensor | EncodedImage | PatchImage | None
     caption: str | None
     columns: dict[str, Any] = field(default_factory=dict)
     bad_samples: list[BadSample] = field(default_factory=list)
@@ -247,6 +249,8 @@ class ImageTextCollator:
         encoded = None
         if isinstance(images[0], EncodedImage):
             encoded = images
+        elif isinstance(images[0], PatchImage):  # NaFlex: padded to the batch's longest, with mask and grids
+            inputs.update(collate_patches(images, shared=get_worker_info() is not None))  # type: ignore[arg-type]
         else:
             inputs["pixel_values"] = stack_images(images)
         return Batch(

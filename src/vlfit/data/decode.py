@@ -88,18 +88,19 @@ def apply_orientation(hwc: np.ndarray, orientation: int) -> np.ndarray:
     return hwc
 
 
-def decode_pil(data: bytes, sample_id: str = "?", draft_size: int | None = None) -> Image.Image:
+def decode_pil(data: bytes, sample_id: str = "?", draft_size: int | tuple[int, int] | None = None) -> Image.Image:
     """Decode any format Pillow reads into an RGB image with EXIF orientation applied.
 
     Args:
         data: Encoded image bytes.
         sample_id: Named in errors.
-        draft_size: For JPEG, let libjpeg downscale by 1/2, 1/4 or 1/8 while keeping both sides at least this.
+        draft_size: For JPEG, let libjpeg downscale by 1/2, 1/4 or 1/8 while keeping both sides at least this
+            (or the ``(width, height)`` given, as stored: before EXIF orientation).
     """
     try:
         image = _open_pil(data, sample_id)
         if draft_size is not None and image.format == "JPEG":
-            image.draft("RGB", (draft_size, draft_size))
+            image.draft("RGB", (draft_size, draft_size) if isinstance(draft_size, int) else draft_size)
         image = ImageOps.exif_transpose(image)
         if image.mode.startswith("I;16"):
             # Pillow clips 16-bit samples to 255 when converting to RGB (a white image); keep the high byte instead.

@@ -19,6 +19,7 @@ from vlfit.data.bad_samples import RAISE_HINT, BadSampleError, describe_error
 from vlfit.data.batch import DEVICE, BadSample, Batch
 from vlfit.data.decode import DecodeError
 from vlfit.data.device_decode import decode_resize_batch, decode_resize_batch_skipping_bad
+from vlfit.data.naflex import normalize_patches
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +147,10 @@ class DeviceStage:
             batch = self._decode(batch, device)
         pixels = batch.inputs["pixel_values"]
         flip = train and self.horizontal_flip
-        if pixels.dtype == torch.uint8:
+        if pixels.dtype == torch.uint8 and pixels.dim() == 3:  # NaFlex patches (the pipeline refuses a flip)
+            mean, std = self._stats_on(pixels.device)
+            pixels = normalize_patches(pixels, batch.inputs["pixel_attention_mask"], mean, std, dtype)
+        elif pixels.dtype == torch.uint8:
             if flip:  # on the uint8 pixels: a quarter of the bytes, and the same result as flipping after
                 pixels = random_horizontal_flip(pixels)
             mean, std = self._stats_on(pixels.device)

@@ -32,6 +32,7 @@ from vlfit.data.batch import Batch
 from vlfit.data.dataset import ImageTextCollator, ImageTextDataset, ImageTransform
 from vlfit.data.device_stage import CudaPrefetcher, DeviceStage
 from vlfit.data.image_transforms import FastImageTransform, PassThroughEncoded, ReferenceImageTransform
+from vlfit.data.naflex import NaflexTransform, check_naflex_options
 from vlfit.data.records import EVAL_COLUMNS
 from vlfit.errors import ConfigError, DataError
 
@@ -216,6 +217,11 @@ class InputPipeline:
                 options.image_pipeline,
             )
             options = replace(options, decode_on_device=False)
+        if inputs.max_num_patches is not None:
+            check_naflex_options(options)
+            if options.decode_on_device:
+                logger.warning("--decode_on_device decodes square images; a NaFlex model's are decoded on the CPU")
+                options = replace(options, decode_on_device=False)
         self.inputs = inputs
         self.options = options
         self.device = device
@@ -243,6 +249,8 @@ class InputPipeline:
         spec, options = self.inputs, self.options
         if options.decode_on_device:
             return PassThroughEncoded()
+        if spec.max_num_patches is not None:
+            return NaflexTransform(int(spec.patch_size), spec.max_num_patches)  # type: ignore[arg-type]
         if options.image_pipeline == "fast":
             return FastImageTransform(spec.image_size, random_resized_crop=train and options.random_resized_crop)
         return ReferenceImageTransform(spec.image_size, spec.image_mean, spec.image_std)

@@ -37,7 +37,7 @@ from vlfit.evaluation.rerank import (
     split_pair_scorer,
 )
 from vlfit.inference.recall import matching_accuracy, pooled_recall_at_k
-from vlfit.models.family import IMAGE_KEYS, ModelFamily, tokenize_captions
+from vlfit.models.family import IMAGE_KEYS, ModelFamily, image_inputs, tokenize_captions
 from vlfit.models.itm import has_itm_head
 from vlfit.models.sharding import unsharded
 
@@ -113,7 +113,7 @@ def embed_split(
             with autocast():
                 text_embeds = family.encode_text(model, batch["input_ids"], batch["attention_mask"])
                 part.texts.append(text_embeds.float().cpu())
-                part.images.append(family.encode_image(model, batch["pixel_values"]).float().cpu())
+                part.images.append(family.encode_image(model, **image_inputs(batch.inputs)).float().cpu())
                 if part.choices is None:
                     continue
                 batch_choices, right = batch.columns.get("caption_choices"), _right_choices(batch)

@@ -23,7 +23,7 @@ from torch import nn
 from vlfit.data.pipeline import InputPipeline, LoaderSettings
 from vlfit.data.sources.labelled import ZeroShotSet, check_templates
 from vlfit.errors import ConfigError
-from vlfit.models.family import ModelFamily
+from vlfit.models.family import ModelFamily, image_inputs
 from vlfit.models.logit_scale import logit_scale_parameter
 from vlfit.models.sharding import unsharded
 
@@ -97,7 +97,7 @@ def zeroshot_metrics(
             if not len(batch):
                 continue
             with autocast():
-                images = family.encode_image(model, batch["pixel_values"]).float()
+                images = family.encode_image(model, **image_inputs(batch.inputs)).float()
             ranked = (images @ classes.t()).topk(top, dim=1).indices.cpu()
             labels = torch.as_tensor(split.labels[batch.positions])
             correct1 += int((ranked[:, 0] == labels).sum())

@@ -25,7 +25,7 @@ from vlfit.extras import require_extra
 from vlfit.inference.exported import TOKENIZER_FILES, ExportFolder
 from vlfit.inference.identity import ModelIdentity, RefusedModelError, checkpoint_fingerprint
 from vlfit.inference.runtime_settings import RuntimeSettings
-from vlfit.inference.towers import IMAGE_INPUT, TEXT_INPUTS, ImageTower, TextTower
+from vlfit.inference.towers import IMAGE_INPUT, PATCH_INPUTS, TEXT_INPUTS, ImageTower, TextTower
 from vlfit.models.family import InputSpec
 from vlfit.models.reference import ModelReference
 
@@ -56,8 +56,14 @@ class Encoder(ABC):
     identity: ModelIdentity
 
     @abstractmethod
-    def encode_images(self, pixels: torch.Tensor | np.ndarray) -> torch.Tensor:
-        """uint8 pixels ``[B, 3, H, W]`` -> float32 ``[B, D]``."""
+    def encode_images(
+        self,
+        pixels: torch.Tensor | np.ndarray,
+        pixel_attention_mask: torch.Tensor | None = None,
+        spatial_shapes: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """uint8 pixels ``[B, 3, H, W]`` -> float32 ``[B, D]``; a NaFlex model's: uint8 patches ``[B, N, p * p * 3]``
+        with their ``pixel_attention_mask`` ``[B, N]`` and ``spatial_shapes`` ``[B, 2]`` (``vlfit.data.naflex``)."""
 
     @abstractmethod
     def encode_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -87,6 +93,17 @@ def _as_numpy_uint8(pixels: torch.Tensor | np.ndarray) -> np.ndarray:
     if array.dtype != np.uint8:
         raise ValueError(f"the image graphs take uint8 pixels, got {array.dtype}")
     return np.ascontiguousarray(array)
+
+
+def _image_feeds(
+    pixels: torch.Tensor | np.ndarray, pixel_attention_mask: torch.Tensor | None, spatial_shapes: torch.Tensor | None
+) -> dict[str, np.ndarray]:
+    """The image graph's inputs: uint8 pixels, and a NaFlex graph's int64 patch mask and grids."""
+    feeds = {IMAGE_INPUT: _as_numpy_uint8(pixels)}
+    if pixel_attention_mask is not None and spatial_shapes is not None:
+        feeds[PATCH_INPUTS[0]] = pixel_attention_mask.numpy().astype(np.int64)
+        feeds[PATCH_INPUTS[1]] = spatial_shapes.numpy().astype(np.int64)
+    return feeds
 
 
 def _text_feeds(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, np.ndarray]:
@@ -133,9 +150,14 @@ class TorchEncoder(Encoder):
         self.loaded.save(folder)
 
     @torch.inference_mode()
-    def encode_images(self, pixels: torch.Tensor | np.ndarray) -> torch.Tensor:
+    def encode_images(
+        self,
+        pixels: torch.Tensor | np.ndarray,
+        pixel_attention_mask: torch.Tensor | None = None,
+        spatial_shapes: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         tensor = torch.from_numpy(pixels) if isinstance(pixels, np.ndarray) else pixels
-        return self.image_tower(tensor).float()
+        return self.image_tower(tensor, pixel_attention_mask, spatial_shapes).float()
 
     @torch.inference_mode()
     def encode_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -217,8 +239,13 @@ class OnnxRuntimeEncoder(_ExportedEncoder):
             for tower in ("image", "text")
         }
 
-    def encode_images(self, pixels: torch.Tensor | np.ndarray) -> torch.Tensor:
-        (out,) = self.sessions["image"].run(None, {IMAGE_INPUT: _as_numpy_uint8(pixels)})
+    def encode_images(
+        self,
+        pixels: torch.Tensor | np.ndarray,
+        pixel_attention_mask: torch.Tensor | None = None,
+        spatial_shapes: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        (out,) = self.sessions["image"].run(None, _image_feeds(pixels, pixel_attention_mask, spatial_shapes))
         return torch.from_numpy(out).float()
 
     def encode_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -256,9 +283,15 @@ class OpenVinoEncoder(_ExportedEncoder):
             for tower in ("image", "text")
         }
 
-    def encode_images(self, pixels: torch.Tensor | np.ndarray) -> torch.Tensor:
+    def encode_images(
+        self,
+        pixels: torch.Tensor | np.ndarray,
+        pixel_attention_mask: torch.Tensor | None = None,
+        spatial_shapes: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         compiled = self.compiled["image"]
-        return torch.from_numpy(np.asarray(compiled({IMAGE_INPUT: _as_numpy_uint8(pixels)})[compiled.output(0)]))
+        feeds = _image_feeds(pixels, pixel_attention_mask, spatial_shapes)
+        return torch.from_numpy(np.asarray(compiled(feeds)[compiled.output(0)]))
 
     def encode_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         compiled = self.compiled["text"]

@@ -25,8 +25,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vlfit.data.image_inputs import ImageInput, pixels_of
+from vlfit.data.image_inputs import ImageInput, patches_of, pixels_of
 from vlfit.data.image_transforms import stack_images
+from vlfit.data.naflex import NaflexTransform, collate_patches
 from vlfit.errors import ConfigError, DataError
 from vlfit.inference.backends import FOLDER_KINDS, Encoder, build_encoder
 from vlfit.inference.identity import RefusedModelError
@@ -204,14 +205,32 @@ class ModelRuntime:
         """Images (paths, encoded bytes, PIL images, uint8 arrays ``[H, W(, C)]`` or one ``[N, H, W, C]`` batch)
         as the fast CPU pipeline makes them: uint8 ``[N, 3, S, S]`` (center crop, bicubic resize), in one copy.
         ``start`` numbers them in error messages."""
+        if self.inputs.max_num_patches is not None:
+            raise ConfigError(
+                f"{self.path} is a NaFlex model: its images are patches with a mask and grids (image_batch), not "
+                "square pixels"
+            )
         items = image_list(images)
         size = self.image_size
         return stack_images([pixels_of(item, size, start + i) for i, item in enumerate(items)])
 
+    def image_batch(self, images: ImageInput | Iterable[ImageInput], start: int = 0) -> dict[str, torch.Tensor]:
+        """The encoder's image inputs of ``images`` (``encoder.encode_images(**batch)``): ``pixels`` (``pixels()``);
+        for a NaFlex model, uint8 patches padded to the longest image's count with ``pixel_attention_mask`` and
+        ``spatial_shapes`` (``vlfit.data.naflex``), at the run's token budget."""
+        spec = self.inputs
+        if spec.max_num_patches is None:
+            return {"pixels": self.pixels(images, start)}
+        transform = NaflexTransform(int(spec.patch_size), spec.max_num_patches)  # type: ignore[arg-type]
+        patches = [patches_of(item, transform, start + i) for i, item in enumerate(image_list(images))]
+        batch = collate_patches(patches)
+        return {"pixels": batch["pixel_values"], "pixel_attention_mask": batch["pixel_attention_mask"],
+                "spatial_shapes": batch["spatial_shapes"]}  # fmt: skip
+
     def embed_images(self, images: ImageInput | Iterable[ImageInput], batch_size: int = 32) -> torch.Tensor:
         """L2-normalized float32 ``[N, D]``, ``batch_size`` images at a time."""
         items = image_list(images)
-        rows = [self.encoder.encode_images(self.pixels(items[s : s + batch_size], s))
+        rows = [self.encoder.encode_images(**self.image_batch(items[s : s + batch_size], s))
                 for s in range(0, len(items), batch_size)]  # fmt: skip
         return self._stacked(rows)
 

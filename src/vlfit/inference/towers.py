@@ -16,13 +16,16 @@ from torch import nn
 from vlfit.models.family import InputSpec, ModelFamily
 
 IMAGE_INPUT = "pixels"
+# A NaFlex model's image graph takes these too (``vlfit.data.naflex``), its patch count a dynamic axis.
+PATCH_INPUTS = ("pixel_attention_mask", "spatial_shapes")
 TEXT_INPUTS = ("input_ids", "attention_mask")
 # Not "embedding": the exporter names graph values after their operations, and the towers call aten.embedding.
 EMBEDDING_OUTPUT = "normalized_embedding"
 
 
 class ImageTower(nn.Module):
-    """uint8 pixels ``[B, 3, H, W]`` -> L2-normalized image embeddings ``[B, D]``.
+    """uint8 pixels ``[B, 3, H, W]`` (NaFlex: patches ``[B, N, p * p * 3]``, their mask and grids) -> L2-normalized
+    image embeddings ``[B, D]``.
 
     Args:
         family: The model's family (its ``encode_image``).
@@ -36,12 +39,30 @@ class ImageTower(nn.Module):
         self.model = model
         mean = torch.tensor(spec.image_mean, dtype=torch.float32)
         std = torch.tensor(spec.image_std, dtype=torch.float32)
-        self.register_buffer("scale", (1.0 / (255.0 * std)).view(1, -1, 1, 1), persistent=False)
-        self.register_buffer("shift", (-mean / std).view(1, -1, 1, 1), persistent=False)
+        scale, shift = 1.0 / (255.0 * std), -mean / std
+        if spec.max_num_patches is not None:  # NaFlex patches [B, N, p * p * 3], channels last in each patch
+            patch = int(spec.patch_size)  # type: ignore[arg-type]
+            scale, shift = scale.repeat(patch * patch).view(1, 1, -1), shift.repeat(patch * patch).view(1, 1, -1)
+        else:
+            scale, shift = scale.view(1, -1, 1, 1), shift.view(1, -1, 1, 1)
+        self.register_buffer("scale", scale, persistent=False)
+        self.register_buffer("shift", shift, persistent=False)
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        pixels: torch.Tensor,
+        pixel_attention_mask: torch.Tensor | None = None,
+        spatial_shapes: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Embeddings of uint8 pixels, or of a NaFlex model's uint8 patches with their mask and grids
+        (``vlfit.data.naflex``)."""
         normalized = torch.addcmul(self.shift, pixels.to(torch.float32), self.scale)
-        return self.family.encode_image(self.model, normalized)
+        if pixel_attention_mask is None:
+            return self.family.encode_image(self.model, normalized)
+        normalized = normalized * pixel_attention_mask.unsqueeze(-1).to(normalized.dtype)  # padding rows are 0
+        return self.family.encode_image(
+            self.model, normalized, pixel_attention_mask=pixel_attention_mask, spatial_shapes=spatial_shapes
+        )
 
 
 class TextTower(nn.Module):

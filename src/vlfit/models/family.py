@@ -38,6 +38,16 @@ HARD_NEGATIVE_ATTENTION_MASK = "hard_negative_attention_mask"
 # captions of one image, never each other's negatives in the loss. An input of the loss, never of the forward.
 IMAGE_KEYS = "image_keys"
 
+# The image inputs a batch may carry: the pixels, and a NaFlex batch's patch mask and patch grids
+# (``vlfit.data.naflex``). ``encode_image`` takes them as keywords.
+IMAGE_INPUTS = ("pixel_values", "pixel_attention_mask", "spatial_shapes")
+
+
+def image_inputs(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The image inputs among a batch's ``inputs``: ``family.encode_image(model, **image_inputs(batch.inputs))``."""
+    return {name: inputs[name] for name in IMAGE_INPUTS if name in inputs}
+
+
 # CLIP's pixel statistics, which CLIP-derived vision towers (BridgeTower's among them) normalize with.
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -56,6 +66,9 @@ class InputSpec:
         image_std: Per-channel normalization std.
         tokenizer: A transformers tokenizer.
         max_seq_length: Captions are truncated to this many tokens.
+        max_num_patches: NaFlex (SigLIP 2): each image keeps its aspect ratio as at most this many patches of
+            ``patch_size`` (``vlfit.data.naflex``); None: square images of ``image_size``.
+        patch_size: The vision tower's patch side (read with ``max_num_patches``).
     """
 
     image_size: int
@@ -63,6 +76,8 @@ class InputSpec:
     image_std: tuple[float, float, float]
     tokenizer: Any
     max_seq_length: int = 128
+    max_num_patches: int | None = None
+    patch_size: int | None = None
 
     def tokenize(self, texts: Sequence[str], *, multiple_of_8: bool = False) -> dict[str, torch.Tensor]:
         """``tokenize_captions`` with this spec's tokenizer and ``max_seq_length``."""
@@ -210,6 +225,11 @@ class ModelFamily(ABC):
         from transformers import CLIPImageProcessor
 
         return CLIPImageProcessor(**pipeline_image_processing(inputs))
+
+    def max_num_patches(self, image_processor: Any) -> int | None:
+        """The token budget of a NaFlex model's images (its processor's ``max_num_patches``); None for a model of
+        square images."""
+        return None
 
     @abstractmethod
     def build(self, config: Any) -> nn.Module:

@@ -6,8 +6,9 @@ folder (``resolve_model``) takes the caption length from it, so ``vlfit.load``, 
 ``vqa`` and ``fewshot`` cut captions where training cut them. A folder without one (a hub checkpoint, or a run saved
 before the record existed) is read as before: ``DEFAULT_MAX_SEQ_LENGTH``, within the model's text positions.
 
-The image settings are recorded too (size, resize and crop, normalisation): they are the config's and the image
-processor's, and a record that disagrees with them is refused rather than guessed between.
+The image settings are recorded too (size, resize and crop, normalisation; a NaFlex model's token budget and patch
+size instead of a crop): they are the config's and the image processor's, and a record that disagrees with them is
+refused rather than guessed between.
 
     {"format_version": 1, "max_seq_length": 16, "tokenizer_call": {"truncation": true, "padding": "longest"},
      "image_size": 224, "resize": "shortest_edge", "resample": "bicubic", "crop": "center",
@@ -33,21 +34,27 @@ DEFAULT_MAX_SEQ_LENGTH = 128
 # What vlfit's input pipeline does to an image (``vlfit.data.image_transforms.resize_crop_uint8``): the short side
 # resized (bicubic), then the center cropped to a square. The only geometry vlfit trains with.
 IMAGE_GEOMETRY = {"resize": "shortest_edge", "resample": "bicubic", "crop": "center"}
+# A NaFlex model's (``vlfit.data.naflex``): each image resized, bilinear, to the patch grid its aspect ratio gets
+# within ``max_num_patches``, uncropped.
+PATCH_GEOMETRY = {"resize": "patch_budget", "resample": "bilinear", "crop": "none"}
 # How every caption is tokenized (``vlfit.models.family.tokenize_captions``), ``max_length`` aside.
 TOKENIZER_CALL = {"truncation": True, "padding": "longest"}
 
 
 def input_settings(inputs: InputSpec) -> dict[str, Any]:
     """The record of ``inputs``: what ``input_spec.json`` holds."""
-    return {
+    naflex = inputs.max_num_patches is not None
+    record = {
         "format_version": FORMAT_VERSION,
         "max_seq_length": int(inputs.max_seq_length),
         "tokenizer_call": dict(TOKENIZER_CALL),
         "image_size": int(inputs.image_size),
-        **IMAGE_GEOMETRY,
-        "image_mean": [float(x) for x in inputs.image_mean],
-        "image_std": [float(x) for x in inputs.image_std],
+        **(PATCH_GEOMETRY if naflex else IMAGE_GEOMETRY),
     }
+    if naflex:  # the token budget the run trained with, which every door reads back
+        record.update(max_num_patches=int(inputs.max_num_patches), patch_size=int(inputs.patch_size or 0))  # type: ignore[arg-type]
+    record.update(image_mean=[float(x) for x in inputs.image_mean], image_std=[float(x) for x in inputs.image_std])
+    return record
 
 
 def save_input_settings(inputs: InputSpec, folder: str) -> None:
@@ -77,8 +84,12 @@ def read_input_settings(folder: str | None) -> dict[str, Any] | None:
     if not isinstance(length, int) or isinstance(length, bool) or length < 1:
         raise ModelLoadError(f"{path}: max_seq_length must be a positive integer, got {length!r}")
     geometry = {key: record.get(key, value) for key, value in IMAGE_GEOMETRY.items()}
-    if geometry != IMAGE_GEOMETRY:
-        raise ModelLoadError(f"{path}: images resized as {geometry}, which vlfit does not do ({IMAGE_GEOMETRY})")
+    budget = record.get("max_num_patches")
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
+        raise ModelLoadError(f"{path}: max_num_patches must be a positive integer, got {budget!r}")
+    expected = IMAGE_GEOMETRY if budget is None else PATCH_GEOMETRY
+    if geometry != expected:
+        raise ModelLoadError(f"{path}: images resized as {geometry}, which vlfit does not do ({expected})")
     return record
 
 

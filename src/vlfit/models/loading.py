@@ -187,6 +187,7 @@ def resolve_model(
     trust_remote_code: bool = False,
     captions: Callable[[], Iterable[str | None]] | None = None,
     max_seq_length: int | None = None,
+    max_num_patches: int | None = None,
 ) -> ModelSpec:
     """The family, config, tokenizer and image processor of ``--model_name_or_path`` or ``--model_preset``.
 
@@ -204,6 +205,8 @@ def resolve_model(
         captions: Returns the training captions; a preset without ``--tokenizer_name`` trains its tokenizer on them.
         max_seq_length: Longest tokenized caption; None: the length the folder's run was trained at
             (``input_spec.json``), else ``DEFAULT_MAX_SEQ_LENGTH``. One that differs from the run's is logged.
+        max_num_patches: A NaFlex model's token budget per image (SigLIP 2); None: the run's record, else its
+            image processor's. One that differs from the run's is logged; refused for a model of square images.
 
     Raises:
         ValueError: for neither or both of checkpoint and preset, an unknown preset or model type, a tokenizer
@@ -294,7 +297,10 @@ def resolve_model(
             logger.info("--max_seq_length %d is longer than the model's %d text positions: using %d", max_seq_length,
                         longest, longest)  # fmt: skip
         max_seq_length = longest
+    budget = _patch_budget(family, image_processor, max_num_patches, record, record_folder)
     inputs = InputSpec(
+        max_num_patches=budget,
+        patch_size=patch_size if budget is not None else None,
         image_size=image_size,
         image_mean=tuple(float(x) for x in image_processor.image_mean),  # type: ignore[arg-type]
         image_std=tuple(float(x) for x in image_processor.image_std),  # type: ignore[arg-type]
@@ -306,6 +312,32 @@ def resolve_model(
     return ModelSpec(
         family, config, inputs, image_processor, checkpoint=checkpoint, preset=preset, adapters=adapters, hub=hub
     )
+
+
+def _patch_budget(
+    family: ModelFamily, image_processor: Any, asked: int | None, record: dict[str, Any] | None, folder: str | None
+) -> int | None:
+    """A NaFlex model's token budget: ``asked``, else the run's record, else its image processor's (one asked for
+    that differs from the run's is said in one line); None for a model of square images.
+
+    Raises:
+        ConfigError: for a budget asked of a model of square images, or one below 1.
+    """
+    own = family.max_num_patches(image_processor)
+    if own is None:
+        if asked is not None:
+            raise ConfigError(
+                f"--max_num_patches is for NaFlex models (SigLIP 2); a {family.name} model takes square images of a "
+                "fixed size: leave the flag out"
+            )
+        return None
+    if asked is not None and asked < 1:
+        raise ConfigError(f"--max_num_patches must be at least 1, got {asked}")
+    trained = None if record is None else record.get("max_num_patches")
+    if asked is not None and trained is not None and asked != trained:
+        logger.info("images are cut into at most %d patches (--max_num_patches), not the %d %s was trained with",
+                    asked, trained, folder)  # fmt: skip
+    return int(asked if asked is not None else trained if trained is not None else own)
 
 
 def _caption_length(asked: int | None, record: dict[str, Any] | None, folder: str | None) -> int:
@@ -365,6 +397,7 @@ def load_model(
     *,
     captions: Callable[[], Iterable[str | None]] | None = None,
     max_seq_length: int | None = None,
+    max_num_patches: int | None = None,
     **keywords: Any,
 ) -> LoadedModel:
     """``resolve_model`` then ``build_model``: a model with its family, tokenizer and image processor.
@@ -372,6 +405,7 @@ def load_model(
     Args:
         captions: Returns the training captions (see ``resolve_model``).
         max_seq_length: Longest tokenized caption (None: the run's, see ``resolve_model``).
+        max_num_patches: A NaFlex model's token budget (None: the run's, see ``resolve_model``).
         **keywords: ``resolve_model``'s and ``build_model``'s.
 
     Raises:
@@ -382,5 +416,5 @@ def load_model(
         raise TypeError(f"load_model() got unexpected keyword arguments: {', '.join(unknown)}")
     source = {name: value for name, value in keywords.items() if name in SOURCE_KEYWORDS}
     build = {name: value for name, value in keywords.items() if name in BUILD_KEYWORDS}
-    spec = resolve_model(captions=captions, max_seq_length=max_seq_length, **source)
+    spec = resolve_model(captions=captions, max_seq_length=max_seq_length, max_num_patches=max_num_patches, **source)
     return LoadedModel(build_model(spec, **build), spec)

@@ -15,9 +15,10 @@ from vlfit.models.clip import CLIPFamily
 from vlfit.models.family import ModelFamily
 from vlfit.models.presets import get_preset
 from vlfit.models.siglip import SiglipFamily
+from vlfit.models.siglip2 import Siglip2Family
 from vlfit.models.vqa import VqaFamily, is_vqa_config
 
-FAMILIES: tuple[ModelFamily, ...] = (BridgeTowerFamily(), CLIPFamily(), SiglipFamily())
+FAMILIES: tuple[ModelFamily, ...] = (BridgeTowerFamily(), CLIPFamily(), SiglipFamily(), Siglip2Family())
 
 
 def family_for_preset(preset: str) -> ModelFamily:

@@ -144,7 +144,10 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
             if source is not None:
                 check_has_answers(source)
     spec = resolve_model(
-        **model_args.source_keywords(), captions=data.captions, max_seq_length=data_args.max_seq_length
+        **model_args.source_keywords(),
+        captions=data.captions,
+        max_seq_length=data_args.max_seq_length,
+        max_num_patches=data_args.max_num_patches,
     )
     if task == "vqa":
         spec = vqa_blueprint(spec, data.train, data.eval, data_args.max_answers, train=training_args.do_train,

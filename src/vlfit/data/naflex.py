@@ -1,0 +1,269 @@
+"""NaFlex in the fast pipeline: each image at its own aspect ratio, as a variable number of uint8 patches.
+
+SigLIP 2's NaFlex checkpoints (``Siglip2Model``) take an image as the patches of a grid chosen for it: the largest
+grid of ``patch_size`` pixels that keeps the image's aspect ratio within ``max_num_patches`` patches (the token
+budget), then ``pixel_attention_mask`` and ``spatial_shapes`` say which rows of the padded batch are patches and how
+they were laid out. ``Siglip2ImageProcessor`` decodes every image at full size, resizes it and cuts it in float.
+Here, per image, in a loader worker:
+
+1. the size is read from the header (JPEG SOF, PNG IHDR, any format through Pillow's lazy open), EXIF orientation
+   applied to it;
+2. the grid is chosen exactly as the processor chooses it (its own ``get_image_size_for_max_num_patches``);
+3. the image is decoded at the smallest DCT scale whose sides still cover twice the grid's (``DECODE_MARGIN``):
+   libjpeg-turbo's scaled decode, or Pillow's ``draft`` for the JPEGs libjpeg-turbo cannot convert; then resized
+   once to the grid (bilinear, antialiased, on uint8: the kernel the processor's resize calls) and cut into uint8
+   patches;
+
+the collator pads a batch to its largest patch count (not to the budget), and the device stage normalizes
+(``normalize_patches``). A batch's images then cross the worker pipe and the host-to-device copy as uint8.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import simplejpeg
+import torch
+from PIL import Image
+
+from vlfit.data.decode import (
+    MAX_IMAGE_PIXELS,
+    DecodeError,
+    apply_orientation,
+    check_image_header,
+    decode_pil,
+    is_jpeg,
+    jpeg_exif_orientation,
+)
+from vlfit.data.image_transforms import hwc_to_chw_view
+from vlfit.errors import DataError
+
+# EXIF orientations that swap width and height (a transpose or a quarter turn).
+_SWAPPING_ORIENTATIONS = (5, 6, 7, 8)
+PATCH_INPUTS = ("pixel_values", "pixel_attention_mask", "spatial_shapes")
+# The DCT-scaled decode covers this many times the grid's sides, so the one resize after it still averages over at
+# least two decoded pixels per output pixel. Covering the grid alone (a last resize of 1.0-1.9x after a 1/8 decode)
+# put 16-patch images of plain transformers' full decode at cosine 0.997; with 2, every kind of photo the parity
+# test makes is at 0.99998 or above, and a 4000 x 3000 JPEG still decodes at 1/8.
+DECODE_MARGIN = 2
+
+
+@lru_cache(maxsize=65536)
+def patch_grid(height: int, width: int, patch_size: int, max_num_patches: int) -> tuple[int, int]:
+    """The ``(height, width)`` in pixels, multiples of ``patch_size``, that ``Siglip2ImageProcessor`` resizes an image
+    of ``height x width`` to under ``max_num_patches``: its own search, called (so the grid is the same whatever
+    transformers' version does)."""
+    from transformers.models.siglip2.image_processing_siglip2 import get_image_size_for_max_num_patches
+
+    return get_image_size_for_max_num_patches(height, width, patch_size, max_num_patches)
+
+
+@dataclass(frozen=True)
+class PatchImage:
+    """One image as NaFlex patches.
+
+    Attributes:
+        patches: uint8 ``[rows * columns, patch_size * patch_size * 3]``, each patch's pixels row by row, RGB last
+            (``Siglip2ImageProcessor``'s order).
+        rows: Patches down (``spatial_shapes``' first value).
+        columns: Patches across.
+    """
+
+    patches: torch.Tensor
+    rows: int
+    columns: int
+
+
+def image_header(data: bytes, sample_id: str = "?") -> tuple[int, int, int]:
+    """``(height, width, orientation)`` of an encoded image as shown (EXIF orientation applied to the sizes), read
+    from its header without decoding.
+
+    Raises:
+        DecodeError: naming the sample, for data that is no image or declares too many pixels.
+    """
+    width, height = check_image_header(data, sample_id)
+    if is_jpeg(data):
+        orientation = jpeg_exif_orientation(data)
+    else:
+        try:
+            orientation = int(Image.open(io.BytesIO(data)).getexif().get(0x0112, 1))
+        except Exception:  # a broken EXIF block: shown unrotated, as ImageOps.exif_transpose leaves it
+            orientation = 1
+        orientation = orientation if 1 <= orientation <= 8 else 1
+    if orientation in _SWAPPING_ORIENTATIONS:
+        height, width = width, height
+    return height, width, orientation
+
+
+def decode_covering(data: bytes, height: int, width: int, sample_id: str = "?") -> np.ndarray:
+    """RGB HWC uint8 pixels of an image, oriented, decoded at the smallest DCT scale whose sides still cover
+    ``height x width`` (the sizes as shown): JPEGs through libjpeg-turbo, those it cannot convert to RGB (CMYK,
+    YCCK) through Pillow's ``draft``, other formats at full size."""
+    stored_height, stored_width, orientation = height, width, 1
+    if is_jpeg(data):
+        orientation = jpeg_exif_orientation(data)
+        if orientation in _SWAPPING_ORIENTATIONS:
+            stored_height, stored_width = width, height
+        try:
+            _, _, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+        except Exception as err:
+            raise DecodeError(f"sample {sample_id}: corrupt JPEG header ({err})") from err
+        if colorspace not in ("CMYK", "YCCK"):
+            try:
+                pixels = simplejpeg.decode_jpeg(
+                    data, colorspace="RGB", min_height=stored_height, min_width=stored_width
+                )
+            except Exception as err:
+                raise DecodeError(f"sample {sample_id}: cannot decode JPEG ({err})") from err
+            return apply_orientation(pixels, orientation)
+    # np.array copies: Pillow's buffer is read-only, and torch warns on non-writable arrays.
+    return np.array(decode_pil(data, sample_id, draft_size=(stored_width, stored_height)))
+
+
+def patchify(image: torch.Tensor, patch_size: int) -> torch.Tensor:
+    """uint8 ``[3, H, W]`` (H and W multiples of ``patch_size``) -> ``[H/p * W/p, p * p * 3]``, in
+    ``Siglip2ImageProcessor``'s order (patch rows, patch columns; inside a patch its rows, columns, channels)."""
+    _, height, width = image.shape
+    rows, columns = height // patch_size, width // patch_size
+    hwc = image.permute(1, 2, 0)
+    patches = hwc.reshape(rows, patch_size, columns, patch_size, 3).permute(0, 2, 1, 3, 4)
+    return patches.reshape(rows * columns, patch_size * patch_size * 3)
+
+
+def resize_uint8_bilinear(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """uint8 ``[3, H, W]`` resized to ``height x width``, bilinear and antialiased on uint8 (the native kernel
+    torchvision's ``resize`` calls on the CPU, so the processor's resize of the same pixels is the same)."""
+    if tuple(image.shape[-2:]) == (height, width):
+        return image
+    batched = image.unsqueeze(0)
+    if batched.is_contiguous(memory_format=torch.channels_last):  # pytorch#68430, as image_transforms says
+        batched = batched.as_strided(batched.shape, (batched.numel(), *batched.stride()[1:]))
+    return torch.nn.functional.interpolate(batched, size=(height, width), mode="bilinear", antialias=True)[0]
+
+
+class NaflexTransform:
+    """bytes -> ``PatchImage``: header, grid, DCT-scaled decode, one uint8 resize, patches (see the module doc).
+
+    Args:
+        patch_size: Side of a patch in pixels.
+        max_num_patches: The token budget: at most this many patches an image.
+    """
+
+    def __init__(self, patch_size: int, max_num_patches: int) -> None:
+        self.patch_size = patch_size
+        self.max_num_patches = max_num_patches
+
+    def grid(self, height: int, width: int) -> tuple[int, int]:
+        """The grid's ``(height, width)`` in pixels for an image of ``height x width``."""
+        return patch_grid(height, width, self.patch_size, self.max_num_patches)
+
+    def __call__(self, data: bytes, sample_id: str = "?") -> PatchImage:
+        height, width, _ = image_header(data, sample_id)
+        grid = self.grid(height, width)
+        cover = (side * DECODE_MARGIN for side in grid)
+        return self.from_pixels(decode_covering(data, *cover, sample_id), grid)
+
+    def from_pixels(self, pixels: np.ndarray, grid: tuple[int, int] | None = None) -> PatchImage:
+        """The patches of RGB HWC uint8 pixels, resized to ``grid`` (``(height, width)`` in pixels; default the grid
+        of the pixels' own size). A DCT-scaled decode passes the grid of the full size: the scaled sides are
+        rounded up, so their own grid could differ."""
+        grid_height, grid_width = grid or self.grid(*pixels.shape[:2])
+        resized = resize_uint8_bilinear(hwc_to_chw_view(pixels), grid_height, grid_width)
+        patch = self.patch_size
+        return PatchImage(patchify(resized, patch).contiguous(), grid_height // patch, grid_width // patch)
+
+
+def check_naflex_options(options: Any) -> None:
+    """Refuse, in one line naming the flag, a pipeline option NaFlex images do not take.
+
+    Raises:
+        DataError: for ``--image_pipeline reference``, ``--random_resized_crop`` or ``--horizontal_flip``.
+    """
+    refused = {
+        "--image_pipeline reference": options.image_pipeline != "fast",
+        "--random_resized_crop": options.random_resized_crop,
+        "--horizontal_flip": options.horizontal_flip,
+    }
+    for flag, given in refused.items():
+        if given:
+            raise DataError(
+                f"{flag}: a NaFlex model (SigLIP 2) takes each image whole at its own aspect ratio, through the fast "
+                "pipeline; leave the flag out"
+            )
+
+
+def collate_patches(
+    images: Sequence[PatchImage], *, shared: bool = False, multiple_of: int = 1
+) -> dict[str, torch.Tensor]:
+    """The NaFlex inputs of a batch: uint8 ``pixel_values`` ``[B, N, p * p * 3]`` padded with zeros to the batch's
+    largest patch count ``N`` (rounded up to ``multiple_of``), ``pixel_attention_mask`` int32 ``[B, N]`` (1 for a
+    patch, 0 for padding) and ``spatial_shapes`` int64 ``[B, 2]`` (patch rows and columns).
+
+    Args:
+        images: The batch's images.
+        shared: Allocate the pixels in shared memory (a loader worker's batch reaches the main process uncopied).
+        multiple_of: Round the padded length up to a multiple of this.
+    """
+    longest = max(len(image.patches) for image in images)
+    longest = math.ceil(longest / multiple_of) * multiple_of
+    width = images[0].patches.shape[1]
+    count = len(images)
+    if shared:
+        storage = torch.UntypedStorage._new_shared(count * longest * width)
+        pixels = torch.empty(0, dtype=torch.uint8).set_(storage).view(count, longest, width)
+    else:
+        pixels = torch.empty((count, longest, width), dtype=torch.uint8)
+    mask = torch.zeros((count, longest), dtype=torch.int32)
+    shapes = torch.empty((count, 2), dtype=torch.long)
+    for row, image in enumerate(images):
+        used = len(image.patches)
+        pixels[row, :used] = image.patches
+        pixels[row, used:] = 0
+        mask[row, :used] = 1
+        shapes[row, 0], shapes[row, 1] = image.rows, image.columns
+    return {"pixel_values": pixels, "pixel_attention_mask": mask, "spatial_shapes": shapes}
+
+
+def normalize_patches(
+    pixels: torch.Tensor,
+    mask: torch.Tensor,
+    mean: torch.Tensor,
+    std: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``(pixels / 255 - mean) / std`` of uint8 patches ``[B, N, p * p * 3]`` (channels last in each patch) in
+    ``dtype``, padding rows set to 0 (what the processor pads its normalized patches with)."""
+    channels = mean.numel()
+    repeat = pixels.shape[-1] // channels
+    scale = (1.0 / (255.0 * std)).repeat(repeat).view(1, 1, -1)
+    shift = (-mean / std).repeat(repeat).view(1, 1, -1)
+    normalized = torch.addcmul(shift, pixels.to(torch.float32), scale)
+    return normalized.mul_(mask.unsqueeze(-1).to(normalized.dtype)).to(dtype)
+
+
+def padding_waste(shapes: torch.Tensor, padded_length: int) -> tuple[int, int]:
+    """``(padded, total)`` patch rows of a batch: padding rows and all rows."""
+    used = int(shapes.prod(-1).sum())
+    total = int(shapes.shape[0]) * padded_length
+    return total - used, total
+
+
+__all__ = [
+    "MAX_IMAGE_PIXELS",
+    "check_naflex_options",
+    "PATCH_INPUTS",
+    "NaflexTransform",
+    "PatchImage",
+    "collate_patches",
+    "decode_covering",
+    "image_header",
+    "normalize_patches",
+    "patch_grid",
+    "patchify",
+]
