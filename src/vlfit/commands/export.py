@@ -1,4 +1,5 @@
-"""``vlfit export``: a checkpoint's two towers as ONNX or OpenVINO graphs (optionally INT8), checked against PyTorch."""
+"""``vlfit export``: a checkpoint's two towers as ONNX or OpenVINO graphs (optionally INT8), or as the CLIP model
+folder Immich loads (``--format immich``), checked against PyTorch."""
 
 from __future__ import annotations
 
@@ -36,9 +37,12 @@ class ExportArguments:
 
     model_name_or_path: str = field(metadata={"help": "The checkpoint folder to export (vlfit train's output)."})
     output_dir: str = field(metadata={"help": "Folder for the graphs, the tokenizer and export_manifest.json."})
-    format: Literal["onnx", "openvino"] = field(
-        default="onnx", metadata={"help": "onnx (ONNX Runtime) or openvino (OpenVINO IR)."}
-    )
+    format: Literal["onnx", "openvino", "immich"] = field(
+        default="onnx",
+        metadata={"help": "onnx (ONNX Runtime), openvino (OpenVINO IR), or immich: the CLIP model folder Immich's "
+                  "machine-learning service loads (config.json, textual/ and visual/ ONNX graphs, the tokenizer and "
+                  "preprocess_cfg.json; docs/export-retrieval.md)."},
+    )  # fmt: skip
     quantize: str | None = field(
         default=None,
         metadata={
@@ -127,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="vlfit export",
         description="Export a checkpoint's image tower (uint8 pixels -> L2-normalized embedding) and text tower "
         "(input ids, attention mask -> L2-normalized embedding) with dynamic batch and sequence axes, checked "
-        "against PyTorch on real samples.",
+        "against PyTorch on real samples; with --format immich, the CLIP model folder Immich's machine-learning "
+        "service loads.",
     )
     (args,) = parser.parse_args_into_dataclasses(args=sys.argv[1:] if argv is None else argv)
     if args.parity_samples < 1 or args.calibration_samples < 1:
@@ -135,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             f"--parity_samples and --calibration_samples must be at least 1, got {args.parity_samples} and "
             f"{args.calibration_samples}"
         )
+    if args.format == "immich":
+        return _export_immich(args)
     settings = ExportSettings(args.format, args.quantize, args.opset, args.parity_threshold, args.itm_tolerance)
     check_output_dir(args.model_name_or_path, args.output_dir)
     loaded = ModelRuntime.open(args.model_name_or_path, "torch", max_seq_length=args.max_seq_length,
@@ -153,6 +160,37 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(summary, indent=1))
     else:
         print_export_summary(summary)
+    return 0
+
+
+def _export_immich(args: ExportArguments) -> int:
+    """``vlfit export --format immich`` (``vlfit.inference.export_immich``)."""
+    from vlfit.inference.export_immich import export_immich, immich_refusal
+
+    if args.quantize:
+        raise ConfigError("--format immich writes the fp32 graphs Immich loads; leave --quantize out")
+    check_output_dir(args.model_name_or_path, args.output_dir)
+    loaded = ModelRuntime.open(args.model_name_or_path, "torch", max_seq_length=args.max_seq_length,
+                               flag="--model_name_or_path", kinds=("checkpoint", "adapters")).encoder  # fmt: skip
+    assert isinstance(loaded, TorchEncoder)  # a checkpoint runs on torch
+    refusal = immich_refusal(loaded)  # before any sample is read
+    if refusal is not None:
+        raise ConfigError(f"--format immich: {refusal}")
+    samples, _ = _samples(args, loaded.spec)
+    record = export_immich(loaded, args.output_dir, parity_samples=samples, opset=args.opset,
+                           parity_threshold=args.parity_threshold)  # fmt: skip
+    summary = {"output_dir": args.output_dir, "format": "immich", "parity": record["parity"],
+               "context_length": record["text"]["context_length"], "image_size": loaded.spec.image_size}  # fmt: skip
+    if args.json:
+        print(json.dumps(summary, indent=1))
+        return 0
+    parity = record["parity"]
+    towers = {tower: parity[tower]["min_cosine"] for tower in ("image", "text")}
+    print(f"immich graphs: lowest cosine to PyTorch's embeddings on {parity['samples']} samples (captions tokenized "
+          f"as Immich tokenizes them): {_figures(towers)}")  # fmt: skip
+    print(f"wrote {args.output_dir}: Immich's CLIP model folder (config.json, textual/model.onnx with its tokenizer, "
+          f"visual/model.onnx with preprocess_cfg.json; {summary['image_size']} px images, "
+          f"{summary['context_length']}-token captions)")  # fmt: skip
     return 0
 
 
