@@ -37,8 +37,9 @@ class ServerLimits:
         max_queue_wait_ms: The longest expected wait, in milliseconds, a search is admitted with (queries of its
             kind ahead x their measured time each; ``vlfit.serve.admission``); a search over it is answered 503 with
             ``Retry-After`` at once, by the connection. 0 (the default): 10x the unloaded time of a query of its
-            kind (text, image), so the budget follows the model and the machine. ``None``: no wait budget, only
-            ``max_concurrency`` (on the command line, a budget far above any wait, such as 60000, does the same).
+            kind (text, image, vectorize), so the budget follows the model and the machine. ``None``: no wait
+            budget, only ``max_concurrency`` (on the command line, a budget far above any wait, such as 60000, does
+            the same).
             With 128 closed-loop clients that resend at once it kept the answered queries' p50 near the unloaded
             time, where the count cap alone queued them for tens of milliseconds (docs/serving.md has the
             measurements). Before a query of a kind has been answered, and with nothing ahead, only
