@@ -124,7 +124,9 @@ def test_immich_embeds_photos_and_captions_as_vlfit_does(exports, checkpoints, p
     model = vlfit.load(str(checkpoints[family]))
     for name, photo in photos.items():
         cosine = _cosine(immich.image(photo), model.encode_images(photo)[0])
-        assert cosine >= 0.999, f"{family} {name}: {cosine}"
+        # a PNG is decoded alike: Immich's resize and crop must land on vlfit's pixels; a JPEG vlfit decodes at a
+        # reduced DCT scale
+        assert cosine >= (0.99999 if name.endswith("png") else 0.999), f"{family} {name}: {cosine}"
     for caption, expected in zip(CAPTIONS, model.encode_texts(CAPTIONS), strict=True):
         assert _cosine(immich.text(caption), expected) >= 0.9999, (family, caption)
     record = json.loads((exports[family] / "vlfit_export.json").read_text())
