@@ -2,8 +2,8 @@
 ``CLIP_INFERENCE_API`` points at the server vectorizes its objects and its ``nearText``/``nearImage`` queries with
 the served model.
 
-The protocol is the one the module's client speaks (Weaviate 1.24 and later: ``modules/multi2vec-clip/clients``),
-and ``weaviate/multi2vec-clip-inference``'s container answers:
+The protocol is the one the module's client speaks (Weaviate 1.2x: ``modules/multi2vec-clip/clients``), and
+``weaviate/multi2vec-clip-inference``'s container answers:
 
 - ``POST /vectorize`` ``{"texts": ["..."], "images": ["<base64>"]}`` -> ``{"textVectors": [[...]], "imageVectors":
   [[...]]}``, one L2-normalized vector per item, in order (either list may be empty or ``null``); errors are
