@@ -1,9 +1,10 @@
 """vlfit: fine-tune vision-language models (BridgeTower, CLIP, SigLIP) on image-text data, then put them to work.
 
 The API (``vlfit.api``): ``load`` a model and ``Model.encode_images`` / ``encode_texts`` / ``similarity``;
-``train`` and ``evaluate`` with the CLI's flags as keyword arguments (a ``RunResult``); ``Index`` to build, open,
-append and search an embedding index; ``UserError`` (and its kinds in ``vlfit.errors``) for every mistake of the
-caller, each naming the keyword argument (``ArgumentError`` for an unknown keyword or a value of the wrong type).
+``train``, ``evaluate`` and ``merge`` (model soups, Model Stock) with the CLI's flags as keyword arguments (a
+``RunResult``); ``Index`` to build, open, append and search an embedding index; ``UserError`` (and its kinds in
+``vlfit.errors``) for every mistake of the caller, each naming the keyword argument (``ArgumentError`` for an unknown
+keyword or a value of the wrong type).
 ``list_presets`` and ``add_preset`` (``vlfit.models.presets``): the presets, one JSON file each.
 Importing ``vlfit`` is cheap: the API loads on first use.
 """
@@ -40,14 +41,15 @@ __all__ = [
     "evaluate",
     "list_presets",
     "load",
+    "merge",
     "train",
 ]
 
-_API = {"Index", "Model", "RunResult", "SearchHit", "evaluate", "load", "train"}
+_API = {"Index", "Model", "RunResult", "SearchHit", "evaluate", "load", "merge", "train"}
 _PRESETS = {"add_preset", "list_presets"}
 
 if TYPE_CHECKING:
-    from vlfit.api import Index, Model, RunResult, SearchHit, evaluate, load, train
+    from vlfit.api import Index, Model, RunResult, SearchHit, evaluate, load, merge, train
     from vlfit.models.presets import add_preset, list_presets
 
 

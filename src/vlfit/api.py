@@ -193,11 +193,11 @@ def load(
 
 @dataclass
 class RunResult:
-    """What ``train`` and ``evaluate`` return.
+    """What ``train``, ``evaluate`` and ``merge`` return.
 
     Attributes:
         metrics: The final metrics (``train_*`` and ``eval_*``), as the run's ``*_results.json`` hold them.
-        output_dir: Where the model (``train``) or the metrics (``evaluate``) were saved.
+        output_dir: Where the model (``train``, ``merge``) or the metrics (``evaluate``) were saved.
     """
 
     metrics: dict[str, Any]
@@ -242,6 +242,25 @@ def evaluate(**flags: Any) -> RunResult:
     args = _parse("vlfit eval", "evaluate", flags)
     metrics = evaluate_parsed(args)
     return RunResult(metrics, args.training.output_dir)
+
+
+@python_api(flags=True)
+def merge(**flags: Any) -> RunResult:
+    """Merge fine-tuned runs of one base as ``vlfit merge`` does, with its flags as keyword arguments: ``method=``
+    ``wise``, ``uniform``, ``greedy`` or ``stock``; returns the merged model's held-out metrics (empty without data)
+    and its folder, a run every door loads.
+
+    Example: ``vlfit.merge(method="greedy", runs=["runs/a", "runs/b"], dataset_name="data/", output_dir="runs/soup")``.
+    """
+    from vlfit.commands import merge as merge_command
+
+    known = merge_command.parser().keyword_names()
+    if set(flags) - known:
+        raise unknown_keywords("merge", set(flags) - known, known)
+    parsed = merge_command.parse_values(flags)
+    call = ", ".join(f"{name}={value!r}" for name, value in flags.items())
+    result = merge_command.merge_parsed(parsed, command_line=f"vlfit.merge({call})")
+    return RunResult(result.metrics, result.output_dir)
 
 
 # ----------------------------------------------------------------------------------------------------- the index

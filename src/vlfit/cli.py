@@ -31,7 +31,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "merge-lora": ("vlfit.commands.merge_lora", "a plain checkpoint from a run's LoRA adapters"),
     "fewshot": ("vlfit.commands.fewshot", "zero-shot, linear probe and SetFit compared at 1-16 labelled images/class"),
     "classify": ("vlfit.commands.classify", "label images with a classifier vlfit fewshot saved"),
-    "wise-ft": ("vlfit.commands.wise_ft", "interpolate a zero-shot and a fine-tuned model (WiSE-FT): curve and pick"),
+    "merge": ("vlfit.commands.merge", "one model from fine-tuned runs: WiSE-FT, uniform or greedy soup, Model Stock"),
+    "wise-ft": ("vlfit.commands.wise_ft", "merge --method wise along a curve of alphas (WiSE-FT): curve and pick"),
     "vqa": ("vlfit.commands.vqa", "answer questions about an image with a model vlfit train --task vqa saved"),
 }
 # Commands with subcommands, each with flags of its own.

@@ -45,6 +45,30 @@ class WiseFtMix:
     finetuned_model: str | None = None
 
 
+# What each ``vlfit merge`` method makes of its runs, as the card's first sentence says it.
+_MERGE_METHODS = {
+    "uniform": "a uniform soup (the mean of their weights)",
+    "greedy": "a greedy soup (the mean of the runs kept, in order of their validation score, while the soup's "
+    "validation score did not drop)",
+    "stock": "a Model Stock merge (per layer, their mean pulled towards the base by the angle between their changes)",
+}
+
+
+@dataclass(frozen=True)
+class MergedRuns:
+    """Weights merged from fine-tuned runs (``vlfit merge``: model soups, Model Stock).
+
+    Attributes:
+        method: ``uniform``, ``greedy`` or ``stock``.
+        runs: The runs merged (hub ids or folders), in the order merged.
+        base: The model the runs were fine-tuned from, when known.
+    """
+
+    method: str
+    runs: tuple[str, ...]
+    base: str | None = None
+
+
 @dataclass(frozen=True)
 class _FamilyUsage:
     """How plain transformers loads and embeds with one family."""
@@ -103,8 +127,10 @@ def _hub_ids(names: Sequence[str]) -> list[str]:
     return [name for name in names if _is_hub_id(name) and not os.path.exists(name)]
 
 
-def _base_models(base_model: str | None, mix: WiseFtMix | None) -> list[str]:
-    """The models this one was made from: a mix's two endpoints, or its base."""
+def _base_models(base_model: str | None, mix: WiseFtMix | None, merged: MergedRuns | None = None) -> list[str]:
+    """The models this one was made from: the runs merged, a mix's two endpoints, or its base."""
+    if merged is not None:
+        return list(merged.runs)
     if mix is not None and mix.finetuned_model is not None:
         return [name for name in (mix.zeroshot_model or base_model, mix.finetuned_model) if name]
     return [base_model] if base_model else []
@@ -117,17 +143,19 @@ def _metadata(
     license: str,
     adapters: bool,
     mix: WiseFtMix | None,
+    merged_runs: MergedRuns | None = None,
 ) -> ModelCardData:
     usage = _USAGE.get(family_name)
     metadata: dict[str, Any] = {"library_name": "peft" if adapters else "transformers", "license": license}
-    bases = _hub_ids(_base_models(base_model, mix))
-    merged = mix is not None and mix.finetuned_model is not None
+    bases = _hub_ids(_base_models(base_model, mix, merged_runs))
+    merged = (mix is not None and mix.finetuned_model is not None) or merged_runs is not None
     if bases:
         metadata["base_model"] = bases if merged else bases[0]
         if merged:
             metadata["base_model_relation"] = "merge"  # the hub's word for weights mixed from its base models
     tags = ["lora"] if adapters else []
     tags += ["wise-ft"] if mix is not None else []
+    tags += [{"stock": "model-stock"}.get(merged_runs.method, "model-soup")] if merged_runs is not None else []
     metadata["tags"] = ["vlfit", family_name, *tags]
     hub_datasets = _hub_ids(datasets)
     if hub_datasets:
@@ -186,6 +214,16 @@ def _mix_origin(
     )
 
 
+def _merged_origin(family_title: str, merged: MergedRuns) -> str:
+    runs = ", ".join(_model_name(run) for run in merged.runs)
+    base = f", all fine-tuned from {_model_name(merged.base)}" if merged.base else ""
+    count = "one fine-tuned run" if len(merged.runs) == 1 else f"{len(merged.runs)} fine-tuned runs"
+    return (
+        f"This {family_title} model is {_MERGE_METHODS.get(merged.method, merged.method)} of {count} ({runs}){base}, "
+        "made without training."
+    )
+
+
 def _origin(
     family_title: str,
     base_model: str | None,
@@ -194,7 +232,10 @@ def _origin(
     *,
     fine_tuned: bool = True,
     mix: WiseFtMix | None = None,
+    merged: MergedRuns | None = None,
 ) -> str:
+    if merged is not None:
+        return _merged_origin(family_title, merged)
     if mix is not None:
         return _mix_origin(family_title, base_model, preset, datasets, mix)
     if base_model and not fine_tuned:
@@ -311,6 +352,7 @@ def write_model_card(
     fine_tuned: bool = True,
     mix: WiseFtMix | None = None,
     answers: Sequence[str] | None = None,
+    merged: MergedRuns | None = None,
 ) -> str:
     """Write ``output_dir/README.md``, the model card of a saved model folder (replacing one already there).
 
@@ -331,6 +373,9 @@ def write_model_card(
             endpoints that are hub repositories as ``base_model`` with ``base_model_relation: merge``.
         answers: The answers of a question-answering model (``vlfit train --task vqa``), in output order: the card
             shows how to ask it; None for a model that embeds.
+        merged: The weights are merged from fine-tuned runs (``MergedRuns``: a soup, Model Stock): the card names
+            the method and the runs, and lists those that are hub repositories as ``base_model`` with
+            ``base_model_relation: merge``.
 
     Returns:
         The card's path.
@@ -339,9 +384,10 @@ def write_model_card(
     title = usage.title if usage else family_name
     folder_name = os.path.basename(os.path.abspath(output_dir))
     datasets = list(datasets)
-    header = _metadata(family_name, base_model, datasets, license, adapters, mix).to_yaml(original_order=_HEADER_ORDER)
-    origin = _origin(title, base_model, preset, datasets, fine_tuned=fine_tuned, mix=mix)
-    bases = _base_models(base_model, mix)
+    metadata = _metadata(family_name, base_model, datasets, license, adapters, mix, merged)
+    header = metadata.to_yaml(original_order=_HEADER_ORDER)
+    origin = _origin(title, base_model, preset, datasets, fine_tuned=fine_tuned, mix=mix, merged=merged)
+    bases = _base_models(base_model, mix, merged)
     parts = [
         f"# {folder_name}\n",
         origin + (f" {how_made.strip()}" if how_made else "") + "\n",

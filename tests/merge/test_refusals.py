@@ -1,0 +1,66 @@
+"""Runs that cannot be merged are refused before anything is written, in one line naming the run and what differs:
+another family, another vocabulary, another shape, another recorded base, LoRA adapters whose base is not there."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from transformers import BridgeTowerConfig, BridgeTowerForContrastiveLearning
+
+from tests.inference.tiny_models import save_tiny_checkpoint
+from tests.merge.runs import changed_run, record_base
+from vlfit.errors import ConfigError
+from vlfit.search.soup import merge_runs
+
+
+def _other_family(tiny, data, tmp_path):
+    return save_tiny_checkpoint(data, tmp_path / "clip", preset="clip-tiny"), "is a clip model"
+
+
+def _other_vocabulary(tiny, data, tmp_path):
+    run = changed_run(tiny, tmp_path / "vocab")
+    tokenizer = json.loads((run / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = list(vocab)[-2:]
+    vocab[first], vocab[second] = vocab[second], vocab[first]  # same size, two tokens swapped
+    (run / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return run, "vocabulary"
+
+
+def _other_shape(tiny, data, tmp_path):
+    config = BridgeTowerConfig.from_pretrained(tiny)
+    config.text_config.intermediate_size *= 2
+    run = tmp_path / "wider"
+    BridgeTowerForContrastiveLearning(config).save_pretrained(run)
+    for path in tiny.iterdir():
+        if not (run / path.name).exists():
+            shutil.copy(path, run / path.name)
+    return run, "has shape"
+
+
+def _other_base(tiny, data, tmp_path):
+    record_base(changed_run(tiny, tmp_path / "a"), "hub-user/one-base")
+    return record_base(changed_run(tiny, tmp_path / "b"), "hub-user/another-base"), "fine-tuned from"
+
+
+def _unmerged_lora(tiny, data, tmp_path):
+    run = changed_run(tiny, tmp_path / "lora")  # its tokenizer and image processor, as a LoRA run saves them
+    (run / "model.safetensors").unlink()
+    (run / "config.json").unlink()
+    (run / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": str(tmp_path / "gone")}))  # fmt: skip
+    return run, "LoRA run not merged yet"
+
+
+@pytest.mark.parametrize("make", [_other_family, _other_vocabulary, _other_shape, _other_base, _unmerged_lora])
+def test_a_run_that_cannot_be_merged_is_refused_in_one_line_naming_it(make, tiny_checkpoint, synthetic_dataset_dir,
+                                                                      tmp_path) -> None:  # fmt: skip
+    run, what = make(tiny_checkpoint, synthetic_dataset_dir, tmp_path)
+    first = tmp_path / "a" if (tmp_path / "a").exists() else tiny_checkpoint
+    out = tmp_path / "soup"
+    with pytest.raises(ConfigError) as refused:
+        merge_runs([str(first), str(run)], method="uniform", output_dir=str(out))
+    message = str(refused.value)
+    assert "\n" not in message and str(run) in message and what in message, message
+    assert not out.exists()
