@@ -26,6 +26,9 @@ LOCAL = "http://127.0.0.1:8000"  # a Host the access policy answers
 _PNG = io.BytesIO()
 Image.new("RGB", (40, 30), "red").save(_PNG, "PNG")
 RED = base64.b64encode(_PNG.getvalue()).decode()
+_JPEG = io.BytesIO()
+Image.fromarray(np.random.default_rng(1).integers(0, 256, (200, 300, 3), dtype=np.uint8)).save(_JPEG, "JPEG")
+TRUNCATED = _JPEG.getvalue()[:2000]  # its header reads, its pixels do not decode
 TEXTS = ["one red circle", "two blue squares and a green cross", ""]  # Weaviate sends empty text fields too
 
 
@@ -126,8 +129,9 @@ def test_live_and_ready_answer_204_without_a_key(engine) -> None:
         ({"texts": ["\ud800"]}, 422, "texts[0] is not valid Unicode text"),
         ({"images": [RED, "not base64!"]}, 400, "images[1] is not base64"),
         ({"images": ["AAA"]}, 400, "images[0] is base64 without its padding"),
-        ({"images": [RED, _b64(b"GIF89a not really")]}, 400, "not an image vlfit can read: sample images[1]"),
-        ({"images": ["AAAA"]}, 400, "not an image vlfit can read: sample images[0]"),
+        ({"images": [RED, _b64(b"GIF89a not really")]}, 400, "images[1] is not an image vlfit can read: "),
+        ({"images": ["AAAA"]}, 400, "images[0] is not an image vlfit can read: "),
+        ({"images": [RED, _b64(TRUNCATED)]}, 400, "images[1] is not an image vlfit can read: cannot decode JPEG"),
     ],
     ids=[
         "texts-not-a-list",
@@ -141,6 +145,7 @@ def test_live_and_ready_answer_204_without_a_key(engine) -> None:
         "no-padding",
         "not-an-image",
         "empty-image",
+        "truncated-jpeg",
     ],  # fmt: skip
 )
 def test_bad_items_get_a_4xx_naming_them(client, body, status, says) -> None:

@@ -13,7 +13,7 @@ The protocol is the one the module's client speaks (Weaviate 1.2x: ``modules/mul
   waits on ``ready`` before it starts).
 
 The vectors are the model's own: ``vlfit.load(model).encode_texts`` / ``encode_images`` of the same inputs (the
-texts 256 to a batch, the images decoded as every door decodes them, 32 to a batch). A request is bounded as a
+texts 256 to a batch, the images one at a time, decoded as every door decodes them). A request is bounded as a
 search is: the body (``--max_upload_mb``), each text (``--max_text_chars``), each image's pixels read from its
 header before it is decoded (``--max_query_pixels``), ``MAX_VECTORIZE_ITEMS`` items, requests in flight and the
 expected wait (a queue of its own, ``vlfit.serve.admission``); it runs on a thread of its own at the image
@@ -29,12 +29,11 @@ from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
-import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError
 
-from vlfit.errors import DataError
+from vlfit.errors import DataError, first_line
 from vlfit.index.stages import StageTimes
 from vlfit.serve.disconnects import ClientGone, unless_disconnected
 from vlfit.serve.engine import SearchEngine
@@ -57,7 +56,6 @@ META_PATH = "/meta"
 # Texts and images of one request together. Weaviate sends one object's text and image fields per request (a few
 # items); this bounds what one request may hold the vectorizing thread for.
 MAX_VECTORIZE_ITEMS = 64
-TEXT_BATCH, IMAGE_BATCH = 256, 32  # as vlfit.Model.encode_texts / encode_images batch them
 _EXAMPLE = 'send {"texts": ["a caption"], "images": ["<base64 of an image file>"]}'
 
 
@@ -135,31 +133,25 @@ def _text_problem(text: str, max_chars: int) -> str | None:
 def vectorize(
     engine: SearchEngine, texts: Sequence[str], images: Sequence[bytes], max_pixels: int, times: StageTimes
 ) -> dict[str, list[list[float]]]:
-    """The answer of ``POST /vectorize``: each text's and each image's embedding, in order.
+    """The answer of ``POST /vectorize``: each text's and each image's embedding, in order (the images one at a time,
+    each as an image search embeds its query: ``SearchEngine.encode_image``).
 
     Raises:
         ItemRefused: for an image over ``max_pixels`` (422) or bytes that are not an image (400), naming it.
     """
-    text_vectors = engine.encode_texts(texts, times) if texts else torch.zeros(0)
+    text_vectors = engine.encode_texts(texts, times).tolist() if texts else []
     image_vectors = []
-    if images:
-        with times.stage("decode"):
-            for i, image in enumerate(images):
-                try:
-                    check_query_pixels(image, max_pixels, name=f"images[{i}]")
-                except QueryImageTooLarge as err:
-                    raise ItemRefused(422, f"images[{i}]: {err}") from None
-                except DataError as err:  # its message names images[i]
-                    raise ItemRefused(400, f"not an image vlfit can read: {err}") from None
-            try:
-                pixels = engine.runtime.pixels(list(images))  # its DataError names images[i]
-            except DataError as err:
-                raise ItemRefused(400, f"not an image vlfit can read: {err}") from None
-        with times.stage("encode"):
-            for start in range(0, len(images), IMAGE_BATCH):
-                batch = pixels[start : start + IMAGE_BATCH].contiguous()
-                image_vectors.append(engine.encoder.encode_images(batch).float())
-    return {"textVectors": text_vectors.tolist(), "imageVectors": torch.cat(image_vectors).tolist() if images else []}
+    for i, image in enumerate(images):
+        try:
+            with times.stage("decode"):
+                check_query_pixels(image, max_pixels, name=f"images[{i}]")
+            image_vectors += engine.encode_image(image, times).tolist()
+        except QueryImageTooLarge as err:
+            raise ItemRefused(422, f"images[{i}]: {err}") from None
+        except DataError as err:
+            reason = first_line(err).removeprefix(f"sample images[{i}]: ").removeprefix("sample images[0]: ")
+            raise ItemRefused(400, f"images[{i}] is not an image vlfit can read: {reason}") from None
+    return {"textVectors": text_vectors, "imageVectors": image_vectors}
 
 
 def model_meta(engine: SearchEngine) -> dict[str, object]:
