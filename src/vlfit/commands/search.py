@@ -120,6 +120,26 @@ def main(argv: list[str] | None = None) -> int:
         stop.uninstall()
 
 
+def _soup(runner: TrialRunner, search_args: SearchArguments, study: Any, training_args: VlfitTrainingArguments) -> None:
+    """End the study with a soup of its best trials (``--soup``), in ``<output_dir>/soup``."""
+    from vlfit.search.report import top_trials
+    from vlfit.search.soup import SOUP_DIR, soup_of_trials
+
+    if training_args.world_size > 1:
+        logger.warning("--soup: the soup is made by one process; run vlfit merge --method %s --search_dir %s "
+                       "--top_k %d (with the data flags) after this study", search_args.soup, runner.output_dir,
+                       search_args.soup_top_k)  # fmt: skip
+        return
+    trials = top_trials(study, search_args.soup_top_k)
+    runs = [trial_dir(runner.output_dir, trial.number) for trial in trials]
+    result = soup_of_trials(runs, runner.base, search_args.metric, os.path.join(runner.output_dir, SOUP_DIR),
+                            method=search_args.soup, command_line=f"{PROG} --soup {search_args.soup}")  # fmt: skip
+    kept = result.record.get("kept", runs)
+    logger.info("%s soup of %d of the %d best trials (%s): %s %.4f (best trial %.4f); saved to %s", search_args.soup,
+                len(kept), len(runs), ", ".join(os.path.basename(run) for run in kept), search_args.metric,
+                result.metrics[search_args.metric], trials[0].value, result.output_dir)  # fmt: skip
+
+
 def interrupted_message(preempted: TrainingPreempted) -> str:
     """What to tell the user when a signal stopped the trial in progress."""
     name = signal.Signals(preempted.signum).name
@@ -159,7 +179,7 @@ def _lead(
     def reports() -> None:
         dirs = {t.number: trial_dir(runner.output_dir, t.number) for t in study.get_trials(deepcopy=False)}
         if not search_args.keep_trial_checkpoints:
-            remove_checkpoints(study, dirs)
+            remove_checkpoints(study, dirs, keep_weights=search_args.soup_top_k if search_args.soup != "none" else 1)
         write_reports(
             study, base=runner.base, metric=search_args.metric, n_trials=search_args.n_trials, storage=url,
             output_dir=runner.output_dir, trial_dirs=dirs,
@@ -179,6 +199,8 @@ def _lead(
             "best: trial %d, %s %.4f; %s written (vlfit train %s)", best.number, search_args.metric, best.value,
             "search.json, search.md, best.yaml, search.png", os.path.join(runner.output_dir, "best.yaml"),
         )  # fmt: skip
+    if stop.received is None and best is not None and search_args.soup != "none":
+        _soup(runner, search_args, study, training_args)
     if stop.received is not None:
         print(
             f"{PROG}: stopped by {signal.Signals(stop.received).name} after a trial: {data_done} of "

@@ -196,10 +196,19 @@ def _shown_value(trial: FrozenTrial) -> float | None:
     return None
 
 
-def remove_checkpoints(study: optuna.Study, trial_dirs: dict[int, str]) -> list[str]:
+def top_trials(study: optuna.Study, k: int) -> list[FrozenTrial]:
+    """The ``k`` best complete trials, best first."""
+    complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.value is not None]
+    maximize = study.direction == optuna.study.StudyDirection.MAXIMIZE
+    return sorted(complete, key=lambda t: (-t.value if maximize else t.value, t.number))[:k]  # type: ignore[operator]
+
+
+def remove_checkpoints(study: optuna.Study, trial_dirs: dict[int, str], keep_weights: int = 1) -> list[str]:
     """Delete the checkpoints and saved weights of every finished trial but the best, and of interrupted trials
-    that a later trial continued. Returns what was removed."""
+    that a later trial continued; the ``keep_weights`` best trials keep their final weights (a soup's
+    ingredients: ``--soup``). Returns what was removed."""
     best = best_trial(study)
+    kept = {t.number for t in top_trials(study, keep_weights)}
     trials = study.get_trials(deepcopy=False)
     continued = {t.user_attrs.get(RESUMES_ATTR) for t in trials if t.state in FINISHED}
     removed = []
@@ -213,6 +222,8 @@ def remove_checkpoints(study: optuna.Study, trial_dirs: dict[int, str]) -> list[
         for path in sorted(glob.glob(os.path.join(folder, "checkpoint-*"))):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
+        if trial.number in kept:
+            continue
         for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
             os.remove(path)
             removed.append(path)

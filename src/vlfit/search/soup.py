@@ -14,6 +14,7 @@ import glob
 import json
 import logging
 import os
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 METHODS = ("wise", "uniform", "greedy", "stock")
 MERGE_JSON = "merge.json"
+SOUP_DIR = "soup"  # where vlfit search --soup saves its soup
 # What vlfit train leaves beside a run's weights: its final metrics.
 RESULTS_FILE = "all_results.json"
 
@@ -318,12 +320,31 @@ def _has_weights(folder: str) -> bool:
     return bool(glob.glob(os.path.join(folder, "*.safetensors")) or glob.glob(os.path.join(folder, "*.bin")))
 
 
+def soup_of_trials(
+    runs: Sequence[str],
+    base_flags: dict[str, Any],
+    metric: str,
+    output_dir: str,
+    *,
+    method: str = "greedy",
+    command_line: str | None = None,
+) -> MergeResult:
+    """The soup of a study's trial runs (best first), judged on the study's evaluation split (``vlfit search
+    --soup``)."""
+    with tempfile.TemporaryDirectory(prefix="vlfit-soup-") as scratch:
+        scorer = trial_scorer(base_flags, runs[0], scratch, metric)
+        base = base_flags.get("model_name_or_path")
+        return merge_runs(runs, method=method, output_dir=output_dir, base=str(base) if base else None,
+                          metric=metric, scorer=scorer, command_line=command_line)  # fmt: skip
+
+
 def trial_scorer(base_flags: dict[str, Any], first_run: str, scratch: str, metric: str) -> WeightsScorer:
     """A scorer of a study's trials: the study's data and evaluation settings, the model built from ``first_run``
     (a trial's folder, with every tensor the trials have)."""
     from vlfit.search.objective import parse_train_values
 
     model, data, training = parse_train_values({**base_flags, "output_dir": scratch, "report_to": "none"})
+    # The trial's own folder, whole: its tokenizer and image processor, its weights merged, no new adapters.
     model = dataclasses.replace(model, model_name_or_path=first_run, model_preset=None, tokenizer_name=None,
-                                config_name=None, image_processor_name=None)  # fmt: skip
+                                config_name=None, image_processor_name=None, lora_r=None)  # fmt: skip
     return WeightsScorer(model, data, training, metric)

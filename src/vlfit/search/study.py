@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 SAMPLERS = ("tpe", "random")
 PRUNERS = ("median", "hyperband", "none")
 DIRECTIONS = ("maximize", "minimize")
+SOUPS = ("none", "greedy")
 DEFAULT_METRIC = "eval_t2i_recall@1"
 STUDY_DB = "search.db"
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
@@ -79,9 +80,21 @@ class SearchArguments:
         default=False,
         metadata={"help": "Keep every trial's checkpoints and weights (default: only the best trial's)."},
     )
+    soup: str = field(
+        default="none",
+        metadata={
+            "help": "End the study with a soup of its best trials, saved to <output_dir>/soup: greedy (the "
+            "--soup_top_k best trials in order of --metric, each kept only when the soup's --metric on the "
+            "evaluation split does not drop; vlfit merge --method greedy), or none.",
+            "choices": list(SOUPS),
+        },
+    )
+    soup_top_k: int = field(
+        default=4, metadata={"help": "With --soup: how many of the best trials go in (their weights are kept)."}
+    )
 
     def __post_init__(self) -> None:
-        for name, allowed in (("direction", DIRECTIONS), ("sampler", SAMPLERS), ("pruner", PRUNERS)):
+        for name, allowed in (("direction", DIRECTIONS), ("sampler", SAMPLERS), ("pruner", PRUNERS), ("soup", SOUPS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"unknown --{name} {getattr(self, name)!r}; choose one of: {', '.join(allowed)}")
         if self.n_trials < 1:
@@ -90,6 +103,11 @@ class SearchArguments:
             raise ConfigError(f"--timeout must be positive, got {self.timeout}")
         if not self.metric.startswith("eval_"):
             self.metric = f"eval_{self.metric}"
+        if self.soup_top_k < 1:
+            raise ConfigError(f"--soup_top_k must be at least 1, got {self.soup_top_k}")
+        if self.soup != "none" and self.direction != "maximize":
+            raise ConfigError(f"--soup {self.soup} keeps a trial when the soup's --metric does not drop: it needs a "
+                              "metric to maximize (--direction maximize), not a loss")  # fmt: skip
 
 
 def storage_url(args: SearchArguments, output_dir: str) -> str:
