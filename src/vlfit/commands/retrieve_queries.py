@@ -11,7 +11,7 @@ import torch
 
 from vlfit.errors import ConfigError, DataError, MissingFileError
 from vlfit.index.stages import StageTimes
-from vlfit.inference.runtime import ModelRuntime
+from vlfit.inference.runtime import ModelRuntime, concat_image_batches
 
 # In a file of queries, a line starting with this is an image query (the rest is the image's path).
 IMAGE_PREFIX = "image:"
@@ -93,16 +93,20 @@ def embed_queries(
     for start in range(0, len(images), batch_size):
         chunk = images[start : start + batch_size]
         with times.stage("decode"):
-            pixels = torch.cat([_pixels(runtime, path) for _, path in chunk])
+            pixels = _pixels(runtime, [path for _, path in chunk])
         with times.stage("encode"):
-            embedded = runtime.encoder.encode_images(pixels)
+            embedded = runtime.encoder.encode_images(**pixels)
         for (i, _), row in zip(chunk, embedded, strict=True):
             rows[i] = row
     return torch.stack([row for row in rows if row is not None])
 
 
-def _pixels(runtime: ModelRuntime, path: str) -> torch.Tensor:
-    try:
-        return runtime.pixels(path)
-    except DataError as error:
-        raise DataError(f"--image {path}: cannot be used: {error}") from None
+def _pixels(runtime: ModelRuntime, paths: list[str]) -> dict[str, torch.Tensor]:
+    """The encoder's image inputs of ``paths`` (``ModelRuntime.image_batch``), a bad one named by its flag."""
+    batches = []
+    for path in paths:  # one at a time: the error names the flag and the file
+        try:
+            batches.append(runtime.image_batch(path))
+        except DataError as error:
+            raise DataError(f"--image {path}: cannot be used: {error}") from None
+    return concat_image_batches(batches)

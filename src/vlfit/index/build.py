@@ -328,7 +328,9 @@ def _embed_batches(
     for batch in batches if count is None else itertools.islice(batches, count):
         bad.extend({"id": to_item(b.id), "reason": b.reason} for b in batch.bad_samples)
         if len(batch):
-            parts.append(encoder.encode_images(batch["pixel_values"]).float().cpu())
+            # A NaFlex model's batch carries its patches' mask and grids too.
+            patches = [batch.inputs.get(name) for name in ("pixel_attention_mask", "spatial_shapes")]
+            parts.append(encoder.encode_images(batch["pixel_values"], *patches).float().cpu())
             ids.extend(to_item(sample_id) for sample_id in batch.sample_ids)
     return ids, parts, bad
 

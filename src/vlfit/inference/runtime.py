@@ -271,6 +271,22 @@ class ModelRuntime:
         return f"ModelRuntime({self.path}, {self.settings})"
 
 
+def concat_image_batches(batches: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """``ModelRuntime.image_batch`` results as one: pixels concatenated; NaFlex patches and masks padded to the
+    longest first."""
+    if "pixel_attention_mask" not in batches[0]:
+        return {"pixels": torch.cat([batch["pixels"] for batch in batches])}
+    longest = max(batch["pixels"].shape[1] for batch in batches)
+
+    def padded(tensor: torch.Tensor) -> torch.Tensor:
+        pad = [0, 0] * (tensor.dim() - 2) + [0, longest - tensor.shape[1]]
+        return torch.nn.functional.pad(tensor, pad)
+
+    return {"pixels": torch.cat([padded(batch["pixels"]) for batch in batches]),
+            "pixel_attention_mask": torch.cat([padded(batch["pixel_attention_mask"]) for batch in batches]),
+            "spatial_shapes": torch.cat([batch["spatial_shapes"] for batch in batches])}  # fmt: skip
+
+
 def image_list(images: ImageInput | Iterable[ImageInput]) -> list[ImageInput]:
     """One image, or a batch of them, as a list: a ``[N, H, W, C]`` uint8 array is N images."""
     if isinstance(images, np.ndarray):

@@ -316,9 +316,9 @@ class SearchEngine:
         """
         times = times or StageTimes()
         with times.stage("decode"):
-            pixels = self.runtime.pixels(bytes(image))  # DataError names images[0] and why
+            pixels = self.runtime.image_batch(bytes(image))  # DataError names images[0] and why
         with times.stage("encode"):
-            return self.encoder.encode_images(pixels).float().contiguous()
+            return self.encoder.encode_images(**pixels).float().contiguous()
 
     def search(
         self,
