@@ -49,7 +49,8 @@ def _unmerged_lora(tiny, data, tmp_path):
     run = changed_run(tiny, tmp_path / "lora")  # its tokenizer and image processor, as a LoRA run saves them
     (run / "model.safetensors").unlink()
     (run / "config.json").unlink()
-    (run / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": str(tmp_path / "gone")}))  # fmt: skip
+    adapter_config = {"peft_type": "LORA", "base_model_name_or_path": str(tmp_path / "gone")}
+    (run / "adapter_config.json").write_text(json.dumps(adapter_config))
     return run, "LoRA run not merged yet"
 
 

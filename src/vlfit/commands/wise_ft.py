@@ -4,6 +4,10 @@ For each alpha, ``theta(alpha) = (1 - alpha) theta_A + alpha theta_B`` (``vlfit.
 as ``vlfit eval`` evaluates: the target split (``--eval_split``) and what must not be forgotten
 (``--zeroshot_dataset``). Writes ``wise-ft.json``, ``wise-ft.md`` and ``wise-ft.png`` (both curves against alpha)
 and saves the alpha ``--select`` picks as a plain checkpoint with a model card saying how it was made.
+
+This is ``vlfit merge --method wise`` (``--base`` the zero-shot model, ``--runs`` the fine-tuned one, one
+``--alpha``) along a curve of alphas, with the alpha chosen on the curve: both mix with the one
+``vlfit.models.interpolation.interpolate``, so an alpha gives the same weights through either command.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ TARGET_METRIC = re.compile(r"eval_(?:(?:t2i|i2t)(?:_rerank)?_recall@(?:1|5|10)|m
 DESCRIPTION = (
     "Evaluate mixes (1 - alpha) x --zeroshot_model + alpha x --finetuned_model (WiSE-FT) on the target split "
     "(--eval_split) and on --zeroshot_dataset, which is required: the labelled data the mix must not forget (its "
-    "zero-shot top-1 is the second curve). Writes the curve to --output_dir and saves the alpha --select picks."
+    "zero-shot top-1 is the second curve). Writes the curve to --output_dir and saves the alpha --select picks: "
+    "vlfit merge --method wise along a curve."
 )
 
 

@@ -7,8 +7,9 @@ floating point (position ids) must be equal in both. A weight only the fine-tune
 ``--objective`` with ITM adds to a contrastive checkpoint) keeps its fine-tuned value: it has no start to mix with,
 and mixing it with its random initialisation would undo part of its training.
 
-``interpolate`` is the one mix: ``vlfit wise-ft`` draws its curve with it and ``vlfit train --wise_ft_alpha`` ends a
-run with it, so the two accept the same pairs of models and give the same weights.
+``interpolate`` is the one mix: ``vlfit wise-ft`` draws its curve with it, ``vlfit merge --method wise`` makes one mix
+with it and ``vlfit train --wise_ft_alpha`` ends a run with it, so they accept the same pairs of models and give the
+same weights. The soups and Model Stock of several runs are ``vlfit.models.soups``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,39 @@
+"""``vlfit merge`` end to end: a greedy soup judged on the held-out split prints its result, writes its steps, and the
+folder goes on into ``vlfit eval``; a method without what it needs exits 2 in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vlfit.cli import main
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_greedy_soup_judged_on_held_out_data_goes_on_into_eval(
+    tiny_checkpoint, other_checkpoint, synthetic_dataset_dir, tmp_path, capsys
+) -> None:
+    data = ["--dataset_name", synthetic_dataset_dir, "--report_to", "none", "--disable_tqdm", "true"]
+    out = tmp_path / "soup"
+    assert main(["merge", "--method", "greedy", "--runs", str(tiny_checkpoint), str(other_checkpoint), *data,
+                 "--output_dir", str(out)]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "vlfit merge: greedy soup of" in printed and f"saved to {out}" in printed
+    record = json.loads((out / "merge.json").read_text())
+    assert len(record["steps"]) == 2 and record["steps"][0]["kept"] and record["scored_on_held_out_data"]
+    scores = {run["run"]: run["eval_t2i_recall@1"] for run in record["runs"]}
+    assert record["merged"]["eval_t2i_recall@1"] >= max(scores.values())  # never below the best run it started from
+    assert main(["eval", "--model", str(out), *data, "--output_dir", str(tmp_path / "eval")]) == 0
+    evaluated = json.loads((tmp_path / "eval" / "eval_results.json").read_text())
+    assert evaluated["eval_t2i_recall@1"] == pytest.approx(record["merged"]["eval_t2i_recall@1"])
+
+
+def test_a_method_without_what_it_needs_exits_2_in_one_line(tiny_checkpoint, other_checkpoint, tmp_path, capsys):
+    argv = ["merge", "--method", "stock", "--runs", str(tiny_checkpoint), str(other_checkpoint), "--output_dir",
+            str(tmp_path / "stock")]  # fmt: skip
+    assert main(argv) == 2
+    error = capsys.readouterr().err.strip()
+    assert error == "vlfit merge: error: --method 'stock' needs --base: the runs' common starting model"
+    assert not (tmp_path / "stock").exists()
