@@ -230,6 +230,18 @@ def collate_patches(
     return {"pixel_values": pixels, "pixel_attention_mask": mask, "spatial_shapes": shapes}
 
 
+def concat_patch_batches(batches: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """NaFlex batches (``collate_patches``' keys) as one: pixels and masks padded with zeros to the longest first."""
+    longest = max(batch["pixel_values"].shape[1] for batch in batches)
+
+    def padded(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(tensor, [0, 0] * (tensor.dim() - 2) + [0, longest - tensor.shape[1]])
+
+    return {"pixel_values": torch.cat([padded(batch["pixel_values"]) for batch in batches]),
+            "pixel_attention_mask": torch.cat([padded(batch["pixel_attention_mask"]) for batch in batches]),
+            "spatial_shapes": torch.cat([batch["spatial_shapes"] for batch in batches])}  # fmt: skip
+
+
 def normalize_patches(
     pixels: torch.Tensor,
     mask: torch.Tensor,
@@ -261,6 +273,7 @@ __all__ = [
     "NaflexTransform",
     "PatchImage",
     "collate_patches",
+    "concat_patch_batches",
     "decode_covering",
     "image_header",
     "normalize_patches",

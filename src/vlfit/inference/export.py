@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -46,7 +47,7 @@ from vlfit.inference.quantize import (
     quantize_openvino,
 )
 from vlfit.inference.recall import pooled_recall_at_k
-from vlfit.inference.towers import EMBEDDING_OUTPUT, IMAGE_INPUT, TEXT_INPUTS
+from vlfit.inference.towers import EMBEDDING_OUTPUT, IMAGE_INPUT, PATCH_INPUTS, TEXT_INPUTS
 from vlfit.models.input_spec_file import input_settings
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,9 @@ def export_onnx_towers(loaded: TorchEncoder, folder: str, opset: int = DEFAULT_O
     batch = torch.export.Dim("batch")
     sequence = torch.export.Dim("sequence", max=spec.max_seq_length)
     pixels = torch.randint(0, 256, (EXAMPLE_BATCH, 3, spec.image_size, spec.image_size), dtype=torch.uint8)
+    image_inputs, image_names, image_axes = (pixels,), [IMAGE_INPUT], ({0: batch},)
+    if spec.max_num_patches is not None:  # NaFlex: patches, their mask and grids; the patch count a dynamic axis
+        image_inputs, image_names, image_axes = _patch_example(spec, batch)
     input_ids = torch.randint(0, len(spec.tokenizer), (EXAMPLE_BATCH, EXAMPLE_TOKENS))
     attention_mask = torch.ones_like(input_ids)
     attention_mask[1, EXAMPLE_TOKENS // 2 :] = 0
@@ -105,16 +109,17 @@ def export_onnx_towers(loaded: TorchEncoder, folder: str, opset: int = DEFAULT_O
         # torch.onnx names the graph's axes after the Dims and warns, once per input, that it named an axis it
         # shares with another input only once.
         warnings.filterwarnings("ignore", message="# The axis name: .* will not be used", category=UserWarning)
-        program = torch.onnx.export(
-            loaded.image_tower,
-            (pixels,),
-            input_names=[IMAGE_INPUT],
-            output_names=[EMBEDDING_OUTPUT],
-            dynamic_shapes=({0: batch},),
-            opset_version=opset,
-            dynamo=True,
-            verbose=False,
-        )
+        with loaded.loaded.family.export_context():
+            program = torch.onnx.export(
+                loaded.image_tower,
+                image_inputs,
+                input_names=image_names,
+                output_names=[EMBEDDING_OUTPUT],
+                dynamic_shapes=image_axes,
+                opset_version=opset,
+                dynamo=True,
+                verbose=False,
+            )
         program.save(paths["image"])
         program = torch.onnx.export(
             loaded.text_tower,
@@ -128,6 +133,22 @@ def export_onnx_towers(loaded: TorchEncoder, folder: str, opset: int = DEFAULT_O
         )
         program.save(paths["text"])
     return paths
+
+
+def _patch_example(spec: Any, batch: Any) -> tuple[tuple[torch.Tensor, ...], list[str], tuple[dict, ...]]:
+    """A NaFlex image graph's example inputs (two images, the second with half its rows padding), their names and
+    dynamic axes (the batch, and the patch count up to the budget)."""
+    budget, width = int(spec.max_num_patches), int(spec.patch_size) ** 2 * 3
+    patches = torch.export.Dim("patches", max=max(budget, 2))
+    side = max(1, math.isqrt(budget))
+    count = side * (budget // side)
+    pixels = torch.randint(0, 256, (EXAMPLE_BATCH, count, width), dtype=torch.uint8)
+    mask = torch.ones(EXAMPLE_BATCH, count, dtype=torch.long)
+    mask[1, count // 2 :] = 0
+    shapes = torch.tensor([[side, budget // side]] * EXAMPLE_BATCH)
+    shapes[1] = torch.tensor([1, count // 2])
+    axes = ({0: batch, 1: patches}, {0: batch, 1: patches}, {0: batch})
+    return (pixels, mask, shapes), [IMAGE_INPUT, *PATCH_INPUTS], axes
 
 
 # ---------------------------------------------------------------------------------------------- measuring
@@ -144,14 +165,14 @@ def _batches(n: int) -> Iterator[slice]:
 
 def embed_samples(
     samples: Samples,
-    encode_images: Callable[[torch.Tensor], torch.Tensor],
+    encode_images: Callable[..., torch.Tensor],
     encode_tokens: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     tokenize: Callable[[list[str]], dict[str, torch.Tensor]],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Image and caption embeddings of every sample, in parity batches (captions padded to each batch's longest)."""
     images, texts = [], []
     for rows in _batches(len(samples)):
-        images.append(encode_images(samples.pixels[rows].contiguous()).float())
+        images.append(encode_images(*samples.images(rows)).float())
         tokens = tokenize(samples.captions[rows])
         texts.append(encode_tokens(tokens["input_ids"], tokens["attention_mask"]).float())
     return torch.cat(images), torch.cat(texts)
@@ -188,17 +209,25 @@ def _open_staged(folder: str, manifest: dict[str, Any], precision: str, **option
 def _draft_manifest(loaded: TorchEncoder, settings: ExportSettings, checkpoint: str) -> dict[str, Any]:
     spec, identity = loaded.spec, loaded.identity
     size = spec.image_size
+    image_inputs = [{"name": IMAGE_INPUT, "dtype": "uint8", "shape": ["batch", 3, size, size]}]
+    image = {"size": size, "mean": list(spec.image_mean), "std": list(spec.image_std), "layout": "NCHW"}
+    if spec.max_num_patches is not None:  # NaFlex: patches of each image's own grid, padded to the batch's longest
+        width = int(spec.patch_size) ** 2 * 3  # type: ignore[arg-type]
+        image_inputs = [{"name": IMAGE_INPUT, "dtype": "uint8", "shape": ["batch", "patches", width]},
+                        {"name": PATCH_INPUTS[0], "dtype": "int64", "shape": ["batch", "patches"]},
+                        {"name": PATCH_INPUTS[1], "dtype": "int64", "shape": ["batch", 2]}]  # fmt: skip
+        image.update(layout="patches", max_num_patches=spec.max_num_patches, patch_size=spec.patch_size)
     return {
         "format_version": 1,
         "format": settings.format,
         "identity": identity.to_dict(),
         "graphs": {tower: {"fp32": graph_name(tower, "fp32", settings.format)} for tower in TOWERS},
         "inputs": {
-            "image": [{"name": IMAGE_INPUT, "dtype": "uint8", "shape": ["batch", 3, size, size]}],
+            "image": image_inputs,
             "text": [{"name": name, "dtype": "int64", "shape": ["batch", "sequence"]} for name in TEXT_INPUTS],
         },
         "output": {"name": EMBEDDING_OUTPUT, "dtype": "float32", "shape": ["batch", identity.embedding_size]},
-        "image": {"size": size, "mean": list(spec.image_mean), "std": list(spec.image_std), "layout": "NCHW"},
+        "image": image,
         "text": {"max_seq_length": spec.max_seq_length},
         "input_spec": input_settings(spec),  # the run's input_spec.json, as the graphs take their inputs
         "opset": settings.opset,
@@ -388,10 +417,13 @@ def _openvino_default_precision(
 
 def _calibration_feeds(samples: Samples) -> list[dict]:
     """The images INT8 calibrates on, in batches (the text towers' INT8 schemes need no calibration)."""
-    return [
-        {IMAGE_INPUT: samples.pixels[start : start + CALIBRATION_BATCH_SIZE].contiguous().numpy()}
-        for start in range(0, len(samples), CALIBRATION_BATCH_SIZE)
-    ]
+    names = [IMAGE_INPUT, *PATCH_INPUTS]
+    feeds = []
+    for start in range(0, len(samples), CALIBRATION_BATCH_SIZE):
+        inputs = samples.images(slice(start, start + CALIBRATION_BATCH_SIZE))
+        feeds.append({name: (value if value.dtype == torch.uint8 else value.long()).numpy()
+                      for name, value in zip(names, inputs, strict=False)})  # fmt: skip
+    return feeds
 
 
 def _quantize(

@@ -9,6 +9,7 @@ import torch
 from tqdm.auto import tqdm
 
 from vlfit.data.batch import BadSample
+from vlfit.data.naflex import PATCH_INPUTS, concat_patch_batches
 from vlfit.data.pipeline import host_batches
 from vlfit.data.sources.base import ImageTextSource
 from vlfit.errors import DataError
@@ -26,6 +27,8 @@ class Samples:
         bad_samples: Samples left out.
         image_keys: int64 ``[N]``, which image each sample shows (``Record.image_key``: samples of one image share
             it, as evaluation groups them); ``None``: each sample its own image.
+        patches: A NaFlex model's ``pixel_attention_mask`` ``[N, P]`` and ``spatial_shapes`` ``[N, 2]`` (``pixels``
+            are then uint8 patches ``[N, P, p * p * 3]``); ``None`` for square images.
     """
 
     pixels: torch.Tensor
@@ -33,9 +36,19 @@ class Samples:
     ids: list[str]
     bad_samples: list[BadSample]
     image_keys: torch.Tensor | None = None
+    patches: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def images(self, rows: slice) -> tuple[torch.Tensor, ...]:
+        """The image inputs of ``rows`` (``encode_images(*samples.images(rows))``): pixels, and a NaFlex model's
+        patch mask and grids, cut to the rows' longest image."""
+        if self.patches is None:
+            return (self.pixels[rows].contiguous(),)
+        mask, shapes = self.patches[0][rows], self.patches[1][rows]
+        longest = int(shapes.prod(-1).max())
+        return self.pixels[rows, :longest].contiguous(), mask[:, :longest].contiguous(), shapes.contiguous()
 
 
 def load_samples(
@@ -59,17 +72,23 @@ def load_samples(
         DataError: when no sample is usable.
     """
     captions = source.captions()
-    pixels, ids, texts, bad, keys = [], [], [], [], []
+    pixels, ids, texts, bad, keys, patches = [], [], [], [], [], []
     bar = tqdm(total=len(source), unit="img", desc=progress, leave=False, disable=progress is None)
     for batch in host_batches(source, spec, batch_size=batch_size, num_workers=num_workers):
         bar.update(len(batch) + len(batch.bad_samples))
         bad.extend(batch.bad_samples)
         if len(batch):
             pixels.append(batch["pixel_values"].contiguous())
+            if "spatial_shapes" in batch:
+                patches.append({name: batch[name] for name in PATCH_INPUTS})
             ids.extend(batch.sample_ids)
             texts.extend(str(captions[position]) for position in batch.positions)
             keys.append(batch[IMAGE_KEYS])
     bar.close()
     if not pixels:
         raise DataError(f"{source.name}: no usable sample ({len(bad)} bad)")
+    if patches:  # NaFlex: each batch padded to its own longest image, all of them to the longest of all
+        joined = concat_patch_batches(patches)
+        return Samples(joined["pixel_values"], texts, ids, bad, torch.cat(keys),
+                       (joined["pixel_attention_mask"], joined["spatial_shapes"]))  # fmt: skip
     return Samples(torch.cat(pixels), texts, ids, bad, torch.cat(keys))

@@ -158,6 +158,9 @@ class ExportFolder:
             image_std=tuple(float(x) for x in image["std"]),  # type: ignore[arg-type]
             tokenizer=AutoTokenizer.from_pretrained(self.path),
             max_seq_length=max_seq_length or int(self.manifest["text"]["max_seq_length"]),
+            # A NaFlex model's token budget and patch size: the run's, as the graphs were exported at.
+            max_num_patches=image.get("max_num_patches"),
+            patch_size=image.get("patch_size"),
         )
 
     def check_source_unchanged(self) -> None:

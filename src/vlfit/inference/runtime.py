@@ -27,7 +27,7 @@ from PIL import Image
 
 from vlfit.data.image_inputs import ImageInput, patches_of, pixels_of
 from vlfit.data.image_transforms import stack_images
-from vlfit.data.naflex import NaflexTransform, collate_patches
+from vlfit.data.naflex import NaflexTransform, collate_patches, concat_patch_batches
 from vlfit.errors import ConfigError, DataError
 from vlfit.inference.backends import FOLDER_KINDS, Encoder, build_encoder
 from vlfit.inference.identity import RefusedModelError
@@ -276,15 +276,8 @@ def concat_image_batches(batches: Sequence[dict[str, torch.Tensor]]) -> dict[str
     longest first."""
     if "pixel_attention_mask" not in batches[0]:
         return {"pixels": torch.cat([batch["pixels"] for batch in batches])}
-    longest = max(batch["pixels"].shape[1] for batch in batches)
-
-    def padded(tensor: torch.Tensor) -> torch.Tensor:
-        pad = [0, 0] * (tensor.dim() - 2) + [0, longest - tensor.shape[1]]
-        return torch.nn.functional.pad(tensor, pad)
-
-    return {"pixels": torch.cat([padded(batch["pixels"]) for batch in batches]),
-            "pixel_attention_mask": torch.cat([padded(batch["pixel_attention_mask"]) for batch in batches]),
-            "spatial_shapes": torch.cat([batch["spatial_shapes"] for batch in batches])}  # fmt: skip
+    joined = concat_patch_batches([{**batch, "pixel_values": batch["pixels"]} for batch in batches])
+    return {"pixels": joined.pop("pixel_values"), **joined}
 
 
 def image_list(images: ImageInput | Iterable[ImageInput]) -> list[ImageInput]:

@@ -16,6 +16,7 @@ and registers itself in ``vlfit.models.registry``. Nothing in ``vlfit.data``, ``
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -268,6 +269,11 @@ class ModelFamily(ABC):
         """Token embeddings of the text tower (a tokenizer must not exceed it), or None when unknown."""
         text_config = getattr(config, "text_config", config)
         return getattr(text_config, "vocab_size", None)
+
+    def export_context(self) -> contextlib.AbstractContextManager:
+        """Where ``vlfit export`` traces the towers (a family whose transformers code asserts on tensor values, which
+        ONNX cannot express, lifts those checks there; the checks' inputs come from vlfit's own pipeline)."""
+        return contextlib.nullcontext()
 
     def set_attention_implementation(self, model: nn.Module, implementation: str) -> None:
         """Choose the attention kernel (``--attn_implementation``: eager, sdpa, ...); transformers' own by default."""

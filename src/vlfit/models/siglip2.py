@@ -15,8 +15,9 @@ budget is part of its input spec (``--max_num_patches``, recorded in ``input_spe
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -75,6 +76,19 @@ class Siglip2Family(SiglipFamily):
 
     def max_num_patches(self, image_processor: Any) -> int | None:
         return int(getattr(image_processor, "max_num_patches", None) or DEFAULT_MAX_NUM_PATCHES)
+
+    @contextlib.contextmanager
+    def export_context(self) -> Iterator[None]:
+        # Siglip2VisionEmbeddings asserts that each grid is positive and within the patch count (aten._is_all_true,
+        # which no ONNX function converts); vlfit's grids are so by construction (vlfit.data.naflex).
+        from transformers.models.siglip2 import modeling_siglip2
+
+        check = modeling_siglip2.torch_compilable_check
+        modeling_siglip2.torch_compilable_check = lambda *args, **kwargs: None
+        try:
+            yield
+        finally:
+            modeling_siglip2.torch_compilable_check = check
 
     def build(self, config: Any) -> Siglip2Model:
         return Siglip2Model(config)

@@ -1,0 +1,40 @@
+"""``vlfit export`` of a SigLIP 2 NaFlex run: the image graph takes uint8 patches, their mask and grids, the patch
+count a dynamic axis, and embeds photos of every shape (a different count each) as the PyTorch model does."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import vlfit
+from tests.models.test_siglip2 import CAPTIONS, PHOTOS
+from vlfit.cli import main
+from vlfit.models.loading import load_model
+
+pytestmark = pytest.mark.slow
+
+
+def test_an_exported_naflex_run_embeds_photos_of_any_patch_count_as_pytorch(tmp_path, synthetic_dataset_dir):
+    torch.manual_seed(0)
+    model = tmp_path / "model"
+    load_model(model_preset="siglip2-tiny", captions=lambda: CAPTIONS).save(str(model))
+    exported = tmp_path / "onnx"
+    assert main(["export", "--model_name_or_path", str(model), "--output_dir", str(exported), "--parity_samples",
+                 "9", "--calibration_dataset", synthetic_dataset_dir]) == 0  # fmt: skip
+    manifest = json.loads((exported / "export_manifest.json").read_text())
+    assert [item["name"] for item in manifest["inputs"]["image"]] == ["pixels", "pixel_attention_mask",
+                                                                      "spatial_shapes"]  # fmt: skip
+    assert manifest["inputs"]["image"][0]["shape"] == ["batch", "patches", 16 * 16 * 3]
+    assert manifest["image"]["max_num_patches"] == 16
+    assert manifest["parity"]["fp32"]["image"]["min_cosine"] >= 0.9999
+
+    photos = [make() for make in PHOTOS.values()]
+    reference = vlfit.load(str(model)).encode_images(photos)
+    graphs = vlfit.load(str(exported), precision="fp32")
+    together = graphs.encode_images(photos)  # padded to the longest of the batch
+    alone = np.concatenate([graphs.encode_images([photo]) for photo in photos])  # each at its own patch count
+    assert (reference * together).sum(1).min() >= 0.9999
+    assert (reference * alone).sum(1).min() >= 0.9999
