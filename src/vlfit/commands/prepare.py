@@ -21,6 +21,7 @@ from vlfit.data.prepare import (
     DEFAULT_SHARD_SIZE,
     format_report,
     prepare_dataset,
+    resolve_patch_budget,
     resolve_short_side,
 )
 from vlfit.data.sources.openers import open_splits
@@ -145,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         revision=args.model_revision,
         token=args.token,
     )
+    # A NaFlex model's images are stored at their patch grid (--short_side does not apply to them).
+    patch_budget = resolve_patch_budget(
+        args.model_preset, args.model_name_or_path, cache_dir=args.cache_dir, revision=args.model_revision,
+        token=args.token,
+    )  # fmt: skip
     _check_output_dir(args.output_dir, data)
     extra_columns = _split_list(args.extra_columns)
     description = _source_description(data)
@@ -170,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         source_description=description,
         bad_sample_policy=args.bad_sample_policy,
         progress=args.progress,
+        patch_budget=patch_budget,
     )
     print(format_report(summary))
     print(f"train on it with: vlfit train --dataset_name {summary.output_dir} (and the same column flags)")

@@ -35,7 +35,7 @@ from vlfit.data.prepare.reencode import (
     prepare_image,
 )
 from vlfit.data.prepare.report import PrepareSummary, format_report
-from vlfit.data.prepare.resolution import resolve_short_side
+from vlfit.data.prepare.resolution import resolve_patch_budget, resolve_short_side
 from vlfit.data.prepare.run import prepare_dataset
 from vlfit.data.prepare.shards import DEFAULT_SHARD_SIZE, PrepareError, ShardStats, SkippedSample, shard_file_name
 
@@ -60,6 +60,7 @@ __all__ = [
     "output_size",
     "prepare_dataset",
     "prepare_image",
+    "resolve_patch_budget",
     "resolve_short_side",
     "shard_file_name",
 ]

@@ -1,4 +1,5 @@
-"""Re-encoding one image at training resolution: DCT-scaled decode, shrink to the short side, 4:2:0 JPEG.
+"""Re-encoding one image at training resolution: DCT-scaled decode, shrink to the short side (a NaFlex model's: to
+its patch grid), 4:2:0 JPEG.
 
 What ``vlfit prepare`` does to every image (the rest of ``vlfit.data.prepare`` handles the dataset, shards and
 resumption).
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,11 +18,16 @@ import torchvision.transforms.v2.functional as F
 from PIL import Image
 from torchvision.transforms import InterpolationMode
 
+from vlfit.data import naflex
 from vlfit.data.decode import decode_scaled, is_jpeg
 from vlfit.data.image_transforms import hwc_to_chw_view
+from vlfit.data.naflex import NaflexTransform, decode_covering, image_header, resize_uint8_bilinear
 
 DEFAULT_JPEG_QUALITY = 95
 CHROMA_SUBSAMPLING = "4:2:0"
+# A patch grid's image is the model's pixels themselves, one for one: its chroma is kept whole (4:2:0 halved it,
+# and a 16-patch image's embedding fell to cosine 0.998 of plain transformers' on the original photo).
+GRID_SUBSAMPLING = "444"
 # The encoder ``encode_jpeg`` uses (recorded in the prepare manifest).
 JPEG_ENCODER = "simplejpeg"
 
@@ -46,8 +53,8 @@ class PreparedImage:
     small: bool
 
 
-def encode_jpeg(pixels: np.ndarray, quality: int = DEFAULT_JPEG_QUALITY) -> bytes:
-    """Encode an RGB HWC uint8 array as a baseline 4:2:0 JPEG without metadata.
+def encode_jpeg(pixels: np.ndarray, quality: int = DEFAULT_JPEG_QUALITY, subsampling: str = "420") -> bytes:
+    """Encode an RGB HWC uint8 array as a baseline JPEG (4:2:0, or ``subsampling``) without metadata.
 
     Uses libjpeg-turbo through simplejpeg (accurate DCT).
 
@@ -59,7 +66,9 @@ def encode_jpeg(pixels: np.ndarray, quality: int = DEFAULT_JPEG_QUALITY) -> byte
         The encoded bytes.
     """
     pixels = np.ascontiguousarray(pixels)
-    return simplejpeg.encode_jpeg(pixels, quality=quality, colorspace="RGB", colorsubsampling="420", fastdct=False)
+    return simplejpeg.encode_jpeg(
+        pixels, quality=quality, colorspace="RGB", colorsubsampling=subsampling, fastdct=False
+    )
 
 
 def _stored_size(data: bytes) -> tuple[int, int]:
@@ -95,6 +104,33 @@ def output_size(width: int, height: int, short_side: int) -> tuple[int, int]:
     return (new_long, short_side) if width >= height else (short_side, new_long)
 
 
+def prepare_grid_image(
+    data: bytes, patch_size: int, max_num_patches: int, *, jpeg_quality: int = DEFAULT_JPEG_QUALITY,
+    sample_id: str = "?",
+) -> PreparedImage:  # fmt: skip
+    """One image stored at the patch grid a NaFlex model cuts it into: decoded and resized as the input pipeline
+    does (``vlfit.data.naflex.NaflexTransform``), then re-encoded. The grid of a grid-sized image is that grid, so
+    training on the shards decodes it whole and cuts its patches without resizing it again.
+
+    Raises:
+        DecodeError: naming ``sample_id`` when the image cannot be decoded.
+    """
+    transform = NaflexTransform(patch_size, max_num_patches)
+    height, width, _ = image_header(data, sample_id)
+    grid_height, grid_width = transform.grid(height, width)
+    cover = (math.ceil(side * naflex.DECODE_MARGIN) for side in (grid_height, grid_width))
+    pixels = decode_covering(data, *cover, sample_id)
+    resized = resize_uint8_bilinear(hwc_to_chw_view(pixels), grid_height, grid_width)
+    return PreparedImage(
+        data=encode_jpeg(resized.permute(1, 2, 0).numpy(), jpeg_quality, GRID_SUBSAMPLING),
+        width=grid_width,
+        height=grid_height,
+        source_pixels=width * height,
+        decoded_pixels=pixels.shape[0] * pixels.shape[1],
+        small=height * width <= grid_height * grid_width,
+    )
+
+
 def resize_uint8(pixels: np.ndarray, width: int, height: int) -> np.ndarray:
     """Resize an RGB HWC uint8 array to ``width x height`` (bicubic, antialiased, staying uint8).
 
@@ -112,7 +148,11 @@ def resize_uint8(pixels: np.ndarray, width: int, height: int) -> np.ndarray:
 
 
 def prepare_image(
-    data: bytes, short_side: int, jpeg_quality: int = DEFAULT_JPEG_QUALITY, sample_id: str = "?"
+    data: bytes,
+    short_side: int,
+    jpeg_quality: int = DEFAULT_JPEG_QUALITY,
+    sample_id: str = "?",
+    patch_budget: tuple[int, int] | None = None,
 ) -> PreparedImage:
     """Decode (DCT-scaled, EXIF orientation applied), shrink to ``short_side`` and re-encode one image.
 
@@ -125,6 +165,8 @@ def prepare_image(
         short_side: Short side of the output in pixels.
         jpeg_quality: JPEG quality of the output, 1..100.
         sample_id: Named in decode errors.
+        patch_budget: A NaFlex model's ``(patch_size, max_num_patches)``: the image is stored at its patch grid
+            instead (``prepare_grid_image``), ``short_side`` unused.
 
     Returns:
         The re-encoded image and its pixel counts.
@@ -132,6 +174,8 @@ def prepare_image(
     Raises:
         DecodeError: naming ``sample_id`` when the image cannot be decoded.
     """
+    if patch_budget is not None:
+        return prepare_grid_image(data, *patch_budget, jpeg_quality=jpeg_quality, sample_id=sample_id)
     pixels = decode_scaled(data, short_side, sample_id)
     decoded_height, decoded_width = pixels.shape[:2]
     width, height = _stored_size(data)

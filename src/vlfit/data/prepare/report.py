@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 from vlfit.atomic_files import write_text_atomically
-from vlfit.data.prepare.reencode import CHROMA_SUBSAMPLING
+from vlfit.data.prepare.reencode import CHROMA_SUBSAMPLING, GRID_SUBSAMPLING
 from vlfit.data.prepare.shards import ShardStats, SkippedSample
 
 
@@ -29,6 +29,7 @@ class PrepareSummary:
         built_shards: File names of the shards written by this run.
         bad_samples: Bad samples left out per split, over all shards of the requested splits.
         bad_samples_path: The file listing every bad sample left out of the folder, one JSON line each.
+        patch_budget: A NaFlex model's ``(patch_size, max_num_patches)`` the images were stored at the grids of.
     """
 
     output_dir: str
@@ -43,6 +44,7 @@ class PrepareSummary:
     built_shards: list[str] = field(default_factory=list)
     bad_samples: dict[str, int] = field(default_factory=dict)
     bad_samples_path: str = ""
+    patch_budget: tuple[int, int] | None = None
 
     @property
     def samples(self) -> int:
@@ -96,8 +98,7 @@ def format_report(summary: PrepareSummary) -> str:
             f"prepared {summary.samples} samples ({splits}) into {summary.output_dir}",
             f"  shards: {summary.shards_total} ({summary.shards_built} built now, {kept} kept from an earlier run)",
             _bad_samples_line(summary),
-            f"  short side {summary.short_side} px, JPEG quality {summary.jpeg_quality} ({CHROMA_SUBSAMPLING}); "
-            f"{t.small_images} images already at or below it kept their size (not upscaled)",
+            _size_line(summary),
             f"  bytes: input {t.input_bytes / mb:.2f} MB (source images) -> output {t.output_bytes / mb:.2f} MB "
             f"(parquet files), ratio {summary.byte_ratio:.2f} ({size_change})",
             f"  time: {summary.elapsed_s:.1f} s for {summary.samples_built} samples built now, "
@@ -108,6 +109,16 @@ def format_report(summary: PrepareSummary) -> str:
             f"{summary.full_size_pixel_reduction:.1f}x)",
         ]
     )
+
+
+def _size_line(summary: PrepareSummary) -> str:
+    if summary.patch_budget is not None:
+        patch, budget = summary.patch_budget
+        return (f"  each image at its patch grid (at most {budget} patches of {patch} px), JPEG quality "
+                f"{summary.jpeg_quality} ({GRID_SUBSAMPLING[0]}:{GRID_SUBSAMPLING[1]}:{GRID_SUBSAMPLING[2]}); "
+                f"{summary.totals.small_images} images upscaled to their grid")  # fmt: skip
+    return (f"  short side {summary.short_side} px, JPEG quality {summary.jpeg_quality} ({CHROMA_SUBSAMPLING}); "
+            f"{summary.totals.small_images} images already at or below it kept their size (not upscaled)")  # fmt: skip
 
 
 def _bad_samples_line(summary: PrepareSummary) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from transformers import AutoConfig
@@ -62,6 +63,43 @@ def resolve_short_side(
     if size < 1:
         raise DataError(f"the output short side must be at least 1 pixel, got {size} (from {given[0]})")
     return size
+
+
+def resolve_patch_budget(
+    model_preset: str | None = None,
+    model_name_or_path: str | None = None,
+    *,
+    cache_dir: str | None = None,
+    revision: str = "main",
+    token: str | None = None,
+) -> tuple[int, int] | None:
+    """A NaFlex model's ``(patch_size, max_num_patches)`` (its run's record, else its image processor's), or None for
+    a model of square images or none given (``--short_side``)."""
+    from vlfit.models.input_spec_file import read_input_settings
+    from vlfit.models.registry import family_for_config
+
+    if model_preset is not None:
+        family = family_for_preset(model_preset)
+        budget = family.max_num_patches(family.preset_image_processor(model_preset))
+        config = family.preset_config(model_preset)
+    elif model_name_or_path is not None:
+        from transformers import AutoImageProcessor
+
+        hub = {"cache_dir": cache_dir, "revision": revision, "token": token}
+        try:
+            config = AutoConfig.from_pretrained(model_name_or_path, **hub)
+            family = family_for_config(config)
+            budget = family.max_num_patches(AutoImageProcessor.from_pretrained(model_name_or_path, **hub))
+        except (OSError, ValueError) as err:
+            raise DataError(f"--model_name_or_path {model_name_or_path!r}: cannot load it: {err}") from err
+        record = read_input_settings(model_name_or_path) if os.path.isdir(model_name_or_path) else None
+        if budget is not None and record is not None and record.get("max_num_patches"):
+            budget = int(record["max_num_patches"])
+    else:
+        return None
+    if budget is None:
+        return None
+    return int(family.patch_size(config)), int(budget)  # type: ignore[arg-type]
 
 
 def _checkpoint_image_size(model_name_or_path: str, *, cache_dir: str | None, revision: str, token: str | None) -> int:

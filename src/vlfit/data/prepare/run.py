@@ -65,6 +65,7 @@ def prepare_dataset(
     source_description: Mapping[str, Any] | None = None,
     bad_sample_policy: str = "skip",
     progress: bool = True,
+    patch_budget: tuple[int, int] | None = None,
 ) -> PrepareSummary:
     """Re-encode every split at ``short_side`` into parquet shards under ``output_dir``, resuming earlier runs.
 
@@ -95,6 +96,8 @@ def prepare_dataset(
         bad_sample_policy: ``skip`` or ``raise``. Not a setting compared on resumption: a run stopped by
             ``raise`` can be finished with ``skip``.
         progress: Show a progress bar over samples.
+        patch_budget: A NaFlex model's ``(patch_size, max_num_patches)``: each image is stored at its patch grid
+            (``vlfit.data.prepare.reencode.prepare_grid_image``) instead of at ``short_side``; compared on resumption.
 
     Returns:
         The counts of the run.
@@ -129,6 +132,9 @@ def prepare_dataset(
         },
         "source": description,
     }
+    if patch_budget is not None:  # a NaFlex model's images, stored at their patch grid
+        settings["patch_grid"] = {"patch_size": patch_budget[0], "max_num_patches": patch_budget[1],
+                                  "chroma_subsampling": "4:4:4"}  # fmt: skip
     if image_id_column is not None:  # only then: a folder prepared before the setting existed still resumes
         settings["columns"]["image_id"] = image_id_column
 
@@ -214,7 +220,7 @@ def prepare_dataset(
     with _failed_writes_in_one_line(output_dir, manifest, list(sources), len(tasks)):
         write_manifest(manifest_path, manifest)
         try:
-            shard_settings = ShardSettings(output_dir, short_side, jpeg_quality, bad_sample_policy)
+            shard_settings = ShardSettings(output_dir, short_side, jpeg_quality, bad_sample_policy, patch_budget)
             build_shards(todo, sources, shard_settings, num_proc=num_proc, on_done=record)
         finally:
             bar.close()
@@ -238,6 +244,7 @@ def prepare_dataset(
         built_shards=sorted(built),
         bad_samples={split: manifest["splits"][split]["bad_samples"] for split in sources},
         bad_samples_path=bad_samples_path,
+        patch_budget=patch_budget,
     )
 
 

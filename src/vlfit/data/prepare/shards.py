@@ -97,12 +97,14 @@ class ShardSettings:
         short_side: Output short side in pixels.
         jpeg_quality: Output JPEG quality.
         bad_sample_policy: ``skip`` (leave bad samples out) or ``raise`` (stop at the first one).
+        patch_budget: A NaFlex model's ``(patch_size, max_num_patches)``: images are stored at their patch grid.
     """
 
     output_dir: str
     short_side: int
     jpeg_quality: int
     bad_sample_policy: str = "skip"
+    patch_budget: tuple[int, int] | None = None
 
 
 @dataclass
@@ -198,7 +200,9 @@ def build_shard(task: ShardTask, source: ImageTextSource, settings: ShardSetting
             record = source[row]
             # The caption is checked first: it is free, and a bad one makes decoding the image pointless.
             caption = clean_caption(record.caption, record.id)
-            prepared = prepare_image(record.image, settings.short_side, settings.jpeg_quality, record.id)
+            prepared = prepare_image(
+                record.image, settings.short_side, settings.jpeg_quality, record.id, settings.patch_budget
+            )
         except _BAD_SAMPLE_ERRORS as err:
             sample_id, reason = describe_error(err, fallback_id=f"row {row}")
             if settings.bad_sample_policy == "raise":
