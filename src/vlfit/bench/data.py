@@ -67,12 +67,22 @@ def source_key(description: dict[str, Any]) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
-def prepared_source(source: Any, *, image_size: int, cache_dir: str, key: str, num_proc: int = 1) -> Any:
-    """``source`` re-encoded by ``prepare_dataset`` at ``image_size`` (kept in ``cache_dir``), read back as parquet.
+def prepared_source(
+    source: Any,
+    *,
+    image_size: int,
+    cache_dir: str,
+    key: str,
+    num_proc: int = 1,
+    patch_budget: tuple[int, int] | None = None,
+) -> Any:
+    """``source`` re-encoded by ``prepare_dataset`` at ``image_size`` (a NaFlex model's: at the patch grids of
+    ``patch_budget``; kept in ``cache_dir``), read back as parquet.
 
     A folder from an earlier run with the same key is reused (``prepare_dataset`` resumes and checks settings).
     """
-    output_dir = os.path.join(cache_dir, f"prepared-{image_size}px-{key}")
+    size = f"{image_size}px" if patch_budget is None else f"grid{patch_budget[1]}x{patch_budget[0]}px"
+    output_dir = os.path.join(cache_dir, f"prepared-{size}-{key}")
     prepare_dataset(
         {"train": source},
         output_dir,
@@ -80,6 +90,7 @@ def prepared_source(source: Any, *, image_size: int, cache_dir: str, key: str, n
         num_proc=max(1, min(num_proc, len(source) // 64)),
         source_description={"bench_source": key},
         progress=False,
+        patch_budget=patch_budget,
     )
     return open_splits(
         dataset_name=output_dir, cache_dir=os.path.join(cache_dir, "hf-datasets"), extra_columns=EVAL_COLUMNS

@@ -128,6 +128,9 @@ class BenchSession:
                     cache_dir=self.cache_dir,
                     key=self.source_key,
                     num_proc=self.num_proc,
+                    patch_budget=None
+                    if self.inputs.max_num_patches is None
+                    else (int(self.inputs.patch_size), self.inputs.max_num_patches),  # type: ignore[arg-type]
                 )
                 logger.info("prepared %d samples in %.1f s", len(self.source), time.perf_counter() - started)
             else:
