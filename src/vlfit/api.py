@@ -164,6 +164,7 @@ def load(
     num_threads: int | None = None,
     max_seq_length: int | None = None,
     allow_spinning: bool = True,
+    max_num_patches: int | None = None,
 ) -> Model:
     """Load a model to embed with (or, for a VQA run, to answer questions with).
 
@@ -179,10 +180,12 @@ def load(
             its ``input_spec.json``; another is logged).
         allow_spinning: ONNX Runtime's idle threads spin-wait for the next call (its default; a server that shares
             its cores with an event loop turns it off).
+        max_num_patches: A NaFlex model's (SigLIP 2) token budget per image (``None``: the budget the run was
+            trained with, from its ``input_spec.json``; another is logged; an export takes at most its own).
     """
     runtime = ModelRuntime.open(
         path_or_preset, backend, precision, num_threads=num_threads, max_seq_length=max_seq_length,
-        allow_spinning=allow_spinning,
+        allow_spinning=allow_spinning, max_num_patches=max_num_patches,
     )  # fmt: skip
     runtime.answerer if runtime.answers_questions else runtime.encoder  # noqa: B018  (a bad folder fails here)
     return Model(runtime)

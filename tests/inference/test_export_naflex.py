@@ -12,6 +12,7 @@ import torch
 import vlfit
 from tests.models.test_siglip2 import CAPTIONS, PHOTOS
 from vlfit.cli import main
+from vlfit.inference.identity import RefusedModelError
 from vlfit.models.loading import load_model
 
 pytestmark = pytest.mark.slow
@@ -38,3 +39,8 @@ def test_an_exported_naflex_run_embeds_photos_of_any_patch_count_as_pytorch(tmp_
     alone = np.concatenate([graphs.encode_images([photo]) for photo in photos])  # each at its own patch count
     assert (reference * together).sum(1).min() >= 0.9999
     assert (reference * alone).sum(1).min() >= 0.9999
+
+    # A smaller budget at the door is within the graph's patch axis; a larger one is refused in one line.
+    assert vlfit.load(str(exported), precision="fp32", max_num_patches=8).encode_images(photos).shape[0] == len(photos)
+    with pytest.raises(RefusedModelError, match="`max_num_patches=64` is more than the 16 patches"):
+        vlfit.load(str(exported), precision="fp32", max_num_patches=64)

@@ -183,3 +183,16 @@ def test_siglip_1_photos_embed_in_plain_transformers_as_in_vlfit(tmp_path, photo
     ours = torch.from_numpy(vlfit.load(folder).encode_images(files))
     found = dict(zip(photo_files, cosines(ours, theirs), strict=True))
     assert min(found.values()) >= MIN_COSINE, found
+
+
+def test_a_door_may_ask_for_another_token_budget(siglip2_folder, photo_files):
+    files = list(photo_files.values())
+    default = vlfit.load(siglip2_folder)
+    fewer = vlfit.load(siglip2_folder, max_num_patches=4)
+    assert default.runtime.inputs.max_num_patches == 16 and fewer.runtime.inputs.max_num_patches == 4
+    batch = fewer.runtime.image_batch(files)
+    assert int(batch["spatial_shapes"].prod(-1).max()) <= 4
+    coarse, fine = (torch.from_numpy(model.encode_images(files)) for model in (fewer, default))
+    assert min(cosines(coarse, fine)) < 0.9999  # other grids, other embeddings
+    with pytest.raises(ConfigError, match="`max_num_patches=` is for NaFlex models"):  # the API's wording
+        vlfit.load("siglip-tiny", max_num_patches=4).encode_texts(["a"])

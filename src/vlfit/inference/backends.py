@@ -11,6 +11,7 @@ LoRA adapters on PyTorch, a folder ``vlfit export`` wrote on the runtime of its 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from abc import ABC, abstractmethod
@@ -315,7 +316,7 @@ def build_encoder(reference: ModelReference, settings: RuntimeSettings) -> Encod
             raise ConfigError(
                 f"preset {reference.path} runs on torch; export a trained checkpoint for --backend {backend!r}"
             )
-        return _preset_encoder(reference.path, settings.max_seq_length)
+        return _preset_encoder(reference.path, settings.max_seq_length, settings.max_num_patches)
     other = "onnx" if backend == "onnxruntime" else "openvino"
     if reference.kind != "export":
         if backend not in ("auto", "torch"):
@@ -325,29 +326,56 @@ def build_encoder(reference: ModelReference, settings: RuntimeSettings) -> Encod
             )
         if precision == "int8":
             raise RefusedModelError(f"{reference.path}: INT8 runs on exported graphs only; export with --quantize int8")
-        return _torch_encoder(reference, settings.max_seq_length)
+        return _torch_encoder(reference, settings.max_seq_length, settings.max_num_patches)
     exported = ExportFolder.open(reference.path, check_source=False)
     exported.check_backend(backend)
     exported.check_source_unchanged()
     exported.check_caption_length(settings.max_seq_length)
+    encoder: _ExportedEncoder
     if exported.runtime == "onnxruntime":
-        return OnnxRuntimeEncoder(
+        encoder = OnnxRuntimeEncoder(
             exported,
             precision,
             num_threads=settings.num_threads,
             allow_spinning=settings.allow_spinning,
             max_seq_length=settings.max_seq_length,
         )
-    return OpenVinoEncoder(
-        exported,
-        precision,
-        inference_precision=settings.inference_precision,
-        num_threads=settings.num_threads,
-        max_seq_length=settings.max_seq_length,
-    )
+    else:
+        encoder = OpenVinoEncoder(
+            exported,
+            precision,
+            inference_precision=settings.inference_precision,
+            num_threads=settings.num_threads,
+            max_seq_length=settings.max_seq_length,
+        )
+    if settings.max_num_patches is not None:
+        encoder.spec = _exported_patch_budget(encoder.spec, settings.max_num_patches, exported.path)
+    return encoder
 
 
-def _torch_encoder(reference: ModelReference, max_seq_length: int | None) -> TorchEncoder:
+def _exported_patch_budget(spec: InputSpec, asked: int, path: str) -> InputSpec:
+    """``spec`` at the token budget ``asked``, within the patch count the graphs were exported for.
+
+    Raises:
+        ConfigError: for a budget asked of a model of square images.
+        RefusedModelError: for one above the export's.
+    """
+    exported = spec.max_num_patches
+    if exported is None:
+        raise ConfigError(
+            f"--max_num_patches is for NaFlex models (SigLIP 2); {path} takes square images: leave the flag out"
+        )
+    if asked > exported:
+        raise RefusedModelError(
+            f"{path}: --max_num_patches {asked} is more than the {exported} patches its image graph takes; ask for at "
+            "most that, or export again from a run trained (or loaded) with more"
+        )
+    return dataclasses.replace(spec, max_num_patches=asked)
+
+
+def _torch_encoder(
+    reference: ModelReference, max_seq_length: int | None, max_num_patches: int | None = None
+) -> TorchEncoder:
     """A checkpoint folder on PyTorch: fp32, eval mode, the sdpa attention path, at the run's caption length (or
     ``max_seq_length``)."""
     from vlfit.models.loading import load_model  # only here: it imports transformers' models
@@ -358,15 +386,17 @@ def _torch_encoder(reference: ModelReference, max_seq_length: int | None) -> Tor
             f"{folder}: the checkpoint has no tokenizer ({' or '.join(TOKENIZER_FILES)}); save one beside the weights "
             "(vlfit train does)"
         )
-    loaded = load_model(model_name_or_path=reference, max_seq_length=max_seq_length)
+    loaded = load_model(model_name_or_path=reference, max_seq_length=max_seq_length, max_num_patches=max_num_patches)
     return TorchEncoder(loaded, folder, checkpoint_fingerprint(folder))
 
 
-def _preset_encoder(preset: str, max_seq_length: int | None) -> TorchEncoder:
+def _preset_encoder(preset: str, max_seq_length: int | None, max_num_patches: int | None = None) -> TorchEncoder:
     from vlfit.data.synthetic.scenes import scene_and_choices
     from vlfit.models.loading import load_model
 
     rng = np.random.default_rng(0)
     captions = [caption for _ in range(64) for caption in scene_and_choices(rng)[1]]
-    loaded = load_model(model_preset=preset, captions=lambda: captions, max_seq_length=max_seq_length)
+    loaded = load_model(
+        model_preset=preset, captions=lambda: captions, max_seq_length=max_seq_length, max_num_patches=max_num_patches
+    )
     return TorchEncoder(loaded, f"preset:{preset}", f"preset:{preset}")

@@ -79,6 +79,7 @@ class ModelRuntime:
         max_seq_length: int | None = None,
         inference_precision: str | None = None,
         allow_spinning: bool = True,
+        max_num_patches: int | None = None,
         flag: str = "--model",
         kinds: Collection[str] = RUNTIME_KINDS,
     ) -> ModelRuntime:
@@ -87,8 +88,8 @@ class ModelRuntime:
         Args:
             model: The folder or preset (``parse_model_reference`` reads it, naming ``flag`` when it is none of
                 ``kinds``), or what it parsed to.
-            backend, precision, num_threads, max_seq_length, inference_precision, allow_spinning: The
-                ``RuntimeSettings``.
+            backend, precision, num_threads, max_seq_length, inference_precision, allow_spinning,
+                max_num_patches: The ``RuntimeSettings``.
             flag: The option that named the model, for error messages.
             kinds: What the door takes.
 
@@ -98,7 +99,9 @@ class ModelRuntime:
             RefusedModelError: for a setting the model cannot run with (INT8 of a checkpoint, a VQA model on
                 another backend ...).
         """
-        settings = RuntimeSettings(backend, precision, num_threads, max_seq_length, inference_precision, allow_spinning)
+        settings = RuntimeSettings(
+            backend, precision, num_threads, max_seq_length, inference_precision, allow_spinning, max_num_patches
+        )
         if not isinstance(model, ModelReference):
             model = parse_model_reference(os.fspath(model), flag=flag, kinds=tuple(kinds))
         return cls(model, settings)

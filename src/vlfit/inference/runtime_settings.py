@@ -22,6 +22,7 @@ class RuntimeSettings:
         max_seq_length: Caption length (``None``: the one the run was trained with).
         inference_precision: OpenVINO's ``INFERENCE_PRECISION_HINT`` (``None``: the plugin's default).
         allow_spinning: ONNX Runtime's idle threads spin-wait for the next call (a server turns it off).
+        max_num_patches: A NaFlex model's token budget per image (``None``: the one the run was trained with).
     """
 
     backend: str = "auto"
@@ -30,6 +31,7 @@ class RuntimeSettings:
     max_seq_length: int | None = None
     inference_precision: str | None = None
     allow_spinning: bool = True
+    max_num_patches: int | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -40,3 +42,5 @@ class RuntimeSettings:
             raise ConfigError(f"--num_threads must be at least 1, got {self.num_threads}")
         if self.max_seq_length is not None and self.max_seq_length < 1:
             raise ConfigError(f"--max_seq_length must be at least 1, got {self.max_seq_length}")
+        if self.max_num_patches is not None and self.max_num_patches < 1:
+            raise ConfigError(f"--max_num_patches must be at least 1, got {self.max_num_patches}")
