@@ -196,3 +196,9 @@ def test_a_door_may_ask_for_another_token_budget(siglip2_folder, photo_files):
     assert min(cosines(coarse, fine)) < 0.9999  # other grids, other embeddings
     with pytest.raises(ConfigError, match="`max_num_patches=` is for NaFlex models"):  # the API's wording
         vlfit.load("siglip-tiny", max_num_patches=4).encode_texts(["a"])
+
+
+def test_square_pixels_are_refused_in_one_line(siglip2_folder):
+    bundle = load_model(model_name_or_path=siglip2_folder)
+    with pytest.raises(ConfigError, match="NaFlex model takes each image as patches"):
+        bundle.family.encode_image(bundle.model, torch.zeros(1, 3, 64, 64))

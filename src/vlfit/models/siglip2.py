@@ -25,6 +25,7 @@ from accelerate.utils import extract_model_from_parallel
 from torch import nn
 from transformers import Siglip2Config, Siglip2ImageProcessor, Siglip2Model
 
+from vlfit.errors import ConfigError
 from vlfit.models.dual_encoder import normalized
 from vlfit.models.family import InputSpec, LossEmbeddings
 from vlfit.models.logit_scale import install_output_hook
@@ -41,11 +42,12 @@ def naflex_image_inputs(
     pixel_attention_mask: torch.Tensor | None,
     spatial_shapes: torch.Tensor | None,
 ) -> dict[str, torch.Tensor]:
-    """The vision tower's keywords, refusing a batch made for square images (a family mismatch, in one line)."""
+    """The vision tower's keywords, refusing square images in one line (what a door that only makes square pixels
+    hands it: few-shot classification does not make NaFlex batches yet)."""
     if pixel_attention_mask is None or spatial_shapes is None or pixel_values.dim() != 3:
-        raise ValueError(
-            "a SigLIP 2 NaFlex model takes patches [B, N, p*p*3] with pixel_attention_mask and spatial_shapes, got "
-            f"pixels of shape {tuple(pixel_values.shape)}; its input spec sets max_num_patches (vlfit.data.naflex)"
+        raise ConfigError(
+            "a SigLIP 2 NaFlex model takes each image as patches with their mask and grids, and this command only "
+            f"makes square images ({tuple(pixel_values.shape)}); embed with vlfit.load, retrieve or serve instead"
         )
     return {"pixel_values": pixel_values, "pixel_attention_mask": pixel_attention_mask,
             "spatial_shapes": spatial_shapes}  # fmt: skip
