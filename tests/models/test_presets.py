@@ -31,6 +31,7 @@ PARAMETERS = {
     "siglip-base": 203_155_970,
     "siglip2-tiny": 291_586,
     "siglip2-small": 5_036_930,
+    "two-tower-tiny": 274_881,
 }
 CAPTIONS = ["two red circles on the left", "one blue square at the top", "three green crosses"] * 10
 

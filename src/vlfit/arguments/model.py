@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from vlfit.errors import ConfigError
 from vlfit.extras import require_extra
 from vlfit.models.presets import list_presets
+from vlfit.models.reference import two_towers
 
 if TYPE_CHECKING:
     from vlfit.models.lora import LoraSettings
@@ -36,6 +37,36 @@ class ModelArguments:
             "of a preset .json file (written as the shipped ones in vlfit/models/presets/ are). "
             "A byte-level BPE tokenizer is trained on the training captions unless --tokenizer_name is given."
         },
+    )
+    vision_model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "With --text_model_name_or_path, instead of a checkpoint or preset: a CLIP-like model of two "
+            "pretrained towers joined by new projections (transformers' VisionTextDualEncoderModel, run_clip.py's "
+            "first example): this is the vision tower, any model AutoModel loads that takes pixels (ViT, a CLIP "
+            "checkpoint's vision tower, DINOv2, ConvNeXt ...); its image processor's size, mean and std become the "
+            "run's. A folder or a hub id."
+        },
+    )
+    text_model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "The text tower of a model of two towers (see --vision_model_name_or_path): BERT, RoBERTa, "
+            "MiniLM ...; its tokenizer is the run's. A folder or a hub id."
+        },
+    )
+    projection_dim: int | None = field(
+        default=None,
+        metadata={"help": "A model of two towers: the size of the shared embedding space its new projections map "
+                  "both towers into (default 512)."},
+    )  # fmt: skip
+    lock_image_tower: bool = field(
+        default=False,
+        metadata={"help": "Do not train the vision tower (LiT's locked-image tuning; the same as --freeze vision): "
+                  "the text tower and the projections learn to match it."},
+    )  # fmt: skip
+    lock_text_tower: bool = field(
+        default=False, metadata={"help": "Do not train the text tower (the same as --freeze text)."}
     )
     tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer to use instead of the model's."})
     image_processor_name: str | None = field(
@@ -116,6 +147,8 @@ class ModelArguments:
     )
 
     def __post_init__(self) -> None:
+        two_towers(self.model_name_or_path, self.model_preset, self.vision_model_name_or_path,
+                   self.text_model_name_or_path, self.projection_dim)  # fmt: skip
         if self.model_preset is not None:
             from vlfit.models.registry import family_for_preset
 
@@ -138,9 +171,12 @@ class ModelArguments:
             raise ConfigError("--lora_target and --lora_alpha need --lora_r (the adapters' rank)")
 
     def frozen_towers(self) -> tuple[str, ...]:
-        """The towers ``--freeze`` and ``--freeze_vision_model`` / ``--freeze_text_model`` name."""
+        """The towers ``--freeze``, ``--freeze_vision_model`` / ``--freeze_text_model`` and ``--lock_image_tower`` /
+        ``--lock_text_tower`` name."""
         towers = [t.strip() for t in (self.freeze or "").split(",") if t.strip()]
-        towers += [name for name, on in (("vision", self.freeze_vision_model), ("text", self.freeze_text_model)) if on]
+        flags = (("vision", self.freeze_vision_model), ("text", self.freeze_text_model),
+                 ("vision", self.lock_image_tower), ("text", self.lock_text_tower))  # fmt: skip
+        towers += [name for name, on in flags if on]
         return tuple(dict.fromkeys(towers))
 
     def source_keywords(self) -> dict[str, Any]:
@@ -156,6 +192,9 @@ class ModelArguments:
             "model_revision": self.model_revision,
             "token": self.token,
             "trust_remote_code": self.trust_remote_code,
+            "vision_model_name_or_path": self.vision_model_name_or_path,
+            "text_model_name_or_path": self.text_model_name_or_path,
+            "projection_dim": self.projection_dim,
         }
 
     def build_keywords(self) -> dict[str, Any]:

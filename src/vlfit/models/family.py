@@ -254,6 +254,11 @@ class ModelFamily(ABC):
     def image_size(self, config: Any) -> int:
         """Input image side of a model with ``config``."""
 
+    def input_image_size(self, config: Any, image_processor: Any) -> int:
+        """The side of the images the input pipeline feeds a model with ``config`` and ``image_processor``: the
+        config's ``image_size`` (a family whose towers take what their processor says overrides it)."""
+        return self.image_size(config)
+
     def patch_size(self, config: Any) -> int | None:
         """Side of the vision tower's patches (the image size must be a multiple of it), or None when unknown."""
         size = getattr(getattr(config, "vision_config", None), "patch_size", None)

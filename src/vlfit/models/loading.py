@@ -32,7 +32,13 @@ from vlfit.models.input_spec_file import (
     save_input_settings,
 )
 from vlfit.models.lora import load_merged
-from vlfit.models.reference import MODEL_CONFIG, ModelReference, check_local_path, parse_model_reference
+from vlfit.models.reference import (
+    MODEL_CONFIG,
+    ModelReference,
+    check_local_path,
+    parse_model_reference,
+    two_towers,
+)
 from vlfit.models.registry import family_for_config, family_for_preset
 from vlfit.models.tokenizer import train_caption_tokenizer
 
@@ -40,7 +46,8 @@ logger = logging.getLogger(__name__)
 
 # The keywords of ``resolve_model`` (what model, and the hub settings) and of ``build_model``.
 SOURCE_KEYWORDS = ("model_name_or_path", "model_preset", "config_name", "tokenizer_name", "image_processor_name",
-                   "cache_dir", "model_revision", "token", "trust_remote_code")  # fmt: skip
+                   "cache_dir", "model_revision", "token", "trust_remote_code", "vision_model_name_or_path",
+                   "text_model_name_or_path", "projection_dim")  # fmt: skip
 BUILD_KEYWORDS = ("attn_implementation", "frozen_towers", "freeze_text_pooler")
 
 
@@ -53,8 +60,10 @@ class ModelSpec:
         config: The transformers config.
         inputs: Image size, mean, std and tokenizer (what the input pipeline needs).
         image_processor: Saved beside fine-tuned checkpoints.
-        checkpoint: The folder or hub id to load weights from; None for a preset (random init).
+        checkpoint: The folder or hub id to load weights from; None for a preset (random init) or two towers.
         preset: The preset's name, or None for a checkpoint.
+        towers: The pretrained vision and text towers a two-tower model is made of (``--vision_model_name_or_path``,
+            ``--text_model_name_or_path``), or None.
         adapters: A folder of LoRA adapters merged into the checkpoint's weights when the model is built.
         hub: The hub settings the checkpoint's weights are loaded with (``cache_dir``, ``revision``, ``token``,
             ``trust_remote_code``).
@@ -68,10 +77,13 @@ class ModelSpec:
     preset: str | None = None
     adapters: str | None = None
     hub: dict[str, Any] = field(default_factory=dict)
+    towers: tuple[str, str] | None = None
 
     @property
     def description(self) -> str:
-        """``preset tiny``, the checkpoint, or the adapters and their base."""
+        """``preset tiny``, the checkpoint, the adapters and their base, or the two towers."""
+        if self.towers:
+            return f"the towers {self.towers[0]} (vision) and {self.towers[1]} (text)"
         if self.adapters:
             return f"LoRA adapters {self.adapters} on {self.checkpoint}"
         return f"preset {self.preset}" if self.preset else str(self.checkpoint)
@@ -188,6 +200,9 @@ def resolve_model(
     captions: Callable[[], Iterable[str | None]] | None = None,
     max_seq_length: int | None = None,
     max_num_patches: int | None = None,
+    vision_model_name_or_path: str | None = None,
+    text_model_name_or_path: str | None = None,
+    projection_dim: int | None = None,
 ) -> ModelSpec:
     """The family, config, tokenizer and image processor of ``--model_name_or_path`` or ``--model_preset``.
 
@@ -207,19 +222,28 @@ def resolve_model(
             (``input_spec.json``), else ``DEFAULT_MAX_SEQ_LENGTH``. One that differs from the run's is logged.
         max_num_patches: A NaFlex model's token budget per image (SigLIP 2); None: the run's record, else its
             image processor's. One that differs from the run's is logged; refused for a model of square images.
+        vision_model_name_or_path: With ``text_model_name_or_path`` instead of a checkpoint or preset: a two-tower
+            model of these pretrained towers (``vlfit.models.two_tower``), its tokenizer the text tower's and its
+            image processor the vision tower's.
+        text_model_name_or_path: See ``vision_model_name_or_path``.
+        projection_dim: The size of a two-tower model's shared space (default ``DEFAULT_PROJECTION_DIM``).
 
     Raises:
         ValueError: for neither or both of checkpoint and preset, an unknown preset or model type, a tokenizer
             larger than the model's vocabulary, or an image size that is not a multiple of the patch size.
         MissingFileError: for a local path (not a hub id) that does not exist (``check_local_path``).
     """
-    if (model_name_or_path is None) == (model_preset is None):
+    towers = two_towers(model_name_or_path, model_preset, vision_model_name_or_path, text_model_name_or_path,
+                        projection_dim)  # fmt: skip
+    if towers is None and (model_name_or_path is None) == (model_preset is None):
         raise ConfigError(
             "pass exactly one of --model_name_or_path (a checkpoint folder or hub id) or --model_preset "
             f"(random init); got model_name_or_path={model_name_or_path!r}, model_preset={model_preset!r}"
         )
     hub = _hub_kwargs(cache_dir, model_revision, token, trust_remote_code)
-    if isinstance(model_name_or_path, ModelReference):
+    if towers is not None:
+        reference = None
+    elif isinstance(model_name_or_path, ModelReference):
         reference = model_name_or_path
     elif model_name_or_path is not None:
         reference = parse_model_reference(model_name_or_path, flag="--model_name_or_path")
@@ -230,10 +254,17 @@ def resolve_model(
     for flag, name in named.items():
         if name is not None:
             check_local_path(name, flag)
-    checkpoint, preset = reference.weights, reference.path if reference.kind == "preset" else None
+    checkpoint = reference.weights if reference else None
+    preset = reference.path if reference and reference.kind == "preset" else None
     # LoRA adapters: the model is their base's, with them merged in; tokenizer and processor are the run's.
-    adapters = reference.path if reference.kind == "adapters" else None
-    if preset is None:
+    adapters = reference.path if reference and reference.kind == "adapters" else None
+    if towers is not None:
+        family, config = _two_tower_config(towers, projection_dim, config_name, hub)
+        tokenizer = _load_processor(AutoTokenizer, "tokenizer", "--tokenizer_name", tokenizer_name or towers[1], hub)
+        image_processor = _load_processor(
+            AutoImageProcessor, "image processor", "--image_processor_name", image_processor_name or towers[0], hub
+        )
+    elif preset is None:
         checkpoint = checkpoint or reference.path  # an export folder has no config: loading it says so
         # Adapters with a config of their own (a VQA run's: its answers) are that model; others are their base's.
         own = adapters if adapters and os.path.isfile(os.path.join(adapters, MODEL_CONFIG)) else None
@@ -283,10 +314,11 @@ def resolve_model(
     vocab = family.vocab_size(config)
     if vocab is not None and len(tokenizer) > vocab:
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model embeds only {vocab}")
-    image_size, patch_size = family.image_size(config), family.patch_size(config)
+    image_size, patch_size = family.input_image_size(config, image_processor), family.patch_size(config)
     if patch_size and image_size % patch_size:
         raise ConfigError(
-            f"{checkpoint or preset}: image size {image_size} is not a multiple of the patch size {patch_size}; "
+            f"{checkpoint or preset or towers}: image size {image_size} is not a multiple of the patch size "
+            f"{patch_size}; "
             "fix vision_config.image_size or patch_size in its config.json"
         )
     longest = family.max_text_length(config)
@@ -310,8 +342,26 @@ def resolve_model(
     if record is not None:
         check_image_settings(record, inputs, record_folder)  # type: ignore[arg-type]
     return ModelSpec(
-        family, config, inputs, image_processor, checkpoint=checkpoint, preset=preset, adapters=adapters, hub=hub
+        family, config, inputs, image_processor, checkpoint=checkpoint, preset=preset, adapters=adapters, hub=hub,
+        towers=towers,
+    )  # fmt: skip
+
+
+def _two_tower_config(
+    towers: tuple[str, str], projection_dim: int | None, config_name: str | None, hub: dict[str, Any]
+) -> tuple[ModelFamily, Any]:
+    """The two-tower family and the config of a model of ``towers`` (from the towers' configs, no weights)."""
+    from vlfit.models.two_tower import DEFAULT_PROJECTION_DIM, TwoTowerFamily, tower_config
+
+    if config_name is not None:
+        raise ConfigError("--config_name with two towers: each tower keeps its own config; drop --config_name")
+    family = TwoTowerFamily()
+    vision = tower_config(towers[0], "--vision_model_name_or_path", hub, vision=True)
+    text = tower_config(towers[1], "--text_model_name_or_path", hub, vision=False)
+    config = family.config_class.from_vision_text_configs(
+        vision, text, projection_dim=int(projection_dim or DEFAULT_PROJECTION_DIM)
     )
+    return family, config
 
 
 def _patch_budget(
@@ -373,7 +423,9 @@ def build_model(
     # into its config) must not change the spec, from which the bench's worker probe and then training each
     # build a model (transformers refuses to build BridgeTower from a config that says sdpa).
     config = copy.deepcopy(spec.config)
-    if spec.checkpoint is not None:
+    if spec.towers is not None:
+        model = family.from_towers(*spec.towers, projection_dim=config.projection_dim, hub=spec.hub)  # type: ignore[attr-defined]
+    elif spec.checkpoint is not None:
         model = family.from_pretrained(spec.checkpoint, config=config, **spec.hub)
         if spec.adapters is not None:
             model = load_merged(model, spec.adapters)

@@ -191,6 +191,36 @@ def local_model_type(reference: ModelReference) -> str | None:
     return model_type if isinstance(model_type, str) else None
 
 
+def two_towers(
+    model_name_or_path: object, model_preset: object, vision: str | None, text: str | None, projection_dim: object
+) -> tuple[str, str] | None:
+    """The vision and text towers of a new two-tower model (``--vision_model_name_or_path``,
+    ``--text_model_name_or_path``), or None when none is named.
+
+    Raises:
+        ConfigError: for one tower without the other, towers beside a checkpoint or preset, or a ``--projection_dim``
+            without towers or below 1.
+    """
+    if vision is None and text is None:
+        if projection_dim is not None:
+            raise ConfigError(
+                "--projection_dim sizes the projections of a model made of two towers (--vision_model_name_or_path "
+                "and --text_model_name_or_path); a checkpoint or preset keeps its own"
+            )
+        return None
+    if vision is None or text is None:
+        missing = "--vision_model_name_or_path" if vision is None else "--text_model_name_or_path"
+        raise ConfigError(f"a model of two towers needs both: pass {missing} too")
+    if model_name_or_path is not None or model_preset is not None:
+        raise ConfigError(
+            "--vision_model_name_or_path and --text_model_name_or_path build a new model of two towers: drop "
+            "--model_name_or_path / --model_preset (a run of such a model is loaded with --model_name_or_path alone)"
+        )
+    if projection_dim is not None and int(projection_dim) < 1:  # type: ignore[call-overload]
+        raise ConfigError(f"--projection_dim must be at least 1, got {projection_dim}")
+    return vision, text
+
+
 def check_local_path(name: str, flag: str) -> None:
     """Refuse a name that can only be a local path (``./runs/x``, ``/abs/x``, ``a/b/c``, or ``runs/x`` where
     ``runs`` is a local folder) when nothing is there, instead of asking the hub for it.

@@ -16,9 +16,16 @@ from vlfit.models.family import ModelFamily
 from vlfit.models.presets import get_preset
 from vlfit.models.siglip import SiglipFamily
 from vlfit.models.siglip2 import Siglip2Family
+from vlfit.models.two_tower import TwoTowerFamily
 from vlfit.models.vqa import VqaFamily, is_vqa_config
 
-FAMILIES: tuple[ModelFamily, ...] = (BridgeTowerFamily(), CLIPFamily(), SiglipFamily(), Siglip2Family())
+FAMILIES: tuple[ModelFamily, ...] = (
+    BridgeTowerFamily(),
+    CLIPFamily(),
+    SiglipFamily(),
+    Siglip2Family(),
+    TwoTowerFamily(),
+)
 
 
 def family_for_preset(preset: str) -> ModelFamily:

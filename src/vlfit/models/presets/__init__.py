@@ -5,7 +5,8 @@ The shipped ones have the shapes of the real checkpoints (``large``: BridgeTower
 this folder, ``add_preset`` adds a file from elsewhere, and ``--model_preset`` takes a name or a file's path. A
 preset file holds one JSON object:
 
-- ``family`` (required): ``bridgetower``, ``clip`` or ``siglip`` (``vlfit.models.registry``).
+- ``family`` (required): ``bridgetower``, ``clip``, ``siglip``, ``siglip2`` or ``two-tower``
+  (``vlfit.models.registry``).
 - ``config`` (required): the keyword arguments of the family's transformers config (``BridgeTowerConfig``,
   ``CLIPConfig``, ``SiglipConfig``), the towers' as ``text_config`` and ``vision_config`` objects.
 - ``image_processor`` (required): the settings of a transformers image processor (its ``image_mean`` and
