@@ -12,7 +12,7 @@ from vlfit.cli import main
 pytestmark = pytest.mark.slow
 
 
-def test_a_greedy_soup_judged_on_held_out_data_goes_on_into_eval(
+def test_a_greedy_soup_judged_on_held_out_data_goes_on_into_eval_index_serve_and_export(
     tiny_checkpoint, other_checkpoint, synthetic_dataset_dir, tmp_path, capsys
 ) -> None:
     data = ["--dataset_name", synthetic_dataset_dir, "--report_to", "none", "--disable_tqdm", "true"]
@@ -28,6 +28,22 @@ def test_a_greedy_soup_judged_on_held_out_data_goes_on_into_eval(
     assert main(["eval", "--model", str(out), *data, "--output_dir", str(tmp_path / "eval")]) == 0
     evaluated = json.loads((tmp_path / "eval" / "eval_results.json").read_text())
     assert evaluated["eval_t2i_recall@1"] == pytest.approx(record["merged"]["eval_t2i_recall@1"])
+
+    import vlfit
+    from vlfit.serve.engine import SearchEngine
+
+    index = tmp_path / "index"
+    assert main(["retrieve", "index", "--model", str(out), "--dataset_name", synthetic_dataset_dir, "--split",
+                 "validation", "--output_dir", str(index), "--dataloader_num_workers", "0", "--disable_tqdm",
+                 "true"]) == 0  # fmt: skip
+    soup = vlfit.load(str(out))
+    served = SearchEngine(str(index)).encode_texts(["a red circle"])  # the server's query path
+    assert float((served * soup.encode_texts(["a red circle"])).sum()) == pytest.approx(1.0, abs=1e-5)
+    export = tmp_path / "export"
+    assert main(["export", "--model_name_or_path", str(out), "--output_dir", str(export), "--parity_samples",
+                 "8"]) == 0  # fmt: skip
+    exported = vlfit.load(str(export), precision="fp32").encode_texts(["a red circle"])
+    assert float((exported * soup.encode_texts(["a red circle"])).sum()) >= 0.999
 
 
 def test_a_method_without_what_it_needs_exits_2_in_one_line(tiny_checkpoint, other_checkpoint, tmp_path, capsys):
