@@ -5,6 +5,8 @@ with the embeddings ``vlfit.load`` gives."""
 from __future__ import annotations
 
 import base64
+import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -53,3 +55,40 @@ def test_the_server_finds_a_photo_by_its_bytes(naflex_index):
         answer = client.post("/api/search", json={"image": base64.b64encode(tall.read_bytes()).decode(), "k": 2})
     assert answer.status_code == 200, answer.text
     assert answer.json()["results"][0]["item"] == tall.name
+
+
+def test_an_index_keeps_the_patch_budget_it_was_built_with_for_queries_and_appends(naflex_index, tmp_path, capsys):
+    model, images, _ = naflex_index
+    index = tmp_path / "index"
+    main(["retrieve", "index", "--model", str(model), "--images", str(images), "--output_dir", str(index),
+          "--max_num_patches", "6"])  # fmt: skip
+    files = sorted(images.iterdir())
+    at_six = vlfit.load(str(model), max_num_patches=6).encode_images(files)
+    at_twelve = vlfit.load(str(model)).encode_images(files)
+    assert (at_six * at_twelve).sum(1).min() < 0.9999  # the budget changes the embeddings: which one is used matters
+
+    # Queries: retrieve query, vlfit.Index and the server embed at the index's 6 without being told.
+    capsys.readouterr()
+    assert main(["retrieve", "query", "--index", str(index), "--image", str(files[0]), "-k", "1", "--json"]) == 0
+    (hit,) = json.loads(capsys.readouterr().out)["queries"][0]["results"]
+    assert hit["score"] == pytest.approx(1.0, abs=1e-4)
+    assert vlfit.Index.open(str(index)).model.runtime.inputs.max_num_patches == 6
+    assert SearchEngine(str(index)).runtime.inputs.max_num_patches == 6
+
+    # Appends: at the index's budget by default; another budget is refused in one line naming the flag.
+    (images / "late.jpg").write_bytes(files[0].read_bytes()[:-2] + b"\xff\xd9")  # a new file, one more item
+    try:
+        capsys.readouterr()
+        assert main(["retrieve", "index", "--model", str(model), "--images", str(images), "--output_dir", str(index),
+                     "--max_num_patches", "12"]) == 2  # fmt: skip
+        refusal = capsys.readouterr().err.strip().splitlines()
+        assert len(refusal) == 1 and re.search("--max_num_patches 12 is not the 6 the index .* was built with",
+                                               refusal[0])  # fmt: skip
+        assert main(["retrieve", "index", "--model", str(model), "--images", str(images), "--output_dir",
+                     str(index)]) == 0  # fmt: skip
+        opened = vlfit.Index.open(str(index))
+        assert len(opened) == len(files) + 1
+        late = vlfit.load(str(model), max_num_patches=6).encode_images([images / "late.jpg"])
+        assert opened.search(late, k=1)[0][0].score == pytest.approx(1.0, abs=1e-4)
+    finally:
+        (images / "late.jpg").unlink()

@@ -82,6 +82,11 @@ class ExportArguments:
                   "with, from its input_spec.json; the export records it, and every door that opens the export "
                   "cuts captions there)."},
     )  # fmt: skip
+    max_num_patches: int | None = field(
+        default=None,
+        metadata={"help": "A NaFlex model's (SigLIP 2) most patches per image: the largest the image graph takes "
+                  "(default: the budget the run was trained with; the export records it)."},
+    )  # fmt: skip
     opset: int = field(default=DEFAULT_OPSET, metadata={"help": "ONNX opset of the graphs."})
     parity_threshold: float = field(
         default=PARITY_THRESHOLD,
@@ -145,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = ExportSettings(args.format, args.quantize, args.opset, args.parity_threshold, args.itm_tolerance)
     check_output_dir(args.model_name_or_path, args.output_dir)
     loaded = ModelRuntime.open(args.model_name_or_path, "torch", max_seq_length=args.max_seq_length,
-                               flag="--model_name_or_path", kinds=("checkpoint", "adapters")).encoder  # fmt: skip
+                               max_num_patches=args.max_num_patches, flag="--model_name_or_path",
+                               kinds=("checkpoint", "adapters")).encoder  # fmt: skip
     assert isinstance(loaded, TorchEncoder)  # a checkpoint runs on torch
     parity, calibration = _samples(args, loaded.spec)
     manifest = export_model(loaded, args.output_dir, settings, parity_samples=parity, calibration_samples=calibration)
@@ -171,7 +177,8 @@ def _export_immich(args: ExportArguments) -> int:
         raise ConfigError("--format immich writes the fp32 graphs Immich loads; leave --quantize out")
     check_output_dir(args.model_name_or_path, args.output_dir)
     loaded = ModelRuntime.open(args.model_name_or_path, "torch", max_seq_length=args.max_seq_length,
-                               flag="--model_name_or_path", kinds=("checkpoint", "adapters")).encoder  # fmt: skip
+                               max_num_patches=args.max_num_patches, flag="--model_name_or_path",
+                               kinds=("checkpoint", "adapters")).encoder  # fmt: skip
     assert isinstance(loaded, TorchEncoder)  # a checkpoint runs on torch
     refusal = immich_refusal(loaded)  # before any sample is read
     if refusal is not None:

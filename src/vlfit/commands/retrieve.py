@@ -84,6 +84,11 @@ class IndexArguments:
         default=None,
         metadata={"help": "Cut captions at this many tokens (default: the length the model was trained with)."},
     )
+    max_num_patches: int | None = field(
+        default=None,
+        metadata={"help": "A NaFlex model's (SigLIP 2) most patches per image (default: the budget the model was "
+                  "trained with; an existing index's own when appending)."},
+    )  # fmt: skip
     disable_tqdm: bool = field(default=False, metadata={"help": "No progress bar."})
     json: bool = field(default=False, metadata={"help": "Print the summary as JSON instead of lines of text."})
     index_type: IndexType | None = field(
@@ -184,6 +189,11 @@ class QueryArguments:
         default=None,
         metadata={"help": "Cut query captions at this many tokens (default: the length the index's model was trained "
                   "and indexed with)."},
+    )  # fmt: skip
+    max_num_patches: int | None = field(
+        default=None,
+        metadata={"help": "A NaFlex model's (SigLIP 2) most patches per query image (default: the budget the index "
+                  "was built with)."},
     )  # fmt: skip
     exact: bool = field(
         default=False, metadata={"help": "Scan every embedding of the shards instead of using the ANN structure."}
@@ -316,7 +326,7 @@ def run_query(args: QueryArguments) -> int:
         index = PushedIndex(args.index) if pushed else open_index(args.index, args.verify)
         items = rerankable_items(index) if top_k is not None else None  # refused before the model opens
         runtime = query_runtime(index, args.model, args.backend, args.precision, num_threads=args.num_threads,
-                                max_seq_length=args.max_seq_length)  # fmt: skip
+                                max_seq_length=args.max_seq_length, max_num_patches=args.max_num_patches)  # fmt: skip
         if items is not None:
             runtime.require_pair_scorer()  # refused before any query runs
             by = runtime.rerank_score(args.rerank_score, args.rerank_weight)

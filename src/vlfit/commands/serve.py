@@ -65,6 +65,11 @@ class ServeArguments:
         metadata={"help": "Cut query captions at this many tokens (default: the length the index's model was trained "
                   "and indexed with)."},
     )  # fmt: skip
+    max_num_patches: int | None = field(
+        default=None,
+        metadata={"help": "A NaFlex model's (SigLIP 2) most patches per query image (default: the budget the index "
+                  "was built with)."},
+    )  # fmt: skip
     rerank_score: Literal["itm", "itm+itc"] | None = field(
         default=None,
         metadata={"help": "What a query's re-ranked candidates (its \"rerank\": K) are ordered by unless it says "
@@ -216,7 +221,8 @@ def build_app(args: ServeArguments, verified: tuple[int, int] | None = None):  #
 
         use_tls(server_context(args.ssl_certfile, args.ssl_keyfile), handshake_timeout=args.header_timeout)
     engine = SearchEngine(args.index, args.model, args.backend, args.precision, args.num_threads,
-                          max_seq_length=args.max_seq_length, search_threads=args.search_threads, verify=args.verify,
+                          max_seq_length=args.max_seq_length, max_num_patches=args.max_num_patches,
+                          search_threads=args.search_threads, verify=args.verify,
                           absolute_paths=args.show_absolute_paths, verified=verified, rerank_score=args.rerank_score,
                           rerank_weight=args.rerank_weight)  # fmt: skip
     return create_app(engine, max_upload_mb=args.max_upload_mb, max_batch=args.max_batch,

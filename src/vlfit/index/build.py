@@ -120,10 +120,13 @@ def build_index(
         where = encoder.model_path  # a folder by its absolute path; a hub id as it is
         model = {"path": os.path.abspath(where) if os.path.exists(where) else where, "backend": encoder.backend,
                  "precision": encoder.precision, "max_seq_length": encoder.spec.max_seq_length}  # fmt: skip
+        if encoder.spec.max_num_patches is not None:  # NaFlex: the patch budget its items were embedded at
+            model["max_num_patches"] = encoder.spec.max_num_patches
         manifest = IndexManifest(encoder.identity, model, request.storage)
         first_number = 0
     else:
         encoder.check_embeds_into(index.manifest.identity, f"the index {index.path}")
+        _check_patch_budget(encoder, index)
         manifest = index.manifest
         first_number = _next_shard_number(manifest)
         first_number += _repair_damaged_shards(encoder, index, source, items, request, first_number)
@@ -434,4 +437,20 @@ def _embed_shards(
         os.rmdir(os.path.dirname(folder))  # the last process out removes the fetch folder
 
 
-__all__ = ["FETCH_FOLDER", "BuildRequest", "BuiltIndex", "build_index"]
+def _check_patch_budget(encoder: Encoder, index: EmbeddingIndex) -> None:
+    """Items appended to a NaFlex model's index are embedded at the patch budget its items were (a budget changes
+    the embeddings: one index of two budgets would rank its items by which budget embedded them)."""
+    built, asked = index.manifest.model.get("max_num_patches"), encoder.spec.max_num_patches
+    if built is not None and asked != built:
+        raise ConfigError(patch_budget_refusal(asked, built, index.path))
+
+
+def patch_budget_refusal(asked: int | None, built: int, index: str) -> str:
+    """The one line refusing to append to an index at another patch budget than the one it was built with."""
+    return (
+        f"--max_num_patches {asked} is not the {built} the index {index} was built with: its items would be "
+        "embedded at two patch budgets; leave the flag out to append at the index's, or build a new index"
+    )
+
+
+__all__ = ["FETCH_FOLDER", "BuildRequest", "BuiltIndex", "build_index", "patch_budget_refusal"]

@@ -34,7 +34,7 @@ from vlfit.index.ann_choice import (
     check_index_type,
     check_target_recall,
 )
-from vlfit.index.build import BuildRequest, build_index
+from vlfit.index.build import BuildRequest, build_index, patch_budget_refusal
 from vlfit.index.integrity import check_verify_level
 from vlfit.index.store import MANIFEST_NAME, EmbeddingIndex, check_storage
 from vlfit.inference.backends import Encoder
@@ -61,8 +61,9 @@ class IndexJob:
         output_dir: The index folder (created; an existing index is resumed and appended to).
         images: A folder of image files, or else ``dataset_name`` (a hub id, a folder, data files or tar shards,
             local or at URLs) with its ``split`` and columns; ``image_id_column`` names the image a row shows.
-        backend, precision, num_threads, max_seq_length: How a model reference is run (``vlfit.load``'s, through
-            one ``ModelRuntime``).
+        backend, precision, num_threads, max_seq_length, max_num_patches: How a model reference is run
+            (``vlfit.load``'s, through one ``ModelRuntime``); ``max_num_patches`` None appends to an index at the
+            patch budget it was built with.
         batch_size, num_workers, shard_size, storage, progress, verify: The build's (``BuildRequest``).
         index_type, max_index_memory, target_recall: The ANN structure's (``vlfit.index.ann_update``).
             These three and ``shard_size``, left None, are the index's recorded ones (``BUILD_SETTINGS``).
@@ -85,6 +86,7 @@ class IndexJob:
     precision: str = "auto"
     num_threads: int | None = None
     max_seq_length: int | None = None
+    max_num_patches: int | None = None
     batch_size: int = 32
     num_workers: int = 0
     shard_size: int | None = None
@@ -154,9 +156,20 @@ class IndexJob:
         """The model, open on its backend."""
         if isinstance(self.model, Encoder):
             return self.model
-        return ModelRuntime.open(
-            self.model, self.backend, self.precision, num_threads=self.num_threads, max_seq_length=self.max_seq_length
-        ).encoder
+        recorded = recorded_patch_budget(self.output_dir)
+        if recorded is not None and self.max_num_patches not in (None, recorded):  # before the model loads
+            raise ConfigError(patch_budget_refusal(self.max_num_patches, recorded, self.output_dir))
+        budget = self.max_num_patches or recorded
+        return ModelRuntime.open(self.model, self.backend, self.precision, num_threads=self.num_threads,
+                                 max_seq_length=self.max_seq_length, max_num_patches=budget).encoder  # fmt: skip
+
+
+def recorded_patch_budget(output_dir: str) -> int | None:
+    """The patch budget a NaFlex model's index at ``output_dir`` was built with (None: no index there yet, or one
+    of square images): what its appends embed at unless asked otherwise."""
+    if not os.path.isfile(os.path.join(output_dir, MANIFEST_NAME)):
+        return None
+    return EmbeddingIndex(output_dir).manifest.model.get("max_num_patches")
 
 
 @dataclass(frozen=True)

@@ -66,12 +66,13 @@ def query_runtime(
     *,
     num_threads: int | None = None,
     max_seq_length: int | None = None,
+    max_num_patches: int | None = None,
     allow_spinning: bool = True,
 ) -> ModelRuntime:
     """The runtime that embeds an index's queries (``vlfit retrieve query``, ``vlfit serve``, ``vlfit.Index``):
     ``model``, or without one the model the index was built with, on the runtime (``backend`` ``auto``), precision
-    (``precision`` ``auto``) and caption length (``max_seq_length`` None) it was built with, so queries and items
-    are embedded alike.
+    (``precision`` ``auto``), caption length (``max_seq_length`` None) and a NaFlex model's patch budget
+    (``max_num_patches`` None) it was built with, so queries and items are embedded alike.
 
     Raises:
         vlfit.inference.identity.RefusedModelError: when ``model`` embeds into another space than the index.
@@ -82,8 +83,9 @@ def query_runtime(
         backend = built["backend"] if backend == "auto" else backend
         precision = built.get("precision", "auto") if precision == "auto" else precision
         max_seq_length = max_seq_length or built.get("max_seq_length")
+        max_num_patches = max_num_patches or built.get("max_num_patches")
     runtime = ModelRuntime.open(model, backend, precision, num_threads=num_threads, max_seq_length=max_seq_length,
-                                allow_spinning=allow_spinning)  # fmt: skip
+                                max_num_patches=max_num_patches, allow_spinning=allow_spinning)  # fmt: skip
     runtime.encoder.check_embeds_into(index.manifest.identity, f"the index {index.path}")
     return runtime
 

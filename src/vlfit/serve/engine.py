@@ -134,6 +134,7 @@ class SearchEngine:
         precision: Exported graphs: ``auto``, ``fp32`` or ``int8``.
         num_threads: Threads of the runtime (the encoder's and the matching head's).
         max_seq_length: Cut query captions at this many tokens (``None``: as the index was built).
+        max_num_patches: A NaFlex model's patch budget for query images (``None``: as the index was built).
         search_threads: faiss's OpenMP threads in this process. One by default: the server's concurrency comes
             from batching, and idle OpenMP threads spin on cores the event loop and the encoder need (searching a
             batch of 8 on a busy 2-core machine: 12 ms with 2 threads, 1 ms with 1).
@@ -160,6 +161,7 @@ class SearchEngine:
         precision: str = "auto",
         num_threads: int | None = None,
         max_seq_length: int | None = None,
+        max_num_patches: int | None = None,
         search_threads: int = 1,
         verify: str = "quick",
         absolute_paths: bool = False,
@@ -175,7 +177,8 @@ class SearchEngine:
         self.snapshot = Snapshot(index, verify, verified)
         # Spinning runtime threads would take the cores the event loop parses and answers requests on.
         self.runtime = query_runtime(self.snapshot.index, model, backend, precision, num_threads=num_threads,
-                                     max_seq_length=max_seq_length, allow_spinning=False)  # fmt: skip
+                                     max_seq_length=max_seq_length, max_num_patches=max_num_patches,
+                                     allow_spinning=False)  # fmt: skip
         self.encoder = self.runtime.encoder
         # The matching head, when the model has one: on the encoder's backend, precision and threads.
         self.pair_scorer = self.runtime.pair_scorer
