@@ -67,3 +67,10 @@ def test_an_item_number_that_is_not_ascii_digits_is_404_naming_what_one_is(base,
     answer = httpx.get(f"{base}/api/image/{item}?size=32", timeout=TIMEOUT)
     assert answer.status_code == 404 and "an item number is ASCII digits only" in answer.json()["error"]
     assert httpx.get(f"{base}/api/image/1?size=32", timeout=TIMEOUT).status_code == 200
+
+
+@pytest.mark.parametrize("size", ["%2B96", "%2096", "9_6", "%D9%A3", "0x60", "96.0"])
+def test_a_thumbnail_size_that_is_not_ascii_digits_is_400_naming_it(base, size) -> None:
+    answer = httpx.get(f"{base}/api/image/1?size={size}", timeout=TIMEOUT)
+    assert answer.status_code == 400 and "a thumbnail's side is ASCII digits, 16 to 1024" in answer.json()["error"]
+    assert answer.json()["error"].startswith("size '")

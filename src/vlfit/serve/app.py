@@ -50,6 +50,7 @@ from vlfit.serve.clients import ClientShares, held_refusals_that_fit
 from vlfit.serve.disconnects import ClientGone, unless_disconnected
 from vlfit.serve.engine import MAX_K, SearchEngine, check_k
 from vlfit.serve.images import (
+    THUMBNAIL_SIZES,
     IndexedThumbnails,
     QueryImageTooLarge,
     ThumbnailCache,
@@ -69,7 +70,15 @@ from vlfit.serve.limits import (
 from vlfit.serve.metrics import MEDIA_TYPE as METRICS_MEDIA_TYPE
 from vlfit.serve.metrics import ServerMetrics
 from vlfit.serve.middleware import HeadAsGet, InFlightLimit, RequestMetrics, UploadLimit, WaitLimit
-from vlfit.serve.queries import ITEM_NUMBER_RULE, Query, SearchQuery, error_response, item_number, read_query
+from vlfit.serve.queries import (
+    ITEM_NUMBER_RULE,
+    Query,
+    SearchQuery,
+    ascii_number,
+    error_response,
+    item_number,
+    read_query,
+)
 from vlfit.serve.weaviate import add_weaviate_routes
 
 logger = logging.getLogger(__name__)
@@ -167,17 +176,21 @@ def create_app(
     indexed_thumbnails = IndexedThumbnails()  # answers an item that cannot be shown, and logs it once
 
     @app.get("/api/image/{item}")
-    async def image(request: Request, item: str, size: int = 256) -> Response:
+    async def image(request: Request, item: str, size: str = "256") -> Response:
         row = item_number(item)  # the path parameter as sent: int() would take "+1", " 1", "1_0"
         if row is None:
             return error_response(404, f"no item {item[:40]!r}: {ITEM_NUMBER_RULE}")
-        key = (engine.generation, row, size)
+        side = ascii_number(size)  # the query parameter as sent, as strict as the item
+        if side is None:
+            low, high = THUMBNAIL_SIZES
+            return error_response(400, f"size {size[:40]!r}: a thumbnail's side is ASCII digits, {low} to {high}")
+        key = (engine.generation, row, side)
         data = thumbnail_cache.get(key)
         if data is None:
             snapshot = engine.snapshot
             try:
                 data = await unless_disconnected(
-                    request, thumbnails, lambda: indexed_thumbnails.make(snapshot.indexed, row, size)
+                    request, thumbnails, lambda: indexed_thumbnails.make(snapshot.indexed, row, side)
                 )
             except ClientGone:
                 return Response(status_code=499)  # nobody reads it; counted as what it is

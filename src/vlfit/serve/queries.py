@@ -72,6 +72,12 @@ class NotUtf8Error(ValueError):
 def item_number(text: str) -> int | None:
     """The row an ``{item}`` of ``GET /api/image/{item}`` names: ASCII digits only (``MAX_ITEM_DIGITS`` at most);
     None for anything else, which ``int`` may take (``+1``, `` 1``, ``1_0``, ``\u0663``) but no result ever shows."""
+    return ascii_number(text)
+
+
+def ascii_number(text: str) -> int | None:
+    """``text`` as a number when it is ASCII digits only (``MAX_ITEM_DIGITS`` at most), else None: what a path or
+    query parameter of the server must be, where ``int`` would also take ``+1``, `` 1``, ``1_0`` or ``\u0663``."""
     if text.isascii() and text.isdigit() and len(text) <= MAX_ITEM_DIGITS:
         return int(text)
     return None
