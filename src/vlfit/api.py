@@ -344,7 +344,7 @@ class Index:
         ``max_index_memory`` and ``target_recall`` left None are those the index was built with (of a new index:
         4096, ``auto``, 4 GiB, 0.95). A dataset's rows that show one image (one ``image_id_column`` value, one row of
         a list caption column, or identical bytes) are one item with all their captions, as evaluation groups them."""
-        from vlfit.index.job import IndexJob, index_collection, recorded_patch_budget
+        from vlfit.index.job import IndexJob, index_collection
 
         # Every value is checked as the job is made, before the model loads.
         job = IndexJob(
@@ -354,7 +354,7 @@ class Index:
             index_type=index_type, max_index_memory=max_index_memory, target_recall=target_recall,
         )  # fmt: skip
         if isinstance(model, str):  # appended to at the patch budget it was built with (a NaFlex model's)
-            model = load(model, max_num_patches=recorded_patch_budget(path))
+            model = load(model, max_num_patches=job.replayed().max_num_patches)
             job = dataclasses.replace(job, model=model.encoder)
         index_collection(job).raise_for_lost_shards()
         return cls(path, model)

@@ -126,7 +126,7 @@ def build_index(
         first_number = 0
     else:
         encoder.check_embeds_into(index.manifest.identity, f"the index {index.path}")
-        _check_patch_budget(encoder, index)
+        check_patch_budget(encoder.spec.max_num_patches, index.manifest.model.get("max_num_patches"), index.path)
         manifest = index.manifest
         first_number = _next_shard_number(manifest)
         first_number += _repair_damaged_shards(encoder, index, source, items, request, first_number)
@@ -437,20 +437,15 @@ def _embed_shards(
         os.rmdir(os.path.dirname(folder))  # the last process out removes the fetch folder
 
 
-def _check_patch_budget(encoder: Encoder, index: EmbeddingIndex) -> None:
-    """Items appended to a NaFlex model's index are embedded at the patch budget its items were (a budget changes
-    the embeddings: one index of two budgets would rank its items by which budget embedded them)."""
-    built, asked = index.manifest.model.get("max_num_patches"), encoder.spec.max_num_patches
+def check_patch_budget(asked: int | None, built: int | None, index: str) -> None:
+    """Refuses, in one line, to embed items for the index at ``index`` at the patch budget ``asked`` when it was built
+    at another (``built``; None: not a NaFlex model's index): one index of two budgets would rank its items by which
+    budget embedded them."""
     if built is not None and asked != built:
-        raise ConfigError(patch_budget_refusal(asked, built, index.path))
+        raise ConfigError(
+            f"--max_num_patches {asked} is not the {built} the index {index} was built with: its items would be "
+            "embedded at two patch budgets; leave the flag out to append at the index's, or build a new index"
+        )
 
 
-def patch_budget_refusal(asked: int | None, built: int, index: str) -> str:
-    """The one line refusing to append to an index at another patch budget than the one it was built with."""
-    return (
-        f"--max_num_patches {asked} is not the {built} the index {index} was built with: its items would be "
-        "embedded at two patch budgets; leave the flag out to append at the index's, or build a new index"
-    )
-
-
-__all__ = ["FETCH_FOLDER", "BuildRequest", "BuiltIndex", "build_index", "patch_budget_refusal"]
+__all__ = ["FETCH_FOLDER", "BuildRequest", "BuiltIndex", "build_index", "check_patch_budget"]

@@ -34,7 +34,7 @@ from vlfit.index.ann_choice import (
     check_index_type,
     check_target_recall,
 )
-from vlfit.index.build import BuildRequest, build_index, patch_budget_refusal
+from vlfit.index.build import BuildRequest, build_index, check_patch_budget
 from vlfit.index.integrity import check_verify_level
 from vlfit.index.store import MANIFEST_NAME, EmbeddingIndex, check_storage
 from vlfit.inference.backends import Encoder
@@ -62,8 +62,8 @@ class IndexJob:
         images: A folder of image files, or else ``dataset_name`` (a hub id, a folder, data files or tar shards,
             local or at URLs) with its ``split`` and columns; ``image_id_column`` names the image a row shows.
         backend, precision, num_threads, max_seq_length, max_num_patches: How a model reference is run
-            (``vlfit.load``'s, through one ``ModelRuntime``); ``max_num_patches`` None appends to an index at the
-            patch budget it was built with.
+            (``vlfit.load``'s, through one ``ModelRuntime``); ``max_num_patches`` left None is the index's
+            recorded one (``replayed``).
         batch_size, num_workers, shard_size, storage, progress, verify: The build's (``BuildRequest``).
         index_type, max_index_memory, target_recall: The ANN structure's (``vlfit.index.ann_update``).
             These three and ``shard_size``, left None, are the index's recorded ones (``BUILD_SETTINGS``).
@@ -122,13 +122,21 @@ class IndexJob:
 
     def replayed(self) -> IndexJob:
         """This job with each ``BUILD_SETTINGS`` entry it leaves unset (None) as the index at ``output_dir`` last
-        recorded it (the default for a new index, or one built before settings were recorded)."""
+        recorded it (the default for a new index, or one built before settings were recorded), and a NaFlex model's
+        patch budget as its items were embedded at: another one asked for is refused here, before the model loads.
+        """
         recorded: dict[str, Any] = {}
+        budget = None
         if os.path.isfile(os.path.join(self.output_dir, MANIFEST_NAME)):
-            collections = EmbeddingIndex(self.output_dir).manifest.collections
-            recorded = collections[-1].get("settings", {}) if collections else {}
+            manifest = EmbeddingIndex(self.output_dir).manifest
+            recorded = manifest.collections[-1].get("settings", {}) if manifest.collections else {}
+            budget = manifest.model.get("max_num_patches")
         unset = {name: recorded.get(name, default) for name, default in BUILD_SETTINGS.items()
                  if getattr(self, name) is None}  # fmt: skip
+        if self.max_num_patches is None:
+            unset["max_num_patches"] = budget
+        else:
+            check_patch_budget(self.max_num_patches, budget, self.output_dir)
         return dataclasses.replace(self, **unset)
 
     def settings(self) -> dict[str, Any]:
@@ -156,20 +164,10 @@ class IndexJob:
         """The model, open on its backend."""
         if isinstance(self.model, Encoder):
             return self.model
-        recorded = recorded_patch_budget(self.output_dir)
-        if recorded is not None and self.max_num_patches not in (None, recorded):  # before the model loads
-            raise ConfigError(patch_budget_refusal(self.max_num_patches, recorded, self.output_dir))
-        budget = self.max_num_patches or recorded
-        return ModelRuntime.open(self.model, self.backend, self.precision, num_threads=self.num_threads,
-                                 max_seq_length=self.max_seq_length, max_num_patches=budget).encoder  # fmt: skip
-
-
-def recorded_patch_budget(output_dir: str) -> int | None:
-    """The patch budget a NaFlex model's index at ``output_dir`` was built with (None: no index there yet, or one
-    of square images): what its appends embed at unless asked otherwise."""
-    if not os.path.isfile(os.path.join(output_dir, MANIFEST_NAME)):
-        return None
-    return EmbeddingIndex(output_dir).manifest.model.get("max_num_patches")
+        return ModelRuntime.open(
+            self.model, self.backend, self.precision, num_threads=self.num_threads,
+            max_seq_length=self.max_seq_length, max_num_patches=self.max_num_patches,
+        ).encoder  # fmt: skip
 
 
 @dataclass(frozen=True)
