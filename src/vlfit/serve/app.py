@@ -76,7 +76,6 @@ from vlfit.serve.queries import (
     SearchQuery,
     ascii_number,
     error_response,
-    item_number,
     read_query,
 )
 from vlfit.serve.weaviate import add_weaviate_routes
@@ -177,10 +176,10 @@ def create_app(
 
     @app.get("/api/image/{item}")
     async def image(request: Request, item: str, size: str = "256") -> Response:
-        row = item_number(item)  # the path parameter as sent: int() would take "+1", " 1", "1_0"
+        row = ascii_number(item)  # the path parameter as sent: int() would take "+1", " 1", "1_0"
         if row is None:
             return error_response(404, f"no item {item[:40]!r}: {ITEM_NUMBER_RULE}")
-        side = ascii_number(size)  # the query parameter as sent, as strict as the item
+        side = ascii_number(size)  # the query parameter as sent, as strictly
         if side is None:
             low, high = THUMBNAIL_SIZES
             return error_response(400, f"size {size[:40]!r}: a thumbnail's side is ASCII digits, {low} to {high}")

@@ -1,5 +1,6 @@
 """Requests read and checked before anything is computed for them: ``read_query`` turns a search's body into a
-``Query`` or the error response it gets, ``item_number`` the ``{item}`` of ``GET /api/image/{item}`` into a row.
+``Query`` or the error response it gets, ``ascii_number`` the ``{item}`` and ``?size=`` of ``GET /api/image/{item}``
+into numbers.
 
 Every check here is cheap and runs on the event loop, so a bad request is answered without touching the encoder
 and never joins a batch with good ones. Nothing lenient is taken: what a client sends wrong is answered 4xx, not
@@ -69,15 +70,10 @@ class NotUtf8Error(ValueError):
     """A JSON body that is not UTF-8 (the message says where)."""
 
 
-def item_number(text: str) -> int | None:
-    """The row an ``{item}`` of ``GET /api/image/{item}`` names: ASCII digits only (``MAX_ITEM_DIGITS`` at most);
-    None for anything else, which ``int`` may take (``+1``, `` 1``, ``1_0``, ``\u0663``) but no result ever shows."""
-    return ascii_number(text)
-
-
 def ascii_number(text: str) -> int | None:
-    """``text`` as a number when it is ASCII digits only (``MAX_ITEM_DIGITS`` at most), else None: what a path or
-    query parameter of the server must be, where ``int`` would also take ``+1``, `` 1``, ``1_0`` or ``\u0663``."""
+    """A number of a request's path or query (the ``{item}`` row and ``?size=`` of ``GET /api/image/{item}``): ASCII
+    digits only (``MAX_ITEM_DIGITS`` at most); None for anything else, which ``int`` may take (``+1``, `` 1``,
+    ``1_0``, ``\u0663``) but no result ever shows."""
     if text.isascii() and text.isdigit() and len(text) <= MAX_ITEM_DIGITS:
         return int(text)
     return None
