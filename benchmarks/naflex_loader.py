@@ -19,9 +19,9 @@ pipeline runs in a DataLoader of ``--workers`` worker processes (one torch threa
 
 Goals: vlfit >= 4x the processor, >= 0.75x the floor. Padding waste (padded patches over all patches of the batches)
 is computed from each image's grid (the header and the processor's grid search, what the loader makes): the
-processor pads every image to the budget; vlfit pads each batch to its longest image; with bucketing, each window of
-``--bucket_window`` batches is sorted by patch count before it is cut into batches (the batches' order shuffled
-again).
+processor pads every image to the budget; vlfit pads each batch to its longest image, in a shuffled order (``vlfit
+train``'s default) and in the order ``--train_sampling_strategy group_by_length`` reads (``PatchCountGroupedSampler``:
+shuffled windows of up to 50 batches, each sorted by patch count).
 
     python benchmarks/naflex_loader.py [--images 256] [--batch_size 32] [--workers 2] [--max_num_patches 256]
         [--repeats 3] [--results benchmarks/results/cpu-2core/naflex_loader.json]
@@ -45,7 +45,8 @@ from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, Dataset
 
 from vlfit.data import naflex
-from vlfit.data.naflex import image_header, patch_grid
+from vlfit.data.naflex import image_header
+from vlfit.data.patch_count_grouping import PatchCountGroupedSampler, patch_counts
 from vlfit.data.pipeline import InputPipeline, LoaderSettings, PipelineOptions
 from vlfit.data.records import Record
 from vlfit.data.sources.memory import MemorySource
@@ -145,25 +146,12 @@ def waste(counts: list[int], batch_size: int, budget: int) -> dict[str, float]:
             "padded_to_batch_longest": round(1 - used / to_longest, 4)}  # fmt: skip
 
 
-def bucketed(counts: list[int], batch_size: int, window: int, rng: np.random.Generator) -> list[int]:
-    """``counts`` reordered as a bucketing sampler would: each window of ``window`` batches sorted by patch count,
-    cut into batches, the batches shuffled."""
-    batches: list[list[int]] = []
-    span = batch_size * window
-    for start in range(0, len(counts), span):
-        chunk = sorted(counts[start : start + span])
-        batches += [chunk[s : s + batch_size] for s in range(0, len(chunk), batch_size)]
-    order = rng.permutation(len(batches))
-    return [count for index in order for count in batches[index]]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=256)
     parser.add_argument("--batch_size", type=int, default=32)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--max_num_patches", type=int, default=256)
-    parser.add_argument("--bucket_window", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--results", default="benchmarks/results/cpu-2core/naflex_loader.json")
@@ -228,15 +216,12 @@ def main() -> None:
               "decode_margin_1_vs_floor": round(
                   results["vlfit_decode_margin_1"]["images_per_s"] / results["floor"]["images_per_s"], 2)}  # fmt: skip
 
-    counts = []
-    for data in files:
-        height, width, _ = image_header(data)
-        grid_height, grid_width = patch_grid(height, width, 16, args.max_num_patches)
-        counts.append((grid_height // 16) * (grid_width // 16))
+    photos = MemorySource([Record(str(i), data, "a photo") for i, data in enumerate(files)], "photos")
+    counts = patch_counts(photos, 16, args.max_num_patches)  # what the loader cuts, as group_by_length counts
     shuffled = [counts[i] for i in rng.permutation(len(counts))]
+    grouped = [counts[i] for i in PatchCountGroupedSampler(counts, args.batch_size, args.seed)]
     padding = {"shuffled": waste(shuffled, args.batch_size, args.max_num_patches),
-               "bucketed": waste(bucketed(shuffled, args.batch_size, args.bucket_window, rng), args.batch_size,
-                                 args.max_num_patches)}  # fmt: skip
+               "group_by_length": waste(grouped, args.batch_size, args.max_num_patches)}  # fmt: skip
     print(
         f"vlfit / processor {ratios['vs_processor']}x (goal >= 4), vlfit / floor {ratios['vs_floor']}x (goal >= 0.75)"
     )
@@ -258,7 +243,6 @@ def main() -> None:
         "ratios": ratios,
         "goals": {"vs_processor": 4.0, "vs_floor": 0.75},
         "padding_waste": padding,
-        "bucket_window": args.bucket_window,
     }
     os.makedirs(os.path.dirname(args.results) or ".", exist_ok=True)
     with open(args.results, "w") as f:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import MISSING, Field, dataclass, fields
 from typing import Any
 
+from vlfit.data.file_patterns import is_stream_spec
 from vlfit.errors import ConfigError
 from vlfit.models.presets import get_preset
 from vlfit.models.reference import local_model_type, parse_model_reference
@@ -89,6 +90,14 @@ def _has_no_vqa_head(model: str | None) -> bool:
     return bool(model) and not parse_model_reference(model).answers_questions
 
 
+def _orders_training(flags: Flags) -> bool:
+    return flags["train_sampling_strategy"] != "random"
+
+
+def _streams_training(flags: Flags) -> bool:
+    return bool(flags["streaming"]) or is_stream_spec(flags["train_file"])
+
+
 def _is_dual_encoder_preset(preset: str | None) -> bool:
     return preset is not None and get_preset(preset).family != "bridgetower"
 
@@ -138,6 +147,25 @@ FLAG_RULES: tuple[FlagRule, ...] = (
         lambda flags: flags["answer_vocabulary"] is not None and not flags["do_train"],
         "--answer_vocabulary sets the answers a training run learns; an evaluation alone scores the model's own "
         "answers: drop the flag",
+    ),
+    # The training order: one sampler decides it (vlfit.training.sampling), over a map-style split.
+    FlagRule(
+        ("train_sampling_strategy", "caption_sampling"),
+        lambda flags: _orders_training(flags) and flags["caption_sampling"] == "one_per_image",
+        "--train_sampling_strategy {train_sampling_strategy} with --caption_sampling one_per_image: one_per_image "
+        "sets the order itself (every image once per epoch, shuffled); drop one of the two",
+    ),
+    FlagRule(
+        ("train_sampling_strategy", "streaming", "train_file"),
+        lambda flags: _orders_training(flags) and _streams_training(flags),
+        "--train_sampling_strategy {train_sampling_strategy} needs a map-style training split; a stream is read in "
+        "the order of its shards (--shuffle_buffer shuffles it): drop the flag, or --streaming",
+    ),
+    FlagRule(
+        ("length_column_name", "train_sampling_strategy"),
+        lambda flags: flags.changed("length_column_name"),
+        "--length_column_name {length_column_name}: vlfit reads each image's patch count from its header for "
+        "--train_sampling_strategy group_by_length, not from a column: drop the flag",
     ),
     # --wise_ft_alpha needs a start to mix with: pretrained weights, whole, on one process.
     FlagRule(

@@ -33,6 +33,17 @@ class VlfitTrainingArguments(CompatTrainingFlags, TrainingArguments):
     ``CompatTrainingFlags`` adds the Gaudi-only flags of run_bridgetower.py command lines, accepted and ignored.
     """
 
+    train_sampling_strategy: str = field(
+        default="random",
+        metadata={
+            "help": "The training order. random (the default): shuffled each epoch. sequential: the split's order. "
+            "group_by_length (NaFlex models, SigLIP 2): batches of images with similar patch counts, read from the "
+            "image headers before training, in shuffled windows of up to 50 batches, so little of each batch is "
+            "padding (train_padded_patch_share says how much). batch_rebalance is transformers' for language "
+            "models and is refused.",
+            "choices": ["random", "sequential", "group_by_length", "batch_rebalance"],
+        },
+    )
     contrastive_negatives: str = field(
         default="local",
         metadata={
@@ -96,6 +107,12 @@ class VlfitTrainingArguments(CompatTrainingFlags, TrainingArguments):
             raise ConfigError(
                 f"unknown --contrastive_negatives {self.contrastive_negatives!r}; choose one of: "
                 f"{', '.join(CONTRASTIVE_NEGATIVES)}"
+            )
+        if self.train_sampling_strategy == "batch_rebalance":
+            raise ConfigError(
+                "--train_sampling_strategy batch_rebalance balances token counts across data-parallel processes for "
+                "language models, and vlfit does not implement it: choose random (the default), sequential, or "
+                "group_by_length (NaFlex models)"
             )
         if self.objective not in OBJECTIVES:
             raise ConfigError(f"unknown --objective {self.objective!r}; choose one of: {', '.join(OBJECTIVES)}")

@@ -11,15 +11,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils.data import Sampler
 from transformers import TrainerCallback, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from vlfit.arguments import DataArguments, ModelArguments
 from vlfit.arguments.flag_rules import check_flag_rules
 from vlfit.data.bad_samples import BAD_SAMPLES_REPORT
-from vlfit.data.caption_sampling import OneCaptionPerImageSampler
-from vlfit.data.image_groups import image_groups
 from vlfit.data.pipeline import InputPipeline, PipelineOptions
 from vlfit.data.sources.base import ImageTextSource
 from vlfit.data.sources.labelled import ZeroShotSet
@@ -49,6 +46,7 @@ from vlfit.training.distributed import describe_launch
 from vlfit.training.itm_objective import prepare_model_for_objective, trained_heads
 from vlfit.training.preemption import PreemptionCallback, TrainingPreempted
 from vlfit.training.rerank_weight import configure_rerank
+from vlfit.training.sampling import check_train_sampling, training_sampler
 from vlfit.training.trainer import VlfitTrainer
 from vlfit.training.unfreeze import UnfreezeCallback
 from vlfit.training.vqa import (
@@ -149,6 +147,8 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
         max_seq_length=data_args.max_seq_length,
         max_num_patches=data_args.max_num_patches,
     )
+    if training_args.do_train:
+        check_train_sampling(spec.inputs, training_args)
     if task == "vqa":
         spec = vqa_blueprint(spec, data.train, data.eval, data_args.max_answers, train=training_args.do_train,
                              vocabulary_file=data_args.answer_vocabulary)  # fmt: skip
@@ -191,18 +191,6 @@ def wise_ft_start(model: torch.nn.Module, training_args: VlfitTrainingArguments)
     if training_args.wise_ft_alpha is None or not training_args.do_train:
         return None
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-
-
-def caption_sampler(source: ImageTextSource, data_args: DataArguments, seed: int) -> Sampler[int] | None:
-    """The training order ``--caption_sampling`` asks for: ``None`` (every caption once per epoch, the Trainer's
-    shuffle), or each image once per epoch with one caption drawn (``OneCaptionPerImageSampler``)."""
-    if data_args.caption_sampling == "every":  # DataArguments allows only CAPTION_SAMPLING
-        return None
-    how = "their image ids" if data_args.image_id_column else "reading their image bytes"
-    logger.info("grouping %d training captions by image (%s)", len(source), how)
-    groups = image_groups(source.image_keys())
-    logger.info("--caption_sampling one_per_image: an epoch is %d images (of %d captions)", len(groups), len(source))
-    return OneCaptionPerImageSampler(groups, seed)
 
 
 def with_lora_adapters(
@@ -306,6 +294,7 @@ def run(
     model = prepare_model_for_objective(model, family, training_args.objective, train=training_args.do_train)
     if lora is not None:
         model = with_lora_adapters(model, setup.spec, model_args, training_args, lora)
+    train_sampler = training_sampler(train_source, setup.spec.inputs, data_args, training_args)
     trainer = trainer_class(family, VlfitTrainer)(
         model=model,
         args=training_args,
@@ -317,7 +306,7 @@ def run(
         eval_pool_size=data_args.eval_pool_size,
         max_bad_fraction=data_args.max_bad_fraction,
         unfreeze_later=unfreeze_later,
-        train_sampler=caption_sampler(train_source, data_args, training_args.seed) if train_source else None,
+        train_sampler=train_sampler,
         zeroshot_sets=setup.zeroshot_sets,
         rerank_top_k=data_args.rerank_top_k,
     )
@@ -372,6 +361,7 @@ def run(
             metrics.pop("total_flos", None)
         throughput = trainer.throughput.total()
         metrics["train_data_wait_share"] = throughput["data_wait_share"]
+        metrics.update({f"train_{name}": value for name, value in trainer.padded_patches.total().items()})
         if training_args.throughput_warmup_steps:  # the Trainer's own figure counts the warm-up steps too
             metrics["train_samples_per_second"] = throughput["samples_per_second"]
         if trainer.flops_per_sample is not None:

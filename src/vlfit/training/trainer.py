@@ -35,7 +35,7 @@ from functools import partial
 from typing import Any
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import Sampler, SequentialSampler
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints, seed_worker
 
@@ -64,6 +64,7 @@ from vlfit.training.evaluation_metrics import evaluation_metrics
 from vlfit.training.fsdp import enable_fsdp_on_cpu, reshape_scalar_parameters, scalar_state_dict
 from vlfit.training.gradient_cache import gradient_cached_backward
 from vlfit.training.itm_objective import CONTRASTIVE, TrainingObjective
+from vlfit.training.padded_patches import PaddedPatchMeter
 from vlfit.training.preemption import StreamSourceLost
 from vlfit.training.stream_epochs import StreamEpochs, agreed_batches, load_stream_state, save_stream_state
 from vlfit.training.throughput import ThroughputMeter
@@ -110,6 +111,7 @@ class VlfitTrainer(BadSampleAccounting, Trainer):
         self.family = family
         self.eval_pool_size = eval_pool_size
         self.throughput = ThroughputMeter(self.args.world_size)
+        self.padded_patches = PaddedPatchMeter()
         split_size = len(self.train_dataset) if isinstance(self.train_dataset, Sized) else None
         self.bad_samples = BadSampleLedger(max_bad_fraction, log=True, split_size=split_size)
         self.flops_per_sample: float | None = None
@@ -147,6 +149,7 @@ class VlfitTrainer(BadSampleAccounting, Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         # The clock starts with training, not with construction; --throughput_warmup_steps leaves out the first steps.
         self.throughput = ThroughputMeter(self.args.world_size, getattr(self.args, "throughput_warmup_steps", 0))
+        self.padded_patches = PaddedPatchMeter()
         stream = self.train_stream
         self.bad_samples = BadSampleLedger(
             self.bad_samples.max_bad_fraction,
@@ -214,6 +217,13 @@ class VlfitTrainer(BadSampleAccounting, Trainer):
         sampler = self.train_sampler if self.train_sampler is not None else self._get_train_sampler()
         return shard_loader(make_loader(sampler=sampler), self.accelerator)
 
+    def _get_eval_sampler(self, eval_dataset: Any) -> Sampler[int] | None:
+        # Evaluation reads its split in order: --train_sampling_strategy group_by_length is training's order (the
+        # Trainer's own would reorder evaluation too).
+        if self.args.train_sampling_strategy != "group_by_length":
+            return super()._get_eval_sampler(eval_dataset)
+        return SequentialSampler(eval_dataset) if self.args.world_size <= 1 else None
+
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
@@ -264,6 +274,7 @@ class VlfitTrainer(BadSampleAccounting, Trainer):
         self.throughput.add(waited, sum(len(batch) for batch in batches))
         for batch in batches:
             self.bad_samples.add(batch.bad_samples, rows=len(batch), step=self.state.global_step + 1)
+            self.padded_patches.add(batch)
         self._check_bad_fraction()
         # The contrastive loss is a mean over the batch: no token count to normalize by (num_items_in_batch).
         return batches, None
@@ -352,6 +363,7 @@ class VlfitTrainer(BadSampleAccounting, Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:
             logs.update(self.throughput.window())
+            logs.update(self.padded_patches.window())  # NaFlex runs: the share of patches that are padding
             logs["bad_samples"] = self.bad_samples.count
             logs.update(self.objective.window())  # each term of --objective contrastive+itm, and ITM accuracy
         super().log(logs, start_time)
