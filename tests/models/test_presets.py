@@ -28,6 +28,7 @@ PARAMETERS = {
     "clip-base": 151_277_313,
     "siglip-tiny": 291_586,
     "siglip-small": 4_896_386,
+    "siglip2-small-fixres": 5_036_930,
     "siglip-base": 203_155_970,
     "siglip2-tiny": 291_586,
     "siglip2-small": 5_036_930,

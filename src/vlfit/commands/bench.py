@@ -109,6 +109,11 @@ class BenchArguments:
     synthetic_min_long_side: int = field(default=600, metadata={"help": "Synthetic images: smallest long side."})
     synthetic_max_long_side: int = field(default=1400, metadata={"help": "Synthetic images: largest long side."})
     max_seq_length: int = field(default=128, metadata={"help": "Caption truncation length."})
+    max_num_patches: int | None = field(
+        default=None,
+        metadata={"help": "NaFlex models (SigLIP 2): each image keeps its aspect ratio as at most this many patches, "
+                  "the token budget, as vlfit train's flag (default: the model's)."},
+    )  # fmt: skip
     profile_batches: int = field(default=2, metadata={"help": "Batches timed per stage (0: no stage breakdown)."})
     max_config_seconds: float | None = field(
         default=None, metadata={"help": "Stop repeating a configuration after this many seconds."}
@@ -264,6 +269,12 @@ def check_train_fits(
     return memory_settings(estimate, available, where)
 
 
+def _image_input(inputs: Any) -> str:
+    if inputs.max_num_patches is not None:
+        return f"at most {inputs.max_num_patches} patches of {inputs.patch_size} px"
+    return f"{inputs.image_size} px"
+
+
 def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -286,7 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     source, description = open_source(args, data_args, model_args, num_proc)
     torch.manual_seed(args.seed)
     blueprint = resolve_model(
-        **model_args.source_keywords(), captions=source.captions, max_seq_length=args.max_seq_length
+        **model_args.source_keywords(),
+        captions=source.captions,
+        max_seq_length=args.max_seq_length,
+        max_num_patches=args.max_num_patches,
     )
     info: dict[str, Any] = {}
     if plan.trains and not args.skip_fit_check:
@@ -323,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         size = f"{sum(p.numel() for p in trained.parameters()) / 1e6:.1f}M parameters, " if trained is not None else ""
         preset, checkpoint = model_args.model_preset, model_args.model_name_or_path
         info = {
-            "model": f"{blueprint.description} ({size}{blueprint.inputs.image_size} px)",
+            "model": f"{blueprint.description} ({size}{_image_input(blueprint.inputs)})",
             "model_flags": ["--model_preset", preset] if preset else ["--model_name_or_path", checkpoint],
             "data": getattr(source, "name", None) or "; ".join(f"{k} {v}" for k, v in description.items() if v),
             "device": str(device),

@@ -2,9 +2,9 @@
 
 A NaFlex batch is padded to its longest image (``vlfit.data.naflex.collate_patches``), so a batch that mixes a
 64-patch image with 256-patch ones computes on 192 padded patches for it. Grouping by length, as transformers'
-``LengthGroupedSampler`` does for token counts, shuffles the records, cuts the order into windows of a quarter of the
-set, at most 50 batches (a set of under 8 batches is not grouped), and sorts each window by length: each batch then holds images of nearly one patch count,
-and the order of the windows stays random.
+``LengthGroupedSampler`` does for token counts, shuffles the records, cuts the order into windows of a quarter of
+the set, at most 50 batches (a set of under 8 batches is not grouped), and sorts each window by length: each batch
+then holds images of nearly one patch count, and the order of the windows stays random.
 
 The lengths are each image's patch count under the run's budget, read from the image headers (no decode) once
 before training: the grid ``Siglip2ImageProcessor`` chooses, as the loader cuts it.
