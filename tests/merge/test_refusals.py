@@ -11,7 +11,7 @@ from transformers import BridgeTowerConfig, BridgeTowerForContrastiveLearning
 
 from tests.inference.tiny_models import save_tiny_checkpoint
 from tests.merge.runs import changed_run, record_base
-from vlfit.errors import ConfigError
+from vlfit.errors import ConfigError, ModelLoadError
 from vlfit.search.soup import merge_runs
 
 
@@ -65,3 +65,12 @@ def test_a_run_that_cannot_be_merged_is_refused_in_one_line_naming_it(make, tiny
     message = str(refused.value)
     assert "\n" not in message and str(run) in message and what in message, message
     assert not out.exists()
+
+
+def test_a_run_that_cannot_be_reached_is_named_without_offering_a_flag_merge_has_not(tmp_path) -> None:
+    out = tmp_path / "soup"
+    with pytest.raises(ModelLoadError) as refused:
+        merge_runs(["nobody/no-such-run", "nobody/another"], method="uniform", output_dir=str(out))
+    message = str(refused.value)
+    assert message.startswith("nobody/no-such-run: cannot load a model config") and "\n" not in message
+    assert "--model_preset" not in message and not out.exists()

@@ -274,7 +274,7 @@ def resolve_model(
         except OSError as error:  # not a folder with a config.json, and not a hub id that can be reached
             raise ModelLoadError(
                 f"{config_source}: cannot load a model config ({first_line(error, 200)}); "
-                "pass a folder with config.json (what vlfit train writes), a hub id, or --model_preset"
+                "pass a folder with config.json (what vlfit train writes) or a hub id this machine can reach"
             ) from error
         family = family_for_config(config)
         tokenizer = _load_processor(
