@@ -1,12 +1,18 @@
 """Indexing an image folder reads nothing outside it: a file that is a symbolic link resolving out of the folder is
 left out and counted as an unreadable file is (the report names the count and the file, the manifest lists it),
-and its target is never read; a link inside the folder is indexed as its target."""
+and its target is never read; a link inside the folder is indexed as its target. A folder that is a link out of the
+folder is one such left-out record, never walked; one inside it is skipped (its images are there already); files
+named by path follow every link."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
+
 from tests.inference.several_captions import jpeg
+from vlfit.data.records import BadRecordError
+from vlfit.data.sources.images import ImageFilesSource, ImageFolderSource, image_files
 from vlfit.index.job import IndexJob, index_collection
 from vlfit.index.store import EmbeddingIndex
 
@@ -37,3 +43,20 @@ def test_a_link_out_of_the_indexed_folder_is_left_out_and_counted_and_one_inside
     indexed = EmbeddingIndex(str(tmp_path / "index"))
     assert str(images / "inside.jpg") in indexed.ids() and outside not in indexed.ids()
     assert outside in {bad["id"] for bad in indexed.manifest.bad_samples}
+
+
+def test_a_folder_linked_from_out_of_the_indexed_folder_is_left_out_and_counted_not_lost(tmp_path) -> None:
+    images, elsewhere = tmp_path / "photos", tmp_path / "elsewhere"
+    (images / "trips").mkdir(parents=True)
+    (elsewhere / "holiday").mkdir(parents=True)
+    (images / "trips" / "p0.jpg").write_bytes(jpeg(0))
+    (elsewhere / "holiday" / "secret.jpg").write_bytes(jpeg(1))
+    os.symlink(elsewhere / "holiday", images / "holiday")  # out: one left-out record, its files never listed
+    os.symlink(images / "trips", images / "again")  # inside: its images are listed once, as trips/
+    os.symlink(images, images / "trips" / "loop")  # a link back up: walked once
+    assert image_files(str(images)) == ["holiday/", "trips/p0.jpg"]
+    source = ImageFolderSource(str(images))
+    with pytest.raises(BadRecordError, match="^sample holiday/: cannot read image folder: it is a link out of the"):
+        source[0]
+    named = ImageFilesSource([str(images)])  # a folder named by its path: every link is the caller's own
+    assert [os.path.relpath(path, images) for path in named.paths] == ["holiday/secret.jpg", "trips/p0.jpg"]

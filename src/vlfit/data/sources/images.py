@@ -4,7 +4,9 @@ have no captions: each image's caption is its path, which nothing embeds.
 
 A folder's file that is a symbolic link resolving out of the folder is a bad record, its target never read: it is
 left out and counted as an unreadable file is (``vlfit retrieve index`` reports it, the index's manifest lists it),
-so indexing a folder never reads what lies outside it. A link inside the folder is read as its target.
+so indexing a folder never reads what lies outside it. A link inside the folder is read as its target. A folder
+that is a link out of the folder is one such bad record (``name/``), never walked; one inside it is skipped, its
+images indexed under their own paths. Files and folders named by path (``ImageFilesSource``) follow every link.
 """
 
 from __future__ import annotations
@@ -21,17 +23,42 @@ from vlfit.errors import DataError, MissingFileError
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
 
-def image_files(root: str) -> list[str]:
-    """The image files under a folder (recursively, not hidden), as sorted ``/``-separated paths relative to it."""
-    paths = []
-    for folder, dirs, files in os.walk(root):
-        dirs.sort()
-        paths.extend(
-            os.path.relpath(os.path.join(folder, name), root)
-            for name in files
-            if name.lower().endswith(IMAGE_EXTENSIONS) and not name.startswith(".")
-        )
-    return sorted(path.replace(os.sep, "/") for path in paths)
+def image_files(root: str, *, follow_links_out: bool = False) -> list[str]:
+    """The image files under a folder (recursively, not hidden), as sorted ``/``-separated paths relative to it.
+
+    A folder in it that is a symbolic link is not walked when it resolves inside ``root`` (its images are listed
+    under their own paths). One resolving out of ``root`` is walked with ``follow_links_out`` (files the caller named
+    by path); without it, it is listed as itself (``name/``), so reading it is a bad record naming it instead of
+    its images going missing unsaid. A folder reached twice (a link back up) is walked once.
+    """
+    inside = os.path.realpath(root)
+    paths: list[str] = []
+    walked: set[str] = set()
+
+    def walk(folder: str, relative: str) -> None:
+        real = os.path.realpath(folder)
+        if real in walked:
+            return
+        walked.add(real)
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                path = relative + entry.name
+                if entry.is_dir():  # a link to a folder too
+                    if entry.is_symlink() and _within(os.path.realpath(entry.path), inside):
+                        continue
+                    if entry.is_symlink() and not follow_links_out:
+                        paths.append(path + "/")
+                        continue
+                    walk(entry.path, path + "/")
+                elif entry.name.lower().endswith(IMAGE_EXTENSIONS) and not entry.name.startswith("."):
+                    paths.append(path)  # a broken link too: reading it says so
+
+    walk(root, "")
+    return sorted(paths)
+
+
+def _within(path: str, folder: str) -> bool:
+    return os.path.commonpath([path, folder]) == folder
 
 
 def _read_image_file(path: str, sample_id: str) -> bytes:
@@ -69,8 +96,12 @@ class ImageFolderSource(ImageTextSource):
     def _read(self, row: int) -> Record:
         path = self.paths[row]
         full = os.path.join(self.root, path)
-        inside = os.path.realpath(self.root)
-        if os.path.commonpath([os.path.realpath(full), inside]) != inside:
+        if path.endswith("/"):  # image_files lists a link to a folder out of the folder as itself
+            raise BadRecordError(
+                f"sample {path}: cannot read image folder: it is a link out of the indexed folder {self.root}, not "
+                "followed (copy its images into the folder to index them)"
+            )
+        if not _within(os.path.realpath(full), os.path.realpath(self.root)):
             raise BadRecordError(f"sample {path}: cannot read image file: it is a link out of the indexed folder "
                                  f"{self.root}, not followed (copy the image into the folder to index it)")  # fmt: skip
         image = _read_image_file(full, path)
@@ -102,7 +133,7 @@ class ImageFilesSource(ImageTextSource):
         files: list[str] = []
         for path in paths:
             if os.path.isdir(path):
-                files.extend(os.path.join(path, name) for name in image_files(path))
+                files.extend(os.path.join(path, name) for name in image_files(path, follow_links_out=True))
             elif os.path.isfile(path):
                 files.append(path)
             else:
