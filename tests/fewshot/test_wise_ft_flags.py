@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from vlfit.commands import wise_ft
-from vlfit.errors import ConfigError
+from vlfit.errors import ConfigError, MissingFileError
 
 
 def _argv(tmp_path: Path, *extra: str) -> list[str]:
@@ -38,4 +38,10 @@ def test_a_preset_name_is_refused_as_a_preset_not_looked_up_on_the_hub(tmp_path:
 @pytest.mark.parametrize("metric", ["alpha", "eval_num_images", "eval_t2i_recall@3"])
 def test_a_target_metric_that_is_no_score_is_refused_before_the_models_are_looked_at(tmp_path: Path, metric: str):
     with pytest.raises(ConfigError, match=rf"^--target_metric '{metric}' is not a metric of the target split"):
+        wise_ft.main(_argv(tmp_path, "--zeroshot_dataset", str(tmp_path), "--target_metric", metric))
+
+
+@pytest.mark.parametrize("metric", ["eval_t2i_rerank_recall@5", "eval_i2t_fused_recall@1"])
+def test_re_ranked_and_fused_recalls_are_target_metrics(tmp_path: Path, metric: str):
+    with pytest.raises(MissingFileError, match="^--zeroshot_model "):  # past the metric: the models are looked at
         wise_ft.main(_argv(tmp_path, "--zeroshot_dataset", str(tmp_path), "--target_metric", metric))

@@ -30,7 +30,7 @@ PROG = "vlfit wise-ft"
 SELECTIONS = ("target", "mean")
 RESULTS_FILE, TABLE_FILE, CHART_FILE, MODEL_DIR = "wise-ft.json", "wise-ft.md", "wise-ft.png", "model"
 # The scores of the target split (vlfit.evaluation.retrieval, .rerank) that --target_metric may name.
-TARGET_METRIC = re.compile(r"eval_(?:(?:t2i|i2t)(?:_rerank)?_recall@(?:1|5|10)|matching_accuracy(?:_itm)?)")
+TARGET_METRIC = re.compile(r"eval_(?:(?:t2i|i2t)(?:_rerank|_fused)?_recall@(?:1|5|10)|matching_accuracy(?:_itm)?)")
 DESCRIPTION = (
     "Evaluate mixes (1 - alpha) x --zeroshot_model + alpha x --finetuned_model (WiSE-FT) on the target split "
     "(--eval_split) and on --zeroshot_dataset, which is required: the labelled data the mix must not forget (its "
@@ -55,7 +55,8 @@ class WiseFtArguments:
         metadata={
             "help": "The target split's metric the curve and --select use: eval_t2i_recall@k or eval_i2t_recall@k "
             "(k 1, 5 or 10), eval_matching_accuracy (data with caption choices), eval_t2i_rerank_recall@k or "
-            "eval_i2t_rerank_recall@k (--rerank_top_k)."
+            "eval_i2t_rerank_recall@k (--rerank_top_k), eval_t2i_fused_recall@k or eval_i2t_fused_recall@k "
+            "(--rerank_top_k with --rerank_score itm+itc)."
         },
     )
     select: str = field(
@@ -78,7 +79,7 @@ def check_target_metric(name: str) -> None:
         raise ConfigError(
             f"--target_metric {name!r} is not a metric of the target split; choose one of eval_t2i_recall@1 (the "
             "default), eval_i2t_recall@1, @5 or @10 of either, eval_matching_accuracy, or with --rerank_top_k "
-            "eval_t2i_rerank_recall@k"
+            "eval_t2i_rerank_recall@k (eval_t2i_fused_recall@k with --rerank_score itm+itc)"
         )
 
 
