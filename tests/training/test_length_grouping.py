@@ -108,3 +108,11 @@ def test_orders_the_run_cannot_keep_are_refused_in_one_line(tmp_path) -> None:
     with pytest.raises(ConfigError, match="^--length_column_name n: vlfit reads each image's patch count from its"):
         check_flag_rules(model, DataArguments(dataset_name=str(tmp_path)), named, task="retrieval")
     check_flag_rules(model, DataArguments(dataset_name=str(tmp_path)), grouped, task="retrieval")
+    (tmp_path / "clip").mkdir()
+    (tmp_path / "clip" / "config.json").write_text(json.dumps({"model_type": "clip"}))
+    folder = str(tmp_path / "clip")
+    square = {"--model_preset clip-tiny takes": ModelArguments(model_preset="clip-tiny"),
+              f"--model_name_or_path {folder} takes": ModelArguments(model_name_or_path=folder)}  # fmt: skip
+    for message, model in square.items():  # known before anything loads: refused with the other flag rules
+        with pytest.raises(ConfigError, match=f"^--train_sampling_strategy group_by_length groups .*; {message} every"):
+            check_flag_rules(model, DataArguments(dataset_name=str(tmp_path)), grouped, task="retrieval")

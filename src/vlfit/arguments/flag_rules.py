@@ -98,6 +98,21 @@ def _streams_training(flags: Flags) -> bool:
     return bool(flags["streaming"]) or is_stream_spec(flags["train_file"])
 
 
+def _groups_by_length(flags: Flags) -> bool:
+    return flags["train_sampling_strategy"] == "group_by_length"
+
+
+def _takes_square_images(preset: str | None, model: str | None) -> bool:
+    """A preset or local folder known, before it loads, to take square images only (a hub id is checked once
+    resolved: ``vlfit.training.sampling.check_train_sampling``)."""
+    if preset is not None:
+        return get_preset(preset).family != "siglip2"
+    return bool(model) and local_model_type(parse_model_reference(model)) not in (None, "siglip2")
+
+
+_GROUPS_NAFLEX = "--train_sampling_strategy group_by_length groups a NaFlex model's (SigLIP 2's) images by their patch "
+
+
 def _is_dual_encoder_preset(preset: str | None) -> bool:
     return preset is not None and get_preset(preset).family != "bridgetower"
 
@@ -160,6 +175,18 @@ FLAG_RULES: tuple[FlagRule, ...] = (
         lambda flags: _orders_training(flags) and _streams_training(flags),
         "--train_sampling_strategy {train_sampling_strategy} needs a map-style training split; a stream is read in "
         "the order of its shards (--shuffle_buffer shuffles it): drop the flag, or --streaming",
+    ),
+    FlagRule(
+        ("train_sampling_strategy", "model_preset"),
+        lambda flags: _groups_by_length(flags) and _takes_square_images(flags["model_preset"], None),
+        _GROUPS_NAFLEX + "count; --model_preset {model_preset} takes every image at one size, so its batches have one "
+        "length already: drop the flag",
+    ),
+    FlagRule(
+        ("train_sampling_strategy", "model_name_or_path"),
+        lambda flags: _groups_by_length(flags) and _takes_square_images(None, flags["model_name_or_path"]),
+        _GROUPS_NAFLEX + "count; --model_name_or_path {model_name_or_path} takes every image at one size, so its "
+        "batches have one length already: drop the flag",
     ),
     FlagRule(
         ("length_column_name", "train_sampling_strategy"),
