@@ -144,6 +144,28 @@ def shard_loader(loader: DataLoader, accelerator: Accelerator | None = None) -> 
     return accelerator.prepare_data_loader(loader, device_placement=False)
 
 
+def handed_over_batches(batches: Iterable[Batch]) -> Iterator[Batch]:
+    """``batches``, with a loader worker that died while handing one over named as such.
+
+    A batch's tensors travel from a loader worker as file descriptors the main process fetches from that worker:
+    when it has just died (killed, or a native library calling ``exit``), the fetch fails with ``EOFError`` or a
+    connection error before torch's own check reports the death.
+    """
+    iterator = iter(batches)
+    while True:
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        except (EOFError, ConnectionResetError, ConnectionRefusedError) as error:
+            raise RuntimeError(
+                f"a DataLoader worker exited unexpectedly while handing over a batch ({type(error).__name__}"
+                f"{': ' + str(error) if str(error) else ''}): its own error, if it printed one, is above; rerun with "
+                "--dataloader_num_workers 0 to meet a failing sample's error in the main process"
+            ) from error
+        yield batch
+
+
 class DeviceFeed:
     """Model-ready batches on the device, from an iterator of host batches.
 
@@ -159,7 +181,7 @@ class DeviceFeed:
     def __init__(
         self, batches: Iterable[Batch], stage: DeviceStage, device: torch.device, dtype: torch.dtype, train: bool
     ) -> None:
-        self._batches = iter(batches)
+        self._batches = handed_over_batches(batches)
         self.stage = stage
         self.device = device
         self.dtype = dtype
