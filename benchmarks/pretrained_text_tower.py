@@ -72,10 +72,11 @@ def train(name: str, flags: list[str], vision: str, text: str, data: str, args: 
     code = vlfit([
         "train", "--vision_model_name_or_path", vision, "--text_model_name_or_path", text, *flags,
         "--projection_dim", "128", "--dataset_name", data, "--output_dir", output, "--overwrite_output_dir",
-        "--max_steps", str(args.steps), "--per_device_train_batch_size", "32", "--learning_rate", "3e-4",
-        "--warmup_steps", str(args.steps // 10), "--weight_decay", "0.1", "--max_seq_length", "32",
-        "--eval_strategy", "steps",
-        "--eval_steps", str(args.eval_steps), "--per_device_eval_batch_size", "100", "--eval_pool_size", "100",
+        "--max_steps", str(args.steps), "--per_device_train_batch_size", str(args.batch_size),
+        "--learning_rate", "3e-4", "--warmup_steps", str(args.steps // 10), "--weight_decay", "0.1",
+        "--max_seq_length", "32", "--eval_strategy", "steps",
+        "--eval_steps", str(args.eval_steps), "--per_device_eval_batch_size", str(args.eval_pool_size),
+        "--eval_pool_size", str(args.eval_pool_size),
         "--save_strategy", "no", "--logging_steps", str(args.eval_steps), "--report_to", "none",
         "--disable_tqdm", "true", "--seed", "0", "--dataloader_num_workers", "1",
     ])  # fmt: skip
@@ -97,6 +98,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--eval_steps", type=int, default=25)
     parser.add_argument("--num_samples", type=int, default=3000)
+    parser.add_argument("--batch_size", type=int, default=32)
+    parser.add_argument("--eval_pool_size", type=int, default=100)
     parser.add_argument("--out", default="runs/text-tower")
     parser.add_argument("--results", default="benchmarks/results/cpu-2core")
     args = parser.parse_args()
@@ -115,8 +118,11 @@ def main() -> None:
         print(f"{name:9s} t2i R@1 {row['final_t2i_recall@1']:.3f}  i2t R@1 {row['final_i2t_recall@1']:.3f}  "
               f"steps to t2i 0.5: {row['steps_to_t2i_recall@1_0.5']}  ({row['seconds']} s)", flush=True)  # fmt: skip
     os.makedirs(args.results, exist_ok=True)
-    result = {"steps": args.steps, "eval_steps": args.eval_steps, "num_samples": args.num_samples,
-              "eval_pool_size": 100, "runs": rows}  # fmt: skip
+    command = "python benchmarks/pretrained_text_tower.py " + " ".join(
+        f"--{key} {value}" for key, value in vars(args).items() if key not in ("results", "text_model")
+    )
+    result = {"command": command, "steps": args.steps, "eval_steps": args.eval_steps, "num_samples": args.num_samples,
+              "batch_size": args.batch_size, "eval_pool_size": args.eval_pool_size, "runs": rows}  # fmt: skip
     path = os.path.join(args.results, "pretrained_text_tower.json")
     with open(path, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=2)
