@@ -25,6 +25,7 @@ import pytest
 from tests.training.train_runs import single_torch_thread
 from vlfit.cli import main
 from vlfit.commands.demo import QUICK, parse_arguments, stopped_message
+from vlfit.commands.demo_stops import DemoStopped, StopSignals
 from vlfit.training.preemption import TrainingPreempted
 
 REPO = Path(__file__).resolve().parents[1]
@@ -193,3 +194,19 @@ def test_a_sigterm_during_the_final_evaluation_names_the_saved_model_and_the_com
     assert command[:2] == ["vlfit", "eval"]
     assert main(command[1:]) == 0  # the printed command evaluates the saved model
     assert "eval_t2i_recall@1" in capsys.readouterr().out
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the drop this test makes
+def test_a_stop_whose_exception_a_finalizer_dropped_is_raised_again() -> None:
+    # Python prints and drops an exception raised while a finalizer runs, as the stop's can be when the signal comes
+    # during a garbage collection: the demo asks again after generating and after training.
+    class Finalized:
+        def __del__(self) -> None:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)  # the handler runs here, inside the finalizer
+
+    with StopSignals() as stops:
+        Finalized()  # collected at once: DemoStopped raised in __del__, printed as "Exception ignored", dropped
+        assert stops.received == signal.SIGTERM
+        with pytest.raises(DemoStopped, match="SIGTERM"):
+            stops.raise_if_received()

@@ -84,8 +84,9 @@ class DemoArguments:
     )
 
 
-def ensure_synthetic_data(path: str, config: SyntheticConfig) -> str:
-    """Generate the synthetic dataset at ``path`` unless the same configuration is already there."""
+def ensure_synthetic_data(path: str, config: SyntheticConfig, stops: StopSignals | None = None) -> str:
+    """Generate the synthetic dataset at ``path`` unless the same configuration is already there (a stop signal
+    received meanwhile, in ``stops``, leaves it unstamped: a rerun generates it again)."""
     stamp = os.path.join(path, DATA_STAMP)
     wanted = asdict(config)
     if os.path.exists(stamp):
@@ -97,6 +98,8 @@ def ensure_synthetic_data(path: str, config: SyntheticConfig) -> str:
         os.remove(stamp)
     print(f"generating {config.num_samples} synthetic samples in {path} ...")
     save_dataset(make_dataset(config, num_proc=min(2, os.cpu_count() or 1)), path, format="arrow")
+    if stops is not None:
+        stops.raise_if_received()
     with open(stamp, "w") as f:
         json.dump(wanted, f)
     return path
@@ -171,11 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     stops = StopSignals()
     try:
         with stops:
-            ensure_synthetic_data(data_dir, synthetic_config(args))
+            ensure_synthetic_data(data_dir, synthetic_config(args), stops)
             generated = True
             model_args, data_args, training_args = recipe(args, data_dir)
             _forget_finished_training(training_args.output_dir)
             results = run(model_args, data_args, training_args)
+            stops.raise_if_received()
     except TrainingPreempted as stop:
         print(f"vlfit demo: {stopped_message(stop, argv)}", file=sys.stderr)
         return stop.exit_code

@@ -62,6 +62,13 @@ class StopSignals:
             signal.signal(signum, handler)
         self._previous.clear()
 
+    def raise_if_received(self) -> None:
+        """Raise ``DemoStopped`` for a signal received whose exception got lost on the way out: one raised while
+        a finalizer ran (a pool's or a temporary file's, during garbage collection) is printed as "Exception
+        ignored" and dropped by Python, and the work went on."""
+        if self.received is not None:
+            raise DemoStopped(self.received)
+
     @property
     def exit_code(self) -> int:
         """``128 + signal``, what a shell reports for a process the signal ended (``received`` must be set)."""
