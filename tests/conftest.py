@@ -23,6 +23,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
 
 
+@pytest.fixture(autouse=True)
+def _seeded_torch() -> None:
+    """Each test draws torch's random numbers from seed 0, whatever ran before it in its worker (which depends on
+    how pytest-xdist spread the files): a test's random weights and data are the same on every run."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None:  # else its first import starts from its own fixed seed
+        torch.manual_seed(0)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item: pytest.Item):
     """No test loads OpenVINO's runtime in the test process: left there, its threads crashed a later, unrelated
