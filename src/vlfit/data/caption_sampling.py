@@ -11,10 +11,11 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import Sampler
+
+from vlfit.data.epoch_sampler import EpochSeededSampler
 
 
-class OneCaptionPerImageSampler(Sampler[int]):
+class OneCaptionPerImageSampler(EpochSeededSampler):
     """Each epoch, every image once in a shuffled order, each as one of its records drawn at random.
 
     The order and the draws depend only on ``seed`` and the epoch (``set_epoch``, which the Trainer's loader calls
@@ -28,18 +29,14 @@ class OneCaptionPerImageSampler(Sampler[int]):
     def __init__(self, groups: list[np.ndarray], seed: int) -> None:
         if not groups or any(len(group) == 0 for group in groups):
             raise ValueError("every image needs at least one record")
+        super().__init__(seed)
         self.groups = groups
-        self.seed = seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
 
     def __len__(self) -> int:
         return len(self.groups)
 
     def __iter__(self) -> Iterator[int]:
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        generator = self.epoch_generator()
         order = torch.randperm(len(self.groups), generator=generator).tolist()
         draws = torch.randint(0, 1 << 62, (len(self.groups),), generator=generator).tolist()
         for image in order:

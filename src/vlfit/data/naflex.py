@@ -170,6 +170,11 @@ class NaflexTransform:
         """The grid's ``(height, width)`` in pixels for an image of ``height x width``."""
         return patch_grid(height, width, self.patch_size, self.max_num_patches)
 
+    def num_patches(self, data: bytes, sample_id: str = "?") -> int:
+        """How many patches ``__call__`` cuts the encoded image into, from its header alone (no decode)."""
+        grid_height, grid_width = self.grid(*image_header(data, sample_id)[:2])
+        return (grid_height // self.patch_size) * (grid_width // self.patch_size)
+
     def __call__(self, data: bytes, sample_id: str = "?") -> PatchImage:
         height, width, _ = image_header(data, sample_id)
         grid = self.grid(height, width)

@@ -17,10 +17,10 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
-from torch.utils.data import Sampler
 
 from vlfit.data.decode import DecodeError
-from vlfit.data.naflex import image_header, patch_grid
+from vlfit.data.epoch_sampler import EpochSeededSampler
+from vlfit.data.naflex import NaflexTransform
 
 if TYPE_CHECKING:
     from vlfit.data.sources.base import ImageTextSource
@@ -34,17 +34,15 @@ def patch_counts(source: ImageTextSource, patch_size: int, max_num_patches: int)
     A record whose image cannot be read counts as the budget: the loader then skips and counts it, or stops on it,
     as ``--bad_sample_policy`` says (nothing is decided here).
     """
+    transform = NaflexTransform(patch_size, max_num_patches)
     counts: list[int] = []
     unreadable = 0
     for record in source:
         try:
-            height, width, _ = image_header(record.image, record.id)
+            counts.append(transform.num_patches(record.image, record.id))
         except DecodeError:
             counts.append(max_num_patches)
             unreadable += 1
-            continue
-        grid_height, grid_width = patch_grid(height, width, patch_size, max_num_patches)
-        counts.append((grid_height // patch_size) * (grid_width // patch_size))
     if unreadable:
         logger.warning("%d of %d images have no readable header; they count as %d patches when grouping by length",
                        unreadable, len(counts), max_num_patches)  # fmt: skip
@@ -60,11 +58,10 @@ def length_grouped_order(lengths: Sequence[int], batch_size: int, generator: tor
     return [int(i) for i in get_length_grouped_indices(list(lengths), batch_size, generator=generator)]
 
 
-class PatchCountGroupedSampler(Sampler[int]):
+class PatchCountGroupedSampler(EpochSeededSampler):
     """Every record once per epoch, in batches of similar patch counts (``length_grouped_order``).
 
-    The order depends only on ``seed`` and the epoch (``set_epoch``, which the Trainer's loader calls at the start
-    of every epoch), so a resumed run reads the batches the uninterrupted one read.
+    The order depends only on ``seed`` and the epoch (``EpochSeededSampler``).
 
     Args:
         lengths: Each record's patch count (``patch_counts``).
@@ -75,16 +72,12 @@ class PatchCountGroupedSampler(Sampler[int]):
     def __init__(self, lengths: Sequence[int], batch_size: int, seed: int) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        super().__init__(seed)
         self.lengths = list(lengths)
         self.batch_size = batch_size
         if len(self.lengths) < 8 * batch_size:
             logger.warning("%d records make fewer than 8 batches of %d: grouping by length leaves them shuffled",
                            len(self.lengths), batch_size)  # fmt: skip
-        self.seed = seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -92,5 +85,4 @@ class PatchCountGroupedSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         if not self.lengths:
             return iter(())
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        return iter(length_grouped_order(self.lengths, self.batch_size, generator))
+        return iter(length_grouped_order(self.lengths, self.batch_size, self.epoch_generator()))

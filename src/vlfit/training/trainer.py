@@ -37,7 +37,13 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler, SequentialSampler
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints, seed_worker
+from transformers.trainer_utils import (
+    PREFIX_CHECKPOINT_DIR,
+    get_last_checkpoint,
+    has_length,
+    rotate_checkpoints,
+    seed_worker,
+)
 
 from vlfit.data.batch import Batch
 from vlfit.data.loader_workers import stop_loader_workers
@@ -218,11 +224,11 @@ class VlfitTrainer(BadSampleAccounting, Trainer):
         return shard_loader(make_loader(sampler=sampler), self.accelerator)
 
     def _get_eval_sampler(self, eval_dataset: Any) -> Sampler[int] | None:
-        # Evaluation reads its split in order: --train_sampling_strategy group_by_length is training's order (the
-        # Trainer's own would reorder evaluation too).
-        if self.args.train_sampling_strategy != "group_by_length":
-            return super()._get_eval_sampler(eval_dataset)
-        return SequentialSampler(eval_dataset) if self.args.world_size <= 1 else None
+        # Evaluation reads its split in order, whatever --train_sampling_strategy says (the Trainer's own would group
+        # evaluation by length too); across processes accelerate shards the loader in order.
+        if eval_dataset is None or not has_length(eval_dataset) or self.args.world_size > 1:
+            return None
+        return SequentialSampler(eval_dataset)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
