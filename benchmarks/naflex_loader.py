@@ -32,8 +32,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -41,6 +39,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import simplejpeg
 import torch
+from bench_records import machine, rerun_command, write_record
 from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, Dataset
 
@@ -229,8 +228,7 @@ def main() -> None:
 
     record = {
         "benchmark": "naflex_loader",
-        "command": "python benchmarks/naflex_loader.py "
-        + " ".join(f"--{key} {value}" for key, value in vars(args).items() if key != "results"),  # fmt: skip
+        "command": rerun_command("naflex_loader.py", args),
         "preset": PRESET,
         "max_num_patches": args.max_num_patches,
         "images": len(files),
@@ -238,17 +236,13 @@ def main() -> None:
         "patches_per_image": {"min": min(counts), "median": statistics.median(counts), "max": max(counts)},
         "batch_size": args.batch_size,
         "workers": args.workers,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "machine": machine(),
         "results": results,
         "ratios": ratios,
         "goals": {"vs_processor": 4.0, "vs_floor": 0.75},
         "padding_waste": padding,
     }
-    os.makedirs(os.path.dirname(args.results) or ".", exist_ok=True)
-    with open(args.results, "w") as f:
-        json.dump(record, f, indent=1)
-        f.write("\n")
-    print(f"wrote {args.results}")
+    write_record(record, args.results)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -27,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
+from bench_records import machine, rerun_command, write_record
 
 
 def bench(preset: str, args: argparse.Namespace, output_dir: Path, naflex: bool) -> dict[str, Any]:
@@ -87,21 +85,16 @@ def main() -> None:
 
     record = {
         "benchmark": "naflex_vs_fixres",
-        "command": "python benchmarks/naflex_vs_fixres.py "
-        + " ".join(f"--{key} {value}" for key, value in vars(args).items() if key != "results"),  # fmt: skip
+        "command": rerun_command("naflex_vs_fixres.py", args),
         "models": described,
         "batch_size": args.batch_size,
         "workers": args.workers,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "machine": machine(),
         "medians": medians,
         "naflex_over_fixres": ratios,
         "runs": runs,
     }
-    os.makedirs(os.path.dirname(args.results) or ".", exist_ok=True)
-    with open(args.results, "w") as f:
-        json.dump(record, f, indent=1)
-        f.write("\n")
-    print(f"wrote {args.results}")
+    write_record(record, args.results)
 
 
 if __name__ == "__main__":

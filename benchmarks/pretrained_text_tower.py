@@ -27,6 +27,8 @@ import os
 import sys
 import time
 
+from bench_records import rerun_command
+
 from vlfit.cli import main as vlfit
 
 TARGET = "eval_t2i_recall@1"
@@ -118,9 +120,7 @@ def main() -> None:
         print(f"{name:9s} t2i R@1 {row['final_t2i_recall@1']:.3f}  i2t R@1 {row['final_i2t_recall@1']:.3f}  "
               f"steps to t2i 0.5: {row['steps_to_t2i_recall@1_0.5']}  ({row['seconds']} s)", flush=True)  # fmt: skip
     os.makedirs(args.results, exist_ok=True)
-    command = "python benchmarks/pretrained_text_tower.py " + " ".join(
-        f"--{key} {value}" for key, value in vars(args).items() if key not in ("results", "text_model")
-    )
+    command = rerun_command("pretrained_text_tower.py", args, leave_out=("results", "text_model"))
     result = {"command": command, "steps": args.steps, "eval_steps": args.eval_steps, "num_samples": args.num_samples,
               "batch_size": args.batch_size, "eval_pool_size": args.eval_pool_size, "runs": rows}  # fmt: skip
     path = os.path.join(args.results, "pretrained_text_tower.json")
