@@ -22,7 +22,26 @@ MAX_IMAGE_PIXELS = 178_956_970
 
 
 class DecodeError(DataError):
-    """An image cannot be decoded; the message names the sample and the reason."""
+    """An image cannot be decoded: ``sample <id>: <reason>``.
+
+    Build it with ``for_sample``. The constructor takes the message alone because that is how torch re-raises a
+    DataLoader worker's exception in the main process (``type(message)``): the type survives, the attributes are
+    then ``None``.
+
+    Attributes:
+        sample_id: The sample's id as the caller named it (``images[0]``, a file's path).
+        reason: Why it cannot be decoded, without the sample.
+    """
+
+    def __init__(self, message: str, sample_id: str | None = None, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.sample_id = sample_id
+        self.reason = reason
+
+    @classmethod
+    def for_sample(cls, sample_id: str, reason: str) -> DecodeError:
+        """``sample <id>: <reason>``."""
+        return cls(f"sample {sample_id}: {reason}", sample_id, reason)
 
 
 def is_jpeg(data: bytes) -> bool:
@@ -109,13 +128,13 @@ def decode_pil(data: bytes, sample_id: str = "?", draft_size: int | tuple[int, i
     except DecodeError:
         raise
     except Exception as err:  # Pillow raises many types for corrupt data
-        raise DecodeError(f"sample {sample_id}: cannot decode image ({type(err).__name__}: {err})") from err
+        raise DecodeError.for_sample(sample_id, f"cannot decode image ({type(err).__name__}: {err})") from err
 
 
 def _open_pil(data: bytes, sample_id: str) -> Image.Image:
     """``Image.open`` (header only) with the emptiness, format and bomb checks every path shares."""
     if not data:
-        raise DecodeError(f"sample {sample_id}: image is empty (0 bytes)")
+        raise DecodeError.for_sample(sample_id, "image is empty (0 bytes)")
     try:
         # Pillow warns from 89.5 megapixels; the size is checked against vlfit's own limits below (and a server's
         # lower --max_query_pixels after), which refuse or accept it, so the warning would only repeat them.
@@ -124,14 +143,14 @@ def _open_pil(data: bytes, sample_id: str) -> Image.Image:
             image = Image.open(io.BytesIO(data))
     except UnidentifiedImageError as err:
         # Pillow's own message names a BytesIO object, which tells the user nothing.
-        raise DecodeError(
-            f"sample {sample_id}: not an image format Pillow can read ({len(data)} bytes starting {data[:8]!r})"
+        raise DecodeError.for_sample(
+            sample_id, f"not an image format Pillow can read ({len(data)} bytes starting {data[:8]!r})"
         ) from err
     except Image.DecompressionBombError as err:  # Pillow's own guard fires first for the largest declared sizes
-        raise DecodeError(f"sample {sample_id}: image is over the bomb limit ({err})") from err
+        raise DecodeError.for_sample(sample_id, f"image is over the bomb limit ({err})") from err
     width, height = image.size
     if width * height > MAX_IMAGE_PIXELS:
-        raise DecodeError(f"sample {sample_id}: image declares {width}x{height} pixels, over the bomb limit")
+        raise DecodeError.for_sample(sample_id, f"image declares {width}x{height} pixels, over the bomb limit")
     return image
 
 
@@ -152,16 +171,16 @@ def check_image_header(data: bytes, sample_id: str = "?") -> tuple[int, int]:
         try:
             height, width, _, _ = simplejpeg.decode_jpeg_header(data)
         except Exception as err:
-            raise DecodeError(f"sample {sample_id}: corrupt JPEG header ({err})") from err
+            raise DecodeError.for_sample(sample_id, f"corrupt JPEG header ({err})") from err
     else:
         try:
             width, height = _open_pil(data, sample_id).size
         except DecodeError:
             raise
         except Exception as err:  # Pillow raises many types for corrupt headers
-            raise DecodeError(f"sample {sample_id}: corrupt image header ({type(err).__name__}: {err})") from err
+            raise DecodeError.for_sample(sample_id, f"corrupt image header ({type(err).__name__}: {err})") from err
     if width * height > MAX_IMAGE_PIXELS:
-        raise DecodeError(f"sample {sample_id}: image declares {width}x{height} pixels, over the bomb limit")
+        raise DecodeError.for_sample(sample_id, f"image declares {width}x{height} pixels, over the bomb limit")
     return width, height
 
 
@@ -175,14 +194,14 @@ def decode_scaled(data: bytes, min_side: int, sample_id: str = "?") -> np.ndarra
         try:
             height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
         except Exception as err:
-            raise DecodeError(f"sample {sample_id}: corrupt JPEG header ({err})") from err
+            raise DecodeError.for_sample(sample_id, f"corrupt JPEG header ({err})") from err
         if height * width > MAX_IMAGE_PIXELS:
-            raise DecodeError(f"sample {sample_id}: image declares {width}x{height} pixels, over the bomb limit")
+            raise DecodeError.for_sample(sample_id, f"image declares {width}x{height} pixels, over the bomb limit")
         if colorspace not in ("CMYK", "YCCK"):
             try:
                 pixels = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=min_side, min_width=min_side)
             except Exception as err:
-                raise DecodeError(f"sample {sample_id}: cannot decode JPEG ({err})") from err
+                raise DecodeError.for_sample(sample_id, f"cannot decode JPEG ({err})") from err
             return apply_orientation(pixels, jpeg_exif_orientation(data))
     # np.array copies: Pillow's buffer is read-only, and torch warns on non-writable arrays.
     return np.array(decode_pil(data, sample_id, draft_size=min_side))

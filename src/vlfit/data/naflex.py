@@ -113,7 +113,7 @@ def decode_covering(data: bytes, height: int, width: int, sample_id: str = "?") 
         try:
             full_height, full_width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
         except Exception as err:
-            raise DecodeError(f"sample {sample_id}: corrupt JPEG header ({err})") from err
+            raise DecodeError.for_sample(sample_id, f"corrupt JPEG header ({err})") from err
         if colorspace not in ("CMYK", "YCCK"):
             # The power-of-two scales only, as Pillow's draft: libjpeg-turbo has SIMD inverse DCTs for 1/2 and 1/4
             # (1/8 is the DC term alone), its 3/8, 5/8 ... run in plain C. On 1.1-megapixel photos at twice a
@@ -127,7 +127,7 @@ def decode_covering(data: bytes, height: int, width: int, sample_id: str = "?") 
                     data, colorspace="RGB", min_height=scaled_height, min_width=scaled_width
                 )
             except Exception as err:
-                raise DecodeError(f"sample {sample_id}: cannot decode JPEG ({err})") from err
+                raise DecodeError.for_sample(sample_id, f"cannot decode JPEG ({err})") from err
             return apply_orientation(pixels, orientation)
     # np.array copies: Pillow's buffer is read-only, and torch warns on non-writable arrays.
     return np.array(decode_pil(data, sample_id, draft_size=(stored_width, stored_height)))
