@@ -30,19 +30,25 @@ def write_synthetic_index(
     family: str = "tiny",
     source: str = "preset:tiny",
     shard_size: int = 300,
+    ids: list[str] | None = None,
+    images: list[str] | None = None,
 ) -> list[str]:
-    """An index of ``count`` random unit vectors (ids ``item-0000``..., each with a caption, in shards of
-    ``shard_size``); returns the ids."""
+    """An index of ``count`` random unit vectors (ids ``item-0000``..., or ``ids``; each with a caption, in shards of
+    ``shard_size``) of a dataset, or of the image folders ``images`` (then ``ids`` are their files' absolute paths);
+    returns the ids."""
     generator = torch.Generator().manual_seed(seed)
     vectors = torch.nn.functional.normalize(torch.randn(count, dim, generator=generator), dim=1)
-    ids = [f"item-{number:04d}" for number in range(count)]
+    ids = ids or [f"item-{number:04d}" for number in range(count)]
     folder.mkdir(parents=True, exist_ok=True)
     manifest = IndexManifest(ModelIdentity(family, dim, source), dict(MODEL))
     for number, start in enumerate(range(0, count, shard_size)):
         rows = slice(start, start + shard_size)
         captions = [[f"caption of {item}"] for item in ids[rows]]
         manifest.shards.append(write_shard(str(folder), number, ids[rows], vectors[rows], "safetensors", captions))
-    manifest.collections.append({"dataset_name": "synthetic", "items": count, "new": count})
+    if images:
+        manifest.collections.extend({"images": root, "items": count, "new": count} for root in images)
+    else:
+        manifest.collections.append({"dataset_name": "synthetic", "items": count, "new": count})
     write_manifest(str(folder), manifest)
     return ids
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.index.push.conftest import mark_removed, write_synthetic_index
+from vlfit.errors import DataError
 from vlfit.index.push.base import TargetError, open_target
 from vlfit.index.push.job import index_record, push_index
 from vlfit.index.push.pushed import PushedIndex
@@ -195,3 +196,22 @@ def test_postgresql_builds_the_hnsw_index_once_the_rows_are_written(request, tmp
     push_index(EmbeddingIndex(str(tmp_path / "index")), uri)
     found = [d for (d,) in target.connection.execute(indexes, (target.uri.collection,))]
     assert any("USING hnsw (embedding vector_cosine_ops)" in d for d in found), found
+
+
+def test_two_items_pushed_under_one_id_are_refused_before_anything_is_written(uri, tmp_path) -> None:
+    """Two indexed folders with an ``x.jpg`` each: both would be pushed as ``x.jpg``, so no engine may take the push
+    (one would fail on its key, one keep both, one keep the last)."""
+    first, second = tmp_path / "photos" / "2023", tmp_path / "photos" / "2024"
+    ids = [f"{first}/x.jpg", f"{first}/y.jpg", f"{second}/x.jpg"]
+    folder = tmp_path / "index"
+    write_synthetic_index(folder, 3, ids=ids, images=[str(first), str(second)])
+    with pytest.raises(DataError) as refused:
+        push_index(EmbeddingIndex(str(folder)), uri)
+    message = str(refused.value)
+    assert f"two items would be pushed under one id, 'x.jpg': {first}/x.jpg and {second}/x.jpg" in message
+    assert message.startswith(f"--index {folder}: ") and "\n" not in message
+    assert open_target(uri).record() is None  # nothing written, not even the collection
+
+    mark_removed(folder, ids[2:])  # left out of the index's searches: not pushed, so no longer in the way
+    report = push_index(EmbeddingIndex(str(folder)), uri)
+    assert (report.pushed, report.total) == (2, 2) and _engine_ids(uri) == (2, {"x.jpg", "y.jpg"})

@@ -7,6 +7,11 @@ push that was stopped part-way (killed, a server gone) resumes where it stopped 
 unchanged index writes nothing. ``delete_missing`` removes the items the index no longer holds (items removed from
 their folder since they were indexed, or pushed from another index). Items of the index left out of its searches
 (the manifest's ``removed``) are never pushed.
+
+An item is pushed under its id as a search names it, which is unique in the index for all but one case: files of two
+indexed folders at the same path relative to each (``2023/x.jpg`` and ``2024/x.jpg`` of an index of both folders
+are each ``x.jpg``). Engines differ on a key given twice (one fails, one keeps both, one keeps the last), so a push
+of such an index is refused before anything is written, naming the two items.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm.auto import tqdm
 
-from vlfit.errors import ConfigError
+from vlfit.errors import ConfigError, DataError
 from vlfit.index.push.base import CollectionRecord, Items, Target, TargetError, open_target
 from vlfit.index.store import EmbeddingIndex
 from vlfit.inference.identity import shown_source
@@ -67,14 +72,28 @@ class PushReport:
         ]
 
 
-def item_ids(index: EmbeddingIndex) -> list[str]:
-    """Each row's item id as a search names it: an image folder's file relative to the folder indexed (the longest
-    indexed folder that holds it), else its stored id."""
+def item_ids(index: EmbeddingIndex) -> list[str | None]:
+    """Each row's id as a push writes it, None for rows removed from the index's searches: as a search names it, an
+    image folder's file relative to the folder indexed (the longest indexed folder that holds it), else its stored id.
+
+    Raises:
+        DataError: when two rows would be pushed under one id, naming both.
+    """
     roots = [os.path.join(c["images"], "") for c in index.manifest.collections if c.get("images")]
-    named = []
+    removed = set(index.manifest.removed)
+    named: list[str | None] = []
+    owners: dict[str, str] = {}
     for stored in index.row_ids:
         root = max((root for root in roots if stored.startswith(root)), key=len, default=None)
-        named.append(stored[len(root) :] if root is not None else stored)
+        name = stored[len(root) :] if root is not None else stored
+        named.append(None if stored in removed else name)
+        if stored not in removed and owners.setdefault(name, stored) != stored:
+            raise DataError(
+                f"--index {index.path}: two items would be pushed under one id, {name!r}: {owners[name]} and "
+                f"{stored} (a folder's file is named by its path relative to the folder indexed); index the folders' "
+                "common parent into a new index, or each folder into an index of its own pushed to a collection of "
+                "its own (#NAME at the end of the URI)"
+            )
     return named
 
 
@@ -102,9 +121,11 @@ def check_record(target: Target, recorded: CollectionRecord, record: CollectionR
         raise TargetError(f"{target.uri.text}: {ranks}; {elsewhere}")
 
 
-def _batches(index: EmbeddingIndex, wanted: set[str], batch_size: int, model: str) -> Iterator[Items]:
-    """The items of ``index`` whose ids are in ``wanted``, in row order, in batches of ``batch_size``."""
-    names = item_ids(index)
+def _batches(
+    index: EmbeddingIndex, names: list[str | None], wanted: set[str], batch_size: int, model: str
+) -> Iterator[Items]:
+    """The items of ``index`` whose ids (``names``: ``item_ids``) are in ``wanted``, in row order, in batches of
+    ``batch_size``."""
     paths = any(c.get("images") for c in index.manifest.collections)  # an image folder's items are its files
     parts: list[tuple[list[int], np.ndarray, list[list[str] | None]]] = []
     held, start = 0, 0
@@ -151,10 +172,13 @@ def push_index(
     Raises:
         ConfigError: for a ``batch_size`` below 1 or a URI of no known form.
         MissingExtraError: when the target's extra is not installed.
+        DataError: when two items of the index would be pushed under one id (``item_ids``).
         TargetError: when the target cannot be reached, holds a collection of another shape, or of another model.
     """
     if batch_size is not None and batch_size < 1:
         raise ConfigError(f"--batch_size must be at least 1, got {batch_size}")
+    names = item_ids(index)
+    live = {name for name in names if name is not None}
     started = time.perf_counter()
     target = open_target(to)
     batch_size = batch_size or target.BATCH_SIZE
@@ -171,13 +195,11 @@ def push_index(
         check_record(target, recorded, record)
         with target.failing("reading the ids of the collection"):
             present = target.ids()
-    removed = set(index.manifest.removed)
-    live = {name for name, stored in zip(item_ids(index), index.row_ids, strict=True) if stored not in removed}
     wanted = live if overwrite else live - present
     report.skipped = len(live) - len(wanted)
     bar = tqdm(total=len(wanted), unit="item", desc=f"push {to}", disable=not progress)
     try:
-        for items in _batches(index, wanted, batch_size, record.identity.checkpoint_sha256):
+        for items in _batches(index, names, wanted, batch_size, record.identity.checkpoint_sha256):
             with target.failing(f"writing {len(items)} items"):
                 target.write(items, new=not (present & set(items.ids)))
             report.pushed += len(items)
