@@ -1,4 +1,4 @@
-"""``vlfit.search.soup.merge_runs``, the merge behind ``vlfit merge`` and ``vlfit search --soup``: the folder it writes
+"""``vlfit.merging.runs.merge_runs``, the merge behind ``vlfit merge`` and ``vlfit search --soup``: the folder it writes
 is a run plain transformers and ``vlfit.load`` open, holding the merged weights, the runs' input settings and a card
 naming the method and the runs; LoRA adapters are merged into their base first; a greedy soup leaves out a broken run
 and says so in ``merge.json``."""
@@ -12,9 +12,9 @@ from transformers import AutoProcessor
 
 import vlfit
 from tests.merge.runs import changed_run, weights_of
+from vlfit.merging.runs import merge_runs
 from vlfit.models.input_spec_file import INPUT_SPEC_FILE
 from vlfit.models.loading import load_model
-from vlfit.search.soup import merge_runs
 
 
 def test_merging_two_identical_runs_gives_the_run(tiny_checkpoint, tmp_path) -> None:
@@ -92,3 +92,9 @@ def test_lora_adapters_are_merged_into_their_base_before_the_soup(tiny_checkpoin
     query = "bridgetower.text_model.encoder.layer.0.attention.self.query.weight"
     assert not torch.equal(a[query], weights_of(tiny_checkpoint)[query])  # the adapters changed the text tower
     assert all(torch.allclose(merged[name], (a[name] + b[name]) / 2) for name in b if b[name].is_floating_point())
+
+
+def test_the_api_function_merge_is_not_hidden_by_the_package_that_merges() -> None:
+    import vlfit.merging.runs  # noqa: F401  (what vlfit.merge itself imports)
+
+    assert callable(vlfit.merge) and vlfit.merge.__module__ == "vlfit.api"

@@ -12,7 +12,7 @@ from transformers import BridgeTowerConfig, BridgeTowerForContrastiveLearning
 from tests.inference.tiny_models import save_tiny_checkpoint
 from tests.merge.runs import changed_run, record_base
 from vlfit.errors import ConfigError, ModelLoadError
-from vlfit.search.soup import merge_runs
+from vlfit.merging.runs import merge_runs
 
 
 def _other_family(tiny, data, tmp_path):

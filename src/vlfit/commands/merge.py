@@ -98,7 +98,9 @@ def merge_parsed(parsed: ParsedMerge, command_line: str | None = None) -> Any:
     if bool(args.runs) == bool(args.search_dir):
         raise ConfigError("pass the runs to merge: --runs RUN [RUN ...], or --search_dir of a vlfit search study")
     metric = args.metric if args.metric.startswith("eval_") else f"eval_{args.metric}"
-    from vlfit.search.soup import check_method, merge_runs, study_runs
+    from vlfit.merging.methods import check_method
+    from vlfit.merging.runs import merge_runs
+    from vlfit.search.trial_soup import study_runs
 
     runs, base = list(args.runs or []), args.base
     if args.search_dir:
@@ -109,7 +111,7 @@ def merge_parsed(parsed: ParsedMerge, command_line: str | None = None) -> Any:
         scorer = None
         if has_held_out_data(data):
             from vlfit.commands.evaluate import as_training_arguments
-            from vlfit.search.soup import WeightsScorer
+            from vlfit.merging.scoring import WeightsScorer
 
             model = ModelArguments(model_name_or_path=runs[0])
             training = as_training_arguments(model, dataclasses.replace(settings, output_dir=scratch))

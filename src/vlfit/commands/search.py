@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 def _soup(runner: TrialRunner, search_args: SearchArguments, study: Any, training_args: VlfitTrainingArguments) -> None:
     """End the study with a soup of its best trials (``--soup``), in ``<output_dir>/soup``."""
     from vlfit.search.report import top_trials
-    from vlfit.search.soup import SOUP_DIR, soup_of_trials
+    from vlfit.search.trial_soup import SOUP_DIR, soup_of_trials
 
     if training_args.world_size > 1:
         logger.warning("--soup: the soup is made by one process; run vlfit merge --method %s --search_dir %s "
