@@ -1,5 +1,6 @@
 """Runs that cannot be merged are refused before anything is written, in one line naming the run and what differs:
-another family, another vocabulary, another shape, another recorded base, LoRA adapters whose base is not there."""
+another family, another vocabulary, another shape, another recorded base, LoRA adapters whose base is not there,
+another input spec (normalization mean or std, a NaFlex patch budget)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,30 @@ def _unmerged_lora(tiny, data, tmp_path):
     return run, "LoRA run not merged yet"
 
 
-@pytest.mark.parametrize("make", [_other_family, _other_vocabulary, _other_shape, _other_base, _unmerged_lora])
+def _with_image_processor(run, **settings):
+    path = run / "preprocessor_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **settings}))
+    return run
+
+
+def _other_mean(tiny, data, tmp_path):
+    run = _with_image_processor(changed_run(tiny, tmp_path / "mean"), image_mean=[0.25, 0.5, 0.75])
+    return run, "image_mean [0.25, 0.5, 0.75]"
+
+
+def _other_std(tiny, data, tmp_path):
+    run = _with_image_processor(changed_run(tiny, tmp_path / "std"), image_std=[0.125, 0.25, 0.5])
+    return run, "image_std [0.125, 0.25, 0.5]"
+
+
+def _other_patch_budget(tiny, data, tmp_path):
+    first = save_tiny_checkpoint(data, tmp_path / "a", preset="siglip2-tiny")  # 16 patches
+    run = _with_image_processor(changed_run(first, tmp_path / "budget"), max_num_patches=32)
+    return run, f"max_num_patches 32, {first} with 16"
+
+
+@pytest.mark.parametrize("make", [_other_family, _other_vocabulary, _other_shape, _other_base, _unmerged_lora,
+                                  _other_mean, _other_std, _other_patch_budget])  # fmt: skip
 def test_a_run_that_cannot_be_merged_is_refused_in_one_line_naming_it(make, tiny_checkpoint, synthetic_dataset_dir,
                                                                       tmp_path) -> None:  # fmt: skip
     run, what = make(tiny_checkpoint, synthetic_dataset_dir, tmp_path)

@@ -14,8 +14,8 @@ al. 2024). ``vlfit merge`` and ``vlfit search --soup`` build on these; WiSE-FT's
 Every floating-point tensor is merged in float32 and cast back; tensors that are not floating point (position ids)
 must be equal in every run. ``load_ingredients`` loads the runs (LoRA adapters merged into their base first) and
 refuses, in one line naming the run and what differs, runs that cannot be merged: another family, a tokenizer with
-another vocabulary, another set of tensors or shapes, other input settings, another recorded base, or adapters
-whose base is not there to merge them into.
+another vocabulary, another set of tensors or shapes, other input settings (caption length, image size, mean, std,
+NaFlex patch budget), another recorded base, or adapters whose base is not there to merge them into.
 """
 
 from __future__ import annotations
@@ -26,10 +26,12 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
+from typing import Any
 
 import torch
 
 from vlfit.errors import ConfigError, MissingFileError, ModelLoadError
+from vlfit.models.family import InputSpec
 from vlfit.models.loading import LoadedModel, load_model
 from vlfit.models.reference import parse_model_reference
 
@@ -275,13 +277,21 @@ def _check_pair(reference: Ingredient, other: Ingredient, named: str, against: s
                               f"{against}: merging needs one architecture")  # fmt: skip
         if not tensor.is_floating_point() and not torch.equal(tensor, mine):
             raise ConfigError(f"{named}: {name!r} differs from {against}'s and cannot be averaged")
-    spec, other_spec = reference.loaded.inputs, other.loaded.inputs
-    if (spec.max_seq_length, spec.image_size) != (other_spec.max_seq_length, other_spec.image_size):
-        raise ConfigError(
-            f"{named} was trained on captions of {other_spec.max_seq_length} tokens and images of "
-            f"{other_spec.image_size} px, {against} on {spec.max_seq_length} and {spec.image_size}: pass "
-            "--max_seq_length to merge them at one caption length"
-        )
+    ours, theirs = _input_spec(reference.loaded.inputs), _input_spec(other.loaded.inputs)
+    for key, value in theirs.items():
+        if value != ours[key]:
+            remedy = "merging needs runs of one input spec"
+            if key == "max_seq_length":
+                remedy = "pass --max_seq_length to merge them at one caption length"
+            raise ConfigError(f"{named} was trained with {key} {value}, {against} with {ours[key]}: {remedy}")
+
+
+def _input_spec(inputs: InputSpec) -> dict[str, Any]:
+    """What two runs' inputs must agree on to be merged, named as ``input_spec.json`` names it."""
+    return {"max_seq_length": inputs.max_seq_length, "image_size": inputs.image_size,
+            "image_mean": [round(float(x), 6) for x in inputs.image_mean],
+            "image_std": [round(float(x), 6) for x in inputs.image_std],
+            "max_num_patches": inputs.max_num_patches}  # fmt: skip
 
 
 def load_ingredients(
