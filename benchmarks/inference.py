@@ -30,11 +30,12 @@ import torch
 from vlfit.commands.export import SYNTHETIC_LONG_SIDE
 from vlfit.data.sources.openers import open_split
 from vlfit.data.sources.synthetic import synthetic_source
-from vlfit.inference.backends import Encoder, OnnxRuntimeEncoder, OpenVinoEncoder
+from vlfit.inference.backends import Encoder, ExportedEncoder, OnnxRuntimeGraphs, OpenVinoGraphs
 from vlfit.inference.export import ExportSettings, embed_samples, export_model, t2i_recall
 from vlfit.inference.export_samples import Samples, load_samples
 from vlfit.inference.exported import ExportFolder
 from vlfit.inference.runtime import ModelRuntime
+from vlfit.inference.runtime_settings import RuntimeSettings
 
 
 def save_preset_checkpoint(preset: str, folder: Path, captions: list[str]) -> Path:
@@ -67,16 +68,15 @@ def latency(call: Callable[[], object], iterations: int, warmup: int = 2) -> tup
 def make_encoder(name: str, checkpoint: str, work: Path, threads: int) -> Encoder:
     """The encoder of one row of the table."""
     if name == "torch eager fp32":
-        return ModelRuntime.open(checkpoint, "torch", num_threads=threads).encoder
+        return ModelRuntime.open(checkpoint, RuntimeSettings(backend="torch", num_threads=threads)).encoder
     fmt, precision = name.split()
     exported = ExportFolder.open(str(work / ("onnx" if fmt == "onnxruntime" else "openvino")))
     if fmt == "onnxruntime":
-        return OnnxRuntimeEncoder(exported, precision, num_threads=threads)
+        return ExportedEncoder(exported, OnnxRuntimeGraphs(num_threads=threads), precision)
     if precision == "default":
-        return OpenVinoEncoder(exported, "fp32", num_threads=threads)
+        return ExportedEncoder(exported, OpenVinoGraphs(num_threads=threads), "fp32")
     hint = "f32" if precision == "f32" else None
-    return OpenVinoEncoder(exported, "fp32" if precision == "f32" else "int8", inference_precision=hint,
-                           num_threads=threads)  # fmt: skip
+    return ExportedEncoder(exported, OpenVinoGraphs(hint, threads), "fp32" if precision == "f32" else "int8")
 
 
 BACKENDS = ("torch eager fp32", "onnxruntime fp32", "onnxruntime int8", "openvino f32", "openvino default",

@@ -62,6 +62,7 @@ import time
 import numpy as np
 
 from vlfit.cli import main as vlfit
+from vlfit.inference.runtime_settings import RuntimeSettings
 
 LEVELS = {1: 200, 8: 800, 32: 1600}  # concurrency -> requests sent at that level, per repeat
 REPEATS = 3  # each level's figures are the medians over this many runs
@@ -427,7 +428,7 @@ def main() -> int:
             sys.exit(f"vlfit export exited {code}")
     from vlfit.inference.runtime import ModelRuntime
 
-    encoder = ModelRuntime.open(exported, "auto", "int8").encoder
+    encoder = ModelRuntime.open(exported, RuntimeSettings(backend="auto", precision="int8")).encoder
     dim = encoder.identity.embedding_size
     index = os.path.join(args.out, "index-100k")
     if not os.path.isfile(os.path.join(index, "index_manifest.json")):

@@ -33,6 +33,7 @@ from vlfit.errors import ConfigError, DataError, python_api, unknown_keywords
 from vlfit.index.search import Hit
 from vlfit.inference.backends import Encoder
 from vlfit.inference.runtime import ModelRuntime
+from vlfit.inference.runtime_settings import RuntimeSettings
 
 
 class Model:
@@ -183,10 +184,10 @@ def load(
         max_num_patches: A NaFlex model's (SigLIP 2) token budget per image (``None``: the budget the run was
             trained with, from its ``input_spec.json``; another is logged; an export takes at most its own).
     """
-    runtime = ModelRuntime.open(
-        path_or_preset, backend, precision, num_threads=num_threads, max_seq_length=max_seq_length,
-        allow_spinning=allow_spinning, max_num_patches=max_num_patches,
-    )  # fmt: skip
+    settings = RuntimeSettings(backend=backend, precision=precision, num_threads=num_threads,
+                               max_seq_length=max_seq_length, allow_spinning=allow_spinning,
+                               max_num_patches=max_num_patches)  # fmt: skip
+    runtime = ModelRuntime.open(path_or_preset, settings)
     runtime.answerer if runtime.answers_questions else runtime.encoder  # noqa: B018  (a bad folder fails here)
     return Model(runtime)
 
@@ -354,7 +355,7 @@ class Index:
             index_type=index_type, max_index_memory=max_index_memory, target_recall=target_recall,
         )  # fmt: skip
         if isinstance(model, str):  # appended to at the patch budget it was built with (a NaFlex model's)
-            model = load(model, max_num_patches=job.replayed().max_num_patches)
+            model = load(model, max_num_patches=job.replayed().runtime.max_num_patches)
             job = dataclasses.replace(job, model=model.encoder)
         index_collection(job).raise_for_lost_shards()
         return cls(path, model)

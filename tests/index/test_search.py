@@ -8,6 +8,7 @@ import json
 import vlfit
 from vlfit.index.search import search
 from vlfit.index.store import EmbeddingIndex
+from vlfit.inference.runtime_settings import RuntimeSettings
 from vlfit.serve.engine import SearchEngine
 
 
@@ -83,9 +84,13 @@ def test_queries_are_embedded_on_the_runtime_and_precision_the_index_was_built_w
     from vlfit.index.verify import open_index
 
     out = str(tmp_path / "index")
-    index_collection(IndexJob(str(onnx_export), out, images=str(image_folder), precision="fp32", progress=False,
-                              index_type="flat"))  # fmt: skip  # the export holds INT8 graphs too: auto would take them
+    # The export holds INT8 graphs too: auto would take them.
+    fp32 = RuntimeSettings(precision="fp32")
+    index_collection(IndexJob(str(onnx_export), out, images=str(image_folder), progress=False, index_type="flat",
+                              runtime=fp32))  # fmt: skip
     index = open_index(out)
     built = query_runtime(index).encoder
     assert (built.backend, built.precision) == ("onnxruntime", "fp32")
-    assert query_runtime(index, precision="int8").encoder.precision == "int8"  # asked for: what the caller says
+    assert (
+        query_runtime(index, settings=RuntimeSettings(precision="int8")).encoder.precision == "int8"
+    )  # asked for: what the caller says

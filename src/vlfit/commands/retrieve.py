@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
+from vlfit.arguments.runtime import RUNTIME_FLAGS, runtime_arguments
 from vlfit.cli import SUBCOMMANDS as COMMAND_SUBCOMMANDS
 from vlfit.commands.parsing import CommandParser
 from vlfit.commands.retrieve_queries import Query, check_query_images, embed_queries, read_queries
@@ -33,16 +34,14 @@ from vlfit.inference.rerank_score import RERANK_SCORES, check_rerank_weight
 from vlfit.inference.topk import DEFAULT_CHUNK_ELEMENTS
 
 SUBCOMMANDS = COMMAND_SUBCOMMANDS["retrieve"]
-# Flags of vlfit retrieve index that are the command's, not the job's.
-CLI_ONLY = ("dataloader_num_workers", "disable_tqdm", "json")
-Backend = Literal["auto", "torch", "onnxruntime", "openvino"]
+# Flags of vlfit retrieve index that are not the job's own fields (the runtime's travel as one value).
+CLI_ONLY = ("dataloader_num_workers", "disable_tqdm", "json", *RUNTIME_FLAGS)
 Verify = Literal["quick", "full"]
-Precision = Literal["auto", "fp32", "int8"]
 IndexType = Literal["auto", "flat", "hnsw", "ivfpq"]
 
 
 @dataclass
-class IndexArguments:
+class IndexArguments(runtime_arguments()):
     """Flags of ``vlfit retrieve index``."""
 
     model: str = field(metadata={"help": "A checkpoint folder, or a folder vlfit export wrote."})
@@ -66,8 +65,6 @@ class IndexArguments:
             "list caption column's row is one image."
         },
     )
-    backend: Backend = field(default="auto", metadata={"help": "auto: the model folder's own runtime."})
-    precision: Precision = field(default="auto", metadata={"help": "Exported graphs: auto (INT8 when exported)."})
     batch_size: int = field(default=32, metadata={"help": "Images per forward pass."})
     dataloader_num_workers: int = field(
         default_factory=lambda: min(4, os.cpu_count() or 1),
@@ -79,16 +76,6 @@ class IndexArguments:
                   "with, else 4096."},
     )  # fmt: skip
     storage: Literal["safetensors", "npy"] = field(default="safetensors", metadata={"help": "Shard file format."})
-    num_threads: int | None = field(default=None, metadata={"help": "Threads of the runtime (default: its own)."})
-    max_seq_length: int | None = field(
-        default=None,
-        metadata={"help": "Cut captions at this many tokens (default: the length the model was trained with)."},
-    )
-    max_num_patches: int | None = field(
-        default=None,
-        metadata={"help": "A NaFlex model's (SigLIP 2) most patches per image (default: the budget the model was "
-                  "trained with; an existing index's own when appending)."},
-    )  # fmt: skip
     disable_tqdm: bool = field(default=False, metadata={"help": "No progress bar."})
     json: bool = field(default=False, metadata={"help": "Print the summary as JSON instead of lines of text."})
     index_type: IndexType | None = field(
@@ -140,11 +127,12 @@ class IndexArguments:
     def job(self) -> IndexJob:
         """The indexing these flags ask for (every value checked before anything is opened)."""
         same = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in CLI_ONLY}
-        return IndexJob(**same, num_workers=self.dataloader_num_workers, progress=not self.disable_tqdm)
+        return IndexJob(**same, runtime=self.settings(), num_workers=self.dataloader_num_workers,
+                        progress=not self.disable_tqdm)  # fmt: skip
 
 
 @dataclass
-class QueryArguments:
+class QueryArguments(runtime_arguments()):
     """Flags of ``vlfit retrieve query``."""
 
     index: str = field(
@@ -176,25 +164,9 @@ class QueryArguments:
         default=None,
         metadata={"help": "The model to embed queries with (default: the one the index was built with)."},
     )
-    backend: Backend = field(
-        default="auto",
-        metadata={"help": "auto: the index's model on the runtime it was built with (its exported graphs if any)."},
-    )
-    precision: Precision = field(default="auto", metadata={"help": "Exported graphs: auto (INT8 when exported)."})
     chunk_elements: int = field(
         default=DEFAULT_CHUNK_ELEMENTS, metadata={"help": "Largest number of similarity scores held at once."}
     )
-    num_threads: int | None = field(default=None, metadata={"help": "Threads of the runtime (default: its own)."})
-    max_seq_length: int | None = field(
-        default=None,
-        metadata={"help": "Cut query captions at this many tokens (default: the length the index's model was trained "
-                  "and indexed with)."},
-    )  # fmt: skip
-    max_num_patches: int | None = field(
-        default=None,
-        metadata={"help": "A NaFlex model's (SigLIP 2) most patches per query image (default: the budget the index "
-                  "was built with)."},
-    )  # fmt: skip
     exact: bool = field(
         default=False, metadata={"help": "Scan every embedding of the shards instead of using the ANN structure."}
     )
@@ -325,8 +297,7 @@ def run_query(args: QueryArguments) -> int:
     with times.stage("open"):
         index = PushedIndex(args.index) if pushed else open_index(args.index, args.verify)
         items = rerankable_items(index) if top_k is not None else None  # refused before the model opens
-        runtime = query_runtime(index, args.model, args.backend, args.precision, num_threads=args.num_threads,
-                                max_seq_length=args.max_seq_length, max_num_patches=args.max_num_patches)  # fmt: skip
+        runtime = query_runtime(index, args.model, args.settings())
         if items is not None:
             runtime.require_pair_scorer()  # refused before any query runs
             by = runtime.rerank_score(args.rerank_score, args.rerank_weight)

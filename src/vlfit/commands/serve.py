@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from typing import Literal
 
+from vlfit.arguments.runtime import runtime_arguments
 from vlfit.commands.parsing import CommandParser
 from vlfit.errors import ConfigError
 from vlfit.inference.rerank_score import check_rerank_weight
@@ -35,7 +36,7 @@ SETTINGS_ENV = "VLFIT_SERVE_SETTINGS"  # how --workers > 1 hands the settings to
 
 
 @dataclass
-class ServeArguments:
+class ServeArguments(runtime_arguments(num_threads=1)):
     """Flags of ``vlfit serve``."""
 
     index: str = field(metadata={"help": "The index folder (vlfit retrieve index's output)."})
@@ -50,26 +51,6 @@ class ServeArguments:
     model: str | None = field(
         default=None, metadata={"help": "The model to embed queries with (default: the one the index was built with)."}
     )
-    backend: Literal["auto", "torch", "onnxruntime", "openvino"] = field(
-        default="auto", metadata={"help": "auto: the index's model on the runtime it was built with."}
-    )
-    precision: Literal["auto", "fp32", "int8"] = field(
-        default="auto", metadata={"help": "Exported graphs: auto (INT8 when exported)."}
-    )
-    num_threads: int | None = field(
-        default=1,
-        metadata={"help": "Intra-op threads of the runtime (torch, ONNX Runtime); 1: batching makes the concurrency."},
-    )
-    max_seq_length: int | None = field(
-        default=None,
-        metadata={"help": "Cut query captions at this many tokens (default: the length the index's model was trained "
-                  "and indexed with)."},
-    )  # fmt: skip
-    max_num_patches: int | None = field(
-        default=None,
-        metadata={"help": "A NaFlex model's (SigLIP 2) most patches per query image (default: the budget the index "
-                  "was built with)."},
-    )  # fmt: skip
     rerank_score: Literal["itm", "itm+itc"] | None = field(
         default=None,
         metadata={"help": "What a query's re-ranked candidates (its \"rerank\": K) are ordered by unless it says "
@@ -220,11 +201,9 @@ def build_app(args: ServeArguments, verified: tuple[int, int] | None = None):  #
         from vlfit.serve.tls import server_context, use_tls
 
         use_tls(server_context(args.ssl_certfile, args.ssl_keyfile), handshake_timeout=args.header_timeout)
-    engine = SearchEngine(args.index, args.model, args.backend, args.precision, args.num_threads,
-                          max_seq_length=args.max_seq_length, max_num_patches=args.max_num_patches,
-                          search_threads=args.search_threads, verify=args.verify,
-                          absolute_paths=args.show_absolute_paths, verified=verified, rerank_score=args.rerank_score,
-                          rerank_weight=args.rerank_weight)  # fmt: skip
+    engine = SearchEngine(args.index, args.model, args.settings(), search_threads=args.search_threads,
+                          verify=args.verify, absolute_paths=args.show_absolute_paths, verified=verified,
+                          rerank_score=args.rerank_score, rerank_weight=args.rerank_weight)  # fmt: skip
     return create_app(engine, max_upload_mb=args.max_upload_mb, max_batch=args.max_batch,
                       max_wait_ms=args.max_wait_ms, reload_interval=args.reload_interval,
                       limits=limits, access=access)  # fmt: skip

@@ -7,12 +7,13 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from vlfit.arguments.runtime import runtime_arguments
 from vlfit.commands.parsing import CommandParser
 from vlfit.errors import ConfigError, DataError, MissingFileError
 
 
 @dataclass
-class VqaArguments:
+class VqaArguments(runtime_arguments("num_threads", "max_seq_length")):
     """Flags of ``vlfit vqa`` (the image and the question are positional arguments)."""
 
     model: str = field(metadata={"help": "A model folder vlfit train --task vqa saved."})
@@ -24,12 +25,7 @@ class VqaArguments:
         },
     )
     top_k: int = field(default=3, metadata={"help": "Answers printed per question, best first."})
-    num_threads: int | None = field(default=None, metadata={"help": "torch threads (default: torch's)."})
     batch_size: int = field(default=32, metadata={"help": "Questions answered in one forward."})
-    max_seq_length: int | None = field(
-        default=None,
-        metadata={"help": "Cut questions at this many tokens (default: the length the run was trained with)."},
-    )
 
 
 def read_questions(path: str, image: str | None) -> list[tuple[str, str]]:
@@ -81,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             raise MissingFileError(f"{image}: no such image file")
     from vlfit.inference.runtime import ModelRuntime
 
-    runtime = ModelRuntime.open(args.model, num_threads=args.num_threads, max_seq_length=args.max_seq_length)
+    runtime = ModelRuntime.open(args.model, args.settings())
     questions = [question for _, question in pairs]
     answered = runtime.answer([image for image, _ in pairs], questions, args.top_k, args.batch_size)
     for question, answers in zip(questions, answered, strict=True):

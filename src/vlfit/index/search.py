@@ -26,6 +26,7 @@ import torch
 from vlfit.errors import DataError
 from vlfit.index.store import EmbeddingIndex
 from vlfit.inference.runtime import ModelRuntime
+from vlfit.inference.runtime_settings import RuntimeSettings
 from vlfit.inference.topk import DEFAULT_CHUNK_ELEMENTS, chunked_topk
 
 
@@ -59,33 +60,19 @@ class Hit:
 
 
 def query_runtime(
-    index: EmbeddingIndex,
-    model: str | None = None,
-    backend: str = "auto",
-    precision: str = "auto",
-    *,
-    num_threads: int | None = None,
-    max_seq_length: int | None = None,
-    max_num_patches: int | None = None,
-    allow_spinning: bool = True,
+    index: EmbeddingIndex, model: str | None = None, settings: RuntimeSettings | None = None
 ) -> ModelRuntime:
     """The runtime that embeds an index's queries (``vlfit retrieve query``, ``vlfit serve``, ``vlfit.Index``):
-    ``model``, or without one the model the index was built with, on the runtime (``backend`` ``auto``), precision
-    (``precision`` ``auto``), caption length (``max_seq_length`` None) and a NaFlex model's patch budget
-    (``max_num_patches`` None) it was built with, so queries and items are embedded alike.
+    ``model`` with ``settings``, or without a model the one the index was built with, each setting left unset taken
+    from how it was built (``RuntimeSettings.as_built``), so queries and items are embedded alike.
 
     Raises:
         vlfit.inference.identity.RefusedModelError: when ``model`` embeds into another space than the index.
     """
+    settings = settings or RuntimeSettings()
     if model is None:
-        built = index.manifest.model
-        model = built["path"]
-        backend = built["backend"] if backend == "auto" else backend
-        precision = built.get("precision", "auto") if precision == "auto" else precision
-        max_seq_length = max_seq_length or built.get("max_seq_length")
-        max_num_patches = max_num_patches or built.get("max_num_patches")
-    runtime = ModelRuntime.open(model, backend, precision, num_threads=num_threads, max_seq_length=max_seq_length,
-                                max_num_patches=max_num_patches, allow_spinning=allow_spinning)  # fmt: skip
+        model, settings = index.manifest.model["path"], settings.as_built(index.manifest.model)
+    runtime = ModelRuntime.open(model, settings)
     runtime.encoder.check_embeds_into(index.manifest.identity, f"the index {index.path}")
     return runtime
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
 
 from vlfit.errors import ConfigError
 
@@ -44,3 +46,15 @@ class RuntimeSettings:
             raise ConfigError(f"--max_seq_length must be at least 1, got {self.max_seq_length}")
         if self.max_num_patches is not None and self.max_num_patches < 1:
             raise ConfigError(f"--max_num_patches must be at least 1, got {self.max_num_patches}")
+
+    def as_built(self, built: Mapping[str, Any]) -> RuntimeSettings:
+        """These settings with what was left unset (``auto``, ``None``) taken from how an index's items were embedded
+        (its manifest's ``model`` record: backend, precision, caption length, patch budget), so its queries are
+        embedded alike."""
+        return replace(
+            self,
+            backend=built["backend"] if self.backend == "auto" else self.backend,
+            precision=built.get("precision", "auto") if self.precision == "auto" else self.precision,
+            max_seq_length=self.max_seq_length or built.get("max_seq_length"),
+            max_num_patches=self.max_num_patches or built.get("max_num_patches"),
+        )

@@ -1,0 +1,127 @@
+"""The flags every model door shares, declared once: ``RuntimeArguments`` and ``runtime_arguments``.
+
+A door (``vlfit retrieve index`` and ``query``, ``vlfit serve``, ``vlfit export``, ``vlfit vqa``, ``vlfit classify``
+...) inherits the runtime flags it takes from ``runtime_arguments(NAMES...)`` and hands its model one value,
+``settings()`` (a ``vlfit.inference.runtime_settings.RuntimeSettings``), which travels whole to ``ModelRuntime``.
+A door never re-declares a runtime flag: a new setting is a field here and in ``RuntimeSettings``, and every door that
+lists its name gets it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from vlfit.inference.runtime_settings import RuntimeSettings
+
+
+def _flags() -> dict[str, tuple[Any, Any]]:
+    """Each runtime flag's type and field (the one declaration)."""
+    return {
+        "backend": (
+            Literal["auto", "torch", "onnxruntime", "openvino"],
+            field(
+                default="auto",
+                metadata={
+                    "help": "Which runtime embeds: auto (the model folder's own: PyTorch for a checkpoint, the "
+                    "exported format's runtime for an export; for an index's model, the runtime it was built "
+                    "with), torch, onnxruntime or openvino."
+                },
+            ),
+        ),  # fmt: skip
+        "precision": (
+            Literal["auto", "fp32", "int8"],
+            field(
+                default="auto",
+                metadata={
+                    "help": "Exported graphs: auto (INT8 when exported; for an index's model, the precision it "
+                    "was built with), fp32 or int8."
+                },
+            ),
+        ),  # fmt: skip
+        "num_threads": (
+            int | None,
+            field(
+                default=None,
+                metadata={
+                    "help": "Intra-op threads of the runtime (torch, ONNX Runtime, OpenVINO), "
+                    "for this model's calls only; unset: the runtime's own."
+                },
+            ),
+        ),  # fmt: skip
+        "max_seq_length": (
+            int | None,
+            field(
+                default=None,
+                metadata={
+                    "help": "Cut captions at this many tokens (default: the length the model was trained with, "
+                    "from its input_spec.json or export manifest; for an index's model, the length it was "
+                    "indexed with)."
+                },
+            ),
+        ),  # fmt: skip
+        "max_num_patches": (
+            int | None,
+            field(
+                default=None,
+                metadata={
+                    "help": "A NaFlex model's (SigLIP 2) most patches per image (default: the budget the model "
+                    "was trained with; for an index's model, the budget it was built with)."
+                },
+            ),
+        ),  # fmt: skip
+    }
+
+
+RUNTIME_FLAGS = tuple(_flags())
+
+
+@dataclass(kw_only=True)
+class RuntimeFlags:
+    """What every door's runtime flags share: ``settings()``, the one value its model runs with."""
+
+    def settings(self, **fixed: Any) -> RuntimeSettings:
+        """These flags as a ``RuntimeSettings``; ``fixed`` are settings the door decides itself (``backend="torch"``
+        for a door that reads checkpoints, ``allow_spinning=False`` for a server).
+
+        Raises:
+            ConfigError: for a value out of range, naming its flag.
+        """
+        given = {name: getattr(self, name) for name in RUNTIME_FLAGS if hasattr(self, name)}
+        return RuntimeSettings(**{**given, **fixed})
+
+
+@functools.cache
+def _runtime_arguments(names: tuple[str, ...], defaults: tuple[tuple[str, Any], ...]) -> type[RuntimeFlags]:
+    declared = _flags()
+    overrides = dict(defaults)
+    fields = []
+    for name in names:
+        kind, declaration = declared[name]
+        if name in overrides:
+            declaration = field(default=overrides[name], metadata=declaration.metadata)
+        fields.append((name, kind, declaration))
+    label = "".join(part.title() for name in names for part in name.split("_"))
+    cls = dataclasses.make_dataclass(f"RuntimeArguments{label}", fields, bases=(RuntimeFlags,), kw_only=True)
+    cls.__module__ = __name__
+    return cls
+
+
+def runtime_arguments(*names: str, **defaults: Any) -> type[RuntimeFlags]:
+    """The runtime flags a door takes, for its arguments dataclass to inherit: ``names`` of ``RUNTIME_FLAGS`` (all
+    of them when none are named), with the door's own ``defaults`` where they differ (``vlfit serve``:
+    ``num_threads=1``). The flags are keyword-only, so the door's required fields may follow.
+
+    Raises:
+        KeyError: for a name that is not a runtime flag (a programming error).
+    """
+    chosen = names or RUNTIME_FLAGS
+    unknown = (set(chosen) | set(defaults)) - set(RUNTIME_FLAGS)
+    if unknown or not set(defaults) <= set(chosen):
+        raise KeyError(f"not runtime flags of this door: {sorted(unknown or set(defaults) - set(chosen))}")
+    return _runtime_arguments(tuple(chosen), tuple(sorted(defaults.items())))
+
+
+RuntimeArguments = runtime_arguments()
