@@ -28,7 +28,14 @@ from tests.data.image_factory import (
     webp_bytes,
 )
 from vlfit.data import decode
-from vlfit.data.decode import DecodeError, apply_orientation, decode_pil, decode_scaled, jpeg_exif_orientation
+from vlfit.data.decode import (
+    DecodeError,
+    apply_orientation,
+    decode_pil,
+    decode_reduced,
+    decode_scaled,
+    jpeg_exif_orientation,
+)
 
 
 def libjpeg_turbo_scaled_shape(width: int, height: int, target: int) -> tuple[int, int]:
@@ -277,3 +284,17 @@ def test_bomb_limit_applies_to_every_path(monkeypatch: pytest.MonkeyPatch, make)
         decode_pil(data, sample_id="b1")
     monkeypatch.setattr(decode, "MAX_IMAGE_PIXELS", 64 * 64)
     assert decode_scaled(data, 16).shape[2] == 3
+
+
+def test_a_scaled_decode_says_where_the_image_lies_in_its_pixels() -> None:
+    """libjpeg rounds a scaled side up: 577 rows at 1/8 are 72.125 rows in 73. EXIF orientation 6 (a quarter turn
+    clockwise) makes them columns and puts the partial one first."""
+    upright = decode_reduced(jpeg_bytes(770, 577), 64, 64)
+    assert upright.pixels.shape == (73, 97, 3) and upright.box == (0, 0, 72.125, 96.25) and upright.reduced
+    turned = decode_reduced(exif_jpeg_bytes(770, 577, orientation=6), 64, 64)
+    assert turned.pixels.shape == (97, 73, 3) and turned.box == (0, 0.875, 96.25, 72.125)
+    flipped = decode_reduced(exif_jpeg_bytes(770, 577, orientation=3), 64, 64)
+    assert flipped.box == (0.875, 0.75, 72.125, 96.25)
+    whole = decode_reduced(jpeg_bytes(770, 577), 1000, 1000)  # no DCT scaling
+    assert whole.box == (0, 0, 577, 770) and not whole.reduced
+    assert not decode_reduced(png_rgb_bytes(770, 577), 64, 64).reduced

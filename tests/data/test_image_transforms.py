@@ -17,7 +17,7 @@ from tests.data.image_factory import (
     psnr,
     textured_array,
 )
-from vlfit.data.decode import DecodeError
+from vlfit.data.decode import DecodeError, decode_pil
 from vlfit.data.device_stage import normalize_uint8
 from vlfit.data.image_transforms import (
     EncodedImage,
@@ -251,3 +251,16 @@ def test_psnr_check_detects_a_wrong_image() -> None:
     reference = ReferenceImageTransform(128, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)(data)
     fast_normalized = normalize_uint8(fast.unsqueeze(0), MEAN, STD, torch.float32)[0]
     assert psnr(to_unit_range(fast_normalized), to_unit_range(reference)) < MIN_PSNR_DB
+
+
+@pytest.mark.parametrize("orientation", [1, 3, 6, 8])
+def test_a_scaled_decode_is_resampled_where_a_full_decode_lies(orientation: int) -> None:
+    """577 rows are 72 DCT blocks and one row: at 1/8, the last decoded row stands for 1 row of the image and 7 of
+    padding, and an EXIF turn or flip puts it first. The fast transform resamples the image, not the padding: its
+    pixels are those of the full decode resized (mean difference 7.3 when the padding was resampled too)."""
+    data = jpeg_bytes(770, 577, quality=90, subsampling=2, seed=1, orientation=orientation)
+    full = resize_crop_uint8(hwc_to_chw_view(np.array(decode_pil(data))), 64).float()
+    assert float((FastImageTransform(64)(data).float() - full).abs().mean()) < 1.0  # 0.51 measured
+    cmyk = cmyk_jpeg_bytes(770, 577)  # Pillow's draft: the same scaled decode
+    full = resize_crop_uint8(hwc_to_chw_view(np.array(decode_pil(cmyk))), 64).float()
+    assert float((FastImageTransform(64)(cmyk).float() - full).abs().mean()) < 1.0

@@ -159,3 +159,44 @@ def test_every_door_embeds_a_run_as_it_was_trained(preset, synthetic_dataset_dir
         longer = vlfit.load(run, max_seq_length=64)
     assert f"captions are cut at 64 tokens (--max_seq_length), not the {TRAINED_LENGTH}" in caplog.text
     assert float(_cosines(longer.encode_texts([LONG]), model.encode_texts([LONG]))[0]) < 0.99999  # a BERT: 0.99997
+
+
+def _camera_photos(folder: Path) -> list[Path]:
+    """770 x 577 photos as a camera writes them (JPEG, 4:2:0, noise), upright and turned by their EXIF orientation:
+    577 rows are 72 DCT blocks and one row, the size where a decode at 1/8 stands most for padding past the edge."""
+    rng = np.random.default_rng(0)
+    y, x = np.mgrid[0:577, 0:770].astype(np.float32)
+    base = np.stack([255 * x / 770, 255 * y / 577, 128 + 100 * np.sin(x / 17 + y / 23)], -1)
+    base[190:290, 150:385] = (250, 20, 20)
+    paths = []
+    for orientation in (1, 6, 8, 3):
+        pixels = np.clip(base + rng.normal(0, 20, base.shape), 0, 255).astype(np.uint8)
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        paths.append(folder / f"camera{orientation}.jpg")
+        Image.fromarray(pixels).save(paths[-1], quality=90, exif=exif.tobytes())
+    return paths
+
+
+@pytest.mark.parametrize("preset", ["siglip-tiny", "siglip2-tiny", "clip-tiny", "tiny"])
+def test_photos_embed_as_plain_transformers_processor_embeds_them(preset, tmp_path):
+    """``vlfit.load`` (a DCT-scaled decode, then one resize) against the model folder's own image processor
+    (``AutoImageProcessor``: a decode at full size, EXIF orientation applied), on the same camera photos."""
+    from transformers import AutoImageProcessor
+    from transformers.image_utils import load_image
+
+    import vlfit
+    from vlfit.models.family import image_inputs
+    from vlfit.models.loading import load_model
+
+    bundle = load_model(model_preset=preset, captions=lambda: TEXTS * 10)
+    bundle.save(str(tmp_path / "run"))
+    photos = _camera_photos(tmp_path)
+    processor = AutoImageProcessor.from_pretrained(tmp_path / "run")
+    inputs = processor(images=[load_image(str(path)) for path in photos], return_tensors="pt")
+    with torch.no_grad():
+        theirs = bundle.family.encode_image(bundle.model.eval(), **image_inputs(inputs))
+    ours = vlfit.load(str(tmp_path / "run")).encode_images(photos)
+    found = _cosines(ours, theirs)
+    print(preset, [round(float(cosine), 6) for cosine in found])
+    assert float(found.min()) >= 0.9995, found  # SigLIP: 0.992-0.998 from the pixels' whole extent

@@ -20,10 +20,12 @@ import torchvision.transforms as T
 import torchvision.transforms.v2.functional as F
 from torchvision.transforms import InterpolationMode
 
-from vlfit.data.decode import check_image_header, decode_pil, decode_scaled
+from vlfit.data.decode import check_image_header, decode_pil, decode_reduced
 
 # The antialiased bicubic kernel ``interpolate`` calls on CPU, in its form that writes into a given tensor.
 _RESIZE_INTO = torch.ops.aten._upsample_bicubic2d_aa.out
+# The antialiased kernels ``interpolate`` calls, in their form that takes the scale apart from the output size.
+_KERNELS = {"bicubic": torch.ops.aten._upsample_bicubic2d_aa, "bilinear": torch.ops.aten._upsample_bilinear2d_aa}
 
 
 def new_image_batch(count: int, size: int, *, shared: bool = False) -> torch.Tensor:
@@ -45,7 +47,7 @@ def new_image_batch(count: int, size: int, *, shared: bool = False) -> torch.Ten
     return hwc.permute(0, 3, 1, 2)
 
 
-def center_resize_geometry(height: int, width: int, size: int) -> tuple[int, int, int, int]:
+def center_resize_geometry(height: float, width: float, size: int) -> tuple[int, int, int, int]:
     """Where "resize the short side to ``size``, then cut the central ``size x size``" puts an image:
     ``(resized_height, resized_width, top, left)``, rounded as transformers' image processors round them (the long
     side ``int(size * long / short)``, as torchvision's ``Resize`` too; the offsets ``(side - size) // 2``), so that
@@ -57,11 +59,27 @@ def center_resize_geometry(height: int, width: int, size: int) -> tuple[int, int
     return resized_height, resized_width, (resized_height - size) // 2, (resized_width - size) // 2
 
 
+def resize_box(
+    image: torch.Tensor, height: int, width: int, box: tuple[float, float, float, float], mode: str = "bicubic"
+) -> torch.Tensor:
+    """The ``box`` (``(top, left, height, width)``, fractional: ``vlfit.data.decode.ScaledPixels.box``) of a uint8
+    CPU image ``[1, 3, H, W]`` resampled to ``height x width``, antialiased, each output pixel where a resize of the
+    image decoded at full size puts it. The kernel maps output pixels from the image's first row and column, so a
+    box that starts later is resampled flipped (its excess then last, where the kernel reads it only as the edge's
+    neighbour) and the result flipped back: a flip and the resize commute."""
+    top, left, box_height, box_width = box
+    flips = [dim for dim, start in ((2, top), (3, left)) if start]
+    flipped = image.flip(flips) if flips else image
+    resized = _KERNELS[mode](flipped, [height, width], False, height / box_height, width / box_width)
+    return resized.flip(flips) if flips else resized
+
+
 def resize_crop_uint8(
     image: torch.Tensor,
     size: int,
     crop_box: tuple[int, int, int, int] | None = None,
     out: torch.Tensor | None = None,
+    image_box: tuple[float, float, float, float] | None = None,
 ) -> torch.Tensor:
     """Resize the short side to ``size`` and cut the central square (bicubic, antialiased), staying uint8; or cut
     ``crop_box`` and resize it to ``size x size``.
@@ -78,6 +96,8 @@ def resize_crop_uint8(
         crop_box: ``(top, left, height, width)`` to cut and resize instead (random resized crop).
         out: A uint8 ``[3, size, size]`` tensor on ``image``'s device to write the result into (a row of
             ``new_image_batch``); default a new one.
+        image_box: Where the whole image lies in ``image`` (a DCT-scaled decode's ``ScaledPixels.box``, CPU only),
+            for the center path; default all of it.
 
     Returns:
         uint8 ``[3, size, size]``: ``out`` when given, else channels-last (an HWC buffer) when ``image`` is, else
@@ -85,10 +105,12 @@ def resize_crop_uint8(
     """
     height, width = image.shape[-2:]
     if crop_box is None:
-        resized_height, resized_width, cut_top, cut_left = center_resize_geometry(height, width, size)
+        extent = image_box[2:] if image_box is not None else (height, width)
+        resized_height, resized_width, cut_top, cut_left = center_resize_geometry(*extent, size)
         crop_box = (0, 0, height, width)
     else:
         resized_height, resized_width, cut_top, cut_left = size, size, 0, 0
+        image_box = None
     top, left, crop_height, crop_width = crop_box
     region = image[..., top : top + crop_height, left : left + crop_width].unsqueeze(0)
     # Decoders give HWC (channels-last) pixels. Kept channels-last and made dense, the crop takes torch's
@@ -101,7 +123,9 @@ def resize_crop_uint8(
         # not its size as ambiguous and allocates a contiguous output (pytorch#68430). Restating it is free.
         region = region.as_strided(region.shape, (region.numel(), *region.stride()[1:]))
     square = (resized_height, resized_width) == (size, size)
-    if (crop_height, crop_width) == (resized_height, resized_width):  # prepared data is at the model's size already
+    if image_box is not None:
+        resized = resize_box(region, resized_height, resized_width, image_box)[0]
+    elif (crop_height, crop_width) == (resized_height, resized_width):  # prepared data is at the model's size already
         resized = region[0]
     elif region.device.type == "cpu":
         # torch's native uint8 kernel, which torchvision's resize also calls on CPU (its checks cost 0.05 ms an image).
@@ -191,11 +215,12 @@ class FastImageTransform:
 
     def __call__(self, data: bytes, sample_id: str = "?", out: torch.Tensor | None = None) -> torch.Tensor:
         """The image's pixels; written into ``out`` (a row of ``new_batch``) when given."""
-        image = hwc_to_chw_view(decode_scaled(data, self.image_size, sample_id))
-        box = None
+        decoded = decode_reduced(data, self.image_size, self.image_size, sample_id)
+        image = hwc_to_chw_view(decoded.pixels)
         if self.random_resized_crop:
             box = tuple(T.RandomResizedCrop.get_params(image, list(self.scale), list(self.ratio)))
-        return resize_crop_uint8(image, self.image_size, box, out=out)  # type: ignore[arg-type]
+            return resize_crop_uint8(image, self.image_size, box, out=out)  # type: ignore[arg-type]
+        return resize_crop_uint8(image, self.image_size, out=out, image_box=decoded.box if decoded.reduced else None)
 
     def new_batch(self, count: int, *, shared: bool = False) -> torch.Tensor:
         """A batch for ``count`` images of this transform to be written into (see ``new_image_batch``)."""

@@ -28,24 +28,20 @@ from functools import lru_cache
 from typing import Any
 
 import numpy as np
-import simplejpeg
 import torch
 from PIL import Image
 
 from vlfit.data.decode import (
     MAX_IMAGE_PIXELS,
-    DecodeError,
-    apply_orientation,
+    SWAPPING_ORIENTATIONS,
     check_image_header,
-    decode_pil,
+    decode_reduced,
     is_jpeg,
     jpeg_exif_orientation,
 )
-from vlfit.data.image_transforms import hwc_to_chw_view
+from vlfit.data.image_transforms import hwc_to_chw_view, resize_box
 from vlfit.errors import DataError
 
-# EXIF orientations that swap width and height (a transpose or a quarter turn).
-_SWAPPING_ORIENTATIONS = (5, 6, 7, 8)
 PATCH_INPUTS = ("pixel_values", "pixel_attention_mask", "spatial_shapes")
 # The DCT-scaled decode covers this many times the grid's sides, so the one resize after it still averages over at
 # least two decoded pixels per output pixel. Covering the grid alone (a last resize of 1.0-1.9x after a 1/8 decode)
@@ -96,41 +92,15 @@ def image_header(data: bytes, sample_id: str = "?") -> tuple[int, int, int]:
         except Exception:  # a broken EXIF block: shown unrotated, as ImageOps.exif_transpose leaves it
             orientation = 1
         orientation = orientation if 1 <= orientation <= 8 else 1
-    if orientation in _SWAPPING_ORIENTATIONS:
+    if orientation in SWAPPING_ORIENTATIONS:
         height, width = width, height
     return height, width, orientation
 
 
 def decode_covering(data: bytes, height: int, width: int, sample_id: str = "?") -> np.ndarray:
-    """RGB HWC uint8 pixels of an image, oriented, decoded at the smallest DCT scale whose sides still cover
-    ``height x width`` (the sizes as shown): JPEGs through libjpeg-turbo, those it cannot convert to RGB (CMYK,
-    YCCK) through Pillow's ``draft``, other formats at full size."""
-    stored_height, stored_width, orientation = height, width, 1
-    if is_jpeg(data):
-        orientation = jpeg_exif_orientation(data)
-        if orientation in _SWAPPING_ORIENTATIONS:
-            stored_height, stored_width = width, height
-        try:
-            full_height, full_width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
-        except Exception as err:
-            raise DecodeError.for_sample(sample_id, f"corrupt JPEG header ({err})") from err
-        if colorspace not in ("CMYK", "YCCK"):
-            # The power-of-two scales only, as Pillow's draft: libjpeg-turbo has SIMD inverse DCTs for 1/2 and 1/4
-            # (1/8 is the DC term alone), its 3/8, 5/8 ... run in plain C. On 1.1-megapixel photos at twice a
-            # 256-patch grid: 2.5-3.0 ms an image, against 2.9-3.1 ms at the smallest of all its scales.
-            for scale in (8, 4, 2, 1):
-                scaled_height, scaled_width = -(-full_height // scale), -(-full_width // scale)
-                if scaled_height >= stored_height and scaled_width >= stored_width:
-                    break
-            try:
-                pixels = simplejpeg.decode_jpeg(
-                    data, colorspace="RGB", min_height=scaled_height, min_width=scaled_width
-                )
-            except Exception as err:
-                raise DecodeError.for_sample(sample_id, f"cannot decode JPEG ({err})") from err
-            return apply_orientation(pixels, orientation)
-    # np.array copies: Pillow's buffer is read-only, and torch warns on non-writable arrays.
-    return np.array(decode_pil(data, sample_id, draft_size=(stored_width, stored_height)))
+    """RGB HWC uint8 pixels of an image, oriented, decoded at the smallest power-of-two DCT scale whose sides still
+    cover ``height x width`` (the sizes as shown; ``vlfit.data.decode.decode_reduced``)."""
+    return decode_reduced(data, height, width, sample_id, powers_of_two=True).pixels
 
 
 def patchify(image: torch.Tensor, patch_size: int) -> torch.Tensor:
@@ -143,14 +113,19 @@ def patchify(image: torch.Tensor, patch_size: int) -> torch.Tensor:
     return patches.reshape(rows * columns, patch_size * patch_size * 3)
 
 
-def resize_uint8_bilinear(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
+def resize_uint8_bilinear(
+    image: torch.Tensor, height: int, width: int, box: tuple[float, float, float, float] | None = None
+) -> torch.Tensor:
     """uint8 ``[3, H, W]`` resized to ``height x width``, bilinear and antialiased on uint8 (the native kernel
-    torchvision's ``resize`` calls on the CPU, so the processor's resize of the same pixels is the same)."""
-    if tuple(image.shape[-2:]) == (height, width):
+    torchvision's ``resize`` calls on the CPU, so the processor's resize of the same pixels is the same); of
+    ``box`` (``ScaledPixels.box``, see ``resize_box``) when given."""
+    if box is None and tuple(image.shape[-2:]) == (height, width):
         return image
     batched = image.unsqueeze(0)
     if batched.is_contiguous(memory_format=torch.channels_last):  # pytorch#68430, as image_transforms says
         batched = batched.as_strided(batched.shape, (batched.numel(), *batched.stride()[1:]))
+    if box is not None:
+        return resize_box(batched, height, width, box, mode="bilinear")[0]
     return torch.nn.functional.interpolate(batched, size=(height, width), mode="bilinear", antialias=True)[0]
 
 
@@ -179,14 +154,20 @@ class NaflexTransform:
         height, width, _ = image_header(data, sample_id)
         grid = self.grid(height, width)
         cover = (math.ceil(side * DECODE_MARGIN) for side in grid)
-        return self.from_pixels(decode_covering(data, *cover, sample_id), grid)
+        decoded = decode_reduced(data, *cover, sample_id, powers_of_two=True)
+        return self.from_pixels(decoded.pixels, grid, decoded.box if decoded.reduced else None)
 
-    def from_pixels(self, pixels: np.ndarray, grid: tuple[int, int] | None = None) -> PatchImage:
+    def from_pixels(
+        self,
+        pixels: np.ndarray,
+        grid: tuple[int, int] | None = None,
+        box: tuple[float, float, float, float] | None = None,
+    ) -> PatchImage:
         """The patches of RGB HWC uint8 pixels, resized to ``grid`` (``(height, width)`` in pixels; default the grid
-        of the pixels' own size). A DCT-scaled decode passes the grid of the full size: the scaled sides are
-        rounded up, so their own grid could differ."""
+        of the pixels' own size). A DCT-scaled decode passes the grid of the full size (the scaled sides are rounded
+        up, so their own grid could differ) and its ``box``."""
         grid_height, grid_width = grid or self.grid(*pixels.shape[:2])
-        resized = resize_uint8_bilinear(hwc_to_chw_view(pixels), grid_height, grid_width)
+        resized = resize_uint8_bilinear(hwc_to_chw_view(pixels), grid_height, grid_width, box)
         patch = self.patch_size
         return PatchImage(patchify(resized, patch).contiguous(), grid_height // patch, grid_width // patch)
 
