@@ -221,6 +221,14 @@ class Target(ABC):
 
     def __init__(self, uri: TargetURI) -> None:
         self.uri = uri
+        self._client: Any = None
+
+    def connected(self, connect: Callable[[], Any], doing: str = "opening the database") -> Any:
+        """The client of this target: ``connect()``'s, made on first use (its errors as ``failing``'s) and kept."""
+        if self._client is None:
+            with self.failing(doing):
+                self._client = connect()
+        return self._client
 
     @contextmanager
     def failing(self, doing: str) -> Iterator[None]:
@@ -279,6 +287,22 @@ class Target(ABC):
         """How many items the collection holds."""
 
 
+class HeldCollectionTarget(Target):
+    """A target whose client hands out an object for the collection (Chroma's collection, LanceDB's table):
+    ``record`` and ``create`` keep it in ``_collection``."""
+
+    def __init__(self, uri: TargetURI) -> None:
+        super().__init__(uri)
+        self._collection: Any = None
+
+    @property
+    def collection(self) -> Any:
+        """The client's object for the collection, read by ``record`` when not yet kept."""
+        if self._collection is None and self.record() is None:
+            raise self.refuse_shape("is missing")  # every caller reads the record first
+        return self._collection
+
+
 def open_target(text: str, flag: str = "--to") -> Target:
     """The ``Target`` that ``text`` names, its client library checked first.
 
@@ -295,6 +319,7 @@ def open_target(text: str, flag: str = "--to") -> Target:
 __all__ = [
     "CollectionRecord",
     "Found",
+    "HeldCollectionTarget",
     "Items",
     "Target",
     "TargetError",

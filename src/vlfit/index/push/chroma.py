@@ -18,35 +18,28 @@ import chromadb
 import numpy as np
 from chromadb.errors import ChromaError, NotFoundError
 
-from vlfit.index.push.base import CollectionRecord, Found, Items, Target
+from vlfit.index.push.base import CollectionRecord, Found, HeldCollectionTarget, Items
 
 METADATA_KEY = "vlfit"
 EF_SEARCH = 256
 PAGE = 5000
 
 
-class ChromaTarget(Target):
+class ChromaTarget(HeldCollectionTarget):
     """A Chroma collection (see the module)."""
 
     ERRORS = (ChromaError, ValueError, RuntimeError, OSError)
     BATCH_SIZE = 5000  # below the largest batch a local Chroma takes (5461)
 
-    def __init__(self, uri: Any) -> None:
-        super().__init__(uri)
-        self._client: Any = None
-        self._collection: Any = None
-
     @property
     def client(self) -> Any:
-        if self._client is None:
-            with self.failing("opening the database"):
-                if self.uri.remote:
-                    url = urlsplit(self.uri.location)
-                    self._client = chromadb.HttpClient(host=url.hostname or "localhost", port=url.port or 8000,
-                                                       ssl=url.scheme == "https")  # fmt: skip
-                else:
-                    self._client = chromadb.PersistentClient(path=self.uri.location)
-        return self._client
+        return self.connected(self._connect)
+
+    def _connect(self) -> Any:
+        if not self.uri.remote:
+            return chromadb.PersistentClient(path=self.uri.location)
+        url = urlsplit(self.uri.location)
+        return chromadb.HttpClient(host=url.hostname or "localhost", port=url.port or 8000, ssl=url.scheme == "https")
 
     def record(self) -> CollectionRecord | None:
         try:
@@ -69,12 +62,6 @@ class ChromaTarget(Target):
             configuration={"hnsw": {"space": "cosine", "ef_search": EF_SEARCH}},
             embedding_function=None,
         )
-
-    @property
-    def collection(self) -> Any:
-        if self._collection is None and self.record() is None:
-            raise self.refuse_shape("is missing")
-        return self._collection
 
     def ids(self) -> set[str]:
         found: set[str] = set()
