@@ -1,13 +1,16 @@
 """PostgreSQL with pgvector (``postgresql://USER[:PASSWORD]@HOST[:PORT]/DB[#table]``, ``postgres://`` too; libpq's
 environment variables, ``PGPASSWORD`` and the rest, apply), through psycopg 3.
 
-The push runs ``CREATE EXTENSION IF NOT EXISTS vector`` and makes a table with the columns ``id`` (text, the primary
-key), ``embedding`` (``vector(D)``), ``row``, ``captions`` (jsonb: a list, or null), ``path`` and ``model``, and the
-``CollectionRecord`` as the table's comment; once the items are written, an HNSW index over the embeddings by cosine
-distance (``vector_cosine_ops``). New items are written with ``COPY`` (PostgreSQL's bulk load); items that may be
-there already with ``INSERT ... ON CONFLICT (id) DO UPDATE`` in one pipelined batch. A search orders by
-``embedding <=> query`` (cosine distance; the score is 1 - distance) through the HNSW index, with ``hnsw.ef_search``
-at least the k asked for; ``exact`` turns index scans off for its transaction, so every row is compared.
+The push that creates the table runs ``CREATE EXTENSION IF NOT EXISTS vector`` and makes a table with the columns
+``id`` (text, the primary key), ``embedding`` (``vector(D)``), ``row``, ``captions`` (jsonb: a list, or null),
+``path`` and ``model``, and the ``CollectionRecord`` as the table's comment; once the items are written, an HNSW index
+over the embeddings by cosine distance (``vector_cosine_ops``). New items are written with ``COPY`` (PostgreSQL's
+bulk load); items that may be there already with ``INSERT ... ON CONFLICT (id) DO UPDATE`` in one pipelined batch.
+A search only reads (a role that may only read, a replica): in a database without the extension there is no table
+of a push to search. It orders by ``embedding <=> query`` (cosine distance; the score is 1 - distance) through the
+HNSW index, with ``hnsw.ef_search`` at least the k asked for; an HNSW scan returns no more rows than that, whose
+largest value is 1,000, so a search for more hits, like ``exact``, scans the table (index scans off for its
+transaction), comparing every row.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from psycopg.types.json import Jsonb
 from vlfit.index.push.base import CollectionRecord, Found, Items, Target
 
 COLUMNS = ("id", "embedding", "row", "captions", "path", "model")
+# pgvector's largest hnsw.ef_search, and so the most rows an HNSW index scan returns.
+EF_SEARCH_MAX = 1000
 
 
 class PgvectorTarget(Target):
@@ -33,18 +38,17 @@ class PgvectorTarget(Target):
 
     def __init__(self, uri: Any) -> None:
         super().__init__(uri)
-        self._connection: psycopg.Connection | None = None
         self.table = sql.Identifier(uri.collection)
 
     @property
     def connection(self) -> psycopg.Connection:
-        if self._connection is None:
-            with self.failing("connecting"):
-                connection = psycopg.connect(self.uri.location, autocommit=True, connect_timeout=10)
-                connection.execute("CREATE EXTENSION IF NOT EXISTS vector")
-                register_vector(connection)
-            self._connection = connection
-        return self._connection
+        return self.connected(self._connect, "connecting")
+
+    def _connect(self) -> psycopg.Connection:
+        connection = psycopg.connect(self.uri.location, autocommit=True, connect_timeout=10)
+        if connection.execute("SELECT 1 FROM pg_extension WHERE extname = 'vector'").fetchone():
+            register_vector(connection)  # else no table of a push is there: only ``create`` makes the extension
+        return connection
 
     def record(self) -> CollectionRecord | None:
         name = self.uri.collection
@@ -69,6 +73,8 @@ class PgvectorTarget(Target):
 
     def create(self, record: CollectionRecord) -> None:
         size = record.identity.embedding_size
+        self.connection.execute("CREATE EXTENSION IF NOT EXISTS vector")
+        register_vector(self.connection)
         with self.connection.transaction():
             self.connection.execute(
                 sql.SQL(
@@ -127,10 +133,11 @@ class PgvectorTarget(Target):
         ).format(self.table)
         results = []
         with self.connection.transaction(), self.connection.cursor() as cursor:
-            if exact:
+            if exact or k > EF_SEARCH_MAX:  # every row compared: a scan of the table, whatever the planner prefers
                 cursor.execute("SET LOCAL enable_indexscan = off")
+                cursor.execute("SET LOCAL enable_seqscan = on")
             else:
-                cursor.execute(sql.SQL("SET LOCAL hnsw.ef_search = {}").format(sql.Literal(max(40, min(k, 1000)))))
+                cursor.execute(sql.SQL("SET LOCAL hnsw.ef_search = {}").format(sql.Literal(max(40, k))))
             for vector in queries:
                 rows = cursor.execute(query, (vector, vector, k)).fetchall()
                 results.append([Found(item, float(score), int(row), captions) for item, score, row, captions in rows])
