@@ -24,7 +24,7 @@ import pytest
 from tests.inference.tiny_models import write_image_folder
 from vlfit.atomic_files import write_text_atomically
 from vlfit.cli import main
-from vlfit.errors import format_bytes
+from vlfit.errors import error_chain, failed_write_error, format_bytes
 from vlfit.index.store import EmbeddingIndex
 from vlfit.inference.exported import graph_name
 
@@ -106,6 +106,19 @@ def test_an_atomic_write_that_fills_the_disk_names_its_file_and_leaves_the_old_o
     assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(target)
     monkeypatch.undo()
     assert target.read_text() == "old\n" and not _temporary_files(tmp_path)
+
+
+def test_a_full_disk_hidden_by_raise_from_none_is_still_one_line_and_a_stream_stops_the_chain_there(tmp_path):
+    try:
+        try:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError:
+            raise RuntimeError("serialization failed") from None
+    except RuntimeError as caught:
+        error = caught
+    assert [type(link) for link in error_chain(error)] == [RuntimeError, OSError]
+    assert [type(link) for link in error_chain(error, follow_suppressed=False)] == [RuntimeError]
+    assert "no space left on the device of" in str(failed_write_error(error, str(tmp_path)))
 
 
 @pytest.fixture(scope="module")

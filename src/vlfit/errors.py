@@ -155,14 +155,21 @@ def disk_full_error(
     return DiskFullError(f"no space left on the device of {folder}{written} ({free}{need}){extra}: {remedy}")
 
 
-def _chain(error: BaseException) -> Iterator[BaseException]:
-    """``error``, then what it was raised from or during (``__cause__``, else ``__context__``), to the first."""
+def error_chain(error: BaseException, *, follow_suppressed: bool = True) -> Iterator[BaseException]:
+    """``error``, then what it was raised from or during (``__cause__``, else ``__context__``), to the first.
+
+    Args:
+        error: Where the chain starts.
+        follow_suppressed: Also follow a ``__context__`` that ``raise ... from None`` hid (a write failure
+            re-raised as another error is still one); ``False`` stops there.
+    """
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         yield current
-        current = current.__cause__ or current.__context__
+        hidden = current.__suppress_context__ and not follow_suppressed
+        current = current.__cause__ or (None if hidden else current.__context__)
 
 
 def _free_bytes(folder: str) -> int | None:
@@ -197,7 +204,7 @@ def failed_write_error(
     """
     if isinstance(error, UserError):
         return None
-    chain = list(_chain(error))
+    chain = list(error_chain(error))
     for link in chain:
         if isinstance(link, OSError) and link.errno in NO_SPACE_ERRNOS:
             return disk_full_error(link, folder, needed=needed, note=note, remedy=remedy)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import datasets
 import pyarrow.parquet as pq
@@ -70,16 +69,15 @@ def test_parquet_rows_stream_as_the_map_style_split_reads_them_and_resume_at_a_r
 def test_dataset_files_are_resolved_per_split_and_an_arrow_folder_is_refused(
     parquet_folder: Path, synthetic_dataset_dir: str
 ) -> None:
-    args = SimpleNamespace(dataset_name=str(parquet_folder), dataset_config_name=None, dataset_revision=None,
-                           data_dir=None)  # fmt: skip
-    assert [Path(f).name for f in dataset_split_files(**vars(args))] == [
+    location = {"dataset_name": str(parquet_folder), "dataset_config_name": None, "dataset_revision": None}
+    assert [Path(f).name for f in dataset_split_files(location)] == [
         "train-00000-of-00002.parquet",
         "train-00001-of-00002.parquet",
     ]
     with pytest.raises(ConfigError, match=r"no data files of split 'test' \(its splits: train, validation\)"):
-        dataset_split_files(**vars(args), split="test")
+        dataset_split_files(location, "test")
     with pytest.raises(ConfigError, match="a save_to_disk folder .* is not streamed"):
-        dataset_split_files(**{**vars(args), "dataset_name": synthetic_dataset_dir})
+        dataset_split_files({**location, "dataset_name": synthetic_dataset_dir})
 
 
 @pytest.mark.slow

@@ -49,7 +49,7 @@ from vlfit.data.stream.parquet_rows import is_parquet, parquet_rows
 from vlfit.data.stream.tar_members import NotAShardError, TarMembers
 from vlfit.data.stream.urls import is_http, protocol
 from vlfit.data.webdataset import WebDatasetLayout, split_member_name
-from vlfit.errors import ConfigError, DataError, UserError, first_line
+from vlfit.errors import ConfigError, DataError, UserError, error_chain, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -128,13 +128,9 @@ _WHOLE_FILE_HOSTS: set[str] = set()
 
 
 def _chain(error: BaseException) -> Iterator[BaseException]:
-    """``error`` and each error that caused it (fsspec hides HTTP statuses and connection errors as causes)."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        yield current
-        current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
+    """``error`` and each error that caused it (fsspec hides HTTP statuses and connection errors as causes), up to
+    a ``raise ... from None``."""
+    return error_chain(error, follow_suppressed=False)
 
 
 def http_status(error: BaseException) -> int | None:

@@ -87,14 +87,7 @@ def open_train_stream(
     elif dataset_name:
         if settings.weights is not None:
             raise ConfigError("--train_data_weights weights the '::' sources of --train_file; a dataset is one source")
-        files = dataset_split_files(
-            dataset_name,
-            dataset_config_name=location.get("dataset_config_name"),
-            dataset_revision=location.get("dataset_revision"),
-            data_dir=location.get("data_dir"),
-            token=token,
-            cache_dir=cache_dir,
-        )
+        files = dataset_split_files(location, token=token, cache_dir=cache_dir)
         sources = [StreamSource(tuple(files), 1.0, dataset_name)]
         flag = "--dataset_name"
     else:
@@ -132,24 +125,18 @@ def open_train_stream(
 
 
 def dataset_split_files(
-    dataset_name: str,
-    split: str = "train",
-    *,
-    dataset_config_name: str | None = None,
-    dataset_revision: str | None = None,
-    data_dir: str | None = None,
-    token: str | None = None,
-    cache_dir: str | None = None,
+    location: Mapping[str, Any], split: str = "train", *, token: str | None = None, cache_dir: str | None = None
 ) -> list[str]:
-    """The data files of a split of ``--dataset_name``, as ``datasets.load_dataset_builder`` resolves them (a hub
-    id: ``hf://`` URLs at ``--dataset_revision``; a local folder: its files by split name).
+    """The data files of a split of the location's ``--dataset_name`` (at its ``--dataset_config_name``,
+    ``--dataset_revision`` and ``--data_dir``), as ``datasets.load_dataset_builder`` resolves them (a hub id:
+    ``hf://`` URLs at the revision; a local folder: its files by split name).
 
     Raises:
         ConfigError: when the dataset cannot be resolved or has no files for ``split`` (naming its splits).
     """
     import datasets
 
-    name = dataset_name
+    name = location["dataset_name"]
     if os.path.isdir(name) and any(os.path.isfile(os.path.join(name, f)) for f in ("dataset_dict.json", "state.json")):
         raise ConfigError(
             f"--dataset_name {name}: a save_to_disk folder (Arrow files) is not streamed; train on it map-style "
@@ -158,9 +145,9 @@ def dataset_split_files(
     try:
         builder = datasets.load_dataset_builder(
             name,
-            dataset_config_name,
-            revision=dataset_revision,
-            data_dir=data_dir,
+            location.get("dataset_config_name"),
+            revision=location.get("dataset_revision"),
+            data_dir=location.get("data_dir"),
             token=token,
             cache_dir=cache_dir,
         )
@@ -249,13 +236,5 @@ def streamed_eval_files(
         )
     if location.get(f"{split}_file"):
         return {}
-    files = dataset_split_files(
-        location["dataset_name"],
-        split,
-        dataset_config_name=location.get("dataset_config_name"),
-        dataset_revision=location.get("dataset_revision"),
-        data_dir=location.get("data_dir"),
-        token=token,
-        cache_dir=cache_dir,
-    )
+    files = dataset_split_files(location, split, token=token, cache_dir=cache_dir)
     return {f"{split}_file": ("::" if any("://" in f for f in files) else ",").join(files)}
