@@ -16,14 +16,12 @@ with a saved weight re-ranks by ``itm+itc`` unless told otherwise, one without b
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
-from vlfit.atomic_files import write_file_atomically
 from vlfit.errors import ConfigError, ModelLoadError
+from vlfit.models.folder_record import read_folder_record, save_folder_record
 
 RERANK_FILE = "rerank.json"
 FORMAT_VERSION = 1
@@ -113,16 +111,17 @@ def read_rerank_file(folder: str | None) -> dict[str, Any] | None:
         ModelLoadError: naming the file, for a record that is not JSON, of a newer format, or whose weight is not a
             finite number >= 0.
     """
-    if folder is None or not os.path.isfile(path := os.path.join(folder, RERANK_FILE)):
+    found = read_folder_record(
+        folder,
+        RERANK_FILE,
+        format_version=FORMAT_VERSION,
+        what="the saved re-ranking weight",
+        remedy=f"delete the file, or {SAVE_ADVICE}",
+        newer="a re-ranking record of an unknown format; upgrade vlfit to read it",
+    )
+    if found is None:
         return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            record = json.load(f)
-    except (OSError, ValueError) as error:
-        raise ModelLoadError(f"{path}: cannot read the saved re-ranking weight ({error}); delete the file, or "
-                             f"{SAVE_ADVICE}") from error  # fmt: skip
-    if not isinstance(record, dict) or record.get("format_version", 0) > FORMAT_VERSION:
-        raise ModelLoadError(f"{path}: a re-ranking record of an unknown format; upgrade vlfit to read it")
+    path, record = found
     try:
         check_rerank_weight(record.get("rerank_weight"), "rerank_weight")
     except ConfigError as error:
@@ -141,10 +140,7 @@ def saved_rerank_weight(folder: str | None) -> float | None:
 def save_rerank_file(folder: str, record: dict[str, Any]) -> str:
     """Write ``record`` (``rerank_weight`` and how it was found) into a model folder as ``rerank.json``; its path."""
     check_rerank_weight(record.get("rerank_weight"), "rerank_weight")
-    path = os.path.join(folder, RERANK_FILE)
-    text = json.dumps({"format_version": FORMAT_VERSION, **record}, indent=2) + "\n"
-    write_file_atomically(path, lambda f: f.write(text.encode()))
-    return path
+    return save_folder_record(folder, RERANK_FILE, {"format_version": FORMAT_VERSION, **record})
 
 
 __all__ = [

@@ -17,14 +17,13 @@ refused rather than guessed between.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Any
 
-from vlfit.atomic_files import write_file_atomically
 from vlfit.errors import ModelLoadError
 from vlfit.models.family import InputSpec
+from vlfit.models.folder_record import read_folder_record, save_folder_record
 
 INPUT_SPEC_FILE = "input_spec.json"
 FORMAT_VERSION = 1
@@ -59,8 +58,7 @@ def input_settings(inputs: InputSpec) -> dict[str, Any]:
 
 def save_input_settings(inputs: InputSpec, folder: str) -> None:
     """Write ``input_spec.json`` into a model folder."""
-    text = json.dumps(input_settings(inputs), indent=2) + "\n"
-    write_file_atomically(os.path.join(folder, INPUT_SPEC_FILE), lambda f: f.write(text.encode()))
+    save_folder_record(folder, INPUT_SPEC_FILE, input_settings(inputs))
 
 
 def read_input_settings(folder: str | None) -> dict[str, Any] | None:
@@ -70,16 +68,17 @@ def read_input_settings(folder: str | None) -> dict[str, Any] | None:
         ModelLoadError: naming the file, for a record that is not JSON, of a newer format, or without a positive
             ``max_seq_length``.
     """
-    if folder is None or not os.path.isfile(path := os.path.join(folder, INPUT_SPEC_FILE)):
+    found = read_folder_record(
+        folder,
+        INPUT_SPEC_FILE,
+        format_version=FORMAT_VERSION,
+        what="the run's input settings",
+        remedy="delete the file to load the model at the default caption length, or save the model again",
+        newer="input settings of an unknown format; upgrade vlfit to load this model",
+    )
+    if found is None:
         return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            record = json.load(f)
-    except (OSError, ValueError) as error:
-        raise ModelLoadError(f"{path}: cannot read the run's input settings ({error}); delete the file to load the "
-                             "model at the default caption length, or save the model again") from error  # fmt: skip
-    if not isinstance(record, dict) or record.get("format_version", 0) > FORMAT_VERSION:
-        raise ModelLoadError(f"{path}: input settings of an unknown format; upgrade vlfit to load this model")
+    path, record = found
     length = record.get("max_seq_length")
     if not isinstance(length, int) or isinstance(length, bool) or length < 1:
         raise ModelLoadError(f"{path}: max_seq_length must be a positive integer, got {length!r}")
