@@ -34,7 +34,7 @@ import torch
 
 from vlfit.atomic_files import write_text_atomically
 from vlfit.data.image_groups import group_images
-from vlfit.errors import ConfigError, WriteFailedError, failed_write_error
+from vlfit.errors import ConfigError
 from vlfit.inference.backends import Encoder, OnnxRuntimeEncoder, OpenVinoEncoder, TorchEncoder
 from vlfit.inference.export_samples import Samples
 from vlfit.inference.exported import FORMATS, MANIFEST_NAME, TOWERS, ExportFolder, ExportParityError, graph_name
@@ -47,6 +47,7 @@ from vlfit.inference.quantize import (
     quantize_openvino,
 )
 from vlfit.inference.recall import pooled_recall_at_k
+from vlfit.inference.staging import fp32_bytes, staged_export
 from vlfit.inference.towers import EMBEDDING_OUTPUT, IMAGE_INPUT, PATCH_INPUTS, TEXT_INPUTS
 from vlfit.models.input_spec_file import input_settings
 
@@ -271,11 +272,9 @@ def export_model(
     exported_at = time.time()
     manifest = _draft_manifest(loaded, settings, loaded.model_path)
     manifest["source"]["exported_at"] = exported_at
-    os.makedirs(output_dir, exist_ok=True)
-    staging = os.path.join(output_dir, ".export-staging")
-    shutil.rmtree(staging, ignore_errors=True)
-    os.makedirs(staging)
-    try:
+    graphs = fp32_bytes(loaded.model) * (2 if settings.format == "openvino" else 1)  # OpenVINO stages ONNX too
+    expected = graphs + (graphs // 4 if settings.quantize else 0)
+    with staged_export(output_dir, MANIFEST_NAME, expected_bytes=expected) as staging:
         started = time.perf_counter()
         onnx_dir = os.path.join(staging, "onnx") if settings.format == "openvino" else staging
         os.makedirs(onnx_dir, exist_ok=True)
@@ -334,40 +333,7 @@ def export_model(
         if settings.format == "openvino":
             shutil.rmtree(onnx_dir)
         write_text_atomically(os.path.join(staging, MANIFEST_NAME), json.dumps(manifest, indent=1) + "\n")
-    except Exception as error:  # while staging: the output folder is as it was
-        failure = failed_export_write(error, output_dir, staging, loaded, settings)
-        if failure is None:
-            raise
-        raise failure from error
-    else:
-        _move_into(staging, output_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return manifest
-
-
-def failed_export_write(
-    error: BaseException, output_dir: str, staging: str, loaded: TorchEncoder, settings: ExportSettings
-) -> WriteFailedError | None:
-    """``error``, raised while the export was staged, as one line when it is a write that failed
-    (``vlfit.errors.failed_write_error``: the disk full, or torch's writer failing without an errno); None for any
-    other error. The line names the output folder, its free space, about what the staged graphs take (the model's
-    fp32 weights, twice for OpenVINO, which stages the ONNX graphs too, a quarter more with INT8; or what was staged
-    before the write failed, when more) and that nothing in the folder was replaced."""
-    weights = sum(parameter.numel() for parameter in loaded.model.parameters()) * 4
-    graphs = weights * (2 if settings.format == "openvino" else 1) + (weights // 4 if settings.quantize else 0)
-    staged = sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(staging) for name in names)
-    note = (
-        f"nothing in {output_dir} was replaced (the export is staged in {os.path.basename(staging)} and moved in "
-        "once complete)"
-    )
-    return failed_write_error(
-        error,
-        output_dir,
-        needed=max(graphs, staged),
-        note=note,
-        remedy="free space there or export elsewhere (--output_dir)",
-    )
 
 
 def _export_matching_graph(
@@ -447,17 +413,3 @@ def _quantize(
     for tower in TOWERS:
         manifest["graphs"][tower]["int8"] = names[tower]
     manifest["quantization"] = methods
-
-
-def _move_into(staging: str, output_dir: str) -> None:
-    """Move the staged files into ``output_dir``, the manifest last (a reader never sees a manifest whose graphs
-    are not all there)."""
-    names = [name for name in os.listdir(staging) if name != MANIFEST_NAME]
-    stale = os.path.join(output_dir, MANIFEST_NAME)
-    if os.path.exists(stale):
-        os.remove(stale)
-    for name in [*names, MANIFEST_NAME]:
-        target = os.path.join(output_dir, name)
-        if os.path.isdir(target):
-            shutil.rmtree(target)
-        os.replace(os.path.join(staging, name), target)

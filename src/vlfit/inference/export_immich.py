@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import time
 import warnings
 from typing import Any
@@ -43,10 +42,11 @@ from torch import nn
 from vlfit.atomic_files import write_text_atomically
 from vlfit.errors import ConfigError
 from vlfit.inference.backends import TorchEncoder
-from vlfit.inference.export import ExportSettings, check_output_dir, cosine_figures, failed_export_write
+from vlfit.inference.export import check_output_dir, cosine_figures
 from vlfit.inference.export_samples import Samples
 from vlfit.inference.exported import ExportParityError
 from vlfit.inference.identity import library_versions
+from vlfit.inference.staging import fp32_bytes, staged_export
 from vlfit.models.input_spec_file import input_settings
 
 logger = logging.getLogger(__name__)
@@ -253,12 +253,9 @@ def export_immich(
     pad_token = str(spec.tokenizer.pad_token)
     pad_id = tokenizer.token_to_id(pad_token)
     pad_ids_in_a_caption = tokenizer.encode("a").ids.count(pad_id)  # the special tokens a caption gets
-    os.makedirs(output_dir, exist_ok=True)
-    staging = os.path.join(output_dir, ".export-staging")
-    shutil.rmtree(staging, ignore_errors=True)
-    for part in (TEXTUAL, VISUAL):
-        os.makedirs(os.path.join(staging, part))
-    try:
+    with staged_export(output_dir, RECORD_NAME, expected_bytes=fp32_bytes(loaded.model)) as staging:
+        for part in (TEXTUAL, VISUAL):
+            os.makedirs(os.path.join(staging, part))
         started = time.perf_counter()
         image = torch.zeros(1, 3, spec.image_size, spec.image_size, dtype=torch.float32)
         _trace(ImmichVisual(loaded), image, IMAGE_INPUT, os.path.join(staging, VISUAL, MODEL_FILE), opset)
@@ -298,25 +295,4 @@ def export_immich(
             },  # fmt: skip
         }
         write_text_atomically(os.path.join(staging, RECORD_NAME), json.dumps(record, indent=1) + "\n")
-    except Exception as error:  # while staging: the output folder is as it was
-        failure = failed_export_write(error, output_dir, staging, loaded, ExportSettings())
-        if failure is None:
-            raise
-        raise failure from error
-    else:
-        _move_into(staging, output_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return record
-
-
-def _move_into(staging: str, output_dir: str) -> None:
-    """Move the staged files into ``output_dir``, the record last (a folder with it is whole)."""
-    stale = os.path.join(output_dir, RECORD_NAME)
-    if os.path.exists(stale):
-        os.remove(stale)
-    for name in [*(n for n in os.listdir(staging) if n != RECORD_NAME), RECORD_NAME]:
-        target = os.path.join(output_dir, name)
-        if os.path.isdir(target):
-            shutil.rmtree(target)
-        os.replace(os.path.join(staging, name), target)
