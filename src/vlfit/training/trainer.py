@@ -22,7 +22,7 @@ checkpoints; the input pipeline owns the placement of batches. vlfit hooks in at
 
 It also keeps the run's ledger of bad samples (reported in each ``Batch``: counted in the logs, saved in
 checkpoints, bounded by ``--max_bad_fraction``) and writes checkpoints atomically: each is written into a hidden
-staging folder and renamed into place once complete (``vlfit.training.checkpoint_folders``), so a kill during
+staging folder and renamed into place once complete (``vlfit.training.checkpoint_saving``), so a kill during
 saving never leaves a ``checkpoint-N`` folder that resuming (``get_last_checkpoint``) would take for a complete one.
 """
 
@@ -37,13 +37,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler, SequentialSampler
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_utils import (
-    PREFIX_CHECKPOINT_DIR,
-    get_last_checkpoint,
-    has_length,
-    rotate_checkpoints,
-    seed_worker,
-)
+from transformers.trainer_utils import get_last_checkpoint, has_length, seed_worker
 
 from vlfit.data.batch import Batch
 from vlfit.data.loader_workers import stop_loader_workers
@@ -51,7 +45,7 @@ from vlfit.data.pipeline import DeviceFeed, InputPipeline, LoaderSettings, shard
 from vlfit.data.stream import ShardStream, SourceUnreachableError
 from vlfit.data.stream.dataset import StreamingImageTextDataset
 from vlfit.efficiency.flops import count_flops
-from vlfit.errors import ConfigError, first_line
+from vlfit.errors import ConfigError
 from vlfit.evaluation.rerank import check_rerank
 from vlfit.evaluation.zeroshot import ZeroShotSet
 from vlfit.models.family import ModelFamily
@@ -59,12 +53,7 @@ from vlfit.models.input_spec_file import save_input_settings
 from vlfit.models.trainable import temporarily_trainable
 from vlfit.training.bad_sample_accounting import BadSampleAccounting
 from vlfit.training.bad_sample_ledger import BadSampleLedger
-from vlfit.training.checkpoint_folders import (
-    STAGING_PREFIX,
-    failed_checkpoint_write,
-    publish_staged_checkpoint,
-    remove_partial_checkpoints,
-)
+from vlfit.training.checkpoint_saving import AtomicCheckpointSaving
 from vlfit.training.console_log import CONSOLE_CALLBACKS
 from vlfit.training.evaluation_metrics import evaluation_metrics
 from vlfit.training.fsdp import enable_fsdp_on_cpu, reshape_scalar_parameters, scalar_state_dict
@@ -78,7 +67,7 @@ from vlfit.training.throughput import ThroughputMeter
 logger = logging.getLogger(__name__)
 
 
-class VlfitTrainer(BadSampleAccounting, Trainer):
+class VlfitTrainer(BadSampleAccounting, AtomicCheckpointSaving, Trainer):
     """A Trainer for contrastive image-text fine-tuning.
 
     Args:
@@ -124,7 +113,6 @@ class VlfitTrainer(BadSampleAccounting, Trainer):
         self._scalar_parameters: list[str] = []  # reshaped for fully_shard (FSDP runs)
         self._feed_source: Any = None
         self._feed: DeviceFeed | None = None
-        self._staging_run_dir: str | None = None
         self._feed_done = False  # a streamed epoch ran out on some process (vlfit.training.stream_epochs)
         self._stream_epochs: StreamEpochs | None = None
         self._resumed_batches = 0  # batches of the stream's epoch a resumed checkpoint had consumed
@@ -374,70 +362,12 @@ class VlfitTrainer(BadSampleAccounting, Trainer):
             logs.update(self.objective.window())  # each term of --objective contrastive+itm, and ITM accuracy
         super().log(logs, start_time)
 
-    def _get_output_dir(self, trial: Any) -> str:
-        # While a checkpoint is being saved, the Trainer writes it under the staging folder.
-        return self._staging_run_dir or super()._get_output_dir(trial)
-
-    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
-        """Save a checkpoint into a staging folder, then rename it to ``checkpoint-N`` (atomic on one filesystem).
-
-        The checkpoint also holds this process's bad-sample ledger and, for a streamed split, its stream position.
-        With ``--push_to_hub`` the Trainer uploads
-        the folder in the background while training goes on, so it is written in place as the Trainer does.
-        """
-        if self.args.push_to_hub:
-            super()._save_checkpoint(model, trial)
-            self._save_data_position(os.path.join(self._get_output_dir(trial), self._checkpoint_name))
-            return
-        run_dir = self._get_output_dir(trial)
-        name = self._checkpoint_name
-        final_dir = os.path.join(run_dir, name)
-        staging_root = os.path.join(run_dir, STAGING_PREFIX + name)
-        staged_dir = os.path.join(staging_root, name)
-        if self.args.should_save:
-            remove_partial_checkpoints(run_dir)
-            os.makedirs(staged_dir)
-        self.accelerator.wait_for_everyone()
-        self._staging_run_dir = staging_root
-        try:
-            super()._save_checkpoint(model, trial)
-            self._staging_run_dir = None
-            os.makedirs(staged_dir, exist_ok=True)
-            self._save_data_position(staged_dir)
-        except Exception as error:  # a full disk reaches here as ENOSPC, or as torch's zip writer's RuntimeError
-            failure = failed_checkpoint_write(error, run_dir, staging_root)
-            if failure is None:
-                raise
-            logger.error("saving %s failed: %s", self._checkpoint_name, first_line(error))
-            raise failure from error
-        finally:
-            self._staging_run_dir = None
-        self.accelerator.wait_for_everyone()  # every process has written its part (RNG states, ledgers, shards)
-        if self.args.should_save:
-            if self.state.best_model_checkpoint == staged_dir:
-                # The Trainer recorded where it just wrote the best checkpoint: record where it will stay instead.
-                self.state.best_model_checkpoint = final_dir
-                self.state.save_to_json(os.path.join(staged_dir, "trainer_state.json"))
-            publish_staged_checkpoint(staged_dir, final_dir)
-            # The Trainer rotated inside the staging folder (one checkpoint: nothing to do); rotate for real.
-            rotate_checkpoints(
-                output_dir=run_dir,
-                save_total_limit=self.args.save_total_limit,
-                best_model_checkpoint=self.state.best_model_checkpoint,
-                use_mtime=True,
-            )
-        self.accelerator.wait_for_everyone()
-
     def _save_data_position(self, folder: str) -> None:
         """This process's part of a checkpoint beside the Trainer's: its bad-sample ledger and its stream position."""
         self.bad_samples.save(folder, self.args.process_index)
         if self.train_stream is not None:
             batches = self._stream_epochs.batches if self._stream_epochs is not None else 0
             save_stream_state(self.train_stream, folder, self.args.process_index, batches)
-
-    @property
-    def _checkpoint_name(self) -> str:
-        return f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
 
     def evaluate(
         self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
