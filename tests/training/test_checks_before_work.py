@@ -6,7 +6,7 @@ import datasets
 import pytest
 from PIL import Image
 
-import vlfit.models.loading
+import vlfit.models.config_and_processors
 from vlfit.cli import main
 
 
@@ -15,7 +15,7 @@ def no_tokenizer_training(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("a tokenizer was trained before the data was checked")
 
-    monkeypatch.setattr(vlfit.models.loading, "train_caption_tokenizer", refuse)
+    monkeypatch.setattr(vlfit.models.config_and_processors, "train_caption_tokenizer", refuse)
 
 
 def _train(tmp_path, *flags: str) -> list[str]:

@@ -4,7 +4,8 @@ Two stages, two names: a ``ModelSpec`` is everything about a model but its weigh
 image processor: all the input pipeline needs, ``InputSpec``), and a ``LoadedModel`` is the model with its spec.
 Two steps, so that what needs no weights never builds them: ``resolve_model`` makes the spec, ``build_model`` the
 model; ``load_model`` does both. What the model flags name is parsed once, by
-``vlfit.models.reference.parse_model_reference``.
+``vlfit.models.reference.parse_model_reference``; its family, config, tokenizer and image processor are read by
+``vlfit.models.config_and_processors``, and ``resolve_model`` settles the inputs the model is loaded at.
 
 Everything is passed as keyword arguments named as the CLI's flags (``model_name_or_path=``, ``model_preset=``,
 ``attn_implementation=`` ...): the models layer knows nothing of the CLI's argument dataclasses, which sit above it
@@ -21,9 +22,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
-from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
-from vlfit.errors import ConfigError, ModelLoadError, first_line
+from vlfit.errors import ConfigError
+from vlfit.models.config_and_processors import (
+    checkpoint_config_and_processors,
+    hub_settings,
+    preset_config_and_processors,
+    two_tower_config_and_processors,
+)
 from vlfit.models.family import InputSpec, ModelFamily
 from vlfit.models.input_spec_file import (
     DEFAULT_MAX_SEQ_LENGTH,
@@ -33,14 +39,11 @@ from vlfit.models.input_spec_file import (
 )
 from vlfit.models.lora import load_merged
 from vlfit.models.reference import (
-    MODEL_CONFIG,
     ModelReference,
     check_local_path,
     parse_model_reference,
     two_towers,
 )
-from vlfit.models.registry import family_for_config, family_for_preset
-from vlfit.models.tokenizer import train_caption_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -166,26 +169,6 @@ def with_attention_mask(tokenizer: Any) -> Any:
     return tokenizer
 
 
-def _hub_kwargs(
-    cache_dir: str | None, model_revision: str, token: str | None, trust_remote_code: bool
-) -> dict[str, Any]:
-    kwargs = {"cache_dir": cache_dir, "revision": model_revision, "token": token}
-    if trust_remote_code:
-        kwargs["trust_remote_code"] = True
-    return kwargs
-
-
-def _load_processor(auto_class: Any, what: str, flag: str, name_or_path: str, hub: dict[str, Any]) -> Any:
-    """``auto_class.from_pretrained``, failing with one line that names what is missing where and ``flag``."""
-    try:
-        return auto_class.from_pretrained(name_or_path, **hub)
-    except (OSError, ValueError) as error:
-        raise ModelLoadError(
-            f"{name_or_path}: cannot load its {what} ({first_line(error, 200)}); save the {what} beside "
-            f"the model (vlfit train does) or pass {flag}"
-        ) from error
-
-
 def resolve_model(
     *,
     model_name_or_path: str | ModelReference | None = None,
@@ -240,7 +223,7 @@ def resolve_model(
             "pass exactly one of --model_name_or_path (a checkpoint folder or hub id) or --model_preset "
             f"(random init); got model_name_or_path={model_name_or_path!r}, model_preset={model_preset!r}"
         )
-    hub = _hub_kwargs(cache_dir, model_revision, token, trust_remote_code)
+    hub = hub_settings(cache_dir, model_revision, token, trust_remote_code)
     if towers is not None:
         reference = None
     elif isinstance(model_name_or_path, ModelReference):
@@ -249,65 +232,23 @@ def resolve_model(
         reference = parse_model_reference(model_name_or_path, flag="--model_name_or_path")
     else:
         reference = parse_model_reference(model_preset, flag="--model_preset", kinds=("preset",))  # type: ignore[arg-type]
-    named = {"--config_name": config_name, "--tokenizer_name": tokenizer_name,
-             "--image_processor_name": image_processor_name}  # fmt: skip
+    named = {"config_name": config_name, "tokenizer_name": tokenizer_name, "image_processor_name": image_processor_name}
     for flag, name in named.items():
         if name is not None:
-            check_local_path(name, flag)
+            check_local_path(name, f"--{flag}")
     checkpoint = reference.weights if reference else None
     preset = reference.path if reference and reference.kind == "preset" else None
     # LoRA adapters: the model is their base's, with them merged in; tokenizer and processor are the run's.
     adapters = reference.path if reference and reference.kind == "adapters" else None
     if towers is not None:
-        family, config = _two_tower_config(towers, projection_dim, config_name, hub)
-        tokenizer = _load_processor(AutoTokenizer, "tokenizer", "--tokenizer_name", tokenizer_name or towers[1], hub)
-        image_processor = _load_processor(
-            AutoImageProcessor, "image processor", "--image_processor_name", image_processor_name or towers[0], hub
-        )
+        parts = two_tower_config_and_processors(towers, projection_dim, hub=hub, **named)
     elif preset is None:
         checkpoint = checkpoint or reference.path  # an export folder has no config: loading it says so
-        # Adapters with a config of their own (a VQA run's: its answers) are that model; others are their base's.
-        own = adapters if adapters and os.path.isfile(os.path.join(adapters, MODEL_CONFIG)) else None
-        config_source = config_name or own or checkpoint
-        try:
-            config = AutoConfig.from_pretrained(config_source, **hub)
-        except OSError as error:  # not a folder with a config.json, and not a hub id that can be reached
-            raise ModelLoadError(
-                f"{config_source}: cannot load a model config ({first_line(error, 200)}); "
-                "pass a folder with config.json (what vlfit train writes) or a hub id this machine can reach"
-            ) from error
-        family = family_for_config(config)
-        tokenizer = _load_processor(
-            AutoTokenizer, "tokenizer", "--tokenizer_name", tokenizer_name or adapters or checkpoint, hub
-        )
-        image_processor = _load_processor(
-            AutoImageProcessor,
-            "image processor",
-            "--image_processor_name",
-            image_processor_name or adapters or checkpoint,
-            hub,
-        )
+        parts = checkpoint_config_and_processors(checkpoint, adapters, hub=hub, **named)
     else:
-        family = family_for_preset(preset)
-        config = AutoConfig.from_pretrained(config_name, **hub) if config_name else family.preset_config(preset)
-        if tokenizer_name is not None:
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer_name, **hub)
-        else:
-            if captions is None:
-                raise ConfigError(f"preset {preset!r} needs training captions or --tokenizer_name")
-            logger.info("training a byte-level BPE tokenizer on the training captions (no --tokenizer_name given)")
-            tokenizer = train_caption_tokenizer(
-                captions(),
-                vocab_size=family.preset_tokenizer_vocab_size(preset),
-                model_max_length=max_seq_length or DEFAULT_MAX_SEQ_LENGTH,
-                special_tokens=family.preset_special_tokens,
-            )
-        image_processor = (
-            AutoImageProcessor.from_pretrained(image_processor_name, **hub)
-            if image_processor_name
-            else family.preset_image_processor(preset)
-        )
-    tokenizer = with_attention_mask(tokenizer)
+        parts = preset_config_and_processors(preset, captions, max_seq_length, hub=hub, **named)
+    family, config, image_processor = parts.family, parts.config, parts.image_processor
+    tokenizer = with_attention_mask(parts.tokenizer)
     record_folder = adapters or (checkpoint if checkpoint and os.path.isdir(checkpoint) else None)
     record = read_input_settings(record_folder) if preset is None else None
     asked, max_seq_length = max_seq_length, _caption_length(max_seq_length, record, record_folder)
@@ -345,23 +286,6 @@ def resolve_model(
         family, config, inputs, image_processor, checkpoint=checkpoint, preset=preset, adapters=adapters, hub=hub,
         towers=towers,
     )  # fmt: skip
-
-
-def _two_tower_config(
-    towers: tuple[str, str], projection_dim: int | None, config_name: str | None, hub: dict[str, Any]
-) -> tuple[ModelFamily, Any]:
-    """The two-tower family and the config of a model of ``towers`` (from the towers' configs, no weights)."""
-    from vlfit.models.two_tower import DEFAULT_PROJECTION_DIM, TwoTowerFamily, tower_config
-
-    if config_name is not None:
-        raise ConfigError("--config_name with two towers: each tower keeps its own config; drop --config_name")
-    family = TwoTowerFamily()
-    vision = tower_config(towers[0], "--vision_model_name_or_path", hub, vision=True)
-    text = tower_config(towers[1], "--text_model_name_or_path", hub, vision=False)
-    config = family.config_class.from_vision_text_configs(
-        vision, text, projection_dim=int(projection_dim or DEFAULT_PROJECTION_DIM)
-    )
-    return family, config
 
 
 def _patch_budget(
