@@ -69,11 +69,6 @@ def make_record(index: int, config: SyntheticConfig) -> dict[str, Any]:
     return record
 
 
-def _make_batch(batch: dict[str, list], config: SyntheticConfig) -> dict[str, list]:
-    rows = [make_record(int(i), config) for i in batch["index"]]
-    return {name: [row[name] for row in rows] for name in features(config)}
-
-
 def make_dataset(config: SyntheticConfig, num_proc: int = 1) -> datasets.DatasetDict:
     """Generate the train / validation / test splits in memory.
 
@@ -87,18 +82,18 @@ def make_dataset(config: SyntheticConfig, num_proc: int = 1) -> datasets.Dataset
     Returns:
         A ``DatasetDict`` with the splits in ``SPLITS``, features ``features(config)``.
     """
-    return generate_splits(config, features(config), _make_batch, num_proc)
+    return generate_splits(config, features(config), make_record, num_proc)
 
 
 def generate_splits(
     config: SyntheticConfig,
     split_features: datasets.Features,
-    make_batch: Callable[..., dict[str, list]],
+    make_record: Callable[[int, SyntheticConfig], dict[str, Any]],
     num_proc: int = 1,
     what: str = "",
 ) -> datasets.DatasetDict:
-    """The splits in ``SPLITS`` (sizes as ``split_sizes``), each made by ``make_batch(batch, config)`` from its
-    contiguous index range (train first), so rows are the same for any ``num_proc``.
+    """The splits in ``SPLITS`` (sizes as ``split_sizes``), each row made by ``make_record(index, config)`` from its
+    split's contiguous index range (train first), so rows are the same for any ``num_proc``.
 
     Raises:
         DataError: for a ``num_proc`` below 1.
@@ -114,10 +109,10 @@ def generate_splits(
             splits[name] = datasets.Dataset.from_dict({k: [] for k in split_features}, features=split_features)
             continue
         splits[name] = indices.map(
-            make_batch,
+            _record_batch,
             batched=True,
             batch_size=16,
-            fn_kwargs={"config": config},
+            fn_kwargs={"config": config, "make_record": make_record, "columns": list(split_features)},
             remove_columns=["index"],
             features=split_features,
             num_proc=min(num_proc, size),
@@ -125,6 +120,17 @@ def generate_splits(
             desc=f"Generating {name}{what}",
         )
     return datasets.DatasetDict({name: splits[name] for name in SPLITS})
+
+
+def _record_batch(
+    batch: dict[str, list],
+    config: SyntheticConfig,
+    make_record: Callable[[int, SyntheticConfig], dict[str, Any]],
+    columns: list[str],
+) -> dict[str, list]:
+    """The rows of a batch of indices, as ``columns``."""
+    rows = [make_record(int(i), config) for i in batch["index"]]
+    return {name: [row[name] for row in rows] for name in columns}
 
 
 def save_dataset(dataset_dict: datasets.DatasetDict, output_dir: str, format: str = "arrow") -> list[str]:

@@ -133,11 +133,6 @@ def make_question_record(index: int, config: SyntheticConfig) -> dict[str, Any]:
     }
 
 
-def _make_batch(batch: dict[str, list], config: SyntheticConfig) -> dict[str, list]:
-    rows = [make_question_record(int(i), config) for i in batch["index"]]
-    return {name: [row[name] for row in rows] for name in QUESTION_FEATURES}
-
-
 def make_question_dataset(config: SyntheticConfig, num_proc: int = 1) -> datasets.DatasetDict:
     """The train / validation / test splits of synthetic questions (``SPLITS``, sizes as ``split_sizes``).
 
@@ -146,4 +141,4 @@ def make_question_dataset(config: SyntheticConfig, num_proc: int = 1) -> dataset
     """
     if config.labels:
         raise DataError("--labels makes a labelled set for vlfit fewshot; --task vqa writes questions: drop one")
-    return generate_splits(config, QUESTION_FEATURES, _make_batch, num_proc, " questions")
+    return generate_splits(config, QUESTION_FEATURES, make_question_record, num_proc, " questions")
