@@ -72,6 +72,14 @@ class EmbeddedSplit:
     pair_inputs: PairInputs | None = None
     choice_matches: list[torch.Tensor] | None = None
 
+    def by_image(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The caption embeddings ``[rows, d]``, the image embeddings ``[rows, d]``, the row where each distinct
+        image first appears ``[images]`` and each row's image among those ``[rows]`` (``group_images``)."""
+        text_embeds, image_embeds = torch.cat(self.texts), torch.cat(self.images)
+        first_rows, image_of_text = group_images(torch.cat(self.image_keys) if self.image_keys else None,
+                                                 text_embeds.shape[0])  # fmt: skip
+        return text_embeds, image_embeds, first_rows, image_of_text
+
 
 @torch.no_grad()
 def embed_split(
@@ -192,9 +200,7 @@ def score_split(split: EmbeddedSplit, pool_size: int | None = None) -> dict[str,
     """
     if not split.positions:
         raise DataError("the evaluation split has no samples; check --eval_split and --max_eval_samples")
-    text_embeds, image_embeds = torch.cat(split.texts), torch.cat(split.images)
-    first_rows, image_of_text = group_images(torch.cat(split.image_keys) if split.image_keys else None,
-                                             text_embeds.shape[0])  # fmt: skip
+    text_embeds, image_embeds, first_rows, image_of_text = split.by_image()
     metrics = pooled_recall_at_k(text_embeds, image_embeds[first_rows], pool_size, image_of_text=image_of_text)
     if split.choices:
         choice_embeds, label_index = torch.cat(split.choices), torch.cat(split.labels)  # type: ignore[arg-type]
@@ -276,9 +282,7 @@ def rerank_split(
     metrics). ``save_weight`` sweeps the weight here (``rerank_sweep``) and gets the sweep's record. The model is
     whole: ``--rerank_top_k`` with ``--fsdp`` is refused (``vlfit.arguments.flag_rules``)."""
     assert split.pair_inputs is not None
-    text_embeds, image_embeds = torch.cat(split.texts), torch.cat(split.images)
-    first_rows, image_of_text = group_images(torch.cat(split.image_keys) if split.image_keys else None,
-                                             text_embeds.shape[0])  # fmt: skip
+    text_embeds, image_embeds, first_rows, image_of_text = split.by_image()
     model = getattr(model, "module", model)
     was_training = model.training
     model.eval()
