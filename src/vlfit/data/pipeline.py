@@ -31,8 +31,9 @@ from transformers.trainer_pt_utils import AcceleratorConfig
 from vlfit.data.batch import Batch
 from vlfit.data.dataset import ImageTextCollator, ImageTextDataset, ImageTransform
 from vlfit.data.device_stage import CudaPrefetcher, DeviceStage
-from vlfit.data.image_transforms import FastImageTransform, PassThroughEncoded, ReferenceImageTransform
-from vlfit.data.naflex import NaflexTransform, check_naflex_options
+from vlfit.data.image_inputs import image_transform
+from vlfit.data.image_transforms import PassThroughEncoded, ReferenceImageTransform
+from vlfit.data.naflex import check_naflex_options
 from vlfit.data.records import EVAL_COLUMNS
 from vlfit.errors import ConfigError, DataError
 
@@ -271,10 +272,8 @@ class InputPipeline:
         spec, options = self.inputs, self.options
         if options.decode_on_device:
             return PassThroughEncoded()
-        if spec.max_num_patches is not None:
-            return NaflexTransform(int(spec.patch_size), spec.max_num_patches)  # type: ignore[arg-type]
-        if options.image_pipeline == "fast":
-            return FastImageTransform(spec.image_size, random_resized_crop=train and options.random_resized_crop)
+        if options.image_pipeline == "fast":  # always, for a NaFlex model (check_naflex_options)
+            return image_transform(spec, random_resized_crop=train and options.random_resized_crop)
         return ReferenceImageTransform(spec.image_size, spec.image_mean, spec.image_std)
 
     def dataset(self, source: ImageTextSource, *, train: bool) -> ImageTextDataset:

@@ -17,7 +17,7 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 
-from vlfit.data.image_transforms import FastImageTransform, stack_images
+from vlfit.data.image_inputs import ImageBatch, ImageInputs, collate_images
 from vlfit.errors import ConfigError, DataError, MissingFileError
 from vlfit.index.items import IndexedItems
 from vlfit.index.search import Hit
@@ -69,12 +69,13 @@ class Reranker:
     Args:
         scorer: The matching head (``vlfit.inference.pair_scorer``).
         items: Where the items' images are.
+        images: The model's image path (``ModelRuntime.image_inputs``), which makes the candidates' batches.
     """
 
-    def __init__(self, scorer: PairScorer, items: IndexedItems) -> None:
+    def __init__(self, scorer: PairScorer, items: IndexedItems, images: ImageInputs) -> None:
         self.scorer = scorer
         self.items = items
-        self._transform = FastImageTransform(scorer.spec.image_size)
+        self.images = images
 
     @classmethod
     def beside(cls, runtime: ModelRuntime, index: EmbeddingIndex, items: IndexedItems | None = None) -> Reranker:
@@ -90,7 +91,7 @@ class Reranker:
         problem = rerank_problem(scorer, items, runtime.path)
         if problem is not None:
             raise (NoMatchingHeadError if scorer is None else ConfigError)(problem)
-        return cls(scorer, items)
+        return cls(scorer, items, runtime.image_inputs)
 
     def rerank(
         self,
@@ -142,26 +143,34 @@ class Reranker:
 
     def _score(self, texts: list[str], heads: list[list[Hit]], queries: list[int]) -> dict[tuple[int, int], float]:
         """The log-odds of each (query, candidate) pair of ``heads`` whose image can be read, in one scorer call."""
-        pixels, position_of = [], {}
-        for head in heads:
-            for hit in head:
-                if hit.row in position_of:
-                    continue
-                try:
-                    pixels.append(self._transform(self.items.image_bytes(hit.row), sample_id=hit.id))
-                except (MissingFileError, DataError) as err:
-                    logger.warning("%s is not re-ranked: %s", hit.id, err)
-                    position_of[hit.row] = None
-                else:
-                    position_of[hit.row] = len(pixels) - 1
+        images, position_of = candidate_images(self.images, self.items, [hit for head in heads for hit in head])
         pairs = [
             (number, hit.row) for number, head in enumerate(heads) for hit in head if position_of[hit.row] is not None
         ]
-        if not pairs:
+        if images is None:
             return {}
-        log_odds = self.scorer.score_pairs(texts, stack_images(pixels), text_rows=[number for number, _ in pairs],
+        log_odds = self.scorer.score_pairs(texts, images["pixels"], text_rows=[number for number, _ in pairs],
                                            image_rows=[position_of[row] for _, row in pairs]).tolist()  # fmt: skip
         return {(queries[number], row): score for (number, row), score in zip(pairs, log_odds, strict=True)}
 
 
-__all__ = ["PAIRS_PER_CALL", "Reranker", "check_rerank_top_k", "rerankable_items"]
+def candidate_images(
+    images: ImageInputs, items: IndexedItems, hits: Sequence[Hit]
+) -> tuple[ImageBatch | None, dict[int, int | None]]:
+    """The batch of the images of ``hits`` (each row once) that can be read, and each row's place in it (None for
+    one that cannot, logged: it is not re-ranked); no batch when none can."""
+    made, position_of = [], {}
+    for hit in hits:
+        if hit.row in position_of:
+            continue
+        try:
+            made.append(images(items.image_bytes(hit.row), sample_id=hit.id))
+        except (MissingFileError, DataError) as err:
+            logger.warning("%s is not re-ranked: %s", hit.id, err)
+            position_of[hit.row] = None
+        else:
+            position_of[hit.row] = len(made) - 1
+    return (collate_images(made) if made else None), position_of
+
+
+__all__ = ["PAIRS_PER_CALL", "Reranker", "candidate_images", "check_rerank_top_k", "rerankable_items"]

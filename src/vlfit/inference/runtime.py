@@ -10,8 +10,9 @@ re-ranking, ``vlfit vqa`` and ``vlfit fewshot`` open their model here, and nowhe
   checkpoint, the manifest of an export folder), or the one ``max_seq_length`` asked for instead (logged);
 - the parts the checkpoint has, each built on first use: the ``encoder`` (embeds), the ``pair_scorer`` (the
   image-text matching head, for re-ranking, by the ``rerank_score`` the run saved) and the ``answerer`` (a VQA head);
-- one way to turn images into the pixels they all take (``pixels``), and batching (``embed_images``,
-  ``embed_texts``, ``answer``).
+- its one image path (``image_inputs``, ``vlfit.data.image_inputs``), built once from the input spec: the batches
+  every door's images become (``image_batch``: pixels, or a NaFlex model's patches with their mask and grids), and
+  batching (``embed_images``, ``embed_texts``, ``answer``).
 """
 
 from __future__ import annotations
@@ -21,13 +22,15 @@ import os
 from collections.abc import Collection, Iterable, Sequence
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
-from PIL import Image
 
-from vlfit.data.image_inputs import ImageInput, patches_of, pixels_of
-from vlfit.data.image_transforms import stack_images
-from vlfit.data.naflex import NaflexTransform, collate_patches, concat_patch_batches
+from vlfit.data.image_inputs import (  # noqa: F401 (concat_image_batches: the doors join image_batch results)
+    ImageBatch,
+    ImageInput,
+    ImageInputs,
+    concat_image_batches,
+    image_list,
+)
 from vlfit.errors import ConfigError, DataError
 from vlfit.inference.backends import FOLDER_KINDS, Encoder, build_encoder
 from vlfit.inference.identity import RefusedModelError
@@ -133,13 +136,13 @@ class ModelRuntime:
 
     @functools.cached_property
     def pair_scorer(self) -> PairScorer | None:
-        """The image-text matching head on this runtime's backend, precision and threads; None without one."""
+        """The image-text matching head on this runtime's settings (backend, precision, threads, caption length),
+        whether or not the encoder was built first; None without one."""
         from vlfit.inference.pair_scorer import exported_scorer_of, pair_scorer_for
 
-        if self.reference.kind == "export" and "encoder" not in self.__dict__:
-            return exported_scorer_of(self.reference.path, self.settings)  # no need to build the encoder first
-        return pair_scorer_for(self.encoder, num_threads=self.settings.num_threads,
-                               allow_spinning=self.settings.allow_spinning)  # fmt: skip
+        if self.reference.kind == "export":
+            return exported_scorer_of(self.reference.path, self.settings)
+        return pair_scorer_for(self.encoder)  # shares the PyTorch encoder's model and threads
 
     @functools.cached_property
     def saved_rerank_weight(self) -> float | None:
@@ -193,7 +196,7 @@ class ModelRuntime:
                 f"{self.reference.path} has no VQA head: answering questions needs a model trained with vlfit train "
                 "--task vqa"
             )
-        return QuestionAnswerer(self.reference, max_seq_length=self.settings.max_seq_length)
+        return QuestionAnswerer(self.reference, self.settings.max_seq_length, self.settings.num_threads)
 
     @property
     def inputs(self) -> InputSpec:
@@ -204,31 +207,27 @@ class ModelRuntime:
     def image_size(self) -> int:
         return self.inputs.image_size
 
+    @functools.cached_property
+    def image_inputs(self) -> ImageInputs:
+        """The one image path of this model, built once from its input spec: every door's image batches."""
+        return ImageInputs(self.inputs)
+
     def pixels(self, images: ImageInput | Iterable[ImageInput], start: int = 0) -> torch.Tensor:
         """Images (paths, encoded bytes, PIL images, uint8 arrays ``[H, W(, C)]`` or one ``[N, H, W, C]`` batch)
         as the fast CPU pipeline makes them: uint8 ``[N, 3, S, S]`` (center crop, bicubic resize), in one copy.
         ``start`` numbers them in error messages."""
-        if self.inputs.max_num_patches is not None:
+        if self.image_inputs.naflex:
             raise ConfigError(
                 f"{self.path} is a NaFlex model: its images are patches with a mask and grids (image_batch), not "
                 "square pixels"
             )
-        items = image_list(images)
-        size = self.image_size
-        return stack_images([pixels_of(item, size, start + i) for i, item in enumerate(items)])
+        return self.image_inputs.batch(images, start)["pixels"]
 
-    def image_batch(self, images: ImageInput | Iterable[ImageInput], start: int = 0) -> dict[str, torch.Tensor]:
+    def image_batch(self, images: ImageInput | Iterable[ImageInput], start: int = 0) -> ImageBatch:
         """The encoder's image inputs of ``images`` (``encoder.encode_images(**batch)``): ``pixels`` (``pixels()``);
         for a NaFlex model, uint8 patches padded to the longest image's count with ``pixel_attention_mask`` and
         ``spatial_shapes`` (``vlfit.data.naflex``), at the run's token budget."""
-        spec = self.inputs
-        if spec.max_num_patches is None:
-            return {"pixels": self.pixels(images, start)}
-        transform = NaflexTransform(int(spec.patch_size), spec.max_num_patches)  # type: ignore[arg-type]
-        patches = [patches_of(item, transform, start + i) for i, item in enumerate(image_list(images))]
-        batch = collate_patches(patches)
-        return {"pixels": batch["pixel_values"], "pixel_attention_mask": batch["pixel_attention_mask"],
-                "spatial_shapes": batch["spatial_shapes"]}  # fmt: skip
+        return self.image_inputs.batch(images, start)
 
     def embed_images(self, images: ImageInput | Iterable[ImageInput], batch_size: int = 32) -> torch.Tensor:
         """L2-normalized float32 ``[N, D]``, ``batch_size`` images at a time."""
@@ -272,23 +271,3 @@ class ModelRuntime:
         if "encoder" in self.__dict__:
             return f"ModelRuntime({self.encoder.description})"
         return f"ModelRuntime({self.path}, {self.settings})"
-
-
-def concat_image_batches(batches: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """``ModelRuntime.image_batch`` results as one: pixels concatenated; NaFlex patches and masks padded to the
-    longest first."""
-    if "pixel_attention_mask" not in batches[0]:
-        return {"pixels": torch.cat([batch["pixels"] for batch in batches])}
-    joined = concat_patch_batches([{**batch, "pixel_values": batch["pixels"]} for batch in batches])
-    return {"pixels": joined.pop("pixel_values"), **joined}
-
-
-def image_list(images: ImageInput | Iterable[ImageInput]) -> list[ImageInput]:
-    """One image, or a batch of them, as a list: a ``[N, H, W, C]`` uint8 array is N images."""
-    if isinstance(images, np.ndarray):
-        return list(images) if images.ndim == 4 else [images]
-    if isinstance(images, torch.Tensor):
-        raise DataError("images: pass a numpy uint8 array [N, H, W, C] or a list of images, not a torch tensor")
-    if isinstance(images, (str, os.PathLike, bytes, Image.Image)):
-        return [images]
-    return list(images)

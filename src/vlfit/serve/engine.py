@@ -345,7 +345,8 @@ class SearchEngine:
         if any(tops):
             with times.stage("rerank"):
                 by = list(scores) or [self.rerank_by] * len(found)
-                found = Reranker(self.pair_scorer, snapshot.indexed).rerank(found, texts, rerank, max([k, *tops]), by)
+                reranker = Reranker(self.pair_scorer, snapshot.indexed, self.runtime.image_inputs)
+                found = reranker.rerank(found, texts, rerank, max([k, *tops]), by)
         return [[self._shown(snapshot.served(hit)) for hit in hits[:k]] for hits in found]
 
     def _shown(self, result: dict[str, object]) -> dict[str, object]:
