@@ -97,4 +97,4 @@ def test_lora_adapters_are_merged_into_their_base_before_the_soup(tiny_checkpoin
 def test_the_api_function_merge_is_not_hidden_by_the_package_that_merges() -> None:
     import vlfit.merging.runs  # noqa: F401  (what vlfit.merge itself imports)
 
-    assert callable(vlfit.merge) and vlfit.merge.__module__ == "vlfit.api"
+    assert callable(vlfit.merge) and vlfit.merge.__module__ == "vlfit.api.runs"
