@@ -193,6 +193,24 @@ def test_what_immich_cannot_load_is_refused_in_one_line(checkpoints, synthetic_d
     assert error.count("\n") == 0 and "--format immich" in error and says in error
 
 
+def test_the_resize_check_refuses_the_image_geometry_immich_has_no_resize_for(tiny_checkpoint, synthetic_dataset_dir,
+                                                                           tmp_path) -> None:  # fmt: skip
+    """The check reads the model's own image geometry (input_spec.json's resize, crop and resample): NaFlex's patch
+    grid (patch_budget, uncropped, bilinear) has no open_clip resize_mode and is refused, naming it; the square one is
+    Immich's shortest-side bicubic resize."""
+    from tests.inference.tiny_models import save_tiny_checkpoint
+    from vlfit.inference.export_immich import immich_refusal, preprocess_config
+    from vlfit.inference.runtime import ModelRuntime
+
+    naflex = save_tiny_checkpoint(synthetic_dataset_dir, tmp_path / "naflex", preset="siglip2-tiny")
+    refusal = immich_refusal(ModelRuntime.open(str(naflex)).encoder)
+    assert refusal is not None and "patch_budget/none/bilinear" in refusal, refusal
+    square = ModelRuntime.open(str(tiny_checkpoint)).encoder
+    assert immich_refusal(square) is None
+    assert (preprocess_config(square)["resize_mode"], preprocess_config(square)["interpolation"]) == (
+        "shortest", "bicubic")  # fmt: skip
+
+
 def test_an_export_replaces_the_folder_it_wrote_before(exports, checkpoints, synthetic_dataset_dir, tmp_path) -> None:
     out = tmp_path / "again"
     shutil.copytree(exports["siglip"], out)

@@ -59,9 +59,9 @@ TOKENIZER_FILE, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
 PREPROCESS_NAME = "preprocess_cfg.json"
 RECORD_NAME = "vlfit_export.json"  # written last: a folder with it is whole
 TEXT_INPUT, IMAGE_INPUT, OUTPUT = "text", "image", "embedding"
-# vlfit's image geometry (input_spec.json) as open_clip's preprocess config names it
-RESIZE_MODES = {("shortest_edge", "center"): "shortest"}
-INTERPOLATIONS = {"bicubic": "bicubic"}
+# vlfit's image geometries (input_spec.json: resize, crop, resample) that open_clip's preprocess config, which Immich
+# reads, can say: its resize_mode and interpolation. vlfit's other one, NaFlex's per-image patch grid, has none.
+IMMICH_RESIZES = {("shortest_edge", "center", "bicubic"): ("shortest", "bicubic")}
 
 
 class ImmichVisual(nn.Module):
@@ -101,14 +101,16 @@ class ImmichTextual(nn.Module):
 def immich_refusal(loaded: TorchEncoder) -> str | None:
     """Why ``loaded`` cannot be exported for Immich (None: it can), in one line."""
     spec = loaded.spec
-    if getattr(spec, "max_num_patches", None) is not None:
-        return (f"{loaded.model_path} embeds images at their own aspect ratio (NaFlex, max_num_patches "
-                f"{spec.max_num_patches}), and Immich feeds square images of one size: export it with --format onnx, "
-                "or train a model of fixed-size images for Immich")  # fmt: skip
     settings = input_settings(spec)
-    if (settings["resize"], settings["crop"]) not in RESIZE_MODES or settings["resample"] not in INTERPOLATIONS:
-        return (f"{loaded.model_path} resizes images as {settings['resize']}/{settings['crop']}/{settings['resample']}"
-                ", which Immich's preprocess_cfg.json cannot say: export it with --format onnx")  # fmt: skip
+    if immich_resize(settings) is None:
+        how = f"{settings['resize']}/{settings['crop']}/{settings['resample']}"
+        if spec.max_num_patches is not None:
+            return (f"{loaded.model_path} embeds images at their own aspect ratio (NaFlex, max_num_patches "
+                    f"{spec.max_num_patches}), and Immich feeds square images of one size (resized {how} is not an "
+                    "Immich resize): export it with --format onnx, or train a model of fixed-size images for "
+                    "Immich")  # fmt: skip
+        return (f"{loaded.model_path} resizes images as {how}, which Immich's preprocess_cfg.json cannot say: export "
+                "it with --format onnx")  # fmt: skip
     tokenizer = spec.tokenizer
     if getattr(tokenizer, "backend_tokenizer", None) is None:
         return (f"{loaded.model_path}: its tokenizer ({type(tokenizer).__name__}) has no tokenizer.json for the "
@@ -116,6 +118,12 @@ def immich_refusal(loaded: TorchEncoder) -> str | None:
     if tokenizer.pad_token is None:
         return f"{loaded.model_path}: its tokenizer has no pad token, which Immich pads every caption with"
     return None
+
+
+def immich_resize(settings: dict[str, Any]) -> tuple[str, str] | None:
+    """Immich's ``resize_mode`` and ``interpolation`` for the image geometry of ``settings`` (``input_spec.json``'s
+    record), or None when Immich has none that reproduces it."""
+    return IMMICH_RESIZES.get((settings["resize"], settings["crop"], settings["resample"]))
 
 
 def _bare_tokenizer(loaded: TorchEncoder) -> Any:
@@ -132,13 +140,15 @@ def preprocess_config(loaded: TorchEncoder) -> dict[str, Any]:
     """``visual/preprocess_cfg.json``: open_clip's preprocess config from the run's input settings."""
     settings = input_settings(loaded.spec)
     size = settings["image_size"]
+    resize = immich_resize(settings)
+    assert resize is not None, "refused by immich_refusal"
     return {
         "size": [size, size],
         "mode": "RGB",
         "mean": settings["image_mean"],
         "std": settings["image_std"],
-        "interpolation": INTERPOLATIONS[settings["resample"]],
-        "resize_mode": RESIZE_MODES[(settings["resize"], settings["crop"])],
+        "interpolation": resize[1],
+        "resize_mode": resize[0],
         "fill_color": 0,
     }
 
