@@ -16,6 +16,7 @@ from PIL import Image
 
 import vlfit
 from vlfit.cli import main
+from vlfit.inference.runtime_settings import RuntimeSettings
 from vlfit.models.input_spec_file import read_input_settings, save_input_settings
 
 pytestmark = pytest.mark.slow  # each export traces two graphs
@@ -38,7 +39,7 @@ def checkpoints(tiny_checkpoint, synthetic_dataset_dir, tmp_path_factory) -> dic
     tokenizer = AutoTokenizer.from_pretrained(clip)
     tokenizer.pad_token = tokenizer.eos_token
     tokenizer.save_pretrained(clip)
-    spec = ModelRuntime.open(str(clip), "torch", max_seq_length=SHORT_CAPTIONS).encoder.spec
+    spec = ModelRuntime.open(str(clip), RuntimeSettings(backend="torch", max_seq_length=SHORT_CAPTIONS)).encoder.spec
     save_input_settings(spec, str(clip))  # as vlfit train --max_seq_length 16 records it
     siglip = save_tiny_checkpoint(synthetic_dataset_dir, folder / "siglip", preset="siglip-tiny")
     return {"clip": clip, "siglip": siglip, "bridgetower": tiny_checkpoint}

@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
+from vlfit.arguments.runtime import runtime_arguments
 from vlfit.commands.parsing import CommandParser
 from vlfit.data.sources.openers import open_split
 from vlfit.data.sources.synthetic import synthetic_source
@@ -32,7 +33,7 @@ SYNTHETIC_LONG_SIDE = (160, 320)
 
 
 @dataclass
-class ExportArguments:
+class ExportArguments(runtime_arguments("max_seq_length", "max_num_patches")):
     """Flags of ``vlfit export``."""
 
     model_name_or_path: str = field(metadata={"help": "The checkpoint folder to export (vlfit train's output)."})
@@ -76,17 +77,6 @@ class ExportArguments:
             "over unique images, as vlfit eval's (default: rows with identical image bytes are one image)."
         },
     )
-    max_seq_length: int | None = field(
-        default=None,
-        metadata={"help": "Longest caption the text graph takes, in tokens (default: the length the run was trained "
-                  "with, from its input_spec.json; the export records it, and every door that opens the export "
-                  "cuts captions there)."},
-    )  # fmt: skip
-    max_num_patches: int | None = field(
-        default=None,
-        metadata={"help": "A NaFlex model's (SigLIP 2) most patches per image: the largest the image graph takes "
-                  "(default: the budget the run was trained with; the export records it)."},
-    )  # fmt: skip
     opset: int = field(default=DEFAULT_OPSET, metadata={"help": "ONNX opset of the graphs."})
     parity_threshold: float = field(
         default=PARITY_THRESHOLD,
@@ -149,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         return _export_immich(args)
     settings = ExportSettings(args.format, args.quantize, args.opset, args.parity_threshold, args.itm_tolerance)
     check_output_dir(args.model_name_or_path, args.output_dir)
-    loaded = ModelRuntime.open(args.model_name_or_path, "torch", max_seq_length=args.max_seq_length,
-                               max_num_patches=args.max_num_patches, flag="--model_name_or_path",
+    loaded = ModelRuntime.open(args.model_name_or_path, args.settings(backend="torch"), flag="--model_name_or_path",
                                kinds=("checkpoint", "adapters")).encoder  # fmt: skip
     assert isinstance(loaded, TorchEncoder)  # a checkpoint runs on torch
     parity, calibration = _samples(args, loaded.spec)
@@ -176,8 +165,7 @@ def _export_immich(args: ExportArguments) -> int:
     if args.quantize:
         raise ConfigError("--format immich writes the fp32 graphs Immich loads; leave --quantize out")
     check_output_dir(args.model_name_or_path, args.output_dir)
-    loaded = ModelRuntime.open(args.model_name_or_path, "torch", max_seq_length=args.max_seq_length,
-                               max_num_patches=args.max_num_patches, flag="--model_name_or_path",
+    loaded = ModelRuntime.open(args.model_name_or_path, args.settings(backend="torch"), flag="--model_name_or_path",
                                kinds=("checkpoint", "adapters")).encoder  # fmt: skip
     assert isinstance(loaded, TorchEncoder)  # a checkpoint runs on torch
     refusal = immich_refusal(loaded)  # before any sample is read

@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     from vlfit.fewshot.shots import check_shot_counts
     from vlfit.inference.backends import TorchEncoder
     from vlfit.inference.runtime import ModelRuntime
+    from vlfit.inference.runtime_settings import RuntimeSettings
 
     train, evaluation = labelled_splits(
         args.dataset_name,
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         evaluation = evaluation.first(args.max_eval_samples)
     check_shot_counts(train, settings.shot_counts)  # before the model loads
     started = time.perf_counter()
-    loaded = ModelRuntime.open(args.model_name_or_path, "torch", flag="--model_name_or_path",
+    loaded = ModelRuntime.open(args.model_name_or_path, RuntimeSettings(backend="torch"), flag="--model_name_or_path",
                                kinds=("checkpoint", "adapters")).encoder  # fmt: skip
     assert isinstance(loaded, TorchEncoder)  # a checkpoint runs on torch
     print(f"{len(train.class_names)} classes ({', '.join(train.class_names)}); "
