@@ -74,22 +74,22 @@ def encoder_check(checkpoint: str, onnx_export: str, out: str) -> dict:
 
 
 def pair_check(export: str, checkpoint: str) -> dict:
-    from vlfit.inference.pair_scorer import OpenVinoPairScorer, pair_scorer_for
+    from vlfit.inference.pair_scorer import ExportedPairScorer
 
     fp32 = ModelRuntime.open(export, precision="fp32").require_pair_scorer()
     pixels = load_samples(synthetic_source(5, seed=7), fp32.spec).pixels
     rows = (torch.arange(2).repeat_interleave(5), torch.arange(5).repeat(2))
     expected = ModelRuntime.open(checkpoint).require_pair_scorer().score_pairs(CAPTIONS, pixels, *rows)
-    int8 = pair_scorer_for(ModelRuntime.open(export).encoder)  # beside the folder's INT8 encoder
+    int8 = ModelRuntime.open(export).pair_scorer  # precision auto: the itm graph's INT8
     try:
         ModelRuntime.open(export, backend="onnxruntime").require_pair_scorer()
         refusal = ""
     except ConfigError as error:
         refusal = str(error)
     return {
-        "fp32": [type(fp32) is OpenVinoPairScorer, fp32.backend, fp32.precision],
+        "fp32": [isinstance(fp32, ExportedPairScorer), fp32.backend, fp32.precision],
         "fp32_max_diff": float((fp32.score_pairs(CAPTIONS, pixels, *rows) - expected).abs().max()),
-        "int8": [type(int8) is OpenVinoPairScorer, int8.precision if int8 is not None else None],
+        "int8": [isinstance(int8, ExportedPairScorer), int8.precision if int8 is not None else None],
         "int8_max_diff": float((int8.score_pairs(CAPTIONS, pixels, *rows) - expected).abs().max()),
         "refusal": refusal,
     }

@@ -54,9 +54,9 @@ def test_onnx_export_matches_pytorch_and_its_int8_graphs_run(onnx_export, tiny_c
     # A server's sessions do not spin-wait between calls; by default they do, as ONNX Runtime's own default.
     entry = "session.intra_op.allow_spinning"
     quiet = ModelRuntime.open(str(onnx_export), allow_spinning=False).encoder
-    assert {s.get_session_options().get_session_config_entry(entry) for s in quiet.sessions.values()} == {"0"}
+    assert {s.get_session_options().get_session_config_entry(entry) for s in quiet.graphs.values()} == {"0"}
     with pytest.raises(RuntimeError, match="allow_spinning"):  # never set: ONNX Runtime's default, spinning
-        int8.sessions["text"].get_session_options().get_session_config_entry(entry)
+        int8.graphs["text"].get_session_options().get_session_config_entry(entry)
 
 
 def _copy_graphs(export_dir):

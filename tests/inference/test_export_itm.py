@@ -26,14 +26,17 @@ from vlfit.inference.export import ExportSettings, export_model
 from vlfit.inference.export_itm import agreement_figures, parity_calls
 from vlfit.inference.export_samples import load_samples
 from vlfit.inference.exported import ExportParityError
+from vlfit.inference.identity import RefusedModelError
 from vlfit.inference.pair_scorer import (
+    ExportedPairScorer,
     NoMatchingHeadError,
-    OnnxRuntimePairScorer,
     TorchPairScorer,
     pair_scorer_for,
 )
-from vlfit.inference.runtime import ModelRuntime
+from vlfit.inference.runtime import RUNTIME_KINDS, ModelRuntime
+from vlfit.inference.runtime_settings import RuntimeSettings
 from vlfit.models.itm import pair_scores
+from vlfit.models.reference import parse_model_reference
 
 CAPTIONS = ["red", "two blue squares on the left and one green circle at the top of the picture, and more words"]
 
@@ -50,6 +53,15 @@ def itm_export(itm_checkpoint, synthetic_dataset_dir, tmp_path_factory) -> Path:
 
 def _pixels(scorer_or_encoder, n: int, seed: int = 5) -> torch.Tensor:
     return load_samples(synthetic_source(n, seed=seed), scorer_or_encoder.spec).pixels
+
+
+def _runtime(folder: Path, encoder_first: bool = False, **settings) -> ModelRuntime:
+    """The runtime of ``folder`` on ``settings``; ``encoder_first``: its encoder built before anything else is
+    asked of it (as serve does; retrieve query asks for the pair scorer first)."""
+    runtime = ModelRuntime(parse_model_reference(str(folder), kinds=RUNTIME_KINDS), RuntimeSettings(**settings))
+    if encoder_first:
+        assert runtime.encoder is not None
+    return runtime
 
 
 # ------------------------------------------------------------------------------------------ fast: PyTorch
@@ -146,14 +158,14 @@ def test_itm_graph_matches_pytorch_and_its_int8_agreement_is_recorded(itm_export
     # The ONNX Runtime scorer equals the PyTorch one on pairs unlike the parity check's (2 captions x 5 images).
     onnx = ModelRuntime.open(str(itm_export), precision="fp32").require_pair_scorer()
     torch_scorer = ModelRuntime.open(str(itm_checkpoint)).require_pair_scorer()
-    assert isinstance(onnx, OnnxRuntimePairScorer) and (onnx.backend, onnx.precision) == ("onnxruntime", "fp32")
+    assert isinstance(onnx, ExportedPairScorer) and (onnx.backend, onnx.precision) == ("onnxruntime", "fp32")
     pixels = _pixels(onnx, 5, seed=7)
     rows = (torch.arange(2).repeat_interleave(5), torch.arange(5).repeat(2))
     expected = torch_scorer.score_pairs(CAPTIONS, pixels, *rows)
     torch.testing.assert_close(onnx.score_pairs(CAPTIONS, pixels, *rows), expected, atol=1e-4, rtol=0)
     torch.testing.assert_close(onnx.score_pairs(CAPTIONS[:1], pixels[:1]), expected[:1], atol=1e-4, rtol=0)
-    int8_scorer = pair_scorer_for(ModelRuntime.open(str(itm_export)).encoder)  # beside the folder's INT8 encoder
-    assert isinstance(int8_scorer, OnnxRuntimePairScorer) and int8_scorer.precision == "int8"
+    int8_scorer = ModelRuntime.open(str(itm_export)).pair_scorer  # precision auto: the itm graph's INT8
+    assert isinstance(int8_scorer, ExportedPairScorer) and int8_scorer.precision == "int8"
     assert (int8_scorer.score_pairs(CAPTIONS, pixels, *rows) - expected).abs().max() < 0.05
     refusal = r"holds onnx graphs, which run on onnxruntime, not torch; .* or pass the checkpoint it was exported from"
     with pytest.raises(ConfigError, match=refusal):
@@ -190,7 +202,7 @@ def test_a_model_without_a_matching_head_gets_no_itm_graph_and_its_scorer_is_ref
     manifest = json.loads((onnx_export / "export_manifest.json").read_text())
     assert "itm" not in manifest["graphs"] and "itm" not in manifest["parity"]
     assert not list(onnx_export.glob("itm*"))
-    assert pair_scorer_for(ModelRuntime.open(str(onnx_export)).encoder) is None
+    assert ModelRuntime.open(str(onnx_export)).pair_scorer is None
     with pytest.raises(
         NoMatchingHeadError,
         match=r"has no image-text matching graph \(itm.onnx\): its checkpoint "
@@ -235,7 +247,7 @@ def test_an_itm_graph_that_does_not_match_its_checkpoint_is_not_written(itm_chec
 @pytest.mark.slow
 def test_the_matching_head_runs_on_the_threads_and_spinning_of_its_runtime(itm_export, itm_checkpoint):
     runtime = ModelRuntime.open(str(itm_export), num_threads=1, allow_spinning=False)
-    for session in (runtime.pair_scorer.session, runtime.encoder.sessions["text"]):
+    for session in (runtime.pair_scorer.graphs["itm"], runtime.encoder.graphs["text"]):
         options = session.get_session_options()
         assert options.intra_op_num_threads == 1
         assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
@@ -246,6 +258,41 @@ def test_the_matching_head_runs_on_the_threads_and_spinning_of_its_runtime(itm_e
         assert isinstance(checkpoint.pair_scorer, TorchPairScorer) and torch.get_num_threads() == 2  # one setting
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("encoder_first", [False, True], ids=["scorer-first", "encoder-first"])
+def test_an_exports_pair_scorer_has_one_precision_whichever_part_is_asked_first(itm_export, tmp_path,
+                                                                                encoder_first):  # fmt: skip
+    # A copy of the export whose itm graph has no INT8 (its towers do).
+    fp32_itm = tmp_path / "fp32-itm"
+    shutil.copytree(itm_export, fp32_itm)
+    manifest = json.loads((fp32_itm / "export_manifest.json").read_text())
+    del manifest["graphs"]["itm"]["int8"]
+    (fp32_itm / "export_manifest.json").write_text(json.dumps(manifest))
+
+    assert _runtime(itm_export, encoder_first).require_pair_scorer().precision == "int8"  # auto: INT8 exported
+    assert _runtime(fp32_itm, encoder_first).require_pair_scorer().precision == "fp32"  # auto: the itm graph's
+    assert _runtime(fp32_itm, encoder_first, precision="fp32").require_pair_scorer().precision == "fp32"
+    with pytest.raises(RefusedModelError, match=r"fp32-itm: no int8 itm graph \(it has: fp32\); export with "
+                       r"--quantize int8 first$"):  # fmt: skip
+        _runtime(fp32_itm, encoder_first, precision="int8").require_pair_scorer()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("encoder_first", [False, True], ids=["scorer-first", "encoder-first"])
+def test_the_matching_head_cuts_captions_at_the_runtimes_max_seq_length(itm_export, itm_checkpoint, encoder_first):
+    for folder in (itm_checkpoint, itm_export):
+        runtime = _runtime(folder, encoder_first, precision="fp32", max_seq_length=4)
+        scorer = runtime.require_pair_scorer()
+        tokens = scorer.spec.tokenize(CAPTIONS)
+        assert tokens["input_ids"].shape[1] == 4
+        torch.testing.assert_close(tokens, runtime.encoder.tokenize(CAPTIONS))  # the head's cut is the encoder's
+        whole = _runtime(folder, precision="fp32").require_pair_scorer()
+        pixels, rows = _pixels(scorer, 2), ([1, 1], [0, 1])
+        cut = scorer.score_pairs(CAPTIONS, pixels, *rows)
+        torch.testing.assert_close(cut, whole.score_pairs(tokens, pixels, *rows))
+        assert not torch.allclose(cut, whole.score_pairs(CAPTIONS, pixels, *rows))  # the cut changes the scores
 
 
 @pytest.mark.slow

@@ -15,15 +15,16 @@ import dataclasses
 import functools
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
 
 from vlfit.errors import ConfigError
 from vlfit.extras import require_extra
-from vlfit.inference.exported import TOKENIZER_FILES, ExportFolder
+from vlfit.inference.exported import TOKENIZER_FILES, TOWERS, ExportFolder
 from vlfit.inference.identity import ModelIdentity, RefusedModelError, checkpoint_fingerprint
 from vlfit.inference.runtime_settings import RuntimeSettings
 from vlfit.inference.towers import IMAGE_INPUT, PATCH_INPUTS, TEXT_INPUTS, ImageTower, TextTower
@@ -39,24 +40,33 @@ if TYPE_CHECKING:
 FOLDER_KINDS = ("checkpoint", "adapters", "export")
 
 
-class Encoder(ABC):
-    """Embeds uint8 images and tokenized captions.
+class ModelPart:
+    """What every part of a runtime that runs a model (an encoder, a pair scorer) says of itself.
 
     Attributes:
         backend: ``torch``, ``onnxruntime`` or ``openvino``.
         precision: ``fp32`` or ``int8`` (PyTorch: ``fp32``).
         model_path: The checkpoint or export folder.
         spec: Image size, mean, std, tokenizer and caption length.
-        identity: What the embeddings are comparable with.
     """
 
     backend: str
     precision: str
     model_path: str
     spec: InputSpec
+    kind = ""  # what ``description`` calls the part before its path
+
+    @property
+    def description(self) -> str:
+        return f"{self.kind}{self.model_path} on {self.backend} ({self.precision})"
+
+
+class Encoder(ModelPart, ABC):
+    """Embeds uint8 images and tokenized captions (the attributes of ``ModelPart``, and ``identity``: what the
+    embeddings are comparable with)."""
+
     identity: ModelIdentity
 
-    @abstractmethod
     def encode_images(
         self,
         pixels: torch.Tensor | np.ndarray,
@@ -65,10 +75,19 @@ class Encoder(ABC):
     ) -> torch.Tensor:
         """uint8 pixels ``[B, 3, H, W]`` -> float32 ``[B, D]``; a NaFlex model's: uint8 patches ``[B, N, p * p * 3]``
         with their ``pixel_attention_mask`` ``[B, N]`` and ``spatial_shapes`` ``[B, 2]`` (``vlfit.data.naflex``)."""
+        inputs: dict[str, torch.Tensor | np.ndarray] = {IMAGE_INPUT: pixels}
+        if pixel_attention_mask is not None and spatial_shapes is not None:
+            inputs.update(zip(PATCH_INPUTS, (pixel_attention_mask, spatial_shapes), strict=True))
+        return self.run_tower("image", inputs)
 
-    @abstractmethod
     def encode_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """int64 ``[B, S]`` twice -> float32 ``[B, D]``."""
+        return self.run_tower("text", dict(zip(TEXT_INPUTS, (input_ids, attention_mask), strict=True)))
+
+    @abstractmethod
+    def run_tower(self, tower: str, inputs: dict[str, torch.Tensor | np.ndarray]) -> torch.Tensor:
+        """Tower ``image`` or ``text`` on its inputs by name (``vlfit.inference.towers``: ``IMAGE_INPUT`` and a
+        NaFlex model's ``PATCH_INPUTS``; ``TEXT_INPUTS``) -> float32 ``[B, D]``."""
 
     def tokenize(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
         """Token ids and attention mask of ``texts``, truncated and padded as the collator does."""
@@ -79,37 +98,28 @@ class Encoder(ABC):
         tokens = self.tokenize(texts)
         return self.encode_tokens(tokens["input_ids"], tokens["attention_mask"])
 
-    @property
-    def description(self) -> str:
-        return f"{self.model_path} on {self.backend} ({self.precision})"
-
     def check_embeds_into(self, identity: ModelIdentity, where: str) -> None:
         """Raise ``RefusedModelError`` unless this model embeds into the space ``identity`` describes (``where``
         names what holds those embeddings: ``the index INDEX``)."""
         identity.check_compatible(self.identity, what=where, other_what=f"the model {self.model_path}")
 
 
-def _as_numpy_uint8(pixels: torch.Tensor | np.ndarray) -> np.ndarray:
-    array = pixels.numpy() if isinstance(pixels, torch.Tensor) else pixels
-    if array.dtype != np.uint8:
-        raise ValueError(f"the image graphs take uint8 pixels, got {array.dtype}")
-    return np.ascontiguousarray(array)
+def graph_feeds(inputs: Mapping[str, torch.Tensor | np.ndarray]) -> dict[str, np.ndarray]:
+    """A graph's inputs as its runtime takes them, contiguous: uint8 pixels (``IMAGE_INPUT``), every other input
+    int64 (token ids, masks, patch grids, pair rows).
 
-
-def _image_feeds(
-    pixels: torch.Tensor | np.ndarray, pixel_attention_mask: torch.Tensor | None, spatial_shapes: torch.Tensor | None
-) -> dict[str, np.ndarray]:
-    """The image graph's inputs: uint8 pixels, and a NaFlex graph's int64 patch mask and grids."""
-    feeds = {IMAGE_INPUT: _as_numpy_uint8(pixels)}
-    if pixel_attention_mask is not None and spatial_shapes is not None:
-        feeds[PATCH_INPUTS[0]] = pixel_attention_mask.numpy().astype(np.int64)
-        feeds[PATCH_INPUTS[1]] = spatial_shapes.numpy().astype(np.int64)
+    Raises:
+        ValueError: for pixels of another dtype.
+    """
+    feeds = {}
+    for name, value in inputs.items():
+        array = value.numpy() if isinstance(value, torch.Tensor) else value
+        if name != IMAGE_INPUT:
+            array = array.astype(np.int64, copy=False)
+        elif array.dtype != np.uint8:
+            raise ValueError(f"the image graphs take uint8 pixels, got {array.dtype}")
+        feeds[name] = np.ascontiguousarray(array)
     return feeds
-
-
-def _text_feeds(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, np.ndarray]:
-    ids_name, mask_name = TEXT_INPUTS
-    return {ids_name: input_ids.numpy().astype(np.int64), mask_name: attention_mask.numpy().astype(np.int64)}
 
 
 class TorchEncoder(Encoder):
@@ -151,56 +161,94 @@ class TorchEncoder(Encoder):
         self.loaded.save(folder)
 
     @torch.inference_mode()
-    def encode_images(
-        self,
-        pixels: torch.Tensor | np.ndarray,
-        pixel_attention_mask: torch.Tensor | None = None,
-        spatial_shapes: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        tensor = torch.from_numpy(pixels) if isinstance(pixels, np.ndarray) else pixels
-        return self.image_tower(tensor, pixel_attention_mask, spatial_shapes).float()
-
-    @torch.inference_mode()
-    def encode_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.text_tower(input_ids, attention_mask).float()
+    def run_tower(self, tower: str, inputs: dict[str, torch.Tensor | np.ndarray]) -> torch.Tensor:
+        module = self.image_tower if tower == "image" else self.text_tower
+        values = [torch.from_numpy(value) if isinstance(value, np.ndarray) else value for value in inputs.values()]
+        return module(*values).float()
 
 
-class _ExportedEncoder(Encoder):
-    def __init__(self, exported: ExportFolder, precision: str, max_seq_length: int | None = None) -> None:
-        if precision == "auto":
-            precision = "int8" if "int8" in exported.precisions else "fp32"
-        self.precision = precision
-        self.model_path = exported.path
-        self.exported = exported
-        self.spec = exported.input_spec(max_seq_length)
-        self.identity = exported.identity
+# ------------------------------------------------------------------------------------------ exported graphs
 
 
-def onnx_session(path: str, num_threads: int | None = None, allow_spinning: bool = True) -> Any:
-    """An ONNX Runtime session of the graph at ``path`` on the CPU (``num_threads`` intra-op threads, ``None``: its
-    default; ``allow_spinning``: see ``OnnxRuntimeEncoder``)."""
-    require_extra("export", "the onnxruntime backend", ("onnxruntime",))
-    import onnxruntime as ort
+class GraphRuntime(ABC):
+    """Where an export folder's graphs run: what is each runtime's own, opening a graph and calling it
+    (``ExportedPart`` holds the rest, for the encoder and the pair scorer alike).
 
-    options = ort.SessionOptions()
-    if num_threads:
-        options.intra_op_num_threads = num_threads
-    if not allow_spinning:
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    Attributes:
+        backend: ``onnxruntime`` or ``openvino``.
+    """
+
+    backend: ClassVar[str]
+
+    @abstractmethod
+    def open(self, path: str) -> Any:
+        """The graph at ``path``, ready to call."""
+
+    @abstractmethod
+    def run(self, graph: Any, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        """``graph``'s one output for ``feeds``."""
 
 
-def openvino_model(path: str, inference_precision: str | None = None, num_threads: int | None = None) -> Any:
-    """The graph at ``path`` compiled on OpenVINO's CPU plugin (``inference_precision``: its
-    ``INFERENCE_PRECISION_HINT``, ``None`` for the plugin's default; ``num_threads``: ``INFERENCE_NUM_THREADS``,
-    ``None`` for its default). Every graph is compiled by one ``openvino.Core`` per process, as OpenVINO advises."""
-    require_extra("export", "the openvino backend", ("openvino",))
-    config: dict[str, Any] = {}
-    if inference_precision:
-        config["INFERENCE_PRECISION_HINT"] = inference_precision
-    if num_threads:
-        config["INFERENCE_NUM_THREADS"] = num_threads
-    return _openvino_core().compile_model(path, "CPU", config)
+@dataclass(frozen=True)
+class OnnxRuntimeGraphs(GraphRuntime):
+    """ONNX Runtime's CPU provider.
+
+    Attributes:
+        num_threads: Intra-op threads (``None``: ONNX Runtime's default, one per physical core).
+        allow_spinning: Let idle intra-op threads spin-wait for the next call (ONNX Runtime's default: lowest
+            latency for back-to-back calls). A server turns it off: spinning threads take the cores its event loop
+            needs (on 2 cores at 8 concurrent queries: about 260 QPS with it, about 400 without).
+    """
+
+    num_threads: int | None = None
+    allow_spinning: bool = True
+    backend: ClassVar[str] = "onnxruntime"
+
+    def __post_init__(self) -> None:
+        require_extra("export", "the onnxruntime backend", ("onnxruntime",))  # before a folder is read
+
+    def open(self, path: str) -> Any:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        if self.num_threads:
+            options.intra_op_num_threads = self.num_threads
+        if not self.allow_spinning:
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+
+    def run(self, graph: Any, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        (out,) = graph.run(None, feeds)
+        return out
+
+
+@dataclass(frozen=True)
+class OpenVinoGraphs(GraphRuntime):
+    """OpenVINO's CPU plugin; every graph is compiled by one ``openvino.Core`` per process, as OpenVINO advises.
+
+    Attributes:
+        inference_precision: The plugin's ``INFERENCE_PRECISION_HINT``: ``f32``, or ``None`` for the plugin's
+            default (bf16 on CPUs that have it).
+        num_threads: ``INFERENCE_NUM_THREADS`` (``None``: the plugin's default).
+    """
+
+    inference_precision: str | None = None
+    num_threads: int | None = None
+    backend: ClassVar[str] = "openvino"
+
+    def __post_init__(self) -> None:
+        require_extra("export", "the openvino backend", ("openvino",))  # before a folder is read
+
+    def open(self, path: str) -> Any:
+        config: dict[str, Any] = {}
+        if self.inference_precision:
+            config["INFERENCE_PRECISION_HINT"] = self.inference_precision
+        if self.num_threads:
+            config["INFERENCE_NUM_THREADS"] = self.num_threads
+        return _openvino_core().compile_model(path, "CPU", config)
+
+    def run(self, graph: Any, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        return np.asarray(graph(feeds)[graph.output(0)])
 
 
 @functools.cache
@@ -210,94 +258,80 @@ def _openvino_core() -> Any:
     return ov.Core()
 
 
-class OnnxRuntimeEncoder(_ExportedEncoder):
-    """An exported ONNX folder on ONNX Runtime's CPU provider.
+def graph_runtime(
+    exported: ExportFolder, settings: RuntimeSettings, inference_precision: str | None = None
+) -> GraphRuntime:
+    """The runtime of ``exported``'s format on ``settings``' threads (ONNX Runtime: and spinning; OpenVINO: at
+    ``inference_precision``)."""
+    if exported.runtime == "openvino":
+        return OpenVinoGraphs(inference_precision, settings.num_threads)
+    return OnnxRuntimeGraphs(settings.num_threads, settings.allow_spinning)
+
+
+def exported_precision(asked: str, exported: Sequence[str]) -> str:
+    """The precision of a part whose graphs were ``exported`` in those precisions: ``asked``, or for ``auto``
+    INT8 when exported, else fp32."""
+    if asked != "auto":
+        return asked
+    return "int8" if "int8" in exported else "fp32"
+
+
+class ExportedPart(ModelPart):
+    """Graphs of an export folder at one precision, open on the runtime of its format: what an exported encoder
+    and an exported pair scorer share.
 
     Args:
         exported: The export folder.
-        precision: ``fp32``, ``int8`` or ``auto`` (INT8 when exported).
-        num_threads: Intra-op threads (``None``: ONNX Runtime's default, one per physical core).
+        runtime: Where its graphs run (``graph_runtime``).
+        graphs: The graphs' names in the folder's manifest.
+        precision: ``fp32`` or ``int8``.
         max_seq_length: Caption length (``None``: the export's, which is the run's).
-        allow_spinning: Let idle intra-op threads spin-wait for the next call (ONNX Runtime's default: lowest
-            latency for back-to-back calls). A server turns it off: spinning threads take the cores its event loop
-            needs (on 2 cores at 8 concurrent queries: about 260 QPS with it, about 400 without).
+
+    Attributes:
+        exported: The export folder.
+        runtime: Where its graphs run.
+        graphs: The open graphs by name (ONNX Runtime sessions, OpenVINO compiled models).
+
+    Raises:
+        RefusedModelError: when the folder has no graph of ``precision``.
     """
 
-    backend = "onnxruntime"
-
     def __init__(
-        self,
-        exported: ExportFolder,
-        precision: str = "auto",
-        num_threads: int | None = None,
-        allow_spinning: bool = True,
+        self, exported: ExportFolder, runtime: GraphRuntime, graphs: Sequence[str], precision: str,
         max_seq_length: int | None = None,
-    ) -> None:
-        require_extra("export", "the onnxruntime backend", ("onnxruntime",))  # before the folder is read
-        super().__init__(exported, precision, max_seq_length)
-        self.sessions = {
-            tower: onnx_session(exported.graph_path(tower, self.precision), num_threads, allow_spinning)
-            for tower in ("image", "text")
-        }
+    ) -> None:  # fmt: skip
+        self.backend = runtime.backend
+        self.precision = precision
+        self.model_path = exported.path
+        self.exported = exported
+        self.runtime = runtime
+        self.spec = exported.input_spec(max_seq_length)
+        self.graphs = {name: runtime.open(exported.graph_path(name, precision)) for name in graphs}
 
-    def encode_images(
-        self,
-        pixels: torch.Tensor | np.ndarray,
-        pixel_attention_mask: torch.Tensor | None = None,
-        spatial_shapes: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        (out,) = self.sessions["image"].run(None, _image_feeds(pixels, pixel_attention_mask, spatial_shapes))
-        return torch.from_numpy(out).float()
-
-    def encode_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        feeds = _text_feeds(input_ids, attention_mask)
-        (out,) = self.sessions["text"].run(None, feeds)
-        return torch.from_numpy(out).float()
+    def run_graph(self, name: str, inputs: Mapping[str, torch.Tensor | np.ndarray]) -> torch.Tensor:
+        """Graph ``name`` on its ``inputs`` by name -> its float32 output."""
+        out = self.runtime.run(self.graphs[name], graph_feeds(inputs))
+        return torch.from_numpy(np.asarray(out, dtype=np.float32))
 
 
-class OpenVinoEncoder(_ExportedEncoder):
-    """An exported OpenVINO folder on the CPU plugin.
+class ExportedEncoder(ExportedPart, Encoder):
+    """An export folder's image and text graphs on the runtime of its format (``build_encoder`` makes one).
 
     Args:
         exported: The export folder.
+        runtime: Where its graphs run (``graph_runtime``).
         precision: ``fp32``, ``int8`` or ``auto`` (INT8 when exported).
-        inference_precision: The plugin's ``INFERENCE_PRECISION_HINT``: ``f32``, or ``None`` for the plugin's
-            default (bf16 on CPUs that have it).
-        num_threads: ``INFERENCE_NUM_THREADS`` (``None``: the plugin's default).
         max_seq_length: Caption length (``None``: the export's, which is the run's).
     """
 
-    backend = "openvino"
-
     def __init__(
-        self,
-        exported: ExportFolder,
-        precision: str = "auto",
-        inference_precision: str | None = None,
-        num_threads: int | None = None,
-        max_seq_length: int | None = None,
+        self, exported: ExportFolder, runtime: GraphRuntime, precision: str = "auto", max_seq_length: int | None = None
     ) -> None:
-        require_extra("export", "the openvino backend", ("openvino",))  # before the folder is read
-        super().__init__(exported, precision, max_seq_length)
-        self.compiled = {
-            tower: openvino_model(exported.graph_path(tower, self.precision), inference_precision, num_threads)
-            for tower in ("image", "text")
-        }
+        super().__init__(exported, runtime, TOWERS, exported_precision(precision, exported.precisions), max_seq_length)
+        self.identity = exported.identity
 
-    def encode_images(
-        self,
-        pixels: torch.Tensor | np.ndarray,
-        pixel_attention_mask: torch.Tensor | None = None,
-        spatial_shapes: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        compiled = self.compiled["image"]
-        feeds = _image_feeds(pixels, pixel_attention_mask, spatial_shapes)
-        return torch.from_numpy(np.asarray(compiled(feeds)[compiled.output(0)]))
-
-    def encode_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        compiled = self.compiled["text"]
-        feeds = _text_feeds(input_ids, attention_mask)
-        return torch.from_numpy(np.asarray(compiled(feeds)[compiled.output(0)])).float()
+    def run_tower(self, tower: str, inputs: dict[str, torch.Tensor | np.ndarray]) -> torch.Tensor:
+        return self.run_graph(tower, inputs)
 
 
 def build_encoder(reference: ModelReference, settings: RuntimeSettings) -> Encoder:
@@ -316,7 +350,7 @@ def build_encoder(reference: ModelReference, settings: RuntimeSettings) -> Encod
             raise ConfigError(
                 f"preset {reference.path} runs on torch; export a trained checkpoint for --backend {backend!r}"
             )
-        return _preset_encoder(reference.path, settings.max_seq_length, settings.max_num_patches)
+        return _preset_encoder(reference.path, settings)
     other = "onnx" if backend == "onnxruntime" else "openvino"
     if reference.kind != "export":
         if backend not in ("auto", "torch"):
@@ -326,28 +360,13 @@ def build_encoder(reference: ModelReference, settings: RuntimeSettings) -> Encod
             )
         if precision == "int8":
             raise RefusedModelError(f"{reference.path}: INT8 runs on exported graphs only; export with --quantize int8")
-        return _torch_encoder(reference, settings.max_seq_length, settings.max_num_patches)
+        return _torch_encoder(reference, settings)
     exported = ExportFolder.open(reference.path, check_source=False)
     exported.check_backend(backend)
     exported.check_source_unchanged()
     exported.check_caption_length(settings.max_seq_length)
-    encoder: _ExportedEncoder
-    if exported.runtime == "onnxruntime":
-        encoder = OnnxRuntimeEncoder(
-            exported,
-            precision,
-            num_threads=settings.num_threads,
-            allow_spinning=settings.allow_spinning,
-            max_seq_length=settings.max_seq_length,
-        )
-    else:
-        encoder = OpenVinoEncoder(
-            exported,
-            precision,
-            inference_precision=settings.inference_precision,
-            num_threads=settings.num_threads,
-            max_seq_length=settings.max_seq_length,
-        )
+    runtime = graph_runtime(exported, settings, settings.inference_precision)
+    encoder = ExportedEncoder(exported, runtime, precision, settings.max_seq_length)
     if settings.max_num_patches is not None:
         encoder.spec = _exported_patch_budget(encoder.spec, settings.max_num_patches, exported.path)
     return encoder
@@ -373,11 +392,9 @@ def _exported_patch_budget(spec: InputSpec, asked: int, path: str) -> InputSpec:
     return dataclasses.replace(spec, max_num_patches=asked)
 
 
-def _torch_encoder(
-    reference: ModelReference, max_seq_length: int | None, max_num_patches: int | None = None
-) -> TorchEncoder:
+def _torch_encoder(reference: ModelReference, settings: RuntimeSettings) -> TorchEncoder:
     """A checkpoint folder on PyTorch: fp32, eval mode, the sdpa attention path, at the run's caption length (or
-    ``max_seq_length``)."""
+    ``settings.max_seq_length``)."""
     from vlfit.models.loading import load_model  # only here: it imports transformers' models
 
     folder = reference.path
@@ -386,17 +403,17 @@ def _torch_encoder(
             f"{folder}: the checkpoint has no tokenizer ({' or '.join(TOKENIZER_FILES)}); save one beside the weights "
             "(vlfit train does)"
         )
-    loaded = load_model(model_name_or_path=reference, max_seq_length=max_seq_length, max_num_patches=max_num_patches)
+    loaded = load_model(model_name_or_path=reference, max_seq_length=settings.max_seq_length,
+                        max_num_patches=settings.max_num_patches)  # fmt: skip
     return TorchEncoder(loaded, folder, checkpoint_fingerprint(folder))
 
 
-def _preset_encoder(preset: str, max_seq_length: int | None, max_num_patches: int | None = None) -> TorchEncoder:
+def _preset_encoder(preset: str, settings: RuntimeSettings) -> TorchEncoder:
     from vlfit.data.synthetic.scenes import scene_and_choices
     from vlfit.models.loading import load_model
 
     rng = np.random.default_rng(0)
     captions = [caption for _ in range(64) for caption in scene_and_choices(rng)[1]]
-    loaded = load_model(
-        model_preset=preset, captions=lambda: captions, max_seq_length=max_seq_length, max_num_patches=max_num_patches
-    )
+    loaded = load_model(model_preset=preset, captions=lambda: captions, max_seq_length=settings.max_seq_length,
+                        max_num_patches=settings.max_num_patches)  # fmt: skip
     return TorchEncoder(loaded, f"preset:{preset}", f"preset:{preset}")

@@ -35,7 +35,7 @@ import torch
 from vlfit.atomic_files import write_text_atomically
 from vlfit.data.image_groups import group_images
 from vlfit.errors import ConfigError
-from vlfit.inference.backends import Encoder, OnnxRuntimeEncoder, OpenVinoEncoder, TorchEncoder
+from vlfit.inference.backends import Encoder, ExportedEncoder, OnnxRuntimeGraphs, OpenVinoGraphs, TorchEncoder
 from vlfit.inference.export_samples import Samples
 from vlfit.inference.exported import FORMATS, MANIFEST_NAME, TOWERS, ExportFolder, ExportParityError, graph_name
 from vlfit.inference.identity import library_versions
@@ -197,11 +197,9 @@ def _embed(encoder: Encoder, samples: Samples) -> tuple[torch.Tensor, torch.Tens
     return embed_samples(samples, encoder.encode_images, encoder.encode_tokens, encoder.tokenize)
 
 
-def _open_staged(folder: str, manifest: dict[str, Any], precision: str, **options: Any) -> Encoder:
-    exported = ExportFolder(folder, manifest)
-    if manifest["format"] == "onnx":
-        return OnnxRuntimeEncoder(exported, precision)
-    return OpenVinoEncoder(exported, precision, **options)
+def _open_staged(folder: str, manifest: dict[str, Any], precision: str, **options: Any) -> ExportedEncoder:
+    runtime = OnnxRuntimeGraphs() if manifest["format"] == "onnx" else OpenVinoGraphs(**options)
+    return ExportedEncoder(ExportFolder(folder, manifest), runtime, precision)
 
 
 # ------------------------------------------------------------------------------------------------ the export
@@ -370,8 +368,7 @@ def _openvino_default_precision(
 ) -> dict[str, Any]:
     """The CPU plugin's own inference precision (bf16 where the CPU has it) and its cosine to PyTorch."""
     encoder = _open_staged(staging, manifest, "fp32")
-    assert isinstance(encoder, OpenVinoEncoder)
-    hint = encoder.compiled["image"].get_property("INFERENCE_PRECISION_HINT")
+    hint = encoder.graphs["image"].get_property("INFERENCE_PRECISION_HINT")
     precision = hint.to_string() if hasattr(hint, "to_string") else str(hint)  # an openvino.Type: "f32", "bf16"
     figures: dict[str, Any] = {"precision": precision}
     if "f32" not in precision:

@@ -44,6 +44,7 @@ from vlfit.inference.exported import ExportFolder, ExportParityError, graph_name
 from vlfit.inference.itm_graph import PairScoringGraph
 from vlfit.inference.pair_scorer import ITM_GRAPH, ITM_INPUTS, ITM_OUTPUT, exported_pair_scorer
 from vlfit.inference.quantize import compress_openvino_weights, convert_to_openvino, quantize_onnx_dynamic
+from vlfit.inference.runtime_settings import RuntimeSettings
 from vlfit.inference.towers import IMAGE_INPUT, TEXT_INPUTS
 from vlfit.models.itm import pair_scores
 
@@ -269,5 +270,5 @@ def export_itm_graph(
 
 def _graph_scores(staging: str, manifest: dict[str, Any], precision: str, samples: Samples, candidates: int
                   ) -> torch.Tensor:  # fmt: skip
-    scorer = exported_pair_scorer(ExportFolder(staging, manifest), precision)
+    scorer = exported_pair_scorer(ExportFolder(staging, manifest), RuntimeSettings(precision=precision))
     return score_parity_pairs(samples, scorer.spec.tokenize, scorer.score_tokens, candidates)

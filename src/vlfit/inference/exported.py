@@ -116,8 +116,13 @@ class ExportFolder:
 
     @property
     def precisions(self) -> tuple[str, ...]:
-        """The precisions whose two graphs are in the folder."""
-        return tuple(p for p in PRECISIONS if all(self.manifest["graphs"].get(t, {}).get(p) for t in TOWERS))
+        """The precisions whose two tower graphs are in the folder."""
+        return tuple(p for p in PRECISIONS if all(p in self.graph_precisions(t) for t in TOWERS))
+
+    def graph_precisions(self, graph: str) -> tuple[str, ...]:
+        """The precisions graph ``graph`` (``image``, ``text``, ``itm``) is in the folder in (none: it is not)."""
+        graphs = self.manifest.get("graphs", {}).get(graph, {})
+        return tuple(p for p in PRECISIONS if graphs.get(p))
 
     def graph_path(self, tower: str, precision: str) -> str:
         """Path of one graph.
@@ -127,8 +132,9 @@ class ExportFolder:
         """
         name = self.manifest["graphs"].get(tower, {}).get(precision)
         if not name:
+            has = ", ".join(self.graph_precisions(tower)) or "none"
             raise RefusedModelError(
-                f"{self.path}: no {precision} {tower} graph (it has: {', '.join(self.precisions) or 'none'}); "
+                f"{self.path}: no {precision} {tower} graph (it has: {has}); "
                 f"export with {'--quantize int8' if precision == 'int8' else 'vlfit export'} first"
             )
         return os.path.join(self.path, name)

@@ -11,9 +11,10 @@ text_rows=[0] * K, image_rows=range(K))``. Without rows, caption ``i`` pairs wit
 ``vlfit.inference.itm_graph.PairScoringGraph`` is what every backend runs: PyTorch eagerly, ONNX Runtime as the
 ``itm.onnx`` graph ``vlfit export`` traced from it (``vlfit.inference.export_itm``), OpenVINO as that graph
 converted (``itm.xml``). A model's scorer comes from its runtime (``vlfit.inference.runtime.ModelRuntime``:
-``pair_scorer``, on the threads and precision of its encoder): ``pair_scorer_for`` gives the scorer beside an encoder
-already open, ``exported_scorer_of`` an export folder's without its encoder. A model without a matching head has no
-scorer: both return None and ``ModelRuntime.require_pair_scorer`` refuses it in one line (``NoMatchingHeadError``).
+``pair_scorer``, on the runtime's settings): ``pair_scorer_for`` gives a checkpoint's, sharing its PyTorch encoder's
+model; ``exported_scorer_of`` an export folder's, at the settings' precision, threads and caption
+length, whether or not the folder's encoder was opened first. A model without a matching head has no scorer: both
+return None and ``ModelRuntime.require_pair_scorer`` refuses it in one line (``NoMatchingHeadError``).
 """
 
 from __future__ import annotations
@@ -25,20 +26,18 @@ import numpy as np
 import torch
 
 from vlfit.errors import ConfigError
-from vlfit.extras import require_extra
 from vlfit.inference.backends import (
-    Encoder,
-    OnnxRuntimeEncoder,
-    OpenVinoEncoder,
+    ExportedPart,
+    GraphRuntime,
+    ModelPart,
     TorchEncoder,
-    onnx_session,
-    openvino_model,
+    exported_precision,
+    graph_runtime,
 )
 from vlfit.inference.exported import ExportFolder, graph_name
 from vlfit.inference.identity import RefusedModelError
 from vlfit.inference.runtime_settings import RuntimeSettings
 from vlfit.inference.towers import IMAGE_INPUT, TEXT_INPUTS
-from vlfit.models.family import InputSpec
 
 ITM_GRAPH = "itm"  # the graph's key in the export manifest and its file name (itm.onnx, itm.int8.onnx)
 ROW_INPUTS = ("text_rows", "image_rows")
@@ -65,31 +64,15 @@ def no_matching_head(model_path: str, exported: ExportFolder | None = None) -> N
     )
 
 
-class PairScorer(ABC):
-    """Scores (caption, image) pairs by the matching head.
+class PairScorer(ModelPart, ABC):
+    """Scores (caption, image) pairs by the matching head (the attributes of ``ModelPart``)."""
 
-    Attributes:
-        backend: ``torch``, ``onnxruntime`` or ``openvino``.
-        precision: ``fp32`` or ``int8`` (PyTorch: ``fp32``).
-        model_path: The checkpoint or export folder.
-        spec: Image size, mean, std, tokenizer and caption length.
-    """
-
-    backend: str
-    precision: str
-    model_path: str
-    spec: InputSpec
+    kind = "pair scorer "
 
     @abstractmethod
-    def score_tokens(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        pixels: torch.Tensor,
-        text_rows: torch.Tensor,
-        image_rows: torch.Tensor,
-    ) -> torch.Tensor:
-        """``PairScoringGraph``'s inputs, checked -> float32 log-odds ``[P]`` on the CPU."""
+    def score_tokens(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """``PairScoringGraph``'s five inputs (token ids and attention mask ``[Nt, T]``, uint8 pixels
+        ``[Ni, 3, H, W]``, text rows and image rows ``[P]``), checked -> float32 log-odds ``[P]`` on the CPU."""
 
     def score_pairs(
         self,
@@ -131,10 +114,6 @@ class PairScorer(ABC):
         if len(rows[0]) == 0:
             return torch.zeros(0, dtype=torch.float32)
         return self.score_tokens(input_ids.long(), attention_mask.long(), pixels.contiguous(), rows[0], rows[1]).float()
-
-    @property
-    def description(self) -> str:
-        return f"pair scorer {self.model_path} on {self.backend} ({self.precision})"
 
 
 def _pair_rows(
@@ -186,128 +165,70 @@ class TorchPairScorer(PairScorer):
         self.graph = PairScoringGraph(encoder.model, encoder.spec).eval()
 
     @torch.inference_mode()
-    def score_tokens(self, input_ids, attention_mask, pixels, text_rows, image_rows) -> torch.Tensor:  # type: ignore[no-untyped-def]
-        return self.graph(input_ids, attention_mask, pixels, text_rows, image_rows)
+    def score_tokens(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.graph(*inputs)
 
 
-class _ExportedPairScorer(PairScorer):
-    """The ``itm`` graph of an export folder, of the precision asked (``auto``: INT8 when exported).
+class ExportedPairScorer(ExportedPart, PairScorer):
+    """The ``itm`` graph of an export folder on the runtime of its format (``exported_pair_scorer`` makes one).
+
+    Args:
+        exported: The export folder.
+        runtime: Where its graph runs (``vlfit.inference.backends.graph_runtime``).
+        precision: ``fp32``, ``int8`` or ``auto`` (INT8 when the ``itm`` graph was exported in INT8).
+        max_seq_length: Caption length (``None``: the export's, which is the run's).
 
     Raises:
         NoMatchingHeadError: when the folder has no ``itm`` graph.
         RefusedModelError: when it has none of ``precision``.
     """
 
-    def __init__(self, exported: ExportFolder, precision: str = "auto") -> None:
-        precisions = exported_itm_precisions(exported)
+    def __init__(
+        self, exported: ExportFolder, runtime: GraphRuntime, precision: str = "auto", max_seq_length: int | None = None
+    ) -> None:
+        precisions = exported.graph_precisions(ITM_GRAPH)
         if not precisions:
             raise no_matching_head(exported.path, exported)
-        if precision == "auto":
-            precision = "int8" if "int8" in precisions else "fp32"
-        self.precision = precision
-        self.model_path = exported.path
-        self.exported = exported
-        self.spec = exported.input_spec()
+        super().__init__(exported, runtime, (ITM_GRAPH,), exported_precision(precision, precisions), max_seq_length)
 
-    def _feeds(self, values: Sequence[torch.Tensor]) -> dict[str, np.ndarray]:
-        return {name: np.ascontiguousarray(value.numpy()) for name, value in zip(ITM_INPUTS, values, strict=True)}
+    def score_tokens(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.run_graph(ITM_GRAPH, dict(zip(ITM_INPUTS, inputs, strict=True)))
 
 
-class OnnxRuntimePairScorer(_ExportedPairScorer):
-    """The ``itm`` graph of an exported ONNX folder on ONNX Runtime's CPU provider.
+def exported_pair_scorer(exported: ExportFolder, settings: RuntimeSettings | None = None) -> ExportedPairScorer:
+    """The scorer of an export folder's ``itm`` graph on the folder's runtime (ONNX Runtime, or OpenVINO computing
+    in f32: the precision its parity was checked in), at ``settings``' precision, threads and caption length
+    (``None``: the defaults).
 
-    Args:
-        exported: The export folder.
-        precision: ``fp32``, ``int8`` or ``auto`` (INT8 when exported).
-        num_threads: Intra-op threads (``None``: ONNX Runtime's default).
-        allow_spinning: Let idle intra-op threads spin-wait for the next call (see ``OnnxRuntimeEncoder``).
+    Raises:
+        NoMatchingHeadError: when the folder has no ``itm`` graph.
+        RefusedModelError: when it has none of the precision asked.
     """
-
-    backend = "onnxruntime"
-
-    def __init__(
-        self,
-        exported: ExportFolder,
-        precision: str = "auto",
-        num_threads: int | None = None,
-        allow_spinning: bool = True,
-    ) -> None:
-        require_extra("export", "the onnxruntime backend", ("onnxruntime",))
-        super().__init__(exported, precision)
-        self.session = onnx_session(exported.graph_path(ITM_GRAPH, self.precision), num_threads, allow_spinning)
-
-    def score_tokens(self, input_ids, attention_mask, pixels, text_rows, image_rows) -> torch.Tensor:  # type: ignore[no-untyped-def]
-        (out,) = self.session.run(None, self._feeds((input_ids, attention_mask, pixels, text_rows, image_rows)))
-        return torch.from_numpy(out)
+    settings = settings or RuntimeSettings()
+    runtime = graph_runtime(exported, settings, inference_precision="f32")
+    return ExportedPairScorer(exported, runtime, settings.precision, settings.max_seq_length)
 
 
-class OpenVinoPairScorer(_ExportedPairScorer):
-    """The ``itm`` graph of an exported OpenVINO folder on the CPU plugin, computing in f32 (the precision its
-    parity was checked in).
+def pair_scorer_for(encoder: TorchEncoder) -> TorchPairScorer | None:
+    """The pair scorer sharing a PyTorch encoder's model; None when the model has no matching
+    head (``ModelRuntime.pair_scorer`` calls it for a checkpoint or a preset)."""
+    from vlfit.models.itm import has_itm_head
 
-    Args:
-        exported: The export folder.
-        precision: ``fp32``, ``int8`` or ``auto`` (INT8 when exported).
-        num_threads: ``INFERENCE_NUM_THREADS`` (``None``: the plugin's default).
-    """
-
-    backend = "openvino"
-
-    def __init__(self, exported: ExportFolder, precision: str = "auto", num_threads: int | None = None) -> None:
-        require_extra("export", "the openvino backend", ("openvino",))  # before the folder is read
-        super().__init__(exported, precision)
-        self.compiled = openvino_model(exported.graph_path(ITM_GRAPH, self.precision), "f32", num_threads)
-
-    def score_tokens(self, input_ids, attention_mask, pixels, text_rows, image_rows) -> torch.Tensor:  # type: ignore[no-untyped-def]
-        feeds = self._feeds((input_ids, attention_mask, pixels, text_rows, image_rows))
-        return torch.from_numpy(np.asarray(self.compiled(feeds)[self.compiled.output(0)], dtype=np.float32))
-
-
-def exported_pair_scorer(
-    exported: ExportFolder, precision: str = "auto", *, num_threads: int | None = None, allow_spinning: bool = True
-) -> PairScorer:
-    """The scorer of an export folder's ``itm`` graph on the folder's runtime (ONNX Runtime or OpenVINO)."""
-    if exported.runtime == "openvino":
-        return OpenVinoPairScorer(exported, precision, num_threads=num_threads)
-    return OnnxRuntimePairScorer(exported, precision, num_threads=num_threads, allow_spinning=allow_spinning)
-
-
-def exported_itm_precisions(exported: ExportFolder) -> tuple[str, ...]:
-    """The precisions of the folder's ``itm`` graph (none: the folder cannot score pairs)."""
-    graphs = exported.manifest.get("graphs", {}).get(ITM_GRAPH, {})
-    return tuple(precision for precision in ("fp32", "int8") if graphs.get(precision))
-
-
-def pair_scorer_for(
-    encoder: Encoder, *, num_threads: int | None = None, allow_spinning: bool = True
-) -> PairScorer | None:
-    """The pair scorer beside an open encoder, on the same backend; None when its model has no matching head
-    (``ModelRuntime.pair_scorer`` calls it with the runtime's threads).
-
-    A PyTorch encoder's scorer shares its model; an ONNX Runtime encoder's scorer runs the folder's ``itm`` graph
-    of the encoder's precision (fp32 when that precision has none), an OpenVINO encoder's the same on OpenVINO.
-    """
-    if isinstance(encoder, TorchEncoder):
-        from vlfit.models.itm import has_itm_head
-
-        return TorchPairScorer(encoder) if has_itm_head(encoder.model) else None
-    if isinstance(encoder, (OnnxRuntimeEncoder, OpenVinoEncoder)):
-        precisions = exported_itm_precisions(encoder.exported)
-        if not precisions:
-            return None
-        precision = encoder.precision if encoder.precision in precisions else "fp32"
-        return exported_pair_scorer(encoder.exported, precision, num_threads=num_threads, allow_spinning=allow_spinning)
-    return None
+    return TorchPairScorer(encoder) if has_itm_head(encoder.model) else None
 
 
 def exported_scorer_of(folder: str, settings: RuntimeSettings) -> PairScorer | None:
-    """The scorer of an export folder's ``itm`` graph on ``settings`` (its backend checked against the folder's
-    runtime, its precision ``auto``: INT8 when exported), without opening the folder's encoder; None without the
-    graph."""
+    """The scorer of an export folder's ``itm`` graph on ``settings``, whether or not the folder's encoder is open
+    (``ModelRuntime.pair_scorer`` calls it for an export folder, so its precision, threads and caption length are
+    those of the settings, never of which part was asked for first); None without the graph.
+
+    Raises:
+        RefusedModelError: for a backend other than the folder's runtime, a caption length longer than the graphs
+            take, or a precision the ``itm`` graph was not exported in.
+    """
     exported = ExportFolder.open(folder)
     exported.check_backend(settings.backend)
-    if not exported_itm_precisions(exported):
+    exported.check_caption_length(settings.max_seq_length)
+    if not exported.graph_precisions(ITM_GRAPH):
         return None
-    return exported_pair_scorer(
-        exported, settings.precision, num_threads=settings.num_threads, allow_spinning=settings.allow_spinning
-    )
+    return exported_pair_scorer(exported, settings)
