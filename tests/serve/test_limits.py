@@ -398,7 +398,7 @@ def test_limits_out_of_range_are_refused_naming_the_flag() -> None:
 
 
 def test_the_json_parser_bounds_depth_without_recursion() -> None:
-    from vlfit.serve.queries import parse_json
+    from vlfit.serve.json_body import parse_json
 
     assert parse_json(b'{"text": "a", "k": 3}') == {"text": "a", "k": 3}
     assert parse_json(json.dumps([[[[1]]]]).encode()) == [[[[1]]]]

@@ -32,7 +32,7 @@ from typing import Any
 
 from vlfit.errors import ConfigError
 from vlfit.serve.limits import VECTORIZE_PATH, WEAVIATE_PROBES
-from vlfit.serve.queries import error_response
+from vlfit.serve.responses import error_response
 
 API_KEY_ENV = "VLFIT_API_KEY"
 ADMIN_KEY_ENV = "VLFIT_ADMIN_KEY"

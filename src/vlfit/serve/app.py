@@ -70,14 +70,8 @@ from vlfit.serve.limits import (
 from vlfit.serve.metrics import MEDIA_TYPE as METRICS_MEDIA_TYPE
 from vlfit.serve.metrics import ServerMetrics
 from vlfit.serve.middleware import HeadAsGet, InFlightLimit, RequestMetrics, UploadLimit, WaitLimit
-from vlfit.serve.queries import (
-    ITEM_NUMBER_RULE,
-    Query,
-    SearchQuery,
-    ascii_number,
-    error_response,
-    read_query,
-)
+from vlfit.serve.queries import ITEM_NUMBER_RULE, Query, SearchQuery, ascii_number, read_query
+from vlfit.serve.responses import error_response
 from vlfit.serve.weaviate import add_weaviate_routes
 
 logger = logging.getLogger(__name__)

@@ -3,7 +3,8 @@
 ``vlfit serve``'s flags of the same names set them; ``create_app(engine, limits=ServerLimits(...))`` takes them.
 Who enforces each: ``vlfit.serve.connections`` (connections and request heads, under uvicorn), the app's
 middlewares in ``vlfit.serve.middleware`` (requests in flight, bodies), ``vlfit.serve.admission`` (a search's
-expected wait) and ``vlfit.serve.queries`` / ``vlfit.serve.images`` (what a query may ask).
+expected wait) and ``vlfit.serve.json_body``, ``vlfit.serve.queries`` and ``vlfit.serve.images`` (what a
+request may ask).
 """
 
 from __future__ import annotations

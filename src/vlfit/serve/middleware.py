@@ -16,7 +16,7 @@ from typing import Any
 
 from vlfit.serve.admission import RETRY_AFTER_S, Ticket, WaitAdmission, query_kind, refusal_message
 from vlfit.serve.metrics import ServerMetrics
-from vlfit.serve.queries import error_response
+from vlfit.serve.responses import error_response
 
 logger = logging.getLogger(__name__)
 

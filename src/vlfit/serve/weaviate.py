@@ -31,23 +31,17 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictStr
 
 from vlfit.errors import DataError, first_line
 from vlfit.index.stages import StageTimes
 from vlfit.serve.disconnects import ClientGone, unless_disconnected
 from vlfit.serve.engine import SearchEngine
 from vlfit.serve.images import QueryImageTooLarge, check_query_pixels
+from vlfit.serve.json_body import decode_base64, read_json, text_problem
 from vlfit.serve.limits import VECTORIZE_PATH, WEAVIATE_PROBES, ServerLimits
 from vlfit.serve.metrics import ServerMetrics
-from vlfit.serve.queries import (
-    UTF8_CHARSETS,
-    NotUtf8Error,
-    content_type,
-    decode_base64,
-    error_response,
-    parse_json,
-)
+from vlfit.serve.responses import error_response
 from vlfit.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -84,31 +78,20 @@ class ItemRefused(Exception):
 
 
 async def read_vectorize(request: Request, max_text_chars: int) -> VectorizeRequest | JSONResponse:
-    """The checked body of ``POST /vectorize``, or the error response it gets (see ``vlfit.serve.queries`` for the
-    JSON rules: UTF-8, no duplicate keys, bounded nesting, unknown fields refused)."""
-    _, charset = content_type(request.headers.get("content-type", ""))
-    if charset is not None and charset not in UTF8_CHARSETS:
-        return error_response(415, f"{VECTORIZE_PATH} takes JSON in UTF-8 (charset=utf-8 or none), not "
-                              f"charset={charset[:40]}: send UTF-8 JSON")  # fmt: skip
-    try:
-        body = parse_json(await request.body())
-    except NotUtf8Error as err:
-        return error_response(400, str(err))
-    except ValueError as err:
-        return error_response(422, f"{err}; {_EXAMPLE}")
-    try:
-        fields = VectorizeBody.model_validate(body)
-    except ValidationError as err:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in err.errors())
-        return error_response(422, f"invalid vectorize request: {problems}; {_EXAMPLE}")
+    """The checked body of ``POST /vectorize``, or the error response it gets (``vlfit.serve.json_body``: UTF-8, no
+    duplicate keys, bounded nesting, unknown fields refused). An empty text is taken: Weaviate sends an object's
+    empty text fields too, and the model embeds them as the inference container does."""
+    fields = await read_json(request, VectorizeBody, what="vectorize request", example=_EXAMPLE)
+    if isinstance(fields, JSONResponse):
+        return fields
     texts, encoded = fields.texts or [], fields.images or []
     if len(texts) + len(encoded) > MAX_VECTORIZE_ITEMS:
         return error_response(422, f"{len(texts)} texts and {len(encoded)} images in one request, over the limit "
                               f"of {MAX_VECTORIZE_ITEMS} items: send them in several requests")  # fmt: skip
     for i, text in enumerate(texts):
-        problem = _text_problem(text, max_text_chars)
+        problem = text_problem(text, max_text_chars, f"texts[{i}]")
         if problem:
-            return error_response(422, f"texts[{i}] {problem}")
+            return error_response(422, problem)
     images = []
     for i, image in enumerate(encoded):
         try:
@@ -116,18 +99,6 @@ async def read_vectorize(request: Request, max_text_chars: int) -> VectorizeRequ
         except ValueError as err:
             return error_response(400, str(err))
     return VectorizeRequest(texts, images)
-
-
-def _text_problem(text: str, max_chars: int) -> str | None:
-    """Why ``text`` cannot be vectorized (``None``: it can). An empty text can: Weaviate sends an object's empty
-    text fields too, and the model embeds them as the inference container does."""
-    if len(text) > max_chars:
-        return f"is {len(text)} characters, over the limit of {max_chars} (--max_text_chars)"
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as err:
-        return f"is not valid Unicode text: {err.reason} at character {err.start}"
-    return None
 
 
 def vectorize(
