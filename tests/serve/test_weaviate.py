@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 import vlfit
+from tests.serve.test_limits import PRIVATE_PATH, assert_internal_error
 from vlfit.serve.access import AccessPolicy
 from vlfit.serve.app import create_app
 from vlfit.serve.engine import SearchEngine
@@ -219,3 +220,14 @@ def test_a_full_vectorize_queue_is_refused_503_and_searches_still_admitted(engin
                 admission.leave(ticket)
         assert fresh.post("/vectorize", json={"texts": ["a"]}).status_code == 200
         assert 'vlfit_refused_total{limit="wait"} 1.0' in fresh.get("/metrics").text
+
+
+def test_a_vectorize_request_that_fails_on_the_server_gets_a_500_with_only_a_reference(engine, caplog) -> None:
+    class Breaking(SearchEngine):
+        def encode_texts(self, texts, times=None):
+            raise RuntimeError(f"the tokenizer broke reading {PRIVATE_PATH}")
+
+    breaking = Breaking.__new__(Breaking)
+    breaking.__dict__.update(engine.__dict__)
+    with TestClient(create_app(breaking, reload_interval=0)) as fresh:
+        assert_internal_error(fresh.post("/vectorize", json={"texts": ["a"]}), caplog)

@@ -22,7 +22,8 @@ the decoder's reason, malformed JSON or a missing field 422, ``k`` outside 1..10
 ``{"error": "..."}``. What a request may ask is bounded before anything is computed for it (``ServerLimits``:
 texts, image pixels, JSON, multipart: 422 or 400; requests in flight, and a search's expected wait
 (``vlfit.serve.admission``): 503 with ``Retry-After``; a body that does not arrive in time: 408), and one query's
-failure is its own 500 only; see ``vlfit.serve.limits``.
+failure is its own 500 only, which says nothing of it but a reference the server's log gives with its traceback
+(``vlfit.serve.responses``); see ``vlfit.serve.limits``.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ from vlfit.serve.metrics import MEDIA_TYPE as METRICS_MEDIA_TYPE
 from vlfit.serve.metrics import ServerMetrics
 from vlfit.serve.middleware import HeadAsGet, InFlightLimit, RequestMetrics, UploadLimit, WaitLimit
 from vlfit.serve.queries import ITEM_NUMBER_RULE, Query, SearchQuery, ascii_number, read_query
-from vlfit.serve.responses import error_response
+from vlfit.serve.responses import error_response, internal_error
 from vlfit.serve.weaviate import add_weaviate_routes
 
 logger = logging.getLogger(__name__)
@@ -226,8 +227,7 @@ def create_app(
         except DataError as err:
             return error_response(400, f"the upload is not an image vlfit can read: {err}")
         except Exception as err:  # noqa: BLE001 - this query's failure, and only this query's (batches retry one by one)
-            logger.error("a search failed (%s): %s", _describe(query), err, exc_info=err)
-            return error_response(500, f"the search failed: {type(err).__name__}: {err}")
+            return internal_error(logger, f"a search ({_describe(query)})", err)
         return JSONResponse({"results": results, "k": query.k, "generation": engine.generation,
                              "took_ms": round(1000 * (time.perf_counter() - started), 3)})  # fmt: skip
 

@@ -41,7 +41,7 @@ from vlfit.serve.images import QueryImageTooLarge, check_query_pixels
 from vlfit.serve.json_body import decode_base64, read_json, text_problem
 from vlfit.serve.limits import VECTORIZE_PATH, WEAVIATE_PROBES, ServerLimits
 from vlfit.serve.metrics import ServerMetrics
-from vlfit.serve.responses import error_response
+from vlfit.serve.responses import error_response, internal_error
 from vlfit.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -179,8 +179,7 @@ def add_weaviate_routes(
         except ItemRefused as err:
             return error_response(err.status, str(err))
         except Exception as err:  # noqa: BLE001 - this request's failure, and only this request's
-            logger.error("a vectorize request (%d texts, %d images) failed: %s", len(checked.texts),
-                         len(checked.images), err, exc_info=err)  # fmt: skip
-            return error_response(500, f"vectorizing failed: {type(err).__name__}: {err}")
+            what = f"a vectorize request ({len(checked.texts)} texts, {len(checked.images)} images)"
+            return internal_error(logger, what, err)
         metrics.observe_stages(times.seconds)
         return JSONResponse(answer)
