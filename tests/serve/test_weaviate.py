@@ -16,11 +16,13 @@ from PIL import Image
 
 import vlfit
 from tests.serve.test_limits import PRIVATE_PATH, assert_internal_error
+from vlfit.data.decode import DecodeError, decode_scaled
+from vlfit.index.stages import StageTimes
 from vlfit.serve.access import AccessPolicy
 from vlfit.serve.app import create_app
 from vlfit.serve.engine import SearchEngine
 from vlfit.serve.limits import ServerLimits
-from vlfit.serve.weaviate import MAX_VECTORIZE_ITEMS
+from vlfit.serve.weaviate import MAX_VECTORIZE_ITEMS, ItemRefused, vectorize
 
 KEY = "k-" + "5" * 30
 LOCAL = "http://127.0.0.1:8000"  # a Host the access policy answers
@@ -231,3 +233,22 @@ def test_a_vectorize_request_that_fails_on_the_server_gets_a_500_with_only_a_ref
     breaking.__dict__.update(engine.__dict__)
     with TestClient(create_app(breaking, reload_interval=0)) as fresh:
         assert_internal_error(fresh.post("/vectorize", json={"texts": ["a"]}), caplog)
+
+
+def test_an_image_that_does_not_decode_is_refused_with_the_decoders_reason_whatever_it_named_it(engine) -> None:
+    """The item's reason comes from the decoder's error as a field, not by cutting the name it gave the image out
+    of its message: an engine that names its query images otherwise still answers the reason alone."""
+
+    class Naming(SearchEngine):
+        def encode_image(self, image, times=None):
+            decode_scaled(image, 32, sample_id="the uploaded query")
+            return super().encode_image(image, times)
+
+    naming = Naming.__new__(Naming)
+    naming.__dict__.update(engine.__dict__)
+    with pytest.raises(DecodeError) as raised:
+        decode_scaled(TRUNCATED, 32, sample_id="x")
+    with pytest.raises(ItemRefused) as refused:  # its header reads (the pixel check passes), its pixels do not
+        vectorize(naming, [], [_PNG.getvalue(), TRUNCATED], 1_000_000, StageTimes())
+    assert refused.value.status == 400 and raised.value.reason.startswith("cannot decode JPEG")
+    assert str(refused.value) == f"images[1] is not an image vlfit can read: {raised.value.reason}"

@@ -33,6 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, StrictStr
 
+from vlfit.data.decode import DecodeError
 from vlfit.errors import DataError, first_line
 from vlfit.index.stages import StageTimes
 from vlfit.serve.disconnects import ClientGone, unless_disconnected
@@ -119,8 +120,8 @@ def vectorize(
             image_vectors += engine.encode_image(image, times).tolist()
         except QueryImageTooLarge as err:
             raise ItemRefused(422, f"images[{i}]: {err}") from None
-        except DataError as err:
-            reason = first_line(err).removeprefix(f"sample images[{i}]: ").removeprefix("sample images[0]: ")
+        except DataError as err:  # a DecodeError's reason without the sample it names (the engine's images[0])
+            reason = err.reason if isinstance(err, DecodeError) and err.reason else first_line(err)
             raise ItemRefused(400, f"images[{i}] is not an image vlfit can read: {reason}") from None
     return {"textVectors": text_vectors, "imageVectors": image_vectors}
 
