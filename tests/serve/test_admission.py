@@ -5,10 +5,12 @@ model, real engine) refusing a search that would wait over its budget with 503 a
 from __future__ import annotations
 
 import asyncio
+import base64
 from pathlib import Path
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 
 import vlfit
 from tests.serve.test_limits import RecordingEngine, _jpeg
@@ -170,3 +172,29 @@ def test_the_derived_budget_admits_a_light_load_and_a_fixed_one_does_not() -> No
         assert admission.over_budget("text") is not None
         for ticket in held:
             admission.leave(ticket)
+
+
+def test_a_json_base64_image_search_is_timed_and_refused_in_the_image_queue(engine) -> None:
+    """A JSON search is admitted from its head as a text; once its body shows a base64 image it waits, is timed and
+    is refused as an uploaded image is: in the image queue, not the text one."""
+    image = {"image": base64.b64encode(_jpeg(64, 64)).decode(), "k": 1}
+    with TestClient(create_app(engine, reload_interval=0)) as client:
+        admission = client.app.state.admission
+        assert client.post("/api/search", json=image).status_code == 200
+        assert admission.service_time("image").per_query is not None  # timed as an image query
+        assert admission.service_time("text").per_query is None
+        assert admission.pending("text") == admission.pending("image") == 0
+        admission.service_time("image").observe(0, 0.5)  # an image query alone took 0.5 s
+        tickets = [admission.enter("image") for _ in range(40)]  # 20 s of them ahead; budget 10 x 0.5 s
+        try:
+            refused = client.post("/api/search", json=image)
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+            assert "image query would wait about" in refused.json()["error"]
+            assert client.post("/api/search", json={"text": "one red circle", "k": 1}).status_code == 200
+        finally:
+            for ticket in tickets:
+                ticket.answered = False
+                admission.leave(ticket)
+        assert admission.pending("text") == admission.pending("image") == 0
+        assert client.post("/api/search", json=image).status_code == 200
+        assert 'vlfit_refused_total{limit="wait"} 1.0' in client.get("/metrics").text

@@ -14,7 +14,10 @@ newest). It is the time each queued query really adds, however they are computed
 - **text** queries are batched (``vlfit.serve.batching``: one collector takes every query queued, up to
   ``--max_batch``, and runs them as one batch on a single encoder thread); where a batch costs less than its
   queries alone (a GPU), the time per query ahead falls as batches grow, and more queries are admitted.
-- **image** queries run one at a time on a thread of their own: a queue of their own, never behind the texts.
+- **image** queries run one at a time on a thread of their own: a queue of their own, never behind the texts. A
+  multipart upload is one from its head; a JSON search is admitted from its head as a text (what most are: its
+  head cannot tell, so the texts' budget may refuse it there) and, when its body holds a base64 image, moved to the
+  image queue (``WaitAdmission.settle``), refused there when that queue is over its budget, and timed there.
 - **vectorize** requests (Weaviate's ``/vectorize``, ``vlfit.serve.weaviate``: texts and images together) run one
   at a time on a thread of their own: a queue of their own, so a bulk import is never ahead of a search.
 - What the encoder's time alone would not show is in it too: the event loop reading, parsing and answering every
@@ -61,6 +64,7 @@ from dataclasses import dataclass, field
 from vlfit.serve.limits import SEARCH_PATH, VECTORIZE_PATH
 
 KINDS = ("text", "image", "vectorize")
+TICKET_KEY = "vlfit.ticket"  # a request's scope entry: its Ticket, from the end of its body (WaitLimit)
 RETRY_AFTER_S = 1  # what a refused client is told to wait: a batch takes milliseconds, the queue drains in < 1 s
 EWMA_WEIGHT = 0.1  # the newest answer's share: about the last 10-20 answers count
 REFERENCE_ANSWERS = 100  # the unloaded time is the shortest of this many answers that found nothing ahead
@@ -175,6 +179,20 @@ class WaitAdmission:
         if ticket.answered:
             queue.time.observe(ticket.ahead, self.clock() - ticket.started)
 
+    def settle(self, ticket: Ticket, kind: str) -> tuple[float, float] | None:
+        """The query of ``ticket``, admitted from its head as ``ticket.kind``, is of ``kind`` by its body (a JSON
+        search's base64 image): it moves to that kind's queue, behind the queries pending there, and is timed
+        there. Returns ``(expected wait, budget)`` when that queue keeps it over its budget, as ``over_budget`` says
+        of a new query of ``kind`` (refuse it), else ``None``."""
+        if kind == ticket.kind:
+            return None
+        over = self.over_budget(kind)
+        self._queues[ticket.kind].pending -= 1
+        queue = self._queues[kind]
+        ticket.kind, ticket.ahead = kind, queue.pending
+        queue.pending += 1
+        return over
+
     @contextlib.contextmanager
     def admitted(self, kind: str) -> Iterator[Ticket]:
         """Counts a query of ``kind`` as pending while the block runs, and times it when the block ends normally
@@ -190,9 +208,10 @@ class WaitAdmission:
 
 
 def query_kind(content_type: bytes, path: str = SEARCH_PATH) -> str:
-    """The kind of a query from its route and ``Content-Type``: on ``/api/search`` a multipart upload is an image
-    query, any other body a text query (a JSON body's base64 image included: its queue is only known once the body
-    is parsed); a request of Weaviate's ``/vectorize`` (texts and images together) is a queue of its own."""
+    """The kind of a query from its route and ``Content-Type``, as its head is admitted: on ``/api/search`` a
+    multipart upload is an image query, any other body a text query (a JSON body may be a base64 image: the route
+    ``settle``s its ticket in the image queue once the body is parsed); a request of Weaviate's ``/vectorize``
+    (texts and images together) is a queue of its own."""
     if path == VECTORIZE_PATH:
         return "vectorize"
     return "image" if content_type.lower().startswith(b"multipart/") else "text"

@@ -70,7 +70,7 @@ from vlfit.serve.limits import (
 )
 from vlfit.serve.metrics import MEDIA_TYPE as METRICS_MEDIA_TYPE
 from vlfit.serve.metrics import ServerMetrics
-from vlfit.serve.middleware import HeadAsGet, InFlightLimit, RequestMetrics, UploadLimit, WaitLimit
+from vlfit.serve.middleware import HeadAsGet, InFlightLimit, RequestMetrics, UploadLimit, WaitLimit, settle_kind
 from vlfit.serve.queries import ITEM_NUMBER_RULE, Query, SearchQuery, ascii_number, read_query
 from vlfit.serve.responses import error_response, internal_error
 from vlfit.serve.weaviate import add_weaviate_routes
@@ -204,6 +204,9 @@ def create_app(
             by = engine.check_rerank(query.rerank, query.rerank_score)
         except ConfigError as err:
             return error_response(400, str(err))
+        refused = settle_kind(request.scope, admission, metrics, "text" if query.text is not None else "image")
+        if refused is not None:
+            return refused
         try:
             if query.text is not None:
                 text, k, rerank = query.text, query.k, query.rerank

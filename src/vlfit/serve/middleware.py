@@ -14,7 +14,9 @@ import logging
 import time
 from typing import Any
 
-from vlfit.serve.admission import RETRY_AFTER_S, Ticket, WaitAdmission, query_kind, refusal_message
+from fastapi.responses import JSONResponse
+
+from vlfit.serve.admission import RETRY_AFTER_S, TICKET_KEY, Ticket, WaitAdmission, query_kind, refusal_message
 from vlfit.serve.metrics import ServerMetrics
 from vlfit.serve.responses import error_response
 
@@ -123,11 +125,11 @@ class WaitLimit:
     (``vlfit_refused_total{limit="wait"}``); every other request passes.
 
     The kind of a query is read from its head (``query_kind``): on ``/api/search`` a multipart upload is an image
-    query, any other body a text query (a JSON body's base64 image included: the queue of its kind is only known
-    once the body is parsed); ``/vectorize`` is a kind of its own. An
-    admitted search is pending from the end of its body until its answer is sent, and an answer 200 is timed over
-    the same span: a body still arriving is the client's speed, not the queue's, so a client that trickles its
-    bodies cannot make the server refuse the searches of others.
+    query, any other body a text query; ``/vectorize`` is a kind of its own. A JSON search whose body holds a base64
+    image is moved to the image queue by the route once it parsed the body (``settle_kind``, with the ticket this
+    puts in the request's scope under ``TICKET_KEY``). An admitted search is pending from the end of its body until
+    its answer is sent, and an answer 200 is timed over the same span: a body still arriving is the client's speed,
+    not the queue's, so a client that trickles its bodies cannot make the server refuse the searches of others.
     """
 
     def __init__(self, app: Any, admission: WaitAdmission, metrics: ServerMetrics, paths: tuple[str, ...]) -> None:
@@ -143,9 +145,7 @@ class WaitLimit:
         kind = query_kind(dict(scope.get("headers") or []).get(b"content-type", b""), scope["path"])
         over = self.admission.over_budget(kind)
         if over is not None:  # on uvicorn's httptools protocol the connection refused it already, more cheaply
-            self.metrics.observe_refused("wait")
-            message = refusal_message(kind, over)
-            await error_response(503, message, {"Retry-After": str(RETRY_AFTER_S)})(scope, receive, send)
+            await wait_refusal(kind, over, self.metrics)(scope, receive, send)
             return
         ticket: Ticket | None = None
 
@@ -154,6 +154,7 @@ class WaitLimit:
             message = await receive()
             if message["type"] == "http.request" and not message.get("more_body", False) and ticket is None:
                 ticket = self.admission.enter(kind)  # the whole query is here: it waits for the queue now
+                scope[TICKET_KEY] = ticket
             return message
 
         async def status_send(message: dict) -> None:
@@ -170,6 +171,23 @@ class WaitLimit:
         finally:
             if ticket is not None:
                 self.admission.leave(ticket)
+
+
+def settle_kind(scope: dict, admission: WaitAdmission | None, metrics: ServerMetrics, kind: str) -> JSONResponse | None:
+    """A search admitted from its head as another kind than its body shows (``kind``: a JSON search's base64 image)
+    moves to ``kind``'s queue (``WaitAdmission.settle``); the 503 it gets when that queue is over its budget, else
+    ``None`` (also without admission, or for a request ``WaitLimit`` did not admit)."""
+    ticket = scope.get(TICKET_KEY)
+    if admission is None or ticket is None:
+        return None
+    over = admission.settle(ticket, kind)
+    return None if over is None else wait_refusal(kind, over, metrics)
+
+
+def wait_refusal(kind: str, over: tuple[float, float], metrics: ServerMetrics) -> JSONResponse:
+    """The 503 of a query of ``kind`` whose expected wait is over its budget (``over``), counted."""
+    metrics.observe_refused("wait")
+    return error_response(503, refusal_message(kind, over), {"Retry-After": str(RETRY_AFTER_S)})
 
 
 class HeadAsGet:
