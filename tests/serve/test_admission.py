@@ -189,7 +189,7 @@ def test_a_json_base64_image_search_is_timed_and_refused_in_the_image_queue(engi
         try:
             refused = client.post("/api/search", json=image)
             assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
-            assert "image query would wait about" in refused.json()["error"]
+            assert "an image query would wait about" in refused.json()["error"]
             assert client.post("/api/search", json={"text": "one red circle", "k": 1}).status_code == 200
         finally:
             for ticket in tickets:

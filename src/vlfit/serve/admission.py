@@ -219,7 +219,8 @@ def query_kind(content_type: bytes, path: str = SEARCH_PATH) -> str:
 
 def refusal_message(kind: str, over: tuple[float, float]) -> str:
     """What a search refused by ``WaitAdmission.over_budget`` (``over``: its expected wait and the budget) is told."""
-    return (f"a {kind} query would wait about {_ms(over[0])} here, over the budget of {_ms(over[1])} "
+    article = "an" if kind[:1] in "aeiou" else "a"
+    return (f"{article} {kind} query would wait about {_ms(over[0])} here, over the budget of {_ms(over[1])} "
             f"(--max_queue_wait_ms); retry after {RETRY_AFTER_S} s")  # fmt: skip
 
 
