@@ -18,7 +18,8 @@ from vlfit.data.sources.images import ImageFolderSource
 from vlfit.data.sources.openers import open_collection
 from vlfit.data.sources.tar import ShardCollection, TarSource
 from vlfit.data.webdataset import WebDatasetLayout
-from vlfit.index.build import FETCH_FOLDER, BuildRequest, build_index
+from vlfit.index.build import BuildRequest, build_index
+from vlfit.index.shard_embedding import FETCH_FOLDER
 from vlfit.index.store import EmbeddingIndex
 from vlfit.inference.runtime import ModelRuntime
 
@@ -29,6 +30,11 @@ def _query_json(capsys, *argv: str) -> dict:
     capsys.readouterr()
     assert main(["retrieve", "query", *argv, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
+
+
+def _build(encoder, source, request: BuildRequest, **kwargs):
+    """``build_index`` over the index at ``request.output_dir`` as it stands (opened as the job opens it)."""
+    return build_index(encoder, source, request, index=EmbeddingIndex.existing(request.output_dir), **kwargs)
 
 
 def _error_line(capsys) -> str:
@@ -84,17 +90,17 @@ def test_an_interrupted_build_resumes_to_the_index_a_one_shot_build_makes(tiny_c
     encoder = ModelRuntime.open(str(tiny_checkpoint)).encoder
     source = ImageFolderSource(str(image_folder))
     settings = {"collection": {"images": str(image_folder)}, "batch_size": 3, "shard_size": 4, "progress": False}
-    build_index(encoder, source, BuildRequest(str(tmp_path / "once"), **settings))
+    _build(encoder, source, BuildRequest(str(tmp_path / "once"), **settings))
 
     def interrupt(manifest):
         if len(manifest.shards) == 2:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        build_index(encoder, source, BuildRequest(str(tmp_path / "resumed"), **settings), on_shard=interrupt)
+        _build(encoder, source, BuildRequest(str(tmp_path / "resumed"), **settings), on_shard=interrupt)
     stopped = EmbeddingIndex(str(tmp_path / "resumed")).manifest
     assert stopped.count + len(stopped.bad_samples) == 12  # two shards of two batches of 3, the broken file in them
-    build_index(encoder, source, BuildRequest(str(tmp_path / "resumed"), **settings))
+    _build(encoder, source, BuildRequest(str(tmp_path / "resumed"), **settings))
     once, resumed = EmbeddingIndex(str(tmp_path / "once")), EmbeddingIndex(str(tmp_path / "resumed"))
     assert resumed.ids() == once.ids()
     assert torch.equal(resumed.embeddings(), once.embeddings())
@@ -109,20 +115,20 @@ def two_process_payload(folder: Path, dataset_dir: str) -> dict:
     images = write_image_folder(dataset_dir, folder / "images")
     encoder, source = ModelRuntime.open(str(checkpoint)).encoder, ImageFolderSource(str(images))
     settings = {"collection": {"images": str(images)}, "batch_size": 2, "shard_size": 2, "progress": False}
-    build_index(encoder, source, BuildRequest(str(folder / "once"), **settings))
+    _build(encoder, source, BuildRequest(str(folder / "once"), **settings))
 
     def stop(manifest):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        build_index(encoder, source, BuildRequest(str(folder / "parallel"), **settings), on_shard=stop)
+        _build(encoder, source, BuildRequest(str(folder / "parallel"), **settings), on_shard=stop)
     argv = ["index", "--model", str(checkpoint), "--images", str(images), "--output_dir",
             str(folder / "parallel"), "--batch_size", "2", "--shard_size", "2", "--dataloader_num_workers", "0",
             "--disable_tqdm", "true"]  # fmt: skip
     # Three tar shards of a '::' spec (streamed, as URLs are): indexed a shard at a time, 2 on rank 0, 1 on rank 1.
     spec = "::".join(_write_shards(folder / "tars", {"a": 2, "b": 1}))
     shards, collection = open_collection(dataset_name=spec, caption_column="txt")
-    build_index(encoder, shards, BuildRequest(str(folder / "stream_once"), collection, batch_size=2, progress=False))
+    _build(encoder, shards, BuildRequest(str(folder / "stream_once"), collection, batch_size=2, progress=False))
     stream_argv = ["index", "--model", str(checkpoint), "--dataset_name", spec, "--caption_column", "txt",
                    "--output_dir", str(folder / "stream_parallel"), "--batch_size", "2",
                    "--dataloader_num_workers", "0", "--disable_tqdm", "true"]  # fmt: skip
@@ -184,7 +190,7 @@ def test_tar_shards_at_urls_are_indexed_as_read_locally_and_a_failed_shard_is_tr
     _write_shards(tmp_path / "tars", {"s": 3})
     encoder = ModelRuntime.open(str(tiny_checkpoint)).encoder
     local = TarSource([str(p) for p in paths], name="local", caption_column="txt")
-    build_index(encoder, local, BuildRequest(str(tmp_path / "local"), {}, batch_size=2, shard_size=100, progress=False))
+    _build(encoder, local, BuildRequest(str(tmp_path / "local"), {}, batch_size=2, shard_size=100, progress=False))
     local_index = EmbeddingIndex(str(tmp_path / "local"))
     expected = dict(zip(local_index.ids(), local_index.embeddings(), strict=True))
 
@@ -194,13 +200,15 @@ def test_tar_shards_at_urls_are_indexed_as_read_locally_and_a_failed_shard_is_tr
         shards = ShardCollection(server.url("/s/{000..002}.tar"), tuple(urls), WebDatasetLayout(caption_column="txt"),
                                  retries=1, timeout=2.0, backoff=0.01)  # fmt: skip
         server.fail("/s/001.tar", status=500)
-        build_index(encoder, shards, BuildRequest(out, {"streamed": True}, batch_size=2, progress=False))
+        _build(encoder, shards, BuildRequest(out, {"streamed": True}, batch_size=2, progress=False))
         first = EmbeddingIndex(out).manifest
         assert [shard["source"] for shard in first.shards] == [urls[0], urls[2]]
         assert [bad["id"] for bad in first.bad_samples] == [urls[1]] and "500" in first.bad_samples[0]["reason"]
+        again = _build(encoder, shards, BuildRequest(out, {"streamed": True}, batch_size=2, progress=False))
+        assert [bad["id"] for bad in again.bad_samples] == [urls[1]] and again.added == 0  # lost again: reported
         server.heal("/s/001.tar")
         asked = len(server.requests)
-        build_index(encoder, shards, BuildRequest(out, {"streamed": True}, batch_size=2, progress=False))
+        _build(encoder, shards, BuildRequest(out, {"streamed": True}, batch_size=2, progress=False))
         assert {path for _, path, _ in server.requests[asked:]} == {"/s/001.tar"}
         index = EmbeddingIndex(out)
         assert [shard["source"] for shard in index.manifest.shards] == [urls[0], urls[2], urls[1]]
@@ -213,7 +221,7 @@ def test_tar_shards_at_urls_are_indexed_as_read_locally_and_a_failed_shard_is_tr
         ids, embeddings, asked = index.ids(), index.embeddings(), len(server.requests)
         damaged = Path(out, index.manifest.shards[0]["embeddings"])
         damaged.write_bytes(damaged.read_bytes()[:40])
-        build_index(encoder, shards, BuildRequest(out, {"streamed": True}, batch_size=2, progress=False))
+        _build(encoder, shards, BuildRequest(out, {"streamed": True}, batch_size=2, progress=False))
         assert {path for _, path, _ in server.requests[asked:]} == {"/s/000.tar"}
     repaired = EmbeddingIndex(out)
     assert [shard["source"] for shard in repaired.manifest.shards] == [urls[0], urls[2], urls[1]]

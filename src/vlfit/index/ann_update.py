@@ -52,7 +52,7 @@ def _extendable(folder: str, ids: list[str], wanted: IndexChoice) -> AnnIndex | 
 
 
 def update_ann(
-    folder: str,
+    index: EmbeddingIndex | str,
     *,
     index_type: str = "auto",
     max_index_memory: int | None = None,
@@ -60,10 +60,10 @@ def update_ann(
     seed: int = 0,
     verify: str = "quick",
 ) -> dict[str, Any]:
-    """Make the ANN structure of the index at ``folder`` cover every row of its shards; record it in the manifest.
+    """Make the ANN structure of ``index`` cover every row of its shards; record it in the manifest.
 
     Args:
-        folder: The index folder.
+        index: The index (as a build left it: ``BuiltIndex.index``), or its folder.
         index_type: ``auto``, ``flat``, ``hnsw`` or ``ivfpq``.
         max_index_memory: Bytes the ANN structure may take.
         target_recall: Recall@10 against exact search that the search parameter is tuned to.
@@ -76,13 +76,13 @@ def update_ann(
         empty when the index holds no rows yet.
     """
     check_verify_level(verify)
-    index = EmbeddingIndex(folder)
-    manifest = index.manifest
+    if isinstance(index, str):
+        index = EmbeddingIndex(index)
+    folder, manifest = index.path, index.manifest
     ids = index.ids()
     if not ids:
         return {}
-    embeddings = index.embeddings().numpy()  # float32 [N, D] read from the mapped shards; faiss reads it as is
-    wanted = choose_index_type(len(ids), embeddings.shape[1], max_index_memory, index_type)
+    wanted = choose_index_type(len(ids), manifest.identity.embedding_size, max_index_memory, index_type)
     budget = DEFAULT_MAX_INDEX_MEMORY if max_index_memory is None else max_index_memory
     current = manifest.ann
     if (
@@ -93,10 +93,11 @@ def update_ann(
         and current.get("max_index_memory") == budget
         and file_problem(os.path.join(folder, ANN_FILE), current, verify) is None
     ):
-        return current  # already covers these rows as asked
+        return current  # already covers these rows as asked: the embeddings are not read
     if manifest.ann is not None:  # from here ann.faiss changes: the manifest must not name it meanwhile
         manifest.ann = None
         write_manifest(folder, manifest)
+    embeddings = index.embeddings().numpy()  # float32 [N, D] read from the mapped shards; faiss reads it as is
     ann = _extendable(folder, ids, wanted)
     extended = ann is not None and len(ann) < len(ids)
     if ann is not None:

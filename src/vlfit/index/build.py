@@ -25,50 +25,26 @@ says that the rows after it moved.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import itertools
 import logging
 import os
-import shutil
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 
-from vlfit.data.batch import Batch
 from vlfit.data.image_groups import ImageItems, image_items
-from vlfit.data.pipeline import host_batches
 from vlfit.data.sources.base import ImageTextSource
-from vlfit.data.sources.tar import ShardCollection, TarSource
-from vlfit.errors import ConfigError, DataError, first_line
+from vlfit.data.sources.tar import ShardCollection
+from vlfit.errors import ConfigError, DataError
 from vlfit.index.build_request import BuildRequest, BuiltIndex
-from vlfit.index.store import (
-    MANIFEST_NAME,
-    EmbeddingIndex,
-    IndexManifest,
-    write_manifest,
-    write_shard,
-)
+from vlfit.index.shard_embedding import embed_rows, embed_shards
+from vlfit.index.store import EmbeddingIndex, IndexManifest
+from vlfit.index.transaction import BuildTransaction
 from vlfit.index.verify import Problem, damaged_shards
 from vlfit.inference.backends import Encoder
 
 logger = logging.getLogger(__name__)
-
-FETCH_FOLDER = ".fetching"  # inside the index folder: the tar shards being embedded, one process's each
-
-
-@dataclass(frozen=True)
-class _ShardPart:
-    """What one process made of one shard of a build: its manifest entry (None when every image was bad), and
-    the items it left out."""
-
-    position: int
-    entry: dict[str, Any] | None
-    bad_samples: list[dict[str, str]]
 
 
 def build_index(
@@ -76,6 +52,7 @@ def build_index(
     source: ImageTextSource | ShardCollection,
     request: BuildRequest,
     *,
+    index: EmbeddingIndex | None,
     on_shard: Callable[[IndexManifest], None] | None = None,
 ) -> BuiltIndex:
     """Embed every item of ``source`` not in the index at ``request.output_dir`` yet, and add it (creating the index).
@@ -85,92 +62,82 @@ def build_index(
     then deleted. On several processes (``world_size`` > 1, in an initialized ``torch.distributed`` group:
     ``torchrun ... vlfit retrieve index``), process ``rank`` embeds and writes shards ``rank``,
     ``rank + world_size``, ...; after each round of ``world_size`` shards, rank 0 lists them in the manifest in
-    order. The index is the one a single process builds: the same shards of the same items, embedded in the same
-    batches; a build stopped midway resumes at the first shard the manifest does not list, on any number of
-    processes.
+    order (``vlfit.index.transaction``). The index is the one a single process builds: the same shards of the same
+    items, embedded in the same batches; a build stopped midway resumes at the first shard the manifest does not
+    list, on any number of processes.
 
     Args:
         encoder: The model, on its backend.
         source: The images (an ``ImageFolderSource``, a dataset split, or a ``ShardCollection``).
         request: Where the index goes, what ``source`` is, and how it is embedded.
+        index: The index at ``request.output_dir`` as the caller opened it (``EmbeddingIndex.existing``: the
+            manifest is read once per job), None for a new one.
         on_shard: Called with the manifest after each round of shards is listed (rank 0).
 
     Returns:
-        The index's manifest (as rank 0 wrote it; other ranks get theirs without the new shards), the rows this
-        build added and the items it left out.
+        The index as built (as rank 0 wrote it; other ranks get theirs without the new shards), the rows this build
+        added and the items it left out.
 
     Raises:
         vlfit.inference.identity.RefusedModelError: when the index exists and was built with a model whose
             embeddings are not comparable.
     """
-    output_dir = request.output_dir
-    if request.lead:
-        os.makedirs(output_dir, exist_ok=True)
-    index = EmbeddingIndex(output_dir) if os.path.isfile(os.path.join(output_dir, MANIFEST_NAME)) else None
+    os.makedirs(request.output_dir, exist_ok=True)
     streamed = isinstance(source, ShardCollection)
-    # a folder's files by absolute path (their image ids: two never collide)
-    items = None if streamed else image_items(source)
+    items = None if streamed else image_items(source)  # a folder's files by absolute path (their ids never collide)
     if index is None:
-        if encoder.model_path.startswith("preset:"):
-            raise ConfigError(
-                f"--model {encoder.model_path.removeprefix('preset:')} is a preset: random weights, drawn again at "
-                "each load, so an index of them could not be searched; index a trained run (the --output_dir of vlfit "
-                "train) or a pretrained checkpoint"
-            )
-        where = encoder.model_path  # a folder by its absolute path; a hub id as it is
-        model = {"path": os.path.abspath(where) if os.path.exists(where) else where, "backend": encoder.backend,
-                 "precision": encoder.precision, "max_seq_length": encoder.spec.max_seq_length}  # fmt: skip
-        if encoder.spec.max_num_patches is not None:  # NaFlex: the patch budget its items were embedded at
-            model["max_num_patches"] = encoder.spec.max_num_patches
-        manifest = IndexManifest(encoder.identity, model, request.storage)
-        first_number = 0
+        manifest, first_number, replaced, done = _new_manifest(encoder, request.storage), 0, [], set()
     else:
         encoder.check_embeds_into(index.manifest.identity, f"the index {index.path}")
         check_patch_budget(encoder.spec.max_num_patches, index.manifest.model.get("max_num_patches"), index.path)
         manifest = index.manifest
         first_number = _next_shard_number(manifest)
-        first_number += _repair_damaged_shards(encoder, index, source, items, request, first_number)
-    count_before, bad_before = manifest.count, len(manifest.bad_samples)
-    done = _already_done(index, source) if index is not None else set()
-    collection = request.collection
+        repaired, replaced = _repair_damaged_shards(encoder, index, source, items, request, first_number)
+        first_number += repaired
+        done = _already_done(index, source)
+    transaction = BuildTransaction(request, manifest, replaced)
     if streamed:
         todo = [url for url in source.urls if url not in done]
-        manifest.collections.append({**collection, "shards": len(source.urls), "new_shards": len(todo)})
+        manifest.collections.append({**request.collection, "shards": len(source.urls), "new_shards": len(todo)})
     else:
         todo = [i for i, item in enumerate(items.ids) if item not in done]
-        manifest.collections.append({**collection, "items": len(items), "records": len(source), "new": len(todo)})
-    if todo:
-        manifest.ann = None  # it will not cover the new shards: queries scan them until it is brought up to date
-    if request.world_size > 1:
-        import torch.distributed as dist
-
-        dist.barrier()  # every process has read the manifest before rank 0 rewrites it
-    if request.lead:
-        write_manifest(output_dir, manifest)
+        counts = {"items": len(items), "records": len(source), "new": len(todo)}
+        manifest.collections.append({**request.collection, **counts})
     if not todo:
-        return BuiltIndex(manifest, 0, [])
+        return transaction.commit()
+    manifest.ann = None  # it will not cover the new shards: queries scan them until it is brought up to date
     if streamed:
         sizes, unit = [1] * len(todo), "shard"
-        parts = _embed_shards(encoder, source, todo, first_number, manifest.storage, request)
+        parts = embed_shards(encoder, source, todo, first_number, manifest.storage, request)
     else:
         rows_per_shard = -(-request.shard_size // request.batch_size) * request.batch_size
         shards = [todo[start : start + rows_per_shard] for start in range(0, len(todo), rows_per_shard)]
         sizes, unit = [len(shard) for shard in shards], "img"
-        parts = _embed_rows(encoder, source, items, shards, first_number, manifest.storage, request)
-    bar = tqdm(total=sum(sizes), unit=unit, desc="index", disable=not (request.progress and request.lead))
-    rounds = 0
-    try:
+        parts = embed_rows(encoder, source, items, shards, first_number, manifest.storage, request)
+    with tqdm(total=sum(sizes), unit=unit, desc="index", disable=not (request.progress and request.lead)) as bar:
         for part in parts:
-            listed = _record_round(part, output_dir, manifest, request.world_size)
-            rounds += 1
-            bar.update(sum(sizes[p.position] for p in listed))
+            bar.update(sum(sizes[p.position] for p in transaction.record(part)))
             if request.lead and on_shard is not None:
                 on_shard(manifest)
-        for _ in range(rounds, -(-len(sizes) // request.world_size)):  # rounds where this process has no shard
-            _record_round(None, output_dir, manifest, request.world_size)
-    finally:
-        bar.close()
-    return BuiltIndex(manifest, manifest.count - count_before, manifest.bad_samples[bad_before:])
+        while transaction.rounds < -(-len(sizes) // request.world_size):  # rounds where this process has no shard
+            transaction.record(None)
+    return transaction.commit()
+
+
+def _new_manifest(encoder: Encoder, storage: str) -> IndexManifest:
+    """The manifest of a new index of ``encoder``'s embeddings (refused for a preset's random weights)."""
+    if encoder.model_path.startswith("preset:"):
+        raise ConfigError(
+            f"--model {encoder.model_path.removeprefix('preset:')} is a preset: random weights, drawn again at "
+            "each load, so an index of them could not be searched; index a trained run (the --output_dir of vlfit "
+            "train) or a pretrained checkpoint"
+        )
+    where = encoder.model_path  # a folder by its absolute path; a hub id as it is
+    model = {"path": os.path.abspath(where) if os.path.exists(where) else where, "backend": encoder.backend,
+             "precision": encoder.precision, "max_seq_length": encoder.spec.max_seq_length}  # fmt: skip
+    if encoder.spec.max_num_patches is not None:  # NaFlex: the patch budget its items were embedded at
+        model["max_num_patches"] = encoder.spec.max_num_patches
+    return IndexManifest(encoder.identity, model, storage)
 
 
 def _repair_damaged_shards(
@@ -180,14 +147,15 @@ def _repair_damaged_shards(
     items: ImageItems | None,
     request: BuildRequest,
     first_number: int,
-) -> int:
+) -> tuple[int, list[dict[str, Any]]]:
     """Embed each damaged shard of ``index`` again in its place, into shard files numbered from ``first_number``,
     when its ids are known and ``source`` still holds its items (rank 0; every process decides alike); take the
-    others off the manifest, so that their items are embedded at the end. Rank 0 removes the damaged files. Returns
-    how many shard numbers the repair took (the same on every process)."""
+    others off the manifest, so that their items are embedded at the end. Returns how many shard numbers the repair
+    took (the same on every process), and the damaged shards' entries (their files go once the manifest is
+    written without them)."""
     damaged = damaged_shards(index, request.verify)
     if not damaged:
-        return 0
+        return 0, []
     manifest = index.manifest
     in_place = {position: ids for position in damaged if (ids := _known_ids(index, position, damaged[position]))}
     if items is not None:  # a folder or split: the items must still be there
@@ -202,19 +170,15 @@ def _repair_damaged_shards(
                 "in its place" if position in in_place else "at the end of the index: the rows after it move",
             )
     old = {position: manifest.shards[position] for position in damaged}
-    if request.world_size > 1:
-        import torch.distributed as dist
-
-        dist.barrier()  # every process has read the damaged shards' ids before rank 0 replaces them
     if request.lead and in_place:
         alone = dataclasses.replace(request, rank=0, world_size=1)
         number = first_number
         row_of = {item: row for row, item in enumerate(items.ids)} if items is not None else {}
         for position, ids in sorted(in_place.items()):
             if items is not None:
-                parts = _embed_rows(encoder, source, items, [[row_of[i] for i in ids]], number, manifest.storage, alone)
+                parts = embed_rows(encoder, source, items, [[row_of[i] for i in ids]], number, manifest.storage, alone)
             else:
-                parts = _embed_shards(encoder, source, [old[position]["source"]], number, manifest.storage, alone)
+                parts = embed_shards(encoder, source, [old[position]["source"]], number, manifest.storage, alone)
             (part,) = list(parts)
             rows = int(part.entry["count"]) if part.entry is not None else 0
             if rows < len(ids):  # images unreadable now: the rows of the shards after it move up
@@ -232,14 +196,7 @@ def _repair_damaged_shards(
         if shard is not None and (position not in damaged or position in in_place)
     ]
     manifest.ann = None  # the ANN step checks the structure on disk against the rows (vlfit.index.ann_update)
-    if request.lead:  # the manifest names the new files first: a build stopped here loses no shard it lists
-        write_manifest(index.path, manifest)
-        for shard in old.values():
-            for name in (shard["embeddings"], shard["ids"], shard.get("captions")):
-                if name:
-                    with contextlib.suppress(OSError):
-                        os.remove(os.path.join(index.path, name))
-    return len(in_place)
+    return len(in_place), list(old.values())
 
 
 def _known_ids(index: EmbeddingIndex, position: int, problems: list[Problem]) -> list[str] | None:
@@ -288,155 +245,6 @@ def _next_shard_number(manifest: IndexManifest) -> int:
     return max(numbers, default=-1) + 1
 
 
-def _gather_parts(part: _ShardPart | None, world_size: int) -> list[_ShardPart]:
-    """Every process's part of one round, on rank 0 (an empty list elsewhere)."""
-    if world_size == 1:
-        return [part] if part is not None else []
-    import torch.distributed as dist
-
-    parts: list[_ShardPart | None] | None = [None] * world_size if dist.get_rank() == 0 else None
-    dist.gather_object(part, parts, dst=0)
-    return [p for p in parts or [] if p is not None]
-
-
-def _record_round(
-    part: _ShardPart | None, output_dir: str, manifest: IndexManifest, world_size: int
-) -> list[_ShardPart]:
-    """One round: every process's shard file is written; rank 0 lists the round's shards in order and writes the
-    manifest (a build stopped in between redoes them). Returns the parts listed (rank 0; none elsewhere)."""
-    parts = _gather_parts(part, world_size)
-    for done_part in sorted(parts, key=lambda p: p.position):
-        manifest.bad_samples.extend(done_part.bad_samples)
-        if done_part.entry is not None:
-            manifest.shards.append(done_part.entry)
-    if parts:
-        write_manifest(output_dir, manifest)
-    return parts
-
-
-def _batches(encoder: Encoder, source: ImageTextSource, request: BuildRequest) -> Iterator[Batch]:
-    """The host batches of ``source`` as ``encoder`` takes its images, ``request.batch_size`` at a time (the one
-    loader of a build: items of a folder or split, and each tar shard's)."""
-    return iter(host_batches(source, encoder.spec, batch_size=request.batch_size, num_workers=request.num_workers))
-
-
-def _embed_batches(
-    encoder: Encoder, batches: Iterator[Batch], to_item: Callable[[str], str], count: int | None = None
-) -> tuple[list[str], list[torch.Tensor], list[dict[str, str]]]:
-    """Item ids, embeddings and bad items of the next ``count`` batches (``None``: all that are left); ``to_item``
-    names the item of a record id."""
-    ids: list[str] = []
-    parts: list[torch.Tensor] = []
-    bad: list[dict[str, str]] = []
-    for batch in batches if count is None else itertools.islice(batches, count):
-        bad.extend({"id": to_item(b.id), "reason": b.reason} for b in batch.bad_samples)
-        if len(batch):
-            # A NaFlex model's batch carries its patches' mask and grids too.
-            patches = [batch.inputs.get(name) for name in ("pixel_attention_mask", "spatial_shapes")]
-            parts.append(encoder.encode_images(batch["pixel_values"], *patches).float().cpu())
-            ids.extend(to_item(sample_id) for sample_id in batch.sample_ids)
-    return ids, parts, bad
-
-
-def _embed_rows(
-    encoder: Encoder,
-    source: ImageTextSource,
-    items: ImageItems,
-    shards: list[list[int]],
-    first_number: int,
-    storage: str,
-    request: BuildRequest,
-) -> Iterator[_ShardPart]:
-    """This process's shards of items (``request.mine``), each embedded into one index shard file, through one
-    loader over all of them (an item's first record stands for its image)."""
-    mine = request.mine(len(shards))
-    to_item = _item_of_record(items)
-    selected = source.select([items.rows[item] for position in mine for item in shards[position]])
-    batch_iter = _batches(encoder, selected, request)
-    for position in mine:
-        count = -(-len(shards[position]) // request.batch_size)
-        ids, parts, bad = _embed_batches(encoder, batch_iter, to_item, count)
-        number = first_number + position
-        entry = _write_items(request.output_dir, number, ids, parts, storage, items) if ids else None
-        yield _ShardPart(position, entry, bad)
-
-
-def _item_of_record(items: ImageItems) -> Callable[[str], str]:
-    """The item id of a record id (of an item's first record: the one embedded)."""
-    item_of = dict(zip(items.record_ids, items.ids, strict=True))
-    return lambda record_id: item_of.get(record_id, record_id)
-
-
-def _write_items(
-    folder: str, number: int, ids: list[str], parts: list[torch.Tensor], storage: str, items: ImageItems
-) -> dict[str, Any]:
-    """``write_shard`` of embedded items, with their captions when the items have some."""
-    captions = None
-    if items.captions is not None:
-        captions_of = dict(zip(items.ids, items.captions, strict=True))
-        captions = [captions_of[item] for item in ids]
-    return write_shard(folder, number, ids, torch.cat(parts), storage, captions)
-
-
-def _embed_shards(
-    encoder: Encoder,
-    shards: ShardCollection,
-    todo: list[str],
-    first_number: int,
-    storage: str,
-    request: BuildRequest,
-) -> Iterator[_ShardPart]:
-    """This process's tar shards of ``todo`` (``request.mine``), each fetched to a local copy (the next one while
-    this one is embedded), embedded into one index shard file, and deleted. A shard that cannot be fetched or read
-    is a bad item named by its URL."""
-    from vlfit.data.stream import ShardUnreadableError
-
-    reader = shards.reader()
-    folder = os.path.join(request.output_dir, FETCH_FOLDER, f"rank-{request.rank:05d}")
-    os.makedirs(folder, exist_ok=True)
-    mine = request.mine(len(todo))
-
-    def fetch(position: int) -> str:
-        path = os.path.join(folder, f"{position:05d}.tar")
-        reader.copy_to(todo[position], path)
-        return path
-
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        pending = pool.submit(fetch, mine[0]) if mine else None
-        for number, position in enumerate(mine):
-            url, fetching = todo[position], pending
-            pending = pool.submit(fetch, mine[number + 1]) if number + 1 < len(mine) else None
-            path = None
-            try:
-                path = fetching.result()
-                layout = shards.layout
-                tar = TarSource(
-                    [path],
-                    name=f"shard {url}",
-                    image_column=layout.image_column,
-                    caption_column=layout.caption_column,
-                    image_id_column=layout.image_id_column,
-                )
-                items = image_items(tar)  # the images of this tar shard (one shard's captions are grouped)
-                selected = tar.select(items.rows)
-                batches = _batches(encoder, selected, request)
-                ids, parts, bad = _embed_batches(encoder, batches, _item_of_record(items))
-            except (ShardUnreadableError, DataError) as err:
-                yield _ShardPart(position, None, [{"id": url, "reason": f"shard not indexed: {first_line(err, 300)}"}])
-                continue
-            finally:
-                if path is not None and os.path.exists(path):
-                    os.remove(path)
-            entry = None
-            if ids:
-                written = _write_items(request.output_dir, first_number + position, ids, parts, storage, items)
-                entry = {**written, "source": url}
-            yield _ShardPart(position, entry, bad)
-    shutil.rmtree(folder, ignore_errors=True)
-    with contextlib.suppress(OSError):
-        os.rmdir(os.path.dirname(folder))  # the last process out removes the fetch folder
-
-
 def check_patch_budget(asked: int | None, built: int | None, index: str) -> None:
     """Refuses, in one line, to embed items for the index at ``index`` at the patch budget ``asked`` when it was built
     at another (``built``; None: not a NaFlex model's index): one index of two budgets would rank its items by which
@@ -448,4 +256,4 @@ def check_patch_budget(asked: int | None, built: int | None, index: str) -> None
         )
 
 
-__all__ = ["FETCH_FOLDER", "BuildRequest", "BuiltIndex", "build_index", "check_patch_budget"]
+__all__ = ["BuildRequest", "BuiltIndex", "build_index", "check_patch_budget"]

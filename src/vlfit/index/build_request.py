@@ -8,7 +8,7 @@ from typing import Any
 
 from vlfit.errors import ConfigError
 from vlfit.index.integrity import check_verify_level
-from vlfit.index.store import IndexManifest, check_storage
+from vlfit.index.store import EmbeddingIndex, check_storage
 
 
 @dataclass(frozen=True)
@@ -67,12 +67,12 @@ class BuiltIndex:
     """What a build did.
 
     Attributes:
-        manifest: The index's manifest as this process wrote it (rank 0: every shard of the build).
+        index: The index as this process left it (rank 0: every shard of the build), its manifest as written.
         added: The rows the build added.
         bad_samples: The items it left out (``{"id", "reason"}``), after those the manifest listed already.
     """
 
-    manifest: IndexManifest
+    index: EmbeddingIndex
     added: int
     bad_samples: list[dict[str, str]]
 

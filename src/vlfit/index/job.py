@@ -18,7 +18,6 @@ they want as an ``IndexJob`` and hand it to ``index_collection``, so the rules o
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +35,7 @@ from vlfit.index.ann_choice import (
 )
 from vlfit.index.build import BuildRequest, build_index, check_patch_budget
 from vlfit.index.integrity import check_verify_level
-from vlfit.index.store import MANIFEST_NAME, EmbeddingIndex, check_storage
+from vlfit.index.store import EmbeddingIndex, check_storage
 from vlfit.inference.backends import Encoder
 from vlfit.inference.runtime import ModelRuntime
 
@@ -120,15 +119,19 @@ class IndexJob:
                 raise ConfigError(f"--{flag} must be at least {least}, got {value}")
         object.__setattr__(self, "storage_options", parse_storage_options(self.storage_options))
 
-    def replayed(self) -> IndexJob:
+    def replayed(self, index: EmbeddingIndex | None = None) -> IndexJob:
         """This job with each ``BUILD_SETTINGS`` entry it leaves unset (None) as the index at ``output_dir`` last
         recorded it (the default for a new index, or one built before settings were recorded), and a NaFlex model's
         patch budget as its items were embedded at: another one asked for is refused here, before the model loads.
+        ``index`` is the index at ``output_dir`` as the caller opened it (``EmbeddingIndex.existing``); left out, it
+        is opened here.
         """
         recorded: dict[str, Any] = {}
         budget = None
-        if os.path.isfile(os.path.join(self.output_dir, MANIFEST_NAME)):
-            manifest = EmbeddingIndex(self.output_dir).manifest
+        if index is None:
+            index = EmbeddingIndex.existing(self.output_dir)
+        if index is not None:
+            manifest = index.manifest
             recorded = manifest.collections[-1].get("settings", {}) if manifest.collections else {}
             budget = manifest.model.get("max_num_patches")
         unset = {name: recorded.get(name, default) for name, default in BUILD_SETTINGS.items()
@@ -238,7 +241,8 @@ def index_collection(job: IndexJob) -> IndexReport:
             comparable.
     """
     require_extra("serve", "vlfit retrieve index", modules=("faiss",))
-    job = job.replayed()
+    index = EmbeddingIndex.existing(job.output_dir)  # read once: replayed, built on, its ANN brought up to date
+    job = job.replayed(index)
     source, collection = job.open_collection()
     encoder = job.encoder()
     from vlfit.launch import join_gloo_group
@@ -249,15 +253,15 @@ def index_collection(job: IndexJob) -> IndexReport:
         num_workers=job.num_workers, shard_size=job.shard_size, storage=job.storage, progress=job.progress,
         rank=rank, world_size=world_size, verify=job.verify,
     )  # fmt: skip
-    built = build_index(encoder, source, request)
+    built = build_index(encoder, source, request, index=index)
     if not request.lead:
         return IndexReport(job.output_dir, encoder.description, lead=False)  # rank 0 lists, builds the ANN, reports
     from vlfit.index.ann_update import update_ann
 
-    ann = update_ann(job.output_dir, index_type=job.index_type, max_index_memory=job.max_index_memory,
+    ann = update_ann(built.index, index_type=job.index_type, max_index_memory=job.max_index_memory,
                      target_recall=job.target_recall, verify=job.verify)  # fmt: skip
     urls = set(source.urls) if isinstance(source, ShardCollection) else set()
-    manifest = built.manifest
+    manifest = built.index.manifest
     return IndexReport(
         job.output_dir,
         encoder.description,

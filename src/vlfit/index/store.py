@@ -21,8 +21,9 @@ re-ranking (a query's candidates, by row).
 
 Rows are never deleted: re-indexing a folder lists, under ``removed``, the ids of its files that are gone (and
 takes back one that returned), and queries leave those rows out. A manifest names an ANN structure only while it
-covers exactly its shards: a build that adds rows drops ``ann`` before writing the first new shard. Building an
-index (what it embeds, in which shards, on how many processes) is ``vlfit.index.build``.
+covers exactly its shards: a build that adds rows drops ``ann`` in the manifest that first lists them. Building an
+index (what it embeds, in which shards, on how many processes) is ``vlfit.index.build``; when it writes the manifest,
+``vlfit.index.transaction``.
 """
 
 from __future__ import annotations
@@ -124,12 +125,21 @@ class EmbeddingIndex:
 
     Args:
         path: The folder.
+        manifest: Its manifest as the caller holds it already (a build's, ``vlfit.index.transaction``): the file is
+            not read again.
 
     Raises:
         FileNotFoundError: when it holds no index.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, manifest: IndexManifest | None = None) -> None:
+        self.path = path
+        self._item_captions: dict[str, list[str]] | None = None
+        self._held: tuple[list[str], torch.Tensor] | None = None
+        self._vectors: ShardVectors | None = None
+        if manifest is not None:
+            self.manifest = manifest
+            return
         manifest_path = os.path.join(path, MANIFEST_NAME)
         if not os.path.isfile(manifest_path):
             raise MissingFileError(f"--index {path}: no {MANIFEST_NAME}; build one with vlfit retrieve index")
@@ -143,10 +153,11 @@ class EmbeddingIndex:
         except (ValueError, KeyError, TypeError, AttributeError) as err:  # JSONDecodeError, UnicodeDecodeError too
             problem = f"does not parse ({type(err).__name__}: {err})"
             raise DamagedIndexError(manifest_path, problem, rebuild_command(path)) from None
-        self.path = path
-        self._item_captions: dict[str, list[str]] | None = None
-        self._held: tuple[list[str], torch.Tensor] | None = None
-        self._vectors: ShardVectors | None = None
+
+    @classmethod
+    def existing(cls, path: str) -> EmbeddingIndex | None:
+        """The index at ``path``; None when the folder holds none yet (a build creates it)."""
+        return cls(path) if os.path.isfile(os.path.join(path, MANIFEST_NAME)) else None
 
     def __len__(self) -> int:
         return self.manifest.count
@@ -273,12 +284,12 @@ class EmbeddingIndex:
         """The embeddings as memory-mapped shards (the one reader of shard files), read by row (``vectors[rows]``)
         or by shard without loading the index; made once per ``EmbeddingIndex``."""
         if self._vectors is None:
-            shards = self.manifest.shards
+            shards, repair = self.manifest.shards, self.rebuild_command()
             self._vectors = ShardVectors(
                 [os.path.join(self.path, shard["embeddings"]) for shard in shards],
                 [int(shard["count"]) for shard in shards],
                 self.manifest.identity.embedding_size,
-                repair=self.rebuild_command(),
+                repair=repair,
             )
         return self._vectors
 
