@@ -50,7 +50,7 @@ def test_shots_are_the_same_per_seed_nested_over_counts_and_skip_a_bad_image(lab
     sampler = ShotSampler(train, spec)
     two, again, other = sampler.draw(2, seed=0), ShotSampler(train, spec).draw(2, seed=0), sampler.draw(2, seed=1)
     assert np.bincount(two.labels).tolist() == [2, 2, 2, 2] and (two.labels == train.labels[two.rows]).all()
-    assert two.rows.tolist() == again.rows.tolist() and torch.equal(two.pixels, again.pixels)
+    assert two.rows.tolist() == again.rows.tolist() and torch.equal(two.images["pixels"], again.images["pixels"])
     assert two.rows.tolist() != other.rows.tolist()
     assert set(sampler.draw(1, seed=0).rows) <= set(two.rows)
     # The first image of class 0's order does not decode: it is listed, and the next of the class replaces it.
@@ -115,10 +115,11 @@ def test_setfit_tunes_only_the_image_tower_and_a_snapshot_puts_it_back(labelled_
     size = loaded.spec.image_size
     pixels = torch.randint(0, 256, (8, 3, size, size), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     labels = np.arange(8) % 2
-    parameters = image_parameters(tower, pixels[:1])
+    parameters = image_parameters(tower, {"pixels": pixels[:1]})
     everything = {name: p.detach().clone() for name, p in loaded.model.named_parameters()}
     snapshot = WeightSnapshot(parameters)
-    losses = tune_image_tower(tower, parameters, pixels, labels, SetFitSettings(steps=8, learning_rate=1e-3), seed=0)
+    settings = SetFitSettings(steps=8, learning_rate=1e-3)
+    losses = tune_image_tower(tower, parameters, {"pixels": pixels}, labels, settings, seed=0)
     assert losses[-1] < losses[0]
     changed = {name for name, p in loaded.model.named_parameters() if not torch.equal(p, everything[name])}
     assert changed and all(name.startswith("model.") for name in parameters)
@@ -148,7 +149,7 @@ def test_every_method_runs_on_the_dual_encoders(preset, labelled_dataset_dir, tm
 def test_a_saved_setfit_classifier_reloads_to_the_labels_it_gave_in_memory(labelled_checkpoint, labelled_dataset_dir,
                                                                             tmp_path) -> None:  # fmt: skip
     from vlfit.fewshot.classifier import Classifier, ClassifierInfo, save_classifier
-    from vlfit.fewshot.images import decode_rows, embed_pixels
+    from vlfit.fewshot.images import decode_rows, embed_images
 
     loaded = ModelRuntime.open(str(labelled_checkpoint)).encoder
     train, evaluation = labelled_splits(labelled_dataset_dir, train_split="train", eval_split="test",
@@ -159,12 +160,12 @@ def test_a_saved_setfit_classifier_reloads_to_the_labels_it_gave_in_memory(label
     (classifier,) = kept.values()
     # The tuned image tower, as the command puts it into the saved checkpoint, and its labels in memory.
     classifier.image_weights.restore()
-    pixels = decode_rows(evaluation.source, range(len(evaluation)), loaded.spec).stacked(range(len(evaluation)))
-    in_memory = classifier.head.predict(embed_pixels(loaded.image_tower, pixels)).tolist()
+    images = decode_rows(evaluation.source, range(len(evaluation)), loaded.spec).stacked(range(len(evaluation)))
+    in_memory = classifier.head.predict(embed_images(loaded.image_tower, images)).tolist()
     info = ClassifierInfo("setfit", train.class_names, "kind", 2, 0, classifier.run.head, classifier.run.accuracy,
                           [], str(labelled_checkpoint))  # fmt: skip
     save_classifier(str(tmp_path / "clf"), loaded.save, classifier.head, info)
     reloaded = Classifier(str(tmp_path / "clf"))
-    predictions = reloaded.predict(pixels, [str(i) for i in range(len(pixels))])
+    predictions = reloaded.predict(images, [str(i) for i in range(len(evaluation))])
     assert [train.class_names.index(p.label) for p in predictions] == in_memory
     assert classifier.run.accuracy == pytest.approx(float((np.array(in_memory) == evaluation.labels).mean()))

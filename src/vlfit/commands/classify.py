@@ -45,7 +45,6 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError("give image files or folders, or --dataset_name (with --split), not both and not neither")
     if args.batch_size < 1:
         raise ConfigError(f"--batch_size must be at least 1, got {args.batch_size}")
-    from vlfit.data.pipeline import host_batches
     from vlfit.data.sources.images import ImageFilesSource
     from vlfit.data.sources.openers import open_split
     from vlfit.fewshot.classifier import Classifier
@@ -63,16 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     classifier = Classifier(args.model, num_threads=args.num_threads)
     truths = source.captions() if args.label_column else None
     predictions, bad, correct = [], [], 0
-    batches = host_batches(
-        source, classifier.encoder.spec, batch_size=args.batch_size, num_workers=args.dataloader_num_workers
-    )
-    for batch in batches:
+    batches = classifier.image_batches(source, batch_size=args.batch_size, num_workers=args.dataloader_num_workers)
+    for batch, images in batches:
         bad.extend(batch.bad_samples)
-        if not len(batch):
+        if images is None:
             continue
-        for prediction, position in zip(
-            classifier.predict(batch["pixel_values"], batch.sample_ids), batch.positions, strict=True
-        ):
+        for prediction, position in zip(classifier.predict(images, batch.sample_ids), batch.positions, strict=True):
             predictions.append(prediction)
             truth = truths[position] if truths is not None else None
             correct += int(truth == prediction.label)

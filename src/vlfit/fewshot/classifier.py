@@ -16,12 +16,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from vlfit.data.batch import Batch
+from vlfit.data.image_inputs import ImageBatch, encoder_inputs
+from vlfit.data.pipeline import host_batches
+from vlfit.data.sources.base import ImageTextSource
 from vlfit.errors import MissingFileError
 from vlfit.fewshot.heads import LinearHead
 from vlfit.inference.backends import Encoder
@@ -187,12 +191,25 @@ class Classifier:
     def class_names(self) -> list[str]:
         return self.info.class_names
 
-    def probabilities(self, pixels: torch.Tensor) -> torch.Tensor:
-        """``float32 [B, C]`` for uint8 images ``[B, 3, H, W]``."""
-        return self.head.probabilities(self.encoder.encode_images(pixels))
+    def image_batches(
+        self, source: ImageTextSource, *, batch_size: int = 32, num_workers: int = 0
+    ) -> Iterator[tuple[Batch, ImageBatch | None]]:
+        """The host batches of ``source`` through the model's image path, in order, each with its images' batch
+        (None for a batch left without rows); the images that do not decode are in each batch's ``bad_samples``."""
+        for batch in host_batches(source, self.encoder.spec, batch_size=batch_size, num_workers=num_workers):
+            yield batch, encoder_inputs(batch.inputs) if len(batch) else None
 
-    def predict(self, pixels: torch.Tensor, ids: Sequence[str]) -> list[Prediction]:
-        probabilities = self.probabilities(pixels)
+    def embed(self, images: ImageBatch) -> torch.Tensor:
+        """The image embeddings ``float32 [B, D]`` of a batch (``vlfit.data.image_inputs``: uint8 pixels, or a NaFlex
+        model's patches with their mask and grids)."""
+        return self.encoder.encode_images(**images)
+
+    def probabilities(self, images: ImageBatch) -> torch.Tensor:
+        """``float32 [B, C]`` for a batch of images."""
+        return self.head.probabilities(self.embed(images))
+
+    def predict(self, images: ImageBatch, ids: Sequence[str]) -> list[Prediction]:
+        probabilities = self.probabilities(images)
         predictions = []
         for sample_id, row in zip(ids, probabilities.tolist(), strict=True):
             best = max(range(len(row)), key=row.__getitem__)

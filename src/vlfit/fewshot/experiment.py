@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from vlfit.data.image_inputs import select_images
 from vlfit.data.sources.labelled import DEFAULT_TEMPLATES, LabelledSplit
 from vlfit.errors import ConfigError
 from vlfit.evaluation.zeroshot import class_embeddings, model_scale
@@ -29,7 +30,7 @@ from vlfit.fewshot.heads import (
     logistic_name,
     zeroshot_head,
 )
-from vlfit.fewshot.images import decode_rows, embed_pixels
+from vlfit.fewshot.images import decode_rows, embed_images
 from vlfit.fewshot.setfit import SetFitSettings, WeightSnapshot, image_parameters, tune_image_tower
 from vlfit.fewshot.shots import ShotSampler, check_shot_counts
 from vlfit.inference.backends import TorchEncoder
@@ -165,11 +166,11 @@ def run_fewshot(
         batch_size=settings.batch_size,
         num_workers=settings.num_workers,
     )
-    eval_rows = sorted(decoded.pixels)
+    eval_rows = sorted(decoded.images)
     if not eval_rows:
         raise ConfigError(f"{evaluation.source.name}: no usable image ({len(decoded.bad)} do not decode)")
-    eval_pixels, eval_labels = decoded.stacked(eval_rows), evaluation.labels[eval_rows]
-    eval_embeddings = embed_pixels(tower, eval_pixels, settings.batch_size)
+    eval_images, eval_labels = decoded.stacked(eval_rows), evaluation.labels[eval_rows]
+    eval_embeddings = embed_images(tower, eval_images, settings.batch_size)
     num_classes = len(train.class_names)
     runs: list[MethodRun] = []
     kept: dict[tuple[str, int, int], KeptClassifier] = {}
@@ -205,7 +206,7 @@ def run_fewshot(
     sampler = ShotSampler(train, spec, batch_size=settings.batch_size, num_workers=settings.num_workers)
     parameters = snapshot = None
     if "setfit" in settings.methods:
-        parameters = image_parameters(tower, eval_pixels[:1])
+        parameters = image_parameters(tower, select_images(eval_images, slice(0, 1)))
         snapshot = WeightSnapshot(parameters)
     bar = tqdm(total=len(settings.seeds) * len(settings.shot_counts), desc="fewshot", unit="draw", leave=False)
     for seed in settings.seeds:
@@ -214,7 +215,7 @@ def run_fewshot(
             drawn = sampler.draw(shots, seed)
             if "linear_probe" in settings.methods:
                 started = time.perf_counter()
-                embeddings = embed_pixels(tower, drawn.pixels, settings.batch_size)
+                embeddings = embed_images(tower, drawn.images, settings.batch_size)
                 head, name = choose_head(
                     embeddings, drawn.labels, logistic_candidates(num_classes), logistic_name(DEFAULT_C), seed
                 )
@@ -226,9 +227,9 @@ def run_fewshot(
             if "setfit" in settings.methods:
                 assert parameters is not None and snapshot is not None
                 started = time.perf_counter()
-                tune_image_tower(tower, parameters, drawn.pixels, drawn.labels, settings.setfit, seed * 1000 + shots)
-                embeddings = embed_pixels(tower, drawn.pixels, settings.batch_size)
-                tuned_eval = embed_pixels(tower, eval_pixels, settings.batch_size)
+                tune_image_tower(tower, parameters, drawn.images, drawn.labels, settings.setfit, seed * 1000 + shots)
+                embeddings = embed_images(tower, drawn.images, settings.batch_size)
+                tuned_eval = embed_images(tower, eval_images, settings.batch_size)
                 candidates = logistic_candidates(num_classes)
                 fallback = logistic_name(DEFAULT_C)
                 if anchor is not None and settings.anchor_setfit_head:

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from vlfit.data.batch import BadSample
+from vlfit.data.image_inputs import ImageBatch
 from vlfit.data.sources.labelled import LabelledSplit
 from vlfit.errors import DataError
 from vlfit.fewshot.images import DecodedRows, decode_rows
@@ -26,12 +26,13 @@ class Shots:
     """Attributes:
     rows: The chosen rows of the training split, class by class.
     labels: Their class indices.
-    pixels: Their uint8 images ``[len(rows), 3, H, W]``.
+    images: Their batch (``vlfit.data.image_inputs``): uint8 pixels ``[len(rows), 3, H, W]``, or NaFlex patches
+        with their mask and grids.
     """
 
     rows: np.ndarray
     labels: np.ndarray
-    pixels: torch.Tensor
+    images: ImageBatch
 
 
 def check_shot_counts(split: LabelledSplit, shot_counts: Sequence[int]) -> None:
@@ -93,7 +94,7 @@ class ShotSampler:
                 start += wanted
                 self._decode([row for row in candidates if not self._seen(row)])
                 for row in candidates:
-                    if row in self.decoded.pixels and self._image_key(int(row)) not in drawn_images:
+                    if row in self.decoded.images and self._image_key(int(row)) not in drawn_images:
                         drawn_images.add(self._image_key(int(row)))
                         usable.append(int(row))
             if len(usable) < shots:
@@ -104,7 +105,7 @@ class ShotSampler:
                 )
             chosen.append(np.array(usable, dtype=np.int64))
         rows = np.concatenate(chosen)
-        return Shots(rows=rows, labels=self.split.labels[rows], pixels=self.decoded.stacked(rows))
+        return Shots(rows=rows, labels=self.split.labels[rows], images=self.decoded.stacked(rows))
 
     def _image_key(self, row: int) -> int:
         if row not in self._image_keys:
@@ -112,12 +113,12 @@ class ShotSampler:
         return self._image_keys[row]
 
     def _seen(self, row: int) -> bool:
-        return row in self.decoded.pixels or row in self.decoded.bad
+        return row in self.decoded.images or row in self.decoded.bad
 
     def _decode(self, rows: Sequence[int]) -> None:
         if rows:
             new = decode_rows(
                 self.split.source, rows, self.spec, batch_size=self.batch_size, num_workers=self.num_workers
             )
-            self.decoded.pixels.update(new.pixels)
+            self.decoded.images.update(new.images)
             self.decoded.bad.update(new.bad)

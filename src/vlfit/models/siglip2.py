@@ -42,8 +42,8 @@ def naflex_image_inputs(
     pixel_attention_mask: torch.Tensor | None,
     spatial_shapes: torch.Tensor | None,
 ) -> dict[str, torch.Tensor]:
-    """The vision tower's keywords, refusing square images in one line (what a door that only makes square pixels
-    hands it: few-shot classification does not make NaFlex batches yet)."""
+    """The vision tower's keywords, refusing square images in one line (what a caller that makes square pixels
+    instead of ``vlfit.data.image_inputs``' batches would hand it)."""
     if pixel_attention_mask is None or spatial_shapes is None or pixel_values.dim() != 3:
         raise ConfigError(
             "a SigLIP 2 NaFlex model takes each image as patches with their mask and grids, and this command only "
