@@ -1,7 +1,8 @@
 """A run is embedded the way it was trained through every door: evaluation (``vlfit eval``, and training's own, which
-run the same ``evaluate_retrieval``), ``vlfit.load``, ``retrieve index``, the server's query path and the exported
-ONNX graphs agree with plain transformers fed as training feeds the model (captions
-cut at the run's ``--max_seq_length``, images through the training pipeline's transform), for each family."""
+run the same ``evaluate_retrieval``), ``vlfit.load``, ``retrieve index``, the server's query path, ``vlfit fewshot``,
+``vlfit classify``, the re-ranker's image path and the exported ONNX graphs agree with plain transformers fed as
+training feeds the model (captions cut at the run's ``--max_seq_length``, images through the training pipeline's
+transform), for each family."""
 
 from __future__ import annotations
 
@@ -59,6 +60,51 @@ def _reference(run, texts, photos) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _cosines(a, b) -> torch.Tensor:
     return torch.nn.functional.cosine_similarity(torch.as_tensor(a).double(), torch.as_tensor(b).double(), dim=1)
+
+
+def _fewshot_embeddings(run, photos) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``vlfit fewshot`` embeds, opening the run as it does: the zero-shot head's class prompts (``TEXTS`` as the
+    class names, one template: the name) and a split's images through its decode and the image tower it tunes."""
+    from vlfit.data.sources.images import ImageFilesSource
+    from vlfit.evaluation.zeroshot import class_embeddings
+    from vlfit.fewshot.images import decode_rows, embed_images
+    from vlfit.inference.runtime import ModelRuntime
+
+    encoder = ModelRuntime.open(run, kinds=("checkpoint", "adapters")).encoder
+    decoded = decode_rows(ImageFilesSource(photos), range(len(photos)), encoder.spec, batch_size=3)
+    images = embed_images(encoder.image_tower, decoded.stacked(range(len(photos))), batch_size=3)
+    return class_embeddings(encoder.encode_texts, TEXTS, ["{}"]), images
+
+
+def _classify_embeddings(run, photos, folder) -> torch.Tensor:
+    """What ``vlfit classify`` embeds: the files through a classifier saved from the run and loaded again."""
+    from vlfit.data.sources.images import ImageFilesSource
+    from vlfit.fewshot.classifier import Classifier, ClassifierInfo, save_classifier
+    from vlfit.fewshot.heads import LinearHead
+    from vlfit.inference.runtime import ModelRuntime
+
+    encoder = ModelRuntime.open(run).encoder
+    head = LinearHead(torch.zeros(2, encoder.identity.embedding_size), torch.zeros(2))
+    info = ClassifierInfo("linear_probe", ["a", "b"], "label", 1, 0, "logistic C=10", 1.0, [], run)
+    save_classifier(str(folder), encoder.save, head, info)
+    classifier = Classifier(str(folder))
+    positions, parts = [], []
+    for batch, images in classifier.image_batches(ImageFilesSource(photos), batch_size=3):
+        positions.extend(batch.positions)
+        parts.append(classifier.embed(images))
+    return torch.cat(parts)[torch.argsort(torch.tensor(positions))]
+
+
+def _reranker_embeddings(model, index, photos) -> torch.Tensor:
+    """The indexed photos as the re-ranker hands them to the matching head (``candidate_images``), embedded."""
+    from vlfit.index.items import IndexedItems
+    from vlfit.index.rerank import candidate_images
+    from vlfit.index.search import Hit
+
+    rows = {os.path.basename(item): row for row, item in enumerate(index.row_ids)}
+    hits = [Hit(os.path.basename(p), 1.0, row=rows[os.path.basename(p)]) for p in photos]
+    images, position_of = candidate_images(model.runtime.image_inputs, IndexedItems(index), hits)
+    return model.runtime.encoder.encode_images(**images)[[position_of[hit.row] for hit in hits]]
 
 
 def _evaluation_embeddings(run, photos, tmp_path, monkeypatch):
@@ -124,6 +170,10 @@ def test_every_door_embeds_a_run_as_it_was_trained(preset, synthetic_dataset_dir
     stored = built.embeddings()[[rows[os.path.basename(p)] for p in photos]]
     engine = SearchEngine(str(index))  # the server's query path: the index's model as it was built
     figures["retrieve index + serve"] = (_cosines(engine.encode_texts(TEXTS), text), _cosines(stored, image))
+    prompts, shots = _fewshot_embeddings(run, photos)
+    figures["fewshot"] = (_cosines(prompts, text), _cosines(shots, image))
+    figures["classify"] = (None, _cosines(_classify_embeddings(run, photos, tmp_path / "classifier"), image))
+    figures["re-ranker"] = (None, _cosines(_reranker_embeddings(model, built, photos), image))
 
     export = tmp_path / "export"
     assert main(["export", "--model_name_or_path", run, "--output_dir", str(export), "--parity_samples", "8"]) == 0
@@ -132,10 +182,11 @@ def test_every_door_embeds_a_run_as_it_was_trained(preset, synthetic_dataset_dir
     exported = vlfit.load(str(export), precision="fp32")
     figures["onnx"] = (_cosines(exported.encode_texts(TEXTS), text), _cosines(exported.encode_images(photos), image))
 
-    print(preset, {door: (round(float(t.min()), 6), round(float(i.min()), 6)) for door, (t, i) in figures.items()})
-    for door, (texts_cosine, images_cosine) in figures.items():
+    print(preset, {door: [None if c is None else round(float(c.min()), 6) for c in cosines]
+                   for door, cosines in figures.items()})  # fmt: skip
+    for door, (texts_cosine, images_cosine) in figures.items():  # classify and the re-ranker embed no text
         least = 0.999 if door == "onnx" else 0.9999
-        assert float(texts_cosine.min()) >= least, (door, texts_cosine)
+        assert texts_cosine is None or float(texts_cosine.min()) >= least, (door, texts_cosine)
         assert float(images_cosine.min()) >= least, (door, images_cosine)
 
     # vlfit eval of the run evaluates it at its length too, unless told otherwise (and then says so).
