@@ -4,19 +4,23 @@ compatibility flags)."""
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from vlfit.compat_flags import CompatDataFlags
 from vlfit.data.bad_samples import BAD_SAMPLE_POLICIES, MIN_SAMPLES_FOR_BAD_FRACTION, check_bad_sample_policy
-from vlfit.data.columns import DEFAULT_COLUMNS
+from vlfit.data.columns import DEFAULT_COLUMNS, is_default_column
 from vlfit.data.file_patterns import is_stream_spec
 from vlfit.errors import ConfigError
 from vlfit.inference.rerank_score import RERANK_SCORES, check_rerank_score, check_rerank_weight
+from vlfit.models.reference import parse_model_reference
 
 if TYPE_CHECKING:
     from vlfit.data.stream.shards import ShardReader
 
+logger = logging.getLogger(__name__)
 
 # The CPU-stage pipelines (--image_pipeline): vlfit.data.image_transforms implements each.
 IMAGE_PIPELINES = ("fast", "reference")
@@ -339,6 +343,25 @@ class DataArguments(CompatDataFlags, StreamArguments, DataLocationArguments):
             "(METER's and ViLT's ans2label). What a streamed training split needs."
         },
     )
+
+    def run_task(self, model_name_or_path: str | None) -> str:
+        """The run's task: ``--task``, or ``vqa`` for a VQA model's folder (``vlfit eval`` of a ``--task vqa`` run
+        needs no flag)."""
+        folder = model_name_or_path if self.task == "retrieval" and model_name_or_path else None
+        if folder and os.path.isdir(folder) and parse_model_reference(folder).answers_questions:
+            logger.info("%s is a BridgeTower VQA model: the run answers questions (--task vqa)", folder)
+            return "vqa"
+        return self.task
+
+    def run_source_kwargs(self, task: str) -> dict[str, Any]:
+        """``source_kwargs`` of a run of ``task`` (``--task``, or ``vqa`` for a VQA model's folder): a VQA run's
+        caption is the question unless ``--caption_column`` names a column."""
+        location = self.source_kwargs()
+        if task == "vqa" and is_default_column("caption", self.caption_column):
+            from vlfit.data.vqa import QUESTION_COLUMN  # the VQA data module imports torch
+
+            location["caption_column"] = QUESTION_COLUMN
+        return location
 
     def __post_init__(self) -> None:
         DataLocationArguments.__post_init__(self)

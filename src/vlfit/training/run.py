@@ -52,10 +52,8 @@ from vlfit.training.unfreeze import UnfreezeCallback
 from vlfit.training.vqa import (
     check_streamed_answers,
     pipeline_columns,
-    run_task,
     trainer_class,
     vqa_blueprint,
-    vqa_location,
 )
 
 logger = logging.getLogger(__name__)
@@ -88,6 +86,7 @@ class RunSetup:
         pipeline: The input pipeline every loader of the run comes from.
         zeroshot_sets: The labelled splits every evaluation classifies zero-shot (``--zeroshot_dataset``).
         train_stream: The training split when it is streamed (``train_source`` is then ``None``).
+        task: What the run fine-tunes for (``DataArguments.run_task``): ``retrieval`` or ``vqa``.
     """
 
     train_source: ImageTextSource | None
@@ -96,6 +95,7 @@ class RunSetup:
     pipeline: InputPipeline
     zeroshot_sets: list[ZeroShotSet] = field(default_factory=list)
     train_stream: ShardStream | None = None
+    task: str = "retrieval"
 
 
 def setup_run(model_args: ModelArguments, data_args: DataArguments, training_args: VlfitTrainingArguments) -> RunSetup:
@@ -105,13 +105,13 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
     set_seed(training_args.seed)
     if training_args.do_train and data_args.streams_training():
         _check_streamed_training(training_args)
-    task = run_task(model_args.model_name_or_path, data_args.task)
+    task = data_args.run_task(model_args.model_name_or_path)
     check_flag_rules(model_args, data_args, training_args, task=task)
     check_streamed_answers(task, streamed=training_args.do_train and data_args.streams_training(),
                            vocabulary_file=data_args.answer_vocabulary, model_preset=model_args.model_preset,
                            model_name_or_path=model_args.model_name_or_path)  # fmt: skip
     data = open_run_data(
-        vqa_location(data_args.source_kwargs()) if task == "vqa" else data_args.source_kwargs(),
+        data_args.run_source_kwargs(task),
         train=training_args.do_train,
         evaluate=training_args.do_eval,
         streaming=data_args.streaming,
@@ -155,7 +155,7 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
     pipeline = InputPipeline(
         spec.inputs, PipelineOptions.from_arguments(data_args), training_args.device, pipeline_columns(task)
     )
-    return RunSetup(data.train, data.eval, spec, pipeline, data.zeroshot, train_stream=data.train_stream)
+    return RunSetup(data.train, data.eval, spec, pipeline, data.zeroshot, train_stream=data.train_stream, task=task)
 
 
 def _check_streamed_training(training_args: VlfitTrainingArguments) -> None:
@@ -223,22 +223,26 @@ def with_lora_adapters(
     return adapted
 
 
-def frozen_tower_parameters(
+def later_unfreezing(
     model: torch.nn.Module,
     family: ModelFamily,
     model_args: ModelArguments,
     training_args: VlfitTrainingArguments,
-) -> list[torch.nn.Parameter]:
-    """The parameters of the towers ``--freeze`` froze, when ``--unfreeze_after_steps`` trains them later."""
+) -> UnfreezeCallback | None:
+    """What trains the towers ``--freeze`` froze from ``--unfreeze_after_steps`` on (their parameters with the step),
+    or None."""
     if model_args.unfreeze_after_steps is None or not training_args.do_train:
-        return []
+        return None
     if training_args.world_size > 1:
         raise ConfigError(
             "--unfreeze_after_steps runs on one process only: DDP fixes at wrapping time which parameters it "
             "averages, so towers unfrozen later would drift apart between processes"
         )
-    frozen = set(model_args.frozen_towers())
-    return [p for name, p in model.named_parameters() if not p.requires_grad and group_of(family, name) in frozen]
+    frozen = model_args.frozen_towers()
+    parameters = [p for name, p in model.named_parameters() if not p.requires_grad and group_of(family, name) in frozen]
+    if not parameters:
+        return None
+    return UnfreezeCallback(parameters, int(model_args.unfreeze_after_steps), ", ".join(frozen))
 
 
 def run(
@@ -272,9 +276,8 @@ def run(
     """
     if setup is None:
         setup = setup_run(model_args, data_args, training_args)
-    else:  # made for other flags (a search trial's, a wise-ft alpha's): these are checked as setup_run checks
-        check_flag_rules(model_args, data_args, training_args, task=run_task(model_args.model_name_or_path,
-                                                                             data_args.task))  # fmt: skip
+    else:  # made for other flags (a search trial's, a wise-ft alpha's): these are checked for the setup's task
+        check_flag_rules(model_args, data_args, training_args, task=setup.task)
     train_source, eval_source, pipeline = setup.train_source, setup.eval_source, setup.pipeline
     describe_launch(training_args, len(train_source) if train_source is not None else None)
     if setup.train_stream is not None:
@@ -288,7 +291,7 @@ def run(
     if training_args.do_train and model_args.logit_scale_init_value is not None:
         set_logit_scale(model, model_args.logit_scale_init_value)  # a resumed run then loads its trained value
     family = setup.spec.family
-    unfreeze_later = frozen_tower_parameters(model, family, model_args, training_args)
+    unfreeze = later_unfreezing(model, family, model_args, training_args)
     lora = model_args.lora_settings()
     starting_weights = wise_ft_start(model, training_args)  # before the objective adds a head
     model = prepare_model_for_objective(model, family, training_args.objective, train=training_args.do_train)
@@ -305,15 +308,12 @@ def run(
         family=family,
         eval_pool_size=data_args.eval_pool_size,
         max_bad_fraction=data_args.max_bad_fraction,
-        unfreeze_later=unfreeze_later,
+        unfreeze=unfreeze,
         train_sampler=train_sampler,
         zeroshot_sets=setup.zeroshot_sets,
         rerank_top_k=data_args.rerank_top_k,
     )
     configure_rerank(trainer, model_args, data_args, training_args)  # the weight evaluations fuse with, or sweep
-    if unfreeze_later:
-        towers = ", ".join(model_args.frozen_towers())
-        trainer.add_callback(UnfreezeCallback(unfreeze_later, int(model_args.unfreeze_after_steps), towers))
     preemption = PreemptionCallback()
     trainer.add_callback(preemption)
     for callback in callbacks:

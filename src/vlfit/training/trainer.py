@@ -63,6 +63,7 @@ from vlfit.training.padded_patches import PaddedPatchMeter
 from vlfit.training.preemption import StreamSourceLost
 from vlfit.training.stream_epochs import StreamEpochs, agreed_batches, load_stream_state, save_stream_state
 from vlfit.training.throughput import ThroughputMeter
+from vlfit.training.unfreeze import UnfreezeCallback
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ class VlfitTrainer(BadSampleAccounting, AtomicCheckpointSaving, Trainer):
         family: The model family (its contrastive loss and unimodal encoders).
         eval_pool_size: Candidate pool for recall@k (``None``: the whole split).
         max_bad_fraction: Stop training once more than this fraction of the samples read were bad.
+        unfreeze: Trains the towers ``--freeze`` froze from ``--unfreeze_after_steps`` on; its parameters are in
+            the optimizer from the start (``vlfit.training.unfreeze``).
         train_sampler: The training order (``--caption_sampling one_per_image``); ``None``: the Trainer's shuffle.
         zeroshot_sets: Labelled splits classified zero-shot at every evaluation (``--zeroshot_dataset``).
         rerank_top_k: Re-rank each query's top K by the matching head in evaluation (``--rerank_top_k``).
@@ -89,7 +92,7 @@ class VlfitTrainer(BadSampleAccounting, AtomicCheckpointSaving, Trainer):
         family: ModelFamily,
         eval_pool_size: int | None = None,
         max_bad_fraction: float = 1.0,
-        unfreeze_later: Sequence[torch.nn.Parameter] = (),
+        unfreeze: UnfreezeCallback | None = None,
         train_sampler: Sampler[int] | None = None,
         zeroshot_sets: Sequence[ZeroShotSet] = (),
         rerank_top_k: int | None = None,
@@ -101,7 +104,7 @@ class VlfitTrainer(BadSampleAccounting, AtomicCheckpointSaving, Trainer):
         self.objective = TrainingObjective(getattr(self.args, "objective", CONTRASTIVE), self.args.seed)
         self.train_sampler = train_sampler
         self.zeroshot_sets = list(zeroshot_sets)
-        self.unfreeze_later = list(unfreeze_later)
+        self.unfreeze = unfreeze
         self.pipeline = pipeline
         self.family = family
         self.eval_pool_size = eval_pool_size
@@ -117,6 +120,8 @@ class VlfitTrainer(BadSampleAccounting, AtomicCheckpointSaving, Trainer):
         self._stream_epochs: StreamEpochs | None = None
         self._resumed_batches = 0  # batches of the stream's epoch a resumed checkpoint had consumed
         self.add_callback(_CountOptimizerSteps(self))
+        if unfreeze is not None:
+            self.add_callback(unfreeze)
         for plain, compact in CONSOLE_CALLBACKS:  # one line per log, not the dict (vlfit.training.console_log)
             if self.pop_callback(plain) is not None:
                 self.add_callback(compact)
@@ -128,7 +133,7 @@ class VlfitTrainer(BadSampleAccounting, AtomicCheckpointSaving, Trainer):
 
     def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:
         # Parameters --unfreeze_after_steps trains later are in the optimizer from the start (vlfit.training.unfreeze).
-        with temporarily_trainable(self.unfreeze_later):
+        with temporarily_trainable(self.unfreeze.parameters if self.unfreeze is not None else ()):
             return super().create_optimizer(*args, **kwargs)
 
     @property

@@ -1,9 +1,11 @@
 """``--task vqa``: fine-tune and evaluate BridgeTower on visual questions, through the run's one input pipeline.
 
-What changes against a retrieval run (``vlfit.training.run`` asks this module at three points):
+What changes against a retrieval run (``vlfit.training.run`` asks this module at two points, and the data flags at
+one):
 
-- the data (``vqa_location``): the caption is the question (``--caption_column`` defaults to ``question``) and the
-  answers travel per row as record columns (``vlfit.data.vqa.VQA_COLUMNS``, kept in ``Batch.columns``);
+- the data (``DataArguments.run_source_kwargs``): the caption is the question (``--caption_column`` defaults to
+  ``question``) and the answers travel per row as record columns (``vlfit.data.vqa.VQA_COLUMNS``, kept in
+  ``Batch.columns``);
 - the model (``vqa_blueprint``): ``vlfit.models.vqa.VqaFamily``, its config listing the answer vocabulary, the
   ``--max_answers`` answers the training split gives most (kept from the model for evaluation alone);
 - the trainer (``VqaTrainer``): the loss is ``vqa_loss`` against the soft targets of each row's answers, and an
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -23,14 +24,11 @@ import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
-from vlfit.arguments.data import TASKS
 from vlfit.arguments.flag_rules import check_vocabulary_is_trained
 from vlfit.data.batch import Batch
-from vlfit.data.columns import is_default_column
 from vlfit.data.records import EVAL_COLUMNS
 from vlfit.data.sources.base import ImageTextSource
 from vlfit.data.vqa import (
-    QUESTION_COLUMN,
     VQA_COLUMNS,
     AnswerVocabulary,
     batch_answers,
@@ -56,18 +54,6 @@ STREAMED_WITHOUT_VOCABULARY = (
 )
 
 
-def run_task(model_name_or_path: str | None, task: str) -> str:
-    """The run's task: ``--task``, or ``vqa`` for a VQA model's folder (``vlfit eval`` of a ``--task vqa`` run
-    needs no flag)."""
-    if task not in TASKS:
-        raise ConfigError(f"unknown --task {task!r}; choose one of: {', '.join(TASKS)}")
-    folder = model_name_or_path if task == "retrieval" and model_name_or_path else None
-    if folder and os.path.isdir(folder) and parse_model_reference(folder).answers_questions:
-        logger.info("%s is a BridgeTower VQA model: the run answers questions (--task vqa)", folder)
-        return "vqa"
-    return task
-
-
 def check_streamed_answers(
     task: str,
     *,
@@ -91,14 +77,6 @@ def check_streamed_answers(
         and not parse_model_reference(model_name_or_path).answers_questions
     ):
         raise ConfigError(STREAMED_WITHOUT_VOCABULARY)
-
-
-def vqa_location(location: Mapping[str, Any]) -> dict[str, Any]:
-    """The data flags of a VQA run: the caption is the question unless ``--caption_column`` names a column."""
-    location = dict(location)
-    if is_default_column("caption", location.get("caption_column")):
-        location["caption_column"] = QUESTION_COLUMN
-    return location
 
 
 def vqa_blueprint(
