@@ -15,10 +15,10 @@ from vlfit.data.device_stage import (
     CudaPrefetcher,
     DeviceStage,
     ReusedBuffers,
-    normalize_uint8,
     random_horizontal_flip,
 )
 from vlfit.data.image_transforms import EncodedImage
+from vlfit.data.normalize import normalize_uint8
 from vlfit.models.family import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
 MEAN = torch.tensor(OPENAI_CLIP_MEAN)
@@ -32,35 +32,7 @@ def random_uint8(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
 
-# ---------------------------------------------------------------------------------------------- normalize / flip
-
-
-@pytest.mark.parametrize("shape", [(2, 3, 5, 7), (1, 3, 1, 1), (4, 3, 16, 16)])
-def test_normalize_uint8_matches_formula(shape: tuple[int, ...]) -> None:
-    pixels = random_uint8(*shape)
-    pixels[0, :, 0, 0] = 0
-    pixels[-1, :, -1, -1] = 255
-    out = normalize_uint8(pixels, MEAN, STD, torch.float32)
-    expected = (pixels.double() / 255 - MEAN.double().view(1, 3, 1, 1)) / STD.double().view(1, 3, 1, 1)
-    assert out.dtype == torch.float32 and out.shape == pixels.shape
-    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
-
-
-def test_normalize_uint8_gives_contiguous_nchw_from_channels_last() -> None:
-    pixels = random_uint8(2, 3, 6, 9, seed=4)
-    channels_last = pixels.contiguous(memory_format=torch.channels_last)
-    out = normalize_uint8(channels_last, MEAN, STD, torch.float32)
-    assert out.is_contiguous()
-    assert torch.equal(out, normalize_uint8(pixels, MEAN, STD, torch.float32))
-
-
-def test_normalize_uint8_output_dtype() -> None:
-    pixels = random_uint8(2, 3, 8, 8)
-    expected = normalize_uint8(pixels, MEAN, STD, torch.float32)
-    for dtype in (torch.bfloat16, torch.float16):
-        out = normalize_uint8(pixels, MEAN, STD, dtype)
-        assert out.dtype == dtype
-        torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=1e-2)
+# ---------------------------------------------------------------------------------------------- flip
 
 
 def test_random_horizontal_flip_flips_exactly_the_drawn_images() -> None:

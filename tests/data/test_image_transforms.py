@@ -18,7 +18,6 @@ from tests.data.image_factory import (
     textured_array,
 )
 from vlfit.data.decode import DecodeError, decode_pil
-from vlfit.data.device_stage import normalize_uint8
 from vlfit.data.image_transforms import (
     EncodedImage,
     FastImageTransform,
@@ -29,6 +28,7 @@ from vlfit.data.image_transforms import (
     resize_crop_uint8,
     stack_images,
 )
+from vlfit.data.normalize import normalize_uint8
 from vlfit.models.family import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
 MEAN = torch.tensor(OPENAI_CLIP_MEAN)

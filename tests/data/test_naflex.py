@@ -19,9 +19,9 @@ from vlfit.data.naflex import (
     collate_patches,
     decode_covering,
     image_header,
-    normalize_patches,
     patch_grid,
 )
+from vlfit.data.normalize import normalize_uint8
 from vlfit.data.pipeline import InputPipeline, PipelineOptions
 from vlfit.errors import DataError
 from vlfit.models.family import InputSpec
@@ -44,8 +44,7 @@ def test_full_size_pixels_become_the_processors_patches_exactly(width, height, b
     theirs, shape = processor_patches(Image.fromarray(pixels), 16, budget)
     assert [ours.rows, ours.columns] == shape
     count = ours.rows * ours.columns
-    normalized = normalize_patches(ours.patches[None], torch.ones(1, count, dtype=torch.int32), MEAN, STD,
-                                   torch.float32)[0]  # fmt: skip
+    normalized = normalize_uint8(ours.patches[None], MEAN, STD, mask=torch.ones(1, count, dtype=torch.int32))[0]
     assert torch.allclose(normalized, theirs[:count], atol=1e-6)  # the same uint8 resize, then the same arithmetic
 
 
@@ -101,7 +100,7 @@ def test_a_batch_is_padded_to_its_longest_image_with_the_mask_and_grids():
     assert batch["pixel_attention_mask"].tolist()[1] == [1, 0, 0, 0, 0, 0, 0, 0]
     assert batch["spatial_shapes"].tolist() == [[2, 3], [1, 1], [4, 2]]
     assert int(batch["pixel_values"][1, 1:].sum()) == 0
-    normalized = normalize_patches(batch["pixel_values"], batch["pixel_attention_mask"], MEAN, STD, torch.float32)
+    normalized = normalize_uint8(batch["pixel_values"], MEAN, STD, mask=batch["pixel_attention_mask"])
     assert float(normalized[1, 1:].abs().sum()) == 0.0  # padding rows are zeros, as the processor pads them
     assert normalized[0, 0, 0] == pytest.approx(7 / 127.5 - 1)
 

@@ -19,37 +19,9 @@ from vlfit.data.bad_samples import RAISE_HINT, BadSampleError, describe_error
 from vlfit.data.batch import DEVICE, BadSample, Batch
 from vlfit.data.decode import DecodeError
 from vlfit.data.device_decode import decode_resize_batch, decode_resize_batch_skipping_bad
-from vlfit.data.naflex import normalize_patches
+from vlfit.data.normalize import normalize_uint8
 
 logger = logging.getLogger(__name__)
-
-
-def normalize_uint8(
-    pixels: torch.Tensor,
-    mean: torch.Tensor,
-    std: torch.Tensor,
-    dtype: torch.dtype,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``(pixels / 255 - mean) / std`` in ``dtype``, computed in one float32 buffer.
-
-    Args:
-        pixels: uint8 ``[B, 3, H, W]``, any memory layout.
-        mean: ``[3]`` float on the same device.
-        std: ``[3]`` float on the same device.
-        dtype: Output dtype (the model's).
-        out: A contiguous float32 tensor of ``pixels``' shape to compute in (``ReusedBuffers``); default a new one.
-            It is the result when ``dtype`` is float32.
-    """
-    scale = (1.0 / (255.0 * std)).view(1, -1, 1, 1)
-    shift = (-mean / std).view(1, -1, 1, 1)
-    # The CPU stage batches channels-last (no transpose on the host); the model gets contiguous NCHW, made in the
-    # same pass as the conversion to float, then scaled and shifted in place.
-    if out is None:
-        as_float = pixels.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
-    else:
-        as_float = out.copy_(pixels)
-    return as_float.mul_(scale).add_(shift).to(dtype)
 
 
 def random_horizontal_flip(pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -149,7 +121,7 @@ class DeviceStage:
         flip = train and self.horizontal_flip
         if pixels.dtype == torch.uint8 and pixels.dim() == 3:  # NaFlex patches (the pipeline refuses a flip)
             mean, std = self._stats_on(pixels.device)
-            pixels = normalize_patches(pixels, batch.inputs["pixel_attention_mask"], mean, std, dtype)
+            pixels = normalize_uint8(pixels, mean, std, dtype, mask=batch.inputs["pixel_attention_mask"])
         elif pixels.dtype == torch.uint8:
             if flip:  # on the uint8 pixels: a quarter of the bytes, and the same result as flipping after
                 pixels = random_horizontal_flip(pixels)

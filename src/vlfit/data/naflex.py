@@ -15,7 +15,8 @@ Here, per image, in a loader worker:
    patches;
 
 the collator pads a batch to its largest patch count (not to the budget), and the device stage normalizes
-(``normalize_patches``). A batch's images then cross the worker pipe and the host-to-device copy as uint8.
+(``vlfit.data.normalize.normalize_uint8``). A batch's images then cross the worker pipe and the host-to-device copy
+as uint8.
 """
 
 from __future__ import annotations
@@ -235,23 +236,6 @@ def concat_patch_batches(batches: Sequence[dict[str, torch.Tensor]]) -> dict[str
             "spatial_shapes": torch.cat([batch["spatial_shapes"] for batch in batches])}  # fmt: skip
 
 
-def normalize_patches(
-    pixels: torch.Tensor,
-    mask: torch.Tensor,
-    mean: torch.Tensor,
-    std: torch.Tensor,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """``(pixels / 255 - mean) / std`` of uint8 patches ``[B, N, p * p * 3]`` (channels last in each patch) in
-    ``dtype``, padding rows set to 0 (what the processor pads its normalized patches with)."""
-    channels = mean.numel()
-    repeat = pixels.shape[-1] // channels
-    scale = (1.0 / (255.0 * std)).repeat(repeat).view(1, 1, -1)
-    shift = (-mean / std).repeat(repeat).view(1, 1, -1)
-    normalized = torch.addcmul(shift, pixels.to(torch.float32), scale)
-    return normalized.mul_(mask.unsqueeze(-1).to(normalized.dtype)).to(dtype)
-
-
 def padding_waste(shapes: torch.Tensor, padded_length: int) -> tuple[int, int]:
     """``(padded, total)`` patch rows of a batch: padding rows and all rows."""
     used = int(shapes.prod(-1).sum())
@@ -269,7 +253,6 @@ __all__ = [
     "concat_patch_batches",
     "decode_covering",
     "image_header",
-    "normalize_patches",
     "patch_grid",
     "patchify",
 ]

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from vlfit.atomic_files import write_text_atomically
+from vlfit.data.normalize import normalize_uint8
 from vlfit.errors import ConfigError
 from vlfit.inference.backends import TorchEncoder
 from vlfit.inference.export import check_output_dir, cosine_figures
@@ -227,9 +228,8 @@ def _parity(staging: str, loaded: TorchEncoder, samples: Samples) -> dict[str, d
     options.log_severity_level = 3
     visual = ort.InferenceSession(os.path.join(staging, VISUAL, MODEL_FILE), options, ["CPUExecutionProvider"])
     textual = ort.InferenceSession(os.path.join(staging, TEXTUAL, MODEL_FILE), options, ["CPUExecutionProvider"])
-    mean = torch.tensor(loaded.spec.image_mean, dtype=torch.float32).view(1, 3, 1, 1)
-    std = torch.tensor(loaded.spec.image_std, dtype=torch.float32).view(1, 3, 1, 1)
-    images = ((samples.pixels.float() / 255.0 - mean) / std).numpy()
+    mean, std = (torch.tensor(stat, dtype=torch.float32) for stat in (loaded.spec.image_mean, loaded.spec.image_std))
+    images = normalize_uint8(samples.pixels, mean, std).numpy()
     graph_images = np.concatenate([visual.run(None, {IMAGE_INPUT: images[i : i + 1]})[0] for i in range(len(images))])
     ids = immich_token_ids(staging, list(samples.captions))
     graph_texts = np.concatenate([textual.run(None, {TEXT_INPUT: ids[i : i + 1]})[0] for i in range(len(ids))])

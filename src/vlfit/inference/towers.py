@@ -4,8 +4,8 @@ They are built only from the ``ModelFamily`` interface (``encode_image`` / ``enc
 ``InputSpec``, so every family, present or future, exports the same way without code of its own.
 
 The image tower takes **uint8** pixels ``[B, 3, H, W]`` (what the fast CPU pipeline collates) and normalizes them
-inside the graph with the model's mean and std, by the same fused multiply-add as the training device stage
-(``vlfit.data.device_stage.normalize_uint8``); a deployed graph then needs no preprocessing but resize and crop.
+inside the graph with the model's mean and std, by the training device stage's own normalization
+(``vlfit.data.normalize.normalize_uint8``); a deployed graph then needs no preprocessing but resize and crop.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vlfit.data.normalize import normalize_uint8
 from vlfit.models.family import InputSpec, ModelFamily
 
 IMAGE_INPUT = "pixels"
@@ -37,16 +38,8 @@ class ImageTower(nn.Module):
         super().__init__()
         self.family = family
         self.model = model
-        mean = torch.tensor(spec.image_mean, dtype=torch.float32)
-        std = torch.tensor(spec.image_std, dtype=torch.float32)
-        scale, shift = 1.0 / (255.0 * std), -mean / std
-        if spec.max_num_patches is not None:  # NaFlex patches [B, N, p * p * 3], channels last in each patch
-            patch = int(spec.patch_size)  # type: ignore[arg-type]
-            scale, shift = scale.repeat(patch * patch).view(1, 1, -1), shift.repeat(patch * patch).view(1, 1, -1)
-        else:
-            scale, shift = scale.view(1, -1, 1, 1), shift.view(1, -1, 1, 1)
-        self.register_buffer("scale", scale, persistent=False)
-        self.register_buffer("shift", shift, persistent=False)
+        self.register_buffer("mean", torch.tensor(spec.image_mean, dtype=torch.float32), persistent=False)
+        self.register_buffer("std", torch.tensor(spec.image_std, dtype=torch.float32), persistent=False)
 
     def forward(
         self,
@@ -56,10 +49,9 @@ class ImageTower(nn.Module):
     ) -> torch.Tensor:
         """Embeddings of uint8 pixels, or of a NaFlex model's uint8 patches with their mask and grids
         (``vlfit.data.naflex``)."""
-        normalized = torch.addcmul(self.shift, pixels.to(torch.float32), self.scale)
+        normalized = normalize_uint8(pixels, self.mean, self.std, mask=pixel_attention_mask)  # padding rows are 0
         if pixel_attention_mask is None:
             return self.family.encode_image(self.model, normalized)
-        normalized = normalized * pixel_attention_mask.unsqueeze(-1).to(normalized.dtype)  # padding rows are 0
         return self.family.encode_image(
             self.model, normalized, pixel_attention_mask=pixel_attention_mask, spatial_shapes=spatial_shapes
         )
