@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import torch
 
+from vlfit.data.normalize import normalize_uint8
 from vlfit.errors import ConfigError
 from vlfit.models.family import InputSpec
 from vlfit.models.loading import LoadedModel, build_model, resolve_model
@@ -50,9 +51,8 @@ class QuestionAnswerer:
             )
         self.loaded = LoadedModel(build_model(spec).eval(), spec)
         self.answers = config_answers(spec.config)
-        mean = torch.tensor(spec.inputs.image_mean, dtype=torch.float32).view(1, -1, 1, 1)
-        std = torch.tensor(spec.inputs.image_std, dtype=torch.float32).view(1, -1, 1, 1)
-        self._scale, self._shift = 1.0 / (255.0 * std), -mean / std
+        self._mean = torch.tensor(spec.inputs.image_mean, dtype=torch.float32)
+        self._std = torch.tensor(spec.inputs.image_std, dtype=torch.float32)
 
     @property
     def inputs(self) -> InputSpec:
@@ -79,7 +79,7 @@ class QuestionAnswerer:
         model = self.loaded.model
         device = next(model.parameters()).device
         tokens = self.loaded.inputs.tokenize(questions)
-        normalized = torch.addcmul(self._shift, pixels.to(torch.float32), self._scale)
+        normalized = normalize_uint8(pixels, self._mean, self._std)
         logits = model(
             input_ids=tokens["input_ids"].to(device),
             attention_mask=tokens["attention_mask"].to(device),
