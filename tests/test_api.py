@@ -61,6 +61,20 @@ def test_every_image_kind_gives_the_same_normalized_embedding(preset_model, tmp_
                                embeddings[:1] @ texts.T, atol=1e-5)  # fmt: skip
 
 
+def test_a_models_threads_are_its_own_and_a_second_load_runs_on_the_default():
+    import torch
+
+    before = torch.get_num_threads()
+    seen: list[int] = []
+    for num_threads in (before + 1, None):
+        model = vlfit.load("clip-tiny", num_threads=num_threads)
+        assert torch.get_num_threads() == before
+        model.encoder.text_tower.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+        model.encode_texts(["a red square"])
+        assert torch.get_num_threads() == before
+    assert seen == [before + 1, before]
+
+
 def test_bad_images_name_their_position(preset_model, tmp_path):
     good = np.zeros((32, 32, 3), dtype=np.uint8)
     with pytest.raises(vlfit.MissingFileError, match=r"images\[1\] \(.*nope.jpg\): no such file"):

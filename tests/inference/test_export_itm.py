@@ -117,6 +117,19 @@ def test_a_checkpoint_without_a_matching_head_has_no_scorer(tiny_checkpoint):
         ModelRuntime.open(str(tiny_checkpoint)).require_pair_scorer()  # fmt: skip
 
 
+def test_pytorch_parts_run_on_the_runtimes_threads_and_leave_the_process_its_own(itm_checkpoint):
+    before = torch.get_num_threads()
+    runtime = _runtime(itm_checkpoint, num_threads=before + 1)
+    scorer = runtime.require_pair_scorer()
+    assert torch.get_num_threads() == before  # opening the model sets nothing for the process
+    seen: list[tuple[str, int]] = []
+    for name, module in (("text", runtime.encoder.text_tower), ("pairs", scorer.graph)):
+        module.register_forward_pre_hook(lambda _, args, name=name: seen.append((name, torch.get_num_threads())))
+    runtime.embed_texts(CAPTIONS)
+    scorer.score_pairs(CAPTIONS[:1], _pixels(scorer, 1))
+    assert seen == [("text", before + 1), ("pairs", before + 1)] and torch.get_num_threads() == before
+
+
 def test_agreement_counts_swapped_candidates_beyond_ties_only():
     reference = torch.tensor([[3.0, 2.0, 1.0, 0.0], [1.0, 1.00001, 0.0, -1.0]])
     figures = agreement_figures(reference, torch.tensor([[3.0, 1.0, 2.0, 0.0], [1.00001, 1.0, 0.0, -1.0]]), 1e-4)
@@ -251,13 +264,8 @@ def test_the_matching_head_runs_on_the_threads_and_spinning_of_its_runtime(itm_e
         options = session.get_session_options()
         assert options.intra_op_num_threads == 1
         assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        checkpoint = ModelRuntime.open(str(itm_checkpoint), num_threads=2)
-        assert isinstance(checkpoint.pair_scorer, TorchPairScorer) and torch.get_num_threads() == 2  # one setting
-    finally:
-        torch.set_num_threads(before)
+    checkpoint = _runtime(itm_checkpoint, num_threads=2)
+    assert isinstance(checkpoint.pair_scorer, TorchPairScorer) and checkpoint.pair_scorer.num_threads == 2
 
 
 @pytest.mark.slow

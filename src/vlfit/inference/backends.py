@@ -30,6 +30,7 @@ from vlfit.inference.runtime_settings import RuntimeSettings
 from vlfit.inference.towers import IMAGE_INPUT, PATCH_INPUTS, TEXT_INPUTS, ImageTower, TextTower
 from vlfit.models.family import InputSpec
 from vlfit.models.reference import ModelReference
+from vlfit.threads import on_own_threads
 
 if TYPE_CHECKING:
     from torch import nn
@@ -130,6 +131,8 @@ class TorchEncoder(Encoder):
             its weights show).
         model_path: What the model is called (its folder, or ``preset:NAME`` for a preset's random weights).
         fingerprint: What identifies its weights (``checkpoint_fingerprint`` of a folder).
+        num_threads: Torch intra-op threads of each call (``None``: the process's), set for the call and put back
+            after it (``vlfit.threads.torch_threads``): a runtime's threads are its own, not the process's.
 
     Attributes:
         loaded: The model with its spec.
@@ -140,10 +143,11 @@ class TorchEncoder(Encoder):
     backend = "torch"
     precision = "fp32"
 
-    def __init__(self, loaded: LoadedModel, model_path: str, fingerprint: str) -> None:
+    def __init__(self, loaded: LoadedModel, model_path: str, fingerprint: str, num_threads: int | None = None) -> None:
         model = loaded.model.eval().float()
         self.loaded = loaded
         self.model_path = model_path
+        self.num_threads = num_threads
         self.spec = loaded.inputs
         self.image_tower = ImageTower(loaded.family, model, loaded.inputs).eval()
         self.text_tower = TextTower(loaded.family, model).eval()
@@ -160,6 +164,7 @@ class TorchEncoder(Encoder):
         """Save the model with its tokenizer and image processor into ``folder`` (``LoadedModel.save``)."""
         self.loaded.save(folder)
 
+    @on_own_threads
     @torch.inference_mode()
     def run_tower(self, tower: str, inputs: dict[str, torch.Tensor | np.ndarray]) -> torch.Tensor:
         module = self.image_tower if tower == "image" else self.text_tower
@@ -394,7 +399,7 @@ def _exported_patch_budget(spec: InputSpec, asked: int, path: str) -> InputSpec:
 
 def _torch_encoder(reference: ModelReference, settings: RuntimeSettings) -> TorchEncoder:
     """A checkpoint folder on PyTorch: fp32, eval mode, the sdpa attention path, at the run's caption length (or
-    ``settings.max_seq_length``)."""
+    ``settings.max_seq_length``), on ``settings.num_threads``."""
     from vlfit.models.loading import load_model  # only here: it imports transformers' models
 
     folder = reference.path
@@ -405,7 +410,7 @@ def _torch_encoder(reference: ModelReference, settings: RuntimeSettings) -> Torc
         )
     loaded = load_model(model_name_or_path=reference, max_seq_length=settings.max_seq_length,
                         max_num_patches=settings.max_num_patches)  # fmt: skip
-    return TorchEncoder(loaded, folder, checkpoint_fingerprint(folder))
+    return TorchEncoder(loaded, folder, checkpoint_fingerprint(folder), settings.num_threads)
 
 
 def _preset_encoder(preset: str, settings: RuntimeSettings) -> TorchEncoder:
@@ -416,4 +421,4 @@ def _preset_encoder(preset: str, settings: RuntimeSettings) -> TorchEncoder:
     captions = [caption for _ in range(64) for caption in scene_and_choices(rng)[1]]
     loaded = load_model(model_preset=preset, captions=lambda: captions, max_seq_length=settings.max_seq_length,
                         max_num_patches=settings.max_num_patches)  # fmt: skip
-    return TorchEncoder(loaded, f"preset:{preset}", f"preset:{preset}")
+    return TorchEncoder(loaded, f"preset:{preset}", f"preset:{preset}", settings.num_threads)

@@ -12,7 +12,7 @@ text_rows=[0] * K, image_rows=range(K))``. Without rows, caption ``i`` pairs wit
 ``itm.onnx`` graph ``vlfit export`` traced from it (``vlfit.inference.export_itm``), OpenVINO as that graph
 converted (``itm.xml``). A model's scorer comes from its runtime (``vlfit.inference.runtime.ModelRuntime``:
 ``pair_scorer``, on the runtime's settings): ``pair_scorer_for`` gives a checkpoint's, sharing its PyTorch encoder's
-model; ``exported_scorer_of`` an export folder's, at the settings' precision, threads and caption
+model and threads; ``exported_scorer_of`` an export folder's, at the settings' precision, threads and caption
 length, whether or not the folder's encoder was opened first. A model without a matching head has no scorer: both
 return None and ``ModelRuntime.require_pair_scorer`` refuses it in one line (``NoMatchingHeadError``).
 """
@@ -38,6 +38,7 @@ from vlfit.inference.exported import ExportFolder, graph_name
 from vlfit.inference.identity import RefusedModelError
 from vlfit.inference.runtime_settings import RuntimeSettings
 from vlfit.inference.towers import IMAGE_INPUT, TEXT_INPUTS
+from vlfit.threads import on_own_threads
 
 ITM_GRAPH = "itm"  # the graph's key in the export manifest and its file name (itm.onnx, itm.int8.onnx)
 ROW_INPUTS = ("text_rows", "image_rows")
@@ -142,10 +143,10 @@ def _pair_rows(
 
 
 class TorchPairScorer(PairScorer):
-    """A loaded model with a matching head on PyTorch (fp32, eval mode).
+    """A loaded model with a matching head on PyTorch (fp32, eval mode), on its encoder's threads.
 
     Args:
-        encoder: The model's ``TorchEncoder`` (its model and spec; the scorer shares the model, not a copy).
+        encoder: The model's ``TorchEncoder`` (its model, spec and threads; the scorer shares the model, not a copy).
 
     Raises:
         NoMatchingHeadError: when the model has no matching head.
@@ -162,8 +163,10 @@ class TorchPairScorer(PairScorer):
             raise no_matching_head(encoder.model_path)
         self.model_path = encoder.model_path
         self.spec = encoder.spec
+        self.num_threads = encoder.num_threads
         self.graph = PairScoringGraph(encoder.model, encoder.spec).eval()
 
+    @on_own_threads
     @torch.inference_mode()
     def score_tokens(self, *inputs: torch.Tensor) -> torch.Tensor:
         return self.graph(*inputs)
@@ -210,7 +213,7 @@ def exported_pair_scorer(exported: ExportFolder, settings: RuntimeSettings | Non
 
 
 def pair_scorer_for(encoder: TorchEncoder) -> TorchPairScorer | None:
-    """The pair scorer sharing a PyTorch encoder's model; None when the model has no matching
+    """The pair scorer sharing a PyTorch encoder's model (and its threads); None when the model has no matching
     head (``ModelRuntime.pair_scorer`` calls it for a checkpoint or a preset)."""
     from vlfit.models.itm import has_itm_head
 

@@ -68,8 +68,6 @@ class ModelRuntime:
                     f"{reference.path}: --precision int8 runs on exported graphs only, and a question-answering "
                     "model is not exported; load it with precision auto or fp32"
                 )
-        if settings.num_threads and (reference.kind != "export" or reference.answers_questions):
-            torch.set_num_threads(settings.num_threads)  # once, for every PyTorch part of this model
 
     @classmethod
     def open(

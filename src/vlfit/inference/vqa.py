@@ -18,6 +18,7 @@ from vlfit.models.family import InputSpec
 from vlfit.models.loading import LoadedModel, build_model, resolve_model
 from vlfit.models.reference import ModelReference
 from vlfit.models.vqa import VQA_ARCHITECTURE, config_answers, is_vqa_config
+from vlfit.threads import on_own_threads
 
 
 class Answer(NamedTuple):
@@ -30,19 +31,24 @@ class Answer(NamedTuple):
 class QuestionAnswerer:
     """A BridgeTower VQA model, its answers and its inputs.
 
-    Built by ``vlfit.inference.runtime.ModelRuntime.answerer``, which sets the threads and batches the questions.
+    Built by ``vlfit.inference.runtime.ModelRuntime.answerer``, which batches the questions.
 
     Args:
         model: A folder ``vlfit train --task vqa`` wrote (or a hub id of one), or what it parsed to.
         max_seq_length: Question length (``None``: the run's, ``input_spec.json``).
+        num_threads: Torch intra-op threads of each call (``None``: the process's), set for the call and put back
+            after it (``vlfit.threads.torch_threads``).
 
     Raises:
         ConfigError: for a model without a VQA head.
     """
 
-    def __init__(self, model: str | ModelReference, max_seq_length: int | None = None) -> None:
+    def __init__(
+        self, model: str | ModelReference, max_seq_length: int | None = None, num_threads: int | None = None
+    ) -> None:
         model_path = model.path if isinstance(model, ModelReference) else model
         self.model_path = model_path
+        self.num_threads = num_threads
         spec = resolve_model(model_name_or_path=model, max_seq_length=max_seq_length)
         if not is_vqa_config(spec.config):
             raise ConfigError(
@@ -63,6 +69,7 @@ class QuestionAnswerer:
     def image_size(self) -> int:
         return self.loaded.image_size
 
+    @on_own_threads
     @torch.inference_mode()
     def answer(self, pixels: torch.Tensor, questions: Sequence[str], top_k: int = 3) -> list[list[Answer]]:
         """The ``top_k`` best answers to each question about its image, best first.
