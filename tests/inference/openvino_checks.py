@@ -20,6 +20,7 @@ from vlfit.errors import ConfigError
 from vlfit.inference.backends import TorchEncoder
 from vlfit.inference.export_samples import load_samples
 from vlfit.inference.runtime import ModelRuntime
+from vlfit.inference.runtime_settings import RuntimeSettings
 
 CAPTIONS = ["red", "two blue squares on the left and one green circle at the top of the picture, and more words"]
 
@@ -62,13 +63,13 @@ def encoder_check(checkpoint: str, onnx_export: str, out: str) -> dict:
     manifest = export_model(loaded, out, ExportSettings("openvino", "int8"), parity_samples=samples)
     reference = ModelRuntime.open(checkpoint).encoder
     pixels = load_samples(synthetic_source(6, seed=5), reference.spec).pixels
-    fp32 = ModelRuntime.open(out, precision="fp32", inference_precision="f32").encoder
+    fp32 = ModelRuntime.open(out, RuntimeSettings(precision="fp32", inference_precision="f32")).encoder
     return {
         "default_precision": manifest["parity"]["openvino_default_precision"]["precision"],
         "fp32_backend": fp32.backend,
         "fp32_min_cosine": min_cosine_against_torch(fp32, reference, pixels),
         "int8_min_cosine": min_cosine_against_torch(
-            ModelRuntime.open(out, precision="int8").encoder, reference, pixels
+            ModelRuntime.open(out, RuntimeSettings(precision="int8")).encoder, reference, pixels
         ),
     }
 
@@ -76,13 +77,13 @@ def encoder_check(checkpoint: str, onnx_export: str, out: str) -> dict:
 def pair_check(export: str, checkpoint: str) -> dict:
     from vlfit.inference.pair_scorer import ExportedPairScorer
 
-    fp32 = ModelRuntime.open(export, precision="fp32").require_pair_scorer()
+    fp32 = ModelRuntime.open(export, RuntimeSettings(precision="fp32")).require_pair_scorer()
     pixels = load_samples(synthetic_source(5, seed=7), fp32.spec).pixels
     rows = (torch.arange(2).repeat_interleave(5), torch.arange(5).repeat(2))
     expected = ModelRuntime.open(checkpoint).require_pair_scorer().score_pairs(CAPTIONS, pixels, *rows)
     int8 = ModelRuntime.open(export).pair_scorer  # precision auto: the itm graph's INT8
     try:
-        ModelRuntime.open(export, backend="onnxruntime").require_pair_scorer()
+        ModelRuntime.open(export, RuntimeSettings(backend="onnxruntime")).require_pair_scorer()
         refusal = ""
     except ConfigError as error:
         refusal = str(error)

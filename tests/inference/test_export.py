@@ -15,6 +15,7 @@ from vlfit.inference import export as export_module
 from vlfit.inference.export_samples import load_samples
 from vlfit.inference.identity import RefusedModelError, checkpoint_fingerprint
 from vlfit.inference.runtime import ModelRuntime
+from vlfit.inference.runtime_settings import RuntimeSettings
 
 pytestmark = pytest.mark.slow
 
@@ -43,17 +44,19 @@ def test_onnx_export_matches_pytorch_and_its_int8_graphs_run(onnx_export, tiny_c
 
     reference = ModelRuntime.open(str(tiny_checkpoint)).encoder
     pixels = load_samples(synthetic_source(6, seed=5), reference.spec).pixels
-    _check_against_torch(ModelRuntime.open(str(onnx_export), precision="fp32").encoder, reference, pixels, 0.9999)
+    _check_against_torch(
+        ModelRuntime.open(str(onnx_export), RuntimeSettings(precision="fp32")).encoder, reference, pixels, 0.9999
+    )
     int8 = ModelRuntime.open(str(onnx_export)).encoder
     with pytest.raises(RefusedModelError, match=r"holds onnx graphs, which run on onnxruntime, not openvino; .*"
                        r"or export with --format openvino$"):  # fmt: skip
-        _ = ModelRuntime.open(str(onnx_export), backend="openvino").encoder
+        _ = ModelRuntime.open(str(onnx_export), RuntimeSettings(backend="openvino")).encoder
     assert (int8.backend, int8.precision) == ("onnxruntime", "int8")
     _check_against_torch(int8, reference, pixels, 0.999)
 
     # A server's sessions do not spin-wait between calls; by default they do, as ONNX Runtime's own default.
     entry = "session.intra_op.allow_spinning"
-    quiet = ModelRuntime.open(str(onnx_export), allow_spinning=False).encoder
+    quiet = ModelRuntime.open(str(onnx_export), RuntimeSettings(allow_spinning=False)).encoder
     assert {s.get_session_options().get_session_config_entry(entry) for s in quiet.graphs.values()} == {"0"}
     with pytest.raises(RuntimeError, match="allow_spinning"):  # never set: ONNX Runtime's default, spinning
         int8.graphs["text"].get_session_options().get_session_config_entry(entry)

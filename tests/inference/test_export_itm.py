@@ -102,9 +102,9 @@ def test_bad_pair_requests_are_one_line_each(itm_checkpoint):
     with pytest.raises(ConfigError, match=r"^pair scoring takes uint8 pixels \[N, 3, 64, 64\], got torch.float32"):
         scorer.score_pairs(CAPTIONS, pixels.float())
     with pytest.raises(ConfigError, match=r"^unknown --backend 'tensorrt'; choose one of"):
-        ModelRuntime.open(str(itm_checkpoint), backend="tensorrt").require_pair_scorer()
+        ModelRuntime.open(str(itm_checkpoint), RuntimeSettings(backend="tensorrt")).require_pair_scorer()
     with pytest.raises(ConfigError, match=r"openvino"):  # a checkpoint runs on torch; exports run on openvino
-        ModelRuntime.open(str(itm_checkpoint), backend="openvino").require_pair_scorer()
+        ModelRuntime.open(str(itm_checkpoint), RuntimeSettings(backend="openvino")).require_pair_scorer()
 
 
 def test_a_checkpoint_without_a_matching_head_has_no_scorer(tiny_checkpoint):
@@ -169,7 +169,7 @@ def test_itm_graph_matches_pytorch_and_its_int8_agreement_is_recorded(itm_export
     assert 0 < int8["max_abs_diff"] < 0.05 and int8["spearman"] > 0.95  # 0.0114 and 0.9945 measured
 
     # The ONNX Runtime scorer equals the PyTorch one on pairs unlike the parity check's (2 captions x 5 images).
-    onnx = ModelRuntime.open(str(itm_export), precision="fp32").require_pair_scorer()
+    onnx = ModelRuntime.open(str(itm_export), RuntimeSettings(precision="fp32")).require_pair_scorer()
     torch_scorer = ModelRuntime.open(str(itm_checkpoint)).require_pair_scorer()
     assert isinstance(onnx, ExportedPairScorer) and (onnx.backend, onnx.precision) == ("onnxruntime", "fp32")
     pixels = _pixels(onnx, 5, seed=7)
@@ -182,7 +182,7 @@ def test_itm_graph_matches_pytorch_and_its_int8_agreement_is_recorded(itm_export
     assert (int8_scorer.score_pairs(CAPTIONS, pixels, *rows) - expected).abs().max() < 0.05
     refusal = r"holds onnx graphs, which run on onnxruntime, not torch; .* or pass the checkpoint it was exported from"
     with pytest.raises(ConfigError, match=refusal):
-        ModelRuntime.open(str(itm_export), backend="torch").require_pair_scorer()
+        ModelRuntime.open(str(itm_export), RuntimeSettings(backend="torch")).require_pair_scorer()
 
 
 @pytest.mark.slow
@@ -259,7 +259,7 @@ def test_an_itm_graph_that_does_not_match_its_checkpoint_is_not_written(itm_chec
 
 @pytest.mark.slow
 def test_the_matching_head_runs_on_the_threads_and_spinning_of_its_runtime(itm_export, itm_checkpoint):
-    runtime = ModelRuntime.open(str(itm_export), num_threads=1, allow_spinning=False)
+    runtime = ModelRuntime.open(str(itm_export), RuntimeSettings(num_threads=1, allow_spinning=False))
     for session in (runtime.pair_scorer.graphs["itm"], runtime.encoder.graphs["text"]):
         options = session.get_session_options()
         assert options.intra_op_num_threads == 1

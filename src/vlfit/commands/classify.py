@@ -7,13 +7,14 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from vlfit.arguments.runtime import runtime_arguments
 from vlfit.atomic_files import replace_on_success
 from vlfit.commands.parsing import CommandParser
 from vlfit.errors import ConfigError
 
 
 @dataclass
-class ClassifyArguments:
+class ClassifyArguments(runtime_arguments("num_threads")):
     """Flags of ``vlfit classify`` (image files and folders are given as positional arguments)."""
 
     model: str = field(metadata={"help": "A classifier folder (vlfit fewshot --save_classifier)."})
@@ -28,7 +29,6 @@ class ClassifyArguments:
     dataloader_num_workers: int = field(
         default_factory=lambda: min(2, os.cpu_count() or 1), metadata={"help": "Loader worker processes."}
     )
-    num_threads: int | None = field(default=None, metadata={"help": "torch threads (default: torch's)."})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             caption_column=args.label_column,
             caption_role="label",
         )
-    classifier = Classifier(args.model, num_threads=args.num_threads)
+    classifier = Classifier(args.model, args.settings())
     truths = source.captions() if args.label_column else None
     predictions, bad, correct = [], [], 0
     batches = classifier.image_batches(source, batch_size=args.batch_size, num_workers=args.dataloader_num_workers)

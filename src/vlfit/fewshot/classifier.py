@@ -13,6 +13,7 @@ The folder is written beside its final place and renamed into it, so a reader se
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -30,6 +31,7 @@ from vlfit.errors import MissingFileError
 from vlfit.fewshot.heads import LinearHead
 from vlfit.inference.backends import Encoder
 from vlfit.inference.runtime import ModelRuntime
+from vlfit.inference.runtime_settings import RuntimeSettings
 from vlfit.model_card import write_model_card
 
 CLASSIFIER_FILE = "classifier.json"
@@ -164,13 +166,13 @@ class Classifier:
 
     Args:
         folder: What ``save_classifier`` wrote (``vlfit fewshot --save_classifier``).
-        num_threads: torch threads (``None``: torch's default).
+        settings: How its model runs (``None``: the defaults); the backend is always PyTorch.
 
     Raises:
         FileNotFoundError: when the folder is not a classifier.
     """
 
-    def __init__(self, folder: str, num_threads: int | None = None) -> None:
+    def __init__(self, folder: str, settings: RuntimeSettings | None = None) -> None:
         info_path = os.path.join(folder, CLASSIFIER_FILE)
         if not os.path.isfile(info_path):
             raise MissingFileError(
@@ -182,9 +184,8 @@ class Classifier:
             self.info = ClassifierInfo.from_dict(json.load(f))
         tensors = load_file(os.path.join(folder, HEAD_FILE))
         self.head = LinearHead(tensors["weight"], tensors["bias"])
-        self.encoder: Encoder = ModelRuntime.open(
-            os.path.join(folder, MODEL_FOLDER), "torch", num_threads=num_threads
-        ).encoder
+        torch_settings = dataclasses.replace(settings or RuntimeSettings(), backend="torch")
+        self.encoder: Encoder = ModelRuntime.open(os.path.join(folder, MODEL_FOLDER), torch_settings).encoder
         self.folder = folder
 
     @property

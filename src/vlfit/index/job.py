@@ -38,6 +38,7 @@ from vlfit.index.integrity import check_verify_level
 from vlfit.index.store import EmbeddingIndex, check_storage
 from vlfit.inference.backends import Encoder
 from vlfit.inference.runtime import ModelRuntime
+from vlfit.inference.runtime_settings import RuntimeSettings
 
 # What the report tells of the ANN structure (the manifest's "ann" holds all of it).
 ANN_SUMMARY = ("type", "factory", "search_params", "recall_at_10", "bytes_per_vector", "query_latency_ms", "extended")
@@ -60,9 +61,8 @@ class IndexJob:
         output_dir: The index folder (created; an existing index is resumed and appended to).
         images: A folder of image files, or else ``dataset_name`` (a hub id, a folder, data files or tar shards,
             local or at URLs) with its ``split`` and columns; ``image_id_column`` names the image a row shows.
-        backend, precision, num_threads, max_seq_length, max_num_patches: How a model reference is run
-            (``vlfit.load``'s, through one ``ModelRuntime``); ``max_num_patches`` left None is the index's
-            recorded one (``replayed``).
+        runtime: How a model reference is run (``vlfit.load``'s, through one ``ModelRuntime``); its
+            ``max_num_patches`` left None is the index's recorded one (``replayed``).
         batch_size, num_workers, shard_size, storage, progress, verify: The build's (``BuildRequest``).
         index_type, max_index_memory, target_recall: The ANN structure's (``vlfit.index.ann_update``).
             These three and ``shard_size``, left None, are the index's recorded ones (``BUILD_SETTINGS``).
@@ -81,11 +81,7 @@ class IndexJob:
     image_column: str = "image"
     caption_column: str | None = "image_description"
     image_id_column: str | None = None
-    backend: str = "auto"
-    precision: str = "auto"
-    num_threads: int | None = None
-    max_seq_length: int | None = None
-    max_num_patches: int | None = None
+    runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
     batch_size: int = 32
     num_workers: int = 0
     shard_size: int | None = None
@@ -136,10 +132,10 @@ class IndexJob:
             budget = manifest.model.get("max_num_patches")
         unset = {name: recorded.get(name, default) for name, default in BUILD_SETTINGS.items()
                  if getattr(self, name) is None}  # fmt: skip
-        if self.max_num_patches is None:
-            unset["max_num_patches"] = budget
+        if self.runtime.max_num_patches is None:
+            unset["runtime"] = dataclasses.replace(self.runtime, max_num_patches=budget)
         else:
-            check_patch_budget(self.max_num_patches, budget, self.output_dir)
+            check_patch_budget(self.runtime.max_num_patches, budget, self.output_dir)
         return dataclasses.replace(self, **unset)
 
     def settings(self) -> dict[str, Any]:
@@ -167,10 +163,7 @@ class IndexJob:
         """The model, open on its backend."""
         if isinstance(self.model, Encoder):
             return self.model
-        return ModelRuntime.open(
-            self.model, self.backend, self.precision, num_threads=self.num_threads,
-            max_seq_length=self.max_seq_length, max_num_patches=self.max_num_patches,
-        ).encoder  # fmt: skip
+        return ModelRuntime.open(self.model, self.runtime).encoder
 
 
 @dataclass(frozen=True)

@@ -73,14 +73,8 @@ class ModelRuntime:
     def open(
         cls,
         model: str | os.PathLike | ModelReference,
-        backend: str = "auto",
-        precision: str = "auto",
+        settings: RuntimeSettings | None = None,
         *,
-        num_threads: int | None = None,
-        max_seq_length: int | None = None,
-        inference_precision: str | None = None,
-        allow_spinning: bool = True,
-        max_num_patches: int | None = None,
         flag: str = "--model",
         kinds: Collection[str] = RUNTIME_KINDS,
     ) -> ModelRuntime:
@@ -89,23 +83,18 @@ class ModelRuntime:
         Args:
             model: The folder or preset (``parse_model_reference`` reads it, naming ``flag`` when it is none of
                 ``kinds``), or what it parsed to.
-            backend, precision, num_threads, max_seq_length, inference_precision, allow_spinning,
-                max_num_patches: The ``RuntimeSettings``.
+            settings: How it runs (``None``: every setting at its default: the model's own).
             flag: The option that named the model, for error messages.
             kinds: What the door takes.
 
         Raises:
-            ConfigError: for a bad setting.
             MissingFileError: for a path that is neither a folder nor a preset.
             RefusedModelError: for a setting the model cannot run with (INT8 of a checkpoint, a VQA model on
                 another backend ...).
         """
-        settings = RuntimeSettings(
-            backend, precision, num_threads, max_seq_length, inference_precision, allow_spinning, max_num_patches
-        )
         if not isinstance(model, ModelReference):
             model = parse_model_reference(os.fspath(model), flag=flag, kinds=tuple(kinds))
-        return cls(model, settings)
+        return cls(model, settings or RuntimeSettings())
 
     @property
     def path(self) -> str:

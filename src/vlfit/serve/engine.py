@@ -29,7 +29,7 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -43,6 +43,7 @@ from vlfit.index.stages import StageTimes
 from vlfit.index.store import MANIFEST_NAME, EmbeddingIndex
 from vlfit.index.verify import manifest_stamp, open_index
 from vlfit.inference.rerank_score import FUSED, ITM_ONLY, RerankScore, check_rerank_weight
+from vlfit.inference.runtime_settings import RuntimeSettings
 
 logger = logging.getLogger(__name__)
 
@@ -130,11 +131,8 @@ class SearchEngine:
         index: The index folder.
         model: A model or exported folder to embed queries with (default: the one the index was built with, on
             the runtime it was built with).
-        backend: ``auto`` or a runtime name, as ``vlfit.load`` takes.
-        precision: Exported graphs: ``auto``, ``fp32`` or ``int8``.
-        num_threads: Threads of the runtime (the encoder's and the matching head's).
-        max_seq_length: Cut query captions at this many tokens (``None``: as the index was built).
-        max_num_patches: A NaFlex model's patch budget for query images (``None``: as the index was built).
+        settings: How the model runs (``None``: every setting as the index was built; ``query_runtime``); its
+            runtime threads never spin-wait here.
         search_threads: faiss's OpenMP threads in this process. One by default: the server's concurrency comes
             from batching, and idle OpenMP threads spin on cores the event loop and the encoder need (searching a
             batch of 8 on a busy 2-core machine: 12 ms with 2 threads, 1 ms with 1).
@@ -157,11 +155,8 @@ class SearchEngine:
         self,
         index: str,
         model: str | None = None,
-        backend: str = "auto",
-        precision: str = "auto",
-        num_threads: int | None = None,
-        max_seq_length: int | None = None,
-        max_num_patches: int | None = None,
+        settings: RuntimeSettings | None = None,
+        *,
         search_threads: int = 1,
         verify: str = "quick",
         absolute_paths: bool = False,
@@ -176,9 +171,8 @@ class SearchEngine:
         self.verify = verify
         self.snapshot = Snapshot(index, verify, verified)
         # Spinning runtime threads would take the cores the event loop parses and answers requests on.
-        self.runtime = query_runtime(self.snapshot.index, model, backend, precision, num_threads=num_threads,
-                                     max_seq_length=max_seq_length, max_num_patches=max_num_patches,
-                                     allow_spinning=False)  # fmt: skip
+        settings = replace(settings or RuntimeSettings(), allow_spinning=False)
+        self.runtime = query_runtime(self.snapshot.index, model, settings)
         self.encoder = self.runtime.encoder
         # The matching head, when the model has one: on the encoder's backend, precision and threads.
         self.pair_scorer = self.runtime.pair_scorer
