@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from tests.inference.tiny_models import write_image_folder
-from vlfit.atomic_files import write_text_atomically
+from vlfit.atomic_files import STAGING_NAME, write_text_atomically
 from vlfit.cli import main
 from vlfit.errors import error_chain, failed_write_error, format_bytes
 from vlfit.index.store import EmbeddingIndex
@@ -202,7 +202,7 @@ def test_export_on_a_full_disk_ends_in_one_line_and_replaces_nothing(
     assert line.startswith(f"vlfit export: error: no space left on the device of {out} (")
     graphs = image_graph + os.path.getsize(out / graph_name("text", "fp32", "onnx"))
     assert graphs / 2 <= _needed_bytes(line) <= 3 * graphs  # the two fp32 graphs, roughly
-    assert line.endswith(f"; nothing in {out} was replaced (the export is staged in .export-staging and moved in "
+    assert line.endswith(f"; nothing in {out} was replaced (the export is staged in {STAGING_NAME} and moved in "
                          "once complete): free space there or export elsewhere (--output_dir)")  # fmt: skip
     assert _digests(out) == earlier
 

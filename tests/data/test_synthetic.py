@@ -15,9 +15,11 @@ import pyarrow as pa
 import pytest
 from PIL import Image, JpegImagePlugin
 
+from vlfit.atomic_files import FOLDER_RECORD
 from vlfit.commands.make_data import main
 from vlfit.data import synthetic
 from vlfit.data.synthetic import FEATURES, SPLITS, SyntheticConfig, make_dataset, make_record, save_dataset
+from vlfit.errors import ConfigError
 
 SMALL = {"min_long_side": 64, "max_long_side": 96}
 GROUP = re.compile(
@@ -277,7 +279,43 @@ def test_cli_parquet(tmp_path) -> None:
     out = tmp_path / "pq"
     argv = ["--output_dir", str(out), "--num_samples", "3", "--format", "parquet", "--num_proc", "1"]
     assert main([*argv, "--min_long_side", "40", "--max_long_side", "48"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["test.parquet", "train.parquet", "validation.parquet"]
+    written = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))  # and the folder's record
+    assert written == ["test.parquet", "train.parquet", "validation.parquet"]
+
+
+TINY_CLI = ["--num_samples", "3", "--min_long_side", "40", "--max_long_side", "48", "--num_proc", "1"]
+
+
+def test_cli_refuses_a_folder_of_the_users_own_files_and_writes_nothing(tmp_path) -> None:
+    """A folder holding the user's images and CSV is refused in one line naming it, before anything is generated:
+    its synthetic rows beside the user's would be what --dataset_name FOLDER reads from then on."""
+    own = tmp_path / "photos"
+    own.mkdir()
+    (own / "captions.csv").write_text("image,caption\na.jpg,a dog\n")
+    (own / "a.jpg").write_bytes(b"\xff\xd8")
+    with pytest.raises(ConfigError) as refused:
+        main(["--output_dir", str(own), *TINY_CLI])
+    assert str(refused.value) == (
+        f"--output_dir {own} is not empty (a.jpg, captions.csv) and vlfit make-data did not write it: name a new or "
+        "empty folder (--output_dir)"
+    )
+    assert sorted(p.name for p in own.iterdir()) == ["a.jpg", "captions.csv"]
+
+
+def test_cli_rerun_replaces_its_own_dataset_whole(tmp_path) -> None:
+    """A make-data folder written again (here parquet over arrow) holds the new dataset alone: the arrow one's
+    dataset_dict.json beside the parquet files would be what a reader opens."""
+    out = tmp_path / "synthetic"
+    assert main(["--output_dir", str(out), *TINY_CLI]) == 0
+    assert main(["--output_dir", str(out), *TINY_CLI, "--format", "parquet"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [FOLDER_RECORD, "test.parquet", "train.parquet",
+                                                     "validation.parquet"]  # fmt: skip
+
+
+def test_cli_refuses_an_output_dir_that_is_a_file(tmp_path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match=f"^--output_dir {tmp_path / 'file'} is a file, not a folder"):
+        main(["--output_dir", str(tmp_path / "file"), *TINY_CLI])
 
 
 @pytest.mark.parametrize(

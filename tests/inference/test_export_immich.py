@@ -15,6 +15,7 @@ import pytest
 from PIL import Image
 
 import vlfit
+from vlfit.atomic_files import STAGING_NAME
 from vlfit.cli import main
 from vlfit.inference.runtime_settings import RuntimeSettings
 from vlfit.models.input_spec_file import read_input_settings, save_input_settings
@@ -159,7 +160,7 @@ def test_the_folder_has_immichs_layout_and_the_runs_inputs(exports, checkpoints)
         assert preprocess["std"] == pytest.approx(list(spec.image_std))
         tokenizer = json.loads((folder / "textual" / "tokenizer_config.json").read_text())
         assert tokenizer["pad_token"] == spec.tokenizer.pad_token
-        assert not (folder / ".export-staging").exists()
+        assert not (folder / STAGING_NAME).exists()
     # the CLIP run's recorded 16 tokens, not the 77 its text tower has room for
     assert read_input_settings(str(checkpoints["clip"]))["max_seq_length"] == SHORT_CAPTIONS
     assert json.loads((exports["clip"] / "config.json").read_text())["text_cfg"]["context_length"] == SHORT_CAPTIONS

@@ -12,7 +12,7 @@ from typing import Literal
 from PIL import Image
 
 from vlfit.commands.parsing import CommandParser
-from vlfit.data.synthetic import SPLITS, SyntheticConfig, make_dataset, save_dataset
+from vlfit.data.synthetic import SPLITS, SyntheticConfig, claim_dataset_folder, make_dataset, save_dataset
 from vlfit.data.synthetic.questions import make_question_dataset
 from vlfit.errors import ConfigError
 
@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         background=args.background,
         caption_grammar=args.caption_grammar,
     )
+    claim_dataset_folder(args.output_dir)  # a folder of the user's own files is refused before any image is made
     if args.task == "vqa":
         dataset_dict = make_question_dataset(config, num_proc=args.num_proc)
     else:

@@ -15,7 +15,15 @@ the seed and its index.
 
 from __future__ import annotations
 
-from vlfit.data.synthetic.dataset import FEATURES, features, make_dataset, make_record, save_dataset
+from vlfit.data.synthetic.dataset import (
+    FEATURES,
+    SETTINGS_FILE,
+    claim_dataset_folder,
+    features,
+    make_dataset,
+    make_record,
+    save_dataset,
+)
 from vlfit.data.synthetic.render import render_scene
 from vlfit.data.synthetic.scenes import (
     BACKGROUNDS,
@@ -53,11 +61,13 @@ __all__ = [
     "PLURALS",
     "REGIONS",
     "REGION_PHRASES",
+    "SETTINGS_FILE",
     "SPLITS",
     "Group",
     "Scene",
     "SyntheticConfig",
     "caption",
+    "claim_dataset_folder",
     "features",
     "make_dataset",
     "make_record",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import datasets
 import numpy as np
 
+from vlfit.atomic_files import claim_folder, staged_folder, write_text_atomically
 from vlfit.data.synthetic.render import render_scene
 from vlfit.data.synthetic.scenes import (
     LABEL_CLASSES,
@@ -22,6 +24,10 @@ from vlfit.data.synthetic.scenes import (
 )
 from vlfit.errors import DataError
 
+WRITTEN_BY = "vlfit make-data"  # the command named in a synthetic dataset's folder record
+SETTINGS_FILE = "vlfit_synthetic_config.json"  # what a dataset was made with (``save_dataset``'s ``settings``)
+# Everything ``save_dataset`` writes in its folder, in either format.
+WRITTEN_NAMES = frozenset({"dataset_dict.json", SETTINGS_FILE, *SPLITS, *(f"{name}.parquet" for name in SPLITS)})
 FEATURES = datasets.Features(
     {
         "image": datasets.Image(),
@@ -133,32 +139,53 @@ def _record_batch(
     return {name: [row[name] for row in rows] for name in columns}
 
 
-def save_dataset(dataset_dict: datasets.DatasetDict, output_dir: str, format: str = "arrow") -> list[str]:
-    """Write a dataset to disk.
+def claim_dataset_folder(output_dir: str, flag: str = "--output_dir") -> None:
+    """Refuse, before anything is generated, a folder ``save_dataset`` would refuse (``claim_folder``)."""
+    claim_folder(output_dir, WRITTEN_BY, flag=flag, record_name=SETTINGS_FILE, names=WRITTEN_NAMES)
+
+
+def save_dataset(
+    dataset_dict: datasets.DatasetDict,
+    output_dir: str,
+    format: str = "arrow",
+    *,
+    settings: dict[str, Any] | None = None,
+) -> list[str]:
+    """Write a dataset to disk, whole or not at all (``vlfit.atomic_files.staged_folder``): a folder that holds
+    anything but an earlier synthetic dataset is refused before anything is written, and an earlier one is replaced.
 
     Args:
         dataset_dict: The splits to write.
         output_dir: Target folder (created if missing).
         format: ``"arrow"`` for a ``save_to_disk`` folder (read back with ``datasets.load_from_disk``), or
             ``"parquet"`` for one ``{split}.parquet`` file per split.
+        settings: What the dataset was made with, written last as ``SETTINGS_FILE`` (a folder that holds it is
+            complete: ``vlfit demo`` reuses it).
 
     Returns:
         The written paths: the folder for ``"arrow"``, one file per split for ``"parquet"``. Splits without rows
         are not written (``datasets`` cannot load an empty split back from disk).
 
     Raises:
-        ValueError: for an unknown format.
+        DataError: for an unknown format.
+        ConfigError: ``output_dir`` is a file, or a folder that holds other files.
     """
     if format not in ("arrow", "parquet"):
         raise DataError(f"unknown format {format!r}; choose one of 'arrow', 'parquet'")
-    os.makedirs(output_dir, exist_ok=True)
     dataset_dict = datasets.DatasetDict({name: split for name, split in dataset_dict.items() if len(split)})
+    with staged_folder(
+        output_dir,
+        WRITTEN_BY,
+        what="the dataset",
+        record_name=SETTINGS_FILE,
+        names=WRITTEN_NAMES,
+    ) as staging:
+        if format == "arrow":
+            dataset_dict.save_to_disk(staging)
+        for name, split in dataset_dict.items() if format == "parquet" else ():
+            split.to_parquet(os.path.join(staging, f"{name}.parquet"))
+        if settings is not None:
+            write_text_atomically(os.path.join(staging, SETTINGS_FILE), json.dumps(settings))
     if format == "arrow":
-        dataset_dict.save_to_disk(output_dir)
         return [output_dir]
-    paths = []
-    for name, split in dataset_dict.items():
-        path = os.path.join(output_dir, f"{name}.parquet")
-        split.to_parquet(path)
-        paths.append(path)
-    return paths
+    return [os.path.join(output_dir, f"{name}.parquet") for name in dataset_dict]
