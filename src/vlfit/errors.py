@@ -122,6 +122,7 @@ NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 TORCH_WRITE_FAILURES = ("unexpected pos", "PytorchStreamWriter failed", "file write failed", "basic_ios::clear")
 # Free space under which a write that failed without a cause is taken for a full disk, when it needed less than this.
 LOW_SPACE_BYTES = 16_000_000
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how a Rust library (safetensors) words an OSError's errno
 _ENFORCE = re.compile(r"^\[enforce fail at [^\]]*\]\s*\.?\s*")  # the C++ source line torch's message starts with
 
 
@@ -190,7 +191,8 @@ def failed_write_error(
     """``error`` as one line when it is a write into ``folder`` that failed for want of space; None for any other.
 
     Recognised: an ``OSError`` with ENOSPC or EDQUOT anywhere in its ``__cause__``/``__context__`` chain (worded by
-    ``disk_full_error``), and torch's zip-writer failures (``TORCH_WRITE_FAILURES``), which lose the errno: these
+    ``disk_full_error``), or an error that quotes one as a Rust library does (safetensors' ``SafetensorError``:
+    "... (os error 28)"), and torch's zip-writer failures (``TORCH_WRITE_FAILURES``), which lose the errno: these
     say "no space left" only when the folder's free space is low (under ``needed``, or ``LOW_SPACE_BYTES`` when the
     write needed less or its size is unknown), and otherwise that the write failed, in torch's words, with the free
     space. A ``UserError`` is never one (it already says what happened).
@@ -208,6 +210,10 @@ def failed_write_error(
     for link in chain:
         if isinstance(link, OSError) and link.errno in NO_SPACE_ERRNOS:
             return disk_full_error(link, folder, needed=needed, note=note, remedy=remedy)
+        rust = _RUST_OS_ERROR.search(str(link))  # safetensors' writer: "No space left on device (os error 28)"
+        if rust and int(rust.group(1)) in NO_SPACE_ERRNOS:
+            full = OSError(int(rust.group(1)), os.strerror(int(rust.group(1))))
+            return disk_full_error(full, folder, needed=needed, note=note, remedy=remedy)
     words = next(
         (
             _ENFORCE.sub("", first_line(link, 200))

@@ -99,7 +99,7 @@ def merge_parsed(parsed: ParsedMerge, command_line: str | None = None) -> Any:
         raise ConfigError("pass the runs to merge: --runs RUN [RUN ...], or --search_dir of a vlfit search study")
     metric = args.metric if args.metric.startswith("eval_") else f"eval_{args.metric}"
     from vlfit.merging.methods import check_method
-    from vlfit.merging.runs import merge_runs
+    from vlfit.merging.runs import check_merge_folders, merge_runs
     from vlfit.search.trial_soup import study_runs
 
     runs, base = list(args.runs or []), args.base
@@ -107,6 +107,7 @@ def merge_parsed(parsed: ParsedMerge, command_line: str | None = None) -> Any:
         runs, study_base = study_runs(args.search_dir, args.top_k)
         base = base or (study_base if args.method == "stock" else None)
     check_method(args.method, len(runs), base, has_held_out_data(data))
+    check_merge_folders(runs, base, settings.output_dir)  # before the held-out data and the runs load
     with tempfile.TemporaryDirectory(prefix="vlfit-merge-") as scratch:
         scorer = None
         if has_held_out_data(data):

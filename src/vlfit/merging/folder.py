@@ -1,5 +1,9 @@
 """The merged folder, saved as a run is (weights, the first run's tokenizer, image processor and
-``input_spec.json``), with a model card naming the method and the runs, and ``merge.json`` saying how it was made."""
+``input_spec.json``), with a model card naming the method and the runs, and ``merge.json`` saying how it was made.
+
+It is written whole or not at all (``vlfit.atomic_files.staged_folder``): staged, then moved into place with
+``merge.json`` last, so a merge killed or stopped by a full disk leaves no folder that looks like a model; a folder
+that holds anything but an earlier merge is refused before anything loads (``claim_merge_folder``)."""
 
 from __future__ import annotations
 
@@ -7,13 +11,19 @@ import json
 import os
 from typing import Any
 
-from vlfit.atomic_files import write_text_atomically
+from vlfit.atomic_files import claim_folder, staged_folder, write_text_atomically
 from vlfit.merging.scoring import RESULTS_FILE
 from vlfit.model_card import MergedRuns, WiseFtMix, write_model_card
 from vlfit.models.loading import build_model, save_inputs
 from vlfit.models.soups import Ingredient, Weights
 
 MERGE_JSON = "merge.json"
+WRITTEN_BY = "vlfit merge"
+
+
+def claim_merge_folder(output_dir: str) -> None:
+    """Refuse, before anything loads, an ``--output_dir`` that is a file or holds anything but an earlier merge."""
+    claim_folder(output_dir, WRITTEN_BY, record_name=MERGE_JSON)
 
 
 def save_merged(
@@ -31,11 +41,6 @@ def save_merged(
     command_line: str | None,
 ) -> None:
     """The folder: weights, the first run's tokenizer, image processor and input settings, card, ``merge.json``."""
-    spec = first.loaded.spec
-    model = build_model(spec)
-    model.load_state_dict(weights)
-    model.save_pretrained(output_dir)
-    save_inputs(spec, output_dir)
     inputs = "; ".join(
         f"`{name}` {metric} {scores[name][metric]:.4f}" if name in scores else f"`{name}` (no {metric} recorded)"
         for name in [ingredient["run"] for ingredient in record["runs"]]
@@ -50,19 +55,27 @@ def save_merged(
     if method == "stock":
         how += (f" Model Stock's ratio t per tensor: {record['ratio']['min']:.3f} to {record['ratio']['max']:.3f} "
                 f"(mean {record['ratio']['mean']:.3f}).")  # fmt: skip
-    write_model_card(
-        output_dir,
-        family_name=first.loaded.family.name,
-        base_model=base,
-        preset=None,
-        datasets=[],  # the runs' cards name their training data; the merge was only evaluated
-        metrics=merged_metrics,
-        command_line=command_line,
-        how_made=how,
-        mix=WiseFtMix(alpha, zeroshot_model=base, finetuned_model=used[0]) if method == "wise" else None,
-        merged=None if method == "wise" else MergedRuns(method, tuple(used), base),
-    )
-    write_text_atomically(os.path.join(output_dir, MERGE_JSON), json.dumps(record, indent=1) + "\n")
-    if merged_metrics:
-        for name in ("eval_results.json", RESULTS_FILE):
-            write_text_atomically(os.path.join(output_dir, name), json.dumps(merged_metrics, indent=1) + "\n")
+    size = sum(tensor.numel() * tensor.element_size() for tensor in weights.values())
+    with staged_folder(
+        output_dir, WRITTEN_BY, what="the merged model", record_name=MERGE_JSON, expected_bytes=size
+    ) as staging:
+        model = build_model(first.loaded.spec)
+        model.load_state_dict(weights)
+        model.save_pretrained(staging)
+        save_inputs(first.loaded.spec, staging)
+        write_model_card(
+            staging,
+            family_name=first.loaded.family.name,
+            base_model=base,
+            preset=None,
+            datasets=[],  # the runs' cards name their training data; the merge was only evaluated
+            metrics=merged_metrics,
+            command_line=command_line,
+            how_made=how,
+            mix=WiseFtMix(alpha, zeroshot_model=base, finetuned_model=used[0]) if method == "wise" else None,
+            merged=None if method == "wise" else MergedRuns(method, tuple(used), base),
+        )
+        write_text_atomically(os.path.join(staging, MERGE_JSON), json.dumps(record, indent=1) + "\n")
+        if merged_metrics:
+            for name in ("eval_results.json", RESULTS_FILE):
+                write_text_atomically(os.path.join(staging, name), json.dumps(merged_metrics, indent=1) + "\n")

@@ -5,15 +5,71 @@ the folder saved as a run is, with ``merge.json`` saying how it was made (``vlfi
 from __future__ import annotations
 
 import os
+import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vlfit.errors import ConfigError
-from vlfit.merging.folder import save_merged
+from safetensors import safe_open
+
+from vlfit.errors import ConfigError, ModelLoadError, first_line
+from vlfit.merging.folder import claim_merge_folder, save_merged
 from vlfit.merging.methods import check_method, merged_weights
 from vlfit.merging.scoring import WeightsScorer, recorded_metric
 from vlfit.models.soups import load_ingredients
+
+# A weights file a run's folder holds: safetensors, or torch.save's zip archive (a pickle of old torch: not checked).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+ZIP_MAGIC = b"PK"
+
+
+def check_merge_folders(runs: Sequence[str], base: str | None, output_dir: str) -> None:
+    """Refuse, before anything loads, what the folders alone show: an ``--output_dir`` that is one of the models
+    merged, a file, or a folder holding anything but an earlier merge; a run whose weights file is cut short.
+
+    Raises:
+        ConfigError: for the output folder.
+        ModelLoadError: a weights file is incomplete (``check_weights_files``).
+    """
+    inputs = {os.path.realpath(name) for name in [*runs, *([base] if base else [])] if os.path.exists(name)}
+    if os.path.realpath(output_dir) in inputs:
+        raise ConfigError(f"--output_dir {output_dir} is one of the models merged: merge into a folder of its own")
+    claim_merge_folder(output_dir)
+    for name in runs:
+        check_weights_files(name, "--runs")
+    if base:
+        check_weights_files(base, "--base")
+
+
+def check_weights_files(name: str, flag: str) -> None:
+    """Refuse, in one line naming the file, a weights file in the local folder ``name`` that is cut short (a copy
+    or a save that stopped early): safetensors' header must cover the file, torch's zip archive must be whole.
+    Reads the headers only; a hub id is left to the loader.
+
+    Raises:
+        ModelLoadError: naming ``flag``, the folder and the file.
+    """
+    if not os.path.isdir(name):
+        return
+    for entry in sorted(os.listdir(name)):
+        path = os.path.join(name, entry)
+        if not entry.endswith(WEIGHT_SUFFIXES) or not os.path.isfile(path):
+            continue
+        reason = None
+        if entry.endswith(".safetensors"):
+            try:
+                with safe_open(path, "pt"):
+                    pass
+            except Exception as error:  # safetensors' SafetensorError: the header does not match the file
+                reason = f"safetensors: {first_line(error)}"
+        else:
+            with open(path, "rb") as f:
+                is_zip = f.read(len(ZIP_MAGIC)) == ZIP_MAGIC
+            if is_zip and not zipfile.is_zipfile(path):
+                reason = "its zip archive has no end: torch.save did not finish it"
+        if reason is not None:
+            raise ModelLoadError(f"{flag} {name}: the weights file {path} is incomplete ({reason}, "
+                                 f"{os.path.getsize(path):,} bytes): copy or save the run again")  # fmt: skip
 
 
 @dataclass
@@ -56,9 +112,7 @@ def merge_runs(
     check_method(method, len(runs), base, scorer is not None)
     if not 0.0 <= alpha <= 1.0:
         raise ConfigError(f"--alpha {alpha} is outside [0, 1]")
-    inputs = {os.path.realpath(name) for name in [*runs, *([base] if base else [])] if os.path.exists(name)}
-    if os.path.realpath(output_dir) in inputs:
-        raise ConfigError(f"--output_dir {output_dir} is one of the models merged: merge into a folder of its own")
+    check_merge_folders(runs, base, output_dir)
     ingredients, start = load_ingredients(runs, base, max_seq_length=max_seq_length)
     recorded = {ingredient.base for ingredient in ingredients if ingredient.base}
     card_base = base or (recorded.pop() if len(recorded) == 1 else None)  # the card names the runs' base
