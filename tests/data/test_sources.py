@@ -8,6 +8,7 @@ import io
 import json
 import os
 import pickle
+import re
 import tarfile
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from PIL import Image
 from vlfit.data.file_patterns import expand_braces, resolve_files
 from vlfit.data.records import Record
 from vlfit.data.sources import ArrowSource, ImageTextSource, TarSource, locations, open_splits
-from vlfit.errors import DataError
+from vlfit.errors import ConfigError, DataError
 
 COLOURS = [(220, 30, 30), (30, 200, 40), (40, 50, 230), (240, 220, 20)]
 CAPTIONS = ["a red square", "a green square", "a blue square", "a yellow square"]
@@ -602,6 +603,22 @@ def test_an_empty_data_file_is_refused_naming_it(tmp_path: Path) -> None:
     (tmp_path / "empty.csv").write_bytes(b"")
     with pytest.raises(DataError, match=r"empty\.csv: the file is empty \(0 bytes\).*header line naming the columns"):
         open_splits(validation_file=str(tmp_path / "empty.csv"), cache_dir=str(tmp_path / "hf_cache"))
+
+
+@pytest.mark.parametrize(
+    ("marker", "what", "use"),
+    [
+        ("index_manifest.json", "an index (vlfit retrieve index wrote it)", "search it with vlfit retrieve query"),
+        ("config.json", "a model (it holds config.json)", "give it as --model_name_or_path"),
+    ],
+)
+def test_a_model_or_an_index_named_as_a_dataset_is_refused_naming_what_it_is(
+    tmp_path: Path, marker: str, what: str, use: str
+) -> None:
+    (tmp_path / marker).write_text("{}")
+    (tmp_path / "shard-00000.json").write_text("[1, 2]")  # json files no reader of rows takes
+    with pytest.raises(ConfigError, match=rf"^--dataset_name {tmp_path}: {re.escape(what)}, not a dataset: {use} "):
+        open_splits(dataset_name=str(tmp_path), cache_dir=str(tmp_path / "hf_cache"))
 
 
 # ------------------------------------------------------------------------------------------------ patterns

@@ -18,8 +18,10 @@ from typing import Any
 
 import numpy as np
 
+from vlfit.errors import MissingFileError
 from vlfit.index.integrity import DamagedIndexError, check_verify_level, file_problem
 from vlfit.index.store import MANIFEST_NAME, EmbeddingIndex
+from vlfit.models.reference import folder_kind
 
 logger = logging.getLogger(__name__)
 
@@ -115,15 +117,20 @@ def _shard_problems(index: EmbeddingIndex, shard: dict[str, Any], level: str) ->
     return found, unrecorded
 
 
+def shard_problems(index: EmbeddingIndex, position: int, level: str = "quick") -> list[Problem]:
+    """The problems of the shard at ``position`` in the manifest of ``index`` (none when it is whole)."""
+    found, _ = _shard_problems(index, index.manifest.shards[position], level)
+    repair = index.rebuild_command(full=level == "full")
+    return [Problem(os.path.join(index.path, name), what, repair) for name, what in found]
+
+
 def damaged_shards(index: EmbeddingIndex, level: str = "quick") -> dict[int, list[Problem]]:
     """The shards of ``index`` (by position in its manifest) with a damaged file, and their problems."""
     check_verify_level(level)
     damaged: dict[int, list[Problem]] = {}
-    repair = index.rebuild_command(full=level == "full")
-    for position, shard in enumerate(index.manifest.shards):
-        found, _ = _shard_problems(index, shard, level)
-        if found:
-            damaged[position] = [Problem(os.path.join(index.path, name), what, repair) for name, what in found]
+    for position in range(len(index.manifest.shards)):
+        if problems := shard_problems(index, position, level):
+            damaged[position] = problems
     return damaged
 
 
@@ -135,6 +142,7 @@ def verify_index(path: str, level: str = "quick") -> IndexCheck:
         ConfigError: for another level.
     """
     check_verify_level(level)
+    check_index_folder(path)
     check = IndexCheck(path, level)
     try:
         index = EmbeddingIndex(path)
@@ -171,6 +179,28 @@ def verify_index(path: str, level: str = "quick") -> IndexCheck:
             f"before vlfit recorded them): checked only {checked}; an index built again records them"
         )
     return check
+
+
+def check_index_folder(path: str) -> None:
+    """Refuse an ``--index`` that is no index folder, saying what it is: nothing there, a file, or another kind of
+    folder (a model, data, images: ``vlfit.models.reference.folder_kind``) and the command that takes it.
+
+    Raises:
+        MissingFileError: naming ``--index``, what the path is and how to build an index.
+    """
+    build = f"build an index there with vlfit retrieve index --output_dir {path}"
+    if not os.path.exists(path):
+        raise MissingFileError(f"--index {path}: no such folder ({os.path.abspath(path)} does not exist); {build}")
+    if not os.path.isdir(path):
+        raise MissingFileError(f"--index {path}: a file, not an index folder; pass the folder vlfit retrieve index "
+                               "wrote (its --output_dir)")  # fmt: skip
+    if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+        return
+    found = folder_kind(path)
+    if found.kind == "other":
+        holds = f"it holds {found.sample}" if found.sample else "an empty folder"
+        raise MissingFileError(f"--index {path}: no {MANIFEST_NAME} in it ({holds}); {build}")
+    raise MissingFileError(f"--index {path}: {found.what}, not an index{found.use_after(': ')}")
 
 
 def manifest_stamp(path: str) -> tuple[int, int] | None:
@@ -226,4 +256,13 @@ def open_index(path: str, verify: str = "quick", verified: tuple[int, int] | Non
     return EmbeddingIndex(path)
 
 
-__all__ = ["IndexCheck", "Problem", "damaged_shards", "manifest_stamp", "open_index", "verified_stamp", "verify_index"]
+__all__ = [
+    "IndexCheck",
+    "Problem",
+    "check_index_folder",
+    "damaged_shards",
+    "manifest_stamp",
+    "open_index",
+    "verified_stamp",
+    "verify_index",
+]

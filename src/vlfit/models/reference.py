@@ -14,16 +14,21 @@ The kinds, and how a folder is told apart:
 - ``adapters``: a folder of LoRA adapters a run saved (``adapter_config.json``); its ``base`` is the checkpoint they
   were trained on. Adapters of a VQA run also hold the model's ``config.json`` (its answers, which the base's config
   does not list): it is the model's config, and it says the adapters answer questions.
-- ``checkpoint``: any other folder (a training run's output or one of its ``checkpoint-N`` folders), or an existing
-  file, handed to transformers as it is; one whose config names ``VQA_ARCHITECTURE`` answers questions
-  (``answers_questions``) and has nothing to embed with.
+- ``checkpoint``: any other folder holding a model config (a training run's output or one of its ``checkpoint-N``
+  folders), or an existing file, handed to transformers as it is; one whose config names ``VQA_ARCHITECTURE``
+  answers questions (``answers_questions``) and has nothing to embed with.
 - ``hub``: a name with a hub id's form and nothing local by that name.
+
+A folder with no model config is refused, naming what it is and the command that takes it (``folder_kind``, the
+one place that names a folder, for ``--dataset_name`` and ``--index`` too): an index, a data folder, a folder of
+images, a run whose final model is not saved yet.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +47,10 @@ ADAPTER_CONFIG = "adapter_config.json"
 MODEL_CONFIG = "config.json"
 # What the config of a folder vlfit train --task vqa wrote names in its architectures (vlfit.models.vqa).
 VQA_ARCHITECTURE = "BridgeTowerForQuestionAnswering"
+# The manifest of an index vlfit retrieve index wrote (vlfit.index.store.MANIFEST_NAME).
+INDEX_MANIFEST = "index_manifest.json"
+# The files an image folder's images are (vlfit.data.sources.images reads them).
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 # What a data folder holds and a model folder does not: datasets' save_to_disk files, and the data files
 # vlfit reads (not .json or .jsonl: a model folder and a run folder hold those too).
 _DATA_MARKERS = frozenset({"dataset_dict.json", "dataset_info.json", "state.json"})
@@ -107,7 +116,7 @@ def parse_model_reference(
             base = adapter_base(name)
             answers = _answers_questions(name) or _answers_questions(base)  # their own config, else a local base's
             return ModelReference("adapters", name, base=base, answers_questions=answers)
-        refuse_data_folder(name, flag, presets="preset" in kinds)
+        refuse_other_folder(name, flag, presets="preset" in kinds)
         return ModelReference("checkpoint", name, answers_questions=_answers_questions(name))
     if "hub" in kinds:
         if "preset" not in kinds and name in list_presets() and not os.path.exists(name):
@@ -127,9 +136,10 @@ def parse_model_reference(
     raise MissingFileError(f"{flag} {name}: no such {what} folder ({os.path.abspath(name)} does not exist)")
 
 
-def refuse_data_folder(folder: str, flag: str, *, presets: bool = False) -> None:
-    """Refuse a folder of data (what ``--dataset_name`` takes: a ``save_to_disk`` folder, parquet, csv, arrow or tar
-    files) that has no model config, rather than let transformers say "Unrecognized model".
+def refuse_other_folder(folder: str, flag: str, *, presets: bool = False) -> None:
+    """Refuse a folder that holds no model config (``config.json``), naming what it is instead (``folder_kind``:
+    an index, data, images, a run without its final model ...) and the command that takes it, rather than let
+    transformers say "Unrecognized model".
 
     Args:
         folder: The folder named.
@@ -137,31 +147,103 @@ def refuse_data_folder(folder: str, flag: str, *, presets: bool = False) -> None
         presets: Whether ``flag`` takes a preset's name too (the message offers them).
 
     Raises:
-        ConfigError: naming ``flag``, the data it holds and what to pass instead.
+        ConfigError: naming ``flag``, what the folder is and what to pass instead.
     """
-    if os.path.isfile(os.path.join(folder, MODEL_CONFIG)):
+    found = folder_kind(folder)
+    if found.kind == "model":
         return
-    found = _data_files(folder)
-    for entry in sorted(os.listdir(folder)) if not found else ():
-        if os.path.isdir(os.path.join(folder, entry)):
-            found = [os.path.join(entry, name) for name in _data_files(os.path.join(folder, entry))]
+    preset = f"a preset ({', '.join(list_presets()[:3])}, ...), " if presets else ""
+    raise ConfigError(f"{flag} {folder}: {found.what}, not a model{found.use_after(': ')}; name a model with {flag}: "
+                      f"{preset}a folder vlfit train wrote or a hub id")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class FolderKind:
+    """What a folder holds, as a refusal names it, and the command that takes it (``folder_kind``).
+
+    Attributes:
+        kind: ``model`` (a model config: a checkpoint), ``adapters``, ``export``, ``index``, ``run`` (a training
+            run's folder holding checkpoints but no final model), ``data``, ``images`` or ``other``.
+        path: The folder.
+        sample: The file or folder, relative to ``path``, that shows it (data, images, a run's checkpoint).
+    """
+
+    kind: str
+    path: str
+    sample: str = ""
+
+    @property
+    def what(self) -> str:
+        """What the folder is, in words: ``an index (vlfit retrieve index wrote it)``."""
+        return {
+            "model": f"a model (it holds {MODEL_CONFIG})",
+            "adapters": "LoRA adapters (vlfit train --lora_target wrote them)",
+            "export": "an export (vlfit export wrote it)",
+            "index": "an index (vlfit retrieve index wrote it)",
+            "run": f"a training run's folder without its final model (it holds {self.sample})",
+            "data": f"a data folder (it holds {self.sample})",
+            "images": f"a folder of images (it holds {self.sample})",
+            "other": f"a folder with no model config ({MODEL_CONFIG}) in it" if self.sample else "an empty folder",
+        }[self.kind]
+
+    @property
+    def use(self) -> str:
+        """The command that takes the folder (empty for ``other``)."""
+        path = self.path
+        return {
+            "model": f"give it as --model_name_or_path {path}",
+            "adapters": f"give it as --model_name_or_path {path}",
+            "export": f"give it as --model_name_or_path {path} to vlfit retrieve index, vlfit serve or vlfit.load",
+            "index": f"search it with vlfit retrieve query --index {path}",
+            "run": f"give its checkpoint: {os.path.join(path, self.sample.rstrip('/'))}",
+            "data": f"pass it as --dataset_name {path}",
+            "images": f"index it with vlfit retrieve index --images {path}",
+            "other": "",
+        }[self.kind]
+
+    def use_after(self, separator: str) -> str:
+        """``use`` after ``separator``, or nothing when no command takes the folder."""
+        return separator + self.use if self.use else ""
+
+
+def folder_kind(folder: str) -> FolderKind:
+    """What ``folder`` is: the one place that looks inside a folder to name it, for every refusal of a folder given
+    where another kind is taken (a model flag, ``--dataset_name``, ``--index``).
+
+    Its own files decide first (a model config, adapters, an export's or an index's manifest); then the files of
+    its subfolders one level down: a run's ``checkpoint-N`` with a model config, then data (datasets'
+    ``save_to_disk`` files, parquet, csv, arrow or tar files; not ``.json``, which a model folder holds too), then
+    image files.
+    """
+    names = sorted(os.listdir(folder))
+    for marker, kind in ((MODEL_CONFIG, "model"), (ADAPTER_CONFIG, "adapters"), (EXPORT_MANIFEST, "export"),
+                         (INDEX_MANIFEST, "index")):  # fmt: skip
+        if marker in names:
+            return FolderKind(kind, folder)
+    folders = [name for name in names if not name.startswith(".") and os.path.isdir(os.path.join(folder, name))]
+    checkpoints = [name for name in folders if re.fullmatch(r"checkpoint-\d+", name)]
+    for name in sorted(checkpoints, key=lambda name: int(name.split("-")[1]), reverse=True):
+        if os.path.isfile(os.path.join(folder, name, MODEL_CONFIG)):
+            return FolderKind("run", folder, name + "/")
+    for kind, matches in (("data", _is_data_file), ("images", is_image_file)):
+        found = [name for name in names if matches(name)]
+        for sub in folders if not found else ():
+            found = [os.path.join(sub, name) for name in sorted(os.listdir(os.path.join(folder, sub))) if matches(name)]
             if found:
                 break
-    if found:
-        preset = f"a preset ({', '.join(list_presets()[:3])}, ...), " if presets else ""
-        raise ConfigError(
-            f"{flag} {folder}: a data folder (it holds {found[0]}), not a model: pass it as --dataset_name, and "
-            f"name a model with {flag}: {preset}a folder vlfit train wrote or a hub id"
-        )
+        if found:
+            return FolderKind(kind, folder, found[0])
+    return FolderKind("other", folder, names[0] if names else "")
 
 
-def _data_files(folder: str) -> list[str]:
-    """The files of ``folder`` that mark data rather than a model (none of them is written beside a model)."""
-    return [
-        name
-        for name in sorted(os.listdir(folder))
-        if name in _DATA_MARKERS or os.path.splitext(name)[1].lower() in _DATA_EXTENSIONS
-    ]
+def _is_data_file(name: str) -> bool:
+    """Whether a file marks data rather than a model (none of these is written beside a model)."""
+    return name in _DATA_MARKERS or os.path.splitext(name)[1].lower() in _DATA_EXTENSIONS
+
+
+def is_image_file(name: str) -> bool:
+    """Whether a file of a folder is an image vlfit reads (by its extension; hidden files are not)."""
+    return name.lower().endswith(IMAGE_EXTENSIONS) and not name.startswith(".")
 
 
 def _config(folder: str) -> dict[str, Any]:

@@ -19,8 +19,7 @@ import numpy as np
 from vlfit.data.records import BadRecordError, Record
 from vlfit.data.sources.base import ImageTextSource
 from vlfit.errors import DataError, MissingFileError
-
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+from vlfit.models.reference import IMAGE_EXTENSIONS, folder_kind, is_image_file
 
 
 def image_files(root: str, *, follow_links_out: bool = False) -> list[str]:
@@ -50,7 +49,7 @@ def image_files(root: str, *, follow_links_out: bool = False) -> list[str]:
                         paths.append(path + "/")
                         continue
                     walk(entry.path, path + "/")
-                elif entry.name.lower().endswith(IMAGE_EXTENSIONS) and not entry.name.startswith("."):
+                elif is_image_file(entry.name):
                     paths.append(path)  # a broken link too: reading it says so
 
     walk(root, "")
@@ -77,8 +76,8 @@ class ImageFolderSource(ImageTextSource):
         root: The folder.
 
     Raises:
-        NotADirectoryError: when ``root`` is not a folder.
-        ValueError: when it holds no image files.
+        MissingFileError: when ``root`` is not a folder.
+        DataError: when it holds no image files (naming what it is instead: a model, an index, data ...).
     """
 
     def __init__(self, root: str) -> None:
@@ -86,6 +85,9 @@ class ImageFolderSource(ImageTextSource):
             raise MissingFileError(f"--images {root}: no such folder")
         paths = image_files(root)
         if not paths:
+            found = folder_kind(root)
+            if found.kind not in ("images", "other"):  # a model, an index, data ...: say so, and what takes it
+                raise DataError(f"--images {root}: {found.what}, not a folder of images{found.use_after(': ')}")
             raise DataError(f"--images {root}: no image files ({', '.join(IMAGE_EXTENSIONS)}) in it")
         self.root = root
         self.paths = paths

@@ -17,7 +17,8 @@ from vlfit.data.sources.base import ImageTextSource
 from vlfit.data.sources.tar import TarSource
 from vlfit.data.stream.fetch import spec_files
 from vlfit.data.stream.shards import ShardReader
-from vlfit.errors import DataError, first_line
+from vlfit.errors import ConfigError, DataError, first_line
+from vlfit.models.reference import folder_kind
 
 SUPPORTED_FILE_EXTENSIONS: tuple[str, ...] = (".parquet", ".jsonl", ".json", ".csv", ".tar")
 _BUILDER_FOR_EXTENSION = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
@@ -205,6 +206,9 @@ def open_named(
         splits = {"train": loaded} if isinstance(loaded, datasets.Dataset) else dict(loaded)
         return {s: _arrow_source(d, s, f"split {s!r} of {root}", columns) for s, d in splits.items()}
     if os.path.isdir(root):
+        kind = folder_kind(root)
+        if kind.kind in ("model", "adapters", "export", "index", "run"):  # their .json files are no data
+            raise ConfigError(f"--dataset_name {root}: {kind.what}, not a dataset{kind.use_after(': ')}")
         found = _data_file_splits(root)
         if found:  # image paths in jsonl/csv rows are relative to their file, as with train_file
             return {split: open_files(split, files, columns, cache_dir, of=root) for split, files in found.items()}
