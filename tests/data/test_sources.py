@@ -605,6 +605,13 @@ def test_an_empty_data_file_is_refused_naming_it(tmp_path: Path) -> None:
         open_splits(validation_file=str(tmp_path / "empty.csv"), cache_dir=str(tmp_path / "hf_cache"))
 
 
+@pytest.mark.parametrize(("name", "content"), [("head.csv", "image,caption\n\n"), ("blank.jsonl", "\n \n")])
+def test_a_data_file_with_no_rows_is_refused_saying_so(tmp_path: Path, name: str, content: str) -> None:
+    (tmp_path / name).write_text(content)
+    with pytest.raises(DataError, match=rf"^{tmp_path / name}: the file has no rows \(a (csv|json) file is "):
+        open_splits(train_file=str(tmp_path / name), cache_dir=str(tmp_path / "hf_cache"))
+
+
 @pytest.mark.parametrize(
     ("marker", "what", "use"),
     [

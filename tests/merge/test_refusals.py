@@ -98,3 +98,18 @@ def test_a_run_that_cannot_be_reached_is_named_without_offering_a_flag_merge_has
     message = str(refused.value)
     assert message.startswith("nobody/no-such-run: cannot load a model config") and "\n" not in message
     assert "--model_preset" not in message and not out.exists()
+
+
+def test_a_vocabulary_of_the_same_size_is_refused_naming_a_token_that_differs_and_the_caption_length(
+    tiny_checkpoint, synthetic_dataset_dir, tmp_path
+) -> None:
+    run, _ = _other_vocabulary(tiny_checkpoint, synthetic_dataset_dir, tmp_path)
+    vocab = json.loads((run / "tokenizer.json").read_text())["model"]["vocab"]
+    swapped = sorted(list(vocab)[-2:])[0]
+    (run / "input_spec.json").write_text(json.dumps({"format_version": 1, "max_seq_length": 8}))  # the first's: 128
+    with pytest.raises(ConfigError) as refused:
+        merge_runs([str(tiny_checkpoint), str(run)], method="uniform", output_dir=str(tmp_path / "soup"))
+    message = str(refused.value)
+    assert f"its tokenizer's vocabulary differs from that of {tiny_checkpoint} (both {len(vocab)} tokens; " in message
+    assert f"{swapped!r} is token {vocab[swapped]} in it and " in message and "; 2 tokens differ)" in message
+    assert "its caption length differs too (8, 128 there)" in message, message

@@ -262,8 +262,11 @@ def _check_pair(reference: Ingredient, other: Ingredient, named: str, against: s
                           "architecture")  # fmt: skip
     vocab, other_vocab = reference.loaded.tokenizer.get_vocab(), other.loaded.tokenizer.get_vocab()
     if vocab != other_vocab:
-        raise ConfigError(f"{named}: its tokenizer's vocabulary ({len(other_vocab)} tokens) differs from that of "
-                          f"{against} ({len(vocab)}): merging needs one tokenizer")  # fmt: skip
+        ours, theirs = reference.loaded.inputs.max_seq_length, other.loaded.inputs.max_seq_length
+        also = f"; its caption length differs too ({theirs}, {ours} there)" if ours != theirs else ""
+        difference = _vocabulary_difference(other_vocab, vocab)
+        raise ConfigError(f"{named}: its tokenizer's vocabulary differs from that of {against} ({difference}){also}: "
+                          "merging needs one tokenizer")  # fmt: skip
     missing = sorted(set(other.weights) - set(reference.weights))
     extra = sorted(set(reference.weights) - set(other.weights)) if exact else []
     if missing or extra:
@@ -284,6 +287,22 @@ def _check_pair(reference: Ingredient, other: Ingredient, named: str, against: s
             if key == "max_seq_length":
                 remedy = "pass --max_seq_length to merge them at one caption length"
             raise ConfigError(f"{named} was trained with {key} {value}, {against} with {ours[key]}: {remedy}")
+
+
+def _vocabulary_difference(theirs: Mapping[str, int], ours: Mapping[str, int]) -> str:
+    """What differs between two vocabularies (token -> id), in words: the sizes, or a token that one has and the
+    other has not (or has under another id), and how many do."""
+    only_theirs, only_ours = sorted(set(theirs) - set(ours)), sorted(set(ours) - set(theirs))
+    moved = sorted(token for token in set(theirs) & set(ours) if theirs[token] != ours[token])
+    count = len(only_theirs) + len(only_ours) + len(moved)
+    if only_theirs:
+        first = f"{only_theirs[0]!r} is in it and not there"
+    elif only_ours:
+        first = f"{only_ours[0]!r} is there and not in it"
+    else:
+        first = f"{moved[0]!r} is token {theirs[moved[0]]} in it and {ours[moved[0]]} there"
+    sizes = f"{len(theirs)} tokens, {len(ours)} there" if len(theirs) != len(ours) else f"both {len(ours)} tokens"
+    return f"{sizes}; {first}; {count} tokens differ"
 
 
 def _input_spec(inputs: InputSpec) -> dict[str, Any]:

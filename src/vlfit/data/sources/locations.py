@@ -4,11 +4,13 @@ the sources themselves are ``ArrowSource`` (``arrow.py``) and ``TarSource`` (``t
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from collections.abc import Sequence
 
 import datasets
+from datasets.exceptions import DatasetGenerationError
 
 from vlfit.data.columns import Columns
 from vlfit.data.file_patterns import is_stream_spec, resolve_files
@@ -65,13 +67,35 @@ def _load_builder_files(
                 )
         try:
             part = datasets.load_dataset(builder, data_files=group, split="train", cache_dir=cache_dir)
-        except (OSError, ValueError) as error:  # pyarrow's ArrowInvalid is a ValueError
+        except (OSError, ValueError, DatasetGenerationError) as error:  # pyarrow's ArrowInvalid is a ValueError
+            if not any(_has_rows(builder, path) for path in group):  # datasets: 'Instruction "train" corresponds ...'
+                files = "the file has" if len(group) == 1 else "the files have"
+                raise DataError(
+                    f"{_describe(group)}: {files} no rows (a {builder} file is {_EMPTY_FILE_HINT[builder]}); write "
+                    "its rows into it or leave it out of the data files"
+                ) from error
             raise DataError(f"{_describe(group)}: cannot read it as {builder}: {first_line(error, 300)}") from error
         base_dirs.append((rows, folder))
         rows += len(part)
         parts.append(part)
     dataset = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
     return dataset, base_dirs
+
+
+def _has_rows(builder: str, path: str) -> bool:
+    """Whether a data file holds a row (asked once reading it failed): a CSV line after its header, a JSON line, a
+    parquet row. Only the first lines are read."""
+    if builder == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.ParquetFile(path).metadata.num_rows > 0
+        except (OSError, ValueError):
+            return True  # not a parquet file: the reader's error says so
+    header = 1 if builder == "csv" else 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = (line for line in f if line.strip())
+        return next(itertools.islice(lines, header, None), None) is not None
 
 
 def _describe(files: Sequence[str]) -> str:
