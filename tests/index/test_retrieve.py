@@ -496,3 +496,17 @@ def test_index_ends_with_what_it_wrote_and_prints_json_only_when_asked(tiny_chec
                         r"embedded by .*; ANN flat.*", capsys.readouterr().out.strip().splitlines()[-1])  # fmt: skip
     assert main([*argv, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["added"] == 0
+
+
+def test_a_build_that_leaves_out_every_item_ends_in_one_line_and_exit_2(tiny_checkpoint, tmp_path, capsys):
+    images = tmp_path / "photos"
+    images.mkdir()
+    for number in range(2):
+        (images / f"p{number}.jpg").write_bytes(b"PK\x03\x04 a zip, not an image")
+    index = tmp_path / "index"
+    argv = ["retrieve", "index", "--model", str(tiny_checkpoint), "--images", str(images), "--output_dir", str(index),
+            "--dataloader_num_workers", "0", "--disable_tqdm", "true"]  # fmt: skip
+    assert main(argv) == 2
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert f"{index}: every item was left out (2; the first: {images / 'p0.jpg'}: " in line
+    assert "so the index holds none" in line

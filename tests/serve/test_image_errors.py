@@ -1,7 +1,8 @@
 """Thumbnails of indexed files that cannot be shown, on the real ``vlfit serve`` process: a photo replaced by a link
-to a file that is not an image, or by a zip, is 422; by a link resolving out of the indexed root, 404 without its
-target being read; a link inside the root is shown. Each answer names the item (its number and its path relative to
-the folder) and none of the file's bytes or its size, and the server's log warns once per item, naming the file.
+to a file that is not an image, or by a zip, is 422; by a link resolving out of the indexed root made after the
+index was written, 404 without its target being read; a link inside the root is shown. Each answer names the item
+(its number and its path relative to the folder) and none of the file's bytes or its size, and the server's log
+warns once per item, naming the file.
 
 One server for the module, on a free loopback port, stopped by the module; every request has a timeout."""
 

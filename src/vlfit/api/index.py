@@ -100,7 +100,7 @@ class Index:
         if isinstance(model, str):  # appended to at the patch budget it was built with (a NaFlex model's)
             model = load(model, max_num_patches=job.replayed().runtime.max_num_patches)
             job = dataclasses.replace(job, model=model.encoder)
-        index_collection(job).raise_for_lost_shards()
+        index_collection(job).raise_for_failures()
         return cls(path, model)
 
     @classmethod

@@ -260,11 +260,12 @@ PARSERS: dict[str, tuple[type, str, tuple[str, ...]]] = {
 
 def run_index(args: IndexArguments) -> int:
     """``vlfit retrieve index``: embed the collection, bring the ANN structure up to date, report (rank 0); exit 2
-    when tar shards at URLs could not be indexed (listed in the manifest; the same command tries them again)."""
+    when every item was left out, or tar shards at URLs could not be indexed (listed in the manifest; the same
+    command tries them again)."""
     report = index_collection(args.job())
     if report.lead:
         print(json.dumps(report.to_dict(), indent=1) if args.json else "\n".join(report.lines()))
-    report.raise_for_lost_shards()
+    report.raise_for_failures()
     return 0
 
 

@@ -6,14 +6,18 @@ An image folder's items are files (their ids are absolute paths); a dataset spli
 split, opened again from the manifest's ``collections`` (ids only: no image is read until one is asked for). Tar
 shards at URLs are not fetched again: their items have ids and captions, no image at hand.
 
-A folder's file is read only while it is a regular file inside the folder that was indexed: a file replaced by a
-symbolic link resolving elsewhere (``/etc/...``, another user's home) is refused without opening its target
-(``ItemFileError``), as ``vlfit retrieve index`` refuses such a link when it builds. Errors name the item by its
-number and its path relative to its folder, never the file's content.
+A folder's file is read only while it is a regular file the index recorded: its path in the folder the index was
+built from, resolving inside that folder, or out of it through symbolic links that were there when the index was
+last written (a dataset assembled from links to photos kept elsewhere, which ``vlfit retrieve index`` indexes). A
+photo replaced since by a link resolving elsewhere (``/etc/...``, another user's home), or reached through such a
+link anywhere on the way, is refused without opening its target (``ItemFileError``); a link swapped inside the
+folder to a file that is not an image is refused by the decoder, without its bytes (``vlfit.serve.images``). Errors
+name the item by its number and its path relative to its folder, never the file's content.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -22,6 +26,7 @@ from vlfit.data.sources.base import ImageTextSource
 from vlfit.data.sources.openers import COLLECTION_KEYS, open_collection
 from vlfit.errors import MissingFileError
 from vlfit.index.store import EmbeddingIndex
+from vlfit.index.verify import manifest_stamp
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +66,10 @@ class IndexedItems:
             elif collection.get("dataset_name") and not collection.get("streamed"):
                 self._add(collection)
         self.roots = sorted(roots, key=len, reverse=True)  # the folders indexed, the innermost first
+        # When the index was last written: a link made since (or in the same clock tick: file times are coarse) is
+        # none the index recorded (None: no manifest on disk).
+        written = manifest_stamp(index.path)
+        self.written_ns = written[0] if written else None
 
     def _add(self, collection: dict) -> None:
         try:
@@ -118,16 +127,25 @@ class IndexedItems:
         raise MissingFileError(f"item {row}: the index does not say where its image is")
 
     def _file_bytes(self, row: int, path: str) -> bytes:
-        """The bytes of a folder's file, read only when it resolves inside its folder and is a regular file."""
+        """The bytes of a folder's file, read only when it is a regular file the index recorded: resolving inside its
+        folder, or out of it through links no newer than the index."""
         root = self.root(path)
         fix = "put the photo back, or index the folder again (vlfit retrieve index)"
         if root is None:
             raise ItemFileError(f"{self.name(row)}: its file is in no folder the index was built from; {fix}", path,
                                 "in no folder the index lists")  # fmt: skip
-        resolved, inside = os.path.realpath(path), os.path.realpath(root)
-        if os.path.commonpath([resolved, inside]) != inside:
-            raise ItemFileError(f"{self.name(row)}: its file is a link out of the indexed root, not followed; {fix}",
-                                path, f"a link to {resolved}, out of the indexed root {root}: not read")  # fmt: skip
+        try:
+            resolved, newest_link = _resolve(path)
+        except OSError as err:
+            what = "gone" if isinstance(err, FileNotFoundError) else f"unreadable ({err.strerror})"
+            raise ItemFileError(f"{self.name(row)}: its image file is {what}; {fix}", path, what) from None
+        inside = os.path.realpath(root)
+        if os.path.commonpath([resolved, inside]) != inside and (
+            self.written_ns is None or newest_link >= self.written_ns
+        ):
+            detail = f"a link to {resolved}, out of the indexed root {root}, newer than the index: not read"
+            raise ItemFileError(f"{self.name(row)}: its file is a link out of the indexed root made after the index "
+                                f"was written, not followed; {fix}", path, detail)  # fmt: skip
         try:
             # O_NOFOLLOW: the resolved path's last part is not swapped for a link between the check and the read
             fd = os.open(resolved, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
@@ -143,6 +161,44 @@ class IndexedItems:
             except OSError as err:
                 raise ItemFileError(f"{self.name(row)}: its image file is unreadable; {fix}", path,
                                     f"unreadable ({err.strerror})") from None  # fmt: skip
+
+
+_MAX_LINKS = 40  # as many links as Linux follows resolving one path (ELOOP beyond)
+
+
+def _resolve(path: str) -> tuple[str, int]:
+    """``path`` resolved as ``os.path.realpath`` resolves it, and the newest change time (``st_ctime_ns``) of the
+    symbolic links met on the way (0: none). A link cannot be pointed elsewhere in place: one made or replaced
+    since a time has a change time after it.
+
+    Raises:
+        OSError: for a part of the path that is gone, or too many links (a loop).
+    """
+    newest, followed = 0, 0
+    pending = [part for part in os.path.abspath(path).split(os.sep) if part]
+    pending.reverse()
+    resolved = os.sep
+    while pending:
+        part = pending.pop()
+        if part == ".":
+            continue
+        if part == "..":
+            resolved = os.path.dirname(resolved)
+            continue
+        candidate = os.path.join(resolved, part)
+        status = os.lstat(candidate)
+        if not stat.S_ISLNK(status.st_mode):
+            resolved = candidate
+            continue
+        followed += 1
+        if followed > _MAX_LINKS:
+            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
+        newest = max(newest, status.st_ctime_ns)
+        target = os.readlink(candidate)
+        if os.path.isabs(target):
+            resolved = os.sep
+        pending.extend(reversed([part for part in target.split(os.sep) if part]))
+    return resolved, newest
 
 
 __all__ = ["IndexedItems", "ItemFileError"]

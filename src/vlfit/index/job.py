@@ -211,9 +211,10 @@ class IndexReport:
                      f"ANN {self.ann.get('type')}{shown}")  # fmt: skip
         return lines
 
-    def raise_for_lost_shards(self) -> None:
-        """Raises ``DataError`` when tar shards could not be indexed (the index keeps what was embedded, and the
-        same build run again tries them again)."""
+    def raise_for_failures(self) -> None:
+        """Raises ``DataError`` when tar shards could not be indexed (the index keeps what was embedded, and the same
+        build run again tries them again), or when the build left out every item, so the index holds none (a folder
+        of files that are no images)."""
         lost = self.lost_shards
         if lost:
             raise DataError(
@@ -222,6 +223,11 @@ class IndexReport:
                 + ("; ..." if len(lost) > 5 else "")
                 + ". Rerun the same command to try them again (the index keeps what was embedded)."
             )
+        if self.lead and not self.items and self.bad_samples:
+            first = self.bad_samples[0]
+            raise DataError(f"{self.index}: every item was left out ({len(self.bad_samples)}; the first: "
+                            f"{first['id']}: {first['reason']}), so the index holds none: make them readable images, "
+                            "then run the same command again")  # fmt: skip
 
 
 def index_collection(job: IndexJob) -> IndexReport:

@@ -9,9 +9,9 @@ pixel cap bounds. A thumbnail is decoded the same way (``draft`` before the EXIF
 becomes a 1500-pixel one while it is read). The threads that decode them run at a lower CPU priority than the text
 queries' (``yield_to_text_queries``), so a slow decode takes the cores only when the text queries leave them.
 
-An indexed file that cannot be shown (gone, a link out of the indexed root, not an image) is answered 404 or 422 by
-``IndexedThumbnails``, naming the item by its number and at most its path relative to its folder, never the file's
-bytes or size; the server's log says which file and why, once per item.
+An indexed file that cannot be shown (gone, a link out of the indexed root the index did not record, not an image)
+is answered 404 or 422 by ``IndexedThumbnails``, naming the item by its number and at most its path relative to its
+folder, never the file's bytes or size; the server's log says which file and why, once per item.
 """
 
 from __future__ import annotations
@@ -101,10 +101,11 @@ class ThumbnailRefused(Exception):
 class IndexedThumbnails:
     """Thumbnails of an index's items, and the one way an item that cannot be shown is answered.
 
-    404: a file gone, not a regular file, or a link resolving out of the indexed root (never followed); 422: a file
-    that is not an image that decodes (a zip, a text file); 400: a size outside ``THUMBNAIL_SIZES``. The answer
-    names the item by its number and at most its path relative to its folder, never the file's bytes or size; the
-    server's log gets one WARNING naming the item, its file and the reason, once per item and reason.
+    404: a file gone, not a regular file, or a link out of the indexed root made after the index was written (never
+    followed); 422: a file that is not an image that decodes (a zip, a text file); 400: a size outside
+    ``THUMBNAIL_SIZES``. The answer names the item by its number and at most its path relative to its folder, never
+    the file's bytes or size; the server's log gets one WARNING naming the item, its file and the reason, once per
+    item and reason.
     """
 
     def __init__(self) -> None:

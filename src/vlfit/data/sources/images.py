@@ -2,11 +2,13 @@
 --images`` embeds) or files and folders given by path (``ImageFilesSource``: what ``vlfit classify`` reads). They
 have no captions: each image's caption is its path, which nothing embeds.
 
-A folder's file that is a symbolic link resolving out of the folder is a bad record, its target never read: it is
-left out and counted as an unreadable file is (``vlfit retrieve index`` reports it, the index's manifest lists it),
-so indexing a folder never reads what lies outside it. A link inside the folder is read as its target. A folder
-that is a link out of the folder is one such bad record (``name/``), never walked; one inside it is skipped, its
-images indexed under their own paths. Files and folders named by path (``ImageFilesSource``) follow every link.
+A folder's files are the user's, linked or not: a file that is a symbolic link (to a photo kept elsewhere, the
+common way to assemble a dataset) is read as its target and indexed under its path in the folder, and a folder that
+is a link out of the folder is walked, its images under their paths through the link. A link to a folder inside the
+folder is skipped (its images are listed under their own paths), a folder reached twice (a link back up) is walked
+once, and a link to a folder holding the indexed one (a loop that would walk everything beside it) is not walked: it
+is one bad record naming it (``name/``), left out and counted as an unreadable file is. What ``vlfit serve`` shows
+of an indexed folder is limited to the files the index recorded (``vlfit.index.items``).
 """
 
 from __future__ import annotations
@@ -22,13 +24,13 @@ from vlfit.errors import DataError, MissingFileError
 from vlfit.models.reference import IMAGE_EXTENSIONS, folder_kind, is_image_file
 
 
-def image_files(root: str, *, follow_links_out: bool = False) -> list[str]:
+def image_files(root: str) -> list[str]:
     """The image files under a folder (recursively, not hidden), as sorted ``/``-separated paths relative to it.
 
-    A folder in it that is a symbolic link is not walked when it resolves inside ``root`` (its images are listed
-    under their own paths). One resolving out of ``root`` is walked with ``follow_links_out`` (files the caller named
-    by path); without it, it is listed as itself (``name/``), so reading it is a bad record naming it instead of
-    its images going missing unsaid. A folder reached twice (a link back up) is walked once.
+    A folder in it that is a symbolic link is walked when it resolves out of ``root``, and not when it resolves
+    inside it (its images are listed under their own paths). One resolving to a folder that holds ``root`` is listed
+    as itself (``name/``), never walked, so reading it is a bad record naming it. A folder reached twice (a link back
+    up) is walked once.
     """
     inside = os.path.realpath(root)
     paths: list[str] = []
@@ -43,9 +45,10 @@ def image_files(root: str, *, follow_links_out: bool = False) -> list[str]:
             for entry in entries:
                 path = relative + entry.name
                 if entry.is_dir():  # a link to a folder too
-                    if entry.is_symlink() and _within(os.path.realpath(entry.path), inside):
+                    target = os.path.realpath(entry.path) if entry.is_symlink() else None
+                    if target is not None and _within(target, inside):
                         continue
-                    if entry.is_symlink() and not follow_links_out:
+                    if target is not None and _within(inside, target):
                         paths.append(path + "/")
                         continue
                     walk(entry.path, path + "/")
@@ -98,14 +101,11 @@ class ImageFolderSource(ImageTextSource):
     def _read(self, row: int) -> Record:
         path = self.paths[row]
         full = os.path.join(self.root, path)
-        if path.endswith("/"):  # image_files lists a link to a folder out of the folder as itself
+        if path.endswith("/"):  # image_files lists a link to a folder holding the folder as itself
             raise BadRecordError(
-                f"sample {path}: cannot read image folder: it is a link out of the indexed folder {self.root}, not "
-                "followed (copy its images into the folder to index them)"
+                f"sample {path}: cannot read image folder: it is a link to a folder holding the indexed folder "
+                f"{self.root} (a loop), not walked (link its images' folders instead)"
             )
-        if not _within(os.path.realpath(full), os.path.realpath(self.root)):
-            raise BadRecordError(f"sample {path}: cannot read image file: it is a link out of the indexed folder "
-                                 f"{self.root}, not followed (copy the image into the folder to index it)")  # fmt: skip
         image = _read_image_file(full, path)
         return Record(id=path, image=image, caption=path, image_id=os.path.join(self.item_folder, path))
 
@@ -135,7 +135,7 @@ class ImageFilesSource(ImageTextSource):
         files: list[str] = []
         for path in paths:
             if os.path.isdir(path):
-                files.extend(os.path.join(path, name) for name in image_files(path, follow_links_out=True))
+                files.extend(os.path.join(path, name) for name in image_files(path))
             elif os.path.isfile(path):
                 files.append(path)
             else:
