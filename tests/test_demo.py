@@ -6,6 +6,7 @@ that carries on."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import queue
 import re
@@ -24,6 +25,7 @@ import pytest
 
 from tests.training.train_runs import single_torch_thread
 from vlfit.cli import main
+from vlfit.commands import demo
 from vlfit.commands.demo import QUICK, parse_arguments, stopped_message
 from vlfit.commands.demo_stops import DemoStopped, StopSignals
 from vlfit.training.preemption import TrainingPreempted
@@ -210,3 +212,76 @@ def test_a_stop_whose_exception_a_finalizer_dropped_is_raised_again() -> None:
         assert stops.received == signal.SIGTERM
         with pytest.raises(DemoStopped, match="SIGTERM"):
             stops.raise_if_received()
+
+
+# What a finished demo's run returned (the numbers format_summary prints).
+RESULTS = {"train_samples_per_second": 812.5, "train_data_wait_share": 0.02, "eval_t2i_recall@1": 0.2,
+           "eval_chance_recall@1": 0.02, "eval_pool_size": 50, "eval_i2t_recall@1": 0.18, "eval_t2i_recall@5": 0.5,
+           "eval_matching_accuracy": 0.4}  # fmt: skip
+
+
+@pytest.fixture
+def no_training(monkeypatch) -> list[Any]:
+    """``run`` replaced by one that records its training arguments and returns ``RESULTS``: the tests below check
+    what the demo decides about its folder, not the training."""
+    calls: list[Any] = []
+
+    def run(model_args, data_args, training_args):
+        calls.append(training_args)
+        return dict(RESULTS)
+
+    monkeypatch.setattr(demo, "run", run)
+    monkeypatch.setattr(demo, "ensure_synthetic_data", lambda path, config, stops=None: path)
+    return calls
+
+
+def _finished_demo(folder: Path, argv: list[str]) -> list[str]:
+    """``folder`` as a finished demo run with ``argv`` leaves it; returns the demo's command line."""
+    argv = ["--quick", "--output_dir", str(folder), *argv]
+    args = parse_arguments(argv)
+    (folder / "model").mkdir(parents=True)
+    (folder / "data").mkdir()
+    demo.write_demo_record(args, RESULTS)
+    return argv
+
+
+def test_a_finished_demo_run_again_says_it_is_complete_and_how_to_start_again(tmp_path, no_training, capsys):
+    argv = _finished_demo(tmp_path / "demo-quick", [])
+    assert main(["demo", *argv, "--dataloader_num_workers", "0"]) == 0  # a neutral flag changed: the same demo
+    out = capsys.readouterr().out
+    assert not no_training  # nothing trained
+    folder = tmp_path / "demo-quick"
+    assert out.splitlines()[0] == (
+        f"vlfit demo: the demo in {folder} is complete, nothing trained (its results: {folder / 'demo.json'}, its "
+        f"model: {folder / 'model'}); to start again, remove {folder} or pass another --output_dir"
+    )
+    assert "text->image recall@1: 0.200   (chance 0.020, pool of 50)" in out
+
+
+def test_a_demo_folder_with_other_flags_or_other_files_is_refused_in_one_line(tmp_path, no_training, capsys):
+    argv = _finished_demo(tmp_path / "demo-quick", [])
+    assert main(["demo", *argv, "--num_samples", "80"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"vlfit demo: error: --output_dir {tmp_path / 'demo-quick'} holds a finished demo made "
+                           "with other flags (--num_samples 80 (was 500)): ")  # fmt: skip
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "photo.jpg").write_bytes(b"\xff\xd8")
+    assert main(["demo", "--quick", "--output_dir", str(mine)]) == 2
+    assert f"--output_dir {mine} is not empty (photo.jpg) and vlfit demo did not write it" in capsys.readouterr().err
+    assert not no_training and sorted(p.name for p in mine.iterdir()) == ["photo.jpg"]
+
+
+def test_a_stopped_demo_run_again_resumes_from_its_checkpoint_and_then_is_complete(tmp_path, no_training, capsys):
+    folder = tmp_path / "demo-quick"
+    argv = ["--quick", "--output_dir", str(folder)]
+    (folder / "model" / "checkpoint-12").mkdir(parents=True)  # what a stop during training saved
+    (folder / "data").mkdir()
+    demo.write_demo_record(parse_arguments(argv))  # written when the stopped demo started
+    assert main(["demo", *argv]) == 0
+    (training,) = no_training
+    assert training.resume_from_checkpoint == str(folder / "model" / "checkpoint-12")
+    assert f"resuming the stopped demo from {folder / 'model' / 'checkpoint-12'}" in capsys.readouterr().out
+    assert json.loads((folder / "demo.json").read_text())["results"]["eval_t2i_recall@1"] == 0.2
+    assert main(["demo", *argv]) == 0 and len(no_training) == 1
+    assert "is complete, nothing trained" in capsys.readouterr().out

@@ -6,6 +6,11 @@ that takes about a minute on 2 cores (``QUICK``). SIGTERM or Ctrl-C during train
 with one line giving the command that resumes from it (exit 128 + the signal's number, as ``vlfit train``); at any
 other point (data generation, the final evaluation) it stops at once, with one line saying what was kept and the
 command that carries on (``vlfit.commands.demo_stops``).
+
+``demo.json`` in ``--output_dir`` records the demo's flags when it starts and its results when it ends. Run again, a
+finished demo says it is complete, where its results are and how to start again, and trains nothing; a stopped one
+with the same flags resumes from its last checkpoint; a folder holding a demo with other flags, or anything but a
+demo, is refused in one line before any work.
 """
 
 from __future__ import annotations
@@ -20,17 +25,24 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from transformers.trainer_utils import get_last_checkpoint
+
 from vlfit.arguments import DataArguments, ModelArguments
+from vlfit.atomic_files import claim_folder, write_text_atomically
 from vlfit.commands.demo_stops import StopSignals
 from vlfit.commands.parsing import CommandParser
-from vlfit.data.synthetic import SyntheticConfig, make_dataset, save_dataset
+from vlfit.data.synthetic import SETTINGS_FILE, SyntheticConfig, make_dataset, save_dataset
 from vlfit.errors import ConfigError
 from vlfit.training.arguments import VlfitTrainingArguments
 from vlfit.training.output_dir import FINAL_STATE_FILE
 from vlfit.training.preemption import TrainingPreempted
 from vlfit.training.run import run
 
-DATA_STAMP = "vlfit_synthetic_config.json"
+DEMO_RECORD = "demo.json"  # in --output_dir: {"flags": ..., "results": ...} (results once the demo is complete)
+# What a demo writes in --output_dir: a folder holding only these is a demo's (one from before demo.json was written).
+DEMO_ENTRIES = frozenset({"data", "model", DEMO_RECORD})
+# Flags that do not change what a demo computes: a rerun may change them and still resume or find it complete.
+NEUTRAL_FLAGS = ("quick", "output_dir", "resume_from_checkpoint", "dataloader_num_workers")
 # --quick: the same run with the tiny preset (0.5M parameters, some 50 times the samples/s of small-p8) on 500
 # smaller images, 500 steps at batch 32, scored over pools of 50. small-p8 in the same minute (32 steps at batch 48)
 # stayed at chance.
@@ -85,24 +97,68 @@ class DemoArguments:
 
 
 def ensure_synthetic_data(path: str, config: SyntheticConfig, stops: StopSignals | None = None) -> str:
-    """Generate the synthetic dataset at ``path`` unless the same configuration is already there (a stop signal
-    received meanwhile, in ``stops``, leaves it unstamped: a rerun generates it again)."""
-    stamp = os.path.join(path, DATA_STAMP)
+    """Generate the synthetic dataset at ``path`` unless the same configuration is already there. It is written
+    whole or not at all (``save_dataset``): a stop signal received meanwhile, in ``stops``, leaves no dataset that a
+    rerun would reuse."""
     wanted = asdict(config)
+    stamp = os.path.join(path, SETTINGS_FILE)
     if os.path.exists(stamp):
         with open(stamp) as f:
             if json.load(f) == wanted:
                 print(f"reusing synthetic data in {path}")
                 return path
-    if os.path.exists(stamp):  # the data there is replaced: a generation stopped halfway is never reused
-        os.remove(stamp)
     print(f"generating {config.num_samples} synthetic samples in {path} ...")
-    save_dataset(make_dataset(config, num_proc=min(2, os.cpu_count() or 1)), path, format="arrow")
+    dataset = make_dataset(config, num_proc=min(2, os.cpu_count() or 1))
     if stops is not None:
         stops.raise_if_received()
-    with open(stamp, "w") as f:
-        json.dump(wanted, f)
+    save_dataset(dataset, path, format="arrow", settings=wanted)
     return path
+
+
+def demo_flags(args: DemoArguments) -> dict[str, Any]:
+    """The flags that decide what a demo computes (``NEUTRAL_FLAGS`` left out)."""
+    return {name: value for name, value in asdict(args).items() if name not in NEUTRAL_FLAGS}
+
+
+def finished_results(args: DemoArguments) -> dict[str, Any] | None:
+    """The results of the demo in ``--output_dir`` when it is complete; None for a new folder or a stopped demo with
+    these flags (this run carries it on).
+
+    Raises:
+        ConfigError: the folder is a file, holds anything but a demo, or a demo made with other flags.
+    """
+    claim_folder(args.output_dir, "vlfit demo", record_name=DEMO_RECORD, names=DEMO_ENTRIES)
+    path = os.path.join(args.output_dir, DEMO_RECORD)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        record = json.load(f)
+    saved, flags = record.get("flags", {}), demo_flags(args)
+    differ = [f"--{name} {flags[name]!r} (was {saved.get(name)!r})" for name in flags if saved.get(name) != flags[name]]
+    if differ:
+        what = "finished" if record.get("results") else "stopped"
+        raise ConfigError(
+            f"--output_dir {args.output_dir} holds a {what} demo made with other flags ({'; '.join(differ)}): run it "
+            "with its own flags, or start again in another --output_dir (or after removing that folder)"
+        )
+    return record.get("results")
+
+
+def write_demo_record(args: DemoArguments, results: dict[str, Any] | None = None) -> None:
+    """Record the demo's flags in ``--output_dir`` (``DEMO_RECORD``), with its results once it is complete."""
+    os.makedirs(args.output_dir, exist_ok=True)
+    numbers = {key: float(value) for key, value in (results or {}).items() if isinstance(value, (int, float))}
+    record = {"flags": demo_flags(args), "results": numbers if results is not None else None}
+    write_text_atomically(os.path.join(args.output_dir, DEMO_RECORD), json.dumps(record, indent=1) + "\n")
+
+
+def complete_message(args: DemoArguments) -> str:
+    """What a rerun of a finished demo says: where its results are, and how to start again."""
+    return (
+        f"vlfit demo: the demo in {args.output_dir} is complete, nothing trained (its results: "
+        f"{os.path.join(args.output_dir, DEMO_RECORD)}, its model: {os.path.join(args.output_dir, 'model')}); to start "
+        f"again, remove {args.output_dir} or pass another --output_dir"
+    )
 
 
 def recipe(
@@ -169,6 +225,18 @@ def main(argv: list[str] | None = None) -> int:
             f"--resume_from_checkpoint {args.resume_from_checkpoint}: no such folder (give the checkpoint the "
             "stopped demo named, under <output_dir>/model)"
         )
+    finished = finished_results(args)
+    if finished is not None:  # a rerun of a finished demo: nothing to do
+        print(complete_message(args))
+        print(format_summary(finished, args))
+        return 0
+    model_dir = os.path.join(args.output_dir, "model")
+    if args.resume_from_checkpoint is None and os.path.isfile(os.path.join(args.output_dir, DEMO_RECORD)):
+        checkpoint = get_last_checkpoint(model_dir) if os.path.isdir(model_dir) else None
+        if checkpoint is not None:  # a stopped demo with these flags: carry it on
+            print(f"resuming the stopped demo from {checkpoint}")
+            args = dataclasses.replace(args, resume_from_checkpoint=checkpoint)
+    write_demo_record(args)
     data_dir = os.path.join(args.output_dir, "data")
     generated = False
     stops = StopSignals()
@@ -189,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         stops.end_children()
         print(f"vlfit demo: {stopped_outside_training(stops.received, args, argv, generated)}", file=sys.stderr)
         return stops.exit_code
+    write_demo_record(args, results)
     print(format_summary(results, args))
     return 0
 
