@@ -68,6 +68,21 @@ def test_retrieve_push_then_query_prints_what_the_local_query_prints(image_index
     assert answers[0]["model"] == answers[1]["model"]
 
 
+@pytest.mark.slow
+def test_a_qdrant_local_push_and_query_exit_without_a_traceback(image_index, tmp_path) -> None:
+    """A Qdrant local-mode client left open to interpreter exit printed an "Exception ignored in
+    QdrantClient.__del__" traceback after every push's and query's answer: only a process's exit shows it."""
+    import subprocess
+
+    uri = f"qdrant:{tmp_path / 'qdrant'}"
+    for argv in (["push", "--index", image_index, "--to", uri, "--disable_tqdm"],
+                 ["query", "--index", uri, "--text", QUERIES[0]]):  # fmt: skip
+        done = subprocess.run([sys.executable, "-m", "vlfit", "retrieve", *argv], capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+        assert done.returncode == 0 and done.stdout, done.stderr[-2000:]
+        assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
 def test_a_refused_push_ends_in_one_line_naming_the_target(image_index, tmp_path, capsys) -> None:
     uri = f"lancedb:{tmp_path / 'lance'}"
     identity = json.loads((Path(image_index) / "index_manifest.json").read_text())["identity"]
@@ -138,3 +153,26 @@ def test_target_uris_name_the_engine_location_and_collection() -> None:
     ]:
         with pytest.raises(ConfigError, match=message):
             parse_target(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "forms"),
+    [
+        ("qdrant:ftp://x", "qdrant:PATH, qdrant::memory: or qdrant:http(s)://HOST:PORT"),
+        ("chroma:ftp://x#photos", "chroma:PATH or chroma:http(s)://HOST:PORT"),
+        ("milvus:tcp://host:19530", "milvus:PATH.db (Milvus Lite's file) or milvus:http(s)://HOST:PORT"),
+        ("lancedb:https://host/x", "lancedb:PATH (a folder; or object storage: s3://, gs://, az://)"),
+    ],
+)
+def test_a_location_of_a_url_scheme_the_engine_does_not_take_is_refused_naming_the_flag_and_forms(
+    text, forms, tmp_path, monkeypatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    url = text.partition(":")[2].partition("://")[0]
+    with pytest.raises(ConfigError) as refused:
+        open_target(text)
+    engine = text.partition(":")[0]
+    assert str(refused.value) == f"--to {text}: {engine} does not take {url}:// locations; give {forms}"
+    assert list(tmp_path.iterdir()) == []  # no folder named "ftp:" made of it
+    for kept in ("qdrant:C://vectors", "lancedb:s3://bucket/vectors", "milvus:https://host:19530"):
+        parse_target(kept)  # a Windows drive, object storage and a server stay what they were

@@ -8,12 +8,12 @@ A target URI names an engine, where it lives and a collection (a table) in it::
     postgresql://USER[:PASSWORD]@HOST[:PORT]/DB[#table]   (postgres:// too; pgvector)
     milvus:PATH.db | milvus:http(s)://HOST:PORT [#collection]
 
-The collection is ``vlfit`` unless the fragment names another. What a target stores per item is the same everywhere:
-the item's id (as a search names it: an image folder's file relative to the folder indexed, or the dataset item's
-id), its embedding, and a payload (its row in the index, its captions or None, its path relative to the indexed
-root or None, the model's checkpoint fingerprint). The collection itself records the model (``CollectionRecord``:
-the identity, the model folder and runtime it was built with) and the metric, so a query embeds with that model and a
-push from another model is refused.
+A location of another URL scheme (``qdrant:ftp://x``) is refused. The collection is ``vlfit`` unless the fragment
+names another. What a target stores per item is the same everywhere: the item's id (as a search names it: an image
+folder's file relative to the folder indexed, or the dataset item's id), its embedding, and a payload (its row in the
+index, its captions or None, its path relative to the indexed root or None, the model's checkpoint fingerprint). The
+collection itself records the model (``CollectionRecord``: the identity, the model folder and runtime it was built
+with) and the metric, so a query embeds with that model and a push from another model is refused.
 
 Each engine's module (``vlfit.index.push.lancedb`` ...) subclasses ``Target``; its client library is an extra of its
 own (``vlfit[lancedb]`` ...), checked before the module is imported.
@@ -21,8 +21,10 @@ own (``vlfit[lancedb]`` ...), checked before the module is imported.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
+import re
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -48,6 +50,15 @@ TARGETS: dict[str, tuple[str, str]] = {
     "milvus": ("vlfit.index.push.milvus", "milvus"),
 }
 URI_FORMS = "lancedb:PATH, qdrant:PATH, chroma:PATH, postgresql://..., milvus:PATH.db (each with an optional #NAME)"
+# Scheme -> the URL schemes its location may have (anything else of the form SCHEME://... is no path: the engine's
+# client would make a folder named "ftp:" of qdrant:ftp://x, or fail in its own words) and the forms it takes.
+LOCATIONS: dict[str, tuple[tuple[str, ...], str]] = {
+    "lancedb": (("s3", "gs", "az"), "lancedb:PATH (a folder; or object storage: s3://, gs://, az://)"),
+    "qdrant": (("http", "https"), "qdrant:PATH, qdrant::memory: or qdrant:http(s)://HOST:PORT"),
+    "chroma": (("http", "https"), "chroma:PATH or chroma:http(s)://HOST:PORT"),
+    "milvus": (("http", "https"), "milvus:PATH.db (Milvus Lite's file) or milvus:http(s)://HOST:PORT"),
+}
+_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+)://")  # two letters at least: C://x is a Windows drive
 # Item ids as point ids, for engines that take only numbers or UUIDs (Qdrant): a UUID derived from the id alone.
 ID_NAMESPACE = uuid.UUID("6f1c3c8e-2d0b-5c41-9a53-7a1d0b5e6f21")
 
@@ -104,6 +115,10 @@ def parse_target(text: str, flag: str = "--to") -> TargetURI:
         raise ConfigError(f"{flag} {text}: no location after {scheme}:; give {scheme}:PATH (e.g. {scheme}:vectors)")
     if rest == ":memory:" and scheme != "qdrant":
         raise ConfigError(f"{flag} {text}: only qdrant has an in-memory mode; give {scheme}:PATH")
+    schemes, forms = LOCATIONS[scheme]
+    url = _URL.match(rest)
+    if url and url.group(1) not in schemes:
+        raise ConfigError(f"{flag} {text}: {scheme} does not take {url.group(1)}:// locations; give {forms}")
     return TargetURI(scheme, rest, collection, text)
 
 
@@ -197,6 +212,11 @@ def close_shared_clients(prefix: str = "") -> None:
             close()
         if release is not None:
             release()
+
+
+# Closed at exit, before the interpreter tears its modules down: a Qdrant local-mode client left to its __del__ then
+# fails to import what it needs to unlock its folder, printing an "Exception ignored" traceback after every command.
+atexit.register(close_shared_clients)
 
 
 def point_id(item: str) -> str:
