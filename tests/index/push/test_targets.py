@@ -4,17 +4,22 @@ in one line what it cannot take."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 from tests.index.push.conftest import mark_removed, write_synthetic_index
 from vlfit.errors import DataError
+from vlfit.index.integrity import DamagedIndexError
 from vlfit.index.push.base import TargetError, open_target
 from vlfit.index.push.job import index_record, push_index
 from vlfit.index.push.pushed import PushedIndex
 from vlfit.index.search import search
 from vlfit.index.store import EmbeddingIndex
+from vlfit.index.verify import verify_index
 
 BATCH = 128
 
@@ -215,3 +220,40 @@ def test_two_items_pushed_under_one_id_are_refused_before_anything_is_written(ur
     mark_removed(folder, ids[2:])  # left out of the index's searches: not pushed, so no longer in the way
     report = push_index(EmbeddingIndex(str(folder)), uri)
     assert (report.pushed, report.total) == (2, 2) and _engine_ids(uri) == (2, {"x.jpg", "y.jpg"})
+
+
+def _damage(file: Path, value: float) -> None:
+    """Write ``value`` over the last embedding value of a shard file, its size unchanged."""
+    data = bytearray(file.read_bytes())
+    data[-4:] = np.float32(value).tobytes()
+    file.write_bytes(bytes(data))
+
+
+def test_a_damaged_shard_of_the_same_size_is_refused_before_its_items_are_written(tmp_path) -> None:
+    """A push reads the shards it writes: a shard whose bytes differ from the manifest's checksum (or, in an index
+    that records none, whose embeddings are not finite) is refused in one line naming it and the rebuild, as
+    vlfit retrieve verify words it, and none of its items is written."""
+    folder = tmp_path / "index"
+    ids = write_synthetic_index(folder, 600, shard_size=300)
+    manifest_file = folder / "index_manifest.json"
+    shard = json.loads(manifest_file.read_text())["shards"][1]
+    embeddings = folder / shard["embeddings"]
+    _damage(embeddings, 0.5)
+    uri = f"lancedb:{tmp_path / 'lance'}"
+    with pytest.raises(DamagedIndexError) as refused:
+        push_index(EmbeddingIndex(str(folder)), uri, batch_size=BATCH)
+    message = str(refused.value)
+    verified = verify_index(str(folder), "full").problems[0].line
+    assert message == verified and "\n" not in message
+    assert message.startswith(f"{embeddings}: checksum ") and "; rebuild it: vlfit retrieve index " in message
+    assert message.endswith("--verify full")
+    assert _engine_ids(uri)[1].isdisjoint(ids[300:])
+
+    manifest = json.loads(manifest_file.read_text())  # an index written before checksums were recorded
+    for each in manifest["shards"]:
+        each.pop("files", None)
+    manifest_file.write_text(json.dumps(manifest))
+    _damage(embeddings, float("nan"))
+    with pytest.raises(DamagedIndexError, match=r"1 of 300 embeddings hold NaN or infinite values; rebuild it"):
+        push_index(EmbeddingIndex(str(folder)), uri, batch_size=BATCH)
+    assert _engine_ids(uri)[1].isdisjoint(ids[300:])

@@ -11,7 +11,9 @@ their folder since they were indexed, or pushed from another index). Items of th
 An item is pushed under its id as a search names it, which is unique in the index for all but one case: files of two
 indexed folders at the same path relative to each (``2023/x.jpg`` and ``2024/x.jpg`` of an index of both folders
 are each ``x.jpg``). Engines differ on a key given twice (one fails, one keeps both, one keeps the last), so a push
-of such an index is refused before anything is written, naming the two items.
+of such an index is refused before anything is written, naming the two items. A push reads the shards it writes
+items of, so it checks each as ``vlfit retrieve verify --verify full`` does (checksums, finite embeddings) and
+refuses a damaged one before writing its items, as verify words it.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from vlfit.errors import ConfigError, DataError
+from vlfit.index.integrity import DamagedIndexError
 from vlfit.index.push.base import CollectionRecord, Items, Target, TargetError, open_target
 from vlfit.index.store import EmbeddingIndex
+from vlfit.index.verify import shard_problems
 from vlfit.inference.identity import shown_source
 
 
@@ -133,6 +137,9 @@ def _batches(
         count = int(shard["count"])
         offsets = [offset for offset in range(count) if names[start + offset] in wanted]
         if offsets:
+            if problems := shard_problems(index, number, "full"):  # the shard is read anyway: its bytes and values
+                first = problems[0]
+                raise DamagedIndexError(first.file, first.what, first.repair)
             captions = index.shard_captions(shard) or [None] * count
             vectors = index.vectors().shard(number)[offsets]  # one gather per shard
             parts.append(([start + offset for offset in offsets], vectors, [captions[offset] for offset in offsets]))
@@ -173,6 +180,8 @@ def push_index(
         ConfigError: for a ``batch_size`` below 1 or a URI of no known form.
         MissingExtraError: when the target's extra is not installed.
         DataError: when two items of the index would be pushed under one id (``item_ids``).
+        DamagedIndexError: before writing the items of a shard whose files differ from what the manifest records
+            (checksums) or hold NaN or infinite embeddings, naming the file and the command that rebuilds it.
         TargetError: when the target cannot be reached, holds a collection of another shape, or of another model.
     """
     if batch_size is not None and batch_size < 1:
