@@ -2,9 +2,9 @@
 answers a typo or ``--help`` before it imports torch, transformers or datasets (seconds of CPU).
 
 ``vlfit <command> --help`` prints the recorded help; a flag no parser of the command takes stops in one line with
-the closest known flags, as the parser itself would, and so does a local data file that does not exist
-(``--train_file``...), before the command's module is imported. Everything else (a bad value, a flag rule) is the
-command's own parser's and checks' to refuse.
+the closest known flags, as the parser itself would, and so do a local data file that does not exist
+(``--train_file``...) and an ``--output_dir`` that names a file, before the command's module is imported.
+Everything else (a bad value, a flag rule) is the command's own parser's and checks' to refuse.
 
 The file is made from the parsers themselves (each ``CommandParser`` records its option strings as it prints its
 help, ``vlfit.commands.cli_reference.flag_index``), with a fingerprint of the files that define the flags: an index
@@ -112,6 +112,8 @@ def answer_early(command: str, argv: list[str], subcommands: Iterable[str] = ())
     unknown = [arg for arg in flags if arg.startswith("--") and arg.split("=", 1)[0] not in known]
     prog = "vlfit " + " ".join(words)
     if not unknown:
+        if "--output_dir" in known and (refused := refuse_output_file(prog, flags)) is not None:
+            return refused
         return refuse_missing_data_files(prog, flags) if known & set(DATA_FILE_FLAGS) else None
     print(f"{prog}: error: {unrecognized_message(unknown, known)}; see {prog} --help", file=sys.stderr)
     return 2
@@ -130,6 +132,20 @@ def refuse_missing_data_files(prog: str, argv: list[str]) -> int | None:
             except MissingFileError as error:
                 print(f"{prog}: error: {flag} {value}: {error}", file=sys.stderr)
                 return 2
+    return None
+
+
+def refuse_output_file(prog: str, argv: list[str]) -> int | None:
+    """2, with one line, when ``--output_dir`` names a file (or a path under one); else None."""
+    from vlfit.atomic_files import refuse_file_as_folder  # light: no torch
+    from vlfit.errors import ConfigError
+
+    for flag, value in _flag_values(argv, ("--output_dir",)):
+        try:
+            refuse_file_as_folder(value, flag)
+        except ConfigError as error:
+            print(f"{prog}: error: {error}", file=sys.stderr)
+            return 2
     return None
 
 

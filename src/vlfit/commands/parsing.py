@@ -8,7 +8,8 @@
   line's are: ``"2"`` for an int flag is 2, ``"ten"`` is refused, ``1e-4`` for a float is 0.0001, a choice must be
   one of its choices; a value of the wrong type (``max_steps=1.5``) is refused naming the flag.
 - ``--model`` and ``--model_name_or_path`` name the same field on every command that takes a model.
-- A value a dataclass refuses (vlfit's checks, ``TrainingArguments.__post_init__``) is a ``ConfigError``.
+- A value a dataclass refuses (vlfit's checks, ``TrainingArguments.__post_init__``) is a ``ConfigError``, and so
+  is an ``--output_dir`` that names a file (``vlfit.atomic_files.refuse_file_as_folder``), before any work.
 - Every field name is registered with ``vlfit.errors``, so messages quote it as a flag on the command line and as a
   keyword argument for Python callers.
 - ``hidden_in_help``: flags that still parse but are left out of ``--help`` (``vlfit eval`` lists its own flags, not
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 from transformers import HfArgumentParser
 
 from vlfit.arguments.runtime import RUNTIME_FLAGS, RuntimeFlags
+from vlfit.atomic_files import refuse_file_as_folder
 from vlfit.errors import ConfigError, MissingFileError, UserError, register_option_names
 from vlfit.flag_index import unrecognized_message
 
@@ -282,7 +284,7 @@ class CommandParser(HfArgumentParser):
             return (*parsed, remaining)
         if remaining:
             self.refuse_unknown(remaining)
-        return tuple(parsed)
+        return _checked_output_dir(tuple(parsed))
 
     def parse_dict(self, args: dict[str, Any], allow_extra_keys: bool = False) -> tuple[Any, ...]:  # type: ignore[override]
         known = self._field_names()
@@ -296,11 +298,20 @@ class CommandParser(HfArgumentParser):
             raise ConfigError(f"unknown option{'s' if len(hints) > 1 else ''} {', '.join(hints)}")
         args = self.typed_values(args)
         try:
-            return super().parse_dict(args, allow_extra_keys=allow_extra_keys)
+            parsed = super().parse_dict(args, allow_extra_keys=allow_extra_keys)
         except UserError:
             raise
         except (ValueError, TypeError) as error:
             raise ConfigError(str(error)) from error
+        return _checked_output_dir(parsed)
+
+
+def _checked_output_dir(parsed: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``parsed``, once an ``output_dir`` in it that names a file is refused (every command writes a folder there)."""
+    for args in parsed:
+        if isinstance(getattr(args, "output_dir", None), str) and args.output_dir:
+            refuse_file_as_folder(args.output_dir)
+    return parsed
 
 
 _PLAIN = (bool, int, float, str)

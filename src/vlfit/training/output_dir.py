@@ -1,6 +1,7 @@
 """What ``vlfit train`` does with an ``--output_dir`` that already holds something, as HF scripts' users expect.
 
 - An empty or new folder: a fresh run.
+- A file (or a path under one): refused in one line, before the run is set up.
 - ``--overwrite_output_dir``: a fresh run, whatever the folder holds (its old checkpoints and final state are
   removed, so a later rerun can neither resume from them nor take the old run as finished).
 - ``--resume_from_checkpoint PATH``: resume from that checkpoint.
@@ -25,7 +26,7 @@ from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from vlfit.atomic_files import write_text_atomically
+from vlfit.atomic_files import refuse_file_as_folder, write_text_atomically
 from vlfit.data.bad_samples import BAD_SAMPLES_REPORT
 from vlfit.errors import ConfigError
 from vlfit.version import __version__
@@ -129,8 +130,10 @@ def resolve_output_dir(
             process starts over.
 
     Raises:
-        ConfigError: the folder holds a run with other flags, or files of something else.
+        ConfigError: the folder is a file (or lies under one), or holds a run with other flags, or files of something
+            else.
     """
+    refuse_file_as_folder(output_dir)
     if resume_from_checkpoint is not None:
         return resume_from_checkpoint
     if not os.path.isdir(output_dir) or not os.listdir(output_dir):
