@@ -92,3 +92,15 @@ def test_an_index_keeps_the_patch_budget_it_was_built_with_for_queries_and_appen
         assert opened.search(late, k=1)[0][0].score == pytest.approx(1.0, abs=1e-4)
     finally:
         (images / "late.jpg").unlink()
+
+
+def test_a_naflex_model_is_described_by_its_patch_budget_not_a_square_side(naflex_index, tiny_checkpoint):
+    model, _, index = naflex_index
+    loaded = vlfit.load(str(model))
+    patch = loaded.runtime.inputs.patch_size
+    assert loaded.max_num_patches == 12 and vlfit.load(str(model), max_num_patches=6).max_num_patches == 6
+    assert loaded.runtime.inputs.image_input == f"at most 12 patches of {patch} px"  # the training log's words
+    assert vlfit.load(str(tiny_checkpoint)).max_num_patches is None
+    with TestClient(create_app(SearchEngine(str(index)), reload_interval=0)) as client:
+        meta = client.get("/meta").json()["model"]
+    assert (meta["max_num_patches"], meta["patch_size"]) == (12, patch) and "image_size" not in meta

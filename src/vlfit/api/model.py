@@ -44,8 +44,15 @@ class Model:
 
     @property
     def image_size(self) -> int:
-        """The side of the square images the model takes."""
+        """The side of the square images the model takes (a NaFlex model's images are not square: see
+        ``max_num_patches``)."""
         return self.runtime.image_size
+
+    @property
+    def max_num_patches(self) -> int | None:
+        """A NaFlex model's (SigLIP 2) patch budget: each image is cut into at most this many patches, keeping its
+        aspect ratio; the run's, unless ``load`` was given another. None for a model of square images."""
+        return self.runtime.inputs.max_num_patches
 
     @property
     def max_seq_length(self) -> int:

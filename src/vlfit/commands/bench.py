@@ -269,12 +269,6 @@ def check_train_fits(
     return memory_settings(estimate, available, where)
 
 
-def _image_input(inputs: Any) -> str:
-    if inputs.max_num_patches is not None:
-        return f"at most {inputs.max_num_patches} patches of {inputs.patch_size} px"
-    return f"{inputs.image_size} px"
-
-
 def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -337,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         size = f"{sum(p.numel() for p in trained.parameters()) / 1e6:.1f}M parameters, " if trained is not None else ""
         preset, checkpoint = model_args.model_preset, model_args.model_name_or_path
         info = {
-            "model": f"{blueprint.description} ({size}{_image_input(blueprint.inputs)})",
+            "model": f"{blueprint.description} ({size}{blueprint.inputs.image_input})",
             "model_flags": ["--model_preset", preset] if preset else ["--model_name_or_path", checkpoint],
             "data": getattr(source, "name", None) or "; ".join(f"{k} {v}" for k, v in description.items() if v),
             "device": str(device),

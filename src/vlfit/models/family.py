@@ -80,6 +80,14 @@ class InputSpec:
     max_num_patches: int | None = None
     patch_size: int | None = None
 
+    @property
+    def image_input(self) -> str:
+        """The images the model takes, as logs and reports name them: ``at most 256 patches of 16 px`` (NaFlex) or
+        ``224 px`` (square)."""
+        if self.max_num_patches is not None:
+            return f"at most {self.max_num_patches} patches of {self.patch_size} px"
+        return f"{self.image_size} px"
+
     def tokenize(self, texts: Sequence[str], *, multiple_of_8: bool = False) -> dict[str, torch.Tensor]:
         """``tokenize_captions`` with this spec's tokenizer and ``max_seq_length``."""
         return tokenize_captions(self.tokenizer, texts, self.max_seq_length, multiple_of_8=multiple_of_8)

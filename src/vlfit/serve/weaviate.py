@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, StrictStr
 from vlfit.data.decode import DecodeError
 from vlfit.errors import DataError, first_line
 from vlfit.index.stages import StageTimes
+from vlfit.models.family import InputSpec
 from vlfit.serve.disconnects import ClientGone, unless_disconnected
 from vlfit.serve.engine import SearchEngine
 from vlfit.serve.images import QueryImageTooLarge, check_query_pixels
@@ -138,12 +139,19 @@ def model_meta(engine: SearchEngine) -> dict[str, object]:
             **encoder.identity.to_dict(),
             "backend": encoder.backend,
             "precision": encoder.precision,
-            "image_size": spec.image_size,
+            **_image_input(spec),
             "max_seq_length": spec.max_seq_length,
         },  # fmt: skip
         "server": f"vlfit serve {__version__}",
         "protocol": "multi2vec-clip",
     }
+
+
+def _image_input(spec: InputSpec) -> dict[str, int | None]:
+    """The images the served model takes: a NaFlex model's patch budget and patch side, else its square side."""
+    if spec.max_num_patches is not None:
+        return {"max_num_patches": spec.max_num_patches, "patch_size": spec.patch_size}
+    return {"image_size": spec.image_size}
 
 
 def add_weaviate_routes(

@@ -319,11 +319,11 @@ def run(
     for callback in callbacks:
         trainer.add_callback(callback)
     logger.info(
-        "model %s (%s): %.1fM parameters, image %d px, pipeline %s, %s",
+        "model %s (%s): %.1fM parameters, images %s, pipeline %s, %s",
         setup.spec.description,
         family.name,
         sum(p.numel() for p in model.parameters()) / 1e6,
-        pipeline.inputs.image_size,
+        pipeline.inputs.image_input,
         pipeline.description,
         f"{len(train_source)} training samples"
         if train_source is not None
