@@ -85,6 +85,18 @@ def test_bad_images_name_their_position(preset_model, tmp_path):
         preset_model.encode_images([good.astype(np.float32)])
 
 
+def test_a_text_that_is_not_valid_unicode_names_its_position(preset_model):
+    """A lone surrogate reached the tokenizer, whose TypeError said nothing of the text; the server answers it 422
+    with the same words (vlfit.data.text_checks)."""
+    message = ("texts[1] is not valid Unicode text: a lone surrogate (U+D800, half of a UTF-16 pair) at character 2, "
+               "which no tokenizer takes")  # fmt: skip
+    with pytest.raises(vlfit.DataError) as refused:
+        preset_model.encode_texts(["a red square", "x \ud800 y"])
+    assert str(refused.value) == message
+    with pytest.raises(vlfit.DataError, match=r"^texts\[0\] is not valid Unicode text: a lone surrogate \(U\+DCFF"):
+        preset_model.similarity(np.zeros((32, 32, 3), dtype=np.uint8), "\udcff")  # a file name that is not UTF-8
+
+
 def test_errors_name_keyword_arguments_not_flags(tmp_path):
     with pytest.raises(vlfit.ConfigError, match=r"^`lora_r=` must be at least 1, got 0$"):
         vlfit.train(model_preset="clip-tiny", lora_r=0, output_dir=str(tmp_path))

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from vlfit.data.image_inputs import ImageInput
+from vlfit.data.text_checks import unicode_problem
 from vlfit.errors import ConfigError, DataError, python_api
 from vlfit.inference.backends import Encoder
 from vlfit.inference.runtime import ModelRuntime
@@ -132,11 +133,17 @@ def check_at_least(keyword: str, value: int | float, least: int | float) -> None
 
 
 def text_list(keyword: str, texts: str | Sequence[str]) -> list[str]:
-    """``texts`` as a list of strings (a string alone: a list of one)."""
+    """``texts`` as a list of strings (a string alone: a list of one).
+
+    Raises:
+        DataError: naming ``keyword[position]`` for an item that is not a string, or not valid Unicode text.
+    """
     items = [texts] if isinstance(texts, str) else list(texts)
     for position, text in enumerate(items):
         if not isinstance(text, str):
             raise DataError(f"{keyword}[{position}]: expected a string, got {type(text).__name__}")
+        if problem := unicode_problem(text, f"{keyword}[{position}]"):
+            raise DataError(problem)
     return items
 
 

@@ -27,6 +27,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
+from vlfit.data.text_checks import unicode_problem
 from vlfit.serve.responses import error_response
 
 MAX_JSON_DEPTH = 8  # a request is one flat object; this leaves room and refuses pathological nesting
@@ -144,14 +145,11 @@ def _depth(value: Any) -> int:
 
 def text_problem(text: str, max_chars: int, field: str) -> str | None:
     """Why ``text``, the body's ``field``, cannot be embedded (``None``: it can): over ``max_chars`` characters, or
-    not valid Unicode. Whether an empty text can is the route's rule."""
+    not valid Unicode (``vlfit.data.text_checks``, the API's rule too). Whether an empty text can is the route's
+    rule."""
     if len(text) > max_chars:
         return f"{field} is {len(text)} characters, over the limit of {max_chars} (--max_text_chars)"
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as err:
-        return f"{field} is not valid Unicode text: {err.reason} at character {err.start}"
-    return None
+    return unicode_problem(text, field)
 
 
 def decode_base64(encoded: str, field: str) -> bytes:
