@@ -66,3 +66,15 @@ def test_unset_settings_are_taken_from_how_the_index_was_built():
     assert RuntimeSettings().as_built(built) == RuntimeSettings("onnxruntime", "int8", None, 12, None, True, 64)
     asked = RuntimeSettings(backend="torch", precision="fp32", max_seq_length=7, max_num_patches=32)
     assert asked.as_built(built) == asked  # what the caller asked for stays
+
+
+def test_the_servers_limits_are_declared_once_and_inherited_as_flags():
+    from vlfit.serve.limits import ServerLimits
+
+    limits = {f.name for f in dataclasses.fields(ServerLimits)}
+    assert not limits & set(ServeArguments.__dict__.get("__annotations__", {}))  # none re-declared by the door
+    assert limits <= {f.name for f in dataclasses.fields(ServeArguments)}
+    parser = CommandParser(ServeArguments, prog="vlfit serve")
+    (args,) = parser.parse_args_into_dataclasses(args=["--index", "x", "--max_concurrency", "7"])
+    assert args.limits() == ServerLimits(max_concurrency=7)
+    assert all(f.metadata.get("help") for f in dataclasses.fields(ServerLimits))  # each field's help is its flag's

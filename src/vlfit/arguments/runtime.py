@@ -76,6 +76,7 @@ def _flags() -> dict[str, tuple[Any, Any]]:
 
 
 RUNTIME_FLAGS = tuple(_flags())
+INHERITED_FLAGS = "__inherited_flags__"  # marks a dataclass of flags declared elsewhere (``inherited_flags``)
 
 
 @dataclass(kw_only=True)
@@ -93,6 +94,26 @@ class RuntimeFlags:
         return RuntimeSettings(**{**given, **fixed})
 
 
+def inherited_flags(
+    name: str, declared: list[tuple[str, Any, Any]], base: type = object, module: str = __name__
+) -> type:
+    """A keyword-only dataclass of flags ``declared`` once elsewhere (``(name, type, field)`` each), for a door's
+    arguments to inherit: the door's own required fields may follow them, and it never re-declares one."""
+    cls = dataclasses.make_dataclass(name, declared, bases=(base,), kw_only=True)
+    cls.__module__ = module
+    setattr(cls, INHERITED_FLAGS, True)  # --help lists a door's own flags first, then these
+    return cls
+
+
+def flags_of(settings: type, **defaults: Any) -> type:
+    """The fields of a settings dataclass (``vlfit.serve.limits.ServerLimits`` ...: its help in each field's
+    metadata) as flags a door's arguments inherit, with the door's own ``defaults``; the door builds the settings
+    from them (``settings(**{f.name: getattr(args, f.name) for f in fields(settings)})``)."""
+    declared = [(f.name, f.type, field(default=defaults.get(f.name, f.default), metadata=f.metadata))
+                for f in dataclasses.fields(settings)]  # fmt: skip
+    return inherited_flags(f"{settings.__name__}Flags", declared, module=settings.__module__)
+
+
 @functools.cache
 def _runtime_arguments(names: tuple[str, ...], defaults: tuple[tuple[str, Any], ...]) -> type[RuntimeFlags]:
     declared = _flags()
@@ -104,9 +125,7 @@ def _runtime_arguments(names: tuple[str, ...], defaults: tuple[tuple[str, Any], 
             declaration = field(default=overrides[name], metadata=declaration.metadata)
         fields.append((name, kind, declaration))
     label = "".join(part.title() for name in names for part in name.split("_"))
-    cls = dataclasses.make_dataclass(f"RuntimeArguments{label}", fields, bases=(RuntimeFlags,), kw_only=True)
-    cls.__module__ = __name__
-    return cls
+    return inherited_flags(f"RuntimeArguments{label}", fields, RuntimeFlags)
 
 
 def runtime_arguments(*names: str, **defaults: Any) -> type[RuntimeFlags]:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 from transformers import HfArgumentParser
 
-from vlfit.arguments.runtime import RUNTIME_FLAGS, RuntimeFlags
+from vlfit.arguments.runtime import INHERITED_FLAGS
 from vlfit.atomic_files import refuse_file_as_folder
 from vlfit.errors import ConfigError, MissingFileError, UserError, register_option_names
 from vlfit.flag_index import unrecognized_message
@@ -132,10 +132,10 @@ class CommandParser(HfArgumentParser):
                 action.help = argparse.SUPPRESS
             if action.dest in repeatable:
                 action.__class__ = argparse._ExtendAction  # a list field's nargs="+" action, extending instead
-        inherited = {f.name for dtype in types if issubclass(dtype, RuntimeFlags) for f in dataclasses.fields(dtype)
-                     if f.name in RUNTIME_FLAGS}  # fmt: skip
+        inherited = {f.name for dtype in types for base in dtype.__mro__[1:] if base.__dict__.get(INHERITED_FLAGS)
+                     for f in dataclasses.fields(base)}  # fmt: skip
         for listed in (self._actions, *(group._group_actions for group in self._action_groups)):
-            listed.sort(key=lambda action: action.dest in inherited)  # a door's own flags first, then the runtime's
+            listed.sort(key=lambda action: action.dest in inherited)  # a door's own flags first, then inherited ones
         for group in self._action_groups:  # a group whose every flag is hidden is left out of --help too
             if group._group_actions and all(a.help == argparse.SUPPRESS for a in group._group_actions):
                 group.title = None

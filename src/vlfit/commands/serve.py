@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from typing import Literal
 
-from vlfit.arguments.runtime import runtime_arguments
+from vlfit.arguments.runtime import flags_of, runtime_arguments
 from vlfit.commands.parsing import CommandParser
 from vlfit.errors import ConfigError
 from vlfit.inference.rerank_score import check_rerank_weight
@@ -36,7 +36,7 @@ SETTINGS_ENV = "VLFIT_SERVE_SETTINGS"  # how --workers > 1 hands the settings to
 
 
 @dataclass
-class ServeArguments(runtime_arguments(num_threads=1)):
+class ServeArguments(runtime_arguments(num_threads=1), flags_of(ServerLimits)):
     """Flags of ``vlfit serve``."""
 
     index: str = field(metadata={"help": "The index folder (vlfit retrieve index's output)."})
@@ -75,61 +75,6 @@ class ServeArguments(runtime_arguments(num_threads=1)):
     )
     reload_interval: float = field(
         default=2.0, metadata={"help": "Seconds between checks for a new index manifest (0: POST /api/reload only)."}
-    )
-    max_concurrency: int = field(
-        default=ServerLimits.max_concurrency,
-        metadata={"help": "Requests in flight (health, metrics not counted); beyond: 503 with Retry-After."},
-    )
-    max_queue_wait_ms: float | None = field(
-        default=ServerLimits.max_queue_wait_ms,
-        metadata={"help": "Longest expected wait (ms) a search is admitted with (its kind's queries ahead x their "
-                  "measured time each); beyond: 503 with Retry-After. 0: 10x the unloaded time of a query of its "
-                  "kind (text, image), the default; a budget far above any wait (60000) leaves --max_concurrency "
-                  "alone."},
-    )  # fmt: skip
-    max_connections: int = field(
-        default=ServerLimits.max_connections,
-        metadata={"help": "Open connections (TLS handshakes included); beyond: 503 and closed."},
-    )
-    max_connections_per_client: int = field(
-        default=ServerLimits.max_connections_per_client,
-        metadata={"help": "Open connections of one client address (a trusted proxy's not counted); beyond: 429 "
-                  "and closed."},
-    )  # fmt: skip
-    max_concurrency_per_client: int | None = field(
-        default=ServerLimits.max_concurrency_per_client,
-        metadata={"help": "Requests in flight of one client; beyond: 429 with Retry-After. Default: half of "
-                  "--max_concurrency."},
-    )  # fmt: skip
-    forwarded_allow_ips: str | None = field(
-        default=ServerLimits.forwarded_allow_ips,
-        metadata={"help": "Trusted proxies (addresses or networks, comma-separated; *: any): a request from one is "
-                  "the client its X-Forwarded-For names, for the per-client limits and access. Default: none "
-                  "trusted."},
-    )  # fmt: skip
-    header_timeout: float = field(
-        default=ServerLimits.header_timeout,
-        metadata={"help": "Seconds for a request head to arrive (and for a new connection to start one); 408 after."},
-    )
-    body_timeout: float = field(
-        default=ServerLimits.body_timeout, metadata={"help": "Seconds for a whole request body to arrive; 408 after."}
-    )
-    max_header_bytes: int = field(
-        default=ServerLimits.max_header_bytes, metadata={"help": "Largest request line plus headers; 431 beyond."}
-    )
-    keep_alive_timeout: int = field(
-        default=ServerLimits.keep_alive_timeout,
-        metadata={"help": "Seconds an idle keep-alive connection stays open after a response."},
-    )
-    max_text_chars: int = field(
-        default=ServerLimits.max_text_chars, metadata={"help": "Longest text query in characters; 422 beyond."}
-    )
-    max_query_pixels: int = field(
-        default=ServerLimits.max_query_pixels,
-        metadata={"help": "Most pixels a query image may declare (read before decoding); 422 beyond."},
-    )
-    thumbnail_cache_mb: float = field(
-        default=ServerLimits.thumbnail_cache_mb, metadata={"help": "MB of small thumbnails kept for repeat requests."}
     )
     api_key: str | None = field(
         default=None,

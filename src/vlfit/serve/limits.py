@@ -1,6 +1,8 @@
 """Every bound of ``vlfit serve`` in one place, with its default and why (docs/serving.md has the table).
 
-``vlfit serve``'s flags of the same names set them; ``create_app(engine, limits=ServerLimits(...))`` takes them.
+``vlfit serve``'s flags of the same names set them (declared here, each field's help its flag's, and inherited by
+``vlfit serve``'s arguments through ``vlfit.arguments.runtime.flags_of``); ``create_app(engine,
+limits=ServerLimits(...))`` takes them.
 Who enforces each: ``vlfit.serve.connections`` (connections and request heads, under uvicorn), the app's
 middlewares in ``vlfit.serve.middleware`` (requests in flight, bodies), ``vlfit.serve.admission`` (a search's
 expected wait) and ``vlfit.serve.json_body``, ``vlfit.serve.queries`` and ``vlfit.serve.images`` (what a
@@ -9,7 +11,7 @@ request may ask).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vlfit.errors import ConfigError
 from vlfit.serve.clients import trusted_networks
@@ -70,19 +72,63 @@ class ServerLimits:
             header is trusted, every client is its connection's address.
     """
 
-    max_concurrency: int = 32
-    max_queue_wait_ms: float | None = 0.0
-    max_connections: int = 512
-    header_timeout: float = 10.0
-    body_timeout: float = 60.0
-    max_header_bytes: int = 16 * 1024
-    keep_alive_timeout: int = 5
-    max_text_chars: int = 2000
-    max_query_pixels: int = 40_000_000
-    thumbnail_cache_mb: float = 32.0
-    max_connections_per_client: int = 64
-    max_concurrency_per_client: int | None = None
-    forwarded_allow_ips: str | None = None
+    max_concurrency: int = field(
+        default=32, metadata={"help": "Requests in flight (health, metrics not counted); beyond: 503 with Retry-After."}
+    )
+    max_queue_wait_ms: float | None = field(
+        default=0.0,
+        metadata={
+            "help": "Longest expected wait (ms) a search is admitted with (its kind's queries ahead x their "
+            "measured time each); beyond: 503 with Retry-After. 0: 10x the unloaded time of a query of its "
+            "kind (text, image), the default; a budget far above any wait (60000) leaves --max_concurrency "
+            "alone."
+        },
+    )
+    max_connections: int = field(
+        default=512, metadata={"help": "Open connections (TLS handshakes included); beyond: 503 and closed."}
+    )
+    header_timeout: float = field(
+        default=10.0,
+        metadata={"help": "Seconds for a request head to arrive (and for a new connection to start one); 408 after."},
+    )
+    body_timeout: float = field(
+        default=60.0, metadata={"help": "Seconds for a whole request body to arrive; 408 after."}
+    )
+    max_header_bytes: int = field(
+        default=16 * 1024, metadata={"help": "Largest request line plus headers; 431 beyond."}
+    )
+    keep_alive_timeout: int = field(
+        default=5, metadata={"help": "Seconds an idle keep-alive connection stays open after a response."}
+    )
+    max_text_chars: int = field(default=2000, metadata={"help": "Longest text query in characters; 422 beyond."})
+    max_query_pixels: int = field(
+        default=40_000_000,
+        metadata={"help": "Most pixels a query image may declare (read before decoding); 422 beyond."},
+    )
+    thumbnail_cache_mb: float = field(
+        default=32.0, metadata={"help": "MB of small thumbnails kept for repeat requests."}
+    )
+    max_connections_per_client: int = field(
+        default=64,
+        metadata={
+            "help": "Open connections of one client address (a trusted proxy's not counted); beyond: 429 and closed."
+        },
+    )
+    max_concurrency_per_client: int | None = field(
+        default=None,
+        metadata={
+            "help": "Requests in flight of one client; beyond: 429 with Retry-After. Default: half of "
+            "--max_concurrency."
+        },
+    )
+    forwarded_allow_ips: str | None = field(
+        default=None,
+        metadata={
+            "help": "Trusted proxies (addresses or networks, comma-separated; *: any): a request from one is "
+            "the client its X-Forwarded-For names, for the per-client limits and access. Default: none "
+            "trusted."
+        },
+    )
 
     @property
     def requests_per_client(self) -> int:
