@@ -13,3 +13,22 @@ def test_an_eval_pool_of_no_images_is_refused(tmp_path, size: int) -> None:
     with pytest.raises(ConfigError, match=rf"^--eval_pool_size must be at least 1 .*got {size}; leave it out"):
         DataArguments(dataset_name=str(tmp_path), eval_pool_size=size)
     assert DataArguments(dataset_name=str(tmp_path), eval_pool_size=1).eval_pool_size == 1
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "allowed"),
+    [
+        ("max_seq_length", 0, "at least 1 tokens per caption"),
+        ("max_num_patches", 0, "from 1 to 4096 patches per image"),
+        ("max_num_patches", 100_000, "from 1 to 4096 patches per image"),
+        ("rerank_top_k", 0, "at least 1 candidates per query"),
+    ],
+)
+def test_a_size_flag_out_of_its_range_is_refused_with_the_range(tmp_path, flag: str, value: int, allowed: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^--{flag} {value} is out of range: give {allowed} \(left out: "):
+        DataArguments(dataset_name=str(tmp_path), **{flag: value})
+
+
+def test_the_ends_of_the_size_ranges_are_taken(tmp_path) -> None:
+    args = DataArguments(dataset_name=str(tmp_path), max_seq_length=1, max_num_patches=4096, rerank_top_k=1)
+    assert (args.max_seq_length, args.max_num_patches, args.rerank_top_k) == (1, 4096, 1)

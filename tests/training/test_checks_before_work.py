@@ -61,3 +61,20 @@ def test_a_streamed_vqa_split_without_an_answer_vocabulary_is_refused_before_a_t
     (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
     assert "--task vqa on a streamed training split" in line
     assert "give the answers with --answer_vocabulary FILE" in line
+
+
+@pytest.mark.parametrize(
+    ("preset", "flag", "value", "words"),
+    [
+        ("siglip2-tiny", "--max_num_patches", "100000", "give from 1 to 4096 patches per image"),
+        ("tiny", "--max_seq_length", "0", "give at least 1 tokens per caption"),
+    ],
+)
+def test_a_size_flag_out_of_range_is_refused_before_a_tokenizer_is_trained(
+    tmp_path, synthetic_dataset_dir, no_tokenizer_training, capsys, preset, flag, value, words
+):
+    flags = ["--dataset_name", synthetic_dataset_dir, "--model_preset", preset, flag, value]
+    assert main(_train(tmp_path, *flags)) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
+    assert f"{flag} {value} is out of range: {words}" in line
+    assert not (tmp_path / "run").exists()
