@@ -3,10 +3,12 @@
 import logging
 
 import pytest
+import torch
+from transformers import TrainerCallback
 
 from vlfit.commands.train import parse_arguments
-from vlfit.errors import ConfigError, DataError
-from vlfit.training.run import setup_run
+from vlfit.errors import ConfigError, DataError, OutOfMemoryError, out_of_memory_in_one_line
+from vlfit.training.run import run, setup_run
 
 
 def _parse(*flags):
@@ -79,3 +81,37 @@ def test_a_missing_local_model_folder_is_said_to_be_missing_not_looked_for_on_th
     for name in ("./runs/nothing", "runs/nothing", str(tmp_path / "nothing"), "runs/a/b"):
         with pytest.raises(MissingFileError, match=rf"--model_name_or_path {name}: no such folder"):
             resolve_model(**parse_arguments(["--model", name, "--output_dir", "/tmp/unused"]).model.source_keywords())
+
+
+class _AllocatesTooMuch(TrainerCallback):
+    """Asks torch for a petabyte at the first step, as a batch far too large for the machine would."""
+
+    def on_step_begin(self, *args, **kwargs):
+        torch.empty(2**50, dtype=torch.uint8)
+
+
+def test_running_out_of_memory_at_a_step_names_the_flags_that_set_its_size(tmp_path, synthetic_dataset_dir):
+    args = parse_arguments(["--model_preset", "tiny", "--output_dir", str(tmp_path), "--report_to", "none",
+                            "--dataset_name", synthetic_dataset_dir, "--do_train", "--max_steps", "1",
+                            "--max_train_samples", "4", "--per_device_train_batch_size", "2",
+                            "--max_seq_length", "16"])  # fmt: skip
+    with pytest.raises(OutOfMemoryError) as refused:
+        run(args.model, args.data, args.training, callbacks=[_AllocatesTooMuch()])
+    (line,) = str(refused.value).splitlines()
+    assert line.startswith("out of memory in a training step (torch: DefaultCPUAllocator: can't allocate memory: you "
+                           "tried to allocate 1125899906842624 bytes.")  # fmt: skip
+    assert "lower --per_device_train_batch_size (2) or --max_seq_length (16); its images are " in line
+    assert line.endswith("px, the model's own size")
+
+
+def test_an_error_that_is_not_out_of_memory_passes_as_it_is():
+    sizes = {"per_device_eval_batch_size": 8, "max_num_patches": 256, "max_seq_length": 64}
+    with (
+        pytest.raises(RuntimeError, match="^mat1 and mat2 shapes cannot be multiplied"),
+        out_of_memory_in_one_line("a step", sizes),
+    ):
+        torch.ones(2, 3) @ torch.ones(2, 3)
+    expected = r"\(torch: MemoryError\): lower --per_device_eval_batch_size \(8\), --max_num_patches \(256\) or "
+    with pytest.raises(OutOfMemoryError, match=expected + r"--max_seq_length \(64\)$"):  # noqa: SIM117
+        with out_of_memory_in_one_line("an evaluation step", sizes):
+            raise MemoryError

@@ -253,6 +253,57 @@ def full_disk_in_one_line(
         raise failure from error
 
 
+class OutOfMemoryError(UserError, MemoryError):
+    """A training or evaluation step that ran out of device or host memory: names the flags that set its size."""
+
+
+# How torch words a failed allocation beside its OutOfMemoryError (CUDA, MPS): the CPU allocator's RuntimeError
+# ("DefaultCPUAllocator: can't allocate memory", "not enough memory" on other systems).
+OUT_OF_MEMORY_WORDS = ("out of memory", "can't allocate memory", "not enough memory")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error``, or what it was raised from or during, is a failed allocation: a ``MemoryError``, torch's
+    ``OutOfMemoryError`` or an allocator's ``RuntimeError`` (``OUT_OF_MEMORY_WORDS``)."""
+    return any(
+        isinstance(link, MemoryError)
+        or type(link).__name__ == "OutOfMemoryError"
+        or (isinstance(link, RuntimeError) and any(words in str(link) for words in OUT_OF_MEMORY_WORDS))
+        for link in error_chain(error)
+    )
+
+
+def _allocation_words(error: BaseException) -> str:
+    """Torch's own words for a failed allocation, its first two sentences: ``CUDA out of memory. Tried to allocate
+    80.00 GiB.``, ``DefaultCPUAllocator: can't allocate memory: you tried to allocate 85899345920 bytes. ...``."""
+    words = _ENFORCE.sub("", first_line(error))
+    allocator = words.find("DefaultCPUAllocator")  # after the C++ check that failed ("err == 0.")
+    sentences = re.split(r"(?<=\.)\s+", words[max(allocator, 0) :])
+    return " ".join(sentences[:2])[:200]
+
+
+@contextmanager
+def out_of_memory_in_one_line(step: str, sizes: Mapping[str, Any], note: str = "") -> Iterator[None]:
+    """A step inside the block that runs out of memory raises one line naming the flags that set its size (with
+    their values) instead of torch's traceback; any other error passes as it is.
+
+    Args:
+        step: What ran out (``a training step``).
+        sizes: The flags that set a step's size, by name, with their values (``None``: not this run's, left out).
+        note: What else the reader should know (a square image's size is the model's, not a flag).
+    """
+    try:
+        yield
+    except Exception as error:
+        if isinstance(error, UserError) or not is_out_of_memory(error):
+            raise
+        flags = [f"--{name} ({value})" for name, value in sizes.items() if value is not None]
+        lower = ", ".join(flags[:-1]) + f" or {flags[-1]}" if len(flags) > 1 else "".join(flags)
+        extra = f"; {note}" if note else ""
+        words = _allocation_words(error)
+        raise OutOfMemoryError(f"out of memory in {step} (torch: {words}): lower {lower}{extra}") from error
+
+
 class ArgumentError(ConfigError, TypeError):
     """A call of the Python API with an unknown keyword, a missing or extra argument, or a value of the wrong type
     (a ``TypeError`` too, as Python's own for a bad call)."""

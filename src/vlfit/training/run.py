@@ -7,6 +7,7 @@ import copy
 import logging
 import os
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +27,7 @@ from vlfit.data.stream.train_stream import StreamSettings
 from vlfit.data.vqa import check_has_answers
 from vlfit.efficiency.flops import ComputeEfficiency
 from vlfit.efficiency.peaks import PeakFlops, matmul_precision, peak_flops
-from vlfit.errors import ConfigError
+from vlfit.errors import ConfigError, out_of_memory_in_one_line
 from vlfit.model_card import WiseFtMix, write_model_card
 from vlfit.models.family import ModelFamily
 from vlfit.models.interpolation import interpolate
@@ -245,6 +246,17 @@ def later_unfreezing(
     return UnfreezeCallback(parameters, int(model_args.unfreeze_after_steps), ", ".join(frozen))
 
 
+def _step_memory(
+    pipeline: InputPipeline, step: str, batch_flag: str, training_args: VlfitTrainingArguments
+) -> AbstractContextManager[None]:
+    """A step that runs out of memory, as one line naming the flags that set its size, with the run's values."""
+    inputs = pipeline.inputs
+    sizes = {batch_flag: getattr(training_args, batch_flag), "max_num_patches": inputs.max_num_patches,
+             "max_seq_length": inputs.max_seq_length}  # fmt: skip
+    square = f"its images are {inputs.image_size} px, the model's own size" if inputs.max_num_patches is None else ""
+    return out_of_memory_in_one_line(step, sizes, square)
+
+
 def run(
     model_args: ModelArguments,
     data_args: DataArguments,
@@ -338,7 +350,8 @@ def run(
         if trainer.flops_per_sample is not None:
             run_peak(training_args)  # measured now, on a device the run does not load yet (kept for the end)
         try:
-            train_result = trainer.train(resume_from_checkpoint=checkpoint)
+            with _step_memory(pipeline, "a training step", "per_device_train_batch_size", training_args):
+                train_result = trainer.train(resume_from_checkpoint=checkpoint)
         finally:
             preemption.uninstall()  # when training raised, on_train_end never ran
             trainer.write_bad_samples_report()
@@ -385,7 +398,8 @@ def run(
     if training_args.do_eval:
         if eval_source is not None:  # a minute or more on a large split, without a bar under --disable_tqdm
             logger.info("evaluating on %d samples of the evaluation split", len(eval_source))
-        metrics = trainer.evaluate()
+        with _step_memory(pipeline, "an evaluation step", "per_device_eval_batch_size", training_args):
+            metrics = trainer.evaluate()
         trainer.log_metrics("eval", metrics)
         trainer.save_metrics("eval", metrics)
         results.update(metrics)
