@@ -1,14 +1,36 @@
 """Logging is configured by the CLI entry point only: library modules log to their own loggers, nothing else."""
 
+import contextlib
 import logging
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import vlfit
 from vlfit.cli import take_log_level
-from vlfit.logs import configure_logging
+from vlfit.logs import configure_logging, configure_third_parties, quiet_third_parties
+
+
+@contextlib.contextmanager
+def transformers_messages() -> Iterator[list[str]]:
+    """The messages transformers logs meanwhile (those its loggers' filters let through), from the library's
+    defaults (nothing hidden), to which it returns after."""
+    import transformers
+
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("transformers")
+    quiet_third_parties(False)
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+        transformers.utils.logging.set_verbosity_warning()
+        quiet_third_parties(False)
 
 
 def test_no_library_module_configures_logging():
@@ -80,3 +102,31 @@ def test_loading_a_checkpoint_shows_transformers_bars_and_token_id_warnings_at_d
     at_info, at_debug = done.stderr.split("--- info")[1].split("--- debug")
     for shown in ("Loading weights", "bos_token_id must be"):
         assert shown not in at_info and shown in at_debug
+
+
+def test_the_cli_hides_a_load_report_of_unexpected_keys_only_and_the_token_alignment_note_but_not_missing_keys():
+    """transformers' records as the CLI shows them at info (and all of them at debug): a load report listing only
+    UNEXPECTED keys (a CLIP checkpoint's text tower, left out when it is a two-tower run's vision tower) and the
+    Trainer's PAD/BOS/EOS alignment note say nothing a user can act on; weights started afresh (MISSING) are news."""
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+    from transformers.trainer_utils import logger as trainer_logger
+    from transformers.utils.loading_report import LoadStateDictInfo, log_state_dict_report
+
+    model = CLIPVisionModel(CLIPVisionConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=8, patch_size=4))  # fmt: skip
+    unexpected = LoadStateDictInfo(set(), {"text_model.final_layer_norm.weight", "logit_scale"}, set(), [], {}, set())
+    missing = LoadStateDictInfo({"vision_model.post_layernorm.weight"}, {"logit_scale"}, set(), [], {}, set())
+    modeling_logger = logging.getLogger("transformers.modeling_utils")
+    shown = {}
+    for level in ("info", "debug"):
+        with transformers_messages() as messages:
+            configure_third_parties(level)
+            for info in (unexpected, missing):
+                log_state_dict_report(model, "runs/clip", False, info, logger=modeling_logger)
+            trainer_logger.warning(
+                "The tokenizer has new PAD/BOS/EOS tokens that differ from the model config and "
+                "generation config. ... Updated tokens: {'eos_token_id': 4, 'bos_token_id': 0}."
+            )
+        shown[level] = messages
+    assert len(shown["debug"]) == 3
+    assert len(shown["info"]) == 1 and "MISSING" in shown["info"][0]

@@ -15,12 +15,11 @@ FORMAT = "%(asctime)s - %(levelname)s - %(name)s - %(message)s"
 
 
 def configure_logging(level: str = "info") -> None:
-    """Send the ``vlfit`` loggers' records at ``level`` and above to stderr, and transformers' warnings too.
+    """Send the ``vlfit`` loggers' records at ``level`` and above to stderr, and transformers' warnings too
+    (``configure_third_parties``).
 
     Called once per process by ``vlfit.cli.main``; calling it again replaces the handler it added.
     """
-    import transformers
-
     numeric = getattr(logging, level.upper())
     package = logging.getLogger("vlfit")
     for handler in list(package.handlers):
@@ -31,27 +30,57 @@ def configure_logging(level: str = "info") -> None:
     handler._vlfit = True  # type: ignore[attr-defined]
     package.addHandler(handler)
     package.setLevel(numeric)
+    configure_third_parties(level)
+
+
+def log_level() -> str:
+    """The level vlfit's records are shown at (``configure_logging``'s, in a command: ``--log_level``)."""
+    return logging.getLevelName(logging.getLogger("vlfit").getEffectiveLevel()).lower()
+
+
+def configure_third_parties(level: str = "info") -> None:
+    """Show transformers' records at ``level`` (WARNING at least) and, unless ``level`` is debug, hide the output of
+    third parties that tells a user nothing (``quiet_third_parties``): ``configure_logging``'s part that a process a
+    command starts without logging of its own (``vlfit serve``'s workers) does too."""
+    import transformers
+
+    numeric = getattr(logging, level.upper())
     transformers.utils.logging.set_verbosity(max(numeric, logging.WARNING))
     quiet_third_parties(numeric > logging.DEBUG)
 
 
-# transformers warns at each load of a SigLIP config that its default bos/eos ids (49406/49407) lie outside the
-# vocabulary: SigLIP's text tower never reads them, and nothing the user can pass changes them.
-_TOKEN_ID_WARNING = "Model config: "
+def _uninformative(message: str) -> bool:
+    """Whether a transformers record tells a vlfit user nothing they could act on:
+
+    - a config's special-token ids outside its vocabulary ("Model config: bos_token_id must be `None` or an integer
+      within the vocabulary"), at every SigLIP and SigLIP 2 load: the text tower never reads them, and no flag
+      changes them;
+    - a weights load report listing only UNEXPECTED keys (the checkpoint's weights the model does not take): a CLIP
+      checkpoint as the vision tower of a two-tower run leaves out its text tower, 24 rows; a report with MISSING
+      or MISMATCH rows (weights started afresh) is news and stays;
+    - the Trainer's note that it set the config's PAD/BOS/EOS ids to the tokenizer's (a two-tower run's text
+      tower): nothing in a contrastive model reads them.
+    """
+    if message.startswith("Model config: ") and "_token_id must be `None` or an integer" in message:
+        return True
+    if "LOAD REPORT" in message and "UNEXPECTED" in message:
+        return not any(status in message for status in ("MISSING", "MISMATCH", "CONVERSION"))
+    return message.startswith("The tokenizer has new PAD/BOS/EOS tokens that differ from the model config")
 
 
-class _DropTokenIdWarnings(logging.Filter):
+class _DropUninformative(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not (message.startswith(_TOKEN_ID_WARNING) and "_token_id must be `None` or an integer" in message)
+        return not _uninformative(record.getMessage())
 
 
-_TOKEN_ID_FILTER = _DropTokenIdWarnings()
+_UNINFORMATIVE_FILTER = _DropUninformative()
+# The loggers of what _uninformative drops: a logger's filters see only its own records.
+_FILTERED_LOGGERS = ("transformers.configuration_utils", "transformers.modeling_utils", "transformers.trainer_utils")
 
 
 def quiet_third_parties(quiet: bool = True) -> None:
     """Hide (``quiet``) or show again the third-party output that tells a user nothing: transformers' own progress
-    bars ("Loading weights", "Writing model shards") and its warnings about a config's special-token ids.
+    bars ("Loading weights", "Writing model shards") and the warnings ``_uninformative`` lists.
 
     Download bars (huggingface_hub's) stay: a large download's progress is news. ``--log_level debug`` shows all.
     """
@@ -59,13 +88,15 @@ def quiet_third_parties(quiet: bool = True) -> None:
     import transformers
 
     downloads_shown = not huggingface_hub.utils.are_progress_bars_disabled()
-    config_logger = logging.getLogger("transformers.configuration_utils")
     if quiet:
         transformers.utils.logging.disable_progress_bar()
-        config_logger.addFilter(_TOKEN_ID_FILTER)
     else:
         transformers.utils.logging.enable_progress_bar()
-        config_logger.removeFilter(_TOKEN_ID_FILTER)
+    for name in _FILTERED_LOGGERS:
+        if quiet:
+            logging.getLogger(name).addFilter(_UNINFORMATIVE_FILTER)
+        else:
+            logging.getLogger(name).removeFilter(_UNINFORMATIVE_FILTER)
     if downloads_shown:  # transformers' switch turns huggingface_hub's bars too; leave those as they were
         huggingface_hub.utils.enable_progress_bars()
 

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from tests.checkpoints import CAPTIONS
+from tests.test_logging import transformers_messages
 from vlfit.arguments.model import ModelArguments
 from vlfit.errors import ConfigError
+from vlfit.logs import configure_third_parties
 from vlfit.models.loading import load_model
 
 
@@ -72,7 +74,10 @@ def test_a_clip_checkpoint_gives_its_vision_tower(tmp_path, towers):
     clip = load_model(model_preset="clip-tiny", captions=_captions)
     clip.save(str(tmp_path / "clip"))
     _, text, _ = towers
-    loaded = load_model(vision_model_name_or_path=str(tmp_path / "clip"), text_model_name_or_path=str(text))
+    with transformers_messages() as messages:
+        configure_third_parties("info")  # as the CLI does: transformers' 24-row table of the text tower's keys
+        loaded = load_model(vision_model_name_or_path=str(tmp_path / "clip"), text_model_name_or_path=str(text))
+    assert not [message for message in messages if "LOAD REPORT" in message or "UNEXPECTED" in message], messages
     assert type(loaded.model.vision_model).__name__ == "CLIPVisionModel"
     assert _same(loaded.model.vision_model, clip.model.vision_model)
     assert loaded.inputs.image_mean == family_for_preset("clip-tiny").preset_image_processor("clip-tiny").image_mean

@@ -215,16 +215,27 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_zero(server, train_rec
 
 
 def test_worker_processes_build_their_app_from_the_settings_in_the_environment(served_index, monkeypatch) -> None:
-    from fastapi.testclient import TestClient
+    """Each worker builds its app from the flags, and hides what the command hides at its --log_level (a worker is a
+    process of its own: transformers warned of every SigLIP 2 config's token ids in each one)."""
+    import logging
 
+    from fastapi.testclient import TestClient
+    from transformers import Siglip2Config
+
+    from tests.test_logging import transformers_messages
     from vlfit.commands.serve import SETTINGS_ENV, ServeArguments, app_from_environment, worker_settings
 
+    monkeypatch.setattr(logging.getLogger("vlfit"), "level", logging.INFO)  # vlfit serve's default --log_level
     settings = ServeArguments(index=str(served_index), workers=2, port=8123, max_batch=3, reload_interval=0)
     monkeypatch.setenv(SETTINGS_ENV, worker_settings(settings, None, {}))
-    with TestClient(app_from_environment(), base_url="http://127.0.0.1:8123") as client:  # what each worker calls
-        health = client.get("/api/health").json()
-        assert health["status"] == "ok" and health["index"] == served_index.name
-        assert client.app.state.batcher.max_batch == 3
+    with transformers_messages() as messages:
+        with TestClient(app_from_environment(), base_url="http://127.0.0.1:8123") as client:  # what each worker calls
+            health = client.get("/api/health").json()
+            assert health["status"] == "ok" and health["index"] == served_index.name
+            assert client.app.state.batcher.max_batch == 3
+        logging.Logger.warning_once.cache_clear()  # transformers says each warning once per process
+        Siglip2Config()
+    assert not [message for message in messages if "_token_id must be" in message], messages
 
 
 def test_a_search_over_its_wait_budget_is_refused_by_its_connection_which_serves_on(served_index, train_records,

@@ -27,6 +27,7 @@ from vlfit.arguments.runtime import flags_of, runtime_arguments
 from vlfit.commands.parsing import CommandParser
 from vlfit.errors import ConfigError
 from vlfit.inference.rerank_score import check_rerank_weight
+from vlfit.logs import configure_third_parties, log_level
 from vlfit.serve.access import ADMIN_KEY_ENV, API_KEY_ENV, AccessPolicy, allowed_hosts, exposure_warning, read_key
 from vlfit.serve.limits import ServerLimits
 
@@ -168,11 +169,12 @@ def worker_settings(args: ServeArguments, verified: tuple[int, int] | None, key_
     each worker reads as ``--api_key_file``/``--admin_key_file``; an environment is readable by more than the
     process (``/proc/PID/environ``) and passed on to every process it starts."""
     flags = {**asdict(args), "api_key": None, "admin_key": None, **key_files}
-    return json.dumps({"flags": flags, "verified": verified})
+    return json.dumps({"flags": flags, "verified": verified, "log_level": log_level()})
 
 
 def app_from_environment():  # uvicorn's factory in each worker process of --workers N
     settings = json.loads(os.environ[SETTINGS_ENV])
+    configure_third_parties(settings["log_level"])  # a worker is a process of its own: its model loads quietly too
     verified = settings["verified"]
     return build_app(ServeArguments(**settings["flags"]), tuple(verified) if verified else None)
 
