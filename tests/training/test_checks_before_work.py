@@ -66,8 +66,8 @@ def test_a_streamed_vqa_split_without_an_answer_vocabulary_is_refused_before_a_t
 @pytest.mark.parametrize(
     ("preset", "flag", "value", "words"),
     [
-        ("siglip2-tiny", "--max_num_patches", "100000", "give from 1 to 4096 patches per image"),
-        ("tiny", "--max_seq_length", "0", "give at least 1 tokens per caption"),
+        ("siglip2-tiny", "--max_num_patches", "100000", "give 1 to 4096 (patches per image"),
+        ("tiny", "--max_seq_length", "0", "give at least 1 (tokens per caption"),
     ],
 )
 def test_a_size_flag_out_of_range_is_refused_before_a_tokenizer_is_trained(

@@ -37,9 +37,11 @@ MAX_NUM_PATCHES = 4096
 # The size flags a user types that no other check bounds: their lowest and highest value (None: no upper bound) and
 # what leaving the flag out does, checked as the flags are parsed, before any work.
 SIZE_RANGES = {
-    "max_seq_length": (1, None, "tokens per caption (left out: the model's length)"),
-    "max_num_patches": (1, MAX_NUM_PATCHES, "patches per image (left out: the model's budget, 256 for SigLIP 2)"),
-    "rerank_top_k": (1, None, "candidates per query (left out: no re-ranking)"),
+    "max_seq_length": (1, None, "tokens per caption; left out: the model's length"),
+    "max_num_patches": (1, MAX_NUM_PATCHES, "patches per image; left out: the model's budget, 256 for SigLIP 2"),
+    "rerank_top_k": (1, None, "candidates per query; left out: no re-ranking"),
+    "max_train_samples": (1, None, "samples; left out: the whole training split"),
+    "max_eval_samples": (1, None, "samples; left out: the whole evaluation split"),
 }
 
 # The data-location flags that say how shard URLs are read rather than where the data is.
@@ -55,8 +57,8 @@ def check_size(name: str, value: Any, lowest: int, highest: int | None, unit: st
     if value is None or isinstance(value, bool) or not isinstance(value, int):
         return  # unset; a value of the wrong type is the parser's to refuse
     if value < lowest or (highest is not None and value > highest):
-        allowed = f"from {lowest} to {highest}" if highest is not None else f"at least {lowest}"
-        raise ConfigError(f"--{name} {value} is out of range: give {allowed} {unit}")
+        allowed = f"{lowest} to {highest}" if highest is not None else f"at least {lowest}"
+        raise ConfigError(f"--{name} {value} is out of range: give {allowed} ({unit})")
 
 
 @dataclass
