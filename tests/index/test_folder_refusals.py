@@ -23,8 +23,8 @@ def _folder(tmp_path: Path, files: dict[str, bytes]) -> Path:
 
 def test_a_missing_index_folder_is_said_not_to_exist(tmp_path: Path) -> None:
     path = tmp_path / "nope"
-    said = rf"no such folder \({path} does not exist\); build an index there with vlfit retrieve index --output_dir"
-    with pytest.raises(MissingFileError, match=rf"^--index {path}: {said} {path}$"):
+    said = rf"no such folder \({path} does not exist\); build an index there first \(vlfit retrieve index, or "
+    with pytest.raises(MissingFileError, match=rf"^--index {path}: {said}vlfit.Index.build from Python\)$"):
         open_index(str(path))
 
 
@@ -34,7 +34,7 @@ def test_a_missing_index_folder_is_said_not_to_exist(tmp_path: Path) -> None:
         ({"config.json": b"{}"}, "a model (it holds config.json), not an index: give it as --model_name_or_path {}"),
         ({"p0.jpg": b"\xff\xd8"}, "a folder of images (it holds p0.jpg), not an index: index it with vlfit retrieve "
                                   "index --images {}"),
-        ({"notes.txt": b"x"}, "no index_manifest.json in it (it holds notes.txt); build an index there with"),
+        ({"notes.txt": b"x"}, "no index_manifest.json in it (it holds notes.txt); build an index there first"),
     ],
 )  # fmt: skip
 def test_a_folder_that_is_no_index_is_refused_saying_what_it_is(tmp_path: Path, files, said: str) -> None:

@@ -188,7 +188,7 @@ def check_index_folder(path: str) -> None:
     Raises:
         MissingFileError: naming ``--index``, what the path is and how to build an index.
     """
-    build = f"build an index there with vlfit retrieve index --output_dir {path}"
+    build = "build an index there first (vlfit retrieve index, or vlfit.Index.build from Python)"
     if not os.path.exists(path):
         raise MissingFileError(f"--index {path}: no such folder ({os.path.abspath(path)} does not exist); {build}")
     if not os.path.isdir(path):
