@@ -20,7 +20,7 @@ from typing import Literal
 from vlfit.arguments.runtime import RUNTIME_FLAGS, runtime_arguments
 from vlfit.cli import SUBCOMMANDS as COMMAND_SUBCOMMANDS
 from vlfit.commands.parsing import CommandParser
-from vlfit.commands.retrieve_queries import Query, check_query_images, embed_queries, read_queries
+from vlfit.commands.retrieve_queries import Query, check_queries, embed_queries, read_queries
 from vlfit.errors import ConfigError
 from vlfit.index.ann_choice import DEFAULT_MAX_INDEX_MEMORY, DEFAULT_TARGET_RECALL
 from vlfit.index.job import IndexJob, index_collection
@@ -293,7 +293,7 @@ def run_query(args: QueryArguments) -> int:
     if pushed and top_k is not None:
         raise ConfigError(f"--rerank_top_k reads the candidates' images, which {args.index} does not hold: re-rank "
                           "against the index folder it was pushed from")  # fmt: skip
-    check_query_images(queries)  # before the index and the model open
+    check_queries(queries)  # before the index and the model open
     times = StageTimes()
     with times.stage("open"):
         index = PushedIndex(args.index) if pushed else open_index(args.index, args.verify)

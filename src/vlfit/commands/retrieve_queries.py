@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vlfit.data.text_checks import unicode_problem
 from vlfit.errors import ConfigError, DataError, MissingFileError
 from vlfit.index.stages import StageTimes
 from vlfit.inference.runtime import ModelRuntime, concat_image_batches
@@ -57,15 +58,20 @@ def read_queries(path: str) -> list[Query]:
     return queries
 
 
-def check_query_images(queries: Sequence[Query]) -> None:
-    """Refuse an image query whose file does not exist (before the index and the model are opened).
+def check_queries(queries: Sequence[Query]) -> None:
+    """Refuse, before the index and the model are opened, an image query whose file does not exist and a text query
+    that is no Unicode text (bytes of the command line that are not UTF-8 arrive as lone surrogates).
 
     Raises:
         MissingFileError: naming ``--image`` and the file.
+        DataError: naming the text query and what is wrong with it.
     """
-    for query in queries:
+    for number, query in enumerate(queries, start=1):
         if query.image is not None and not os.path.isfile(query.image):
             raise MissingFileError(f"--image {query.image}: no such file")
+        problem = None if query.text is None else unicode_problem(query.text, f"text query {number}")
+        if problem is not None:
+            raise DataError(f"{problem}; give the query as UTF-8 text")
 
 
 def embed_queries(
@@ -81,6 +87,7 @@ def embed_queries(
     """
     times = times or StageTimes()
     rows: list[torch.Tensor | None] = [None] * len(queries)
+    check_queries(queries)
     texts = [(i, q.text) for i, q in enumerate(queries) if q.text is not None]
     for start in range(0, len(texts), batch_size):
         chunk = texts[start : start + batch_size]
@@ -89,7 +96,6 @@ def embed_queries(
         for (i, _), row in zip(chunk, embeddings, strict=True):
             rows[i] = row
     images = [(i, q.image) for i, q in enumerate(queries) if q.image is not None]
-    check_query_images([queries[i] for i, _ in images])
     for start in range(0, len(images), batch_size):
         chunk = images[start : start + batch_size]
         with times.stage("decode"):
