@@ -1,6 +1,7 @@
-"""CPU seconds from start to the answer for what a newcomer types first: a mistyped flag, a missing data file and
-``--help``, answered from the recorded flag index (before the heavy imports) and by the command's own parser (after
-them), each in a fresh process, median of N runs.
+"""CPU seconds (user + sys) from start to the answer for what a newcomer types first: a mistyped flag, a value of
+the wrong type, a rule between flags, a missing data file, a missing ``--index`` folder and ``--help``, answered from
+the recorded flag index (before the heavy imports) and by the command's own parser (after them), each in a fresh
+process, median of N runs.
 
     python benchmarks/cli_startup.py [--runs 5]
 """
@@ -17,7 +18,21 @@ import tempfile
 
 CASES = {
     "typo (train --learning_rat 1e-3)": ["train", "--learning_rat", "1e-3"],
+    "type (train --learning_rate abc)": ["train", "--learning_rate", "abc"],
+    "choice (train --lr_scheduler_type x)": ["train", "--lr_scheduler_type", "x"],
+    "rule (train sampling + one_per_image)": [
+        "train",
+        "--model_preset",
+        "tiny",
+        "--train_sampling_strategy",
+        "group_by_length",
+        "--caption_sampling",
+        "one_per_image",
+        "--output_dir",
+        "out",
+    ],  # fmt: skip
     "missing --train_file": ["train", "--model_preset", "tiny", "--train_file", "missing.csv", "--output_dir", "out"],
+    "missing --index (retrieve query)": ["retrieve", "query", "--index", "missing", "--text", "a cat"],
     "train --help": ["train", "--help"],
     "import vlfit": None,
 }

@@ -62,6 +62,23 @@ def test_an_index_made_from_other_sources_is_not_used(monkeypatch, capsys):
          "vlfit retrieve query: error: unrecognized arguments: --txt (did you mean --text?)"),
         (["train", "--model_preset", "tiny", "--train_file", "missing.csv", "--output_dir", "out"], 2,
          "vlfit train: error: --train_file missing.csv: file not found: 'missing.csv'"),
+        (["train", "--learning_rate", "abc"], 2,
+         "vlfit train: error: argument --learning_rate/--learning-rate: invalid float value: 'abc'; see vlfit train "
+         "--help"),
+        (["retrieve", "query", "--index", "x", "--text", "a", "--k", "two"], 2,
+         "vlfit retrieve query: error: argument --k/-k: invalid int value: 'two'"),
+        (["train", "--streaming", "maybe"], 2,
+         "vlfit train: error: argument --streaming: Truthy value expected: got maybe but expected one of yes/no"),
+        (["train", "--lr_scheduler_type", "foo"], 2,
+         "vlfit train: error: argument --lr_scheduler_type/--lr-scheduler-type: invalid choice: 'foo' (choose from "
+         "'linear', 'cosine'"),
+        (["train", "--model_preset", "tiny", "--train_sampling_strategy", "group_by_length", "--caption_sampling",
+          "one_per_image", "--output_dir", "out"], 2,
+         "vlfit train: error: --train_sampling_strategy group_by_length with --caption_sampling one_per_image: "
+         "one_per_image sets the order itself"),
+        (["train", "--model_preset", "tiny", "--wise_ft_alpha", "0.5", "--output_dir", "out"], 2,
+         "vlfit train: error: --wise_ft_alpha mixes the trained weights with the starting ones, and --model_preset "
+         "tiny starts from random weights"),
         (["train", "--help"], 0, "--learning_rate"),
         (["serve", "--log_level", "warning", "-h"], 0, "--max_upload_mb"),
     ],
@@ -75,7 +92,42 @@ def test_answered_before_the_heavy_imports(argv, code, expected, tmp_path):
         assert done.stdout == flag_index._index()[f"vlfit {argv[0]}"]["help"]
 
 
-def test_a_flag_the_index_knows_goes_on_to_the_command(tmp_path):
-    done = _vlfit("train", "--model_preset", "tiny", "--max_steps", "ten", "--output_dir", "out", cwd=tmp_path)
-    assert done.returncode == 2 and "--max_steps" in done.stderr  # the parser's own refusal of the value
+def test_a_value_the_index_cannot_judge_goes_on_to_the_command(tmp_path):
+    done = _vlfit(
+        "train", "--model_preset", "tiny", "--per_device_train_batch_size", "0", "--output_dir", "out", cwd=tmp_path
+    )
+    assert (
+        done.returncode == 2 and "--per_device_train_batch_size" in done.stderr
+    )  # the training arguments' own refusal
     assert "IMPORTED datasets,torch,transformers" in done.stderr  # the command ran
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--learning_rate", "abc"],
+        ["retrieve", "query", "--index", "x", "--text", "a", "--k", "two"],
+        ["train", "--lr_scheduler_type", "foo"],
+        ["train", "--model_preset", "tiny", "--wise_ft_alpha", "0.5", "--output_dir", "out"],
+    ],
+)
+def test_the_early_refusal_is_the_parsers_own(argv, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    from vlfit.cli import main
+
+    assert main(argv) == 2
+    early = capsys.readouterr().err
+    try:  # the parser's refusal of a value exits, argparse's way
+        code = main(argv, answer_from_index=False)
+    except SystemExit as stop:
+        code = stop.code
+    assert code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == early.strip()
+
+
+def test_the_rules_wait_for_a_folder_that_may_set_the_task(tmp_path, capsys):
+    entry = flag_index._index()["vlfit train"]
+    given = {"model_name_or_path": str(tmp_path), "answer_vocabulary": "answers.json"}  # a VQA run's folder?
+    assert flag_index.refuse_flag_rules("vlfit train", entry, given) is None
+    assert flag_index.refuse_flag_rules("vlfit train", entry, {**given, "task": "retrieval"}) == 2
+    assert "--answer_vocabulary is a flag of --task vqa" in capsys.readouterr().err

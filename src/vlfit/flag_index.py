@@ -2,9 +2,12 @@
 answers a typo or ``--help`` before it imports torch, transformers or datasets (seconds of CPU).
 
 ``vlfit <command> --help`` prints the recorded help; a flag no parser of the command takes stops in one line with
-the closest known flags, as the parser itself would, and so do a local data file that does not exist
-(``--train_file``...) and an ``--output_dir`` that names a file, before the command's module is imported.
-Everything else (a bad value, a flag rule) is the command's own parser's and checks' to refuse.
+the closest known flags, as the parser itself would, and so do a value of the wrong type or not among the flag's
+choices (a parser rebuilt from each flag's recorded type, choices and ``nargs``: argparse's own words), a local
+data file that does not exist (``--train_file``...), an ``--output_dir`` that names a file and a rule between flags
+that the values alone decide (``vlfit.arguments.flag_rules``, for the commands in ``RULE_RUNS``), before the
+command's module is imported. Everything else is the command's own parser's and checks' to refuse (they check all
+of it again: the index only answers sooner).
 
 The file is made from the parsers themselves (each ``CommandParser`` records its option strings as it prints its
 help, ``vlfit.commands.cli_reference.flag_index``), with a fingerprint of the files that define the flags: an index
@@ -16,6 +19,7 @@ command-line reference after changing a flag (``make docs``; a test fails while 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import difflib
 import glob
@@ -25,7 +29,7 @@ import os
 import sys
 from collections.abc import Iterable
 from functools import cache
-from typing import Any
+from typing import Any, NoReturn
 
 INDEX_FILE = os.path.join(os.path.dirname(__file__), "flag_index.json")
 REGENERATE = "python -m vlfit.commands.cli_reference --flag-index"
@@ -35,6 +39,9 @@ FLAG_SOURCES = ("arguments/*.py", "commands/*.py", "compat_flags.py", "search/st
 # The local data files a command reads (``vlfit.arguments.data``): one that names no file is refused before the
 # imports, naming the flag.
 DATA_FILE_FLAGS = ("--train_file", "--validation_file", "--test_file")
+# The commands whose runs check the rules between flags (``vlfit.arguments.flag_rules``), with the values they set
+# themselves: ``vlfit train`` always trains.
+RULE_RUNS: dict[str, dict[str, Any]] = {"vlfit train": {"do_train": True}}
 
 
 def closest_flags(flag: str, known: Iterable[str]) -> list[str]:
@@ -111,12 +118,84 @@ def answer_early(command: str, argv: list[str], subcommands: Iterable[str] = ())
         return None
     unknown = [arg for arg in flags if arg.startswith("--") and arg.split("=", 1)[0] not in known]
     prog = "vlfit " + " ".join(words)
-    if not unknown:
-        if "--output_dir" in known and (refused := refuse_output_file(prog, flags)) is not None:
-            return refused
-        return refuse_missing_data_files(prog, flags) if known & set(DATA_FILE_FLAGS) else None
-    print(f"{prog}: error: {unrecognized_message(unknown, known)}; see {prog} --help", file=sys.stderr)
-    return 2
+    if unknown:
+        print(f"{prog}: error: {unrecognized_message(unknown, known)}; see {prog} --help", file=sys.stderr)
+        return 2
+    try:
+        given = recorded_parser(prog, entry.get("actions", ())).parse_known_args(flags)[0]
+    except _Refused as refusal:  # a value of the wrong type, or not one of the flag's choices: argparse's line
+        print(f"{prog}: error: {refusal}; see {prog} --help", file=sys.stderr)
+        return 2
+    if "--output_dir" in known and (refused := refuse_output_file(prog, flags)) is not None:
+        return refused
+    if known & set(DATA_FILE_FLAGS) and (refused := refuse_missing_data_files(prog, flags)) is not None:
+        return refused
+    return refuse_flag_rules(prog, entry, vars(given)) if prog in RULE_RUNS else None
+
+
+class _Refused(Exception):
+    """A value the recorded parser refuses; its message is argparse's."""
+
+
+class _RecordedParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise _Refused(message)
+
+
+def recorded_parser(prog: str, actions: Iterable[dict[str, Any]]) -> argparse.ArgumentParser:
+    """A parser of the recorded flags (``cli_reference.recorded_actions``) that converts and checks each value given
+    as the command's own parser does (argparse's int and float, transformers' bool, the choices), with argparse's
+    words, and leaves out every flag not given."""
+    parser = _RecordedParser(prog=prog, add_help=False, allow_abbrev=False)
+    for action in actions:
+        kwargs: dict[str, Any] = {"dest": action["dest"], "default": argparse.SUPPRESS}
+        if action["nargs"] == 0:
+            kwargs.update(action="store_const", const=action.get("const"))
+        else:
+            kwargs.update(nargs=action["nargs"], type=_converter(action), choices=action.get("choices"))
+            if action["nargs"] == "?":
+                kwargs["const"] = action.get("const")
+        parser.add_argument(*action["flags"], **kwargs)
+    return parser
+
+
+def _converter(action: dict[str, Any]) -> Any:
+    """The recorded flag's conversion of a string (None: kept as given)."""
+    kind = action.get("type")
+    if kind in ("int", "float"):
+        return int if kind == "int" else float
+    if kind == "bool":
+        words, refusal = action["words"], action.get("refusal", "{value}")
+
+        def string_to_bool(value: str) -> bool:  # argparse's line names the type function: transformers' name
+            if value.lower() not in words:
+                raise argparse.ArgumentTypeError(refusal.replace("{value}", value))
+            return words[value.lower()]
+
+        return string_to_bool
+    if action.get("choices") is not None:
+        by_text = {str(choice): choice for choice in action["choices"]}
+        return lambda value: by_text.get(value, value)
+    return None
+
+
+def refuse_flag_rules(prog: str, entry: dict[str, Any], given: dict[str, Any]) -> int | None:
+    """2, with the rule's line, when the flags given break a rule between flags (``vlfit.arguments.flag_rules``)
+    that their values alone decide; else None (the rules are checked again on the built arguments)."""
+    from vlfit.arguments.flag_rules import FlagValues, refuse_flags  # light: no torch
+    from vlfit.errors import ConfigError
+
+    defaults = {action["dest"]: action["default"] for action in entry["actions"] if "default" in action}
+    values = {**defaults, **given}
+    model = values.get("model_name_or_path")
+    if model and os.path.isdir(model) and "task" not in given:
+        values.pop("task", None)  # a folder may make the run's task (a VQA model's): decided once it is read
+    try:
+        refuse_flags(FlagValues(values, defaults, **RULE_RUNS[prog]))
+    except ConfigError as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 2
+    return None
 
 
 def refuse_missing_data_files(prog: str, argv: list[str]) -> int | None:

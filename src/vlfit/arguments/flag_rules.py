@@ -261,7 +261,38 @@ def check_flag_rules(*arguments: Any, **derived: Any) -> None:
     Raises:
         ConfigError: one line, naming the flag and what to do.
     """
-    flags = Flags(*arguments, **derived)
+    refuse_flags(Flags(*arguments, **derived))
+
+
+class FlagValues(Flags):
+    """A run's flags as plain values by field name, before its dataclasses are built (the command line's, read by
+    ``vlfit.flag_index`` before the heavy imports): a flag not among them is not known yet, and its rules wait."""
+
+    def __init__(self, values: Mapping[str, Any], defaults: Mapping[str, Any], **derived: Any) -> None:
+        self._values = {**values, **derived}
+        self._defaults = defaults
+        self._derived = derived
+
+    def __getitem__(self, name: str) -> Any:
+        return self._values[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def changed(self, name: str) -> bool:
+        # A default the index could not record is taken as unchanged: the rule waits for the built arguments.
+        return name in self._defaults and self._values[name] != self._defaults[name]
+
+
+def refuse_flags(flags: Flags) -> None:
+    """Refuse the first combination of ``flags`` that ``FLAG_RULES`` refuses (``check_flag_rules``).
+
+    Raises:
+        ConfigError: one line, naming the flag and what to do.
+    """
     for rule in FLAG_RULES:
         if all(name in flags for name in rule.flags) and rule.refuses(flags):
             raise ConfigError(rule.message.format_map({**flags, "flag": rule.flags[0]}))

@@ -10,6 +10,7 @@ Regenerate both after changing a flag (``make docs``; a test fails while either 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -76,17 +77,62 @@ def _anchor(words: list[str]) -> str:
 
 
 def flag_index() -> dict[str, Any]:
-    """Each command line's help (as ``docs/cli.md`` holds it) and the option strings its parser takes (recorded by
-    ``CommandParser.print_help``)."""
+    """Each command line's help (as ``docs/cli.md`` holds it), the option strings its parser takes and how each
+    flag parses (``recorded_actions``), recorded by ``CommandParser.print_help``."""
     from vlfit.commands import parsing
 
     index: dict[str, Any] = {}
     for words in command_lines():
         prog = "vlfit " + " ".join(words)
-        parsing.HELP_FLAG_RECORD.clear()
+        parsing.HELP_PARSER_RECORD.clear()
         text = help_text(words)
-        index[prog] = {"help": text, "flags": sorted(parsing.HELP_FLAG_RECORD.get(prog, ()))}
+        parser = parsing.HELP_PARSER_RECORD.get(prog)
+        flags = sorted(parser._option_string_actions) if parser is not None else []
+        actions = recorded_actions(parser) if parser is not None else []
+        index[prog] = {"help": text, "flags": flags, "actions": actions}
     return index
+
+
+# The checks of a value that the flag index can repeat without the parser: argparse's own conversions.
+_RECORDED_TYPES = {int: "int", float: "float"}
+# The strings transformers' string_to_bool takes (it raises for any other; its line is recorded with the flag).
+_BOOL_WORDS = ("yes", "true", "t", "y", "1", "no", "false", "f", "n", "0")
+
+
+def recorded_actions(parser: argparse.ArgumentParser) -> list[dict[str, Any]]:
+    """How each flag of ``parser`` parses, as plain JSON: its option strings, field, ``nargs``, type (``int``,
+    ``float``, ``bool`` with the words it takes and its refusal, or none: any string), choices and default (when
+    JSON holds them; ``vlfit.flag_index`` rebuilds the parser's checks of a value from this)."""
+    recorded = []
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        entry: dict[str, Any] = {"flags": list(action.option_strings), "dest": action.dest, "nargs": action.nargs}
+        if action.nargs == 0:
+            entry["const"] = _plain(action.const)
+        elif action.type in _RECORDED_TYPES:
+            entry["type"] = _RECORDED_TYPES[action.type]
+        elif getattr(action.type, "__name__", "") == "string_to_bool":
+            entry["type"] = "bool"
+            entry["words"] = {word: action.type(word) for word in _BOOL_WORDS}
+            try:
+                action.type("\0")
+            except argparse.ArgumentTypeError as refusal:
+                entry["refusal"] = str(refusal).replace("\0", "{value}")
+        if action.nargs == "?":
+            entry["const"] = _plain(action.const)
+        if action.choices is not None and all(_plain(choice) is choice for choice in action.choices):
+            entry["choices"] = list(action.choices)
+        default = action.default
+        if _plain(default) is default or isinstance(default, list) and all(_plain(item) is item for item in default):
+            entry["default"] = default
+        recorded.append(entry)
+    return recorded
+
+
+def _plain(value: Any) -> Any:
+    """``value`` when JSON writes and reads it back as the same value (a string, number, bool or None), else None."""
+    return value if value is None or type(value) in (str, int, float, bool) else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -90,8 +90,8 @@ def load_flags_file(path: str) -> dict[str, Any]:
     return values
 
 
-# Each parser's option strings as it printed its help: what ``vlfit.flag_index`` writes down.
-HELP_FLAG_RECORD: dict[str, list[str]] = {}
+# Each parser as it printed its help: ``vlfit.flag_index`` writes down its flags, their types and defaults.
+HELP_PARSER_RECORD: dict[str, argparse.ArgumentParser] = {}
 
 
 class CommandParser(HfArgumentParser):
@@ -161,8 +161,8 @@ class CommandParser(HfArgumentParser):
         self.error(unrecognized_message(unknown, self.known_flags()))
 
     def print_help(self, file: Any = None) -> None:
-        """argparse's help; the option strings are recorded on the way for ``vlfit.flag_index``."""
-        HELP_FLAG_RECORD[self.prog] = list(self._option_string_actions)
+        """argparse's help; the parser is recorded on the way, for ``vlfit.flag_index`` (its flags and their types)."""
+        HELP_PARSER_RECORD[self.prog] = self
         super().print_help(file)
 
     def typed_values(self, values: dict[str, Any]) -> dict[str, Any]:
