@@ -94,11 +94,13 @@ def test_an_index_keeps_the_patch_budget_it_was_built_with_for_queries_and_appen
         (images / "late.jpg").unlink()
 
 
-def test_a_naflex_model_is_described_by_its_patch_budget_not_a_square_side(naflex_index, tiny_checkpoint):
+def test_a_naflex_model_is_described_by_its_patch_budget_not_a_square_side(naflex_index, tiny_checkpoint, caplog):
     model, _, index = naflex_index
     loaded = vlfit.load(str(model))
     patch = loaded.runtime.inputs.patch_size
-    assert loaded.max_num_patches == 12 and vlfit.load(str(model), max_num_patches=6).max_num_patches == 6
+    with caplog.at_level("WARNING", logger="vlfit.models.loading"):
+        assert loaded.max_num_patches == 12 and vlfit.load(str(model), max_num_patches=6).max_num_patches == 6
+    assert "images are cut into at most 6 patches (--max_num_patches), not the 12" in caplog.text  # said, not hidden
     assert loaded.runtime.inputs.image_input == f"at most 12 patches of {patch} px"  # the training log's words
     assert vlfit.load(str(tiny_checkpoint)).max_num_patches is None
     with TestClient(create_app(SearchEngine(str(index)), reload_interval=0)) as client:

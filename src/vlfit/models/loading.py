@@ -309,7 +309,7 @@ def _patch_budget(
         raise ConfigError(f"--max_num_patches must be at least 1, got {asked}")
     trained = None if record is None else record.get("max_num_patches")
     if asked is not None and trained is not None and asked != trained:
-        logger.info("images are cut into at most %d patches (--max_num_patches), not the %d %s was trained with",
+        logger.warning("images are cut into at most %d patches (--max_num_patches), not the %d %s was trained with",
                     asked, trained, folder)  # fmt: skip
     return int(asked if asked is not None else trained if trained is not None else own)
 
@@ -321,7 +321,7 @@ def _caption_length(asked: int | None, record: dict[str, Any] | None, folder: st
         return DEFAULT_MAX_SEQ_LENGTH if asked is None else asked
     trained = int(record["max_seq_length"])
     if asked is not None and asked != trained:
-        logger.info("captions are cut at %d tokens (--max_seq_length), not the %d %s was trained at", asked,
+        logger.warning("captions are cut at %d tokens (--max_seq_length), not the %d %s was trained at", asked,
                        trained, folder)  # fmt: skip
     return trained if asked is None else asked
 
