@@ -79,6 +79,9 @@ def test_an_index_made_from_other_sources_is_not_used(monkeypatch, capsys):
         (["train", "--model_preset", "tiny", "--wise_ft_alpha", "0.5", "--output_dir", "out"], 2,
          "vlfit train: error: --wise_ft_alpha mixes the trained weights with the starting ones, and --model_preset "
          "tiny starts from random weights"),
+        (["retrieve", "query", "--index", "missing", "--text", "a"], 2,
+         "vlfit retrieve: error: --index missing: no such folder ("),
+        (["serve", "--index", "missing"], 2, "vlfit serve: error: --index missing: no such folder ("),
         (["train", "--help"], 0, "--learning_rate"),
         (["serve", "--log_level", "warning", "-h"], 0, "--max_upload_mb"),
     ],
@@ -109,6 +112,7 @@ def test_a_value_the_index_cannot_judge_goes_on_to_the_command(tmp_path):
         ["retrieve", "query", "--index", "x", "--text", "a", "--k", "two"],
         ["train", "--lr_scheduler_type", "foo"],
         ["train", "--model_preset", "tiny", "--wise_ft_alpha", "0.5", "--output_dir", "out"],
+        ["retrieve", "verify", "--index", "missing"],
     ],
 )
 def test_the_early_refusal_is_the_parsers_own(argv, capsys, tmp_path, monkeypatch):
@@ -123,6 +127,15 @@ def test_the_early_refusal_is_the_parsers_own(argv, capsys, tmp_path, monkeypatc
         code = stop.code
     assert code == 2
     assert capsys.readouterr().err.splitlines()[-1] == early.strip()
+
+
+def test_an_index_folder_of_another_kind_is_named_before_the_heavy_imports(tmp_path):
+    (tmp_path / "photos").mkdir()
+    (tmp_path / "photos" / "a.jpg").write_bytes(b"")
+    done = _vlfit("retrieve", "verify", "--index", "photos", cwd=tmp_path)
+    assert done.returncode == 2
+    assert "vlfit retrieve: error: --index photos: a folder of images (it holds a.jpg), not an index" in done.stderr
+    assert "IMPORTED \n" in done.stderr
 
 
 def test_the_rules_wait_for_a_folder_that_may_set_the_task(tmp_path, capsys):

@@ -4,7 +4,8 @@ answers a typo or ``--help`` before it imports torch, transformers or datasets (
 ``vlfit <command> --help`` prints the recorded help; a flag no parser of the command takes stops in one line with
 the closest known flags, as the parser itself would, and so do a value of the wrong type or not among the flag's
 choices (a parser rebuilt from each flag's recorded type, choices and ``nargs``: argparse's own words), a local
-data file that does not exist (``--train_file``...), an ``--output_dir`` that names a file and a rule between flags
+data file that does not exist (``--train_file``...), an ``--index`` that is no index folder, an ``--output_dir``
+that names a file and a rule between flags
 that the values alone decide (``vlfit.arguments.flag_rules``, for the commands in ``RULE_RUNS``), before the
 command's module is imported. Everything else is the command's own parser's and checks' to refuse (they check all
 of it again: the index only answers sooner).
@@ -39,6 +40,8 @@ FLAG_SOURCES = ("arguments/*.py", "commands/*.py", "compat_flags.py", "search/st
 # The local data files a command reads (``vlfit.arguments.data``): one that names no file is refused before the
 # imports, naming the flag.
 DATA_FILE_FLAGS = ("--train_file", "--validation_file", "--test_file")
+# The index folder a command reads (``vlfit retrieve query``, ``push``, ``verify``, ``vlfit serve``).
+INDEX_FLAG = "--index"
 # The commands whose runs check the rules between flags (``vlfit.arguments.flag_rules``), with the values they set
 # themselves: ``vlfit train`` always trains.
 RULE_RUNS: dict[str, dict[str, Any]] = {"vlfit train": {"do_train": True}}
@@ -130,6 +133,8 @@ def answer_early(command: str, argv: list[str], subcommands: Iterable[str] = ())
         return refused
     if known & set(DATA_FILE_FLAGS) and (refused := refuse_missing_data_files(prog, flags)) is not None:
         return refused
+    if INDEX_FLAG in known and (refused := refuse_other_index(command, flags)) is not None:
+        return refused
     return refuse_flag_rules(prog, entry, vars(given)) if prog in RULE_RUNS else None
 
 
@@ -210,6 +215,24 @@ def refuse_missing_data_files(prog: str, argv: list[str]) -> int | None:
                 resolve_files(value)
             except MissingFileError as error:
                 print(f"{prog}: error: {flag} {value}: {error}", file=sys.stderr)
+                return 2
+    return None
+
+
+def refuse_other_index(command: str, argv: list[str]) -> int | None:
+    """2, with the line the command itself says (``vlfit.models.reference.check_index_folder``), when ``--index``
+    names no index folder: nothing there, a file, or another kind of folder; else None. A pushed index's address
+    (``qdrant:...``) is left to the command."""
+    from vlfit.errors import MissingFileError
+    from vlfit.index.push.base import is_target_uri  # light: numpy, no torch
+    from vlfit.models.reference import check_index_folder
+
+    for _, value in _flag_values(argv, (INDEX_FLAG,)):
+        if not is_target_uri(value):
+            try:
+                check_index_folder(value)
+            except MissingFileError as error:
+                print(f"vlfit {command}: error: {error}", file=sys.stderr)  # the command's words: vlfit retrieve
                 return 2
     return None
 

@@ -18,10 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from vlfit.errors import MissingFileError
 from vlfit.index.integrity import DamagedIndexError, check_verify_level, file_problem
 from vlfit.index.store import MANIFEST_NAME, EmbeddingIndex
-from vlfit.models.reference import folder_kind
+from vlfit.models.reference import check_index_folder
 
 logger = logging.getLogger(__name__)
 
@@ -179,28 +178,6 @@ def verify_index(path: str, level: str = "quick") -> IndexCheck:
             f"before vlfit recorded them): checked only {checked}; an index built again records them"
         )
     return check
-
-
-def check_index_folder(path: str) -> None:
-    """Refuse an ``--index`` that is no index folder, saying what it is: nothing there, a file, or another kind of
-    folder (a model, data, images: ``vlfit.models.reference.folder_kind``) and the command that takes it.
-
-    Raises:
-        MissingFileError: naming ``--index``, what the path is and how to build an index.
-    """
-    build = "build an index there first (vlfit retrieve index, or vlfit.Index.build from Python)"
-    if not os.path.exists(path):
-        raise MissingFileError(f"--index {path}: no such folder ({os.path.abspath(path)} does not exist); {build}")
-    if not os.path.isdir(path):
-        raise MissingFileError(f"--index {path}: a file, not an index folder; pass the folder vlfit retrieve index "
-                               "wrote (its --output_dir)")  # fmt: skip
-    if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
-        return
-    found = folder_kind(path)
-    if found.kind == "other":
-        holds = f"it holds {found.sample}" if found.sample else "an empty folder"
-        raise MissingFileError(f"--index {path}: no {MANIFEST_NAME} in it ({holds}); {build}")
-    raise MissingFileError(f"--index {path}: {found.what}, not an index{found.use_after(': ')}")
 
 
 def manifest_stamp(path: str) -> tuple[int, int] | None:

@@ -236,6 +236,28 @@ def folder_kind(folder: str) -> FolderKind:
     return FolderKind("other", folder, names[0] if names else "")
 
 
+def check_index_folder(path: str) -> None:
+    """Refuse an ``--index`` that is no index folder, saying what it is: nothing there, a file, or another kind of
+    folder (a model, data, images: ``vlfit.models.reference.folder_kind``) and the command that takes it.
+
+    Raises:
+        MissingFileError: naming ``--index``, what the path is and how to build an index.
+    """
+    build = "build an index there first (vlfit retrieve index, or vlfit.Index.build from Python)"
+    if not os.path.exists(path):
+        raise MissingFileError(f"--index {path}: no such folder ({os.path.abspath(path)} does not exist); {build}")
+    if not os.path.isdir(path):
+        raise MissingFileError(f"--index {path}: a file, not an index folder; pass the folder vlfit retrieve index "
+                               "wrote (its --output_dir)")  # fmt: skip
+    if os.path.isfile(os.path.join(path, INDEX_MANIFEST)):
+        return
+    found = folder_kind(path)
+    if found.kind == "other":
+        holds = f"it holds {found.sample}" if found.sample else "an empty folder"
+        raise MissingFileError(f"--index {path}: no {INDEX_MANIFEST} in it ({holds}); {build}")
+    raise MissingFileError(f"--index {path}: {found.what}, not an index{found.use_after(': ')}")
+
+
 def _is_data_file(name: str) -> bool:
     """Whether a file marks data rather than a model (none of these is written beside a model)."""
     return name in _DATA_MARKERS or os.path.splitext(name)[1].lower() in _DATA_EXTENSIONS
