@@ -42,6 +42,7 @@ FLAG_SOURCES = ("arguments/*.py", "commands/*.py", "compat_flags.py", "search/st
 DATA_FILE_FLAGS = ("--train_file", "--validation_file", "--test_file")
 # The index folder a command reads (``vlfit retrieve query``, ``push``, ``verify``, ``vlfit serve``).
 INDEX_FLAG = "--index"
+AUTO_WORKERS_FLAG = "dataloader_num_workers"  # vlfit train takes `auto` (a probe of worker counts) for it
 # The commands whose runs check the rules between flags (``vlfit.arguments.flag_rules``), with the values they set
 # themselves: ``vlfit train`` always trains.
 RULE_RUNS: dict[str, dict[str, Any]] = {"vlfit train": {"do_train": True}}
@@ -125,10 +126,10 @@ def answer_early(command: str, argv: list[str], subcommands: Iterable[str] = ())
         print(f"{prog}: error: {unrecognized_message(unknown, known)}; see {prog} --help", file=sys.stderr)
         return 2
     try:
-        given = recorded_parser(prog, entry.get("actions", ())).parse_known_args(flags)[0]
+        given = recorded_parser(prog, entry.get("actions", ())).parse_known_args(_judged(flags))[0]
     except _Refused as refusal:  # a value of the wrong type, or not one of the flag's choices: argparse's line
         print(f"{prog}: error: {refusal}; see {prog} --help", file=sys.stderr)
-        return 2
+        raise SystemExit(2) from None  # as the command's own parser stops (CommandParser.error)
     if "--output_dir" in known and (refused := refuse_output_file(prog, flags)) is not None:
         return refused
     if known & set(DATA_FILE_FLAGS) and (refused := refuse_missing_data_files(prog, flags)) is not None:
@@ -136,6 +137,24 @@ def answer_early(command: str, argv: list[str], subcommands: Iterable[str] = ())
     if INDEX_FLAG in known and (refused := refuse_other_index(command, flags)) is not None:
         return refused
     return refuse_flag_rules(prog, entry, vars(given)) if prog in RULE_RUNS else None
+
+
+def _judged(flags: list[str]) -> list[str]:
+    """The flags whose values the recorded parser judges: ``--dataloader_num_workers auto`` (a probe ``vlfit
+    train`` runs, not an int) is left to the command's own parser."""
+    kept: list[str] = []
+    skip = False
+    for position, arg in enumerate(flags):
+        if skip:
+            skip = False
+            continue
+        if arg == f"--{AUTO_WORKERS_FLAG}=auto" or (
+            arg == f"--{AUTO_WORKERS_FLAG}" and flags[position + 1 : position + 2] == ["auto"]
+        ):
+            skip = arg == f"--{AUTO_WORKERS_FLAG}"
+            continue
+        kept.append(arg)
+    return kept
 
 
 class _Refused(Exception):
