@@ -423,15 +423,18 @@ def test_with_two_workers_the_index_is_checked_once_per_start(served_index, tmp_
 def test_a_busy_port_or_a_foreign_host_is_refused_in_one_line_before_anything_loads(tmp_path, capsys) -> None:
     from vlfit.cli import main
 
+    never_read = tmp_path / "never-read"  # looks like an index folder (checked before the port), never opened
+    never_read.mkdir()
+    (never_read / "index_manifest.json").write_text("{}")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         started = time.monotonic()
-        assert main(["serve", "--index", str(tmp_path / "never-read"), "--port", str(port)]) == 2
+        assert main(["serve", "--index", str(never_read), "--port", str(port)]) == 2
         assert time.monotonic() - started < 5  # nothing loaded: uvicorn's [Errno 98] came after the model
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].endswith(f"--port {port}: 127.0.0.1:{port} is in use by another process; stop it or choose "
                             "another --port (0: any free one)") and len(err) == 1  # fmt: skip
-    assert main(["serve", "--index", str(tmp_path / "never-read"), "--host", "192.0.2.1", "--port", "0"]) == 2
+    assert main(["serve", "--index", str(never_read), "--host", "192.0.2.1", "--port", "0"]) == 2
     assert "--host 192.0.2.1: cannot bind 192.0.2.1:0" in capsys.readouterr().err
