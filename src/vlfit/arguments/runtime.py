@@ -17,66 +17,41 @@ from typing import Any, Literal
 from vlfit.inference.runtime_settings import RuntimeSettings
 
 
-def _flags() -> dict[str, tuple[Any, Any]]:
-    """Each runtime flag's type and field (the one declaration)."""
-    return {
-        "backend": (
-            Literal["auto", "torch", "onnxruntime", "openvino"],
-            field(
-                default="auto",
-                metadata={
-                    "help": "Which runtime embeds: auto (the model folder's own: PyTorch for a checkpoint, the "
-                    "exported format's runtime for an export; for an index's model, the runtime it was built "
-                    "with), torch, onnxruntime or openvino."
-                },
-            ),
-        ),  # fmt: skip
-        "precision": (
-            Literal["auto", "fp32", "int8"],
-            field(
-                default="auto",
-                metadata={
-                    "help": "Exported graphs: auto (INT8 when exported; for an index's model, the precision it "
-                    "was built with), fp32 or int8."
-                },
-            ),
-        ),  # fmt: skip
-        "num_threads": (
-            int | None,
-            field(
-                default=None,
-                metadata={
-                    "help": "Intra-op threads of the runtime (torch, ONNX Runtime, OpenVINO), "
-                    "for this model's calls only; unset: the runtime's own."
-                },
-            ),
-        ),  # fmt: skip
-        "max_seq_length": (
-            int | None,
-            field(
-                default=None,
-                metadata={
-                    "help": "Cut captions at this many tokens (default: the length the model was trained with, "
-                    "from its input_spec.json or export manifest; for an index's model, the length it was "
-                    "indexed with)."
-                },
-            ),
-        ),  # fmt: skip
-        "max_num_patches": (
-            int | None,
-            field(
-                default=None,
-                metadata={
-                    "help": "A NaFlex model's (SigLIP 2) most patches per image (default: the budget the model "
-                    "was trained with; for an index's model, the budget it was built with)."
-                },
-            ),
-        ),  # fmt: skip
-    }
+@dataclass(frozen=True)
+class _RuntimeFlagDeclarations:
+    """Each runtime flag's type, default and help: the one declaration (``runtime_arguments`` hands a door the ones
+    it takes)."""
+
+    backend: Literal["auto", "torch", "onnxruntime", "openvino"] = field(
+        default="auto",
+        metadata={"help": "Which runtime embeds: auto (the model folder's own: PyTorch for a checkpoint, the exported "
+                  "format's runtime for an export; for an index's model, the runtime it was built with), torch, "
+                  "onnxruntime or openvino."},
+    )  # fmt: skip
+    precision: Literal["auto", "fp32", "int8"] = field(
+        default="auto",
+        metadata={"help": "Exported graphs: auto (INT8 when exported; for an index's model, the precision it was "
+                  "built with), fp32 or int8."},
+    )  # fmt: skip
+    num_threads: int | None = field(
+        default=None,
+        metadata={"help": "Intra-op threads of the runtime (torch, ONNX Runtime, OpenVINO), for this model's calls "
+                  "only; unset: the runtime's own."},
+    )  # fmt: skip
+    max_seq_length: int | None = field(
+        default=None,
+        metadata={"help": "Cut captions at this many tokens (default: the length the model was trained with, from "
+                  "its input_spec.json or export manifest; for an index's model, the length it was indexed with)."},
+    )  # fmt: skip
+    max_num_patches: int | None = field(
+        default=None,
+        metadata={"help": "A NaFlex model's (SigLIP 2) most patches per image (default: the budget the model was "
+                  "trained with; for an index's model, the budget it was built with)."},
+    )  # fmt: skip
 
 
-RUNTIME_FLAGS = tuple(_flags())
-INHERITED_FLAGS = "__inherited_flags__"  # marks a dataclass of flags declared elsewhere (``inherited_flags``)
+RUNTIME_FLAGS = tuple(f.name for f in dataclasses.fields(_RuntimeFlagDeclarations))
+INHERITED_FLAGS = "__inherited_flags__"  # marks a dataclass of flags declared elsewhere (``flags_of``)
 
 
 @dataclass(kw_only=True)
@@ -94,38 +69,18 @@ class RuntimeFlags:
         return RuntimeSettings(**{**given, **fixed})
 
 
-def inherited_flags(
-    name: str, declared: list[tuple[str, Any, Any]], base: type = object, module: str = __name__
-) -> type:
-    """A keyword-only dataclass of flags ``declared`` once elsewhere (``(name, type, field)`` each), for a door's
-    arguments to inherit: the door's own required fields may follow them, and it never re-declares one."""
-    cls = dataclasses.make_dataclass(name, declared, bases=(base,), kw_only=True)
-    cls.__module__ = module
-    setattr(cls, INHERITED_FLAGS, True)  # --help lists a door's own flags first, then these
-    return cls
-
-
-def flags_of(settings: type, **defaults: Any) -> type:
+def flags_of(settings: type, names: tuple[str, ...] | None = None, base: type = object, **defaults: Any) -> type:
     """The fields of a settings dataclass (``vlfit.serve.limits.ServerLimits`` ...: its help in each field's
-    metadata) as flags a door's arguments inherit, with the door's own ``defaults``; the door builds the settings
-    from them (``settings(**{f.name: getattr(args, f.name) for f in fields(settings)})``)."""
+    metadata), or the ``names`` of them, as a keyword-only dataclass of flags a door's arguments inherit, with the
+    door's own ``defaults``: the door's required fields may follow them, it never re-declares one, and it builds the
+    settings from them. ``--help`` lists them after the door's own flags (``INHERITED_FLAGS``)."""
     declared = [(f.name, f.type, field(default=defaults.get(f.name, f.default), metadata=f.metadata))
-                for f in dataclasses.fields(settings)]  # fmt: skip
-    return inherited_flags(f"{settings.__name__}Flags", declared, module=settings.__module__)
-
-
-@functools.cache
-def _runtime_arguments(names: tuple[str, ...], defaults: tuple[tuple[str, Any], ...]) -> type[RuntimeFlags]:
-    declared = _flags()
-    overrides = dict(defaults)
-    fields = []
-    for name in names:
-        kind, declaration = declared[name]
-        if name in overrides:
-            declaration = field(default=overrides[name], metadata=declaration.metadata)
-        fields.append((name, kind, declaration))
-    label = "".join(part.title() for name in names for part in name.split("_"))
-    return inherited_flags(f"RuntimeArguments{label}", fields, RuntimeFlags)
+                for f in dataclasses.fields(settings) if names is None or f.name in names]  # fmt: skip
+    label = "".join(part.title() for name, _, _ in declared for part in name.split("_")) if names else "Flags"
+    cls = dataclasses.make_dataclass(f"{settings.__name__.strip('_')}{label}", declared, bases=(base,), kw_only=True)
+    cls.__module__ = settings.__module__
+    setattr(cls, INHERITED_FLAGS, True)
+    return cls
 
 
 def runtime_arguments(*names: str, **defaults: Any) -> type[RuntimeFlags]:
@@ -141,6 +96,11 @@ def runtime_arguments(*names: str, **defaults: Any) -> type[RuntimeFlags]:
     if unknown or not set(defaults) <= set(chosen):
         raise KeyError(f"not runtime flags of this door: {sorted(unknown or set(defaults) - set(chosen))}")
     return _runtime_arguments(tuple(chosen), tuple(sorted(defaults.items())))
+
+
+@functools.cache
+def _runtime_arguments(names: tuple[str, ...], defaults: tuple[tuple[str, Any], ...]) -> type[RuntimeFlags]:
+    return flags_of(_RuntimeFlagDeclarations, names, RuntimeFlags, **dict(defaults))
 
 
 RuntimeArguments = runtime_arguments()

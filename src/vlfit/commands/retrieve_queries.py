@@ -9,10 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
+from vlfit.data.image_inputs import concat_image_batches
 from vlfit.data.text_checks import unicode_problem
 from vlfit.errors import ConfigError, DataError, MissingFileError
 from vlfit.index.stages import StageTimes
-from vlfit.inference.runtime import ModelRuntime, concat_image_batches
+from vlfit.inference.runtime import ModelRuntime
 
 # In a file of queries, a line starting with this is an image query (the rest is the image's path).
 IMAGE_PREFIX = "image:"

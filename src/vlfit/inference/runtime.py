@@ -24,13 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vlfit.data.image_inputs import (  # noqa: F401 (concat_image_batches: the doors join image_batch results)
-    ImageBatch,
-    ImageInput,
-    ImageInputs,
-    concat_image_batches,
-    image_list,
-)
+from vlfit.data.image_inputs import ImageBatch, ImageInput, ImageInputs, image_list
 from vlfit.errors import ConfigError, DataError
 from vlfit.inference.backends import FOLDER_KINDS, Encoder, build_encoder
 from vlfit.inference.identity import RefusedModelError
