@@ -21,6 +21,7 @@ import torch
 
 from vlfit.data.batch import Batch
 from vlfit.data.image_groups import ImageItems, image_items
+from vlfit.data.image_inputs import encoder_inputs
 from vlfit.data.pipeline import host_batches
 from vlfit.data.sources.base import ImageTextSource
 from vlfit.data.sources.tar import ShardCollection, TarSource
@@ -51,8 +52,7 @@ def _embed_batches(
         bad.extend({"id": to_item(b.id), "reason": b.reason} for b in batch.bad_samples)
         if len(batch):
             # A NaFlex model's batch carries its patches' mask and grids too.
-            patches = [batch.inputs.get(name) for name in ("pixel_attention_mask", "spatial_shapes")]
-            parts.append(encoder.encode_images(batch["pixel_values"], *patches).float().cpu())
+            parts.append(encoder.encode_images(**encoder_inputs(batch.inputs)).float().cpu())
             ids.extend(to_item(sample_id) for sample_id in batch.sample_ids)
     return ids, parts, bad
 

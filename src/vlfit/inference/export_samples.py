@@ -9,7 +9,7 @@ import torch
 from tqdm.auto import tqdm
 
 from vlfit.data.batch import BadSample
-from vlfit.data.naflex import PATCH_INPUTS, concat_patch_batches
+from vlfit.data.image_inputs import concat_image_batches, encoder_inputs
 from vlfit.data.pipeline import host_batches
 from vlfit.data.sources.base import ImageTextSource
 from vlfit.errors import DataError
@@ -72,23 +72,19 @@ def load_samples(
         DataError: when no sample is usable.
     """
     captions = source.captions()
-    pixels, ids, texts, bad, keys, patches = [], [], [], [], [], []
+    images, ids, texts, bad, keys = [], [], [], [], []
     bar = tqdm(total=len(source), unit="img", desc=progress, leave=False, disable=progress is None)
     for batch in host_batches(source, spec, batch_size=batch_size, num_workers=num_workers):
         bar.update(len(batch) + len(batch.bad_samples))
         bad.extend(batch.bad_samples)
         if len(batch):
-            pixels.append(batch["pixel_values"].contiguous())
-            if "spatial_shapes" in batch:
-                patches.append({name: batch[name] for name in PATCH_INPUTS})
+            images.append(encoder_inputs(batch.inputs))
             ids.extend(batch.sample_ids)
             texts.extend(str(captions[position]) for position in batch.positions)
             keys.append(batch[IMAGE_KEYS])
     bar.close()
-    if not pixels:
+    if not images:
         raise DataError(f"{source.name}: no usable sample ({len(bad)} bad)")
-    if patches:  # NaFlex: each batch padded to its own longest image, all of them to the longest of all
-        joined = concat_patch_batches(patches)
-        return Samples(joined["pixel_values"], texts, ids, bad, torch.cat(keys),
-                       (joined["pixel_attention_mask"], joined["spatial_shapes"]))  # fmt: skip
-    return Samples(torch.cat(pixels), texts, ids, bad, torch.cat(keys))
+    joined = concat_image_batches(images)  # NaFlex: each batch padded to its own longest image, then to the longest
+    patches = (joined["pixel_attention_mask"], joined["spatial_shapes"]) if "spatial_shapes" in joined else None
+    return Samples(joined["pixels"], texts, ids, bad, torch.cat(keys), patches)
