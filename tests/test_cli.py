@@ -90,7 +90,7 @@ def _error_lines(capsys) -> list[str]:
             ["--model_preset", "medium"],
             r"unknown --model_preset 'medium'; choose one of: tiny, small, small-p8, base, large",
         ),
-        (["--per_device_train_batch_size", "0"], r"--per_device_train_batch_size must be at least 1, got 0"),
+        (["--per_device_train_batch_size", "0"], r"--per_device_train_batch_size 0 is out of range: give at least 1"),
         (
             ["--hard_negative_column", "choices"],
             r"--hard_negative_column 'choices' is not a column of the training split; it has: .*caption_choices",

@@ -82,6 +82,14 @@ def test_an_index_made_from_other_sources_is_not_used(monkeypatch, capsys):
         (["retrieve", "query", "--index", "missing", "--text", "a"], 2,
          "vlfit retrieve: error: --index missing: no such folder ("),
         (["serve", "--index", "missing"], 2, "vlfit serve: error: --index missing: no such folder ("),
+        (["train", "--model_preset", "siglip2-tiny", "--max_num_patches", "100000", "--output_dir", "out"], 2,
+         "vlfit train: error: --max_num_patches 100000 is out of range: give 1 to 4096 (patches per image"),
+        (["retrieve", "query", "--index", "x", "--text", "a", "--k", "0"], 2,
+         "vlfit retrieve query: error: --k 0 is out of range: give at least 1 (results per query)"),
+        (["eval", "--model_preset", "tiny", "--task", "vqa", "--rerank_top_k", "5"], 2,
+         "vlfit eval: error: --rerank_top_k is a retrieval run's flag"),
+        (["merge", "--method", "uniform", "--runs", "/no/such/run", "/no/such/other", "--output_dir", "out"], 2,
+         "vlfit merge: error: --runs /no/such/run: no such folder ("),
         (["train", "--help"], 0, "--learning_rate"),
         (["serve", "--log_level", "warning", "-h"], 0, "--max_upload_mb"),
     ],
@@ -97,12 +105,32 @@ def test_answered_before_the_heavy_imports(argv, code, expected, tmp_path):
 
 def test_a_value_the_index_cannot_judge_goes_on_to_the_command(tmp_path):
     done = _vlfit(
-        "train", "--model_preset", "tiny", "--per_device_train_batch_size", "0", "--output_dir", "out", cwd=tmp_path
-    )
-    assert (
-        done.returncode == 2 and "--per_device_train_batch_size" in done.stderr
-    )  # the training arguments' own refusal
+        "train", "--model_preset", "tiny", "--freeze", "vision", "--unfreeze_after_steps", "0", "--output_dir", "out",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 2 and "--unfreeze_after_steps must be at least 1" in done.stderr  # the arguments' own
     assert "IMPORTED datasets,torch,transformers" in done.stderr  # the command ran
+
+
+def test_what_a_folder_is_is_answered_before_the_heavy_imports(tmp_path):
+    from PIL import Image
+
+    photos, mine = tmp_path / "photos", tmp_path / "mine"
+    photos.mkdir()
+    mine.mkdir()
+    Image.new("RGB", (8, 8)).save(photos / "a.png")
+    (mine / "notes.csv").write_text("image,caption\n")
+    model = _vlfit("train", "--model_name_or_path", "photos", "--output_dir", "out", cwd=tmp_path)
+    written = _vlfit("make-data", "--output_dir", "mine", cwd=tmp_path)
+    assert (
+        model.returncode == 2
+        and "--model_name_or_path photos: a folder of images (it holds a.png), not a model" in (model.stderr)
+    )
+    assert written.returncode == 2 and "--output_dir mine is not empty (notes.csv) and vlfit make-data did not " in (
+        written.stderr
+    )
+    assert "IMPORTED \n" in model.stderr and "IMPORTED \n" in written.stderr
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.csv"]  # nothing written beside the user's file
 
 
 @pytest.mark.parametrize(
@@ -113,6 +141,8 @@ def test_a_value_the_index_cannot_judge_goes_on_to_the_command(tmp_path):
         ["train", "--lr_scheduler_type", "foo"],
         ["train", "--model_preset", "tiny", "--wise_ft_alpha", "0.5", "--output_dir", "out"],
         ["retrieve", "verify", "--index", "missing"],
+        ["train", "--model_preset", "siglip2-tiny", "--max_num_patches", "100000", "--output_dir", "out"],
+        ["eval", "--model_preset", "tiny", "--task", "vqa", "--rerank_top_k", "5"],
     ],
 )
 def test_the_early_refusal_is_the_parsers_own(argv, capsys, tmp_path, monkeypatch):

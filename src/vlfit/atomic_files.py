@@ -174,14 +174,14 @@ def claim_folder(
     command: str,
     *,
     flag: str = "--output_dir",
-    record_name: str | None = None,
+    records: tuple[str, ...] = (),
     names: frozenset[str] = frozenset(),
 ) -> set[str]:
     """The entries an earlier write of ``command`` left in ``folder`` (for the new write to replace), or refuse a
     folder that holds anything ``command`` did not write.
 
     A folder is ``command``'s when it is new or empty, when its ``FOLDER_RECORD`` names ``command``, when it holds
-    ``record_name`` (the file a write of ``command`` ends with, for folders written before they were recorded), or
+    one of ``records`` (the files a write of ``command`` ends with, for folders written before they were recorded), or
     when every entry in it is one of ``names`` (what ``command`` writes there). A write in progress that was killed
     (``STAGING_NAME``) is nobody's and is replaced.
 
@@ -199,8 +199,8 @@ def claim_folder(
             raise ConfigError(f"{flag} {folder} holds what {record.get('written_by')} wrote, not {command}: {again}")
         listed = record.get("entries")
         return entries & {*(listed if isinstance(listed, list) else []), FOLDER_RECORD}
-    if record_name is not None and record_name in entries:
-        return {record_name}
+    if entries & set(records):
+        return entries & set(records)
     if entries <= names:
         return entries
     shown = ", ".join(sorted(entries)[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
@@ -238,7 +238,7 @@ def staged_folder(
         expected_bytes: About what the write takes, for a full disk's message.
         remedy: What to do on a full disk (default: free space or write elsewhere, ``flag``).
     """
-    previous = claim_folder(folder, command, flag=flag, record_name=record_name, names=names)
+    previous = claim_folder(folder, command, flag=flag, records=(record_name,) if record_name else (), names=names)
     os.makedirs(folder, exist_ok=True)
     staging = os.path.join(folder, STAGING_NAME)
     shutil.rmtree(staging, ignore_errors=True)

@@ -3,12 +3,13 @@ answers a typo or ``--help`` before it imports torch, transformers or datasets (
 
 ``vlfit <command> --help`` prints the recorded help; a flag no parser of the command takes stops in one line with
 the closest known flags, as the parser itself would, and so do a value of the wrong type or not among the flag's
-choices (a parser rebuilt from each flag's recorded type, choices and ``nargs``: argparse's own words), a local
-data file that does not exist (``--train_file``...), an ``--index`` that is no index folder, an ``--output_dir``
-that names a file and a rule between flags
-that the values alone decide (``vlfit.arguments.flag_rules``, for the commands in ``RULE_RUNS``), before the
-command's module is imported. Everything else is the command's own parser's and checks' to refuse (they check all
-of it again: the index only answers sooner).
+choices (a parser rebuilt from each flag's recorded type, choices and ``nargs``: argparse's own words), a size out
+of its range (``vlfit.arguments.sizes``), a model flag naming a folder of something else or a local path with
+nothing there, a local data file that does not exist (``--train_file``...), an ``--index`` that is no index folder,
+an ``--output_dir`` that names a file or a folder the command would not write into (``vlfit.output_folders``) and a
+rule between flags that the values alone decide (``vlfit.arguments.flag_rules``, for the commands in
+``RULE_RUNS``), before the command's module is imported. Everything else is the command's own parser's and checks'
+to refuse (they check all of it again: the index only answers sooner).
 
 The file is made from the parsers themselves (each ``CommandParser`` records its option strings as it prints its
 help, ``vlfit.commands.cli_reference.flag_index``), with a fingerprint of the files that define the flags: an index
@@ -40,12 +41,20 @@ FLAG_SOURCES = ("arguments/*.py", "commands/*.py", "compat_flags.py", "search/st
 # The local data files a command reads (``vlfit.arguments.data``): one that names no file is refused before the
 # imports, naming the flag.
 DATA_FILE_FLAGS = ("--train_file", "--validation_file", "--test_file")
+# The flags that name a model to load, by field name: one that names a folder of something else (images, data, an
+# index, a run without its model) or a local path with nothing there is refused before the imports.
+MODEL_FLAGS = ("model_name_or_path", "runs", "base", "zeroshot_model", "finetuned_model",
+               "vision_model_name_or_path", "text_model_name_or_path")  # fmt: skip
 # The index folder a command reads (``vlfit retrieve query``, ``push``, ``verify``, ``vlfit serve``).
 INDEX_FLAG = "--index"
 AUTO_WORKERS_FLAG = "dataloader_num_workers"  # vlfit train takes `auto` (a probe of worker counts) for it
 # The commands whose runs check the rules between flags (``vlfit.arguments.flag_rules``), with the values they set
 # themselves: ``vlfit train`` always trains.
-RULE_RUNS: dict[str, dict[str, Any]] = {"vlfit train": {"do_train": True}}
+RULE_RUNS: dict[str, dict[str, Any]] = {
+    "vlfit train": {"do_train": True},
+    "vlfit search": {"do_train": True},
+    "vlfit eval": {},
+}
 
 
 def closest_flags(flag: str, known: Iterable[str]) -> list[str]:
@@ -130,7 +139,11 @@ def answer_early(command: str, argv: list[str], subcommands: Iterable[str] = ())
     except _Refused as refusal:  # a value of the wrong type, or not one of the flag's choices: argparse's line
         print(f"{prog}: error: {refusal}; see {prog} --help", file=sys.stderr)
         raise SystemExit(2) from None  # as the command's own parser stops (CommandParser.error)
-    if "--output_dir" in known and (refused := refuse_output_file(prog, flags)) is not None:
+    if (refused := refuse_out_of_range(prog, vars(given))) is not None:
+        return refused
+    if (refused := refuse_other_models(prog, vars(given), _typed_flags(entry, flags))) is not None:
+        return refused
+    if "--output_dir" in known and (refused := refuse_output_folder(prog, flags)) is not None:
         return refused
     if known & set(DATA_FILE_FLAGS) and (refused := refuse_missing_data_files(prog, flags)) is not None:
         return refused
@@ -222,6 +235,52 @@ def refuse_flag_rules(prog: str, entry: dict[str, Any], given: dict[str, Any]) -
     return None
 
 
+def refuse_out_of_range(prog: str, given: dict[str, Any]) -> int | None:
+    """2, with one line naming the flag and its range, when a size flag given is out of it
+    (``vlfit.arguments.sizes``); else None."""
+    from vlfit.arguments.sizes import SIZE_RANGES, check_size  # light: no torch
+    from vlfit.errors import ConfigError
+
+    for name, value in given.items():
+        if name in SIZE_RANGES:
+            try:
+                check_size(name, value)
+            except ConfigError as error:
+                print(f"{prog}: error: {error}", file=sys.stderr)
+                return 2
+    return None
+
+
+def refuse_other_models(prog: str, given: dict[str, Any], typed: dict[str, str]) -> int | None:
+    """2, with the line the command itself says (``vlfit.models.reference.parse_model_reference``), when a model
+    flag (``MODEL_FLAGS``; ``typed``: the option the user wrote for each) names a folder that holds no model
+    (images, data, an index ...) or a local path with nothing there; else None. A hub id, a preset's name, an
+    export or adapters are left to the command."""
+    from vlfit.errors import ConfigError, MissingFileError
+    from vlfit.models.presets import list_presets  # light: no torch
+    from vlfit.models.reference import LOADABLE, parse_model_reference
+
+    for name in MODEL_FLAGS:
+        values = given.get(name)
+        for value in values if isinstance(values, list) else [values]:
+            if not isinstance(value, str) or not value or (value in list_presets() and not os.path.exists(value)):
+                continue
+            try:
+                parse_model_reference(value, flag=typed.get(name, f"--{name}"), kinds=(*LOADABLE, "export"))
+            except (ConfigError, MissingFileError) as error:
+                print(f"{prog}: error: {error}", file=sys.stderr)
+                return 2
+    return None
+
+
+def _typed_flags(entry: dict[str, Any], argv: list[str]) -> dict[str, str]:
+    """The option the user wrote for each flag given (``--model`` for ``model_name_or_path``), by field name."""
+    typed = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
+    return {
+        action["dest"]: option for action in entry.get("actions", ()) for option in action["flags"] if option in typed
+    }
+
+
 def refuse_missing_data_files(prog: str, argv: list[str]) -> int | None:
     """2, with one line naming the flag, when a local data file flag (``DATA_FILE_FLAGS``) names no file; else
     None. A stream spec (URLs, ``::``-joined sources) is left to the command."""
@@ -256,14 +315,20 @@ def refuse_other_index(command: str, argv: list[str]) -> int | None:
     return None
 
 
-def refuse_output_file(prog: str, argv: list[str]) -> int | None:
-    """2, with one line, when ``--output_dir`` names a file (or a path under one); else None."""
+def refuse_output_folder(prog: str, argv: list[str]) -> int | None:
+    """2, with one line, when ``--output_dir`` names a file (or a path under one), or a folder the command would not
+    write into (``vlfit.output_folders``: one that holds what the command did not write); else None."""
     from vlfit.atomic_files import refuse_file_as_folder  # light: no torch
     from vlfit.errors import ConfigError
+    from vlfit.output_folders import OUTPUT_FOLDERS
 
+    claim = OUTPUT_FOLDERS.get(prog)
     for flag, value in _flag_values(argv, ("--output_dir",)):
         try:
-            refuse_file_as_folder(value, flag)
+            if claim is not None:
+                claim.claim(value, flag)
+            else:
+                refuse_file_as_folder(value, flag)
         except ConfigError as error:
             print(f"{prog}: error: {error}", file=sys.stderr)
             return 2

@@ -10,7 +10,9 @@ from vlfit.errors import ConfigError
 
 @pytest.mark.parametrize("size", [0, -5])
 def test_an_eval_pool_of_no_images_is_refused(tmp_path, size: int) -> None:
-    with pytest.raises(ConfigError, match=rf"^--eval_pool_size must be at least 1 .*got {size}; leave it out"):
+    with pytest.raises(
+        ConfigError, match=rf"^--eval_pool_size {size} is out of range: give at least 1 .*left out: the whole"
+    ):
         DataArguments(dataset_name=str(tmp_path), eval_pool_size=size)
     assert DataArguments(dataset_name=str(tmp_path), eval_pool_size=1).eval_pool_size == 1
 

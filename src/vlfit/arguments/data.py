@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from vlfit.arguments.sizes import check_sizes
 from vlfit.compat_flags import CompatDataFlags
 from vlfit.data.bad_samples import BAD_SAMPLE_POLICIES, MIN_SAMPLES_FOR_BAD_FRACTION, check_bad_sample_policy
 from vlfit.data.columns import DEFAULT_COLUMNS, is_default_column
@@ -29,36 +30,8 @@ CAPTION_SAMPLING = ("every", "one_per_image")
 # What a run fine-tunes for (--task): image-text retrieval, or visual question answering (BridgeTower).
 TASKS = ("retrieval", "vqa")
 
-# The most patches --max_num_patches gives an image. SigLIP 2 NaFlex resizes its position embeddings (a 16x16 grid)
-# to each image's grid by bilinear interpolation, so the model sets no limit; its checkpoints were trained with budgets
-# of at most 1024 patches, and a step's attention memory grows with the square of the budget. 4096 (a 1024 px square
-# of 16 px patches) is four times that: more asked tens of GB at the first step, after the tokenizer and the data.
-MAX_NUM_PATCHES = 4096
-# The size flags a user types that no other check bounds: their lowest and highest value (None: no upper bound) and
-# what leaving the flag out does, checked as the flags are parsed, before any work.
-SIZE_RANGES = {
-    "max_seq_length": (1, None, "tokens per caption; left out: the model's length"),
-    "max_num_patches": (1, MAX_NUM_PATCHES, "patches per image; left out: the model's budget, 256 for SigLIP 2"),
-    "rerank_top_k": (1, None, "candidates per query; left out: no re-ranking"),
-    "max_train_samples": (1, None, "samples; left out: the whole training split"),
-    "max_eval_samples": (1, None, "samples; left out: the whole evaluation split"),
-}
-
 # The data-location flags that say how shard URLs are read rather than where the data is.
 SHARD_ACCESS = ("storage_options", "shard_block_size")
-
-
-def check_size(name: str, value: Any, lowest: int, highest: int | None, unit: str) -> None:
-    """Refuse a size flag's value out of its range, in one line with the range (``None``, unset, passes).
-
-    Raises:
-        ConfigError: naming the flag, its value and the range.
-    """
-    if value is None or isinstance(value, bool) or not isinstance(value, int):
-        return  # unset; a value of the wrong type is the parser's to refuse
-    if value < lowest or (highest is not None and value > highest):
-        allowed = f"{lowest} to {highest}" if highest is not None else f"at least {lowest}"
-        raise ConfigError(f"--{name} {value} is out of range: give {allowed} ({unit})")
 
 
 @dataclass
@@ -393,17 +366,9 @@ class DataArguments(CompatDataFlags, StreamArguments, DataLocationArguments):
 
     def __post_init__(self) -> None:
         DataLocationArguments.__post_init__(self)
-        for name, (lowest, highest, unit) in SIZE_RANGES.items():
-            check_size(name, getattr(self, name), lowest, highest, unit)
+        check_sizes(self)  # --max_seq_length, --max_num_patches, --eval_pool_size ... (vlfit.arguments.sizes)
         if self.task not in TASKS:
             raise ConfigError(f"unknown --task {self.task!r}; choose one of: {', '.join(TASKS)}")
-        if self.max_answers < 1:
-            raise ConfigError(f"--max_answers must be at least 1, got {self.max_answers}")
-        if self.eval_pool_size is not None and int(self.eval_pool_size) < 1:
-            raise ConfigError(
-                f"--eval_pool_size must be at least 1 (images per recall@k pool), got {self.eval_pool_size}; leave it "
-                "out to rank over the whole split"
-            )
         check_rerank_score(self.rerank_score)
         check_rerank_weight(self.rerank_weight)
         if self.image_pipeline not in IMAGE_PIPELINES:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vlfit.errors import ConfigError
+from vlfit.arguments.sizes import check_sizes
 
 
 @dataclass
@@ -26,7 +26,4 @@ class EvalArguments:
     ddp_backend: str | None = field(default=None, metadata={"help": "Under torchrun: nccl, gloo (CPUs)..."})
 
     def __post_init__(self) -> None:
-        if int(self.per_device_eval_batch_size) < 1:
-            raise ConfigError(f"--per_device_eval_batch_size must be at least 1, got {self.per_device_eval_batch_size}")
-        if int(self.dataloader_num_workers) < 0:
-            raise ConfigError(f"--dataloader_num_workers must be at least 0, got {self.dataloader_num_workers}")
+        check_sizes(self)  # --per_device_eval_batch_size, --dataloader_num_workers (vlfit.arguments.sizes)

@@ -28,19 +28,17 @@ from typing import Any
 from transformers.trainer_utils import get_last_checkpoint
 
 from vlfit.arguments import DataArguments, ModelArguments
-from vlfit.atomic_files import claim_folder, write_text_atomically
+from vlfit.atomic_files import write_text_atomically
 from vlfit.commands.demo_stops import StopSignals
 from vlfit.commands.parsing import CommandParser
 from vlfit.data.synthetic import SETTINGS_FILE, SyntheticConfig, make_dataset, save_dataset
 from vlfit.errors import ConfigError
+from vlfit.output_folders import DEMO, DEMO_RECORD
 from vlfit.training.arguments import VlfitTrainingArguments
 from vlfit.training.output_dir import FINAL_STATE_FILE
 from vlfit.training.preemption import TrainingPreempted
 from vlfit.training.run import run
 
-DEMO_RECORD = "demo.json"  # in --output_dir: {"flags": ..., "results": ...} (results once the demo is complete)
-# What a demo writes in --output_dir: a folder holding only these is a demo's (one from before demo.json was written).
-DEMO_ENTRIES = frozenset({"data", "model", DEMO_RECORD})
 # Flags that do not change what a demo computes: a rerun may change them and still resume or find it complete.
 NEUTRAL_FLAGS = ("quick", "output_dir", "resume_from_checkpoint", "dataloader_num_workers")
 # --quick: the same run with the tiny preset (0.5M parameters, some 50 times the samples/s of small-p8) on 500
@@ -127,7 +125,7 @@ def finished_results(args: DemoArguments) -> dict[str, Any] | None:
     Raises:
         ConfigError: the folder is a file, holds anything but a demo, or a demo made with other flags.
     """
-    claim_folder(args.output_dir, "vlfit demo", record_name=DEMO_RECORD, names=DEMO_ENTRIES)
+    DEMO.claim(args.output_dir)
     path = os.path.join(args.output_dir, DEMO_RECORD)
     if not os.path.isfile(path):
         return None

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from torch import nn
 
 from vlfit.atomic_files import staged_folder
+from vlfit.output_folders import EXPORT
 
 
 def fp32_bytes(model: nn.Module) -> int:
@@ -32,7 +33,7 @@ def staged_export(output_dir: str, record_name: str, *, expected_bytes: int) -> 
     """
     with staged_folder(
         output_dir,
-        "vlfit export",
+        EXPORT.command,
         what="the export",
         record_name=record_name,
         expected_bytes=expected_bytes,

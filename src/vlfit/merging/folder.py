@@ -11,19 +11,19 @@ import json
 import os
 from typing import Any
 
-from vlfit.atomic_files import claim_folder, staged_folder, write_text_atomically
+from vlfit.atomic_files import staged_folder, write_text_atomically
 from vlfit.merging.scoring import RESULTS_FILE
 from vlfit.model_card import MergedRuns, WiseFtMix, write_model_card
 from vlfit.models.loading import build_model, save_inputs
 from vlfit.models.soups import Ingredient, Weights
+from vlfit.output_folders import MERGE, MERGE_RECORD
 
-MERGE_JSON = "merge.json"
-WRITTEN_BY = "vlfit merge"
+MERGE_JSON = MERGE_RECORD
 
 
 def claim_merge_folder(output_dir: str) -> None:
     """Refuse, before anything loads, an ``--output_dir`` that is a file or holds anything but an earlier merge."""
-    claim_folder(output_dir, WRITTEN_BY, record_name=MERGE_JSON)
+    MERGE.claim(output_dir)
 
 
 def save_merged(
@@ -57,7 +57,7 @@ def save_merged(
                 f"(mean {record['ratio']['mean']:.3f}).")  # fmt: skip
     size = sum(tensor.numel() * tensor.element_size() for tensor in weights.values())
     with staged_folder(
-        output_dir, WRITTEN_BY, what="the merged model", record_name=MERGE_JSON, expected_bytes=size
+        output_dir, MERGE.command, what="the merged model", record_name=MERGE_JSON, expected_bytes=size
     ) as staging:
         model = build_model(first.loaded.spec)
         model.load_state_dict(weights)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from vlfit.arguments.sizes import check_sizes
 from vlfit.compat_flags import CompatTrainingFlags
 from vlfit.errors import ConfigError
 from vlfit.launch import prepare_launch
@@ -16,16 +17,6 @@ CONTRASTIVE_NEGATIVES = ("local", "global")
 CONTRASTIVE_LOSSES = ("model", "symmetric")
 # What training optimizes (--objective; vlfit.training.itm_objective computes each).
 OBJECTIVES = ("contrastive", "contrastive+itm", "itm")
-# Training counts and their smallest valid value: torch would otherwise fail later, deep in the DataLoader.
-LOWEST_COUNTS = {
-    "per_device_train_batch_size": 1,
-    "per_device_eval_batch_size": 1,
-    "gradient_accumulation_steps": 1,
-    "dataloader_num_workers": 0,
-    "throughput_warmup_steps": 0,
-}
-
-
 @dataclass
 class VlfitTrainingArguments(CompatTrainingFlags, TrainingArguments):
     """Every ``transformers.TrainingArguments`` flag, plus vlfit's training options.
@@ -117,18 +108,13 @@ class VlfitTrainingArguments(CompatTrainingFlags, TrainingArguments):
         if self.objective not in OBJECTIVES:
             raise ConfigError(f"unknown --objective {self.objective!r}; choose one of: {', '.join(OBJECTIVES)}")
         # Rules tying two flags (gradient caching with --objective, accumulation, --fsdp): vlfit.arguments.flag_rules
-        if self.gradient_cache_chunk_size is not None and int(self.gradient_cache_chunk_size) < 1:
-            raise ConfigError(f"--gradient_cache_chunk_size must be at least 1, got {self.gradient_cache_chunk_size}")
         if self.enable_jit_checkpoint:
             # transformers' SIGTERM handler would be replaced by vlfit's PreemptionCallback, which does the same job.
             raise ConfigError(
                 "--enable_jit_checkpoint is not needed: vlfit already saves a checkpoint when SIGTERM or SIGINT "
                 "arrives and resumes from it when the same command is run again; drop the flag"
             )
-        for name, low in LOWEST_COUNTS.items():
-            value = getattr(self, name)
-            if isinstance(value, int) and value < low:  # values from a flags file are not converted to int
-                raise ConfigError(f"--{name} must be at least {low}, got {value}")
+        check_sizes(self)  # batch sizes, accumulation, workers ... (vlfit.arguments.sizes)
         prepare_launch(self)  # before TrainingArguments.__post_init__ sets up devices and the process group
         super().__post_init__()
         if self.fp16 and self.device.type == "cpu":

@@ -10,7 +10,7 @@ from typing import Any
 import datasets
 import numpy as np
 
-from vlfit.atomic_files import claim_folder, staged_folder, write_text_atomically
+from vlfit.atomic_files import staged_folder, write_text_atomically
 from vlfit.data.synthetic.render import render_scene
 from vlfit.data.synthetic.scenes import (
     LABEL_CLASSES,
@@ -23,11 +23,9 @@ from vlfit.data.synthetic.scenes import (
     split_sizes,
 )
 from vlfit.errors import DataError
+from vlfit.output_folders import MAKE_DATA, SYNTHETIC_SETTINGS
 
-WRITTEN_BY = "vlfit make-data"  # the command named in a synthetic dataset's folder record
-SETTINGS_FILE = "vlfit_synthetic_config.json"  # what a dataset was made with (``save_dataset``'s ``settings``)
-# Everything ``save_dataset`` writes in its folder, in either format.
-WRITTEN_NAMES = frozenset({"dataset_dict.json", SETTINGS_FILE, *SPLITS, *(f"{name}.parquet" for name in SPLITS)})
+SETTINGS_FILE = SYNTHETIC_SETTINGS  # what a dataset was made with (``save_dataset``'s ``settings``)
 FEATURES = datasets.Features(
     {
         "image": datasets.Image(),
@@ -141,7 +139,7 @@ def _record_batch(
 
 def claim_dataset_folder(output_dir: str, flag: str = "--output_dir") -> None:
     """Refuse, before anything is generated, a folder ``save_dataset`` would refuse (``claim_folder``)."""
-    claim_folder(output_dir, WRITTEN_BY, flag=flag, record_name=SETTINGS_FILE, names=WRITTEN_NAMES)
+    MAKE_DATA.claim(output_dir, flag)
 
 
 def save_dataset(
@@ -175,10 +173,10 @@ def save_dataset(
     dataset_dict = datasets.DatasetDict({name: split for name, split in dataset_dict.items() if len(split)})
     with staged_folder(
         output_dir,
-        WRITTEN_BY,
+        MAKE_DATA.command,
         what="the dataset",
         record_name=SETTINGS_FILE,
-        names=WRITTEN_NAMES,
+        names=MAKE_DATA.names,
     ) as staging:
         if format == "arrow":
             dataset_dict.save_to_disk(staging)

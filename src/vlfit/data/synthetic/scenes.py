@@ -13,8 +13,9 @@ from typing import NamedTuple
 import numpy as np
 
 from vlfit.errors import DataError
+from vlfit.output_folders import SYNTHETIC_SPLITS
 
-SPLITS: tuple[str, ...] = ("train", "validation", "test")
+SPLITS: tuple[str, ...] = SYNTHETIC_SPLITS
 LETTERS = "ABCDE"
 NUM_CHOICES = 5
 
