@@ -177,9 +177,11 @@ def test_an_index_folder_of_another_kind_is_named_before_the_heavy_imports(tmp_p
     assert "IMPORTED \n" in done.stderr
 
 
-def test_the_rules_wait_for_a_folder_that_may_set_the_task(tmp_path, capsys):
+def test_the_rules_wait_for_a_folder_that_may_set_the_task(tmp_path):
+    from vlfit.errors import ConfigError
+
     entry = flag_index._index()["vlfit train"]
     given = {"model_name_or_path": str(tmp_path), "answer_vocabulary": "answers.json"}  # a VQA run's folder?
-    assert flag_index.refuse_flag_rules("vlfit train", entry, given) is None
-    assert flag_index.refuse_flag_rules("vlfit train", entry, {**given, "task": "retrieval"}) == 2
-    assert "--answer_vocabulary is a flag of --task vqa" in capsys.readouterr().err
+    flag_index.check_flag_rules("vlfit train", entry, given)  # no refusal yet
+    with pytest.raises(ConfigError, match="--answer_vocabulary is a flag of --task vqa"):
+        flag_index.check_flag_rules("vlfit train", entry, {**given, "task": "retrieval"})

@@ -33,6 +33,8 @@ from collections.abc import Iterable
 from functools import cache
 from typing import Any, NoReturn
 
+from vlfit.errors import UserError
+
 INDEX_FILE = os.path.join(os.path.dirname(__file__), "flag_index.json")
 REGENERATE = "python -m vlfit.commands.cli_reference --flag-index"
 HELP_FLAGS = ("-h", "--help")
@@ -139,17 +141,33 @@ def answer_early(command: str, argv: list[str], subcommands: Iterable[str] = ())
     except _Refused as refusal:  # a value of the wrong type, or not one of the flag's choices: argparse's line
         print(f"{prog}: error: {refusal}; see {prog} --help", file=sys.stderr)
         raise SystemExit(2) from None  # as the command's own parser stops (CommandParser.error)
-    if (refused := refuse_out_of_range(prog, vars(given))) is not None:
-        return refused
-    if (refused := refuse_other_models(prog, vars(given), _typed_flags(entry, flags))) is not None:
-        return refused
-    if "--output_dir" in known and (refused := refuse_output_folder(prog, flags)) is not None:
-        return refused
-    if known & set(DATA_FILE_FLAGS) and (refused := refuse_missing_data_files(prog, flags)) is not None:
-        return refused
-    if INDEX_FLAG in known and (refused := refuse_other_index(command, flags)) is not None:
-        return refused
-    return refuse_flag_rules(prog, entry, vars(given)) if prog in RULE_RUNS else None
+    try:
+        check_early(prog, entry, flags, vars(given))
+    except UserError as error:
+        print(f"{getattr(error, 'prog', prog)}: error: {error}", file=sys.stderr)
+        return 2
+    return None
+
+
+def check_early(prog: str, entry: dict[str, Any], argv: list[str], given: dict[str, Any]) -> None:
+    """Every check of ``prog``'s flags that needs neither data nor a model, on the values ``given`` (by field name,
+    as the recorded parser converted them) of ``argv``: sizes, model flags, ``--output_dir``, data files,
+    ``--index`` and the rules between flags.
+
+    Raises:
+        UserError: the command's own line (with a ``prog`` attribute where the command says other words).
+    """
+    known = set(entry["flags"])
+    check_sizes(given)
+    check_model_flags(given, _typed_flags(entry, argv))
+    if "--output_dir" in known:
+        check_output_folder(prog, argv)
+    if known & set(DATA_FILE_FLAGS):
+        check_data_files(argv)
+    if INDEX_FLAG in known:
+        check_index_flag(prog, argv)
+    if prog in RULE_RUNS:
+        check_flag_rules(prog, entry, given)
 
 
 def _judged(flags: list[str]) -> list[str]:
@@ -216,61 +234,43 @@ def _converter(action: dict[str, Any]) -> Any:
     return None
 
 
-def refuse_flag_rules(prog: str, entry: dict[str, Any], given: dict[str, Any]) -> int | None:
-    """2, with the rule's line, when the flags given break a rule between flags (``vlfit.arguments.flag_rules``)
-    that their values alone decide; else None (the rules are checked again on the built arguments)."""
+def check_flag_rules(prog: str, entry: dict[str, Any], given: dict[str, Any]) -> None:
+    """Refuse flags ``given`` that break a rule between flags (``vlfit.arguments.flag_rules``) that their values
+    alone decide (the rules are checked again on the built arguments).
+
+    Raises:
+        ConfigError: the rule's line.
+    """
     from vlfit.arguments.flag_rules import FlagValues, refuse_flags  # light: no torch
-    from vlfit.errors import ConfigError
 
     defaults = {action["dest"]: action["default"] for action in entry["actions"] if "default" in action}
     values = {**defaults, **given}
     model = values.get("model_name_or_path")
     if model and os.path.isdir(model) and "task" not in given:
         values.pop("task", None)  # a folder may make the run's task (a VQA model's): decided once it is read
-    try:
-        refuse_flags(FlagValues(values, defaults, **RULE_RUNS[prog]))
-    except ConfigError as error:
-        print(f"{prog}: error: {error}", file=sys.stderr)
-        return 2
-    return None
+    refuse_flags(FlagValues(values, defaults, **RULE_RUNS[prog]))
 
 
-def refuse_out_of_range(prog: str, given: dict[str, Any]) -> int | None:
-    """2, with one line naming the flag and its range, when a size flag given is out of it
-    (``vlfit.arguments.sizes``); else None."""
-    from vlfit.arguments.sizes import SIZE_RANGES, check_size  # light: no torch
-    from vlfit.errors import ConfigError
+def check_sizes(given: dict[str, Any]) -> None:
+    """Refuse a size flag given out of its range (``vlfit.arguments.sizes``), naming the flag and the range."""
+    from vlfit.arguments import sizes  # light: no torch
 
-    for name, value in given.items():
-        if name in SIZE_RANGES:
-            try:
-                check_size(name, value)
-            except ConfigError as error:
-                print(f"{prog}: error: {error}", file=sys.stderr)
-                return 2
-    return None
+    sizes.check_sizes(given)
 
 
-def refuse_other_models(prog: str, given: dict[str, Any], typed: dict[str, str]) -> int | None:
-    """2, with the line the command itself says (``vlfit.models.reference.parse_model_reference``), when a model
-    flag (``MODEL_FLAGS``; ``typed``: the option the user wrote for each) names a folder that holds no model
-    (images, data, an index ...) or a local path with nothing there; else None. A hub id, a preset's name, an
-    export or adapters are left to the command."""
-    from vlfit.errors import ConfigError, MissingFileError
+def check_model_flags(given: dict[str, Any], typed: dict[str, str]) -> None:
+    """Refuse, in the line the command itself says (``vlfit.models.reference.parse_model_reference``), a model
+    flag (``MODEL_FLAGS``; ``typed``: the option the user wrote for each) that names a folder holding no model
+    (images, data, an index ...) or a local path with nothing there. A hub id, a preset's name, an export or
+    adapters are left to the command."""
     from vlfit.models.presets import list_presets  # light: no torch
     from vlfit.models.reference import LOADABLE, parse_model_reference
 
     for name in MODEL_FLAGS:
         values = given.get(name)
         for value in values if isinstance(values, list) else [values]:
-            if not isinstance(value, str) or not value or (value in list_presets() and not os.path.exists(value)):
-                continue
-            try:
+            if isinstance(value, str) and value and (value not in list_presets() or os.path.exists(value)):
                 parse_model_reference(value, flag=typed.get(name, f"--{name}"), kinds=(*LOADABLE, "export"))
-            except (ConfigError, MissingFileError) as error:
-                print(f"{prog}: error: {error}", file=sys.stderr)
-                return 2
-    return None
 
 
 def _typed_flags(entry: dict[str, Any], argv: list[str]) -> dict[str, str]:
@@ -281,9 +281,9 @@ def _typed_flags(entry: dict[str, Any], argv: list[str]) -> dict[str, str]:
     }
 
 
-def refuse_missing_data_files(prog: str, argv: list[str]) -> int | None:
-    """2, with one line naming the flag, when a local data file flag (``DATA_FILE_FLAGS``) names no file; else
-    None. A stream spec (URLs, ``::``-joined sources) is left to the command."""
+def check_data_files(argv: list[str]) -> None:
+    """Refuse a local data file flag (``DATA_FILE_FLAGS``) that names no file, naming the flag. A stream spec
+    (URLs, ``::``-joined sources) is left to the command."""
     from vlfit.data.file_patterns import is_stream_spec, resolve_files  # light: no torch
     from vlfit.errors import MissingFileError
 
@@ -292,14 +292,12 @@ def refuse_missing_data_files(prog: str, argv: list[str]) -> int | None:
             try:
                 resolve_files(value)
             except MissingFileError as error:
-                print(f"{prog}: error: {flag} {value}: {error}", file=sys.stderr)
-                return 2
-    return None
+                raise MissingFileError(f"{flag} {value}: {error}") from None
 
 
-def refuse_other_index(command: str, argv: list[str]) -> int | None:
-    """2, with the line the command itself says (``vlfit.models.reference.check_index_folder``), when ``--index``
-    names no index folder: nothing there, a file, or another kind of folder; else None. A pushed index's address
+def check_index_flag(prog: str, argv: list[str]) -> None:
+    """Refuse, in the line the command itself says (``vlfit.models.reference.check_index_folder``), an ``--index``
+    that names no index folder: nothing there, a file, or another kind of folder. A pushed index's address
     (``qdrant:...``) is left to the command."""
     from vlfit.errors import MissingFileError
     from vlfit.index.push.base import is_target_uri  # light: numpy, no torch
@@ -310,29 +308,22 @@ def refuse_other_index(command: str, argv: list[str]) -> int | None:
             try:
                 check_index_folder(value)
             except MissingFileError as error:
-                print(f"vlfit {command}: error: {error}", file=sys.stderr)  # the command's words: vlfit retrieve
-                return 2
-    return None
+                error.prog = " ".join(prog.split()[:2])  # type: ignore[attr-defined]  # the command's: vlfit retrieve
+                raise
 
 
-def refuse_output_folder(prog: str, argv: list[str]) -> int | None:
-    """2, with one line, when ``--output_dir`` names a file (or a path under one), or a folder the command would not
-    write into (``vlfit.output_folders``: one that holds what the command did not write); else None."""
+def check_output_folder(prog: str, argv: list[str]) -> None:
+    """Refuse an ``--output_dir`` that names a file (or a path under one), or a folder the command would not write
+    into (``vlfit.output_folders``: one that holds what the command did not write)."""
     from vlfit.atomic_files import refuse_file_as_folder  # light: no torch
-    from vlfit.errors import ConfigError
     from vlfit.output_folders import OUTPUT_FOLDERS
 
     claim = OUTPUT_FOLDERS.get(prog)
     for flag, value in _flag_values(argv, ("--output_dir",)):
-        try:
-            if claim is not None:
-                claim.claim(value, flag)
-            else:
-                refuse_file_as_folder(value, flag)
-        except ConfigError as error:
-            print(f"{prog}: error: {error}", file=sys.stderr)
-            return 2
-    return None
+        if claim is not None:
+            claim.claim(value, flag)
+        else:
+            refuse_file_as_folder(value, flag)
 
 
 def _flag_values(argv: list[str], names: Iterable[str]) -> list[tuple[str, str]]:
