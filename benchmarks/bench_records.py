@@ -10,6 +10,8 @@ import platform
 
 import torch
 
+from vlfit.efficiency.cpu import cpu_info
+
 
 def rerun_command(script: str, args: argparse.Namespace, leave_out: tuple[str, ...] = ("results",)) -> str:
     """``python benchmarks/<script> --flag value ...``: every parsed flag but ``leave_out``."""
@@ -18,8 +20,8 @@ def rerun_command(script: str, args: argparse.Namespace, leave_out: tuple[str, .
 
 
 def machine() -> dict[str, object]:
-    """The cores, platform and torch a result came from."""
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}
+    """The CPU (its model and matrix features), cores, platform and torch a result came from."""
+    return {**cpu_info().record(), "cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}
 
 
 def write_record(record: dict[str, object], path: str) -> None:

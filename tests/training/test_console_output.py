@@ -9,6 +9,7 @@ from transformers import TrainerControl, TrainerState
 
 from tests.training.train_runs import single_torch_thread, tiny_train_argv
 from vlfit.cli import main
+from vlfit.efficiency.cpu import cpu_info
 from vlfit.logs import configure_logging
 from vlfit.training.console_log import ConsolePrinter, ConsoleProgressBar, step_line
 
@@ -74,3 +75,4 @@ def test_each_logging_step_prints_one_compact_line_and_the_dict_only_at_debug(
     assert len(steps) == 2 and all(re.fullmatch(compact, line) for line in steps), steps
     assert "{'loss'" not in captured.out
     assert ("{'loss': " in captured.err) == (level == "debug")
+    assert f"CPU: {cpu_info().describe()}" in captured.err + captured.out  # the CPU the figures come from

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import platform
 import sys
 import traceback
 from collections.abc import Callable
@@ -25,6 +24,7 @@ import transformers
 from vlfit.bench.plan import Configuration, available_cores, configurations
 from vlfit.bench.selection import choose
 from vlfit.bench.session import BenchSession
+from vlfit.efficiency.cpu import cpu_info
 from vlfit.efficiency.peaks import matmul_precision, peak_flops
 
 logger = logging.getLogger(__name__)
@@ -32,14 +32,8 @@ logger = logging.getLogger(__name__)
 
 def machine_info(device: torch.device) -> dict[str, Any]:
     """What the numbers were measured on."""
-    cpu_model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu_model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu_model)
-    except OSError:
-        pass
     return {
-        "cpu": cpu_model,
+        **cpu_info().record(),  # the CPU's model and the matrix features that decide bf16's and int8's speed
         "cores": available_cores(),
         "python": sys.version.split()[0],
         "torch": torch.__version__,

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from vlfit.efficiency.cpu import cpu_info
+
 PRECISIONS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16")
 _DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -75,20 +77,6 @@ def known_peak(device_name: str, precision: str) -> PeakFlops | None:
     return None
 
 
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), or the machine type."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
 def measured_peak(device: torch.device, precision: str, *, size: int | None = None, seconds: float = 0.3) -> PeakFlops:
     """Time square matmuls in ``precision`` on ``device`` with this process's threads: an achievable peak.
 
@@ -121,7 +109,7 @@ def measured_peak(device: torch.device, precision: str, *, size: int | None = No
         if elapsed >= seconds and products >= 3:
             break
     tflops = 2 * size**3 * products / elapsed / 1e12
-    name = cpu_name() if device.type == "cpu" else _device_name(device)
+    name = cpu_info().model if device.type == "cpu" else _device_name(device)
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
     source = f"measured in this run: {products} {size}x{size} {precision} matmuls on {device.type}{threads}"
     return PeakFlops(tflops, name, precision, source, measured=True)

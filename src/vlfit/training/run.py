@@ -25,6 +25,7 @@ from vlfit.data.sources.openers import open_run_data
 from vlfit.data.stream import ShardStream
 from vlfit.data.stream.train_stream import StreamSettings
 from vlfit.data.vqa import check_has_answers
+from vlfit.efficiency.cpu import cpu_info
 from vlfit.efficiency.flops import ComputeEfficiency
 from vlfit.efficiency.peaks import PeakFlops, matmul_precision, peak_flops
 from vlfit.errors import ConfigError, out_of_memory_in_one_line
@@ -343,6 +344,7 @@ def run(
         if setup.train_stream is not None
         else "no training",
     )
+    logger.info("CPU: %s", cpu_info().describe())  # what decides bf16's speed here (vlfit.efficiency.cpu)
 
     results: dict[str, Any] = {}
     if training_args.do_train:
