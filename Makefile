@@ -33,8 +33,8 @@ lint: $(STAMP)
 # Two pytest workers, a test file each at a time (each worker runs torch on one thread: tests/conftest.py).
 PYTEST_WORKERS ?= -n 2 --dist loadfile
 
-# scripts/system-packages.sh first: Debian's chromium for the browser test, installed where apt-get and root or sudo
-# allow; elsewhere one line says that test is skipped.
+# scripts/system-packages.sh first: Debian's chromium for the browser test and nginx for the front's test, installed
+# where apt-get and root or sudo allow; elsewhere one line says those tests are skipped.
 test: lint
 	@scripts/system-packages.sh
 	$(PY) -m pytest $(PYTEST_WORKERS)
