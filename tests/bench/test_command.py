@@ -59,6 +59,8 @@ def test_flags_resolve_to_a_sweep_plan() -> None:
     assert len(configurations(plan)) == 2 * 2 * 3
     _, _, args = _parse()
     assert resolve_plan(args, torch.device("cpu")).precision == "fp32"  # bf16 is the default on CUDA only
+    assert not resolve_plan(args, torch.device("cpu")).compare_bf16
+    assert resolve_plan(_parse("--auto")[2], torch.device("cpu")).compare_bf16  # --auto picks the precision too
     with pytest.raises(ValueError, match="takes comma-separated integers"):
         resolve_plan(_parse("--workers", "0,two")[2], torch.device("cpu"))
 

@@ -114,3 +114,31 @@ def test_published_figures_must_cover_every_worker_count(monkeypatch: pytest.Mon
     monkeypatch.setattr(vlfit.bench.published, "_text", lambda: json.dumps(broken))
     with pytest.raises(ValueError, match="H100 has no figure for 2 workers"):
         published_figures()
+
+
+def test_a_step_below_the_ceiling_that_never_waits_for_data_is_not_data_bound() -> None:
+    results = made_up_results(best=60.0, ceiling=100.0)
+    for r in results["rows"]:
+        r["mode"], r["data_wait_share"] = "train", 0.0
+    verdict = finalize(results)["verdict"]
+    assert verdict["bound"] == "compute-bound"
+    assert "the gap is the training step's own overhead" in verdict["text"]
+    results["rows"][1]["data_wait_share"] = 0.2  # the same rate, waiting a fifth of the time: the data holds it back
+    assert finalize(results)["verdict"]["bound"] == "data-bound"
+
+
+@pytest.mark.parametrize(
+    ("fp32", "bf16", "chosen"),
+    [(10.0, 30.0, "bf16"), (30.0, 5.2, "fp32"), (10.0, 10.5, "bf16")],  # AMX; an AVX2 CPU; within noise: its own
+)
+def test_the_recommendation_takes_the_precision_measured_faster(fp32: float, bf16: float, chosen: str) -> None:
+    results = made_up_results(best=80.0, ceiling=100.0)  # swept in bf16
+    results["machine"]["cpu_features"] = ["amx_bf16", "amx_int8", "avx512_vnni"]
+    results["bf16_comparison"] = {"fp32_samples_per_second": fp32, "bf16_samples_per_second": bf16,
+                                  "fp32_over_bf16": fp32 / bf16, "bf16_speedup": bf16 / fp32}  # fmt: skip
+    recommendation = finalize(results)["recommendation"]
+    assert ("--bf16" in recommendation["flags"]) == (chosen == "bf16")
+    assert (
+        f"; {chosen}: bf16 ran {bf16 / fp32:.2f}x fp32's compute here on a CPU with amx_bf16"
+        in (recommendation["text"])
+    )

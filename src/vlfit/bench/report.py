@@ -18,6 +18,9 @@ from vlfit.training.itm_objective import CONTRASTIVE
 CEILING_TOLERANCE = 0.15
 # Below this fraction of the compute ceiling, the best data path is what limits training.
 DATA_BOUND_BELOW = 0.9
+# A train-mode row that waits for data less than this share of its time is not held back by its data, however far
+# below the compute ceiling it runs: the gap is the step's own overhead (the Trainer's loop, logging, the loss).
+DATA_WAIT_BOUND = 0.05
 
 
 def finalize(results: dict[str, Any]) -> dict[str, Any]:
@@ -48,14 +51,17 @@ def finalize(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def verdict(results: dict[str, Any]) -> dict[str, Any] | None:
-    """``data-bound`` when the best data path reaches < 0.9 x the compute ceiling, else ``compute-bound``."""
+    """``data-bound`` when the best data path reaches < 0.9 x the compute ceiling and (in train mode) waits for
+    data ``DATA_WAIT_BOUND`` of its time or more, else ``compute-bound``."""
     best = best_row(results["rows"])
     compute = results.get("compute")
     if best is None or not compute:
         return None
     ceiling = compute["samples_per_second"]
     fraction = best["samples_per_second"] / ceiling
-    bound = "data-bound" if fraction < DATA_BOUND_BELOW else "compute-bound"
+    wait = best.get("data_wait_share") if best["mode"] == "train" else None
+    waits = wait is None or wait >= DATA_WAIT_BOUND
+    bound = "data-bound" if fraction < DATA_BOUND_BELOW and waits else "compute-bound"
     lines = [
         f"{bound}: the best data path ({describe(best)}, {best['mode']} mode) reaches "
         f"{best['samples_per_second']:.1f} samples/s = {fraction:.2f} x the compute ceiling "
@@ -79,6 +85,12 @@ def verdict(results: dict[str, Any]) -> dict[str, Any] | None:
         )
     if bound == "data-bound":
         lines.append("More workers, a cheaper pipeline (prepared data, device decode) or more cores would help.")
+    elif fraction < DATA_BOUND_BELOW:
+        lines.append(
+            f"Below the ceiling without waiting for data (under {100 * DATA_WAIT_BOUND:.0f}% of the time): the gap is "
+            "the training step's own overhead beyond the model's forward, backward and optimizer step, not the input "
+            "pipeline."
+        )
     else:
         lines.append("The input pipeline keeps up: faster training has to come from the model side.")
     return {

@@ -22,6 +22,9 @@ from vlfit.training.itm_objective import CONTRASTIVE
 # Rows within this fraction of the fastest count as equally fast.
 AUTO_TOLERANCE = 0.05
 WORKERS_FLAG = "--dataloader_num_workers"
+# The recommendation takes the other of fp32 and bf16 only when it measured at least this many times faster: two
+# readings of one step on a shared machine differ by some percent, and a precision is no reason to change for less.
+PRECISION_MARGIN = 1.1
 # The fields that name a configuration (and the measured rate), as the verdict and recommendation repeat them.
 CONFIG_FIELDS: tuple[str, ...] = ("mode", "pipeline", "workers", "prefetch_factor", "samples_per_second")
 
@@ -126,13 +129,28 @@ def train_flags(row: dict[str, Any], *, precision: str, batch_size: int, objecti
     return flags
 
 
+def faster_precision(results: dict[str, Any]) -> tuple[str, str]:
+    """The precision to train with, and why (a clause for the recommendation's line; empty without a comparison):
+    the sweep's own, unless its fp32-bf16 comparison measured the other at least ``PRECISION_MARGIN`` times faster."""
+    own = results["settings"]["precision"]
+    comparison = results.get("bf16_comparison")
+    if not comparison or own not in ("fp32", "bf16"):
+        return own, ""
+    speedup = comparison["bf16_speedup"]
+    faster = "bf16" if speedup >= PRECISION_MARGIN else "fp32" if 1 / speedup >= PRECISION_MARGIN else own
+    cpu = results.get("machine", {}).get("cpu_features")
+    on = f" on a CPU with {', '.join(cpu[:3])}" if cpu else ""
+    return faster, f"; {faster}: bf16 ran {speedup:.2f}x fp32's compute here{on}"
+
+
 def recommend(results: dict[str, Any]) -> dict[str, Any] | None:
     """The chosen configuration of a sweep with its ``vlfit train`` flags and a printable text."""
     row = choose(results["rows"])
     if row is None:
         return None
     settings = results["settings"]
-    flags = train_flags(row, precision=settings["precision"], batch_size=settings["batch_size"],
+    precision, why = faster_precision(results)
+    flags = train_flags(row, precision=precision, batch_size=settings["batch_size"],
                         objective=settings.get("objective", CONTRASTIVE))  # fmt: skip
     model = settings.get("model_flags") or ["--model_name_or_path", "MODEL"]
     data = ["--dataset_name", "DATA"]
@@ -142,7 +160,7 @@ def recommend(results: dict[str, Any]) -> dict[str, Any] | None:
         data = ["--dataset_name", "prepared/"]
     command = shlex.join(["vlfit", "train", *model, *data, *flags])
     rate = f"{row['samples_per_second']:.1f} samples/s in {row['mode']} mode"
-    lines = [f"best for this machine: {describe(row)} ({rate})"]
+    lines = [f"best for this machine: {describe(row)} ({rate}){why}"]
     if prepare:
         lines.append(f"  {prepare}")
     lines.append(f"  {command}")

@@ -84,7 +84,11 @@ class BenchArguments:
     bf16: bool = field(default=False, metadata={"help": "bf16 autocast (the default on CUDA GPUs that support it)."})
     fp32: bool = field(default=False, metadata={"help": "fp32 even on a GPU."})
     compare_bf16: bool = field(
-        default=False, metadata={"help": "Also measure the compute ceiling in the other precision (fp32/bf16 ratio)."}
+        default=False,
+        metadata={
+            "help": "Also measure the compute ceiling in the other precision (fp32/bf16 ratio); --auto does it too, "
+            "and the recommendation takes the faster one."
+        },
     )
     compare_compile: bool = field(
         default=False,
@@ -99,7 +103,10 @@ class BenchArguments:
     )
     auto: bool = field(
         default=False,
-        metadata={"help": "Also try --auto_prefetch_factors on the best configuration; print the vlfit train flags."},
+        metadata={
+            "help": "Also try --auto_prefetch_factors on the best configuration and measure fp32 against bf16; print "
+            "the vlfit train flags, with the faster precision."
+        },
     )
     auto_prefetch_factors: str = field(default="2,4", metadata={"help": "Prefetch factors --auto tries."})
     split: str = field(default="train", metadata={"help": "Split of the data to read (with --dataset_name or files)."})
@@ -188,7 +195,7 @@ def resolve_plan(args: BenchArguments, device: torch.device) -> SweepPlan:
         precision=precision,
         objective=args.objective,
         profile_batches=args.profile_batches,
-        compare_bf16=args.compare_bf16,
+        compare_bf16=args.compare_bf16 or args.auto,  # --auto chooses the precision by measurement too
         compare_compile=args.compare_compile,
         compare_attention=args.compare_attention,
         torch_compile_backend=args.torch_compile_backend,
