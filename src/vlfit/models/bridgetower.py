@@ -43,6 +43,7 @@ from vlfit.models.losses import (
     hard_negatives_in,
     image_keys_in,
     info_nce,
+    under_autocast,
 )
 
 # ------------------------------------------------------------------------------------------------ embeddings
@@ -251,7 +252,8 @@ class BridgeTowerFamily(ModelFamily):
         global_negatives: bool = False,
         symmetric: bool = False,
     ) -> torch.Tensor:
-        if not (global_negatives or symmetric or HARD_NEGATIVE_INPUT_IDS in inputs or IMAGE_KEYS in inputs):
+        if not (global_negatives or symmetric or HARD_NEGATIVE_INPUT_IDS in inputs or IMAGE_KEYS in inputs
+                or under_autocast(inputs["input_ids"])):  # fmt: skip
             model_inputs = {key: inputs[key] for key in self.model_inputs}
             return model(**model_inputs, return_loss=True).loss  # the model's own loss
         return self.loss_from_embeddings(

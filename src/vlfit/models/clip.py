@@ -33,6 +33,7 @@ from vlfit.models.losses import (
     hard_negatives_in,
     image_keys_in,
     info_nce,
+    under_autocast,
 )
 
 # CLIP's text tower pools at the first ``eos_token_id``, except that ``eos_token_id == 2`` selects its legacy rule
@@ -114,7 +115,8 @@ class CLIPFamily(ModelFamily):
         global_negatives: bool = False,
         symmetric: bool = False,  # CLIP's loss is symmetric already
     ) -> torch.Tensor:
-        if not (global_negatives or HARD_NEGATIVE_INPUT_IDS in inputs or IMAGE_KEYS in inputs):
+        if not (global_negatives or HARD_NEGATIVE_INPUT_IDS in inputs or IMAGE_KEYS in inputs
+                or under_autocast(inputs["input_ids"])):  # fmt: skip
             model_inputs = {key: inputs[key] for key in self.model_inputs}
             return model(**model_inputs, return_loss=True).loss  # the model's own loss
         return self.loss_from_embeddings(self.loss_embeddings(model, inputs), global_negatives=global_negatives)
