@@ -6,7 +6,9 @@ The model (or its exported graphs, as ``--backend auto`` picks for ``vlfit retri
 loaded once per worker process; see ``vlfit.serve.app`` for the routes. With ``--workers N``, ``/metrics`` counts
 the requests of every worker (prometheus_client's multiprocess mode, in a temporary folder removed at exit), and
 the keys reach the workers in files of a private temporary folder, removed at exit, never through the environment.
-SIGTERM or Ctrl-C finishes the requests in flight, then exits 0.
+The log's ``Uvicorn running on`` line (with the port ``--port 0`` bound) comes once every worker accepts
+(``vlfit.serve.readiness``); a worker that ends before that stops the server, exit code 1. SIGTERM or Ctrl-C
+finishes the requests in flight, then exits 0.
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ class ServeArguments(runtime_arguments(num_threads=1), flags_of(ServerLimits)):
         self.limits()  # refuses a limit out of range now, in one line
         self.api_key = read_key(self.api_key, self.api_key_file, API_KEY_ENV, "--api_key")
         self.admin_key = read_key(self.admin_key, self.admin_key_file, ADMIN_KEY_ENV, "--admin_key")
-        self.api_key_file = self.admin_key_file = None  # read: --workers N hands them on in files (_key_files)
+        self.api_key_file = self.admin_key_file = None  # read: --workers N hands them on in files (_worker_folder)
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ConfigError("--ssl_certfile and --ssl_keyfile go together: give both to serve HTTPS, or neither")
         for flag, path in (("--ssl_certfile", self.ssl_certfile), ("--ssl_keyfile", self.ssl_keyfile)):
@@ -136,9 +138,10 @@ class ServeArguments(runtime_arguments(num_threads=1), flags_of(ServerLimits)):
         return ServerLimits(**{limit.name: getattr(self, limit.name) for limit in fields(ServerLimits)})
 
 
-def build_app(args: ServeArguments, verified: tuple[int, int] | None = None):  # -> fastapi.FastAPI (imported late)
+def build_app(args: ServeArguments, verified: tuple[int, int] | None = None, workers=None):  # -> fastapi.FastAPI
     """The app for ``args``: its engine loads the model and the index (checked unless ``verified`` is the stamp of
-    its manifest, ``vlfit.index.verify.verified_stamp``)."""
+    its manifest, ``vlfit.index.verify.verified_stamp``); ``workers``: where a worker of ``--workers N`` says it is
+    ready (``vlfit.serve.readiness.WorkerCount``; ``None``: one process)."""
     from vlfit.serve.app import create_app
     from vlfit.serve.engine import SearchEngine
 
@@ -152,7 +155,7 @@ def build_app(args: ServeArguments, verified: tuple[int, int] | None = None):  #
                           rerank_score=args.rerank_score, rerank_weight=args.rerank_weight)  # fmt: skip
     return create_app(engine, max_upload_mb=args.max_upload_mb, max_batch=args.max_batch,
                       max_wait_ms=args.max_wait_ms, reload_interval=args.reload_interval,
-                      limits=limits, access=access)  # fmt: skip
+                      limits=limits, access=access, workers=workers)  # fmt: skip
 
 
 def _says_https(record: logging.LogRecord) -> bool:
@@ -163,20 +166,26 @@ def _says_https(record: logging.LogRecord) -> bool:
     return True
 
 
-def worker_settings(args: ServeArguments, verified: tuple[int, int] | None, key_files: dict[str, str]) -> str:
+def worker_settings(
+    args: ServeArguments, verified: tuple[int, int] | None, key_files: dict[str, str], ready_folder: str | None = None
+) -> str:
     """What ``SETTINGS_ENV`` holds for the workers: the flags, and the manifest stamp the parent checked the index
-    at (each worker opens that manifest without checking it again). No key: the keys' files (``_key_files``), which
+    at (each worker opens that manifest without checking it again). No key: the keys' files (``_worker_folder``), which
     each worker reads as ``--api_key_file``/``--admin_key_file``; an environment is readable by more than the
-    process (``/proc/PID/environ``) and passed on to every process it starts."""
+    process (``/proc/PID/environ``) and passed on to every process it starts. ``ready_folder``: where each worker
+    says it is ready (``vlfit.serve.readiness``)."""
     flags = {**asdict(args), "api_key": None, "admin_key": None, **key_files}
-    return json.dumps({"flags": flags, "verified": verified, "log_level": log_level()})
+    return json.dumps({"flags": flags, "verified": verified, "log_level": log_level(), "ready_folder": ready_folder})
 
 
 def app_from_environment():  # uvicorn's factory in each worker process of --workers N
     settings = json.loads(os.environ[SETTINGS_ENV])
+    from vlfit.serve.readiness import WorkerCount
+
     configure_third_parties(settings["log_level"])  # a worker is a process of its own: its model loads quietly too
-    verified = settings["verified"]
-    return build_app(ServeArguments(**settings["flags"]), tuple(verified) if verified else None)
+    verified, args = settings["verified"], ServeArguments(**settings["flags"])
+    workers = WorkerCount(settings["ready_folder"], args.workers) if settings.get("ready_folder") else None
+    return build_app(args, tuple(verified) if verified else None, workers)
 
 
 def check_address(host: str, port: int) -> None:
@@ -253,18 +262,25 @@ def main(argv: list[str] | None = None) -> int:
     # uvicorn finishes the requests in flight on SIGTERM, then raises the signal again: end with 0 then, not -15.
     signal.signal(signal.SIGTERM, _stopped)
     if args.workers == 1:
-        uvicorn.run(build_app(args, verified), **common)  # loads the model before binding: the port opens ready
-    else:
-        with _metrics_folder(), _key_files(args) as key_files:
-            os.environ[SETTINGS_ENV] = worker_settings(args, verified, key_files)
-            uvicorn.run("vlfit.commands.serve:app_from_environment", factory=True, workers=args.workers, **common)
-    return 0
+        # loads the model before binding; uvicorn says it runs once it listens: the port opens ready
+        uvicorn.run(build_app(args, verified), **common)
+        return 0
+    from vlfit.serve.readiness import WorkerCount, run_workers
+
+    with _metrics_folder(), _worker_folder(args) as (folder, key_files):
+        ready = WorkerCount(folder, args.workers)
+        os.environ[SETTINGS_ENV] = worker_settings(args, verified, key_files, ready.folder)
+        config = uvicorn.Config("vlfit.commands.serve:app_from_environment", factory=True, workers=args.workers,
+                                **common)  # fmt: skip
+        # uvicorn's line that the server runs (and its port) once every worker accepts, not as the port binds
+        return 0 if run_workers(config, ready) else 1
 
 
 @contextlib.contextmanager
-def _key_files(args: ServeArguments) -> Iterator[dict[str, str]]:
-    """The keys of ``args`` each in a file only this user may read (0600, in a 0700 temporary folder) while the
-    workers run, removed at exit, as ``{"api_key_file": path, ...}``; ``$VLFIT_API_KEY`` and ``$VLFIT_ADMIN_KEY``
+def _worker_folder(args: ServeArguments) -> Iterator[tuple[str, dict[str, str]]]:
+    """A private folder (0700, temporary) for the workers while they run, removed at exit, and the keys of ``args``
+    each in a file there only this user may read (0600), as ``(folder, {"api_key_file": path, ...})``; the workers
+    also say there that they are ready (``vlfit.serve.readiness``). ``$VLFIT_API_KEY`` and ``$VLFIT_ADMIN_KEY``
     are taken out of the environment the workers inherit meanwhile (read already: they are in ``args``)."""
     taken = {name: os.environ.pop(name) for name in (API_KEY_ENV, ADMIN_KEY_ENV) if name in os.environ}
     try:
@@ -275,7 +291,7 @@ def _key_files(args: ServeArguments) -> Iterator[dict[str, str]]:
                     path = files[f"{flag}_file"] = os.path.join(folder, flag)
                     with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="utf-8") as f:
                         f.write(key + "\n")
-            yield files
+            yield folder, files
     finally:
         os.environ.update(taken)
 

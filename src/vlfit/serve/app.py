@@ -10,8 +10,10 @@ Routes:
 - ``GET /api/image/{row}?size=256``: the indexed image at ``row`` (a result's ``row``, ASCII digits) as a JPEG
   thumbnail; a file that cannot be shown is 404 or 422 naming the item, never its bytes
   (``vlfit.serve.images.IndexedThumbnails``);
-- ``GET /api/health``, ``GET /metrics`` (Prometheus text), ``POST /api/reload`` (serve the index's current manifest
-  if it changed; the server also checks every ``reload_interval`` seconds);
+- ``GET /api/health`` (``{"status": "ok", "pid", "workers": {"ready": R, "of": N}, ...}``: the process that answered,
+  and how many of the server's N processes accept connections, ``vlfit.serve.readiness``), ``GET /metrics``
+  (Prometheus text), ``POST /api/reload`` (serve the index's current manifest if it changed; the server also checks
+  every ``reload_interval`` seconds);
 - ``GET /``: the web page (``vlfit/serve/static/index.html``, no external assets);
 - Weaviate's multi2vec protocol: ``POST /vectorize``, ``GET /meta``, ``GET /.well-known/live`` and ``ready``
   (``vlfit.serve.weaviate``).
@@ -72,6 +74,7 @@ from vlfit.serve.metrics import MEDIA_TYPE as METRICS_MEDIA_TYPE
 from vlfit.serve.metrics import ServerMetrics
 from vlfit.serve.middleware import HeadAsGet, InFlightLimit, RequestMetrics, UploadLimit, WaitLimit, settle_kind
 from vlfit.serve.queries import ITEM_NUMBER_RULE, Query, SearchQuery, ascii_number, read_query
+from vlfit.serve.readiness import WorkerCount
 from vlfit.serve.responses import error_response, internal_error
 from vlfit.serve.weaviate import add_weaviate_routes
 
@@ -90,6 +93,7 @@ def create_app(
     reload_interval: float = 2.0,
     limits: ServerLimits | None = None,
     access: AccessPolicy | None = None,
+    workers: WorkerCount | None = None,
 ) -> FastAPI:
     """The app serving ``engine``.
 
@@ -101,8 +105,11 @@ def create_app(
         reload_interval: Seconds between checks of the index's manifest (0: only ``POST /api/reload``).
         limits: The server's other bounds (default: ``ServerLimits()``'s).
         access: Keys, hosts and bodies the server takes (``vlfit serve`` always gives one); ``None``: no checks.
+        workers: Where this process says it is ready, and counts the ready workers of ``--workers N``
+            (``vlfit.serve.readiness``); ``None``: one process.
     """
     limits = limits or ServerLimits()
+    workers = workers or WorkerCount()
     metrics = ServerMetrics()
 
     def run_batch(queries: Sequence[tuple[str, int | None, RerankScore]], k: int) -> list[list[dict[str, object]]]:
@@ -137,9 +144,11 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         poller = asyncio.get_running_loop().create_task(_poll(engine, reload_interval)) if reload_interval > 0 else None
         try:
+            workers.started()  # the supervisor of --workers N says the server runs once every worker is here
             # what the server's connections are bounded by, and the searches' admission they refuse by
             yield {LIMITS_KEY: limits, METRICS_KEY: metrics, ADMISSION_KEY: admission, CLIENTS_KEY: clients}
         finally:
+            workers.stopped()
             if poller is not None:
                 poller.cancel()
             await batcher.close()
@@ -155,7 +164,10 @@ def create_app(
 
     @app.get("/api/health")
     async def health() -> dict[str, object]:
-        return {"status": "ok", "pid": os.getpid(), **engine.description}  # pid: which worker process answered
+        """``{"status": "ok", "pid", "workers": {"ready": R, "of": N}, ...}`` and the engine's description: ``pid``
+        the process that answered, ``workers`` how many of the N processes of ``--workers N`` have loaded their
+        app and accept connections (``{"ready": 1, "of": 1}`` for one process)."""
+        return {"status": "ok", "pid": os.getpid(), "workers": workers.read(), **engine.description}
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from vlfit.errors import UserError
 
-# The line uvicorn logs once it listens, with the port it bound (the free one it was given with --port 0).
+# The line vlfit serve logs once it accepts connections (with --workers N, once every worker does:
+# vlfit.serve.readiness), with the port it bound (the free one it was given with --port 0).
 _LISTENING = re.compile(r"Uvicorn running on https?://\S+?:(\d+) ")
 
 
@@ -61,7 +62,7 @@ def start_server(
     while True:
         if process.poll() is not None:
             raise ServerStartError(f"vlfit serve exited {process.returncode}: {_tail(log_path)}")
-        port = port or _logged_port(log_path) or 0  # read once the log names it
+        port = port or logged_port(log_path) or 0  # read once the log names it
         if port and _answers(f"{scheme}://127.0.0.1:{port}", process):
             return ServerProcess(process, port, scheme)
         if time.monotonic() > deadline:
@@ -70,8 +71,8 @@ def start_server(
         time.sleep(0.25)
 
 
-def _logged_port(log_path: str) -> int | None:
-    """The port the server's log says it listens on; None before it says so."""
+def logged_port(log_path: str) -> int | None:
+    """The port the server's log says it accepts connections on; None before it says so."""
     found = _LISTENING.search(_tail(log_path, size=1 << 20))
     return int(found.group(1)) if found else None
 
