@@ -63,8 +63,15 @@ def encoder_check(checkpoint: str, onnx_export: str, out: str) -> dict:
     manifest = export_model(loaded, out, ExportSettings("openvino", "int8"), parity_samples=samples)
     reference = ModelRuntime.open(checkpoint).encoder
     pixels = load_samples(synthetic_source(6, seed=5), reference.spec).pixels
-    fp32 = ModelRuntime.open(out, RuntimeSettings(precision="fp32", inference_precision="f32")).encoder
+    fp32 = ModelRuntime.open(out, RuntimeSettings(precision="fp32")).encoder  # asked fp32: computed in f32
+    try:
+        bf16 = ModelRuntime.open(out, RuntimeSettings(precision="bf16")).encoder
+        bf16_figures = {"bf16_hint": _hint(bf16), "bf16_min_cosine": min_cosine_against_torch(bf16, reference, pixels)}
+    except ConfigError as error:  # a CPU without bf16 matrix units
+        bf16_figures = {"bf16_refusal": str(error)}
     return {
+        "fp32_hint": _hint(fp32),
+        **bf16_figures,
         "default_precision": manifest["parity"]["openvino_default_precision"]["precision"],
         "fp32_backend": fp32.backend,
         "fp32_min_cosine": min_cosine_against_torch(fp32, reference, pixels),
@@ -72,6 +79,11 @@ def encoder_check(checkpoint: str, onnx_export: str, out: str) -> dict:
             ModelRuntime.open(out, RuntimeSettings(precision="int8")).encoder, reference, pixels
         ),
     }
+
+
+def _hint(encoder) -> str:  # type: ignore[no-untyped-def]
+    hint = encoder.graphs["image"].get_property("INFERENCE_PRECISION_HINT")
+    return hint.to_string() if hasattr(hint, "to_string") else str(hint)
 
 
 def pair_check(export: str, checkpoint: str) -> dict:

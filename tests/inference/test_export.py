@@ -11,6 +11,7 @@ import torch
 from tests.inference.openvino_checks import min_cosine_against_torch, run_openvino_check
 from vlfit.cli import main
 from vlfit.data.sources.synthetic import synthetic_source
+from vlfit.efficiency.cpu import cpu_info
 from vlfit.inference import export as export_module
 from vlfit.inference.export_samples import load_samples
 from vlfit.inference.identity import RefusedModelError, checkpoint_fingerprint
@@ -79,6 +80,19 @@ def test_openvino_export_matches_pytorch_and_its_int8_graphs_run(tiny_checkpoint
     assert checked["default_precision"] in ("f32", "bf16", "f16")
     assert checked["fp32_backend"] == "openvino"
     assert checked["fp32_min_cosine"] >= 0.9999 and checked["int8_min_cosine"] >= 0.98
+    assert checked["fp32_hint"] == "f32"  # fp32 asked is fp32 computed, where the plugin's default is bf16 (AMX)
+    cpu = cpu_info()
+    if cpu.has_amx_bf16 or "avx512_bf16" in cpu.features:  # the CPU's bf16 matrix units: the fp32 graphs in bf16
+        assert checked["bf16_hint"] == "bf16" and checked["bf16_min_cosine"] >= 0.99
+    else:
+        assert "has neither amx_bf16 nor avx512_bf16" in checked["bf16_refusal"]
+
+
+def test_bf16_is_refused_where_it_does_not_run(tiny_checkpoint, onnx_export):
+    with pytest.raises(RefusedModelError, match=r"--precision bf16 runs an OpenVINO export's graphs in bf16; this "):
+        _ = ModelRuntime.open(str(onnx_export), RuntimeSettings(precision="bf16")).encoder
+    with pytest.raises(RefusedModelError, match=r"bf16 runs on exported graphs only; export with --format openvino$"):
+        _ = ModelRuntime.open(str(tiny_checkpoint), RuntimeSettings(precision="bf16")).encoder
 
 
 def test_a_graph_that_does_not_match_its_checkpoint_is_not_written(

@@ -28,10 +28,10 @@ class _RuntimeFlagDeclarations:
                   "format's runtime for an export; for an index's model, the runtime it was built with), torch, "
                   "onnxruntime or openvino."},
     )  # fmt: skip
-    precision: Literal["auto", "fp32", "int8"] = field(
+    precision: Literal["auto", "fp32", "int8", "bf16"] = field(
         default="auto",
         metadata={"help": "Exported graphs: auto (INT8 when exported; for an index's model, the precision it was "
-                  "built with), fp32 or int8."},
+                  "built with), fp32, int8, or bf16 (an OpenVINO export on a CPU with AMX or AVX-512 bf16)."},
     )  # fmt: skip
     num_threads: int | None = field(
         default=None,

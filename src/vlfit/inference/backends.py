@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
+from vlfit.efficiency.cpu import cpu_info
 from vlfit.errors import ConfigError
 from vlfit.extras import require_extra
 from vlfit.inference.exported import TOKENIZER_FILES, TOWERS, ExportFolder
@@ -273,6 +274,34 @@ def graph_runtime(
     return OnnxRuntimeGraphs(settings.num_threads, settings.allow_spinning)
 
 
+def openvino_hint(exported: ExportFolder, settings: RuntimeSettings) -> str | None:
+    """OpenVINO's ``INFERENCE_PRECISION_HINT`` for an encoder on ``settings``: ``f32`` for ``--precision fp32`` (what
+    was asked, where the plugin's own default is bf16 on a CPU with AMX), ``bf16`` for ``--precision bf16``, else
+    ``settings.inference_precision`` (``None``: the plugin's default, whose cosine to PyTorch the export's manifest
+    records).
+
+    Raises:
+        RefusedModelError: ``bf16`` for an export that does not run on OpenVINO, or on a CPU without bf16 matrix
+            units (``amx_bf16``, ``avx512_bf16``), where it would be emulated.
+    """
+    if settings.precision == "bf16":
+        if exported.runtime != "openvino":
+            raise RefusedModelError(
+                f"{exported.path}: --precision bf16 runs an OpenVINO export's graphs in bf16; this export runs on "
+                f"{exported.runtime}: export with --format openvino, or use --precision fp32 or int8"
+            )
+        cpu = cpu_info()
+        if not (cpu.has_amx_bf16 or "avx512_bf16" in cpu.features):
+            raise RefusedModelError(
+                f"--precision bf16: this CPU ({cpu.describe()}) has neither amx_bf16 nor avx512_bf16, so OpenVINO "
+                "would emulate bf16, slower than fp32; use --precision fp32 or int8"
+            )
+        return "bf16"
+    if settings.precision == "fp32" and exported.runtime == "openvino":
+        return "f32"
+    return settings.inference_precision
+
+
 def exported_precision(asked: str, exported: Sequence[str]) -> str:
     """The precision of a part whose graphs were ``exported`` in those precisions: ``asked``, or for ``auto``
     INT8 when exported, else fp32."""
@@ -311,7 +340,8 @@ class ExportedPart(ModelPart):
         self.exported = exported
         self.runtime = runtime
         self.spec = exported.input_spec(max_seq_length)
-        self.graphs = {name: runtime.open(exported.graph_path(name, precision)) for name in graphs}
+        graph = "fp32" if precision == "bf16" else precision  # bf16: the fp32 graphs at OpenVINO's bf16 hint
+        self.graphs = {name: runtime.open(exported.graph_path(name, graph)) for name in graphs}
 
     def run_graph(self, name: str, inputs: Mapping[str, torch.Tensor | np.ndarray]) -> torch.Tensor:
         """Graph ``name`` on its ``inputs`` by name -> its float32 output."""
@@ -363,14 +393,16 @@ def build_encoder(reference: ModelReference, settings: RuntimeSettings) -> Encod
                 f"{reference.path} is a checkpoint, which runs on torch; for --backend {backend} export it first "
                 f"with vlfit export --model_name_or_path {reference.path} --format {other}"
             )
-        if precision == "int8":
-            raise RefusedModelError(f"{reference.path}: INT8 runs on exported graphs only; export with --quantize int8")
+        if precision in ("int8", "bf16"):
+            what = "INT8" if precision == "int8" else "bf16"
+            how = "with --quantize int8" if precision == "int8" else "with --format openvino"
+            raise RefusedModelError(f"{reference.path}: {what} runs on exported graphs only; export {how}")
         return _torch_encoder(reference, settings)
     exported = ExportFolder.open(reference.path, check_source=False)
     exported.check_backend(backend)
     exported.check_source_unchanged()
     exported.check_caption_length(settings.max_seq_length)
-    runtime = graph_runtime(exported, settings, settings.inference_precision)
+    runtime = graph_runtime(exported, settings, openvino_hint(exported, settings))
     encoder = ExportedEncoder(exported, runtime, precision, settings.max_seq_length)
     if settings.max_num_patches is not None:
         encoder.spec = _exported_patch_budget(encoder.spec, settings.max_num_patches, exported.path)

@@ -209,7 +209,8 @@ def exported_pair_scorer(exported: ExportFolder, settings: RuntimeSettings | Non
     """
     settings = settings or RuntimeSettings()
     runtime = graph_runtime(exported, settings, inference_precision="f32")
-    return ExportedPairScorer(exported, runtime, settings.precision, settings.max_seq_length)
+    precision = "fp32" if settings.precision == "bf16" else settings.precision  # the encoder's bf16 only
+    return ExportedPairScorer(exported, runtime, precision, settings.max_seq_length)
 
 
 def pair_scorer_for(encoder: TorchEncoder) -> TorchPairScorer | None:

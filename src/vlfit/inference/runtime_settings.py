@@ -9,7 +9,7 @@ from typing import Any
 from vlfit.errors import ConfigError
 
 BACKENDS = ("auto", "torch", "onnxruntime", "openvino")
-PRECISION_CHOICES = ("auto", "fp32", "int8")
+PRECISION_CHOICES = ("auto", "fp32", "int8", "bf16")
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,8 @@ class RuntimeSettings:
 
     Attributes:
         backend: ``auto`` (the folder's own runtime), ``torch``, ``onnxruntime`` or ``openvino``.
-        precision: ``auto`` (INT8 when exported), ``fp32`` or ``int8`` (exported graphs only).
+        precision: ``auto`` (INT8 when exported), ``fp32`` or ``int8`` (exported graphs only), or ``bf16`` (an
+            OpenVINO export's fp32 graphs computed in bf16, on a CPU with bf16 matrix units).
         num_threads: Threads of the runtime (``None``: its default), for the encoder, the pair scorer and the
             answerer alike.
         max_seq_length: Caption length (``None``: the one the run was trained with).
