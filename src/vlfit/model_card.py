@@ -104,6 +104,12 @@ similarity = text_embeds @ image_embeds.T""",
     "clip": _FamilyUsage(
         "CLIP", "CLIPModel", "zero-shot-image-classification", _DUAL_ENCODER_EMBED.format(padding="padding=True")
     ),
+    "metaclip2": _FamilyUsage(
+        "MetaCLIP 2",
+        "MetaClip2Model",
+        "zero-shot-image-classification",
+        _DUAL_ENCODER_EMBED.format(padding="padding=True"),
+    ),
     "siglip": _FamilyUsage(
         "SigLIP",
         "SiglipModel",

@@ -139,7 +139,7 @@ def _evaluation_embeddings(run, photos, tmp_path, monkeypatch):
     return _cosines(texts, text), _cosines(images, image)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "clip-tiny", "siglip-tiny", "two-tower-tiny"])
+@pytest.mark.parametrize("preset", ["tiny", "clip-tiny", "metaclip2-tiny", "siglip-tiny", "two-tower-tiny"])
 def test_every_door_embeds_a_run_as_it_was_trained(preset, synthetic_dataset_dir, tmp_path, caplog, monkeypatch):
     import vlfit
     from vlfit.cli import main
@@ -229,7 +229,7 @@ def _camera_photos(folder: Path) -> list[Path]:
     return paths
 
 
-@pytest.mark.parametrize("preset", ["siglip-tiny", "siglip2-tiny", "clip-tiny", "tiny"])
+@pytest.mark.parametrize("preset", ["siglip-tiny", "siglip2-tiny", "clip-tiny", "metaclip2-tiny", "tiny"])
 def test_photos_embed_as_plain_transformers_processor_embeds_them(preset, tmp_path):
     """``vlfit.load`` (a DCT-scaled decode, then one resize) against the model folder's own image processor
     (``AutoImageProcessor``: a decode at full size, EXIF orientation applied), on the same camera photos."""

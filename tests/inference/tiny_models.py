@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -52,4 +53,29 @@ def save_itm_checkpoint(checkpoint: Path, output_dir: Path, seed: int = 2) -> Pa
     for path in checkpoint.iterdir():  # the tokenizer and image processor
         if not (output_dir / path.name).exists():
             shutil.copy(path, output_dir / path.name)
+    return output_dir
+
+
+def save_metaclip2_checkpoint(captions: list[str], output_dir: Path, seed: int = 0) -> Path:
+    """A random-init MetaCLIP 2 folder laid out as the hub's ``facebook/metaclip-2-worldwide-*`` ones are:
+    ``MetaClip2Model.save_pretrained`` (``metaclip2-tiny``'s shapes), an XLM-R tokenizer (a SentencePiece Unigram with
+    XLM-R's special tokens, trained here on ``captions``; the real one has 901k pieces) and CLIP's image processor,
+    and no ``input_spec.json`` (vlfit never trained it)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import MetaClip2Model, XLMRobertaTokenizer
+
+    from vlfit.models.registry import family_for_preset
+
+    unigram = Tokenizer(models.Unigram())
+    unigram.pre_tokenizer = pre_tokenizers.Metaspace()
+    trainer = trainers.UnigramTrainer(vocab_size=600, special_tokens=["<s>", "<pad>", "</s>", "<unk>"],
+                                      unk_token="<unk>", show_progress=False)  # fmt: skip
+    unigram.train_from_iterator(captions, trainer)
+    pieces = [(piece, score) for piece, score in json.loads(unigram.to_str())["model"]["vocab"]]
+    tokenizer = XLMRobertaTokenizer(vocab=[*pieces, ("<mask>", 0.0)], model_max_length=77)
+    family = family_for_preset("metaclip2-tiny")
+    torch.manual_seed(seed)
+    MetaClip2Model(family.preset_config("metaclip2-tiny")).save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    family.preset_image_processor("metaclip2-tiny").save_pretrained(output_dir)
     return output_dir

@@ -26,6 +26,7 @@ PARAMETERS = {
     "clip-tiny": 263_233,
     "clip-small": 4_466_881,
     "clip-base": 151_277_313,
+    "metaclip2-tiny": 263_233,  # clip-tiny's shapes in MetaCLIP 2's classes
     "siglip-tiny": 291_586,
     "siglip-small": 4_896_386,
     "siglip2-small-fixres": 5_036_930,

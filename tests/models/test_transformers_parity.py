@@ -21,6 +21,7 @@ import io
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,7 @@ from transformers import (
     AutoTokenizer,
     BridgeTowerForContrastiveLearning,
     CLIPModel,
+    MetaClip2Model,
     SiglipModel,
 )
 
@@ -115,10 +117,11 @@ def plain_siglip(folder: str, images: list[bytes]) -> Embeddings:
     return Embeddings(text, image)
 
 
-def plain_clip(folder: str, images: list[bytes]) -> Embeddings:
-    """CLIP's model card: one processor call with ``padding=True``, then the two feature methods."""
+def plain_clip(folder: str, images: list[bytes], model_class: type = CLIPModel) -> Embeddings:
+    """CLIP's model card (and MetaCLIP 2's, with ``MetaClip2Model``): one processor call with ``padding=True``, then
+    the two feature methods."""
     model = AutoModel.from_pretrained(folder).eval()
-    assert isinstance(model, CLIPModel)
+    assert isinstance(model, model_class)
     processor = AutoProcessor.from_pretrained(folder)
     inputs = processor(text=TEXTS, images=pil_images(images), padding=True, return_tensors="pt")
     with torch.no_grad():
@@ -140,6 +143,7 @@ def plain_bridgetower(folder: str, images: list[bytes]) -> Embeddings:
 PLAIN: dict[str, tuple[str, Callable[[str, list[bytes]], Embeddings]]] = {
     "bridgetower": ("tiny", plain_bridgetower),
     "clip": ("clip-tiny", plain_clip),
+    "metaclip2": ("metaclip2-tiny", partial(plain_clip, model_class=MetaClip2Model)),
     "siglip": ("siglip-tiny", plain_siglip),
 }
 

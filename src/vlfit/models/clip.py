@@ -1,4 +1,6 @@
-"""CLIP: any ``transformers.CLIPModel`` checkpoint, the ``clip-*`` presets, and CLIP's softmax contrastive loss.
+"""CLIP: any ``transformers.CLIPModel`` checkpoint, the ``clip-*`` presets, and CLIP's softmax contrastive loss; and
+MetaCLIP 2 (``MetaClip2Model``: CLIP's towers and interface, another tokenizer and pooling), the same family with its
+own model class.
 
 The loss is the mean of text->image and image->text InfoNCE over L2-normalized embeddings, logits scaled by the
 learnable ``logit_scale.exp()``: what ``CLIPModel(return_loss=True)`` returns, and with global negatives the same
@@ -14,9 +16,10 @@ from typing import Any
 import torch
 from accelerate.utils import extract_model_from_parallel
 from torch import nn
-from transformers import CLIPConfig, CLIPModel
+from transformers import CLIPConfig, CLIPModel, MetaClip2Config, MetaClip2Model
 from transformers.models.clip.modeling_clip import CLIPOutput
 
+from vlfit.errors import ConfigError
 from vlfit.models.dual_encoder import normalized
 from vlfit.models.family import (
     HARD_NEGATIVE_INPUT_IDS,
@@ -70,21 +73,23 @@ def loss_terms(texts: torch.Tensor, images: torch.Tensor, hard_negatives: HardNe
 
 
 class CLIPFamily(ModelFamily):
-    """``CLIPModel`` checkpoints and the ``clip-*`` presets."""
+    """``CLIPModel`` checkpoints and the ``clip-*`` presets; a subclass names another model class with CLIP's
+    interface (``get_text_features`` / ``get_image_features``, ``CLIPOutput``'s fields) in ``model_class``."""
 
     name = "clip"
     model_types = ("clip",)
     config_class = CLIPConfig
+    model_class: Any = CLIPModel
     preset_special_tokens = SPECIAL_TOKENS
 
-    def build(self, config: Any) -> CLIPModel:
-        return CLIPModel(config)
+    def build(self, config: Any) -> nn.Module:
+        return self.model_class(config)
 
     def vision_position_embedding(self, model: nn.Module) -> torch.Tensor:
         return model.vision_model.embeddings.position_embedding.weight
 
-    def from_pretrained(self, name_or_path: str, **hub_kwargs: Any) -> CLIPModel:
-        return CLIPModel.from_pretrained(name_or_path, **hub_kwargs)
+    def from_pretrained(self, name_or_path: str, **hub_kwargs: Any) -> nn.Module:
+        return self.model_class.from_pretrained(name_or_path, **hub_kwargs)
 
     def image_size(self, config: Any) -> int:
         return int(config.vision_config.image_size)
@@ -139,3 +144,32 @@ class CLIPFamily(ModelFamily):
         return info_nce(
             terms, embeddings.shared["logit_scale"], gather=global_negatives, image_keys=image_keys_in(rows)
         )
+
+
+class MetaClip2Family(CLIPFamily):
+    """MetaCLIP 2 (``MetaClip2Model``: ``facebook/metaclip-2-worldwide-*`` checkpoints, 300+ languages) and the
+    ``metaclip2-*`` presets: CLIP's towers, loss and heads, with an XLM-R tokenizer (a preset's: the byte-level BPE
+    every preset trains, at XLM-R's special-token ids).
+
+    Its text tower pools at the first ``eos_token_id`` of each caption, with no legacy rule: a caption the tokenizer
+    does not end with that id (another model's tokenizer) pools at its first token and every caption embeds alike.
+    Truncation keeps the end token (the tokenizer adds it after cutting), and padding comes after it.
+    """
+
+    name = "metaclip2"
+    model_types = ("metaclip_2",)
+    config_class = MetaClip2Config
+    model_class = MetaClip2Model
+    # XLM-R's ids, as the real checkpoints' tokenizer has them: <s> 0, <pad> 1, </s> 2, <unk> 3.
+    preset_special_tokens = ModelFamily.preset_special_tokens
+
+    def check_tokenizer(self, config: Any, tokenizer: Any) -> None:
+        """Refuse a tokenizer that does not end a caption with the id the text tower pools at."""
+        pooled_at = config.get_text_config().eos_token_id
+        ends = tokenizer("a")["input_ids"][-1:]
+        if ends != [pooled_at]:
+            raise ConfigError(
+                f"the tokenizer ends a caption with id {ends[0] if ends else None} but the MetaCLIP 2 text tower pools "
+                f"at the first token {pooled_at} (text_config.eos_token_id): every caption would embed as its first "
+                "token; use the checkpoint's own tokenizer (drop --tokenizer_name) or one that ends captions with it"
+            )

@@ -283,6 +283,9 @@ class ModelFamily(ABC):
         text_config = getattr(config, "text_config", config)
         return getattr(text_config, "vocab_size", None)
 
+    def check_tokenizer(self, config: Any, tokenizer: Any) -> None:  # noqa: B027
+        """Refuse a tokenizer the model cannot read as it was trained to (a ``ConfigError``); any by default."""
+
     def export_context(self) -> contextlib.AbstractContextManager:
         """Where ``vlfit export`` traces the towers (a family whose transformers code asserts on tensor values, which
         ONNX cannot express, lifts those checks there; the checks' inputs come from vlfit's own pipeline)."""

@@ -255,6 +255,7 @@ def resolve_model(
     vocab = family.vocab_size(config)
     if vocab is not None and len(tokenizer) > vocab:
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model embeds only {vocab}")
+    family.check_tokenizer(config, tokenizer)
     image_size, patch_size = family.input_image_size(config, image_processor), family.patch_size(config)
     if patch_size and image_size % patch_size:
         raise ConfigError(

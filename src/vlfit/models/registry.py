@@ -11,7 +11,7 @@ from typing import Any
 
 from vlfit.errors import ConfigError
 from vlfit.models.bridgetower import BridgeTowerFamily
-from vlfit.models.clip import CLIPFamily
+from vlfit.models.clip import CLIPFamily, MetaClip2Family
 from vlfit.models.family import ModelFamily
 from vlfit.models.presets import get_preset
 from vlfit.models.siglip import SiglipFamily
@@ -22,6 +22,7 @@ from vlfit.models.vqa import VqaFamily, is_vqa_config
 FAMILIES: tuple[ModelFamily, ...] = (
     BridgeTowerFamily(),
     CLIPFamily(),
+    MetaClip2Family(),
     SiglipFamily(),
     Siglip2Family(),
     TwoTowerFamily(),

@@ -52,13 +52,8 @@ class TwoTowerFamily(CLIPFamily):
     name = "two-tower"
     model_types = ("vision-text-dual-encoder",)
     config_class = VisionTextDualEncoderConfig
+    model_class = VisionTextDualEncoderModel
     vision_class_token = True
-
-    def build(self, config: Any) -> VisionTextDualEncoderModel:
-        return VisionTextDualEncoderModel(config)
-
-    def from_pretrained(self, name_or_path: str, **hub_kwargs: Any) -> VisionTextDualEncoderModel:
-        return VisionTextDualEncoderModel.from_pretrained(name_or_path, **hub_kwargs)
 
     def from_towers(
         self, vision: str, text: str, *, projection_dim: int, hub: dict[str, Any]

@@ -5,10 +5,10 @@ The shipped ones have the shapes of the real checkpoints (``large``: BridgeTower
 this folder, ``add_preset`` adds a file from elsewhere, and ``--model_preset`` takes a name or a file's path. A
 preset file holds one JSON object:
 
-- ``family`` (required): ``bridgetower``, ``clip``, ``siglip``, ``siglip2`` or ``two-tower``
+- ``family`` (required): ``bridgetower``, ``clip``, ``metaclip2``, ``siglip``, ``siglip2`` or ``two-tower``
   (``vlfit.models.registry``).
 - ``config`` (required): the keyword arguments of the family's transformers config (``BridgeTowerConfig``,
-  ``CLIPConfig``, ``SiglipConfig``), the towers' as ``text_config`` and ``vision_config`` objects.
+  ``CLIPConfig``, ``MetaClip2Config``, ``SiglipConfig``), the towers' as ``text_config`` and ``vision_config`` objects.
 - ``image_processor`` (required): the settings of a transformers image processor (its ``image_mean`` and
   ``image_std`` are what the input pipeline normalizes with), its class named by ``image_processor_type``.
 - ``tokenizer_vocab_size``: size of the byte-level BPE trained on the captions when no ``--tokenizer_name`` is
