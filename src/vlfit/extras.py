@@ -26,6 +26,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "chroma": ("chromadb",),
     "pgvector": ("psycopg", "pgvector"),
     "milvus": ("pymilvus", "milvus_lite"),
+    "open_clip": ("open_clip",),  # vlfit export --format open_clip: the folder is checked with open_clip's loader
 }
 # The CLI commands that need an extra as a whole.
 COMMAND_EXTRAS: dict[str, str] = {

@@ -1,11 +1,13 @@
-"""``vlfit export``: a checkpoint's two towers as ONNX or OpenVINO graphs (optionally INT8), or as the CLIP model
-folder Immich loads (``--format immich``), checked against PyTorch."""
+"""``vlfit export``: a checkpoint's two towers as ONNX or OpenVINO graphs (optionally INT8), as the CLIP model
+folder Immich loads (``--format immich``), or as the folder open_clip loads (``--format open_clip``), checked against
+PyTorch."""
 
 from __future__ import annotations
 
 import json
 import logging
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -38,11 +40,14 @@ class ExportArguments(runtime_arguments("max_seq_length", "max_num_patches")):
 
     model_name_or_path: str = field(metadata={"help": "The checkpoint folder to export (vlfit train's output)."})
     output_dir: str = field(metadata={"help": "Folder for the graphs, the tokenizer and export_manifest.json."})
-    format: Literal["onnx", "openvino", "immich"] = field(
+    format: Literal["onnx", "openvino", "immich", "open_clip"] = field(
         default="onnx",
-        metadata={"help": "onnx (ONNX Runtime), openvino (OpenVINO IR), or immich: the CLIP model folder Immich's "
+        metadata={"help": "onnx (ONNX Runtime), openvino (OpenVINO IR), immich: the CLIP model folder Immich's "
                   "machine-learning service loads (config.json, textual/ and visual/ ONNX graphs, the tokenizer and "
-                  "preprocess_cfg.json; docs/export-retrieval.md)."},
+                  "preprocess_cfg.json), or open_clip: the folder open_clip.create_model_and_transforms('local-dir:"
+                  "FOLDER') and get_tokenizer load (open_clip_config.json, open_clip_model.safetensors, the "
+                  "tokenizer; CLIP and MetaCLIP 2 runs; the open_clip extra), for clip-retrieval and "
+                  "clip-as-service (docs/export-retrieval.md)."},
     )  # fmt: skip
     quantize: str | None = field(
         default=None,
@@ -127,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Export a checkpoint's image tower (uint8 pixels -> L2-normalized embedding) and text tower "
         "(input ids, attention mask -> L2-normalized embedding) with dynamic batch and sequence axes, checked "
         "against PyTorch on real samples; with --format immich, the CLIP model folder Immich's machine-learning "
-        "service loads.",
+        "service loads; with --format open_clip, the folder open_clip's create_model_and_transforms loads.",
     )
     (args,) = parser.parse_args_into_dataclasses(args=sys.argv[1:] if argv is None else argv)
     if args.parity_samples < 1 or args.calibration_samples < 1:
@@ -137,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.format == "immich":
         return _export_immich(args)
+    if args.format == "open_clip":
+        return _export_open_clip(args)
     settings = ExportSettings(args.format, args.quantize, args.opset, args.parity_threshold, args.itm_tolerance)
     check_output_dir(args.model_name_or_path, args.output_dir)
     loaded = ModelRuntime.open(args.model_name_or_path, args.settings(backend="torch"), flag="--model_name_or_path",
@@ -158,35 +165,73 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _export_immich(args: ExportArguments) -> int:
-    """``vlfit export --format immich`` (``vlfit.inference.export_immich``)."""
-    from vlfit.inference.export_immich import export_immich, immich_refusal
-
+def _layout_inputs(
+    args: ExportArguments, writes: str, refusal_of: Callable[[TorchEncoder], str | None]
+) -> tuple[TorchEncoder, Samples]:
+    """The checkpoint and parity samples of a folder in another tool's layout (``--format immich``, ``open_clip``),
+    refused in one line (``refusal_of``: why that tool cannot load it) before any sample is read."""
     if args.quantize:
-        raise ConfigError("--format immich writes the fp32 graphs Immich loads; leave --quantize out")
+        raise ConfigError(f"--format {args.format} writes {writes}; leave --quantize out")
     check_output_dir(args.model_name_or_path, args.output_dir)
     loaded = ModelRuntime.open(args.model_name_or_path, args.settings(backend="torch"), flag="--model_name_or_path",
                                kinds=("checkpoint", "adapters")).encoder  # fmt: skip
     assert isinstance(loaded, TorchEncoder)  # a checkpoint runs on torch
-    refusal = immich_refusal(loaded)  # before any sample is read
+    refusal = refusal_of(loaded)
     if refusal is not None:
-        raise ConfigError(f"--format immich: {refusal}")
+        raise ConfigError(f"--format {args.format}: {refusal}")
     samples, _ = _samples(args, loaded.spec)
+    return loaded, samples
+
+
+def _export_immich(args: ExportArguments) -> int:
+    """``vlfit export --format immich`` (``vlfit.inference.export_immich``)."""
+    from vlfit.inference.export_immich import export_immich, immich_refusal
+
+    loaded, samples = _layout_inputs(args, "the fp32 graphs Immich loads", immich_refusal)
     record = export_immich(loaded, args.output_dir, parity_samples=samples, opset=args.opset,
                            parity_threshold=args.parity_threshold)  # fmt: skip
-    summary = {"output_dir": args.output_dir, "format": "immich", "parity": record["parity"],
-               "context_length": record["text"]["context_length"], "image_size": loaded.spec.image_size}  # fmt: skip
-    if args.json:
-        print(json.dumps(summary, indent=1))
-        return 0
-    parity = record["parity"]
-    towers = {tower: parity[tower]["min_cosine"] for tower in ("image", "text")}
-    print(f"immich graphs: lowest cosine to PyTorch's embeddings on {parity['samples']} samples (captions tokenized "
-          f"as Immich tokenizes them): {_figures(towers)}")  # fmt: skip
-    print(f"wrote {args.output_dir}: Immich's CLIP model folder (config.json, textual/model.onnx with its tokenizer, "
-          f"visual/model.onnx with preprocess_cfg.json; {summary['image_size']} px images, "
-          f"{summary['context_length']}-token captions)")  # fmt: skip
+    summary = _layout_summary(args, record["parity"], record["text"]["context_length"], loaded.spec.image_size)
+    if summary is not None:
+        samples, figures = summary
+        print(f"immich graphs: lowest cosine to PyTorch's embeddings on {samples} samples (captions tokenized as "
+              f"Immich tokenizes them): {figures}")  # fmt: skip
+        print(f"wrote {args.output_dir}: Immich's CLIP model folder (config.json, textual/model.onnx with its "
+              f"tokenizer, visual/model.onnx with preprocess_cfg.json; {loaded.spec.image_size} px images, "
+              f"{record['text']['context_length']}-token captions)")  # fmt: skip
     return 0
+
+
+def _export_open_clip(args: ExportArguments) -> int:
+    """``vlfit export --format open_clip`` (``vlfit.inference.export_open_clip``)."""
+    from vlfit.extras import require_extra
+    from vlfit.inference.export_open_clip import export_open_clip, open_clip_refusal
+
+    require_extra("open_clip", "--format open_clip")
+    loaded, samples = _layout_inputs(args, "the fp32 weights open_clip loads", open_clip_refusal)
+    record = export_open_clip(loaded, args.output_dir, parity_samples=samples, parity_threshold=args.parity_threshold)
+    context = record["open_clip_config"]["model_cfg"]["text_cfg"]["context_length"]
+    summary = _layout_summary(args, record["parity"], context, loaded.spec.image_size)
+    if summary is not None:
+        samples, figures = summary
+        print(f"open_clip: lowest cosine of open_clip's embeddings (its loader and tokenizer) to vlfit's on {samples} "
+              f"samples: {figures}")  # fmt: skip
+        print(f"wrote {args.output_dir}: open_clip_config.json, open_clip_model.safetensors and the tokenizer "
+              f"({loaded.spec.image_size} px images, {context}-token captions); load it with "
+              f"open_clip.create_model_and_transforms('local-dir:{args.output_dir}')")  # fmt: skip
+    return 0
+
+
+def _layout_summary(
+    args: ExportArguments, parity: dict, context_length: int, image_size: int
+) -> tuple[int, str] | None:
+    """Print the summary of a folder in another tool's layout as JSON (``--json``: None), or return its parity
+    samples and figures (``image C, text C``) for the format's lines."""
+    if args.json:
+        print(json.dumps({"output_dir": args.output_dir, "format": args.format, "parity": parity,
+                          "context_length": context_length, "image_size": image_size}, indent=1))  # fmt: skip
+        return None
+    towers = {tower: parity[tower]["min_cosine"] for tower in ("image", "text")}
+    return parity["samples"], _figures(towers)
 
 
 def _figures(values: dict) -> str:  # the manifest's figures are rounded already: as they are stored
