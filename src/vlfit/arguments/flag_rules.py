@@ -24,7 +24,7 @@ from vlfit.models.reference import local_model_type, parse_model_reference
 RETRIEVAL_FLAGS = ("objective", "contrastive_loss", "contrastive_negatives", "gradient_cache_chunk_size",
                    "logit_scale_init_value", "hard_negative_column", "eval_pool_size", "rerank_top_k",
                    "rerank_score", "rerank_weight", "save_rerank_weight", "zeroshot_dataset",
-                   "prompt_template")  # fmt: skip
+                   "prompt_template", "matryoshka_dims")  # fmt: skip
 # Flags of a --task vqa run: its answers.
 VQA_FLAGS = ("answer_vocabulary", "max_answers")
 

@@ -70,6 +70,8 @@ class InputSpec:
         max_num_patches: NaFlex (SigLIP 2): each image keeps its aspect ratio as at most this many patches of
             ``patch_size`` (``vlfit.data.naflex``); None: square images of ``image_size``.
         patch_size: The vision tower's patch side (read with ``max_num_patches``).
+        matryoshka_dims: The prefix sizes the embedding was trained to be good at besides its full size
+            (``vlfit.models.matryoshka``); empty: the full size only.
     """
 
     image_size: int
@@ -79,6 +81,7 @@ class InputSpec:
     max_seq_length: int = 128
     max_num_patches: int | None = None
     patch_size: int | None = None
+    matryoshka_dims: tuple[int, ...] = ()
 
     @property
     def image_input(self) -> str:

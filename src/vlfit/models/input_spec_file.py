@@ -53,6 +53,8 @@ def input_settings(inputs: InputSpec) -> dict[str, Any]:
     if naflex:  # the token budget the run trained with, which every door reads back
         record.update(max_num_patches=int(inputs.max_num_patches), patch_size=int(inputs.patch_size or 0))  # type: ignore[arg-type]
     record.update(image_mean=[float(x) for x in inputs.image_mean], image_std=[float(x) for x in inputs.image_std])
+    if inputs.matryoshka_dims:  # the prefix sizes it was trained at (vlfit.models.matryoshka)
+        record["matryoshka_dims"] = [int(size) for size in inputs.matryoshka_dims]
     return record
 
 
@@ -89,6 +91,9 @@ def read_input_settings(folder: str | None) -> dict[str, Any] | None:
     expected = IMAGE_GEOMETRY if budget is None else PATCH_GEOMETRY
     if geometry != expected:
         raise ModelLoadError(f"{path}: images resized as {geometry}, which vlfit does not do ({expected})")
+    sizes = record.get("matryoshka_dims", [])
+    if not isinstance(sizes, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
+        raise ModelLoadError(f"{path}: matryoshka_dims must be a list of positive integers, got {sizes!r}")
     return record
 
 

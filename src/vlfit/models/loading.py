@@ -280,6 +280,7 @@ def resolve_model(
         image_std=tuple(float(x) for x in image_processor.image_std),  # type: ignore[arg-type]
         tokenizer=tokenizer,
         max_seq_length=max_seq_length,
+        matryoshka_dims=tuple(int(size) for size in (record or {}).get("matryoshka_dims", ())),
     )
     if record is not None:
         check_image_settings(record, inputs, record_folder)  # type: ignore[arg-type]

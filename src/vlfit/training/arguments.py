@@ -17,6 +17,8 @@ CONTRASTIVE_NEGATIVES = ("local", "global")
 CONTRASTIVE_LOSSES = ("model", "symmetric")
 # What training optimizes (--objective; vlfit.training.itm_objective computes each).
 OBJECTIVES = ("contrastive", "contrastive+itm", "itm")
+
+
 @dataclass
 class VlfitTrainingArguments(CompatTrainingFlags, TrainingArguments):
     """Every ``transformers.TrainingArguments`` flag, plus vlfit's training options.
@@ -63,6 +65,15 @@ class VlfitTrainingArguments(CompatTrainingFlags, TrainingArguments):
             "choices": list(OBJECTIVES),
         },
     )
+    matryoshka_dims: str | None = field(
+        default=None,
+        metadata={
+            "help": "Comma-separated embedding sizes below the model's (e.g. 64,128,256): the contrastive loss is "
+            "also taken at each prefix of the embedding, normalised again, and averaged with the full size's "
+            "(Matryoshka representation learning), so the first d dimensions are an embedding on their own; the run "
+            "records the sizes (input_spec.json) for --embedding_dim at every door."
+        },
+    )
     gradient_cache_chunk_size: int | None = field(
         default=None,
         metadata={
@@ -87,6 +98,23 @@ class VlfitTrainingArguments(CompatTrainingFlags, TrainingArguments):
         },
     )
 
+    def matryoshka_sizes(self) -> tuple[int, ...]:
+        """The sizes of ``--matryoshka_dims``, ascending (empty without the flag).
+
+        Raises:
+            ConfigError: naming the flag, for an entry that is not a positive integer.
+        """
+        sizes = []
+        for entry in str(self.matryoshka_dims or "").split(","):
+            if entry.strip():
+                if not entry.strip().isdigit() or int(entry) < 1:
+                    raise ConfigError(
+                        f"--matryoshka_dims {self.matryoshka_dims}: {entry.strip()!r} is not a positive integer; give "
+                        "comma-separated embedding sizes, such as 64,128,256"
+                    )
+                sizes.append(int(entry))
+        return tuple(sorted(set(sizes)))
+
     def __post_init__(self) -> None:
         if self.wise_ft_alpha is not None and not 0.0 <= self.wise_ft_alpha <= 1.0:
             raise ConfigError(f"--wise_ft_alpha must be between 0 and 1, got {self.wise_ft_alpha}")
@@ -108,6 +136,7 @@ class VlfitTrainingArguments(CompatTrainingFlags, TrainingArguments):
         if self.objective not in OBJECTIVES:
             raise ConfigError(f"unknown --objective {self.objective!r}; choose one of: {', '.join(OBJECTIVES)}")
         # Rules tying two flags (gradient caching with --objective, accumulation, --fsdp): vlfit.arguments.flag_rules
+        self.matryoshka_sizes()  # a list that is not one of sizes: refused now
         if self.enable_jit_checkpoint:
             # transformers' SIGTERM handler would be replaced by vlfit's PreemptionCallback, which does the same job.
             raise ConfigError(

@@ -4,6 +4,7 @@ VlfitTrainer. One function, both commands."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -42,6 +43,7 @@ from vlfit.models.loading import (
 )
 from vlfit.models.logit_scale import set_logit_scale
 from vlfit.models.lora import BASE_MODEL_DIR, LoraSettings, apply_lora, group_of, trainable_parameters
+from vlfit.models.matryoshka import check_sizes, with_matryoshka
 from vlfit.models.vqa import model_answers
 from vlfit.training.arguments import VlfitTrainingArguments
 from vlfit.training.distributed import describe_launch
@@ -149,6 +151,8 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
         max_seq_length=data_args.max_seq_length,
         max_num_patches=data_args.max_num_patches,
     )
+    if training_args.do_train:  # the sizes this run trains at, recorded with its inputs (a fine-tune's own flag)
+        spec.inputs = dataclasses.replace(spec.inputs, matryoshka_dims=training_args.matryoshka_sizes())
     if training_args.do_train:
         check_train_sampling(spec.inputs, training_args)
     if task == "vqa":
@@ -158,6 +162,12 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
         spec.inputs, PipelineOptions.from_arguments(data_args), training_args.device, pipeline_columns(task)
     )
     return RunSetup(data.train, data.eval, spec, pipeline, data.zeroshot, train_stream=data.train_stream, task=task)
+
+
+def _embedding_size(family: ModelFamily, model: torch.nn.Module, spec: Any) -> int:
+    """The size of ``model``'s embeddings: one caption's, embedded once before training."""
+    with torch.no_grad():
+        return int(family.encode_text(model, **spec.inputs.tokenize(["a"])).shape[-1])
 
 
 def _check_streamed_training(training_args: VlfitTrainingArguments) -> None:
@@ -304,6 +314,8 @@ def run(
     if training_args.do_train and model_args.logit_scale_init_value is not None:
         set_logit_scale(model, model_args.logit_scale_init_value)  # a resumed run then loads its trained value
     family = setup.spec.family
+    if training_args.do_train and setup.spec.inputs.matryoshka_dims:  # sizes the model's embedding can hold
+        check_sizes(setup.spec.inputs.matryoshka_dims, _embedding_size(family, model, setup.spec))
     unfreeze = later_unfreezing(model, family, model_args, training_args)
     lora = model_args.lora_settings()
     starting_weights = wise_ft_start(model, training_args)  # before the objective adds a head
@@ -318,7 +330,7 @@ def run(
         eval_dataset=pipeline.dataset(eval_source, train=False) if eval_source is not None else None,
         processing_class=saved_tokenizer(setup.spec),  # what the Trainer saves beside every checkpoint
         pipeline=pipeline,
-        family=family,
+        family=with_matryoshka(family, training_args.matryoshka_sizes()),
         eval_pool_size=data_args.eval_pool_size,
         max_bad_fraction=data_args.max_bad_fraction,
         unfreeze=unfreeze,

@@ -1,0 +1,103 @@
+"""Matryoshka embeddings (Kusupati et al., 2022, "Matryoshka Representation Learning"): the contrastive loss taken at
+each of several prefixes of the embedding as well as at its full size, so that the first d dimensions, normalised
+again, are a good embedding on their own (jina-clip-v2 keeps over 99% of its retrieval quality at a quarter of its
+dimensions).
+
+``MatryoshkaLoss`` wraps a family: its loss of a batch is the mean of the family's own loss over the batch's
+embeddings cut to each size (``prefix_embeddings``), with the same logit scale (and bias), the same negatives, hard
+negatives and same-image handling, so gradient caching and every objective take it unchanged. ``vlfit train
+--matryoshka_dims 32,64,128`` trains with it, and the run records the sizes in its ``input_spec.json``
+(``matryoshka_dims``), where every door that cuts embeddings (``--embedding_dim``) reads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from vlfit.errors import ConfigError
+from vlfit.models.family import LossEmbeddings, ModelFamily
+
+EMBEDDING_ROW = "text"  # every family's loss rows hold the captions' embeddings under this key
+
+
+def embedding_size(embeddings: LossEmbeddings) -> int:
+    """The full size of the embeddings a loss is computed from."""
+    return int(embeddings.rows[EMBEDDING_ROW].shape[-1])
+
+
+def prefix_embeddings(embeddings: LossEmbeddings, size: int) -> LossEmbeddings:
+    """``embeddings`` with every embedding row (floating point, the full size last: captions, images, BridgeTower's
+    cross-modal ones, hard negatives' ``[n, k, d]``) cut to its first ``size`` dimensions and L2-normalised again;
+    the other rows (validity masks, image keys) and the shared scalars as they are."""
+    full = embedding_size(embeddings)
+    rows = {
+        key: torch.nn.functional.normalize(value[..., :size], dim=-1)
+        if value.is_floating_point() and value.shape[-1] == full
+        else value
+        for key, value in embeddings.rows.items()
+    }
+    return LossEmbeddings(rows, embeddings.shared)
+
+
+def check_sizes(sizes: Sequence[int], full: int) -> None:
+    """Refuse sizes not below the model's embedding size ``full``, in one line naming the flag.
+
+    Raises:
+        ConfigError: naming ``--matryoshka_dims``, the size and the model's.
+    """
+    over = [size for size in sizes if size >= full]
+    if over:
+        raise ConfigError(
+            f"--matryoshka_dims {','.join(map(str, sizes))}: {over[0]} is not below the model's embedding size "
+            f"{full}; give sizes under {full} (the full size is always trained)"
+        )
+
+
+class MatryoshkaLoss:
+    """``family`` with its contrastive loss taken at each of ``sizes`` and at the full size, averaged; everything
+    else is the family's own.
+
+    Args:
+        family: The model's family.
+        sizes: Prefix sizes, each below the full embedding size (``check_sizes``).
+    """
+
+    def __init__(self, family: ModelFamily, sizes: Sequence[int]) -> None:
+        self.family = family
+        self.sizes = tuple(sorted(set(sizes)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.family, name)
+
+    def contrastive_loss(
+        self,
+        model: nn.Module,
+        inputs: Mapping[str, torch.Tensor],
+        *,
+        global_negatives: bool = False,
+        symmetric: bool = False,
+    ) -> torch.Tensor:
+        embeddings = self.family.loss_embeddings(model, inputs)
+        return self.loss_from_embeddings(embeddings, global_negatives=global_negatives, symmetric=symmetric)
+
+    def loss_from_embeddings(
+        self, embeddings: LossEmbeddings, *, global_negatives: bool = False, symmetric: bool = False
+    ) -> torch.Tensor:
+        full = embedding_size(embeddings)
+        check_sizes(self.sizes, full)
+        losses = [self.family.loss_from_embeddings(embeddings, global_negatives=global_negatives, symmetric=symmetric)]
+        for size in self.sizes:
+            prefix = prefix_embeddings(embeddings, size)
+            losses.append(
+                self.family.loss_from_embeddings(prefix, global_negatives=global_negatives, symmetric=symmetric)
+            )
+        return torch.stack(losses).mean()
+
+
+def with_matryoshka(family: ModelFamily, sizes: Sequence[int]) -> ModelFamily:
+    """``family`` trained at ``sizes`` too (``MatryoshkaLoss``), or ``family`` itself without sizes."""
+    return MatryoshkaLoss(family, sizes) if sizes else family  # type: ignore[return-value]
