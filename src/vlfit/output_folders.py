@@ -16,6 +16,7 @@ SYNTHETIC_SPLITS = ("train", "validation", "test")  # the splits vlfit make-data
 SYNTHETIC_SETTINGS = "vlfit_synthetic_config.json"  # what a synthetic dataset was made with
 MERGE_RECORD = "merge.json"  # vlfit merge's record of the runs and weights of a merged model
 DEMO_RECORD = "demo.json"  # in a demo's folder: {"flags": ..., "results": ...} (results once the demo is complete)
+FILTER_REPORT = "filter_report.json"  # vlfit filter's report: the model, the cut, what each split kept and dropped
 # The files that describe an export, moved in last: vlfit.inference.exported's manifest, the Immich layout's record.
 EXPORT_RECORDS = ("export_manifest.json", "vlfit_export.json")
 
@@ -49,5 +50,6 @@ MAKE_DATA = FolderClaim(
 MERGE = FolderClaim("vlfit merge", (MERGE_RECORD,))
 EXPORT = FolderClaim("vlfit export", EXPORT_RECORDS)
 DEMO = FolderClaim("vlfit demo", (DEMO_RECORD,), frozenset({"data", "model", DEMO_RECORD}))
+FILTER = FolderClaim("vlfit filter", (FILTER_REPORT,))
 # By command, as the flag index names them: their --output_dir is claimed before the imports.
-OUTPUT_FOLDERS = {claim.command: claim for claim in (MAKE_DATA, MERGE, EXPORT, DEMO)}
+OUTPUT_FOLDERS = {claim.command: claim for claim in (MAKE_DATA, MERGE, EXPORT, DEMO, FILTER)}

@@ -1,0 +1,172 @@
+"""``vlfit filter``: score every image-text pair of a dataset's splits with a model (the cosine of the pair's two
+embeddings, DataComp's CLIP score) and write the splits without the lowest-scoring pairs, the score as a column.
+
+The output folder (parquet shards as ``vlfit prepare`` writes them, ``scores.png``, ``filter_report.json`` and the
+bad samples' ``bad_samples.jsonl``) is written whole or not at all (``vlfit.atomic_files.staged_folder``), and reads
+back with ``vlfit train --dataset_name OUTPUT``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vlfit.arguments import DataArguments, DataLocationArguments
+from vlfit.arguments.runtime import flags_of, runtime_arguments
+from vlfit.arguments.sizes import check_sizes
+from vlfit.commands.parsing import CommandParser
+from vlfit.data.bad_samples import BAD_SAMPLES_REPORT
+from vlfit.data.filtering import DEFAULT_SCORE_COLUMN, HISTOGRAM_NAME, Cut, FilteredSplit
+from vlfit.errors import ConfigError
+from vlfit.output_folders import FILTER, FILTER_REPORT
+
+if TYPE_CHECKING:
+    from vlfit.data.sources.base import ImageTextSource
+    from vlfit.inference.runtime import ModelRuntime
+
+_DoorFlags = flags_of(DataArguments, ("bad_sample_policy",), base=runtime_arguments())
+
+
+@dataclass
+class FilterArguments(_DoorFlags):
+    """Flags of ``vlfit filter`` besides the data location."""
+
+    model: str = field(metadata={"help": "The model that scores: a checkpoint folder (vlfit train's) or a folder "
+                                 "vlfit export wrote."})  # fmt: skip
+    output_dir: str = field(
+        metadata={"help": "The folder to write the kept pairs into (parquet shards per split), with scores.png and "
+                  f"{FILTER_REPORT}: written whole once complete; a folder of an earlier vlfit filter is replaced."}
+    )  # fmt: skip
+    drop_fraction: float | None = field(
+        default=None, metadata={"help": "Drop this fraction of each split's pairs, the lowest-scoring (e.g. 0.3)."}
+    )
+    min_score: float | None = field(
+        default=None, metadata={"help": "Or drop the pairs scoring below this cosine (e.g. 0.25)."}
+    )
+    split: str | None = field(
+        default=None, metadata={"help": "Comma-separated splits to filter (default: every split of the data)."}
+    )
+    score_column: str = field(default=DEFAULT_SCORE_COLUMN, metadata={"help": "The column the scores are written to."})
+    batch_size: int = field(default=64, metadata={"help": "Pairs per forward pass of each tower."})
+    dataloader_num_workers: int = field(
+        default_factory=lambda: min(2, os.cpu_count() or 1),
+        metadata={"help": "Loader workers decoding and resizing the images (the default is min(2, CPU count))."},
+    )
+    cache_dir: str | None = field(default=None, metadata={"help": "Where downloaded datasets are cached."})
+    token: str | None = field(default=None, metadata={"help": "Hub token for private datasets."})
+
+    def __post_init__(self) -> None:
+        check_sizes(self)
+        self.cut()
+
+    def cut(self) -> Cut:
+        """``--drop_fraction`` or ``--min_score`` as a ``Cut`` (refused in one line for both, neither or a bad one)."""
+        return Cut(self.drop_fraction, self.min_score)
+
+
+def filter_splits(
+    runtime: ModelRuntime,
+    sources: Mapping[str, ImageTextSource],
+    output_dir: str,
+    cut: Cut,
+    *,
+    score_column: str = DEFAULT_SCORE_COLUMN,
+    batch_size: int = 64,
+    num_workers: int = 0,
+    bad_sample_policy: str = "skip",
+    columns: Mapping[str, Any] | None = None,
+) -> list[FilteredSplit]:
+    """Score each split of ``sources`` with ``runtime``, and write what ``cut`` keeps into ``output_dir`` (whole or
+    not at all), with the histogram, the report and the bad samples.
+
+    Args:
+        runtime: The model (``vlfit.inference.runtime.ModelRuntime``).
+        sources: Split name -> source (``open_splits``).
+        output_dir: The folder to write (``FILTER``'s claim: new, empty or an earlier filter's).
+        cut: What is dropped.
+        score_column: The scores' column.
+        batch_size: Pairs per forward.
+        num_workers: Loader workers.
+        bad_sample_policy: ``skip`` (leave bad samples out, counted and listed) or ``raise``.
+        columns: The column keywords of ``write_split`` (``image_column`` ...), as the sources were opened with.
+
+    Raises:
+        ConfigError: for an output folder another command wrote, or a score column the data has already.
+        BadSampleError: under ``raise``, at the first bad sample.
+    """
+    from vlfit.atomic_files import staged_folder
+    from vlfit.data.filtering import filter_report, write_histogram, write_split
+    from vlfit.inference.pair_scores import score_pairs
+
+    FILTER.claim(output_dir)  # before any scoring
+    done: list[FilteredSplit] = []
+    bad_lines: list[str] = []
+    with staged_folder(output_dir, FILTER.command, what="the filtered dataset", record_name=FILTER_REPORT) as stage:
+        for split, source in sources.items():
+            scored = score_pairs(runtime, source, batch_size=batch_size, num_workers=num_workers,
+                                 bad_sample_policy=bad_sample_policy)  # fmt: skip
+            kept = cut.keep(scored.scores)
+            write_split(stage, split, source, scored.positions[kept], scored.scores[kept], score_column=score_column,
+                        **(columns or {}))  # fmt: skip
+            done.append(FilteredSplit(split, len(source), scored.scores, kept, len(scored.bad_samples)))
+            bad_lines += [json.dumps({"split": split, "id": b.id, "reason": b.reason}) for b in scored.bad_samples]
+        if bad_lines:
+            with open(os.path.join(stage, BAD_SAMPLES_REPORT), "w", encoding="utf-8") as f:
+                f.write("\n".join(bad_lines) + "\n")
+        model = {"path": runtime.path, "runtime": runtime.encoder.description}
+        write_histogram(os.path.join(stage, HISTOGRAM_NAME), done, cut, runtime.path)
+        with open(os.path.join(stage, FILTER_REPORT), "w", encoding="utf-8") as f:
+            f.write(filter_report(done, cut, model, score_column))
+    return done
+
+
+def _chosen(splits: Sequence[str], asked: str | None) -> list[str]:
+    wanted = [part.strip() for part in (asked or "").split(",") if part.strip()] or list(splits)
+    unknown = [s for s in wanted if s not in splits]
+    if unknown:
+        raise ConfigError(f"--split: no split named {', '.join(unknown)}; the data has: {', '.join(splits)}")
+    return wanted
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``vlfit filter``: open the model and the splits, score, cut, write, print a summary."""
+    parser = CommandParser(
+        (FilterArguments, DataLocationArguments),
+        prog="vlfit filter",
+        description="Score every image-text pair of a dataset with a model (the cosine of its image and caption "
+        "embeddings, the CLIP score) and write each split without its lowest-scoring pairs (--drop_fraction) or "
+        "those below a score (--min_score), the score as a column, with a histogram (scores.png) and a report. "
+        "Train on the result with `vlfit train --dataset_name <output_dir>`.",
+    )
+    args, data = parser.parse_args_into_dataclasses(args=sys.argv[1:] if argv is None else argv)
+    FILTER.claim(args.output_dir)  # a folder of something else is refused before the model and the data load
+    from vlfit.data.prepare import DEFAULT_EXTRA_COLUMNS
+    from vlfit.data.sources.openers import open_splits
+    from vlfit.inference.backends import FOLDER_KINDS
+    from vlfit.inference.runtime import ModelRuntime
+
+    runtime = ModelRuntime.open(args.model, args.settings(), kinds=FOLDER_KINDS)
+    splits = open_splits(**data.source_kwargs(), cache_dir=args.cache_dir, token=args.token,
+                         extra_columns=DEFAULT_EXTRA_COLUMNS)  # fmt: skip
+    chosen = _chosen(list(splits), args.split)
+    columns = {"image_column": data.image_column, "caption_column": data.caption_column, "id_column": data.id_column,
+               "image_id_column": data.image_id_column}  # fmt: skip
+    done = filter_splits(runtime, {s: splits[s] for s in chosen}, args.output_dir, args.cut(),
+                         score_column=args.score_column, batch_size=args.batch_size,
+                         num_workers=args.dataloader_num_workers, bad_sample_policy=args.bad_sample_policy,
+                         columns=columns)  # fmt: skip
+    for split in done:
+        figures = split.to_dict()
+        print(
+            f"{split.split}: kept {figures['kept']} of {figures['scored']} scored pairs (dropped {figures['dropped']}"
+            f", lowest kept score {figures['lowest_kept_score']}); {figures['bad_samples']} bad samples left out"
+        )
+    print(
+        f"wrote {args.output_dir} ({HISTOGRAM_NAME}, {FILTER_REPORT}); train on it with: vlfit train "
+        f"--dataset_name {args.output_dir}"
+    )
+    return 0
