@@ -302,7 +302,7 @@ def test_thumbnails_are_cached_by_bytes_and_the_cache_drops_the_least_recent(cli
 
 @_in_event_loop
 async def test_beyond_max_concurrency_a_request_gets_503_with_retry_after_and_is_counted(engine) -> None:
-    app = create_app(engine, reload_interval=0, limits=ServerLimits(max_concurrency=2))
+    app = create_app(engine, reload_interval=0, limits=ServerLimits(max_concurrency=2, max_concurrency_per_client=2))
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:

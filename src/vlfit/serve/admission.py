@@ -7,7 +7,7 @@ new query would wait, and refuses it when that is over the budget:
     expected wait = queries of its kind admitted and not yet answered x recent seconds per query ahead
 
 Seconds per query ahead is measured, not modelled: each answered query's time in the server (from its admission,
-as its request head reaches the app's middleware ``vlfit.serve.middleware.WaitLimit``, to its answer) divided by
+as its whole request reaches the app's middleware ``vlfit.serve.middleware.WaitLimit``, to its answer) divided by
 the queries it found ahead of it plus one, an exponentially weighted moving average (``EWMA_WEIGHT`` of the
 newest). It is the time each queued query really adds, however they are computed:
 

@@ -128,7 +128,8 @@ def create_app(
     budget = limits.max_queue_wait_ms  # None: no wait budget; 0: derived from the unloaded time; else ms
     admission = None if budget is None else WaitAdmission(budget / 1000.0 if budget > 0 else None)
     clients = ClientShares(limits.max_connections_per_client, limits.requests_per_client, limits.forwarded_allow_ips,
-                           max_held=held_refusals_that_fit(limits.max_connections))  # fmt: skip
+                           max_held=held_refusals_that_fit(limits.max_connections),
+                           max_uploads=limits.uploads_per_client)  # fmt: skip
     # Image queries decode and embed on a thread of their own, never the text encoder's; thumbnails on a small pool.
     # Both yield the cores to the text queries when both want them (a 40-megapixel PNG decodes for seconds).
     image_queries = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlfit-image-query",
@@ -248,11 +249,13 @@ def create_app(
 
     add_weaviate_routes(app, engine, limits=limits, metrics=metrics, pool=vectorizing)
 
-    app.add_middleware(UploadLimit, max_bytes=int(max_upload_mb * 1e6), timeout=limits.body_timeout)
     app.add_middleware(HeadAsGet)
     if admission is not None:
         app.add_middleware(WaitLimit, admission=admission, metrics=metrics, paths=ADMITTED_PATHS)
-    app.add_middleware(InFlightLimit, max_requests=limits.max_concurrency, metrics=metrics, exempt=EXEMPT_PATHS)
+    app.add_middleware(InFlightLimit, max_requests=limits.max_concurrency, clients=clients, metrics=metrics,
+                       exempt=EXEMPT_PATHS)  # fmt: skip
+    app.add_middleware(UploadLimit, max_bytes=int(max_upload_mb * 1e6), clients=clients, metrics=metrics,
+                       timeout=limits.body_timeout)  # bodies arrive before a request takes its slot  # fmt: skip
     if access is not None:
         app.add_middleware(AccessControl, policy=access)  # before any work is done for a request
     app.add_middleware(RequestMetrics, metrics=metrics)  # outermost: counts the 413s and 503s too

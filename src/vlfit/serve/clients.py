@@ -1,11 +1,20 @@
-"""Who a request comes from, and what each client holds: open connections and requests in flight per client.
+"""Who a request comes from, and what each client holds: open connections, request bodies arriving and requests in
+flight per client.
 
 A client is its connection's address, or, for a connection from a trusted proxy (``--forwarded_allow_ips``), the
 address the proxy names in ``X-Forwarded-For``: the last one there that is not itself a trusted proxy (the
 addresses before it are whatever the client wrote). ``vlfit.serve.connections`` counts each client's connections
-as they open and close and its requests from the moment the connection hands them to the app until their answer
-is sent, and refuses what goes beyond ``--max_connections_per_client`` and ``--max_concurrency_per_client``
-(``ServerLimits``), before any application work. Each worker process of ``--workers N`` counts its own.
+as they open and close, and refuses one beyond ``--max_connections_per_client`` (``ServerLimits``); the app's
+middlewares (``vlfit.serve.middleware``) count a request's body while it arrives (``--max_uploads_per_client``,
+``UploadLimit``) and the request from the moment its body is whole until it is answered (``--max_concurrency``
+for the whole process, ``--max_concurrency_per_client`` per client, ``InFlightLimit``): a slot is taken when a
+request is ready to run, so bodies that trickle in hold none. The connection refuses at a request's head what is
+over a share already (``over_share``), before any application work. Each worker process of ``--workers N`` counts
+its own.
+
+As a slot is given back, the connections waiting for one (a refusal held until its ``Retry-After``,
+``vlfit.serve.connections``) are tried first (``wait_for_room``), so a balancer's kept-open connection is served as
+soon as the server has room instead of a second later.
 
 A connection beyond its client's share is answered 429 only after ``Retry-After`` (reading nothing meanwhile), so
 a client that opens another as soon as one closes is held to one accept a second per connection. At most
@@ -21,14 +30,22 @@ from __future__ import annotations
 
 import ipaddress
 from collections import Counter
+from typing import Any, Protocol
 
 from vlfit.errors import ConfigError
+from vlfit.serve.pool import ConnectionPool
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 # Connections refused beyond their client's share that may wait for their answer at once (fewer where the
 # descriptors do not allow them: ``held_refusals_that_fit``). A hog that reopens at once holds this many, not more.
 HELD_REFUSALS = 1024
 DESCRIPTOR_MARGIN = 256  # the process's own files beside its connections: the index, the model, logs, sockets
+WAKE_TRIES = 4  # waiting connections tried per slot given back (each still refused goes to the back of the line)
+
+
+class Waiter(Protocol):
+    def try_admit(self) -> bool:
+        """Admit the request this waits with, if there is room for it now; True when it was (it waits no more)."""
 
 
 def trusted_networks(forwarded_allow_ips: str | None) -> tuple[Network, ...] | None:
@@ -61,6 +78,7 @@ class ClientShares:
         max_requests: Requests in flight one client may have.
         forwarded_allow_ips: The trusted proxies (``trusted_networks``).
         max_held: Connections refused beyond their share that may wait for their answer at once.
+        max_uploads: Request bodies of one client that may be arriving at once (None: ``max_requests``).
     """
 
     def __init__(
@@ -69,14 +87,20 @@ class ClientShares:
         max_requests: int,
         forwarded_allow_ips: str | None = None,
         max_held: int = HELD_REFUSALS,
+        max_uploads: int | None = None,
     ) -> None:
         self.max_connections = max_connections
         self.max_requests = max_requests
         self.max_held = max_held
+        self.max_uploads = max_requests if max_uploads is None else max_uploads
         self._trusted = trusted_networks(forwarded_allow_ips)
         self.connections: Counter[str] = Counter()
         self.requests: Counter[str] = Counter()
+        self.uploads: Counter[str] = Counter()
+        self.in_flight = 0  # requests in flight, every client's (a trusted proxy's own included)
         self.held_refusals = 0
+        self.pool = ConnectionPool()  # every open connection by its peer's address, for the fair share of the slots
+        self._waiting: dict[Waiter, None] = {}
 
     def is_trusted_proxy(self, address: str) -> bool:
         if self._trusted is None:
@@ -100,21 +124,28 @@ class ClientShares:
                 return hop
         return hops[0] if hops else address
 
+    def client_of_scope(self, scope: dict) -> str:
+        """The client of an ASGI request ``scope`` (``client_of`` its peer and its ``X-Forwarded-For``)."""
+        peer = scope.get("client")
+        forwarded_for = next((value for name, value in scope.get("headers") or () if name == b"x-forwarded-for"), None)
+        return self.client_of(str(peer[0]) if peer else "", forwarded_for)
+
+    def may_open(self, address: str) -> bool:
+        """Whether a connection from ``address`` is within its share (a trusted proxy's always are)."""
+        return self.is_trusted_proxy(address) or self.connections[address] < self.max_connections
+
     def open_connection(self, address: str) -> bool:
         """Count a connection from ``address``; False (not counted) when it would hold more than its share. A
         trusted proxy's connections are not limited per client."""
         if self.is_trusted_proxy(address):
             return True
-        if self.connections[address] >= self.max_connections:
+        if not self.may_open(address):
             return False
         self.connections[address] += 1
         return True
 
     def close_connection(self, address: str) -> None:
-        if address in self.connections:
-            self.connections[address] -= 1
-            if self.connections[address] <= 0:
-                del self.connections[address]
+        _uncount(self.connections, address)
 
     def hold_refusal(self) -> bool:
         """Count a refused connection that waits for its answer; False (not counted) at ``max_held``."""
@@ -126,18 +157,71 @@ class ClientShares:
     def release_refusal(self) -> None:
         self.held_refusals = max(0, self.held_refusals - 1)
 
+    def over_share(self, client: str, *, uploading: bool = False) -> tuple[str, str] | None:
+        """``(limit, reason)`` where ``client`` holds its share already (a refusal's words, without its
+        ``Retry-After``): of requests in flight (``"client_requests"``), or, ``uploading`` (a request whose body is
+        to come), of bodies arriving (``"client_uploads"``); None: neither."""
+        if self.requests[client] >= self.max_requests:
+            return "client_requests", self.requests_refusal
+        if uploading and self.uploads[client] >= self.max_uploads:
+            return "client_uploads", self.uploads_refusal
+        return None
+
+    @property
+    def requests_refusal(self) -> str:
+        return f"this client has {self.max_requests} requests in flight here (--max_concurrency_per_client)"
+
+    @property
+    def uploads_refusal(self) -> str:
+        return f"this client has {self.max_uploads} request bodies arriving here (--max_uploads_per_client)"
+
     def start_request(self, client: str) -> bool:
         """Count a request of ``client`` in flight; False (not counted) when it has its share already."""
         if self.requests[client] >= self.max_requests:
             return False
         self.requests[client] += 1
+        self.in_flight += 1
         return True
 
     def end_request(self, client: str) -> None:
-        if client in self.requests:
-            self.requests[client] -= 1
-            if self.requests[client] <= 0:
-                del self.requests[client]
+        self.in_flight = max(0, self.in_flight - 1)
+        _uncount(self.requests, client)
+        self._room()
+
+    def start_upload(self, client: str) -> bool:
+        """Count a request body of ``client`` arriving; False (not counted) when it has its share already."""
+        if self.uploads[client] >= self.max_uploads:
+            return False
+        self.uploads[client] += 1
+        return True
+
+    def end_upload(self, client: str) -> None:
+        _uncount(self.uploads, client)
+        self._room()
+
+    def wait_for_room(self, waiter: Waiter) -> None:
+        """``waiter`` is tried (``Waiter.try_admit``) as requests end, in the order they came, until it leaves."""
+        self._waiting[waiter] = None
+
+    def stop_waiting(self, waiter: Any) -> None:
+        self._waiting.pop(waiter, None)
+
+    def _room(self) -> None:
+        """A request ended or a body is whole: the first waiting connection that fits now is admitted (one: one slot
+        was given back), of at most ``WAKE_TRIES`` tried."""
+        for _ in range(min(WAKE_TRIES, len(self._waiting))):
+            waiter = next(iter(self._waiting))
+            del self._waiting[waiter]
+            if waiter.try_admit():
+                return
+            self._waiting[waiter] = None  # to the back: the next one may be another client's, with room
+
+
+def _uncount(counts: Counter[str], client: str) -> None:
+    if client in counts:
+        counts[client] -= 1
+        if counts[client] <= 0:
+            del counts[client]
 
 
 def held_refusals_that_fit(max_connections: int) -> int:
@@ -162,4 +246,10 @@ def held_refusals_that_fit(max_connections: int) -> int:
     return max(0, min(HELD_REFUSALS, soft - max_connections - DESCRIPTOR_MARGIN))
 
 
-__all__ = ["HELD_REFUSALS", "ClientShares", "held_refusals_that_fit", "trusted_networks"]
+__all__ = [
+    "HELD_REFUSALS",
+    "ClientShares",
+    "Waiter",
+    "held_refusals_that_fit",
+    "trusted_networks",
+]

@@ -7,43 +7,46 @@ how large the head may be (h11's ``h11_max_incomplete_event_size`` bounds the he
 accepts connections up to the file-descriptor limit, beyond which clients are refused without a log line.
 ``BoundedHttpToolsProtocol`` adds, for every connection of a ``vlfit serve`` app:
 
-- ``max_connections``: a connection beyond it is answered 503 with ``Retry-After`` and closed at once (logged,
-  counted in ``vlfit_refused_total{limit="connections"}``);
+- ``max_connections``, shared fairly (``vlfit.serve.pool``): when every slot is taken, a connection from an address
+  holding fewer than its fair share takes the slot of an idle connection of the address holding the most (closed
+  silently between requests or before any, 503 within a request head); a connection that cannot is answered 503
+  with ``Retry-After`` and closed at once (logged, counted in ``vlfit_refused_total{limit="connections"}``);
 - ``header_timeout``: a request head (request line and headers) must be whole within this many seconds of the
   connection opening or of its first byte; otherwise 408 and close (a connection that never sends a byte is
   closed silently), so idle and trickling connections are let go;
 - ``max_header_bytes``: a request line and headers larger than this get 431 and the connection is closed;
-- with ``--max_queue_wait_ms`` (on by default), a search whose expected wait is over its budget
-  (``vlfit.serve.admission``) is answered 503 with ``Retry-After`` as soon as its head is parsed, before the app and
-  its middlewares see it (the body that follows is read and dropped, the connection kept alive), and counted in
-  ``vlfit_refused_total{limit="wait"}`` (not among ``vlfit_requests_total``, which counts what the app answered).
-  Under overload most requests are refused; a refusal here costs the event loop a fraction of one through the app,
-  which leaves it to the admitted (``WaitLimit`` refuses the same way on any other protocol).
+- a request over a limit already as its head is parsed (``--max_concurrency`` requests in flight, its client's
+  share of them or of bodies arriving, and with ``--max_queue_wait_ms``, on by default, a search whose expected
+  wait is over its budget: ``vlfit.serve.admission``) is answered 503 or 429 with ``Retry-After`` before the app
+  and its middlewares see it (the body that follows is read and dropped, the connection kept alive), and counted
+  in ``vlfit_refused_total`` (not among ``vlfit_requests_total``, which counts what the app answered). Under
+  overload most requests are refused; a refusal here costs the event loop a fraction of one through the app, which
+  leaves it to the admitted (the middlewares, which count requests once their body is whole, refuse the same way
+  on any other protocol);
+- a request sent again on the same connection before the ``Retry-After`` it was given is held until then (so a
+  client that resends at once costs one refusal a second), but started as soon as a slot is given back and it fits
+  (``ClientShares.wait_for_room``): a balancer's kept-open connection is not stalled a second after each refusal.
 
-The app hands its ``ServerLimits`` and its metrics to the protocol through the lifespan state (``LIMITS_KEY``,
-``METRICS_KEY``), so every uvicorn worker process reads those of its own app, whether uvicorn runs one process or
-several; a connection to an app that gives none is not bounded here.
+The app hands its ``ServerLimits``, metrics, admission and ``ClientShares`` to the protocol through the lifespan
+state (``LIMITS_KEY``, ``METRICS_KEY``, ``ADMISSION_KEY``, ``CLIENTS_KEY``), so every uvicorn worker process reads
+those of its own app, whether uvicorn runs one process or several; a connection to an app that gives none is not
+bounded here.
 
 The subclass relies on uvicorn's private API (tested on uvicorn 0.54): ``http_protocol`` checks at server start that
-what it uses is there (``protocol_api_problems``: methods and their arguments, the attributes uvicorn's
-``__init__`` sets, the status lines it writes). Where something is missing, ``vlfit serve`` logs one warning and runs
-on uvicorn's own h11 protocol instead of failing at the first connection: the app's middlewares and query checks
-still bound requests and bodies, h11 bounds the head's size, and connections and head time are not bounded.
+what it uses is there (``vlfit.serve.uvicorn_api``: methods and their arguments, the attributes uvicorn's
+``__init__`` sets, the status lines it writes). Where something is missing, ``vlfit serve`` logs one warning and
+runs on uvicorn's own h11 protocol instead of failing at the first connection: the app's middlewares and query
+checks still bound requests and bodies, h11 bounds the head's size, and connections and head time are not bounded.
 """
 
 from __future__ import annotations
 
-import ast
-import contextlib
-import inspect
 import json
 import logging
-import textwrap
 import time
 from collections.abc import Mapping
 from typing import Any
 
-from vlfit.errors import first_line
 from vlfit.serve.admission import RETRY_AFTER_S, query_kind, refusal_message
 from vlfit.serve.clients import ClientShares
 from vlfit.serve.limits import (
@@ -55,15 +58,8 @@ from vlfit.serve.limits import (
     METRICS_KEY,
     ServerLimits,
 )
-
-try:  # uvicorn's private protocol module: where it moved or went, http_protocol() falls back to h11
-    import httptools
-    from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
-except ImportError as error:
-    IMPORT_PROBLEM: str | None = f"uvicorn.protocols.http.httptools_impl: {first_line(error)}"
-    STATUS_LINE, HttpToolsProtocol = {}, object  # type: ignore[assignment,misc]
-else:
-    IMPORT_PROBLEM = None
+from vlfit.serve.middleware import in_flight_refusal, share_refusal
+from vlfit.serve.uvicorn_api import IMPORT_PROBLEM, STATUS_LINE, HttpToolsProtocol, httptools, protocol_api_problems
 
 logger = logging.getLogger(__name__)
 
@@ -74,63 +70,6 @@ tls_handshakes: dict[Any, str] = {}
 REFUSAL_LOG_INTERVAL_S = 10.0  # refused connections are logged at most this often, with the count since
 BOUNDED_PROTOCOL = f"{__name__}:BoundedHttpToolsProtocol"  # uvicorn's http=, as an import string
 FALLBACK_PROTOCOL = "h11"  # uvicorn's own, bounding the head's size (h11_max_incomplete_event_size)
-# What BoundedHttpToolsProtocol uses of uvicorn's protocol: the methods it overrides or calls, each with the number of
-# arguments it passes; the attributes uvicorn's __init__ sets that it reads; the status lines it writes.
-PROTOCOL_METHODS = {
-    "connection_made": 1, "connection_lost": 1, "data_received": 1, "on_message_begin": 0, "on_url": 1,
-    "on_header": 2, "on_headers_complete": 0, "_unset_keepalive_if_required": 0, "_should_upgrade": 0,
-    "handle_websocket_upgrade": 0, "_unsupported_upgrade_warning": 0, "send_400_response": 1, "on_body": 1,
-    "on_message_complete": 0, "on_response_complete": 0,
-}  # fmt: skip
-PROTOCOL_KEYWORDS = ("config", "server_state", "app_state")  # how uvicorn creates a protocol per connection
-PROTOCOL_ATTRIBUTES = ("app_state", "connections", "tasks", "parser", "loop", "logger", "transport", "cycle",
-                       "headers", "expect_100_continue")  # fmt: skip
-STATUS_CODES = (408, 429, 431, 503)
-
-
-def protocol_api_problems(protocol: type, status_line: Mapping[int, bytes]) -> list[str]:
-    """What ``BoundedHttpToolsProtocol`` needs and ``protocol`` (uvicorn's ``HttpToolsProtocol``) lacks: a missing
-    method, one that does not take the arguments passed, an attribute its ``__init__`` does not set, a status
-    line ``status_line`` (uvicorn's ``STATUS_LINE``) does not hold; empty when everything is there."""
-    problems = []
-    for name, count in {"__init__": 0, **PROTOCOL_METHODS}.items():
-        method = getattr(protocol, name, None)
-        if not callable(method):
-            problems.append(f"no {name}()")
-            continue
-        try:
-            signature = inspect.signature(method)
-        except (TypeError, ValueError):
-            continue  # a builtin without a signature: nothing to check
-        keywords = dict.fromkeys(PROTOCOL_KEYWORDS) if name == "__init__" else {}
-        try:
-            signature.bind(None, *[None] * count, **keywords)
-        except TypeError:
-            passed = ", ".join(f"{key}=" for key in keywords) if keywords else f"{count} argument(s)"
-            problems.append(f"{name}{signature} does not take {passed}")
-    assigned = _assigned_attributes(protocol)
-    problems += [f"no self.{name}" for name in PROTOCOL_ATTRIBUTES if name not in assigned]
-    problems += [f"no STATUS_LINE[{code}]" for code in STATUS_CODES if code not in status_line]
-    return problems
-
-
-def _assigned_attributes(protocol: type) -> set[str]:
-    """The attributes of ``protocol``'s class and those its ``__init__`` methods (along the MRO) assign."""
-    names = {name for cls in protocol.__mro__ for name in vars(cls)}
-    for cls in protocol.__mro__:
-        init = vars(cls).get("__init__")
-        if init is not None and cls is not object:
-            with contextlib.suppress(OSError, TypeError, SyntaxError):  # no source: its attributes count as missing
-                tree = ast.parse(textwrap.dedent(inspect.getsource(init)))
-                names.update(
-                    node.attr
-                    for node in ast.walk(tree)
-                    if isinstance(node, ast.Attribute)
-                    and isinstance(node.ctx, ast.Store)
-                    and isinstance(node.value, ast.Name)
-                    and node.value.id == "self"
-                )
-    return names
 
 
 def http_protocol(protocol: type | None = None, status_line: Mapping[int, bytes] | None = None) -> str:
@@ -158,22 +97,29 @@ def http_protocol(protocol: type | None = None, status_line: Mapping[int, bytes]
 
 
 class ConnectionRefusals:
-    """A count of refused connections, logged once per interval rather than once per connection."""
+    """Connections refused at ``--max_connections``, and idle ones closed for a newcomer holding fewer
+    (``vlfit.serve.pool``), logged once per interval rather than once per connection."""
 
     count = 0
+    reclaimed = 0
     logged_at = 0.0
 
     @classmethod
-    def note(cls, limit: int) -> None:
-        cls.count += 1
+    def note(cls, limit: int, *, reclaimed: bool = False) -> None:
+        if reclaimed:
+            cls.reclaimed += 1
+        else:
+            cls.count += 1
         now = time.monotonic()
         if now - cls.logged_at >= REFUSAL_LOG_INTERVAL_S:
-            logger.warning("refused %d connection(s) over the limit of %d open (--max_connections)", cls.count, limit)
-            cls.count, cls.logged_at = 0, now
+            logger.warning("refused %d connection(s) over the limit of %d open (--max_connections), and closed %d idle "
+                           "one(s) of the addresses holding the most for addresses holding fewer than their share",
+                           cls.count, limit, cls.reclaimed)  # fmt: skip
+            cls.count, cls.reclaimed, cls.logged_at = 0, 0, now
 
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a connection cap, a request-head timeout and a head size limit."""
+    """uvicorn's httptools protocol with a fair connection pool, a request-head timeout and a head size limit."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -183,10 +129,12 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self.shares: ClientShares | None = self.app_state.get(CLIENTS_KEY)
         self._address = ""  # the peer's address, counted among its connections once admitted
         self._counted_connection = False
-        self._requests: list[str] = []  # the client of each request handed to the app and not yet answered
+        self._pooled = False  # in the pool of open connections (vlfit.serve.pool)
+        self._request: tuple[str, bytes, str, bool] = ("", b"", "", False)  # route, content type, client, uploading
         self._retry_at = 0.0  # loop time before which this connection was told to retry (Retry-After)
         self._held: Any = None  # the timer of a refusal held until then
-        self._held_body_done = False  # the held request's body was read (and dropped)
+        self._parked: tuple[Any, Any] | None = None  # the held request's (cycle, app): started if room comes first
+        self._parking = False
         self._held_connection = False  # refused beyond its client's share, answered after RETRY_AFTER_S
         self._head_bytes = 0
         self._head_timer: Any = None
@@ -200,16 +148,16 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         handshake_client = tls_handshakes.pop(self, "")  # a TLS connection (vlfit.serve.tls): its handshake is over
         if handshake_client and self.shares is not None:
             self.shares.close_connection(handshake_client)  # counted again below, as the connection it now is
+        peer = transport.get_extra_info("peername")
+        self._address = str(peer[0]) if isinstance(peer, tuple) and peer else ""
         limits = self.limits
-        if limits is not None and len(self.connections) >= limits.max_connections:
+        if limits is not None and self._open_connections() >= limits.max_connections and not self._reclaim_slot():
             self.transport, self._admitted, self._refused = transport, False, True
             ConnectionRefusals.note(limits.max_connections)
             if self.metrics is not None:
                 self.metrics.observe_refused("connections")
             self._answer_and_close(503, b"too many connections (--max_connections)", retry_after=1)
             return
-        peer = transport.get_extra_info("peername")
-        self._address = str(peer[0]) if isinstance(peer, tuple) and peer else ""
         if self.shares is not None and self._address:
             if not self.shares.open_connection(self._address):
                 self.transport, self._admitted, self._refused = transport, False, True
@@ -221,7 +169,39 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                 return
             self._counted_connection = True
         super().connection_made(transport)
+        if self.shares is not None:
+            self.shares.pool.add(self._address, self)
+            self._pooled = True
         self._arm_head_timer()  # a connection that never sends a request is let go too
+
+    def _open_connections(self) -> int:
+        return len(self.connections) if self.shares is None else self.shares.pool.size
+
+    def _reclaim_slot(self) -> bool:
+        """Every slot is taken: take an idle connection's for this one when its address holds fewer than its fair
+        share (``vlfit.serve.pool``); True when one was closed for it."""
+        shares, limits = self.shares, self.limits
+        if shares is None or limits is None or not shares.may_open(self._address):
+            return False
+        victim = shares.pool.reclaim_for(self._address, limits.max_connections)
+        if victim is None:
+            return False
+        assert isinstance(victim, BoundedHttpToolsProtocol)
+        victim.give_up_slot()
+        return True
+
+    def give_up_slot(self) -> None:
+        """Closed for a newcomer below its fair share (the pool has let it go already): silently between requests
+        or before any (as an idle keep-alive connection is closed), 503 with ``Retry-After`` within a request head."""
+        self._pooled = False
+        assert self.limits is not None
+        ConnectionRefusals.note(self.limits.max_connections, reclaimed=True)
+        if self._in_head:
+            self._refused = True
+            message = b"this connection's slot went to a client holding fewer (--max_connections); retry"
+            self._answer_and_close(503, message, retry_after=RETRY_AFTER_S)
+        else:
+            self.transport.close()
 
     def _refuse_connection_later(self, message: bytes) -> None:
         """Answer a connection beyond its client's share 429 after ``RETRY_AFTER_S``, reading nothing meanwhile: a
@@ -252,13 +232,15 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self._held is not None:
             self._held.cancel()
             self._held = None
+        self._parked = None
         if self.shares is not None:
+            self.shares.stop_waiting(self)
             if self._counted_connection:
                 self.shares.close_connection(self._address)
                 self._counted_connection = False
-            for client in self._requests:  # requests whose answers will not be sent
-                self.shares.end_request(client)
-            self._requests = []
+            if self._pooled:
+                self.shares.pool.remove(self._address, self)
+                self._pooled = False
         if self._admitted:
             super().connection_lost(exc)
 
@@ -305,77 +287,104 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._disarm_head_timer()
         self._in_head = False
+        if self._pooled:
+            assert self.shares is not None
+            self.shares.pool.busy(self._address, self)  # a request: never taken for another client's connection
         if self._refused:  # sent behind a held refusal: dropped with the connection
             return
-        refusal = self._refusal()
+        pipelined = self.cycle is not None and not self.cycle.response_complete  # left to the app's middlewares
+        self._request = self._request_of_head()
+        refusal = None if pipelined else self._refusal()
         if refusal is None:
             super().on_headers_complete()
             return
+        keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
+        keep_alive = keep_alive and not self.expect_100_continue  # such a client may not send the body now
+        now = self.loop.time()
+        if now < self._retry_at and keep_alive and self.shares is not None:
+            # Sent again before the Retry-After it was given: held, its body read into the request as uvicorn makes
+            # it, until that time is over (then refused, so a client that resends at once costs the server one
+            # refusal a second, not thousands) or until a slot is given back and it fits (started then: a
+            # balancer's kept-open connection waits for the room, not for the second).
+            self._parking = True
+            super().on_headers_complete()
+            self._parking = False
+            if self._parked is not None:
+                self._held = self.loop.call_later(self._retry_at - now, self._answer_held, refusal)
+                self.shares.wait_for_room(self)
+                return
+        self._refuse(refusal, keep_alive)
+        self._dropping_body = True
+
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        if self._parking:
+            self._parked = (cycle, app)
+        else:
+            super()._start_asgi_task(cycle, app)
+
+    def try_admit(self) -> bool:
+        """A slot was given back (``ClientShares.wait_for_room``): start the held request if it fits now; True when
+        it no longer waits (started, or its connection closing or closed behind another request)."""
+        if self._parked is None or self._refused or self.transport.is_closing():
+            return True
+        if self._refusal() is not None:
+            return False
+        self._held.cancel()
+        self._held = None
+        (cycle, app), self._parked = self._parked, None
+        super()._start_asgi_task(cycle, app)
+        return True
+
+    def _answer_held(self, refusal: tuple[int, str, str]) -> None:
+        self._held = None
+        assert self.shares is not None and self._parked is not None
+        self.shares.stop_waiting(self)
+        (cycle, _), self._parked = self._parked, None
+        if self.transport.is_closing():
+            return
+        cycle.response_complete = True  # never run: uvicorn drops what is still to come of its body
+        cycle.body = bytearray()
+        self._refuse(refusal, keep_alive=not self._refused)  # a request behind it: not served on this connection
+        if not self._refused:
+            self.on_response_complete()  # reads on: what is left of its body is dropped, the next request may come
+
+    def _refuse(self, refusal: tuple[int, str, str], keep_alive: bool) -> None:
+        """Answer the request ``refusal`` (``(status, message, limit)``), counted; closed unless ``keep_alive``."""
         status, message, limit = refusal
         if self.metrics is not None:
             self.metrics.observe_refused(limit)
-        self._dropping_body = True
-        keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
-        keep_alive = keep_alive and not self.expect_100_continue  # such a client may not send the body now
-        body = json.dumps({"error": message}).encode()
-        now = self.loop.time()
-        if now < self._retry_at:
-            # Sent again before the Retry-After it was given: answered once that time is over, so a client that
-            # resends at once costs the server one refusal a second, not thousands (its body is read meanwhile).
-            self._held_body_done = False
-            self._held = self.loop.call_later(self._retry_at - now, self._answer_held, status, body, keep_alive)
-            return
-        self._retry_at = now + RETRY_AFTER_S
+        self._retry_at = self.loop.time() + RETRY_AFTER_S
         self._refused = not keep_alive
+        body = json.dumps({"error": message}).encode()
         self._answer(status, body, b"application/json", retry_after=RETRY_AFTER_S, close=not keep_alive)
 
-    def _answer_held(self, status: int, body: bytes, keep_alive: bool) -> None:
-        self._held = None
-        if self.transport.is_closing():
-            return
-        close = not keep_alive or self._refused  # another request came behind it: not served on this connection
-        self._retry_at = self.loop.time() + RETRY_AFTER_S
-        self._refused = self._refused or close
-        self._answer(status, body, b"application/json", retry_after=RETRY_AFTER_S, close=close)
-        if not close and self._held_body_done:
-            self._held_body_done = False
-            super().on_response_complete()  # the next request may come
+    def _request_of_head(self) -> tuple[str, bytes, str, bool]:
+        """The request's route, content type, client (``ClientShares.client_of``) and whether a body is to come."""
+        headers = dict(self.headers)
+        route = httptools.parse_url(self._target).path.decode("latin-1")
+        client = self._address
+        if self.shares is not None:
+            client = self.shares.client_of(self._address, headers.get(b"x-forwarded-for"))
+        uploading = headers.get(b"content-length", b"0").strip() not in (b"", b"0") or b"transfer-encoding" in headers
+        return route, headers.get(b"content-type", b""), client, uploading
 
     def _refusal(self) -> tuple[int, str, str] | None:
-        """``(status, message, limit)`` when this request is refused here, before the app sees it; None: the app
-        takes it (and it is counted among its client's requests in flight). A request pipelined behind one still
-        in the app is left to the app (its middlewares refuse the same way). Health and metrics are never refused.
-        """
-        if self.cycle is not None and not self.cycle.response_complete:
+        """``(status, message, limit)`` when this request is refused here, before the app sees it: what is over a
+        limit already (the app's middlewares count the requests and bodies, ``vlfit.serve.middleware``); None: the
+        app takes it. Health and metrics are never refused."""
+        route, content_type, client, uploading = self._request
+        if route in EXEMPT_PATHS:
             return None
-        path = httptools.parse_url(self._target).path
-        if path.decode("latin-1") in EXEMPT_PATHS:
-            return None
-        limits = self.limits
-        if limits is not None and len(self.tasks) >= limits.max_concurrency:
-            return 503, (f"the server is answering its limit of {limits.max_concurrency} requests "
-                         f"(--max_concurrency); retry after {RETRY_AFTER_S} s"), "requests"  # fmt: skip
-        route = path.decode("latin-1")
+        limits, shares = self.limits, self.shares
+        if limits is not None and shares is not None and shares.in_flight >= limits.max_concurrency:
+            return 503, in_flight_refusal(limits.max_concurrency), "requests"
         if self.admission is not None and self.parser.get_method() == b"POST" and route in ADMITTED_PATHS:
-            kind = query_kind(dict(self.headers).get(b"content-type", b""), route)
+            kind = query_kind(content_type, route)
             over = self.admission.over_budget(kind)
             if over is not None:
                 return 503, refusal_message(kind, over), "wait"
-        if self.shares is not None:
-            client = self.shares.client_of(self._address, dict(self.headers).get(b"x-forwarded-for"))
-            if not self.shares.start_request(client):
-                message = (f"this client has {self.shares.max_requests} requests in flight here "
-                           f"(--max_concurrency_per_client); retry after {RETRY_AFTER_S} s")  # fmt: skip
-                return 429, message, "client_requests"
-            self._requests.append(client)
-        return None
-
-    def on_response_complete(self) -> None:
-        """An answer of the app was sent (uvicorn's cycle calls this): its request is no longer in flight."""
-        if self._requests:
-            assert self.shares is not None
-            self.shares.end_request(self._requests.pop(0))
-        super().on_response_complete()
+        over_share = None if shares is None else share_refusal(shares, client, uploading=uploading)
+        return None if over_share is None else (429, over_share[1], over_share[0])
 
     def on_body(self, body: bytes) -> None:
         if not self._dropping_body:
@@ -386,10 +395,15 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             super().on_message_complete()
             return
         self._dropping_body = False
-        if self._held is not None:  # answered when its hold is over
-            self._held_body_done = True
-            return
-        super().on_response_complete()  # as after an answer from the app: keep-alive timer, the next request
+        self.on_response_complete()  # as after an answer from the app: keep-alive timer, the next request
+
+    def on_response_complete(self) -> None:
+        """An answer was sent (uvicorn's cycle calls this after the app's, the connection after its own): the next
+        request may come, and the connection is idle again unless a pipelined one starts now."""
+        super().on_response_complete()
+        if self._pooled and not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+            assert self.shares is not None
+            self.shares.pool.idle(self._address, self)
 
     def _count_head(self, size: int) -> None:
         self._head_bytes += size

@@ -3,8 +3,9 @@
 ``vlfit serve``'s flags of the same names set them (declared here, each field's help its flag's, and inherited by
 ``vlfit serve``'s arguments through ``vlfit.arguments.runtime.flags_of``); ``create_app(engine,
 limits=ServerLimits(...))`` takes them.
-Who enforces each: ``vlfit.serve.connections`` (connections and request heads, under uvicorn), the app's
-middlewares in ``vlfit.serve.middleware`` (requests in flight, bodies), ``vlfit.serve.admission`` (a search's
+Who enforces each: ``vlfit.serve.connections`` (connections, shared by address as ``vlfit.serve.pool`` keeps them,
+and request heads, under uvicorn), the app's middlewares in ``vlfit.serve.middleware`` (bodies arriving, then
+requests in flight, counted per client in ``vlfit.serve.clients``), ``vlfit.serve.admission`` (a search's
 expected wait) and ``vlfit.serve.json_body``, ``vlfit.serve.queries`` and ``vlfit.serve.images`` (what a
 request may ask).
 """
@@ -34,9 +35,10 @@ class ServerLimits:
     """The server's bounds.
 
     Args:
-        max_concurrency: Requests in flight (queued or computing; health and metrics not counted); one beyond is
-            answered 503 with ``Retry-After`` at once. 32: at 2x a 2-core server's capacity the requests admitted
-            wait about one batch, not seconds. A hard ceiling: ``max_queue_wait_ms``, when set, refuses earlier.
+        max_concurrency: Requests in flight (from the end of their body: queued or computing; health and metrics not
+            counted); one beyond is answered 503 with ``Retry-After`` at once. 32: at 2x a 2-core server's capacity
+            the requests admitted wait about one batch, not seconds. A hard ceiling: ``max_queue_wait_ms``, when set,
+            refuses earlier.
         max_queue_wait_ms: The longest expected wait, in milliseconds, a search is admitted with (queries of its
             kind ahead x their measured time each; ``vlfit.serve.admission``); a search over it is answered 503 with
             ``Retry-After`` at once, by the connection. 0 (the default): 10x the unloaded time of a query of its
@@ -47,8 +49,10 @@ class ServerLimits:
             time, where the count cap alone queued them for tens of milliseconds (docs/serving.md has the
             measurements). Before a query of a kind has been answered, and with nothing ahead, only
             ``max_concurrency`` applies.
-        max_connections: Open connections; one beyond is answered 503 and closed (far below the usual 1024
-            file-descriptor limit, so the server never runs out of them).
+        max_connections: Open connections (far below the usual 1024 file-descriptor limit, so the server never runs
+            out of them). When all are open, a new connection from an address holding fewer than its fair share (these
+            over the addresses holding connections) takes the slot of an idle one of the address holding the most, as
+            nginx reuses idle keep-alive connections; one that cannot is answered 503 and closed.
         header_timeout: Seconds a request head may take to arrive (also: how long a new connection may stay
             silent).
         body_timeout: Seconds a request body may take to arrive, whole (408 beyond): 20 MB at about 3 Mbit/s.
@@ -66,6 +70,12 @@ class ServerLimits:
         max_concurrency_per_client: Requests in flight of one client (its address, or behind a trusted proxy the
             address the proxy names); one beyond is answered 429 with ``Retry-After`` at once. ``None`` (the
             default): half of ``max_concurrency``, so one client leaves the other half to the rest.
+        max_uploads_per_client: Request bodies of one client arriving at once (a request holds no slot of
+            ``max_concurrency`` until its body is whole); one beyond is answered 429 with ``Retry-After`` at once.
+            Each is bounded in time by ``body_timeout``: 32 bodies sent a byte a second from 2 addresses took every
+            slot for 60 s when a slot was taken at the head. ``None`` (the default): the client's share of requests
+            in flight (``max_concurrency_per_client``), so a burst of requests whose bodies follow their heads a
+            moment later is refused no sooner than by that share.
         forwarded_allow_ips: Addresses of trusted proxies, comma-separated (uvicorn's flag of the same name): a
             request from one is the client its ``X-Forwarded-For`` names (the last address there that is not a
             trusted proxy), for the per-client limits and for access (loopback clients). ``None`` (the default): no
@@ -73,7 +83,8 @@ class ServerLimits:
     """
 
     max_concurrency: int = field(
-        default=32, metadata={"help": "Requests in flight (health, metrics not counted); beyond: 503 with Retry-After."}
+        default=32,
+        metadata={"help": "Requests in flight from the end of their body (health, metrics not counted); beyond: 503."},
     )
     max_queue_wait_ms: float | None = field(
         default=0.0,
@@ -85,7 +96,11 @@ class ServerLimits:
         },
     )
     max_connections: int = field(
-        default=512, metadata={"help": "Open connections (TLS handshakes included); beyond: 503 and closed."}
+        default=512,
+        metadata={
+            "help": "Open connections (TLS handshakes included). When all are open, an address holding fewer than "
+            "its fair share takes an idle connection's slot of the address holding the most; else 503 and closed."
+        },
     )
     header_timeout: float = field(
         default=10.0,
@@ -121,6 +136,14 @@ class ServerLimits:
             "--max_concurrency."
         },
     )
+    max_uploads_per_client: int | None = field(
+        default=None,
+        metadata={
+            "help": "Request bodies of one client arriving at once (each bounded by --body_timeout; a request takes "
+            "its --max_concurrency slot once its body is whole); beyond: 429 with Retry-After. Default: "
+            "--max_concurrency_per_client's."
+        },
+    )
     forwarded_allow_ips: str | None = field(
         default=None,
         metadata={
@@ -137,9 +160,15 @@ class ServerLimits:
             return self.max_concurrency_per_client
         return max(1, self.max_concurrency // 2)
 
+    @property
+    def uploads_per_client(self) -> int:
+        """``max_uploads_per_client``, or its default: ``requests_per_client``."""
+        return self.requests_per_client if self.max_uploads_per_client is None else self.max_uploads_per_client
+
     def __post_init__(self) -> None:
         for name in ("max_concurrency", "max_connections", "max_header_bytes", "max_text_chars", "max_query_pixels",
-                     "max_connections_per_client", "max_concurrency_per_client"):  # fmt: skip
+                     "max_connections_per_client", "max_concurrency_per_client",
+                     "max_uploads_per_client"):  # fmt: skip
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be at least 1, got {getattr(self, name)}")
         for name in ("header_timeout", "body_timeout", "keep_alive_timeout"):

@@ -1,7 +1,14 @@
-"""The app's ASGI middlewares, outermost first: ``RequestMetrics`` (counts every answer), ``InFlightLimit`` (503
-beyond ``max_concurrency`` requests in flight), ``WaitLimit`` (503 for a search whose expected wait is over its
-budget), ``HeadAsGet`` (``HEAD`` wherever ``GET`` is answered) and ``UploadLimit`` (413 beyond the body limit, 408
-for a body that does not arrive in time).
+"""The app's ASGI middlewares, outermost first: ``RequestMetrics`` (counts every answer), ``UploadLimit`` (413 beyond
+the body limit, 408 for a body that does not arrive in time, 429 beyond a client's bodies arriving at once),
+``InFlightLimit`` (503 beyond ``max_concurrency`` requests in flight, 429 beyond a client's share of them),
+``WaitLimit`` (503 for a search whose expected wait is over its budget) and ``HeadAsGet`` (``HEAD`` wherever ``GET``
+is answered).
+
+A request takes its slot when it is ready to run: ``UploadLimit`` reads its body before ``InFlightLimit`` counts
+it, so bodies that trickle in are bounded by their own count per client and by ``--body_timeout``, never by the
+searches' slots (32 bodies sent a byte a second took every slot for a minute when the slot was taken at the head).
+Both count in the app's ``ClientShares`` (``vlfit.serve.clients``), which the connection reads to refuse at the
+head what is over a share already.
 
 What the connection carries before a request exists (idle connections, the request head's size and time, the
 number of connections) is bounded one level below, in ``vlfit.serve.connections``.
@@ -17,23 +24,67 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from vlfit.serve.admission import RETRY_AFTER_S, TICKET_KEY, Ticket, WaitAdmission, query_kind, refusal_message
+from vlfit.serve.clients import ClientShares
 from vlfit.serve.metrics import ServerMetrics
 from vlfit.serve.responses import error_response
 
 logger = logging.getLogger(__name__)
 
 
+def in_flight_refusal(max_requests: int) -> str:
+    """What a request beyond ``max_requests`` in flight (``--max_concurrency``) is told."""
+    return _retry(f"the server is answering its limit of {max_requests} requests (--max_concurrency)")
+
+
+def share_refusal(clients: ClientShares, client: str, *, uploading: bool = False) -> tuple[str, str] | None:
+    """``(limit, message)`` of a request of ``client`` over its share (``ClientShares.over_share``); None: within."""
+    over = clients.over_share(client, uploading=uploading)
+    return None if over is None else (over[0], _retry(over[1]))
+
+
+def _retry(reason: str) -> str:
+    return f"{reason}; retry after {RETRY_AFTER_S} s"
+
+
+def _refuse(status: int, message: str, limit: str, metrics: ServerMetrics) -> JSONResponse:
+    metrics.observe_refused(limit)
+    return error_response(status, message, {"Retry-After": str(RETRY_AFTER_S)})
+
+
+async def _count(clients: ClientShares, metrics: ServerMetrics, scope: dict, receive: Any, send: Any, *,
+                 max_in_flight: int | None = None) -> str | None:  # fmt: skip
+    """Count the request of ``scope`` for its client: its body arriving, or (``max_in_flight`` given) the request
+    in flight. Its client; None where it was refused instead (503 beyond ``max_in_flight`` in all, 429 beyond its
+    client's share), the refusal sent."""
+    client = clients.client_of_scope(scope)
+    if max_in_flight is None:
+        counted, limit, reason = clients.start_upload(client), "client_uploads", clients.uploads_refusal
+    elif clients.in_flight >= max_in_flight:
+        await _refuse(503, in_flight_refusal(max_in_flight), "requests", metrics)(scope, receive, send)
+        return None
+    else:
+        counted, limit, reason = clients.start_request(client), "client_requests", clients.requests_refusal
+    if not counted:
+        await _refuse(429, _retry(reason), limit, metrics)(scope, receive, send)
+        return None
+    return client
+
+
 class UploadLimit:
     """A request body over ``max_bytes`` is answered 413 before the app sees it; one that has not arrived within
-    ``timeout`` seconds of the request's start is answered 408.
+    ``timeout`` seconds of the request's start is answered 408; a client with ``clients.max_uploads`` bodies
+    arriving already is answered 429 with ``Retry-After`` (``vlfit_refused_total{limit="client_uploads"}``).
 
     A declared ``Content-Length`` over the limit is refused at once; a body without one (chunked) is read up to the
-    limit and refused when it goes beyond. An accepted body is handed to the app as it was received.
+    limit and refused when it goes beyond. An accepted body is handed to the app, whole, as it was received.
     """
 
-    def __init__(self, app: Any, max_bytes: int, timeout: float | None = None) -> None:
+    def __init__(self, app: Any, max_bytes: int, clients: ClientShares, metrics: ServerMetrics,
+                 timeout: float | None = None) -> None:  # fmt: skip
         self.app = app
         self.max_bytes = max_bytes
+        self.clients = clients
+        self.metrics = metrics
         self.timeout = timeout
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -45,12 +96,17 @@ class UploadLimit:
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             await self._refuse(scope, receive, send)
             return
+        client = await _count(self.clients, self.metrics, scope, receive, send)
+        if client is None:
+            return
         try:
             body = await asyncio.wait_for(self._read(receive), self.timeout)
         except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
             message = f"the request body did not arrive within {self.timeout:g} s (--body_timeout)"
             await error_response(408, message, {"Connection": "close"})(scope, receive, send)
             return
+        finally:
+            self.clients.end_upload(client)
         if body is None:  # the client went away
             return
         if len(body) > self.max_bytes:
@@ -86,8 +142,10 @@ class UploadLimit:
 
 
 class InFlightLimit:
-    """At most ``max_requests`` requests in flight; one beyond is answered 503 with ``Retry-After`` at once, and
-    counted (``vlfit_refused_total{limit="requests"}``), rather than queued behind the others.
+    """At most ``max_requests`` requests in flight, and ``clients.max_requests`` of one client; one beyond is
+    answered at once (503, or 429 beyond its client's share) with ``Retry-After``, and counted
+    (``vlfit_refused_total{limit="requests"}``, ``"client_requests"``), rather than queued behind the others. Inside
+    ``UploadLimit``: a request is counted from the end of its body until it is answered.
 
     ``exempt`` paths (health and metrics: answered on the event loop, microseconds) are never refused, so that a
     monitor sees an overloaded server as up and overloaded, not as down.
@@ -95,33 +153,31 @@ class InFlightLimit:
     A ceiling: searches are refused earlier by their expected wait (``WaitLimit``).
     """
 
-    def __init__(self, app: Any, max_requests: int, metrics: ServerMetrics, exempt: tuple[str, ...] = ()) -> None:
+    def __init__(self, app: Any, max_requests: int, clients: ClientShares, metrics: ServerMetrics,
+                 exempt: tuple[str, ...] = ()) -> None:  # fmt: skip
         self.app = app
         self.max_requests = max_requests
+        self.clients = clients
         self.metrics = metrics
         self.exempt = frozenset(exempt)
-        self.in_flight = 0
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["path"] in self.exempt:
             await self.app(scope, receive, send)
             return
-        if self.in_flight >= self.max_requests:
-            self.metrics.observe_refused("requests")
-            message = (f"the server is answering its limit of {self.max_requests} requests (--max_concurrency); "
-                       f"retry after {RETRY_AFTER_S} s")  # fmt: skip
-            await error_response(503, message, {"Retry-After": str(RETRY_AFTER_S)})(scope, receive, send)
+        client = await _count(self.clients, self.metrics, scope, receive, send, max_in_flight=self.max_requests)
+        if client is None:
             return
-        self.in_flight += 1
         try:
             await self.app(scope, receive, send)
         finally:
-            self.in_flight -= 1
+            self.clients.end_request(client)
 
 
 class WaitLimit:
     """A ``POST`` to one of ``paths`` (the searches, Weaviate's ``/vectorize``) whose expected wait is over its budget
-    (``vlfit.serve.admission``) is answered 503 with ``Retry-After`` at once, before its body is read, and counted
+    (``vlfit.serve.admission``) is answered 503 with ``Retry-After`` at once, once its body is whole (on uvicorn's
+    httptools protocol the connection refuses it from its head already), and counted
     (``vlfit_refused_total{limit="wait"}``); every other request passes.
 
     The kind of a query is read from its head (``query_kind``): on ``/api/search`` a multipart upload is an image
@@ -186,8 +242,7 @@ def settle_kind(scope: dict, admission: WaitAdmission | None, metrics: ServerMet
 
 def wait_refusal(kind: str, over: tuple[float, float], metrics: ServerMetrics) -> JSONResponse:
     """The 503 of a query of ``kind`` whose expected wait is over its budget (``over``), counted."""
-    metrics.observe_refused("wait")
-    return error_response(503, refusal_message(kind, over), {"Retry-After": str(RETRY_AFTER_S)})
+    return _refuse(503, refusal_message(kind, over), "wait", metrics)
 
 
 class HeadAsGet:

@@ -1,0 +1,215 @@
+"""A few clients cannot shut out the rest: addresses that hold and reopen idle connections up to the server's cap
+leave another address answered (its connection takes an idle one's slot), bodies that trickle in hold no search
+slot, and a refusal held on a kept-open connection is started as soon as the server has room.
+
+The first two run against the real ``vlfit serve`` process (clients told apart by their loopback source address,
+127.0.0.N); the third against the real app and protocol under uvicorn in this process, whose encoder the test holds
+so that requests stay in flight as long as it needs. Every wait is bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.serve.test_clients import _connect, _held, _metric, _search
+from tests.serve.test_limits import RecordingEngine
+from tests.serve.test_server import _read_response
+
+pytestmark = pytest.mark.slow
+
+START_TIMEOUT = 120
+MAX_CONNECTIONS = 40
+CONCURRENCY = 4
+UPLOADS_PER_CLIENT = 16
+HOG_ADDRESSES = [f"127.0.3.{n}" for n in range(1, 10)]  # 9 addresses
+HOG_CONNECTIONS = 8  # each, 72 in all: more than the server's 40
+QUERIES = 20
+ANSWERED_FRACTION = 0.95
+
+
+@pytest.fixture(scope="module")
+def server(served_index: Path, tmp_path_factory):
+    from vlfit.serve.launch import kill_process_tree, start_server
+
+    log = tmp_path_factory.mktemp("fairness") / "server.log"
+    flags = ["--index", str(served_index), "--reload_interval", "0", "--max_connections", str(MAX_CONNECTIONS),
+             "--max_concurrency", str(CONCURRENCY), "--max_uploads_per_client", str(UPLOADS_PER_CLIENT),
+             "--header_timeout", "5"]  # fmt: skip
+    started = start_server(flags, str(log), timeout=START_TIMEOUT, env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    try:
+        yield started
+    finally:
+        kill_process_tree(started.process)
+
+
+class Hogs:
+    """``per_address`` connections from each of ``addresses`` that send nothing, each opened again as soon as the
+    server closes it, on an event loop of their own thread (while inside ``with``)."""
+
+    def __init__(self, port: int, addresses: list[str], per_address: int) -> None:
+        self.port, self.addresses, self.per_address = port, addresses, per_address
+        self.closed_by_server = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._hold_all()), daemon=True)
+
+    def __enter__(self) -> Hogs:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(15)
+
+    async def _hold_all(self) -> None:
+        await asyncio.gather(*(self._hold(address) for address in self.addresses for _ in range(self.per_address)))
+
+    async def _hold(self, address: str) -> None:
+        while not self._stop.is_set():
+            try:
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_connection("127.0.0.1", self.port, local_addr=(address, 0)), 5
+                )
+            except (OSError, asyncio.TimeoutError):
+                await asyncio.sleep(0.01)
+                continue
+            while not self._stop.is_set():
+                try:
+                    if not await asyncio.wait_for(reader.read(1 << 16), 0.2):
+                        break
+                except asyncio.TimeoutError:
+                    continue
+                except OSError:
+                    break
+            else:
+                writer.close()
+                return
+            self.closed_by_server += 1
+            writer.close()
+
+
+def _fraction_answered(port: int, source: str, caption: str, *, fresh: bool) -> float:
+    """``QUERIES`` searches from ``source``, one after another (each on a connection of its own if ``fresh``, else
+    on one kept open and opened again when the server closes it): the fraction answered 200."""
+    answered, connection = 0, None
+    for _ in range(QUERIES):
+        try:
+            if connection is None:
+                connection = _connect(port, source)
+            connection.sendall(_search(caption))
+            answer = _read_response(connection)
+        except OSError:
+            answer = b""
+        answered += answer.startswith(b"HTTP/1.1 200")
+        if fresh or not answer or b"connection: close" in answer.lower():
+            if connection is not None:
+                connection.close()
+            connection = None
+    if connection is not None:
+        connection.close()
+    return answered / QUERIES
+
+
+def test_addresses_holding_every_connection_slot_leave_another_address_answered(server, train_records) -> None:
+    caption = train_records[4].caption
+    with Hogs(server.port, HOG_ADDRESSES, HOG_CONNECTIONS) as hogs:
+        time.sleep(2.0)  # the 9 addresses hold every slot, and reopen what is closed
+        started = time.monotonic()
+        fraction = _fraction_answered(server.port, "127.0.3.100", caption, fresh=True)
+        took = time.monotonic() - started
+    assert fraction >= ANSWERED_FRACTION, f"{fraction:.0%} of a tenth address's queries answered"
+    assert took < 10 and hogs.closed_by_server > 0  # idle connections of the hogs were closed for it
+    time.sleep(0.5)
+    assert _fraction_answered(server.port, "127.0.3.9", caption, fresh=False) == 1.0  # a hog, quiet again
+
+
+def test_bodies_arriving_slowly_hold_no_search_slot(server, train_records) -> None:
+    """32 requests from 2 addresses sending their bodies a byte at a time take no slot of --max_concurrency (4):
+    another address's searches are answered meanwhile; the slow ones, once whole, are answered too."""
+    caption = train_records[5].caption
+    slow: list[tuple[socket.socket, bytes]] = []
+    uploads_before = _metric(server.url, "vlfit_refused_total", 'limit="client_uploads"')
+    try:
+        slow = [_held(server.port, f"127.0.4.{1 + n % 2}", caption) for n in range(32)]
+        for _ in range(3):  # a byte at a time, well within --body_timeout
+            time.sleep(0.2)
+            for index, (connection, rest) in enumerate(slow):
+                connection.sendall(rest[:1])
+                slow[index] = (connection, rest[1:])
+        assert _fraction_answered(server.port, "127.0.4.100", caption, fresh=False) >= ANSWERED_FRACTION
+        for connection, rest in slow[:CONCURRENCY]:  # whole now: ready to run, each takes a slot
+            connection.sendall(rest)
+        for connection, _ in slow[:CONCURRENCY]:
+            assert _read_response(connection).startswith(b"HTTP/1.1 200")
+    finally:
+        for connection, _ in slow:
+            connection.close()
+    assert _metric(server.url, "vlfit_refused_total", 'limit="client_uploads"') == uploads_before  # 16 each fit
+
+
+@pytest.fixture(scope="module")
+def held_engine(served_index: Path) -> RecordingEngine:
+    return RecordingEngine(str(served_index))
+
+
+@contextlib.contextmanager
+def _in_process_server(engine: RecordingEngine, **limits: object):
+    """The app of ``engine`` with ``limits`` under uvicorn on vlfit's connection protocol, in a thread of this
+    process, on a free loopback port (yielded)."""
+    import uvicorn
+
+    from vlfit.serve.app import create_app
+    from vlfit.serve.connections import BoundedHttpToolsProtocol
+    from vlfit.serve.limits import ServerLimits
+
+    app = create_app(engine, reload_interval=0, limits=ServerLimits(**limits))  # type: ignore[arg-type]
+    listener = socket.create_server(("127.0.0.1", 0))
+    config = uvicorn.Config(app, http=BoundedHttpToolsProtocol, lifespan="on", log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.started
+        yield listener.getsockname()[1]
+    finally:
+        engine.hold.set()
+        server.should_exit = True
+        thread.join(15)
+        listener.close()
+
+
+def test_a_refusal_held_on_a_kept_open_connection_is_started_as_soon_as_there_is_room(held_engine) -> None:
+    """With the one slot in flight, a request sent again before its Retry-After waits for it (503 once it is over
+    while the slot stays taken); sent again, it is started as the slot is given back, not a second later."""
+    with _in_process_server(held_engine, max_concurrency=1, max_concurrency_per_client=1) as port:
+        held_engine.hold.clear()  # the encoder waits: a search stays in flight
+        blocker = _connect(port, "127.0.0.2")
+        blocker.sendall(_search("the search in flight"))
+        time.sleep(0.5)
+        pooled = _connect(port, "127.0.0.3")  # a balancer's kept-open connection
+        pooled.sendall(_search("one red circle"))
+        first = _read_response(pooled)
+        assert first.startswith(b"HTTP/1.1 503") and b"--max_concurrency" in first, first
+        sent = time.monotonic()
+        pooled.sendall(_search("one red circle"))  # again at once: held until its Retry-After, no room came
+        second = _read_response(pooled)
+        assert second.startswith(b"HTTP/1.1 503") and 0.6 < time.monotonic() - sent < 10, second[:100]
+        sent = time.monotonic()
+        pooled.sendall(_search("one red circle"))  # again at once; the slot is given back 0.2 s later
+        time.sleep(0.2)
+        held_engine.hold.set()
+        third = _read_response(pooled)
+        waited = time.monotonic() - sent
+        assert third.startswith(b"HTTP/1.1 200"), third[:200]
+        assert waited < 0.8, f"held {waited:.2f} s after the slot was given back 0.2 s after it was sent"
+        assert _read_response(blocker).startswith(b"HTTP/1.1 200")
+        blocker.close()
+        pooled.close()
