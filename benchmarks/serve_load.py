@@ -27,9 +27,9 @@
    another, the largest queries the server admits: a text of ``--max_text_chars`` characters, a JPEG and a PNG of
    ``--max_query_pixels`` pixels. Goal: the 8 clients' p50 within 2x of the quiet run.
 5. Pressure (``benchmarks/serve_pressure.py``, on the same model and index): 8 to 128 closed-loop clients that
-   resend at once, one address hogging the connection slots, idle connections to an HTTPS server that never start
-   their handshake. ``--pressure_only`` runs only this part; ``--server_src`` runs its servers from another
-   checkout's ``src``, to hold two versions to the same load.
+   resend at once, 9 and 40 addresses holding every connection slot, 32 and 64 slow request bodies, idle
+   connections to an HTTPS server that never start their handshake. ``--pressure_only`` runs only this part;
+   ``--server_src`` runs its servers from another checkout's ``src``, to hold two versions to the same load.
 
 Every server flag is its default (``--num_threads 1``, ``--max_concurrency``, ...) but ``--model`` and
 ``--reload_interval 0``, and those given after ``--server_flags``.
@@ -409,8 +409,8 @@ def main() -> int:
     )
     parser.add_argument("--pressure_only", action="store_true", help="Run only the pressure levels (5.).")
     parser.add_argument("--server_src", default=None, help="Pressure levels: the server from this src (PYTHONPATH).")
-    parser.add_argument("--pressure_levels", nargs="*", choices=("resend", "hog", "tls"),
-                        default=["resend", "hog", "tls"], help="Pressure levels (5.); none: none.")  # fmt: skip
+    parser.add_argument("--pressure_levels", nargs="*", choices=("resend", "hog", "slow", "tls"),
+                        default=["resend", "hog", "slow", "tls"], help="Pressure levels (5.); none: none.")  # fmt: skip
     parser.add_argument(
         "--server_flags",
         nargs=argparse.REMAINDER,

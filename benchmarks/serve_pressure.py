@@ -1,5 +1,6 @@
-"""``vlfit serve`` under pressure: goodput when more clients resend than it admits, one address hogging the
-connection slots, and idle connections to an HTTPS server that never start their handshake.
+"""``vlfit serve`` under pressure: goodput when more clients resend than it admits, addresses holding every
+connection slot, request bodies that trickle in, and idle connections to an HTTPS server that never start their
+handshake.
 
 Each level runs against a real ``vlfit serve`` process on a free loopback port, started with the soft limit of
 1024 file descriptors most Linux machines give a process (the load client keeps its own, higher one). Every client
@@ -11,20 +12,26 @@ would, so the server's per-address limits see them as the distinct clients they 
    (503, 429) or its connection broken (then it connects again). Figures: answered queries/s, p50/p99 of the
    answered ones (from their send), refusals by status, broken connections. Goal: at 128 clients answered/s >= 80%
    of the best level's and p99 <= 10x the unloaded p50 (one client alone, ``UNLOADED_QUERIES`` queries).
-2. **One address hogs the connections**: 8 clients query one after another (``HOG_S`` seconds), quiet and then
-   while one address (``127.0.0.2``) holds ``HOG_CONNECTIONS`` connections that send nothing and opens another as
-   soon as one is closed. Figures: the 8 clients' fraction of tries answered and their p50, quiet and hogged.
-   Goal: a fraction near 1 and a p50 within 2x of the quiet one.
-3. **Idle TLS handshakes** (a second server, with ``--ssl_certfile``): ``TLS_IDLE_CONNECTIONS`` plain TCP
+2. **Addresses hold the connections** (``HOG_SHAPES``: 9 addresses x 60 and 40 x 15 idle connections, more than
+   the default 512 slots, each within the 64 per address): ``HOG_CLIENTS`` clients of a tenth address query one
+   after another on kept-open connections (``CROWD_S`` seconds), quiet and then while the addresses hold their
+   connections, sending nothing and opening another as soon as one is closed (in a process of their own). Figures:
+   the tenth address's fraction of tries answered and its p50, quiet and crowded, and what the crowd saw. Goal:
+   >= 95% answered and a p50 within 2x of the quiet one.
+3. **Slow bodies** (``SLOW_SHAPES``: 32 and 64 requests from 2 addresses sending their bodies a byte every
+   ``SLOW_BYTE_EVERY_S`` seconds, each sent again when answered or closed): ``HOG_CLIENTS`` clients of another
+   address query meanwhile. Figures as in 2., and the slow requests' outcomes. Goal: >= 95% answered.
+4. **Idle TLS handshakes** (a second server, with ``--ssl_certfile``): ``TLS_IDLE_CONNECTIONS`` plain TCP
    connections from one address that never start a handshake, then an HTTPS health check every
    ``TLS_TRY_EVERY_S`` seconds from another address for ``TLS_S`` seconds. Figures: tries answered, and how many of
    the idle connections the server had closed by the end, and when the last one went.
 
-    python benchmarks/serve_pressure.py --index DIR --model DIR [--server_src DIR] [--server_flags ...]
+    python benchmarks/serve_pressure.py --index DIR --model DIR [--server_src DIR] [--seconds S] [--server_flags ...]
 
 ``benchmarks/serve_load.py`` runs it as its last part (on its INT8 model and 10^5-vector index); alone, it takes an
 index and model already built. ``--server_src`` runs the server from another checkout's ``src`` (PYTHONPATH), so
-two versions meet the same load from the same client. About 90 s.
+two versions meet the same load from the same client; ``--seconds`` sets how long each level and each crowd
+measures (a short smoke run: 2). About 3 minutes.
 """
 
 from __future__ import annotations
@@ -47,16 +54,19 @@ RESEND_LEVELS = (8, 32, 64, 128)
 RESEND_S = 8.0
 WARM_UP_S = 3.0
 UNLOADED_QUERIES = 200
-HOG_CONNECTIONS = 520
-HOG_CLIENTS = 8
-HOG_S = 8.0
+HOG_SHAPES = ((9, 60), (40, 15))  # addresses x idle connections each: 540 and 600, over the default 512
+HOG_CLIENTS = 8  # the querying clients of the tenth address (or, beside slow bodies, of another one)
+CROWD_S = 8.0  # seconds each crowded run (and the quiet one before) measures
+CROWD_SETTLE_S = 3.0  # the crowd starts this long before the measure, to hold what it can
+SLOW_SHAPES = (32, 64)  # requests sending their bodies slowly, from 2 addresses
+SLOW_BYTE_EVERY_S = 1.0
 TLS_IDLE_CONNECTIONS = 1100  # past the server's 1024 descriptors
 TLS_S = 15.0
 TLS_TRY_EVERY_S = 0.5
 SERVER_NOFILE = 1024
 ANSWER_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 5.0  # a connection the server never accepts (its backlog full) counts as failed
-LEVELS = ("resend", "hog", "tls")
+LEVELS = ("resend", "hog", "slow", "tls")
 CERT_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "tests", "serve", "data")
 
 
@@ -114,12 +124,15 @@ async def _querying_client(port: int, address: str, requests: list[bytes], until
         connection[1].close()
 
 
-async def _closed_loop(port: int, requests: list[bytes], clients: int, seconds: float, first: int = 1) -> dict:
+async def _closed_loop(port: int, requests: list[bytes], clients: int, seconds: float, first: int = 1,
+                       address: str | None = None) -> dict:  # fmt: skip
+    """``clients`` querying clients for ``seconds``, each from an address of its own (``127.0.1.first`` on), or all
+    from ``address``."""
     loop = asyncio.get_running_loop()
     answered: list[float] = []
     counts: Counter = Counter()
     started = loop.time()
-    await asyncio.gather(*(_querying_client(port, f"127.0.1.{first + i}", requests, started + seconds,
+    await asyncio.gather(*(_querying_client(port, address or f"127.0.1.{first + i}", requests, started + seconds,
                                             answered=answered, counts=counts) for i in range(clients)))  # fmt: skip
     wall = loop.time() - started
     return {"clients": clients, "seconds": round(wall, 2), "answered_qps": round(counts[200] / wall, 1),
@@ -164,44 +177,90 @@ async def _hold(port: int, address: str, stop: asyncio.Event, closed: Counter, *
             waiting.cancel()
 
 
-def _hog_process(port: int, seconds: float, closed_by_server) -> None:
-    """The hog, in a process of its own (a client on another machine: its reconnecting is not in this process's
-    event loop, which times the other clients): ``HOG_CONNECTIONS`` held slots for ``seconds``."""
+async def _trickle(port: int, address: str, stop: asyncio.Event, outcomes: Counter) -> None:
+    """One request from ``address`` whose body comes a byte every ``SLOW_BYTE_EVERY_S`` seconds after its head,
+    sent again on a new connection as soon as the server answers it or closes the connection."""
+    request = _request("a query whose body arrives slowly " * 8)
+    start = request.index(b"\r\n\r\n") + 4
+    while not stop.is_set():
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection("127.0.0.1", port, local_addr=(address, 0)), CONNECT_TIMEOUT_S
+            )
+        except (OSError, asyncio.TimeoutError):
+            outcomes["connect_failed"] += 1
+            await asyncio.sleep(0.01)
+            continue
+        sent = start + 1
+        try:
+            writer.write(request[:sent])
+            while not stop.is_set() and sent < len(request):
+                try:
+                    answer = await asyncio.wait_for(reader.read(1 << 16), SLOW_BYTE_EVERY_S)
+                except asyncio.TimeoutError:
+                    writer.write(request[sent : sent + 1])
+                    sent += 1
+                    continue
+                outcomes[answer.split(b" ", 2)[1].decode() if answer.startswith(b"HTTP/1.1 ") else "closed"] += 1
+                break
+        except OSError:
+            outcomes["broken"] += 1
+        writer.close()
 
-    async def hold_all() -> None:
-        stop, closed = asyncio.Event(), Counter()
-        holders = [asyncio.get_running_loop().create_task(_hold(port, "127.0.0.2", stop, closed))
-                   for _ in range(HOG_CONNECTIONS)]  # fmt: skip
+
+def _crowd_process(port: int, kind: str, shape: tuple[int, int], seconds: float, results) -> None:
+    """The crowd, in a process of its own (clients on other machines: their reconnecting is not in the event loop
+    that times the querying clients), for ``seconds``: ``kind`` "hog", ``shape`` (addresses, idle connections
+    each) held and reopened, or "slow", ``shape`` (addresses, requests in all) sending their bodies slowly. What it
+    saw goes to ``results``."""
+
+    async def crowd() -> None:
+        stop, counts = asyncio.Event(), Counter()
+        addresses, each = shape
+        loop = asyncio.get_running_loop()
+        if kind == "hog":
+            tasks = [loop.create_task(_hold(port, f"127.0.2.{1 + a}", stop, counts))
+                     for a in range(addresses) for _ in range(each)]  # fmt: skip
+        else:
+            tasks = [loop.create_task(_trickle(port, f"127.0.3.{1 + n % addresses}", stop, counts))
+                     for n in range(each)]  # fmt: skip
         await asyncio.sleep(seconds)
         stop.set()
-        await asyncio.gather(*holders)
-        closed_by_server.value = closed["closed_by_server"]
+        await asyncio.gather(*tasks)
+        results.put(dict(counts))
 
-    asyncio.run(hold_all())
+    asyncio.run(crowd())
 
 
-async def _hog(port: int, requests: list[bytes]) -> dict:
+async def _crowded(port: int, requests: list[bytes], kind: str, seconds: float) -> list[dict]:
+    """A tenth address's ``HOG_CLIENTS`` clients for ``seconds``, quiet and then beside each crowd of ``kind``
+    (``HOG_SHAPES`` or ``SLOW_SHAPES``)."""
     import multiprocessing
 
-    quiet = await _closed_loop(port, requests, HOG_CLIENTS, HOG_S, first=100)
+    address = "127.0.1.100"
+    quiet = await _closed_loop(port, requests, HOG_CLIENTS, seconds, address=address)
     context = multiprocessing.get_context("spawn")
-    closed = context.Value("q", 0)
-    hog = context.Process(target=_hog_process, args=(port, HOG_S + 4.0, closed))
-    hog.start()
-    await asyncio.sleep(3.0)  # the hog started and holds what it can
-    hogged = await _closed_loop(port, requests, HOG_CLIENTS, HOG_S, first=100)
-    hog.join(60)
+    shapes = HOG_SHAPES if kind == "hog" else tuple((2, n) for n in SLOW_SHAPES)
+    runs = []
+    for shape in shapes:
+        results = context.Queue()
+        crowd = context.Process(target=_crowd_process, args=(port, kind, shape, seconds + CROWD_SETTLE_S + 1, results))
+        crowd.start()
+        await asyncio.sleep(CROWD_SETTLE_S)  # the crowd started and holds what it can
+        crowded = await _closed_loop(port, requests, HOG_CLIENTS, seconds, address=address)
+        seen = await asyncio.get_running_loop().run_in_executor(None, results.get, True, 60)
+        crowd.join(60)
+        await asyncio.sleep(1.0)  # the crowd's connections are closed before the next
+        runs.append({"addresses": shape[0], ("connections_each" if kind == "hog" else "slow_requests"): shape[1],
+                     "answered_fraction": round(crowded["outcomes"].get("200", 0) / max(1, crowded["tries"]), 3),
+                     "quiet_answered_fraction": round(quiet["outcomes"].get("200", 0) / max(1, quiet["tries"]), 3),
+                     "p50_ratio": round(crowded["p50_ms"] / quiet["p50_ms"], 2) if crowded["p50_ms"] else None,
+                     "quiet": quiet, "crowded": crowded, "crowd_saw": seen})  # fmt: skip
+        print(json.dumps({kind: runs[-1]}), flush=True)
+    return runs
 
-    def answered(run: dict) -> float:
-        return round(run["outcomes"].get("200", 0) / max(1, run["tries"]), 3)
 
-    return {"hog_connections": HOG_CONNECTIONS, "quiet": quiet, "hogged": hogged,
-            "answered_fraction": {"quiet": answered(quiet), "hogged": answered(hogged)},
-            "p50_ratio": round(hogged["p50_ms"] / quiet["p50_ms"], 2) if hogged["p50_ms"] else None,
-            "hog_connections_closed_by_server": closed.value}  # fmt: skip
-
-
-async def _tls_idle(port: int) -> dict:
+async def _tls_idle(port: int, seconds: float) -> dict:
     context = ssl.create_default_context(cafile=os.path.join(CERT_DIR, "loopback-cert.pem"))
     stop, closed = asyncio.Event(), Counter()
     loop = asyncio.get_running_loop()
@@ -209,7 +268,7 @@ async def _tls_idle(port: int) -> dict:
             for _ in range(TLS_IDLE_CONNECTIONS)]  # fmt: skip
     await asyncio.sleep(1.0)
     tries, answered, failures = 0, 0, Counter()
-    until = loop.time() + TLS_S
+    until = loop.time() + seconds
     while loop.time() < until:
         tries += 1
         try:
@@ -225,7 +284,7 @@ async def _tls_idle(port: int) -> dict:
         await asyncio.sleep(TLS_TRY_EVERY_S)
     stop.set()
     await asyncio.gather(*idle)
-    return {"idle_connections": TLS_IDLE_CONNECTIONS, "seconds": TLS_S, "https_tries": tries,
+    return {"idle_connections": TLS_IDLE_CONNECTIONS, "seconds": seconds, "https_tries": tries,
             "https_answered": answered, "https_failures": dict(failures),
             "idle_closed_by_server": closed["closed_by_server"],
             "last_idle_closed_after_s": round(closed["last_closed_ms"] / 1000, 1) if closed["closed_by_server"]
@@ -257,8 +316,10 @@ def _stop(server) -> int:
 
 
 def serve_pressure(index: str, model: str, out: str, server_flags: list[str] | None = None,
-                   server_src: str | None = None, levels: tuple[str, ...] = LEVELS) -> dict:  # fmt: skip
-    """Run ``levels`` (of ``LEVELS``; ``server_flags`` given to both servers) and return their figures."""
+                   server_src: str | None = None, levels: tuple[str, ...] = LEVELS,
+                   seconds: float | None = None) -> dict:  # fmt: skip
+    """Run ``levels`` (of ``LEVELS``; ``server_flags`` given to both servers; each level measuring ``seconds``,
+    else its own default) and return their figures."""
     from vlfit.data.synthetic.scenes import scene_and_choices
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -271,13 +332,13 @@ def serve_pressure(index: str, model: str, out: str, server_flags: list[str] | N
     try:
         asyncio.run(_closed_loop(server.port, requests, 8, WARM_UP_S))  # first allocations, caches: not measured
         unloaded = asyncio.run(_unloaded(server.port, requests))
-        resend, hog, tls = [], None, None
+        resend, crowded, tls = [], {}, None
         for clients in RESEND_LEVELS if "resend" in levels else ():
-            resend.append(asyncio.run(_closed_loop(server.port, requests, clients, RESEND_S)))
+            resend.append(asyncio.run(_closed_loop(server.port, requests, clients, seconds or RESEND_S)))
             print(json.dumps({"resend": resend[-1]}), flush=True)
-        if "hog" in levels:
-            hog = asyncio.run(_hog(server.port, requests))
-            print(json.dumps({"hog": hog}), flush=True)
+        for kind in ("hog", "slow"):
+            if kind in levels:
+                crowded[kind] = asyncio.run(_crowded(server.port, requests, kind, seconds or CROWD_S))
     finally:
         _stop(server)
     best = max((level["answered_qps"] for level in resend), default=0)
@@ -289,13 +350,14 @@ def serve_pressure(index: str, model: str, out: str, server_flags: list[str] | N
         tls_server = _start([*flags, "--ssl_certfile", cert, "--ssl_keyfile", key],
                             os.path.join(out, "pressure-tls-server.log"), server_src)  # fmt: skip
         try:
-            tls = asyncio.run(_tls_idle(tls_server.port))
+            tls = asyncio.run(_tls_idle(tls_server.port, seconds or TLS_S))
             print(json.dumps({"tls_idle": tls}), flush=True)
         finally:
             _stop(tls_server)
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     return {"server_src": server_src, "server_flags": server_flags or [], "server_nofile": SERVER_NOFILE,
-            "unloaded": unloaded, "resend": resend, "hog": hog, "tls_idle": tls}  # fmt: skip
+            "unloaded": unloaded, "resend": resend, "hog": crowded.get("hog"), "slow": crowded.get("slow"),
+            "tls_idle": tls}  # fmt: skip
 
 
 def main() -> int:
@@ -305,12 +367,13 @@ def main() -> int:
     parser.add_argument("--out", default="runs/serve-pressure")
     parser.add_argument("--server_src", default=None, help="Run the server from this src folder (PYTHONPATH).")
     parser.add_argument("--levels", nargs="+", choices=LEVELS, default=list(LEVELS), help="The levels to run.")
+    parser.add_argument("--seconds", type=float, default=None, help="How long each level measures (a smoke run: 2).")
     parser.add_argument("--server_flags", nargs=argparse.REMAINDER, default=[],
                         help="Flags of vlfit serve (last: everything after it is passed on).")  # fmt: skip
     args = parser.parse_args()
     results = {"load_average": os.getloadavg(), **serve_pressure(args.index, args.model, args.out,
                                                                  args.server_flags, args.server_src,
-                                                                 tuple(args.levels))}  # fmt: skip
+                                                                 tuple(args.levels), args.seconds)}  # fmt: skip
     with open(os.path.join(args.out, "serve_pressure.json"), "w") as f:
         json.dump(results, f, indent=2)
     print(json.dumps(results, indent=1))
