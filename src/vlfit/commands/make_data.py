@@ -52,11 +52,13 @@ class MakeDataArguments:
         default="light",
         metadata={"help": "'light' (grey to light textured backgrounds) or 'dark' (the same textures near black)."},
     )
-    caption_grammar: Literal["regions", "no_regions"] = field(
+    caption_grammar: Literal["regions", "no_regions", "long"] = field(
         default="regions",
         metadata={
             "help": "'regions' (\"two red circles on the left and ...\") or 'no_regions' (\"a picture of two red "
-            'circles and ..."): with --background, a shifted distribution of the same scenes.'
+            'circles and ..."): with --background, a shifted distribution of the same scenes. \'long\': the '
+            "regions caption after about 100 words every image shares, so captions differ only past a CLIP text "
+            "tower's 77 tokens (for training with a longer --max_seq_length)."
         },
     )
     task: Literal["captions", "vqa"] = field(

@@ -76,6 +76,8 @@ class CLIPFamily(ModelFamily):
     """``CLIPModel`` checkpoints and the ``clip-*`` presets; a subclass names another model class with CLIP's
     interface (``get_text_features`` / ``get_image_features``, ``CLIPOutput``'s fields) in ``model_class``."""
 
+    stretches_text_positions = True  # one learned position table (vlfit.models.long_captions)
+
     name = "clip"
     model_types = ("clip",)
     config_class = CLIPConfig

@@ -175,12 +175,15 @@ class ModelFamily(ABC):
         preset_special_tokens: Special tokens of a preset's trained tokenizer, in id order.
         vision_class_token: The vision position embeddings' first row is the class token's (left at zero by a
             preset's ``sincos`` init).
+        stretches_text_positions: The text tower holds one learned position table that training can stretch for
+            longer captions (``vlfit.models.long_captions``).
     """
 
     name: ClassVar[str]
     model_types: ClassVar[tuple[str, ...]]
     config_class: ClassVar[Any]
     vision_class_token: ClassVar[bool] = True
+    stretches_text_positions: ClassVar[bool] = False
     model_inputs: ClassVar[tuple[str, ...]] = ("input_ids", "attention_mask", "pixel_values")
     # The special tokens of the tokenizer trained for a preset, in id order (vlfit.models.tokenizer).
     preset_special_tokens: ClassVar[tuple[str, ...]] = SPECIAL_TOKENS

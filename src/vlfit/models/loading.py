@@ -37,6 +37,7 @@ from vlfit.models.input_spec_file import (
     read_input_settings,
     save_input_settings,
 )
+from vlfit.models.long_captions import KEPT_POSITIONS, stretch_text_positions, with_text_positions
 from vlfit.models.lora import load_merged
 from vlfit.models.reference import (
     ModelReference,
@@ -70,6 +71,9 @@ class ModelSpec:
         adapters: A folder of LoRA adapters merged into the checkpoint's weights when the model is built.
         hub: The hub settings the checkpoint's weights are loaded with (``cache_dir``, ``revision``, ``token``,
             ``trust_remote_code``).
+        checkpoint_text_positions: The text positions the checkpoint (or preset) holds where ``config`` says more:
+            ``build_model`` loads them and stretches the tower to the config's (``vlfit.models.long_captions``),
+            for captions longer than its own; None: the config's are the checkpoint's.
     """
 
     family: ModelFamily
@@ -81,6 +85,7 @@ class ModelSpec:
     adapters: str | None = None
     hub: dict[str, Any] = field(default_factory=dict)
     towers: tuple[str, str] | None = None
+    checkpoint_text_positions: int | None = None
 
     @property
     def description(self) -> str:
@@ -186,6 +191,7 @@ def resolve_model(
     vision_model_name_or_path: str | None = None,
     text_model_name_or_path: str | None = None,
     projection_dim: int | None = None,
+    stretch_text: bool = False,
 ) -> ModelSpec:
     """The family, config, tokenizer and image processor of ``--model_name_or_path`` or ``--model_preset``.
 
@@ -210,6 +216,8 @@ def resolve_model(
             image processor the vision tower's.
         text_model_name_or_path: See ``vision_model_name_or_path``.
         projection_dim: The size of a two-tower model's shared space (default ``DEFAULT_PROJECTION_DIM``).
+        stretch_text: A ``max_seq_length`` asked for above the text tower's positions stretches them (training:
+            ``vlfit.models.long_captions``) where the family's tower can be; otherwise captions are cut at them.
 
     Raises:
         ValueError: for neither or both of checkpoint and preset, an unknown preset or model type, a tokenizer
@@ -264,7 +272,19 @@ def resolve_model(
             "fix vision_config.image_size or patch_size in its config.json"
         )
     longest = family.max_text_length(config)
-    if longest is not None and max_seq_length > longest:
+    stretched = None
+    if longest is not None and max_seq_length > longest and asked is not None and stretch_text:
+        if not family.stretches_text_positions:
+            raise ConfigError(
+                f"--max_seq_length {asked} is longer than the {longest} text positions of {family.name}'s text tower, "
+                f"which vlfit cannot stretch (CLIP and SigLIP towers only); give at most {longest}"
+            )
+        stretched, config = longest, with_text_positions(config, max_seq_length)
+        logger.info(
+            "--max_seq_length %d is longer than the model's %d text positions: stretching them as Long-CLIP does "
+            "(the first %d kept, the rest interpolated)", max_seq_length, longest, KEPT_POSITIONS,
+        )  # fmt: skip
+    elif longest is not None and max_seq_length > longest:
         # The default (128, run_clip.py's) is longer than CLIP's 77 positions: captions are cut where the model stops,
         # said only to whoever asked for the longer length.
         if asked is not None:
@@ -286,7 +306,7 @@ def resolve_model(
         check_image_settings(record, inputs, record_folder)  # type: ignore[arg-type]
     return ModelSpec(
         family, config, inputs, image_processor, checkpoint=checkpoint, preset=preset, adapters=adapters, hub=hub,
-        towers=towers,
+        towers=towers, checkpoint_text_positions=stretched,
     )  # fmt: skip
 
 
@@ -349,6 +369,8 @@ def build_model(
     # into its config) must not change the spec, from which the bench's worker probe and then training each
     # build a model (transformers refuses to build BridgeTower from a config that says sdpa).
     config = copy.deepcopy(spec.config)
+    if spec.checkpoint_text_positions is not None:  # loaded as it is, stretched below (Long-CLIP)
+        config = with_text_positions(config, spec.checkpoint_text_positions)
     if spec.towers is not None:
         model = family.from_towers(*spec.towers, projection_dim=config.projection_dim, hub=spec.hub)  # type: ignore[attr-defined]
     elif spec.checkpoint is not None:
@@ -359,6 +381,8 @@ def build_model(
         model = family.build(config)
         if spec.preset is not None:
             family.initialize_preset(model, spec.preset)
+    if spec.checkpoint_text_positions is not None:  # captions longer than its positions (Long-CLIP)
+        stretch_text_positions(model, family.max_text_length(spec.config))  # type: ignore[arg-type]
     family.set_attention_implementation(model, attn_implementation)
     frozen = tuple(frozen_towers)
     family.freeze(

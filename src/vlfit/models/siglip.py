@@ -141,6 +141,8 @@ class SiglipFamily(ModelFamily):
     """``SiglipModel`` checkpoints (SigLIP; SigLIP 2 checkpoints load with ``Siglip2Model``, not handled here) and
     the ``siglip-*`` presets."""
 
+    stretches_text_positions = True  # one learned position table (vlfit.models.long_captions)
+
     name = "siglip"
     model_types = ("siglip",)
     config_class = SiglipConfig

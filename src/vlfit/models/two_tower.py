@@ -49,6 +49,8 @@ class TwoTowerFamily(CLIPFamily):
     """``VisionTextDualEncoderModel`` checkpoints, models made of two pretrained towers, and the ``two-tower-*``
     presets."""
 
+    stretches_text_positions = False  # a BERT-like tower: its own (512) positions
+
     name = "two-tower"
     model_types = ("vision-text-dual-encoder",)
     config_class = VisionTextDualEncoderConfig

@@ -150,6 +150,7 @@ def setup_run(model_args: ModelArguments, data_args: DataArguments, training_arg
         captions=data.captions,
         max_seq_length=data_args.max_seq_length,
         max_num_patches=data_args.max_num_patches,
+        stretch_text=training_args.do_train,  # longer captions than the text positions: stretched (Long-CLIP)
     )
     if training_args.do_train:  # the sizes this run trains at, recorded with its inputs (a fine-tune's own flag)
         spec.inputs = dataclasses.replace(spec.inputs, matryoshka_dims=training_args.matryoshka_sizes())

@@ -53,7 +53,18 @@ LABEL_CLASSES: dict[str, tuple[str, ...]] = {
 # ("regions": "two red circles on the left and one blue square at the top.") or not ("no_regions": "a picture of
 # two red circles and one blue square.").
 BACKGROUNDS: tuple[str, ...] = ("light", "dark")
-CAPTION_GRAMMARS: tuple[str, ...] = ("regions", "no_regions")
+# "long": the regions caption after a description every image shares (LONG_PREAMBLE: about 100 words, past the 77
+# tokens of a CLIP text tower), so captions differ only past token 77: cut there, every caption is the same
+# (vlfit.models.long_captions stretches a tower for them).
+CAPTION_GRAMMARS: tuple[str, ...] = ("regions", "no_regions", "long")
+LONG_PREAMBLE = (
+    "This is a synthetic picture, made by a program for testing how well a model matches images with their "
+    "descriptions. Its background is a soft textured surface with no text, no people, no animals and no photographs "
+    "in it, and every shape on it is flat and drawn with one solid colour, without shading, shadows or outlines of "
+    "another colour. The shapes never touch each other or the edges of the picture, their sizes differ only a "
+    "little, and they are spread over the parts of the picture named below, which is where the picture differs "
+    "from every other picture of this set. After all of this general description, what it shows is: "
+)
 
 
 @dataclass
@@ -74,9 +85,10 @@ class SyntheticConfig:
             class column.
         background: ``light`` (desaturated mid-grey to light textures) or ``dark`` (the same textures near black);
             the scenes, layouts and captions of a seed are the same for both.
-        caption_grammar: ``regions`` (each group's count, colour, kind and where it is) or ``no_regions``
+        caption_grammar: ``regions`` (each group's count, colour, kind and where it is), ``no_regions``
             ("a picture of ...": count, colour and kind only; choices that differ only in a region are not drawn,
-            so a seed's scenes differ from those of ``regions``).
+            so a seed's scenes differ from those of ``regions``) or ``long`` (``regions`` after ``LONG_PREAMBLE``,
+            about 100 words every caption shares: the captions differ only past a CLIP tower's 77 tokens).
     """
 
     num_samples: int = 3000
@@ -172,9 +184,11 @@ def caption(scene: Scene, grammar: str = "regions") -> str:
     parts = []
     for group in sorted(scene, key=lambda g: REGIONS.index(g.region)):
         noun = group.kind if group.count == 1 else PLURALS[group.kind]
-        where = f" {REGION_PHRASES[group.region]}" if grammar == "regions" else ""
+        where = f" {REGION_PHRASES[group.region]}" if grammar != "no_regions" else ""
         parts.append(f"{COUNT_WORDS[group.count]} {group.colour} {noun}{where}")
     text = " and ".join(parts) + "."
+    if grammar == "long":
+        return LONG_PREAMBLE + text
     return text if grammar == "regions" else f"a picture of {text}"
 
 
@@ -188,7 +202,7 @@ def parse_caption(text: str) -> Scene:
     counts = {word: count for count, word in COUNT_WORDS.items()}
     regions = {phrase: region for region, phrase in REGION_PHRASES.items()}
     groups = []
-    for part in text.removesuffix(".").split(" and "):
+    for part in text.removeprefix(LONG_PREAMBLE).removesuffix(".").split(" and "):
         words = part.split(" ", 3)
         if len(words) != 4 or words[0] not in counts or words[1] not in COLOURS or words[2] not in nouns:
             raise DataError(f"not a synthetic caption: {text!r}")
