@@ -12,6 +12,7 @@ import torch
 from vlfit.api.model import Model, check_at_least, load, text_list
 from vlfit.errors import ConfigError, DataError, python_api
 from vlfit.index.search import Hit
+from vlfit.inference.runtime_settings import RuntimeSettings
 
 SearchHit = Hit  # one result of ``Index.search``: the one hit type of every search (``vlfit.index.search.Hit``)
 
@@ -80,25 +81,36 @@ class Index:
         max_index_memory: int | None = None,
         target_recall: float | None = None,
         verify: str = "quick",
+        vector_storage: str | None = None,
+        rescore: int | None = None,
+        embedding_dim: int | None = None,
     ) -> Index:
         """Embed a folder of images (``images``) or a dataset split into the index at ``path`` (created, or resumed
         and appended to when it exists: only items not in it yet are embedded; an index of another model is
         refused), then bring its ANN structure up to date as ``vlfit retrieve index`` does (``index_type``:
         ``auto``, ``flat``, ``hnsw`` or ``ivfpq``; needs the serve extra). ``shard_size``, ``index_type``,
         ``max_index_memory`` and ``target_recall`` left None are those the index was built with (of a new index:
-        4096, ``auto``, 4 GiB, 0.95). A dataset's rows that show one image (one ``image_id_column`` value, one row of
+        4096, ``auto``, 4 GiB, 0.95). ``vector_storage`` ``int8`` or ``binary`` keeps compact codes that queries scan,
+        re-scoring the top ``rescore`` x k with the shards' float32 vectors (left None: as built, of a new index
+        ``float32``, 4). ``embedding_dim`` cuts a model given by name to that many dimensions (``vlfit.load``'s; an
+        index holds one size). A dataset's rows that show one image (one ``image_id_column`` value, one row of
         a list caption column, or identical bytes) are one item with all their captions, as evaluation groups them."""
         from vlfit.index.job import IndexJob, index_collection
 
+        if not isinstance(model, str) and embedding_dim not in (None, model.embedding_dim):
+            raise ConfigError(f"--embedding_dim {embedding_dim}: the model given embeds into {model.embedding_dim} "
+                              "dimensions; load it with that size (vlfit.load(..., embedding_dim=))")  # fmt: skip
         # Every value is checked as the job is made, before the model loads.
         job = IndexJob(
             model if isinstance(model, str) else model.encoder, path, images=images, dataset_name=dataset_name,
             split=split, image_column=image_column, caption_column=caption_column, image_id_column=image_id_column,
             batch_size=batch_size, num_workers=num_workers, shard_size=shard_size, progress=progress, verify=verify,
             index_type=index_type, max_index_memory=max_index_memory, target_recall=target_recall,
+            vector_storage=vector_storage, rescore=rescore, runtime=RuntimeSettings(embedding_dim=embedding_dim),
         )  # fmt: skip
-        if isinstance(model, str):  # appended to at the patch budget it was built with (a NaFlex model's)
-            model = load(model, max_num_patches=job.replayed().runtime.max_num_patches)
+        if isinstance(model, str):  # appended to at the patch budget and size it was built with
+            runtime = job.replayed().runtime
+            model = load(model, max_num_patches=runtime.max_num_patches, embedding_dim=runtime.embedding_dim)
             job = dataclasses.replace(job, model=model.encoder)
         index_collection(job).raise_for_failures()
         return cls(path, model)

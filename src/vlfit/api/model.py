@@ -68,7 +68,7 @@ class Model:
 
     @property
     def embedding_dim(self) -> int:
-        """Length of an embedding."""
+        """Length of an embedding (``load``'s ``embedding_dim`` when given)."""
         return self.encoder.identity.embedding_size
 
     def __repr__(self) -> str:
@@ -161,6 +161,7 @@ def load(
     max_seq_length: int | None = None,
     allow_spinning: bool = True,
     max_num_patches: int | None = None,
+    embedding_dim: int | None = None,
 ) -> Model:
     """Load a model to embed with (or, for a VQA run, to answer questions with).
 
@@ -178,10 +179,13 @@ def load(
             its cores with an event loop turns it off).
         max_num_patches: A NaFlex model's (SigLIP 2) token budget per image (``None``: the budget the run was
             trained with, from its ``input_spec.json``; another is logged; an export takes at most its own).
+        embedding_dim: Keep the first this many dimensions of every embedding, L2-normalized again (``None``: all of
+            them): a Matryoshka run's trained sizes (its ``input_spec.json``'s ``matryoshka_dims``), or another,
+            logged; more than the model's is refused.
     """
     settings = RuntimeSettings(backend=backend, precision=precision, num_threads=num_threads,
                                max_seq_length=max_seq_length, allow_spinning=allow_spinning,
-                               max_num_patches=max_num_patches)  # fmt: skip
+                               max_num_patches=max_num_patches, embedding_dim=embedding_dim)  # fmt: skip
     runtime = ModelRuntime.open(path_or_preset, settings)
     runtime.answerer if runtime.answers_questions else runtime.encoder  # noqa: B018  (a bad folder fails here)
     return Model(runtime)

@@ -48,6 +48,12 @@ class _RuntimeFlagDeclarations:
         metadata={"help": "A NaFlex model's (SigLIP 2) most patches per image (default: the budget the model was "
                   "trained with; for an index's model, the budget it was built with)."},
     )  # fmt: skip
+    embedding_dim: int | None = field(
+        default=None,
+        metadata={"help": "Keep the first this many dimensions of every embedding, L2-normalized again (a Matryoshka "
+                  "run's --matryoshka_dims; another size is allowed, with a note). Default: the model's full size; "
+                  "for an index's model, the size it was built with (a query asking another is refused)."},
+    )  # fmt: skip
 
 
 RUNTIME_FLAGS = tuple(f.name for f in dataclasses.fields(_RuntimeFlagDeclarations))

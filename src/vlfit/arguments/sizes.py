@@ -41,6 +41,7 @@ SIZE_RANGES: dict[str, SizeRange] = {
     "max_num_patches": SizeRange(
         1, MAX_NUM_PATCHES, "patches per image; left out: the model's budget, 256 for SigLIP 2"
     ),
+    "embedding_dim": SizeRange(1, None, "dimensions per embedding; at most the model's, checked as it loads"),
     "rerank_top_k": SizeRange(1, None, "candidates per query; left out: no re-ranking"),
     "max_train_samples": SizeRange(1, None, "samples; left out: the whole training split"),
     "max_eval_samples": SizeRange(1, None, "samples; left out: the whole evaluation split"),

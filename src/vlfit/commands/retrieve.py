@@ -22,7 +22,7 @@ from vlfit.cli import SUBCOMMANDS as COMMAND_SUBCOMMANDS
 from vlfit.commands.parsing import CommandParser
 from vlfit.commands.retrieve_queries import Query, check_queries, embed_queries, read_queries
 from vlfit.errors import ConfigError
-from vlfit.index.ann_choice import DEFAULT_MAX_INDEX_MEMORY, DEFAULT_TARGET_RECALL
+from vlfit.index.ann_choice import DEFAULT_MAX_INDEX_MEMORY, DEFAULT_RESCORE, DEFAULT_TARGET_RECALL
 from vlfit.index.job import IndexJob, index_collection
 from vlfit.index.push.base import is_target_uri
 from vlfit.index.push.pushed import PushedIndex
@@ -38,6 +38,7 @@ SUBCOMMANDS = COMMAND_SUBCOMMANDS["retrieve"]
 CLI_ONLY = ("dataloader_num_workers", "disable_tqdm", "json", *RUNTIME_FLAGS)
 Verify = Literal["quick", "full"]
 IndexType = Literal["auto", "flat", "hnsw", "ivfpq"]
+VectorStorage = Literal["float32", "int8", "binary"]
 
 
 @dataclass
@@ -94,6 +95,18 @@ class IndexArguments(runtime_arguments()):
         default=None,
         metadata={"help": "Recall@10 against exact search that the ANN search parameter is tuned to reach. Default: "
                   f"what the index was built with, else {DEFAULT_TARGET_RECALL}."},
+    )  # fmt: skip
+    vector_storage: VectorStorage | None = field(
+        default=None,
+        metadata={"help": "What queries scan: float32 (the --index_type structure), int8 (faiss's 8-bit scalar "
+                  "quantizer, each dimension's range trained: 4x smaller) or binary (sign bits by Hamming distance: "
+                  "32x smaller); int8 and binary scan every code and re-score the top --rescore x k candidates with "
+                  "the float32 vectors the shards keep. Default: what the index was built with, else float32."},
+    )  # fmt: skip
+    rescore: int | None = field(
+        default=None,
+        metadata={"help": "--vector_storage int8 or binary: candidates re-scored exactly per result wanted. Default: "
+                  f"what the index was built with, else {DEFAULT_RESCORE}."},
     )  # fmt: skip
     shard_retries: int = field(
         default=3,

@@ -7,6 +7,9 @@ PQ codes rank coarsely: however many lists an IVF-PQ search visits, its top 10 h
 ``vlfit.index.store.ShardVectors``) and keeps the ``k`` of highest exact score. The structure in memory stays
 within its budget; a query reads ``rerank * k`` vectors from the shards.
 
+Compact codes (``--vector_storage int8`` or ``binary``: ``ann_choice.storage_choice``) always re-score, by the
+``--rescore`` factor asked for (their ``rerank``, not tuned).
+
 ``build_ann`` trains on the embeddings themselves (a sample when there are many), adds them, then tunes the search
 (``efSearch`` of HNSW; ``nprobe`` and ``rerank`` of IVF-PQ, the fastest pair that reaches the target) until
 recall@10 against exact search reaches the target. Recall is measured on a seeded sample of the indexed vectors as
@@ -23,7 +26,6 @@ server down (a memory-mapped IVF index did, with SIGBUS), and a reload opens the
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -33,16 +35,19 @@ from typing import Any
 
 import numpy as np
 
-from vlfit.atomic_files import WrittenFile, write_file_atomically, write_text_atomically
+from vlfit.atomic_files import write_file_atomically, write_text_atomically
 from vlfit.errors import ConfigError, DataError, MissingFileError
 from vlfit.extras import require_extra
 from vlfit.index.ann_choice import (
     DEFAULT_MAX_INDEX_MEMORY,
+    DEFAULT_RESCORE,
     DEFAULT_TARGET_RECALL,
     check_target_recall,
     choose_index_type,
     ivf_training_size,
+    storage_choice,
 )
+from vlfit.index.ann_file import read_hashed
 from vlfit.index.integrity import DamagedIndexError, sha256_problem
 
 RETRAIN_GROWTH = 4  # an IVF index trained on n vectors is retrained once it holds more than 4n
@@ -73,6 +78,11 @@ def _as_vectors(embeddings: Any) -> np.ndarray:
     return vectors
 
 
+def sign_bits(vectors: np.ndarray) -> np.ndarray:
+    """Each vector's sign bits, packed 8 to a byte (``[N, ceil(D / 8)]`` uint8; the last byte's unused bits 0)."""
+    return np.packbits(vectors > 0, axis=1)
+
+
 def recall_at_k(found: np.ndarray, expected: np.ndarray) -> float:
     """The mean share of each row of ``expected`` (exact top-k rows) that ``found`` holds."""
     hits = [len(set(a.tolist()) & set(b.tolist()) - {-1}) for a, b in zip(found, expected, strict=True)]
@@ -101,8 +111,20 @@ class AnnIndex:
 
     @property
     def rerank(self) -> int:
-        """Candidates re-scored exactly per result wanted (1: faiss's ranking is the answer)."""
+        """Candidates re-scored exactly per result wanted (1: faiss's ranking, but compact codes: ``rescores``)."""
         return int(self.description.get("rerank", 1))
+
+    @property
+    def binary(self) -> bool:  # sign bits in a faiss binary index (--vector_storage binary)
+        return self.type == "binary"
+
+    @property
+    def rescores(self) -> bool:  # a search re-scores its candidates with the full vectors
+        return self.rerank > 1 or self.type in ("int8", "binary")
+
+    def _codes(self, vectors: np.ndarray) -> np.ndarray:
+        """What the faiss index takes of ``vectors``: themselves, or their sign bits."""
+        return sign_bits(vectors) if self.binary else vectors
 
     def __len__(self) -> int:
         return int(self.index.ntotal)
@@ -149,20 +171,20 @@ class AnnIndex:
             ConfigError: when the index re-ranks and was opened without its vectors.
         """
         queries = _as_vectors(queries)
-        if self.rerank > 1 and self.vectors is None:
+        if self.rescores and self.vectors is None:
             raise ConfigError(
                 f"this {self.type} index re-ranks its candidates with the full vectors: open it with its vectors "
                 "(vlfit.index.ann_update.open_ann, or AnnIndex.load(folder, vectors=...))"
             )
-        wanted = max(k, min(len(self), k * self.rerank)) if self.rerank > 1 else k
+        wanted = max(k, min(len(self), k * self.rerank)) if self.rescores else k
         if exclude is None or len(exclude) == 0:
-            scores, rows = self.index.search(queries, wanted)
+            scores, rows = self.index.search(self._codes(queries), wanted)
         else:
             faiss = _faiss()
             batch = faiss.IDSelectorBatch(np.asarray(exclude, dtype=np.int64))
             selector = faiss.IDSelectorNot(batch)  # ``batch`` stays referenced while faiss reads it
-            scores, rows = self.index.search(queries, wanted, params=self._search_parameters(selector))
-        if self.rerank > 1:
+            scores, rows = self.index.search(self._codes(queries), wanted, params=self._search_parameters(selector))
+        if self.rescores:
             return self._rerank(queries, rows, k)
         return scores, rows
 
@@ -179,7 +201,7 @@ class AnnIndex:
 
     def add(self, embeddings: Any) -> None:
         """Append vectors (rows continue from ``len(self)``); an IVF index then may report ``needs_retrain``."""
-        self.index.add(_as_vectors(embeddings))
+        self.index.add(self._codes(_as_vectors(embeddings)))
 
     def tune(self, embeddings: Any, target_recall: float = DEFAULT_TARGET_RECALL, seed: int = 0) -> dict[str, Any]:
         """Find the fastest search settings whose recall@10 reaches ``target_recall``; record recall, size, latency.
@@ -248,11 +270,14 @@ class AnnIndex:
             recall_at_10=round(recall, 4),
             target_recall=target_recall,
             reached_target=bool(reached),
-            bytes_per_vector=round(faiss.serialize_index(self.index).nbytes / len(self), 2),
+            bytes_per_vector=round(self._serialized(faiss).nbytes / len(self), 2),
             query_latency_ms=round(latency, 4),
             tuned_on=len(queries),
         )
         return self.describe()
+
+    def _serialized(self, faiss: Any) -> np.ndarray:
+        return faiss.serialize_index_binary(self.index) if self.binary else faiss.serialize_index(self.index)
 
     def _set(self, params: dict[str, int], rerank: int) -> None:
         self.description["search_params"] = params
@@ -277,7 +302,7 @@ class AnnIndex:
             probes = sorted({min(2**i, nlist) for i in range(int(math.log2(nlist)) + 2)})
             sweep = [{"nprobe": p, "quantizer_efSearch": max(64, 2 * p)} for p in probes]
             return [(rerank, sweep) for rerank in RERANK_FACTORS]
-        return [(1, [{}])]
+        return [(self.rerank, [{}])]  # flat: 1; compact codes: the --rescore asked for
 
     def save(self, folder: str) -> dict[str, Any]:
         """Write ``ann.faiss``, then ``ann.json`` (its description, with the file's ``bytes`` and ``sha256``), each
@@ -286,7 +311,9 @@ class AnnIndex:
         os.makedirs(folder, exist_ok=True)
 
         def write(f: Any) -> None:
-            faiss.write_index(self.index, faiss.PyCallbackIOWriter(f.write))
+            (faiss.write_index_binary if self.binary else faiss.write_index)(
+                self.index, faiss.PyCallbackIOWriter(f.write)
+            )
 
         written = write_file_atomically(os.path.join(folder, ANN_FILE), write)
         described = {**self.describe(), "file": ANN_FILE, **written.to_dict()}
@@ -340,7 +367,7 @@ class AnnIndex:
         if mmap and description["type"] == "ivfpq":
             index = faiss.read_index(path, faiss.IO_FLAG_MMAP)
         else:
-            index, found = _read_hashed(faiss, path, repair)
+            index, found = read_hashed(faiss, path, repair, description["type"] == "binary")
             problem = sha256_problem(found, recorded)
             if problem:
                 raise DamagedIndexError(path, problem, repair)
@@ -348,38 +375,6 @@ class AnnIndex:
             problem = f"holds {index.ntotal} vectors but {ANN_DESCRIPTION} says {description['count']}"
             raise DamagedIndexError(path, problem, repair)
         return cls(index, description, vectors)
-
-
-def _read_hashed(faiss: Any, path: str, repair: str) -> tuple[Any, WrittenFile]:
-    """The faiss index in ``path``, read into memory, and the size and SHA-256 of the bytes it was read from.
-
-    Raises:
-        DamagedIndexError: when faiss cannot parse the file (cut short, or not an index).
-    """
-    digest, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-
-        def read(count: int) -> bytes:
-            nonlocal size
-            block = f.read(count)
-            digest.update(block)
-            size += len(block)
-            return block
-
-        try:
-            index = faiss.read_index(faiss.PyCallbackIOReader(read))
-        except RuntimeError as err:
-            problem = f"does not parse as a faiss index ({first_error_line(err)})"
-            raise DamagedIndexError(path, problem, repair) from None
-        while read(1 << 20):  # what faiss left unread is part of the file too
-            pass
-    return index, WrittenFile(size, digest.hexdigest())
-
-
-def first_error_line(error: BaseException) -> str:
-    """faiss's message without the C++ function, file and line it names (``Error in ... at file:line: Error: ...``)."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0].rsplit("Error: ", 1)[-1] if lines else type(error).__name__
 
 
 def _leave_out(rows: np.ndarray, own: np.ndarray, k: int) -> np.ndarray:
@@ -397,6 +392,8 @@ def build_ann(
     max_index_memory: int | None = None,
     target_recall: float = DEFAULT_TARGET_RECALL,
     seed: int = 0,
+    storage: str = "float32",
+    rescore: int = DEFAULT_RESCORE,
 ) -> AnnIndex:
     """Choose, train, fill and tune an ANN index over ``embeddings`` (L2-normalized ``[N, D]``).
 
@@ -406,16 +403,27 @@ def build_ann(
         max_index_memory: Bytes the structure may take (default ``DEFAULT_MAX_INDEX_MEMORY``).
         target_recall: The recall@10 against exact search that the search parameter is raised to reach.
         seed: Draws the training and tuning samples.
+        storage: ``float32`` (the structure ``index_type`` names), or a flat scan of ``int8`` or ``binary`` codes.
+        rescore: Compact codes: candidates re-scored exactly with the full vectors per result wanted.
 
     Raises:
-        ConfigError: for a type or budget that does not fit the collection.
+        ConfigError: for a type, storage or budget that does not fit the collection.
     """
     check_target_recall(target_recall)
+    if rescore < 1:
+        raise ConfigError(f"--rescore must be at least 1, got {rescore}")
     faiss = _faiss()
     vectors = _as_vectors(embeddings)
-    choice = choose_index_type(len(vectors), vectors.shape[1], max_index_memory, index_type)
-    index = faiss.index_factory(vectors.shape[1], choice.factory, faiss.METRIC_INNER_PRODUCT)
+    dim = vectors.shape[1]
+    compact = storage_choice(len(vectors), dim, storage, max_index_memory, index_type)
+    choice = compact or choose_index_type(len(vectors), dim, max_index_memory, index_type)
+    if choice.type == "binary":
+        index = faiss.IndexBinaryFlat(8 * int(choice.bytes_per_vector))
+    else:
+        index = faiss.index_factory(dim, choice.factory, faiss.METRIC_INNER_PRODUCT)
     trained_on = len(vectors)
+    if choice.type == "int8":
+        index.train(vectors)  # each dimension's range
     if choice.type == "ivfpq":
         ivf = faiss.downcast_index(faiss.extract_index_ivf(index))
         ivf.do_polysemous_training = False  # the factory's default; only Hamming-filtered search uses it, at ~10x
@@ -423,7 +431,7 @@ def build_ann(
         sample = np.random.default_rng(seed).choice(len(vectors), trained_on, replace=False)
         ivf.cp.seed = ivf.pq.cp.seed = seed
         index.train(vectors[np.sort(sample)])
-    index.add(vectors)
+    index.add(sign_bits(vectors) if choice.type == "binary" else vectors)
     description = {
         "type": choice.type,
         "factory": choice.factory,
@@ -432,10 +440,11 @@ def build_ann(
         "max_index_memory": DEFAULT_MAX_INDEX_MEMORY if max_index_memory is None else max_index_memory,
         "trained_on": trained_on,
         "search_params": {},
+        **({"rerank": rescore} if compact else {}),
     }
     ann = AnnIndex(index, description)
     ann.tune(vectors, target_recall, seed)
     return ann
 
 
-__all__ = ["AnnIndex", "build_ann", "recall_at_k"]
+__all__ = ["AnnIndex", "build_ann", "recall_at_k", "sign_bits"]

@@ -8,6 +8,13 @@ autofaiss chooses (``choose_index_type``):
 * ``ivfpq``: ``IVF{nlist}_HNSW32,PQ{m}x8``: ``nlist`` ~ 4 sqrt(N) inverted lists found through an HNSW graph of their
   centroids, each vector kept as an ``m``-byte product-quantization code, ``m`` as large as the budget allows.
 
+With ``--vector_storage int8`` or ``binary`` the structure is a flat scan of compact codes instead (``storage_choice``),
+each query's top ``--rescore`` x k candidates re-scored exactly with the float32 vectors the shards keep:
+
+* ``int8``: faiss's scalar quantizer ``SQ8``, one byte per dimension, each dimension's range (its minimum and
+  maximum over the vectors) trained on them: per dimension, not one symmetric scale (4x smaller than float32).
+* ``binary``: one sign bit per dimension (``IndexBinaryFlat``, ranked by Hamming distance; 32x smaller).
+
 Building, tuning and searching the structure chosen is ``vlfit.index.ann``.
 """
 
@@ -19,6 +26,8 @@ from dataclasses import dataclass, field
 from vlfit.errors import ConfigError
 
 INDEX_TYPES = ("auto", "flat", "hnsw", "ivfpq")
+VECTOR_STORAGES = ("float32", "int8", "binary")
+DEFAULT_RESCORE = 4  # int8 and binary: candidates re-scored exactly per result wanted
 DEFAULT_MAX_INDEX_MEMORY = 4 * 2**30
 DEFAULT_TARGET_RECALL = 0.95
 FLAT_THRESHOLD = 100_000  # below this many vectors an exact scan is fast enough (autofaiss's rule)
@@ -36,7 +45,7 @@ class IndexChoice:
     """The structure for a collection.
 
     Attributes:
-        type: ``flat``, ``hnsw`` or ``ivfpq``.
+        type: ``flat``, ``hnsw``, ``ivfpq``, or a compact storage's ``int8`` or ``binary``.
         factory: The faiss ``index_factory`` string.
         params: Its build parameters (``M``; ``nlist``, ``m``, ``nbits``).
         bytes_per_vector: Expected memory per vector, fixed costs (centroids, codebooks) shared out.
@@ -134,6 +143,38 @@ def choose_index_type(
     return _ivfpq_choice(num_vectors, dim, budget)
 
 
+def storage_choice(
+    num_vectors: int, dim: int, storage: str, max_index_memory: int | None = None, index_type: str = "auto"
+) -> IndexChoice | None:
+    """The flat scan of ``int8`` or ``binary`` codes for ``num_vectors`` vectors of size ``dim`` (None for
+    ``float32``: ``choose_index_type`` chooses).
+
+    Raises:
+        ConfigError: for an unknown storage, an ``index_type`` other than ``auto`` or ``flat`` beside a compact one
+            (its codes are scanned whole), or codes that do not fit ``max_index_memory``.
+    """
+    check_vector_storage(storage, index_type)
+    if storage == "float32":
+        return None
+    per_vector = dim if storage == "int8" else -(-dim // 8)
+    choice = IndexChoice(storage, "SQ8" if storage == "int8" else f"BFlat{8 * per_vector}", {}, float(per_vector))
+    budget = DEFAULT_MAX_INDEX_MEMORY if max_index_memory is None else max_index_memory
+    if num_vectors * per_vector > budget:
+        raise ConfigError(f"--vector_storage {storage} needs about {num_vectors * per_vector} bytes for {num_vectors} "
+                          f"vectors, over --max_index_memory {budget}; raise it or use float32 with ivfpq")  # fmt: skip
+    return choice
+
+
+def check_vector_storage(storage: str, index_type: str = "auto") -> None:
+    """Raises ``ConfigError`` unless ``storage`` is one of ``VECTOR_STORAGES``, and a compact one goes with
+    ``index_type`` ``auto`` or ``flat``."""
+    if storage not in VECTOR_STORAGES:
+        raise ConfigError(f"unknown --vector_storage {storage!r}; choose one of: {', '.join(VECTOR_STORAGES)}")
+    if storage != "float32" and index_type not in ("auto", "flat"):
+        raise ConfigError(f"--vector_storage {storage} scans every code (a flat index re-scored from the shards); "
+                          f"--index_type {index_type} is for float32 vectors: leave it out or use flat")  # fmt: skip
+
+
 def check_index_type(index_type: str) -> None:
     """Raises ``ConfigError`` unless ``index_type`` is one of ``INDEX_TYPES``."""
     if index_type not in INDEX_TYPES:
@@ -148,10 +189,14 @@ def check_target_recall(target_recall: float) -> None:
 
 __all__ = [
     "DEFAULT_MAX_INDEX_MEMORY",
+    "DEFAULT_RESCORE",
     "DEFAULT_TARGET_RECALL",
     "INDEX_TYPES",
+    "VECTOR_STORAGES",
     "IndexChoice",
     "check_index_type",
+    "check_vector_storage",
     "check_target_recall",
     "choose_index_type",
+    "storage_choice",
 ]

@@ -21,7 +21,13 @@ from typing import Any
 
 from vlfit.errors import UserError, full_disk_in_one_line
 from vlfit.index.ann import ANN_DESCRIPTION, ANN_FILE, AnnIndex, build_ann
-from vlfit.index.ann_choice import DEFAULT_MAX_INDEX_MEMORY, IndexChoice, choose_index_type
+from vlfit.index.ann_choice import (
+    DEFAULT_MAX_INDEX_MEMORY,
+    DEFAULT_RESCORE,
+    IndexChoice,
+    choose_index_type,
+    storage_choice,
+)
 from vlfit.index.integrity import check_verify_level, file_problem
 from vlfit.index.store import EmbeddingIndex, write_manifest
 
@@ -59,6 +65,8 @@ def update_ann(
     target_recall: float = 0.95,
     seed: int = 0,
     verify: str = "quick",
+    storage: str = "float32",
+    rescore: int = DEFAULT_RESCORE,
 ) -> dict[str, Any]:
     """Make the ANN structure of ``index`` cover every row of its shards; record it in the manifest.
 
@@ -70,6 +78,8 @@ def update_ann(
         seed: Draws the training and tuning samples.
         verify: How the ANN file on disk is checked before it is kept as it is: ``quick`` its size, ``full`` its
             SHA-256 too (one that differs is built again).
+        storage: ``float32``, or a flat scan of ``int8`` or ``binary`` codes (``vlfit.index.ann_choice``).
+        rescore: Compact codes: candidates re-scored exactly per result wanted.
 
     Returns:
         The description written to the manifest's ``ann`` (with ``"extended": True`` when rows were added in place);
@@ -82,7 +92,9 @@ def update_ann(
     ids = index.ids()
     if not ids:
         return {}
-    wanted = choose_index_type(len(ids), manifest.identity.embedding_size, max_index_memory, index_type)
+    size = manifest.identity.embedding_size
+    compact = storage_choice(len(ids), size, storage, max_index_memory, index_type)
+    wanted = compact or choose_index_type(len(ids), size, max_index_memory, index_type)
     budget = DEFAULT_MAX_INDEX_MEMORY if max_index_memory is None else max_index_memory
     current = manifest.ann
     if (
@@ -91,6 +103,7 @@ def update_ann(
         and current.get("type") == wanted.type
         and current.get("target_recall") == target_recall
         and current.get("max_index_memory") == budget
+        and (compact is None or current.get("rerank") == rescore)
         and file_problem(os.path.join(folder, ANN_FILE), current, verify) is None
     ):
         return current  # already covers these rows as asked: the embeddings are not read
@@ -105,10 +118,12 @@ def update_ann(
         if ann.needs_retrain:
             ann = None
     if ann is None:
-        ann = build_ann(embeddings, index_type, max_index_memory, target_recall, seed)
+        ann = build_ann(embeddings, index_type, max_index_memory, target_recall, seed, storage, rescore)
         extended = False
     else:
         ann.description["max_index_memory"] = budget  # the structure this budget asks for: kept, grown
+        if compact is not None:
+            ann.description["rerank"] = rescore
         ann.tune(embeddings, target_recall, seed)
     if not ann.description["reached_target"]:
         logger.warning(

@@ -137,6 +137,8 @@ def _new_manifest(encoder: Encoder, storage: str) -> IndexManifest:
              "precision": encoder.precision, "max_seq_length": encoder.spec.max_seq_length}  # fmt: skip
     if encoder.spec.max_num_patches is not None:  # NaFlex: the patch budget its items were embedded at
         model["max_num_patches"] = encoder.spec.max_num_patches
+    if encoder.embedding_dim is not None:  # --embedding_dim: the size its items were cut to, and its queries are
+        model["embedding_dim"] = encoder.embedding_dim
     return IndexManifest(encoder.identity, model, storage)
 
 

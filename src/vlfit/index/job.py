@@ -29,9 +29,11 @@ from vlfit.errors import ConfigError, DataError
 from vlfit.extras import require_extra
 from vlfit.index.ann_choice import (
     DEFAULT_MAX_INDEX_MEMORY,
+    DEFAULT_RESCORE,
     DEFAULT_TARGET_RECALL,
     check_index_type,
     check_target_recall,
+    check_vector_storage,
 )
 from vlfit.index.build import BuildRequest, build_index, check_patch_budget
 from vlfit.index.integrity import check_verify_level
@@ -41,7 +43,8 @@ from vlfit.inference.runtime import ModelRuntime
 from vlfit.inference.runtime_settings import RuntimeSettings
 
 # What the report tells of the ANN structure (the manifest's "ann" holds all of it).
-ANN_SUMMARY = ("type", "factory", "search_params", "recall_at_10", "bytes_per_vector", "query_latency_ms", "extended")
+ANN_SUMMARY = ("type", "factory", "search_params", "rerank", "recall_at_10", "bytes_per_vector", "query_latency_ms",
+               "extended")  # fmt: skip
 # The settings a build records (under "settings" of its manifest's collections entry) and an append replays, with
 # what a new index gets when a job leaves one unset.
 BUILD_SETTINGS: dict[str, Any] = {
@@ -49,6 +52,8 @@ BUILD_SETTINGS: dict[str, Any] = {
     "max_index_memory": DEFAULT_MAX_INDEX_MEMORY,
     "target_recall": DEFAULT_TARGET_RECALL,
     "shard_size": 4096,
+    "vector_storage": "float32",
+    "rescore": DEFAULT_RESCORE,
 }
 
 
@@ -65,7 +70,9 @@ class IndexJob:
             ``max_num_patches`` left None is the index's recorded one (``replayed``).
         batch_size, num_workers, shard_size, storage, progress, verify: The build's (``BuildRequest``).
         index_type, max_index_memory, target_recall: The ANN structure's (``vlfit.index.ann_update``).
-            These three and ``shard_size``, left None, are the index's recorded ones (``BUILD_SETTINGS``).
+        vector_storage, rescore: What queries scan: the ANN structure's float32 vectors, or ``int8`` or ``binary``
+            codes of which the top ``rescore`` x k are re-scored with the shards' float32 vectors.
+            These five and ``shard_size``, left None, are the index's recorded ones (``BUILD_SETTINGS``).
         shard_retries, shard_timeout, storage_options, shard_block_size: How tar shards at URLs are fetched.
         ddp_timeout: Under torchrun, seconds the processes wait for each other.
 
@@ -91,6 +98,8 @@ class IndexJob:
     index_type: str | None = None
     max_index_memory: int | None = None
     target_recall: float | None = None
+    vector_storage: str | None = None
+    rescore: int | None = None
     shard_retries: int = 3
     shard_timeout: float = 60.0
     storage_options: Mapping[str, Any] | str | None = field(default=None, repr=False)  # headers may hold secrets
@@ -102,6 +111,7 @@ class IndexJob:
             check_index_type(self.index_type)
         if self.target_recall is not None:
             check_target_recall(self.target_recall)
+        check_vector_storage(self.vector_storage or "float32", self.index_type or "auto")
         check_verify_level(self.verify)
         check_storage(self.storage)
         for flag, value, least in (
@@ -109,6 +119,7 @@ class IndexJob:
             ("dataloader_num_workers", self.num_workers, 0),
             ("shard_size", self.shard_size, 1),
             ("max_index_memory", self.max_index_memory, 1),
+            ("rescore", self.rescore, 1),
             ("ddp_timeout", self.ddp_timeout, 1),
         ):
             if value is not None and value < least:
@@ -132,11 +143,15 @@ class IndexJob:
             budget = manifest.model.get("max_num_patches")
         unset = {name: recorded.get(name, default) for name, default in BUILD_SETTINGS.items()
                  if getattr(self, name) is None}  # fmt: skip
-        if self.runtime.max_num_patches is None:
-            unset["runtime"] = dataclasses.replace(self.runtime, max_num_patches=budget)
+        runtime = self.runtime
+        if runtime.max_num_patches is None:
+            runtime = dataclasses.replace(runtime, max_num_patches=budget)
         else:
-            check_patch_budget(self.runtime.max_num_patches, budget, self.output_dir)
-        return dataclasses.replace(self, **unset)
+            check_patch_budget(runtime.max_num_patches, budget, self.output_dir)
+        if index is not None:  # appended items are cut to the size the index holds
+            index.check_embedding_dim(runtime.embedding_dim)
+            runtime = dataclasses.replace(runtime, embedding_dim=index.manifest.model.get("embedding_dim"))
+        return dataclasses.replace(self, **unset, runtime=runtime)
 
     def settings(self) -> dict[str, Any]:
         """The ``BUILD_SETTINGS`` of this job, as a build records them."""
@@ -258,7 +273,8 @@ def index_collection(job: IndexJob) -> IndexReport:
     from vlfit.index.ann_update import update_ann
 
     ann = update_ann(built.index, index_type=job.index_type, max_index_memory=job.max_index_memory,
-                     target_recall=job.target_recall, verify=job.verify)  # fmt: skip
+                     target_recall=job.target_recall, verify=job.verify, storage=job.vector_storage,
+                     rescore=job.rescore)  # fmt: skip
     urls = set(source.urls) if isinstance(source, ShardCollection) else set()
     manifest = built.index.manifest
     return IndexReport(

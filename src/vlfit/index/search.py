@@ -67,9 +67,11 @@ def query_runtime(
     from how it was built (``RuntimeSettings.as_built``), so queries and items are embedded alike.
 
     Raises:
+        ConfigError: for an ``embedding_dim`` other than the size the index holds.
         vlfit.inference.identity.RefusedModelError: when ``model`` embeds into another space than the index.
     """
     settings = settings or RuntimeSettings()
+    index.check_embedding_dim(settings.embedding_dim)
     if model is None:
         model, settings = index.manifest.model["path"], settings.as_built(index.manifest.model)
     runtime = ModelRuntime.open(model, settings)

@@ -68,8 +68,9 @@ class IndexManifest:
 
     Attributes:
         identity: The model the embeddings come from.
-        model: ``{"path", "backend", "precision", "max_seq_length"}`` of the encoder that built the index (its
-            queries are embedded alike: ``vlfit.index.search.query_runtime``).
+        model: ``{"path", "backend", "precision", "max_seq_length"}`` of the encoder that built the index (and
+            ``max_num_patches``, ``embedding_dim`` when set; its queries are embedded alike:
+            ``vlfit.index.search.query_runtime``).
         storage: ``safetensors`` or ``npy``.
         shards: ``{"embeddings", "ids", "count"}`` per shard, in order (and ``"captions"``: its items' captions;
             ``"files"``: ``{name: {"bytes", "sha256"}}`` of each of its files, absent in indexes written before).
@@ -161,6 +162,16 @@ class EmbeddingIndex:
 
     def __len__(self) -> int:
         return self.manifest.count
+
+    def check_embedding_dim(self, asked: int | None) -> None:
+        """Refuse, in one line, embeddings of another size than the index holds (``--embedding_dim asked``; None:
+        the index's own, which ``RuntimeSettings.as_built`` fills in)."""
+        size = self.manifest.identity.embedding_size
+        if asked is not None and asked != size:
+            raise ConfigError(
+                f"--embedding_dim {asked}: the index {self.path} holds embeddings of size {size}; leave the flag out "
+                f"to use its size, or build an index at {asked} (vlfit retrieve index --embedding_dim {asked})"
+            )
 
     def rebuild_command(self, *, full: bool = False) -> str:
         """The command that rebuilds what is damaged in this index (``vlfit.index.integrity.rebuild_command``)."""

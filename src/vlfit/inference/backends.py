@@ -25,11 +25,13 @@ import torch
 from vlfit.efficiency.cpu import cpu_info
 from vlfit.errors import ConfigError
 from vlfit.extras import require_extra
+from vlfit.inference.embedding_dim import checked_size, cut, trained_sizes
 from vlfit.inference.exported import TOKENIZER_FILES, TOWERS, ExportFolder
 from vlfit.inference.identity import ModelIdentity, RefusedModelError, checkpoint_fingerprint
 from vlfit.inference.runtime_settings import RuntimeSettings
 from vlfit.inference.towers import IMAGE_INPUT, PATCH_INPUTS, TEXT_INPUTS, ImageTower, TextTower
 from vlfit.models.family import InputSpec
+from vlfit.models.input_spec_file import read_input_settings
 from vlfit.models.reference import ModelReference
 from vlfit.threads import on_own_threads
 
@@ -65,9 +67,22 @@ class ModelPart:
 
 class Encoder(ModelPart, ABC):
     """Embeds uint8 images and tokenized captions (the attributes of ``ModelPart``, and ``identity``: what the
-    embeddings are comparable with)."""
+    embeddings are comparable with; ``embedding_dim``: the size they are cut to, ``None`` for the model's own)."""
 
     identity: ModelIdentity
+    embedding_dim: int | None = None
+
+    def keep_dimensions(self, size: int | None, record: Mapping[str, Any] | None = None) -> None:
+        """Cut every embedding to its first ``size`` dimensions, L2-normalized again (``vlfit.inference.embedding_dim``;
+        ``record``: the run's input settings, which name the sizes it was trained for).
+
+        Raises:
+            RefusedModelError: for a size larger than the model's embeddings.
+        """
+        kept = checked_size(size, self.identity.embedding_size, trained_sizes(record), self.model_path)
+        if kept is not None:
+            self.embedding_dim = kept
+            self.identity = dataclasses.replace(self.identity, embedding_size=kept)
 
     def encode_images(
         self,
@@ -80,11 +95,13 @@ class Encoder(ModelPart, ABC):
         inputs: dict[str, torch.Tensor | np.ndarray] = {IMAGE_INPUT: pixels}
         if pixel_attention_mask is not None and spatial_shapes is not None:
             inputs.update(zip(PATCH_INPUTS, (pixel_attention_mask, spatial_shapes), strict=True))
-        return self.run_tower("image", inputs)
+        return cut(self.run_tower("image", inputs), self.embedding_dim)
 
     def encode_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """int64 ``[B, S]`` twice -> float32 ``[B, D]``."""
-        return self.run_tower("text", dict(zip(TEXT_INPUTS, (input_ids, attention_mask), strict=True)))
+        return cut(
+            self.run_tower("text", dict(zip(TEXT_INPUTS, (input_ids, attention_mask), strict=True))), self.embedding_dim
+        )
 
     @abstractmethod
     def run_tower(self, tower: str, inputs: dict[str, torch.Tensor | np.ndarray]) -> torch.Tensor:
@@ -385,7 +402,7 @@ def build_encoder(reference: ModelReference, settings: RuntimeSettings) -> Encod
             raise ConfigError(
                 f"preset {reference.path} runs on torch; export a trained checkpoint for --backend {backend!r}"
             )
-        return _preset_encoder(reference.path, settings)
+        return _sized(_preset_encoder(reference.path, settings), settings)
     other = "onnx" if backend == "onnxruntime" else "openvino"
     if reference.kind != "export":
         if backend not in ("auto", "torch"):
@@ -397,7 +414,7 @@ def build_encoder(reference: ModelReference, settings: RuntimeSettings) -> Encod
             what = "INT8" if precision == "int8" else "bf16"
             how = "with --quantize int8" if precision == "int8" else "with --format openvino"
             raise RefusedModelError(f"{reference.path}: {what} runs on exported graphs only; export {how}")
-        return _torch_encoder(reference, settings)
+        return _sized(_torch_encoder(reference, settings), settings, read_input_settings(reference.path))
     exported = ExportFolder.open(reference.path, check_source=False)
     exported.check_backend(backend)
     exported.check_source_unchanged()
@@ -406,6 +423,12 @@ def build_encoder(reference: ModelReference, settings: RuntimeSettings) -> Encod
     encoder = ExportedEncoder(exported, runtime, precision, settings.max_seq_length)
     if settings.max_num_patches is not None:
         encoder.spec = _exported_patch_budget(encoder.spec, settings.max_num_patches, exported.path)
+    return _sized(encoder, settings, exported.manifest.get("input_spec"))
+
+
+def _sized(encoder: Encoder, settings: RuntimeSettings, record: Mapping[str, Any] | None = None) -> Encoder:
+    """``encoder`` at ``settings.embedding_dim``, ``record`` the run's input settings (``Encoder.keep_dimensions``)."""
+    encoder.keep_dimensions(settings.embedding_dim, record)
     return encoder
 
 

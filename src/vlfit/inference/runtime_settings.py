@@ -26,6 +26,8 @@ class RuntimeSettings:
         inference_precision: OpenVINO's ``INFERENCE_PRECISION_HINT`` (``None``: the plugin's default).
         allow_spinning: ONNX Runtime's idle threads spin-wait for the next call (a server turns it off).
         max_num_patches: A NaFlex model's token budget per image (``None``: the one the run was trained with).
+        embedding_dim: Keep the first this many dimensions of each embedding, L2-normalized again (``None``: all of
+            them); the encoder applies it, so every door's embeddings are of this size.
     """
 
     backend: str = "auto"
@@ -35,6 +37,7 @@ class RuntimeSettings:
     inference_precision: str | None = None
     allow_spinning: bool = True
     max_num_patches: int | None = None
+    embedding_dim: int | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -47,15 +50,18 @@ class RuntimeSettings:
             raise ConfigError(f"--max_seq_length must be at least 1, got {self.max_seq_length}")
         if self.max_num_patches is not None and self.max_num_patches < 1:
             raise ConfigError(f"--max_num_patches must be at least 1, got {self.max_num_patches}")
+        if self.embedding_dim is not None and self.embedding_dim < 1:
+            raise ConfigError(f"--embedding_dim must be at least 1, got {self.embedding_dim}")
 
     def as_built(self, built: Mapping[str, Any]) -> RuntimeSettings:
         """These settings with what was left unset (``auto``, ``None``) taken from how an index's items were embedded
-        (its manifest's ``model`` record: backend, precision, caption length, patch budget), so its queries are
-        embedded alike."""
+        (its manifest's ``model`` record: backend, precision, caption length, patch budget, embedding size), so its
+        queries are embedded alike."""
         return replace(
             self,
             backend=built["backend"] if self.backend == "auto" else self.backend,
             precision=built.get("precision", "auto") if self.precision == "auto" else self.precision,
             max_seq_length=self.max_seq_length or built.get("max_seq_length"),
             max_num_patches=self.max_num_patches or built.get("max_num_patches"),
+            embedding_dim=self.embedding_dim or built.get("embedding_dim"),
         )

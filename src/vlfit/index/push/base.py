@@ -238,10 +238,14 @@ class Target(ABC):
     # Items per write unless told otherwise: what the engine's bulk path writes at once (fewer commits, fragments or
     # round trips; benchmarks/push.py).
     BATCH_SIZE: ClassVar[int] = 1000
+    # The index's compact storages (``--vector_storage``) that the engine keeps in a compact form of its own, named;
+    # of any other, the push sends the float32 vectors only.
+    COMPACT: ClassVar[dict[str, str]] = {}
 
     def __init__(self, uri: TargetURI) -> None:
         self.uri = uri
         self._client: Any = None
+        self.storage = "float32"  # the pushed index's --vector_storage: what ``create`` asks of the engine
 
     def connected(self, connect: Callable[[], Any], doing: str = "opening the database") -> Any:
         """The client of this target: ``connect()``'s, made on first use (its errors as ``failing``'s) and kept."""

@@ -46,6 +46,8 @@ class PushReport:
         deleted: Items removed from the collection (``delete_missing``).
         total: Items the collection holds after the push.
         seconds: How long the push took.
+        storage: For an index of compact codes (``--vector_storage int8`` or ``binary``), the form the engine keeps
+            them in, or that the push sends float32 vectors only.
     """
 
     target: str
@@ -55,6 +57,7 @@ class PushReport:
     deleted: int = 0
     total: int = 0
     seconds: float = 0.0
+    storage: str = ""
 
     @property
     def items_per_second(self) -> float:
@@ -64,7 +67,8 @@ class PushReport:
         """The report as ``vlfit retrieve push --json`` prints it."""
         return {"target": self.target, "created": self.created, "pushed": self.pushed, "skipped": self.skipped,
                 "deleted": self.deleted, "total": self.total, "seconds": round(self.seconds, 3),
-                "items_per_second": round(self.items_per_second, 1)}  # fmt: skip
+                "items_per_second": round(self.items_per_second, 1), **({"storage": self.storage} if self.storage
+                else {})}  # fmt: skip
 
     def lines(self) -> list[str]:
         """The report as ``vlfit retrieve push`` prints it."""
@@ -73,7 +77,7 @@ class PushReport:
         return [
             f"{self.target}{made}: pushed {self.pushed} items in {self.seconds:.1f} s{rate}, {self.skipped} already "
             f"there, {self.deleted} deleted; it holds {self.total} items"
-        ]
+        ] + ([f"{self.target}: {self.storage}"] if self.storage else [])
 
 
 def item_ids(index: EmbeddingIndex) -> list[str | None]:
@@ -99,6 +103,12 @@ def item_ids(index: EmbeddingIndex) -> list[str | None]:
                 "its own (#NAME at the end of the URI)"
             )
     return named
+
+
+def vector_storage(index: EmbeddingIndex) -> str:
+    """The ``--vector_storage`` the index was last built with (``float32`` for one built before it was recorded)."""
+    collections = index.manifest.collections
+    return str((collections[-1].get("settings") or {}).get("vector_storage", "float32")) if collections else "float32"
 
 
 def index_record(index: EmbeddingIndex) -> CollectionRecord:
@@ -192,6 +202,11 @@ def push_index(
     target = open_target(to)
     batch_size = batch_size or target.BATCH_SIZE
     report = PushReport(to)
+    target.storage = vector_storage(index)
+    if target.storage != "float32":
+        compact = target.COMPACT.get(target.storage)
+        report.storage = (f"{target.storage} codes as {compact} (for a collection it creates)" if compact else
+                          f"no {target.storage} form used for this engine: the push sends float32 vectors")  # fmt: skip
     record = index_record(index)
     with target.failing("reading the collection"):
         recorded = target.record()
@@ -229,4 +244,4 @@ def push_index(
     return report
 
 
-__all__ = ["PushReport", "check_record", "index_record", "item_ids", "push_index"]
+__all__ = ["PushReport", "check_record", "index_record", "item_ids", "push_index", "vector_storage"]

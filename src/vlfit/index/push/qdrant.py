@@ -28,6 +28,7 @@ class QdrantTarget(Target):
     # Local mode raises ValueError/RuntimeError for what it refuses; a server's answers and connection failures are
     # qdrant-client's own exceptions (grpc is not used).
     ERRORS = (ResponseHandlingException, UnexpectedResponse, ValueError, RuntimeError, OSError)
+    COMPACT = {"int8": "Qdrant's int8 scalar quantization", "binary": "Qdrant's binary quantization"}
 
     @property
     def client(self) -> QdrantClient:
@@ -55,8 +56,8 @@ class QdrantTarget(Target):
 
     def create(self, record: CollectionRecord) -> None:
         vectors = models.VectorParams(size=record.identity.embedding_size, distance=models.Distance.COSINE)
-        self.client.create_collection(self.uri.collection, vectors_config=vectors,
-                                      metadata={METADATA_KEY: record.to_dict()})  # fmt: skip
+        self.client.create_collection(self.uri.collection, vectors_config=vectors, metadata={METADATA_KEY:
+                                      record.to_dict()}, quantization_config=quantization(self.storage))  # fmt: skip
 
     def ids(self) -> set[str]:
         found: set[str] = set()
@@ -93,6 +94,17 @@ class QdrantTarget(Target):
 
     def count(self) -> int:
         return self.client.count(self.uri.collection, exact=True).count
+
+
+def quantization(storage: str) -> models.QuantizationConfig | None:
+    """The collection's quantization for an index of ``--vector_storage storage`` (kept in RAM; Qdrant searches the
+    codes and re-scores with the float32 vectors it keeps too); local mode keeps none (its search is exact)."""
+    if storage == "int8":
+        return models.ScalarQuantization(scalar=models.ScalarQuantizationConfig(type=models.ScalarType.INT8,
+                                                                                always_ram=True))  # fmt: skip
+    if storage == "binary":
+        return models.BinaryQuantization(binary=models.BinaryQuantizationConfig(always_ram=True))
+    return None
 
 
 TARGET = QdrantTarget
