@@ -10,8 +10,9 @@ from vlfit.commands import cli_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-# docs/python-api.md's first example trains a model: tests/test_api.py runs it (test_the_readme_example_runs).
-RUN_ELSEWHERE = {("docs/python-api.md", 0)}
+# docs/python-api.md's first example trains a model: tests/test_api.py runs it (test_the_readme_example_runs);
+# docs/serving.md's asks a server: tests/serve/test_openai_embeddings.py runs it against one.
+RUN_ELSEWHERE = {("docs/python-api.md", 0), ("docs/serving.md", 0)}
 
 FENCE = re.compile(r"^(```|~~~)")
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(([^()\s]+)(?:\s+\"[^\"]*\")?\)")

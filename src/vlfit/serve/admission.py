@@ -18,8 +18,9 @@ newest). It is the time each queued query really adds, however they are computed
   multipart upload is one from its head; a JSON search is admitted from its head as a text (what most are: its
   head cannot tell, so the texts' budget may refuse it there) and, when its body holds a base64 image, moved to the
   image queue (``WaitAdmission.settle``), refused there when that queue is over its budget, and timed there.
-- **vectorize** requests (Weaviate's ``/vectorize``, ``vlfit.serve.weaviate``: texts and images together) run one
-  at a time on a thread of their own: a queue of their own, so a bulk import is never ahead of a search.
+- **vectorize** requests (Weaviate's ``/vectorize``, ``vlfit.serve.weaviate``, and OpenAI's ``/v1/embeddings``,
+  ``vlfit.serve.openai_api``: texts and images together) run one at a time on a thread of their own: a queue of
+  their own, so a bulk import is never ahead of a search.
 - What the encoder's time alone would not show is in it too: the event loop reading, parsing and answering every
   request in flight (on a 2-core machine under overload, most of a query's time), the interpreter lock the
   encoder thread shares with it, other processes on the same cores. (Estimates from the encoder's batch times,
@@ -61,7 +62,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from vlfit.serve.limits import SEARCH_PATH, VECTORIZE_PATH
+from vlfit.serve.limits import SEARCH_PATH, VECTORIZING_PATHS
 
 KINDS = ("text", "image", "vectorize")
 TICKET_KEY = "vlfit.ticket"  # a request's scope entry: its Ticket, from the end of its body (WaitLimit)
@@ -211,8 +212,8 @@ def query_kind(content_type: bytes, path: str = SEARCH_PATH) -> str:
     """The kind of a query from its route and ``Content-Type``, as its head is admitted: on ``/api/search`` a
     multipart upload is an image query, any other body a text query (a JSON body may be a base64 image: the route
     ``settle``s its ticket in the image queue once the body is parsed); a request of Weaviate's ``/vectorize``
-    (texts and images together) is a queue of its own."""
-    if path == VECTORIZE_PATH:
+    or OpenAI's ``/v1/embeddings`` (texts and images together) is a queue of its own."""
+    if path in VECTORIZING_PATHS:
         return "vectorize"
     return "image" if content_type.lower().startswith(b"multipart/") else "text"
 

@@ -16,7 +16,8 @@ Routes:
   every ``reload_interval`` seconds);
 - ``GET /``: the web page (``vlfit/serve/static/index.html``, no external assets);
 - Weaviate's multi2vec protocol: ``POST /vectorize``, ``GET /meta``, ``GET /.well-known/live`` and ``ready``
-  (``vlfit.serve.weaviate``).
+  (``vlfit.serve.weaviate``);
+- OpenAI's embeddings API: ``POST /v1/embeddings``, ``GET /v1/models`` (``vlfit.serve.openai_api``).
 
 Access (keys, the hosts answered, the bodies taken) is checked first, by ``vlfit.serve.access``. Bad requests are
 answered, never fatal: a body over the upload limit gets 413, bytes that are not an image 400 with
@@ -73,6 +74,7 @@ from vlfit.serve.limits import (
 from vlfit.serve.metrics import MEDIA_TYPE as METRICS_MEDIA_TYPE
 from vlfit.serve.metrics import ServerMetrics
 from vlfit.serve.middleware import HeadAsGet, InFlightLimit, RequestMetrics, UploadLimit, WaitLimit, settle_kind
+from vlfit.serve.openai_api import OpenAIErrors, add_openai_routes
 from vlfit.serve.queries import ITEM_NUMBER_RULE, Query, SearchQuery, ascii_number, read_query
 from vlfit.serve.readiness import WorkerCount
 from vlfit.serve.responses import error_response, internal_error
@@ -248,6 +250,7 @@ def create_app(
                              "took_ms": round(1000 * (time.perf_counter() - started), 3)})  # fmt: skip
 
     add_weaviate_routes(app, engine, limits=limits, metrics=metrics, pool=vectorizing)
+    add_openai_routes(app, engine, limits=limits, metrics=metrics, pool=vectorizing)  # the same thread and queue
 
     app.add_middleware(HeadAsGet)
     if admission is not None:
@@ -258,6 +261,7 @@ def create_app(
                        timeout=limits.body_timeout)  # bodies arrive before a request takes its slot  # fmt: skip
     if access is not None:
         app.add_middleware(AccessControl, policy=access)  # before any work is done for a request
+    app.add_middleware(OpenAIErrors)  # /v1/'s errors in OpenAI's shape, the key's and the limits' too
     app.add_middleware(RequestMetrics, metrics=metrics)  # outermost: counts the 413s and 503s too
     app.state.engine, app.state.batcher, app.state.metrics = engine, batcher, metrics
     app.state.admission = admission

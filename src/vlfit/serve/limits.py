@@ -23,7 +23,9 @@ ADMISSION_KEY = "vlfit.admission"  # and its WaitAdmission (None without --max_q
 CLIENTS_KEY = "vlfit.clients"  # and its ClientShares (vlfit.serve.clients)
 SEARCH_PATH = "/api/search"  # the routes whose requests are admitted by expected wait
 VECTORIZE_PATH = "/vectorize"  # Weaviate's multi2vec modules' route (vlfit.serve.weaviate)
-ADMITTED_PATHS = (SEARCH_PATH, VECTORIZE_PATH)
+EMBEDDINGS_PATH = "/v1/embeddings"  # OpenAI's embeddings API (vlfit.serve.openai_api)
+VECTORIZING_PATHS = (VECTORIZE_PATH, EMBEDDINGS_PATH)  # texts and images together: the "vectorize" queue and thread
+ADMITTED_PATHS = (SEARCH_PATH, *VECTORIZING_PATHS)
 WEAVIATE_PROBES = ("/.well-known/live", "/.well-known/ready")  # what Weaviate waits on before it starts
 # Never refused for load (answered on the event loop in microseconds): a monitor sees an overloaded server as up
 # and overloaded, not as down.

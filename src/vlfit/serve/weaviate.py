@@ -104,10 +104,16 @@ async def read_vectorize(request: Request, max_text_chars: int) -> VectorizeRequ
 
 
 def vectorize(
-    engine: SearchEngine, texts: Sequence[str], images: Sequence[bytes], max_pixels: int, times: StageTimes
+    engine: SearchEngine,
+    texts: Sequence[str],
+    images: Sequence[bytes],
+    max_pixels: int,
+    times: StageTimes,
+    image_names: Sequence[str] | None = None,
 ) -> dict[str, list[list[float]]]:
     """The answer of ``POST /vectorize``: each text's and each image's embedding, in order (the images one at a time,
-    each as an image search embeds its query: ``SearchEngine.encode_image``).
+    each as an image search embeds its query: ``SearchEngine.encode_image``). ``image_names`` name the images in
+    errors (default ``images[i]``).
 
     Raises:
         ItemRefused: for an image over ``max_pixels`` (422) or bytes that are not an image (400), naming it.
@@ -115,15 +121,16 @@ def vectorize(
     text_vectors = engine.encode_texts(texts, times).tolist() if texts else []
     image_vectors = []
     for i, image in enumerate(images):
+        name = image_names[i] if image_names is not None else f"images[{i}]"
         try:
             with times.stage("decode"):
-                check_query_pixels(image, max_pixels, name=f"images[{i}]")
+                check_query_pixels(image, max_pixels, name=name)
             image_vectors += engine.encode_image(image, times).tolist()
         except QueryImageTooLarge as err:
-            raise ItemRefused(422, f"images[{i}]: {err}") from None
+            raise ItemRefused(422, f"{name}: {err}") from None
         except DataError as err:  # a DecodeError's reason without the sample it names (the engine's images[0])
             reason = err.reason if isinstance(err, DecodeError) and err.reason else first_line(err)
-            raise ItemRefused(400, f"images[{i}] is not an image vlfit can read: {reason}") from None
+            raise ItemRefused(400, f"{name} is not an image vlfit can read: {reason}") from None
     return {"textVectors": text_vectors, "imageVectors": image_vectors}
 
 
@@ -131,11 +138,9 @@ def model_meta(engine: SearchEngine) -> dict[str, object]:
     """What ``GET /meta`` answers: the served model's identity (its folder by name unless ``absolute_paths``)."""
     encoder = engine.encoder
     spec = encoder.spec
-    path = encoder.model_path
-    name = path if engine.absolute_paths else os.path.basename(path.rstrip(os.sep))
     return {
         "model": {
-            "name": name,
+            "name": model_name(engine),
             **encoder.identity.to_dict(),
             "backend": encoder.backend,
             "precision": encoder.precision,
@@ -145,6 +150,12 @@ def model_meta(engine: SearchEngine) -> dict[str, object]:
         "server": f"vlfit serve {__version__}",
         "protocol": "multi2vec-clip",
     }
+
+
+def model_name(engine: SearchEngine) -> str:
+    """The served model's name: its folder's (or preset's) base name, its path with ``absolute_paths``."""
+    path = engine.encoder.model_path
+    return path if engine.absolute_paths else os.path.basename(path.rstrip(os.sep))
 
 
 def _image_input(spec: InputSpec) -> dict[str, int | None]:
