@@ -154,6 +154,65 @@ def test_two_nodes_with_global_negatives_shard_the_data_and_rank0_writes_the_che
         assert distributed[key] == pytest.approx(single[key]), key
 
 
+@pytest.mark.slow
+def test_srun_tasks_train_as_torchrun_processes_do(tmp_path, synthetic_dataset_dir, ddp_run):
+    """Two processes started as ``srun --ntasks 2`` starts them (SLURM's variables, none of torch's, no launcher)
+    train on the same shares and log the same losses as the two torchrun processes."""
+    (tmp_path / "records").mkdir()
+    port = str(free_port())
+    tasks = [
+        subprocess.Popen(
+            [sys.executable, RECORDING, "train", *_shared_flags(synthetic_dataset_dir, tmp_path / "model")],
+            env=torchrun_env(
+                VLFIT_RECORD_DIR=str(tmp_path / "records"),
+                SLURM_JOB_ID="4242",
+                SLURM_STEP_ID="0",
+                SLURM_PROCID=str(task),
+                SLURM_LOCALID=str(task),
+                SLURM_NTASKS="2",
+                SLURM_STEP_NUM_TASKS="2",
+                SLURM_STEP_TASKS_PER_NODE="2",
+                SLURM_STEP_NODELIST="localhost",
+                MASTER_PORT=port,
+            ),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        for task in range(2)
+    ]
+    outputs = [task.communicate(timeout=TIMEOUT)[0] for task in tasks]
+    for task, output in zip(tasks, outputs, strict=True):
+        assert task.returncode == 0, output[-3000:]
+    records = [json.loads((tmp_path / "records" / f"rank{rank}.json").read_text()) for rank in range(2)]
+    _, torchrun_records = ddp_run
+    assert [r["world_size"] for r in records] == [2, 2]
+    for srun, torchrun in zip(records, torchrun_records, strict=True):
+        assert [b["ids"] for b in srun["batches"]] == [b["ids"] for b in torchrun["batches"]]
+        assert srun["losses"] == pytest.approx(torchrun["losses"], rel=1e-5)
+
+
+def test_slurm_variables_become_torchs_only_for_the_tasks_of_a_step():
+    from vlfit.launch import adopt_slurm_environment, first_host
+
+    step = {"SLURM_JOB_ID": "123456", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_LOCALID": "1",
+            "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+            "SLURM_STEP_NODELIST": "gpu[07-08]"}  # fmt: skip
+    assert adopt_slurm_environment(step)
+    assert {k: step[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                                 "MASTER_PORT")} == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+                                                     "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "gpu07",
+                                                     "MASTER_PORT": "18456"}  # fmt: skip
+    batch_script = {"SLURM_JOB_ID": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "4"}  # sbatch's own process
+    under_torchrun = {**step, "RANK": "0", "WORLD_SIZE": "2"}  # srun ... torchrun: torch's variables win
+    assert not adopt_slurm_environment(batch_script) and "RANK" not in batch_script
+    assert not adopt_slurm_environment(under_torchrun) and under_torchrun["WORLD_SIZE"] == "2"
+    assert [first_host(n) for n in ("node[01-04,07],gpu5", "gpu5", "x[009-010]", "n1,n2", "")] == [
+        "node01", "gpu5", "x009", "n1", ""]  # fmt: skip
+
+
 FSDP_LAYERS = ["BridgeTowerTextLayer", "BridgeTowerResidualAttention"]  # each its own shard group
 FSDP_FLAGS = ["--fsdp", "full_shard auto_wrap", "--fsdp_config",
               json.dumps({"fsdp_version": 2, "transformer_layer_cls_to_wrap": FSDP_LAYERS})]  # fmt: skip
