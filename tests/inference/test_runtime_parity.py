@@ -1,8 +1,8 @@
 """A run is embedded the way it was trained through every door: evaluation (``vlfit eval``, and training's own, which
-run the same ``evaluate_retrieval``), ``vlfit.load``, ``retrieve index``, the server's query path, ``vlfit fewshot``,
-``vlfit classify``, the re-ranker's image path and the exported ONNX graphs agree with plain transformers fed as
-training feeds the model (captions cut at the run's ``--max_seq_length``, images through the training pipeline's
-transform), for each family."""
+run the same ``evaluate_retrieval``), ``vlfit.load``, ``retrieve index``, the server's query path and its
+``/v1/embeddings``, ``vlfit fewshot``, ``vlfit classify``, the re-ranker's image path and the exported ONNX graphs
+agree with plain transformers fed as training feeds the model (captions cut at the run's ``--max_seq_length``,
+images through the training pipeline's transform), for each family."""
 
 from __future__ import annotations
 
@@ -143,8 +143,10 @@ def _evaluation_embeddings(run, photos, tmp_path, monkeypatch):
 def test_every_door_embeds_a_run_as_it_was_trained(preset, synthetic_dataset_dir, tmp_path, caplog, monkeypatch):
     import vlfit
     from vlfit.cli import main
+    from vlfit.index.stages import StageTimes
     from vlfit.index.store import EmbeddingIndex
     from vlfit.serve.engine import SearchEngine
+    from vlfit.serve.openai_api import embed_items
 
     run = str(tmp_path / "run")
     vlfit.train(model_preset=preset, dataset_name=synthetic_dataset_dir, output_dir=run, max_steps=1,
@@ -170,6 +172,8 @@ def test_every_door_embeds_a_run_as_it_was_trained(preset, synthetic_dataset_dir
     stored = built.embeddings()[[rows[os.path.basename(p)] for p in photos]]
     engine = SearchEngine(str(index))  # the server's query path: the index's model as it was built
     figures["retrieve index + serve"] = (_cosines(engine.encode_texts(TEXTS), text), _cosines(stored, image))
+    served, _ = embed_items(engine, [*TEXTS, *(Path(p).read_bytes() for p in photos)], 10**8, StageTimes())
+    figures["/v1/embeddings"] = (_cosines(served[: len(TEXTS)], text), _cosines(served[len(TEXTS) :], image))
     prompts, shots = _fewshot_embeddings(run, photos)
     figures["fewshot"] = (_cosines(prompts, text), _cosines(shots, image))
     figures["classify"] = (None, _cosines(_classify_embeddings(run, photos, tmp_path / "classifier"), image))
