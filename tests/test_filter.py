@@ -26,14 +26,15 @@ SWAPPED = 6  # rows of train whose captions are swapped in pairs
 
 @pytest.fixture(scope="module")
 def noisy_dir(synthetic_dataset_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The synthetic data as parquet (train and validation), with the captions of train's first rows swapped in
-    pairs and one more train row whose image is not an image."""
+    """The synthetic data as parquet (train and validation, with a label column), with the captions of train's first
+    rows swapped in pairs and one more train row whose image is not an image."""
     folder = tmp_path_factory.mktemp("noisy")
     features = datasets.Features(
         {
             "image": datasets.Image(),
             "image_description": datasets.Value("string"),
             "instance_id": datasets.Value("string"),
+            "label": datasets.Value("string"),
         }
     )
     for split, source in open_splits(dataset_name=synthetic_dataset_dir).items():
@@ -45,11 +46,12 @@ def noisy_dir(synthetic_dataset_dir: str, tmp_path_factory: pytest.TempPathFacto
             for i in range(0, SWAPPED, 2):
                 captions[i], captions[i + 1] = captions[i + 1], captions[i]
         rows = {"image": [{"bytes": r.image, "path": None} for r in records], "image_description": captions,
-                "instance_id": [r.id for r in records]}  # fmt: skip
+                "instance_id": [r.id for r in records], "label": [f"label of {r.id}" for r in records]}  # fmt: skip
         if split == "train":
             rows["image"].append({"bytes": b"not an image at all", "path": None})
             rows["image_description"].append("a caption of nothing")
             rows["instance_id"].append(BROKEN)
+            rows["label"].append("none")
         datasets.Dataset.from_dict(rows, features=features).to_parquet(str(folder / f"{split}-00000-of-00001.parquet"))
     return str(folder)
 
@@ -73,6 +75,10 @@ def filtered(noisy_dir: str, tiny_checkpoint: Path, tmp_path_factory: pytest.Tem
     runtime = ModelRuntime.open(tiny_checkpoint)
     filter_splits(runtime, open_splits(dataset_name=noisy_dir), str(out), Cut(drop_fraction=0.3), batch_size=7)
     return out
+
+
+def test_columns_the_source_was_opened_without_are_left_out(filtered):
+    assert "label" not in open_splits(dataset_name=str(filtered))["train"].column_names
 
 
 def _written(folder: Path) -> dict[str, dict[str, float]]:
@@ -161,5 +167,7 @@ def test_the_command_writes_a_folder_train_reads(noisy_dir, tiny_checkpoint, tmp
             "--min_score", "-1", "--output_dir", str(out), "--dataloader_num_workers", "1"]  # fmt: skip
     assert main(argv) == 0
     assert "train: kept 24 of 24 scored pairs" in capsys.readouterr().out
-    assert set(open_splits(dataset_name=str(out))) == {"train"}
+    written = open_splits(dataset_name=str(out), extra_columns=("label", "clip_score"))
+    assert set(written) == {"train"}
+    assert all(r.extra["label"] == f"label of {r.id}" for r in written["train"])  # the evaluation columns kept
     assert main(argv) == 0  # an earlier filter's folder is replaced

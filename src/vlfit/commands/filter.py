@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                          extra_columns=DEFAULT_EXTRA_COLUMNS)  # fmt: skip
     chosen = _chosen(list(splits), args.split)
     columns = {"image_column": data.image_column, "caption_column": data.caption_column, "id_column": data.id_column,
-               "image_id_column": data.image_id_column}  # fmt: skip
+               "image_id_column": data.image_id_column, "extra_columns": DEFAULT_EXTRA_COLUMNS}  # fmt: skip
     done = filter_splits(runtime, {s: splits[s] for s in chosen}, args.output_dir, args.cut(),
                          score_column=args.score_column, batch_size=args.batch_size,
                          num_workers=args.dataloader_num_workers, bad_sample_policy=args.bad_sample_policy,

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vlfit.data.bad_samples import clean_caption
-from vlfit.data.prepare.columns import DEFAULT_EXTRA_COLUMNS, output_columns
+from vlfit.data.prepare.columns import output_columns
 from vlfit.data.prepare.shards import DEFAULT_SHARD_SIZE, shard_file_name
 from vlfit.data.sources.base import ImageTextSource
 from vlfit.errors import ConfigError
@@ -105,7 +105,8 @@ def write_split(
 
     Args:
         columns: The column keywords of ``vlfit.data.prepare.output_columns`` (``image_column``, ``caption_column``,
-            ``id_column``, ``extra_columns``, ``image_id_column``), as ``source`` was opened with.
+            ``id_column``, ``extra_columns``, ``image_id_column``), as ``source`` was opened with (``open_splits``'
+            defaults where left out).
 
     Returns:
         The shard file names (none for no rows: an empty split has no file).
@@ -113,7 +114,7 @@ def write_split(
     Raises:
         ConfigError: for a score column the split has already.
     """
-    defaults = {"image_column": "image", "caption_column": "image_description", "extra_columns": DEFAULT_EXTRA_COLUMNS}
+    defaults = {"image_column": "image", "caption_column": "image_description", "extra_columns": ()}
     cols = output_columns(split, source, **{**defaults, **columns})
     if score_column in cols.features:
         raise ConfigError(f"--score_column {score_column!r} is a column of split {split!r} already: name another")
