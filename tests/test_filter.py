@@ -124,6 +124,19 @@ def test_a_threshold_keeps_the_pairs_at_or_above_it(noisy_dir, tiny_checkpoint, 
     assert set(_written(tmp_path / "out")["validation"]) == {i for i, s in reference.items() if s > threshold}
 
 
+def test_an_export_scores_as_vlfit_load_runs_it(noisy_dir, onnx_export, tmp_path):
+    validation = open_splits(dataset_name=noisy_dir)["validation"]
+    model = vlfit.load(onnx_export)
+    records = list(validation)
+    reference = model.encode_images([r.image for r in records]) * model.encode_texts([r.caption for r in records])
+    filter_splits(ModelRuntime.open(onnx_export), {"validation": validation}, str(tmp_path / "out"), Cut(0.5))
+    written = _written(tmp_path / "out")["validation"]
+    expected = dict(zip([r.id for r in records], reference.sum(axis=1).tolist(), strict=True))
+    assert len(written) == len(records) // 2
+    assert all(score == pytest.approx(expected[i], abs=1e-5) for i, score in written.items())
+    assert json.loads((tmp_path / "out" / FILTER_REPORT).read_text())["model"]["runtime"].endswith("(int8)")
+
+
 def test_raise_stops_at_the_bad_image_and_writes_nothing(noisy_dir, tiny_checkpoint, tmp_path):
     runtime = ModelRuntime.open(tiny_checkpoint)
     train = open_splits(dataset_name=noisy_dir)["train"]
