@@ -29,7 +29,7 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from functools import cache
 from typing import Any, NoReturn
 
@@ -161,7 +161,7 @@ def check_early(prog: str, entry: dict[str, Any], argv: list[str], given: dict[s
     check_sizes(given)
     check_model_flags(given, _typed_flags(entry, argv))
     if "--output_dir" in known:
-        check_output_folder(prog, argv)
+        check_output_folder(prog, argv, _model_paths(given))
     if known & set(DATA_FILE_FLAGS):
         check_data_files(argv)
     if INDEX_FLAG in known:
@@ -312,14 +312,24 @@ def check_index_flag(prog: str, argv: list[str]) -> None:
                 raise
 
 
-def check_output_folder(prog: str, argv: list[str]) -> None:
+def _model_paths(given: dict[str, Any]) -> set[str]:
+    """The real paths the model flags given name (``MODEL_FLAGS``)."""
+    values = [given.get(name) for name in MODEL_FLAGS]
+    flat = [v for value in values for v in (value if isinstance(value, list) else [value]) if isinstance(v, str)]
+    return {os.path.realpath(value) for value in flat if value}
+
+
+def check_output_folder(prog: str, argv: list[str], models: Collection[str] = ()) -> None:
     """Refuse an ``--output_dir`` that names a file (or a path under one), or a folder the command would not write
-    into (``vlfit.output_folders``: one that holds what the command did not write)."""
+    into (``vlfit.output_folders``: one that holds what the command did not write). One that is a model the
+    command reads (``models``, real paths) is left to the command, which says so in its own words."""
     from vlfit.atomic_files import refuse_file_as_folder  # light: no torch
     from vlfit.output_folders import OUTPUT_FOLDERS
 
     claim = OUTPUT_FOLDERS.get(prog)
     for flag, value in _flag_values(argv, ("--output_dir",)):
+        if os.path.realpath(value) in models:
+            continue
         if claim is not None:
             claim.claim(value, flag)
         else:

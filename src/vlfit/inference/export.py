@@ -37,7 +37,7 @@ from vlfit.data.image_groups import group_images
 from vlfit.errors import ConfigError
 from vlfit.inference.backends import Encoder, ExportedEncoder, OnnxRuntimeGraphs, OpenVinoGraphs, TorchEncoder
 from vlfit.inference.export_samples import Samples
-from vlfit.inference.exported import FORMATS, MANIFEST_NAME, TOWERS, ExportFolder, ExportParityError, graph_name
+from vlfit.inference.exported import FORMATS, MANIFEST_NAME, TOWERS, ExportFolder, check_parity, graph_name
 from vlfit.inference.identity import library_versions
 from vlfit.inference.quantize import (
     compress_openvino_weights,
@@ -299,14 +299,8 @@ def export_model(
             "text": cosine_figures(reference_texts, texts),
         }
         accuracy["fp32"] = t2i_recall(texts, images, keys)
-        for tower in TOWERS:
-            worst = parity["fp32"][tower]["min_cosine"]
-            if worst < settings.parity_threshold:
-                raise ExportParityError(
-                    f"the exported fp32 {tower} graph's embeddings differ from PyTorch's: cosine {worst:.6f} on "
-                    f"{len(parity_samples)} samples, below the {settings.parity_threshold} required; nothing was "
-                    "written"
-                )
+        threshold = settings.parity_threshold
+        check_parity(parity["fp32"], threshold, len(parity_samples), "the exported fp32 {tower} graph's")
         if settings.format == "openvino":
             parity["openvino_default_precision"] = _openvino_default_precision(
                 staging, manifest, parity_samples, reference_images, reference_texts

@@ -45,7 +45,7 @@ from vlfit.errors import ConfigError
 from vlfit.inference.backends import TorchEncoder
 from vlfit.inference.export import check_output_dir, cosine_figures
 from vlfit.inference.export_samples import Samples
-from vlfit.inference.exported import ExportParityError
+from vlfit.inference.exported import check_parity
 from vlfit.inference.identity import library_versions
 from vlfit.inference.staging import fp32_bytes, staged_export
 from vlfit.models.input_spec_file import input_settings
@@ -281,12 +281,7 @@ def export_immich(
             write_text_atomically(os.path.join(staging, *path), json.dumps(content, indent=2) + "\n")
         seconds = round(time.perf_counter() - started, 1)
         parity = _parity(staging, loaded, parity_samples)
-        for tower, figures in parity.items():
-            if figures["min_cosine"] < parity_threshold:
-                raise ExportParityError(
-                    f"the Immich {tower} graph's embeddings differ from PyTorch's: cosine {figures['min_cosine']:.6f} "
-                    f"on {len(parity_samples)} samples, below the {parity_threshold} required; nothing was written"
-                )
+        check_parity(parity, parity_threshold, len(parity_samples), "the Immich {tower} graph's")
         record = {
             "format_version": 1,
             "format": "immich",

@@ -44,7 +44,7 @@ from vlfit.inference.backends import TorchEncoder
 from vlfit.inference.export import check_output_dir, cosine_figures
 from vlfit.inference.export_immich import RECORD_NAME, immich_resize, preprocess_config
 from vlfit.inference.export_samples import Samples
-from vlfit.inference.exported import ExportParityError
+from vlfit.inference.exported import check_parity
 from vlfit.inference.identity import library_versions
 from vlfit.inference.staging import fp32_bytes, staged_export
 from vlfit.models.input_spec_file import input_settings
@@ -253,13 +253,7 @@ def export_open_clip(
         write_text_atomically(os.path.join(staging, CONFIG_NAME), json.dumps(config, indent=2) + "\n")
         seconds = round(time.perf_counter() - started, 1)
         parity = _parity(staging, loaded, parity_samples)
-        for tower, figures in parity.items():
-            if figures["min_cosine"] < parity_threshold:
-                raise ExportParityError(
-                    f"open_clip's {tower} embeddings of the export differ from PyTorch's: cosine "
-                    f"{figures['min_cosine']:.6f} on {len(parity_samples)} samples, below the {parity_threshold} "
-                    "required; nothing was written"
-                )
+        check_parity(parity, parity_threshold, len(parity_samples), "open_clip's {tower}")
         record = {
             "format_version": 1,
             "format": "open_clip",

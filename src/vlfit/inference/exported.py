@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,27 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
 
 class ExportParityError(RefusedModelError):
     """An exported graph's outputs differ from PyTorch's by more than the parity check allows."""
+
+
+def check_parity(cosines: Mapping[str, Mapping[str, float]], threshold: float, samples: int, what: str) -> None:
+    """Refuse an export whose embeddings of a tower fall below ``threshold`` cosine to PyTorch's.
+
+    Args:
+        cosines: Per tower, its ``cosine_figures`` (``min_cosine`` read).
+        threshold: The lowest cosine allowed (``--parity_threshold``).
+        samples: How many samples were embedded, for the message.
+        what: Whose embeddings, with ``{tower}``: ``the exported fp32 {tower} graph's``.
+
+    Raises:
+        ExportParityError: naming the tower, its cosine and the threshold.
+    """
+    for tower, figures in cosines.items():
+        worst = figures["min_cosine"]
+        if worst < threshold:
+            raise ExportParityError(
+                f"{what.format(tower=tower)} embeddings differ from PyTorch's: cosine {worst:.6f} on {samples} "
+                f"samples, below the {threshold} required; nothing was written"
+            )
 
 
 def graph_name(tower: str, precision: str, fmt: str) -> str:
