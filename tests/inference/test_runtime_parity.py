@@ -37,9 +37,8 @@ def _photos(folder) -> list[str]:
 def _reference(run, texts, photos) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain transformers: the run's config, weights and tokenizer as saved, captions cut at the trained length,
     images through the training pipeline's transform, embedded by the family's towers as training embeds."""
-    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
-    from vlfit.data.image_transforms import FastImageTransform
     from vlfit.models.registry import family_for_config
 
     family = family_for_config(AutoConfig.from_pretrained(run))
@@ -47,15 +46,42 @@ def _reference(run, texts, photos) -> tuple[torch.Tensor, torch.Tensor]:
     tokenizer = AutoTokenizer.from_pretrained(run)
     tokens = tokenizer(texts, max_length=TRAINED_LENGTH, truncation=True, padding="longest", return_tensors="pt",
                        return_attention_mask=True)  # fmt: skip
+    with torch.no_grad():
+        text = family.encode_text(model, tokens["input_ids"], tokens["attention_mask"])
+        image = family.encode_image(model, _pixels(run, photos))
+    return text.float(), image.float()
+
+
+def _pixels(run, photos) -> torch.Tensor:
+    """The photos through the training pipeline's transform, normalised as the run's image processor says."""
+    from transformers import AutoImageProcessor
+
+    from vlfit.data.image_transforms import FastImageTransform
+
     processor = AutoImageProcessor.from_pretrained(run)
     transform = FastImageTransform(processor.crop_size["height"])
     pixels = torch.stack([transform(Path(p).read_bytes(), sample_id=p) for p in photos]).float() / 255
     mean = torch.tensor(processor.image_mean).view(1, 3, 1, 1)
     std = torch.tensor(processor.image_std).view(1, 3, 1, 1)
+    return (pixels - mean) / std
+
+
+def _open_clip_embeddings(run, photos, folder) -> tuple[torch.Tensor, torch.Tensor]:
+    """The run exported with ``--format open_clip``, loaded by open_clip itself: its tokenizer's captions, and the
+    photos as the run's pixels (open_clip's own transform, which centres a crop a pixel otherwise on odd sizes, is
+    held to the run in tests/inference/test_export_open_clip.py)."""
+    import open_clip
+
+    from vlfit.cli import main
+
+    assert main(["export", "--model_name_or_path", run, "--output_dir", str(folder), "--format", "open_clip",
+                 "--parity_samples", "8"]) == 0  # fmt: skip
+    model, _, _ = open_clip.create_model_and_transforms(f"local-dir:{folder}")
+    tokenizer = open_clip.get_tokenizer(f"local-dir:{folder}")
     with torch.no_grad():
-        text = family.encode_text(model, tokens["input_ids"], tokens["attention_mask"])
-        image = family.encode_image(model, (pixels - mean) / std)
-    return text.float(), image.float()
+        texts = model.encode_text(tokenizer(TEXTS), normalize=True)
+        images = model.encode_image(_pixels(run, photos), normalize=True)
+    return texts.float(), images.float()
 
 
 def _cosines(a, b) -> torch.Tensor:
@@ -185,6 +211,9 @@ def test_every_door_embeds_a_run_as_it_was_trained(preset, synthetic_dataset_dir
     assert manifest["text"]["max_seq_length"] == TRAINED_LENGTH and manifest["input_spec"] == record
     exported = vlfit.load(str(export), precision="fp32")
     figures["onnx"] = (_cosines(exported.encode_texts(TEXTS), text), _cosines(exported.encode_images(photos), image))
+    if preset in ("clip-tiny", "metaclip2-tiny"):  # the families open_clip expresses
+        texts, images = _open_clip_embeddings(run, photos, tmp_path / "open_clip")
+        figures["open_clip"] = (_cosines(texts, text), _cosines(images, image))
 
     print(preset, {door: [None if c is None else round(float(c.min()), 6) for c in cosines]
                    for door, cosines in figures.items()})  # fmt: skip
