@@ -172,3 +172,12 @@ def test_a_push_keeps_compact_codes_where_the_engine_has_them(tmp_path) -> None:
     lance = push_index(index, f"lancedb:{tmp_path / 'lance'}")
     assert lance.lines()[-1].endswith("no binary form used for this engine: the push sends float32 vectors")
     assert lance.to_dict()["storage"].startswith("no binary form")
+
+
+def test_a_new_index_rescores_by_its_storage_unless_told(tmp_path) -> None:
+    # Sign bits rank coarser than 8-bit codes: binary re-scores more candidates (benchmarks/smaller_vectors.py).
+    def rescore(**flags) -> int | None:
+        return IndexJob("m", str(tmp_path / "new"), images="x", **flags).replayed().rescore
+
+    assert (rescore(vector_storage="int8"), rescore(vector_storage="binary"), rescore(vector_storage="binary",
+            rescore=6)) == (4, 32, 6)  # fmt: skip

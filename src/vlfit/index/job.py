@@ -31,6 +31,7 @@ from vlfit.index.ann_choice import (
     DEFAULT_MAX_INDEX_MEMORY,
     DEFAULT_RESCORE,
     DEFAULT_TARGET_RECALL,
+    STORAGE_RESCORE,
     check_index_type,
     check_target_recall,
     check_vector_storage,
@@ -53,7 +54,7 @@ BUILD_SETTINGS: dict[str, Any] = {
     "target_recall": DEFAULT_TARGET_RECALL,
     "shard_size": 4096,
     "vector_storage": "float32",
-    "rescore": DEFAULT_RESCORE,
+    "rescore": None,  # the storage's (STORAGE_RESCORE)
 }
 
 
@@ -151,7 +152,10 @@ class IndexJob:
         if index is not None:  # appended items are cut to the size the index holds
             index.check_embedding_dim(runtime.embedding_dim)
             runtime = dataclasses.replace(runtime, embedding_dim=index.manifest.model.get("embedding_dim"))
-        return dataclasses.replace(self, **unset, runtime=runtime)
+        job = dataclasses.replace(self, **unset, runtime=runtime)
+        if job.rescore is None:  # a new index's (or one built before it was recorded): its storage's
+            job = dataclasses.replace(job, rescore=STORAGE_RESCORE.get(str(job.vector_storage), DEFAULT_RESCORE))
+        return job
 
     def settings(self) -> dict[str, Any]:
         """The ``BUILD_SETTINGS`` of this job, as a build records them."""
