@@ -144,31 +144,33 @@ def test_a_trusted_proxy_names_its_clients_and_an_untrusted_one_does_not() -> No
         ClientShares(1, 1, forwarded_allow_ips="proxy.local")
 
 
-def test_a_slot_given_back_admits_the_first_waiting_connection_that_fits() -> None:
-    """Connections holding a refusal wait in line (ClientShares.wait_for_room): as a request ends, the first that
-    fits is admitted, one per slot; one that does not fit goes to the back."""
+def test_a_slot_given_back_admits_the_newest_waiting_connection_that_fits() -> None:
+    """Connections holding a refusal wait in line (ClientShares.wait_for_room): as a request ends, the newest that
+    fits is admitted, one per slot; one that does not fit goes to the back, one held past its budget leaves."""
     from vlfit.serve.clients import ClientShares
 
     class Waiting:
-        def __init__(self, fits: bool) -> None:
-            self.fits, self.admitted = fits, False
+        def __init__(self, fits: bool | None) -> None:
+            self.fits, self.tried = fits, 0
 
-        def try_admit(self) -> bool:
-            self.admitted = self.fits
+        def try_admit(self) -> bool | None:
+            self.tried += 1
             return self.fits
 
     shares = ClientShares(max_connections=4, max_requests=1, max_uploads=1)
     assert shares.start_request("a") and shares.in_flight == 1 and not shares.start_request("a")
     assert shares.start_upload("b") and not shares.start_upload("b")
     assert shares.over_share("b", uploading=True) == ("client_uploads", shares.uploads_refusal)
-    stuck, first, second = Waiting(fits=False), Waiting(fits=True), Waiting(fits=True)
-    for waiter in (stuck, first, second):
+    old, new, expired, stuck = Waiting(True), Waiting(True), Waiting(None), Waiting(False)
+    for waiter in (old, new, expired, stuck):
         shares.wait_for_room(waiter)
-    shares.end_request("a")  # one slot: stuck is tried, then first is admitted; second still waits
-    assert shares.in_flight == 0 and first.admitted and not second.admitted
+    shares.end_request("a")  # one slot: stuck (to the back), expired (leaves), then new is admitted
+    assert shares.in_flight == 0 and (stuck.tried, expired.tried, new.tried, old.tried) == (1, 1, 1, 0)
+    shares.end_upload("b")  # old is the newest of those left
+    assert old.tried == 1 and stuck.tried == 1 and shares.uploads["b"] == 0
     shares.stop_waiting(stuck)
-    shares.end_upload("b")
-    assert second.admitted and shares.uploads["b"] == 0
+    shares.end_request("c")
+    assert stuck.tried == 1
 
 
 def test_tls_handshakes_time_out_and_count_against_max_connections(served_index, tmp_path) -> None:

@@ -122,8 +122,12 @@ def test_addresses_holding_every_connection_slot_leave_another_address_answered(
         started = time.monotonic()
         fraction = _fraction_answered(server.port, "127.0.3.100", caption, fresh=True)
         took = time.monotonic() - started
+        closed = hogs.closed_by_server
     assert fraction >= ANSWERED_FRACTION, f"{fraction:.0%} of a tenth address's queries answered"
-    assert took < 10 and hogs.closed_by_server > 0  # idle connections of the hogs were closed for it
+    assert took < 10 and closed > 0  # idle connections of the hogs were closed for it
+    # The hogs' connections refused at the cap are answered after their Retry-After: about one closed a second
+    # for each of the 32 beyond the cap (39/s seen), not thousands (3,000/s when answered at once).
+    assert closed / (took + 2.0) < 300, f"{closed} hog connections closed in {took + 2.0:.1f} s"
     time.sleep(0.5)
     assert _fraction_answered(server.port, "127.0.3.9", caption, fresh=False) == 1.0  # a hog, quiet again
 

@@ -23,6 +23,10 @@ def test_a_newcomer_below_its_share_takes_the_longest_idle_connection_of_the_add
     assert pool.reclaim_for("b", slots=4) is None  # b holds 1 of a share of 4/3: a holds 2, not 2 more than b
     assert pool.reclaim_for("d", slots=4) == "a2"  # d holds none: a's idle a2 goes (a0 is busy)
     assert pool.reclaim_for("e", slots=4) is None  # a holds 1 now, idle none; nobody holds 2 more than e
+    assert pool.holds_some("a") and not pool.holds_some("e")  # a refused at the cap: answered after Retry-After
+    alone = ConnectionPool()
+    alone.add("a", "a0")
+    assert not alone.holds_some("a")  # the only address holding any: answered at once
 
 
 def test_an_address_at_its_share_takes_nothing_and_busy_connections_are_never_taken() -> None:

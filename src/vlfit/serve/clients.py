@@ -17,7 +17,8 @@ As a slot is given back, the connections waiting for one (a refusal held until i
 soon as the server has room instead of a second later.
 
 A connection beyond its client's share is answered 429 only after ``Retry-After`` (reading nothing meanwhile), so
-a client that opens another as soon as one closes is held to one accept a second per connection. At most
+a client that opens another as soon as one closes is held to one accept a second per connection; so is one refused
+at ``--max_connections`` from an address that holds connections beside other addresses (``ConnectionPool``). At most
 ``HELD_REFUSALS`` wait so at once, as many as the process's descriptors allow beside ``--max_connections``
 (``held_refusals_that_fit`` raises the soft limit towards what they need, as far as the hard limit allows, as Go's
 runtime and nginx's ``worker_rlimit_nofile`` do); beyond those one is closed at once.
@@ -29,7 +30,7 @@ Where the idea comes from: nginx's ``limit_conn`` per ``$binary_remote_addr`` an
 from __future__ import annotations
 
 import ipaddress
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Any, Protocol
 
 from vlfit.errors import ConfigError
@@ -44,8 +45,9 @@ WAKE_TRIES = 4  # waiting connections tried per slot given back (each still refu
 
 
 class Waiter(Protocol):
-    def try_admit(self) -> bool:
-        """Admit the request this waits with, if there is room for it now; True when it was (it waits no more)."""
+    def try_admit(self) -> bool | None:
+        """Admit the request this waits with if it fits now: True when it was; None when it waits no more without
+        (waited past its budget, or gone); False when it still waits."""
 
 
 def trusted_networks(forwarded_allow_ips: str | None) -> tuple[Network, ...] | None:
@@ -100,7 +102,7 @@ class ClientShares:
         self.in_flight = 0  # requests in flight, every client's (a trusted proxy's own included)
         self.held_refusals = 0
         self.pool = ConnectionPool()  # every open connection by its peer's address, for the fair share of the slots
-        self._waiting: dict[Waiter, None] = {}
+        self._waiting: OrderedDict[Waiter, None] = OrderedDict()  # the newest last
 
     def is_trusted_proxy(self, address: str) -> bool:
         if self._trusted is None:
@@ -200,21 +202,25 @@ class ClientShares:
         self._room()
 
     def wait_for_room(self, waiter: Waiter) -> None:
-        """``waiter`` is tried (``Waiter.try_admit``) as requests end, in the order they came, until it leaves."""
+        """``waiter`` is tried (``Waiter.try_admit``) as requests end, the newest first, until it leaves."""
         self._waiting[waiter] = None
 
     def stop_waiting(self, waiter: Any) -> None:
         self._waiting.pop(waiter, None)
 
     def _room(self) -> None:
-        """A request ended or a body is whole: the first waiting connection that fits now is admitted (one: one slot
-        was given back), of at most ``WAKE_TRIES`` tried."""
+        """A request ended or a body is whole: the newest waiting connection that fits now is admitted (one: one
+        slot was given back), of at most ``WAKE_TRIES`` tried. The newest: under overload the room goes to a request
+        that has waited least, and those that waited past their budget leave the line (answered at their
+        ``Retry-After``), so what is admitted so waits no longer than what is admitted at once."""
         for _ in range(min(WAKE_TRIES, len(self._waiting))):
-            waiter = next(iter(self._waiting))
-            del self._waiting[waiter]
-            if waiter.try_admit():
+            waiter, _ = self._waiting.popitem()
+            admitted = waiter.try_admit()
+            if admitted:
                 return
-            self._waiting[waiter] = None  # to the back: the next one may be another client's, with room
+            if admitted is False:  # still waits, behind the others: the next may be another client's, with room
+                self._waiting[waiter] = None
+                self._waiting.move_to_end(waiter, last=False)
 
 
 def _uncount(counts: Counter[str], client: str) -> None:

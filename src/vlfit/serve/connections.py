@@ -9,8 +9,10 @@ accepts connections up to the file-descriptor limit, beyond which clients are re
 
 - ``max_connections``, shared fairly (``vlfit.serve.pool``): when every slot is taken, a connection from an address
   holding fewer than its fair share takes the slot of an idle connection of the address holding the most (closed
-  silently between requests or before any, 503 within a request head); a connection that cannot is answered 503
-  with ``Retry-After`` and closed at once (logged, counted in ``vlfit_refused_total{limit="connections"}``);
+  silently between requests or before any, 503 within a head); one that cannot is answered 503 with ``Retry-After``
+  and closed, at once, or after ``Retry-After`` where its address holds connections beside other addresses (as
+  beyond ``--max_connections_per_client``: reopening at once then costs an accept a second, not thousands; 40,000
+  refusals in 10 s fell to 400), logged and counted in ``vlfit_refused_total{limit="connections"}``;
 - ``header_timeout``: a request head (request line and headers) must be whole within this many seconds of the
   connection opening or of its first byte; otherwise 408 and close (a connection that never sends a byte is
   closed silently), so idle and trickling connections are let go;
@@ -43,7 +45,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -59,6 +60,7 @@ from vlfit.serve.limits import (
     ServerLimits,
 )
 from vlfit.serve.middleware import in_flight_refusal, share_refusal
+from vlfit.serve.pool import ConnectionRefusals
 from vlfit.serve.uvicorn_api import IMPORT_PROBLEM, STATUS_LINE, HttpToolsProtocol, httptools, protocol_api_problems
 
 logger = logging.getLogger(__name__)
@@ -67,7 +69,6 @@ logger = logging.getLogger(__name__)
 # in the app's ClientShares ("" where it is not): vlfit.serve.tls adds them, each leaves as its handshake ends or
 # fails. Counted against --max_connections with the connections, and per client as connections are.
 tls_handshakes: dict[Any, str] = {}
-REFUSAL_LOG_INTERVAL_S = 10.0  # refused connections are logged at most this often, with the count since
 BOUNDED_PROTOCOL = f"{__name__}:BoundedHttpToolsProtocol"  # uvicorn's http=, as an import string
 FALLBACK_PROTOCOL = "h11"  # uvicorn's own, bounding the head's size (h11_max_incomplete_event_size)
 
@@ -96,28 +97,6 @@ def http_protocol(protocol: type | None = None, status_line: Mapping[int, bytes]
     return FALLBACK_PROTOCOL
 
 
-class ConnectionRefusals:
-    """Connections refused at ``--max_connections``, and idle ones closed for a newcomer holding fewer
-    (``vlfit.serve.pool``), logged once per interval rather than once per connection."""
-
-    count = 0
-    reclaimed = 0
-    logged_at = 0.0
-
-    @classmethod
-    def note(cls, limit: int, *, reclaimed: bool = False) -> None:
-        if reclaimed:
-            cls.reclaimed += 1
-        else:
-            cls.count += 1
-        now = time.monotonic()
-        if now - cls.logged_at >= REFUSAL_LOG_INTERVAL_S:
-            logger.warning("refused %d connection(s) over the limit of %d open (--max_connections), and closed %d idle "
-                           "one(s) of the addresses holding the most for addresses holding fewer than their share",
-                           cls.count, limit, cls.reclaimed)  # fmt: skip
-            cls.count, cls.reclaimed, cls.logged_at = 0, 0, now
-
-
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with a fair connection pool, a request-head timeout and a head size limit."""
 
@@ -135,6 +114,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._held: Any = None  # the timer of a refusal held until then
         self._parked: tuple[Any, Any] | None = None  # the held request's (cycle, app): started if room comes first
         self._parking = False
+        self._admit_until = 0.0  # loop time after which the held request is no longer started when room comes
         self._held_connection = False  # refused beyond its client's share, answered after RETRY_AFTER_S
         self._head_bytes = 0
         self._head_timer: Any = None
@@ -150,22 +130,17 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self.shares.close_connection(handshake_client)  # counted again below, as the connection it now is
         peer = transport.get_extra_info("peername")
         self._address = str(peer[0]) if isinstance(peer, tuple) and peer else ""
-        limits = self.limits
+        limits, shares = self.limits, self.shares
         if limits is not None and self._open_connections() >= limits.max_connections and not self._reclaim_slot():
-            self.transport, self._admitted, self._refused = transport, False, True
             ConnectionRefusals.note(limits.max_connections)
-            if self.metrics is not None:
-                self.metrics.observe_refused("connections")
-            self._answer_and_close(503, b"too many connections (--max_connections)", retry_after=1)
+            later = shares is not None and shares.pool.holds_some(self._address)  # one of those holding the slots
+            self._refuse_connection(transport, "connections", 503, b"too many connections (--max_connections)", later)
             return
-        if self.shares is not None and self._address:
-            if not self.shares.open_connection(self._address):
-                self.transport, self._admitted, self._refused = transport, False, True
-                if self.metrics is not None:
-                    self.metrics.observe_refused("client_connections")
-                message = (f"this client has {self.shares.max_connections} connections open here "
+        if shares is not None and self._address:
+            if not shares.open_connection(self._address):
+                message = (f"this client has {shares.max_connections} connections open here "
                            "(--max_connections_per_client); reuse them")  # fmt: skip
-                self._refuse_connection_later(message.encode())
+                self._refuse_connection(transport, "client_connections", 429, message.encode(), later=True)
                 return
             self._counted_connection = True
         super().connection_made(transport)
@@ -184,11 +159,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if shares is None or limits is None or not shares.may_open(self._address):
             return False
         victim = shares.pool.reclaim_for(self._address, limits.max_connections)
-        if victim is None:
-            return False
-        assert isinstance(victim, BoundedHttpToolsProtocol)
-        victim.give_up_slot()
-        return True
+        if victim is not None:
+            victim.give_up_slot()  # type: ignore[attr-defined]  # the pool holds this class's connections only
+        return victim is not None
 
     def give_up_slot(self) -> None:
         """Closed for a newcomer below its fair share (the pool has let it go already): silently between requests
@@ -203,23 +176,29 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         else:
             self.transport.close()
 
-    def _refuse_connection_later(self, message: bytes) -> None:
-        """Answer a connection beyond its client's share 429 after ``RETRY_AFTER_S``, reading nothing meanwhile: a
-        client that opens another as soon as one is closed then costs the server one accept a second per
-        connection, not thousands (``ClientShares.hold_refusal`` bounds how many wait so; beyond, closed at once)."""
-        assert self.shares is not None
-        if not self.shares.hold_refusal():
-            self.transport.close()
-            return
-        self._held_connection = True
-        self.transport.pause_reading()
-        self._held = self.loop.call_later(RETRY_AFTER_S, self._answer_held_connection, message)
+    def _refuse_connection(self, transport: Any, limit: str, status: int, message: bytes, later: bool) -> None:
+        """Refuse this connection, counted at ``limit``: answered ``status`` and closed at once, or (``later``: one
+        beyond its client's share, or at the server's cap from an address holding connections beside others) after
+        ``RETRY_AFTER_S``, reading nothing meanwhile, so a client that opens another as soon as one is closed costs
+        the server one accept a second per connection, not thousands (``ClientShares.hold_refusal`` bounds how many
+        wait so; beyond, closed at once)."""
+        self.transport, self._admitted, self._refused = transport, False, True
+        if self.metrics is not None:
+            self.metrics.observe_refused(limit)
+        if not later:
+            self._answer_and_close(status, message, retry_after=RETRY_AFTER_S)
+        elif self.shares is not None and self.shares.hold_refusal():
+            self._held_connection = True
+            transport.pause_reading()
+            self._held = self.loop.call_later(RETRY_AFTER_S, self._answer_held_connection, status, message)
+        else:
+            transport.close()
 
-    def _answer_held_connection(self, message: bytes) -> None:
+    def _answer_held_connection(self, status: int, message: bytes) -> None:
         self._held = None
         self._release_held_connection()
         if not self.transport.is_closing():
-            self._answer_and_close(429, message, retry_after=RETRY_AFTER_S)
+            self._answer_and_close(status, message, retry_after=RETRY_AFTER_S)
 
     def _release_held_connection(self) -> None:
         if self._held_connection and self.shares is not None:
@@ -304,13 +283,15 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if now < self._retry_at and keep_alive and self.shares is not None:
             # Sent again before the Retry-After it was given: held, its body read into the request as uvicorn makes
             # it, until that time is over (then refused, so a client that resends at once costs the server one
-            # refusal a second, not thousands) or until a slot is given back and it fits (started then: a
-            # balancer's kept-open connection waits for the room, not for the second).
+            # refusal a second, not thousands) or until a slot is given back and it fits, within its kind's wait
+            # budget (started then: a balancer's kept-open connection waits for the room, not for the second).
             self._parking = True
             super().on_headers_complete()
             self._parking = False
             if self._parked is not None:
                 self._held = self.loop.call_later(self._retry_at - now, self._answer_held, refusal)
+                budget = self._wait_budget()
+                self._admit_until = self._retry_at if budget is None else now + budget
                 self.shares.wait_for_room(self)
                 return
         self._refuse(refusal, keep_alive)
@@ -322,11 +303,19 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         else:
             super()._start_asgi_task(cycle, app)
 
-    def try_admit(self) -> bool:
-        """A slot was given back (``ClientShares.wait_for_room``): start the held request if it fits now; True when
-        it no longer waits (started, or its connection closing or closed behind another request)."""
-        if self._parked is None or self._refused or self.transport.is_closing():
-            return True
+    def _wait_budget(self) -> float | None:
+        """The wait budget of this request's kind (``vlfit.serve.admission``); None where it has none."""
+        route, content_type, _, _ = self._request
+        if self.admission is None or route not in ADMITTED_PATHS:
+            return None
+        return self.admission.budget_for(query_kind(content_type, route))
+
+    def try_admit(self) -> bool | None:
+        """A slot was given back (``ClientShares.wait_for_room``): start the held request if it fits now (True);
+        None when it waits no more (its connection closing or closed behind another request, or held past its wait
+        budget: answered at its Retry-After); False: it still waits."""
+        if self._parked is None or self._refused or self.transport.is_closing() or self.loop.time() > self._admit_until:
+            return None
         if self._refusal() is not None:
             return False
         self._held.cancel()

@@ -54,7 +54,9 @@ class ServerLimits:
         max_connections: Open connections (far below the usual 1024 file-descriptor limit, so the server never runs
             out of them). When all are open, a new connection from an address holding fewer than its fair share (these
             over the addresses holding connections) takes the slot of an idle one of the address holding the most, as
-            nginx reuses idle keep-alive connections; one that cannot is answered 503 and closed.
+            nginx reuses idle keep-alive connections; one that cannot is answered 503 and closed (after its
+            ``Retry-After`` where its address holds connections beside other addresses, so that reopening at once
+            costs the server an accept a second per connection).
         header_timeout: Seconds a request head may take to arrive (also: how long a new connection may stay
             silent).
         body_timeout: Seconds a request body may take to arrive, whole (408 beyond): 20 MB at about 3 Mbit/s.
