@@ -192,8 +192,11 @@ def test_broken_flags_file_is_a_one_line_error(tmp_path, capsys):
 
 
 @pytest.fixture
-def recorded_runs(monkeypatch) -> list:
-    """Replace training/evaluation by a recorder of the arguments each command passes to run()."""
+def recorded_runs(monkeypatch, tmp_path) -> list:
+    """Replace training/evaluation by a recorder of the arguments each command passes to run(); ``tmp_path/model``
+    is a model folder (a config, as the flag index checks before the command runs)."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
     runs: list = []
 
     def fake_run(model_args, data_args, training_args, setup=None, command_line=None):

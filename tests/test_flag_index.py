@@ -85,7 +85,7 @@ def test_an_index_made_from_other_sources_is_not_used(monkeypatch, capsys):
         (["train", "--model_preset", "siglip2-tiny", "--max_num_patches", "100000", "--output_dir", "out"], 2,
          "vlfit train: error: --max_num_patches 100000 is out of range: give 1 to 4096 (patches per image"),
         (["retrieve", "query", "--index", "x", "--text", "a", "--k", "0"], 2,
-         "vlfit retrieve query: error: --k 0 is out of range: give at least 1 (results per query)"),
+         "vlfit retrieve: error: --k 0 is out of range: give at least 1 (results per query)"),
         (["eval", "--model_preset", "tiny", "--task", "vqa", "--rerank_top_k", "5"], 2,
          "vlfit eval: error: --rerank_top_k is a retrieval run's flag"),
         (["merge", "--method", "uniform", "--runs", "/no/such/run", "/no/such/other", "--output_dir", "out"], 2,

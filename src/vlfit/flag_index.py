@@ -143,8 +143,8 @@ def answer_early(command: str, argv: list[str], subcommands: Iterable[str] = ())
         raise SystemExit(2) from None  # as the command's own parser stops (CommandParser.error)
     try:
         check_early(prog, entry, flags, vars(given))
-    except UserError as error:
-        print(f"{getattr(error, 'prog', prog)}: error: {error}", file=sys.stderr)
+    except UserError as error:  # the command's own line, in its own words (vlfit retrieve: ...)
+        print(f"vlfit {command}: error: {error}", file=sys.stderr)
         return 2
     return None
 
@@ -165,7 +165,7 @@ def check_early(prog: str, entry: dict[str, Any], argv: list[str], given: dict[s
     if known & set(DATA_FILE_FLAGS):
         check_data_files(argv)
     if INDEX_FLAG in known:
-        check_index_flag(prog, argv)
+        check_index_flag(argv)
     if prog in RULE_RUNS:
         check_flag_rules(prog, entry, given)
 
@@ -295,21 +295,16 @@ def check_data_files(argv: list[str]) -> None:
                 raise MissingFileError(f"{flag} {value}: {error}") from None
 
 
-def check_index_flag(prog: str, argv: list[str]) -> None:
+def check_index_flag(argv: list[str]) -> None:
     """Refuse, in the line the command itself says (``vlfit.models.reference.check_index_folder``), an ``--index``
     that names no index folder: nothing there, a file, or another kind of folder. A pushed index's address
     (``qdrant:...``) is left to the command."""
-    from vlfit.errors import MissingFileError
     from vlfit.index.push.base import is_target_uri  # light: numpy, no torch
     from vlfit.models.reference import check_index_folder
 
     for _, value in _flag_values(argv, (INDEX_FLAG,)):
         if not is_target_uri(value):
-            try:
-                check_index_folder(value)
-            except MissingFileError as error:
-                error.prog = " ".join(prog.split()[:2])  # type: ignore[attr-defined]  # the command's: vlfit retrieve
-                raise
+            check_index_folder(value)
 
 
 def _model_paths(given: dict[str, Any]) -> set[str]:

@@ -117,7 +117,7 @@ def test_reranking_that_cannot_run_is_one_line(itm_index, image_folder, tiny_che
         (["--index", plain, "--text", QUERY, "--rerank_top_k", "3"], "has no image-text matching head; re-ranking"),
         (["--index", itm_index, "--image", str(next(image_folder.rglob("*.jpg"))), "--rerank_top_k", "3"],
          "--rerank_top_k re-ranks text queries"),
-        (["--index", itm_index, "--text", QUERY, "--rerank_top_k", "0"], "--rerank_top_k must be a whole number"),
+        (["--index", itm_index, "--text", QUERY, "--rerank_top_k", "0"], "--rerank_top_k 0 is out of range: give at least 1"),
         (["--index", itm_index, "--text", QUERY, "--rerank_top_k", "3", "--rerank_weight", "nan"],
          "--rerank_weight must be a finite number >= 0"),
         (["--index", itm_index, "--text", QUERY, "--rerank_top_k", "3", "--rerank_score", "itm+itc"],

@@ -150,7 +150,7 @@ class IndexJob:
         else:
             check_patch_budget(runtime.max_num_patches, budget, self.output_dir)
         if index is not None:  # appended items are cut to the size the index holds
-            index.check_embedding_dim(runtime.embedding_dim)
+            index.manifest.check_embedding_dim(runtime.embedding_dim, index.path)
             runtime = dataclasses.replace(runtime, embedding_dim=index.manifest.model.get("embedding_dim"))
         job = dataclasses.replace(self, **unset, runtime=runtime)
         if job.rescore is None:  # a new index's (or one built before it was recorded): its storage's

@@ -71,7 +71,7 @@ def query_runtime(
         vlfit.inference.identity.RefusedModelError: when ``model`` embeds into another space than the index.
     """
     settings = settings or RuntimeSettings()
-    index.check_embedding_dim(settings.embedding_dim)
+    index.manifest.check_embedding_dim(settings.embedding_dim, index.path)
     if model is None:
         model, settings = index.manifest.model["path"], settings.as_built(index.manifest.model)
     runtime = ModelRuntime.open(model, settings)

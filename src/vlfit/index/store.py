@@ -93,6 +93,17 @@ class IndexManifest:
     def count(self) -> int:
         return sum(int(shard["count"]) for shard in self.shards)
 
+    def check_embedding_dim(self, asked: int | None, where: str) -> None:
+        """Refuse, in one line, embeddings of another size than the index at ``where`` holds (``--embedding_dim
+        asked``; None: the index's own, which ``RuntimeSettings.as_built`` fills in): a local index or a pushed
+        collection alike."""
+        size = self.identity.embedding_size
+        if asked is not None and asked != size:
+            raise ConfigError(
+                f"--embedding_dim {asked}: the index {where} holds embeddings of size {size}; leave the flag out "
+                f"to use its size, or build an index at {asked} (vlfit retrieve index --embedding_dim {asked})"
+            )
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "format_version": 1,
@@ -162,16 +173,6 @@ class EmbeddingIndex:
 
     def __len__(self) -> int:
         return self.manifest.count
-
-    def check_embedding_dim(self, asked: int | None) -> None:
-        """Refuse, in one line, embeddings of another size than the index holds (``--embedding_dim asked``; None:
-        the index's own, which ``RuntimeSettings.as_built`` fills in)."""
-        size = self.manifest.identity.embedding_size
-        if asked is not None and asked != size:
-            raise ConfigError(
-                f"--embedding_dim {asked}: the index {self.path} holds embeddings of size {size}; leave the flag out "
-                f"to use its size, or build an index at {asked} (vlfit retrieve index --embedding_dim {asked})"
-            )
 
     def rebuild_command(self, *, full: bool = False) -> str:
         """The command that rebuilds what is damaged in this index (``vlfit.index.integrity.rebuild_command``)."""
