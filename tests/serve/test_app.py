@@ -150,6 +150,7 @@ def _labels_of(exposition: str, sample: str) -> list[dict[str, str]]:
 def test_health_metrics_and_page(client, engine) -> None:
     health = client.get("/api/health").json()
     assert health["status"] == "ok" and health["items"] == len(engine.snapshot) == 64
+    assert health["workers"] == {"ready": 1, "of": 1}  # one process: ready once it answers
     _search(client, text="one red circle on the left.", k=2)
     client.get("/api/image/999999")
     text = client.get("/metrics").text
