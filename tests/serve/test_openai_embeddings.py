@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 import vlfit
@@ -104,6 +105,10 @@ def test_the_openai_client_embeds_texts_as_vlfit_load(served, model) -> None:
     assert floats.usage.prompt_tokens == floats.usage.total_tokens == tokens
     one = client.embeddings.create(model=name, input=TEXTS[0], dimensions=expected.shape[1], encoding_format="float")
     assert _least_cosine([one.data[0].embedding], expected[:1]) >= 0.99999
+    cut = client.embeddings.create(model=name, input=TEXTS, dimensions=8)  # its first 8, normalised again
+    prefix = torch.nn.functional.normalize(torch.as_tensor(expected[:, :8]).float(), dim=-1)
+    assert all(len(item.embedding) == 8 for item in cut.data) and _least_cosine(
+        [item.embedding for item in cut.data], prefix.numpy()) >= 0.99999  # fmt: skip
 
     import openai
 
@@ -159,7 +164,10 @@ def test_errors_are_openais_shape_and_the_server_serves_on(served, photos) -> No
     assert "65 items, over the limit of 64" in _openai_error(too_many, 400, "input")
     tokens = _post(server, {"model": name, "input": [[101, 2023, 102]]})
     assert "token ids" in _openai_error(tokens, 400, "input")
-    assert "dimensions 7" in _openai_error(_post(server, {**good, "dimensions": 7}), 400, "dimensions")
+    size = len(_post(server, good).json()["data"][0]["embedding"])
+    for dimensions in (0, size + 1):
+        assert f"dimensions {dimensions}" in _openai_error(_post(server, {**good, "dimensions": dimensions}), 400,
+                                                           "dimensions")  # fmt: skip
     broken = _post(server, {"model": name, "input": [{"image": base64.b64encode(photos[0][:300]).decode()}]})
     assert _openai_error(broken, 400, "input").startswith("input[0] is not an image vlfit can read")
     # the JSON reader's 422s and the middlewares' answers, reshaped: a field of the wrong type, no key, a big body

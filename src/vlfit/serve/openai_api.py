@@ -7,7 +7,9 @@ gateways) embed texts, and images as Jina's embeddings API sends them, with the 
   "total_tokens"}}``, one L2-normalized vector per item, in order, the model's own (``vlfit.load(model)``'s
   ``encode_texts`` / ``encode_images``: the same calls as Weaviate's ``/vectorize``, ``vlfit.serve.weaviate``).
   ``encoding_format`` ``float`` (the default) or ``base64`` (little-endian float32, as OpenAI's; the ``openai``
-  client asks for it unless told otherwise); ``dimensions`` only the model's own size; ``usage`` counts the tokens
+  client asks for it unless told otherwise); ``dimensions`` 1 to the served size: each embedding's first that many
+  dimensions, normalised again (``vlfit.inference.embedding_dim.cut``: what a Matryoshka run,
+  ``--matryoshka_dims``, was trained to make good embeddings of); ``usage`` counts the tokens
   the model read (each text cut at the model's caption length, special tokens included; an image counts 0).
 - ``GET /v1/models``, ``GET /v1/models/{id}``: the one model served, its id the name ``GET /meta`` gives (the model
   folder's base name; its path with ``--show_absolute_paths``). A request naming another model is 404
@@ -38,11 +40,13 @@ from concurrent.futures import Executor
 from typing import Any, Literal
 
 import numpy as np
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
 from vlfit.index.stages import StageTimes
+from vlfit.inference.embedding_dim import cut
 from vlfit.serve.disconnects import ClientGone, unless_disconnected
 from vlfit.serve.engine import SearchEngine
 from vlfit.serve.json_body import decode_base64, read_json, text_problem
@@ -265,9 +269,10 @@ def add_openai_routes(
         if body.model != name:
             return unknown(body.model, "model")
         try:
-            if body.dimensions is not None and body.dimensions != size:
-                raise Refused(400, f"dimensions {body.dimensions}: this model's embeddings have {size}; leave "
-                              "dimensions out or send that", param="dimensions")  # fmt: skip
+            if body.dimensions is not None and not 1 <= body.dimensions <= size:
+                raise Refused(400, f"dimensions {body.dimensions}: this model's embeddings have {size}; ask for 1 to "
+                              f"{size} (its first dimensions, normalised again) or leave dimensions out",
+                              param="dimensions")  # fmt: skip
             items = read_items(body, limits.max_text_chars)
         except Refused as err:
             return err.response()
@@ -285,4 +290,6 @@ def add_openai_routes(
             what = f"an embeddings request ({texts} texts, {len(items) - texts} images)"
             return internal_error(logger, what, err)
         metrics.observe_stages(times.seconds)
+        if body.dimensions is not None and body.dimensions < size:  # a Matryoshka run's prefixes, as OpenAI's v3
+            vectors = cut(torch.tensor(vectors), body.dimensions).tolist()
         return JSONResponse(embeddings_answer(vectors, name, tokens, body.encoding_format))
