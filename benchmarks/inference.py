@@ -32,10 +32,11 @@ from vlfit.commands.export import SYNTHETIC_LONG_SIDE
 from vlfit.data.sources.openers import open_split
 from vlfit.data.sources.synthetic import synthetic_source
 from vlfit.efficiency.cpu import cpu_info
-from vlfit.inference.backends import Encoder, ExportedEncoder, OnnxRuntimeGraphs, OpenVinoGraphs
+from vlfit.inference.backends import Encoder, ExportedEncoder
 from vlfit.inference.export import ExportSettings, embed_samples, export_model, t2i_recall
 from vlfit.inference.export_samples import Samples, load_samples
 from vlfit.inference.exported import ExportFolder
+from vlfit.inference.graph_runtimes import OnnxRuntimeGraphs, OpenVinoGraphs
 from vlfit.inference.runtime import ModelRuntime
 from vlfit.inference.runtime_settings import RuntimeSettings
 

@@ -35,9 +35,10 @@ import torch
 from vlfit.atomic_files import write_text_atomically
 from vlfit.data.image_groups import group_images
 from vlfit.errors import ConfigError
-from vlfit.inference.backends import Encoder, ExportedEncoder, OnnxRuntimeGraphs, OpenVinoGraphs, TorchEncoder
+from vlfit.inference.backends import Encoder, ExportedEncoder, TorchEncoder
 from vlfit.inference.export_samples import Samples
 from vlfit.inference.exported import FORMATS, MANIFEST_NAME, TOWERS, ExportFolder, check_parity, graph_name
+from vlfit.inference.graph_runtimes import OnnxRuntimeGraphs, OpenVinoGraphs
 from vlfit.inference.identity import library_versions
 from vlfit.inference.quantize import (
     compress_openvino_weights,

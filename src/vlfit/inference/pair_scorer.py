@@ -26,15 +26,9 @@ import numpy as np
 import torch
 
 from vlfit.errors import ConfigError
-from vlfit.inference.backends import (
-    ExportedPart,
-    GraphRuntime,
-    ModelPart,
-    TorchEncoder,
-    exported_precision,
-    graph_runtime,
-)
+from vlfit.inference.backends import ExportedPart, ModelPart, TorchEncoder, exported_precision
 from vlfit.inference.exported import ExportFolder, graph_name
+from vlfit.inference.graph_runtimes import GraphRuntime, graph_runtime
 from vlfit.inference.identity import RefusedModelError
 from vlfit.inference.runtime_settings import RuntimeSettings
 from vlfit.inference.towers import IMAGE_INPUT, TEXT_INPUTS
@@ -177,7 +171,7 @@ class ExportedPairScorer(ExportedPart, PairScorer):
 
     Args:
         exported: The export folder.
-        runtime: Where its graph runs (``vlfit.inference.backends.graph_runtime``).
+        runtime: Where its graph runs (``vlfit.inference.graph_runtimes.graph_runtime``).
         precision: ``fp32``, ``int8`` or ``auto`` (INT8 when the ``itm`` graph was exported in INT8).
         max_seq_length: Caption length (``None``: the export's, which is the run's).
 
