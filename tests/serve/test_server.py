@@ -325,7 +325,8 @@ def test_keys_stay_out_of_every_environment_and_a_workers_key_file_goes_with_the
 ) -> None:
     """The API key from --api_key_file, the admin key from $VLFIT_ADMIN_KEY (so in the environment the server was
     started with, and no other): no process of the server holds a key in its environment; the workers read the
-    keys from a private file, gone once the server stops."""
+    keys from a private file, gone once the server stops. And the index is checked once per start (--verify full),
+    by the parent, not again by each worker (the same server: one start fewer for the suite)."""
     import psutil
 
     from vlfit.commands.serve import SETTINGS_ENV
@@ -335,7 +336,12 @@ def test_keys_stay_out_of_every_environment_and_a_workers_key_file_goes_with_the
     (tmp_path / "api_key.txt").write_text(api_key + "\n")
     flags = ["--index", str(served_index), "--workers", str(workers), "--reload_interval", "0",
              "--api_key_file", str(tmp_path / "api_key.txt")]  # fmt: skip
-    env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "VLFIT_ADMIN_KEY": admin_key}
+    (tmp_path / "sitecustomize.py").write_text(COUNT_CHECKS)
+    checks = tmp_path / "checks.txt"
+    env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "VLFIT_ADMIN_KEY": admin_key,
+           "VLFIT_TEST_CHECKS": str(checks),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])}  # fmt: skip
+    flags += ["--verify", "full"]
     log = tmp_path / "server.log"
     server = start_server(flags, str(log), timeout=START_TIMEOUT, env=env)
     base, process = server.url, server.process
@@ -344,6 +350,7 @@ def test_keys_stay_out_of_every_environment_and_a_workers_key_file_goes_with_the
         while log.read_text().count("Application startup complete") < workers:  # every worker has read its keys
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.25)
+        assert checks.read_text().split() == [str(process.pid)]  # by the parent, not again by each worker
         query, keyed = {"text": "a red circle", "k": 2}, {"Authorization": f"Bearer {api_key}"}
         for _ in range(2 * workers):  # new connections: either worker may answer
             assert (
@@ -399,25 +406,6 @@ class CountChecks:
 
 sys.meta_path.insert(0, CountChecks())
 """
-
-
-def test_with_two_workers_the_index_is_checked_once_per_start(served_index, tmp_path) -> None:
-    from vlfit.serve.launch import kill_process_tree, start_server
-
-    (tmp_path / "sitecustomize.py").write_text(COUNT_CHECKS)
-    checks, log = tmp_path / "checks.txt", tmp_path / "server.log"
-    env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "VLFIT_TEST_CHECKS": str(checks),
-           "PYTHONPATH": os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])}  # fmt: skip
-    flags = ["--index", str(served_index), "--workers", "2", "--reload_interval", "0", "--verify", "full"]
-    server = start_server(flags, str(log), timeout=START_TIMEOUT, env=env)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT
-        while log.read_text().count("Application startup complete") < 2:  # both workers have opened the index
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.25)
-        assert checks.read_text().split() == [str(server.process.pid)]  # by the parent, not again by each worker
-    finally:
-        kill_process_tree(server.process)
 
 
 def test_a_busy_port_or_a_foreign_host_is_refused_in_one_line_before_anything_loads(tmp_path, capsys) -> None:
