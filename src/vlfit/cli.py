@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("vlfit.commands.train", "fine-tune BridgeTower, CLIP or SigLIP (every TrainingArguments flag works)"),
     "prepare": ("vlfit.commands.prepare", "re-encode images at training resolution into parquet shards (resumable)"),
     "filter": ("vlfit.commands.filter", "score each image-text pair with a model; write the splits without the worst"),
+    "mine": ("vlfit.commands.mine", "a copy of a split with each caption's hardest negatives mined with a model"),
     "eval": ("vlfit.commands.evaluate", "text<->image recall@1/5/10 and matching accuracy on a split"),
     "demo": ("vlfit.commands.demo", "make data, fine-tune the small-p8 preset on the CPU, evaluate, summarize"),
     "bench": ("vlfit.commands.bench", "input-pipeline throughput sweep: the bottleneck and the settings to use"),

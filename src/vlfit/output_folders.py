@@ -17,6 +17,7 @@ SYNTHETIC_SETTINGS = "vlfit_synthetic_config.json"  # what a synthetic dataset w
 MERGE_RECORD = "merge.json"  # vlfit merge's record of the runs and weights of a merged model
 DEMO_RECORD = "demo.json"  # in a demo's folder: {"flags": ..., "results": ...} (results once the demo is complete)
 FILTER_REPORT = "filter_report.json"  # vlfit filter's report: the model, the cut, what each split kept and dropped
+MINE_REPORT = "mine_report.json"  # vlfit mine's report: the model, the rule, what each split's rows were given
 # The files that describe an export, moved in last: vlfit.inference.exported's manifest, the Immich layout's record.
 EXPORT_RECORDS = ("export_manifest.json", "vlfit_export.json")
 
@@ -51,5 +52,6 @@ MERGE = FolderClaim("vlfit merge", (MERGE_RECORD,))
 EXPORT = FolderClaim("vlfit export", EXPORT_RECORDS)
 DEMO = FolderClaim("vlfit demo", (DEMO_RECORD,), frozenset({"data", "model", DEMO_RECORD}))
 FILTER = FolderClaim("vlfit filter", (FILTER_REPORT,))
+MINE = FolderClaim("vlfit mine", (MINE_REPORT,))
 # By command, as the flag index names them: their --output_dir is claimed before the imports.
-OUTPUT_FOLDERS = {claim.command: claim for claim in (MAKE_DATA, MERGE, EXPORT, DEMO, FILTER)}
+OUTPUT_FOLDERS = {claim.command: claim for claim in (MAKE_DATA, MERGE, EXPORT, DEMO, FILTER, MINE)}

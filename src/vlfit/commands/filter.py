@@ -8,7 +8,6 @@ back with ``vlfit train --dataset_name OUTPUT``.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -19,7 +18,6 @@ from vlfit.arguments import DataArguments, DataLocationArguments
 from vlfit.arguments.runtime import flags_of, runtime_arguments
 from vlfit.arguments.sizes import check_sizes
 from vlfit.commands.parsing import CommandParser
-from vlfit.data.bad_samples import BAD_SAMPLES_REPORT
 from vlfit.data.filtering import DEFAULT_SCORE_COLUMN, HISTOGRAM_NAME, Cut, FilteredSplit
 from vlfit.errors import ConfigError
 from vlfit.output_folders import FILTER, FILTER_REPORT
@@ -31,12 +29,26 @@ if TYPE_CHECKING:
 _DoorFlags = flags_of(DataArguments, ("bad_sample_policy",), base=runtime_arguments())
 
 
+@dataclass(kw_only=True)
+class SplitModelArguments(_DoorFlags):
+    """The flags of a command that runs a model over a dataset's splits (``vlfit filter``, ``vlfit mine``) besides
+    the data location and its own."""
+
+    model: str = field(metadata={"help": "The model that embeds the pairs: a checkpoint folder (vlfit train's) or "
+                                 "a folder vlfit export wrote."})  # fmt: skip
+    batch_size: int = field(default=64, metadata={"help": "Pairs per forward pass of each tower."})
+    dataloader_num_workers: int = field(
+        default_factory=lambda: min(2, os.cpu_count() or 1),
+        metadata={"help": "Loader workers decoding and resizing the images (the default is min(2, CPU count))."},
+    )
+    cache_dir: str | None = field(default=None, metadata={"help": "Where downloaded datasets are cached."})
+    token: str | None = field(default=None, metadata={"help": "Hub token for private datasets."})
+
+
 @dataclass
-class FilterArguments(_DoorFlags):
+class FilterArguments(SplitModelArguments):
     """Flags of ``vlfit filter`` besides the data location."""
 
-    model: str = field(metadata={"help": "The model that scores: a checkpoint folder (vlfit train's) or a folder "
-                                 "vlfit export wrote."})  # fmt: skip
     output_dir: str = field(
         metadata={"help": "The folder to write the kept pairs into (parquet shards per split), with scores.png and "
                   f"{FILTER_REPORT}: written whole once complete; a folder of an earlier vlfit filter is replaced."}
@@ -51,13 +63,6 @@ class FilterArguments(_DoorFlags):
         default=None, metadata={"help": "Comma-separated splits to filter (default: every split of the data)."}
     )
     score_column: str = field(default=DEFAULT_SCORE_COLUMN, metadata={"help": "The column the scores are written to."})
-    batch_size: int = field(default=64, metadata={"help": "Pairs per forward pass of each tower."})
-    dataloader_num_workers: int = field(
-        default_factory=lambda: min(2, os.cpu_count() or 1),
-        metadata={"help": "Loader workers decoding and resizing the images (the default is min(2, CPU count))."},
-    )
-    cache_dir: str | None = field(default=None, metadata={"help": "Where downloaded datasets are cached."})
-    token: str | None = field(default=None, metadata={"help": "Hub token for private datasets."})
 
     def __post_init__(self) -> None:
         check_sizes(self)
@@ -98,25 +103,27 @@ def filter_splits(
         ConfigError: for an output folder another command wrote, or a score column the data has already.
         BadSampleError: under ``raise``, at the first bad sample.
     """
+    import datasets
+
     from vlfit.atomic_files import staged_folder
-    from vlfit.data.filtering import filter_report, write_histogram, write_split
-    from vlfit.inference.pair_scores import score_pairs
+    from vlfit.data.filtering import filter_report, write_histogram
+    from vlfit.data.split_copy import AddedColumn, write_bad_samples, write_split
+    from vlfit.inference.pair_scores import embed_pairs
 
     FILTER.claim(output_dir)  # before any scoring
     done: list[FilteredSplit] = []
-    bad_lines: list[str] = []
+    bad_samples = {}
     with staged_folder(output_dir, FILTER.command, what="the filtered dataset", record_name=FILTER_REPORT) as stage:
         for split, source in sources.items():
-            scored = score_pairs(runtime, source, batch_size=batch_size, num_workers=num_workers,
-                                 bad_sample_policy=bad_sample_policy)  # fmt: skip
-            kept = cut.keep(scored.scores)
-            write_split(stage, split, source, scored.positions[kept], scored.scores[kept], score_column=score_column,
-                        **(columns or {}))  # fmt: skip
-            done.append(FilteredSplit(split, len(source), scored.scores, kept, len(scored.bad_samples)))
-            bad_lines += [json.dumps({"split": split, "id": b.id, "reason": b.reason}) for b in scored.bad_samples]
-        if bad_lines:
-            with open(os.path.join(stage, BAD_SAMPLES_REPORT), "w", encoding="utf-8") as f:
-                f.write("\n".join(bad_lines) + "\n")
+            pairs = embed_pairs(runtime, source, batch_size=batch_size, num_workers=num_workers,
+                                bad_sample_policy=bad_sample_policy)  # fmt: skip
+            scores = pairs.scores()
+            kept = cut.keep(scores)
+            score = AddedColumn(score_column, datasets.Value("float32"), scores[kept].tolist(), "--score_column")
+            write_split(stage, split, source, pairs.positions[kept], [score], **(columns or {}))
+            done.append(FilteredSplit(split, len(source), scores, kept, len(pairs.bad_samples)))
+            bad_samples[split] = pairs.bad_samples
+        write_bad_samples(stage, bad_samples)
         model = {"path": runtime.path, "runtime": runtime.encoder.description}
         write_histogram(os.path.join(stage, HISTOGRAM_NAME), done, cut, runtime.path)
         with open(os.path.join(stage, FILTER_REPORT), "w", encoding="utf-8") as f:
@@ -132,6 +139,28 @@ def _chosen(splits: Sequence[str], asked: str | None) -> list[str]:
     return wanted
 
 
+def open_model_and_splits(
+    args: SplitModelArguments, data: DataLocationArguments, split: str | None
+) -> tuple[ModelRuntime, dict[str, ImageTextSource], dict[str, Any]]:
+    """The runtime of ``--model``, the ``split`` splits of the data (comma-separated; every split for None) with
+    the evaluation columns, and the column keywords a copy of them is written with (``write_split``).
+
+    Raises:
+        ConfigError: for a split the data does not have, naming those it has.
+    """
+    from vlfit.data.prepare import DEFAULT_EXTRA_COLUMNS
+    from vlfit.data.sources.openers import open_splits
+    from vlfit.inference.backends import FOLDER_KINDS
+    from vlfit.inference.runtime import ModelRuntime
+
+    runtime = ModelRuntime.open(args.model, args.settings(), kinds=FOLDER_KINDS)
+    splits = open_splits(**data.source_kwargs(), cache_dir=args.cache_dir, token=args.token,
+                         extra_columns=DEFAULT_EXTRA_COLUMNS)  # fmt: skip
+    columns = {"image_column": data.image_column, "caption_column": data.caption_column, "id_column": data.id_column,
+               "image_id_column": data.image_id_column, "extra_columns": DEFAULT_EXTRA_COLUMNS}  # fmt: skip
+    return runtime, {s: splits[s] for s in _chosen(list(splits), split)}, columns
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``vlfit filter``: open the model and the splits, score, cut, write, print a summary."""
     parser = CommandParser(
@@ -144,18 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args, data = parser.parse_args_into_dataclasses(args=sys.argv[1:] if argv is None else argv)
     FILTER.claim(args.output_dir)  # a folder of something else is refused before the model and the data load
-    from vlfit.data.prepare import DEFAULT_EXTRA_COLUMNS
-    from vlfit.data.sources.openers import open_splits
-    from vlfit.inference.backends import FOLDER_KINDS
-    from vlfit.inference.runtime import ModelRuntime
-
-    runtime = ModelRuntime.open(args.model, args.settings(), kinds=FOLDER_KINDS)
-    splits = open_splits(**data.source_kwargs(), cache_dir=args.cache_dir, token=args.token,
-                         extra_columns=DEFAULT_EXTRA_COLUMNS)  # fmt: skip
-    chosen = _chosen(list(splits), args.split)
-    columns = {"image_column": data.image_column, "caption_column": data.caption_column, "id_column": data.id_column,
-               "image_id_column": data.image_id_column, "extra_columns": DEFAULT_EXTRA_COLUMNS}  # fmt: skip
-    done = filter_splits(runtime, {s: splits[s] for s in chosen}, args.output_dir, args.cut(),
+    runtime, sources, columns = open_model_and_splits(args, data, args.split)
+    done = filter_splits(runtime, sources, args.output_dir, args.cut(),
                          score_column=args.score_column, batch_size=args.batch_size,
                          num_workers=args.dataloader_num_workers, bad_sample_policy=args.bad_sample_policy,
                          columns=columns)  # fmt: skip

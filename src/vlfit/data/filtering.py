@@ -1,35 +1,24 @@
-"""What ``vlfit filter`` keeps of a split, and how it writes it: the cut (``Cut``: the lowest fraction of the scores,
-or those below a score), the kept rows as parquet shards with their score as a column, a histogram of the scores
-with the cut marked, and the report.
+"""What ``vlfit filter`` keeps of a split: the cut (``Cut``: the lowest fraction of the scores, or those below a
+score), a histogram of the scores with the cut marked, and the report.
 
-The shards are ``vlfit prepare``'s (``vlfit.data.prepare``: its output columns and file names), holding the source's
-image bytes as they are, so the folder reads back with ``open_splits(dataset_name=folder)`` and ``vlfit train
---dataset_name folder``. Scoring is ``vlfit.inference.pair_scores``.
+The kept rows are written with their score as a column by ``vlfit.data.split_copy``; scoring is
+``vlfit.inference.pair_scores``.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import datasets
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
-from vlfit.data.bad_samples import clean_caption
-from vlfit.data.prepare.columns import output_columns
-from vlfit.data.prepare.shards import DEFAULT_SHARD_SIZE, shard_file_name
-from vlfit.data.sources.base import ImageTextSource
 from vlfit.errors import ConfigError
 
 DEFAULT_SCORE_COLUMN = "clip_score"
 HISTOGRAM_NAME = "scores.png"
-_ROW_GROUP_SIZE = 100  # rows per parquet row group, as vlfit prepare writes: a reader buffers few images at once
 
 
 @dataclass(frozen=True)
@@ -87,57 +76,6 @@ class FilteredSplit:
         if len(self.scores):
             figures |= {"mean_score": float(self.scores.mean()), "median_score": float(np.median(self.scores))}
         return figures
-
-
-def write_split(
-    folder: str,
-    split: str,
-    source: ImageTextSource,
-    rows: Sequence[int],
-    scores: Sequence[float],
-    *,
-    score_column: str = DEFAULT_SCORE_COLUMN,
-    shard_size: int = DEFAULT_SHARD_SIZE,
-    **columns: Any,
-) -> list[str]:
-    """Write ``rows`` of ``source`` (their image bytes as stored, caption, id and extra columns, as ``vlfit prepare``
-    names them) with ``scores`` as ``score_column`` into parquet shards of ``split`` in ``folder``.
-
-    Args:
-        columns: The column keywords of ``vlfit.data.prepare.output_columns`` (``image_column``, ``caption_column``,
-            ``id_column``, ``extra_columns``, ``image_id_column``), as ``source`` was opened with (``open_splits``'
-            defaults where left out).
-
-    Returns:
-        The shard file names (none for no rows: an empty split has no file).
-
-    Raises:
-        ConfigError: for a score column the split has already.
-    """
-    defaults = {"image_column": "image", "caption_column": "image_description", "extra_columns": ()}
-    cols = output_columns(split, source, **{**defaults, **columns})
-    if score_column in cols.features:
-        raise ConfigError(f"--score_column {score_column!r} is a column of split {split!r} already: name another")
-    features = datasets.Features({**cols.features, score_column: datasets.Value("float32")})
-    count = -(-len(rows) // shard_size)
-    names = []
-    for index in range(count):
-        chosen = range(index * shard_size, min(len(rows), (index + 1) * shard_size))
-        values: dict[str, list[Any]] = {name: [] for name in features}
-        for i in chosen:
-            record = source[int(rows[i])]
-            values[cols.image].append({"bytes": record.image, "path": None})
-            values[cols.caption].append(clean_caption(record.caption, record.id))
-            values[cols.id].append(record.id)
-            for name in cols.extras:
-                values[name].append(record.extra.get(name))
-            if cols.image_id:
-                values[cols.image_id].append(record.image_id)
-            values[score_column].append(float(scores[i]))
-        table = pa.Table.from_pydict(features.encode_batch(values), schema=features.arrow_schema)
-        names.append(shard_file_name(split, index, count))
-        pq.write_table(table, os.path.join(folder, names[-1]), row_group_size=_ROW_GROUP_SIZE)
-    return names
 
 
 def write_histogram(path: str, splits: Sequence[FilteredSplit], cut: Cut, model: str) -> None:

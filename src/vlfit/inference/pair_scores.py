@@ -1,5 +1,5 @@
-"""How well each image-text pair of a split agrees, by a model: the cosine of the pair's two embeddings (DataComp's
-CLIP score), for ``vlfit filter``.
+"""Each image-text pair of a split embedded by a model: for ``vlfit filter`` the cosine of the pair's two embeddings
+(DataComp's CLIP score), for ``vlfit mine`` every caption against every image.
 
 The images come through the one CPU image path of the model (``host_batches`` over the runtime's input spec, the
 loader ``retrieve index`` embeds with), the captions through the runtime's text encoder, so a score is exactly the
@@ -23,37 +23,43 @@ from vlfit.inference.runtime import ModelRuntime
 
 
 @dataclass
-class PairScores:
-    """The scores of one split's pairs.
+class PairEmbeddings:
+    """The embeddings of one split's pairs, each row's image and caption (the image embedded once per row).
 
     Attributes:
-        positions: The rows of the source that were scored, in source order (int64).
-        scores: Each scored row's cosine, float32, in ``[-1, 1]``.
+        positions: The rows of the source that were embedded, in source order (int64).
+        images: Each embedded row's image embedding ``[rows, dim]``, float32, L2-normalised.
+        texts: Each embedded row's caption embedding ``[rows, dim]``, float32, L2-normalised.
         bad_samples: The rows left out, each with its id and reason.
     """
 
     positions: np.ndarray
-    scores: np.ndarray
+    images: torch.Tensor
+    texts: torch.Tensor
     bad_samples: list[BadSample] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.positions)
 
+    def scores(self) -> np.ndarray:
+        """Each row's cosine of its image and caption, float32 in ``[-1, 1]`` (DataComp's CLIP score)."""
+        return (self.images * self.texts).sum(dim=-1).numpy().astype(np.float32)
 
-def score_pairs(
+
+def embed_pairs(
     runtime: ModelRuntime,
     source: ImageTextSource,
     *,
     batch_size: int = 64,
     num_workers: int = 0,
     bad_sample_policy: str = "skip",
-) -> PairScores:
-    """The cosine of each pair's image and caption embeddings, ``batch_size`` pairs to a forward of each tower.
+) -> PairEmbeddings:
+    """Embed each row's image and caption, ``batch_size`` rows to a forward of each tower.
 
     Args:
         runtime: The model (a checkpoint or an export, ``ModelRuntime.open``).
         source: The split.
-        batch_size: Pairs per forward.
+        batch_size: Rows per forward.
         num_workers: Loader workers decoding and resizing the images.
         bad_sample_policy: ``skip`` (leave bad samples out and list them) or ``raise``.
 
@@ -63,7 +69,8 @@ def score_pairs(
     encoder = runtime.encoder
     captions = source.captions()
     positions: list[int] = []
-    scores: list[torch.Tensor] = []
+    images: list[torch.Tensor] = []
+    texts: list[torch.Tensor] = []
     bad: list[BadSample] = []
     with torch.inference_mode():
         for batch in host_batches(source, encoder.spec, batch_size=batch_size, num_workers=num_workers):
@@ -73,12 +80,13 @@ def score_pairs(
             bad.extend(batch.bad_samples)
             if not len(batch):
                 continue
-            texts = [clean_caption(captions[p], i) for p, i in zip(batch.positions, batch.sample_ids, strict=True)]
-            images = encoder.encode_images(**encoder_inputs(batch.inputs)).float()
-            scores.append((images * encoder.encode_texts(texts).float()).sum(dim=-1))
+            words = [clean_caption(captions[p], i) for p, i in zip(batch.positions, batch.sample_ids, strict=True)]
+            images.append(encoder.encode_images(**encoder_inputs(batch.inputs)).float())
+            texts.append(encoder.encode_texts(words).float())
             positions.extend(batch.positions)
-    return PairScores(
+    return PairEmbeddings(
         np.asarray(positions, dtype=np.int64),
-        torch.cat(scores).numpy().astype(np.float32) if scores else np.zeros(0, np.float32),
+        torch.cat(images) if images else torch.zeros(0, 0),
+        torch.cat(texts) if texts else torch.zeros(0, 0),
         bad,
     )

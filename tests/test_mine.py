@@ -1,0 +1,153 @@
+"""vlfit mine: each caption's negatives are the captions of other images its image scores highest against (as
+vlfit.load scores them), never its own image's, none above the positive-aware cut; the copy reads back, trains with
+--hard_negative_column, and mistakes are refused in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+
+import vlfit
+from vlfit.commands.mine import MineArguments, mine_split
+from vlfit.data.hard_negatives import alternative_captions
+from vlfit.data.mining import MiningRule, mine_negatives
+from vlfit.data.sources import open_splits
+from vlfit.errors import ConfigError
+from vlfit.inference.runtime import ModelRuntime
+from vlfit.output_folders import MINE_REPORT
+
+K = 3
+RATIO = 0.95
+SECOND = "a second caption of the first image"  # a second row showing the first image (equal bytes)
+
+
+@pytest.fixture(scope="module")
+def shared_image_dir(synthetic_dataset_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The synthetic data's first rows as parquet, train with one more row showing its first image (the same
+    bytes) with another caption."""
+    folder = tmp_path_factory.mktemp("shared-image")
+    for split, source in open_splits(dataset_name=synthetic_dataset_dir, extra_columns=("label",)).items():
+        records = list(source)[: 20 if split == "train" else 6]
+        rows = {"image": [{"bytes": r.image, "path": None} for r in records],
+                "image_description": [r.caption for r in records], "instance_id": [r.id for r in records],
+                "label": [r.extra["label"] for r in records]}  # fmt: skip
+        if split == "train":
+            rows["image"].append(rows["image"][0])
+            rows["image_description"].append(SECOND)
+            rows["instance_id"].append("second-caption")
+            rows["label"].append("A")
+        text = datasets.Value("string")
+        features = datasets.Features({"image": datasets.Image(), "image_description": text, "instance_id": text,
+                                      "label": text})  # fmt: skip
+        datasets.Dataset.from_dict(rows, features=features).to_parquet(str(folder / f"{split}-00000-of-00001.parquet"))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def mined(shared_image_dir: str, tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("mined") / "out"
+    sources = open_splits(dataset_name=shared_image_dir, extra_columns=("label",))
+    mine_split(ModelRuntime.open(tiny_checkpoint), sources, "train", str(out), MiningRule(K, RATIO), batch_size=8,
+               columns={"extra_columns": ("label",)})  # fmt: skip
+    return out
+
+
+def _written(folder: Path, split: str = "train") -> dict[str, list[str]]:
+    source = open_splits(dataset_name=str(folder), extra_columns=("mined_negatives", "label"))[split]
+    return {r.id: r.extra.get("mined_negatives") for r in source}
+
+
+def test_the_negatives_are_the_hardest_captions_of_other_images_below_the_cut(mined, shared_image_dir, tiny_checkpoint):
+    records = list(open_splits(dataset_name=shared_image_dir)["train"])
+    model = vlfit.load(tiny_checkpoint)
+    images = model.encode_images([r.image for r in records])
+    texts = dict(zip([r.caption for r in records], model.encode_texts([r.caption for r in records]), strict=True))
+    written = _written(mined)
+    assert set(written) == {r.id for r in records}
+    cut_somewhere = False
+    for record, image in zip(records, images, strict=True):
+        own = {r.caption for r in records if r.image == record.image}
+        scores = {caption: float(image @ vector) for caption, vector in texts.items() if caption not in own}
+        limit = RATIO * float(image @ texts[record.caption])
+        allowed = sorted((s for s in scores.values() if s <= limit - 1e-5), reverse=True)
+        cut_somewhere |= any(s > limit + 1e-5 for s in scores.values())
+        negatives = written[record.id]
+        assert not own & set(negatives), record.id  # never a caption of the same image
+        assert len(negatives) == len(set(negatives)) == min(K, len(allowed)), record.id
+        for caption in negatives:
+            assert scores[caption] <= limit + 1e-5  # none above the positive-aware cut
+            assert scores[caption] >= allowed[len(negatives) - 1] - 1e-5  # among the K highest below it
+        assert [scores[c] for c in negatives] == sorted((scores[c] for c in negatives), reverse=True)
+    assert cut_somewhere  # the cut had something to drop
+    report = json.loads((mined / MINE_REPORT).read_text())
+    assert report["candidates_dropped_as_positives"] > 0 and report["mined"] == len(records)
+
+
+def test_the_same_image_by_its_bytes_shares_no_negatives(mined, shared_image_dir):
+    records = list(open_splits(dataset_name=shared_image_dir)["train"])
+    written = _written(mined)
+    assert SECOND not in written[records[0].id] and records[0].caption not in written["second-caption"]
+
+
+def test_the_other_splits_are_copied_and_the_column_is_what_training_takes(mined, shared_image_dir):
+    assert len(_written(mined, "validation")) == 6
+    assert all(negatives is None for negatives in _written(mined, "validation").values())
+    for record in open_splits(dataset_name=str(mined), extra_columns=("mined_negatives", "label"))["train"]:
+        assert "label" not in record.extra  # it points into caption_choices; training would read it as the negatives'
+        negatives = record.extra["mined_negatives"]
+        assert alternative_captions(negatives, record.caption, column="mined_negatives") == negatives
+
+
+def test_a_candidate_above_the_ratio_is_dropped_and_the_same_image_never_offered():
+    # row 0 shows image A; rows 1 and 2 show image B (equal keys); row 3 image C. Row 0's own pair scores 1.
+    images = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0], [0.6, 0.8]])
+    texts = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.8, 0.6], [0.6, 0.8]])
+    captions = ["a", "b", "b2", "c"]
+    keys = torch.tensor([10, 20, 20, 30])
+    mined = mine_negatives(images, texts, captions, keys, MiningRule(2, 0.7))
+    assert mined.captions[0] == ["c", "b"]  # b2 scores 0.8 > 0.7 x 1: dropped as a likely positive
+    assert mined.dropped[0] == 1
+    assert "b" not in mined.captions[2] and "b2" not in mined.captions[1]  # never the same image's captions
+    assert mine_negatives(images, texts, captions, keys, MiningRule(2, 1.0)).captions[0] == ["b2", "c"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"num_negatives": 0}, "--num_negatives must be at least 1, not 0"),
+        ({"max_negative_ratio": 0.0}, "--max_negative_ratio must be in (0, 1]"),
+        ({"max_negative_ratio": 1.5}, "--max_negative_ratio must be in (0, 1]"),
+    ],
+)
+def test_the_rule_is_refused_in_one_line(flags, message):
+    with pytest.raises(ConfigError) as refusal:
+        MineArguments(model="run", output_dir="out", **flags)
+    assert message in str(refusal.value) and "\n" not in str(refusal.value)
+
+
+def test_a_folder_of_something_else_is_refused_before_the_imports(tmp_path, capsys):
+    from vlfit import flag_index
+
+    (tmp_path / "notes.csv").write_text("mine")
+    assert flag_index.answer_early("mine", ["--model", "run", "--output_dir", str(tmp_path)]) == 2
+    assert (
+        f"--output_dir {tmp_path} is not empty (notes.csv) and vlfit mine did not write it" in capsys.readouterr().err
+    )
+
+
+@pytest.mark.slow
+def test_the_command_writes_a_folder_train_takes_with_its_negatives(shared_image_dir, tiny_checkpoint, tmp_path):
+    from vlfit.cli import main
+
+    out = tmp_path / "mined"
+    assert main(["mine", "--model", str(tiny_checkpoint), "--dataset_name", shared_image_dir, "--output_dir", str(out),
+                 "--num_negatives", "2", "--dataloader_num_workers", "0"]) == 0  # fmt: skip
+    assert all(len(negatives) == 2 for negatives in _written(out).values())
+    assert main(["train", "--model_preset", "tiny", "--dataset_name", str(out), "--output_dir", str(tmp_path / "run"),
+                 "--hard_negative_column", "mined_negatives", "--max_steps", "2", "--per_device_train_batch_size", "4",
+                 "--save_strategy", "no", "--eval_strategy", "no", "--report_to", "none",
+                 "--dataloader_num_workers", "0"]) == 0  # fmt: skip
