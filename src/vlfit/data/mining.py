@@ -1,7 +1,8 @@
 """Hard negatives mined from a split's own captions, positive-aware (NV-Retriever's "TopK-PercPos"): for each row,
 the captions of other images its image scores highest against, leaving out any that scores above
-``max_negative_ratio`` times the row's own pair (the image against its own caption), which are often captions that
-fit the image but were written for another (unlabelled positives).
+``max_negative_ratio`` times the row's own pair (the image against its own caption; or above the pair itself, where
+its score is negative), which are often captions that fit the image but were written for another (unlabelled
+positives).
 
 A candidate's score is the image's cosine with the candidate caption: the score the contrastive loss gives the image
 and its hard negatives (``--hard_negative_column``), so "hardest" is what training will find hardest. Captions are
@@ -110,7 +111,9 @@ def mine_negatives(
         local = [(i, t) for i in range(stop - start) for t in own_texts[int(image_of_row[start + i])]]
         own = torch.zeros_like(scores, dtype=torch.bool)
         own[[i for i, _ in local], [t for _, t in local]] = True
-        too_close = ~own & (scores > rule.max_negative_ratio * positives[start:stop, None])
+        # A ratio of a negative positive would lie above it: the cut is never above the positive itself.
+        limit = torch.minimum(rule.max_negative_ratio * positives[start:stop], positives[start:stop])
+        too_close = ~own & (scores > limit[:, None])
         dropped[start:stop] = too_close.sum(dim=1).numpy()
         scores = scores.masked_fill(own | too_close, float("-inf"))
         top, index = scores.topk(min(rule.num_negatives, len(unique)), dim=1)
