@@ -56,7 +56,7 @@ class MakeDataArguments:
         default="regions",
         metadata={
             "help": "'regions' (\"two red circles on the left and ...\") or 'no_regions' (\"a picture of two red "
-            'circles and ..."): with --background, a shifted distribution of the same scenes. \'long\': the '
+            "circles and ...\"): with --background, a shifted distribution of the same scenes. 'long': the "
             "regions caption after about 100 words every image shares, so captions differ only past a CLIP text "
             "tower's 77 tokens (for training with a longer --max_seq_length)."
         },
