@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 from types import FrameType, TracebackType
 from typing import Any
@@ -35,6 +36,11 @@ class DemoStopped(BaseException):
 class StopSignals:
     """While entered, SIGTERM and SIGINT raise ``DemoStopped`` in this process's main thread.
 
+    A ``DemoStopped`` that Python drops because it was raised where exceptions cannot propagate (a finalizer, an
+    at-fork callback such as logging's lock release as a loader forks its workers) is not printed as "Exception
+    ignored ... Traceback" (``sys.unraisablehook``, while entered): ``raise_if_received`` raises it again where it
+    can stop the demo. Every other unraisable exception is reported as before.
+
     Children forked meanwhile (datasets' generation workers, loader workers) inherit the handler; there it leaves
     the stop to this process: SIGINT (which Ctrl-C sends to every process of the terminal's group) is ignored, and
     SIGTERM (what a pool's ``terminate`` sends its workers) ends the child as it would have without the handler.
@@ -49,18 +55,28 @@ class StopSignals:
         self.received: int | None = None
         self._pid = os.getpid()
         self._previous: dict[int, Any] = {}
+        self._unraisable: Any = None
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             self._pid = os.getpid()
             for signum in self.signals:
                 self._previous[signum] = signal.signal(signum, self._handle)
+            self._unraisable, sys.unraisablehook = sys.unraisablehook, self._report_unraisable
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+        if self._unraisable is not None:
+            sys.unraisablehook, self._unraisable = self._unraisable, None
+
+    def _report_unraisable(self, unraisable: Any) -> None:
+        """Python's report of an exception it drops, but for a ``DemoStopped`` (``raise_if_received`` raises it
+        again)."""
+        if not isinstance(unraisable.exc_value, DemoStopped):
+            self._unraisable(unraisable)
 
     def raise_if_received(self) -> None:
         """Raise ``DemoStopped`` for a signal received whose exception got lost on the way out: one raised while
