@@ -76,7 +76,11 @@ def test_a_preset_run_names_its_preset_and_lora_adapters_load_through_peft(tmp_p
 
 
 @pytest.mark.parametrize("family", sorted(PLAIN))
-def test_the_cards_code_embeds_captions_and_images_as_vlfit_does(family, tmp_path):
+def test_the_cards_code_embeds_captions_and_images_as_vlfit_does(family, tmp_path, monkeypatch):
+    import tests.models.test_transformers_parity as parity
+
+    texts = [*TEXTS, "two red circles on the left " * 30]  # longer than the run's caption length: cut where it cut
+    monkeypatch.setattr(parity, "TEXTS", texts)  # what vlfit_embeddings embeds
     preset, _ = PLAIN[family]
     torch.manual_seed(0)
     bundle = load_model(model_preset=preset, captions=lambda: TRAINING_CAPTIONS)
@@ -84,13 +88,13 @@ def test_the_cards_code_embeds_captions_and_images_as_vlfit_does(family, tmp_pat
     bundle.save(str(folder))
     write_model_card(str(folder), family_name=family, base_model=None, preset=preset, datasets=[], metrics=None,
                      command_line=None)  # fmt: skip
-    images = png_images(bundle.image_size, len(TEXTS))
+    images = png_images(bundle.image_size, len(texts))
     # The card's code, run on this folder, these captions and these images instead of its placeholders.
     code = code_block(read_card(folder)[1])
     code = re.sub(r"^path = .*$", "path = FOLDER", code, flags=re.M)
     code = re.sub(r"^texts = .*$", "texts = TEXTS", code, flags=re.M)
     code = re.sub(r"^images = .*$", "images = IMAGES", code, flags=re.M)
-    namespace = {"FOLDER": str(folder), "TEXTS": TEXTS, "IMAGES": pil_images(images)}
+    namespace = {"FOLDER": str(folder), "TEXTS": texts, "IMAGES": pil_images(images)}
     exec(compile(code, "model card", "exec"), namespace)
     ours = vlfit_embeddings(bundle, images)
     for mine, theirs in ((ours.text, namespace["text_embeds"]), (ours.image, namespace["image_embeds"])):

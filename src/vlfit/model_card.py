@@ -80,7 +80,7 @@ class _FamilyUsage:
 
 
 _DUAL_ENCODER_EMBED = """\
-text_inputs = processor(text=texts, {padding}, return_tensors="pt")
+text_inputs = processor(text=texts, {padding}, truncation=True, return_tensors="pt")  # cut where the run cut
 image_inputs = processor(images=images, return_tensors="pt")
 with torch.no_grad():
     text_embeds = model.get_text_features(**text_inputs).pooler_output
@@ -95,7 +95,8 @@ _USAGE: dict[str, _FamilyUsage] = {
         "BridgeTowerForContrastiveLearning",
         None,  # transformers has no pipeline for BridgeTower's contrastive head
         """\
-inputs = processor(images=images, text=texts, padding=True, return_tensors="pt")  # as many texts as images
+# as many texts as images; captions cut where the run cut them
+inputs = processor(images=images, text=texts, padding=True, truncation=True, return_tensors="pt")
 with torch.no_grad():
     outputs = model(**inputs)
 text_embeds, image_embeds = outputs.text_embeds, outputs.image_embeds  # L2-normalized, as vlfit's
