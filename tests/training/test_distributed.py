@@ -40,46 +40,30 @@ def _torchrun_train(record_dir: Path, flags: list[str]) -> list[dict]:
     return [json.loads((record_dir / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
+def _run_together(record_dir: Path, commands: list[tuple[list[str], dict[str, str]]]) -> list[dict]:
+    """Start every ``(argv, extra environment)`` at once, each in a session of its own with no stdin, wait for all
+    (each must exit 0), and return what each rank recorded in ``record_dir``."""
+    record_dir.mkdir()
+    processes = [
+        subprocess.Popen(argv, env=torchrun_env(VLFIT_RECORD_DIR=str(record_dir), **extra), stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        for argv, extra in commands
+    ]  # fmt: skip
+    outputs = [process.communicate(timeout=TIMEOUT)[0] for process in processes]
+    for process, output in zip(processes, outputs, strict=True):
+        assert process.returncode == 0, output[-3000:]
+    return [json.loads((record_dir / f"rank{rank}.json").read_text()) for rank in range(len(commands))]
+
+
 def _two_node_train(record_dir: Path, flags: list[str]) -> list[dict]:
     """Two machines simulated on one: two torchrun launchers (``--nnodes 2``, one process each) meeting at a c10d
     rendezvous on localhost, as the same command started on two machines does (docs/multi-node.md)."""
-    record_dir.mkdir()
     endpoint = f"localhost:{free_port()}"
-    launchers = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                "2",
-                "--node_rank",
-                str(node),
-                "--nproc_per_node",
-                "1",
-                "--rdzv_backend",
-                "c10d",
-                "--rdzv_endpoint",
-                endpoint,
-                "--rdzv_id",
-                "two-nodes",
-                RECORDING,
-                "train",
-                *flags,
-            ],
-            env=torchrun_env(VLFIT_RECORD_DIR=str(record_dir)),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )  # fmt: skip
-        for node in range(2)
-    ]
-    outputs = [launcher.communicate(timeout=TIMEOUT)[0] for launcher in launchers]
-    for launcher, output in zip(launchers, outputs, strict=True):
-        assert launcher.returncode == 0, output[-3000:]
-    return [json.loads((record_dir / f"rank{rank}.json").read_text()) for rank in range(2)]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_id", "two-nodes"]  # fmt: skip
+    return _run_together(
+        record_dir, [([*launcher, "--node_rank", str(node), RECORDING, "train", *flags], {}) for node in range(2)]
+    )
 
 
 def _common(dataset_dir: str, output_dir: Path) -> list[str]:
@@ -158,35 +142,14 @@ def test_two_nodes_with_global_negatives_shard_the_data_and_rank0_writes_the_che
 def test_srun_tasks_train_as_torchrun_processes_do(tmp_path, synthetic_dataset_dir, ddp_run):
     """Two processes started as ``srun --ntasks 2`` starts them (SLURM's variables, none of torch's, no launcher)
     train on the same shares and log the same losses as the two torchrun processes."""
-    (tmp_path / "records").mkdir()
     port = str(free_port())
-    tasks = [
-        subprocess.Popen(
-            [sys.executable, RECORDING, "train", *_shared_flags(synthetic_dataset_dir, tmp_path / "model")],
-            env=torchrun_env(
-                VLFIT_RECORD_DIR=str(tmp_path / "records"),
-                SLURM_JOB_ID="4242",
-                SLURM_STEP_ID="0",
-                SLURM_PROCID=str(task),
-                SLURM_LOCALID=str(task),
-                SLURM_NTASKS="2",
-                SLURM_STEP_NUM_TASKS="2",
-                SLURM_STEP_TASKS_PER_NODE="2",
-                SLURM_STEP_NODELIST="localhost",
-                MASTER_PORT=port,
-            ),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )  # fmt: skip
-        for task in range(2)
-    ]
-    outputs = [task.communicate(timeout=TIMEOUT)[0] for task in tasks]
-    for task, output in zip(tasks, outputs, strict=True):
-        assert task.returncode == 0, output[-3000:]
-    records = [json.loads((tmp_path / "records" / f"rank{rank}.json").read_text()) for rank in range(2)]
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2",
+             "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NODELIST": "localhost", "MASTER_PORT": port}  # fmt: skip
+    argv = [sys.executable, RECORDING, "train", *_shared_flags(synthetic_dataset_dir, tmp_path / "model")]
+    records = _run_together(
+        tmp_path / "records",
+        [(argv, {**slurm, "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task)}) for task in range(2)],
+    )
     _, torchrun_records = ddp_run
     assert [r["world_size"] for r in records] == [2, 2]
     for srun, torchrun in zip(records, torchrun_records, strict=True):
