@@ -43,7 +43,7 @@ def prefix_embeddings(embeddings: LossEmbeddings, size: int) -> LossEmbeddings:
     return LossEmbeddings(rows, embeddings.shared)
 
 
-def check_sizes(sizes: Sequence[int], full: int) -> None:
+def check_prefix_sizes(sizes: Sequence[int], full: int) -> None:
     """Refuse sizes not below the model's embedding size ``full``, in one line naming the flag.
 
     Raises:
@@ -63,7 +63,7 @@ class MatryoshkaLoss:
 
     Args:
         family: The model's family.
-        sizes: Prefix sizes, each below the full embedding size (``check_sizes``).
+        sizes: Prefix sizes, each below the full embedding size (``check_prefix_sizes``).
     """
 
     def __init__(self, family: ModelFamily, sizes: Sequence[int]) -> None:
@@ -88,7 +88,7 @@ class MatryoshkaLoss:
         self, embeddings: LossEmbeddings, *, global_negatives: bool = False, symmetric: bool = False
     ) -> torch.Tensor:
         full = embedding_size(embeddings)
-        check_sizes(self.sizes, full)
+        check_prefix_sizes(self.sizes, full)
         losses = [self.family.loss_from_embeddings(embeddings, global_negatives=global_negatives, symmetric=symmetric)]
         for size in self.sizes:
             prefix = prefix_embeddings(embeddings, size)

@@ -43,7 +43,7 @@ from vlfit.models.loading import (
 )
 from vlfit.models.logit_scale import set_logit_scale
 from vlfit.models.lora import BASE_MODEL_DIR, LoraSettings, apply_lora, group_of, trainable_parameters
-from vlfit.models.matryoshka import check_sizes, with_matryoshka
+from vlfit.models.matryoshka import check_prefix_sizes, with_matryoshka
 from vlfit.models.vqa import model_answers
 from vlfit.training.arguments import VlfitTrainingArguments
 from vlfit.training.distributed import describe_launch
@@ -316,7 +316,7 @@ def run(
         set_logit_scale(model, model_args.logit_scale_init_value)  # a resumed run then loads its trained value
     family = setup.spec.family
     if training_args.do_train and setup.spec.inputs.matryoshka_dims:  # sizes the model's embedding can hold
-        check_sizes(setup.spec.inputs.matryoshka_dims, _embedding_size(family, model, setup.spec))
+        check_prefix_sizes(setup.spec.inputs.matryoshka_dims, _embedding_size(family, model, setup.spec))
     unfreeze = later_unfreezing(model, family, model_args, training_args)
     lora = model_args.lora_settings()
     starting_weights = wise_ft_start(model, training_args)  # before the objective adds a head
