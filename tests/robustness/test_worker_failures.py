@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from tests.training.train_runs import tiny_train_argv
 from vlfit.cli import main
+from vlfit.data.loader_workers import broken_loader_iterators
 from vlfit.data.pipeline import InputPipeline, handed_over_batches
 
 REPO = Path(__file__).resolve().parents[2]
@@ -127,6 +128,9 @@ def test_train_fails_naming_the_dead_worker(tmp_path: Path, synthetic_dataset_di
             r"|a DataLoader worker exited unexpectedly while handing over a batch")  # fmt: skip
     with pytest.raises(RuntimeError, match=dead):  # a hang would stop the suite's timeout, not pass
         main(["train", *argv])
+    # Nothing left for torch's SIGCHLD handler to raise again from whatever code runs next, even where the error
+    # came from the handler in the middle of a step (the traceback then misses the loader's frames).
+    assert broken_loader_iterators() == []
 
 
 if __name__ == "__main__":
