@@ -24,6 +24,7 @@ def run_one(preset: str, batch: int, chunk: int | None, steps: int) -> dict:
     """One configuration, in this process: samples/s of ``steps`` timed steps and the peak resident set."""
     import torch
 
+    from vlfit.models.family import LossScope
     from vlfit.models.registry import family_for_preset
     from vlfit.training.gradient_cache import gradient_cached_backward
 
@@ -46,9 +47,9 @@ def run_one(preset: str, batch: int, chunk: int | None, steps: int) -> dict:
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         if chunk is None:
-            family.contrastive_loss(model, inputs, symmetric=True).backward()
+            family.contrastive_loss(model, inputs, LossScope(symmetric=True)).backward()
         else:
-            gradient_cached_backward(family, model, inputs, chunk, symmetric=True)
+            gradient_cached_backward(family, model, inputs, chunk, scope=LossScope(symmetric=True))
         optimizer.step()
         if step:
             times.append(time.perf_counter() - start)

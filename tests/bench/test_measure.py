@@ -14,6 +14,7 @@ from vlfit.bench.plan import SweepPlan
 from vlfit.bench.session import BenchSession
 from vlfit.data.sources.synthetic import synthetic_source
 from vlfit.efficiency.flops import count_flops
+from vlfit.models.family import LOCAL_LOSS
 from vlfit.models.itm import has_itm_head
 from vlfit.models.loading import build_model, resolve_model
 from vlfit.training.itm_objective import TrainingObjective
@@ -108,8 +109,7 @@ def test_the_bench_counts_what_the_training_objective_counts(objective_sessions)
     objective = TrainingObjective("contrastive+itm")
 
     def training_step() -> None:
-        objective.loss(matched.step.family, matched.step.model, batch.inputs, step=0, global_negatives=False,
-                       symmetric=False).backward()  # fmt: skip
+        objective.loss(matched.step.family, matched.step.model, batch.inputs, step=0, scope=LOCAL_LOSS).backward()
 
     _, trained = count_flops(training_step)
     assert matched.flops_per_sample() == pytest.approx(trained / len(batch), rel=1e-9)

@@ -13,7 +13,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tests.checkpoints import CAPTIONS
 from vlfit.models import clip, siglip
-from vlfit.models.family import HARD_NEGATIVE_ATTENTION_MASK, HARD_NEGATIVE_INPUT_IDS, IMAGE_KEYS, OPENAI_CLIP_MEAN
+from vlfit.models.family import (
+    HARD_NEGATIVE_ATTENTION_MASK,
+    HARD_NEGATIVE_INPUT_IDS,
+    IMAGE_KEYS,
+    OPENAI_CLIP_MEAN,
+    LossScope,
+)
 from vlfit.models.loading import load_model, resolve_model
 from vlfit.models.registry import family_for_config, family_for_preset, preset_config
 
@@ -82,7 +88,7 @@ def test_the_familys_loss_is_the_models_own_with_its_gradients(preset):
     model.zero_grad(set_to_none=True)
 
     # The path global negatives take (embeddings and scale from the forward, the loss outside the model).
-    loss = family.contrastive_loss(model, inputs, global_negatives=True)
+    loss = family.contrastive_loss(model, inputs, LossScope(global_negatives=True))
     loss.backward()
     torch.testing.assert_close(loss, reference, rtol=1e-6, atol=1e-6)
     grads = _grads(model)
@@ -149,7 +155,9 @@ def two_process_worker(rank: int, world: int, init_file: str, payload_path: str,
             for name in ("plain", "hard", "same images"):
                 inputs = payload[name]
                 model.zero_grad(set_to_none=True)
-                loss = family.contrastive_loss(ddp, _rows(inputs, SPLIT[rank], SPLIT[rank + 1]), global_negatives=True)
+                loss = family.contrastive_loss(
+                    ddp, _rows(inputs, SPLIT[rank], SPLIT[rank + 1]), LossScope(global_negatives=True)
+                )
                 loss.backward()
                 results[f"{preset} {name}"] = {"loss": loss.detach(), "grads": _grads(model)}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

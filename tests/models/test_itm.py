@@ -18,7 +18,7 @@ from transformers import BridgeTowerForContrastiveLearning, BridgeTowerForImageA
 from vlfit.efficiency.flops import count_flops
 from vlfit.errors import ConfigError
 from vlfit.models.bridgetower import BridgeTowerFamily, expose_logit_scale
-from vlfit.models.family import HARD_NEGATIVE_ATTENTION_MASK, HARD_NEGATIVE_INPUT_IDS, IMAGE_KEYS
+from vlfit.models.family import HARD_NEGATIVE_ATTENTION_MASK, HARD_NEGATIVE_INPUT_IDS, IMAGE_KEYS, LOCAL_LOSS, LossScope
 from vlfit.models.itm import (
     BridgeTowerForContrastiveLearningWithITM,
     has_itm_head,
@@ -185,7 +185,9 @@ def two_process_worker(rank: int, world: int, init_file: str, payload_path: str,
             batch = payload["alternatives" if name == "alternatives" else "inputs"]
             rows = {key: value[bounds[rank] : bounds[rank + 1]] for key, value in batch.items()}
             model.zero_grad(set_to_none=True)
-            loss, terms = contrastive_and_matching_loss(BridgeTowerFamily(), ddp, rows, global_negatives=True, seed=7)
+            loss, terms = contrastive_and_matching_loss(
+                BridgeTowerFamily(), ddp, rows, scope=LossScope(global_negatives=True), seed=7
+            )
             loss.backward()
             results[name] = {"loss": terms["loss_itm"], "total": loss.detach(), "grads": _grads(model)}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -197,14 +199,17 @@ def two_process_worker(rank: int, world: int, init_file: str, payload_path: str,
 def test_itm_loss_and_gradients_on_two_processes_equal_one_process(two_process_results):
     model = _model()
     expose_logit_scale(model)
-    loss, terms = contrastive_and_matching_loss(BridgeTowerFamily(), model, _inputs(), global_negatives=True, seed=7)
+    loss, terms = contrastive_and_matching_loss(
+        BridgeTowerFamily(), model, _inputs(), scope=LossScope(global_negatives=True), seed=7
+    )
     loss.backward()
     reference = _grads(model)
     assert any("itm_score" in name for name in reference)
     model.zero_grad(set_to_none=True)
     alternatives = _with_alternatives(_inputs())
-    loss_alt, terms_alt = contrastive_and_matching_loss(BridgeTowerFamily(), model, alternatives,
-                                                        global_negatives=True, seed=7)  # fmt: skip
+    loss_alt, terms_alt = contrastive_and_matching_loss(
+        BridgeTowerFamily(), model, alternatives, scope=LossScope(global_negatives=True), seed=7
+    )
     loss_alt.backward()
     expected_by_name = {name: (terms["loss_itm"], loss.detach(), reference) for name in SPLITS}
     expected_by_name["alternatives"] = (terms_alt["loss_itm"], loss_alt.detach(), _grads(model))
@@ -261,7 +266,7 @@ def test_the_objective_logs_its_terms_and_trains_every_head_it_reaches():
     assert has_itm_head(model) and model.itm_score.fc.weight.requires_grad
     family.prepare_for_training(model)
     objective = TrainingObjective("contrastive+itm", seed=0)
-    objective.loss(family, model, _inputs(4), step=0, global_negatives=False, symmetric=False).backward()
+    objective.loss(family, model, _inputs(4), step=0, scope=LOCAL_LOSS).backward()
     logged = objective.window()
     assert set(logged) == {"loss_contrastive", "loss_itm", "itm_accuracy"}
     assert 0.0 <= logged["itm_accuracy"] <= 1.0 and objective.window() == {}

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import BridgeTowerForContrastiveLearning
 
 from vlfit.models.bridgetower import BridgeTowerFamily, encode_text, expose_logit_scale, loss_terms
-from vlfit.models.family import HARD_NEGATIVE_ATTENTION_MASK, HARD_NEGATIVE_INPUT_IDS, IMAGE_KEYS
+from vlfit.models.family import HARD_NEGATIVE_ATTENTION_MASK, HARD_NEGATIVE_INPUT_IDS, IMAGE_KEYS, LossScope
 from vlfit.models.losses import embed_hard_negatives, info_nce
 from vlfit.models.registry import preset_config
 
@@ -88,19 +88,20 @@ def two_process_worker(rank: int, world: int, init_file: str, payload_path: str,
             results[name] = {"loss": loss.detach(), "grads": _grads(model)}
             # The family's loss, as the trainer calls it (the model as training wraps it).
             model.zero_grad(set_to_none=True)
-            family_loss = family.contrastive_loss(ddp, rows, global_negatives=True)
+            family_loss = family.contrastive_loss(ddp, rows, LossScope(global_negatives=True))
             family_loss.backward()
             results[f"{name} family"] = {"loss": family_loss.detach(), "grads": _grads(model)}
             # With hard negatives: embedded outside the DDP forward, each query's own, never gathered.
             model.zero_grad(set_to_none=True)
             hard_rows = _rows(payload["hard_inputs"], bounds[rank], bounds[rank + 1])
-            hard_loss = family.contrastive_loss(ddp, hard_rows, global_negatives=True)
+            hard_loss = family.contrastive_loss(ddp, hard_rows, LossScope(global_negatives=True))
             hard_loss.backward()
             results[f"{name} hard negatives"] = {"loss": hard_loss.detach(), "grads": _grads(model)}
             # Rows of one image on the same and on different processes: not each other's negatives.
             model.zero_grad(set_to_none=True)
-            keyed_loss = family.contrastive_loss(ddp, _rows(payload["keyed_inputs"], bounds[rank], bounds[rank + 1]),
-                                                 global_negatives=True)  # fmt: skip
+            keyed_loss = family.contrastive_loss(
+                ddp, _rows(payload["keyed_inputs"], bounds[rank], bounds[rank + 1]), LossScope(global_negatives=True)
+            )
             keyed_loss.backward()
             results[f"{name} same images"] = {"loss": keyed_loss.detach(), "grads": _grads(model)}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -142,7 +143,7 @@ def test_symmetric_loss_adds_image_to_text_to_the_three_terms():
     image_to_text = torch.nn.functional.cross_entropy(
         own.image_embeds @ own.text_embeds.t() * scale, torch.arange(own.image_embeds.shape[0])
     )
-    symmetric = BridgeTowerFamily().contrastive_loss(model, inputs, symmetric=True)
+    symmetric = BridgeTowerFamily().contrastive_loss(model, inputs, LossScope(symmetric=True))
     torch.testing.assert_close(symmetric, (3 * own.loss + image_to_text) / 4, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(symmetric, own.loss)
 
@@ -169,7 +170,7 @@ def test_hard_negatives_join_each_images_image_to_text_candidates():
         expected = (3 * own.loss + torch.stack(per_image).mean()) / 4
     torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-6)
     # Hard negatives change the loss over plain image->text: the comparison above can fail.
-    plain_image_to_text = BridgeTowerFamily().contrastive_loss(model, _inputs(), symmetric=True).detach()
+    plain_image_to_text = BridgeTowerFamily().contrastive_loss(model, _inputs(), LossScope(symmetric=True)).detach()
     assert abs(float(plain_image_to_text - loss.detach())) > 1e-3
 
 
@@ -230,7 +231,7 @@ def test_global_negatives_on_two_processes_equal_one_process_on_the_concatenated
     expose_logit_scale(model)
     for case, batch in (("hard negatives", hard_inputs), ("same images", keyed_inputs)):
         model.zero_grad(set_to_none=True)
-        case_reference = BridgeTowerFamily().contrastive_loss(model, batch, global_negatives=True)
+        case_reference = BridgeTowerFamily().contrastive_loss(model, batch, LossScope(global_negatives=True))
         case_reference.backward()
         case_grads = _grads(model)
         for name in SPLITS:

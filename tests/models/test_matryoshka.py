@@ -13,7 +13,7 @@ from tests.models.test_dual_encoders import _inputs
 from tests.training.test_gradient_cache import FAMILIES, _grads, _model
 from tests.training.train_runs import single_torch_thread, tiny_train_argv
 from vlfit.errors import ConfigError
-from vlfit.models.family import LossEmbeddings
+from vlfit.models.family import LossEmbeddings, LossScope
 from vlfit.models.matryoshka import MatryoshkaLoss, prefix_embeddings
 from vlfit.training.gradient_cache import gradient_cached_backward
 
@@ -48,10 +48,10 @@ def test_the_loss_is_the_mean_of_the_familys_loss_at_each_size(preset):
 
 def test_gradient_caching_gives_the_nested_losss_gradients():
     nested, model, inputs = MatryoshkaLoss(FAMILIES["clip-tiny"], [4]), _model("clip-tiny"), _inputs()
-    nested.contrastive_loss(model, inputs, global_negatives=True).backward()
+    nested.contrastive_loss(model, inputs, LossScope(global_negatives=True)).backward()
     plain = _grads(model)
     model.zero_grad(set_to_none=True)
-    gradient_cached_backward(nested, model, inputs, 4, global_negatives=True)  # type: ignore[arg-type]
+    gradient_cached_backward(nested, model, inputs, 4, scope=LossScope(global_negatives=True))  # type: ignore[arg-type]
     for name, grad in _grads(model).items():  # the floor: key biases, zero but for rounding (softmax cancels them)
         scale = max(1e-5, 1e-6 * plain[name].abs().max().item())
         torch.testing.assert_close(grad, plain[name], rtol=1e-5, atol=scale, msg=name)

@@ -16,7 +16,7 @@ from tests.models.test_dual_encoders import _inputs
 from tests.training.train_runs import single_torch_thread
 from vlfit.cli import main
 from vlfit.models import bridgetower, clip, siglip
-from vlfit.models.family import LossEmbeddings
+from vlfit.models.family import LossEmbeddings, LossScope
 from vlfit.training.gradient_cache import gradient_cached_backward
 
 FAMILIES = {
@@ -51,7 +51,9 @@ def _assert_equal_gradients(grads: dict, reference: dict, msg: str) -> None:
 
 def _plain(preset: str, model: torch.nn.Module, inputs: dict, global_negatives: bool) -> tuple[torch.Tensor, dict]:
     model.zero_grad(set_to_none=True)
-    loss = FAMILIES[preset].contrastive_loss(model, inputs, global_negatives=global_negatives, symmetric=True)
+    loss = FAMILIES[preset].contrastive_loss(
+        model, inputs, LossScope(global_negatives=global_negatives, symmetric=True)
+    )
     loss.backward()
     return loss.detach(), _grads(model)
 
@@ -67,7 +69,9 @@ def test_chunks_give_the_whole_batchs_loss_and_gradients(preset, batch):
     reference_loss, reference_grads = _plain(preset, model, inputs, global_negatives=True)
     model.zero_grad(set_to_none=True)
     # Chunks of 4 and 2: uneven on purpose.
-    loss = gradient_cached_backward(FAMILIES[preset], model, inputs, 4, global_negatives=True, symmetric=True)
+    loss = gradient_cached_backward(
+        FAMILIES[preset], model, inputs, 4, scope=LossScope(global_negatives=True, symmetric=True)
+    )
     torch.testing.assert_close(loss, reference_loss, rtol=1e-5, atol=0)
     _assert_equal_gradients(_grads(model), reference_grads, preset)
 
@@ -106,8 +110,9 @@ def two_process_worker(rank: int, world: int, init_file: str, payload_path: str,
         model = _model("tiny", payload["state_dict"])
         ddp = DistributedDataParallel(model, find_unused_parameters=True)  # as the Trainer wraps it
         rows = {key: value[[0, 4][rank] : [4, 6][rank]] for key, value in payload["inputs"].items()}
-        loss = gradient_cached_backward(FAMILIES["tiny"], ddp, rows, 2, global_negatives=True, symmetric=True,
-                                        no_sync=ddp.no_sync)  # fmt: skip
+        loss = gradient_cached_backward(
+            FAMILIES["tiny"], ddp, rows, 2, scope=LossScope(global_negatives=True, symmetric=True), no_sync=ddp.no_sync
+        )
         torch.save({"loss": loss, "grads": _grads(model)}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

@@ -28,7 +28,7 @@ import torch
 
 from vlfit.data.batch import Batch
 from vlfit.data.pipeline import DeviceFeed
-from vlfit.models.family import ModelFamily
+from vlfit.models.family import LOCAL_LOSS, ModelFamily
 from vlfit.training.itm_objective import CONTRASTIVE, TrainingObjective
 from vlfit.training.throughput import ThroughputMeter
 
@@ -196,8 +196,7 @@ class TrainStep:
         """The objective's loss of ``batch``, as ``VlfitTrainer.compute_loss`` computes it for one process (local
         negatives, the model's own contrastive loss: the bench has no flags for the other choices)."""
         if self.objective.uses_itm:
-            return self.objective.loss(self.family, self.model, batch.inputs, step=self.steps_taken,
-                                       global_negatives=False, symmetric=False)  # fmt: skip
+            return self.objective.loss(self.family, self.model, batch.inputs, step=self.steps_taken, scope=LOCAL_LOSS)
         return self.family.contrastive_loss(self.model, batch.inputs)
 
     def __call__(self, batch: Batch, precision: str | None = None) -> torch.Tensor:

@@ -30,7 +30,9 @@ from vlfit.models import activation_checkpointing
 from vlfit.models.family import (
     HARD_NEGATIVE_INPUT_IDS,
     IMAGE_KEYS,
+    LOCAL_LOSS,
     LossEmbeddings,
+    LossScope,
     ModelFamily,
 )
 from vlfit.models.itm import BridgeTowerForContrastiveLearningWithITM, checkpoint_has_itm_head
@@ -245,20 +247,13 @@ class BridgeTowerFamily(ModelFamily):
         activation_checkpointing.install(model, layer_stacks)  # type: ignore[arg-type]
 
     def contrastive_loss(
-        self,
-        model: nn.Module,
-        inputs: Mapping[str, torch.Tensor],
-        *,
-        global_negatives: bool = False,
-        symmetric: bool = False,
+        self, model: nn.Module, inputs: Mapping[str, torch.Tensor], scope: LossScope = LOCAL_LOSS
     ) -> torch.Tensor:
-        if not (global_negatives or symmetric or HARD_NEGATIVE_INPUT_IDS in inputs or IMAGE_KEYS in inputs
+        if not (scope.global_negatives or scope.symmetric or HARD_NEGATIVE_INPUT_IDS in inputs or IMAGE_KEYS in inputs
                 or under_autocast(inputs["input_ids"])):  # fmt: skip
             model_inputs = {key: inputs[key] for key in self.model_inputs}
             return model(**model_inputs, return_loss=True).loss  # the model's own loss
-        return self.loss_from_embeddings(
-            self.loss_embeddings(model, inputs), global_negatives=global_negatives, symmetric=symmetric
-        )
+        return self.loss_from_embeddings(self.loss_embeddings(model, inputs), scope)
 
     def loss_embeddings(self, model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> LossEmbeddings:
         unwrapped = extract_model_from_parallel(model)
@@ -266,13 +261,11 @@ class BridgeTowerFamily(ModelFamily):
         outputs = model(**{key: inputs[key] for key in self.model_inputs}, return_loss=False)
         return contrastive_embeddings(unwrapped, outputs, inputs)
 
-    def loss_from_embeddings(
-        self, embeddings: LossEmbeddings, *, global_negatives: bool = False, symmetric: bool = False
-    ) -> torch.Tensor:
+    def loss_from_embeddings(self, embeddings: LossEmbeddings, scope: LossScope = LOCAL_LOSS) -> torch.Tensor:
         rows = embeddings.rows
         hard = hard_negatives_in(rows)
         outputs = ContrastiveEmbeddings(rows["text"], rows["image"], rows["cross"])
-        terms = loss_terms(outputs, symmetric, hard)
+        terms = loss_terms(outputs, scope.symmetric, hard)
         return info_nce(
-            terms, embeddings.shared["logit_scale"], gather=global_negatives, image_keys=image_keys_in(rows)
+            terms, embeddings.shared["logit_scale"], gather=scope.global_negatives, image_keys=image_keys_in(rows)
         )

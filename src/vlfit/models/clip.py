@@ -24,7 +24,9 @@ from vlfit.models.dual_encoder import normalized
 from vlfit.models.family import (
     HARD_NEGATIVE_INPUT_IDS,
     IMAGE_KEYS,
+    LOCAL_LOSS,
     LossEmbeddings,
+    LossScope,
     ModelFamily,
 )
 from vlfit.models.logit_scale import install_output_hook
@@ -115,18 +117,13 @@ class CLIPFamily(ModelFamily):
         install_output_hook(model, _add_logit_scale)
 
     def contrastive_loss(
-        self,
-        model: nn.Module,
-        inputs: Mapping[str, torch.Tensor],
-        *,
-        global_negatives: bool = False,
-        symmetric: bool = False,  # CLIP's loss is symmetric already
-    ) -> torch.Tensor:
-        if not (global_negatives or HARD_NEGATIVE_INPUT_IDS in inputs or IMAGE_KEYS in inputs
+        self, model: nn.Module, inputs: Mapping[str, torch.Tensor], scope: LossScope = LOCAL_LOSS
+    ) -> torch.Tensor:  # CLIP's loss is symmetric already
+        if not (scope.global_negatives or HARD_NEGATIVE_INPUT_IDS in inputs or IMAGE_KEYS in inputs
                 or under_autocast(inputs["input_ids"])):  # fmt: skip
             model_inputs = {key: inputs[key] for key in self.model_inputs}
             return model(**model_inputs, return_loss=True).loss  # the model's own loss
-        return self.loss_from_embeddings(self.loss_embeddings(model, inputs), global_negatives=global_negatives)
+        return self.loss_from_embeddings(self.loss_embeddings(model, inputs), scope)
 
     def loss_embeddings(self, model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> LossEmbeddings:
         unwrapped = extract_model_from_parallel(model)
@@ -137,14 +134,12 @@ class CLIPFamily(ModelFamily):
         add_image_keys(rows, inputs)
         return LossEmbeddings(rows, {"logit_scale": outputs.logit_scale.mean()})
 
-    def loss_from_embeddings(
-        self, embeddings: LossEmbeddings, *, global_negatives: bool = False, symmetric: bool = False
-    ) -> torch.Tensor:
+    def loss_from_embeddings(self, embeddings: LossEmbeddings, scope: LossScope = LOCAL_LOSS) -> torch.Tensor:
         rows = embeddings.rows
         hard = hard_negatives_in(rows)
         terms = loss_terms(rows["text"], rows["image"], hard)
         return info_nce(
-            terms, embeddings.shared["logit_scale"], gather=global_negatives, image_keys=image_keys_in(rows)
+            terms, embeddings.shared["logit_scale"], gather=scope.global_negatives, image_keys=image_keys_in(rows)
         )
 
 

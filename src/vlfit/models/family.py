@@ -146,6 +146,33 @@ def pipeline_image_processing(inputs: InputSpec) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class LossScope:
+    """What a contrastive loss compares, as the run's flags say.
+
+    Attributes:
+        global_negatives: Score against every process's batch (all-gathered with gradient), so the negatives are
+            the whole global batch; with one process this equals the local loss (``--contrastive_negatives global``).
+        symmetric: Add the image->text term to the model's own terms where they lack it
+            (``--contrastive_loss symmetric``).
+    """
+
+    global_negatives: bool = False
+    symmetric: bool = False
+
+    @classmethod
+    def of(cls, args: Any) -> LossScope:
+        """The scope a run's training arguments ask for."""
+        return cls(
+            global_negatives=getattr(args, "contrastive_negatives", "local") == "global",
+            symmetric=getattr(args, "contrastive_loss", "model") == "symmetric",
+        )
+
+
+LOCAL_LOSS = LossScope()
+"""This process's batch, the family's own terms."""
+
+
 @dataclass
 class LossEmbeddings:
     """What a family's loss is computed from, and all it needs from the model's forward.
@@ -358,30 +385,20 @@ class ModelFamily(ABC):
         calls it: possibly wrapped by DDP). Families without it cannot use gradient caching."""
         raise NotImplementedError(f"{self.name} does not split its loss from its forward (gradient caching)")
 
-    def loss_from_embeddings(
-        self, embeddings: LossEmbeddings, *, global_negatives: bool = False, symmetric: bool = False
-    ) -> torch.Tensor:
+    def loss_from_embeddings(self, embeddings: LossEmbeddings, scope: LossScope = LOCAL_LOSS) -> torch.Tensor:
         """The loss of ``loss_embeddings``' output, as ``contrastive_loss`` computes it."""
         raise NotImplementedError(f"{self.name} does not split its loss from its forward (gradient caching)")
 
     @abstractmethod
     def contrastive_loss(
-        self,
-        model: nn.Module,
-        inputs: Mapping[str, torch.Tensor],
-        *,
-        global_negatives: bool = False,
-        symmetric: bool = False,
+        self, model: nn.Module, inputs: Mapping[str, torch.Tensor], scope: LossScope = LOCAL_LOSS
     ) -> torch.Tensor:
         """The training loss of one batch.
 
         Args:
             model: The model as training calls it (possibly wrapped by DDP or FSDP: call it, do not reach inside).
             inputs: ``model_inputs`` on the model's device.
-            global_negatives: Score against every process's batch (all-gathered with gradient), so the negatives
-                are the whole global batch; with one process this equals the local loss.
-            symmetric: Add the image->text term to the model's own terms where they lack it
-                (``--contrastive_loss symmetric``).
+            scope: Which negatives and terms (``LossScope``).
 
         When ``inputs`` hold ``HARD_NEGATIVE_INPUT_IDS`` / ``HARD_NEGATIVE_ATTENTION_MASK``, the image->text
         term also scores each image against its own hard negatives (``vlfit.models.losses.HardNegatives``).

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from accelerate.utils import extract_model_from_parallel
 
 from vlfit.models.bridgetower import contrastive_embeddings, expose_logit_scale
-from vlfit.models.family import HARD_NEGATIVE_ATTENTION_MASK, HARD_NEGATIVE_INPUT_IDS, IMAGE_KEYS
+from vlfit.models.family import HARD_NEGATIVE_ATTENTION_MASK, HARD_NEGATIVE_INPUT_IDS, IMAGE_KEYS, LOCAL_LOSS, LossScope
 from vlfit.models.itm import UnimodalStates, fused_pooled_output, states_from_outputs, text_states
 from vlfit.models.losses import distributed_world, gather_rows, gather_with_grad
 
@@ -223,8 +223,7 @@ def contrastive_and_matching_loss(
     inputs: Mapping[str, torch.Tensor],
     *,
     contrastive: bool = True,
-    global_negatives: bool = False,
-    symmetric: bool = False,
+    scope: LossScope = LOCAL_LOSS,
     seed: int = 0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """BridgeTower's training loss with the matching objective: one forward, its contrastive loss (as
@@ -236,12 +235,12 @@ def contrastive_and_matching_loss(
     unwrapped = extract_model_from_parallel(model)
     expose_logit_scale(unwrapped)
     outputs = model(**{key: inputs[key] for key in family.model_inputs}, return_loss=False)
-    matching = matching_loss(model, outputs, inputs, gather=global_negatives, seed=seed)
+    matching = matching_loss(model, outputs, inputs, gather=scope.global_negatives, seed=seed)
     terms = {"loss_itm": matching.loss.detach(), "itm_accuracy": matching.accuracy}
     loss = matching.loss
     if contrastive:
         embeddings = contrastive_embeddings(unwrapped, outputs, inputs)
-        itc = family.loss_from_embeddings(embeddings, global_negatives=global_negatives, symmetric=symmetric)
+        itc = family.loss_from_embeddings(embeddings, scope)
         terms["loss_contrastive"] = itc.detach()
         loss = itc + loss
     return loss, terms

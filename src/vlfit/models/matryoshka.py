@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from vlfit.errors import ConfigError
-from vlfit.models.family import LossEmbeddings, ModelFamily
+from vlfit.models.family import LOCAL_LOSS, LossEmbeddings, LossScope, ModelFamily
 
 EMBEDDING_ROW = "text"  # every family's loss rows hold the captions' embeddings under this key
 
@@ -74,27 +74,18 @@ class MatryoshkaLoss:
         return getattr(self.family, name)
 
     def contrastive_loss(
-        self,
-        model: nn.Module,
-        inputs: Mapping[str, torch.Tensor],
-        *,
-        global_negatives: bool = False,
-        symmetric: bool = False,
+        self, model: nn.Module, inputs: Mapping[str, torch.Tensor], scope: LossScope = LOCAL_LOSS
     ) -> torch.Tensor:
         embeddings = self.family.loss_embeddings(model, inputs)
-        return self.loss_from_embeddings(embeddings, global_negatives=global_negatives, symmetric=symmetric)
+        return self.loss_from_embeddings(embeddings, scope)
 
-    def loss_from_embeddings(
-        self, embeddings: LossEmbeddings, *, global_negatives: bool = False, symmetric: bool = False
-    ) -> torch.Tensor:
+    def loss_from_embeddings(self, embeddings: LossEmbeddings, scope: LossScope = LOCAL_LOSS) -> torch.Tensor:
         full = embedding_size(embeddings)
         check_prefix_sizes(self.sizes, full)
-        losses = [self.family.loss_from_embeddings(embeddings, global_negatives=global_negatives, symmetric=symmetric)]
+        losses = [self.family.loss_from_embeddings(embeddings, scope)]
         for size in self.sizes:
             prefix = prefix_embeddings(embeddings, size)
-            losses.append(
-                self.family.loss_from_embeddings(prefix, global_negatives=global_negatives, symmetric=symmetric)
-            )
+            losses.append(self.family.loss_from_embeddings(prefix, scope))
         return torch.stack(losses).mean()
 
 

@@ -31,7 +31,7 @@ from transformers import SiglipConfig, SiglipImageProcessor, SiglipModel
 from transformers.models.siglip.modeling_siglip import SiglipOutput
 
 from vlfit.models.dual_encoder import normalized
-from vlfit.models.family import InputSpec, LossEmbeddings, ModelFamily, pipeline_image_processing
+from vlfit.models.family import LOCAL_LOSS, InputSpec, LossEmbeddings, LossScope, ModelFamily, pipeline_image_processing
 from vlfit.models.logit_scale import install_output_hook
 from vlfit.models.losses import (
     HardNegatives,
@@ -197,14 +197,9 @@ class SiglipFamily(ModelFamily):
         install_output_hook(model, _add_scale_and_bias)
 
     def contrastive_loss(
-        self,
-        model: nn.Module,
-        inputs: Mapping[str, torch.Tensor],
-        *,
-        global_negatives: bool = False,
-        symmetric: bool = False,  # every pair is scored once, in both directions at once
-    ) -> torch.Tensor:
-        return self.loss_from_embeddings(self.loss_embeddings(model, inputs), global_negatives=global_negatives)
+        self, model: nn.Module, inputs: Mapping[str, torch.Tensor], scope: LossScope = LOCAL_LOSS
+    ) -> torch.Tensor:  # every pair is scored once, in both directions at once
+        return self.loss_from_embeddings(self.loss_embeddings(model, inputs), scope)
 
     def loss_embeddings(self, model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> LossEmbeddings:
         unwrapped = extract_model_from_parallel(model)
@@ -218,9 +213,7 @@ class SiglipFamily(ModelFamily):
         shared = {"logit_scale": outputs.logit_scale.mean(), "logit_bias": outputs.logit_bias.mean()}
         return LossEmbeddings(rows, shared)
 
-    def loss_from_embeddings(
-        self, embeddings: LossEmbeddings, *, global_negatives: bool = False, symmetric: bool = False
-    ) -> torch.Tensor:
+    def loss_from_embeddings(self, embeddings: LossEmbeddings, scope: LossScope = LOCAL_LOSS) -> torch.Tensor:
         rows = embeddings.rows
         hard = hard_negatives_in(rows)
         return sigmoid_loss(
@@ -228,7 +221,7 @@ class SiglipFamily(ModelFamily):
             rows["image"],
             embeddings.shared["logit_scale"],
             embeddings.shared["logit_bias"],
-            gather=global_negatives,
+            gather=scope.global_negatives,
             hard_negatives=hard,
             image_keys=image_keys_in(rows),
         )

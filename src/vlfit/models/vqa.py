@@ -31,6 +31,7 @@ from transformers.utils import logging as transformers_logging
 from vlfit.errors import ConfigError
 from vlfit.models import activation_checkpointing
 from vlfit.models.bridgetower import BridgeTowerFamily, layer_stacks
+from vlfit.models.family import LOCAL_LOSS, LossScope
 from vlfit.models.reference import VQA_ARCHITECTURE, parse_model_reference
 
 logger = logging.getLogger(__name__)
@@ -134,12 +135,7 @@ class VqaFamily(BridgeTowerFamily):
         raise ConfigError("a BridgeTower VQA model has no contrastive heads: it answers questions, it does not embed")
 
     def contrastive_loss(
-        self,
-        model: nn.Module,
-        inputs: Mapping[str, torch.Tensor],
-        *,
-        global_negatives: bool = False,
-        symmetric: bool = False,
+        self, model: nn.Module, inputs: Mapping[str, torch.Tensor], scope: LossScope = LOCAL_LOSS
     ) -> torch.Tensor:
         raise ConfigError("a BridgeTower VQA model trains with the VQA loss (--task vqa), not a contrastive one")
 

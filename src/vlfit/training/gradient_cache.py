@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlfit.models.family import LossEmbeddings, ModelFamily
+from vlfit.models.family import LOCAL_LOSS, LossEmbeddings, LossScope, ModelFamily
 
 
 def split_rows(inputs: Mapping[str, torch.Tensor], chunk_size: int) -> list[dict[str, torch.Tensor]]:
@@ -102,8 +102,7 @@ def gradient_cached_backward(
     inputs: Mapping[str, torch.Tensor],
     chunk_size: int,
     *,
-    global_negatives: bool = False,
-    symmetric: bool = False,
+    scope: LossScope = LOCAL_LOSS,
     backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
     no_sync: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     device: torch.device | None = None,
@@ -116,7 +115,7 @@ def gradient_cached_backward(
         model: The model as training calls it (DDP-wrapped in a multi-process run).
         inputs: The batch's model inputs on the device (and hard negatives), every one ``[B, ...]``.
         chunk_size: Pairs per forward pass.
-        global_negatives, symmetric: As for ``ModelFamily.contrastive_loss``.
+        scope: Which negatives and terms (``vlfit.models.family.LossScope``).
         backward: Back-propagates a scalar (the Trainer passes ``accelerator.backward``, which scales for fp16).
         no_sync: A context in which DDP skips its gradient reduction (``accelerator.no_sync(model)``).
         device: Where the model computes (default: the inputs' device), for the random state.
@@ -132,9 +131,7 @@ def gradient_cached_backward(
     after = RandomState.capture(device)
     whole = _concatenate(parts)
     rows, shared = _leaves(whole.rows), _leaves(whole.shared)
-    loss = family.loss_from_embeddings(
-        LossEmbeddings(rows, shared), global_negatives=global_negatives, symmetric=symmetric
-    )
+    loss = family.loss_from_embeddings(LossEmbeddings(rows, shared), scope)
     loss.backward()  # the graph holds no parameter: gradients land on the leaves only
     row_grads = {key: value.grad for key, value in rows.items()}
     shared_grads = {key: value.grad for key, value in shared.items()}

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from vlfit.errors import ConfigError
-from vlfit.models.family import ModelFamily
+from vlfit.models.family import LossScope, ModelFamily
 from vlfit.models.itm import ITM_HEAD, has_itm_head, with_itm_head
 from vlfit.models.itm_loss import contrastive_and_matching_loss
 from vlfit.training.arguments import OBJECTIVES
@@ -96,8 +96,7 @@ class TrainingObjective:
         inputs: Mapping[str, torch.Tensor],
         *,
         step: int,
-        global_negatives: bool,
-        symmetric: bool,
+        scope: LossScope,
     ) -> torch.Tensor:
         """The matching objective's loss of one batch (``step``: the optimizer step it belongs to)."""
         self._in_step = self._in_step + 1 if step == self._step else 0
@@ -108,8 +107,7 @@ class TrainingObjective:
             model,
             inputs,
             contrastive=self.objective != "itm",
-            global_negatives=global_negatives,
-            symmetric=symmetric,
+            scope=scope,
             seed=seed,
         )
         for name, value in terms.items():

@@ -48,7 +48,7 @@ from vlfit.efficiency.flops import count_flops
 from vlfit.errors import ConfigError
 from vlfit.evaluation.rerank import check_rerank
 from vlfit.evaluation.zeroshot import ZeroShotSet
-from vlfit.models.family import ModelFamily
+from vlfit.models.family import LossScope, ModelFamily
 from vlfit.models.input_spec_file import save_input_settings
 from vlfit.models.trainable import temporarily_trainable
 from vlfit.training.bad_sample_accounting import BadSampleAccounting
@@ -327,8 +327,7 @@ class VlfitTrainer(BadSampleAccounting, AtomicCheckpointSaving, Trainer):
                 model,
                 batch.inputs,
                 int(self.args.gradient_cache_chunk_size),
-                global_negatives=getattr(self.args, "contrastive_negatives", "local") == "global",
-                symmetric=getattr(self.args, "contrastive_loss", "model") == "symmetric",
+                scope=LossScope.of(self.args),
                 backward=self.accelerator.backward,
                 no_sync=lambda: self.accelerator.no_sync(model),
                 device=self.args.device,
@@ -349,15 +348,9 @@ class VlfitTrainer(BadSampleAccounting, AtomicCheckpointSaving, Trainer):
                 model,
                 inputs.inputs,
                 step=self.state.global_step,
-                global_negatives=getattr(self.args, "contrastive_negatives", "local") == "global",
-                symmetric=getattr(self.args, "contrastive_loss", "model") == "symmetric",
+                scope=LossScope.of(self.args),
             )
-        return self.family.contrastive_loss(
-            model,
-            inputs.inputs,
-            global_negatives=getattr(self.args, "contrastive_negatives", "local") == "global",
-            symmetric=getattr(self.args, "contrastive_loss", "model") == "symmetric",
-        )
+        return self.family.contrastive_loss(model, inputs.inputs, LossScope.of(self.args))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:
