@@ -241,6 +241,52 @@ def _parity(staging: str, loaded: TorchEncoder, samples: Samples) -> dict[str, d
     }
 
 
+def write_layout_record(
+    staging: str,
+    loaded: TorchEncoder,
+    *,
+    fmt: str,
+    layout: str,
+    details: dict[str, Any],
+    parity: dict[str, dict[str, float]],
+    parity_samples: Samples,
+    parity_threshold: float,
+    seconds: float,
+    libraries: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Check an export in the open_clip layout (Immich's or open_clip's own) against PyTorch and write its record
+    (``RECORD_NAME``) into ``staging``, last; returns the record.
+
+    Args:
+        fmt, layout: The ``--format`` and the layout it follows (whose loader reads it).
+        details: The format's own entries (its config, its text settings).
+        parity: Per tower, ``cosine_figures`` of the staged files' embeddings against PyTorch's.
+        libraries: Versions beside ``library_versions()``'s.
+
+    Raises:
+        ExportParityError: a tower below ``parity_threshold`` (``check_parity``); nothing is written.
+    """
+    check_parity(parity, parity_threshold, len(parity_samples), f"the {fmt} export's {{tower}}")
+    record = {
+        "format_version": 1,
+        "format": fmt,
+        "layout": layout,
+        "identity": loaded.identity.to_dict(),
+        "input_spec": input_settings(loaded.spec),
+        **details,
+        "parity": {"samples": len(parity_samples), "threshold": parity_threshold, **parity},
+        "export_seconds": seconds,
+        "libraries": {**library_versions(), **(libraries or {})},
+        "source": {
+            "path": os.path.abspath(loaded.model_path),
+            "sha256": loaded.identity.checkpoint_sha256,
+            "exported_at": time.time(),
+        },
+    }
+    write_text_atomically(os.path.join(staging, RECORD_NAME), json.dumps(record, indent=1) + "\n")
+    return record
+
+
 def export_immich(
     loaded: TorchEncoder, output_dir: str, *, parity_samples: Samples, opset: int, parity_threshold: float
 ) -> dict[str, Any]:
@@ -279,25 +325,17 @@ def export_immich(
             ((CONFIG_NAME,), open_clip_config(loaded, tokenizer.get_vocab_size())),
         ):
             write_text_atomically(os.path.join(staging, *path), json.dumps(content, indent=2) + "\n")
-        seconds = round(time.perf_counter() - started, 1)
-        parity = _parity(staging, loaded, parity_samples)
-        check_parity(parity, parity_threshold, len(parity_samples), "the Immich {tower} graph's")
-        record = {
-            "format_version": 1,
-            "format": "immich",
-            "layout": IMMICH_LAYOUT,
-            "identity": loaded.identity.to_dict(),
-            "input_spec": input_settings(spec),
-            "text": {"context_length": spec.max_seq_length, "pad_token": pad_token, "pad_id": pad_id},
-            "parity": {"samples": len(parity_samples), "threshold": parity_threshold, **parity},
-            "opset": opset,
-            "export_seconds": seconds,
-            "libraries": library_versions(),
-            "source": {
-                "path": os.path.abspath(loaded.model_path),
-                "sha256": loaded.identity.checkpoint_sha256,
-                "exported_at": time.time(),
-            },  # fmt: skip
-        }
-        write_text_atomically(os.path.join(staging, RECORD_NAME), json.dumps(record, indent=1) + "\n")
-    return record
+        return write_layout_record(
+            staging,
+            loaded,
+            fmt="immich",
+            layout=IMMICH_LAYOUT,
+            details={
+                "text": {"context_length": spec.max_seq_length, "pad_token": pad_token, "pad_id": pad_id},
+                "opset": opset,
+            },
+            parity=_parity(staging, loaded, parity_samples),
+            parity_samples=parity_samples,
+            parity_threshold=parity_threshold,
+            seconds=round(time.perf_counter() - started, 1),
+        )

@@ -42,10 +42,8 @@ from vlfit.errors import ConfigError
 from vlfit.extras import require_extra
 from vlfit.inference.backends import TorchEncoder
 from vlfit.inference.export import check_output_dir, cosine_figures
-from vlfit.inference.export_immich import RECORD_NAME, immich_resize, preprocess_config
+from vlfit.inference.export_immich import RECORD_NAME, immich_resize, preprocess_config, write_layout_record
 from vlfit.inference.export_samples import Samples
-from vlfit.inference.exported import check_parity
-from vlfit.inference.identity import library_versions
 from vlfit.inference.staging import fp32_bytes, staged_export
 from vlfit.models.input_spec_file import input_settings
 from vlfit.models.loading import saved_tokenizer
@@ -251,24 +249,15 @@ def export_open_clip(
                   metadata={"format": "pt"})  # fmt: skip
         saved_tokenizer(loaded.loaded.spec).save_pretrained(staging)
         write_text_atomically(os.path.join(staging, CONFIG_NAME), json.dumps(config, indent=2) + "\n")
-        seconds = round(time.perf_counter() - started, 1)
-        parity = _parity(staging, loaded, parity_samples)
-        check_parity(parity, parity_threshold, len(parity_samples), "open_clip's {tower}")
-        record = {
-            "format_version": 1,
-            "format": "open_clip",
-            "layout": OPEN_CLIP_LAYOUT,
-            "identity": loaded.identity.to_dict(),
-            "input_spec": input_settings(spec),
-            "open_clip_config": config,
-            "parity": {"samples": len(parity_samples), "threshold": parity_threshold, **parity},
-            "export_seconds": seconds,
-            "libraries": {**library_versions(), "open_clip_torch": importlib.metadata.version("open_clip_torch")},
-            "source": {
-                "path": os.path.abspath(loaded.model_path),
-                "sha256": loaded.identity.checkpoint_sha256,
-                "exported_at": time.time(),
-            },
-        }
-        write_text_atomically(os.path.join(staging, RECORD_NAME), json.dumps(record, indent=1) + "\n")
-    return record
+        return write_layout_record(
+            staging,
+            loaded,
+            fmt="open_clip",
+            layout=OPEN_CLIP_LAYOUT,
+            details={"open_clip_config": config},
+            parity=_parity(staging, loaded, parity_samples),
+            parity_samples=parity_samples,
+            parity_threshold=parity_threshold,
+            seconds=round(time.perf_counter() - started, 1),
+            libraries={"open_clip_torch": importlib.metadata.version("open_clip_torch")},
+        )
