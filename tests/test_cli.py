@@ -4,6 +4,7 @@ import json
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -206,6 +207,7 @@ def recorded_runs(monkeypatch, tmp_path) -> list:
     monkeypatch.setattr(training_run, "run", fake_run)  # vlfit eval imports it when it runs
     monkeypatch.setattr(train, "run", fake_run)
     monkeypatch.setattr(train, "setup_run", lambda *args: None)  # no data opened: only the arguments are recorded
+    monkeypatch.setattr(training_run, "setup_run", lambda *args: SimpleNamespace(spec=None, task="retrieval"))  # eval's
     return runs
 
 

@@ -1,9 +1,12 @@
-"""``EvalArguments``: ``vlfit eval``'s run settings (the ``TrainingArguments`` flags evaluation uses)."""
+"""``EvalArguments``: the run settings of an evaluation (the ``TrainingArguments`` flags evaluation uses), which
+``vlfit eval``, ``vlfit merge`` and ``vlfit wise-ft`` take; ``EvalCommandArguments``: ``vlfit eval``'s, with the
+runtime doors' ``--embedding_dim`` (inherited from ``vlfit.arguments.runtime``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vlfit.arguments.runtime import runtime_arguments
 from vlfit.arguments.sizes import check_sizes
 
 
@@ -27,3 +30,10 @@ class EvalArguments:
 
     def __post_init__(self) -> None:
         check_sizes(self)  # --per_device_eval_batch_size, --dataloader_num_workers (vlfit.arguments.sizes)
+
+
+@dataclass
+class EvalCommandArguments(EvalArguments, runtime_arguments("embedding_dim")):
+    """``vlfit eval``'s run settings: ``EvalArguments`` and ``--embedding_dim``, the size every embedding is scored
+    at (its first that many dimensions, normalized again, as at the runtime doors; ``vlfit.evaluation.embedding_dim``).
+    """

@@ -1,7 +1,9 @@
 """``vlfit eval``: recall@1/5/10 both ways and matching accuracy of a model on one split.
 
 Its flags are the model and data flags of ``vlfit train`` and the few run settings evaluation uses
-(``EvalArguments``), so ``--help`` lists those, and answers without importing torch.
+(``EvalCommandArguments``, with the runtime doors' ``--embedding_dim``), so ``--help`` lists those, and answers without
+importing torch. With ``--embedding_dim d`` every embedding is scored as its first d dimensions, normalized again
+(``vlfit.evaluation.embedding_dim``); the metrics record the size (``eval_embedding_dim``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import sys
 from typing import Any
 
 from vlfit.arguments import DataArguments, EvalArguments, ModelArguments
+from vlfit.arguments.evaluation import EvalCommandArguments
 from vlfit.commands.parsing import CommandParser, ParsedArguments
 
 PROG = "vlfit eval"
@@ -26,7 +29,7 @@ TRAINING_ONLY = (
 def parser() -> CommandParser:
     """The flags of ``vlfit eval``."""
     return CommandParser(
-        (ModelArguments, DataArguments, EvalArguments),
+        (ModelArguments, DataArguments, EvalCommandArguments),
         prog=PROG,
         description="Evaluate a model on one split (--eval_split): recall@1/5/10 both ways, over pools of "
         "--eval_pool_size pairs, and matching accuracy; writes eval_results.json.",
@@ -39,7 +42,7 @@ def as_training_arguments(model: ModelArguments, settings: EvalArguments) -> Any
     model folder."""
     from vlfit.training.arguments import VlfitTrainingArguments
 
-    values = dataclasses.asdict(settings)
+    values = {f.name: getattr(settings, f.name) for f in dataclasses.fields(EvalArguments)}  # not --embedding_dim
     output_dir = values.pop("output_dir") or model.model_name_or_path or "."
     return VlfitTrainingArguments(output_dir=output_dir, do_train=False, do_eval=True, **values)
 
@@ -47,23 +50,33 @@ def as_training_arguments(model: ModelArguments, settings: EvalArguments) -> Any
 def parse_values(values: dict[str, Any]) -> ParsedArguments:
     """``vlfit eval``'s arguments from ``{flag: value}`` (a flags file, or ``vlfit.evaluate``'s keyword arguments)."""
     (model, data, settings), given = parser().parse_values(values)
-    return ParsedArguments(model, data, as_training_arguments(model, settings), given)
+    return _parsed(model, data, settings, given)
 
 
 def parse_arguments(argv: list[str] | None) -> ParsedArguments:
     """``vlfit eval``'s flags, or one ``.json``/``.yaml`` file holding them; ``None`` reads ``sys.argv[1:]``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     (model, data, settings), given = parser().parse(argv)  # flags, or one flags file
-    return ParsedArguments(model, data, as_training_arguments(model, settings), given)
+    return _parsed(model, data, settings, given)
+
+
+def _parsed(
+    model: ModelArguments, data: DataArguments, settings: EvalCommandArguments, given: frozenset[str]
+) -> ParsedArguments:
+    return ParsedArguments(model, data, as_training_arguments(model, settings), given,
+                           embedding_dim=settings.embedding_dim)  # fmt: skip
 
 
 def evaluate_parsed(args: ParsedArguments) -> dict[str, Any]:
     """Evaluate with parsed flags (``vlfit eval`` and ``vlfit.evaluate``); returns the metrics."""
     from vlfit.commands.train import note_compat_flags
-    from vlfit.training.run import run
+    from vlfit.evaluation.embedding_dim import at_embedding_dim
+    from vlfit.training.run import run, setup_run
 
     note_compat_flags(args)
-    return run(args.model, args.data, args.training)
+    setup = setup_run(args.model, args.data, args.training)
+    setup.spec = at_embedding_dim(setup.spec, args.embedding_dim, setup.task)
+    return run(args.model, args.data, args.training, setup=setup)
 
 
 def main(argv: list[str] | None = None) -> int:

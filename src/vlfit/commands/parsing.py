@@ -53,6 +53,7 @@ class ParsedArguments(NamedTuple):
         given: Names of the fields the command line or the flags file set, whatever their values (``--no_x`` and
             ``--x False`` set ``x``): what the user asked for, as opposed to defaults.
         auto_workers: ``--dataloader_num_workers auto`` was asked for (then parsed as 0).
+        embedding_dim: ``vlfit eval --embedding_dim``: the size evaluation cuts embeddings to (None: the model's).
     """
 
     model: ModelArguments
@@ -60,6 +61,7 @@ class ParsedArguments(NamedTuple):
     training: VlfitTrainingArguments
     given: frozenset[str]
     auto_workers: bool = False
+    embedding_dim: int | None = None
 
 
 # Fields that name the model under one of two spellings: the command's own and the other one.

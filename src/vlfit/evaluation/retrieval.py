@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,11 +102,9 @@ def embed_split(
     with it; ``keep_pair_inputs`` keeps the rows' tokens and pixels for re-ranking.
     """
     model = getattr(model, "module", model)
-    was_training = model.training
-    model.eval()
     part = EmbeddedSplit(pair_inputs=PairInputs() if keep_pair_inputs else None)
     part.choice_matches = [] if has_itm_head(model) else None
-    with unsharded(model):  # FSDP2: the towers run outside the root forward that gathers the shards
+    with in_eval_mode(model), unsharded(model):  # FSDP2: the towers run outside the root forward that gathers shards
         for batch in batches:
             part.bad_samples.extend(batch.bad_samples)
             if not len(batch):
@@ -137,9 +135,18 @@ def embed_split(
                 if part.choice_matches is not None:
                     choice_tokens = {"input_ids": input_ids, "attention_mask": attention_mask}
                     part.choice_matches.append(choice_scores(model, batch, choice_tokens))
-    if was_training:
-        model.train()
     return part
+
+
+@contextlib.contextmanager
+def in_eval_mode(model: Any) -> Iterator[None]:
+    """``model`` in eval mode within, in the mode it was in after (training, when evaluated during training)."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
 
 
 def _right_choices(batch: Batch) -> list[int | None]:
@@ -195,13 +202,14 @@ def score_split(split: EmbeddedSplit, pool_size: int | None = None) -> dict[str,
 
     Returns:
         ``t2i_recall@k``, ``i2t_recall@k``, ``chance_recall@1``, ``pool_size``, ``num_samples``, ``num_texts``,
-        ``num_images``, ``bad_samples`` and, when caption choices exist, ``matching_accuracy`` and
+        ``num_images``, ``embedding_dim``, ``bad_samples`` and, when caption choices exist, ``matching_accuracy`` and
         ``chance_matching_accuracy``.
     """
     if not split.positions:
         raise DataError("the evaluation split has no samples; check --eval_split and --max_eval_samples")
     text_embeds, image_embeds, first_rows, image_of_text = split.by_image()
     metrics = pooled_recall_at_k(text_embeds, image_embeds[first_rows], pool_size, image_of_text=image_of_text)
+    metrics["embedding_dim"] = int(text_embeds.shape[-1])  # the size scored (vlfit eval --embedding_dim cuts it)
     if split.choices:
         choice_embeds, label_index = torch.cat(split.choices), torch.cat(split.labels)  # type: ignore[arg-type]
         metrics["matching_accuracy"] = matching_accuracy(image_embeds, choice_embeds, label_index)
@@ -284,18 +292,14 @@ def rerank_split(
     assert split.pair_inputs is not None
     text_embeds, image_embeds, first_rows, image_of_text = split.by_image()
     model = getattr(model, "module", model)
-    was_training = model.training
-    model.eval()
     images = len(first_rows)
     pool = images if pool_size is None or pool_size <= 0 else min(pool_size, images)
     top_k = top_k if top_k is not None else min(max(TABLE_TOP_KS), pool)
     scored = max([top_k, *(k for k in TABLE_TOP_KS if k <= pool)])  # every K of the table from one scoring (a top_k
     # above the pool is refused by rerank_candidates, naming it)
-    try:
+    with in_eval_mode(model):
         scorer = split_pair_scorer(model, split.pair_inputs, first_rows, device, autocast)
         candidates = rerank_candidates(text_embeds, image_embeds[first_rows], image_of_text, pool_size, scored, scorer)
-    finally:
-        model.train(was_training)
     if save_weight is not None:
         weight, tried = candidates.sweep(top_k)
         save_weight(rerank_sweep(weight, tried, top_k, len(text_embeds)))
