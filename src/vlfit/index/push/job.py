@@ -27,6 +27,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from vlfit.errors import ConfigError, DataError
+from vlfit.index.ann_choice import DEFAULT_RESCORE, STORAGE_RESCORE
 from vlfit.index.integrity import DamagedIndexError
 from vlfit.index.push.base import CollectionRecord, Items, Target, TargetError, open_target
 from vlfit.index.store import EmbeddingIndex
@@ -105,10 +106,20 @@ def item_ids(index: EmbeddingIndex) -> list[str | None]:
     return named
 
 
+def _settings(index: EmbeddingIndex) -> dict:
+    """The settings the index was last built with (none for one built before they were recorded)."""
+    collections = index.manifest.collections
+    return (collections[-1].get("settings") or {}) if collections else {}
+
+
 def vector_storage(index: EmbeddingIndex) -> str:
     """The ``--vector_storage`` the index was last built with (``float32`` for one built before it was recorded)."""
-    collections = index.manifest.collections
-    return str((collections[-1].get("settings") or {}).get("vector_storage", "float32")) if collections else "float32"
+    return str(_settings(index).get("vector_storage", "float32"))
+
+
+def rescore(index: EmbeddingIndex) -> int:
+    """The ``--rescore`` the index was last built with (its storage's default where none was recorded)."""
+    return int(_settings(index).get("rescore") or STORAGE_RESCORE.get(vector_storage(index), DEFAULT_RESCORE))
 
 
 def index_record(index: EmbeddingIndex) -> CollectionRecord:
@@ -202,14 +213,11 @@ def push_index(
     target = open_target(to)
     batch_size = batch_size or target.BATCH_SIZE
     report = PushReport(to)
-    target.storage = vector_storage(index)
-    if target.storage != "float32":
-        compact = target.COMPACT.get(target.storage)
-        report.storage = (f"{target.storage} codes as {compact} (for a collection it creates)" if compact else
-                          f"no {target.storage} form used for this engine: the push sends float32 vectors")  # fmt: skip
+    target.storage, target.rescore = vector_storage(index), rescore(index)
     record = index_record(index)
     with target.failing("reading the collection"):
         recorded = target.record()
+        report.storage = target.storage_note()
     if recorded is None:
         with target.failing("creating the collection"):
             target.create(record)
@@ -244,4 +252,4 @@ def push_index(
     return report
 
 
-__all__ = ["PushReport", "check_record", "index_record", "item_ids", "push_index", "vector_storage"]
+__all__ = ["PushReport", "check_record", "index_record", "item_ids", "push_index", "rescore", "vector_storage"]
