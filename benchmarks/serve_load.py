@@ -19,16 +19,19 @@
    concurrent client, each from a loopback address of its own, so the server's per-client limits see distinct
    clients), which costs the shared cores far less than a full HTTP client library would.
 3. Overload (open loop): text queries arriving at twice the capacity measured at concurrency 32 (or at
-   ``--overload_qps``, to offer two servers the same load), at fixed times
-   whatever the answers, for ``OVERLOAD_S`` seconds, over a pool of keep-alive connections; latency counted from
-   each query's arrival time. Goal: p99 of the admitted (200) queries <= 10x the unloaded p50 (concurrency 1), the
-   excess refused with 503 at once (``--max_queue_wait_ms``, ``--max_concurrency``) rather than queued.
+   ``--overload_qps``, to offer two servers the same load), at fixed times whatever the answers, for ``OVERLOAD_S``
+   seconds, over a pool of keep-alive connections (``serve_pressure.open_loop``, its ``pooled`` mode; the pressure
+   levels' ``overload`` runs it with fresh connections too); latency counted from each query's arrival time.
+   Goal: p99 of the admitted (200) queries <= 10x the unloaded p50 (concurrency 1), the excess refused with 503 at
+   once (``--max_queue_wait_ms``, ``--max_concurrency``) rather than queued.
 4. Noisy neighbour: 8 clients sending text queries, quiet, then again while one more client sends, one after
    another, the largest queries the server admits: a text of ``--max_text_chars`` characters, a JPEG and a PNG of
    ``--max_query_pixels`` pixels. Goal: the 8 clients' p50 within 2x of the quiet run.
 5. Pressure (``benchmarks/serve_pressure.py``, on the same model and index): 8 to 128 closed-loop clients that
-   resend at once, 9 and 40 addresses holding every connection slot, 32 and 64 slow request bodies, idle
-   connections to an HTTPS server that never start their handshake. ``--pressure_only`` runs only this part;
+   resend at once, open loop at twice their capacity on kept-open and on fresh connections, 9 and 40 addresses
+   holding every connection slot, 32 and 64 slow request bodies, one address over the front's request rate, idle
+   connections to an HTTPS server that never start their handshake, ``--workers 2`` from its ready line
+   (``--pressure_levels`` picks among them). ``--pressure_only`` runs only this part;
    ``--server_src`` runs its servers from another checkout's ``src``, to hold two versions to the same load.
 
 Every server flag is its default (``--num_threads 1``, ``--max_concurrency``, ...) but ``--model`` and
@@ -60,6 +63,9 @@ import sys
 import time
 
 import numpy as np
+from pressure_clients import exchange, front
+from serve_pressure import LEVELS as PRESSURE_LEVELS
+from serve_pressure import OVERLOAD_S, open_loop, serve_pressure
 
 from vlfit.cli import main as vlfit
 from vlfit.inference.runtime_settings import RuntimeSettings
@@ -67,8 +73,6 @@ from vlfit.inference.runtime_settings import RuntimeSettings
 LEVELS = {1: 200, 8: 800, 32: 1600}  # concurrency -> requests sent at that level, per repeat
 REPEATS = 3  # each level's figures are the medians over this many runs
 QUERIES = 1000
-OVERLOAD_S = 10.0  # seconds of open-loop arrivals at twice the capacity
-OVERLOAD_CONNECTIONS = 256  # keep-alive connections the open-loop arrivals are sent on
 NOISY_REQUESTS = 800  # text queries of the 8 normal clients, per run (quiet and noisy)
 
 
@@ -156,16 +160,6 @@ def write_index(folder: str, encoder, n: int, seed: int = 1) -> None:
     update_ann(folder, index_type="hnsw")
 
 
-async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> int:
-    """Send one request on a keep-alive connection and read its answer; returns the status."""
-    writer.write(request)
-    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
-    fields = dict(line.split(b":", 1) for line in head.split(b"\r\n")[1:] if b":" in line)
-    length = int({k.strip().lower(): v for k, v in fields.items()}[b"content-length"])
-    await asyncio.wait_for(reader.readexactly(length), 60)
-    return int(head.split(b" ", 2)[1])
-
-
 def _source(number: int) -> tuple[str, int]:
     """The loopback source address of client ``number``: each client an address of its own (Linux routes all of
     127/8 to lo), as clients on a network are, so the server's per-client limits see distinct clients."""
@@ -181,19 +175,13 @@ async def _client(port: int, requests: list[bytes], latencies: list[float], numb
     try:
         for request in requests:
             started = time.perf_counter()
-            status = await _exchange(reader, writer, request)
+            status = (await exchange((reader, writer), request)).status
             if status == 200:
                 latencies.append(time.perf_counter() - started)
             statuses[status] = statuses.get(status, 0) + 1
     finally:
         writer.close()
     return statuses
-
-
-def _request(text: str) -> bytes:
-    body = json.dumps({"text": text, "k": 10}).encode()
-    head = "POST /api/search HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-    return (head + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
 
 
 def _upload_request(image: bytes, name: str) -> bytes:
@@ -215,44 +203,6 @@ def _percentiles(seconds: list[float]) -> dict:
     return {"p50_ms": round(float(np.percentile(ms, 50)), 2), "p99_ms": round(float(np.percentile(ms, 99)), 2)}
 
 
-async def _open_loop(port: int, texts: list[str], rate: float, seconds: float) -> dict:
-    """Queries arriving every ``1 / rate`` seconds whatever the answers (open loop); latency from each arrival."""
-    pool: asyncio.Queue = asyncio.Queue()
-    for _ in range(OVERLOAD_CONNECTIONS):
-        pool.put_nowait(await asyncio.open_connection("127.0.0.1", port, local_addr=_source(pool.qsize())))
-    admitted: list[float] = []
-    statuses: dict[int, int] = {}
-    loop = asyncio.get_running_loop()
-
-    async def arrive(request: bytes, at: float) -> None:
-        connection = await pool.get()
-        try:
-            status = await _exchange(*connection, request)
-        except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError):
-            status = 0  # the connection broke: counted, and replaced
-            connection = await asyncio.open_connection("127.0.0.1", port, local_addr=_source(pool.qsize()))
-        statuses[status] = statuses.get(status, 0) + 1
-        if status == 200:
-            admitted.append(loop.time() - at)
-        pool.put_nowait(connection)
-
-    count, started, tasks = int(rate * seconds), loop.time(), []
-    for i in range(count):
-        at = started + i / rate
-        if at > loop.time():
-            await asyncio.sleep(at - loop.time())
-        tasks.append(loop.create_task(arrive(_request(texts[i % len(texts)]), at)))
-    await asyncio.gather(*tasks)
-    wall = loop.time() - started
-    while not pool.empty():
-        pool.get_nowait()[1].close()
-    return {"offered_qps": round(rate, 1), "seconds": seconds, "requests": count,
-            "answered_qps": round(statuses.get(200, 0) / wall, 1), "admitted": statuses.get(200, 0),
-            "refused_503": statuses.get(503, 0),
-            "other": {str(k): v for k, v in statuses.items() if k not in (200, 503)},
-            **{f"admitted_{key}": value for key, value in _percentiles(admitted).items()}}  # fmt: skip
-
-
 def _largest_queries(max_text_chars: int, max_pixels: int) -> list[tuple[str, bytes]]:
     """The largest queries the server admits: a text of ``max_text_chars``, a JPEG and a PNG of ``max_pixels``."""
     import io
@@ -269,7 +219,7 @@ def _largest_queries(max_text_chars: int, max_pixels: int) -> list[tuple[str, by
         picture.save(out, format=name.upper(), **kwargs)
         encoded[name] = out.getvalue()
     text = ("two red circles on the left of a blue square " * (max_text_chars // 45 + 1))[:max_text_chars]
-    return [("text", _request(text)), ("jpeg", _upload_request(encoded["jpeg"], "max.jpg")),
+    return [("text", front.search_request(text, k=10)), ("jpeg", _upload_request(encoded["jpeg"], "max.jpg")),
             ("png", _upload_request(encoded["png"], "max.png"))]  # fmt: skip
 
 
@@ -285,7 +235,7 @@ async def _noisy_neighbour(port: int, texts: list[str], largest: list[tuple[str,
         while not stop.is_set():
             name, request = largest[turn % len(largest)]
             started = time.perf_counter()
-            status = await _exchange(reader, writer, request)
+            status = (await exchange((reader, writer), request)).status
             sent[name].append((status, time.perf_counter() - started))
             turn += 1
         writer.close()
@@ -303,7 +253,7 @@ async def _noisy_neighbour(port: int, texts: list[str], largest: list[tuple[str,
 
 
 async def _load(port: int, texts: list[str], concurrency: int, count: int) -> dict:
-    requests = [_request(texts[i % len(texts)]) for i in range(count)]
+    requests = [front.search_request(texts[i % len(texts)], k=10) for i in range(count)]
     await _client(port, requests[:1], [])  # warm the model
     latencies: list[float] = []
     started = time.perf_counter()
@@ -368,7 +318,9 @@ def serve_load(index: str, model: str, log_path: str, server_flags: list[str] | 
                 print(json.dumps(runs[concurrency][-1]), flush=True)
         levels = [_median_run(measured) for measured in runs.values()]
         capacity = levels[-1]["qps"]  # closed loop at concurrency 32
-        overload = asyncio.run(_open_loop(port, texts, overload_qps or 2 * capacity, OVERLOAD_S))
+        requests = [front.search_request(text, k=10) for text in texts]
+        overload = asyncio.run(open_loop(base, requests, overload_qps or 2 * capacity, OVERLOAD_S))
+        overload.update(capacity_qps=capacity, of_capacity=round(overload["offered_qps"] / capacity, 2))
         overload["unloaded_p50_ms"] = levels[0]["p50_ms"]
         overload["p99_over_unloaded_p50"] = round((overload["admitted_p99_ms"] or 0) / levels[0]["p50_ms"], 2)
         print(json.dumps({"overload": overload}), flush=True)
@@ -409,8 +361,8 @@ def main() -> int:
     )
     parser.add_argument("--pressure_only", action="store_true", help="Run only the pressure levels (5.).")
     parser.add_argument("--server_src", default=None, help="Pressure levels: the server from this src (PYTHONPATH).")
-    parser.add_argument("--pressure_levels", nargs="*", choices=("resend", "hog", "slow", "tls"),
-                        default=["resend", "hog", "slow", "tls"], help="Pressure levels (5.); none: none.")  # fmt: skip
+    parser.add_argument("--pressure_levels", nargs="*", choices=PRESSURE_LEVELS, default=list(PRESSURE_LEVELS),
+                        help="Pressure levels (5.); none: none.")  # fmt: skip
     parser.add_argument(
         "--server_flags",
         nargs=argparse.REMAINDER,
@@ -433,8 +385,6 @@ def main() -> int:
     index = os.path.join(args.out, "index-100k")
     if not os.path.isfile(os.path.join(index, "index_manifest.json")):
         write_index(index, encoder, 100_000)
-    from serve_pressure import serve_pressure
-
     served, built = {}, []
     if not args.pressure_only:
         cores = os.sched_getaffinity(0)

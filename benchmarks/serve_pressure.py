@@ -1,37 +1,63 @@
-"""``vlfit serve`` under pressure: goodput when more clients resend than it admits, addresses holding every
-connection slot, request bodies that trickle in, and idle connections to an HTTPS server that never start their
-handshake.
+"""``vlfit serve`` under pressure, each case against the server's defaults and then (``--front nginx``) through the
+nginx front of ``deploy/nginx/``: more clients resending than it admits, open-loop arrivals at twice the capacity
+measured in the same run, addresses holding every connection slot, request bodies that trickle in, one address over
+the front's request rate, idle connections to an HTTPS port that never start their handshake, and ``--workers 2``
+from its ready line.
 
 Each level runs against a real ``vlfit serve`` process on a free loopback port, started with the soft limit of
 1024 file descriptors most Linux machines give a process (the load client keeps its own, higher one). Every client
 has a loopback source address of its own (``127.0.1.N``, Linux routes all of 127/8 to lo), as clients on a network
-would, so the server's per-address limits see them as the distinct clients they are.
+would, so the server's per-address limits see them as the distinct clients they are. With ``--front nginx`` the
+server gets ``--forwarded_allow_ips 127.0.0.1`` and Debian's nginx runs in front of it with ``deploy/nginx/vlfit.conf``
+(started as ``tests/serve/nginx.py`` starts it, ``FRONT_WORKER_CONNECTIONS`` as Debian's nginx.conf, the same 1024
+descriptors); every level but ``ready`` sends its load to the front's TLS port instead, with the same clients
+(``pressure_clients.py``). Ratios are to the unloaded p50: one client alone, ``UNLOADED_QUERIES`` queries one after
+another (10 from each of 20 addresses: within the front's burst).
 
-1. **Closed loop, resend at once** (``RESEND_LEVELS``: 8, 32, 64 and 128 clients, ``RESEND_S`` seconds each): each
+1. ``resend``: closed loop, ``RESEND_LEVELS`` (8, 32, 64 and 128) clients for ``RESEND_S`` seconds each; each
    client keeps one keep-alive connection and sends a text query as soon as its last one is answered, refused
    (503, 429) or its connection broken (then it connects again). Figures: answered queries/s, p50/p99 of the
    answered ones (from their send), refusals by status, broken connections. Goal: at 128 clients answered/s >= 80%
-   of the best level's and p99 <= 10x the unloaded p50 (one client alone, ``UNLOADED_QUERIES`` queries).
-2. **Addresses hold the connections** (``HOG_SHAPES``: 9 addresses x 60 and 40 x 15 idle connections, more than
-   the default 512 slots, each within the 64 per address): ``HOG_CLIENTS`` clients of a tenth address query one
-   after another on kept-open connections (``CROWD_S`` seconds), quiet and then while the addresses hold their
-   connections, sending nothing and opening another as soon as one is closed (in a process of their own). Figures:
-   the tenth address's fraction of tries answered and its p50, quiet and crowded, and what the crowd saw. Goal:
-   >= 95% answered and a p50 within 2x of the quiet one.
-3. **Slow bodies** (``SLOW_SHAPES``: 32 and 64 requests from 2 addresses sending their bodies a byte every
-   ``SLOW_BYTE_EVERY_S`` seconds, each sent again when answered or closed): ``HOG_CLIENTS`` clients of another
-   address query meanwhile. Figures as in 2., and the slow requests' outcomes. Goal: >= 95% answered.
-4. **Idle TLS handshakes** (a second server, with ``--ssl_certfile``): ``TLS_IDLE_CONNECTIONS`` plain TCP
-   connections from one address that never start a handshake, then an HTTPS health check every
-   ``TLS_TRY_EVERY_S`` seconds from another address for ``TLS_S`` seconds. Figures: tries answered, and how many of
-   the idle connections the server had closed by the end, and when the last one went.
+   of the best level's and p99 <= 10x the unloaded p50.
+2. ``overload``: open loop at ``OVERLOAD_TIMES`` (2x) the capacity, the best answered/s of the resend levels (when
+   ``resend`` is not run, of closed loops at ``CAPACITY_LEVELS`` clients): queries arriving at fixed times whatever
+   the answers, for ``OVERLOAD_S`` seconds, in two modes: ``pooled``, sent on ``OPEN_LOOP_CONNECTIONS`` kept-open
+   connections, each from an address of its own (a balancer's way: an arrival waits for a free one), and
+   ``fresh``, each arrival on a new connection from the next of as many addresses in turn, closed after its answer.
+   Figures per mode: offered q/s and as a multiple of the capacity, admitted (200) count and p50/p99 from arrival,
+   admitted p99 / unloaded p50, the other answers by status and their p50/p99 from arrival (how fast a refusal
+   came), connections that failed. Goal: admitted p99 <= 10x the unloaded p50, the excess refused at once.
+3. ``hog``: ``HOG_SHAPES`` (9 addresses x 60 and 40 x 15 idle connections, more than the default 512 slots, each
+   within the 64 per address): ``HOG_CLIENTS`` clients of a tenth address query one after another on kept-open
+   connections (``CROWD_S`` seconds), quiet and then while the addresses hold their connections, sending nothing and
+   opening another as soon as one is closed (in a process of their own). Through the front the tenth address's
+   clients pause ``HOG_CLIENTS`` x ``FRONT_PAUSE_S`` between queries (the address under the front's 10 searches a
+   second). Figures: its fraction of tries answered and p50, quiet and crowded, and what the crowd saw. Goal: >= 95%
+   answered and a p50 within 2x of the quiet one.
+4. ``slow``: ``SLOW_SHAPES`` (32 and 64 requests from 2 addresses sending their bodies a byte a second, each sent
+   again when answered or closed) while ``HOG_CLIENTS`` clients of another address query. Figures as in 3., and the
+   slow requests' outcomes. Goal: >= 95% answered.
+5. ``over_rate``: one address sends searches back to back on a kept-open connection for ``RATE_S`` seconds while
+   another searches at a person's pace (``FRONT_PAUSE_S`` between). Figures: each one's answers by status, fraction
+   answered, p50. The front answers the first's burst and then 10 a second and 429 the rest at once, the other's
+   all; vlfit alone has no rate per address.
+6. ``tls``: ``TLS_IDLE_CONNECTIONS`` plain TCP connections from one address that never start a handshake (direct:
+   to a second server with ``--ssl_certfile``; through the front, to its own TLS port), then an HTTPS health check
+   every ``TLS_TRY_EVERY_S`` seconds from another address for ``TLS_S`` seconds. Figures: tries answered, and how
+   many of the idle connections the server had closed by the end, and when the last one went.
+7. ``ready``: ``vlfit serve --workers 2 --port 0`` of its own (always direct: the line is vlfit's): from the
+   moment its log has the ``Uvicorn running on`` line, a loopback connection every ``READY_TRY_EVERY_S`` seconds
+   until ``READY_WATCH_S`` seconds after the first one accepted, ``/api/health`` every ``READY_HEALTH_EVERY`` tries.
+   Figures: seconds to the line and to the first connection accepted, tries refused after the line (goal: 0), and
+   what ``/api/health`` said of the workers.
 
-    python benchmarks/serve_pressure.py --index DIR --model DIR [--server_src DIR] [--seconds S] [--server_flags ...]
+    python benchmarks/serve_pressure.py --index DIR --model DIR [--front nginx] [--levels LEVEL ...]
+        [--server_src DIR] [--seconds S] [--server_flags ...]
 
-``benchmarks/serve_load.py`` runs it as its last part (on its INT8 model and 10^5-vector index); alone, it takes an
-index and model already built. ``--server_src`` runs the server from another checkout's ``src`` (PYTHONPATH), so
-two versions meet the same load from the same client; ``--seconds`` sets how long each level and each crowd
-measures (a short smoke run: 2). About 3 minutes.
+``benchmarks/serve_load.py`` runs it as its last part (on its INT8 model and 10^5-vector index), and its own open
+loop with ``open_loop``; alone, it takes an index and model already built. ``--server_src`` runs the server from
+another checkout's ``src`` (PYTHONPATH), so two versions meet the same load from the same client; ``--seconds``
+sets how long each level and each crowd measures (a short smoke run: 2). About 5 minutes each way.
 """
 
 from __future__ import annotations
@@ -40,231 +66,187 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import resource
 import signal
-import ssl
+import socket
+import subprocess
 import sys
 import time
+import urllib.request
 from collections import Counter
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
+from pressure_clients import BROKEN, closed_loop, crowd_process, exchange, front, hold, ms, unloaded
 
 RESEND_LEVELS = (8, 32, 64, 128)
 RESEND_S = 8.0
+CAPACITY_LEVELS = (64, 128)  # the capacity's closed loops when the resend levels are not run
 WARM_UP_S = 3.0
-UNLOADED_QUERIES = 200
+OVERLOAD_TIMES = 2.0  # the open loop's arrivals, as a multiple of the capacity
+OVERLOAD_S = 10.0
+OPEN_LOOP_CONNECTIONS = 256  # pooled: the kept-open connections; fresh: the addresses taken in turn
+OPEN_LOOP_MODES = ("pooled", "fresh")
+REASON_CHARS = 60
 HOG_SHAPES = ((9, 60), (40, 15))  # addresses x idle connections each: 540 and 600, over the default 512
 HOG_CLIENTS = 8  # the querying clients of the tenth address (or, beside slow bodies, of another one)
 CROWD_S = 8.0  # seconds each crowded run (and the quiet one before) measures
 CROWD_SETTLE_S = 3.0  # the crowd starts this long before the measure, to hold what it can
 SLOW_SHAPES = (32, 64)  # requests sending their bodies slowly, from 2 addresses
-SLOW_BYTE_EVERY_S = 1.0
+RATE_S = 5.0
+FRONT_PAUSE_S = 0.12  # between one address's searches: a person's pace, under the front's 10 a second
 TLS_IDLE_CONNECTIONS = 1100  # past the server's 1024 descriptors
 TLS_S = 15.0
 TLS_TRY_EVERY_S = 0.5
+READY_WORKERS = 2
+READY_TRY_EVERY_S = 0.01
+READY_WATCH_S = 5.0  # after the first connection accepted
+READY_HEALTH_EVERY = 50
+READY_TIMEOUT_S = 300.0
 SERVER_NOFILE = 1024
-ANSWER_TIMEOUT_S = 30.0
-CONNECT_TIMEOUT_S = 5.0  # a connection the server never accepts (its backlog full) counts as failed
-LEVELS = ("resend", "hog", "slow", "tls")
-CERT_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "tests", "serve", "data")
+FRONT_WORKER_CONNECTIONS = 768  # Debian's /etc/nginx/nginx.conf
+LEVELS = ("resend", "overload", "hog", "slow", "over_rate", "tls", "ready")
+HEALTH = b"GET /api/health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 
 
-def _request(text: str) -> bytes:
-    body = json.dumps({"text": text, "k": 10}).encode()
-    head = "POST /api/search HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-    return (head + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+def _open_loop_address(number: int) -> str:
+    return f"127.1.{number // 250}.{1 + number % 250}"
 
 
-async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> tuple[int, bool]:
-    """Send one request on a keep-alive connection, read its answer: its status and whether the server closes."""
-    writer.write(request)
-    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), ANSWER_TIMEOUT_S)
-    fields = {k.strip().lower(): v.strip() for k, v in (line.split(b":", 1) for line in head.split(b"\r\n")[1:]
-                                                        if b":" in line)}  # fmt: skip
-    await asyncio.wait_for(reader.readexactly(int(fields.get(b"content-length", b"0"))), ANSWER_TIMEOUT_S)
-    return int(head.split(b" ", 2)[1]), fields.get(b"connection", b"").lower() == b"close"
+def _reason(answer: front.Answer) -> str:
+    """A refusal's status and first words, numbers as N: which limit answered it."""
+    return f"{answer.status} {re.sub(r'[0-9]+', 'N', answer.body.decode(errors='replace'))[:REASON_CHARS]}"
 
 
-def _ms(seconds: list[float], q: float) -> float | None:
-    return round(float(np.percentile(1000 * np.array(seconds), q)), 2) if seconds else None
+async def open_loop(base: str, requests: list[bytes], rate: float, seconds: float, mode: str = "pooled") -> dict:
+    """Queries arriving every ``1 / rate`` seconds for ``seconds`` whatever the answers (open loop), sent to ``base``
+    on a pool of ``OPEN_LOOP_CONNECTIONS`` kept-open connections (``mode`` "pooled"; an arrival waits for a free one,
+    one the server closes is opened again at its next use) or each on a new connection, closed after its answer
+    ("fresh"); every time from the query's arrival."""
+    loop = asyncio.get_running_loop()
+    admitted: list[float] = []
+    refused: list[float] = []
+    counts: Counter = Counter()
+    reasons: Counter = Counter()
+    pool: asyncio.Queue = asyncio.Queue()
+    for number in range(OPEN_LOOP_CONNECTIONS if mode == "pooled" else 0):
+        try:
+            pool.put_nowait((number, await front.connect(base, _open_loop_address(number))))
+        except (OSError, asyncio.TimeoutError):
+            counts["connect_failed"] += 1
+            pool.put_nowait((number, None))
 
-
-async def _querying_client(port: int, address: str, requests: list[bytes], until: float, *,
-                           answered: list[float], counts: Counter, stop_after: int | None = None) -> None:  # fmt: skip
-    """Send queries one after another until ``until`` (loop time), each as soon as the last is answered, refused
-    or broken; answered ones' times go to ``answered``, every outcome to ``counts``."""
-    loop, connection, sent = asyncio.get_running_loop(), None, 0
-    while loop.time() < until and (stop_after is None or sent < stop_after):
-        if connection is None:
+    async def arrive(arrival: int, request: bytes, at: float) -> None:
+        number, connection = await pool.get() if mode == "pooled" else (arrival % OPEN_LOOP_CONNECTIONS, None)
+        if connection is not None and connection[0].at_eof():  # closed while idle: opened again, as a client does
+            connection[1].close()
+            connection, counts["reopened_idle"] = None, counts["reopened_idle"] + 1
+        try:
+            connection = connection or await front.connect(base, _open_loop_address(number))
+        except (OSError, asyncio.TimeoutError):
+            counts["connect_failed"] += 1
+        else:
             try:
-                connection = await asyncio.wait_for(
-                    asyncio.open_connection("127.0.0.1", port, local_addr=(address, 0)), CONNECT_TIMEOUT_S
-                )
-            except (OSError, asyncio.TimeoutError):
-                counts["connect_failed"] += 1
-                await asyncio.sleep(0.001)
-                continue
-        request, started = requests[sent % len(requests)], time.perf_counter()
-        sent += 1
-        try:
-            status, close = await _exchange(*connection, request)
-        except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, asyncio.LimitOverrunError):
-            counts["broken"] += 1
-            connection[1].close()
-            connection = None
-            continue
-        counts[status] += 1
-        if status == 200:
-            answered.append(time.perf_counter() - started)
-        if close:
-            connection[1].close()
-            connection = None
-    if connection is not None:
-        connection[1].close()
+                answer = await exchange(connection, request)
+                counts[answer.status] += 1
+                (admitted if answer.status == 200 else refused).append(loop.time() - at)
+                if answer.status != 200:
+                    reasons[_reason(answer)] += 1
+            except BROKEN:
+                counts["broken"], answer = counts["broken"] + 1, None
+            if answer is None or answer.closes or mode == "fresh":
+                connection[1].close()
+                connection = None
+        if mode == "pooled":
+            pool.put_nowait((number, connection))
 
-
-async def _closed_loop(port: int, requests: list[bytes], clients: int, seconds: float, first: int = 1,
-                       address: str | None = None) -> dict:  # fmt: skip
-    """``clients`` querying clients for ``seconds``, each from an address of its own (``127.0.1.first`` on), or all
-    from ``address``."""
-    loop = asyncio.get_running_loop()
-    answered: list[float] = []
-    counts: Counter = Counter()
-    started = loop.time()
-    await asyncio.gather(*(_querying_client(port, address or f"127.0.1.{first + i}", requests, started + seconds,
-                                            answered=answered, counts=counts) for i in range(clients)))  # fmt: skip
+    count, started, tasks = int(rate * seconds), loop.time(), []
+    for arrival in range(count):
+        at = started + arrival / rate
+        if at > loop.time():
+            await asyncio.sleep(at - loop.time())
+        tasks.append(loop.create_task(arrive(arrival, requests[arrival % len(requests)], at)))
+    sent_s = loop.time() - started
+    await asyncio.gather(*tasks)
     wall = loop.time() - started
-    return {"clients": clients, "seconds": round(wall, 2), "answered_qps": round(counts[200] / wall, 1),
-            "p50_ms": _ms(answered, 50), "p99_ms": _ms(answered, 99), "tries": sum(counts.values()),
-            "outcomes": {str(k): v for k, v in sorted(counts.items(), key=str)}}  # fmt: skip
+    while not pool.empty():
+        _, connection = pool.get_nowait()
+        if connection is not None:
+            connection[1].close()
+    return {"mode": mode, "offered_qps": round(rate, 1), "seconds": seconds, "arrivals": count,
+            "arrivals_sent_in_s": round(sent_s, 2), "admitted": counts[200],
+            "admitted_qps": round(counts[200] / wall, 1), "admitted_p50_ms": ms(admitted, 50),
+            "admitted_p99_ms": ms(admitted, 99),
+            "refused": {str(k): v for k, v in sorted(counts.items(), key=str) if isinstance(k, int) and k != 200},
+            "refused_p50_ms": ms(refused, 50), "refused_p99_ms": ms(refused, 99),
+            "refusal_reasons": dict(reasons.most_common(3)),
+            "connections_failed": counts["connect_failed"] + counts["broken"],
+            "connect_failed": counts["connect_failed"], "broken": counts["broken"],
+            "reopened_idle": counts["reopened_idle"]}  # fmt: skip
 
 
-async def _unloaded(port: int, requests: list[bytes]) -> dict:
-    answered: list[float] = []
-    counts: Counter = Counter()
-    await _querying_client(port, "127.0.1.250", requests, float("inf"), answered=answered, counts=counts,
-                           stop_after=UNLOADED_QUERIES)  # fmt: skip
-    return {"queries": UNLOADED_QUERIES, "p50_ms": _ms(answered, 50), "answered": counts[200]}
+def _ratio(figure: float | None, to: float | None, digits: int = 2) -> float | None:
+    return round(figure / to, digits) if figure and to else None
 
 
-async def _hold(port: int, address: str, stop: asyncio.Event, closed: Counter, *, tls_idle: bool = False) -> None:
-    """One connection slot held from ``address``: connect, send nothing, and connect again once the server closes
-    it (a plain TCP connection; to an HTTPS server it is a handshake never started). ``tls_idle``: do not connect
-    again, and record when the server closed it."""
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    while not stop.is_set():
-        try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection("127.0.0.1", port, local_addr=(address, 0)), CONNECT_TIMEOUT_S
-            )
-        except (OSError, asyncio.TimeoutError):
-            closed["connect_failed"] += 1
-            await asyncio.sleep(0.01)
-            continue
-        waiting = loop.create_task(reader.read(1 << 16))
-        stopping = loop.create_task(stop.wait())
-        await asyncio.wait({waiting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        stopping.cancel()
-        writer.close()
-        if waiting.done():
-            closed["closed_by_server"] += 1
-            if tls_idle:
-                closed["last_closed_ms"] = max(closed["last_closed_ms"], int(1000 * (loop.time() - started)))
-                return
-        else:
-            waiting.cancel()
+def _overload(base: str, requests: list[bytes], capacity: float, unloaded_p50: float, seconds: float) -> list[dict]:
+    runs = []
+    for mode in OPEN_LOOP_MODES:
+        run = asyncio.run(open_loop(base, requests, OVERLOAD_TIMES * capacity, seconds, mode))
+        runs.append({**run, "capacity_qps": capacity, "of_capacity": _ratio(run["offered_qps"], capacity),
+                     "unloaded_p50_ms": unloaded_p50,
+                     "p99_over_unloaded_p50": _ratio(run["admitted_p99_ms"], unloaded_p50, 1)})  # fmt: skip
+        print(json.dumps({"overload": runs[-1]}), flush=True)
+        time.sleep(1.0)  # the last answers' connections closed before the next
+    return runs
 
 
-async def _trickle(port: int, address: str, stop: asyncio.Event, outcomes: Counter) -> None:
-    """One request from ``address`` whose body comes a byte every ``SLOW_BYTE_EVERY_S`` seconds after its head,
-    sent again on a new connection as soon as the server answers it or closes the connection."""
-    request = _request("a query whose body arrives slowly " * 8)
-    start = request.index(b"\r\n\r\n") + 4
-    while not stop.is_set():
-        try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection("127.0.0.1", port, local_addr=(address, 0)), CONNECT_TIMEOUT_S
-            )
-        except (OSError, asyncio.TimeoutError):
-            outcomes["connect_failed"] += 1
-            await asyncio.sleep(0.01)
-            continue
-        sent = start + 1
-        try:
-            writer.write(request[:sent])
-            while not stop.is_set() and sent < len(request):
-                try:
-                    answer = await asyncio.wait_for(reader.read(1 << 16), SLOW_BYTE_EVERY_S)
-                except asyncio.TimeoutError:
-                    writer.write(request[sent : sent + 1])
-                    sent += 1
-                    continue
-                outcomes[answer.split(b" ", 2)[1].decode() if answer.startswith(b"HTTP/1.1 ") else "closed"] += 1
-                break
-        except OSError:
-            outcomes["broken"] += 1
-        writer.close()
-
-
-def _crowd_process(port: int, kind: str, shape: tuple[int, int], seconds: float, results) -> None:
-    """The crowd, in a process of its own (clients on other machines: their reconnecting is not in the event loop
-    that times the querying clients), for ``seconds``: ``kind`` "hog", ``shape`` (addresses, idle connections
-    each) held and reopened, or "slow", ``shape`` (addresses, requests in all) sending their bodies slowly. What it
-    saw goes to ``results``."""
-
-    async def crowd() -> None:
-        stop, counts = asyncio.Event(), Counter()
-        addresses, each = shape
-        loop = asyncio.get_running_loop()
-        if kind == "hog":
-            tasks = [loop.create_task(_hold(port, f"127.0.2.{1 + a}", stop, counts))
-                     for a in range(addresses) for _ in range(each)]  # fmt: skip
-        else:
-            tasks = [loop.create_task(_trickle(port, f"127.0.3.{1 + n % addresses}", stop, counts))
-                     for n in range(each)]  # fmt: skip
-        await asyncio.sleep(seconds)
-        stop.set()
-        await asyncio.gather(*tasks)
-        results.put(dict(counts))
-
-    asyncio.run(crowd())
-
-
-async def _crowded(port: int, requests: list[bytes], kind: str, seconds: float) -> list[dict]:
-    """A tenth address's ``HOG_CLIENTS`` clients for ``seconds``, quiet and then beside each crowd of ``kind``
-    (``HOG_SHAPES`` or ``SLOW_SHAPES``)."""
+async def _crowded(base: str, requests: list[bytes], kind: str, seconds: float, pause: float) -> list[dict]:
+    """A tenth address's ``HOG_CLIENTS`` clients for ``seconds`` (each ``pause`` seconds between its queries),
+    quiet and then beside each crowd of ``kind`` (``HOG_SHAPES`` or ``SLOW_SHAPES``)."""
     import multiprocessing
 
     address = "127.0.1.100"
-    quiet = await _closed_loop(port, requests, HOG_CLIENTS, seconds, address=address)
+    quiet = await closed_loop(base, requests, HOG_CLIENTS, seconds, address=address, pause=pause)
     context = multiprocessing.get_context("spawn")
     shapes = HOG_SHAPES if kind == "hog" else tuple((2, n) for n in SLOW_SHAPES)
     runs = []
     for shape in shapes:
         results = context.Queue()
-        crowd = context.Process(target=_crowd_process, args=(port, kind, shape, seconds + CROWD_SETTLE_S + 1, results))
+        crowd = context.Process(target=crowd_process, args=(base, kind, shape, seconds + CROWD_SETTLE_S + 1, results))
         crowd.start()
         await asyncio.sleep(CROWD_SETTLE_S)  # the crowd started and holds what it can
-        crowded = await _closed_loop(port, requests, HOG_CLIENTS, seconds, address=address)
+        crowded = await closed_loop(base, requests, HOG_CLIENTS, seconds, address=address, pause=pause)
         seen = await asyncio.get_running_loop().run_in_executor(None, results.get, True, 60)
         crowd.join(60)
         await asyncio.sleep(1.0)  # the crowd's connections are closed before the next
         runs.append({"addresses": shape[0], ("connections_each" if kind == "hog" else "slow_requests"): shape[1],
                      "answered_fraction": round(crowded["outcomes"].get("200", 0) / max(1, crowded["tries"]), 3),
                      "quiet_answered_fraction": round(quiet["outcomes"].get("200", 0) / max(1, quiet["tries"]), 3),
-                     "p50_ratio": round(crowded["p50_ms"] / quiet["p50_ms"], 2) if crowded["p50_ms"] else None,
+                     "p50_ratio": _ratio(crowded["p50_ms"], quiet["p50_ms"]),
                      "quiet": quiet, "crowded": crowded, "crowd_saw": seen})  # fmt: skip
         print(json.dumps({kind: runs[-1]}), flush=True)
     return runs
 
 
-async def _tls_idle(port: int, seconds: float) -> dict:
-    context = ssl.create_default_context(cafile=os.path.join(CERT_DIR, "loopback-cert.pem"))
+def _tally(tally: front.Tally) -> dict:
+    return {"statuses": {str(k): v for k, v in sorted(tally.statuses.items(), key=str)},
+            "answered": round(tally.answered(), 3), "p50_ms": ms(tally.seconds, 50)}  # fmt: skip
+
+
+async def _over_rate(base: str, texts: list[str], seconds: float) -> dict:
+    over, other = await asyncio.gather(front.back_to_back(base, "127.0.5.1", texts, seconds),
+                                       front.queries(base, "127.0.5.2", texts, int(seconds / FRONT_PAUSE_S),
+                                                     FRONT_PAUSE_S))  # fmt: skip
+    return {"seconds": seconds, "over_rate": _tally(over), "other": _tally(other)}
+
+
+async def _tls_idle(base: str, seconds: float) -> dict:
     stop, closed = asyncio.Event(), Counter()
     loop = asyncio.get_running_loop()
-    idle = [loop.create_task(_hold(port, "127.0.0.3", stop, closed, tls_idle=True))
+    idle = [loop.create_task(hold(base, "127.0.0.3", stop, closed, tls_idle=True))
             for _ in range(TLS_IDLE_CONNECTIONS)]  # fmt: skip
     await asyncio.sleep(1.0)
     tries, answered, failures = 0, 0, Counter()
@@ -272,14 +254,13 @@ async def _tls_idle(port: int, seconds: float) -> dict:
     while loop.time() < until:
         tries += 1
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(
-                "127.0.0.1", port, ssl=context, local_addr=("127.0.0.4", 0)), 5)  # fmt: skip
-            status, _ = await _exchange(reader, writer, b"GET /api/health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-            writer.close()
+            connection = await front.connect(base, "127.0.0.4")
+            status = (await exchange(connection, HEALTH)).status
+            connection[1].close()
             answered += status == 200
             if status != 200:
                 failures[str(status)] += 1
-        except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, ssl.SSLError) as error:
+        except BROKEN as error:
             failures[type(error).__name__] += 1
         await asyncio.sleep(TLS_TRY_EVERY_S)
     stop.set()
@@ -289,6 +270,47 @@ async def _tls_idle(port: int, seconds: float) -> dict:
             "idle_closed_by_server": closed["closed_by_server"],
             "last_idle_closed_after_s": round(closed["last_closed_ms"] / 1000, 1) if closed["closed_by_server"]
             else None}  # fmt: skip
+
+
+def _ready(flags: list[str], out: str, server_src: str | None, watch_s: float) -> dict:
+    """Start ``vlfit serve FLAGS --workers READY_WORKERS --port 0`` and count the connections refused after its
+    ready line, until ``watch_s`` seconds after the first one accepted."""
+    from vlfit.serve.launch import kill_process_tree, logged_port
+
+    log = os.path.join(out, f"pressure-ready-server-{READY_WORKERS}.log")
+    env = {**os.environ, **({"PYTHONPATH": os.path.abspath(server_src)} if server_src else {})}
+    started = time.monotonic()
+    with open(log, "w") as f, _descriptors(SERVER_NOFILE):
+        process = subprocess.Popen([sys.executable, "-m", "vlfit", "serve", *flags, "--workers", str(READY_WORKERS),
+                                    "--port", "0"], stdout=f, stderr=subprocess.STDOUT, env=env)  # fmt: skip
+    try:
+        while (port := logged_port(log)) is None:
+            if process.poll() is not None or time.monotonic() - started > READY_TIMEOUT_S:
+                raise RuntimeError(f"vlfit serve gave no ready line (exit {process.poll()}); see {log}")
+            time.sleep(0.005)
+        line_s = time.monotonic() - started
+        tries, refused, first_accept_s, healths = 0, 0, None, []
+        while first_accept_s is None or time.monotonic() - started < first_accept_s + watch_s:
+            if time.monotonic() - started > READY_TIMEOUT_S:
+                raise RuntimeError(f"vlfit serve accepted no connection in {READY_TIMEOUT_S:g} s; see {log}")
+            tries += 1
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=5):
+                    first_accept_s = first_accept_s or time.monotonic() - started
+            except ConnectionRefusedError:
+                refused += 1
+            if tries % READY_HEALTH_EVERY == 0 and first_accept_s is not None:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=10) as answer:
+                    healths.append(json.load(answer).get("workers"))
+            time.sleep(READY_TRY_EVERY_S)
+        process.send_signal(signal.SIGTERM)
+        exit_code = process.wait(60)
+    finally:
+        kill_process_tree(process)
+    return {"workers": READY_WORKERS, "line_s": round(line_s, 2),
+            "first_accept_s": None if first_accept_s is None else round(first_accept_s, 2),
+            "tries_after_line": tries, "refused_after_line": refused,
+            "health_workers": sorted({json.dumps(health) for health in healths}), "exit_code": exit_code}  # fmt: skip
 
 
 @contextmanager
@@ -315,66 +337,99 @@ def _stop(server) -> int:
     return server.process.wait(60)
 
 
+def _start_front(nginx: str, server, out: str) -> front.NginxProcess:
+    with _descriptors(SERVER_NOFILE):
+        return front.start_nginx(nginx, Path(out).resolve() / "nginx", f"127.0.0.1:{server.port}",
+                                 worker_connections=FRONT_WORKER_CONNECTIONS)  # fmt: skip
+
+
 def serve_pressure(index: str, model: str, out: str, server_flags: list[str] | None = None,
-                   server_src: str | None = None, levels: tuple[str, ...] = LEVELS,
-                   seconds: float | None = None) -> dict:  # fmt: skip
-    """Run ``levels`` (of ``LEVELS``; ``server_flags`` given to both servers; each level measuring ``seconds``,
-    else its own default) and return their figures."""
+                   server_src: str | None = None, levels: tuple[str, ...] = LEVELS, seconds: float | None = None,
+                   front_name: str | None = None) -> dict:  # fmt: skip
+    """Run ``levels`` (of ``LEVELS``; ``server_flags`` given to every server; each level measuring ``seconds``,
+    else its own default), through the front ``front_name`` ("nginx") when given, and return their figures."""
     from vlfit.data.synthetic.scenes import scene_and_choices
 
+    nginx = front.find_nginx() if front_name else None
+    if front_name and nginx is None:
+        raise SystemExit(f"serve_pressure --front nginx: needs Debian's nginx, not installed: {front.INSTALL_HINT}")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the client's own connections: thousands
     rng = np.random.default_rng(3)
-    requests = [_request(text) for _ in range(50) for text in scene_and_choices(rng)[1]]
-    flags = ["--index", index, "--model", model, "--reload_interval", "0", *(server_flags or [])]
+    texts = [text for _ in range(50) for text in scene_and_choices(rng)[1]]
+    requests = [front.search_request(text, k=10) for text in texts]
+    forwarded = ["--forwarded_allow_ips", "127.0.0.1"] if nginx else []
+    flags = ["--index", index, "--model", model, "--reload_interval", "0", *forwarded, *(server_flags or [])]
     os.makedirs(out, exist_ok=True)
-    server = _start(flags, os.path.join(out, "pressure-server.log"), server_src)
+    found: dict = {"resend": [], "capacity_runs": []}
+    server, proxy = _start(flags, os.path.join(out, "pressure-server.log"), server_src), None
     try:
-        asyncio.run(_closed_loop(server.port, requests, 8, WARM_UP_S))  # first allocations, caches: not measured
-        unloaded = asyncio.run(_unloaded(server.port, requests))
-        resend, crowded, tls = [], {}, None
-        for clients in RESEND_LEVELS if "resend" in levels else ():
-            resend.append(asyncio.run(_closed_loop(server.port, requests, clients, seconds or RESEND_S)))
-            print(json.dumps({"resend": resend[-1]}), flush=True)
+        proxy = _start_front(nginx, server, out) if nginx else None
+        base = proxy.url if proxy else server.url
+        asyncio.run(closed_loop(base, requests, 8, WARM_UP_S))  # first allocations, caches: not measured
+        found["unloaded"] = asyncio.run(unloaded(base, requests))
+        closed = RESEND_LEVELS if "resend" in levels else CAPACITY_LEVELS if "overload" in levels else ()
+        for clients in closed:
+            found["resend" if "resend" in levels else "capacity_runs"].append(
+                asyncio.run(closed_loop(base, requests, clients, seconds or RESEND_S))
+            )
+            print(json.dumps({"closed_loop": (found["resend"] or found["capacity_runs"])[-1]}), flush=True)
+        capacity = max((run["answered_qps"] for run in found["resend"] + found["capacity_runs"]), default=0)
+        found["capacity_qps"] = capacity
+        if "overload" in levels:
+            found["overload"] = _overload(base, requests, capacity, found["unloaded"]["p50_ms"], seconds or OVERLOAD_S)
+        pause = HOG_CLIENTS * FRONT_PAUSE_S if proxy else 0.0
         for kind in ("hog", "slow"):
             if kind in levels:
-                crowded[kind] = asyncio.run(_crowded(server.port, requests, kind, seconds or CROWD_S))
+                found[kind] = asyncio.run(_crowded(base, requests, kind, seconds or CROWD_S, pause))
+        if "over_rate" in levels:
+            found["over_rate"] = asyncio.run(_over_rate(base, texts, seconds or RATE_S))
+            print(json.dumps({"over_rate": found["over_rate"]}), flush=True)
+        if "tls" in levels and proxy:  # the front's own port is TLS
+            found["tls_idle"] = asyncio.run(_tls_idle(base, seconds or TLS_S))
     finally:
+        if proxy is not None:
+            front.stop_nginx(proxy.process)
         _stop(server)
-    best = max((level["answered_qps"] for level in resend), default=0)
-    for level in resend:
-        level["of_best"] = round(level["answered_qps"] / best, 3) if best else None
-        level["p99_over_unloaded_p50"] = round(level["p99_ms"] / unloaded["p50_ms"], 1) if level["p99_ms"] else None
-    if "tls" in levels:
-        cert, key = (os.path.join(CERT_DIR, name) for name in ("loopback-cert.pem", "loopback-key.pem"))
+    for level in found["resend"]:
+        level["of_best"] = _ratio(level["answered_qps"], capacity, 3)
+        level["p99_over_unloaded_p50"] = _ratio(level["p99_ms"], found["unloaded"]["p50_ms"], 1)
+    if "tls" in levels and not proxy:
+        cert, key = (str(front.CERT_DIR / name) for name in ("loopback-cert.pem", "loopback-key.pem"))
         tls_server = _start([*flags, "--ssl_certfile", cert, "--ssl_keyfile", key],
                             os.path.join(out, "pressure-tls-server.log"), server_src)  # fmt: skip
         try:
-            tls = asyncio.run(_tls_idle(tls_server.port, seconds or TLS_S))
-            print(json.dumps({"tls_idle": tls}), flush=True)
+            found["tls_idle"] = asyncio.run(_tls_idle(tls_server.url, seconds or TLS_S))
         finally:
             _stop(tls_server)
+    if "tls_idle" in found:
+        print(json.dumps({"tls_idle": found["tls_idle"]}), flush=True)
+    if "ready" in levels:
+        found["ready"] = _ready(flags, out, server_src, seconds or READY_WATCH_S)
+        print(json.dumps({"ready": found["ready"]}), flush=True)
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    return {"server_src": server_src, "server_flags": server_flags or [], "server_nofile": SERVER_NOFILE,
-            "unloaded": unloaded, "resend": resend, "hog": crowded.get("hog"), "slow": crowded.get("slow"),
-            "tls_idle": tls}  # fmt: skip
+    return {"front": front_name, "server_src": server_src, "server_flags": server_flags or [],
+            "server_nofile": SERVER_NOFILE, **found}  # fmt: skip
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--index", required=True, help="An index folder (serve_load.py writes one of 10^5 vectors).")
     parser.add_argument("--model", required=True, help="The model or export the server embeds queries with.")
     parser.add_argument("--out", default="runs/serve-pressure")
+    parser.add_argument("--front", choices=("nginx",), default=None,
+                        help="Send the load through this front (deploy/nginx/vlfit.conf), not to vlfit.")  # fmt: skip
     parser.add_argument("--server_src", default=None, help="Run the server from this src folder (PYTHONPATH).")
     parser.add_argument("--levels", nargs="+", choices=LEVELS, default=list(LEVELS), help="The levels to run.")
     parser.add_argument("--seconds", type=float, default=None, help="How long each level measures (a smoke run: 2).")
     parser.add_argument("--server_flags", nargs=argparse.REMAINDER, default=[],
                         help="Flags of vlfit serve (last: everything after it is passed on).")  # fmt: skip
     args = parser.parse_args()
-    results = {"load_average": os.getloadavg(), **serve_pressure(args.index, args.model, args.out,
-                                                                 args.server_flags, args.server_src,
-                                                                 tuple(args.levels), args.seconds)}  # fmt: skip
-    with open(os.path.join(args.out, "serve_pressure.json"), "w") as f:
+    found = serve_pressure(args.index, args.model, args.out, args.server_flags, args.server_src, tuple(args.levels),
+                           args.seconds, args.front)  # fmt: skip
+    results = {"load_average": os.getloadavg(), **found}
+    name = f"serve_pressure{'-' + args.front if args.front else ''}.json"
+    with open(os.path.join(args.out, name), "w") as f:
         json.dump(results, f, indent=2)
     print(json.dumps(results, indent=1))
     return 0

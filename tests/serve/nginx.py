@@ -9,9 +9,10 @@ Debian's /etc/nginx/nginx.conf: everything nginx writes (pid, logs, buffered bod
 runs as any user, and ``worker_connections`` is small enough that a test can run it out.
 
 The clients that press it (each from a loopback address of its own, ``127.0.0.N``: Linux routes all of 127/8 to lo)
-are here too, for the test and for ``benchmarks/serve_front.py``: searches one after another (``queries``), idle
-connections reopened as soon as they are closed (``Flood``, in a process of its own), and bodies trickled a byte a
-second (``trickle``).
+are here too, for the test and for ``benchmarks/serve_pressure.py`` (its ``--front nginx`` starts this nginx, and
+its clients connect and read answers with ``connect`` and ``read_answer``, to the front or to vlfit alike): searches
+one after another (``queries``), idle connections reopened as soon as they are closed (``Flood``, in a process of its
+own), and bodies trickled a byte a second (``trickle``).
 """
 
 from __future__ import annotations
@@ -215,6 +216,11 @@ class Answer:
     headers: dict[bytes, bytes]
     body: bytes
 
+    @property
+    def closes(self) -> bool:
+        """Whether the server closes the connection after this answer (``Connection: close``)."""
+        return self.headers.get(b"connection", b"").lower() == b"close"
+
 
 @dataclass
 class Tally:
@@ -231,8 +237,8 @@ class Tally:
         return round(1000 * sorted(self.seconds)[len(self.seconds) // 2], 1) if self.seconds else float("nan")
 
 
-def search_request(text: str) -> bytes:
-    body = json.dumps({"text": text, "k": 2}).encode()
+def search_request(text: str, k: int = 2) -> bytes:
+    body = json.dumps({"text": text, "k": k}).encode()
     head = f"POST {SEARCH} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
     return (head + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
 
@@ -249,11 +255,13 @@ async def connect(base: str, address: str, *, tls: bool | None = None):
     )  # fmt: skip
 
 
-async def read_answer(reader: asyncio.StreamReader) -> Answer:
-    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), ANSWER_TIMEOUT)
+async def read_answer(reader: asyncio.StreamReader, timeout: float = ANSWER_TIMEOUT) -> Answer:
+    """The answer to a request sent on ``reader``'s connection: its head within ``timeout`` seconds, then its body
+    (``Content-Length`` bytes) within as many."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
     lines = head.split(b"\r\n")
     headers = {k.strip().lower(): v.strip() for k, v in (line.split(b":", 1) for line in lines[1:] if b":" in line)}
-    body = await asyncio.wait_for(reader.readexactly(int(headers.get(b"content-length", b"0"))), ANSWER_TIMEOUT)
+    body = await asyncio.wait_for(reader.readexactly(int(headers.get(b"content-length", b"0"))), timeout)
     return Answer(int(lines[0].split(b" ", 2)[1]), headers, body)
 
 
@@ -299,7 +307,7 @@ async def back_to_back(base: str, address: str, texts: list[str], seconds: float
             tally.statuses[answer.status] += 1
             if answer.status != 200:
                 tally.refusals.append(answer)
-            if answer.headers.get(b"connection", b"").lower() == b"close":
+            if answer.closes:
                 writer.close()
                 reader, writer = await connect(base, address)
     finally:
