@@ -1,8 +1,8 @@
 """Smaller vectors at the same recall: embedding size (``--embedding_dim``) x storage (``--vector_storage``).
 
 For each size (full, 1/2, 1/4, 1/8 of the embedding) and each storage (float32 scanned exactly, int8 and binary codes
-scanned with the top ``--rescore`` x k re-scored from the float32 vectors), as ``vlfit retrieve index`` builds the
-structure (``vlfit.index.ann.build_ann``): recall@10 against exact float32 search at the full size, bytes per vector
+scanned with the top ``--rescore`` x k re-scored from the float32 vectors; by default each storage's factor of
+``vlfit retrieve index``), as ``vlfit retrieve index`` builds the structure (``vlfit.index.ann.build_ann``): recall@10 against exact float32 search at the full size, bytes per vector
 of what a query scans (the structure in memory; the float32 shards stay on disk, memory-mapped, and a query reads
 ``rescore * k`` rows of them), and the median latency of one query.
 
@@ -26,6 +26,7 @@ import time
 import numpy as np
 
 from vlfit.index.ann import build_ann, recall_at_k
+from vlfit.index.ann_choice import STORAGE_RESCORE
 
 K = 10
 QUERIES = 200
@@ -58,16 +59,16 @@ def exact_top(vectors: np.ndarray, queries: np.ndarray, k: int, own: np.ndarray 
     return np.argsort(-scores, axis=1)[:, :k]
 
 
-def run(
-    vectors: np.ndarray, queries: np.ndarray, own: np.ndarray | None, rescore: int, binary_rescore: int | None = None
-) -> list[dict]:
+def run(vectors: np.ndarray, queries: np.ndarray, own: np.ndarray | None, rescore: int | None = None) -> list[dict]:
+    """The rows of every size x storage; ``rescore``: the factor of every compact storage (default: each one's
+    ``vlfit retrieve index`` default, ``STORAGE_RESCORE``)."""
     full = vectors.shape[1]
     truth = exact_top(cut(vectors, full), cut(queries, full), K, own)
     rows = []
     for size in (full, full // 2, full // 4, full // 8):
         base, asked = cut(vectors, size), cut(queries, size)
         for storage in STORAGES:
-            factor = binary_rescore or rescore if storage == "binary" else rescore
+            factor = rescore or STORAGE_RESCORE.get(storage, 1)
             started = time.perf_counter()
             ann = build_ann(base, "flat", storage=storage, rescore=factor)
             built = time.perf_counter() - started
@@ -98,8 +99,9 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=100_000, help="Synthetic vectors (without --index).")
     parser.add_argument("--dim", type=int, default=512, help="Synthetic embedding size (without --index).")
     parser.add_argument("--index", help="A vlfit index folder whose vectors to use instead.")
-    parser.add_argument("--rescore", type=int, default=4, help="int8 and binary: candidates re-scored per result.")
-    parser.add_argument("--binary_rescore", type=int, help="binary: another factor (default: --rescore).")
+    parser.add_argument("--rescore", type=int, default=None, help="int8 and binary: candidates re-scored per result "
+                        "(default: vlfit retrieve index's for each, " + ", ".join(f"{s} {n}" for s, n in
+                        STORAGE_RESCORE.items()) + ").")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="Write the rows here too.")
     args = parser.parse_args()
@@ -115,7 +117,7 @@ def main() -> None:
         vectors, queries = synthetic(args.count, args.dim, args.seed)
         source = f"{args.count} synthetic clustered vectors of size {args.dim}"
     print(f"{source}; {len(queries)} queries; recall@10 against exact float32 search at the full size")
-    rows = run(vectors, queries, own, args.rescore, args.binary_rescore)
+    rows = run(vectors, queries, own, args.rescore)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"source": source, "rows": rows}, f, indent=1)
