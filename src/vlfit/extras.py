@@ -20,6 +20,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "gpu": ("torchcodec",),
     "serve": ("faiss", "fastapi", "uvicorn", "python_multipart"),
     "stream": ("fsspec", "aiohttp"),
+    "ray": ("ray",),  # vlfit retrieve index --distributor ray
     # vlfit retrieve push --to URI (and query --index URI): one extra per vector database.
     "lancedb": ("lancedb",),
     "qdrant": ("qdrant_client",),

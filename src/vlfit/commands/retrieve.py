@@ -132,6 +132,17 @@ class IndexArguments(runtime_arguments()):
         default=1800,
         metadata={"help": "Under torchrun: seconds the processes wait for each other (to start, and per shard)."},
     )
+    distributor: Literal["torch", "ray"] = field(
+        default="torch",
+        metadata={"help": "Who embeds and writes the shards: torch (this process, or each process torchrun started "
+                  "its share) or ray (Ray actors, one per CPU slot of the cluster, a lost one retried; this process "
+                  "lists their shards and builds the ANN structure; the ray extra)."},
+    )  # fmt: skip
+    ray_address: str | None = field(
+        default=None,
+        metadata={"help": "--distributor ray: the Ray cluster to join (auto: the one ray start started here; "
+                  "ray://HOST:10001: Ray Client). Default: RAY_ADDRESS when set, else a local cluster for the build."},
+    )  # fmt: skip
     verify: Verify = field(
         default="quick",
         metadata={"help": "How an existing index is checked before appending: quick (sizes) or full (checksums, "

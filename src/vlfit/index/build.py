@@ -25,6 +25,7 @@ says that the rows after it moved.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -38,7 +39,8 @@ from vlfit.data.sources.base import ImageTextSource
 from vlfit.data.sources.tar import ShardCollection
 from vlfit.errors import ConfigError, DataError
 from vlfit.index.build_request import BuildRequest, BuiltIndex
-from vlfit.index.shard_embedding import embed_rows, embed_shards
+from vlfit.index.distribute import Distributor, TorchRanks
+from vlfit.index.shard_embedding import ShardWork
 from vlfit.index.store import EmbeddingIndex, IndexManifest
 from vlfit.index.transaction import BuildTransaction
 from vlfit.index.verify import Problem, damaged_shards
@@ -54,6 +56,7 @@ def build_index(
     *,
     index: EmbeddingIndex | None,
     on_shard: Callable[[IndexManifest], None] | None = None,
+    distributor: Distributor | None = None,
 ) -> BuiltIndex:
     """Embed every item of ``source`` not in the index at ``request.output_dir`` yet, and add it (creating the index).
 
@@ -64,7 +67,9 @@ def build_index(
     ``rank + world_size``, ...; after each round of ``world_size`` shards, rank 0 lists them in the manifest in
     order (``vlfit.index.transaction``). The index is the one a single process builds: the same shards of the same
     items, embedded in the same batches; a build stopped midway resumes at the first shard the manifest does not
-    list, on any number of processes.
+    list, on any number of processes. ``distributor`` says who writes the shards (``vlfit.index.distribute``):
+    this process, or under torchrun each rank its share (``TorchRanks``, the default), or Ray's actors, whose parts
+    this process lists as they come (``RayTasks``: the request is then one process's, rank 0 of 1).
 
     Args:
         encoder: The model, on its backend.
@@ -73,6 +78,7 @@ def build_index(
         index: The index at ``request.output_dir`` as the caller opened it (``EmbeddingIndex.existing``: the
             manifest is read once per job), None for a new one.
         on_shard: Called with the manifest after each round of shards is listed (rank 0).
+        distributor: Who writes the shards (None: ``TorchRanks``).
 
     Returns:
         The index as built (as rank 0 wrote it; other ranks get theirs without the new shards), the rows this build
@@ -107,14 +113,15 @@ def build_index(
         return transaction.commit()
     manifest.ann = None  # it will not cover the new shards: queries scan them until it is brought up to date
     if streamed:
-        sizes, unit = [1] * len(todo), "shard"
-        parts = embed_shards(encoder, source, todo, first_number, manifest.storage, request)
+        work = ShardWork(source, None, todo, first_number, manifest.storage, request)
     else:
         rows_per_shard = -(-request.shard_size // request.batch_size) * request.batch_size
         shards = [todo[start : start + rows_per_shard] for start in range(0, len(todo), rows_per_shard)]
-        sizes, unit = [len(shard) for shard in shards], "img"
-        parts = embed_rows(encoder, source, items, shards, first_number, manifest.storage, request)
-    with tqdm(total=sum(sizes), unit=unit, desc="index", disable=not (request.progress and request.lead)) as bar:
+        work = ShardWork(source, items, shards, first_number, manifest.storage, request)
+    sizes, unit = work.sizes(), "shard" if streamed else "img"
+    parts = (distributor or TorchRanks()).parts(encoder, work)
+    progress = tqdm(total=sum(sizes), unit=unit, desc="index", disable=not (request.progress and request.lead))
+    with progress as bar, contextlib.closing(parts):  # closed: a distributor's processes stop with the build
         for part in parts:
             bar.update(sum(sizes[p.position] for p in transaction.record(part)))
             if request.lead and on_shard is not None:
@@ -177,11 +184,8 @@ def _repair_damaged_shards(
         number = first_number
         row_of = {item: row for row, item in enumerate(items.ids)} if items is not None else {}
         for position, ids in sorted(in_place.items()):
-            if items is not None:
-                parts = embed_rows(encoder, source, items, [[row_of[i] for i in ids]], number, manifest.storage, alone)
-            else:
-                parts = embed_shards(encoder, source, [old[position]["source"]], number, manifest.storage, alone)
-            (part,) = list(parts)
+            shard = [row_of[i] for i in ids] if items is not None else old[position]["source"]
+            (part,) = ShardWork(source, items, [shard], number, manifest.storage, alone).embed(encoder, [0])
             rows = int(part.entry["count"]) if part.entry is not None else 0
             if rows < len(ids):  # images unreadable now: the rows of the shards after it move up
                 logger.warning("%s held %d items; %d of them were embedded again (the rest are bad now, listed in "

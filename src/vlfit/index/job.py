@@ -7,6 +7,7 @@ they want as an ``IndexJob`` and hand it to ``index_collection``, so the rules o
 - the model is a reference (``vlfit.models.reference``: a checkpoint, an export, a preset) opened on its backend,
   or an encoder already open;
 - under torchrun the processes form a gloo group and each embeds its share of the shards (``vlfit.index.build``);
+  with ``distributor="ray"`` this process is Ray's driver and Ray's actors embed them (``vlfit.index.distribute``);
 - rank 0 brings the ANN structure up to date (``vlfit.index.ann_update``) and the report says what was done;
 - the build's settings (``BUILD_SETTINGS``: the ANN type and its parameters, the shard size) are recorded with each
   build in the manifest's ``collections``, and a job that leaves one unset (None) replays the index's recorded one
@@ -37,6 +38,7 @@ from vlfit.index.ann_choice import (
     check_vector_storage,
 )
 from vlfit.index.build import BuildRequest, build_index, check_patch_budget
+from vlfit.index.distribute import check_distributor, open_distributor
 from vlfit.index.integrity import check_verify_level
 from vlfit.index.store import EmbeddingIndex, check_storage
 from vlfit.inference.backends import Encoder
@@ -76,6 +78,8 @@ class IndexJob:
             These five and ``shard_size``, left None, are the index's recorded ones (``BUILD_SETTINGS``).
         shard_retries, shard_timeout, storage_options, shard_block_size: How tar shards at URLs are fetched.
         ddp_timeout: Under torchrun, seconds the processes wait for each other.
+        distributor: Who writes the shards: ``torch`` (this process, or torchrun's) or ``ray`` (Ray's actors).
+        ray_address: ``ray``: the cluster to join (None: ``RAY_ADDRESS`` when set, else a local cluster).
 
     Raises:
         ConfigError: naming the flag, for a value no build could use.
@@ -106,8 +110,11 @@ class IndexJob:
     storage_options: Mapping[str, Any] | str | None = field(default=None, repr=False)  # headers may hold secrets
     shard_block_size: int | None = None
     ddp_timeout: int = 1800
+    distributor: str = "torch"
+    ray_address: str | None = None
 
     def __post_init__(self) -> None:
+        check_distributor(self.distributor)
         if self.index_type is not None:
             check_index_type(self.index_type)
         if self.target_recall is not None:
@@ -261,17 +268,19 @@ def index_collection(job: IndexJob) -> IndexReport:
     require_extra("serve", "vlfit retrieve index", modules=("faiss",))
     index = EmbeddingIndex.existing(job.output_dir)  # read once: replayed, built on, its ANN brought up to date
     job = job.replayed(index)
+    distributor = open_distributor(job.distributor, job.encoder, job.ray_address)  # ray refused here when missing
     source, collection = job.open_collection()
     encoder = job.encoder()
     from vlfit.launch import join_gloo_group
 
-    rank, world_size = join_gloo_group(job.ddp_timeout)  # 0, 1 unless launched by torchrun
+    # 0, 1 unless launched by torchrun; a cluster engine's driver is one process
+    rank, world_size = join_gloo_group(job.ddp_timeout) if job.distributor == "torch" else (0, 1)
     request = BuildRequest(
         job.output_dir, {**collection, "settings": job.settings()}, batch_size=job.batch_size,
         num_workers=job.num_workers, shard_size=job.shard_size, storage=job.storage, progress=job.progress,
         rank=rank, world_size=world_size, verify=job.verify,
     )  # fmt: skip
-    built = build_index(encoder, source, request, index=index)
+    built = build_index(encoder, source, request, index=index, distributor=distributor)
     if not request.lead:
         return IndexReport(job.output_dir, encoder.description, lead=False)  # rank 0 lists, builds the ANN, reports
     from vlfit.index.ann_update import update_ann

@@ -1,10 +1,13 @@
 """Embedding a build's items into index shard files (``vlfit.index.build`` decides which, and where they go).
 
-``embed_rows`` embeds items of a folder or dataset split, shard by shard, through one loader over all of this
-process's shards; ``embed_shards`` fetches tar shards at URLs one at a time beside the index (``FETCH_FOLDER``: the
-next while this one is embedded, then deleted) and embeds each into one index shard. Each yields a ``ShardPart`` per
-shard (``vlfit.index.transaction`` lists them in the manifest); an item whose image is bad, or a tar shard that
-cannot be fetched or read, is a bad item of its part.
+A build's shards are a ``ShardWork``: everything a process needs to write any of them (the source, the items of
+each shard or its tar shard's URL, the first file number), so the processes that share a build (torchrun's ranks, a
+cluster engine's tasks: ``vlfit.index.distribute``) each write the positions they are given. ``embed_rows`` embeds
+items of a folder or dataset split, shard by shard, through one loader over all the positions given;
+``embed_shards`` fetches tar shards at URLs one at a time beside the index (``FETCH_FOLDER``: the next while this one
+is embedded, then deleted) and embeds each into one index shard. Each yields a ``ShardPart`` per shard
+(``vlfit.index.transaction`` lists them in the manifest); an item whose image is bad, or a tar shard that cannot be
+fetched or read, is a bad item of its part.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,6 +36,43 @@ from vlfit.index.transaction import ShardPart
 from vlfit.inference.backends import Encoder
 
 FETCH_FOLDER = ".fetching"  # inside the index folder: the tar shards being embedded, one process's each
+
+
+@dataclass(frozen=True)
+class ShardWork:
+    """The shards one build writes, and all a process needs to write any of them.
+
+    Attributes:
+        source: The images: a folder or dataset split (``items`` names its items), or tar shards at URLs.
+        items: The items of a folder or split; None for tar shards at URLs.
+        shards: Per shard, the positions in ``items`` of its items, or the URL of its tar shard.
+        first_number: The file number of the first shard (shard ``p`` is file ``first_number + p``).
+        storage: The shard files' format.
+        request: The build (its folder, batch size, loader workers).
+    """
+
+    source: ImageTextSource | ShardCollection
+    items: ImageItems | None
+    shards: list[list[int]] | list[str]
+    first_number: int
+    storage: str
+    request: BuildRequest
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def sizes(self) -> list[int]:
+        """Per shard, what a progress bar counts: its items, or 1 for a tar shard."""
+        return [1 if isinstance(shard, str) else len(shard) for shard in self.shards]
+
+    def embed(self, encoder: Encoder, positions: list[int], worker: int = 0) -> Iterator[ShardPart]:
+        """Embed and write the shards at ``positions``, yielding a part per shard in that order; ``worker`` names
+        the process's fetch folder (tar shards at URLs: one folder per process writing beside the index)."""
+        if self.items is None:
+            return embed_shards(encoder, self.source, self.shards, positions, self.first_number, self.storage,
+                                self.request, worker)  # fmt: skip
+        return embed_rows(encoder, self.source, self.items, self.shards, positions, self.first_number, self.storage,
+                          self.request)  # fmt: skip
 
 
 def _batches(encoder: Encoder, source: ImageTextSource, request: BuildRequest) -> Iterator[Batch]:
@@ -62,13 +103,13 @@ def embed_rows(
     source: ImageTextSource,
     items: ImageItems,
     shards: list[list[int]],
+    mine: list[int],
     first_number: int,
     storage: str,
     request: BuildRequest,
 ) -> Iterator[ShardPart]:
-    """This process's shards of items (``request.mine``), each embedded into one index shard file, through one
-    loader over all of them (an item's first record stands for its image)."""
-    mine = request.mine(len(shards))
+    """The shards of items at positions ``mine``, each embedded into one index shard file, through one loader over
+    all of them (an item's first record stands for its image)."""
     to_item = _item_of_record(items)
     selected = source.select([items.rows[item] for position in mine for item in shards[position]])
     batch_iter = _batches(encoder, selected, request)
@@ -101,19 +142,20 @@ def embed_shards(
     encoder: Encoder,
     shards: ShardCollection,
     todo: list[str],
+    mine: list[int],
     first_number: int,
     storage: str,
     request: BuildRequest,
+    worker: int,
 ) -> Iterator[ShardPart]:
-    """This process's tar shards of ``todo`` (``request.mine``), each fetched to a local copy (the next one while
-    this one is embedded), embedded into one index shard file, and deleted. A shard that cannot be fetched or read
-    is a bad item named by its URL."""
+    """The tar shards of ``todo`` at positions ``mine``, each fetched to a local copy in the fetch folder of process
+    ``worker`` (the next one while this one is embedded), embedded into one index shard file, and deleted. A shard
+    that cannot be fetched or read is a bad item named by its URL."""
     from vlfit.data.stream import ShardUnreadableError
 
     reader = shards.reader()
-    folder = os.path.join(request.output_dir, FETCH_FOLDER, f"rank-{request.rank:05d}")
+    folder = os.path.join(request.output_dir, FETCH_FOLDER, f"rank-{worker:05d}")
     os.makedirs(folder, exist_ok=True)
-    mine = request.mine(len(todo))
 
     def fetch(position: int) -> str:
         path = os.path.join(folder, f"{position:05d}.tar")
@@ -156,4 +198,4 @@ def embed_shards(
         os.rmdir(os.path.dirname(folder))  # the last process out removes the fetch folder
 
 
-__all__ = ["FETCH_FOLDER", "embed_rows", "embed_shards"]
+__all__ = ["FETCH_FOLDER", "ShardWork", "embed_rows", "embed_shards"]

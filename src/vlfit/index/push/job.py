@@ -76,8 +76,8 @@ class PushReport:
         made = " (created)" if self.created else ""
         rate = f" ({self.items_per_second:.0f} items/s)" if self.pushed else ""
         return [
-            f"{self.target}{made}: pushed {self.pushed} items in {self.seconds:.1f} s{rate}, {self.skipped} already "
-            f"there, {self.deleted} deleted; it holds {self.total} items"
+            f"{self.target}{made}: pushed {self.pushed} items in {self.seconds:.1f} s{rate} from one process, "
+            f"{self.skipped} already there, {self.deleted} deleted; it holds {self.total} items"
         ] + ([f"{self.target}: {self.storage}"] if self.storage else [])
 
 
