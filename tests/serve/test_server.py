@@ -281,42 +281,10 @@ def test_a_search_over_its_wait_budget_is_refused_by_its_connection_which_serves
         kill_process_tree(server.process)
 
 
-def _requests_counted(text: str, route: str) -> float:
-    pattern = rf'^vlfit_requests_total{{route="{re.escape(route)}",status="200"}} (\S+)$'
-    return sum(float(value) for value in re.findall(pattern, text, flags=re.M))
-
-
-def test_with_two_workers_metrics_counts_the_requests_of_every_worker(served_index, tmp_path) -> None:
-    import psutil
-
-    from vlfit.serve.launch import kill_process_tree, start_server
-
-    log = tmp_path / "server.log"
-    flags = ["--index", str(served_index), "--workers", "2", "--reload_interval", "0"]
-    env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    server = start_server(flags, str(log), timeout=START_TIMEOUT, env=env)
-    base, process = server.url, server.process
-    try:
-        # A new connection per page request (the kernel hands it to either worker, once both have loaded), until
-        # both have answered some; /api/health on the same connection says which worker holds it.
-        pids, pages, deadline = set(), 0, time.monotonic() + START_TIMEOUT
-        while len(pids) < 2 or pages < 6:
-            assert time.monotonic() < deadline, f"one worker answered every connection: {pids}"
-            with httpx.Client(base_url=base, timeout=REQUEST_TIMEOUT) as client:
-                pids.add(client.get("/api/health").json()["pid"])
-                assert client.get("/").status_code == 200
-                pages += 1
-        time.sleep(0.5)  # a worker counts a request just after answering it
-        for _ in range(4):  # new connections: whichever worker answers counts the other's requests too
-            assert _requests_counted(httpx.get(f"{base}/metrics", timeout=REQUEST_TIMEOUT).text, "/") == pages
-        workers = psutil.Process(process.pid).children()
-        (folder,) = {psutil.Process(worker.pid).environ().get("PROMETHEUS_MULTIPROC_DIR") for worker in workers}
-        assert folder and os.path.isdir(folder)
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == 0, log.read_text()[-3000:]
-        assert not os.path.exists(folder)  # the counts' folder goes with the server
-    finally:
-        kill_process_tree(process)
+# Query-string parameters whose names hold key, token, secret, password or auth (any case, percent-encoded or not).
+SECRETS = {"key": "secret-value-key-0001", "api%5Fkey": "secret-value-key-0002", "Token": "secret-value-key-0003",
+           "client_secret": "secret-value-key-0004", "PASSWORD": "secret-value-key-0005",
+           "X-Auth": "secret-value-key-0006"}  # fmt: skip
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -326,7 +294,9 @@ def test_keys_stay_out_of_every_environment_and_a_workers_key_file_goes_with_the
     """The API key from --api_key_file, the admin key from $VLFIT_ADMIN_KEY (so in the environment the server was
     started with, and no other): no process of the server holds a key in its environment; the workers read the
     keys from a private file, gone once the server stops. And the index is checked once per start (--verify full),
-    by the parent, not again by each worker (the same server: one start fewer for the suite)."""
+    by the parent, not again by each worker. With ``--workers 2`` (the same server: fewer starts for the suite),
+    also: ``/metrics`` counts the requests of every worker, their shared counts' folder goes with the server, and
+    secrets in a URL's query string are logged as ``REDACTED`` by every worker, other parameters as they came."""
     import psutil
 
     from vlfit.commands.serve import SETTINGS_ENV
@@ -345,18 +315,33 @@ def test_keys_stay_out_of_every_environment_and_a_workers_key_file_goes_with_the
     log = tmp_path / "server.log"
     server = start_server(flags, str(log), timeout=START_TIMEOUT, env=env)
     base, process = server.url, server.process
+    keyed = {"Authorization": f"Bearer {api_key}"}
+    secrets = "&".join(f"{name}={value}" for name, value in SECRETS.items()) + "&k=5&note=kept-as-it-came"
     try:
         deadline = time.monotonic() + START_TIMEOUT
         while log.read_text().count("Application startup complete") < workers:  # every worker has read its keys
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.25)
         assert checks.read_text().split() == [str(process.pid)]  # by the parent, not again by each worker
-        query, keyed = {"text": "a red circle", "k": 2}, {"Authorization": f"Bearer {api_key}"}
+        # A new connection per page request (the kernel hands it to either worker), until every worker has
+        # answered some; /api/health on the same connection says which worker holds it.
+        pids, pages = set(), 0
+        while len(pids) < workers or pages < 6:
+            assert time.monotonic() < deadline, f"one worker answered every connection: {pids}"
+            with httpx.Client(base_url=base, timeout=REQUEST_TIMEOUT) as client:
+                pids.add(client.get(f"/api/health?{secrets}").json()["pid"])
+                assert client.get("/").status_code == 200
+                pages += 1
+        query = {"text": "a red circle", "k": 2}
         for _ in range(2 * workers):  # new connections: either worker may answer
             assert (
                 httpx.post(f"{base}/api/search", json=query, headers=keyed, timeout=REQUEST_TIMEOUT).status_code == 200
             )
             assert httpx.post(f"{base}/api/search", json=query, timeout=REQUEST_TIMEOUT).status_code == 401
+        time.sleep(0.5)  # a worker counts and logs a request just after answering it
+        for _ in range(2 * workers):  # new connections: whichever worker answers counts the other's requests too
+            metrics = httpx.get(f"{base}/metrics", headers=keyed, timeout=REQUEST_TIMEOUT).text
+            assert _requests_counted(metrics, "/") == pages
         # The admin key is in the environment the server was started with; nothing may add either key to one.
         assert api_key.encode() not in Path(f"/proc/{process.pid}/environ").read_bytes()
         children = psutil.Process(process.pid).children(recursive=True)
@@ -371,11 +356,23 @@ def test_keys_stay_out_of_every_environment_and_a_workers_key_file_goes_with_the
         folders = {os.path.dirname(file) for file in files}
         assert all(os.stat(file).st_mode & 0o777 == 0o600 for file in files)
         assert all(os.stat(folder).st_mode & 0o777 == 0o700 for folder in folders)
+        counts = {psutil.Process(child.pid).environ().get("PROMETHEUS_MULTIPROC_DIR") for child in children} - {None}
+        assert len(counts) == (workers > 1) and all(os.path.isdir(folder) for folder in counts)
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0, log.read_text()[-3000:]
-        assert not any(os.path.exists(folder) for folder in folders)  # the keys' folder goes with the server
+        assert not any(os.path.exists(folder) for folder in folders | counts)  # the keys' and counts' folders go
     finally:
         kill_process_tree(process)
+    logged = [line for line in log.read_text().splitlines() if "GET /api/health?" in line]
+    assert len(logged) == pages  # each request's line, from whichever worker answered it
+    assert not any(value in log.read_text() for value in SECRETS.values())
+    redacted = "&".join(f"{name}=REDACTED" for name in SECRETS) + "&k=5&note=kept-as-it-came"
+    assert all(f"GET /api/health?{redacted} HTTP/1.1" in line for line in logged), logged
+
+
+def _requests_counted(text: str, route: str) -> float:
+    pattern = rf'^vlfit_requests_total{{route="{re.escape(route)}",status="200"}} (\S+)$'
+    return sum(float(value) for value in re.findall(pattern, text, flags=re.M))
 
 
 # Imported first by every Python process of the server (PYTHONPATH): one line, the process's pid, per check of the
