@@ -26,8 +26,9 @@ class ModelArguments:
     model_name_or_path: str | None = field(
         default=None,
         metadata={
-            "help": "A checkpoint of a supported model family (BridgeTower, CLIP, SigLIP), or a folder of LoRA "
-            "adapters a vlfit run saved: a local folder or a hub id."
+            "help": "A checkpoint of a supported model family (BridgeTower, CLIP, MetaCLIP 2, SigLIP, SigLIP 2, or a "
+            "model of two towers a vlfit run saved), or a folder of LoRA adapters a vlfit run saved: a local folder or "
+            "a hub id."
         },
     )
     model_preset: str | None = field(

@@ -2,13 +2,14 @@
 
 ``vlfit_requests_total{route, status}``, ``vlfit_request_seconds{route}`` (a latency histogram), the micro-batches'
 sizes (``vlfit_search_batch_size``), requests and connections refused at a limit (``vlfit_refused_total{limit}``:
-``requests`` beyond ``--max_concurrency``, ``wait`` a search whose expected wait is over ``--max_queue_wait_ms``,
-``connections`` beyond ``--max_connections``), what each stage of a search took (``vlfit_stage_seconds{stage}``:
-``decode`` image bytes to pixels, ``encode`` the model's forward, ``search`` the ANN structure or exact scan,
-``rerank`` the matching head; observed once per request, a batched text query observing its whole batch's time for
-each stage, what it waited for), and gauges of the served
-index (``vlfit_index_items``, ``vlfit_index_generation``). Routes are the app's route templates
-(``/api/image/{item}``), never raw paths, so a client cannot grow the label set.
+``requests`` beyond ``--max_concurrency``, ``client_requests`` beyond ``--max_concurrency_per_client``, ``wait`` a
+search whose expected wait is over ``--max_queue_wait_ms``, ``connections`` beyond ``--max_connections``,
+``client_connections`` beyond ``--max_connections_per_client``, ``client_uploads`` beyond ``--max_uploads_per_client``;
+docs/serving.md's table of limits), what each stage of a search took (``vlfit_stage_seconds{stage}``: ``decode`` image
+bytes to pixels, ``encode`` the model's forward, ``search`` the ANN structure or exact scan, ``rerank`` the matching
+head; observed once per request, a batched text query observing its whole batch's time for each stage, what it waited
+for), and gauges of the served index (``vlfit_index_items``, ``vlfit_index_generation``). Routes are the app's route
+templates (``/api/image/{item}``), never raw paths, so a client cannot grow the label set.
 
 With ``PROMETHEUS_MULTIPROC_DIR`` set (``vlfit serve --workers N`` sets it to a fresh folder before the workers
 start), every worker writes its counts there and ``/metrics`` sums the folder (prometheus_client's multiprocess
