@@ -1,0 +1,146 @@
+"""vlfit's training step against a plain loop on a ready batch, fp32 and bf16, and where the difference goes.
+
+For each ``--presets`` entry and each precision (fp32; bf16 with ``--bf16`` autocast), alternately ``--repeats``
+times in one process (so drifts of a shared machine hit both alike):
+
+- **ready batch**: ``vlfit bench --mode train``'s compute ceiling, the step (forward, backward, clipping at 1.0,
+  fused AdamW, as ``VlfitTrainer`` runs it) on one model-ready batch again and again, no data path;
+- **vlfit train**: a real ``vlfit train`` run on the same synthetic data, preset, batch size and precision
+  (``--dataloader_num_workers`` 1, no evaluation, no saving), its samples/s after ``--throughput_warmup_steps``
+  (``train_samples_per_second``: the run's own meter, data waits included).
+
+The ratio of the two medians is the step's efficiency (goal: >= 0.9). ``--profile`` also runs one ``vlfit train``
+of each precision under cProfile and splits the Trainer's loop (``_inner_training_loop``) into ``PARTS``: fetching
+batches (data wait and the device stage), forward and loss, backward, clipping, the optimizer, zero_grad, logging
+and callbacks, and the rest of the loop. cProfile's own cost per Python call inflates the parts made of many small
+calls, so read the split as where to look, and the unprofiled ratio as the figure.
+
+    python benchmarks/trainer_overhead.py [--presets tiny,clip-tiny] [--batch_size 16] [--steps 30] [--repeats 3]
+        [--profile] [--results FILE.json]
+
+On 2 CPU cores the tiny presets take about a minute per repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+
+from vlfit.cli import main as vlfit
+from vlfit.efficiency.cpu import cpu_info
+
+WARMUP_STEPS = 5
+# Parts of the Trainer's loop, each the cumulative time of the functions named (file fragment, function name).
+PARTS = {
+    "batches (data wait, device stage)": (("transformers/trainer.py", "get_batch_samples"),
+                                          ("vlfit/training/trainer.py", "get_batch_samples")),
+    "forward and loss": (("vlfit/training/trainer.py", "compute_loss"),),
+    "backward": (("accelerate/accelerator.py", "backward"),),
+    "gradient clipping": (("accelerate/accelerator.py", "clip_grad_norm_"),),
+    "optimizer": (("torch/optim/optimizer.py", "wrapper"),),
+    "zero_grad": (("torch/nn/modules/module.py", "zero_grad"), ("torch/optim/optimizer.py", "zero_grad")),
+    "logging and callbacks": (("transformers/trainer.py", "_maybe_log_save_evaluate"),),
+}  # fmt: skip
+LOOP = ("transformers/trainer.py", "_inner_training_loop")
+
+
+def _quiet(*argv: str) -> int:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return vlfit(list(argv))
+
+
+def ready_batch_rate(data: str, preset: str, batch: int, steps: int, bf16: bool, out: str) -> float:
+    """``vlfit bench``'s compute ceiling, samples/s."""
+    code = _quiet("bench", "--model_preset", preset, "--dataset_name", data, "--mode", "train", "--pipelines", "fast",
+                  "--workers", "0", "--per_device_train_batch_size", str(batch), "--profile_batches", "0",
+                  "--steps", str(steps), "--warmup_steps", str(WARMUP_STEPS), "--repeats", "1",
+                  "--output_dir", out, *(["--bf16"] if bf16 else []))  # fmt: skip
+    if code:
+        sys.exit(f"vlfit bench exited {code}")
+    with open(os.path.join(out, "bench.json"), encoding="utf-8") as f:
+        return float(json.load(f)["compute"]["samples_per_second"])
+
+
+def train_argv(data: str, preset: str, batch: int, steps: int, bf16: bool, out: str) -> list[str]:
+    return ["train", "--model_preset", preset, "--dataset_name", data, "--output_dir", out, "--overwrite_output_dir",
+            "--max_steps", str(steps + WARMUP_STEPS), "--throughput_warmup_steps", str(WARMUP_STEPS),
+            "--per_device_train_batch_size", str(batch), "--dataloader_num_workers", "1", "--eval_strategy", "no",
+            "--save_strategy", "no", "--logging_steps", "10", "--report_to", "none", "--seed", "0",
+            *(["--bf16"] if bf16 else [])]  # fmt: skip
+
+
+def trainer_rate(data: str, preset: str, batch: int, steps: int, bf16: bool, out: str) -> float:
+    """A ``vlfit train`` run's samples/s after its warm-up."""
+    if _quiet(*train_argv(data, preset, batch, steps, bf16, out)):
+        sys.exit("vlfit train failed")
+    with open(os.path.join(out, "all_results.json"), encoding="utf-8") as f:
+        return float(json.load(f)["train_samples_per_second"])
+
+
+def profile_split(data: str, preset: str, batch: int, steps: int, bf16: bool, out: str) -> dict[str, float]:
+    """One ``vlfit train`` under cProfile: the Trainer's loop's seconds per step, and the share of it in each of
+    ``PARTS`` (cumulative times; the warm-up's steps included) and in none of them."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    _quiet(*train_argv(data, preset, batch, steps, bf16, out))
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+
+    def cumulative(wanted: tuple[tuple[str, str], ...]) -> float:
+        return sum(entry[3] for (path, _, name), entry in stats.items()
+                   if any(part in path and name == function for part, function in wanted))  # fmt: skip
+
+    loop = cumulative((LOOP,)) or 1.0
+    split = {name: round(cumulative(wanted) / loop, 3) for name, wanted in PARTS.items()}
+    split["the rest of the loop"] = round(1.0 - sum(split.values()), 3)
+    return {"loop_seconds_per_step": round(loop / (steps + WARMUP_STEPS), 4), **split}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--presets", default="tiny,clip-tiny")
+    parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=30, help="Measured steps (after the warm-up's).")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="Also split one run of each precision by cProfile.")
+    parser.add_argument("--results", default=None, help="Write the figures here as JSON too.")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="vlfit-overhead-") as folder:
+        data = os.path.join(folder, "data")
+        if _quiet("make-data", "--output_dir", data, "--num_samples", str(8 * args.batch_size), "--min_long_side",
+                  "160", "--max_long_side", "320"):  # fmt: skip
+            sys.exit("vlfit make-data failed")
+        for preset in args.presets.split(","):
+            for bf16 in (False, True):
+                ready, trained = [], []
+                for repeat in range(args.repeats):
+                    out = os.path.join(folder, f"{preset}-{bf16}-{repeat}")
+                    ready.append(ready_batch_rate(data, preset, args.batch_size, args.steps, bf16, out + "-bench"))
+                    trained.append(trainer_rate(data, preset, args.batch_size, args.steps, bf16, out + "-train"))
+                row = {"preset": preset, "precision": "bf16" if bf16 else "fp32", "batch_size": args.batch_size,
+                       "ready_batch_samples_per_s": round(statistics.median(ready), 1),
+                       "vlfit_train_samples_per_s": round(statistics.median(trained), 1),
+                       "runs": {"ready_batch": ready, "vlfit_train": trained}}  # fmt: skip
+                row["ratio"] = round(row["vlfit_train_samples_per_s"] / row["ready_batch_samples_per_s"], 3)
+                if args.profile:
+                    row["profile"] = profile_split(data, preset, args.batch_size, args.steps, bf16, out + "-profile")
+                rows.append(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "runs"}), flush=True)
+    result = {**cpu_info().record(), "rows": rows}
+    if args.results:
+        with open(args.results, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
