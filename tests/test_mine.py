@@ -1,6 +1,7 @@
 """vlfit mine: each caption's negatives are the captions of other images its image scores highest against (as
 vlfit.load scores them), never its own image's, none above the positive-aware cut; the copy reads back, trains with
---hard_negative_column, and mistakes are refused in one line."""
+--hard_negative_column, and mistakes are refused in one line. With --index, the same negatives from the index's image
+embeddings, no image embedded; tar shards at URLs are mined as any split."""
 
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ import pytest
 import torch
 
 import vlfit
+from tests.http_shards import ShardServer, webdataset_shard
 from vlfit.commands.mine import MineArguments, mine_split
+from vlfit.commands.mine_index import check_index_model, indexed_pairs, open_mining_index
 from vlfit.data.hard_negatives import alternative_captions
 from vlfit.data.mining import MiningRule, mine_negatives
 from vlfit.data.sources import open_splits
 from vlfit.errors import ConfigError
+from vlfit.index.job import IndexJob, index_collection
 from vlfit.inference.runtime import ModelRuntime
 from vlfit.output_folders import MINE_REPORT
 
@@ -56,6 +60,32 @@ def mined(shared_image_dir: str, tiny_checkpoint: Path, tmp_path_factory: pytest
     return out
 
 
+def _indexed(dataset_name: str, model: Path, out: Path) -> str:
+    """The index vlfit retrieve index builds of the split train of ``dataset_name``."""
+    index_collection(IndexJob(model=str(model), output_dir=str(out), dataset_name=dataset_name, split="train",
+                              batch_size=8, progress=False))  # fmt: skip
+    return str(out)
+
+
+def _location(dataset_name: str, split: str = "train") -> dict[str, str | None]:
+    """The split as vlfit mine's flags name it (their defaults), to match against an index's record."""
+    return {"dataset_name": dataset_name, "split": split, "image_column": "image",
+            "caption_column": "image_description", "image_id_column": None}  # fmt: skip
+
+
+def _counting_images(runtime: ModelRuntime, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the image batches ``runtime``'s encoder is asked to embed from now on."""
+    calls: list[int] = []
+    embed = runtime.encoder.encode_images
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return embed(*args, **kwargs)
+
+    monkeypatch.setattr(runtime.encoder, "encode_images", counted)
+    return calls
+
+
 def _written(folder: Path, split: str = "train") -> dict[str, list[str]]:
     source = open_splits(dataset_name=str(folder), extra_columns=("mined_negatives", "label"))[split]
     return {r.id: r.extra.get("mined_negatives") for r in source}
@@ -92,6 +122,91 @@ def test_the_same_image_by_its_bytes_shares_no_negatives(mined, shared_image_dir
     records = list(open_splits(dataset_name=shared_image_dir)["train"])
     written = _written(mined)
     assert SECOND not in written[records[0].id] and records[0].caption not in written["second-caption"]
+
+
+def test_an_index_of_the_split_gives_the_same_negatives_without_embedding_an_image(
+    mined, shared_image_dir, tiny_checkpoint, tmp_path, monkeypatch
+):
+    index = open_mining_index(_indexed(shared_image_dir, tiny_checkpoint, tmp_path / "index"),
+                              _location(shared_image_dir))  # fmt: skip
+    runtime = ModelRuntime.open(tiny_checkpoint)
+    images = _counting_images(runtime, monkeypatch)
+    sources = open_splits(dataset_name=shared_image_dir, extra_columns=("label",))
+    report = mine_split(runtime, sources, "train", str(tmp_path / "out"), MiningRule(K, RATIO), batch_size=8,
+                        columns={"extra_columns": ("label",)}, index=index)  # fmt: skip
+    assert images == []  # the captions alone were embedded
+    assert _written(tmp_path / "out") == _written(mined)
+    before = json.loads((mined / MINE_REPORT).read_text())
+    assert report["index"] == index.path and before["index"] is None
+    assert {k: v for k, v in report.items() if k != "index"} == {k: v for k, v in before.items() if k != "index"}
+
+
+def test_an_index_of_other_data_or_another_model_is_refused_in_one_line(
+    shared_image_dir, tiny_checkpoint, other_checkpoint, tmp_path
+):
+    path = _indexed(shared_image_dir, tiny_checkpoint, tmp_path / "index")
+    refusals = []
+    with pytest.raises(ConfigError) as refusal:
+        open_mining_index(path, _location(shared_image_dir, "validation"))
+    refusals.append((refusal, "--split train there, validation here"))
+    with pytest.raises(ConfigError) as refusal:
+        open_mining_index(path, {**_location(shared_image_dir), "image_id_column": "instance_id"})
+    refusals.append((refusal, "--image_id_column None there, instance_id here"))
+    index = open_mining_index(path, _location(shared_image_dir))
+    with pytest.raises(ConfigError) as refusal:
+        check_index_model(index, ModelRuntime.open(other_checkpoint))
+    refusals.append((refusal, "weights checkpoint"))
+    validation = open_splits(dataset_name=shared_image_dir)["validation"]  # rows the index does not hold
+    with pytest.raises(ConfigError) as refusal:
+        indexed_pairs(ModelRuntime.open(tiny_checkpoint), validation, index, validation.image_keys())
+    refusals.append((refusal, "lacks 6 of the split's 6 images"))
+    for refused, named in refusals:
+        message = str(refused.value)
+        assert message.startswith(f"--index {path} ") and named in message and "\n" not in message, message
+
+
+def test_an_image_the_index_left_out_is_a_bad_sample_of_the_mining_too(
+    synthetic_dataset_dir, tiny_checkpoint, tmp_path
+):
+    data = tmp_path / "data"
+    records = list(open_splits(dataset_name=synthetic_dataset_dir)["validation"])
+    images = [{"bytes": b"not a jpeg" if i == 2 else r.image, "path": None} for i, r in enumerate(records)]
+    rows = {"image": images, "image_description": [r.caption for r in records], "instance_id": [r.id for r in records]}
+    features = datasets.Features({"image": datasets.Image(), "image_description": datasets.Value("string"),
+                                  "instance_id": datasets.Value("string")})  # fmt: skip
+    data.mkdir()
+    datasets.Dataset.from_dict(rows, features=features).to_parquet(str(data / "train-00000-of-00001.parquet"))
+    index = open_mining_index(_indexed(str(data), tiny_checkpoint, tmp_path / "index"), _location(str(data)))
+    runtime, sources = ModelRuntime.open(tiny_checkpoint), open_splits(dataset_name=str(data))
+    plain = mine_split(runtime, sources, "train", str(tmp_path / "plain"), MiningRule(2, RATIO), batch_size=4)
+    indexed = mine_split(runtime, sources, "train", str(tmp_path / "indexed"), MiningRule(2, RATIO), batch_size=4,
+                         index=index)  # fmt: skip
+    assert plain["bad_samples"] == indexed["bad_samples"] == 1 and indexed["mined"] == len(records) - 1
+    assert _written(tmp_path / "indexed") == _written(tmp_path / "plain") and records[2].id not in _written(
+        tmp_path / "plain"
+    )
+    listed = (tmp_path / "indexed" / "bad_samples.jsonl").read_text()
+    assert records[2].id in listed and "the index left its image out" in listed
+
+
+def test_tar_shards_at_urls_are_mined_and_with_their_index_alike(tiny_checkpoint, tmp_path, monkeypatch):
+    """Shards at URLs (a '::' spec of two sources) are read from local copies, as every split read by row; the copy
+    is parquet that reads back with the column; an index built of the same shards (vlfit retrieve index, a shard
+    at a time) gives the same negatives with no image embedded."""
+    files = {f"/{name}/000.tar": webdataset_shard(name, 6, seed=seed)[0] for seed, name in enumerate("ab")}
+    with ShardServer(files) as server:
+        spec = "::".join(server.url(path) for path in files)
+        rule = MiningRule(2, RATIO)
+        sources = open_splits(dataset_name=spec)
+        mine_split(ModelRuntime.open(tiny_checkpoint), sources, "train", str(tmp_path / "plain"), rule, batch_size=4)
+        index = open_mining_index(_indexed(spec, tiny_checkpoint, tmp_path / "index"), _location(spec))
+    runtime = ModelRuntime.open(tiny_checkpoint)
+    images = _counting_images(runtime, monkeypatch)
+    mine_split(runtime, sources, "train", str(tmp_path / "indexed"), rule, batch_size=4, index=index)
+    written = _written(tmp_path / "plain")
+    assert images == [] and _written(tmp_path / "indexed") == written
+    assert len(written) == 12 and all(len(negatives) <= 2 for negatives in written.values())
+    assert sum(len(negatives) for negatives in written.values()) > 0
 
 
 def test_the_other_splits_are_copied_and_the_column_is_what_training_takes(mined, shared_image_dir):

@@ -5,11 +5,15 @@ The negatives come from other images' captions only, positive-aware (``vlfit.dat
 ``vlfit filter``'s (``vlfit.inference.pair_scores``) and so is the copy (``vlfit.data.split_copy``: parquet shards as
 ``vlfit prepare`` writes them). The other splits are copied as they are, so the folder trains and evaluates like the
 original. The folder (with ``mine_report.json`` and the bad samples' ``bad_samples.jsonl``) is written whole or not
-at all (``vlfit.atomic_files.staged_folder``).
+at all (``vlfit.atomic_files.staged_folder``). With ``--index``, the images' embeddings are read from an index of the
+same split and model (``vlfit.commands.mine_index``), and only the captions are embedded. Tar shards (local, or at
+URLs: fetched to local copies first, as every door that reads a split by row) are a split like any other; the copy
+is parquet shards all the same.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -20,9 +24,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from vlfit.arguments import DataLocationArguments
+from vlfit.arguments.runtime import flags_of
 from vlfit.arguments.sizes import check_sizes
 from vlfit.commands.filter import SplitModelArguments, open_model_and_splits
 from vlfit.commands.parsing import CommandParser
+from vlfit.commands.retrieve import VerifyArguments
 from vlfit.data.mining import DEFAULT_MAX_NEGATIVE_RATIO, DEFAULT_NEGATIVE_COLUMN, DEFAULT_NUM_NEGATIVES, MiningRule
 from vlfit.errors import ConfigError
 from vlfit.output_folders import MINE, MINE_REPORT
@@ -36,11 +42,15 @@ _COLUMN_HELP = "The column of negatives (a list of captions per row): train with
 
 if TYPE_CHECKING:
     from vlfit.data.sources.base import ImageTextSource
+    from vlfit.index.store import EmbeddingIndex
     from vlfit.inference.runtime import ModelRuntime
+
+# --index as vlfit retrieve names an index folder; not given: the images are embedded.
+_IndexFlag = flags_of(VerifyArguments, ("index",), index=None)
 
 
 @dataclass
-class MineArguments(SplitModelArguments):
+class MineArguments(SplitModelArguments, _IndexFlag):
     """Flags of ``vlfit mine`` besides the data location."""
 
     output_dir: str = field(
@@ -70,7 +80,10 @@ def mine_split(
     *,
     negative_column: str = DEFAULT_NEGATIVE_COLUMN,
     columns: Mapping[str, Any] | None = None,
-    **embedding: Any,
+    index: EmbeddingIndex | None = None,
+    batch_size: int = 64,
+    num_workers: int = 0,
+    bad_sample_policy: str = "skip",
 ) -> dict[str, Any]:
     """Mine ``split`` of ``sources`` with ``runtime`` and write every split into ``output_dir`` (whole or not at
     all): the mined one with ``negative_column`` (its bad samples left out and listed, and its ``label`` column,
@@ -84,21 +97,25 @@ def mine_split(
         rule: How many negatives, and the positive-aware cut.
         negative_column: The negatives' column.
         columns: The column keywords of ``write_split`` (``image_column`` ...), as the sources were opened with.
-        embedding: The keywords of ``vlfit.inference.pair_scores.embed_pairs``: ``batch_size``, ``num_workers``,
-            ``bad_sample_policy`` (``skip``: bad samples left out, counted and listed; or ``raise``).
+        index: An index of ``split`` built by ``runtime``'s model (``vlfit.commands.mine_index.open_mining_index``):
+            the images' embeddings are read from it, and only the captions are embedded. None: both are embedded.
+        batch_size: Rows per forward of each tower.
+        num_workers: Loader workers decoding the images (unused with ``index``).
+        bad_sample_policy: ``skip`` (bad samples left out, counted and listed) or ``raise``.
 
     Returns:
         The report written (``mine_report.json``).
 
     Raises:
-        ConfigError: for a split the data lacks, an output folder another command wrote, or a negative column the
-            data has already.
+        ConfigError: for a split the data lacks, an output folder another command wrote, a negative column the
+            data has already, or an ``index`` of another model or lacking images of the split.
         BadSampleError: under ``raise``, at the first bad sample.
     """
     import datasets
     import torch
 
     from vlfit.atomic_files import staged_folder
+    from vlfit.commands.mine_index import indexed_pairs
     from vlfit.data.mining import mine_negatives
     from vlfit.data.split_copy import AddedColumn, write_bad_samples, write_split
     from vlfit.inference.pair_scores import embed_pairs
@@ -108,9 +125,15 @@ def mine_split(
     MINE.claim(output_dir)  # before any embedding
     source = sources[split]
     with staged_folder(output_dir, MINE.command, what="the mined dataset", record_name=MINE_REPORT) as stage:
-        pairs = embed_pairs(runtime, source, **embedding)
+        keys = source.image_keys()
+        if index is None:
+            pairs = embed_pairs(runtime, source, batch_size=batch_size, num_workers=num_workers,
+                                bad_sample_policy=bad_sample_policy)  # fmt: skip
+        else:
+            pairs = indexed_pairs(runtime, source, index, keys, batch_size=batch_size,
+                                  bad_sample_policy=bad_sample_policy)  # fmt: skip
         captions = source.captions()
-        keys = torch.from_numpy(source.image_keys()[pairs.positions])
+        keys = torch.from_numpy(keys[pairs.positions])
         mined = mine_negatives(pairs.images, pairs.texts, [captions[p] for p in pairs.positions], keys, rule)
         negatives = AddedColumn(negative_column, datasets.Sequence(datasets.Value("string")), mined.captions,
                                 "--negative_column")  # fmt: skip
@@ -125,6 +148,7 @@ def mine_split(
         counts = np.asarray([len(row) for row in mined.captions], dtype=np.int64)
         report = {
             "model": {"path": runtime.path, "runtime": runtime.encoder.description},
+            "index": None if index is None else index.path,  # where the images' embeddings were read
             "split": split,
             "negative_column": negative_column,
             "num_negatives": rule.num_negatives,
@@ -150,16 +174,26 @@ def main(argv: list[str] | None = None) -> int:
         prog="vlfit mine",
         description="Embed a split with a model and write a copy of the dataset with each caption's hardest "
         "negative captions (other images' captions its image scores highest against, positive-aware: those above "
-        "--max_negative_ratio of its own pair's score left out) as a column. Train on it with `vlfit train "
-        "--dataset_name <output_dir> --hard_negative_column mined_negatives`.",
+        "--max_negative_ratio of its own pair's score left out) as a column. With --index (vlfit retrieve index's "
+        "index of the same split by the same model) the images' embeddings are read from it and only the captions "
+        "are embedded. Train on it with `vlfit train --dataset_name <output_dir> --hard_negative_column "
+        "mined_negatives`.",
     )
     args, data = parser.parse_args_into_dataclasses(args=sys.argv[1:] if argv is None else argv)
     MINE.claim(args.output_dir)  # a folder of something else is refused before the model and the data load
+    index = None
+    if args.index is not None:  # its data checked before the model loads; its model once it has
+        from vlfit.commands.mine_index import index_embedding_dim, open_mining_index
+
+        location = {"dataset_name": data.dataset_name, "split": args.split, "image_column": data.image_column,
+                    "caption_column": data.caption_column, "image_id_column": data.image_id_column}  # fmt: skip
+        index = open_mining_index(args.index, location)
+        args = dataclasses.replace(args, embedding_dim=index_embedding_dim(index, args.embedding_dim))
     runtime, sources, columns = open_model_and_splits(args, data, None)
     report = mine_split(runtime, sources, args.split, args.output_dir, args.rule(),
-                        negative_column=args.negative_column, batch_size=args.batch_size,
-                        num_workers=args.dataloader_num_workers, bad_sample_policy=args.bad_sample_policy,
-                        columns=columns)  # fmt: skip
+                        negative_column=args.negative_column, columns=columns, index=index,
+                        batch_size=args.batch_size, num_workers=args.dataloader_num_workers,
+                        bad_sample_policy=args.bad_sample_policy)  # fmt: skip
     print(
         f"{args.split}: {report['mined']} of {report['read']} rows mined, {report['mean_negatives']:.2f} negatives "
         f"each on average ({report['rows_with_fewer_negatives']} with fewer than {args.num_negatives}; "
