@@ -15,6 +15,7 @@ import torch
 import vlfit
 from tests.http_shards import ShardServer, webdataset_shard
 from vlfit.commands.mine import MineArguments, mine_split
+from vlfit.commands.mine import main as mine_main
 from vlfit.commands.mine_index import check_index_model, indexed_pairs, open_mining_index
 from vlfit.data.hard_negatives import alternative_captions
 from vlfit.data.mining import MiningRule, mine_negatives
@@ -247,6 +248,13 @@ def test_the_rule_is_refused_in_one_line(flags, message):
     with pytest.raises(ConfigError) as refusal:
         MineArguments(model="run", output_dir="out", **flags)
     assert message in str(refusal.value) and "\n" not in str(refusal.value)
+
+
+def test_under_torchrun_it_is_refused_in_one_line_before_the_model_loads(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"^vlfit mine runs in one process: start it without torchrun") as refusal:
+        mine_main(["--model", str(tmp_path / "no-model"), "--output_dir", str(tmp_path / "out")])
+    assert "\n" not in str(refusal.value) and not (tmp_path / "out").exists()
 
 
 def test_a_folder_of_something_else_is_refused_before_the_imports(tmp_path, capsys):

@@ -180,6 +180,12 @@ def main(argv: list[str] | None = None) -> int:
         "mined_negatives`.",
     )
     args, data = parser.parse_args_into_dataclasses(args=sys.argv[1:] if argv is None else argv)
+    from vlfit.launch import launched_world_size
+
+    if launched_world_size() > 1:  # each process would mine the whole split into the same folder
+        raise ConfigError("vlfit mine runs in one process: start it without torchrun (to share the embedding between "
+                          "processes, build the split's index under torchrun with vlfit retrieve index, then mine "
+                          "with --index)")  # fmt: skip
     MINE.claim(args.output_dir)  # a folder of something else is refused before the model and the data load
     index = None
     if args.index is not None:  # its data checked before the model loads; its model once it has
