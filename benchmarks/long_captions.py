@@ -20,8 +20,8 @@ is evaluated as the demo is: text->image recall@1 over pools of its test split.
 
 Full size (the demo's 3000 samples, 300 steps at batch 48, ``clip-tiny``): four runs of about a minute each on 2
 free cores (the short ones 53 s, docs/results.md's presets; the long ones longer, their captions being about 140
-tokens), the data about a minute: about 6 minutes. ``--quick`` (500 samples, 40 epochs at batch 32): about 3
-minutes; its figures say only that the script works.
+tokens), the data about a minute: about 6 minutes (9 on 2 shared cores). ``--quick`` (500 samples, 40 epochs at
+batch 32): about 8 minutes on 2 shared cores; its figures say only that the script works.
 """
 
 from __future__ import annotations

@@ -22,8 +22,9 @@ lower than in-batch (the full demo's in-batch figures: 0.747 / 0.733, docs/demo-
         [--model_preset P] [--max_samples N] [--epochs E] [--results benchmarks/results/cpu-2core/NAME.json]
 
 Full size (the demo's: 3000 samples, small-p8, 300 steps at batch 48): the in-batch run about 460 s on 2 free cores,
-each hard-negative run about 610 s (docs/demo-recipe.md), mining under a minute: about 30 minutes. ``--quick`` (tiny,
-500 samples, 40 epochs at batch 32): about 4 minutes on 2 free cores; its figures say only that the script works.
+each hard-negative run about 610 s (docs/demo-recipe.md), mining under a minute: about 30 minutes. ``--model_preset
+tiny --epochs 8`` (the demo's data, 400 steps): 10 minutes on 2 shared cores. ``--quick`` (tiny, 500 samples, 40
+epochs at batch 32): about 10 minutes on 2 shared cores; its figures say only that the script works.
 """
 
 from __future__ import annotations
