@@ -1,10 +1,11 @@
 """Smaller vectors at the same recall: embedding size (``--embedding_dim``) x storage (``--vector_storage``).
 
 For each size (full, 1/2, 1/4, 1/8 of the embedding) and each storage (float32 scanned exactly, int8 and binary codes
-scanned with the top ``--rescore`` x k re-scored from the float32 vectors; by default each storage's factor of
-``vlfit retrieve index``), as ``vlfit retrieve index`` builds the structure (``vlfit.index.ann.build_ann``): recall@10 against exact float32 search at the full size, bytes per vector
-of what a query scans (the structure in memory; the float32 shards stay on disk, memory-mapped, and a query reads
-``rescore * k`` rows of them), and the median latency of one query.
+scanned with the top ``--rescore`` x k re-scored from the float32 vectors; by default each storage's factor in
+``vlfit retrieve index``), as ``vlfit retrieve index`` builds the structure (``vlfit.index.ann.build_ann``):
+recall@10 against exact float32 search at the full size, bytes per vector of what a query scans (the structure in
+memory; the float32 shards stay on disk, memory-mapped, and a query reads ``rescore * k`` rows of them), and the
+median latency of one query.
 
 Vectors: by default ``--count`` synthetic unit vectors around 1000 random centres whose spread falls along the
 dimensions (dimension i scaled by (i + 1) ** -0.5: the first dimensions carry most of the signal, as in a Matryoshka
