@@ -14,9 +14,11 @@ from vlfit.efficiency.cpu import cpu_info
 
 
 def rerun_command(script: str, args: argparse.Namespace, leave_out: tuple[str, ...] = ("results",)) -> str:
-    """``python benchmarks/<script> --flag value ...``: every parsed flag but ``leave_out``."""
-    flags = " ".join(f"--{key} {value}" for key, value in vars(args).items() if key not in leave_out)
-    return f"python benchmarks/{script} {flags}"
+    """``python benchmarks/<script> --flag value ...``: every parsed flag but ``leave_out`` and those left at None or
+    False (a flag set to True as the bare switch)."""
+    flags = [f"--{key}" if value is True else f"--{key} {value}" for key, value in vars(args).items()
+             if key not in leave_out and value not in (None, False)]  # fmt: skip
+    return " ".join([f"python benchmarks/{script}", *flags])
 
 
 def machine() -> dict[str, object]:

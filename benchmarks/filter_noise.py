@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import shutil
@@ -31,15 +30,15 @@ import time
 
 import datasets
 import numpy as np
-from bench_records import machine, write_record
+from bench_records import machine, rerun_command, write_record
+from demo_runs import train
 
-from vlfit.commands.demo import QUICK, DemoArguments, ensure_synthetic_data, recipe, synthetic_config
+from vlfit.commands.demo import QUICK, DemoArguments, ensure_synthetic_data, synthetic_config
 from vlfit.commands.filter import filter_splits
 from vlfit.data.filtering import Cut
 from vlfit.data.records import EVAL_COLUMNS
 from vlfit.data.sources import open_splits
 from vlfit.inference.runtime import ModelRuntime
-from vlfit.training.run import run
 
 CAPTION = "image_description"
 
@@ -57,24 +56,6 @@ def swap_captions(data_dir: str, out: str, fraction: float, seed: int) -> set[st
     shutil.rmtree(out, ignore_errors=True)
     datasets.DatasetDict({**splits, "train": noisy}).save_to_disk(out)
     return {train[int(row)]["instance_id"] for row in chosen}
-
-
-def train(demo: DemoArguments, name: str, data_dir: str, overrides: dict, train_file: str | None = None) -> dict:
-    """The demo's run on ``data_dir`` (its training split from ``train_file`` when given), into ``<output_dir>/name``;
-    its metrics and seconds."""
-    model_args, data_args, training_args = recipe(
-        dataclasses.replace(demo, output_dir=os.path.join(demo.output_dir, name)), data_dir, overrides
-    )
-    if train_file is not None:
-        data_args = dataclasses.replace(data_args, train_file=train_file)
-    shutil.rmtree(training_args.output_dir, ignore_errors=True)
-    start = time.perf_counter()
-    results = run(model_args, data_args, training_args)
-    row = {"seconds": round(time.perf_counter() - start), "model": training_args.output_dir}
-    row |= {key: round(value, 4) for key, value in sorted(results.items())
-            if key.startswith("eval_") and ("recall@" in key or "matching" in key)}  # fmt: skip
-    print(name, json.dumps(row))
-    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,20 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     runs = {
         "clean": train(demo, "clean", clean_dir, same_steps),
         "noisy": train(demo, "noisy", noisy_dir, same_steps),
-        "filtered": train(demo, "filtered", noisy_dir, same_steps, os.path.join(filtered_dir, "train-*.parquet")),
+        "filtered": train(
+            demo, "filtered", noisy_dir, same_steps, train_file=os.path.join(filtered_dir, "train-*.parquet")
+        ),  # fmt: skip
     }
     record = {
         "benchmark": "filter_noise",
-        "command": " ".join(
-            [
-                "python benchmarks/filter_noise.py",
-                *(
-                    f"--{k}" if v is True else f"--{k} {v}"
-                    for k, v in vars(args).items()
-                    if v not in (None, False) and k != "results"
-                ),
-            ]
-        ),
+        "command": rerun_command("filter_noise.py", args),
         "machine": machine(),
         "settings": {
             "num_samples": demo.num_samples,

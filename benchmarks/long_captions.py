@@ -31,8 +31,8 @@ import dataclasses
 import json
 import os
 
-from bench_records import machine, write_record
-from mined_negatives import command_line, demo_arguments, same_steps, train
+from bench_records import machine, rerun_command, write_record
+from demo_runs import demo_arguments, same_steps, train
 from transformers import AutoTokenizer
 
 from vlfit.commands.demo import ensure_synthetic_data, synthetic_config
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     short_gap = runs["short, stretched"]["eval_t2i_recall@1"] - runs["short, 77"]["eval_t2i_recall@1"]
     record = {
         "benchmark": "long_captions",
-        "command": command_line("long_captions.py", args),
+        "command": rerun_command("long_captions.py", args),
         "machine": machine(),
         "settings": {
             "num_samples": demo.num_samples,

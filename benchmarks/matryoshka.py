@@ -23,28 +23,14 @@ import argparse
 import dataclasses
 import json
 import os
-import shutil
-import time
 
-from bench_records import machine, write_record
+from bench_records import machine, rerun_command, write_record
+from demo_runs import train
 
 import vlfit
 from vlfit.commands.demo import QUICK, DemoArguments, ensure_synthetic_data, recipe, synthetic_config
-from vlfit.training.run import run
 
 METRICS = ("t2i_recall@1", "t2i_recall@5", "i2t_recall@1", "matching_accuracy")
-
-
-def train(demo: DemoArguments, name: str, data_dir: str, overrides: dict) -> tuple[str, float]:
-    """The demo's run on ``data_dir`` into ``<output_dir>/name`` (its own evaluation left to ``evaluate``); the model
-    folder and the seconds it took."""
-    _, data_args, training_args = recipe(dataclasses.replace(demo, output_dir=os.path.join(demo.output_dir, name)),
-                                         data_dir, {"do_eval": False, **overrides})  # fmt: skip
-    model_args = recipe(demo, data_dir)[0]
-    shutil.rmtree(training_args.output_dir, ignore_errors=True)
-    start = time.perf_counter()
-    run(model_args, data_args, training_args)
-    return training_args.output_dir, round(time.perf_counter() - start)
 
 
 def evaluate(demo: DemoArguments, model: str, data_dir: str, size: int | None) -> dict:
@@ -80,12 +66,14 @@ def main(argv: list[str] | None = None) -> int:
         demo = dataclasses.replace(demo, num_samples=args.max_samples)
     data_dir = ensure_synthetic_data(os.path.join(args.output_dir, "data"), synthetic_config(demo))
 
-    plain, plain_seconds = train(demo, "without", data_dir, {})
+    plain_run = train(demo, "without", data_dir, {"do_eval": False})
+    plain, plain_seconds = plain_run["model"], plain_run["seconds"]
     without = {None: evaluate(demo, plain, data_dir, None)}
     full = int(without[None]["embedding_dim"])
     sizes = sorted({full // int(fraction) for fraction in args.fractions.split(",")}, reverse=True)
     dims = ",".join(str(size) for size in sorted(sizes))
-    nested, nested_seconds = train(demo, "with", data_dir, {"matryoshka_dims": dims})
+    nested_run = train(demo, "with", data_dir, {"do_eval": False, "matryoshka_dims": dims})
+    nested, nested_seconds = nested_run["model"], nested_run["seconds"]
     with_ = {None: evaluate(demo, nested, data_dir, None)}
     for size in sizes:
         without[size] = evaluate(demo, plain, data_dir, size)
@@ -102,16 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['embedding_dim']:>6}  {row['without']['t2i_recall@1']:>8.3f}  {row['with']['t2i_recall@1']:>8.3f}")
     record = {
         "benchmark": "matryoshka",
-        "command": " ".join(
-            [
-                "python benchmarks/matryoshka.py",
-                *(
-                    f"--{k}" if v is True else f"--{k} {v}"
-                    for k, v in vars(args).items()
-                    if v not in (None, False) and k != "results"
-                ),
-            ]
-        ),  # fmt: skip
+        "command": rerun_command("matryoshka.py", args),
         "machine": machine(),
         "settings": {
             "num_samples": demo.num_samples,

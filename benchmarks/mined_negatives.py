@@ -33,67 +33,23 @@ import argparse
 import dataclasses
 import glob
 import json
-import math
 import os
-import shutil
 import time
-from typing import Any
 
 import pyarrow.parquet as pq
-from bench_records import machine, write_record
+from bench_records import machine, rerun_command, write_record
+from demo_runs import demo_arguments, same_steps, train
 
 from fewshot import TEMPLATES
-from vlfit.commands.demo import QUICK, DemoArguments, ensure_synthetic_data, recipe, synthetic_config
+from vlfit.commands.demo import DemoArguments, ensure_synthetic_data, synthetic_config
 from vlfit.commands.mine import mine_split
 from vlfit.data.mining import DEFAULT_NEGATIVE_COLUMN, MiningRule
 from vlfit.data.records import EVAL_COLUMNS
 from vlfit.data.sources import open_splits
 from vlfit.data.synthetic import SyntheticConfig
 from vlfit.inference.runtime import ModelRuntime
-from vlfit.training.run import run
 
 ZEROSHOT_LABELS = "region"
-REPORTED = ("recall@", "matching", "zeroshot_top1")  # the eval_ metrics a row keeps
-
-
-def train(demo: DemoArguments, name: str, data_dir: str, overrides: dict | None = None, **data: Any) -> dict:
-    """The demo's run on ``data_dir`` into ``<output_dir>/name``, with ``overrides`` of its ``TrainingArguments``
-    and ``data`` of its ``DataArguments``; its metrics (``REPORTED``) and seconds."""
-    model_args, data_args, training_args = recipe(
-        dataclasses.replace(demo, output_dir=os.path.join(demo.output_dir, name)), data_dir, overrides
-    )
-    data_args = dataclasses.replace(data_args, **data)
-    shutil.rmtree(training_args.output_dir, ignore_errors=True)
-    start = time.perf_counter()
-    results = run(model_args, data_args, training_args)
-    row = {"seconds": round(time.perf_counter() - start), "model": training_args.output_dir}
-    row |= {key: round(value, 4) for key, value in sorted(results.items())
-            if key.startswith("eval_") and any(part in key for part in REPORTED)}  # fmt: skip
-    print(name, json.dumps(row))
-    return row
-
-
-def command_line(script: str, args: argparse.Namespace) -> str:
-    """``python benchmarks/<script>`` with the flags given (those left at None or False, and --results, left out)."""
-    flags = [f"--{k}" if v is True else f"--{k} {v}" for k, v in vars(args).items()
-             if v not in (None, False) and k != "results"]  # fmt: skip
-    return " ".join([f"python benchmarks/{script}", *flags])
-
-
-def demo_arguments(args: argparse.Namespace, **defaults: Any) -> DemoArguments:
-    """The demo's flags for ``args`` (``--quick``, ``--model_preset``, ``--max_samples``, ``--epochs``), with
-    ``defaults`` replacing the demo's own before them."""
-    demo = DemoArguments(output_dir=args.output_dir, **defaults)
-    if args.quick:
-        demo = dataclasses.replace(demo, **{**QUICK, **defaults, "output_dir": args.output_dir})
-    changed = {"model_preset": args.model_preset, "num_samples": args.max_samples, "num_train_epochs": args.epochs}
-    return dataclasses.replace(demo, **{k: v for k, v in changed.items() if v})
-
-
-def same_steps(demo: DemoArguments, data_dir: str) -> int:
-    """The optimizer steps of the demo's run on ``data_dir`` (its epochs of whole batches)."""
-    n_train = len(open_splits(dataset_name=data_dir)["train"])
-    return math.floor(n_train / demo.per_device_train_batch_size) * math.ceil(demo.num_train_epochs)
 
 
 def mine(model: str, data_dir: str, out: str, demo: DemoArguments) -> dict:
@@ -152,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     record = {
         "benchmark": "mined_negatives",
-        "command": command_line("mined_negatives.py", args),
+        "command": rerun_command("mined_negatives.py", args),
         "machine": machine(),
         "settings": {
             "num_samples": demo.num_samples,
