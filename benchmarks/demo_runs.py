@@ -52,3 +52,9 @@ def same_steps(demo: DemoArguments, data_dir: str) -> int:
     """The optimizer steps of the demo's run on ``data_dir`` (its epochs of whole batches)."""
     n_train = len(open_splits(dataset_name=data_dir)["train"])
     return math.floor(n_train / demo.per_device_train_batch_size) * math.ceil(demo.num_train_epochs)
+
+
+def run_settings(demo: DemoArguments, steps: int) -> dict[str, Any]:
+    """What a record says of the runs it compares: samples, preset, steps, batch size, evaluation pools."""
+    return {"num_samples": demo.num_samples, "model_preset": demo.model_preset, "steps": steps,
+            "batch_size": demo.per_device_train_batch_size, "eval_pool_size": demo.eval_pool_size}  # fmt: skip

@@ -31,7 +31,7 @@ import time
 import datasets
 import numpy as np
 from bench_records import machine, rerun_command, write_record
-from demo_runs import train
+from demo_runs import run_settings, train
 
 from vlfit.commands.demo import QUICK, DemoArguments, ensure_synthetic_data, synthetic_config
 from vlfit.commands.filter import filter_splits
@@ -110,10 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": rerun_command("filter_noise.py", args),
         "machine": machine(),
         "settings": {
-            "num_samples": demo.num_samples,
-            "model_preset": demo.model_preset,
-            "steps": steps,
-            "batch_size": demo.per_device_train_batch_size,
+            **run_settings(demo, steps),
             "noise": args.noise,
             "drop_fraction": args.drop_fraction,
             "scorer_epochs": scorer_epochs,

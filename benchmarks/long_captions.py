@@ -32,7 +32,7 @@ import json
 import os
 
 from bench_records import machine, rerun_command, write_record
-from demo_runs import demo_arguments, same_steps, train
+from demo_runs import demo_arguments, run_settings, same_steps, train
 from transformers import AutoTokenizer
 
 from vlfit.commands.demo import ensure_synthetic_data, synthetic_config
@@ -87,14 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "long_captions",
         "command": rerun_command("long_captions.py", args),
         "machine": machine(),
-        "settings": {
-            "num_samples": demo.num_samples,
-            "model_preset": demo.model_preset,
-            "steps": steps,
-            "batch_size": demo.per_device_train_batch_size,
-            "eval_pool_size": demo.eval_pool_size,
-            "stretch": args.stretch,
-        },
+        "settings": {**run_settings(demo, steps), "stretch": args.stretch},
         "long_captions": caption_tokens(runs["long, stretched"]["model"], long_dir),
         "runs": runs,
         "short_stretched_minus_77": round(short_gap, 4),

@@ -38,7 +38,7 @@ import time
 
 import pyarrow.parquet as pq
 from bench_records import machine, rerun_command, write_record
-from demo_runs import demo_arguments, same_steps, train
+from demo_runs import demo_arguments, run_settings, same_steps, train
 
 from fewshot import TEMPLATES
 from vlfit.commands.demo import DemoArguments, ensure_synthetic_data, synthetic_config
@@ -111,11 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": rerun_command("mined_negatives.py", args),
         "machine": machine(),
         "settings": {
-            "num_samples": demo.num_samples,
-            "model_preset": demo.model_preset,
-            "steps": steps,
-            "batch_size": demo.per_device_train_batch_size,
-            "eval_pool_size": demo.eval_pool_size,
+            **run_settings(demo, steps),
             "zeroshot": f"make-data --labels {ZEROSHOT_LABELS} --seed 1 --num_samples {args.zeroshot_samples}: test",
             "mining": dataclasses.asdict(MiningRule()) | {"model": "in-batch"},
         },
