@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -117,6 +118,8 @@ def test_callback_stops_at_step_end_and_restores_handlers() -> None:
 
 
 def test_second_signal_gives_up_waiting() -> None:
+    # Python's own SIGINT handler before training, whatever an earlier test in this worker left there.
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     callback = PreemptionCallback()
     args, state, control = _callback_args(), TrainerState(), TrainerControl()
     callback.on_train_begin(args, state, control)
@@ -125,9 +128,13 @@ def test_second_signal_gives_up_waiting() -> None:
         assert callback.received == signal.SIGINT
         with pytest.raises(KeyboardInterrupt):  # the previous (default) SIGINT handler, re-delivered
             os.kill(os.getpid(), signal.SIGINT)
+            # The re-delivered signal's handler runs when the interpreter next checks for signals: it interrupts
+            # this wait (in CI it once ran only after the block had ended).
+            time.sleep(10)
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         callback.uninstall()
+        signal.signal(signal.SIGINT, before)
 
 
 def test_preempted_error_names_the_checkpoint_and_the_exit_code() -> None:
