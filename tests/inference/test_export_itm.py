@@ -42,10 +42,11 @@ CAPTIONS = ["red", "two blue squares on the left and one green circle at the top
 
 
 @pytest.fixture(scope="module")
-def itm_export(itm_checkpoint, synthetic_dataset_dir, tmp_path_factory) -> Path:
-    """``vlfit export --quantize int8`` of the checkpoint with a matching head."""
+def itm_export(weighted_itm_checkpoint, synthetic_dataset_dir, tmp_path_factory) -> Path:
+    """``vlfit export --quantize int8`` of the checkpoint with a matching head whose run saved a re-ranking weight
+    (``itm_checkpoint``'s weights: the tests hold the export against either)."""
     out = tmp_path_factory.mktemp("itm-export") / "onnx"
-    assert main(["export", "--model_name_or_path", str(itm_checkpoint), "--output_dir", str(out), "--quantize",
+    assert main(["export", "--model_name_or_path", str(weighted_itm_checkpoint), "--output_dir", str(out), "--quantize",
                  "int8", "--calibration_dataset", synthetic_dataset_dir, "--parity_samples", "13",
                  "--calibration_samples", "16"]) == 0  # fmt: skip
     return out
@@ -304,13 +305,9 @@ def test_the_matching_head_cuts_captions_at_the_runtimes_max_seq_length(itm_expo
 
 
 @pytest.mark.slow
-def test_an_export_keeps_the_runs_rerank_weight(weighted_itm_checkpoint, itm_checkpoint, synthetic_dataset_dir,
-                                                tmp_path):  # fmt: skip
+def test_an_export_keeps_the_runs_rerank_weight(itm_export, itm_checkpoint):
     import vlfit
 
-    out = tmp_path / "onnx"
-    assert main(["export", "--model_name_or_path", str(weighted_itm_checkpoint), "--output_dir", str(out),
-                 "--calibration_dataset", synthetic_dataset_dir, "--parity_samples", "8"]) == 0  # fmt: skip
-    assert vlfit.load(str(out)).rerank_weight == 4.0  # what re-ranking through the export fuses with by default
-    assert ModelRuntime.open(str(out)).rerank_score().weight == 4.0
+    assert vlfit.load(str(itm_export)).rerank_weight == 4.0  # what re-ranking through the export fuses with by default
+    assert ModelRuntime.open(str(itm_export)).rerank_score().weight == 4.0
     assert vlfit.load(str(itm_checkpoint)).rerank_weight is None  # a run that saved none: ITM alone

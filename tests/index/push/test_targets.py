@@ -164,14 +164,17 @@ def test_the_collection_lasts_beyond_the_process_that_pushed_it(tmp_path) -> Non
     from vlfit.index.push.base import close_shared_clients
 
     write_synthetic_index(tmp_path / "index", 50)
-    for engine in ("lancedb", "qdrant", "chroma", "milvus"):
-        uri = f"{engine}:{tmp_path / engine}{'.db' if engine == 'milvus' else ''}#items"
+    engines = ("lancedb", "qdrant", "chroma", "milvus")
+    uris = [f"{engine}:{tmp_path / engine}{'.db' if engine == 'milvus' else ''}#items" for engine in engines]
+    for uri in uris:
         push_index(EmbeddingIndex(str(tmp_path / "index")), uri)
-        close_shared_clients(str(tmp_path))
-        code = (f"from vlfit.index.push.pushed import PushedIndex; p = PushedIndex({uri!r}); "
-                "print(len(p), p.record.identity.checkpoint_sha256)")  # fmt: skip
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-        assert out.split() == ["50", "preset:tiny"], engine
+    close_shared_clients(str(tmp_path))
+    code = ("import sys; from vlfit.index.push.pushed import PushedIndex\n"
+            "for uri in sys.argv[1:]:\n"
+            "    p = PushedIndex(uri); print(len(p), p.record.identity.checkpoint_sha256)")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code, *uris], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [line.split() for line in done.stdout.splitlines()] == [["50", "preset:tiny"]] * len(engines)
 
 
 def test_a_push_writes_in_batches_of_the_engines_bulk_size(uri, synthetic_index, monkeypatch) -> None:
