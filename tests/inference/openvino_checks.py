@@ -3,7 +3,8 @@ process (left in one, its threads outlived the test and later crashed an unrelat
 
 Run as ``python tests/inference/openvino_checks.py encoder CHECKPOINT ONNX_EXPORT OUT`` (export the checkpoint to
 OpenVINO in OUT, its ONNX graphs copied from ONNX_EXPORT instead of traced again, and hold both precisions against
-PyTorch) or ``... pair EXPORT CHECKPOINT`` (the export's pair scorer against PyTorch's); each prints one JSON object.
+PyTorch) or ``... pair CHECKPOINT ONNX_EXPORT OUT`` (the same export of a checkpoint with a matching head, its ITM
+graph copied too, and its pair scorer against PyTorch's); each prints one JSON object.
 """
 
 from __future__ import annotations
@@ -50,17 +51,26 @@ def run_openvino_check(*args: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def encoder_check(checkpoint: str, onnx_export: str, out: str) -> dict:
+def export_copying_onnx_graphs(checkpoint: str, onnx_export: str, out: str, samples: int) -> dict:
+    """``vlfit export --format openvino --quantize int8`` of ``checkpoint`` into ``out`` on ``samples`` synthetic
+    parity samples, its ONNX graphs copied from ``onnx_export`` (the same weights) instead of traced again: tracing is
+    the ONNX export's, tested in the test process. The manifest."""
     from vlfit.inference import export as export_module
+    from vlfit.inference import export_itm
     from vlfit.inference.export import ExportSettings, export_model
 
     def copy_graphs(loaded, folder, opset):  # type: ignore[no-untyped-def]
         return {t: shutil.copy(f"{onnx_export}/{t}.onnx", f"{folder}/{t}.onnx") for t in ("image", "text")}
 
-    export_module.export_onnx_towers = copy_graphs  # tracing is the ONNX export's, tested in the test process
+    export_module.export_onnx_towers = copy_graphs
+    export_itm.export_onnx_itm = lambda graph, path, *shape: shutil.copy(f"{onnx_export}/itm.onnx", path)
     loaded = ModelRuntime.open(checkpoint).encoder
-    samples = load_samples(synthetic_source(9), loaded.spec)
-    manifest = export_model(loaded, out, ExportSettings("openvino", "int8"), parity_samples=samples)
+    parity = load_samples(synthetic_source(samples), loaded.spec)
+    return export_model(loaded, out, ExportSettings("openvino", "int8"), parity_samples=parity)
+
+
+def encoder_check(checkpoint: str, onnx_export: str, out: str) -> dict:
+    manifest = export_copying_onnx_graphs(checkpoint, onnx_export, out, 9)
     reference = ModelRuntime.open(checkpoint).encoder
     pixels = load_samples(synthetic_source(6, seed=5), reference.spec).pixels
     fp32 = ModelRuntime.open(out, RuntimeSettings(precision="fp32")).encoder  # asked fp32: computed in f32
@@ -86,9 +96,10 @@ def _hint(encoder) -> str:  # type: ignore[no-untyped-def]
     return hint.to_string() if hasattr(hint, "to_string") else str(hint)
 
 
-def pair_check(export: str, checkpoint: str) -> dict:
+def pair_check(checkpoint: str, onnx_export: str, export: str) -> dict:
     from vlfit.inference.pair_scorer import ExportedPairScorer
 
+    manifest = export_copying_onnx_graphs(checkpoint, onnx_export, export, 13)
     fp32 = ModelRuntime.open(export, RuntimeSettings(precision="fp32")).require_pair_scorer()
     pixels = load_samples(synthetic_source(5, seed=7), fp32.spec).pixels
     rows = (torch.arange(2).repeat_interleave(5), torch.arange(5).repeat(2))
@@ -100,6 +111,7 @@ def pair_check(export: str, checkpoint: str) -> dict:
     except ConfigError as error:
         refusal = str(error)
     return {
+        "manifest": manifest,
         "fp32": [isinstance(fp32, ExportedPairScorer), fp32.backend, fp32.precision],
         "fp32_max_diff": float((fp32.score_pairs(CAPTIONS, pixels, *rows) - expected).abs().max()),
         "int8": [isinstance(int8, ExportedPairScorer), int8.precision if int8 is not None else None],

@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -187,16 +185,12 @@ def test_itm_graph_matches_pytorch_and_its_int8_agreement_is_recorded(itm_export
 
 
 @pytest.mark.slow
-def test_an_openvino_export_scores_pairs_as_pytorch_does(itm_checkpoint, synthetic_dataset_dir, tmp_path):
-    # Export and scoring in processes of their own: OpenVINO's runtime threads, left in a test process, crashed an
-    # unrelated test later in the same process.
+def test_an_openvino_export_scores_pairs_as_pytorch_does(itm_checkpoint, itm_export, tmp_path):
+    # Export and scoring in a process of its own: OpenVINO's runtime threads, left in a test process, crashed an
+    # unrelated test later in the same process. Its ONNX graphs are itm_export's, not traced again.
     out = tmp_path / "openvino"
-    export = [sys.executable, "-m", "vlfit", "export", "--model_name_or_path", str(itm_checkpoint), "--output_dir",
-              str(out), "--format", "openvino", "--quantize", "int8", "--calibration_dataset", synthetic_dataset_dir,
-              "--parity_samples", "13", "--calibration_samples", "16"]  # fmt: skip
-    done = subprocess.run(export, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
-    assert done.returncode == 0, done.stderr[-3000:]
-    manifest = json.loads((out / "export_manifest.json").read_text())
+    scored = run_openvino_check("pair", str(itm_checkpoint), str(itm_export), str(out))
+    manifest = scored["manifest"]
     assert manifest["graphs"]["itm"] == {"fp32": "itm.xml", "int8": "itm.int8.xml"}
     assert manifest["quantization"]["itm"] == "nncf compress_weights (int8_asym)"
     parity = manifest["parity"]["itm"]
@@ -204,7 +198,6 @@ def test_an_openvino_export_scores_pairs_as_pytorch_does(itm_checkpoint, synthet
     assert 0 < parity["int8"]["max_abs_diff"] < 0.05 and parity["int8"]["spearman"] > 0.95
     assert not (out / "onnx").exists() and not list(out.glob("*.onnx"))
 
-    scored = run_openvino_check("pair", str(out), str(itm_checkpoint))
     assert scored["fp32"] == [True, "openvino", "fp32"] and scored["fp32_max_diff"] < 1e-4
     assert scored["int8"] == [True, "int8"] and scored["int8_max_diff"] < 0.05  # beside the INT8 encoder
     expected = r"holds openvino graphs, which run on openvino, not onnxruntime; .*--format onnx"
