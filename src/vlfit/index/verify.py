@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from vlfit.index.ann import ANN_DESCRIPTION, ANN_FILE
 from vlfit.index.integrity import DamagedIndexError, check_verify_level, file_problem
 from vlfit.index.store import MANIFEST_NAME, EmbeddingIndex
 from vlfit.models.reference import check_index_folder
@@ -159,8 +160,6 @@ def verify_index(path: str, level: str = "quick") -> IndexCheck:
         unrecorded += missing_records
         check.problems += [Problem(os.path.join(path, name), what, repair) for name, what in found]
     if manifest.ann:
-        from vlfit.index.ann import ANN_DESCRIPTION, ANN_FILE
-
         check.files += 2
         ann_path = os.path.join(path, ANN_FILE)
         problem = file_problem(ann_path, manifest.ann if "bytes" in manifest.ann else None, level)
@@ -187,6 +186,21 @@ def manifest_stamp(path: str) -> tuple[int, int] | None:
     except OSError:
         return None
     return stat.st_mtime_ns, stat.st_size
+
+
+def recorded_files(index: EmbeddingIndex) -> dict[str, dict[str, object] | None]:
+    """Every file the manifest of ``index`` names (shards' embeddings, ids and captions; the ANN structure), with
+    what it records of each (``{"bytes", "sha256"}``; None for an index written before it recorded them)."""
+    files: dict[str, dict[str, object] | None] = {}
+    for shard in index.manifest.shards:
+        recorded = shard.get("files") or {}
+        for name in (shard["embeddings"], shard["ids"], shard.get("captions")):
+            if name:
+                files[os.path.join(index.path, name)] = recorded.get(name)
+    ann = index.manifest.ann
+    if ann:
+        files[os.path.join(index.path, ANN_FILE)] = ann if "bytes" in ann else None
+    return files
 
 
 def verified_stamp(path: str, verify: str = "quick") -> tuple[int, int] | None:
@@ -240,6 +254,7 @@ __all__ = [
     "damaged_shards",
     "manifest_stamp",
     "open_index",
+    "recorded_files",
     "verified_stamp",
     "verify_index",
 ]

@@ -34,14 +34,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from vlfit.errors import ConfigError, first_line
-from vlfit.index.ann import ANN_FILE
 from vlfit.index.integrity import DamagedIndexError, file_problem
 from vlfit.index.items import IndexedItems
 from vlfit.index.rerank import Reranker, rerank_problem
 from vlfit.index.search import Hit, query_runtime, search
 from vlfit.index.stages import StageTimes
-from vlfit.index.store import MANIFEST_NAME, EmbeddingIndex
-from vlfit.index.verify import manifest_stamp, open_index
+from vlfit.index.store import MANIFEST_NAME
+from vlfit.index.verify import manifest_stamp, open_index, recorded_files
 from vlfit.inference.rerank_score import FUSED, ITM_ONLY, RerankScore, check_rerank_weight
 from vlfit.inference.runtime_settings import RuntimeSettings
 
@@ -68,6 +67,10 @@ class Snapshot:
     def __init__(self, folder: str, verify: str = "quick", verified: tuple[int, int] | None = None) -> None:
         self.stamp = manifest_stamp(folder)
         self.index = index = open_index(folder, verify, verified)
+        # Every file the manifest names, with what it records of it and how it was on disk once read: a later stat
+        # that differs is a file changed in place (``SearchEngine.reload_if_changed`` checks it then).
+        self.files = recorded_files(index)
+        self.file_stamps = {path: file_stamp(path) for path in self.files}
         self.manifest = index.manifest
         # Read now, not by the first query: what every search of this snapshot reads (vlfit.index.search).
         self.items: list[str] = index.row_ids
@@ -86,10 +89,6 @@ class Snapshot:
                 folder,
             )
         self.indexed = IndexedItems(index)  # where items' images are (and an older index's record captions)
-        # Every file the manifest names, with what it records of it and how it was on disk once read: a later stat
-        # that differs is a file changed in place (``SearchEngine.reload_if_changed`` checks it then).
-        self.files = _recorded_files(index)
-        self.file_stamps = {path: file_stamp(path) for path in self.files}
 
     @property
     def search_kind(self) -> str:
@@ -377,21 +376,6 @@ def _refusal(stamp: tuple[int, int], file: str | None) -> tuple[object, ...]:
     """What a manifest was refused at: its stamp, and the file it was refused for with that file's stamp (a reload
     tries again once either changes)."""
     return stamp, file, file_stamp(file) if file else None
-
-
-def _recorded_files(index: EmbeddingIndex) -> dict[str, dict[str, object] | None]:
-    """Every file the manifest of ``index`` names (shards' embeddings, ids and captions; the ANN structure), with
-    what it records of each (``{"bytes", "sha256"}``; None for an index written before it recorded them)."""
-    files: dict[str, dict[str, object] | None] = {}
-    for shard in index.manifest.shards:
-        recorded = shard.get("files") or {}
-        for name in (shard["embeddings"], shard["ids"], shard.get("captions")):
-            if name:
-                files[os.path.join(index.path, name)] = recorded.get(name)
-    ann = index.manifest.ann
-    if ann:
-        files[os.path.join(index.path, ANN_FILE)] = ann if "bytes" in ann else None
-    return files
 
 
 def _set_search_threads(threads: int) -> None:
