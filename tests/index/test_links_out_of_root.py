@@ -18,6 +18,7 @@ from vlfit.data.sources.images import ImageFilesSource, ImageFolderSource, image
 from vlfit.index.items import IndexedItems, ItemFileError
 from vlfit.index.job import IndexJob, index_collection
 from vlfit.index.store import EmbeddingIndex
+from vlfit.index.verify import manifest_stamp
 from vlfit.serve.images import IndexedThumbnails, ThumbnailRefused
 
 
@@ -45,7 +46,7 @@ def test_a_folder_of_links_to_photos_kept_elsewhere_indexes_every_photo_under_it
     assert sorted(indexed.ids()) == sorted([*linked, str(images / "inside.jpg")])
     assert [bad["id"] for bad in report.bad_samples] == [str(images / "not-a-photo.jpg")]
     assert "4 added, 1 left out" in report.lines()[-1]
-    items = IndexedItems(indexed)
+    items = IndexedItems(indexed, manifest_stamp(indexed.path))
     for number, path in enumerate(linked):  # the photo the link leads to, as the index embedded it
         assert items.image_bytes(indexed.row_ids.index(path)) == jpeg(number)
 
@@ -70,7 +71,7 @@ def test_links_made_after_the_index_was_written_show_nothing_out_of_the_folder(t
     os.remove(images / "p1.jpg")  # a photo swapped for a link inside the folder to a file that is not an image
     os.symlink(images / "notes.txt", images / "p1.jpg")
 
-    items = IndexedItems(indexed)
+    items = IndexedItems(indexed, manifest_stamp(indexed.path))
     for name in ("p0.jpg", "p3.jpg"):
         made_after = rf"^item {rows[name]} \({name}\): its file is a link out of the indexed root made after the index"
         with pytest.raises(ItemFileError, match=made_after):

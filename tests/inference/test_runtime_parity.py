@@ -126,10 +126,13 @@ def _reranker_embeddings(model, index, photos) -> torch.Tensor:
     from vlfit.index.items import IndexedItems
     from vlfit.index.rerank import candidate_images
     from vlfit.index.search import Hit
+    from vlfit.index.verify import manifest_stamp
 
     rows = {os.path.basename(item): row for row, item in enumerate(index.row_ids)}
     hits = [Hit(os.path.basename(p), 1.0, row=rows[os.path.basename(p)]) for p in photos]
-    images, position_of = candidate_images(model.runtime.image_inputs, IndexedItems(index), hits)
+    images, position_of = candidate_images(
+        model.runtime.image_inputs, IndexedItems(index, manifest_stamp(index.path)), hits
+    )
     return model.runtime.encoder.encode_images(**images)[[position_of[hit.row] for hit in hits]]
 
 

@@ -26,7 +26,6 @@ from vlfit.data.sources.base import ImageTextSource
 from vlfit.data.sources.openers import COLLECTION_KEYS, open_collection
 from vlfit.errors import MissingFileError
 from vlfit.index.store import EmbeddingIndex
-from vlfit.index.verify import manifest_stamp
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +49,12 @@ class IndexedItems:
     Args:
         index: The index; its manifest's collections are opened again (a dataset that moved is logged in one line
             and its items have no image at hand).
+        stamp: The stamp of its manifest as the caller read it (``vlfit.index.verify.manifest_stamp``): when the
+            index was last written; a link made since (or in the same clock tick: file times are coarse) is none the
+            index recorded (None: no manifest on disk, every link out of its folder refused).
     """
 
-    def __init__(self, index: EmbeddingIndex) -> None:
+    def __init__(self, index: EmbeddingIndex, stamp: tuple[int, int] | None) -> None:
         self.rows: list[str] = index.row_ids
         self.captions: dict[str, str | None] = {}  # an older index's items: the record's caption, from the dataset
         self._dataset_rows: dict[str, tuple[int, int]] = {}  # item -> (source, row)
@@ -66,10 +68,7 @@ class IndexedItems:
             elif collection.get("dataset_name") and not collection.get("streamed"):
                 self._add(collection)
         self.roots = sorted(roots, key=len, reverse=True)  # the folders indexed, the innermost first
-        # When the index was last written: a link made since (or in the same clock tick: file times are coarse) is
-        # none the index recorded (None: no manifest on disk).
-        written = manifest_stamp(index.path)
-        self.written_ns = written[0] if written else None
+        self.written_ns = stamp[0] if stamp else None  # when the index was last written
 
     def _add(self, collection: dict) -> None:
         try:

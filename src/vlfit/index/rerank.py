@@ -22,6 +22,7 @@ from vlfit.errors import ConfigError, DataError, MissingFileError
 from vlfit.index.items import IndexedItems
 from vlfit.index.search import Hit
 from vlfit.index.store import EmbeddingIndex
+from vlfit.index.verify import manifest_stamp
 from vlfit.inference.pair_scorer import NO_HEAD_ADVICE, NoMatchingHeadError, PairScorer
 from vlfit.inference.rerank_score import ITM_ONLY, RerankScore
 from vlfit.inference.runtime import ModelRuntime
@@ -57,7 +58,7 @@ def rerankable_items(index: EmbeddingIndex) -> IndexedItems:
     Raises:
         ConfigError: when the index cannot reach its items' images (``rerank_problem``).
     """
-    items = IndexedItems(index)
+    items = IndexedItems(index, manifest_stamp(index.path))
     if not items.has_images:
         raise ConfigError(UNREACHABLE_IMAGES)
     return items
@@ -87,7 +88,7 @@ class Reranker:
             ConfigError: when the index cannot reach its items' images (tar shards at URLs, a dataset moved).
         """
         scorer = runtime.pair_scorer
-        items = items if items is not None else IndexedItems(index)
+        items = items if items is not None else IndexedItems(index, manifest_stamp(index.path))
         problem = rerank_problem(scorer, items, runtime.path)
         if problem is not None:
             raise (NoMatchingHeadError if scorer is None else ConfigError)(problem)

@@ -88,7 +88,7 @@ class Snapshot:
                 broken,
                 folder,
             )
-        self.indexed = IndexedItems(index)  # where items' images are (and an older index's record captions)
+        self.indexed = IndexedItems(index, self.stamp)  # where items' images are (and an older index's record captions)
 
     @property
     def search_kind(self) -> str:
