@@ -79,8 +79,9 @@ def test_every_door_cuts_embeddings_as_load_does(synthetic_dataset_dir, tmp_path
     with pytest.raises(ConfigError, match="--embedding_dim 8: the index .* holds embeddings of size 16"):
         query_runtime(index, settings=RuntimeSettings(embedding_dim=8))
     with pytest.raises(ConfigError, match="--embedding_dim 8: the index"):
-        IndexJob(model, folder, images=str(images), runtime=RuntimeSettings(embedding_dim=8)).replayed()
-    assert IndexJob(model, folder, images=str(images)).replayed().runtime.embedding_dim == SIZE  # appends cut alike
+        IndexJob(model, folder, images=str(images), runtime=RuntimeSettings(embedding_dim=8)).replayed(index)
+    appended = IndexJob(model, folder, images=str(images)).replayed(index)
+    assert appended.runtime.embedding_dim == SIZE  # appends cut alike
 
     trained = dataclasses.replace(full.runtime.inputs, matryoshka_dims=(SIZE,))  # a Matryoshka run's record
     save_input_settings(trained, model)
@@ -177,7 +178,7 @@ def test_a_push_keeps_compact_codes_where_the_engine_has_them(tmp_path) -> None:
 def test_a_new_index_rescores_by_its_storage_unless_told(tmp_path) -> None:
     # Sign bits rank coarser than 8-bit codes: binary re-scores more candidates (benchmarks/smaller_vectors.py).
     def rescore(**flags) -> int | None:
-        return IndexJob("m", str(tmp_path / "new"), images="x", **flags).replayed().rescore
+        return IndexJob("m", str(tmp_path / "new"), images="x", **flags).replayed(None).rescore
 
     assert (rescore(vector_storage="int8"), rescore(vector_storage="binary"), rescore(vector_storage="binary",
             rescore=6)) == (4, 32, 6)  # fmt: skip

@@ -96,6 +96,7 @@ class Index:
         index holds one size). A dataset's rows that show one image (one ``image_id_column`` value, one row of
         a list caption column, or identical bytes) are one item with all their captions, as evaluation groups them."""
         from vlfit.index.job import IndexJob, index_collection
+        from vlfit.index.store import EmbeddingIndex
 
         if not isinstance(model, str) and embedding_dim not in (None, model.embedding_dim):
             raise ConfigError(f"--embedding_dim {embedding_dim}: the model given embeds into {model.embedding_dim} "
@@ -109,7 +110,7 @@ class Index:
             vector_storage=vector_storage, rescore=rescore, runtime=RuntimeSettings(embedding_dim=embedding_dim),
         )  # fmt: skip
         if isinstance(model, str):  # appended to at the patch budget and size it was built with
-            runtime = job.replayed().runtime
+            runtime = job.replayed(EmbeddingIndex.existing(path)).runtime
             model = load(model, max_num_patches=runtime.max_num_patches, embedding_dim=runtime.embedding_dim)
             job = dataclasses.replace(job, model=model.encoder)
         index_collection(job).raise_for_failures()

@@ -134,17 +134,15 @@ class IndexJob:
                 raise ConfigError(f"--{flag} must be at least {least}, got {value}")
         object.__setattr__(self, "storage_options", parse_storage_options(self.storage_options))
 
-    def replayed(self, index: EmbeddingIndex | None = None) -> IndexJob:
+    def replayed(self, index: EmbeddingIndex | None) -> IndexJob:
         """This job with each ``BUILD_SETTINGS`` entry it leaves unset (None) as the index at ``output_dir`` last
         recorded it (the default for a new index, or one built before settings were recorded), and a NaFlex model's
         patch budget as its items were embedded at: another one asked for is refused here, before the model loads.
-        ``index`` is the index at ``output_dir`` as the caller opened it (``EmbeddingIndex.existing``); left out, it
-        is opened here.
+        ``index`` is the index at ``output_dir`` as the caller opened it (``EmbeddingIndex.existing``; None: there is
+        none yet).
         """
         recorded: dict[str, Any] = {}
         budget = None
-        if index is None:
-            index = EmbeddingIndex.existing(self.output_dir)
         if index is not None:
             manifest = index.manifest
             recorded = manifest.collections[-1].get("settings", {}) if manifest.collections else {}
