@@ -58,7 +58,7 @@ def _extendable(folder: str, ids: list[str], wanted: IndexChoice) -> AnnIndex | 
 
 
 def update_ann(
-    index: EmbeddingIndex | str,
+    index: EmbeddingIndex,
     *,
     index_type: str = "auto",
     max_index_memory: int | None = None,
@@ -71,7 +71,7 @@ def update_ann(
     """Make the ANN structure of ``index`` cover every row of its shards; record it in the manifest.
 
     Args:
-        index: The index (as a build left it: ``BuiltIndex.index``), or its folder.
+        index: The index (as a build left it: ``BuiltIndex.index``).
         index_type: ``auto``, ``flat``, ``hnsw`` or ``ivfpq``.
         max_index_memory: Bytes the ANN structure may take.
         target_recall: Recall@10 against exact search that the search parameter is tuned to.
@@ -86,8 +86,6 @@ def update_ann(
         empty when the index holds no rows yet.
     """
     check_verify_level(verify)
-    if isinstance(index, str):
-        index = EmbeddingIndex(index)
     folder, manifest = index.path, index.manifest
     ids = index.ids()
     if not ids:
