@@ -76,6 +76,17 @@ def test_several_batches_per_step_are_summed(clock):
     assert meter.total()["samples_per_second"] == 8.0
 
 
+def test_total_ends_with_the_last_step(clock):
+    # After its last step a run logs, saves its model and may have fetched batches for a step it never ran: no
+    # step's time, and no samples trained.
+    meter = ThroughputMeter(warmup_steps=1)
+    for _ in range(3):
+        _run_step(meter, clock, seconds=1.0, wait=0.5, samples=8)
+    meter.add(3.0, 8)
+    clock.now += 10.0
+    assert meter.total() == {"samples_per_second": 8.0, "data_wait_share": 0.5}
+
+
 @pytest.mark.parametrize(("processes", "warmup_steps"), [(0, 0), (1, -1)])
 def test_bad_arguments_are_refused(processes, warmup_steps):
     with pytest.raises(ValueError):

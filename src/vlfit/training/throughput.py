@@ -15,7 +15,9 @@ class ThroughputMeter:
 
     The first ``warmup_steps`` optimizer steps are left out of both figures, as optimum-habana's
     ``--throughput_warmup_steps`` does: their samples are not counted and the clock restarts when the last of them
-    ends, because compilation, autotuning and loader start-up make the first steps slow. Call it like this::
+    ends, because compilation, autotuning and loader start-up make the first steps slow. The whole run's figures
+    (``total``) end where its last step ended: what the run does after training (its last log, saving the model)
+    is no step's time, nor are batches fetched for a step that never ran. Call it like this::
 
         meter = ThroughputMeter(processes=world_size, warmup_steps=args.throughput_warmup_steps)
         for each optimizer step:
@@ -48,6 +50,7 @@ class ThroughputMeter:
         self.start = self.window_start = time.perf_counter()
         self.wait_seconds = self.window_wait_seconds = 0.0
         self.samples = self.window_samples = 0
+        self._last_step: tuple[float, float, int] | None = None  # (its end, wait and samples so far), for total()
 
     @property
     def warming_up(self) -> bool:
@@ -66,6 +69,8 @@ class ThroughputMeter:
         self.steps += 1
         if self.steps == self.warmup_steps:
             self._reset()  # what was counted so far belongs to the warm-up
+        else:
+            self._last_step = (time.perf_counter(), self.wait_seconds, self.samples)
 
     def window(self) -> dict[str, float]:
         """Figures since the previous call (or the end of the warm-up); starts a new window.
@@ -84,12 +89,14 @@ class ThroughputMeter:
         return figures
 
     def total(self) -> dict[str, float]:
-        """Figures since the end of the warm-up (or since the meter was made when there is none).
+        """Figures from the end of the warm-up (or from when the meter was made when there is none) to the end of
+        the last step (to now when ``step()`` was never called after the warm-up).
 
         A run that ends during its warm-up has nothing else to measure: the figures then cover the warm-up
         steps too (``warming_up`` tells the caller so).
         """
-        return _figures(self.samples * self.processes, self.wait_seconds, time.perf_counter() - self.start)
+        end, wait_seconds, samples = self._last_step or (time.perf_counter(), self.wait_seconds, self.samples)
+        return _figures(samples * self.processes, wait_seconds, end - self.start)
 
 
 def _figures(samples: int, wait_seconds: float, elapsed: float) -> dict[str, float]:
