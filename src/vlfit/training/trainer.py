@@ -119,6 +119,7 @@ class VlfitTrainer(BadSampleAccounting, AtomicCheckpointSaving, Trainer):
         self._feed_done = False  # a streamed epoch ran out on some process (vlfit.training.stream_epochs)
         self._stream_epochs: StreamEpochs | None = None
         self._resumed_batches = 0  # batches of the stream's epoch a resumed checkpoint had consumed
+        self._counted_parameters: tuple[torch.nn.Module, int] | None = None  # for floating_point_ops
         self.add_callback(_CountOptimizerSteps(self))
         if unfreeze is not None:
             self.add_callback(unfreeze)
@@ -332,6 +333,17 @@ class VlfitTrainer(BadSampleAccounting, AtomicCheckpointSaving, Trainer):
                 no_sync=lambda: self.accelerator.no_sync(model),
                 device=self.args.device,
             )
+
+    def floating_point_ops(self, inputs: Any) -> int:
+        # The Trainer's count for total_flos (6 x the main input's elements x the parameters outside embeddings),
+        # with the parameters counted once per model: counting walks every module and parameter, which the Trainer
+        # did at every step (about 3 ms of a 50 ms step of the tiny preset on 2 CPU cores).
+        main_input = getattr(self.model, "main_input_name", "input_ids")
+        if main_input not in inputs or not hasattr(self.model, "num_parameters"):
+            return 0
+        if self._counted_parameters is None or self._counted_parameters[0] is not self.model:
+            self._counted_parameters = (self.model, self.model.num_parameters(exclude_embeddings=True))
+        return 6 * inputs[main_input].numel() * self._counted_parameters[1]
 
     def compute_loss(
         self,
