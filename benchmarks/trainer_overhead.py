@@ -1,24 +1,32 @@
 """vlfit's training step against a plain loop on a ready batch, fp32 and bf16, and where the difference goes.
 
 For each ``--presets`` entry and each precision (fp32; bf16 with ``--bf16`` autocast), alternately ``--repeats``
-times in one process (so drifts of a shared machine hit both alike):
+times in one process (so drifts of a shared machine hit all alike):
 
 - **ready batch**: ``vlfit bench --mode train``'s compute ceiling, the step (forward, backward, clipping at 1.0,
   fused AdamW, as ``VlfitTrainer`` runs it) on one model-ready batch again and again, no data path;
-- **vlfit train**: a real ``vlfit train`` run on the same synthetic data, preset, batch size and precision
-  (``--dataloader_num_workers`` 1, no evaluation, no saving), its samples/s after ``--throughput_warmup_steps``
-  (``train_samples_per_second``: the run's own meter, data waits included).
+- **vlfit train**: a real ``vlfit train`` run on synthetic JPEGs of 160 to 320 pixels, the same preset, batch size
+  and precision (``--dataloader_num_workers`` 1, no evaluation, no saving), its samples/s after
+  ``--throughput_warmup_steps`` (``train_samples_per_second``: the run's own meter, data waits included, up to the
+  end of its last step);
+- **vlfit train, free data**: the same run on JPEGs already at the presets' input side (``FREE_DATA_SIDE``:
+  decoded, never resized), whose loader worker costs next to nothing: what is left against the ready batch is the
+  training step's own overhead, and the difference to the run above is the data's cost on the same cores.
 
-The ratio of the two medians is the step's efficiency (goal: >= 0.9). ``--profile`` also runs one ``vlfit train``
-of each precision under cProfile and splits the Trainer's loop (``_inner_training_loop``) into ``PARTS``: fetching
-batches (data wait and the device stage), forward and loss, backward, clipping, the optimizer, zero_grad, logging
-and callbacks, and the rest of the loop. cProfile's own cost per Python call inflates the parts made of many small
-calls, so read the split as where to look, and the unprofiled ratio as the figure.
+Each split holds enough pairs for the whole run in one epoch: a loader's worker is started again at every epoch
+(the Trainer's default), which a real run's long epochs pay rarely. The worker's CPU seconds per batch (its user and
+system time, from ``RUSAGE_CHILDREN``) say what the data path costs. The ratios of the medians are the step's
+efficiency (goal: >= 0.9): ``ratio`` with the JPEG data, ``ratio_free_data`` without its cost. ``--profile`` also
+runs one ``vlfit train`` of each precision under cProfile and splits the Trainer's loop (``_inner_training_loop``)
+into ``PARTS``: fetching batches (data wait and the device stage), forward and loss, backward, clipping, the
+optimizer, zero_grad, logging and callbacks, and the rest of the loop. cProfile's own cost per Python call inflates
+the parts made of many small calls, so read the split as where to look, and the unprofiled ratios as the figures.
 
     python benchmarks/trainer_overhead.py [--presets tiny,clip-tiny] [--batch_size 16] [--steps 30] [--repeats 3]
         [--profile] [--results FILE.json]
 
-On 2 CPU cores the tiny presets take about a minute per repeat.
+On 2 CPU cores the tiny presets take about two minutes per repeat (more on shared cores: two torch threads beside
+other work wait for each other at every operation).
 """
 
 from __future__ import annotations
@@ -30,14 +38,18 @@ import io
 import json
 import os
 import pstats
+import resource
 import statistics
 import sys
 import tempfile
+
+import torch
 
 from vlfit.cli import main as vlfit
 from vlfit.efficiency.cpu import cpu_info
 
 WARMUP_STEPS = 5
+FREE_DATA_SIDE = 64  # the tiny presets' input side
 # Parts of the Trainer's loop, each the cumulative time of the functions named (file fragment, function name).
 PARTS = {
     "batches (data wait, device stage)": (("transformers/trainer.py", "get_batch_samples"),
@@ -77,12 +89,20 @@ def train_argv(data: str, preset: str, batch: int, steps: int, bf16: bool, out: 
             *(["--bf16"] if bf16 else [])]  # fmt: skip
 
 
-def trainer_rate(data: str, preset: str, batch: int, steps: int, bf16: bool, out: str) -> float:
-    """A ``vlfit train`` run's samples/s after its warm-up."""
+def _children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def trainer_rate(data: str, preset: str, batch: int, steps: int, bf16: bool, out: str) -> tuple[float, float]:
+    """A ``vlfit train`` run's samples/s after its warm-up, and its loader worker's CPU milliseconds per batch
+    (the worker is a child of this process, counted once it has exited)."""
+    before = _children_cpu_seconds()
     if _quiet(*train_argv(data, preset, batch, steps, bf16, out)):
         sys.exit("vlfit train failed")
+    worker_ms = 1000 * (_children_cpu_seconds() - before) / (steps + WARMUP_STEPS)
     with open(os.path.join(out, "all_results.json"), encoding="utf-8") as f:
-        return float(json.load(f)["train_samples_per_second"])
+        return float(json.load(f)["train_samples_per_second"]), worker_ms
 
 
 def profile_split(data: str, preset: str, batch: int, steps: int, bf16: bool, out: str) -> dict[str, float]:
@@ -114,28 +134,47 @@ def main() -> int:
     parser.add_argument("--results", default=None, help="Write the figures here as JSON too.")
     args = parser.parse_args()
     rows = []
+    load_before = os.getloadavg()[0]
+    # One epoch covers the run: 80% of the rows are the training split (make-data's default fractions).
+    rows_needed = str(int(1.25 * args.batch_size * (args.steps + WARMUP_STEPS)) + args.batch_size)
     with tempfile.TemporaryDirectory(prefix="vlfit-overhead-") as folder:
-        data = os.path.join(folder, "data")
-        if _quiet("make-data", "--output_dir", data, "--num_samples", str(8 * args.batch_size), "--min_long_side",
-                  "160", "--max_long_side", "320"):  # fmt: skip
-            sys.exit("vlfit make-data failed")
+        data, free_data = os.path.join(folder, "data"), os.path.join(folder, "free-data")
+        for split, sides in ((data, ("160", "320")), (free_data, (str(FREE_DATA_SIDE),) * 2)):
+            if _quiet("make-data", "--output_dir", split, "--num_samples", rows_needed, "--min_long_side", sides[0],
+                      "--max_long_side", sides[1]):  # fmt: skip
+                sys.exit("vlfit make-data failed")
         for preset in args.presets.split(","):
             for bf16 in (False, True):
-                ready, trained = [], []
+                ready, trained, free, worker_ms, free_worker_ms = [], [], [], [], []
                 for repeat in range(args.repeats):
                     out = os.path.join(folder, f"{preset}-{bf16}-{repeat}")
                     ready.append(ready_batch_rate(data, preset, args.batch_size, args.steps, bf16, out + "-bench"))
-                    trained.append(trainer_rate(data, preset, args.batch_size, args.steps, bf16, out + "-train"))
+                    rate, ms = trainer_rate(data, preset, args.batch_size, args.steps, bf16, out + "-train")
+                    trained.append(rate)
+                    worker_ms.append(ms)
+                    rate, ms = trainer_rate(free_data, preset, args.batch_size, args.steps, bf16, out + "-free")
+                    free.append(rate)
+                    free_worker_ms.append(ms)
                 row = {"preset": preset, "precision": "bf16" if bf16 else "fp32", "batch_size": args.batch_size,
                        "ready_batch_samples_per_s": round(statistics.median(ready), 1),
                        "vlfit_train_samples_per_s": round(statistics.median(trained), 1),
-                       "runs": {"ready_batch": ready, "vlfit_train": trained}}  # fmt: skip
+                       "vlfit_train_free_data_samples_per_s": round(statistics.median(free), 1),
+                       "worker_cpu_ms_per_batch": round(statistics.median(worker_ms), 1),
+                       "free_data_worker_cpu_ms_per_batch": round(statistics.median(free_worker_ms), 1)}  # fmt: skip
+                row["runs"] = {"ready_batch": ready, "vlfit_train": trained, "vlfit_train_free_data": free}
                 row["ratio"] = round(row["vlfit_train_samples_per_s"] / row["ready_batch_samples_per_s"], 3)
+                row["ratio_free_data"] = round(
+                    row["vlfit_train_free_data_samples_per_s"] / row["ready_batch_samples_per_s"], 3
+                )
                 if args.profile:
                     row["profile"] = profile_split(data, preset, args.batch_size, args.steps, bf16, out + "-profile")
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "runs"}), flush=True)
-    result = {**cpu_info().record(), "rows": rows}
+    # Runnable processes on the machine (1-minute averages) at the start and the end: above the core count, the
+    # cores were shared with other work.
+    result = {**cpu_info().record(), "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+    result["torch_threads"] = torch.get_num_threads()  # the main process's (each loader worker runs on 1)
+    result["rows"] = rows
     if args.results:
         with open(args.results, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)
