@@ -10,8 +10,9 @@ times in one process (so drifts of a shared machine hit all alike):
   ``--throughput_warmup_steps`` (``train_samples_per_second``: the run's own meter, data waits included, up to the
   end of its last step);
 - **vlfit train, free data**: the same run on JPEGs already at the presets' input side (``FREE_DATA_SIDE``:
-  decoded, never resized), whose loader worker costs next to nothing: what is left against the ready batch is the
-  training step's own overhead, and the difference to the run above is the data's cost on the same cores.
+  small to decode, never resized): the difference to the run above is what decoding and resizing cost on the same
+  cores, and what is left against the ready batch is the step's own overhead plus the rest of the worker's work
+  (reading rows, tokenizing, collating: ``free_data_worker_cpu_ms_per_batch``), which no data spares.
 
 Each split holds enough pairs for the whole run in one epoch: a loader's worker is started again at every epoch
 (the Trainer's default), which a real run's long epochs pay rarely. The worker's CPU seconds per batch (its user and
