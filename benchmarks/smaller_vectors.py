@@ -1,7 +1,7 @@
 """Smaller vectors at the same recall: embedding size (``--embedding_dim``) x storage (``--vector_storage``).
 
 For each size (full, 1/2, 1/4, 1/8 of the embedding) and each storage (float32 scanned exactly, int8 and binary codes
-scanned with the top ``--rescore`` x k re-scored from the float32 vectors; by default each storage's factor in
+scanned with the top ``--rescore`` x k re-scored from the float32 vectors; by default each storage's first factor in
 ``vlfit retrieve index``), as ``vlfit retrieve index`` builds the structure (``vlfit.index.ann.build_ann``):
 recall@10 against exact float32 search at the full size, bytes per vector of what a query scans (the structure in
 memory; the float32 shards stay on disk, memory-mapped, and a query reads ``rescore * k`` rows of them), and the
@@ -25,6 +25,7 @@ import statistics
 import time
 
 import numpy as np
+from bench_records import machine, rerun_command
 
 from vlfit.index.ann import build_ann, recall_at_k
 from vlfit.index.ann_choice import STORAGE_RESCORE
@@ -60,15 +61,18 @@ def exact_top(vectors: np.ndarray, queries: np.ndarray, k: int, own: np.ndarray 
     return np.argsort(-scores, axis=1)[:, :k]
 
 
-def run(vectors: np.ndarray, queries: np.ndarray, own: np.ndarray | None, rescore: int | None = None) -> list[dict]:
-    """The rows of every size x storage; ``rescore``: the factor of every compact storage (default: each one's
-    ``vlfit retrieve index`` default, ``STORAGE_RESCORE``)."""
+def run(vectors: np.ndarray, queries: np.ndarray, own: np.ndarray | None, rescores: tuple[int | None, ...] = (None,),
+        fractions: tuple[int, ...] = (1, 2, 4, 8), storages: tuple[str, ...] = STORAGES) -> list[dict]:  # fmt: skip
+    """The rows of every size (the full size over each of ``fractions``) x storage; each compact storage once per
+    factor of ``rescores`` (None: the first factor ``vlfit retrieve index`` tunes from, ``STORAGE_RESCORE``)."""
     full = vectors.shape[1]
     truth = exact_top(cut(vectors, full), cut(queries, full), K, own)
     rows = []
-    for size in (full, full // 2, full // 4, full // 8):
+    for size in (full // fraction for fraction in fractions):
         base, asked = cut(vectors, size), cut(queries, size)
-        for storage in STORAGES:
+        settings = [(storage, rescore) for storage in storages for rescore in (rescores if storage != "float32" else
+                                                                               (None,))]  # fmt: skip
+        for storage, rescore in settings:
             factor = rescore or STORAGE_RESCORE.get(storage, 1)
             started = time.perf_counter()
             ann = build_ann(base, "flat", storage=storage, rescore=factor)
@@ -100,9 +104,11 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=100_000, help="Synthetic vectors (without --index).")
     parser.add_argument("--dim", type=int, default=512, help="Synthetic embedding size (without --index).")
     parser.add_argument("--index", help="A vlfit index folder whose vectors to use instead.")
-    parser.add_argument("--rescore", type=int, default=None, help="int8 and binary: candidates re-scored per result "
-                        "(default: vlfit retrieve index's for each, " + ", ".join(f"{s} {n}" for s, n in
-                        STORAGE_RESCORE.items()) + ").")  # fmt: skip
+    parser.add_argument("--rescore", default=None, help="int8 and binary: candidates re-scored per result, or several "
+                        "comma-separated (a row each; default: the first vlfit retrieve index tunes from, " + ", ".join(
+                        f"{s} {n}" for s, n in STORAGE_RESCORE.items()) + ").")  # fmt: skip
+    parser.add_argument("--fractions", default="1,2,4,8", help="Sizes: the full size over each of these.")
+    parser.add_argument("--storages", default=",".join(STORAGES), help="Which of " + ", ".join(STORAGES) + ".")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="Write the rows here too.")
     args = parser.parse_args()
@@ -118,10 +124,21 @@ def main() -> None:
         vectors, queries = synthetic(args.count, args.dim, args.seed)
         source = f"{args.count} synthetic clustered vectors of size {args.dim}"
     print(f"{source}; {len(queries)} queries; recall@10 against exact float32 search at the full size")
-    rows = run(vectors, queries, own, args.rescore)
+    rescores = tuple(int(n) for n in args.rescore.split(",")) if args.rescore else (None,)
+    fractions = tuple(int(n) for n in args.fractions.split(","))
+    rows = run(vectors, queries, own, rescores, fractions, tuple(args.storages.split(",")))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"source": source, "rows": rows}, f, indent=1)
+            json.dump(
+                {
+                    "source": source,
+                    "command": rerun_command("smaller_vectors.py", args, ("json",)),
+                    "machine": machine(),
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

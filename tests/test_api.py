@@ -140,6 +140,6 @@ def test_an_append_builds_as_the_index_was_built(trained_model, tmp_path):
     Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(folder / "d.png")
     assert index.append() == 1
     manifest = json.loads((tmp_path / "index" / "index_manifest.json").read_text())
-    recorded = {**settings, "vector_storage": "float32", "rescore": 4}  # and the defaults of those not given
+    recorded = {**settings, "vector_storage": "float32", "rescore": None}  # and the defaults of those not given
     assert [entry["settings"] for entry in manifest["collections"]] == [recorded, recorded]
     assert manifest["ann"]["type"] == "hnsw" and manifest["ann"]["max_index_memory"] == 10**7  # not auto's flat

@@ -264,7 +264,7 @@ def test_an_append_without_the_build_flags_replays_those_the_index_was_built_wit
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["ann"]["type"] == "hnsw"  # not auto's flat
     manifest = EmbeddingIndex(str(tmp_path / "index")).manifest
-    recorded = {**settings, "vector_storage": "float32", "rescore": 4}  # and the defaults of those not given
+    recorded = {**settings, "vector_storage": "float32", "rescore": None}  # and the defaults of those not given
     assert [entry["settings"] for entry in manifest.collections] == [recorded, recorded]
     assert manifest.ann["max_index_memory"] == 10**7
 

@@ -85,16 +85,16 @@ class Index:
         rescore: int | None = None,
         embedding_dim: int | None = None,
     ) -> Index:
-        """Embed a folder of images (``images``) or a dataset split into the index at ``path`` (created, or resumed
-        and appended to when it exists: only items not in it yet are embedded; an index of another model is
-        refused), then bring its ANN structure up to date as ``vlfit retrieve index`` does (``index_type``:
-        ``auto``, ``flat``, ``hnsw`` or ``ivfpq``; needs the serve extra). ``shard_size``, ``index_type``,
-        ``max_index_memory`` and ``target_recall`` left None are those the index was built with (of a new index:
-        4096, ``auto``, 4 GiB, 0.95). ``vector_storage`` ``int8`` or ``binary`` keeps compact codes that queries scan,
-        re-scoring the top ``rescore`` x k with the shards' float32 vectors (left None: as built, of a new index
-        ``float32``, 4). ``embedding_dim`` cuts a model given by name to that many dimensions (``vlfit.load``'s; an
-        index holds one size). A dataset's rows that show one image (one ``image_id_column`` value, one row of
-        a list caption column, or identical bytes) are one item with all their captions, as evaluation groups them."""
+        """Embed a folder of images (``images``) or a dataset split into the index at ``path`` (created, or resumed and
+        appended to when it exists: only items not in it yet are embedded; an index of another model is refused), then
+        bring its ANN structure up to date as ``vlfit retrieve index`` does (``index_type``: ``auto``, ``flat``,
+        ``hnsw`` or ``ivfpq``; needs the serve extra). ``shard_size``, ``index_type``, ``max_index_memory`` and
+        ``target_recall`` left None are those the index was built with (of a new index: 4096, ``auto``, 4 GiB, 0.95).
+        ``vector_storage`` ``int8`` or ``binary`` keeps compact codes that queries scan, re-scoring the top ``rescore``
+        x k with the shards' float32 vectors (left None: as built, of a new index ``float32``, and the factor tuned to
+        ``target_recall``). ``embedding_dim`` cuts a model given by name to that many dimensions (``vlfit.load``'s; an
+        index holds one size). A dataset's rows that show one image (one ``image_id_column`` value, one row of a list
+        caption column, or identical bytes) are one item with all their captions, as evaluation groups them."""
         from vlfit.index.job import IndexJob, index_collection
         from vlfit.index.store import EmbeddingIndex
 

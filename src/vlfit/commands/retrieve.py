@@ -22,7 +22,7 @@ from vlfit.cli import SUBCOMMANDS as COMMAND_SUBCOMMANDS
 from vlfit.commands.parsing import CommandParser
 from vlfit.commands.retrieve_queries import Query, check_queries, embed_queries, read_queries
 from vlfit.errors import ConfigError
-from vlfit.index.ann_choice import DEFAULT_MAX_INDEX_MEMORY, DEFAULT_TARGET_RECALL, STORAGE_RESCORE
+from vlfit.index.ann_choice import DEFAULT_MAX_INDEX_MEMORY, DEFAULT_TARGET_RECALL, STORAGE_RESCORE, rescore_factors
 from vlfit.index.job import IndexJob, index_collection
 from vlfit.index.push.base import is_target_uri
 from vlfit.index.push.pushed import PushedIndex
@@ -106,8 +106,9 @@ class IndexArguments(runtime_arguments()):
     rescore: int | None = field(
         default=None,
         metadata={"help": "--vector_storage int8 or binary: candidates re-scored exactly per result wanted. Default: "
-                  "what the index was built with, else "
-                  + " and ".join(f"{n} for {s}" for s, n in STORAGE_RESCORE.items()) + "."},
+                  "what the index was built with, else tuned: the smallest of "
+                  + " and ".join(f"{', '.join(map(str, rescore_factors(s)))} for {s}" for s in STORAGE_RESCORE)
+                  + " whose recall@10 reaches --target_recall."},
     )  # fmt: skip
     shard_retries: int = field(
         default=3,

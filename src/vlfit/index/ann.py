@@ -1,27 +1,24 @@
-"""Approximate nearest neighbours on faiss: building the structure ``vlfit.index.ann_choice`` chooses, tuning it,
-saving and loading it, searching it.
+"""Approximate nearest neighbours on faiss: building the structure ``vlfit.index.ann_choice`` chooses, tuning it, saving
+and loading it, searching it.
 
-PQ codes rank coarsely: however many lists an IVF-PQ search visits, its top 10 holds only part of the exact top 10
-(0.72 of it at 10^6 vectors with 64-byte codes). So an IVF-PQ index re-ranks: it asks faiss for ``rerank`` times
-``k`` candidates, reads their full vectors from the index's memory-mapped shards (``vectors``, the store of record,
-``vlfit.index.store.ShardVectors``) and keeps the ``k`` of highest exact score. The structure in memory stays
-within its budget; a query reads ``rerank * k`` vectors from the shards.
+PQ codes rank coarsely: however many lists an IVF-PQ search visits, its top 10 holds only part of the exact top 10 (0.72
+of it at 10^6 vectors with 64-byte codes). So an IVF-PQ index re-ranks: it asks faiss for ``rerank`` times ``k``
+candidates, reads their full vectors from the index's memory-mapped shards (``vectors``, the store of record,
+``vlfit.index.store.ShardVectors``) and keeps the ``k`` of highest exact score. The structure in memory stays within its
+budget; a query reads ``rerank * k`` vectors from the shards.
 
-Compact codes (``--vector_storage int8`` or ``binary``: ``ann_choice.storage_choice``) always re-score, by the
-``--rescore`` factor asked for (their ``rerank``, not tuned).
+``build_ann`` trains on the embeddings (a sample of many), adds them, then tunes the search until recall@10 against
+exact search reaches the target: ``efSearch`` of HNSW; ``nprobe`` and ``rerank`` of IVF-PQ (the fastest pair that
+reaches it); the ``rerank`` of compact codes (``--vector_storage int8`` or ``binary``) unless ``--rescore`` fixed it.
+Recall is measured on a seeded sample of the indexed vectors as queries, each query's own row left out of both its exact
+and its found neighbours (an indexed vector is its own nearest neighbour, which would flatter every structure). Rows of
+results are positions in the order the vectors were added (the shards' order); ``-1`` pads where fewer than ``k`` were
+found. faiss is imported only inside functions: it is the ``serve`` extra.
 
-``build_ann`` trains on the embeddings themselves (a sample when there are many), adds them, then tunes the search
-(``efSearch`` of HNSW; ``nprobe`` and ``rerank`` of IVF-PQ, the fastest pair that reaches the target) until
-recall@10 against exact search reaches the target. Recall is measured on a seeded sample of the indexed vectors as
-queries, each query's own row left out of both its exact and its found neighbours (an indexed vector is its own
-nearest neighbour, which would flatter every structure). Rows of results are positions in the order the vectors
-were added (the shards' order); ``-1`` pads where fewer than ``k`` were found. faiss is imported only inside
-functions: it is the ``serve`` extra.
-
-``save`` records the size and SHA-256 of ``ann.faiss`` (computed as faiss writes it, the file flushed to disk before
-its description is written); ``load`` reads it into memory, hashing it as faiss reads it, and refuses a file that
-is not the one recorded. Searches never read the file again: one replaced or overwritten underneath cannot take a
-server down (a memory-mapped IVF index did, with SIGBUS), and a reload opens the new file whole.
+``save`` records the size and SHA-256 of ``ann.faiss`` (computed as faiss writes it, the file flushed to disk before its
+description is written); ``load`` reads it into memory, hashing it as faiss reads it, and refuses a file that is not the
+one recorded. Searches never read the file again: one replaced or overwritten underneath cannot take a server down (a
+memory-mapped IVF index did, with SIGBUS), and a reload opens the new file whole.
 """
 
 from __future__ import annotations
@@ -40,11 +37,12 @@ from vlfit.errors import ConfigError, DataError, MissingFileError
 from vlfit.extras import require_extra
 from vlfit.index.ann_choice import (
     DEFAULT_MAX_INDEX_MEMORY,
-    DEFAULT_RESCORE,
     DEFAULT_TARGET_RECALL,
     check_target_recall,
     choose_index_type,
     ivf_training_size,
+    rescore_factors,
+    rescore_setting,
     storage_choice,
 )
 from vlfit.index.ann_file import read_hashed
@@ -246,6 +244,8 @@ class AnnIndex:
         best: tuple[float, dict[str, int], int] | None = None
         limit = None
         for rerank, sweep in self._sweeps():
+            if reached and self.type in ("int8", "binary"):
+                break  # compact codes: a larger factor only re-scores more candidates
             previous = -1.0
             for position, params in enumerate(sweep[:limit]):
                 recall = recall_of(params, rerank)
@@ -302,7 +302,8 @@ class AnnIndex:
             probes = sorted({min(2**i, nlist) for i in range(int(math.log2(nlist)) + 2)})
             sweep = [{"nprobe": p, "quantizer_efSearch": max(64, 2 * p)} for p in probes]
             return [(rerank, sweep) for rerank in RERANK_FACTORS]
-        return [(self.rerank, [{}])]  # flat: 1; compact codes: the --rescore asked for
+        tuned = self.description.get("rescore_tuned")  # compact codes without --rescore: each factor in turn
+        return [(factor, [{}]) for factor in (rescore_factors(self.type) if tuned else (self.rerank,))]
 
     def save(self, folder: str) -> dict[str, Any]:
         """Write ``ann.faiss``, then ``ann.json`` (its description, with the file's ``bytes`` and ``sha256``), each
@@ -333,16 +334,14 @@ class AnnIndex:
         repair: str = "vlfit retrieve index",
     ) -> AnnIndex:
         """The ANN index ``save`` wrote in ``folder``, read into memory (its size and SHA-256 checked against
-        ``recorded``, else against ``ann.json``, as faiss reads it). ``mmap``: memory-map an IVF index instead (its
-        pages are then read from the file by every search: a file overwritten underneath kills the process with
-        SIGBUS; only for a file nothing rewrites). ``vectors``: the full vectors by row, which a re-ranking index
-        searches with.
+        ``recorded``, else against ``ann.json``, as faiss reads it).
 
         Args:
             folder: The index folder.
-            mmap: Memory-map an IVF index rather than read it.
+            mmap: Memory-map an IVF index rather than read it (every search then reads the file: one overwritten
+                underneath kills the process with SIGBUS; only for a file nothing rewrites).
             what: The command named if faiss is missing.
-            vectors: The full vectors by row.
+            vectors: The full vectors by row, which a re-ranking index searches with.
             recorded: The description the index manifest holds (its ``bytes`` and ``sha256`` of ``ann.faiss``).
             repair: The command that rebuilds a damaged file, for the message.
 
@@ -393,7 +392,7 @@ def build_ann(
     target_recall: float = DEFAULT_TARGET_RECALL,
     seed: int = 0,
     storage: str = "float32",
-    rescore: int = DEFAULT_RESCORE,
+    rescore: int | None = None,
 ) -> AnnIndex:
     """Choose, train, fill and tune an ANN index over ``embeddings`` (L2-normalized ``[N, D]``).
 
@@ -404,13 +403,14 @@ def build_ann(
         target_recall: The recall@10 against exact search that the search parameter is raised to reach.
         seed: Draws the training and tuning samples.
         storage: ``float32`` (the structure ``index_type`` names), or a flat scan of ``int8`` or ``binary`` codes.
-        rescore: Compact codes: candidates re-scored exactly with the full vectors per result wanted.
+        rescore: Compact codes: candidates re-scored exactly with the full vectors per result wanted (None: tuned,
+            the smallest of ``rescore_factors(storage)`` that reaches ``target_recall``).
 
     Raises:
         ConfigError: for a type, storage or budget that does not fit the collection.
     """
     check_target_recall(target_recall)
-    if rescore < 1:
+    if rescore is not None and rescore < 1:
         raise ConfigError(f"--rescore must be at least 1, got {rescore}")
     faiss = _faiss()
     vectors = _as_vectors(embeddings)
@@ -440,7 +440,7 @@ def build_ann(
         "max_index_memory": DEFAULT_MAX_INDEX_MEMORY if max_index_memory is None else max_index_memory,
         "trained_on": trained_on,
         "search_params": {},
-        **({"rerank": rescore} if compact else {}),
+        **(rescore_setting(storage, rescore) if compact else {}),
     }
     ann = AnnIndex(index, description)
     ann.tune(vectors, target_recall, seed)

@@ -9,7 +9,8 @@ autofaiss chooses (``choose_index_type``):
   centroids, each vector kept as an ``m``-byte product-quantization code, ``m`` as large as the budget allows.
 
 With ``--vector_storage int8`` or ``binary`` the structure is a flat scan of compact codes instead (``storage_choice``),
-each query's top ``--rescore`` x k candidates re-scored exactly with the float32 vectors the shards keep:
+each query's top ``--rescore`` x k candidates re-scored exactly with the float32 vectors the shards keep (without
+``--rescore``, the smallest of ``rescore_factors(storage)`` whose recall@10 reaches ``--target_recall``):
 
 * ``int8``: faiss's scalar quantizer ``SQ8``, one byte per dimension, each dimension's range (its minimum and
   maximum over the vectors) trained on them: per dimension, not one symmetric scale (4x smaller than float32).
@@ -28,9 +29,12 @@ from vlfit.errors import ConfigError
 INDEX_TYPES = ("auto", "flat", "hnsw", "ivfpq")
 VECTOR_STORAGES = ("float32", "int8", "binary")
 DEFAULT_RESCORE = 4  # int8 and binary: candidates re-scored exactly per result wanted
-# Per storage, for a new index: sign bits rank coarser than 8-bit codes. On 10^5 clustered 512-d vectors
-# (benchmarks/smaller_vectors.py) binary kept recall@10 0.517 at x4 and 1.000 at x32; int8 1.000 at x4.
+# Per storage, the first factor tuning tries: sign bits rank coarser than 8-bit codes. On 10^5 clustered 512-d
+# vectors (benchmarks/smaller_vectors.py) binary kept recall@10 0.517 at x4 and 1.000 at x32; int8 1.000 at x4. The
+# candidates a Hamming scan ranks first crowd as the collection grows: at 10^6 binary needed x128 (0.515 at x32,
+# 0.80 at x64), so tuning doubles the factor up to RESCORE_DOUBLINGS times until the target recall is reached.
 STORAGE_RESCORE = {"int8": DEFAULT_RESCORE, "binary": 32}
+RESCORE_DOUBLINGS = 3
 DEFAULT_MAX_INDEX_MEMORY = 4 * 2**30
 DEFAULT_TARGET_RECALL = 0.95
 FLAT_THRESHOLD = 100_000  # below this many vectors an exact scan is fast enough (autofaiss's rule)
@@ -184,6 +188,19 @@ def check_index_type(index_type: str) -> None:
         raise ConfigError(f"unknown --index_type {index_type!r}; choose one of: {', '.join(INDEX_TYPES)}")
 
 
+def rescore_factors(storage: str) -> tuple[int, ...]:
+    """The re-scoring factors tuning tries for ``storage`` (``int8`` or ``binary``), smallest first."""
+    first = STORAGE_RESCORE.get(storage, DEFAULT_RESCORE)
+    return tuple(first * 2**doubling for doubling in range(RESCORE_DOUBLINGS + 1))
+
+
+def rescore_setting(storage: str, rescore: int | None) -> dict[str, int | bool]:
+    """A compact structure's description entries for ``--rescore`` (None: tuned from the storage's first factor)."""
+    if rescore is None:
+        return {"rerank": rescore_factors(storage)[0], "rescore_tuned": True}
+    return {"rerank": rescore, "rescore_tuned": False}
+
+
 def check_target_recall(target_recall: float) -> None:
     """Raises ``ConfigError`` unless ``0 < target_recall <= 1``."""
     if not 0 < target_recall <= 1:
@@ -201,6 +218,8 @@ __all__ = [
     "check_index_type",
     "check_vector_storage",
     "check_target_recall",
+    "rescore_factors",
+    "rescore_setting",
     "choose_index_type",
     "storage_choice",
 ]

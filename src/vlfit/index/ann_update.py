@@ -23,9 +23,9 @@ from vlfit.errors import UserError, full_disk_in_one_line
 from vlfit.index.ann import ANN_DESCRIPTION, ANN_FILE, AnnIndex, build_ann
 from vlfit.index.ann_choice import (
     DEFAULT_MAX_INDEX_MEMORY,
-    DEFAULT_RESCORE,
     IndexChoice,
     choose_index_type,
+    rescore_setting,
     storage_choice,
 )
 from vlfit.index.integrity import check_verify_level, file_problem
@@ -66,7 +66,7 @@ def update_ann(
     seed: int = 0,
     verify: str = "quick",
     storage: str = "float32",
-    rescore: int = DEFAULT_RESCORE,
+    rescore: int | None = None,
 ) -> dict[str, Any]:
     """Make the ANN structure of ``index`` cover every row of its shards; record it in the manifest.
 
@@ -79,7 +79,7 @@ def update_ann(
         verify: How the ANN file on disk is checked before it is kept as it is: ``quick`` its size, ``full`` its
             SHA-256 too (one that differs is built again).
         storage: ``float32``, or a flat scan of ``int8`` or ``binary`` codes (``vlfit.index.ann_choice``).
-        rescore: Compact codes: candidates re-scored exactly per result wanted.
+        rescore: Compact codes: candidates re-scored exactly per result wanted (None: tuned to ``target_recall``).
 
     Returns:
         The description written to the manifest's ``ann`` (with ``"extended": True`` when rows were added in place);
@@ -101,7 +101,8 @@ def update_ann(
         and current.get("type") == wanted.type
         and current.get("target_recall") == target_recall
         and current.get("max_index_memory") == budget
-        and (compact is None or current.get("rerank") == rescore)
+        and (compact is None or current.get("rescore_tuned", False) == (rescore is None))
+        and (compact is None or rescore is None or current.get("rerank") == rescore)
         and file_problem(os.path.join(folder, ANN_FILE), current, verify) is None
     ):
         return current  # already covers these rows as asked: the embeddings are not read
@@ -121,7 +122,7 @@ def update_ann(
     else:
         ann.description["max_index_memory"] = budget  # the structure this budget asks for: kept, grown
         if compact is not None:
-            ann.description["rerank"] = rescore
+            ann.description.update(rescore_setting(storage, rescore))
         ann.tune(embeddings, target_recall, seed)
     if not ann.description["reached_target"]:
         logger.warning(

@@ -30,9 +30,7 @@ from vlfit.errors import ConfigError, DataError
 from vlfit.extras import require_extra
 from vlfit.index.ann_choice import (
     DEFAULT_MAX_INDEX_MEMORY,
-    DEFAULT_RESCORE,
     DEFAULT_TARGET_RECALL,
-    STORAGE_RESCORE,
     check_index_type,
     check_target_recall,
     check_vector_storage,
@@ -56,7 +54,7 @@ BUILD_SETTINGS: dict[str, Any] = {
     "target_recall": DEFAULT_TARGET_RECALL,
     "shard_size": 4096,
     "vector_storage": "float32",
-    "rescore": None,  # the storage's (STORAGE_RESCORE)
+    "rescore": None,  # tuned to --target_recall (vlfit.index.ann_choice.rescore_factors)
 }
 
 
@@ -74,7 +72,8 @@ class IndexJob:
         batch_size, num_workers, shard_size, storage, progress, verify: The build's (``BuildRequest``).
         index_type, max_index_memory, target_recall: The ANN structure's (``vlfit.index.ann_update``).
         vector_storage, rescore: What queries scan: the ANN structure's float32 vectors, or ``int8`` or ``binary``
-            codes of which the top ``rescore`` x k are re-scored with the shards' float32 vectors.
+            codes of which the top ``rescore`` x k are re-scored with the shards' float32 vectors (a new index's
+            ``rescore`` left None is tuned to ``target_recall``).
             These five and ``shard_size``, left None, are the index's recorded ones (``BUILD_SETTINGS``).
         shard_retries, shard_timeout, storage_options, shard_block_size: How tar shards at URLs are fetched.
         ddp_timeout: Under torchrun, seconds the processes wait for each other.
@@ -157,10 +156,7 @@ class IndexJob:
         if index is not None:  # appended items are cut to the size the index holds
             index.manifest.check_embedding_dim(runtime.embedding_dim, index.path)
             runtime = dataclasses.replace(runtime, embedding_dim=index.manifest.model.get("embedding_dim"))
-        job = dataclasses.replace(self, **unset, runtime=runtime)
-        if job.rescore is None:  # a new index's (or one built before it was recorded): its storage's
-            job = dataclasses.replace(job, rescore=STORAGE_RESCORE.get(str(job.vector_storage), DEFAULT_RESCORE))
-        return job
+        return dataclasses.replace(self, **unset, runtime=runtime)
 
     def settings(self) -> dict[str, Any]:
         """The ``BUILD_SETTINGS`` of this job, as a build records them."""

@@ -118,7 +118,11 @@ def vector_storage(index: EmbeddingIndex) -> str:
 
 
 def rescore(index: EmbeddingIndex) -> int:
-    """The ``--rescore`` the index was last built with (its storage's default where none was recorded)."""
+    """The re-scoring factor of the index's compact codes: its ANN structure's (tuned, or the ``--rescore`` it was
+    built with), else the one recorded, else its storage's first (``vlfit.index.ann_choice.STORAGE_RESCORE``)."""
+    ann = index.manifest.ann or {}
+    if ann.get("type") in ("int8", "binary") and ann.get("rerank"):
+        return int(ann["rerank"])
     return int(_settings(index).get("rescore") or STORAGE_RESCORE.get(vector_storage(index), DEFAULT_RESCORE))
 
 
