@@ -250,11 +250,30 @@ def test_the_rule_is_refused_in_one_line(flags, message):
     assert message in str(refusal.value) and "\n" not in str(refusal.value)
 
 
-def test_under_torchrun_it_is_refused_in_one_line_before_the_model_loads(tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_under_torchrun_the_processes_embed_the_images_together_and_the_first_mines(
+    mined, shared_image_dir, tiny_checkpoint, tmp_path
+):
+    """Two processes index the split beside the output (each its share, as vlfit retrieve index), then the first
+    mines with that index: the negatives one process finds, and an index a rerun reuses."""
+    from tests.training.train_runs import run_torchrun
+
+    out = tmp_path / "mined"
+    done = run_torchrun("-m", "vlfit", "mine", "--model", str(tiny_checkpoint), "--dataset_name", shared_image_dir,
+                        "--output_dir", str(out), "--num_negatives", str(K), "--batch_size", "8",
+                        "--dataloader_num_workers", "0")  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert _written(out) == _written(mined)
+    report = json.loads((out / MINE_REPORT).read_text())
+    assert report["index"] == f"{out}-index"
+    assert open_mining_index(report["index"], _location(shared_image_dir)).manifest.count == 20  # 21 rows, 20 images
+
+
+def test_under_torchrun_data_given_otherwise_than_by_dataset_name_is_refused_in_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match=r"^vlfit mine runs in one process: start it without torchrun") as refusal:
-        mine_main(["--model", str(tmp_path / "no-model"), "--output_dir", str(tmp_path / "out")])
-    assert "\n" not in str(refusal.value) and not (tmp_path / "out").exists()
+    with pytest.raises(ConfigError, match=r"^under torchrun, vlfit mine embeds the split as vlfit retrieve") as no:
+        mine_main(["--model", str(tmp_path / "no-model"), "--output_dir", str(tmp_path / "out"), "--train_file", "x"])
+    assert "\n" not in str(no.value) and not (tmp_path / "out").exists()
 
 
 def test_a_folder_of_something_else_is_refused_before_the_imports(tmp_path, capsys):

@@ -180,19 +180,20 @@ def main(argv: list[str] | None = None) -> int:
         "mined_negatives`.",
     )
     args, data = parser.parse_args_into_dataclasses(args=sys.argv[1:] if argv is None else argv)
+    from vlfit.commands.mine_index import index_embedding_dim, index_split, open_mining_index
     from vlfit.launch import launched_world_size
 
-    if launched_world_size() > 1:  # each process would mine the whole split into the same folder
-        raise ConfigError("vlfit mine runs in one process: start it without torchrun (to share the embedding between "
-                          "processes, build the split's index under torchrun with vlfit retrieve index, then mine "
-                          "with --index)")  # fmt: skip
     MINE.claim(args.output_dir)  # a folder of something else is refused before the model and the data load
+    location = {"dataset_name": data.dataset_name, "split": args.split, "image_column": data.image_column,
+                "caption_column": data.caption_column, "image_id_column": data.image_id_column}  # fmt: skip
+    if launched_world_size() > 1:  # the processes embed the images together; the first mines, the others are done
+        sizes = {"batch_size": args.batch_size, "num_workers": args.dataloader_num_workers}
+        shared = args.index or index_split(args.model, args.output_dir, location, args.settings(), **sizes)
+        if shared is None or int(os.environ.get("RANK", "0")) != 0:
+            return 0
+        args = dataclasses.replace(args, index=shared)
     index = None
     if args.index is not None:  # its data checked before the model loads; its model once it has
-        from vlfit.commands.mine_index import index_embedding_dim, open_mining_index
-
-        location = {"dataset_name": data.dataset_name, "split": args.split, "image_column": data.image_column,
-                    "caption_column": data.caption_column, "image_id_column": data.image_id_column}  # fmt: skip
         index = open_mining_index(args.index, location)
         args = dataclasses.replace(args, embedding_dim=index_embedding_dim(index, args.embedding_dim))
     runtime, sources, columns = open_model_and_splits(args, data, None)

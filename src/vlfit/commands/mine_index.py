@@ -6,6 +6,10 @@ An index is used only when it holds what embedding the split's images would give
 the same model (its ``identity``: family, embedding size and checkpoint hash), and an item for every image of the
 split (its id as the index names it: ``vlfit.data.image_groups.image_items``). Anything else is refused in one line
 naming ``--index`` and what differs. An image the index left out as bad is a bad sample of mining too.
+
+Under torchrun without ``--index``, the processes first embed the split's images together into an index beside the
+output (``index_split``: ``vlfit retrieve index``'s job, each process its share), which the first process then mines
+with; a rerun reuses it and embeds only what it lacks.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from vlfit.index.verify import open_index
 from vlfit.inference.identity import shown_source
 from vlfit.inference.pair_scores import PairEmbeddings
 from vlfit.inference.runtime import ModelRuntime
+from vlfit.inference.runtime_settings import RuntimeSettings
 
 # The parts of a collection that decide which images an index holds, and under which ids (the caption column does
 # not change an image's embedding).
@@ -78,6 +83,28 @@ def _differences(collection: Mapping[str, Any], location: Mapping[str, Any]) -> 
 
 def _same_path(a: str, b: str) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
+
+
+def index_split(model: str, output_dir: str, location: Mapping[str, Any], runtime: RuntimeSettings, *,
+                batch_size: int, num_workers: int) -> str | None:  # fmt: skip
+    """The split ``location`` names embedded by every process of a torchrun launch into ``<output_dir>-index``
+    (``vlfit retrieve index``'s job: each process its share, the first lists and writes); that folder on the first
+    process, None on the others.
+
+    Raises:
+        ConfigError: for data given otherwise than by ``--dataset_name`` (what an index is built from).
+    """
+    from vlfit.index.job import IndexJob, index_collection
+
+    if location.get("dataset_name") is None:
+        raise ConfigError("under torchrun, vlfit mine embeds the split as vlfit retrieve index does, from "
+                          "--dataset_name (a folder, hub id, data files or tar shards): give the data so")  # fmt: skip
+    folder = output_dir.rstrip("/" + os.sep) + "-index"
+    job = IndexJob(model, folder, **location, runtime=runtime, batch_size=batch_size, num_workers=num_workers,
+                   progress=False)  # fmt: skip
+    report = index_collection(job)
+    report.raise_for_failures()
+    return folder if report.lead else None
 
 
 def index_embedding_dim(index: EmbeddingIndex, asked: int | None) -> int | None:
@@ -174,4 +201,4 @@ def indexed_pairs(
     return PairEmbeddings(np.asarray(positions, dtype=np.int64), images, texts, bad)
 
 
-__all__ = ["check_index_model", "indexed_pairs", "index_embedding_dim", "open_mining_index"]
+__all__ = ["check_index_model", "index_embedding_dim", "index_split", "indexed_pairs", "open_mining_index"]
