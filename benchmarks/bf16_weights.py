@@ -1,0 +1,97 @@
+"""Would bf16 weights (with fp32 master weights in the optimizer) train faster than ``--bf16`` autocast on a CPU?
+
+Autocast keeps the weights in fp32 and casts them to bf16 at every matrix product, forward and backward; a profile of
+the ``base`` preset's bf16 step put 31% of its CPU time in those casts (``aten::copy_``, docs/results.md). The other
+way mixed-precision training is done: the model's weights in bf16 (no casts in the step), an fp32 copy of each in
+the optimizer (AdamW updates the copy, which is then copied back to bf16), so small updates are not lost to bf16's
+8-bit mantissa. This times one training step (the family's contrastive loss, backward, clipping at 1.0, fused AdamW)
+of a preset's random-init model on one synthetic batch, three ways alternately in one process: fp32, fp32 weights
+under bf16 autocast (what ``--bf16`` runs), and bf16 weights with fp32 master weights; the median of ``--repeats``.
+
+    python benchmarks/bf16_weights.py --preset base --batch_size 8 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import statistics
+import time
+
+import torch
+
+from vlfit.models.loading import load_model
+
+CAPTIONS = ["a red circle on the left", "two blue squares at the top", "one green triangle"] * 40
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="base")
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    loaded = load_model(model_preset=args.preset, captions=lambda: CAPTIONS)
+    model, family = loaded.model, loaded.spec.family
+    size = loaded.spec.image_processor.size
+    side = size.get("shortest_edge") or size.get("height")
+    ids = torch.randint(5, 100, (args.batch_size, 40))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+              "pixel_values": torch.randn(args.batch_size, 3, side, side)}  # fmt: skip
+    if "BridgeTower" in type(model).__name__:
+        inputs["pixel_mask"] = torch.ones(args.batch_size, side, side, dtype=torch.long)
+
+    def batch_for(m: torch.nn.Module) -> dict[str, torch.Tensor]:
+        dtype = next(m.parameters()).dtype
+        return {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
+
+    bf16_model = copy.deepcopy(model).to(torch.bfloat16)
+    master = [(p, p.detach().float().clone().requires_grad_(True)) for p in bf16_model.parameters() if p.requires_grad]
+    fp32_optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
+    master_optimizer = torch.optim.AdamW([q for _, q in master], lr=1e-5, fused=True)
+    model.train()
+    bf16_model.train()
+
+    def fp32_step(autocast: bool) -> None:
+        context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+        with context:
+            loss = family.contrastive_loss(model, batch_for(model))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+        fp32_optimizer.step()
+        fp32_optimizer.zero_grad(set_to_none=True)
+
+    def bf16_weights_step() -> None:
+        loss = family.contrastive_loss(bf16_model, batch_for(bf16_model))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p, _ in master], 1.0)
+        for weight, copy_ in master:
+            copy_.grad = None if weight.grad is None else weight.grad.float()
+        master_optimizer.step()
+        master_optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for weight, copy_ in master:
+                weight.copy_(copy_)
+        bf16_model.zero_grad(set_to_none=True)
+
+    ways = {"fp32": lambda: fp32_step(False), "bf16 autocast (--bf16)": lambda: fp32_step(True),
+            "bf16 weights, fp32 master": bf16_weights_step}  # fmt: skip
+    for step in ways.values():  # warm-up
+        step()
+    seconds: dict[str, list[float]] = {name: [] for name in ways}
+    for _ in range(args.repeats):
+        for name, step in ways.items():
+            started = time.perf_counter()
+            step()
+            seconds[name].append(time.perf_counter() - started)
+    medians = {name: statistics.median(values) for name, values in seconds.items()}
+    parameters = sum(p.numel() for p in model.parameters()) / 1e6
+    print(f"{args.preset} ({parameters:.0f}M parameters), batch {args.batch_size}, {torch.get_num_threads()} threads")
+    for name, median in medians.items():
+        print(f"{name:<28} {args.batch_size / median:8.2f} samples/s  {medians['fp32'] / median:5.2f}x fp32")
+
+
+if __name__ == "__main__":
+    main()
