@@ -1,6 +1,6 @@
-"""Matryoshka training (``--matryoshka_dims``): the loss is the mean of the family's own loss at the full size and at
-each prefix, cut and normalised again; gradient caching gives the same; the run records its sizes where every door
-reads them, and sizes the model cannot hold are refused before training."""
+"""Matryoshka training (``--matryoshka_dims``): the loss is the weighted mean of the family's own loss at the full size
+and at each prefix (``--matryoshka_prefix_weight``), cut and normalised again; gradient caching gives the same; the
+run records its sizes where every door reads them, and sizes the model cannot hold are refused before training."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tests.training.test_gradient_cache import FAMILIES, _grads, _model
 from tests.training.train_runs import single_torch_thread, tiny_train_argv
 from vlfit.errors import ConfigError
 from vlfit.models.family import LossEmbeddings, LossScope
-from vlfit.models.matryoshka import MatryoshkaLoss, prefix_embeddings
+from vlfit.models.matryoshka import DEFAULT_PREFIX_WEIGHT, MatryoshkaLoss, prefix_embeddings
 from vlfit.training.gradient_cache import gradient_cached_backward
 
 
@@ -31,19 +31,20 @@ def test_a_prefix_cuts_and_normalises_the_embeddings_only():
 
 
 @pytest.mark.parametrize("preset", FAMILIES)
-def test_the_loss_is_the_mean_of_the_familys_loss_at_each_size(preset):
+def test_the_loss_is_the_weighted_mean_of_the_familys_loss_at_each_size(preset):
     family, model, inputs = FAMILIES[preset], _model(preset), _inputs(hard_negatives=True)
-    nested = MatryoshkaLoss(family, [8, 4])
     with torch.no_grad():
         embeddings = family.loss_embeddings(model, inputs)
-        expected = torch.stack(
-            [family.loss_from_embeddings(embeddings)]
-            + [family.loss_from_embeddings(prefix_embeddings(embeddings, size)) for size in (4, 8)]
-        ).mean()
-        loss = nested.contrastive_loss(model, inputs)
-    torch.testing.assert_close(loss, expected)
-    assert loss.item() != pytest.approx(family.contrastive_loss(model, inputs).item(), abs=1e-4)  # it adds terms
-    assert nested.model_inputs == family.model_inputs  # everything else is the family's
+        full = family.loss_from_embeddings(embeddings)
+        prefixes = [family.loss_from_embeddings(prefix_embeddings(embeddings, size)) for size in (4, 8)]
+        weighted = MatryoshkaLoss(family, [8, 4]).contrastive_loss(model, inputs)  # the default weight, 0.1
+        plain_mean = MatryoshkaLoss(family, [8, 4], prefix_weight=1.0).contrastive_loss(model, inputs)
+    torch.testing.assert_close(
+        weighted, (full + DEFAULT_PREFIX_WEIGHT * sum(prefixes)) / (1 + 2 * DEFAULT_PREFIX_WEIGHT)
+    )
+    torch.testing.assert_close(plain_mean, torch.stack([full, *prefixes]).mean())  # the paper's equal weights
+    assert weighted.item() != pytest.approx(full.item(), abs=1e-4)  # it adds terms
+    assert MatryoshkaLoss(family, [4]).model_inputs == family.model_inputs  # everything else is the family's
 
 
 def test_gradient_caching_gives_the_nested_losss_gradients():
@@ -63,6 +64,19 @@ def test_a_list_that_is_not_of_sizes_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"^--matryoshka_dims 64,x: 'x' is not a positive integer; give comma"):
         VlfitTrainingArguments(output_dir=str(tmp_path), matryoshka_dims="64,x")
     assert VlfitTrainingArguments(output_dir=str(tmp_path), matryoshka_dims="64, 16").matryoshka_sizes() == (16, 64)
+    with pytest.raises(ConfigError, match=r"^--matryoshka_prefix_weight must be in \(0, 1\], got 0.0"):
+        VlfitTrainingArguments(output_dir=str(tmp_path), matryoshka_dims="16", matryoshka_prefix_weight=0.0)
+
+
+def test_a_prefix_weight_without_sizes_is_refused_in_one_line(tmp_path):
+    from vlfit.arguments import DataArguments, ModelArguments
+    from vlfit.arguments.flag_rules import check_flag_rules
+    from vlfit.training.arguments import VlfitTrainingArguments
+
+    training = VlfitTrainingArguments(output_dir=str(tmp_path), matryoshka_prefix_weight=0.5)
+    with pytest.raises(ConfigError, match=r"^--matryoshka_prefix_weight weighs the losses of --matryoshka_dims"):
+        check_flag_rules(ModelArguments(model_preset="clip-tiny"), DataArguments(dataset_name=str(tmp_path)), training,
+                         task="retrieval")  # fmt: skip
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ from vlfit.models.reference import local_model_type, parse_model_reference
 RETRIEVAL_FLAGS = ("objective", "contrastive_loss", "contrastive_negatives", "gradient_cache_chunk_size",
                    "logit_scale_init_value", "hard_negative_column", "eval_pool_size", "rerank_top_k",
                    "rerank_score", "rerank_weight", "save_rerank_weight", "zeroshot_dataset",
-                   "prompt_template", "matryoshka_dims")  # fmt: skip
+                   "prompt_template", "matryoshka_dims", "matryoshka_prefix_weight")  # fmt: skip
 # Flags of a --task vqa run: its answers.
 VQA_FLAGS = ("answer_vocabulary", "max_answers")
 
@@ -228,6 +228,12 @@ FLAG_RULES: tuple[FlagRule, ...] = (
         ("save_rerank_weight", "fsdp"),
         lambda flags: bool(flags["save_rerank_weight"]) and bool(flags["fsdp"]),
         "--save_rerank_weight with --fsdp is not supported: evaluate the saved run without --fsdp",
+    ),
+    FlagRule(
+        ("matryoshka_prefix_weight", "matryoshka_dims"),
+        lambda flags: flags.changed("matryoshka_prefix_weight") and not flags["matryoshka_dims"],
+        "--matryoshka_prefix_weight weighs the losses of --matryoshka_dims's prefix sizes; without sizes there are "
+        "none: add --matryoshka_dims or drop it",
     ),
     # Gradient caching re-runs each chunk of the contrastive batch with gradient: with nothing else.
     FlagRule(

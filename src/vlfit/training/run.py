@@ -331,7 +331,7 @@ def run(
         eval_dataset=pipeline.dataset(eval_source, train=False) if eval_source is not None else None,
         processing_class=saved_tokenizer(setup.spec),  # what the Trainer saves beside every checkpoint
         pipeline=pipeline,
-        family=with_matryoshka(family, training_args.matryoshka_sizes()),
+        family=with_matryoshka(family, training_args.matryoshka_sizes(), training_args.matryoshka_prefix_weight),
         eval_pool_size=data_args.eval_pool_size,
         max_bad_fraction=data_args.max_bad_fraction,
         unfreeze=unfreeze,
