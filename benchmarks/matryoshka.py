@@ -29,6 +29,7 @@ from demo_runs import train
 
 import vlfit
 from vlfit.commands.demo import QUICK, DemoArguments, ensure_synthetic_data, recipe, synthetic_config
+from vlfit.models.matryoshka import DEFAULT_PREFIX_WEIGHT
 
 METRICS = ("t2i_recall@1", "t2i_recall@5", "i2t_recall@1", "matching_accuracy")
 
@@ -55,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fractions", default="2,4,8", help="Sizes trained and evaluated: the full size over these.")
     parser.add_argument("--epochs", type=float, default=None, help="Training epochs (default: the demo's; quick: 25).")
     parser.add_argument("--max_samples", type=int, default=None, help="Fewer samples (a smoke run of the script).")
+    parser.add_argument("--prefix_weight", type=float, default=DEFAULT_PREFIX_WEIGHT,
+                        help="vlfit train --matryoshka_prefix_weight (1.0: the paper's plain mean).")  # fmt: skip
     parser.add_argument("--results", default=None, help="Where the JSON record goes (default: in --output_dir).")
     args = parser.parse_args(argv)
     demo = DemoArguments(output_dir=args.output_dir)
@@ -72,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     full = int(without[None]["embedding_dim"])
     sizes = sorted({full // int(fraction) for fraction in args.fractions.split(",")}, reverse=True)
     dims = ",".join(str(size) for size in sorted(sizes))
-    nested_run = train(demo, "with", data_dir, {"do_eval": False, "matryoshka_dims": dims})
+    nested_flags = {"do_eval": False, "matryoshka_dims": dims, "matryoshka_prefix_weight": args.prefix_weight}
+    nested_run = train(demo, "with", data_dir, nested_flags)
     nested, nested_seconds = nested_run["model"], nested_run["seconds"]
     with_ = {None: evaluate(demo, nested, data_dir, None)}
     for size in sizes:
@@ -101,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             "eval_pool_size": demo.eval_pool_size,
             "embedding_dim": full,
             "matryoshka_dims": dims,
+            "matryoshka_prefix_weight": args.prefix_weight,
             "seed": demo.seed,
         },  # fmt: skip
         "chance_recall@1": round(chance, 4),
