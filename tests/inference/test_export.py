@@ -22,8 +22,9 @@ pytestmark = pytest.mark.slow
 
 
 def error_lines(stderr: str) -> list[str]:
-    """The error lines of stderr (``vlfit <command>: ...``), without the log lines and progress bars before them."""
-    return [line for line in stderr.strip().splitlines() if line.startswith("vlfit ")]
+    """The error lines of stderr (``vlfit <command>: error: ...``), without the log lines and progress bars before
+    them (one left without its newline when the error stopped it ends on the error's line)."""
+    return re.findall(r"vlfit [\w-]+: error: [^\r\n]*", stderr)
 
 
 def _check_against_torch(encoder, reference, pixels: torch.Tensor, min_cosine: float) -> None:
