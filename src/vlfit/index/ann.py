@@ -244,8 +244,8 @@ class AnnIndex:
         best: tuple[float, dict[str, int], int] | None = None
         limit = None
         for rerank, sweep in self._sweeps():
-            if reached and self.type in ("int8", "binary"):
-                break  # compact codes: a larger factor only re-scores more candidates
+            if reached and self.description.get("rescore_tuned"):
+                break  # tuned compact codes: a larger factor only re-scores more candidates
             previous = -1.0
             for position, params in enumerate(sweep[:limit]):
                 recall = recall_of(params, rerank)
