@@ -95,7 +95,7 @@ def build_index(
         manifest, first_number, replaced, done = _new_manifest(encoder, request.storage), 0, [], set()
     else:
         encoder.check_embeds_into(index.manifest.identity, f"the index {index.path}")
-        check_patch_budget(encoder.spec.max_num_patches, index.manifest.model.get("max_num_patches"), index.path)
+        index.manifest.check_appendable(encoder.spec.max_num_patches, None, index.path)
         manifest = index.manifest
         first_number = _next_shard_number(manifest)
         repaired, replaced = _repair_damaged_shards(encoder, index, source, items, request, first_number)
@@ -251,15 +251,4 @@ def _next_shard_number(manifest: IndexManifest) -> int:
     return max(numbers, default=-1) + 1
 
 
-def check_patch_budget(asked: int | None, built: int | None, index: str) -> None:
-    """Refuses, in one line, to embed items for the index at ``index`` at the patch budget ``asked`` when it was built
-    at another (``built``; None: not a NaFlex model's index): one index of two budgets would rank its items by which
-    budget embedded them."""
-    if built is not None and asked != built:
-        raise ConfigError(
-            f"--max_num_patches {asked} is not the {built} the index {index} was built with: its items would be "
-            "embedded at two patch budgets; leave the flag out to append at the index's, or build a new index"
-        )
-
-
-__all__ = ["BuildRequest", "BuiltIndex", "build_index", "check_patch_budget"]
+__all__ = ["BuildRequest", "BuiltIndex", "build_index"]

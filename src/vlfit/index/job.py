@@ -35,7 +35,7 @@ from vlfit.index.ann_choice import (
     check_target_recall,
     check_vector_storage,
 )
-from vlfit.index.build import BuildRequest, build_index, check_patch_budget
+from vlfit.index.build import BuildRequest, build_index
 from vlfit.index.distribute import check_distributor, open_distributor
 from vlfit.index.integrity import check_verify_level
 from vlfit.index.store import EmbeddingIndex, check_storage
@@ -141,21 +141,17 @@ class IndexJob:
         none yet).
         """
         recorded: dict[str, Any] = {}
-        budget = None
-        if index is not None:
+        runtime = self.runtime
+        if index is not None:  # appended items are embedded at the index's patch budget and cut to its size
             manifest = index.manifest
             recorded = manifest.collections[-1].get("settings", {}) if manifest.collections else {}
             budget = manifest.model.get("max_num_patches")
+            patches = budget if runtime.max_num_patches is None else runtime.max_num_patches
+            manifest.check_appendable(patches, runtime.embedding_dim, index.path)
+            runtime = dataclasses.replace(runtime, max_num_patches=patches,
+                                          embedding_dim=manifest.model.get("embedding_dim"))  # fmt: skip
         unset = {name: recorded.get(name, default) for name, default in BUILD_SETTINGS.items()
                  if getattr(self, name) is None}  # fmt: skip
-        runtime = self.runtime
-        if runtime.max_num_patches is None:
-            runtime = dataclasses.replace(runtime, max_num_patches=budget)
-        else:
-            check_patch_budget(runtime.max_num_patches, budget, self.output_dir)
-        if index is not None:  # appended items are cut to the size the index holds
-            index.manifest.check_embedding_dim(runtime.embedding_dim, index.path)
-            runtime = dataclasses.replace(runtime, embedding_dim=index.manifest.model.get("embedding_dim"))
         return dataclasses.replace(self, **unset, runtime=runtime)
 
     def settings(self) -> dict[str, Any]:

@@ -104,6 +104,19 @@ class IndexManifest:
                 f"to use its size, or build an index at {asked} (vlfit retrieve index --embedding_dim {asked})"
             )
 
+    def check_appendable(self, max_num_patches: int | None, embedding_dim: int | None, where: str) -> None:
+        """Refuse, in one line, to add items to the index at ``where`` embedded at another NaFlex patch budget
+        (``max_num_patches``; the index's is in ``model``, none for other models' indexes: one index of two budgets
+        would rank its items by which budget embedded them) or of another size (``check_embedding_dim``)."""
+        built = self.model.get("max_num_patches")
+        if built is not None and max_num_patches != built:
+            raise ConfigError(
+                f"--max_num_patches {max_num_patches} is not the {built} the index {where} was built with: its "
+                "items would be embedded at two patch budgets; leave the flag out to append at the index's, or "
+                "build a new index"
+            )
+        self.check_embedding_dim(embedding_dim, where)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "format_version": 1,
