@@ -14,7 +14,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from vlfit.arguments.runtime import RUNTIME_FLAGS, runtime_arguments
@@ -22,6 +22,7 @@ from vlfit.cli import SUBCOMMANDS as COMMAND_SUBCOMMANDS
 from vlfit.commands.parsing import CommandParser
 from vlfit.commands.retrieve_queries import Query, check_queries, embed_queries, read_queries
 from vlfit.errors import ConfigError
+from vlfit.flags import flag
 from vlfit.index.ann_choice import DEFAULT_MAX_INDEX_MEMORY, DEFAULT_TARGET_RECALL, STORAGE_RESCORE, rescore_factors
 from vlfit.index.job import IndexJob, index_collection
 from vlfit.index.push.base import is_target_uri
@@ -45,110 +46,96 @@ VectorStorage = Literal["float32", "int8", "binary"]
 class IndexArguments(runtime_arguments()):
     """Flags of ``vlfit retrieve index``."""
 
-    model: str = field(metadata={"help": "A checkpoint folder, or a folder vlfit export wrote."})
-    output_dir: str = field(metadata={"help": "The index folder (created; an existing index is resumed/appended)."})
-    images: str | None = field(default=None, metadata={"help": "A folder of image files (searched recursively)."})
-    dataset_name: str | None = field(
-        default=None,
-        metadata={
-            "help": "Or a dataset to embed a split of: a hub id, a folder, data files or tar shards (as vlfit train); "
-            "tar shards at URLs (https://, s3://...) are fetched one at a time beside the index, embedded, deleted."
-        },
+    model: str = flag(help="A checkpoint folder, or a folder vlfit export wrote.")
+    output_dir: str = flag(help="The index folder (created; an existing index is resumed/appended).")
+    images: str | None = flag(None, "A folder of image files (searched recursively).")
+    dataset_name: str | None = flag(
+        None,
+        "Or a dataset to embed a split of: a hub id, a folder, data files or tar shards (as vlfit train); "
+        "tar shards at URLs (https://, s3://...) are fetched one at a time beside the index, embedded, deleted.",
     )
-    split: str = field(default="test", metadata={"help": "Split of --dataset_name."})
-    image_column: str = field(default="image", metadata={"help": "Image column of --dataset_name."})
-    caption_column: str = field(default="image_description", metadata={"help": "Caption column of --dataset_name."})
-    image_id_column: str | None = field(
-        default=None,
-        metadata={
-            "help": "Column of --dataset_name naming the image a row shows: rows of one image are one item, with all "
-            "their captions (as vlfit eval groups them). Default: rows with identical image bytes are one image; a "
-            "list caption column's row is one image."
-        },
+    split: str = flag("test", "Split of --dataset_name.")
+    image_column: str = flag("image", "Image column of --dataset_name.")
+    caption_column: str = flag("image_description", "Caption column of --dataset_name.")
+    image_id_column: str | None = flag(
+        None,
+        "Column of --dataset_name naming the image a row shows: rows of one image are one item, with all "
+        "their captions (as vlfit eval groups them). Default: rows with identical image bytes are one image; a "
+        "list caption column's row is one image.",
     )
-    batch_size: int = field(default=32, metadata={"help": "Images per forward pass."})
-    dataloader_num_workers: int = field(
+    batch_size: int = flag(32, "Images per forward pass.")
+    dataloader_num_workers: int = flag(
         default_factory=lambda: min(4, os.cpu_count() or 1),
-        metadata={"help": "Loader workers decoding and resizing (the default is min(4, CPU count))."},
+        help="Loader workers decoding and resizing (the default is min(4, CPU count)).",
     )
-    shard_size: int | None = field(
-        default=None,
-        metadata={"help": "Images per shard (what an interrupted build redoes). Default: what the index was built "
-                  "with, else 4096."},
-    )  # fmt: skip
-    storage: Literal["safetensors", "npy"] = field(default="safetensors", metadata={"help": "Shard file format."})
-    disable_tqdm: bool = field(default=False, metadata={"help": "No progress bar."})
-    json: bool = field(default=False, metadata={"help": "Print the summary as JSON instead of lines of text."})
-    index_type: IndexType | None = field(
-        default=None,
-        metadata={
-            "help": "ANN structure: auto (flat below 100k items, HNSW while it fits --max_index_memory, else IVF-PQ), "
-            "flat (exact), hnsw or ivfpq. Default: what the index was built with, else auto."
-        },
+    shard_size: int | None = flag(
+        None, "Images per shard (what an interrupted build redoes). Default: what the index was built with, else 4096."
     )
-    max_index_memory: int | None = field(
-        default=None,
-        metadata={"help": "Bytes the ANN structure may take. Default: what the index was built with, else "
-                  f"{DEFAULT_MAX_INDEX_MEMORY} (4 GiB)."},
-    )  # fmt: skip
-    target_recall: float | None = field(
-        default=None,
-        metadata={"help": "Recall@10 against exact search that the ANN search parameter is tuned to reach. Default: "
-                  f"what the index was built with, else {DEFAULT_TARGET_RECALL}."},
-    )  # fmt: skip
-    vector_storage: VectorStorage | None = field(
-        default=None,
-        metadata={"help": "What queries scan: float32 (the --index_type structure), int8 (faiss's 8-bit scalar "
-                  "quantizer, each dimension's range trained: 4x smaller) or binary (sign bits by Hamming distance: "
-                  "32x smaller); int8 and binary scan every code and re-score the top --rescore x k candidates with "
-                  "the float32 vectors the shards keep. Default: what the index was built with, else float32."},
-    )  # fmt: skip
-    rescore: int | None = field(
-        default=None,
-        metadata={"help": "--vector_storage int8 or binary: candidates re-scored exactly per result wanted. Default: "
-                  "what the index was built with, else tuned: the smallest of "
-                  + " and ".join(f"{', '.join(map(str, rescore_factors(s)))} for {s}" for s in STORAGE_RESCORE)
-                  + " whose recall@10 reaches --target_recall."},
-    )  # fmt: skip
-    shard_retries: int = field(
-        default=3,
-        metadata={"help": "Tar shards at URLs: times a failing shard is fetched again (with backoff) before it is "
-                  "left out, listed as bad, and tried again by the next run."},
-    )  # fmt: skip
-    shard_timeout: float = field(
-        default=60.0, metadata={"help": "Tar shards at URLs: seconds a connection or one read may take."}
+    storage: Literal["safetensors", "npy"] = flag("safetensors", "Shard file format.")
+    disable_tqdm: bool = flag(False, "No progress bar.")
+    json: bool = flag(False, "Print the summary as JSON instead of lines of text.")
+    index_type: IndexType | None = flag(
+        None,
+        "ANN structure: auto (flat below 100k items, HNSW while it fits --max_index_memory, else IVF-PQ), "
+        "flat (exact), hnsw or ivfpq. Default: what the index was built with, else auto.",
     )
-    storage_options: str | None = field(
-        default=None,
-        metadata={
-            "help": "Tar shards at URLs: fsspec storage options, a JSON object (headers, auth, client_kwargs...)."
-        },
+    max_index_memory: int | None = flag(
+        None,
+        "Bytes the ANN structure may take. Default: what the index was built with, else "
+        f"{DEFAULT_MAX_INDEX_MEMORY} (4 GiB).",
     )
-    shard_block_size: int | None = field(
-        default=None,
-        metadata={"help": "Tar shards at URLs: bytes per HTTP Range request; 0: one whole-file GET per shard (servers "
-                  "that ignore Range requests, otherwise detected on the first such answer)."},
-    )  # fmt: skip
-    ddp_timeout: int = field(
-        default=1800,
-        metadata={"help": "Under torchrun: seconds the processes wait for each other (to start, and per shard)."},
+    target_recall: float | None = flag(
+        None,
+        "Recall@10 against exact search that the ANN search parameter is tuned to reach. Default: "
+        f"what the index was built with, else {DEFAULT_TARGET_RECALL}.",
     )
-    distributor: Literal["torch", "ray"] = field(
-        default="torch",
-        metadata={"help": "Who embeds and writes the shards: torch (this process, or each process torchrun started "
-                  "its share) or ray (Ray actors, one per CPU slot of the cluster, a lost one retried; this process "
-                  "lists their shards and builds the ANN structure; the ray extra)."},
-    )  # fmt: skip
-    ray_address: str | None = field(
-        default=None,
-        metadata={"help": "--distributor ray: the Ray cluster to join (auto: the one ray start started here; "
-                  "ray://HOST:10001: Ray Client). Default: RAY_ADDRESS when set, else a local cluster for the build."},
-    )  # fmt: skip
-    verify: Verify = field(
-        default="quick",
-        metadata={"help": "How an existing index is checked before appending: quick (sizes) or full (checksums, "
-                  "finite embeddings); the items of a damaged shard are embedded again, a damaged ANN file rebuilt."},
-    )  # fmt: skip
+    vector_storage: VectorStorage | None = flag(
+        None,
+        "What queries scan: float32 (the --index_type structure), int8 (faiss's 8-bit scalar "
+        "quantizer, each dimension's range trained: 4x smaller) or binary (sign bits by Hamming distance: "
+        "32x smaller); int8 and binary scan every code and re-score the top --rescore x k candidates with "
+        "the float32 vectors the shards keep. Default: what the index was built with, else float32.",
+    )
+    rescore: int | None = flag(
+        None,
+        "--vector_storage int8 or binary: candidates re-scored exactly per result wanted. Default: "
+        "what the index was built with, else tuned: the smallest of "
+        + " and ".join(f"{', '.join(map(str, rescore_factors(s)))} for {s}" for s in STORAGE_RESCORE)
+        + " whose recall@10 reaches --target_recall.",
+    )
+    shard_retries: int = flag(
+        3,
+        "Tar shards at URLs: times a failing shard is fetched again (with backoff) before it is "
+        "left out, listed as bad, and tried again by the next run.",
+    )
+    shard_timeout: float = flag(60.0, "Tar shards at URLs: seconds a connection or one read may take.")
+    storage_options: str | None = flag(
+        None, "Tar shards at URLs: fsspec storage options, a JSON object (headers, auth, client_kwargs...)."
+    )
+    shard_block_size: int | None = flag(
+        None,
+        "Tar shards at URLs: bytes per HTTP Range request; 0: one whole-file GET per shard (servers "
+        "that ignore Range requests, otherwise detected on the first such answer).",
+    )
+    ddp_timeout: int = flag(
+        1800, "Under torchrun: seconds the processes wait for each other (to start, and per shard)."
+    )
+    distributor: Literal["torch", "ray"] = flag(
+        "torch",
+        "Who embeds and writes the shards: torch (this process, or each process torchrun started "
+        "its share) or ray (Ray actors, one per CPU slot of the cluster, a lost one retried; this process "
+        "lists their shards and builds the ANN structure; the ray extra).",
+    )
+    ray_address: str | None = flag(
+        None,
+        "--distributor ray: the Ray cluster to join (auto: the one ray start started here; "
+        "ray://HOST:10001: Ray Client). Default: RAY_ADDRESS when set, else a local cluster for the build.",
+    )
+    verify: Verify = flag(
+        "quick",
+        "How an existing index is checked before appending: quick (sizes) or full (checksums, "
+        "finite embeddings); the items of a damaged shard are embedded again, a damaged ANN file rebuilt.",
+    )
 
     def job(self) -> IndexJob:
         """The indexing these flags ask for (every value checked before anything is opened)."""
@@ -161,55 +148,47 @@ class IndexArguments(runtime_arguments()):
 class QueryArguments(runtime_arguments()):
     """Flags of ``vlfit retrieve query``."""
 
-    index: str = field(
-        metadata={"help": "The index folder (vlfit retrieve index's output), or a vector database it was pushed to "
-                  "(lancedb:PATH, qdrant:PATH, chroma:PATH, postgresql://..., milvus:PATH.db; each [#collection])."}
-    )  # fmt: skip
-    verify: Verify = field(
-        default="quick",
-        metadata={"help": "How the index is checked before it is searched: quick (each file there with its recorded "
-                  "size) or full (checksums and finite embeddings too: reads the whole index)."},
-    )  # fmt: skip
-    text: list[str] = field(
-        default_factory=list, metadata={"help": "Text queries (repeat the flag or list several: --text a --text b)."}
+    index: str = flag(
+        help="The index folder (vlfit retrieve index's output), or a vector database it was pushed to "
+        "(lancedb:PATH, qdrant:PATH, chroma:PATH, postgresql://..., milvus:PATH.db; each [#collection])."
     )
-    image: list[str] = field(default_factory=list, metadata={"help": "Image files to find similar images of."})
-    queries: str | None = field(
-        default=None,
-        metadata={"help": "A file of queries, one per line: text, or image:PATH (PATH as typed: relative to here)."},
+    verify: Verify = flag(
+        "quick",
+        "How the index is checked before it is searched: quick (each file there with its recorded "
+        "size) or full (checksums and finite embeddings too: reads the whole index).",
     )
-    k: int = field(default=10, metadata={"aliases": ["-k"], "help": "Results per query."})
-    json: bool = field(default=False, metadata={"help": "Print the results as JSON."})
-    timing: bool = field(
-        default=False,
-        metadata={"help": "Report what each stage took, in milliseconds: open (the index and model), decode (image "
-                  "queries), encode, search, rerank (with --rerank_top_k) and total; a timing object with --json, "
-                  "else one line per stage after the results."},
-    )  # fmt: skip
-    model: str | None = field(
-        default=None,
-        metadata={"help": "The model to embed queries with (default: the one the index was built with)."},
+    text: list[str] = flag(
+        default_factory=list, help="Text queries (repeat the flag or list several: --text a --text b)."
     )
-    chunk_elements: int = field(
-        default=DEFAULT_CHUNK_ELEMENTS, metadata={"help": "Largest number of similarity scores held at once."}
+    image: list[str] = flag(default_factory=list, help="Image files to find similar images of.")
+    queries: str | None = flag(
+        None, "A file of queries, one per line: text, or image:PATH (PATH as typed: relative to here)."
     )
-    exact: bool = field(
-        default=False, metadata={"help": "Scan every embedding of the shards instead of using the ANN structure."}
+    k: int = flag(10, "Results per query.", aliases=["-k"])
+    json: bool = flag(False, "Print the results as JSON.")
+    timing: bool = flag(
+        False,
+        "Report what each stage took, in milliseconds: open (the index and model), decode (image "
+        "queries), encode, search, rerank (with --rerank_top_k) and total; a timing object with --json, "
+        "else one line per stage after the results.",
     )
-    rerank_top_k: int | None = field(
-        default=None,
-        metadata={"help": "Re-rank each text query's top K candidates by the model's image-text matching head "
-                  "(BridgeTower trained with --objective contrastive+itm, or its export), then keep -k of them."},
-    )  # fmt: skip
-    rerank_score: str | None = field(
-        default=None,
-        metadata={"help": "What re-ranked candidates are ordered by: itm (the matching log-odds) or itm+itc (plus "
-                  "--rerank_weight times the cosine). Default: itm+itc when the model's run saved a weight "
-                  "(rerank.json), else itm.", "choices": list(RERANK_SCORES)},
-    )  # fmt: skip
-    rerank_weight: float | None = field(
-        default=None,
-        metadata={"help": "The cosine's weight in --rerank_score itm+itc (default: the one the model's run saved)."},
+    model: str | None = flag(None, "The model to embed queries with (default: the one the index was built with).")
+    chunk_elements: int = flag(DEFAULT_CHUNK_ELEMENTS, "Largest number of similarity scores held at once.")
+    exact: bool = flag(False, "Scan every embedding of the shards instead of using the ANN structure.")
+    rerank_top_k: int | None = flag(
+        None,
+        "Re-rank each text query's top K candidates by the model's image-text matching head "
+        "(BridgeTower trained with --objective contrastive+itm, or its export), then keep -k of them.",
+    )
+    rerank_score: str | None = flag(
+        None,
+        "What re-ranked candidates are ordered by: itm (the matching log-odds) or itm+itc (plus "
+        "--rerank_weight times the cosine). Default: itm+itc when the model's run saved a weight "
+        "(rerank.json), else itm.",
+        choices=RERANK_SCORES,
+    )
+    rerank_weight: float | None = flag(
+        None, "The cosine's weight in --rerank_score itm+itc (default: the one the model's run saved)."
     )
 
 
@@ -217,42 +196,36 @@ class QueryArguments(runtime_arguments()):
 class PushArguments:
     """Flags of ``vlfit retrieve push``."""
 
-    index: str = field(metadata={"help": "The index folder (vlfit retrieve index's output)."})
-    to: str = field(
-        metadata={"help": "The vector database: lancedb:PATH, qdrant:PATH (or qdrant::memory:, "
-                  "qdrant:http://HOST:6333), chroma:PATH (or chroma:http://HOST:8000), postgresql://USER@HOST/DB "
-                  "(pgvector), milvus:PATH.db (or milvus:http://HOST:19530); #NAME at the end names the collection "
-                  "or table (default: vlfit)."}
-    )  # fmt: skip
-    overwrite: bool = field(
-        default=False, metadata={"help": "Write every item again, also those the collection holds already."}
+    index: str = flag(help="The index folder (vlfit retrieve index's output).")
+    to: str = flag(
+        help="The vector database: lancedb:PATH, qdrant:PATH (or qdrant::memory:, "
+        "qdrant:http://HOST:6333), chroma:PATH (or chroma:http://HOST:8000), postgresql://USER@HOST/DB "
+        "(pgvector), milvus:PATH.db (or milvus:http://HOST:19530); #NAME at the end names the collection "
+        "or table (default: vlfit)."
     )
-    delete_missing: bool = field(
-        default=False, metadata={"help": "Remove the items of the collection that the index does not hold."}
+    overwrite: bool = flag(False, "Write every item again, also those the collection holds already.")
+    delete_missing: bool = flag(False, "Remove the items of the collection that the index does not hold.")
+    batch_size: int | None = flag(
+        None,
+        "Items per write. Default: the engine's bulk size: LanceDB 20000, PostgreSQL "
+        "10000, Chroma and Milvus 5000, Qdrant 1000.",
     )
-    batch_size: int | None = field(
-        default=None,
-        metadata={"help": "Items per write. Default: the engine's bulk size: LanceDB 20000, PostgreSQL "
-                  "10000, Chroma and Milvus 5000, Qdrant 1000."},
-    )  # fmt: skip
-    verify: Verify = field(
-        default="quick", metadata={"help": "How the index is checked before it is pushed: quick or full."}
-    )
-    disable_tqdm: bool = field(default=False, metadata={"help": "No progress bar."})
-    json: bool = field(default=False, metadata={"help": "Print the summary as JSON."})
+    verify: Verify = flag("quick", "How the index is checked before it is pushed: quick or full.")
+    disable_tqdm: bool = flag(False, "No progress bar.")
+    json: bool = flag(False, "Print the summary as JSON.")
 
 
 @dataclass
 class VerifyArguments:
     """Flags of ``vlfit retrieve verify``."""
 
-    index: str = field(metadata={"help": "The index folder (vlfit retrieve index's output)."})
-    verify: Verify = field(
-        default="quick",
-        metadata={"help": "quick: the manifest parses and each file is there with its recorded size; full: checksums, "
-                  "ids and captions that parse, finite embeddings too (reads the whole index)."},
-    )  # fmt: skip
-    json: bool = field(default=False, metadata={"help": "Print the report as JSON."})
+    index: str = flag(help="The index folder (vlfit retrieve index's output).")
+    verify: Verify = flag(
+        "quick",
+        "quick: the manifest parses and each file is there with its recorded size; full: checksums, "
+        "ids and captions that parse, finite embeddings too (reads the whole index).",
+    )
+    json: bool = flag(False, "Print the report as JSON.")
 
 
 # Each subcommand's flags, the description its --help opens with, and the flags that may be repeated.
