@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from vlfit.arguments.sizes import check_sizes
@@ -15,6 +15,7 @@ from vlfit.data.bad_samples import BAD_SAMPLE_POLICIES, MIN_SAMPLES_FOR_BAD_FRAC
 from vlfit.data.columns import DEFAULT_COLUMNS, is_default_column
 from vlfit.data.file_patterns import is_stream_spec
 from vlfit.errors import ConfigError
+from vlfit.flags import flag
 from vlfit.inference.rerank_score import RERANK_SCORES, check_rerank_score, check_rerank_weight
 from vlfit.models.reference import parse_model_reference
 
@@ -38,66 +39,50 @@ SHARD_ACCESS = ("storage_options", "shard_block_size")
 class DataLocationArguments:
     """Where the image-text pairs come from and which columns hold them (shared by train, eval and prepare)."""
 
-    dataset_name: str | None = field(
-        default=None,
-        metadata={
-            "help": "A hub dataset id (e.g. jmhessel/newyorker_caption_contest), a folder written by save_to_disk "
-            "(e.g. by `vlfit make-data`), a folder of parquet, jsonl, json, csv or tar files (split by name, e.g. by "
-            "`vlfit prepare`), or such files themselves (a path, glob or {a..b} pattern: split train)."
-        },
+    dataset_name: str | None = flag(
+        None,
+        "A hub dataset id (e.g. jmhessel/newyorker_caption_contest), a folder written by save_to_disk "
+        "(e.g. by `vlfit make-data`), a folder of parquet, jsonl, json, csv or tar files (split by name, e.g. by "
+        "`vlfit prepare`), or such files themselves (a path, glob or {a..b} pattern: split train).",
     )
-    dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset config (e.g. matching)."})
-    dataset_revision: str | None = field(default=None, metadata={"help": "Hub dataset branch, tag or commit."})
-    data_dir: str | None = field(default=None, metadata={"help": "data_dir passed to datasets.load_dataset."})
-    train_file: str | None = field(
-        default=None,
-        metadata={"help": "Training data: parquet, jsonl/json or csv (image paths relative to it), or .tar shards."},
+    dataset_config_name: str | None = flag(None, "Hub dataset config (e.g. matching).")
+    dataset_revision: str | None = flag(None, "Hub dataset branch, tag or commit.")
+    data_dir: str | None = flag(None, "data_dir passed to datasets.load_dataset.")
+    train_file: str | None = flag(
+        None, "Training data: parquet, jsonl/json or csv (image paths relative to it), or .tar shards."
     )
-    validation_file: str | None = field(
-        default=None,
-        metadata={"help": "Validation data, same formats; shard URLs (https://, s3://...) are read from local copies."},
+    validation_file: str | None = flag(
+        None, "Validation data, same formats; shard URLs (https://, s3://...) are read from local copies."
     )
-    test_file: str | None = field(default=None, metadata={"help": "Test data, same formats."})
-    image_column: str = field(
-        default=DEFAULT_COLUMNS["image"][0],
-        metadata={
-            "help": "Column holding images (bytes, paths or PIL). Not given: the first of "
-            f"{', '.join(DEFAULT_COLUMNS['image'])} that the data has."
-        },
+    test_file: str | None = flag(None, "Test data, same formats.")
+    image_column: str = flag(
+        DEFAULT_COLUMNS["image"][0],
+        "Column holding images (bytes, paths or PIL). Not given: the first of "
+        f"{', '.join(DEFAULT_COLUMNS['image'])} that the data has.",
     )
-    caption_column: str = field(
-        default=DEFAULT_COLUMNS["caption"][0],
-        metadata={
-            "help": "Column holding the captions. Not given: the first of "
-            f"{', '.join(DEFAULT_COLUMNS['caption'])} that the data has."
-        },
+    caption_column: str = flag(
+        DEFAULT_COLUMNS["caption"][0],
+        "Column holding the captions. Not given: the first of "
+        f"{', '.join(DEFAULT_COLUMNS['caption'])} that the data has.",
     )
-    id_column: str | None = field(
-        default=None, metadata={"help": "Column with sample ids (default: instance_id or id if present, else row)."}
-    )
-    image_id_column: str | None = field(
-        default=None,
-        metadata={
-            "help": "Column naming the image a row shows (e.g. COCO's image_id): rows with equal values are captions "
-            "of one image, for evaluation (recall over unique images) and the loss (never each other's negatives). "
-            "Default: rows with identical image bytes are one image. A caption column holding lists of captions is "
-            "read as one row per caption."
-        },
+    id_column: str | None = flag(None, "Column with sample ids (default: instance_id or id if present, else row).")
+    image_id_column: str | None = flag(
+        None,
+        "Column naming the image a row shows (e.g. COCO's image_id): rows with equal values are captions "
+        "of one image, for evaluation (recall over unique images) and the loss (never each other's negatives). "
+        "Default: rows with identical image bytes are one image. A caption column holding lists of captions is "
+        "read as one row per caption.",
     )
 
-    storage_options: str | None = field(
-        default=None,
-        metadata={
-            "help": "Shard URLs: fsspec storage options, a JSON object (headers, auth, client_kwargs, block_size...), "
-            'e.g. \'{"headers": {"Authorization": "Bearer ..."}}\'; every command that reads shard URLs uses them.'
-        },
+    storage_options: str | None = flag(
+        None,
+        "Shard URLs: fsspec storage options, a JSON object (headers, auth, client_kwargs, block_size...), "
+        'e.g. \'{"headers": {"Authorization": "Bearer ..."}}\'; every command that reads shard URLs uses them.',
     )
-    shard_block_size: int | None = field(
-        default=None,
-        metadata={
-            "help": "Shard URLs: bytes fetched per HTTP Range request (fsspec's block_size). 0: each shard is one "
-            "whole-file GET, for servers that ignore Range requests (otherwise detected on the first such answer)."
-        },
+    shard_block_size: int | None = flag(
+        None,
+        "Shard URLs: bytes fetched per HTTP Range request (fsspec's block_size). 0: each shard is one "
+        "whole-file GET, for servers that ignore Range requests (otherwise detected on the first such answer).",
     )
 
     def __post_init__(self) -> None:
@@ -141,45 +126,33 @@ class DataLocationArguments:
 class StreamArguments:
     """How a streamed training split is read (``vlfit.data.stream``): tar shards at fsspec URLs, mixed, shuffled."""
 
-    streaming: bool = field(
-        default=False,
-        metadata={
-            "help": "Stream the training split shard by shard instead of opening it as a map-style dataset: "
-            "--train_file tar shards (local, or implied by URLs and '::' sources), or --dataset_name's data files "
-            "(a hub id or a local folder of parquet or tar shards). Needs --max_steps: a stream has no length."
-        },
+    streaming: bool = flag(
+        False,
+        "Stream the training split shard by shard instead of opening it as a map-style dataset: "
+        "--train_file tar shards (local, or implied by URLs and '::' sources), or --dataset_name's data files "
+        "(a hub id or a local folder of parquet or tar shards). Needs --max_steps: a stream has no length.",
     )
-    train_data_weights: str | None = field(
-        default=None,
-        metadata={
-            "help": "Comma-separated weights of the '::'-separated sources of --train_file (open_clip's upsampling "
-            "factors): samples are drawn from each source in proportion. Default: all 1."
-        },
+    train_data_weights: str | None = flag(
+        None,
+        "Comma-separated weights of the '::'-separated sources of --train_file (open_clip's upsampling "
+        "factors): samples are drawn from each source in proportion. Default: all 1.",
     )
-    shuffle_buffer: int = field(
-        default=1000,
-        metadata={
-            "help": "Samples each loader worker's shuffle buffer holds when streaming (0: shard order, no shuffle); "
-            "shard order is shuffled per epoch too. Deterministic per --seed."
-        },
+    shuffle_buffer: int = flag(
+        1000,
+        "Samples each loader worker's shuffle buffer holds when streaming (0: shard order, no shuffle); "
+        "shard order is shuffled per epoch too. Deterministic per --seed.",
     )
-    resampled: bool = field(
-        default=False,
-        metadata={
-            "help": "Streaming: draw shards with replacement, endlessly (open_clip's --dataset-resampled), instead "
-            "of reading each shard once per epoch."
-        },
+    resampled: bool = flag(
+        False,
+        "Streaming: draw shards with replacement, endlessly (open_clip's --dataset-resampled), instead "
+        "of reading each shard once per epoch.",
     )
-    shard_retries: int = field(
-        default=3,
-        metadata={
-            "help": "Streaming: times a failing shard (HTTP error, dropped connection, timeout) is tried again, with "
-            "backoff, before it is given up and counted as a bad sample under --max_bad_fraction."
-        },
+    shard_retries: int = flag(
+        3,
+        "Streaming: times a failing shard (HTTP error, dropped connection, timeout) is tried again, with "
+        "backoff, before it is given up and counted as a bad sample under --max_bad_fraction.",
     )
-    shard_timeout: float = field(
-        default=60.0, metadata={"help": "Streaming: seconds a connection or one read may take before it is a fault."}
-    )
+    shard_timeout: float = flag(60.0, "Streaming: seconds a connection or one read may take before it is a fault.")
 
     def streams_training(self) -> bool:
         """Whether the training split is streamed: ``--streaming``, or a ``--train_file`` that only streams."""
@@ -205,144 +178,111 @@ class StreamArguments:
 class DataArguments(CompatDataFlags, StreamArguments, DataLocationArguments):
     """Data location plus how samples are turned into model inputs."""
 
-    max_seq_length: int | None = field(
-        default=None,
-        metadata={"help": "Captions are truncated to this many tokens (default: the length the model was trained with "
-                  "when it is a vlfit run, from its input_spec.json; else 128, within the model's text positions)."},
-    )  # fmt: skip
-    max_num_patches: int | None = field(
-        default=None,
-        metadata={"help": "NaFlex models (SigLIP 2): each image keeps its aspect ratio as at most this many patches, "
-                  "the token budget (default: the budget the model was trained with when it is a vlfit run, from its "
-                  "input_spec.json; else its image processor's, 256 for SigLIP 2)."},
-    )  # fmt: skip
-    max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N training samples."})
-    max_eval_samples: int | None = field(default=None, metadata={"help": "Use only the first N evaluation samples."})
-    preprocessing_num_workers: int | None = field(
-        default=None, metadata={"help": "Accepted for run_bridgetower.py compatibility; vlfit preprocesses lazily."}
+    max_seq_length: int | None = flag(
+        None,
+        "Captions are truncated to this many tokens (default: the length the model was trained with "
+        "when it is a vlfit run, from its input_spec.json; else 128, within the model's text positions).",
     )
-    image_pipeline: str = field(
-        default="fast",
-        metadata={
-            "help": "fast: DCT-scaled decode and uint8 resize in workers, normalize on the device. "
-            "reference: run_bridgetower.py's Pillow/float pipeline, all on the CPU.",
-            "choices": list(IMAGE_PIPELINES),
-        },
+    max_num_patches: int | None = flag(
+        None,
+        "NaFlex models (SigLIP 2): each image keeps its aspect ratio as at most this many patches, "
+        "the token budget (default: the budget the model was trained with when it is a vlfit run, from its "
+        "input_spec.json; else its image processor's, 256 for SigLIP 2).",
     )
-    decode_on_device: bool = field(
-        default=False,
-        metadata={"help": "Workers only read bytes; JPEGs are decoded on the GPU with nvJPEG (CPU fallback)."},
+    max_train_samples: int | None = flag(None, "Use only the first N training samples.")
+    max_eval_samples: int | None = flag(None, "Use only the first N evaluation samples.")
+    preprocessing_num_workers: int | None = flag(
+        None, "Accepted for run_bridgetower.py compatibility; vlfit preprocesses lazily."
     )
-    random_resized_crop: bool = field(default=False, metadata={"help": "Random resized crop (fast pipeline)."})
-    horizontal_flip: bool = field(default=False, metadata={"help": "Random horizontal flip, on the device."})
-    hard_negative_column: str | None = field(
-        default=None,
-        metadata={
-            "help": "A column of alternative captions per sample (a list of strings, e.g. caption_choices of the "
-            "New Yorker matching config or of `vlfit make-data` data): training also scores each image against "
-            "its own alternatives, beside the batch's captions (NegCLIP's hard negatives). The sample's own choice "
-            "is left out: the one its label column points to, or else any equal to its caption."
-        },
+    image_pipeline: str = flag(
+        "fast",
+        "fast: DCT-scaled decode and uint8 resize in workers, normalize on the device. "
+        "reference: run_bridgetower.py's Pillow/float pipeline, all on the CPU.",
+        choices=IMAGE_PIPELINES,
     )
-    caption_sampling: str = field(
-        default="every",
-        metadata={
-            "help": "How a training epoch walks several captions per image: every (each caption once per epoch) or "
-            "one_per_image (each image once per epoch, with one of its captions drawn anew each epoch).",
-            "choices": list(CAPTION_SAMPLING),
-        },
+    decode_on_device: bool = flag(
+        False, "Workers only read bytes; JPEGs are decoded on the GPU with nvJPEG (CPU fallback)."
     )
-    eval_split: str = field(default="validation", metadata={"help": "Split that --do_eval evaluates."})
-    eval_pool_size: int | None = field(
-        default=None, metadata={"help": "Recall@k over pools of this many images (default: the whole split)."}
+    random_resized_crop: bool = flag(False, "Random resized crop (fast pipeline).")
+    horizontal_flip: bool = flag(False, "Random horizontal flip, on the device.")
+    hard_negative_column: str | None = flag(
+        None,
+        "A column of alternative captions per sample (a list of strings, e.g. caption_choices of the "
+        "New Yorker matching config or of `vlfit make-data` data): training also scores each image against "
+        "its own alternatives, beside the batch's captions (NegCLIP's hard negatives). The sample's own choice "
+        "is left out: the one its label column points to, or else any equal to its caption.",
     )
-    rerank_top_k: int | None = field(
-        default=None,
-        metadata={
-            "help": "Evaluation: also re-rank each query's top K candidates by the model's image-text matching head "
-            "(BridgeTower with one), both directions, and report recall@k re-ranked beside the cosine ranking."
-        },
+    caption_sampling: str = flag(
+        "every",
+        "How a training epoch walks several captions per image: every (each caption once per epoch) or "
+        "one_per_image (each image once per epoch, with one of its captions drawn anew each epoch).",
+        choices=CAPTION_SAMPLING,
     )
-    rerank_score: str | None = field(
-        default=None,
-        metadata={
-            "help": "Evaluation's re-ranking (--rerank_top_k): also report recall with the candidates ordered by "
-            "itm+itc (the matching log-odds plus --rerank_weight times the cosine; its metrics are named fused), or "
-            "by itm alone. Default: itm+itc when the model's run saved a weight (rerank.json), else itm.",
-            "choices": list(RERANK_SCORES),
-        },
+    eval_split: str = flag("validation", "Split that --do_eval evaluates.")
+    eval_pool_size: int | None = flag(None, "Recall@k over pools of this many images (default: the whole split).")
+    rerank_top_k: int | None = flag(
+        None,
+        "Evaluation: also re-rank each query's top K candidates by the model's image-text matching head "
+        "(BridgeTower with one), both directions, and report recall@k re-ranked beside the cosine ranking.",
     )
-    rerank_weight: float | None = field(
-        default=None,
-        metadata={"help": "The cosine's weight in itm+itc re-ranking (default: the one the model's run saved)."},
+    rerank_score: str | None = flag(
+        None,
+        "Evaluation's re-ranking (--rerank_top_k): also report recall with the candidates ordered by "
+        "itm+itc (the matching log-odds plus --rerank_weight times the cosine; its metrics are named fused), or "
+        "by itm alone. Default: itm+itc when the model's run saved a weight (rerank.json), else itm.",
+        choices=RERANK_SCORES,
     )
-    save_rerank_weight: bool = field(
-        default=False,
-        metadata={
-            "help": "vlfit eval: sweep the itm+itc weight on this split (re-ranking the top --rerank_top_k, or 16) "
-            "and save the best into the model folder (rerank.json), where vlfit eval, retrieve query, serve and "
-            "vlfit.Index read it. vlfit train does it at the end of every run with a matching head and a "
-            "validation split."
-        },
+    rerank_weight: float | None = flag(
+        None, "The cosine's weight in itm+itc re-ranking (default: the one the model's run saved)."
     )
-    zeroshot_dataset: list[str] | None = field(
-        default=None,
-        metadata={
-            "help": "Labelled data to classify zero-shot at every evaluation (any data source form; several may be "
-            "given): top-1/top-5 accuracy logged beside the retrieval metrics as eval_zeroshot_top1 (with several, "
-            "eval_zeroshot_<name>_top1), to watch what fine-tuning forgets."
-        },
+    save_rerank_weight: bool = flag(
+        False,
+        "vlfit eval: sweep the itm+itc weight on this split (re-ranking the top --rerank_top_k, or 16) "
+        "and save the best into the model folder (rerank.json), where vlfit eval, retrieve query, serve and "
+        "vlfit.Index read it. vlfit train does it at the end of every run with a matching head and a "
+        "validation split.",
     )
-    zeroshot_label_column: str = field(
-        default="label", metadata={"help": "The class column of --zeroshot_dataset (a ClassLabel or text)."}
+    zeroshot_dataset: list[str] | None = flag(
+        None,
+        "Labelled data to classify zero-shot at every evaluation (any data source form; several may be "
+        "given): top-1/top-5 accuracy logged beside the retrieval metrics as eval_zeroshot_top1 (with several, "
+        "eval_zeroshot_<name>_top1), to watch what fine-tuning forgets.",
     )
-    zeroshot_split: str = field(default="test", metadata={"help": "The split of --zeroshot_dataset to classify."})
-    prompt_template: list[str] | None = field(
-        default=None,
-        metadata={
-            "help": "Zero-shot prompts, '{}' the class name; several are averaged (default: vlfit fewshot's five, "
-            "'a photo of a {}.', ...)."
-        },
+    zeroshot_label_column: str = flag("label", "The class column of --zeroshot_dataset (a ClassLabel or text).")
+    zeroshot_split: str = flag("test", "The split of --zeroshot_dataset to classify.")
+    prompt_template: list[str] | None = flag(
+        None,
+        "Zero-shot prompts, '{}' the class name; several are averaged (default: vlfit fewshot's five, "
+        "'a photo of a {}.', ...).",
     )
-    bad_sample_policy: str = field(
-        default="skip",
-        metadata={
-            "help": "What to do with a sample whose image cannot be read or decoded or whose caption is missing, "
-            "empty or whitespace. skip: training replaces it by another sample (batches keep their size), "
-            "evaluation leaves it out; each is logged and listed in bad_samples.jsonl. raise: stop with an error "
-            "naming the sample.",
-            "choices": list(BAD_SAMPLE_POLICIES),
-        },
+    bad_sample_policy: str = flag(
+        "skip",
+        "What to do with a sample whose image cannot be read or decoded or whose caption is missing, "
+        "empty or whitespace. skip: training replaces it by another sample (batches keep their size), "
+        "evaluation leaves it out; each is logged and listed in bad_samples.jsonl. raise: stop with an error "
+        "naming the sample.",
+        choices=BAD_SAMPLE_POLICIES,
     )
-    max_bad_fraction: float = field(
-        default=0.01,
-        metadata={
-            "help": "With --bad_sample_policy skip, stop training once more than this fraction of the samples read "
-            f"so far were bad (judged after max({MIN_SAMPLES_FOR_BAD_FRACTION}, 1/fraction) samples, or once a "
-            "smaller split was read whole). "
-            "0: the first bad sample stops the run; 1: never stop."
-        },
+    max_bad_fraction: float = flag(
+        0.01,
+        "With --bad_sample_policy skip, stop training once more than this fraction of the samples read "
+        f"so far were bad (judged after max({MIN_SAMPLES_FOR_BAD_FRACTION}, 1/fraction) samples, or once a "
+        "smaller split was read whole). "
+        "0: the first bad sample stops the run; 1: never stop.",
     )
 
-    task: str = field(
-        default="retrieval",
-        metadata={
-            "help": "retrieval (image-text contrastive fine-tuning, recall@k) or vqa (BridgeTower: a classifier over "
-            "the fused tower answers each row's question, the caption column, default question; answers from "
-            "answers or multiple_choice_answer; VQA accuracy). vlfit eval of a vqa model needs no flag."
-        },
+    task: str = flag(
+        "retrieval",
+        "retrieval (image-text contrastive fine-tuning, recall@k) or vqa (BridgeTower: a classifier over "
+        "the fused tower answers each row's question, the caption column, default question; answers from "
+        "answers or multiple_choice_answer; VQA accuracy). vlfit eval of a vqa model needs no flag.",
     )
-    max_answers: int = field(
-        default=3129,
-        metadata={"help": "--task vqa: the answer vocabulary, the N answers the training split gives most."},
-    )
-    answer_vocabulary: str | None = field(
-        default=None,
-        metadata={
-            "help": "--task vqa: a file of the answers the classifier chooses from, in place of the --max_answers "
-            "most given in the training split: one answer per line, a JSON list, or a JSON {answer: index} map "
-            "(METER's and ViLT's ans2label). What a streamed training split needs."
-        },
+    max_answers: int = flag(3129, "--task vqa: the answer vocabulary, the N answers the training split gives most.")
+    answer_vocabulary: str | None = flag(
+        None,
+        "--task vqa: a file of the answers the classifier chooses from, in place of the --max_answers "
+        "most given in the training split: one answer per line, a JSON list, or a JSON {answer: index} map "
+        "(METER's and ViLT's ans2label). What a streamed training split needs.",
     )
 
     def run_task(self, model_name_or_path: str | None) -> str:
@@ -388,10 +328,10 @@ class DataArguments(CompatDataFlags, StreamArguments, DataLocationArguments):
                 "--max_train_samples": self.max_train_samples is not None,
                 "--caption_sampling one_per_image": self.caption_sampling == "one_per_image",
             }
-            for flag, given in map_style_only.items():
+            for option, given in map_style_only.items():
                 if given:
                     raise ConfigError(
-                        f"{flag} needs a map-style training split; a stream is read in the order of its shards: "
+                        f"{option} needs a map-style training split; a stream is read in the order of its shards: "
                         "bound the run with --max_steps instead, or drop --streaming"
                     )
         if self.mediapipe_dataloader:

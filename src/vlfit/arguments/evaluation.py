@@ -4,29 +4,28 @@ runtime doors' ``--embedding_dim`` (inherited from ``vlfit.arguments.runtime``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from vlfit.arguments.runtime import runtime_arguments
 from vlfit.arguments.sizes import check_sizes
+from vlfit.flags import flag
 
 
 @dataclass
 class EvalArguments:
     """``vlfit eval``'s run settings: the ``TrainingArguments`` flags that evaluation uses, under their names."""
 
-    output_dir: str | None = field(
-        default=None, metadata={"help": "Where eval_results.json goes (default: the model folder)."}
-    )
-    per_device_eval_batch_size: int = field(default=8, metadata={"help": "Pairs per batch on each process."})
-    dataloader_num_workers: int = field(default=0, metadata={"help": "Loader worker processes (0: in the main one)."})
-    dataloader_prefetch_factor: int | None = field(default=None, metadata={"help": "Batches each worker prepares."})
-    dataloader_pin_memory: bool = field(default=True, metadata={"help": "Pin host batches (faster copies to a GPU)."})
-    bf16: bool = field(default=False, metadata={"help": "Run the model under bf16 autocast."})
-    use_cpu: bool = field(default=False, metadata={"help": "Run on the CPU even when a GPU is there."})
-    seed: int = field(default=42, metadata={"help": "Seed (pools are drawn in order; this seeds the rest)."})
-    report_to: str = field(default="none", metadata={"help": "Where to log metrics (none, tensorboard, wandb...)."})
-    disable_tqdm: bool = field(default=False, metadata={"help": "No progress bars."})
-    ddp_backend: str | None = field(default=None, metadata={"help": "Under torchrun: nccl, gloo (CPUs)..."})
+    output_dir: str | None = flag(None, "Where eval_results.json goes (default: the model folder).")
+    per_device_eval_batch_size: int = flag(8, "Pairs per batch on each process.")
+    dataloader_num_workers: int = flag(0, "Loader worker processes (0: in the main one).")
+    dataloader_prefetch_factor: int | None = flag(None, "Batches each worker prepares.")
+    dataloader_pin_memory: bool = flag(True, "Pin host batches (faster copies to a GPU).")
+    bf16: bool = flag(False, "Run the model under bf16 autocast.")
+    use_cpu: bool = flag(False, "Run on the CPU even when a GPU is there.")
+    seed: int = flag(42, "Seed (pools are drawn in order; this seeds the rest).")
+    report_to: str = flag("none", "Where to log metrics (none, tensorboard, wandb...).")
+    disable_tqdm: bool = flag(False, "No progress bars.")
+    ddp_backend: str | None = flag(None, "Under torchrun: nccl, gloo (CPUs)...")
 
     def __post_init__(self) -> None:
         check_sizes(self)  # --per_device_eval_batch_size, --dataloader_num_workers (vlfit.arguments.sizes)

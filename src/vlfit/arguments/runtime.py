@@ -14,6 +14,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from vlfit.flags import flag
 from vlfit.inference.runtime_settings import RuntimeSettings
 
 
@@ -22,38 +23,38 @@ class _RuntimeFlagDeclarations:
     """Each runtime flag's type, default and help: the one declaration (``runtime_arguments`` hands a door the ones
     it takes)."""
 
-    backend: Literal["auto", "torch", "onnxruntime", "openvino"] = field(
-        default="auto",
-        metadata={"help": "Which runtime embeds: auto (the model folder's own: PyTorch for a checkpoint, the exported "
-                  "format's runtime for an export; for an index's model, the runtime it was built with), torch, "
-                  "onnxruntime or openvino."},
-    )  # fmt: skip
-    precision: Literal["auto", "fp32", "int8", "bf16"] = field(
-        default="auto",
-        metadata={"help": "Exported graphs: auto (INT8 when exported; for an index's model, the precision it was "
-                  "built with), fp32, int8, or bf16 (an OpenVINO export on a CPU with AMX or AVX-512 bf16)."},
-    )  # fmt: skip
-    num_threads: int | None = field(
-        default=None,
-        metadata={"help": "Intra-op threads of the runtime (torch, ONNX Runtime, OpenVINO), for this model's calls "
-                  "only; unset: the runtime's own."},
-    )  # fmt: skip
-    max_seq_length: int | None = field(
-        default=None,
-        metadata={"help": "Cut captions at this many tokens (default: the length the model was trained with, from "
-                  "its input_spec.json or export manifest; for an index's model, the length it was indexed with)."},
-    )  # fmt: skip
-    max_num_patches: int | None = field(
-        default=None,
-        metadata={"help": "A NaFlex model's (SigLIP 2) most patches per image (default: the budget the model was "
-                  "trained with; for an index's model, the budget it was built with)."},
-    )  # fmt: skip
-    embedding_dim: int | None = field(
-        default=None,
-        metadata={"help": "Keep the first this many dimensions of every embedding, L2-normalized again (a Matryoshka "
-                  "run's --matryoshka_dims; another size is allowed, with a note). Default: the model's full size; "
-                  "for an index's model, the size it was built with (a query asking another is refused)."},
-    )  # fmt: skip
+    backend: Literal["auto", "torch", "onnxruntime", "openvino"] = flag(
+        "auto",
+        "Which runtime embeds: auto (the model folder's own: PyTorch for a checkpoint, the exported "
+        "format's runtime for an export; for an index's model, the runtime it was built with), torch, "
+        "onnxruntime or openvino.",
+    )
+    precision: Literal["auto", "fp32", "int8", "bf16"] = flag(
+        "auto",
+        "Exported graphs: auto (INT8 when exported; for an index's model, the precision it was "
+        "built with), fp32, int8, or bf16 (an OpenVINO export on a CPU with AMX or AVX-512 bf16).",
+    )
+    num_threads: int | None = flag(
+        None,
+        "Intra-op threads of the runtime (torch, ONNX Runtime, OpenVINO), for this model's calls "
+        "only; unset: the runtime's own.",
+    )
+    max_seq_length: int | None = flag(
+        None,
+        "Cut captions at this many tokens (default: the length the model was trained with, from "
+        "its input_spec.json or export manifest; for an index's model, the length it was indexed with).",
+    )
+    max_num_patches: int | None = flag(
+        None,
+        "A NaFlex model's (SigLIP 2) most patches per image (default: the budget the model was "
+        "trained with; for an index's model, the budget it was built with).",
+    )
+    embedding_dim: int | None = flag(
+        None,
+        "Keep the first this many dimensions of every embedding, L2-normalized again (a Matryoshka "
+        "run's --matryoshka_dims; another size is allowed, with a note). Default: the model's full size; "
+        "for an index's model, the size it was built with (a query asking another is refused).",
+    )
 
 
 RUNTIME_FLAGS = tuple(f.name for f in dataclasses.fields(_RuntimeFlagDeclarations))
