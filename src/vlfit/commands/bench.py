@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ from vlfit.bench.sweep import run_sweep
 from vlfit.commands.parsing import CommandParser
 from vlfit.data.sources.synthetic import synthetic_source
 from vlfit.errors import ConfigError
+from vlfit.flags import flag
 from vlfit.models.loading import ModelSpec, build_model, resolve_model
 from vlfit.training.arguments import OBJECTIVES
 from vlfit.training.itm_objective import CONTRASTIVE
@@ -46,97 +47,71 @@ logger = logging.getLogger(__name__)
 class BenchArguments:
     """Flags of ``vlfit bench`` besides the model and data-location flags it shares with ``vlfit train``."""
 
-    output_dir: str = field(default="runs/bench", metadata={"help": "Where bench.json, bench.md and bench.png go."})
-    mode: str = field(
-        default="train",
-        metadata={
-            "help": "loader (data path and device stage only), train (forward, backward, optimizer step), or "
-            "both: loader,train."
-        },
+    output_dir: str = flag("runs/bench", "Where bench.json, bench.md and bench.png go.")
+    mode: str = flag(
+        "train",
+        "loader (data path and device stage only), train (forward, backward, optimizer step), or both: loader,train.",
     )
-    pipelines: str | None = field(
-        default=None,
-        metadata={
-            "help": f"Comma-separated, from {', '.join(PIPELINES)} (default: all this machine can run: device "
-            "needs CUDA)."
-        },
+    pipelines: str | None = flag(
+        None, f"Comma-separated, from {', '.join(PIPELINES)} (default: all this machine can run: device needs CUDA)."
     )
-    workers: str | None = field(
-        default=None,
-        metadata={"help": "Comma-separated DataLoader worker counts (default: 0,1,2 then powers of two <= cores)."},
+    workers: str | None = flag(
+        None, "Comma-separated DataLoader worker counts (default: 0,1,2 then powers of two <= cores)."
     )
-    prefetch_factors: str = field(default="2", metadata={"help": "Comma-separated DataLoader prefetch factors."})
-    per_device_train_batch_size: int = field(default=48, metadata={"help": "Batch size (the study's 48)."})
-    steps: int = field(default=10, metadata={"help": "Timed steps per window."})
-    warmup_steps: int = field(
-        default=3, metadata={"help": "Steps excluded at the start of each window (throughput_warmup_steps)."}
+    prefetch_factors: str = flag("2", "Comma-separated DataLoader prefetch factors.")
+    per_device_train_batch_size: int = flag(48, "Batch size (the study's 48).")
+    steps: int = flag(10, "Timed steps per window.")
+    warmup_steps: int = flag(3, "Steps excluded at the start of each window (throughput_warmup_steps).")
+    repeats: int = flag(3, "Windows per configuration: median, min and max reported.")
+    objective: str = flag(
+        CONTRASTIVE,
+        "What train mode's step optimizes, as vlfit train --objective: contrastive, or with BridgeTower "
+        "contrastive+itm / itm, whose fused passes on hard negatives then count in samples/s, the compute "
+        "ceiling, FLOPs per sample and MFU (the model gets a matching head when it has none).",
+        choices=OBJECTIVES,
     )
-    repeats: int = field(default=3, metadata={"help": "Windows per configuration: median, min and max reported."})
-    objective: str = field(
-        default=CONTRASTIVE,
-        metadata={
-            "help": "What train mode's step optimizes, as vlfit train --objective: contrastive, or with BridgeTower "
-            "contrastive+itm / itm, whose fused passes on hard negatives then count in samples/s, the compute "
-            "ceiling, FLOPs per sample and MFU (the model gets a matching head when it has none).",
-            "choices": list(OBJECTIVES),
-        },
+    bf16: bool = flag(False, "bf16 autocast (the default on CUDA GPUs that support it).")
+    fp32: bool = flag(False, "fp32 even on a GPU.")
+    compare_bf16: bool = flag(
+        False,
+        "Also measure the compute ceiling in the other precision (fp32/bf16 ratio); --auto does it too, "
+        "and the recommendation takes the faster one.",
     )
-    bf16: bool = field(default=False, metadata={"help": "bf16 autocast (the default on CUDA GPUs that support it)."})
-    fp32: bool = field(default=False, metadata={"help": "fp32 even on a GPU."})
-    compare_bf16: bool = field(
-        default=False,
-        metadata={
-            "help": "Also measure the compute ceiling in the other precision (fp32/bf16 ratio); --auto does it too, "
-            "and the recommendation takes the faster one."
-        },
+    compare_compile: bool = flag(
+        False, "Also measure the compute ceiling with the model under torch.compile (eager vs compiled)."
     )
-    compare_compile: bool = field(
-        default=False,
-        metadata={"help": "Also measure the compute ceiling with the model under torch.compile (eager vs compiled)."},
+    compare_attention: bool = flag(
+        False, "Also measure the compute ceiling with eager and with fused (sdpa) attention."
     )
-    compare_attention: bool = field(
-        default=False,
-        metadata={"help": "Also measure the compute ceiling with eager and with fused (sdpa) attention."},
+    torch_compile_backend: str = flag(
+        "inductor", "torch.compile backend for --compare_compile (inductor, aot_eager, ...)."
     )
-    torch_compile_backend: str = field(
-        default="inductor", metadata={"help": "torch.compile backend for --compare_compile (inductor, aot_eager, ...)."}
+    auto: bool = flag(
+        False,
+        "Also try --auto_prefetch_factors on the best configuration and measure fp32 against bf16; print "
+        "the vlfit train flags, with the faster precision.",
     )
-    auto: bool = field(
-        default=False,
-        metadata={
-            "help": "Also try --auto_prefetch_factors on the best configuration and measure fp32 against bf16; print "
-            "the vlfit train flags, with the faster precision."
-        },
+    auto_prefetch_factors: str = flag("2,4", "Prefetch factors --auto tries.")
+    split: str = flag("train", "Split of the data to read (with --dataset_name or files).")
+    num_samples: int = flag(192, "Distinct samples (generated, or the first N of the split), served cyclically.")
+    synthetic_min_long_side: int = flag(600, "Synthetic images: smallest long side.")
+    synthetic_max_long_side: int = flag(1400, "Synthetic images: largest long side.")
+    max_seq_length: int = flag(128, "Caption truncation length.")
+    max_num_patches: int | None = flag(
+        None,
+        "NaFlex models (SigLIP 2): each image keeps its aspect ratio as at most this many patches, "
+        "the token budget, as vlfit train's flag (default: the model's).",
     )
-    auto_prefetch_factors: str = field(default="2,4", metadata={"help": "Prefetch factors --auto tries."})
-    split: str = field(default="train", metadata={"help": "Split of the data to read (with --dataset_name or files)."})
-    num_samples: int = field(
-        default=192, metadata={"help": "Distinct samples (generated, or the first N of the split), served cyclically."}
-    )
-    synthetic_min_long_side: int = field(default=600, metadata={"help": "Synthetic images: smallest long side."})
-    synthetic_max_long_side: int = field(default=1400, metadata={"help": "Synthetic images: largest long side."})
-    max_seq_length: int = field(default=128, metadata={"help": "Caption truncation length."})
-    max_num_patches: int | None = field(
-        default=None,
-        metadata={"help": "NaFlex models (SigLIP 2): each image keeps its aspect ratio as at most this many patches, "
-                  "the token budget, as vlfit train's flag (default: the model's)."},
-    )  # fmt: skip
-    profile_batches: int = field(default=2, metadata={"help": "Batches timed per stage (0: no stage breakdown)."})
-    max_config_seconds: float | None = field(
-        default=None, metadata={"help": "Stop repeating a configuration after this many seconds."}
-    )
-    device: str | None = field(default=None, metadata={"help": "cuda or cpu (default: cuda when available)."})
-    num_proc: int | None = field(
-        default=None, metadata={"help": "Processes for generating and preparing data (default: min(cores, 8))."}
-    )
-    seed: int = field(default=0, metadata={"help": "Seed for data, sampling order and model initialization."})
-    png: bool = field(default=True, metadata={"help": "Write bench.png."})
-    skip_fit_check: bool = field(
-        default=False,
-        metadata={
-            "help": "Train mode checks first that the model, gradients, AdamW states and activations fit in the "
-            "device's (or host's) memory, and stops with an error if they cannot; this skips the check."
-        },
+    profile_batches: int = flag(2, "Batches timed per stage (0: no stage breakdown).")
+    max_config_seconds: float | None = flag(None, "Stop repeating a configuration after this many seconds.")
+    device: str | None = flag(None, "cuda or cpu (default: cuda when available).")
+    num_proc: int | None = flag(None, "Processes for generating and preparing data (default: min(cores, 8)).")
+    seed: int = flag(0, "Seed for data, sampling order and model initialization.")
+    png: bool = flag(True, "Write bench.png.")
+    skip_fit_check: bool = flag(
+        False,
+        "Train mode checks first that the model, gradients, AdamW states and activations fit in the "
+        "device's (or host's) memory, and stops with an error if they cannot; this skips the check.",
     )
 
 

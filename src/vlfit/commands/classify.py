@@ -5,29 +5,28 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from vlfit.arguments.runtime import runtime_arguments
 from vlfit.atomic_files import replace_on_success
 from vlfit.commands.parsing import CommandParser
 from vlfit.errors import ConfigError
+from vlfit.flags import flag
 
 
 @dataclass
 class ClassifyArguments(runtime_arguments("num_threads")):
     """Flags of ``vlfit classify`` (image files and folders are given as positional arguments)."""
 
-    model: str = field(metadata={"help": "A classifier folder (vlfit fewshot --save_classifier)."})
-    dataset_name: str | None = field(default=None, metadata={"help": "Or a dataset to classify a split of."})
-    split: str = field(default="test", metadata={"help": "Split of --dataset_name."})
-    image_column: str = field(default="image", metadata={"help": "Image column of --dataset_name."})
-    label_column: str | None = field(
-        default=None, metadata={"help": "A class column of --dataset_name: also print the accuracy against it."}
-    )
-    output: str | None = field(default=None, metadata={"help": "Also write the predictions here, one JSON per line."})
-    batch_size: int = field(default=32, metadata={"help": "Images per forward pass."})
-    dataloader_num_workers: int = field(
-        default_factory=lambda: min(2, os.cpu_count() or 1), metadata={"help": "Loader worker processes."}
+    model: str = flag(help="A classifier folder (vlfit fewshot --save_classifier).")
+    dataset_name: str | None = flag(None, "Or a dataset to classify a split of.")
+    split: str = flag("test", "Split of --dataset_name.")
+    image_column: str = flag("image", "Image column of --dataset_name.")
+    label_column: str | None = flag(None, "A class column of --dataset_name: also print the accuracy against it.")
+    output: str | None = flag(None, "Also write the predictions here, one JSON per line.")
+    batch_size: int = flag(32, "Images per forward pass.")
+    dataloader_num_workers: int = flag(
+        default_factory=lambda: min(2, os.cpu_count() or 1), help="Loader worker processes."
     )
 
 

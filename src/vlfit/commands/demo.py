@@ -22,7 +22,7 @@ import shlex
 import shutil
 import signal
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from transformers.trainer_utils import get_last_checkpoint
@@ -33,6 +33,7 @@ from vlfit.commands.demo_stops import StopSignals
 from vlfit.commands.parsing import CommandParser
 from vlfit.data.synthetic import SETTINGS_FILE, SyntheticConfig, make_dataset, save_dataset
 from vlfit.errors import ConfigError
+from vlfit.flags import flag
 from vlfit.output_folders import DEMO, DEMO_RECORD
 from vlfit.training.arguments import VlfitTrainingArguments
 from vlfit.training.output_dir import FINAL_STATE_FILE
@@ -60,37 +61,30 @@ QUICK: dict[str, Any] = dict(
 class DemoArguments:
     """Flags of ``vlfit demo`` (defaults are the recipe the README's numbers come from)."""
 
-    quick: bool = field(
-        default=False,
-        metadata={
-            "help": "A first look in about a minute on 2 cores: the same run with the tiny preset on 500 smaller "
-            "images (40 epochs at batch 32, pools of 50), into runs/demo-quick; flags given beside it still apply."
-        },
+    quick: bool = flag(
+        False,
+        "A first look in about a minute on 2 cores: the same run with the tiny preset on 500 smaller "
+        "images (40 epochs at batch 32, pools of 50), into runs/demo-quick; flags given beside it still apply.",
     )
-    output_dir: str = field(default="runs/demo", metadata={"help": "Where the data, model and metrics go."})
-    num_samples: int = field(default=3000, metadata={"help": "Synthetic samples over all splits."})
-    min_long_side: int = field(
-        default=320, metadata={"help": "Synthetic images' smallest long side (px; small-p8 trains at 80 px)."}
+    output_dir: str = flag("runs/demo", "Where the data, model and metrics go.")
+    num_samples: int = flag(3000, "Synthetic samples over all splits.")
+    min_long_side: int = flag(320, "Synthetic images' smallest long side (px; small-p8 trains at 80 px).")
+    max_long_side: int = flag(640, "Synthetic images' largest long side (px).")
+    model_preset: str = flag("small-p8", "Preset to fine-tune from random init.")
+    num_train_epochs: float = flag(6.0, "Training epochs.")
+    per_device_train_batch_size: int = flag(48, "Batch size (the study's).")
+    learning_rate: float = flag(5e-4, "Peak learning rate (warmup then cosine).")
+    dataloader_num_workers: int = flag(1, "Loader worker processes.")
+    eval_pool_size: int = flag(100, "Candidate pool for recall@k (chance = 1/pool).")
+    image_pipeline: str = flag("fast", "CPU image pipeline: fast or reference.")
+    hard_negatives: bool = flag(
+        False,
+        "Also score each training image against its caption's one-attribute edits "
+        "(--hard_negative_column caption_choices) beside the batch's other captions.",
     )
-    max_long_side: int = field(default=640, metadata={"help": "Synthetic images' largest long side (px)."})
-    model_preset: str = field(default="small-p8", metadata={"help": "Preset to fine-tune from random init."})
-    num_train_epochs: float = field(default=6.0, metadata={"help": "Training epochs."})
-    per_device_train_batch_size: int = field(default=48, metadata={"help": "Batch size (the study's)."})
-    learning_rate: float = field(default=5e-4, metadata={"help": "Peak learning rate (warmup then cosine)."})
-    dataloader_num_workers: int = field(default=1, metadata={"help": "Loader worker processes."})
-    eval_pool_size: int = field(default=100, metadata={"help": "Candidate pool for recall@k (chance = 1/pool)."})
-    image_pipeline: str = field(default="fast", metadata={"help": "CPU image pipeline: fast or reference."})
-    hard_negatives: bool = field(
-        default=False,
-        metadata={
-            "help": "Also score each training image against its caption's one-attribute edits "
-            "(--hard_negative_column caption_choices) beside the batch's other captions."
-        },
-    )
-    seed: int = field(default=0, metadata={"help": "Seed for data generation and training."})
-    resume_from_checkpoint: str | None = field(
-        default=None,
-        metadata={"help": "Continue a demo that a signal stopped from the checkpoint it saved (the line it printed)."},
+    seed: int = flag(0, "Seed for data generation and training.")
+    resume_from_checkpoint: str | None = flag(
+        None, "Continue a demo that a signal stopped from the checkpoint it saved (the line it printed)."
     )
 
 

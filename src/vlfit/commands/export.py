@@ -8,7 +8,7 @@ import json
 import logging
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from vlfit.arguments.runtime import runtime_arguments
@@ -16,6 +16,7 @@ from vlfit.commands.parsing import CommandParser
 from vlfit.data.sources.openers import open_split
 from vlfit.data.sources.synthetic import synthetic_source
 from vlfit.errors import ConfigError
+from vlfit.flags import flag
 from vlfit.inference.backends import TorchEncoder
 from vlfit.inference.export import (
     DEFAULT_OPSET,
@@ -38,65 +39,54 @@ SYNTHETIC_LONG_SIDE = (160, 320)
 class ExportArguments(runtime_arguments("max_seq_length", "max_num_patches")):
     """Flags of ``vlfit export``."""
 
-    model_name_or_path: str = field(metadata={"help": "The checkpoint folder to export (vlfit train's output)."})
-    output_dir: str = field(metadata={"help": "Folder for the graphs, the tokenizer and export_manifest.json."})
-    format: Literal["onnx", "openvino", "immich", "open_clip"] = field(
-        default="onnx",
-        metadata={"help": "onnx (ONNX Runtime), openvino (OpenVINO IR), immich: the CLIP model folder Immich's "
-                  "machine-learning service loads (config.json, textual/ and visual/ ONNX graphs, the tokenizer and "
-                  "preprocess_cfg.json), or open_clip: the folder open_clip.create_model_and_transforms('local-dir:"
-                  "FOLDER') and get_tokenizer load (open_clip_config.json, open_clip_model.safetensors, the "
-                  "tokenizer; CLIP and MetaCLIP 2 runs; the open_clip extra), for clip-retrieval and "
-                  "clip-as-service (docs/export-retrieval.md)."},
-    )  # fmt: skip
-    quantize: str | None = field(
-        default=None,
-        metadata={
-            "help": "int8: also write INT8 graphs (ONNX Runtime: dynamic for the text tower, static MatMul-only "
-            "for the image tower; OpenVINO: NNCF post-training quantization), calibrated on real images."
-        },
+    model_name_or_path: str = flag(help="The checkpoint folder to export (vlfit train's output).")
+    output_dir: str = flag(help="Folder for the graphs, the tokenizer and export_manifest.json.")
+    format: Literal["onnx", "openvino", "immich", "open_clip"] = flag(
+        "onnx",
+        "onnx (ONNX Runtime), openvino (OpenVINO IR), immich: the CLIP model folder Immich's "
+        "machine-learning service loads (config.json, textual/ and visual/ ONNX graphs, the tokenizer and "
+        "preprocess_cfg.json), or open_clip: the folder open_clip.create_model_and_transforms('local-dir:"
+        "FOLDER') and get_tokenizer load (open_clip_config.json, open_clip_model.safetensors, the "
+        "tokenizer; CLIP and MetaCLIP 2 runs; the open_clip extra), for clip-retrieval and "
+        "clip-as-service (docs/export-retrieval.md).",
     )
-    calibration_dataset: str | None = field(
-        default=None,
-        metadata={
-            "help": "Dataset (any form --dataset_name of vlfit train takes: hub id, folder, data files, tar shards) "
-            "whose samples calibrate INT8 and measure "
-            "parity; without one, synthetic scenes (vlfit make-data's) are made on the spot."
-        },
+    quantize: str | None = flag(
+        None,
+        "int8: also write INT8 graphs (ONNX Runtime: dynamic for the text tower, static MatMul-only "
+        "for the image tower; OpenVINO: NNCF post-training quantization), calibrated on real images.",
     )
-    calibration_split: str = field(default="train", metadata={"help": "Split of --calibration_dataset to read."})
-    calibration_samples: int = field(default=300, metadata={"help": "Images (and captions) INT8 calibrates on."})
-    parity_samples: int = field(
-        default=64,
-        metadata={"help": "Samples the parity and accuracy figures are measured on (read before the calibration "
-                  "samples, so the two do not overlap when the split is large enough)."},
-    )  # fmt: skip
-    image_column: str = field(default="image", metadata={"help": "Image column of --calibration_dataset."})
-    caption_column: str = field(
-        default="image_description", metadata={"help": "Caption column of --calibration_dataset."}
+    calibration_dataset: str | None = flag(
+        None,
+        "Dataset (any form --dataset_name of vlfit train takes: hub id, folder, data files, tar shards) "
+        "whose samples calibrate INT8 and measure "
+        "parity; without one, synthetic scenes (vlfit make-data's) are made on the spot.",
     )
-    image_id_column: str | None = field(
-        default=None,
-        metadata={
-            "help": "Column of --calibration_dataset naming the image a row shows: the accuracy figures are recall "
-            "over unique images, as vlfit eval's (default: rows with identical image bytes are one image)."
-        },
+    calibration_split: str = flag("train", "Split of --calibration_dataset to read.")
+    calibration_samples: int = flag(300, "Images (and captions) INT8 calibrates on.")
+    parity_samples: int = flag(
+        64,
+        "Samples the parity and accuracy figures are measured on (read before the calibration "
+        "samples, so the two do not overlap when the split is large enough).",
     )
-    opset: int = field(default=DEFAULT_OPSET, metadata={"help": "ONNX opset of the graphs."})
-    parity_threshold: float = field(
-        default=PARITY_THRESHOLD,
-        metadata={"help": "Refuse to write graphs whose fp32 embeddings have a cosine to PyTorch's below this."},
+    image_column: str = flag("image", "Image column of --calibration_dataset.")
+    caption_column: str = flag("image_description", "Caption column of --calibration_dataset.")
+    image_id_column: str | None = flag(
+        None,
+        "Column of --calibration_dataset naming the image a row shows: the accuracy figures are recall "
+        "over unique images, as vlfit eval's (default: rows with identical image bytes are one image).",
     )
-    itm_tolerance: float = field(
-        default=ITM_PARITY_TOLERANCE,
-        metadata={
-            "help": "Refuse to write the matching graph (itm.onnx, for a BridgeTower model with an image-text "
-            "matching head) when its fp32 log-odds differ from PyTorch's by more than this, or order a caption's "
-            "candidates otherwise."
-        },
+    opset: int = flag(DEFAULT_OPSET, "ONNX opset of the graphs.")
+    parity_threshold: float = flag(
+        PARITY_THRESHOLD, "Refuse to write graphs whose fp32 embeddings have a cosine to PyTorch's below this."
     )
-    dataloader_num_workers: int = field(default=0, metadata={"help": "Loader workers decoding the samples."})
-    json: bool = field(default=False, metadata={"help": "Print the summary as JSON instead of lines of text."})
+    itm_tolerance: float = flag(
+        ITM_PARITY_TOLERANCE,
+        "Refuse to write the matching graph (itm.onnx, for a BridgeTower model with an image-text "
+        "matching head) when its fp32 log-odds differ from PyTorch's by more than this, or order a caption's "
+        "candidates otherwise.",
+    )
+    dataloader_num_workers: int = flag(0, "Loader workers decoding the samples.")
+    json: bool = flag(False, "Print the summary as JSON instead of lines of text.")
 
 
 def _samples(args: ExportArguments, spec) -> tuple[Samples, Samples | None]:

@@ -6,7 +6,7 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from vlfit.arguments import DataLocationArguments
@@ -15,70 +15,61 @@ from vlfit.data.sources.labelled import DEFAULT_TEMPLATES, LabelledSplit, check_
 from vlfit.errors import ConfigError
 from vlfit.fewshot.experiment import METHODS, FewShotSettings
 from vlfit.fewshot.setfit import SetFitSettings
+from vlfit.flags import flag
 
 # The data-location flags vlfit train and vlfit eval take, with their help: fewshot reads data as they do.
 DATA_FLAGS = ("dataset_config_name", "dataset_revision", "data_dir", "train_file", "validation_file", "test_file",
               "cache_dir", "token")  # fmt: skip
-_DATA_HELP = {f.name: f.metadata for f in fields(DataLocationArguments)}
+_DATA_HELP = {f.name: f.metadata["help"] for f in fields(DataLocationArguments)}
 
 
 @dataclass
 class FewShotArguments:
     """Flags of ``vlfit fewshot``."""
 
-    model_name_or_path: str = field(metadata={"help": "A checkpoint folder (vlfit train's output, or its adapters)."})
-    label_column: str = field(metadata={"help": "The class column (a ClassLabel or text)."})
-    output_dir: str = field(metadata={"help": "Where fewshot.json, fewshot.md and fewshot.png go."})
-    dataset_name: str | None = field(
-        default=None,
-        metadata={
-            "help": "A dataset with a class column: a hub id, a folder, data files or tar shards, as vlfit train "
-            "takes (or name the files of each split with --train_file, --validation_file, --test_file)."
-        },
+    model_name_or_path: str = flag(help="A checkpoint folder (vlfit train's output, or its adapters).")
+    label_column: str = flag(help="The class column (a ClassLabel or text).")
+    output_dir: str = flag(help="Where fewshot.json, fewshot.md and fewshot.png go.")
+    dataset_name: str | None = flag(
+        None,
+        "A dataset with a class column: a hub id, a folder, data files or tar shards, as vlfit train "
+        "takes (or name the files of each split with --train_file, --validation_file, --test_file).",
     )
-    dataset_config_name: str | None = field(default=None, metadata=_DATA_HELP["dataset_config_name"])
-    dataset_revision: str | None = field(default=None, metadata=_DATA_HELP["dataset_revision"])
-    data_dir: str | None = field(default=None, metadata=_DATA_HELP["data_dir"])
-    train_file: str | None = field(default=None, metadata={"help": "Files of split train (as vlfit train takes)."})
-    validation_file: str | None = field(default=None, metadata={"help": "Files of split validation, same forms."})
-    test_file: str | None = field(default=None, metadata={"help": "Files of split test, same forms."})
-    cache_dir: str | None = field(default=None, metadata={"help": "Where the datasets library caches downloads."})
-    token: str | None = field(default=None, metadata={"help": "Hub token for private datasets."})
-    image_column: str = field(default="image", metadata=_DATA_HELP["image_column"])
-    image_id_column: str | None = field(
-        default=None,
-        metadata={
-            "help": "Column naming the image a row shows (e.g. COCO's image_id): rows with equal values are one "
-            "image, drawn as one shot and measured once. Default: rows with identical image bytes are one image."
-        },
+    dataset_config_name: str | None = flag(None, _DATA_HELP["dataset_config_name"])
+    dataset_revision: str | None = flag(None, _DATA_HELP["dataset_revision"])
+    data_dir: str | None = flag(None, _DATA_HELP["data_dir"])
+    train_file: str | None = flag(None, "Files of split train (as vlfit train takes).")
+    validation_file: str | None = flag(None, "Files of split validation, same forms.")
+    test_file: str | None = flag(None, "Files of split test, same forms.")
+    cache_dir: str | None = flag(None, "Where the datasets library caches downloads.")
+    token: str | None = flag(None, "Hub token for private datasets.")
+    image_column: str = flag("image", _DATA_HELP["image_column"])
+    image_id_column: str | None = flag(
+        None,
+        "Column naming the image a row shows (e.g. COCO's image_id): rows with equal values are one "
+        "image, drawn as one shot and measured once. Default: rows with identical image bytes are one image.",
     )
-    train_split: str = field(default="train", metadata={"help": "The split the labelled shots are drawn from."})
-    eval_split: str = field(default="test", metadata={"help": "The split accuracy is measured on."})
-    max_eval_samples: int | None = field(
-        default=None,
-        metadata={"help": "Measure on the evaluation split's first N images (they are held at once)."},
+    train_split: str = flag("train", "The split the labelled shots are drawn from.")
+    eval_split: str = flag("test", "The split accuracy is measured on.")
+    max_eval_samples: int | None = flag(
+        None, "Measure on the evaluation split's first N images (they are held at once)."
     )
-    shots: str = field(default="1,2,4,8,16", metadata={"help": "Labelled images per class, comma-separated."})
-    seeds: int = field(default=5, metadata={"help": "Seeds per shot count (each draws other images)."})
-    seed: int = field(default=0, metadata={"help": "The first seed."})
-    methods: str = field(default=",".join(METHODS), metadata={"help": f"Comma-separated, from {', '.join(METHODS)}."})
-    prompt_template: list[str] = field(
+    shots: str = flag("1,2,4,8,16", "Labelled images per class, comma-separated.")
+    seeds: int = flag(5, "Seeds per shot count (each draws other images).")
+    seed: int = flag(0, "The first seed.")
+    methods: str = flag(",".join(METHODS), f"Comma-separated, from {', '.join(METHODS)}.")
+    prompt_template: list[str] = flag(
         default_factory=lambda: list(DEFAULT_TEMPLATES),
-        metadata={"help": "Zero-shot prompts, '{}' the class name; several are averaged."},
+        help="Zero-shot prompts, '{}' the class name; several are averaged.",
     )
-    setfit_steps: int = field(default=SetFitSettings.steps, metadata={"help": "SetFit: fine-tuning steps."})
-    setfit_learning_rate: float = field(default=SetFitSettings.learning_rate, metadata={"help": "SetFit: AdamW's."})
-    setfit_batch_size: int = field(default=SetFitSettings.batch_size, metadata={"help": "SetFit: shots per step."})
-    setfit_augment: bool = field(default=True, metadata={"help": "SetFit: two random crops/flips of each shot."})
-    anchor_setfit_head: bool = field(
-        default=True,
-        metadata={"help": "SetFit: let cross-validation pick a head pulled toward the zero-shot head."},
-    )
-    save_classifier: str | None = field(
-        default=None, metadata={"help": "Keep the best method's model and head here (for vlfit classify)."}
-    )
-    batch_size: int = field(default=64, metadata={"help": "Images per forward pass when embedding."})
-    dataloader_num_workers: int = field(default=0, metadata={"help": "Loader worker processes decoding images."})
+    setfit_steps: int = flag(SetFitSettings.steps, "SetFit: fine-tuning steps.")
+    setfit_learning_rate: float = flag(SetFitSettings.learning_rate, "SetFit: AdamW's.")
+    setfit_batch_size: int = flag(SetFitSettings.batch_size, "SetFit: shots per step.")
+    setfit_augment: bool = flag(True, "SetFit: two random crops/flips of each shot.")
+    anchor_setfit_head: bool = flag(True, "SetFit: let cross-validation pick a head pulled toward the zero-shot head.")
+    save_classifier: str | None = flag(None, "Keep the best method's model and head here (for vlfit classify).")
+    batch_size: int = flag(64, "Images per forward pass when embedding.")
+    dataloader_num_workers: int = flag(0, "Loader worker processes decoding images.")
 
 
 def data_of(args: FewShotArguments) -> dict[str, Any]:

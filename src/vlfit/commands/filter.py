@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vlfit.arguments import DataArguments, DataLocationArguments
@@ -20,6 +20,7 @@ from vlfit.arguments.sizes import check_sizes
 from vlfit.commands.parsing import CommandParser
 from vlfit.data.filtering import DEFAULT_SCORE_COLUMN, HISTOGRAM_NAME, Cut, FilteredSplit
 from vlfit.errors import ConfigError
+from vlfit.flags import flag
 from vlfit.output_folders import FILTER, FILTER_REPORT
 
 if TYPE_CHECKING:
@@ -34,35 +35,30 @@ class SplitModelArguments(_DoorFlags):
     """The flags of a command that runs a model over a dataset's splits (``vlfit filter``, ``vlfit mine``) besides
     the data location and its own."""
 
-    model: str = field(metadata={"help": "The model that embeds the pairs: a checkpoint folder (vlfit train's) or "
-                                 "a folder vlfit export wrote."})  # fmt: skip
-    batch_size: int = field(default=64, metadata={"help": "Pairs per forward pass of each tower."})
-    dataloader_num_workers: int = field(
-        default_factory=lambda: min(2, os.cpu_count() or 1),
-        metadata={"help": "Loader workers decoding and resizing the images (the default is min(2, CPU count))."},
+    model: str = flag(
+        help="The model that embeds the pairs: a checkpoint folder (vlfit train's) or a folder vlfit export wrote."
     )
-    cache_dir: str | None = field(default=None, metadata={"help": "Where downloaded datasets are cached."})
-    token: str | None = field(default=None, metadata={"help": "Hub token for private datasets."})
+    batch_size: int = flag(64, "Pairs per forward pass of each tower.")
+    dataloader_num_workers: int = flag(
+        default_factory=lambda: min(2, os.cpu_count() or 1),
+        help="Loader workers decoding and resizing the images (the default is min(2, CPU count)).",
+    )
+    cache_dir: str | None = flag(None, "Where downloaded datasets are cached.")
+    token: str | None = flag(None, "Hub token for private datasets.")
 
 
 @dataclass
 class FilterArguments(SplitModelArguments):
     """Flags of ``vlfit filter`` besides the data location."""
 
-    output_dir: str = field(
-        metadata={"help": "The folder to write the kept pairs into (parquet shards per split), with scores.png and "
-                  f"{FILTER_REPORT}: written whole once complete; a folder of an earlier vlfit filter is replaced."}
-    )  # fmt: skip
-    drop_fraction: float | None = field(
-        default=None, metadata={"help": "Drop this fraction of each split's pairs, the lowest-scoring (e.g. 0.3)."}
+    output_dir: str = flag(
+        help="The folder to write the kept pairs into (parquet shards per split), with scores.png and "
+        f"{FILTER_REPORT}: written whole once complete; a folder of an earlier vlfit filter is replaced."
     )
-    min_score: float | None = field(
-        default=None, metadata={"help": "Or drop the pairs scoring below this cosine (e.g. 0.25)."}
-    )
-    split: str | None = field(
-        default=None, metadata={"help": "Comma-separated splits to filter (default: every split of the data)."}
-    )
-    score_column: str = field(default=DEFAULT_SCORE_COLUMN, metadata={"help": "The column the scores are written to."})
+    drop_fraction: float | None = flag(None, "Drop this fraction of each split's pairs, the lowest-scoring (e.g. 0.3).")
+    min_score: float | None = flag(None, "Or drop the pairs scoring below this cosine (e.g. 0.25).")
+    split: str | None = flag(None, "Comma-separated splits to filter (default: every split of the data).")
+    score_column: str = flag(DEFAULT_SCORE_COLUMN, "The column the scores are written to.")
 
     def __post_init__(self) -> None:
         check_sizes(self)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from PIL import Image
@@ -15,6 +15,7 @@ from vlfit.commands.parsing import CommandParser
 from vlfit.data.synthetic import SPLITS, SyntheticConfig, claim_dataset_folder, make_dataset, save_dataset
 from vlfit.data.synthetic.questions import make_question_dataset
 from vlfit.errors import ConfigError
+from vlfit.flags import flag
 
 
 def _default_num_proc() -> int:
@@ -25,53 +26,43 @@ def _default_num_proc() -> int:
 class MakeDataArguments:
     """Flags of ``vlfit make-data``."""
 
-    output_dir: str = field(metadata={"help": "Folder to write the dataset to (created if missing)."})
-    num_samples: int = field(default=3000, metadata={"help": "Total number of rows over all splits (at least 3)."})
-    seed: int = field(default=0, metadata={"help": "Base seed; each row is generated from (seed, row index)."})
-    validation_fraction: float = field(default=0.1, metadata={"help": "Share of rows in the validation split."})
-    test_fraction: float = field(default=0.1, metadata={"help": "Share of rows in the test split."})
-    min_long_side: int = field(default=600, metadata={"help": "Smallest image long side in pixels (at least 32)."})
-    max_long_side: int = field(default=1400, metadata={"help": "Largest image long side in pixels."})
-    jpeg_quality: int = field(default=90, metadata={"help": "JPEG quality, 1..100 (4:2:0 chroma subsampling)."})
-    format: Literal["arrow", "parquet"] = field(
-        default="arrow",
-        metadata={
-            "help": "'arrow': a save_to_disk folder (read with datasets.load_from_disk); "
-            "'parquet': one {split}.parquet file per split."
-        },
+    output_dir: str = flag(help="Folder to write the dataset to (created if missing).")
+    num_samples: int = flag(3000, "Total number of rows over all splits (at least 3).")
+    seed: int = flag(0, "Base seed; each row is generated from (seed, row index).")
+    validation_fraction: float = flag(0.1, "Share of rows in the validation split.")
+    test_fraction: float = flag(0.1, "Share of rows in the test split.")
+    min_long_side: int = flag(600, "Smallest image long side in pixels (at least 32).")
+    max_long_side: int = flag(1400, "Largest image long side in pixels.")
+    jpeg_quality: int = flag(90, "JPEG quality, 1..100 (4:2:0 chroma subsampling).")
+    format: Literal["arrow", "parquet"] = flag(
+        "arrow",
+        "'arrow': a save_to_disk folder (read with datasets.load_from_disk); "
+        "'parquet': one {split}.parquet file per split.",
     )
-    labels: str | None = field(
-        default=None,
-        metadata={
-            "help": "A labelled set for vlfit fewshot: 'kind' (one shape kind per scene, 4 classes), 'colour' "
-            "(one colour per scene, 6 classes) or 'region' (one group per scene, 5 classes), as a class column of "
-            "that name."
-        },
+    labels: str | None = flag(
+        None,
+        "A labelled set for vlfit fewshot: 'kind' (one shape kind per scene, 4 classes), 'colour' "
+        "(one colour per scene, 6 classes) or 'region' (one group per scene, 5 classes), as a class column of "
+        "that name.",
     )
-    background: Literal["light", "dark"] = field(
-        default="light",
-        metadata={"help": "'light' (grey to light textured backgrounds) or 'dark' (the same textures near black)."},
+    background: Literal["light", "dark"] = flag(
+        "light", "'light' (grey to light textured backgrounds) or 'dark' (the same textures near black)."
     )
-    caption_grammar: Literal["regions", "no_regions", "long"] = field(
-        default="regions",
-        metadata={
-            "help": "'regions' (\"two red circles on the left and ...\") or 'no_regions' (\"a picture of two red "
-            "circles and ...\"): with --background, a shifted distribution of the same scenes. 'long': the "
-            "regions caption after about 100 words every image shares, so captions differ only past a CLIP text "
-            "tower's 77 tokens (for training with a longer --max_seq_length)."
-        },
+    caption_grammar: Literal["regions", "no_regions", "long"] = flag(
+        "regions",
+        "'regions' (\"two red circles on the left and ...\") or 'no_regions' (\"a picture of two red "
+        "circles and ...\"): with --background, a shifted distribution of the same scenes. 'long': the "
+        "regions caption after about 100 words every image shares, so captions differ only past a CLIP text "
+        "tower's 77 tokens (for training with a longer --max_seq_length).",
     )
-    task: Literal["captions", "vqa"] = field(
-        default="captions",
-        metadata={
-            "help": "'captions' (the caption matching set) or 'vqa' (one question about each scene, with 10 "
-            "annotator answers, in the VQAv2 layout: question, answers, multiple_choice_answer, answer_type, "
-            "question_type, question_id, image_id; for vlfit train --task vqa)."
-        },
+    task: Literal["captions", "vqa"] = flag(
+        "captions",
+        "'captions' (the caption matching set) or 'vqa' (one question about each scene, with 10 "
+        "annotator answers, in the VQAv2 layout: question, answers, multiple_choice_answer, answer_type, "
+        "question_type, question_id, image_id; for vlfit train --task vqa).",
     )
-    num_proc: int = field(
-        default_factory=_default_num_proc,
-        metadata={"help": "Worker processes for generation; the default is min(2, CPU count)."},
+    num_proc: int = flag(
+        default_factory=_default_num_proc, help="Worker processes for generation; the default is min(2, CPU count)."
     )
 
 

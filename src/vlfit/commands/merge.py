@@ -11,12 +11,13 @@ import dataclasses
 import shlex
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from vlfit.arguments import DataArguments, EvalArguments, ModelArguments
 from vlfit.commands.parsing import CommandParser
 from vlfit.errors import ConfigError
+from vlfit.flags import flag
 
 PROG = "vlfit merge"
 METHODS = ("wise", "uniform", "greedy", "stock")
@@ -31,36 +32,22 @@ DESCRIPTION = (
 
 @dataclass
 class MergeArguments:
-    method: str = field(
-        metadata={
-            "help": "wise, uniform, greedy or stock (see the command's description).",
-            "choices": list(METHODS),
-        }
+    method: str = flag(help="wise, uniform, greedy or stock (see the command's description).", choices=METHODS)
+    runs: list[str] | None = flag(
+        None, "The runs to merge: checkpoint folders (or LoRA adapters of one base), fine-tuned from one base."
     )
-    runs: list[str] | None = field(
-        default=None,
-        metadata={
-            "help": "The runs to merge: checkpoint folders (or LoRA adapters of one base), fine-tuned from one base."
-        },  # fmt: skip
+    search_dir: str | None = flag(None, "Merge the --top_k best trials of the vlfit search study in this folder.")
+    top_k: int = flag(4, "With --search_dir: how many of the best trials to merge.")
+    base: str | None = flag(
+        None,
+        "The model the runs were fine-tuned from (wise and stock need it; with --search_dir, "
+        "stock defaults to the study's model).",
     )
-    search_dir: str | None = field(
-        default=None, metadata={"help": "Merge the --top_k best trials of the vlfit search study in this folder."}
-    )
-    top_k: int = field(default=4, metadata={"help": "With --search_dir: how many of the best trials to merge."})
-    base: str | None = field(
-        default=None,
-        metadata={
-            "help": "The model the runs were fine-tuned from (wise and stock need it; with --search_dir, "
-            "stock defaults to the study's model)."
-        },  # fmt: skip
-    )
-    alpha: float = field(default=0.5, metadata={"help": "wise: the run's weight (0: --base, 1: the run)."})
-    metric: str = field(
-        default="eval_t2i_recall@1",
-        metadata={
-            "help": "The held-out score the runs are ranked and the greedy soup judged by (any vlfit eval "
-            "reports; eval_ optional)."
-        },  # fmt: skip
+    alpha: float = flag(0.5, "wise: the run's weight (0: --base, 1: the run).")
+    metric: str = flag(
+        "eval_t2i_recall@1",
+        "The held-out score the runs are ranked and the greedy soup judged by (any vlfit eval "
+        "reports; eval_ optional).",
     )
 
 

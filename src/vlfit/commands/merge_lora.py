@@ -6,11 +6,12 @@ import json
 import os
 import shlex
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from vlfit.commands.parsing import CommandParser
 from vlfit.errors import ConfigError
+from vlfit.flags import flag
 from vlfit.model_card import MODEL_CARD_FILE, write_model_card
 from vlfit.models.loading import LoadedModel, load_model
 from vlfit.models.reference import parse_model_reference
@@ -22,8 +23,8 @@ RESULTS_FILE = "all_results.json"
 
 @dataclass
 class MergeArguments:
-    model_name_or_path: str = field(metadata={"help": "A folder of LoRA adapters (a vlfit train --lora_r run)."})
-    output_dir: str = field(metadata={"help": "Where the merged checkpoint, tokenizer and image processor go."})
+    model_name_or_path: str = flag(help="A folder of LoRA adapters (a vlfit train --lora_r run).")
+    output_dir: str = flag(help="Where the merged checkpoint, tokenizer and image processor go.")
 
 
 def card_metadata(folder: str) -> dict[str, Any]:

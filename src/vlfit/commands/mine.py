@@ -18,7 +18,7 @@ import json
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,6 +31,7 @@ from vlfit.commands.parsing import CommandParser
 from vlfit.commands.retrieve import VerifyArguments
 from vlfit.data.mining import DEFAULT_MAX_NEGATIVE_RATIO, DEFAULT_NEGATIVE_COLUMN, DEFAULT_NUM_NEGATIVES, MiningRule
 from vlfit.errors import ConfigError
+from vlfit.flags import flag
 from vlfit.output_folders import MINE, MINE_REPORT
 
 LABEL_COLUMN = "label"  # the column training reads as the right choice among a row's hard negatives
@@ -53,14 +54,14 @@ _IndexFlag = flags_of(VerifyArguments, ("index",), index=None)
 class MineArguments(SplitModelArguments, _IndexFlag):
     """Flags of ``vlfit mine`` besides the data location."""
 
-    output_dir: str = field(
-        metadata={"help": "The folder to write the dataset copy into (parquet shards per split) with "
-                  f"{MINE_REPORT}: written whole once complete; a folder of an earlier vlfit mine is replaced."}
-    )  # fmt: skip
-    num_negatives: int = field(default=DEFAULT_NUM_NEGATIVES, metadata={"help": "Negative captions per caption (K)."})
-    max_negative_ratio: float = field(default=DEFAULT_MAX_NEGATIVE_RATIO, metadata={"help": _RATIO_HELP})
-    negative_column: str = field(default=DEFAULT_NEGATIVE_COLUMN, metadata={"help": _COLUMN_HELP})
-    split: str = field(default="train", metadata={"help": "The split to mine; the others are copied as they are."})
+    output_dir: str = flag(
+        help="The folder to write the dataset copy into (parquet shards per split) with "
+        f"{MINE_REPORT}: written whole once complete; a folder of an earlier vlfit mine is replaced."
+    )
+    num_negatives: int = flag(DEFAULT_NUM_NEGATIVES, "Negative captions per caption (K).")
+    max_negative_ratio: float = flag(DEFAULT_MAX_NEGATIVE_RATIO, _RATIO_HELP)
+    negative_column: str = flag(DEFAULT_NEGATIVE_COLUMN, _COLUMN_HELP)
+    split: str = flag("train", "The split to mine; the others are copied as they are.")
 
     def __post_init__(self) -> None:
         check_sizes(self)

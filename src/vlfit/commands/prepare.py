@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from vlfit.arguments import DataLocationArguments
@@ -27,6 +27,7 @@ from vlfit.data.prepare import (
 from vlfit.data.sources.openers import open_splits
 from vlfit.data.stream.urls import parse_sources
 from vlfit.errors import ConfigError
+from vlfit.flags import flag
 
 
 def _default_num_proc() -> int:
@@ -37,47 +38,32 @@ def _default_num_proc() -> int:
 class PrepareArguments:
     """Flags of ``vlfit prepare`` besides the data location."""
 
-    output_dir: str = field(
-        metadata={"help": "Folder for the parquet shards and vlfit_prepare.json (created; resumed if it exists)."}
-    )
-    short_side: int | None = field(
-        default=None, metadata={"help": "Short side of the output images in pixels (or use --model_preset)."}
-    )
-    model_preset: str | None = field(
-        default=None, metadata={"help": "Take the short side from this preset's image size (e.g. tiny: 64)."}
-    )
-    model_name_or_path: str | None = field(
-        default=None, metadata={"help": "Take the short side from this checkpoint's vision_config.image_size."}
-    )
-    model_revision: str = field(default="main", metadata={"help": "Checkpoint branch, tag or commit."})
-    cache_dir: str | None = field(default=None, metadata={"help": "Where downloaded configs and datasets are cached."})
-    token: str | None = field(default=None, metadata={"help": "Hub token for private models or datasets."})
-    jpeg_quality: int = field(
-        default=DEFAULT_JPEG_QUALITY, metadata={"help": "JPEG quality of the output, 1..100 (4:2:0 chroma)."}
-    )
-    shard_size: int = field(default=DEFAULT_SHARD_SIZE, metadata={"help": "Samples per parquet shard."})
-    num_proc: int = field(
+    output_dir: str = flag(help="Folder for the parquet shards and vlfit_prepare.json (created; resumed if it exists).")
+    short_side: int | None = flag(None, "Short side of the output images in pixels (or use --model_preset).")
+    model_preset: str | None = flag(None, "Take the short side from this preset's image size (e.g. tiny: 64).")
+    model_name_or_path: str | None = flag(None, "Take the short side from this checkpoint's vision_config.image_size.")
+    model_revision: str = flag("main", "Checkpoint branch, tag or commit.")
+    cache_dir: str | None = flag(None, "Where downloaded configs and datasets are cached.")
+    token: str | None = flag(None, "Hub token for private models or datasets.")
+    jpeg_quality: int = flag(DEFAULT_JPEG_QUALITY, "JPEG quality of the output, 1..100 (4:2:0 chroma).")
+    shard_size: int = flag(DEFAULT_SHARD_SIZE, "Samples per parquet shard.")
+    num_proc: int = flag(
         default_factory=_default_num_proc,
-        metadata={"help": "Worker processes (one shard at a time each); the default is min(2, CPU count)."},
+        help="Worker processes (one shard at a time each); the default is min(2, CPU count).",
     )
-    splits: str | None = field(
-        default=None, metadata={"help": "Comma-separated splits to prepare (default: every split of the data)."}
+    splits: str | None = flag(None, "Comma-separated splits to prepare (default: every split of the data).")
+    extra_columns: str = flag(
+        ",".join(DEFAULT_EXTRA_COLUMNS), "Comma-separated columns copied along when present (evaluation reads these)."
     )
-    extra_columns: str = field(
-        default=",".join(DEFAULT_EXTRA_COLUMNS),
-        metadata={"help": "Comma-separated columns copied along when present (evaluation reads these)."},
+    bad_sample_policy: str = flag(
+        "skip",
+        "What to do with a sample whose record cannot be read, whose image cannot be decoded or whose "
+        "caption is missing, empty or whitespace. skip: leave it out of the shards, count it per split in the "
+        "report and the manifest, and list it in bad_samples.jsonl in --output_dir. raise: stop with an error "
+        "naming the split and the sample.",
+        choices=BAD_SAMPLE_POLICIES,
     )
-    bad_sample_policy: str = field(
-        default="skip",
-        metadata={
-            "help": "What to do with a sample whose record cannot be read, whose image cannot be decoded or whose "
-            "caption is missing, empty or whitespace. skip: leave it out of the shards, count it per split in the "
-            "report and the manifest, and list it in bad_samples.jsonl in --output_dir. raise: stop with an error "
-            "naming the split and the sample.",
-            "choices": list(BAD_SAMPLE_POLICIES),
-        },
-    )
-    progress: bool = field(default=True, metadata={"help": "Show a progress bar."})
+    progress: bool = flag(True, "Show a progress bar.")
 
 
 def _split_list(text: str | None) -> list[str]:
@@ -94,12 +80,12 @@ def _source_description(data: DataLocationArguments) -> dict[str, Any]:
         "dataset_revision": data.dataset_revision,
         "data_dir": data.data_dir,
     }
-    for flag in ("train_file", "validation_file", "test_file"):
-        spec = getattr(data, flag)
+    for name in ("train_file", "validation_file", "test_file"):
+        spec = getattr(data, name)
         if spec and is_stream_spec(spec):  # shard URLs: as written, one per shard
-            description[flag] = [url for source in parse_sources(spec, flag=f"--{flag}") for url in source.urls]
+            description[name] = [url for source in parse_sources(spec, flag=f"--{name}") for url in source.urls]
         else:
-            description[flag] = [os.path.abspath(p) for p in resolve_files(spec)] if spec else None
+            description[name] = [os.path.abspath(p) for p in resolve_files(spec)] if spec else None
     return description
 
 

@@ -22,12 +22,13 @@ import signal
 import socket
 import tempfile
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
 from vlfit.arguments.runtime import flags_of, runtime_arguments
 from vlfit.commands.parsing import CommandParser
 from vlfit.errors import ConfigError
+from vlfit.flags import flag
 from vlfit.inference.rerank_score import check_rerank_weight
 from vlfit.logs import configure_third_parties, log_level
 from vlfit.serve.access import ADMIN_KEY_ENV, API_KEY_ENV, AccessPolicy, allowed_hosts, exposure_warning, read_key
@@ -42,69 +43,58 @@ SETTINGS_ENV = "VLFIT_SERVE_SETTINGS"  # how --workers > 1 hands the settings to
 class ServeArguments(runtime_arguments(num_threads=1), flags_of(ServerLimits)):
     """Flags of ``vlfit serve``."""
 
-    index: str = field(metadata={"help": "The index folder (vlfit retrieve index's output)."})
-    verify: Literal["quick", "full"] = field(
-        default="quick",
-        metadata={"help": "How the index is checked as it opens and reloads: quick (each file there with its "
-                  "recorded size) or full (checksums and finite embeddings too: reads the whole index)."},
-    )  # fmt: skip
-    host: str = field(default="127.0.0.1", metadata={"help": "Address to bind (0.0.0.0: every interface)."})
-    port: int = field(default=8000, metadata={"help": "TCP port (0: any free one, printed at start)."})
-    workers: int = field(default=1, metadata={"help": "Server processes, each with its own model and index."})
-    model: str | None = field(
-        default=None, metadata={"help": "The model to embed queries with (default: the one the index was built with)."}
+    index: str = flag(help="The index folder (vlfit retrieve index's output).")
+    verify: Literal["quick", "full"] = flag(
+        "quick",
+        "How the index is checked as it opens and reloads: quick (each file there with its "
+        "recorded size) or full (checksums and finite embeddings too: reads the whole index).",
     )
-    rerank_score: Literal["itm", "itm+itc"] | None = field(
-        default=None,
-        metadata={"help": "What a query's re-ranked candidates (its \"rerank\": K) are ordered by unless it says "
-                  "(\"rerank_score\"): itm (the matching log-odds) or itm+itc (plus --rerank_weight times the "
-                  "cosine). Default: itm+itc when the model's run saved a weight (rerank.json), else itm."},
-    )  # fmt: skip
-    rerank_weight: float | None = field(
-        default=None,
-        metadata={"help": "The cosine's weight in itm+itc re-ranking (default: the one the model's run saved)."},
+    host: str = flag("127.0.0.1", "Address to bind (0.0.0.0: every interface).")
+    port: int = flag(8000, "TCP port (0: any free one, printed at start).")
+    workers: int = flag(1, "Server processes, each with its own model and index.")
+    model: str | None = flag(None, "The model to embed queries with (default: the one the index was built with).")
+    rerank_score: Literal["itm", "itm+itc"] | None = flag(
+        None,
+        'What a query\'s re-ranked candidates (its "rerank": K) are ordered by unless it says '
+        '("rerank_score"): itm (the matching log-odds) or itm+itc (plus --rerank_weight times the '
+        "cosine). Default: itm+itc when the model's run saved a weight (rerank.json), else itm.",
     )
-    max_upload_mb: float = field(default=20.0, metadata={"help": "Largest request body in MB (413 beyond)."})
-    max_batch: int = field(default=32, metadata={"help": "Most text queries embedded in one batch."})
-    max_wait_ms: float = field(
-        default=0.0,
-        metadata={"help": "How long a batch waits for more text queries after those that queued (0: none)."},
+    rerank_weight: float | None = flag(
+        None, "The cosine's weight in itm+itc re-ranking (default: the one the model's run saved)."
     )
-    search_threads: int = field(
-        default=1,
-        metadata={
-            "help": "faiss threads per search (1: batching makes the concurrency; spinning threads steal cores)."
-        },
+    max_upload_mb: float = flag(20.0, "Largest request body in MB (413 beyond).")
+    max_batch: int = flag(32, "Most text queries embedded in one batch.")
+    max_wait_ms: float = flag(0.0, "How long a batch waits for more text queries after those that queued (0: none).")
+    search_threads: int = flag(
+        1, "faiss threads per search (1: batching makes the concurrency; spinning threads steal cores)."
     )
-    reload_interval: float = field(
-        default=2.0, metadata={"help": "Seconds between checks for a new index manifest (0: POST /api/reload only)."}
-    )
-    api_key: str | None = field(
-        default=None,
+    reload_interval: float = flag(2.0, "Seconds between checks for a new index manifest (0: POST /api/reload only).")
+    api_key: str | None = flag(
+        None,
+        f"Key every route but the page and /api/health needs (Authorization: Bearer KEY); also "
+        f"--api_key_file or ${API_KEY_ENV}. Never logged.",
         repr=False,
-        metadata={"help": f"Key every route but the page and /api/health needs (Authorization: Bearer KEY); also "
-                  f"--api_key_file or ${API_KEY_ENV}. Never logged."},
-    )  # fmt: skip
-    api_key_file: str | None = field(default=None, metadata={"help": "A file whose first line is --api_key."})
-    admin_key: str | None = field(
-        default=None,
+    )
+    api_key_file: str | None = flag(None, "A file whose first line is --api_key.")
+    admin_key: str | None = flag(
+        None,
+        f"Key POST /api/reload needs (default: --api_key; with no key at all, reload is answered "
+        f"to loopback clients only); also --admin_key_file or ${ADMIN_KEY_ENV}. Never logged.",
         repr=False,
-        metadata={"help": f"Key POST /api/reload needs (default: --api_key; with no key at all, reload is answered "
-                  f"to loopback clients only); also --admin_key_file or ${ADMIN_KEY_ENV}. Never logged."},
-    )  # fmt: skip
-    admin_key_file: str | None = field(default=None, metadata={"help": "A file whose first line is --admin_key."})
-    allowed_hosts: list[str] | None = field(
-        default=None,
-        metadata={"help": "Host header names answered (default: localhost, 127.0.0.1, ::1 and --host); '*': any. "
-                  "Guards a loopback server against DNS rebinding."},
-    )  # fmt: skip
-    show_absolute_paths: bool = field(
-        default=False,
-        metadata={"help": "Show results' files, the index and the model as absolute paths (local use); by default "
-                  "files relative to the folder indexed, the index and model by name."},
-    )  # fmt: skip
-    ssl_certfile: str | None = field(default=None, metadata={"help": "TLS certificate (PEM); serve HTTPS."})
-    ssl_keyfile: str | None = field(default=None, metadata={"help": "TLS private key (PEM) of --ssl_certfile."})
+    )
+    admin_key_file: str | None = flag(None, "A file whose first line is --admin_key.")
+    allowed_hosts: list[str] | None = flag(
+        None,
+        "Host header names answered (default: localhost, 127.0.0.1, ::1 and --host); '*': any. "
+        "Guards a loopback server against DNS rebinding.",
+    )
+    show_absolute_paths: bool = flag(
+        False,
+        "Show results' files, the index and the model as absolute paths (local use); by default "
+        "files relative to the folder indexed, the index and model by name.",
+    )
+    ssl_certfile: str | None = flag(None, "TLS certificate (PEM); serve HTTPS.")
+    ssl_keyfile: str | None = flag(None, "TLS private key (PEM) of --ssl_certfile.")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -124,9 +114,9 @@ class ServeArguments(runtime_arguments(num_threads=1), flags_of(ServerLimits)):
         self.api_key_file = self.admin_key_file = None  # read: --workers N hands them on in files (_worker_folder)
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ConfigError("--ssl_certfile and --ssl_keyfile go together: give both to serve HTTPS, or neither")
-        for flag, path in (("--ssl_certfile", self.ssl_certfile), ("--ssl_keyfile", self.ssl_keyfile)):
+        for option, path in (("--ssl_certfile", self.ssl_certfile), ("--ssl_keyfile", self.ssl_keyfile)):
             if path is not None and not os.path.isfile(path):
-                raise ConfigError(f"{flag} {path}: no such file")
+                raise ConfigError(f"{option} {path}: no such file")
 
     def access(self) -> AccessPolicy:
         """Who may ask what (``vlfit.serve.access``)."""
@@ -286,9 +276,9 @@ def _worker_folder(args: ServeArguments) -> Iterator[tuple[str, dict[str, str]]]
     try:
         with tempfile.TemporaryDirectory(prefix="vlfit-serve-keys-") as folder:
             files = {}
-            for flag, key in (("api_key", args.api_key), ("admin_key", args.admin_key)):
+            for name, key in (("api_key", args.api_key), ("admin_key", args.admin_key)):
                 if key is not None:
-                    path = files[f"{flag}_file"] = os.path.join(folder, flag)
+                    path = files[f"{name}_file"] = os.path.join(folder, name)
                     with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="utf-8") as f:
                         f.write(key + "\n")
             yield folder, files

@@ -5,27 +5,26 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from vlfit.arguments.runtime import runtime_arguments
 from vlfit.commands.parsing import CommandParser
 from vlfit.errors import ConfigError, DataError, MissingFileError
+from vlfit.flags import flag
 
 
 @dataclass
 class VqaArguments(runtime_arguments("num_threads", "max_seq_length")):
     """Flags of ``vlfit vqa`` (the image and the question are positional arguments)."""
 
-    model: str = field(metadata={"help": "A model folder vlfit train --task vqa saved."})
-    questions: str | None = field(
-        default=None,
-        metadata={
-            "help": "A file of questions instead of one on the command line: one question per line about IMAGE, or "
-            "JSON lines with 'question' and 'image' (a path; default IMAGE)."
-        },
+    model: str = flag(help="A model folder vlfit train --task vqa saved.")
+    questions: str | None = flag(
+        None,
+        "A file of questions instead of one on the command line: one question per line about IMAGE, or "
+        "JSON lines with 'question' and 'image' (a path; default IMAGE).",
     )
-    top_k: int = field(default=3, metadata={"help": "Answers printed per question, best first."})
-    batch_size: int = field(default=32, metadata={"help": "Questions answered in one forward."})
+    top_k: int = flag(3, "Answers printed per question, best first.")
+    batch_size: int = flag(32, "Questions answered in one forward.")
 
 
 def read_questions(path: str, image: str | None) -> list[tuple[str, str]]:
@@ -61,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("image", nargs="?", help="The image file the question is about.")
     parser.add_argument("question", nargs="?", help="The question.")
     args, extra = parser.parse_args_into_dataclasses(args=sys.argv[1:] if argv is None else argv)
-    for flag, value in (("--top_k", args.top_k), ("--batch_size", args.batch_size)):
+    for option, value in (("--top_k", args.top_k), ("--batch_size", args.batch_size)):
         if value < 1:
-            raise ConfigError(f"{flag} must be at least 1, got {value}")
+            raise ConfigError(f"{option} must be at least 1, got {value}")
     if args.questions is not None:
         if extra.question is not None:
             raise ConfigError("give a question on the command line or --questions FILE, not both")

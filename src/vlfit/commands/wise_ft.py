@@ -18,12 +18,13 @@ import os
 import re
 import shlex
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from vlfit.arguments import DataArguments, EvalArguments, ModelArguments
 from vlfit.commands.parsing import CommandParser
 from vlfit.errors import ConfigError
+from vlfit.flags import flag
 from vlfit.models.reference import parse_model_reference
 
 PROG = "vlfit wise-ft"
@@ -41,35 +42,26 @@ DESCRIPTION = (
 
 @dataclass
 class WiseFtArguments:
-    zeroshot_model: str = field(
-        metadata={"help": "The model before fine-tuning (theta_A at alpha 0): a checkpoint, or a LoRA run (merged)."}
+    zeroshot_model: str = flag(
+        help="The model before fine-tuning (theta_A at alpha 0): a checkpoint, or a LoRA run (merged)."
     )
-    finetuned_model: str = field(
-        metadata={"help": "The fine-tuned model (theta_B at alpha 1): a checkpoint, or a LoRA run (merged)."}
+    finetuned_model: str = flag(help="The fine-tuned model (theta_B at alpha 1): a checkpoint, or a LoRA run (merged).")
+    alphas: str = flag("0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1", "The mixing weights, comma-separated.")
+    target_metric: str = flag(
+        "eval_t2i_recall@1",
+        "The target split's metric the curve and --select use: eval_t2i_recall@k or eval_i2t_recall@k "
+        "(k 1, 5 or 10), eval_matching_accuracy (data with caption choices), eval_t2i_rerank_recall@k or "
+        "eval_i2t_rerank_recall@k (--rerank_top_k), eval_t2i_fused_recall@k or eval_i2t_fused_recall@k "
+        "(--rerank_top_k with --rerank_score itm+itc).",
     )
-    alphas: str = field(
-        default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1", metadata={"help": "The mixing weights, comma-separated."}
+    select: str = flag(
+        "target",
+        "Which alpha is saved: target (the best target metric, among the alphas --max_zeroshot_drop "
+        "keeps) or mean (the best mean of the target metric and zero-shot top-1).",
+        choices=SELECTIONS,
     )
-    target_metric: str = field(
-        default="eval_t2i_recall@1",
-        metadata={
-            "help": "The target split's metric the curve and --select use: eval_t2i_recall@k or eval_i2t_recall@k "
-            "(k 1, 5 or 10), eval_matching_accuracy (data with caption choices), eval_t2i_rerank_recall@k or "
-            "eval_i2t_rerank_recall@k (--rerank_top_k), eval_t2i_fused_recall@k or eval_i2t_fused_recall@k "
-            "(--rerank_top_k with --rerank_score itm+itc)."
-        },
-    )
-    select: str = field(
-        default="target",
-        metadata={
-            "help": "Which alpha is saved: target (the best target metric, among the alphas --max_zeroshot_drop "
-            "keeps) or mean (the best mean of the target metric and zero-shot top-1).",
-            "choices": list(SELECTIONS),
-        },
-    )
-    max_zeroshot_drop: float | None = field(
-        default=None,
-        metadata={"help": "Keep only alphas whose zero-shot top-1 is at most this much below alpha 0's (e.g. 0.02)."},
+    max_zeroshot_drop: float | None = flag(
+        None, "Keep only alphas whose zero-shot top-1 is at most this much below alpha 0's (e.g. 0.02)."
     )
 
 
@@ -156,10 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     check_target_metric(args.target_metric)
     alphas = parse_alphas(args.alphas)
-    for flag, model in (("--zeroshot_model", args.zeroshot_model), ("--finetuned_model", args.finetuned_model)):
-        if parse_model_reference(model, flag=flag).answers_questions:
+    for option, model in (("--zeroshot_model", args.zeroshot_model), ("--finetuned_model", args.finetuned_model)):
+        if parse_model_reference(model, flag=option).answers_questions:
             raise ConfigError(
-                f"{flag} {model} answers questions (vlfit train --task vqa): vlfit wise-ft mixes a contrastive model "
+                f"{option} {model} answers questions (vlfit train --task vqa): vlfit wise-ft mixes a contrastive model "
                 "with its fine-tuning along a zero-shot classification curve, which a VQA model has no embeddings for"
             )
 
