@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from vlfit.flags import flag
 
 logger = logging.getLogger(__name__)
 
@@ -33,54 +35,35 @@ class CompatTrainingFlags:
     Defaults are optimum-habana's, so ``--no_use_lazy_mode`` exists as it does there.
     """
 
-    use_habana: bool = field(default=False, metadata={"help": _gaudi_help("run on a Gaudi HPU.")})
-    use_lazy_mode: bool = field(default=True, metadata={"help": _gaudi_help("run the HPU in lazy mode.")})
-    gaudi_config_name: str | None = field(
-        default=None,
-        metadata={
-            "help": _gaudi_help("Gaudi config (HPU mixed precision, fused optimizer) name or path.")
-            + " Pass --bf16 for bf16 mixed precision."
-        },
+    use_habana: bool = flag(False, _gaudi_help("run on a Gaudi HPU."))
+    use_lazy_mode: bool = flag(True, _gaudi_help("run the HPU in lazy mode."))
+    gaudi_config_name: str | None = flag(
+        None,
+        _gaudi_help("Gaudi config (HPU mixed precision, fused optimizer) name or path.")
+        + " Pass --bf16 for bf16 mixed precision.",
     )
-    use_hpu_graphs: bool = field(
-        default=False, metadata={"help": _gaudi_help("deprecated form of --use_hpu_graphs_for_inference.")}
+    use_hpu_graphs: bool = flag(False, _gaudi_help("deprecated form of --use_hpu_graphs_for_inference."))
+    use_hpu_graphs_for_training: bool = flag(False, _gaudi_help("HPU graphs in training."))
+    use_hpu_graphs_for_inference: bool = flag(False, _gaudi_help("HPU graphs in evaluation."))
+    disable_tensor_cache_hpu_graphs: bool = flag(False, _gaudi_help("no tensor cache in HPU graphs."))
+    max_hpu_graphs: int | None = flag(None, _gaudi_help("most HPU graphs to cache."))
+    distribution_strategy: str = flag(
+        "ddp",
+        _gaudi_help("ddp or fast_ddp (Gaudi's own gradient all-reduce).")
+        + " vlfit always uses DistributedDataParallel.",
+        choices=["ddp", "fast_ddp"],
     )
-    use_hpu_graphs_for_training: bool = field(default=False, metadata={"help": _gaudi_help("HPU graphs in training.")})
-    use_hpu_graphs_for_inference: bool = field(
-        default=False, metadata={"help": _gaudi_help("HPU graphs in evaluation.")}
+    adjust_throughput: bool = flag(
+        False, _gaudi_help("leave logging, evaluation and saving time out of the throughput.")
     )
-    disable_tensor_cache_hpu_graphs: bool = field(
-        default=False, metadata={"help": _gaudi_help("no tensor cache in HPU graphs.")}
-    )
-    max_hpu_graphs: int | None = field(default=None, metadata={"help": _gaudi_help("most HPU graphs to cache.")})
-    distribution_strategy: str = field(
-        default="ddp",
-        metadata={
-            "help": _gaudi_help("ddp or fast_ddp (Gaudi's own gradient all-reduce).")
-            + " vlfit always uses DistributedDataParallel.",
-            "choices": ["ddp", "fast_ddp"],
-        },
-    )
-    adjust_throughput: bool = field(
-        default=False,
-        metadata={"help": _gaudi_help("leave logging, evaluation and saving time out of the throughput.")},
-    )
-    pipelining_fwd_bwd: bool = field(
-        default=False, metadata={"help": _gaudi_help("an extra mark_step between forward and backward.")}
-    )
-    non_blocking_data_copy: bool = field(
-        default=False, metadata={"help": _gaudi_help("copy batches to the HPU asynchronously.")}
-    )
-    sdp_on_bf16: bool = field(
-        default=False, metadata={"help": _gaudi_help("reduced precision in the SDPA math backend.")}
-    )
-    overwrite_output_dir: bool = field(
-        default=False,
-        metadata={
-            "help": "Start over in a non-empty --output_dir (its checkpoints are removed), as transformers 4 did. "
-            "Without it, vlfit resumes a run in --output_dir made with the same flags and refuses one made with "
-            "other flags."
-        },
+    pipelining_fwd_bwd: bool = flag(False, _gaudi_help("an extra mark_step between forward and backward."))
+    non_blocking_data_copy: bool = flag(False, _gaudi_help("copy batches to the HPU asynchronously."))
+    sdp_on_bf16: bool = flag(False, _gaudi_help("reduced precision in the SDPA math backend."))
+    overwrite_output_dir: bool = flag(
+        False,
+        "Start over in a non-empty --output_dir (its checkpoints are removed), as transformers 4 did. "
+        "Without it, vlfit resumes a run in --output_dir made with the same flags and refuses one made with "
+        "other flags.",
     )
 
 
@@ -88,19 +71,15 @@ class CompatTrainingFlags:
 class CompatDataFlags:
     """run_bridgetower.py's data flags: ``--overwrite_cache`` (ignored) and ``--mediapipe_dataloader`` (mapped)."""
 
-    overwrite_cache: bool = field(
-        default=False,
-        metadata={
-            "help": "run_bridgetower.py: overwrite the cached training and evaluation sets. Accepted and ignored: "
-            "vlfit keeps no cache of preprocessed samples."
-        },
+    overwrite_cache: bool = flag(
+        False,
+        "run_bridgetower.py: overwrite the cached training and evaluation sets. Accepted and ignored: "
+        "vlfit keeps no cache of preprocessed samples.",
     )
-    mediapipe_dataloader: bool = field(
-        default=False,
-        metadata={
-            "help": "run_bridgetower.py: decode on the Gaudi with its MediaPipe. vlfit turns on --decode_on_device "
-            "instead (nvJPEG on an NVIDIA GPU; the CPU decodes without one)."
-        },
+    mediapipe_dataloader: bool = flag(
+        False,
+        "run_bridgetower.py: decode on the Gaudi with its MediaPipe. vlfit turns on --decode_on_device "
+        "instead (nvJPEG on an NVIDIA GPU; the CPU decodes without one).",
     )
 
 

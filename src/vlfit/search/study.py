@@ -11,12 +11,13 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from vlfit.errors import ConfigError
+from vlfit.flags import flag
 from vlfit.training.preemption import PREEMPTION_SIGNALS, TwoStageSignalHandler
 
 logger = logging.getLogger(__name__)
@@ -39,59 +40,39 @@ SPACE_ATTR = "search_space"  # study attribute: the space's fingerprint
 class SearchArguments:
     """``vlfit search``'s own flags (beside every ``vlfit train`` flag; ``--seed`` also seeds the sampler)."""
 
-    search_space: str | None = field(
-        default=None,
-        metadata={
-            "help": "YAML or JSON file: for each parameter (any vlfit train field) {type: float|int, low, high, "
-            "log, step} or {type: categorical, choices}. Default: learning_rate, "
-            "warmup_steps, weight_decay and, for contrastive models, logit_scale_init_value."
-        },
+    search_space: str | None = flag(
+        None,
+        "YAML or JSON file: for each parameter (any vlfit train field) {type: float|int, low, high, "
+        "log, step} or {type: categorical, choices}. Default: learning_rate, "
+        "warmup_steps, weight_decay and, for contrastive models, logit_scale_init_value.",
     )
-    n_trials: int = field(default=12, metadata={"help": "Finished trials (complete or pruned) the study ends with."})
-    timeout: float | None = field(
-        default=None, metadata={"help": "Start no new trial after this many seconds of this command."}
+    n_trials: int = flag(12, "Finished trials (complete or pruned) the study ends with.")
+    timeout: float | None = flag(None, "Start no new trial after this many seconds of this command.")
+    metric: str = flag(
+        DEFAULT_METRIC, "Metric of the final evaluation to optimize (any vlfit eval reports; eval_ optional)."
     )
-    metric: str = field(
-        default=DEFAULT_METRIC,
-        metadata={"help": "Metric of the final evaluation to optimize (any vlfit eval reports; eval_ optional)."},
+    direction: str = flag("maximize", "maximize or minimize the metric.", choices=DIRECTIONS)
+    sampler: str = flag("tpe", "tpe (Optuna's default) or random.", choices=SAMPLERS)
+    pruner: str = flag(
+        "median",
+        "Stop poor trials at an evaluation during training (needs --eval_strategy steps): median "
+        "(worse than the median of earlier trials at the same step), hyperband, or none.",
+        choices=PRUNERS,
     )
-    direction: str = field(
-        default="maximize", metadata={"help": "maximize or minimize the metric.", "choices": list(DIRECTIONS)}
+    pruner_startup_trials: int = flag(2, "The median pruner prunes nothing until this many trials have finished.")
+    storage: str | None = flag(None, f"Study storage URL (default: sqlite:///<output_dir>/{STUDY_DB}).")
+    study_name: str = flag("vlfit-search", "Name of the study in the storage.")
+    keep_trial_checkpoints: bool = flag(
+        False, "Keep every trial's checkpoints and weights (default: only the best trial's)."
     )
-    sampler: str = field(
-        default="tpe", metadata={"help": "tpe (Optuna's default) or random.", "choices": list(SAMPLERS)}
+    soup: str = flag(
+        "none",
+        "End the study with a soup of its best trials, saved to <output_dir>/soup: greedy (the "
+        "--soup_top_k best trials in order of --metric, each kept only when the soup's --metric on the "
+        "evaluation split does not drop; vlfit merge --method greedy), or none.",
+        choices=SOUPS,
     )
-    pruner: str = field(
-        default="median",
-        metadata={
-            "help": "Stop poor trials at an evaluation during training (needs --eval_strategy steps): median "
-            "(worse than the median of earlier trials at the same step), hyperband, or none.",
-            "choices": list(PRUNERS),
-        },
-    )
-    pruner_startup_trials: int = field(
-        default=2, metadata={"help": "The median pruner prunes nothing until this many trials have finished."}
-    )
-    storage: str | None = field(
-        default=None, metadata={"help": f"Study storage URL (default: sqlite:///<output_dir>/{STUDY_DB})."}
-    )
-    study_name: str = field(default="vlfit-search", metadata={"help": "Name of the study in the storage."})
-    keep_trial_checkpoints: bool = field(
-        default=False,
-        metadata={"help": "Keep every trial's checkpoints and weights (default: only the best trial's)."},
-    )
-    soup: str = field(
-        default="none",
-        metadata={
-            "help": "End the study with a soup of its best trials, saved to <output_dir>/soup: greedy (the "
-            "--soup_top_k best trials in order of --metric, each kept only when the soup's --metric on the "
-            "evaluation split does not drop; vlfit merge --method greedy), or none.",
-            "choices": list(SOUPS),
-        },
-    )
-    soup_top_k: int = field(
-        default=4, metadata={"help": "With --soup: how many of the best trials go in (their weights are kept)."}
-    )
+    soup_top_k: int = flag(4, "With --soup: how many of the best trials go in (their weights are kept).")
 
     def __post_init__(self) -> None:
         for name, allowed in (("direction", DIRECTIONS), ("sampler", SAMPLERS), ("pruner", PRUNERS), ("soup", SOUPS)):

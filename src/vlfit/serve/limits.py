@@ -12,9 +12,10 @@ request may ask).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from vlfit.errors import ConfigError
+from vlfit.flags import flag
 from vlfit.serve.clients import trusted_networks
 
 LIMITS_KEY = "vlfit.limits"  # the app's lifespan state entries its connections read: its ServerLimits and metrics
@@ -86,75 +87,49 @@ class ServerLimits:
             header is trusted, every client is its connection's address.
     """
 
-    max_concurrency: int = field(
-        default=32,
-        metadata={"help": "Requests in flight from the end of their body (health, metrics not counted); beyond: 503."},
+    max_concurrency: int = flag(
+        32, "Requests in flight from the end of their body (health, metrics not counted); beyond: 503."
     )
-    max_queue_wait_ms: float | None = field(
-        default=0.0,
-        metadata={
-            "help": "Longest expected wait (ms) a search is admitted with (its kind's queries ahead x their "
-            "measured time each); beyond: 503 with Retry-After. 0: 10x the unloaded time of a query of its "
-            "kind (text, image), the default; a budget far above any wait (60000) leaves --max_concurrency "
-            "alone."
-        },
+    max_queue_wait_ms: float | None = flag(
+        0.0,
+        "Longest expected wait (ms) a search is admitted with (its kind's queries ahead x their "
+        "measured time each); beyond: 503 with Retry-After. 0: 10x the unloaded time of a query of its "
+        "kind (text, image), the default; a budget far above any wait (60000) leaves --max_concurrency "
+        "alone.",
     )
-    max_connections: int = field(
-        default=512,
-        metadata={
-            "help": "Open connections (TLS handshakes included). When all are open, an address holding fewer than "
-            "its fair share takes an idle connection's slot of the address holding the most; else 503 and closed."
-        },
+    max_connections: int = flag(
+        512,
+        "Open connections (TLS handshakes included). When all are open, an address holding fewer than "
+        "its fair share takes an idle connection's slot of the address holding the most; else 503 and closed.",
     )
-    header_timeout: float = field(
-        default=10.0,
-        metadata={"help": "Seconds for a request head to arrive (and for a new connection to start one); 408 after."},
+    header_timeout: float = flag(
+        10.0, "Seconds for a request head to arrive (and for a new connection to start one); 408 after."
     )
-    body_timeout: float = field(
-        default=60.0, metadata={"help": "Seconds for a whole request body to arrive; 408 after."}
+    body_timeout: float = flag(60.0, "Seconds for a whole request body to arrive; 408 after.")
+    max_header_bytes: int = flag(16 * 1024, "Largest request line plus headers; 431 beyond.")
+    keep_alive_timeout: int = flag(5, "Seconds an idle keep-alive connection stays open after a response.")
+    max_text_chars: int = flag(2000, "Longest text query in characters; 422 beyond.")
+    max_query_pixels: int = flag(
+        40_000_000, "Most pixels a query image may declare (read before decoding); 422 beyond."
     )
-    max_header_bytes: int = field(
-        default=16 * 1024, metadata={"help": "Largest request line plus headers; 431 beyond."}
+    thumbnail_cache_mb: float = flag(32.0, "MB of small thumbnails kept for repeat requests.")
+    max_connections_per_client: int = flag(
+        64, "Open connections of one client address (a trusted proxy's not counted); beyond: 429 and closed."
     )
-    keep_alive_timeout: int = field(
-        default=5, metadata={"help": "Seconds an idle keep-alive connection stays open after a response."}
+    max_concurrency_per_client: int | None = flag(
+        None, "Requests in flight of one client; beyond: 429 with Retry-After. Default: half of --max_concurrency."
     )
-    max_text_chars: int = field(default=2000, metadata={"help": "Longest text query in characters; 422 beyond."})
-    max_query_pixels: int = field(
-        default=40_000_000,
-        metadata={"help": "Most pixels a query image may declare (read before decoding); 422 beyond."},
+    max_uploads_per_client: int | None = flag(
+        None,
+        "Request bodies of one client arriving at once (each bounded by --body_timeout; a request takes "
+        "its --max_concurrency slot once its body is whole); beyond: 429 with Retry-After. Default: "
+        "--max_concurrency_per_client's.",
     )
-    thumbnail_cache_mb: float = field(
-        default=32.0, metadata={"help": "MB of small thumbnails kept for repeat requests."}
-    )
-    max_connections_per_client: int = field(
-        default=64,
-        metadata={
-            "help": "Open connections of one client address (a trusted proxy's not counted); beyond: 429 and closed."
-        },
-    )
-    max_concurrency_per_client: int | None = field(
-        default=None,
-        metadata={
-            "help": "Requests in flight of one client; beyond: 429 with Retry-After. Default: half of "
-            "--max_concurrency."
-        },
-    )
-    max_uploads_per_client: int | None = field(
-        default=None,
-        metadata={
-            "help": "Request bodies of one client arriving at once (each bounded by --body_timeout; a request takes "
-            "its --max_concurrency slot once its body is whole); beyond: 429 with Retry-After. Default: "
-            "--max_concurrency_per_client's."
-        },
-    )
-    forwarded_allow_ips: str | None = field(
-        default=None,
-        metadata={
-            "help": "Trusted proxies (addresses or networks, comma-separated; *: any): a request from one is "
-            "the client its X-Forwarded-For names, for the per-client limits and access. Default: none "
-            "trusted."
-        },
+    forwarded_allow_ips: str | None = flag(
+        None,
+        "Trusted proxies (addresses or networks, comma-separated; *: any): a request from one is "
+        "the client its X-Forwarded-For names, for the per-client limits and access. Default: none "
+        "trusted.",
     )
 
     @property

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from transformers import TrainingArguments
 
 from vlfit.arguments.sizes import check_sizes
 from vlfit.compat_flags import CompatTrainingFlags
 from vlfit.errors import ConfigError
+from vlfit.flags import flag
 from vlfit.launch import prepare_launch
 from vlfit.models.matryoshka import DEFAULT_PREFIX_WEIGHT
 
@@ -27,85 +28,67 @@ class VlfitTrainingArguments(CompatTrainingFlags, TrainingArguments):
     ``CompatTrainingFlags`` adds the Gaudi-only flags of run_bridgetower.py command lines, accepted and ignored.
     """
 
-    train_sampling_strategy: str = field(
-        default="random",
-        metadata={
-            "help": "The training order. random (the default): shuffled each epoch. sequential: the split's order. "
-            "group_by_length (NaFlex models, SigLIP 2): batches of images with similar patch counts, read from the "
-            "image headers before training, in shuffled windows of up to 50 batches, so little of each batch is "
-            "padding (train_padded_patch_share says how much). batch_rebalance is transformers' for language "
-            "models and is refused.",
-            "choices": ["random", "sequential", "group_by_length", "batch_rebalance"],
-        },
+    train_sampling_strategy: str = flag(
+        "random",
+        "The training order. random (the default): shuffled each epoch. sequential: the split's order. "
+        "group_by_length (NaFlex models, SigLIP 2): batches of images with similar patch counts, read from the "
+        "image headers before training, in shuffled windows of up to 50 batches, so little of each batch is "
+        "padding (train_padded_patch_share says how much). batch_rebalance is transformers' for language "
+        "models and is refused.",
+        choices=["random", "sequential", "group_by_length", "batch_rebalance"],
     )
-    contrastive_negatives: str = field(
-        default="local",
-        metadata={
-            "help": "local: each process scores its captions against its own batch's images (what one process does "
-            "with --per_device_train_batch_size). global: against the images of every process's batch (all-gathered "
-            "with gradient), so the negatives are the whole global batch; same as local with one process.",
-            "choices": list(CONTRASTIVE_NEGATIVES),
-        },
+    contrastive_negatives: str = flag(
+        "local",
+        "local: each process scores its captions against its own batch's images (what one process does "
+        "with --per_device_train_batch_size). global: against the images of every process's batch (all-gathered "
+        "with gradient), so the negatives are the whole global batch; same as local with one process.",
+        choices=CONTRASTIVE_NEGATIVES,
     )
-    contrastive_loss: str = field(
-        default="model",
-        metadata={
-            "help": "model: the model's own contrastive loss (BridgeTower: the mean of its text->image, "
-            "text->cross-modal and image->cross-modal InfoNCE terms, as run_bridgetower trains). symmetric: also "
-            "image->text, the direction image->caption retrieval and caption matching score, which the model's own "
-            "loss never trains (for a dual encoder such as CLIP, whose loss is symmetric already, the same).",
-            "choices": list(CONTRASTIVE_LOSSES),
-        },
+    contrastive_loss: str = flag(
+        "model",
+        "model: the model's own contrastive loss (BridgeTower: the mean of its text->image, "
+        "text->cross-modal and image->cross-modal InfoNCE terms, as run_bridgetower trains). symmetric: also "
+        "image->text, the direction image->caption retrieval and caption matching score, which the model's own "
+        "loss never trains (for a dual encoder such as CLIP, whose loss is symmetric already, the same).",
+        choices=CONTRASTIVE_LOSSES,
     )
-    objective: str = field(
-        default="contrastive",
-        metadata={
-            "help": "What training optimizes. contrastive: the contrastive loss. contrastive+itm (BridgeTower): also "
-            "the image-text matching head, on each batch's pairs and on hard negatives drawn from the batch's "
-            "contrastive similarities (one caption per image, one image per caption). itm: the matching loss alone.",
-            "choices": list(OBJECTIVES),
-        },
+    objective: str = flag(
+        "contrastive",
+        "What training optimizes. contrastive: the contrastive loss. contrastive+itm (BridgeTower): also "
+        "the image-text matching head, on each batch's pairs and on hard negatives drawn from the batch's "
+        "contrastive similarities (one caption per image, one image per caption). itm: the matching loss alone.",
+        choices=OBJECTIVES,
     )
-    matryoshka_dims: str | None = field(
-        default=None,
-        metadata={
-            "help": "Comma-separated embedding sizes below the model's (e.g. 64,128,256): the contrastive loss is "
-            "also taken at each prefix of the embedding, normalised again, and averaged with the full size's, each "
-            "prefix weighted by --matryoshka_prefix_weight (Matryoshka representation learning), so the first d "
-            "dimensions are an embedding on their own; the run records the sizes (input_spec.json) for "
-            "--embedding_dim at every door."
-        },
+    matryoshka_dims: str | None = flag(
+        None,
+        "Comma-separated embedding sizes below the model's (e.g. 64,128,256): the contrastive loss is "
+        "also taken at each prefix of the embedding, normalised again, and averaged with the full size's, each "
+        "prefix weighted by --matryoshka_prefix_weight (Matryoshka representation learning), so the first d "
+        "dimensions are an embedding on their own; the run records the sizes (input_spec.json) for "
+        "--embedding_dim at every door.",
     )
-    matryoshka_prefix_weight: float = field(
-        default=DEFAULT_PREFIX_WEIGHT,
-        metadata={
-            "help": "--matryoshka_dims: each prefix size's loss weight against the full size's 1 (1.0: the plain "
-            "mean of the Matryoshka paper). On the demo's data the plain mean cost recall at every size; 0.1 gained "
-            "at 1/8 of the size, and a lower weight costs less at the full size (docs/results.md)."
-        },
+    matryoshka_prefix_weight: float = flag(
+        DEFAULT_PREFIX_WEIGHT,
+        "--matryoshka_dims: each prefix size's loss weight against the full size's 1 (1.0: the plain "
+        "mean of the Matryoshka paper). On the demo's data the plain mean cost recall at every size; 0.1 gained "
+        "at 1/8 of the size, and a lower weight costs less at the full size (docs/results.md).",
     )
-    gradient_cache_chunk_size: int | None = field(
-        default=None,
-        metadata={
-            "help": "Gradient caching: embed the batch N pairs at a time without keeping activations, take the "
-            "contrastive loss's gradient over the whole (with --contrastive_negatives global, global) batch, then "
-            "re-run each chunk with gradient. The same gradient as the plain batch, in the memory of a batch of N, "
-            "for about one more forward pass per step. Not with --gradient_accumulation_steps > 1."
-        },
+    gradient_cache_chunk_size: int | None = flag(
+        None,
+        "Gradient caching: embed the batch N pairs at a time without keeping activations, take the "
+        "contrastive loss's gradient over the whole (with --contrastive_negatives global, global) batch, then "
+        "re-run each chunk with gradient. The same gradient as the plain batch, in the memory of a batch of N, "
+        "for about one more forward pass per step. Not with --gradient_accumulation_steps > 1.",
     )
-    throughput_warmup_steps: int = field(
-        default=0,
-        metadata={
-            "help": "Leave the first N training steps out of the reported samples/s and data-wait share "
-            "(compilation, autotuning and loader start-up make them slow), as optimum-habana does."
-        },
+    throughput_warmup_steps: int = flag(
+        0,
+        "Leave the first N training steps out of the reported samples/s and data-wait share "
+        "(compilation, autotuning and loader start-up make them slow), as optimum-habana does.",
     )
-    wise_ft_alpha: float | None = field(
-        default=None,
-        metadata={
-            "help": "End the run with WiSE-FT: the saved (and evaluated) weights are (1 - a) x the starting weights "
-            "+ a x the fine-tuned ones (vlfit wise-ft draws the whole curve)."
-        },
+    wise_ft_alpha: float | None = flag(
+        None,
+        "End the run with WiSE-FT: the saved (and evaluated) weights are (1 - a) x the starting weights "
+        "+ a x the fine-tuned ones (vlfit wise-ft draws the whole curve).",
     )
 
     def matryoshka_sizes(self) -> tuple[int, ...]:
