@@ -22,8 +22,9 @@ from vlfit.errors import DataError
 from vlfit.index.ann import AnnIndex
 from vlfit.index.ann_update import update_ann
 from vlfit.index.integrity import DamagedIndexError
+from vlfit.index.manifest import MANIFEST_NAME
 from vlfit.index.search import search
-from vlfit.index.store import MANIFEST_NAME, EmbeddingIndex, write_index_from_embeddings
+from vlfit.index.store import EmbeddingIndex, write_index_from_embeddings
 from vlfit.index.verify import open_index, verify_index
 from vlfit.inference.identity import ModelIdentity
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import shutil
 
-from vlfit.index import store
+from vlfit.index import manifest
 from vlfit.index.job import IndexJob, index_collection
-from vlfit.index.store import EmbeddingIndex, IndexManifest
+from vlfit.index.manifest import IndexManifest
+from vlfit.index.store import EmbeddingIndex
 
 
 def test_an_append_reads_the_manifest_once_and_writes_it_for_its_shards_then_its_ann(
@@ -22,10 +23,10 @@ def test_an_append_reads_the_manifest_once_and_writes_it_for_its_shards_then_its
     shutil.copytree(image_folder / "test", folder / "more")
 
     reads, writes = [], []
-    parse, write = IndexManifest.from_dict.__func__, store.write_text_atomically
+    parse, write = IndexManifest.from_dict.__func__, manifest.write_text_atomically
     monkeypatch.setattr(IndexManifest, "from_dict", classmethod(lambda cls, data: reads.append(1) or parse(cls, data)))
     monkeypatch.setattr(
-        store, "write_text_atomically", lambda path, *args, **kw: writes.append(path) or write(path, *args, **kw)
+        manifest, "write_text_atomically", lambda path, *args, **kw: writes.append(path) or write(path, *args, **kw)
     )
     report = index_collection(job)
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from vlfit.index.store import MANIFEST_NAME, EmbeddingIndex
+from vlfit.index.manifest import MANIFEST_NAME
+from vlfit.index.store import EmbeddingIndex
 
 pytestmark = pytest.mark.slow
 

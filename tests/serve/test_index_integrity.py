@@ -16,7 +16,8 @@ from fastapi.testclient import TestClient
 
 from vlfit.cli import main
 from vlfit.index.integrity import DamagedIndexError
-from vlfit.index.store import MANIFEST_NAME, EmbeddingIndex, write_manifest
+from vlfit.index.manifest import MANIFEST_NAME, write_manifest
+from vlfit.index.store import EmbeddingIndex
 from vlfit.serve.app import create_app
 from vlfit.serve.engine import SearchEngine
 
@@ -133,7 +134,8 @@ OVERWRITTEN_ANN = textwrap.dedent(
     from vlfit.index.ann import AnnIndex
     from vlfit.index.ann_update import ids_digest
     from vlfit.index.integrity import DamagedIndexError
-    from vlfit.index.store import EmbeddingIndex, write_index_from_embeddings, write_manifest
+    from vlfit.index.manifest import write_manifest
+    from vlfit.index.store import EmbeddingIndex, write_index_from_embeddings
     from vlfit.inference.identity import ModelIdentity
     from vlfit.serve.engine import Snapshot
 

@@ -29,7 +29,8 @@ from vlfit.index.ann_choice import (
     storage_choice,
 )
 from vlfit.index.integrity import check_verify_level, file_problem
-from vlfit.index.store import EmbeddingIndex, write_manifest
+from vlfit.index.manifest import write_manifest
+from vlfit.index.store import EmbeddingIndex
 
 logger = logging.getLogger(__name__)
 

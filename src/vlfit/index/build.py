@@ -40,8 +40,9 @@ from vlfit.data.sources.tar import ShardCollection
 from vlfit.errors import ConfigError, DataError
 from vlfit.index.build_request import BuildRequest, BuiltIndex
 from vlfit.index.distribute import Distributor, TorchRanks
+from vlfit.index.manifest import IndexManifest
 from vlfit.index.shard_embedding import ShardWork
-from vlfit.index.store import EmbeddingIndex, IndexManifest
+from vlfit.index.store import EmbeddingIndex
 from vlfit.index.transaction import BuildTransaction
 from vlfit.index.verify import Problem, damaged_shards
 from vlfit.inference.backends import Encoder

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlfit.index.build_request import BuildRequest, BuiltIndex
-from vlfit.index.store import EmbeddingIndex, IndexManifest, write_manifest
+from vlfit.index.manifest import IndexManifest, write_manifest
+from vlfit.index.store import EmbeddingIndex
 
 
 @dataclass(frozen=True)

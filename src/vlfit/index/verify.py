@@ -20,7 +20,8 @@ import numpy as np
 
 from vlfit.index.ann import ANN_DESCRIPTION, ANN_FILE
 from vlfit.index.integrity import DamagedIndexError, check_verify_level, file_problem
-from vlfit.index.store import MANIFEST_NAME, EmbeddingIndex
+from vlfit.index.manifest import MANIFEST_NAME
+from vlfit.index.store import EmbeddingIndex
 from vlfit.models.reference import check_index_folder
 
 logger = logging.getLogger(__name__)

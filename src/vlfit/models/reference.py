@@ -47,7 +47,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 MODEL_CONFIG = "config.json"
 # What the config of a folder vlfit train --task vqa wrote names in its architectures (vlfit.models.vqa).
 VQA_ARCHITECTURE = "BridgeTowerForQuestionAnswering"
-# The manifest of an index vlfit retrieve index wrote (vlfit.index.store.MANIFEST_NAME).
+# The manifest of an index vlfit retrieve index wrote (vlfit.index.manifest.MANIFEST_NAME).
 INDEX_MANIFEST = "index_manifest.json"
 # The files an image folder's images are (vlfit.data.sources.images reads them).
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")

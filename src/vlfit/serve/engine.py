@@ -36,10 +36,10 @@ import torch
 from vlfit.errors import ConfigError, first_line
 from vlfit.index.integrity import DamagedIndexError, file_problem
 from vlfit.index.items import IndexedItems
+from vlfit.index.manifest import MANIFEST_NAME
 from vlfit.index.rerank import Reranker, rerank_problem
 from vlfit.index.search import Hit, query_runtime, search
 from vlfit.index.stages import StageTimes
-from vlfit.index.store import MANIFEST_NAME
 from vlfit.index.verify import manifest_stamp, open_index, recorded_files
 from vlfit.inference.rerank_score import FUSED, ITM_ONLY, RerankScore, check_rerank_weight
 from vlfit.inference.runtime_settings import RuntimeSettings

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from vlfit.errors import first_line
+from vlfit.index.manifest import IndexManifest, write_manifest
 from vlfit.index.push.base import close_shared_clients
-from vlfit.index.store import IndexManifest, write_manifest, write_shard
+from vlfit.index.store import write_shard
 from vlfit.inference.identity import ModelIdentity
 
 ENGINES = ("lancedb", "qdrant", "chroma", "pgvector", "milvus")

@@ -13,9 +13,9 @@ import numpy as np
 import torch
 
 from vlfit.errors import DataError
+from vlfit.index.manifest import IndexManifest
 from vlfit.index.push.base import CollectionRecord, Target, TargetError, open_target
 from vlfit.index.search import Hit
-from vlfit.index.store import IndexManifest
 
 
 class PushedIndex:
