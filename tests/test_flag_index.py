@@ -39,6 +39,13 @@ def test_the_flag_index_is_what_the_parsers_make():
     assert "--text" in recorded["commands"]["vlfit retrieve query"]["flags"]
 
 
+def test_every_module_that_declares_flags_is_in_the_fingerprint():
+    root = Path(flag_index.__file__).parent
+    covered = {path for pattern in flag_index.FLAG_SOURCES for path in root.glob(pattern)}
+    declaring = {path for path in root.rglob("*.py") if "= flag(" in path.read_text(encoding="utf-8")}
+    assert declaring and declaring <= covered, sorted(str(p.relative_to(root)) for p in declaring - covered)
+
+
 def test_an_index_made_from_other_sources_is_not_used(monkeypatch, capsys):
     flag_index._index.cache_clear()
     monkeypatch.setattr(flag_index, "source_fingerprint", lambda: "another")  # a flag was added since

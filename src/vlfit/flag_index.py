@@ -40,7 +40,7 @@ REGENERATE = "python -m vlfit.commands.cli_reference --flag-index"
 HELP_FLAGS = ("-h", "--help")
 # The files that define the commands' flags, relative to the package (what ``source_fingerprint`` hashes).
 FLAG_SOURCES = ("arguments/*.py", "commands/*.py", "compat_flags.py", "flags.py", "search/study.py",
-                "training/arguments.py")  # fmt: skip
+                "serve/limits.py", "training/arguments.py")  # fmt: skip
 # The local data files a command reads (``vlfit.arguments.data``): one that names no file is refused before the
 # imports, naming the flag.
 DATA_FILE_FLAGS = ("--train_file", "--validation_file", "--test_file")
