@@ -13,7 +13,7 @@ An index written before sizes and checksums were recorded gets what can be check
 (``quick``), and parse, hold their rows and finite embeddings (``full``); ``verify_index`` says so in its notes.
 
 A problem is reported in one line naming the file, what is wrong with it and the command that rebuilds it
-(``vlfit.index.manifest.rebuild_command``): ``vlfit retrieve index`` over the same folder re-embeds the items of a
+(``vlfit.index.store.rebuild_command``): ``vlfit retrieve index`` over the same folder re-embeds the items of a
 damaged shard and rebuilds a damaged ANN structure.
 """
 
@@ -35,7 +35,7 @@ class DamagedIndexError(DataError):
     Args:
         file: The damaged file.
         problem: What is wrong with it.
-        repair: The command that rebuilds it (``vlfit.index.manifest.rebuild_command``).
+        repair: The command that rebuilds it (``vlfit.index.store.rebuild_command``).
     """
 
     def __init__(self, file: str, problem: str, repair: str) -> None:

@@ -2,24 +2,21 @@
 
 It names the model the embeddings come from and how it ran, the shards in order with the size and SHA-256 of each
 file, the items left out or removed, the collections embedded into it with their build settings, and the ANN
-structure while it covers every row. It is read once per opened index (``read_manifest``), changed in memory by a
-build, and written whole, atomically and flushed to disk, after the files it names (``write_manifest``). What may be
-added to an index (its embedding size, a NaFlex model's patch budget) and the command that rebuilds a damaged one
-are decided here, from what it records.
+structure while it covers every row. It is read once per opened index (``vlfit.index.store.read_manifest``),
+changed in memory by a build, and written whole, atomically and flushed to disk, after the files it names
+(``write_manifest``). What may be added to an index (its embedding size, a NaFlex model's patch budget) is decided
+here, from what it records.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
 from vlfit.atomic_files import write_text_atomically
-from vlfit.data.sources.openers import COLLECTION_KEYS
-from vlfit.errors import ConfigError, MissingFileError
-from vlfit.index.integrity import DamagedIndexError
+from vlfit.errors import ConfigError
 from vlfit.inference.identity import ModelIdentity
 
 MANIFEST_NAME = "index_manifest.json"
@@ -108,59 +105,10 @@ class IndexManifest:
         )
 
 
-def read_manifest(folder: str) -> IndexManifest:
-    """The manifest of the index at ``folder``.
-
-    Raises:
-        MissingFileError: when the folder holds none.
-        DamagedIndexError: naming the file and the command that rebuilds the index, when it does not parse.
-    """
-    manifest_path = os.path.join(folder, MANIFEST_NAME)
-    if not os.path.isfile(manifest_path):
-        raise MissingFileError(f"--index {folder}: no {MANIFEST_NAME}; build one with vlfit retrieve index")
-    try:
-        with open(manifest_path, encoding="utf-8") as f:
-            manifest = IndexManifest.from_dict(json.load(f))
-        for shard in manifest.shards:
-            if not (isinstance(shard.get("embeddings"), str) and isinstance(shard.get("ids"), str)):
-                raise ValueError(f"a shard entry without its files: {shard}")
-            shard["count"] = int(shard["count"])
-    except (ValueError, KeyError, TypeError, AttributeError) as err:  # JSONDecodeError, UnicodeDecodeError too
-        problem = f"does not parse ({type(err).__name__}: {err})"
-        raise DamagedIndexError(manifest_path, problem, rebuild_command(folder)) from None
-    return manifest
-
-
 def write_manifest(folder: str, manifest: IndexManifest) -> None:
     """Write ``index_manifest.json`` atomically and flushed to disk (after the files it names, flushed before it)."""
     text = json.dumps(manifest.to_dict(), indent=1) + "\n"
     write_text_atomically(os.path.join(folder, MANIFEST_NAME), text, durable=True)
 
 
-def rebuild_command(
-    folder: str,
-    model: dict[str, Any] | None = None,
-    collections: list[dict[str, Any]] | None = None,
-    *,
-    full: bool = False,
-) -> str:
-    """The command that rebuilds what is damaged in the index at ``folder``: ``vlfit retrieve index`` over the same
-    folder with the model and collection its manifest records (``full``: with ``--verify full``, for damage only a
-    checksum shows). Without them (the manifest itself is damaged), a build into a new folder."""
-    if not model or not collections:
-        return (
-            "vlfit retrieve index --model MODEL --images FOLDER (or --dataset_name DATA) --output_dir NEW_FOLDER "
-            "(the manifest lists what the index holds: without it, build the index again)"
-        )
-    flags = ["--model", str(model.get("path", "MODEL"))]
-    last = collections[-1]
-    for key in COLLECTION_KEYS:  # the flags of vlfit retrieve index that open it again
-        if last.get(key) is not None:
-            flags += [f"--{key}", str(last[key])]
-    flags += ["--output_dir", folder]
-    if full:
-        flags += ["--verify", "full"]
-    return "vlfit retrieve index " + " ".join(shlex.quote(flag) for flag in flags)
-
-
-__all__ = ["MANIFEST_NAME", "IndexManifest", "read_manifest", "rebuild_command", "write_manifest"]
+__all__ = ["MANIFEST_NAME", "IndexManifest", "write_manifest"]

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 from collections.abc import Iterator
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -39,9 +40,10 @@ import numpy as np
 import torch
 
 from vlfit.atomic_files import write_file_atomically
-from vlfit.errors import ConfigError, DataError, full_disk_in_one_line
+from vlfit.data.sources.openers import COLLECTION_KEYS
+from vlfit.errors import ConfigError, DataError, MissingFileError, full_disk_in_one_line
 from vlfit.index.integrity import DamagedIndexError
-from vlfit.index.manifest import MANIFEST_NAME, IndexManifest, read_manifest, rebuild_command, write_manifest
+from vlfit.index.manifest import MANIFEST_NAME, IndexManifest, write_manifest
 from vlfit.index.shard_vectors import EMBEDDINGS_KEY, ShardVectors
 from vlfit.inference.identity import ModelIdentity
 
@@ -312,4 +314,61 @@ def write_index_from_embeddings(
     return manifest
 
 
-__all__ = ["EmbeddingIndex", "check_storage", "refuse_nonfinite", "write_index_from_embeddings", "write_shard"]
+def read_manifest(folder: str) -> IndexManifest:
+    """The manifest of the index at ``folder``.
+
+    Raises:
+        MissingFileError: when the folder holds none.
+        DamagedIndexError: naming the file and the command that rebuilds the index, when it does not parse.
+    """
+    manifest_path = os.path.join(folder, MANIFEST_NAME)
+    if not os.path.isfile(manifest_path):
+        raise MissingFileError(f"--index {folder}: no {MANIFEST_NAME}; build one with vlfit retrieve index")
+    try:
+        with open(manifest_path, encoding="utf-8") as f:
+            manifest = IndexManifest.from_dict(json.load(f))
+        for shard in manifest.shards:
+            if not (isinstance(shard.get("embeddings"), str) and isinstance(shard.get("ids"), str)):
+                raise ValueError(f"a shard entry without its files: {shard}")
+            shard["count"] = int(shard["count"])
+    except (ValueError, KeyError, TypeError, AttributeError) as err:  # JSONDecodeError, UnicodeDecodeError too
+        problem = f"does not parse ({type(err).__name__}: {err})"
+        raise DamagedIndexError(manifest_path, problem, rebuild_command(folder)) from None
+    return manifest
+
+
+def rebuild_command(
+    folder: str,
+    model: dict[str, Any] | None = None,
+    collections: list[dict[str, Any]] | None = None,
+    *,
+    full: bool = False,
+) -> str:
+    """The command that rebuilds what is damaged in the index at ``folder``: ``vlfit retrieve index`` over the same
+    folder with the model and collection its manifest records (``full``: with ``--verify full``, for damage only a
+    checksum shows). Without them (the manifest itself is damaged), a build into a new folder."""
+    if not model or not collections:
+        return (
+            "vlfit retrieve index --model MODEL --images FOLDER (or --dataset_name DATA) --output_dir NEW_FOLDER "
+            "(the manifest lists what the index holds: without it, build the index again)"
+        )
+    flags = ["--model", str(model.get("path", "MODEL"))]
+    last = collections[-1]
+    for key in COLLECTION_KEYS:  # the flags of vlfit retrieve index that open it again
+        if last.get(key) is not None:
+            flags += [f"--{key}", str(last[key])]
+    flags += ["--output_dir", folder]
+    if full:
+        flags += ["--verify", "full"]
+    return "vlfit retrieve index " + " ".join(shlex.quote(flag) for flag in flags)
+
+
+__all__ = [
+    "EmbeddingIndex",
+    "check_storage",
+    "read_manifest",
+    "rebuild_command",
+    "refuse_nonfinite",
+    "write_index_from_embeddings",
+    "write_shard",
+]
