@@ -44,7 +44,7 @@ from vlfit.index.manifest import IndexManifest
 from vlfit.index.shard_embedding import ShardWork
 from vlfit.index.store import EmbeddingIndex
 from vlfit.index.transaction import BuildTransaction
-from vlfit.index.verify import Problem, damaged_shards
+from vlfit.index.verify import damaged_shards
 from vlfit.inference.backends import Encoder
 
 logger = logging.getLogger(__name__)
@@ -95,10 +95,9 @@ def build_index(
     if index is None:
         manifest, first_number, replaced, done = _new_manifest(encoder, request.storage), 0, [], set()
     else:
-        encoder.check_embeds_into(index.manifest.identity, f"the index {index.path}")
-        index.manifest.check_appendable(encoder.spec.max_num_patches, None, index.path)
-        manifest = index.manifest
-        first_number = _next_shard_number(manifest)
+        manifest, first_number = index.manifest, _next_shard_number(index.manifest)
+        encoder.check_embeds_into(manifest.identity, f"the index {index.path}")
+        manifest.check_appendable(encoder.spec.max_num_patches, None, index.path)
         repaired, replaced = _repair_damaged_shards(encoder, index, source, items, request, first_number)
         first_number += repaired
         done = _already_done(index, source)
@@ -167,7 +166,13 @@ def _repair_damaged_shards(
     if not damaged:
         return 0, []
     manifest = index.manifest
-    in_place = {position: ids for position in damaged if (ids := _known_ids(index, position, damaged[position]))}
+    in_place = {}  # the damaged shards whose ids file is whole: their items are known
+    for position, problems in damaged.items():
+        shard = manifest.shards[position]
+        if any(problem.file == os.path.join(index.path, shard["ids"]) for problem in problems):
+            continue
+        with contextlib.suppress(DataError):
+            in_place[position] = index.shard_ids(shard)
     if items is not None:  # a folder or split: the items must still be there
         present = set(items.ids)
         in_place = {position: ids for position, ids in in_place.items() if present.issuperset(ids)}
@@ -206,21 +211,10 @@ def _repair_damaged_shards(
     return len(in_place), list(old.values())
 
 
-def _known_ids(index: EmbeddingIndex, position: int, problems: list[Problem]) -> list[str] | None:
-    """The ids of the damaged shard at ``position`` when its ids file is not among its problems and reads whole."""
-    shard = index.manifest.shards[position]
-    if any(problem.file == os.path.join(index.path, shard["ids"]) for problem in problems):
-        return None
-    try:
-        return index.shard_ids(shard)
-    except DataError:
-        return None
-
-
 def _already_done(index: EmbeddingIndex, source: ImageTextSource | ShardCollection) -> set[str]:
     """What the index holds already: the ids indexed or listed as bad, or for tar shards at URLs the shards an index
     shard was made of (a shard given up earlier is taken off the bad list, to be tried again). Re-indexing a folder
-    lists, in the manifest, the files gone from it."""
+    lists, in the manifest, the files gone from it (a file that came back is taken off the list)."""
     manifest = index.manifest
     if isinstance(source, ShardCollection):
         done = {shard.get("source") for shard in manifest.shards}
@@ -228,21 +222,12 @@ def _already_done(index: EmbeddingIndex, source: ImageTextSource | ShardCollecti
         manifest.bad_samples = [bad for bad in manifest.bad_samples if bad["id"] not in retried]
         return done
     indexed = set(index.ids())
-    manifest.removed = _removed_ids(source, manifest, indexed)
+    if source.item_folder is not None:  # the files gone from it are listed, those of other folders kept; a dataset
+        root = os.path.join(source.item_folder, "")  # split (no item_folder) loses no records: its list stays
+        present = set(source.image_ids())
+        gone = sorted(item for item in indexed if item.startswith(root) and item not in present)
+        manifest.removed = [item for item in manifest.removed if not item.startswith(root)] + gone
     return indexed | {bad["id"] for bad in manifest.bad_samples}
-
-
-def _removed_ids(source: ImageTextSource, manifest: IndexManifest, indexed: set[str]) -> list[str]:
-    """The indexed ids under the ``item_folder`` of ``source`` it no longer holds, with those of other folders
-    already listed; a file that came back is taken off the list. Dataset splits (no ``item_folder``) do not lose
-    records: their list stays as it was."""
-    if source.item_folder is None:
-        return manifest.removed
-    root = os.path.join(source.item_folder, "")
-    present = set(source.image_ids())
-    others = [item for item in manifest.removed if not item.startswith(root)]
-    gone = sorted(item for item in indexed if item.startswith(root) and item not in present)
-    return others + gone
 
 
 def _next_shard_number(manifest: IndexManifest) -> int:

@@ -12,8 +12,9 @@ they want as an ``IndexJob`` and hand it to ``index_collection``, so the rules o
 - the build's settings (``BUILD_SETTINGS``: the ANN type and its parameters, the shard size) are recorded with each
   build in the manifest's ``collections``, and a job that leaves one unset (None) replays the index's recorded one
   (``IndexJob.replayed``): an append builds as the index was built, from the CLI and ``vlfit.Index.append`` alike;
-- tar shards that could not be fetched are listed as bad in the manifest, and ``IndexReport.raise_for_lost_shards``
-  turns them into an error once the report is shown (the next run tries them again): nothing is lost in silence.
+- tar shards that could not be fetched are listed as bad in the manifest, and the report's ``raise_for_failures``
+  (``vlfit.index.report``) turns them into an error once it is shown (the next run tries them again): nothing is
+  lost in silence.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 from vlfit.data.sources.openers import open_collection
 from vlfit.data.sources.tar import ShardCollection
 from vlfit.data.stream.urls import parse_storage_options
-from vlfit.errors import ConfigError, DataError
+from vlfit.errors import ConfigError
 from vlfit.extras import require_extra
 from vlfit.index.ann_choice import (
     DEFAULT_MAX_INDEX_MEMORY,
@@ -38,14 +39,12 @@ from vlfit.index.ann_choice import (
 from vlfit.index.build import BuildRequest, build_index
 from vlfit.index.distribute import check_distributor, open_distributor
 from vlfit.index.integrity import check_verify_level
+from vlfit.index.report import ANN_SUMMARY, IndexReport
 from vlfit.index.store import EmbeddingIndex, check_storage
 from vlfit.inference.backends import Encoder
 from vlfit.inference.runtime import ModelRuntime
 from vlfit.inference.runtime_settings import RuntimeSettings
 
-# What the report tells of the ANN structure (the manifest's "ann" holds all of it).
-ANN_SUMMARY = ("type", "factory", "search_params", "rerank", "recall_at_10", "bytes_per_vector", "query_latency_ms",
-               "extended")  # fmt: skip
 # The settings a build records (under "settings" of its manifest's collections entry) and an append replays, with
 # what a new index gets when a job leaves one unset.
 BUILD_SETTINGS: dict[str, Any] = {
@@ -182,70 +181,6 @@ class IndexJob:
         return ModelRuntime.open(self.model, self.runtime).encoder
 
 
-@dataclass(frozen=True)
-class IndexReport:
-    """What ``index_collection`` did (rank 0's account; other ranks' ``lead`` is False and they report nothing).
-
-    Attributes:
-        index: The index folder.
-        model: The model that embedded it, as its encoder describes itself.
-        items: Items in the index now.
-        added: Items this run added.
-        bad_samples: Items (or tar shards) left out, ``{"id", "reason"}``.
-        removed: Items indexed earlier whose files are gone from their folder.
-        ann: The ANN structure (``ANN_SUMMARY``'s keys).
-        lead: This process wrote the manifest and reports (rank 0).
-        lost_shards: Tar shards at URLs that could not be indexed (among ``bad_samples``).
-        shards: How many tar shards the collection has (0 for other collections).
-    """
-
-    index: str
-    model: str
-    items: int = 0
-    added: int = 0
-    bad_samples: list[dict[str, str]] = field(default_factory=list)
-    removed: int = 0
-    ann: dict[str, Any] = field(default_factory=dict)
-    lead: bool = True
-    lost_shards: list[dict[str, str]] = field(default_factory=list)
-    shards: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        """The report as ``vlfit retrieve index --json`` prints it."""
-        return {"index": self.index, "model": self.model, "items": self.items, "added": self.added,
-                "bad_samples": self.bad_samples, "removed": self.removed, "ann": self.ann}  # fmt: skip
-
-    def lines(self) -> list[str]:
-        """The report as lines of text: what was left out (ten at most), then what was written."""
-        lines = [f"left out {bad['id']}: {bad['reason']}" for bad in self.bad_samples[:10]]
-        if len(self.bad_samples) > 10:
-            lines.append(f"... and {len(self.bad_samples) - 10} more left out (the index manifest lists them all)")
-        recall = self.ann.get("recall_at_10")
-        shown = f", recall@10 {recall:.3f}" if recall is not None else ""
-        counts = f"{self.added} added, {len(self.bad_samples)} left out, {self.removed} removed"
-        lines.append(f"wrote {self.index}: {self.items} items ({counts}) embedded by {self.model}; "
-                     f"ANN {self.ann.get('type')}{shown}")  # fmt: skip
-        return lines
-
-    def raise_for_failures(self) -> None:
-        """Raises ``DataError`` when tar shards could not be indexed (the index keeps what was embedded, and the same
-        build run again tries them again), or when the build left out every item, so the index holds none (a folder
-        of files that are no images)."""
-        lost = self.lost_shards
-        if lost:
-            raise DataError(
-                f"{len(lost)} of {self.shards} shards could not be indexed: "
-                + "; ".join(f"{bad['id']} ({bad['reason']})" for bad in lost[:5])
-                + ("; ..." if len(lost) > 5 else "")
-                + ". Rerun the same command to try them again (the index keeps what was embedded)."
-            )
-        if self.lead and not self.items and self.bad_samples:
-            first = self.bad_samples[0]
-            raise DataError(f"{self.index}: every item was left out ({len(self.bad_samples)}; the first: "
-                            f"{first['id']}: {first['reason']}), so the index holds none: make them readable images, "
-                            "then run the same command again")  # fmt: skip
-
-
 def index_collection(job: IndexJob) -> IndexReport:
     """Embed what ``job``'s collection holds that its index does not yet, bring the ANN structure up to date, and
     report (see the module's docstring for the rules).
@@ -293,4 +228,4 @@ def index_collection(job: IndexJob) -> IndexReport:
     )
 
 
-__all__ = ["ANN_SUMMARY", "IndexJob", "IndexReport", "index_collection"]
+__all__ = ["IndexJob", "index_collection"]
