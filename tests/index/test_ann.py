@@ -179,7 +179,7 @@ def test_coarse_pq_codes_are_re_ranked_from_the_shards_to_reach_the_target(tmp_p
 
     monkeypatch.setattr(ann_module, "TUNING_QUERIES", 300)  # three builds below: tuning on fewer queries
     budget = ivfpq_fixed_bytes(dim, ivf_lists(n)) + n * (4 + 8) + 1000  # room for 4-byte codes only
-    described = update_ann(index, index_type="ivfpq", max_index_memory=budget, target_recall=0.9)
+    described = update_ann(str(tmp_path), index_type="ivfpq", max_index_memory=budget, target_recall=0.9)
     assert described["factory"].endswith(",PQ4x8") and described["bytes_per_vector"] * n <= budget
     assert described["reached_target"] and described["rerank"] > 1
 
@@ -197,9 +197,9 @@ def test_coarse_pq_codes_are_re_ranked_from_the_shards_to_reach_the_target(tmp_p
 
     # A larger budget asks for larger codes: the structure is rebuilt; asked again, it is left as it is.
     larger = ivfpq_fixed_bytes(dim, ivf_lists(n)) + n * (8 + 8) + 1000
-    rebuilt = update_ann(EmbeddingIndex(str(tmp_path)), index_type="ivfpq", max_index_memory=larger, target_recall=0.9)
+    rebuilt = update_ann(str(tmp_path), index_type="ivfpq", max_index_memory=larger, target_recall=0.9)
     assert rebuilt["factory"].endswith(",PQ8x8") and not rebuilt["extended"]
     stamp = (tmp_path / "ann.faiss").stat().st_mtime_ns
-    again = update_ann(EmbeddingIndex(str(tmp_path)), index_type="ivfpq", max_index_memory=larger, target_recall=0.9)
+    again = update_ann(str(tmp_path), index_type="ivfpq", max_index_memory=larger, target_recall=0.9)
     assert again == {key: value for key, value in rebuilt.items() if key != "extended"}
     assert (tmp_path / "ann.faiss").stat().st_mtime_ns == stamp

@@ -68,7 +68,7 @@ def _verify_lines(capsys, folder: Path, *flags: str) -> tuple[int, list[str]]:
 @pytest.mark.parametrize("storage", ["safetensors", "npy"])
 def test_the_manifest_records_the_size_and_checksum_of_every_file_written(tmp_path, storage) -> None:
     folder = _write(tmp_path / "index", storage=storage)
-    update_ann(EmbeddingIndex(str(folder)), index_type="hnsw")
+    update_ann(str(folder), index_type="hnsw")
     manifest = _manifest(folder)
     named = []
     for shard in manifest["shards"]:
@@ -90,7 +90,7 @@ def test_index_files_are_flushed_to_disk_before_the_manifest_names_them(tmp_path
     monkeypatch.setattr(atomic_files, "fsync_file", lambda path: (events.append(("fsync", path)), fsync_file(path)))
     monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(b))), replace(a, b)))
     folder = _write(tmp_path / "index")
-    update_ann(EmbeddingIndex(str(folder)), index_type="flat")
+    update_ann(str(folder), index_type="flat")
 
     manifest = _manifest(folder)
     last_manifest = max(
@@ -202,7 +202,7 @@ def test_embeddings_that_are_not_finite_never_reach_a_result(tmp_path, structure
     embeddings = _with_nan_rows(tmp_path / "index", broken_rows)
     folder = str(tmp_path / "index")
     if structure != "exact":
-        update_ann(EmbeddingIndex(folder), index_type=structure)
+        update_ann(folder, index_type=structure)
     code, lines = _verify_lines(capsys, tmp_path / "index", "--verify", "full")
     assert code == 2 and "shard-00000.safetensors: 2 of 40 embeddings hold NaN or infinite values" in lines[0]
     assert "shard-00001.safetensors: 1 of 40" in lines[1] and "shard-00002.safetensors: 1 of 20" in lines[2]
@@ -223,7 +223,7 @@ def test_embeddings_that_are_not_finite_never_reach_a_result(tmp_path, structure
 
 def test_the_ann_file_is_read_into_memory_and_checked_against_its_record(tmp_path) -> None:
     folder = _write(tmp_path / "index")
-    update_ann(EmbeddingIndex(str(folder)), index_type="hnsw")
+    update_ann(str(folder), index_type="hnsw")
     ann = EmbeddingIndex(str(folder)).ann
     assert ann is not None and len(ann) == ROWS
 
@@ -241,7 +241,7 @@ def test_the_ann_file_is_read_into_memory_and_checked_against_its_record(tmp_pat
         AnnIndex.load(str(folder))
 
     # Asked again, vlfit retrieve index's ANN step builds it anew instead of keeping a file that is not the one named.
-    described = update_ann(EmbeddingIndex(str(folder)), index_type="hnsw")
+    described = update_ann(str(folder), index_type="hnsw")
     assert described["bytes"] == path.stat().st_size and verify_index(str(folder), "full").whole
 
 

@@ -419,7 +419,7 @@ def test_a_flat_ann_index_returns_what_the_exact_scan_does(torch_index, tmp_path
     out = shutil.copytree(torch_index, tmp_path / "flat")
     from vlfit.index.ann_update import update_ann
 
-    assert update_ann(EmbeddingIndex(str(out)), index_type="flat")["type"] == "flat"
+    assert update_ann(str(out), index_type="flat")["type"] == "flat"
     query = ["--index", str(out), "--text", "one blue square at the top.", "--text", "a red circle", "-k", "8"]
     approximate, exact = _query_json(capsys, *query), _query_json(capsys, *query, "--exact")
     for got, want in zip(approximate["queries"], exact["queries"], strict=True):

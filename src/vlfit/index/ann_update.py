@@ -29,7 +29,7 @@ from vlfit.index.ann_choice import (
     storage_choice,
 )
 from vlfit.index.integrity import check_verify_level, file_problem
-from vlfit.index.manifest import write_manifest
+from vlfit.index.manifest import IndexManifest, write_manifest
 from vlfit.index.store import EmbeddingIndex
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,8 @@ def _extendable(folder: str, ids: list[str], wanted: IndexChoice) -> AnnIndex | 
 
 
 def update_ann(
-    index: EmbeddingIndex,
+    folder: str,
+    manifest: IndexManifest | None = None,
     *,
     index_type: str = "auto",
     max_index_memory: int | None = None,
@@ -69,10 +70,11 @@ def update_ann(
     storage: str = "float32",
     rescore: int | None = None,
 ) -> dict[str, Any]:
-    """Make the ANN structure of ``index`` cover every row of its shards; record it in the manifest.
+    """Make the ANN structure of the index at ``folder`` cover every row of its shards; record it in the manifest.
 
     Args:
-        index: The index (as a build left it: ``BuiltIndex.index``).
+        folder: The index folder.
+        manifest: Its manifest as the build left it (``BuiltIndex.manifest``: not read again); None: read it.
         index_type: ``auto``, ``flat``, ``hnsw`` or ``ivfpq``.
         max_index_memory: Bytes the ANN structure may take.
         target_recall: Recall@10 against exact search that the search parameter is tuned to.
@@ -87,8 +89,8 @@ def update_ann(
         empty when the index holds no rows yet.
     """
     check_verify_level(verify)
-    folder, manifest = index.path, index.manifest
-    ids = index.ids()
+    index = EmbeddingIndex(folder, manifest)  # a view of the shards the manifest lists now
+    manifest, ids = index.manifest, index.ids()
     if not ids:
         return {}
     size = manifest.identity.embedding_size

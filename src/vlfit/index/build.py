@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 from vlfit.data.image_groups import ImageItems, image_items
 from vlfit.data.sources.base import ImageTextSource
 from vlfit.data.sources.tar import ShardCollection
-from vlfit.errors import ConfigError, DataError
+from vlfit.errors import ConfigError
 from vlfit.index.build_request import BuildRequest, BuiltIndex
 from vlfit.index.distribute import Distributor, TorchRanks
 from vlfit.index.manifest import IndexManifest
@@ -98,9 +98,13 @@ def build_index(
         manifest, first_number = index.manifest, _next_shard_number(index.manifest)
         encoder.check_embeds_into(manifest.identity, f"the index {index.path}")
         manifest.check_appendable(encoder.spec.max_num_patches, None, index.path)
-        repaired, replaced = _repair_damaged_shards(encoder, index, source, items, request, first_number)
+        damaged = damaged_shards(index, request.verify)
+        # Each shard's ids, read once (of tar shards at URLs, only the damaged ones': the sources name the rest).
+        held = index.shard_id_lists(damaged if streamed else range(len(manifest.shards)), damaged)
+        repaired, replaced, kept = _repair_damaged_shards(encoder, index, source, items, request, first_number,
+                                                          damaged, held)  # fmt: skip
         first_number += repaired
-        done = _already_done(index, source)
+        done = _already_done(manifest, source, [held[position] for position in kept if held.get(position)])
     transaction = BuildTransaction(request, manifest, replaced)
     if streamed:
         todo = [url for url in source.urls if url not in done]
@@ -156,32 +160,32 @@ def _repair_damaged_shards(
     items: ImageItems | None,
     request: BuildRequest,
     first_number: int,
-) -> tuple[int, list[dict[str, Any]]]:
-    """Embed each damaged shard of ``index`` again in its place, into shard files numbered from ``first_number``,
-    when its ids are known and ``source`` still holds its items (rank 0; every process decides alike); take the
-    others off the manifest, so that their items are embedded at the end. Returns how many shard numbers the repair
-    took (the same on every process), and the damaged shards' entries (their files go once the manifest is
-    written without them)."""
-    damaged = damaged_shards(index, request.verify)
-    if not damaged:
-        return 0, []
+    damaged: dict[int, list[tuple[str, str]]],
+    held: dict[int, list[str] | None],
+) -> tuple[int, list[dict[str, Any]], list[int]]:
+    """Embed each ``damaged`` shard of ``index`` again in its place, into shard files numbered from
+    ``first_number``, when its ids are known (``held``, and its ids file not among its problems) and ``source`` still
+    holds its items (rank 0; every process decides alike); take the others off the manifest, so that their items are
+    embedded at the end. Returns how many shard numbers the repair took (the same on every process), the damaged
+    shards' entries (their files go once the manifest is written without them), and the positions, as the manifest
+    was, of the shards whose items the index holds now."""
     manifest = index.manifest
+    if not damaged:
+        return 0, [], list(range(len(manifest.shards)))
     in_place = {}  # the damaged shards whose ids file is whole: their items are known
     for position, problems in damaged.items():
-        shard = manifest.shards[position]
-        if any(problem.file == os.path.join(index.path, shard["ids"]) for problem in problems):
-            continue
-        with contextlib.suppress(DataError):
-            in_place[position] = index.shard_ids(shard)
+        ids, ids_file = held.get(position), os.path.join(index.path, manifest.shards[position]["ids"])
+        if ids and all(file != ids_file for file, _ in problems):
+            in_place[position] = ids
     if items is not None:  # a folder or split: the items must still be there
         present = set(items.ids)
         in_place = {position: ids for position, ids in in_place.items() if present.issuperset(ids)}
     for position, problems in damaged.items():
-        for problem in problems:
+        for file, what in problems:
             logger.warning(
                 "%s: %s; its shard's items are embedded again %s",
-                problem.file,
-                problem.what,
+                file,
+                what,
                 "in its place" if position in in_place else "at the end of the index: the rows after it move",
             )
     old = {position: manifest.shards[position] for position in damaged}
@@ -202,26 +206,25 @@ def _repair_damaged_shards(
                 part.entry["source"] = old[position]["source"]
             manifest.shards[position] = part.entry  # None: every image bad now
             number += 1
-    manifest.shards = [
-        shard
-        for position, shard in enumerate(manifest.shards)
-        if shard is not None and (position not in damaged or position in in_place)
-    ]
+    kept = [position for position in range(len(manifest.shards)) if position not in damaged or position in in_place]
+    manifest.shards = [manifest.shards[position] for position in kept if manifest.shards[position] is not None]
     manifest.ann = None  # the ANN step checks the structure on disk against the rows (vlfit.index.ann_update)
-    return len(in_place), list(old.values())
+    return len(in_place), list(old.values()), kept
 
 
-def _already_done(index: EmbeddingIndex, source: ImageTextSource | ShardCollection) -> set[str]:
-    """What the index holds already: the ids indexed or listed as bad, or for tar shards at URLs the shards an index
-    shard was made of (a shard given up earlier is taken off the bad list, to be tried again). Re-indexing a folder
-    lists, in the manifest, the files gone from it (a file that came back is taken off the list)."""
-    manifest = index.manifest
+def _already_done(
+    manifest: IndexManifest, source: ImageTextSource | ShardCollection, shard_ids: list[list[str]]
+) -> set[str]:
+    """What the index of ``manifest`` holds already: the ids indexed (``shard_ids``, its shards') or listed as bad, or
+    for tar shards at URLs the shards an index shard was made of (a shard given up earlier is taken off the bad list,
+    to be tried again). Re-indexing a folder lists, in the manifest, the files gone from it (a file that came back is
+    taken off the list)."""
     if isinstance(source, ShardCollection):
         done = {shard.get("source") for shard in manifest.shards}
         retried = set(source.urls) - done
         manifest.bad_samples = [bad for bad in manifest.bad_samples if bad["id"] not in retried]
         return done
-    indexed = set(index.ids())
+    indexed = {item for ids in shard_ids for item in ids}
     if source.item_folder is not None:  # the files gone from it are listed, those of other folders kept; a dataset
         root = os.path.join(source.item_folder, "")  # split (no item_folder) loses no records: its list stays
         present = set(source.image_ids())

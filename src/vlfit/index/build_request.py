@@ -8,7 +8,8 @@ from typing import Any
 
 from vlfit.errors import ConfigError
 from vlfit.index.integrity import check_verify_level
-from vlfit.index.store import EmbeddingIndex, check_storage
+from vlfit.index.manifest import IndexManifest
+from vlfit.index.store import check_storage
 
 
 @dataclass(frozen=True)
@@ -67,12 +68,12 @@ class BuiltIndex:
     """What a build did.
 
     Attributes:
-        index: The index as this process left it (rank 0: every shard of the build), its manifest as written.
+        manifest: The index's manifest as this process left it (rank 0: every shard of the build, as written).
         added: The rows the build added.
         bad_samples: The items it left out (``{"id", "reason"}``), after those the manifest listed already.
     """
 
-    index: EmbeddingIndex
+    manifest: IndexManifest
     added: int
     bad_samples: list[dict[str, str]]
 

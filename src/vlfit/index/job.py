@@ -210,11 +210,11 @@ def index_collection(job: IndexJob) -> IndexReport:
         return IndexReport(job.output_dir, encoder.description, lead=False)  # rank 0 lists, builds the ANN, reports
     from vlfit.index.ann_update import update_ann
 
-    ann = update_ann(built.index, index_type=job.index_type, max_index_memory=job.max_index_memory,
+    ann = update_ann(job.output_dir, built.manifest, index_type=job.index_type, max_index_memory=job.max_index_memory,
                      target_recall=job.target_recall, verify=job.verify, storage=job.vector_storage,
                      rescore=job.rescore)  # fmt: skip
     urls = set(source.urls) if isinstance(source, ShardCollection) else set()
-    manifest = built.index.manifest
+    manifest = built.manifest
     return IndexReport(
         job.output_dir,
         encoder.description,

@@ -32,7 +32,7 @@ import json
 import logging
 import os
 import shlex
-from collections.abc import Iterator
+from collections.abc import Container, Iterable, Iterator
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -114,6 +114,23 @@ class EmbeddingIndex:
 
     def shard_ids(self, shard: dict[str, Any]) -> list[str]:
         return [str(item) for item in self.read_rows(shard["ids"], int(shard["count"]))]
+
+    def shard_id_lists(self, positions: Iterable[int], damaged: Container[int] = ()) -> dict[int, list[str] | None]:
+        """The ids of the shards at ``positions`` (in the manifest), each file read once; None for a shard among
+        ``damaged`` whose ids file does not read whole.
+
+        Raises:
+            DamagedIndexError: naming the ids file of a shard not among ``damaged`` that does not read whole.
+        """
+        found: dict[int, list[str] | None] = {}
+        for position in positions:
+            try:
+                found[position] = self.shard_ids(self.manifest.shards[position])
+            except DamagedIndexError:
+                if position not in damaged:
+                    raise
+                found[position] = None
+        return found
 
     def shards(self) -> Iterator[tuple[list[str], torch.Tensor]]:
         """``(ids, embeddings [n, D])`` of each shard, in order: float32 tensors over the memory-mapped shard files

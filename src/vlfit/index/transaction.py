@@ -5,7 +5,7 @@ written from here alone, by rank 0, at the points where every file it lists is o
 (a build stopped later resumes from there) and, when no round wrote it, at the end. The files of shards it stops
 naming (the damaged ones a repair replaced) are removed only once a manifest without them is written, and under
 torchrun rank 0 writes only after every process has read what it replaces (a round's gather, or a barrier). The
-result (``BuiltIndex``) holds the index as built, which the ANN step (``vlfit.index.ann_update``) takes as it is.
+result (``BuiltIndex``) holds the manifest as built, which the ANN step (``vlfit.index.ann_update``) takes as it is.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from typing import Any
 
 from vlfit.index.build_request import BuildRequest, BuiltIndex
 from vlfit.index.manifest import IndexManifest, write_manifest
-from vlfit.index.store import EmbeddingIndex
 
 
 @dataclass(frozen=True)
@@ -70,8 +69,7 @@ class BuildTransaction:
         """The end of the build: the manifest written if no round wrote it (the collection recorded, retried and
         removed items, repairs), and what the build did."""
         manifest = self.manifest
-        built = BuiltIndex(EmbeddingIndex(self.request.output_dir, manifest), manifest.count - self._count_before,
-                           manifest.bad_samples[self._bad_before :])  # fmt: skip
+        built = BuiltIndex(manifest, manifest.count - self._count_before, manifest.bad_samples[self._bad_before :])
         if not self.rounds:
             if self.request.world_size > 1:
                 import torch.distributed as dist

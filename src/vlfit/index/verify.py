@@ -125,13 +125,15 @@ def shard_problems(index: EmbeddingIndex, position: int, level: str = "quick") -
     return [Problem(os.path.join(index.path, name), what, repair) for name, what in found]
 
 
-def damaged_shards(index: EmbeddingIndex, level: str = "quick") -> dict[int, list[Problem]]:
-    """The shards of ``index`` (by position in its manifest) with a damaged file, and their problems."""
+def damaged_shards(index: EmbeddingIndex, level: str = "quick") -> dict[int, list[tuple[str, str]]]:
+    """The shards of ``index`` (by position in its manifest) with a damaged file, and their problems: each the
+    file's path and what is wrong with it (a build over the index is what repairs them: no command is named)."""
     check_verify_level(level)
-    damaged: dict[int, list[Problem]] = {}
-    for position in range(len(index.manifest.shards)):
-        if problems := shard_problems(index, position, level):
-            damaged[position] = problems
+    damaged: dict[int, list[tuple[str, str]]] = {}
+    for position, shard in enumerate(index.manifest.shards):
+        found, _ = _shard_problems(index, shard, level)
+        if found:
+            damaged[position] = [(os.path.join(index.path, name), what) for name, what in found]
     return damaged
 
 
