@@ -90,7 +90,7 @@ def update_ann(
     """
     check_verify_level(verify)
     index = EmbeddingIndex(folder, manifest)  # a view of the shards the manifest lists now
-    manifest, ids = index.manifest, index.ids()
+    manifest, ids, vectors = index.manifest, index.ids(), index.vectors()  # vectors: mapped as they are read
     if not ids:
         return {}
     size = manifest.identity.embedding_size
@@ -112,7 +112,7 @@ def update_ann(
     if manifest.ann is not None:  # from here ann.faiss changes: the manifest must not name it meanwhile
         manifest.ann = None
         write_manifest(folder, manifest)
-    embeddings = index.embeddings().numpy()  # float32 [N, D] read from the mapped shards; faiss reads it as is
+    embeddings = vectors.all_rows()  # float32 [N, D] read from the mapped shards; faiss reads it as is
     ann = _extendable(folder, ids, wanted)
     extended = ann is not None and len(ann) < len(ids)
     if ann is not None:

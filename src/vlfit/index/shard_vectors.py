@@ -91,6 +91,11 @@ class ShardVectors:
             mapped = self._mapped.setdefault(number, mapped)
         return mapped
 
+    def all_rows(self) -> np.ndarray:
+        """Every row at once, float32 ``[N, D]`` in memory (a copy: the shards are not kept mapped by it)."""
+        parts = [self.shard(number) for number in range(len(self.files))]
+        return np.concatenate(parts) if parts else np.empty((0, self.dim), dtype=np.float32)
+
     def __getitem__(self, rows: Any) -> np.ndarray:
         """The float32 embeddings ``[len(rows), D]`` of ``rows`` (any order, repeats allowed)."""
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)

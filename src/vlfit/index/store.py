@@ -219,9 +219,7 @@ class EmbeddingIndex:
     def embeddings(self) -> torch.Tensor:
         """Every embedding at once, float32 ``[N, D]`` in memory (what a rebuild of the ANN structure reads, and an
         exact-search server holds; queries otherwise read shard by shard)."""
-        parts = [embeddings for _, embeddings in self.shards()]
-        size = self.manifest.identity.embedding_size
-        return torch.cat(parts) if parts else torch.empty(0, size)
+        return torch.from_numpy(self.vectors().all_rows())
 
     def vectors(self) -> ShardVectors:
         """The embeddings as memory-mapped shards (the one reader of shard files), read by row (``vectors[rows]``)
