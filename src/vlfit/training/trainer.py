@@ -35,6 +35,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from accelerate.utils import DistributedType
 from torch.utils.data import Sampler, SequentialSampler
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint, has_length, seed_worker
@@ -66,6 +67,9 @@ from vlfit.training.throughput import ThroughputMeter
 from vlfit.training.unfreeze import UnfreezeCallback
 
 logger = logging.getLogger(__name__)
+
+# Where every gradient is a plain tensor of this process's whole model: one process, or DDP (after its all-reduce).
+PLAIN_GRADIENTS = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
 
 class VlfitTrainer(BadSampleAccounting, AtomicCheckpointSaving, Trainer):
@@ -120,6 +124,7 @@ class VlfitTrainer(BadSampleAccounting, AtomicCheckpointSaving, Trainer):
         self._stream_epochs: StreamEpochs | None = None
         self._resumed_batches = 0  # batches of the stream's epoch a resumed checkpoint had consumed
         self._counted_parameters: tuple[torch.nn.Module, int] | None = None  # for floating_point_ops
+        self._clipped_parameters: tuple[torch.nn.Module, list[torch.nn.Parameter]] | None = None  # _clip_grad_norm
         self.add_callback(_CountOptimizerSteps(self))
         if unfreeze is not None:
             self.add_callback(unfreeze)
@@ -344,6 +349,17 @@ class VlfitTrainer(BadSampleAccounting, AtomicCheckpointSaving, Trainer):
         if self._counted_parameters is None or self._counted_parameters[0] is not self.model:
             self._counted_parameters = (self.model, self.model.num_parameters(exclude_embeddings=True))
         return 6 * inputs[main_input].numel() * self._counted_parameters[1]
+
+    def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
+        # Where gradients are plain tensors and unscaled, accelerate's clip_grad_norm_ is torch's, after a walk of
+        # every module for model.parameters() and a DTensor check of every gradient in Python at each step (about
+        # 1.3 ms of a 33 ms step of the tiny preset on this CPU): the parameters are listed once per model instead.
+        plain = self.accelerator.distributed_type in PLAIN_GRADIENTS and self.accelerator.scaler is None
+        if not plain or self._has_mixed_mesh_grads(model):
+            return super()._clip_grad_norm(model)
+        if self._clipped_parameters is None or self._clipped_parameters[0] is not model:
+            self._clipped_parameters = (model, list(model.parameters()))
+        return torch.nn.utils.clip_grad_norm_(self._clipped_parameters[1], self.args.max_grad_norm)
 
     def compute_loss(
         self,
