@@ -142,3 +142,44 @@ def test_the_recommendation_takes_the_precision_measured_faster(fp32: float, bf1
         f"; {chosen}: bf16 ran {bf16 / fp32:.2f}x fp32's compute here on a CPU with amx_bf16"
         in (recommendation["text"])
     )
+
+
+@pytest.mark.parametrize(
+    ("fp32_compiled", "bf16_compiled", "backend", "flags"),
+    [
+        (1.4, 1.3, "inductor", ["--bf16", "--torch_compile", "true"]),  # bf16 compiled: 2.4 x 1.3 = 3.1x fp32 eager
+        (1.02, 1.04, "inductor", ["--bf16"]),  # compiling gains less than the margin: bf16 eager
+        (3.0, 0.5, "aot_eager", ["--torch_compile", "true", "--torch_compile_backend", "aot_eager"]),  # fp32 compiled
+    ],
+)
+def test_the_recommendation_takes_torch_compile_where_it_measured_faster(
+    fp32_compiled: float, bf16_compiled: float, backend: str, flags: list[str]
+) -> None:
+    results = made_up_results(best=80.0, ceiling=100.0)
+    results["settings"]["precision"] = "fp32"
+    results["bf16_comparison"] = {"fp32_samples_per_second": 10.0, "bf16_samples_per_second": 24.0,
+                                  "fp32_over_bf16": 10 / 24, "bf16_speedup": 2.4}  # fmt: skip
+    by_precision = {
+        precision: {
+            "eager_samples_per_second": eager,
+            "compiled_samples_per_second": eager * speedup,
+            "compiled_speedup": speedup,
+            "first_compiled_step_seconds": 90.0,
+        }  # fmt: skip
+        for precision, eager, speedup in (("fp32", 10.0, fp32_compiled), ("bf16", 24.0, bf16_compiled))
+    }
+    results["compile_comparison"] = {"backend": backend, **by_precision["fp32"], "by_precision": by_precision}
+    recommendation = finalize(results)["recommendation"]
+    chosen = [flag for flag in recommendation["flags"] if flag in ("--bf16", "--torch_compile", "true", backend)]
+    assert chosen == [flag for flag in flags if flag != "--torch_compile_backend"]
+    assert recommendation["command"].endswith(" ".join(flags))
+    precision = "bf16" if "--bf16" in flags else "fp32"
+    speedup = by_precision[precision]["compiled_speedup"]
+    verdict = "torch.compile" if "--torch_compile" in flags else "eager"
+    assert (
+        f"; {verdict}: {precision} under torch.compile ({backend}) ran {speedup:.2f}x its eager compute"
+        in (recommendation["text"])
+    )
+    assert f"{precision} eager {by_precision[precision]['eager_samples_per_second']:.1f}, compiled" in (
+        format_terminal(results)
+    )

@@ -86,6 +86,11 @@ def test_bench_json_has_every_field_with_consistent_values(bench_run) -> None:
     assert compiled["compiled_speedup"] == pytest.approx(
         compiled["compiled_samples_per_second"] / compiled["eager_samples_per_second"]
     )
+    # With --compare_bf16 the compiled step is measured in both precisions (bf16: under autocast, its own graph).
+    assert set(compiled["by_precision"]) == {"fp32", "bf16"}
+    assert compiled["by_precision"]["fp32"]["compiled_samples_per_second"] == compiled["compiled_samples_per_second"]
+    for figures in compiled["by_precision"].values():
+        assert figures["compiled_samples_per_second"] > 0 and figures["first_compiled_step_seconds"] > 0
     assert results["settings"]["estimated_train_memory_gib"] > 0  # the fit check ran before the sweep
     # Compute efficiency: FLOPs counted on a step, a peak measured on this CPU, TFLOP/s and MFU per train row.
     peak = results["peak"]

@@ -249,9 +249,14 @@ def _summary_lines(results: dict[str, Any]) -> list[str]:
     compiled = results.get("compile_comparison")
     if compiled and "error" not in compiled:
         lines.append(
-            f"torch.compile ({compiled['backend']}) compute: eager {compiled['eager_samples_per_second']:.1f}, "
-            f"compiled {compiled['compiled_samples_per_second']:.1f} samples/s = "
-            f"{compiled['compiled_speedup']:.2f}x (first compiled step {compiled['first_compiled_step_seconds']:.0f} s)"
+            f"torch.compile ({compiled['backend']}) compute: "
+            + "; ".join(
+                f"{precision} eager {figures['eager_samples_per_second']:.1f}, compiled "
+                f"{figures['compiled_samples_per_second']:.1f} samples/s = {figures['compiled_speedup']:.2f}x "
+                f"(first compiled step {figures['first_compiled_step_seconds']:.0f} s)"
+                # A bench.json from before the comparison covered both precisions has the sweep's own only.
+                for precision, figures in (compiled.get("by_precision") or {s["precision"]: compiled}).items()
+            )
         )
     return lines
 

@@ -22,8 +22,9 @@ from vlfit.training.itm_objective import CONTRASTIVE
 # Rows within this fraction of the fastest count as equally fast.
 AUTO_TOLERANCE = 0.05
 WORKERS_FLAG = "--dataloader_num_workers"
-# The recommendation takes the other of fp32 and bf16 only when it measured at least this many times faster: two
-# readings of one step on a shared machine differ by some percent, and a precision is no reason to change for less.
+# The recommendation takes the other of fp32 and bf16, or torch.compile, only when it measured at least this many
+# times faster than the sweep's own setting: two readings of one step on a shared machine differ by some percent,
+# and a precision (or minutes of compiling) is no reason to change for less.
 PRECISION_MARGIN = 1.1
 # The fields that name a configuration (and the measured rate), as the verdict and recommendation repeat them.
 CONFIG_FIELDS: tuple[str, ...] = ("mode", "pipeline", "workers", "prefetch_factor", "samples_per_second")
@@ -110,8 +111,16 @@ def describe(row: dict[str, Any]) -> str:
     return text + (f", prefetch {row['prefetch_factor']}" if row.get("prefetch_factor") else "")
 
 
-def train_flags(row: dict[str, Any], *, precision: str, batch_size: int, objective: str = CONTRASTIVE) -> list[str]:
-    """The ``vlfit train`` flags that reproduce a configuration (``--objective`` when it is not the default)."""
+def train_flags(
+    row: dict[str, Any],
+    *,
+    precision: str,
+    batch_size: int,
+    objective: str = CONTRASTIVE,
+    torch_compile_backend: str | None = None,
+) -> list[str]:
+    """The ``vlfit train`` flags that reproduce a configuration (``--objective`` when it is not the default,
+    ``--torch_compile`` with a ``torch_compile_backend``)."""
     spec = get_pipeline(row["pipeline"])
     flags = ["--image_pipeline", spec.image_pipeline]
     if spec.decode_on_device:
@@ -126,21 +135,51 @@ def train_flags(row: dict[str, Any], *, precision: str, batch_size: int, objecti
         flags.append("--fp16")
     if objective != CONTRASTIVE:
         flags += ["--objective", objective]
+    if torch_compile_backend is not None:
+        flags += ["--torch_compile", "true"]
+        if torch_compile_backend != "inductor":  # the Trainer's default backend
+            flags += ["--torch_compile_backend", torch_compile_backend]
     return flags
 
 
-def faster_precision(results: dict[str, Any]) -> tuple[str, str]:
-    """The precision to train with, and why (a clause for the recommendation's line; empty without a comparison):
-    the sweep's own, unless its fp32-bf16 comparison measured the other at least ``PRECISION_MARGIN`` times faster."""
+def fastest_compute(results: dict[str, Any]) -> tuple[str, str | None, str]:
+    """The precision and ``torch.compile`` backend (None: eager) to train with, and why (a clause for the
+    recommendation's line; empty without a comparison).
+
+    The sweep's own precision, eager, unless its comparisons measured another setting at least
+    ``PRECISION_MARGIN`` times faster: first the other of fp32 and bf16 (``bf16_comparison``), then either under
+    ``torch.compile`` against that choice (``compile_comparison``, each precision's compiled speedup over its own
+    eager reading)."""
     own = results["settings"]["precision"]
+    relative: dict[tuple[str, str | None], float] = {(own, None): 1.0}  # rates relative to the sweep's own
     comparison = results.get("bf16_comparison")
-    if not comparison or own not in ("fp32", "bf16"):
-        return own, ""
-    speedup = comparison["bf16_speedup"]
-    faster = "bf16" if speedup >= PRECISION_MARGIN else "fp32" if 1 / speedup >= PRECISION_MARGIN else own
-    cpu = results.get("machine", {}).get("cpu_features")
-    on = f" on a CPU with {', '.join(cpu[:3])}" if cpu else ""
-    return faster, f"; {faster}: bf16 ran {speedup:.2f}x fp32's compute here{on}"
+    if comparison and own in ("fp32", "bf16"):
+        speedup = comparison["bf16_speedup"]
+        relative[("bf16" if own == "fp32" else "fp32", None)] = speedup if own == "fp32" else 1 / speedup
+    compiled = results.get("compile_comparison") or {}
+    backend = compiled.get("backend")
+    for precision, figures in (compiled.get("by_precision") or {}).items():
+        if (precision, None) in relative:
+            relative[(precision, backend)] = relative[(precision, None)] * figures["compiled_speedup"]
+    choice = (own, None)
+    for compiled_step in (False, True):  # each change (precision, then compiling) has to pay the margin
+        best = max((key for key in relative if (key[1] is not None) == compiled_step), key=relative.get, default=None)
+        if best is not None and relative[best] >= PRECISION_MARGIN * relative[choice]:
+            choice = best
+    precision, chosen_backend = choice
+    why = ""
+    if comparison and own in ("fp32", "bf16"):
+        cpu = results.get("machine", {}).get("cpu_features")
+        on = f" on a CPU with {', '.join(cpu[:3])}" if cpu else ""
+        why = f"; {precision}: bf16 ran {comparison['bf16_speedup']:.2f}x fp32's compute here{on}"
+    if backend is not None and (precision, backend) in relative:
+        figures = compiled["by_precision"][precision]
+        verdict = "torch.compile" if chosen_backend else "eager"
+        why += (
+            f"; {verdict}: {precision} under torch.compile ({backend}) ran {figures['compiled_speedup']:.2f}x its "
+            f"eager compute (after a first step of {figures['first_compiled_step_seconds']:.0f} s)"
+        )
+    return precision, chosen_backend, why
 
 
 def recommend(results: dict[str, Any]) -> dict[str, Any] | None:
@@ -149,9 +188,9 @@ def recommend(results: dict[str, Any]) -> dict[str, Any] | None:
     if row is None:
         return None
     settings = results["settings"]
-    precision, why = faster_precision(results)
+    precision, backend, why = fastest_compute(results)
     flags = train_flags(row, precision=precision, batch_size=settings["batch_size"],
-                        objective=settings.get("objective", CONTRASTIVE))  # fmt: skip
+                        objective=settings.get("objective", CONTRASTIVE), torch_compile_backend=backend)  # fmt: skip
     model = settings.get("model_flags") or ["--model_name_or_path", "MODEL"]
     data = ["--dataset_name", "DATA"]
     prepare = None

@@ -214,16 +214,17 @@ class BenchSession:
             self._ready_batch = self.ready_batch()
         return self.step, self._ready_batch
 
-    def compiled_step(self) -> tuple[TrainStep, float]:
+    def compiled_step(self, precision: str | None = None) -> tuple[TrainStep, float]:
         """The training step with the model under ``torch.compile`` (``plan.torch_compile_backend``), and the
-        seconds its first call took (compilation included; the weights are the eager step's, trained on)."""
+        seconds its first call in ``precision`` (default: the plan's) took: compilation included, since each
+        autocast state is a graph of its own (the weights are the eager step's, trained on)."""
         step, batch = self._step_and_ready_batch("the compiled compute ceiling")
         if self._compiled_step is None:
             compiled = torch.compile(step.model, backend=self.plan.torch_compile_backend)
             self._compiled_step = TrainStep(compiled, step.family, self.device, step.precision,  # type: ignore[arg-type]
                                             objective=self.plan.objective, seed=self.plan.seed)  # fmt: skip
         started = time.perf_counter()
-        self._compiled_step(batch)
+        self._compiled_step(batch, precision)
         synchronize(self.device)
         return self._compiled_step, time.perf_counter() - started
 

@@ -240,17 +240,27 @@ def compare_attention(session: BenchSession) -> dict[str, Any]:
 
 
 def compare_compile(session: BenchSession) -> dict[str, Any]:
-    """The compute ceiling eager and under ``torch.compile``, back to back, and the first compiled step's seconds."""
-    compiled_step, first_step_seconds = session.compiled_step()
-    eager = session.compute()["samples_per_second"]
-    compiled = session.compute(step=compiled_step)["samples_per_second"]
-    return {
-        "backend": session.plan.torch_compile_backend,
-        "eager_samples_per_second": eager,
-        "compiled_samples_per_second": compiled,
-        "compiled_speedup": compiled / eager,
-        "first_compiled_step_seconds": first_step_seconds,
-    }
+    """The compute ceiling eager and under ``torch.compile``, and the first compiled step's seconds; with
+    ``compare_bf16`` in fp32 and in bf16 both (``by_precision``), all four readings back to back after compiling.
+    The top-level figures are the plan's precision's."""
+    plan = session.plan
+    precisions = [plan.precision]
+    if plan.compare_bf16 and plan.precision in ("fp32", "bf16"):
+        precisions.append("bf16" if plan.precision == "fp32" else "fp32")
+    compiled_step, first_step_seconds = None, {}
+    for precision in precisions:
+        compiled_step, first_step_seconds[precision] = session.compiled_step(precision)
+    by_precision = {}
+    for precision in precisions:
+        eager = session.compute(precision)["samples_per_second"]
+        compiled = session.compute(precision, step=compiled_step)["samples_per_second"]
+        by_precision[precision] = {
+            "eager_samples_per_second": eager,
+            "compiled_samples_per_second": compiled,
+            "compiled_speedup": compiled / eager,
+            "first_compiled_step_seconds": first_step_seconds[precision],
+        }
+    return {"backend": plan.torch_compile_backend, **by_precision[plan.precision], "by_precision": by_precision}
 
 
 def _same(row: dict[str, Any], other: dict[str, Any]) -> bool:
