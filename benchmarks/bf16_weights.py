@@ -8,7 +8,12 @@ the optimizer (AdamW updates the copy, which is then copied back to bf16), so sm
 of a preset's random-init model on one synthetic batch, three ways alternately in one process: fp32, fp32 weights
 under bf16 autocast (what ``--bf16`` runs), and bf16 weights with fp32 master weights; the median of ``--repeats``.
 
-    python benchmarks/bf16_weights.py --preset base --batch_size 8 --repeats 3
+``--compile`` adds the first two with the model under ``torch.compile`` (``--backend``, inductor by default: what
+``vlfit train --torch_compile [--bf16]`` runs), each with its own compiled wrapper so that neither recompiles for the
+other's autocast state. Their first step (graph capture and code generation, forward and backward) is timed
+separately, as ``compile_seconds``: it is left out of the rate, and a run pays it once.
+
+    python benchmarks/bf16_weights.py --preset base --batch_size 8 --repeats 3 [--compile] [--results FILE.json]
 """
 
 from __future__ import annotations
@@ -16,11 +21,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import json
+import os
 import statistics
 import time
 
 import torch
 
+from vlfit.efficiency.cpu import cpu_info
 from vlfit.models.loading import load_model
 
 CAPTIONS = ["a red circle on the left", "two blue squares at the top", "one green triangle"] * 40
@@ -31,7 +39,11 @@ def main() -> None:
     parser.add_argument("--preset", default="base")
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="Also time fp32 and --bf16 under torch.compile.")
+    parser.add_argument("--backend", default="inductor", help="The torch.compile backend of --compile.")
+    parser.add_argument("--results", default=None, help="Write the figures here as JSON too.")
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]
     torch.manual_seed(0)
     loaded = load_model(model_preset=args.preset, captions=lambda: CAPTIONS)
     model, family = loaded.model, loaded.spec.family
@@ -54,10 +66,10 @@ def main() -> None:
     model.train()
     bf16_model.train()
 
-    def fp32_step(autocast: bool) -> None:
+    def fp32_step(autocast: bool, run: torch.nn.Module = model) -> None:
         context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
         with context:
-            loss = family.contrastive_loss(model, batch_for(model))
+            loss = family.contrastive_loss(run, batch_for(model))
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
         fp32_optimizer.step()
@@ -78,8 +90,17 @@ def main() -> None:
 
     ways = {"fp32": lambda: fp32_step(False), "bf16 autocast (--bf16)": lambda: fp32_step(True),
             "bf16 weights, fp32 master": bf16_weights_step}  # fmt: skip
-    for step in ways.values():  # warm-up
+    compile_seconds: dict[str, float] = {}
+    if args.compile:
+        compiled_fp32, compiled_bf16 = (torch.compile(model, backend=args.backend) for _ in range(2))
+        ways["fp32 compiled"] = lambda: fp32_step(False, compiled_fp32)
+        ways["bf16 autocast compiled"] = lambda: fp32_step(True, compiled_bf16)
+    for name, step in ways.items():  # warm-up (a compiled way's first step compiles it, timed apart)
+        started = time.perf_counter()
         step()
+        if "compiled" in name:
+            compile_seconds[name] = round(time.perf_counter() - started, 1)
+            step()
     seconds: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(args.repeats):
         for name, step in ways.items():
@@ -89,8 +110,21 @@ def main() -> None:
     medians = {name: statistics.median(values) for name, values in seconds.items()}
     parameters = sum(p.numel() for p in model.parameters()) / 1e6
     print(f"{args.preset} ({parameters:.0f}M parameters), batch {args.batch_size}, {torch.get_num_threads()} threads")
+    rows = []
     for name, median in medians.items():
-        print(f"{name:<28} {args.batch_size / median:8.2f} samples/s  {medians['fp32'] / median:5.2f}x fp32")
+        rows.append({"way": name, "samples_per_s": round(args.batch_size / median, 3),
+                     "over_fp32": round(medians["fp32"] / median, 3),
+                     "step_seconds": [round(value, 3) for value in seconds[name]]})  # fmt: skip
+        compiled = f"  (first step {compile_seconds[name]:.0f} s)" if name in compile_seconds else ""
+        print(f"{name:<28} {args.batch_size / median:8.2f} samples/s  {medians['fp32'] / median:5.2f}x fp32{compiled}")
+    if args.results:
+        # Runnable processes (1-minute averages) at the start and the end: above the core count, the cores were shared.
+        result = {**cpu_info().record(), "preset": args.preset, "batch_size": args.batch_size,
+                  "repeats": args.repeats, "torch_threads": torch.get_num_threads(), "backend": args.backend,
+                  "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+                  "compile_seconds": compile_seconds, "rows": rows}  # fmt: skip
+        with open(args.results, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":
