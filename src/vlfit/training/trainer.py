@@ -352,8 +352,8 @@ class VlfitTrainer(BadSampleAccounting, AtomicCheckpointSaving, Trainer):
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
         # Where gradients are plain tensors and unscaled, accelerate's clip_grad_norm_ is torch's, after a walk of
-        # every module for model.parameters() and a DTensor check of every gradient in Python at each step (about
-        # 1.3 ms of a 33 ms step of the tiny preset on this CPU): the parameters are listed once per model instead.
+        # every module for model.parameters() and a DTensor check of every gradient in Python at each step (1.18
+        # against 0.80 ms for the tiny preset's fresh gradients on 2 AMX cores): the parameters are listed once.
         plain = self.accelerator.distributed_type in PLAIN_GRADIENTS and self.accelerator.scaler is None
         if not plain or self._has_mixed_mesh_grads(model):
             return super()._clip_grad_norm(model)
