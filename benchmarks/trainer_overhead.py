@@ -9,8 +9,8 @@ times in one process (so drifts of a shared machine hit all alike):
   and precision (``--dataloader_num_workers`` 1, no evaluation, no saving), its samples/s after
   ``--throughput_warmup_steps`` (``train_samples_per_second``: the run's own meter, data waits included, up to the
   end of its last step);
-- **vlfit train, free data**: the same run on JPEGs already at the presets' input side (``FREE_DATA_SIDE``:
-  small to decode, never resized): the difference to the run above is what decoding and resizing cost on the same
+- **vlfit train, free data**: the same run on JPEGs already at the preset's input side (``input_side``: small to
+  decode, never resized): the difference to the run above is what decoding and resizing cost on the same
   cores, and what is left against the ready batch is the step's own overhead plus the rest of the worker's work
   (reading rows, tokenizing, collating: ``free_data_worker_cpu_ms_per_batch``), which no data spares.
 
@@ -48,9 +48,9 @@ import torch
 
 from vlfit.cli import main as vlfit
 from vlfit.efficiency.cpu import cpu_info
+from vlfit.models.presets import get_preset
 
 WARMUP_STEPS = 5
-FREE_DATA_SIDE = 64  # the tiny presets' input side
 # Parts of the Trainer's loop, each the cumulative time of the functions named (file fragment, function name).
 PARTS = {
     "batches (data wait, device stage)": (("transformers/trainer.py", "get_batch_samples"),
@@ -88,6 +88,12 @@ def train_argv(data: str, preset: str, batch: int, steps: int, bf16: bool, out: 
             "--per_device_train_batch_size", str(batch), "--dataloader_num_workers", "1", "--eval_strategy", "no",
             "--save_strategy", "no", "--logging_steps", "10", "--report_to", "none", "--seed", "0",
             *(["--bf16"] if bf16 else [])]  # fmt: skip
+
+
+def input_side(preset: str) -> int:
+    """The side of the square images a preset's model takes (its image processor's size)."""
+    size = get_preset(preset).image_processor["size"]
+    return int(size.get("shortest_edge") or size["height"])
 
 
 def _children_cpu_seconds() -> float:
@@ -139,12 +145,17 @@ def main() -> int:
     # One epoch covers the run: 80% of the rows are the training split (make-data's default fractions).
     rows_needed = str(int(1.25 * args.batch_size * (args.steps + WARMUP_STEPS)) + args.batch_size)
     with tempfile.TemporaryDirectory(prefix="vlfit-overhead-") as folder:
-        data, free_data = os.path.join(folder, "data"), os.path.join(folder, "free-data")
-        for split, sides in ((data, ("160", "320")), (free_data, (str(FREE_DATA_SIDE),) * 2)):
-            if _quiet("make-data", "--output_dir", split, "--num_samples", rows_needed, "--min_long_side", sides[0],
-                      "--max_long_side", sides[1]):  # fmt: skip
+        data = os.path.join(folder, "data")
+        presets = args.presets.split(",")
+        splits = {data: (160, 320), **{os.path.join(folder, f"free-data-{input_side(p)}"): (input_side(p),) * 2
+                                       for p in presets}}  # fmt: skip
+        for split, sides in splits.items():
+            low, high = (str(side) for side in sides)
+            if _quiet("make-data", "--output_dir", split, "--num_samples", rows_needed, "--min_long_side", low,
+                      "--max_long_side", high):  # fmt: skip
                 sys.exit("vlfit make-data failed")
-        for preset in args.presets.split(","):
+        for preset in presets:
+            free_data = os.path.join(folder, f"free-data-{input_side(preset)}")
             for bf16 in (False, True):
                 ready, trained, free, worker_ms, free_worker_ms = [], [], [], [], []
                 for repeat in range(args.repeats):
