@@ -8,10 +8,10 @@ the optimizer (AdamW updates the copy, which is then copied back to bf16), so sm
 of a preset's random-init model on one synthetic batch, three ways alternately in one process: fp32, fp32 weights
 under bf16 autocast (what ``--bf16`` runs), and bf16 weights with fp32 master weights; the median of ``--repeats``.
 
-``--compile`` adds the first two with the model under ``torch.compile`` (``--backend``, inductor by default: what
-``vlfit train --torch_compile [--bf16]`` runs), each with its own compiled wrapper so that neither recompiles for the
-other's autocast state. Their first step (graph capture and code generation, forward and backward) is timed
-separately, as ``compile_seconds``: it is left out of the rate, and a run pays it once.
+``--compile`` adds the three with the model under ``torch.compile`` (``--backend``, inductor by default: for the
+first two what ``vlfit train --torch_compile [--bf16]`` runs), each with its own compiled wrapper so that none
+recompiles for another's autocast state or dtype. Their first step (graph capture and code generation, forward and
+backward) is timed separately, as ``compile_seconds``: it is left out of the rate, and a run pays it once.
 
     python benchmarks/bf16_weights.py --preset base --batch_size 8 --repeats 3 [--compile] [--results FILE.json]
 """
@@ -75,8 +75,8 @@ def main() -> None:
         fp32_optimizer.step()
         fp32_optimizer.zero_grad(set_to_none=True)
 
-    def bf16_weights_step() -> None:
-        loss = family.contrastive_loss(bf16_model, batch_for(bf16_model))
+    def bf16_weights_step(run: torch.nn.Module = bf16_model) -> None:
+        loss = family.contrastive_loss(run, batch_for(bf16_model))
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for p, _ in master], 1.0)
         for weight, copy_ in master:
@@ -93,8 +93,10 @@ def main() -> None:
     compile_seconds: dict[str, float] = {}
     if args.compile:
         compiled_fp32, compiled_bf16 = (torch.compile(model, backend=args.backend) for _ in range(2))
+        compiled_bf16_weights = torch.compile(bf16_model, backend=args.backend)
         ways["fp32 compiled"] = lambda: fp32_step(False, compiled_fp32)
         ways["bf16 autocast compiled"] = lambda: fp32_step(True, compiled_bf16)
+        ways["bf16 weights compiled"] = lambda: bf16_weights_step(compiled_bf16_weights)
     for name, step in ways.items():  # warm-up (a compiled way's first step compiles it, timed apart)
         started = time.perf_counter()
         step()
