@@ -141,7 +141,8 @@ def test_bench_writes_markdown_png_and_a_terminal_table(bench_run) -> None:
         assert text in markdown
     assert "samples/s" in stdout and "verdict: " in stdout and "vlfit train" in stdout
     assert "attention kernel compute: eager" in stdout
-    assert "torch.compile (aot_eager) compute: eager" in stdout and "torch.compile (aot_eager)" in markdown
+    assert "torch.compile (aot_eager) compute: fp32 eager" in stdout and "; bf16 eager" in stdout  # both precisions
+    assert "torch.compile (aot_eager)" in markdown
     assert stdout.count("\ntrain  ") + stdout.count("\nloader ") == len(results["rows"])
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporary files left behind
 
