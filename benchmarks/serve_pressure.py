@@ -52,12 +52,14 @@ another (10 from each of 20 addresses: within the front's burst).
    what ``/api/health`` said of the workers.
 
     python benchmarks/serve_pressure.py --index DIR --model DIR [--front nginx] [--levels LEVEL ...]
-        [--server_src DIR] [--seconds S] [--server_flags ...]
+        [--server_src DIR] [--seconds S] [--pin] [--server_flags ...]
 
 ``benchmarks/serve_load.py`` runs it as its last part (on its INT8 model and 10^5-vector index), and its own open
 loop with ``open_loop``; alone, it takes an index and model already built. ``--server_src`` runs the server from
 another checkout's ``src`` (PYTHONPATH), so two versions meet the same load from the same client; ``--seconds``
-sets how long each level and each crowd measures (a short smoke run: 2). About 5 minutes each way.
+sets how long each level and each crowd measures (a short smoke run: 2); ``--pin`` puts the server (and its front)
+on the first core and the load client on the others, so the client's own work is not in the server's latencies.
+About 5 minutes each way.
 """
 
 from __future__ import annotations
@@ -314,6 +316,22 @@ def _ready(flags: list[str], out: str, server_src: str | None, watch_s: float) -
 
 
 @contextmanager
+def _on_server_cores(pin: bool):
+    """With ``pin`` (Linux), what starts inside runs on the first core (a child inherits it) and this process, the
+    load client, on the others from then on: the client's work is then not in the server's latencies, as clients on
+    other machines are not. Without it, all share every core."""
+    if not pin:
+        yield
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, cores[:1])
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, cores[1:] or cores)
+
+
+@contextmanager
 def _descriptors(limit: int):
     """The soft file-descriptor limit set to ``limit`` for what starts inside (a child inherits it), and put back."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -345,9 +363,11 @@ def _start_front(nginx: str, server, out: str) -> front.NginxProcess:
 
 def serve_pressure(index: str, model: str, out: str, server_flags: list[str] | None = None,
                    server_src: str | None = None, levels: tuple[str, ...] = LEVELS, seconds: float | None = None,
-                   front_name: str | None = None) -> dict:  # fmt: skip
+                   front_name: str | None = None, pin: bool = False) -> dict:  # fmt: skip
     """Run ``levels`` (of ``LEVELS``; ``server_flags`` given to every server; each level measuring ``seconds``,
-    else its own default), through the front ``front_name`` ("nginx") when given, and return their figures."""
+    else its own default), through the front ``front_name`` ("nginx") when given, with the server (and its front)
+    on the first core and the load on the others when ``pin``, and return their figures."""
+    all_cores = os.sched_getaffinity(0)
     from vlfit.data.synthetic.scenes import scene_and_choices
 
     nginx = front.find_nginx() if front_name else None
@@ -362,9 +382,14 @@ def serve_pressure(index: str, model: str, out: str, server_flags: list[str] | N
     flags = ["--index", index, "--model", model, "--reload_interval", "0", *forwarded, *(server_flags or [])]
     os.makedirs(out, exist_ok=True)
     found: dict = {"resend": [], "capacity_runs": []}
-    server, proxy = _start(flags, os.path.join(out, "pressure-server.log"), server_src), None
+    with _on_server_cores(pin):
+        server, proxy = _start(flags, os.path.join(out, "pressure-server.log"), server_src), None
+        try:
+            proxy = _start_front(nginx, server, out) if nginx else None
+        except BaseException:
+            _stop(server)
+            raise
     try:
-        proxy = _start_front(nginx, server, out) if nginx else None
         base = proxy.url if proxy else server.url
         asyncio.run(closed_loop(base, requests, 8, WARM_UP_S))  # first allocations, caches: not measured
         found["unloaded"] = asyncio.run(unloaded(base, requests))
@@ -396,20 +421,23 @@ def serve_pressure(index: str, model: str, out: str, server_flags: list[str] | N
         level["p99_over_unloaded_p50"] = _ratio(level["p99_ms"], found["unloaded"]["p50_ms"], 1)
     if "tls" in levels and not proxy:
         cert, key = (str(front.CERT_DIR / name) for name in ("loopback-cert.pem", "loopback-key.pem"))
-        tls_server = _start([*flags, "--ssl_certfile", cert, "--ssl_keyfile", key],
-                            os.path.join(out, "pressure-tls-server.log"), server_src)  # fmt: skip
+        os.sched_setaffinity(0, all_cores)
+        with _on_server_cores(pin):
+            tls_server = _start([*flags, "--ssl_certfile", cert, "--ssl_keyfile", key],
+                                os.path.join(out, "pressure-tls-server.log"), server_src)  # fmt: skip
         try:
             found["tls_idle"] = asyncio.run(_tls_idle(tls_server.url, seconds or TLS_S))
         finally:
             _stop(tls_server)
     if "tls_idle" in found:
         print(json.dumps({"tls_idle": found["tls_idle"]}), flush=True)
-    if "ready" in levels:
+    os.sched_setaffinity(0, all_cores)
+    if "ready" in levels:  # its two workers on every core, as --workers 2 is meant
         found["ready"] = _ready(flags, out, server_src, seconds or READY_WATCH_S)
         print(json.dumps({"ready": found["ready"]}), flush=True)
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     return {"front": front_name, "server_src": server_src, "server_flags": server_flags or [],
-            "server_nofile": SERVER_NOFILE, **found}  # fmt: skip
+            "server_nofile": SERVER_NOFILE, "pinned": pin, **found}  # fmt: skip
 
 
 def main() -> int:
@@ -422,13 +450,18 @@ def main() -> int:
     parser.add_argument("--server_src", default=None, help="Run the server from this src folder (PYTHONPATH).")
     parser.add_argument("--levels", nargs="+", choices=LEVELS, default=list(LEVELS), help="The levels to run.")
     parser.add_argument("--seconds", type=float, default=None, help="How long each level measures (a smoke run: 2).")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="Linux: the server (and its front) on the first core, the load client on the others.",
+    )
     parser.add_argument("--server_flags", nargs=argparse.REMAINDER, default=[],
                         help="Flags of vlfit serve (last: everything after it is passed on).")  # fmt: skip
     args = parser.parse_args()
     found = serve_pressure(args.index, args.model, args.out, args.server_flags, args.server_src, tuple(args.levels),
-                           args.seconds, args.front)  # fmt: skip
+                           args.seconds, args.front, args.pin)  # fmt: skip
     results = {"load_average": os.getloadavg(), **found}
-    name = f"serve_pressure{'-' + args.front if args.front else ''}.json"
+    name = f"serve_pressure{'-' + args.front if args.front else ''}{'-pinned' if args.pin else ''}.json"
     with open(os.path.join(args.out, name), "w") as f:
         json.dump(results, f, indent=2)
     print(json.dumps(results, indent=1))
