@@ -283,6 +283,36 @@ def test_a_build_over_a_damaged_index_embeds_the_damaged_shards_items_again(tiny
 
 
 @pytest.mark.slow
+def test_a_damaged_shard_of_another_collection_is_not_lost_by_this_ones_build(tiny_checkpoint, image_folder, tmp_path,
+                                                                              capsys) -> None:  # fmt: skip
+    """An index of two collections: a damaged shard whose ids are unknown can only be embedded again from the
+    collection it came from; another collection's build refuses in one line, naming that collection's command,
+    instead of leaving its items out."""
+    folder = str(tmp_path / "index")
+
+    def build(images: Path) -> list[str]:
+        return ["retrieve", "index", "--model", str(tiny_checkpoint), "--images", str(images), "--output_dir",
+                folder, "--shard_size", "4", "--batch_size", "2", "--dataloader_num_workers", "0", "--disable_tqdm",
+                "true"]  # fmt: skip
+
+    assert main(build(image_folder / "validation")) == 0 and main(build(image_folder / "test")) == 0
+    whole = EmbeddingIndex(folder)
+    ids, first = whole.ids(), whole.manifest.shards[0]
+    assert [shard["collection"] for shard in whole.manifest.shards][:2] == [0, 0]  # the validation folder's build
+    (Path(folder) / first["ids"]).write_text("[")  # its items are unknown now
+    capsys.readouterr()
+
+    assert main(build(image_folder / "test")) == 2
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if ": error: " in line]
+    assert first["ids"] in line and "not from this build's, so this build would lose them" in line
+    assert f"vlfit retrieve index --model {tiny_checkpoint} --images {image_folder / 'validation'}" in line
+    assert EmbeddingIndex(folder).manifest.shards == whole.manifest.shards  # nothing written
+
+    assert main(build(image_folder / "validation")) == 0  # that collection's build embeds them again, at the end
+    assert sorted(open_index(folder, "full").ids()) == sorted(ids)
+
+
+@pytest.mark.slow
 def test_a_repaired_shard_that_lost_an_image_says_the_rows_after_it_move(tiny_checkpoint, image_folder, tmp_path,
                                                                           caplog) -> None:  # fmt: skip
     images = tmp_path / "images"

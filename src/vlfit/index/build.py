@@ -36,13 +36,14 @@ from tqdm.auto import tqdm
 
 from vlfit.data.image_groups import ImageItems, image_items
 from vlfit.data.sources.base import ImageTextSource
+from vlfit.data.sources.openers import COLLECTION_KEYS
 from vlfit.data.sources.tar import ShardCollection
-from vlfit.errors import ConfigError
+from vlfit.errors import ConfigError, DataError
 from vlfit.index.build_request import BuildRequest, BuiltIndex
 from vlfit.index.distribute import Distributor, TorchRanks
 from vlfit.index.manifest import IndexManifest
 from vlfit.index.shard_embedding import ShardWork
-from vlfit.index.store import EmbeddingIndex
+from vlfit.index.store import EmbeddingIndex, rebuild_command
 from vlfit.index.transaction import BuildTransaction
 from vlfit.index.verify import damaged_shards
 from vlfit.inference.backends import Encoder
@@ -94,8 +95,10 @@ def build_index(
     items = None if streamed else image_items(source)  # a folder's files by absolute path (their ids never collide)
     if index is None:
         manifest, first_number, replaced, done = _new_manifest(encoder, request.storage), 0, [], set()
+        collection = 0
     else:
         manifest, first_number = index.manifest, _next_shard_number(index.manifest)
+        collection = len(manifest.collections)  # the position this build's entry takes in collections
         encoder.check_embeds_into(manifest.identity, f"the index {index.path}")
         manifest.check_appendable(encoder.spec.max_num_patches, None, index.path)
         damaged = damaged_shards(index, request.verify)
@@ -105,7 +108,7 @@ def build_index(
                                                           damaged, held)  # fmt: skip
         first_number += repaired
         done = _already_done(manifest, source, [held[position] for position in kept if held.get(position)])
-    transaction = BuildTransaction(request, manifest, replaced)
+    transaction = BuildTransaction(request, manifest, replaced, collection)
     if streamed:
         todo = [url for url in source.urls if url not in done]
         manifest.collections.append({**request.collection, "shards": len(source.urls), "new_shards": len(todo)})
@@ -180,6 +183,12 @@ def _repair_damaged_shards(
     if items is not None:  # a folder or split: the items must still be there
         present = set(items.ids)
         in_place = {position: ids for position, ids in in_place.items() if present.issuperset(ids)}
+    for position in damaged:  # embedded again at the end: only from the collection they came from
+        if position not in in_place and (foreign := _other_collection(index, position, request.collection)):
+            file, what = damaged[position][0]
+            raise DataError(f"{file}: {what}; its shard's items come from {foreign}, not from this build's, so this "
+                            "build would lose them: run that collection's build first (it embeds them again), then "
+                            "this one")  # fmt: skip
     for position, problems in damaged.items():
         for file, what in problems:
             logger.warning(
@@ -202,14 +211,34 @@ def _repair_damaged_shards(
                                "the manifest): the rows after it move up by %d", old[position]["embeddings"],
                                len(ids), rows, len(ids) - rows)  # fmt: skip
             manifest.bad_samples.extend(part.bad_samples)
-            if part.entry is not None and "source" in old[position]:
-                part.entry["source"] = old[position]["source"]
+            for key in ("source", "collection"):  # the tar shard it was made of, the collection it came from
+                if part.entry is not None and key in old[position]:
+                    part.entry[key] = old[position][key]
             manifest.shards[position] = part.entry  # None: every image bad now
             number += 1
     kept = [position for position in range(len(manifest.shards)) if position not in damaged or position in in_place]
     manifest.shards = [manifest.shards[position] for position in kept if manifest.shards[position] is not None]
     manifest.ann = None  # the ANN step checks the structure on disk against the rows (vlfit.index.ann_update)
     return len(in_place), list(old.values()), kept
+
+
+def _other_collection(index: EmbeddingIndex, position: int, collection: dict[str, Any]) -> str | None:
+    """The collection the shard at ``position`` of ``index`` came from, with its build's command, when that is not
+    ``collection`` (a build's ``request.collection``); None when it is. A shard written before shards recorded their
+    collection came from any of the index's: it is this one only when all of them are."""
+    manifest = index.manifest
+    number = manifest.shards[position].get("collection")
+    known = isinstance(number, int) and 0 <= number < len(manifest.collections)
+    candidates = [manifest.collections[number]] if known else manifest.collections
+    opened = [{key: entry.get(key) for key in COLLECTION_KEYS} for entry in candidates]
+    if all(flags == {key: collection.get(key) for key in COLLECTION_KEYS} for flags in opened):
+        return None
+    if known:
+        return f"another collection ({rebuild_command(index.path, manifest.model, candidates)})"
+    return (
+        "one of the index's collections (its shards were written before they recorded theirs; the manifest "
+        "lists the collections)"
+    )
 
 
 def _already_done(

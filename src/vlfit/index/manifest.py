@@ -33,7 +33,8 @@ class IndexManifest:
             ``vlfit.index.search.query_runtime``).
         storage: ``safetensors`` or ``npy``.
         shards: ``{"embeddings", "ids", "count"}`` per shard, in order (and ``"captions"``: its items' captions;
-            ``"files"``: ``{name: {"bytes", "sha256"}}`` of each of its files, absent in indexes written before).
+            ``"files"``: ``{name: {"bytes", "sha256"}}`` of each of its files, absent in indexes written before;
+            ``"collection"``: the position in ``collections`` of the build that embedded its items, likewise).
         bad_samples: ``{"id", "reason"}`` of every item left out.
         collections: What was embedded into the index, one entry per build or append.
         removed: Ids of indexed items whose files have left their folder since (left out of results).

@@ -39,13 +39,20 @@ class BuildTransaction:
             (repaired, retried, removed items); the build adds its shards to it in place.
         replaced: Shard entries taken off the manifest (damaged ones that were repaired): their files are removed
             once a manifest without them is written.
+        collection: The position of the build's entry in the manifest's ``collections``, recorded in each shard it
+            lists (``collection``), so a repair knows where the shard's items came from.
     """
 
     def __init__(
-        self, request: BuildRequest, manifest: IndexManifest, replaced: list[dict[str, Any]] | None = None
+        self,
+        request: BuildRequest,
+        manifest: IndexManifest,
+        replaced: list[dict[str, Any]] | None = None,
+        collection: int | None = None,
     ) -> None:
         self.request = request
         self.manifest = manifest
+        self.collection = collection
         self.rounds = 0
         self._count_before, self._bad_before = manifest.count, len(manifest.bad_samples)
         self._replaced = [name for shard in replaced or [] for name in
@@ -60,6 +67,8 @@ class BuildTransaction:
         for done in sorted(parts, key=lambda p: p.position):
             self.manifest.bad_samples.extend(done.bad_samples)
             if done.entry is not None:
+                if self.collection is not None:  # which collection its items came from: a repair needs it
+                    done.entry["collection"] = self.collection
                 self.manifest.shards.append(done.entry)
         if parts:
             self._write()
