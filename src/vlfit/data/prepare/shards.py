@@ -11,6 +11,7 @@ import contextlib
 import multiprocessing
 import os
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -286,6 +287,15 @@ def build_shards(
             for task in tasks:
                 on_done(build_shard(task, sources[task.split], settings))
         return
-    with _pool_context().Pool(workers, initializer=_init_worker, initargs=(dict(sources), settings)) as pool:
-        for built in pool.imap_unordered(_run_task, tasks):
-            on_done(built)
+    # An executor, not multiprocessing.Pool: it hands a worker a shard only as one is free, and on an error
+    # (a bad sample under raise) cancels the shards not started. Pool queues every task at once and, leaving on an
+    # error, waited once in CI for 14 minutes on its task thread, blocked writing tasks to workers it had stopped.
+    with ProcessPoolExecutor(workers, mp_context=_pool_context(), initializer=_init_worker,
+                             initargs=(dict(sources), settings)) as pool:  # fmt: skip
+        pending = [pool.submit(_run_task, task) for task in tasks]
+        try:
+            for future in as_completed(pending):
+                on_done(future.result())
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)  # the shards being built finish; no other starts
+            raise
