@@ -230,8 +230,8 @@ def _other_collection(index: EmbeddingIndex, position: int, collection: dict[str
     number = manifest.shards[position].get("collection")
     known = isinstance(number, int) and 0 <= number < len(manifest.collections)
     candidates = [manifest.collections[number]] if known else manifest.collections
-    opened = [{key: entry.get(key) for key in COLLECTION_KEYS} for entry in candidates]
-    if all(flags == {key: collection.get(key) for key in COLLECTION_KEYS} for flags in opened):
+    asked = [collection.get(key) for key in COLLECTION_KEYS]  # the flags that open this build's collection again
+    if all([entry.get(key) for key in COLLECTION_KEYS] == asked for entry in candidates):
         return None
     if known:
         return f"another collection ({rebuild_command(index.path, manifest.model, candidates)})"
