@@ -164,7 +164,7 @@ def held_engine(served_index: Path) -> RecordingEngine:
 @contextlib.contextmanager
 def _in_process_server(engine: RecordingEngine, **limits: object):
     """The app of ``engine`` with ``limits`` under uvicorn on vlfit's connection protocol, in a thread of this
-    process, on a free loopback port (yielded)."""
+    process, on a free loopback port; yields the port and the server's event loop."""
     import uvicorn
 
     from vlfit.serve.app import create_app
@@ -182,7 +182,7 @@ def _in_process_server(engine: RecordingEngine, **limits: object):
         while not server.started and time.monotonic() < deadline:
             time.sleep(0.05)
         assert server.started
-        yield listener.getsockname()[1]
+        yield listener.getsockname()[1], server.servers[0].get_loop()
     finally:
         engine.hold.set()
         server.should_exit = True
@@ -191,29 +191,66 @@ def _in_process_server(engine: RecordingEngine, **limits: object):
 
 
 def test_a_refusal_held_on_a_kept_open_connection_is_started_as_soon_as_there_is_room(held_engine) -> None:
-    """With the one slot in flight, a request sent again before its Retry-After waits for it (503 once it is over
-    while the slot stays taken); sent again, it is started as the slot is given back, not a second later."""
-    with _in_process_server(held_engine, max_concurrency=1, max_concurrency_per_client=1) as port:
+    """With the one slot in flight, a kept-open connection is refused at once REFUSALS_AT_ONCE times; its next
+    request, sent before the first refusal's Retry-After is over, waits for it (503 once it is over while the slot
+    stays taken); refused so again, the one after is started as the slot is given back, not a second later."""
+    from vlfit.serve.connections import REFUSALS_AT_ONCE
+
+    def refused_at_once(connection: socket.socket, times: int) -> None:
+        for _ in range(times):
+            sent = time.monotonic()
+            connection.sendall(_search("one red circle"))
+            answer = _read_response(connection)
+            assert answer.startswith(b"HTTP/1.1 503") and b"--max_concurrency" in answer, answer
+            assert time.monotonic() - sent < 0.5, "a refusal within the connection's first few was held"
+
+    with _in_process_server(held_engine, max_concurrency=1, max_concurrency_per_client=1) as (port, _):
         held_engine.hold.clear()  # the encoder waits: a search stays in flight
         blocker = _connect(port, "127.0.0.2")
         blocker.sendall(_search("the search in flight"))
         time.sleep(0.5)
         pooled = _connect(port, "127.0.0.3")  # a balancer's kept-open connection
-        pooled.sendall(_search("one red circle"))
-        first = _read_response(pooled)
-        assert first.startswith(b"HTTP/1.1 503") and b"--max_concurrency" in first, first
+        refused_at_once(pooled, REFUSALS_AT_ONCE)
         sent = time.monotonic()
-        pooled.sendall(_search("one red circle"))  # again at once: held until its Retry-After, no room came
-        second = _read_response(pooled)
-        assert second.startswith(b"HTTP/1.1 503") and 0.6 < time.monotonic() - sent < 10, second[:100]
+        pooled.sendall(_search("one red circle"))  # one more at once: held until its Retry-After, no room came
+        held = _read_response(pooled)
+        assert held.startswith(b"HTTP/1.1 503") and 0.3 < time.monotonic() - sent < 10, held[:100]
+        refused_at_once(pooled, REFUSALS_AT_ONCE - 1)  # the held one was the first of its second
         sent = time.monotonic()
-        pooled.sendall(_search("one red circle"))  # again at once; the slot is given back 0.2 s later
+        pooled.sendall(_search("one red circle"))  # held again; the slot is given back 0.2 s later
         time.sleep(0.2)
         held_engine.hold.set()
-        third = _read_response(pooled)
+        started = _read_response(pooled)
         waited = time.monotonic() - sent
-        assert third.startswith(b"HTTP/1.1 200"), third[:200]
+        assert started.startswith(b"HTTP/1.1 200"), started[:200]
         assert waited < 0.8, f"held {waited:.2f} s after the slot was given back 0.2 s after it was sent"
         assert _read_response(blocker).startswith(b"HTTP/1.1 200")
         blocker.close()
         pooled.close()
+
+
+def test_searches_read_together_beyond_max_concurrency_are_refused_by_their_connections(held_engine) -> None:
+    """Six searches that the event loop reads in one turn, with two slots: two are admitted and four refused from
+    their heads by their connections, none by the app. (A request is counted by the app only at its first step,
+    after the loop has parsed the others read with it: counting only there, all six passed the heads' check and the
+    app refused four, each at several times the cost of a refusal from the head.)"""
+    from tests.serve.test_clients import TIMEOUT
+
+    with _in_process_server(held_engine, max_concurrency=2, max_concurrency_per_client=8) as (port, loop):
+        held_engine.hold.clear()  # the encoder waits: the admitted stay in flight
+        connections = [_connect(port, f"127.0.0.{10 + n}") for n in range(6)]
+        asleep = threading.Event()
+        loop.call_soon_threadsafe(lambda: (asleep.set(), time.sleep(0.5)))  # the loop busy while all six arrive
+        assert asleep.wait(TIMEOUT)
+        for n, connection in enumerate(connections):
+            connection.sendall(_search(f"query {n}"))
+        time.sleep(1.0)  # the loop awake again: the refusals answered, the two admitted waiting for the encoder
+        held_engine.hold.set()
+        answers = [_read_response(connection) for connection in connections]
+        for connection in connections:
+            connection.close()
+    refused = [answer for answer in answers if answer.startswith(b"HTTP/1.1 503")]
+    assert len(refused) == 4 and sum(answer.startswith(b"HTTP/1.1 200") for answer in answers) == 2, answers
+    # What the app answers goes out through uvicorn's cycle, which adds its date and server headers; a refusal the
+    # connection writes from the head has neither.
+    assert not [answer for answer in refused if b"\r\nserver: uvicorn" in answer.lower()], refused

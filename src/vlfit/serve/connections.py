@@ -25,9 +25,13 @@ accepts connections up to the file-descriptor limit, beyond which clients are re
   overload most requests are refused; a refusal here costs the event loop a fraction of one through the app, which
   leaves it to the admitted (the middlewares, which count requests once their body is whole, refuse the same way
   on any other protocol);
-- a request sent again on the same connection before the ``Retry-After`` it was given is held until then (so a
-  client that resends at once costs one refusal a second), but started as soon as a slot is given back and it fits
-  (``ClientShares.wait_for_room``): a balancer's kept-open connection is not stalled a second after each refusal.
+- a request sent on a connection refused ``REFUSALS_AT_ONCE`` (8) times within the ``Retry-After`` of the first
+  of them is held until that is over (so a client that resends at once costs a few refusals a second), but
+  started as soon as a slot is given back and it fits (``ClientShares.wait_for_room``); a balancer's kept-open
+  connection, refused now and then, is answered at once every time;
+- a request passed to the app takes its slot of ``--max_concurrency`` from the moment its body is whole
+  (``ClientShares.hold_ready``), not only from the app's first step: the heads read in the same turn of the event
+  loop see it.
 
 The app hands its ``ServerLimits``, metrics, admission and ``ClientShares`` to the protocol through the lifespan
 state (``LIMITS_KEY``, ``METRICS_KEY``, ``ADMISSION_KEY``, ``CLIENTS_KEY``), so every uvicorn worker process reads
@@ -49,7 +53,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from vlfit.serve.admission import RETRY_AFTER_S, query_kind, refusal_message
-from vlfit.serve.clients import ClientShares
+from vlfit.serve.clients import READY_KEY, ClientShares
 from vlfit.serve.limits import (
     ADMISSION_KEY,
     ADMITTED_PATHS,
@@ -71,6 +75,15 @@ logger = logging.getLogger(__name__)
 tls_handshakes: dict[Any, str] = {}
 BOUNDED_PROTOCOL = f"{__name__}:BoundedHttpToolsProtocol"  # uvicorn's http=, as an import string
 FALLBACK_PROTOCOL = "h11"  # uvicorn's own, bounding the head's size (h11_max_incomplete_event_size)
+# Refusals a connection gets at once within one Retry-After (from the first of them); beyond, a request it sends
+# before that Retry-After is over is held (answered then, or started when room comes within its wait budget). A
+# client that resends at once costs the server this many refusals a second, not thousands; a balancer's kept-open
+# connection, whose next request is another client's, is answered at once. Measured with
+# benchmarks/serve_pressure.py --levels resend overload --pin on a 2-core CPU: holding from the first refusal
+# (1), 256 kept-open connections at twice capacity waited seconds for a connection (admitted p99 2,862x the
+# unloaded p50); 4, 380x; 8, 8.2x, the refusals answered in 1.35 ms (p50), and 128 clients resending at once got
+# 0.87 of the best level's answers (0.95 at 1).
+REFUSALS_AT_ONCE = 8
 
 
 def http_protocol(protocol: type | None = None, status_line: Mapping[int, bytes] | None = None) -> str:
@@ -111,6 +124,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._pooled = False  # in the pool of open connections (vlfit.serve.pool)
         self._request: tuple[str, bytes, str, bool] = ("", b"", "", False)  # route, content type, client, uploading
         self._retry_at = 0.0  # loop time before which this connection was told to retry (Retry-After)
+        self._refusals = 0  # refusals since the first one told to retry before then
         self._held: Any = None  # the timer of a refusal held until then
         self._parked: tuple[Any, Any] | None = None  # the held request's (cycle, app): started if room comes first
         self._parking = False
@@ -123,6 +137,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._refused = False  # answered and closed by a limit: nothing more is read
         self._dropping_body = False  # a search refused by its expected wait: its body is read and dropped
         self._target = b""  # the request target, as on_url gives it
+        self._ready: Any = None  # the release of this request's count as ready (ClientShares.hold_ready)
 
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
         handshake_client = tls_handshakes.pop(self, "")  # a TLS connection (vlfit.serve.tls): its handshake is over
@@ -212,6 +227,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self._held.cancel()
             self._held = None
         self._parked = None
+        self._release_ready()
         if self.shares is not None:
             self.shares.stop_waiting(self)
             if self._counted_connection:
@@ -280,11 +296,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
         keep_alive = keep_alive and not self.expect_100_continue  # such a client may not send the body now
         now = self.loop.time()
-        if now < self._retry_at and keep_alive and self.shares is not None:
-            # Sent again before the Retry-After it was given: held, its body read into the request as uvicorn makes
-            # it, until that time is over (then refused, so a client that resends at once costs the server one
-            # refusal a second, not thousands) or until a slot is given back and it fits, within its kind's wait
-            # budget (started then: a balancer's kept-open connection waits for the room, not for the second).
+        if now < self._retry_at and self._refusals >= REFUSALS_AT_ONCE and keep_alive and self.shares is not None:
+            # Sent again before the Retry-After it was given, refused REFUSALS_AT_ONCE times since it began: held,
+            # its body read into the request as uvicorn makes it, until that time is over (then refused, so a client
+            # that resends at once costs the server a few refusals a second, not thousands) or until a slot is given
+            # back and it fits, within its kind's wait budget (started then).
             self._parking = True
             super().on_headers_complete()
             self._parking = False
@@ -321,6 +337,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._held.cancel()
         self._held = None
         (cycle, app), self._parked = self._parked, None
+        self._hold_ready()
         super()._start_asgi_task(cycle, app)
         return True
 
@@ -342,7 +359,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         status, message, limit = refusal
         if self.metrics is not None:
             self.metrics.observe_refused(limit)
-        self._retry_at = self.loop.time() + RETRY_AFTER_S
+        now = self.loop.time()
+        if now >= self._retry_at:
+            self._retry_at, self._refusals = now + RETRY_AFTER_S, 0
+        self._refusals += 1
         self._refused = not keep_alive
         body = json.dumps({"error": message}).encode()
         self._answer(status, body, b"application/json", retry_after=RETRY_AFTER_S, close=not keep_alive)
@@ -365,7 +385,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if route in EXEMPT_PATHS:
             return None
         limits, shares = self.limits, self.shares
-        if limits is not None and shares is not None and shares.in_flight >= limits.max_concurrency:
+        if limits is not None and shares is not None and shares.slots_taken >= limits.max_concurrency:
             return 503, in_flight_refusal(limits.max_concurrency), "requests"
         if self.admission is not None and self.parser.get_method() == b"POST" and route in ADMITTED_PATHS:
             kind = query_kind(content_type, route)
@@ -381,14 +401,34 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         if not self._dropping_body:
+            if self._parked is None:  # passed to the app (a held one: once it is started, try_admit)
+                self._hold_ready()
             super().on_message_complete()
             return
         self._dropping_body = False
         self.on_response_complete()  # as after an answer from the app: keep-alive timer, the next request
 
+    def _hold_ready(self) -> None:
+        """The request passed to the app has its body whole: its slot is taken from now for the next heads' check,
+        until the app counts it in flight or it ends (``ClientShares.hold_ready``). A request behind another
+        unanswered one on the connection (pipelined, left to the app's own count) and health checks are not held."""
+        if self.shares is None or self._ready is not None:  # one there: the request ahead's, still unanswered
+            return
+        route, _, client, _ = self._request
+        if route in EXEMPT_PATHS:
+            return
+        self._ready = self.shares.hold_ready(client)
+        self.scope[READY_KEY] = self._ready
+
+    def _release_ready(self) -> None:
+        if self._ready is not None:
+            self._ready()
+            self._ready = None
+
     def on_response_complete(self) -> None:
         """An answer was sent (uvicorn's cycle calls this after the app's, the connection after its own): the next
         request may come, and the connection is idle again unless a pipelined one starts now."""
+        self._release_ready()
         super().on_response_complete()
         if self._pooled and not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
             assert self.shares is not None

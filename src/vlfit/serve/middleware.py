@@ -24,7 +24,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from vlfit.serve.admission import RETRY_AFTER_S, TICKET_KEY, Ticket, WaitAdmission, query_kind, refusal_message
-from vlfit.serve.clients import ClientShares
+from vlfit.serve.clients import READY_KEY, ClientShares
 from vlfit.serve.metrics import ServerMetrics
 from vlfit.serve.responses import error_response
 
@@ -57,6 +57,8 @@ async def _count(clients: ClientShares, metrics: ServerMetrics, scope: dict, rec
     in flight. Its client; None where it was refused instead (503 beyond ``max_in_flight`` in all, 429 beyond its
     client's share), the refusal sent."""
     client = clients.client_of_scope(scope)
+    if max_in_flight is not None and READY_KEY in scope:
+        scope.pop(READY_KEY)()  # counted in flight from here on, not as ready
     if max_in_flight is None:
         counted, limit, reason = clients.start_upload(client), "client_uploads", clients.uploads_refusal
     elif clients.in_flight >= max_in_flight:
