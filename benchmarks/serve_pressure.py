@@ -93,7 +93,9 @@ OPEN_LOOP_CONNECTIONS = 256  # pooled: the kept-open connections; fresh: the add
 OPEN_LOOP_MODES = ("pooled", "fresh")
 REASON_CHARS = 60
 HOG_SHAPES = ((9, 60), (40, 15))  # addresses x idle connections each: 540 and 600, over the default 512
-HOG_CLIENTS = 8  # the querying clients of the tenth address (or, beside slow bodies, of another one)
+# The querying clients of the tenth address (or, beside slow bodies, of another one): within one address's share of
+# requests in flight (half of --max_concurrency, whose default is at least 8), so what refuses them is the crowd.
+HOG_CLIENTS = 4
 CROWD_S = 8.0  # seconds each crowded run (and the quiet one before) measures
 CROWD_SETTLE_S = 3.0  # the crowd starts this long before the measure, to hold what it can
 SLOW_SHAPES = (32, 64)  # requests sending their bodies slowly, from 2 addresses

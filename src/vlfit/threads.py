@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Callable, Iterator
 from typing import ParamSpec, TypeVar
 
@@ -12,6 +13,14 @@ import torch
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (the affinity mask, which containers narrow, else the CPU count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 @contextlib.contextmanager

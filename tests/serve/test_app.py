@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 import vlfit
+from tests.serve.test_limits import ROOM_FOR_32
 from vlfit.serve.app import create_app
 from vlfit.serve.engine import SearchEngine
 
@@ -212,7 +213,7 @@ def test_concurrent_text_queries_are_batched_and_answered_as_alone(engine, train
     captions = [record.caption for record in train_records[:16]]
 
     async def run() -> tuple[list[list[str]], list[list[str]], str]:
-        app = create_app(engine, reload_interval=0, max_wait_ms=50)
+        app = create_app(engine, reload_interval=0, max_wait_ms=50, limits=ROOM_FOR_32)
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:

@@ -27,6 +27,9 @@ from vlfit.serve.engine import SearchEngine
 from vlfit.serve.images import IMAGE_THREAD_NICENESS, ThumbnailCache, thumbnail
 from vlfit.serve.limits import ServerLimits
 
+# Room for a test's burst of one client's queries at once, whatever the machine's default (4 per core).
+ROOM_FOR_32 = ServerLimits(max_concurrency=32, max_concurrency_per_client=32)
+
 
 @pytest.fixture(scope="module")
 def tiny_index(tiny_checkpoint: Path, synthetic_dataset_dir: str, tmp_path_factory) -> Path:
@@ -132,7 +135,7 @@ def test_a_lone_surrogate_fails_alone_while_the_queries_batched_with_it_are_answ
     bad = b'{"text": "x \\ud800 y", "k": 3}'  # valid JSON, not valid Unicode: no tokenizer takes it
 
     async def run() -> list[httpx.Response]:
-        app = create_app(engine, reload_interval=0, max_wait_ms=50)
+        app = create_app(engine, reload_interval=0, max_wait_ms=50, limits=ROOM_FOR_32)
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
@@ -183,7 +186,7 @@ async def test_a_batch_that_fails_is_retried_one_by_one_and_only_the_failing_que
 
     breaking = Breaking.__new__(Breaking)
     breaking.__dict__.update(engine.__dict__)
-    app = create_app(breaking, reload_interval=0, max_wait_ms=50)
+    app = create_app(breaking, reload_interval=0, max_wait_ms=50, limits=ROOM_FOR_32)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
@@ -411,6 +414,16 @@ def test_limits_out_of_range_are_refused_naming_the_flag() -> None:
         ServeArguments(index="x", header_timeout=0)
     assert ServeArguments(index="x").num_threads == 1  # one intra-op thread: the batcher makes the concurrency
     assert ServeArguments(index="x", max_text_chars=50).limits().max_text_chars == 50
+
+
+def test_requests_in_flight_default_to_four_per_core_the_process_may_use(monkeypatch) -> None:
+    from vlfit.serve import limits
+    from vlfit.serve.limits import ServerLimits, default_concurrency
+
+    assert [default_concurrency(cores) for cores in (1, 2, 3, 16)] == [8, 8, 12, 64]
+    monkeypatch.setattr(limits, "available_cores", lambda: 6)  # the affinity mask a container gives
+    assert ServerLimits().max_concurrency == 24 and ServerLimits().requests_per_client == 12
+    assert ServerLimits(max_concurrency=5).requests_per_client == 2  # given: kept as given
 
 
 def test_the_json_parser_bounds_depth_without_recursion() -> None:

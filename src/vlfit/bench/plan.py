@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -10,20 +9,13 @@ import torch
 from vlfit.bench.measure import PRECISIONS
 from vlfit.bench.selection import get_pipeline
 from vlfit.errors import ConfigError
+from vlfit.threads import available_cores
 from vlfit.training.itm_objective import CONTRASTIVE, TrainingObjective
 
 MODES: tuple[str, ...] = ("loader", "train")
 
 # (mode, pipeline, workers, prefetch factor): one configuration of a sweep (prefetch is None without workers).
 Configuration = tuple[str, str, int, int | None]
-
-
-def available_cores() -> int:
-    """CPU cores this process may run on (the affinity mask, which containers narrow, else the CPU count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def default_workers(cores: int | None = None) -> list[int]:

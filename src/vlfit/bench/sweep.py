@@ -21,11 +21,12 @@ import torch
 import torchvision
 import transformers
 
-from vlfit.bench.plan import Configuration, available_cores, configurations
+from vlfit.bench.plan import Configuration, configurations
 from vlfit.bench.selection import choose
 from vlfit.bench.session import BenchSession
 from vlfit.efficiency.cpu import cpu_info
 from vlfit.efficiency.peaks import matmul_precision, peak_flops
+from vlfit.threads import available_cores
 
 logger = logging.getLogger(__name__)
 

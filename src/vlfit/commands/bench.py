@@ -27,7 +27,7 @@ from vlfit.arguments import DataLocationArguments, ModelArguments
 from vlfit.bench.data import dataset_source, source_key
 from vlfit.bench.files import write_outputs
 from vlfit.bench.fit import DoesNotFit, available_memory, check_fit, estimate_training_memory, memory_settings
-from vlfit.bench.plan import MODES, SweepPlan, available_cores, default_pipelines, default_precision, default_workers
+from vlfit.bench.plan import MODES, SweepPlan, default_pipelines, default_precision, default_workers
 from vlfit.bench.report import finalize, format_terminal
 from vlfit.bench.selection import PIPELINES, get_pipeline
 from vlfit.bench.session import BenchSession
@@ -37,6 +37,7 @@ from vlfit.data.sources.synthetic import synthetic_source
 from vlfit.errors import ConfigError
 from vlfit.flags import flag
 from vlfit.models.loading import ModelSpec, build_model, resolve_model
+from vlfit.threads import available_cores
 from vlfit.training.arguments import OBJECTIVES
 from vlfit.training.itm_objective import CONTRASTIVE
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from vlfit.errors import ConfigError
 from vlfit.flags import flag
 from vlfit.serve.clients import trusted_networks
+from vlfit.threads import available_cores
 
 LIMITS_KEY = "vlfit.limits"  # the app's lifespan state entries its connections read: its ServerLimits and metrics
 METRICS_KEY = "vlfit.metrics"
@@ -33,15 +34,34 @@ WEAVIATE_PROBES = ("/.well-known/live", "/.well-known/ready")  # what Weaviate w
 EXEMPT_PATHS = ("/api/health", "/metrics", *WEAVIATE_PROBES)
 
 
+# The default --max_concurrency: requests in flight per CPU core, and the fewest. Measured on a 2-core CPU (the
+# text encoder an INT8 ONNX Runtime graph, 10^5 vectors; benchmarks/serve_pressure.py --levels overload --pin, the
+# server on one core and its clients on the other), open-loop arrivals at twice the capacity the same run measured,
+# admitted p99 over the unloaded p50, pooled and fresh connections: 32 in flight 145x and 132x, 16 29.6x and 44.8x,
+# 8 10.3x and 13.6x, with as many queries answered at 8 as at 32. Beyond what the wait budget sees, each request in
+# flight waits behind every other on the event loop, which bounds the count, not the wait.
+CONCURRENCY_PER_CORE = 4
+MIN_CONCURRENCY = 8
+
+
+def default_concurrency(cores: int | None = None) -> int:
+    """``--max_concurrency``'s default: ``CONCURRENCY_PER_CORE`` per core of ``cores`` (those this process may run
+    on), at least ``MIN_CONCURRENCY``."""
+    cores = available_cores() if cores is None else cores
+    return max(MIN_CONCURRENCY, CONCURRENCY_PER_CORE * cores)
+
+
 @dataclass(frozen=True)
 class ServerLimits:
     """The server's bounds.
 
     Args:
         max_concurrency: Requests in flight (from the end of their body: queued or computing; health and metrics not
-            counted); one beyond is answered 503 with ``Retry-After`` at once. 32: at 2x a 2-core server's capacity
-            the requests admitted wait about one batch, not seconds. A hard ceiling: ``max_queue_wait_ms``, when set,
-            refuses earlier.
+            counted); one beyond is answered 503 with ``Retry-After`` at once. ``None`` (the default):
+            ``default_concurrency()``, ``CONCURRENCY_PER_CORE`` (4) per CPU core the process may use, at least
+            ``MIN_CONCURRENCY`` (8); each worker of ``--workers N`` holds its own. A hard ceiling:
+            ``max_queue_wait_ms`` refuses earlier where it sees the wait; what it cannot see (requests read and parsed
+            behind every other on the event loop) this bounds.
         max_queue_wait_ms: The longest expected wait, in milliseconds, a search is admitted with (queries of its
             kind ahead x their measured time each; ``vlfit.serve.admission``); a search over it is answered 503 with
             ``Retry-After`` at once, by the connection. 0 (the default): 10x the unloaded time of a query of its
@@ -87,8 +107,10 @@ class ServerLimits:
             header is trusted, every client is its connection's address.
     """
 
-    max_concurrency: int = flag(
-        32, "Requests in flight from the end of their body (health, metrics not counted); beyond: 503."
+    max_concurrency: int | None = flag(
+        None,
+        "Requests in flight from the end of their body (health, metrics not counted); beyond: 503. Default: 4 per "
+        "CPU core this process may use, at least 8 (per worker of --workers N).",
     )
     max_queue_wait_ms: float | None = flag(
         0.0,
@@ -145,6 +167,8 @@ class ServerLimits:
         return self.requests_per_client if self.max_uploads_per_client is None else self.max_uploads_per_client
 
     def __post_init__(self) -> None:
+        if self.max_concurrency is None:
+            object.__setattr__(self, "max_concurrency", default_concurrency())
         for name in ("max_concurrency", "max_connections", "max_header_bytes", "max_text_chars", "max_query_pixels",
                      "max_connections_per_client", "max_concurrency_per_client",
                      "max_uploads_per_client"):  # fmt: skip
