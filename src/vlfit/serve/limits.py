@@ -38,7 +38,8 @@ EXEMPT_PATHS = ("/api/health", "/metrics", *WEAVIATE_PROBES)
 # text encoder an INT8 ONNX Runtime graph, 10^5 vectors; benchmarks/serve_pressure.py --levels overload --pin, the
 # server on one core and its clients on the other), open-loop arrivals at twice the capacity the same run measured,
 # admitted p99 over the unloaded p50, pooled and fresh connections: 32 in flight 145x and 132x, 16 29.6x and 44.8x,
-# 8 10.3x and 13.6x, with as many queries answered at 8 as at 32. Beyond what the wait budget sees, each request in
+# 8 10.3x and 13.6x, with as many queries answered at 8 as at 32; with every level run (docs/serving.md), 8 left the
+# admitted tail at 7.5x (kept-open) and 17.7x (fresh). Beyond what the wait budget sees, each request in
 # flight waits behind every other on the event loop, which bounds the count, not the wait.
 CONCURRENCY_PER_CORE = 4
 MIN_CONCURRENCY = 8
