@@ -229,14 +229,24 @@ def test_a_refusal_held_on_a_kept_open_connection_is_started_as_soon_as_there_is
         pooled.close()
 
 
-def test_searches_read_together_beyond_max_concurrency_are_refused_by_their_connections(held_engine) -> None:
-    """Six searches that the event loop reads in one turn, with two slots: two are admitted and four refused from
-    their heads by their connections, none by the app. (A request is counted by the app only at its first step,
-    after the loop has parsed the others read with it: counting only there, all six passed the heads' check and the
-    app refused four, each at several times the cost of a refusal from the head.)"""
+@pytest.mark.parametrize(
+    ("limits", "admitted", "says"),
+    [({"max_concurrency": 2}, 2, b"--max_concurrency"), ({"max_queue_wait_ms": 0.001}, 1, b"over the budget of")],
+    ids=["max_concurrency", "wait_budget"],
+)
+def test_searches_read_together_beyond_a_limit_are_refused_by_their_connections(held_engine, limits, admitted,
+                                                                                says) -> None:  # fmt: skip
+    """Six searches that the event loop reads in one turn, beyond two slots, or beyond a wait budget of 1 us once one
+    is pending: those within are admitted and the rest refused from their heads by their connections, none by the
+    app. (A request counted in flight and in its queue only at its first step in the app, after the loop has parsed
+    the others read with it, let all six pass the heads' checks, and the app refused the rest, each at several
+    times the cost of a refusal from the head.)"""
     from tests.serve.test_clients import TIMEOUT
 
-    with _in_process_server(held_engine, max_concurrency=2, max_concurrency_per_client=8) as (port, loop):
+    with _in_process_server(held_engine, max_concurrency_per_client=8, **limits) as (port, loop):
+        with _connect(port, "127.0.0.9") as first:  # one answered: the wait per query is measured
+            first.sendall(_search("a first query"))
+            assert _read_response(first).startswith(b"HTTP/1.1 200")
         held_engine.hold.clear()  # the encoder waits: the admitted stay in flight
         connections = [_connect(port, f"127.0.0.{10 + n}") for n in range(6)]
         asleep = threading.Event()
@@ -244,13 +254,14 @@ def test_searches_read_together_beyond_max_concurrency_are_refused_by_their_conn
         assert asleep.wait(TIMEOUT)
         for n, connection in enumerate(connections):
             connection.sendall(_search(f"query {n}"))
-        time.sleep(1.0)  # the loop awake again: the refusals answered, the two admitted waiting for the encoder
+        time.sleep(1.0)  # the loop awake again: the refusals answered, the admitted waiting for the encoder
         held_engine.hold.set()
         answers = [_read_response(connection) for connection in connections]
         for connection in connections:
             connection.close()
     refused = [answer for answer in answers if answer.startswith(b"HTTP/1.1 503")]
-    assert len(refused) == 4 and sum(answer.startswith(b"HTTP/1.1 200") for answer in answers) == 2, answers
+    assert len(refused) == 6 - admitted and sum(answer.startswith(b"HTTP/1.1 200") for answer in answers) == admitted
+    assert all(says in answer for answer in refused), refused
     # What the app answers goes out through uvicorn's cycle, which adds its date and server headers; a refusal the
     # connection writes from the head has neither.
     assert not [answer for answer in refused if b"\r\nserver: uvicorn" in answer.lower()], refused

@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from vlfit.serve.limits import SEARCH_PATH, VECTORIZING_PATHS
 
 KINDS = ("text", "image", "vectorize")
-TICKET_KEY = "vlfit.ticket"  # a request's scope entry: its Ticket, from the end of its body (WaitLimit)
+TICKET_KEY = "vlfit.ticket"  # a request's scope entry: its Ticket, from the end of its body (connection or WaitLimit)
 RETRY_AFTER_S = 1  # what a refused client is told to wait: a batch takes milliseconds, the queue drains in < 1 s
 EWMA_WEIGHT = 0.1  # the newest answer's share: about the last 10-20 answers count
 REFERENCE_ANSWERS = 100  # the unloaded time is the shortest of this many answers that found nothing ahead
@@ -109,6 +109,7 @@ class Ticket:
     started: float
     ahead: int
     answered: bool = True
+    claimed: bool = False  # taken by the app's WaitLimit from the connection that entered it (which leaves it else)
 
 
 @dataclass

@@ -52,7 +52,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from vlfit.serve.admission import RETRY_AFTER_S, query_kind, refusal_message
+from vlfit.serve.admission import RETRY_AFTER_S, TICKET_KEY, Ticket, query_kind, refusal_message
 from vlfit.serve.clients import READY_KEY, ClientShares
 from vlfit.serve.limits import (
     ADMISSION_KEY,
@@ -138,6 +138,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._dropping_body = False  # a search refused by its expected wait: its body is read and dropped
         self._target = b""  # the request target, as on_url gives it
         self._ready: Any = None  # the release of this request's count as ready (ClientShares.hold_ready)
+        self._ticket: Ticket | None = None  # and its place in its kind's queue (vlfit.serve.admission), if a search
 
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
         handshake_client = tls_handshakes.pop(self, "")  # a TLS connection (vlfit.serve.tls): its handshake is over
@@ -414,16 +415,24 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         unanswered one on the connection (pipelined, left to the app's own count) and health checks are not held."""
         if self.shares is None or self._ready is not None:  # one there: the request ahead's, still unanswered
             return
-        route, _, client, _ = self._request
+        route, content_type, client, _ = self._request
         if route in EXEMPT_PATHS:
             return
         self._ready = self.shares.hold_ready(client)
         self.scope[READY_KEY] = self._ready
+        if self.admission is not None and route in ADMITTED_PATHS and self.parser.get_method() == b"POST":
+            self._ticket = self.admission.enter(query_kind(content_type, route))  # WaitLimit takes it on
+            self.scope[TICKET_KEY] = self._ticket
 
     def _release_ready(self) -> None:
         if self._ready is not None:
             self._ready()
             self._ready = None
+        if self._ticket is not None:
+            if not self._ticket.claimed and self.admission is not None:  # answered before the app's WaitLimit
+                self._ticket.answered = False
+                self.admission.leave(self._ticket)
+            self._ticket = None
 
     def on_response_complete(self) -> None:
         """An answer was sent (uvicorn's cycle calls this after the app's, the connection after its own): the next

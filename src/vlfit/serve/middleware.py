@@ -187,7 +187,9 @@ class WaitLimit:
     image is moved to the image queue by the route once it parsed the body (``settle_kind``, with the ticket this
     puts in the request's scope under ``TICKET_KEY``). An admitted search is pending from the end of its body until
     its answer is sent, and an answer 200 is timed over the same span: a body still arriving is the client's speed,
-    not the queue's, so a client that trickles its bodies cannot make the server refuse the searches of others.
+    not the queue's, so a client that trickles its bodies cannot make the server refuse the searches of others. On
+    uvicorn's httptools protocol its connection enters it (``vlfit.serve.connections``) as it passes it on, its body
+    whole, so the heads read in the same turn of the event loop count it ahead of them; this takes that ticket.
     """
 
     def __init__(self, app: Any, admission: WaitAdmission, metrics: ServerMetrics, paths: tuple[str, ...]) -> None:
@@ -201,11 +203,12 @@ class WaitLimit:
             await self.app(scope, receive, send)
             return
         kind = query_kind(dict(scope.get("headers") or []).get(b"content-type", b""), scope["path"])
-        over = self.admission.over_budget(kind)
-        if over is not None:  # on uvicorn's httptools protocol the connection refused it already, more cheaply
+        ticket: Ticket | None = scope.get(TICKET_KEY)  # entered by its connection as it passed it on, its body whole
+        if ticket is not None:
+            ticket.claimed = True  # left here, as it is answered
+        elif (over := self.admission.over_budget(kind)) is not None:  # the connection refused such ones already
             await wait_refusal(kind, over, self.metrics)(scope, receive, send)
             return
-        ticket: Ticket | None = None
 
         async def pending_from_its_body() -> dict:
             nonlocal ticket
