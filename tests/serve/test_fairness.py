@@ -268,9 +268,9 @@ def test_searches_read_together_beyond_a_limit_are_refused_by_their_connections(
 
 
 def test_slots_and_queue_places_of_requests_whose_clients_went_away_are_given_back(held_engine) -> None:
-    """With one slot and a wait budget: searches whose clients hang up while they are in flight, and one refused by
-    the app before the queue takes it (a body over --max_upload_mb), leave the slot and the queue as they found
-    them: the searches after them are answered."""
+    """With one slot and a wait budget: searches whose clients hang up while they are in flight, and one answered
+    before its body is whole (413: over --max_upload_mb; its connection still reading the rest), leave the slot and
+    the queue as they found them: the searches after them are answered at once."""
     with _in_process_server(held_engine, max_concurrency=1, max_concurrency_per_client=1) as (port, _):
         for n in range(3):
             held_engine.hold.clear()  # the encoder waits: the search stays in flight until its client is gone
@@ -279,15 +279,16 @@ def test_slots_and_queue_places_of_requests_whose_clients_went_away_are_given_ba
                 time.sleep(0.3)
             held_engine.hold.set()
             time.sleep(0.3)
-        with _connect(port, "127.0.0.30") as oversized:
+        with _connect(port, "127.0.0.30") as oversized:  # kept open while the searches after it are sent
             body = b'{"text": "' + b"x" * (21 * 1000 * 1000) + b'"}'
             head = b"POST /api/search HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             oversized.sendall(head + b"Content-Length: %d\r\n\r\n" % len(body))
             with contextlib.suppress(OSError):
                 oversized.sendall(body)
             assert _read_response(oversized).startswith(b"HTTP/1.1 413")
-        for n in range(3):
-            with _connect(port, f"127.0.0.{40 + n}") as after:
-                after.sendall(_search(f"one red circle {n}"))
-                answer = _read_response(after)
-                assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+            time.sleep(0.5)  # the rest of its body read by its connection
+            for n in range(3):
+                with _connect(port, f"127.0.0.{40 + n}") as after:
+                    after.sendall(_search(f"one red circle {n}"))
+                    answer = _read_response(after)
+                    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]

@@ -415,6 +415,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         unanswered one on the connection (pipelined, left to the app's own count) and health checks are not held."""
         if self.shares is None or self._ready is not None:  # one there: the request ahead's, still unanswered
             return
+        if self.cycle is None or self.cycle.response_complete:  # answered before its body was whole (a 413)
+            return
         route, content_type, client, _ = self._request
         if route in EXEMPT_PATHS:
             return
