@@ -300,6 +300,8 @@ def test_a_damaged_shard_of_another_collection_is_not_lost_by_this_ones_build(ti
     ids, first = whole.ids(), whole.manifest.shards[0]
     assert [shard["collection"] for shard in whole.manifest.shards][:2] == [0, 0]  # the validation folder's build
     (Path(folder) / first["ids"]).write_text("[")  # its items are unknown now
+    (problem,) = verify_index(folder).problems  # verify names the build that can repair it: its own collection's
+    assert f"--images {image_folder / 'validation'} " in problem.repair, problem
     capsys.readouterr()
 
     assert main(build(image_folder / "test")) == 2

@@ -120,8 +120,9 @@ def _shard_problems(index: EmbeddingIndex, shard: dict[str, Any], level: str) ->
 
 def shard_problems(index: EmbeddingIndex, position: int, level: str = "quick") -> list[Problem]:
     """The problems of the shard at ``position`` in the manifest of ``index`` (none when it is whole)."""
-    found, _ = _shard_problems(index, index.manifest.shards[position], level)
-    repair = index.rebuild_command(full=level == "full")
+    shard = index.manifest.shards[position]
+    found, _ = _shard_problems(index, shard, level)
+    repair = index.rebuild_command(full=level == "full", shard=shard)
     return [Problem(os.path.join(index.path, name), what, repair) for name, what in found]
 
 
@@ -161,7 +162,8 @@ def verify_index(path: str, level: str = "quick") -> IndexCheck:
         found, missing_records = _shard_problems(index, shard, level)
         check.files += 2 + bool(shard.get("captions"))
         unrecorded += missing_records
-        check.problems += [Problem(os.path.join(path, name), what, repair) for name, what in found]
+        shard_repair = index.rebuild_command(full=level == "full", shard=shard)  # its own collection's build
+        check.problems += [Problem(os.path.join(path, name), what, shard_repair) for name, what in found]
     if manifest.ann:
         check.files += 2
         ann_path = os.path.join(path, ANN_FILE)
