@@ -43,7 +43,7 @@ from vlfit.index.build_request import BuildRequest, BuiltIndex
 from vlfit.index.distribute import Distributor, TorchRanks
 from vlfit.index.manifest import IndexManifest
 from vlfit.index.shard_embedding import ShardWork
-from vlfit.index.store import EmbeddingIndex, rebuild_command
+from vlfit.index.store import EmbeddingIndex
 from vlfit.index.transaction import BuildTransaction
 from vlfit.index.verify import damaged_shards
 from vlfit.inference.backends import Encoder
@@ -226,15 +226,14 @@ def _other_collection(index: EmbeddingIndex, position: int, collection: dict[str
     """The collection the shard at ``position`` of ``index`` came from, with its build's command, when that is not
     ``collection`` (a build's ``request.collection``); None when it is. A shard written before shards recorded their
     collection came from any of the index's: it is this one only when all of them are."""
-    manifest = index.manifest
-    number = manifest.shards[position].get("collection")
-    known = isinstance(number, int) and 0 <= number < len(manifest.collections)
-    candidates = [manifest.collections[number]] if known else manifest.collections
+    shard = index.manifest.shards[position]
+    recorded = index.manifest.collection_of(shard)
+    candidates = index.manifest.collections if recorded is None else [recorded]
     asked = [collection.get(key) for key in COLLECTION_KEYS]  # the flags that open this build's collection again
     if all([entry.get(key) for key in COLLECTION_KEYS] == asked for entry in candidates):
         return None
-    if known:
-        return f"another collection ({rebuild_command(index.path, manifest.model, candidates)})"
+    if recorded is not None:
+        return f"another collection ({index.rebuild_command(shard=shard)})"
     return (
         "one of the index's collections (its shards were written before they recorded theirs; the manifest "
         "lists the collections)"

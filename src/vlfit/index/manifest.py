@@ -54,6 +54,13 @@ class IndexManifest:
     def count(self) -> int:
         return sum(int(shard["count"]) for shard in self.shards)
 
+    def collection_of(self, shard: dict[str, Any]) -> dict[str, Any] | None:
+        """The entry of ``collections`` whose build embedded ``shard``'s items (its ``collection``); None for a shard
+        written before shards recorded it (or naming no entry there)."""
+        position = shard.get("collection")
+        known = isinstance(position, int) and 0 <= position < len(self.collections)
+        return self.collections[position] if known else None  # type: ignore[index]
+
     def check_embedding_dim(self, asked: int | None, where: str) -> None:
         """Refuse, in one line, embeddings of another size than the index at ``where`` holds (``--embedding_dim
         asked``; None: the index's own, which ``RuntimeSettings.as_built`` fills in): a local index or a pushed

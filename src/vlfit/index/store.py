@@ -91,9 +91,9 @@ class EmbeddingIndex:
     def rebuild_command(self, *, full: bool = False, shard: dict[str, Any] | None = None) -> str:
         """The command that rebuilds what is damaged in this index (``rebuild_command``): for a damaged ``shard``,
         the build of the collection that embedded it, which alone can embed its items again in place."""
-        collection = None if shard is None else shard.get("collection")
-        return rebuild_command(self.path, self.manifest.model, self.manifest.collections, full=full,
-                               collection=collection)  # fmt: skip
+        recorded = None if shard is None else self.manifest.collection_of(shard)
+        collections = self.manifest.collections if recorded is None else [recorded]
+        return rebuild_command(self.path, self.manifest.model, collections, full=full)
 
     def read_rows(self, name: str, rows: int) -> list:
         """A shard's ids or captions file: a list of ``rows`` entries.
@@ -361,23 +361,20 @@ def rebuild_command(
     collections: list[dict[str, Any]] | None = None,
     *,
     full: bool = False,
-    collection: int | None = None,
 ) -> str:
     """The command that rebuilds what is damaged in the index at ``folder``: ``vlfit retrieve index`` over the same
-    folder with the model and a collection its manifest records (the one at position ``collection``, else the last;
-    ``full``: with ``--verify full``, for damage only a checksum shows). Without them (the manifest itself is
-    damaged), a build into a new folder."""
+    folder with the model and the last of ``collections`` (``full``: with ``--verify full``, for damage only a
+    checksum shows). Without them (the manifest itself is damaged), a build into a new folder."""
     if not model or not collections:
         return (
             "vlfit retrieve index --model MODEL --images FOLDER (or --dataset_name DATA) --output_dir NEW_FOLDER "
             "(the manifest lists what the index holds: without it, build the index again)"
         )
     flags = ["--model", str(model.get("path", "MODEL"))]
-    known = isinstance(collection, int) and 0 <= collection < len(collections)
-    chosen = collections[collection] if known else collections[-1]  # type: ignore[index]
+    last = collections[-1]
     for key in COLLECTION_KEYS:  # the flags of vlfit retrieve index that open it again
-        if chosen.get(key) is not None:
-            flags += [f"--{key}", str(chosen[key])]
+        if last.get(key) is not None:
+            flags += [f"--{key}", str(last[key])]
     flags += ["--output_dir", folder]
     if full:
         flags += ["--verify", "full"]

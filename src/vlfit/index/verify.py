@@ -162,8 +162,9 @@ def verify_index(path: str, level: str = "quick") -> IndexCheck:
         found, missing_records = _shard_problems(index, shard, level)
         check.files += 2 + bool(shard.get("captions"))
         unrecorded += missing_records
-        shard_repair = index.rebuild_command(full=level == "full", shard=shard)  # its own collection's build
-        check.problems += [Problem(os.path.join(path, name), what, shard_repair) for name, what in found]
+        if found:  # repaired by the build of its own collection
+            shard_repair = index.rebuild_command(full=level == "full", shard=shard)
+            check.problems += [Problem(os.path.join(path, name), what, shard_repair) for name, what in found]
     if manifest.ann:
         check.files += 2
         ann_path = os.path.join(path, ANN_FILE)
