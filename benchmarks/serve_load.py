@@ -65,7 +65,7 @@ import time
 import numpy as np
 from pressure_clients import exchange, front
 from serve_pressure import LEVELS as PRESSURE_LEVELS
-from serve_pressure import OVERLOAD_S, open_loop, serve_pressure
+from serve_pressure import OVERLOAD_S, on_server_cores, open_loop, serve_pressure
 
 from vlfit.cli import main as vlfit
 from vlfit.inference.runtime_settings import RuntimeSettings
@@ -297,14 +297,8 @@ def serve_load(index: str, model: str, log_path: str, server_flags: list[str] | 
     rng = np.random.default_rng(2)
     texts = [text for _ in range(100) for text in scene_and_choices(rng)[1]]
     flags = ["--index", index, "--model", model, "--reload_interval", "0", *(server_flags or [])]
-    cores = sorted(os.sched_getaffinity(0))
-    if pin:  # the server's process and threads on the first core (inherited), this client on the others
-        os.sched_setaffinity(0, cores[:1])
-    try:
+    with on_server_cores(pin):  # the server's process and threads on the first core (inherited), the client apart
         server = start_server(flags, log_path, timeout=180)
-    finally:
-        if pin:
-            os.sched_setaffinity(0, cores[1:])
     base, port = server.url, server.port
     try:
         health = httpx.get(f"{base}/api/health", timeout=10).json()

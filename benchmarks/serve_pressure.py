@@ -318,7 +318,7 @@ def _ready(flags: list[str], out: str, server_src: str | None, watch_s: float) -
 
 
 @contextmanager
-def _on_server_cores(pin: bool):
+def on_server_cores(pin: bool):
     """With ``pin`` (Linux), what starts inside runs on the first core (a child inherits it) and this process, the
     load client, on the others from then on: the client's work is then not in the server's latencies, as clients on
     other machines are not. Without it, all share every core."""
@@ -384,7 +384,7 @@ def serve_pressure(index: str, model: str, out: str, server_flags: list[str] | N
     flags = ["--index", index, "--model", model, "--reload_interval", "0", *forwarded, *(server_flags or [])]
     os.makedirs(out, exist_ok=True)
     found: dict = {"resend": [], "capacity_runs": []}
-    with _on_server_cores(pin):
+    with on_server_cores(pin):
         server, proxy = _start(flags, os.path.join(out, "pressure-server.log"), server_src), None
         try:
             proxy = _start_front(nginx, server, out) if nginx else None
@@ -424,7 +424,7 @@ def serve_pressure(index: str, model: str, out: str, server_flags: list[str] | N
     if "tls" in levels and not proxy:
         cert, key = (str(front.CERT_DIR / name) for name in ("loopback-cert.pem", "loopback-key.pem"))
         os.sched_setaffinity(0, all_cores)
-        with _on_server_cores(pin):
+        with on_server_cores(pin):
             tls_server = _start([*flags, "--ssl_certfile", cert, "--ssl_keyfile", key],
                                 os.path.join(out, "pressure-tls-server.log"), server_src)  # fmt: skip
         try:
