@@ -130,3 +130,19 @@ def test_the_cli_hides_a_load_report_of_unexpected_keys_only_and_the_token_align
         shown[level] = messages
     assert len(shown["debug"]) == 3
     assert len(shown["info"]) == 1 and "MISSING" in shown["info"][0]
+
+
+def test_a_progress_bar_left_open_ends_its_line_before_a_message():
+    """A bar a stop left open mid-line is closed first, so the one-line message printed after starts a line."""
+    import io
+
+    from tqdm.auto import tqdm
+
+    from vlfit.logs import end_progress_bars
+
+    stream = io.StringIO()
+    kept, cleared = tqdm(total=10, desc="Generating train", file=stream), tqdm(total=5, leave=False, file=stream)
+    kept.update(3)
+    end_progress_bars()
+    assert kept.disable and cleared.disable  # closed
+    assert stream.getvalue().endswith("\n")

@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None, *, answer_from_index: bool = True) -> in
         print(f"vlfit: unknown command {command!r}; choose one of: {', '.join(COMMANDS)}\n\n{usage()}", file=sys.stderr)
         return 2
     from vlfit.errors import NO_SPACE_ERRNOS, UserError, cli_wording, disk_full_error
-    from vlfit.logs import configure_logging
+    from vlfit.logs import configure_logging, end_progress_bars
 
     rest, log_level = take_log_level(rest)
     from vlfit.extras import COMMAND_EXTRAS, require_extra
@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None, *, answer_from_index: bool = True) -> in
             err = disk_full_error(err, os.path.dirname(err.filename or "") or os.getcwd())  # no traceback for it
         if debug or not isinstance(err, UserError):
             raise
+        end_progress_bars()
         print(f"vlfit {command}: error: {error_line(err)}", file=sys.stderr)
         return USAGE_ERROR_EXIT_CODE
     # A process group left to interpreter exit can abort the process after its work is done (gloo's worker threads

@@ -7,6 +7,7 @@ that), keeping stdout for results.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 
@@ -76,6 +77,18 @@ class _DropUninformative(logging.Filter):
 _UNINFORMATIVE_FILTER = _DropUninformative()
 # The loggers of what _uninformative drops: a logger's filters see only its own records.
 _FILTERED_LOGGERS = ("transformers.configuration_utils", "transformers.modeling_utils", "transformers.trainer_utils")
+
+
+def end_progress_bars() -> None:
+    """Close the progress bars still open, so that the line printed next starts a line of its own. A stop or an
+    error can leave one behind mid-line: datasets draws its "Generating train split" bar before it starts its
+    pool, and a signal that comes while the pool forks leaves the bar open, so a one-line message printed then
+    would run on after it. A closed bar ends its line (or clears it, for one that does not stay)."""
+    std = sys.modules.get("tqdm.std")  # not imported: no bar drawn
+    bars = list(getattr(getattr(std, "tqdm", None), "_instances", ()))
+    for bar in sorted(bars, key=lambda bar: -abs(getattr(bar, "pos", 0))):  # the innermost first, as `with` would
+        with contextlib.suppress(Exception):  # a bar whose stream is closed already: nothing to end
+            bar.close()
 
 
 def quiet_third_parties(quiet: bool = True) -> None:

@@ -34,6 +34,7 @@ from vlfit.commands.parsing import CommandParser
 from vlfit.data.synthetic import SETTINGS_FILE, SyntheticConfig, make_dataset, save_dataset
 from vlfit.errors import ConfigError
 from vlfit.flags import flag
+from vlfit.logs import end_progress_bars
 from vlfit.output_folders import DEMO, DEMO_RECORD
 from vlfit.training.arguments import VlfitTrainingArguments
 from vlfit.training.output_dir import FINAL_STATE_FILE
@@ -241,12 +242,14 @@ def main(argv: list[str] | None = None) -> int:
             results = run(model_args, data_args, training_args)
             stops.raise_if_received()
     except TrainingPreempted as stop:
+        end_progress_bars()
         print(f"vlfit demo: {stopped_message(stop, argv)}", file=sys.stderr)
         return stop.exit_code
     except BaseException:
         if stops.received is None:
             raise
         stops.end_children()
+        end_progress_bars()
         print(f"vlfit demo: {stopped_outside_training(stops.received, args, argv, generated)}", file=sys.stderr)
         return stops.exit_code
     write_demo_record(args, results)
