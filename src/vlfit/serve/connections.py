@@ -27,8 +27,9 @@ accepts connections up to the file-descriptor limit, beyond which clients are re
   on any other protocol);
 - a request sent on a connection refused ``REFUSALS_AT_ONCE`` (8) times within the ``Retry-After`` of the first
   of them is held until that is over (so a client that resends at once costs a few refusals a second), but
-  started as soon as a slot is given back and it fits (``ClientShares.wait_for_room``); a balancer's kept-open
-  connection, refused now and then, is answered at once every time;
+  started as soon as a slot is given back and it fits, where the time it was held and the expected wait for the
+  queue ahead of it together are within its kind's wait budget (``ClientShares.wait_for_room``); a balancer's
+  kept-open connection, refused now and then, is answered at once every time;
 - a request passed to the app takes its slot of ``--max_concurrency`` from the moment its body is whole
   (``ClientShares.hold_ready``), not only from the app's first step: the heads read in the same turn of the event
   loop see it.
@@ -301,7 +302,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             # Sent again before the Retry-After it was given, refused REFUSALS_AT_ONCE times since it began: held,
             # its body read into the request as uvicorn makes it, until that time is over (then refused, so a client
             # that resends at once costs the server a few refusals a second, not thousands) or until a slot is given
-            # back and it fits, within its kind's wait budget (started then).
+            # back and it fits, its time held and the queue ahead within its kind's wait budget (started then).
             self._parking = True
             super().on_headers_complete()
             self._parking = False
@@ -327,14 +328,24 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             return None
         return self.admission.budget_for(query_kind(content_type, route))
 
+    def _expected_wait(self) -> float:
+        """Seconds this request, started now, would wait for those of its kind ahead of it (0 where nothing
+        measures it: no wait admission, or not a search)."""
+        route, content_type, _, _ = self._request
+        if self.admission is None or route not in ADMITTED_PATHS:
+            return 0.0
+        return self.admission.expected_wait(query_kind(content_type, route)) or 0.0
+
     def try_admit(self) -> bool | None:
-        """A slot was given back (``ClientShares.wait_for_room``): start the held request if it fits now (True);
-        None when it waits no more (its connection closing or closed behind another request, or held past its wait
-        budget: answered at its Retry-After); False: it still waits."""
-        if self._parked is None or self._refused or self.transport.is_closing() or self.loop.time() > self._admit_until:
+        """A slot was given back (``ClientShares.wait_for_room``): start the held request if it fits now and would
+        still be answered within its wait budget of its arrival, the time held and the queue ahead of it together
+        (True); None when it waits no more (its connection closing or closed behind another request, or held past
+        its wait budget: answered at its Retry-After); False: it still waits."""
+        now = self.loop.time()
+        if self._parked is None or self._refused or self.transport.is_closing() or now > self._admit_until:
             return None
-        if self._refusal() is not None:
-            return False
+        if now + self._expected_wait() > self._admit_until or self._refusal() is not None:
+            return False  # answered late, or over a limit still: waits on, for a slot given back later
         self._held.cancel()
         self._held = None
         (cycle, app), self._parked = self._parked, None
