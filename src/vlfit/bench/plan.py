@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +44,21 @@ def default_precision(device: torch.device) -> str:
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
         return "bf16"
     return "fp32"
+
+
+def compile_unavailable(device: torch.device, backend: str) -> str | None:
+    """Why ``torch.compile`` with ``backend`` cannot run on ``device`` here, or None where it can: inductor turns a
+    model into C++ on a CPU, which needs the compiler it calls (``$CXX``, else ``g++``); its GPU code and the
+    other backends need nothing more."""
+    if backend != "inductor" or device.type != "cpu":
+        return None
+    compiler = os.environ.get("CXX") or "g++"
+    if shutil.which(compiler) is None:
+        return (
+            f"inductor compiles C++ on a CPU and finds no {compiler!r} here (install g++, or name a compiler in "
+            "CXX; --torch_compile_backend aot_eager needs none)"
+        )
+    return None
 
 
 @dataclass

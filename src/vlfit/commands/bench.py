@@ -27,7 +27,14 @@ from vlfit.arguments import DataLocationArguments, ModelArguments
 from vlfit.bench.data import dataset_source, source_key
 from vlfit.bench.files import write_outputs
 from vlfit.bench.fit import DoesNotFit, available_memory, check_fit, estimate_training_memory, memory_settings
-from vlfit.bench.plan import MODES, SweepPlan, default_pipelines, default_precision, default_workers
+from vlfit.bench.plan import (
+    MODES,
+    SweepPlan,
+    compile_unavailable,
+    default_pipelines,
+    default_precision,
+    default_workers,
+)
 from vlfit.bench.report import finalize, format_terminal
 from vlfit.bench.selection import PIPELINES, get_pipeline
 from vlfit.bench.session import BenchSession
@@ -78,8 +85,10 @@ class BenchArguments:
         "Also measure the compute ceiling in the other precision (fp32/bf16 ratio); --auto does it too, "
         "and the recommendation takes the faster one.",
     )
-    compare_compile: bool = flag(
-        False, "Also measure the compute ceiling with the model under torch.compile (eager vs compiled)."
+    compare_compile: bool | None = flag(
+        None,
+        "Also measure the compute ceiling with the model under torch.compile (eager vs compiled); default: with "
+        "--auto in train mode, where torch.compile can run here (inductor on a CPU needs a C++ compiler).",
     )
     compare_attention: bool = flag(
         False, "Also measure the compute ceiling with eager and with fused (sdpa) attention."
@@ -89,8 +98,8 @@ class BenchArguments:
     )
     auto: bool = flag(
         False,
-        "Also try --auto_prefetch_factors on the best configuration and measure fp32 against bf16; print "
-        "the vlfit train flags, with the faster precision.",
+        "Also try --auto_prefetch_factors on the best configuration, measure fp32 against bf16 and (in train "
+        "mode) eager against torch.compile; print the vlfit train flags, with the faster of each.",
     )
     auto_prefetch_factors: str = flag("2,4", "Prefetch factors --auto tries.")
     split: str = flag("train", "Split of the data to read (with --dataset_name or files).")
@@ -141,6 +150,19 @@ def _names(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def _compares_compile(args: BenchArguments, device: torch.device) -> bool:
+    """``--compare_compile`` as given; else, with ``--auto`` and a train mode, whether ``torch.compile`` can run
+    here (``compile_unavailable``; where it cannot, one warning says why it is left out)."""
+    if args.compare_compile is not None:
+        return args.compare_compile
+    if not args.auto or "train" not in _names(args.mode):
+        return False
+    reason = compile_unavailable(device, args.torch_compile_backend)
+    if reason is not None:
+        logger.warning("--auto: torch.compile is not compared: %s", reason)
+    return reason is None
+
+
 def resolve_plan(args: BenchArguments, device: torch.device) -> SweepPlan:
     """The sweep the flags ask for on ``device``, with machine-dependent defaults filled in."""
     if args.bf16 and args.fp32:
@@ -172,7 +194,7 @@ def resolve_plan(args: BenchArguments, device: torch.device) -> SweepPlan:
         objective=args.objective,
         profile_batches=args.profile_batches,
         compare_bf16=args.compare_bf16 or args.auto,  # --auto chooses the precision by measurement too
-        compare_compile=args.compare_compile,
+        compare_compile=_compares_compile(args, device),
         compare_attention=args.compare_attention,
         torch_compile_backend=args.torch_compile_backend,
         auto=args.auto,
