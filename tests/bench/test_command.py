@@ -68,14 +68,14 @@ def test_flags_resolve_to_a_sweep_plan() -> None:
 def test_auto_compares_torch_compile_where_it_can_run_here(monkeypatch, tmp_path, caplog) -> None:
     """--auto in a train mode measures eager against torch.compile, where inductor finds its C++ compiler on the
     CPU; where it finds none, one warning says why and what to do, and the sweep goes on without it. A loader-only
-    sweep has no step to compile; --compare_compile false turns it off."""
+    sweep has no step to compile."""
     import shutil
 
     cpu = torch.device("cpu")
     if shutil.which("g++") is None:
         pytest.skip("no g++ on this machine: inductor cannot compile for its CPU")
     assert resolve_plan(_parse("--auto")[2], cpu).compare_compile
-    assert not resolve_plan(_parse("--auto", "--compare_compile", "false")[2], cpu).compare_compile
+    assert resolve_plan(_parse("--compare_compile")[2], cpu).compare_compile
     assert not resolve_plan(_parse("--auto", "--mode", "loader")[2], cpu).compare_compile
     assert not resolve_plan(_parse()[2], cpu).compare_compile
     monkeypatch.setenv("PATH", str(tmp_path))  # a machine without a compiler

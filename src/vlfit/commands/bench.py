@@ -85,10 +85,10 @@ class BenchArguments:
         "Also measure the compute ceiling in the other precision (fp32/bf16 ratio); --auto does it too, "
         "and the recommendation takes the faster one.",
     )
-    compare_compile: bool | None = flag(
-        None,
-        "Also measure the compute ceiling with the model under torch.compile (eager vs compiled); default: with "
-        "--auto in train mode, where torch.compile can run here (inductor on a CPU needs a C++ compiler).",
+    compare_compile: bool = flag(
+        False,
+        "Also measure the compute ceiling with the model under torch.compile (eager vs compiled); --auto does it "
+        "too in train mode, where torch.compile can run here (inductor on a CPU needs a C++ compiler).",
     )
     compare_attention: bool = flag(
         False, "Also measure the compute ceiling with eager and with fused (sdpa) attention."
@@ -151,10 +151,10 @@ def _names(text: str) -> list[str]:
 
 
 def _compares_compile(args: BenchArguments, device: torch.device) -> bool:
-    """``--compare_compile`` as given; else, with ``--auto`` and a train mode, whether ``torch.compile`` can run
-    here (``compile_unavailable``; where it cannot, one warning says why it is left out)."""
-    if args.compare_compile is not None:
-        return args.compare_compile
+    """``--compare_compile``; else, with ``--auto`` and a train mode, whether ``torch.compile`` can run here
+    (``compile_unavailable``; where it cannot, one warning says why it is left out)."""
+    if args.compare_compile:
+        return True
     if not args.auto or "train" not in _names(args.mode):
         return False
     reason = compile_unavailable(device, args.torch_compile_backend)
