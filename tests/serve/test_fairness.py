@@ -284,6 +284,26 @@ def test_a_held_request_is_not_started_where_its_time_held_and_the_queue_ahead_p
             connection.close()
 
 
+def test_a_search_whose_client_hung_up_before_its_turn_is_never_computed(held_engine) -> None:
+    """Through vlfit's connection protocol, which tells the app whether a request's client is gone: a search sent
+    and its connection closed while the event loop was busy is read with its hang-up, answered by nobody and never
+    embedded; the next search is."""
+    from tests.serve.test_clients import TIMEOUT
+
+    with _in_process_server(held_engine, max_concurrency=8) as (port, loop):
+        asleep = threading.Event()
+        loop.call_soon_threadsafe(lambda: (asleep.set(), time.sleep(0.5)))  # the loop busy while the client leaves
+        assert asleep.wait(TIMEOUT)
+        with _connect(port, "127.0.0.60") as gone:
+            gone.sendall(_search("a search whose client hung up"))
+        time.sleep(1.0)
+        with _connect(port, "127.0.0.61") as after:
+            after.sendall(_search("a search still waited for"))
+            assert _read_response(after).startswith(b"HTTP/1.1 200")
+    assert "a search still waited for" in held_engine.embedded
+    assert "a search whose client hung up" not in held_engine.embedded
+
+
 @pytest.mark.parametrize(
     ("limits", "admitted", "says"),
     [({"max_concurrency": 2}, 2, b"--max_concurrency"), ({"max_queue_wait_ms": 0.001}, 1, b"over the budget of")],

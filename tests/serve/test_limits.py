@@ -219,6 +219,27 @@ async def test_a_query_whose_client_disconnected_is_never_computed(engine) -> No
     assert "a query whose client had left" not in engine.embedded and "a query still waited for" in engine.embedded
 
 
+@_in_event_loop
+async def test_whether_a_client_is_gone_is_asked_of_its_connection_where_it_can_say() -> None:
+    """vlfit's connection protocol puts a function in the scope that says whether the request's client is gone;
+    that is the answer, and the request's receive (an anyio cancel scope per search) is not called. Without it,
+    Starlette's check reads the receive."""
+    from starlette.requests import Request
+
+    from vlfit.serve.disconnects import CLIENT_GONE_KEY, client_gone
+
+    async def not_to_be_called():
+        raise AssertionError("received although the connection said")
+
+    async def disconnect():
+        return {"type": "http.disconnect"}
+
+    for said in (True, False):
+        request = Request({"type": "http", CLIENT_GONE_KEY: lambda said=said: said}, receive=not_to_be_called)
+        assert await client_gone(request) is said
+    assert await client_gone(Request({"type": "http"}, receive=disconnect)) is True
+
+
 # --- images: bounded before they are decoded ---------------------------------------------------------------------
 
 

@@ -55,6 +55,7 @@ from typing import Any
 
 from vlfit.serve.admission import RETRY_AFTER_S, TICKET_KEY, Ticket, query_kind, refusal_message
 from vlfit.serve.clients import READY_KEY, ClientShares
+from vlfit.serve.disconnects import CLIENT_GONE_KEY
 from vlfit.serve.limits import (
     ADMISSION_KEY,
     ADMITTED_PATHS,
@@ -316,6 +317,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._dropping_body = True
 
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        cycle.scope[CLIENT_GONE_KEY] = self.transport.is_closing  # asked before a search's work starts
         if self._parking:
             self._parked = (cycle, app)
         else:
