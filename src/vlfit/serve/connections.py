@@ -323,20 +323,24 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         else:
             super()._start_asgi_task(cycle, app)
 
-    def _wait_budget(self) -> float | None:
-        """The wait budget of this request's kind (``vlfit.serve.admission``); None where it has none."""
+    def _admitted_kind(self) -> str | None:
+        """This request's kind of query in the wait admission (``vlfit.serve.admission``); None where it is not
+        admitted by expected wait (no wait admission, or not a search)."""
         route, content_type, _, _ = self._request
         if self.admission is None or route not in ADMITTED_PATHS:
             return None
-        return self.admission.budget_for(query_kind(content_type, route))
+        return query_kind(content_type, route)
+
+    def _wait_budget(self) -> float | None:
+        """The wait budget of this request's kind; None where it has none."""
+        kind = self._admitted_kind()
+        return None if kind is None else self.admission.budget_for(kind)
 
     def _expected_wait(self) -> float:
         """Seconds this request, started now, would wait for those of its kind ahead of it (0 where nothing
-        measures it: no wait admission, or not a search)."""
-        route, content_type, _, _ = self._request
-        if self.admission is None or route not in ADMITTED_PATHS:
-            return 0.0
-        return self.admission.expected_wait(query_kind(content_type, route)) or 0.0
+        measures it)."""
+        kind = self._admitted_kind()
+        return 0.0 if kind is None else self.admission.expected_wait(kind) or 0.0
 
     def try_admit(self) -> bool | None:
         """A slot was given back (``ClientShares.wait_for_room``): start the held request if it fits now and would
