@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import logging
+import pickle
+from multiprocessing.reduction import ForkingPickler
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tests.data.test_dataset import CAPTIONS, SIZE, FakeSource
-from vlfit.data.batch import DEVICE, WORKER, BadSample, Batch
-from vlfit.data.image_transforms import FastImageTransform, PassThroughEncoded, ReferenceImageTransform
+from vlfit.data.batch import BY_VALUE_BYTES, DEVICE, WORKER, BadSample, Batch
+from vlfit.data.image_transforms import FastImageTransform, PassThroughEncoded, ReferenceImageTransform, new_image_batch
 from vlfit.data.pipeline import InputPipeline, LoaderSettings, PipelineOptions
 from vlfit.models.family import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, InputSpec
 from vlfit.models.tokenizer import train_caption_tokenizer
@@ -122,3 +124,24 @@ def test_batch_select_keeps_rows_of_every_per_sample_field() -> None:
     moved = batch.to(CPU)
     assert moved is not batch and torch.equal(moved["input_ids"], batch["input_ids"])
     assert BadSample("a", "r").stage == WORKER
+
+
+def test_a_batch_crossing_to_another_process_sends_its_small_tensors_by_value() -> None:
+    # What a loader worker's result queue does to a batch: torch sends a tensor's storage as a shared-memory file
+    # descriptor, which the receiver fetches from the worker in a round trip; small tensors go inside the pickle.
+    small_pixels = new_image_batch(2, 8, shared=True)
+    small_pixels.copy_(torch.randint(0, 256, small_pixels.shape, dtype=torch.uint8))
+    large = new_image_batch(2, 1 + int((BY_VALUE_BYTES / 6) ** 0.5), shared=True)
+    inputs = {
+        "input_ids": torch.arange(10).view(2, 5),
+        "pixel_values": small_pixels,
+        "large": large.fill_(7),
+        "bf16": torch.ones(2, 3, dtype=torch.bfloat16),  # NumPy has no bfloat16: shared memory
+    }
+    batch = Batch(inputs=inputs, sample_ids=["a", "b"], positions=[0, 1], columns={"label": [1, 0]})
+    received = pickle.loads(ForkingPickler.dumps(batch))
+    shared = {key: value.is_shared() for key, value in received.inputs.items()}
+    assert shared == {"input_ids": False, "pixel_values": False, "large": True, "bf16": True}
+    for key, value in inputs.items():
+        assert torch.equal(received[key], value) and received[key].stride() == value.stride(), key
+    assert received.sample_ids == ["a", "b"] and received.columns == {"label": [1, 0]}
