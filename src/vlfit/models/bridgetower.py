@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-from accelerate.utils import extract_model_from_parallel
 from torch import nn
 from transformers import BridgeTowerConfig, BridgeTowerForContrastiveLearning
 from transformers.masking_utils import create_bidirectional_mask
@@ -47,6 +46,7 @@ from vlfit.models.losses import (
     info_nce,
     under_autocast,
 )
+from vlfit.models.unwrap import held_model
 
 # ------------------------------------------------------------------------------------------------ embeddings
 
@@ -256,7 +256,7 @@ class BridgeTowerFamily(ModelFamily):
         return self.loss_from_embeddings(self.loss_embeddings(model, inputs), scope)
 
     def loss_embeddings(self, model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> LossEmbeddings:
-        unwrapped = extract_model_from_parallel(model)
+        unwrapped = held_model(model)
         expose_logit_scale(unwrapped)
         outputs = model(**{key: inputs[key] for key in self.model_inputs}, return_loss=False)
         return contrastive_embeddings(unwrapped, outputs, inputs)

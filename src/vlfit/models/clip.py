@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from accelerate.utils import extract_model_from_parallel
 from torch import nn
 from transformers import CLIPConfig, CLIPModel, MetaClip2Config, MetaClip2Model
 from transformers.models.clip.modeling_clip import CLIPOutput
@@ -40,6 +39,7 @@ from vlfit.models.losses import (
     info_nce,
     under_autocast,
 )
+from vlfit.models.unwrap import held_model
 
 # CLIP's text tower pools at the first ``eos_token_id``, except that ``eos_token_id == 2`` selects its legacy rule
 # (the highest token id): a preset's tokenizer puts ``</s>`` at id 4, not RoBERTa's 2 (the ``clip-*`` preset files
@@ -126,7 +126,7 @@ class CLIPFamily(ModelFamily):
         return self.loss_from_embeddings(self.loss_embeddings(model, inputs), scope)
 
     def loss_embeddings(self, model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> LossEmbeddings:
-        unwrapped = extract_model_from_parallel(model)
+        unwrapped = held_model(model)
         install_output_hook(unwrapped, _add_logit_scale)
         outputs = model(**{key: inputs[key] for key in self.model_inputs}, return_loss=False)
         rows = {"text": outputs.text_embeds, "image": outputs.image_embeds}

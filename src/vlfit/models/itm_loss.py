@@ -25,12 +25,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from accelerate.utils import extract_model_from_parallel
 
 from vlfit.models.bridgetower import contrastive_embeddings, expose_logit_scale
 from vlfit.models.family import HARD_NEGATIVE_ATTENTION_MASK, HARD_NEGATIVE_INPUT_IDS, IMAGE_KEYS, LOCAL_LOSS, LossScope
 from vlfit.models.itm import UnimodalStates, fused_pooled_output, states_from_outputs, text_states
 from vlfit.models.losses import distributed_world, gather_rows, gather_with_grad
+from vlfit.models.unwrap import held_model
 
 
 @dataclass
@@ -166,7 +166,7 @@ def matching_loss(
         gather: Draw negatives from every process's rows (``--contrastive_negatives global``).
         seed: Seeds the draw; every process must pass the same one.
     """
-    unwrapped = extract_model_from_parallel(model)
+    unwrapped = held_model(model)
     world = distributed_world() if gather else 1
     rows = outputs.text_embeds.shape[0]
     device = outputs.text_embeds.device
@@ -232,7 +232,7 @@ def contrastive_and_matching_loss(
     Returns:
         The loss, and its terms to log (``loss_contrastive``, ``loss_itm``, ``itm_accuracy``; detached).
     """
-    unwrapped = extract_model_from_parallel(model)
+    unwrapped = held_model(model)
     expose_logit_scale(unwrapped)
     outputs = model(**{key: inputs[key] for key in family.model_inputs}, return_loss=False)
     matching = matching_loss(model, outputs, inputs, gather=scope.global_negatives, seed=seed)

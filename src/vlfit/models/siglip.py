@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from accelerate.utils import extract_model_from_parallel
 from torch import nn
 from transformers import SiglipConfig, SiglipImageProcessor, SiglipModel
 from transformers.models.siglip.modeling_siglip import SiglipOutput
@@ -43,6 +42,7 @@ from vlfit.models.losses import (
     image_keys_in,
     same_image_pairs,
 )
+from vlfit.models.unwrap import held_model
 
 # The paper's initial temperature and bias: log(10) and -10 (transformers initializes both to 0).
 INITIAL_LOGIT_SCALE = math.log(10.0)
@@ -202,7 +202,7 @@ class SiglipFamily(ModelFamily):
         return self.loss_from_embeddings(self.loss_embeddings(model, inputs), scope)
 
     def loss_embeddings(self, model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> LossEmbeddings:
-        unwrapped = extract_model_from_parallel(model)
+        unwrapped = held_model(model)
         install_output_hook(unwrapped, _add_scale_and_bias)
         text = text_inputs(unwrapped.config, inputs["input_ids"], inputs["attention_mask"])
         outputs = model(**text, pixel_values=inputs["pixel_values"], return_loss=False)

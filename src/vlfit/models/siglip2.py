@@ -21,7 +21,6 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-from accelerate.utils import extract_model_from_parallel
 from torch import nn
 from transformers import Siglip2Config, Siglip2ImageProcessor, Siglip2Model
 
@@ -31,6 +30,7 @@ from vlfit.models.family import InputSpec, LossEmbeddings
 from vlfit.models.logit_scale import install_output_hook
 from vlfit.models.losses import add_hard_negatives, add_image_keys
 from vlfit.models.siglip import SiglipFamily, _add_scale_and_bias, text_embeddings, text_inputs
+from vlfit.models.unwrap import held_model
 
 # Siglip2ImageProcessor's default budget and resampling (PIL's BILINEAR).
 DEFAULT_MAX_NUM_PATCHES = 256
@@ -117,7 +117,7 @@ class Siglip2Family(SiglipFamily):
         return text_embeddings(model, input_ids, attention_mask)  # type: ignore[arg-type]
 
     def loss_embeddings(self, model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> LossEmbeddings:
-        unwrapped = extract_model_from_parallel(model)
+        unwrapped = held_model(model)
         install_output_hook(unwrapped, _add_scale_and_bias)
         text = text_inputs(unwrapped.config, inputs["input_ids"], inputs["attention_mask"])
         images = naflex_image_inputs(
