@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from transformers import Trainer, TrainingArguments
 
+from vlfit.data.batch import Batch
 from vlfit.data.pipeline import InputPipeline, PipelineOptions
 from vlfit.models.loading import load_model
 from vlfit.training.trainer import VlfitTrainer
@@ -55,3 +56,45 @@ def test_gradient_clipping_lists_the_parameters_once_and_clips_as_accelerate_doe
         assert trainer._clip_grad_norm(model) == expected_norm
         assert all(torch.equal(p.grad, e) for p, e in zip(parameters(), expected, strict=True))
     assert len(walks) == 1
+
+
+def test_the_plain_step_is_the_trainers_and_sets_training_mode_only_where_it_is_not(tmp_path: Path) -> None:
+    # model.train() walks every module; the Trainer's step calls it at every step.
+    bundle = load_model(model_preset="tiny", captions=lambda: ["a cat", "a dog"] * 20)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, gradient_accumulation_steps=2)
+    pipeline = InputPipeline(bundle.inputs, PipelineOptions(), args.device)
+    trainer = VlfitTrainer(model=bundle.model, args=args, pipeline=pipeline, family=bundle.family)
+    trainer.flops_per_sample = 1.0  # the first step's FLOP count is not what this holds
+    trainer.current_gradient_accumulation_steps = 2  # the loss is scaled for accumulation, as the Trainer's is
+    generator = torch.Generator().manual_seed(0)
+    size = bundle.inputs.image_size
+    inputs = {
+        "input_ids": torch.randint(5, 60, (4, 8), generator=generator),
+        "attention_mask": torch.ones(4, 8, dtype=torch.long),
+        "pixel_values": torch.randn(4, 3, size, size, generator=generator),
+    }
+    batch = Batch(inputs=inputs, sample_ids=list("abcd"), positions=[0, 1, 2, 3], on_device=True)
+    model = trainer.model
+    assert trainer._step_is_plain
+
+    def step(run) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad()
+        torch.manual_seed(0)  # the same dropout
+        loss = run()
+        return loss, [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    model.train()
+    expected_loss, expected_grads = step(lambda: Trainer.training_step(trainer, model, batch))
+    modes = []
+    train = model.train
+    model.train = lambda mode=True: modes.append(mode) or train(mode)
+    loss, grads = step(lambda: trainer.training_step(model, batch))
+    assert torch.equal(loss, expected_loss) and len(grads) == len(expected_grads) > 0
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected_grads, strict=True))
+    assert modes == []  # in training mode already: not walked again
+    model.eval()
+    modes.clear()
+    trainer.training_step(model, batch)
+    assert modes == [True] and model.training and all(m.training for m in model.modules())
+    trainer.args.optim = "lomo"
+    assert not trainer._step_is_plain  # the Trainer's step, which hands LOMO its learning rate

@@ -35,7 +35,6 @@ from functools import partial
 from typing import Any
 
 import torch
-from accelerate.utils import DistributedType
 from torch.utils.data import Sampler, SequentialSampler
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint, has_length, seed_worker
@@ -58,8 +57,8 @@ from vlfit.training.checkpoint_saving import AtomicCheckpointSaving
 from vlfit.training.console_log import CONSOLE_CALLBACKS
 from vlfit.training.evaluation_metrics import evaluation_metrics
 from vlfit.training.fsdp import enable_fsdp_on_cpu, reshape_scalar_parameters, scalar_state_dict
-from vlfit.training.gradient_cache import gradient_cached_backward
 from vlfit.training.itm_objective import CONTRASTIVE, TrainingObjective
+from vlfit.training.lean_step import LeanStep
 from vlfit.training.padded_patches import PaddedPatchMeter
 from vlfit.training.preemption import StreamSourceLost
 from vlfit.training.stream_epochs import StreamEpochs, agreed_batches, load_stream_state, save_stream_state
@@ -69,10 +68,9 @@ from vlfit.training.unfreeze import UnfreezeCallback
 logger = logging.getLogger(__name__)
 
 # Where every gradient is a plain tensor of this process's whole model: one process, or DDP (after its all-reduce).
-PLAIN_GRADIENTS = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
 
-class VlfitTrainer(BadSampleAccounting, AtomicCheckpointSaving, Trainer):
+class VlfitTrainer(LeanStep, BadSampleAccounting, AtomicCheckpointSaving, Trainer):
     """A Trainer for contrastive image-text fine-tuning.
 
     Args:
@@ -123,8 +121,6 @@ class VlfitTrainer(BadSampleAccounting, AtomicCheckpointSaving, Trainer):
         self._feed_done = False  # a streamed epoch ran out on some process (vlfit.training.stream_epochs)
         self._stream_epochs: StreamEpochs | None = None
         self._resumed_batches = 0  # batches of the stream's epoch a resumed checkpoint had consumed
-        self._counted_parameters: tuple[torch.nn.Module, int] | None = None  # for floating_point_ops
-        self._clipped_parameters: tuple[torch.nn.Module, list[torch.nn.Parameter]] | None = None  # _clip_grad_norm
         self.add_callback(_CountOptimizerSteps(self))
         if unfreeze is not None:
             self.add_callback(unfreeze)
@@ -309,8 +305,8 @@ class VlfitTrainer(BadSampleAccounting, AtomicCheckpointSaving, Trainer):
 
     def training_step(self, model: torch.nn.Module, inputs: Batch, *args: Any, **kwargs: Any) -> torch.Tensor:
         def step() -> torch.Tensor:
-            if getattr(self.args, "gradient_cache_chunk_size", None) and len(inputs):
-                return self._gradient_cached_step(model, inputs)
+            if self._step_is_plain or (self._gradient_cache_chunk_size and len(inputs)):
+                return self._own_step(model, inputs)
             return super(VlfitTrainer, self).training_step(model, inputs, *args, **kwargs)
 
         if self.flops_per_sample is not None or not len(inputs):
@@ -320,46 +316,6 @@ class VlfitTrainer(BadSampleAccounting, AtomicCheckpointSaving, Trainer):
         loss, flops = count_flops(step)
         self.flops_per_sample = flops / len(inputs)
         return loss
-
-    def _gradient_cached_step(self, model: torch.nn.Module, inputs: Batch) -> torch.Tensor:
-        """``training_step`` with ``--gradient_cache_chunk_size`` (``vlfit.training.gradient_cache``)."""
-        model.train()
-        if callable(getattr(self.optimizer, "train", None)):  # schedule-free optimizers, as the Trainer's step does
-            self.optimizer.train()
-        batch = self._prepare_inputs(inputs)
-        with self.compute_loss_context_manager():
-            return gradient_cached_backward(
-                self.family,
-                model,
-                batch.inputs,
-                int(self.args.gradient_cache_chunk_size),
-                scope=LossScope.of(self.args),
-                backward=self.accelerator.backward,
-                no_sync=lambda: self.accelerator.no_sync(model),
-                device=self.args.device,
-            )
-
-    def floating_point_ops(self, inputs: Any) -> int:
-        # The Trainer's count for total_flos (6 x the main input's elements x the parameters outside embeddings),
-        # with the parameters counted once per model: counting walks every module and parameter, which the Trainer
-        # did at every step (about 3 ms of a 50 ms step of the tiny preset on 2 CPU cores).
-        main_input = getattr(self.model, "main_input_name", "input_ids")
-        if main_input not in inputs or not hasattr(self.model, "num_parameters"):
-            return 0
-        if self._counted_parameters is None or self._counted_parameters[0] is not self.model:
-            self._counted_parameters = (self.model, self.model.num_parameters(exclude_embeddings=True))
-        return 6 * inputs[main_input].numel() * self._counted_parameters[1]
-
-    def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
-        # Where gradients are plain tensors and unscaled, accelerate's clip_grad_norm_ is torch's, after a walk of
-        # every module for model.parameters() and a DTensor check of every gradient in Python at each step (1.18
-        # against 0.80 ms for the tiny preset's fresh gradients on 2 AMX cores): the parameters are listed once.
-        plain = self.accelerator.distributed_type in PLAIN_GRADIENTS and self.accelerator.scaler is None
-        if not plain or self._has_mixed_mesh_grads(model):
-            return super()._clip_grad_norm(model)
-        if self._clipped_parameters is None or self._clipped_parameters[0] is not model:
-            self._clipped_parameters = (model, list(model.parameters()))
-        return torch.nn.utils.clip_grad_norm_(self._clipped_parameters[1], self.args.max_grad_norm)
 
     def compute_loss(
         self,
