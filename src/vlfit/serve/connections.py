@@ -21,7 +21,8 @@ accepts connections up to the file-descriptor limit, beyond which clients are re
   share of them or of bodies arriving, and with ``--max_queue_wait_ms``, on by default, a search whose expected
   wait is over its budget: ``vlfit.serve.admission``) is answered 503 or 429 with ``Retry-After`` before the app
   and its middlewares see it (the body that follows is read and dropped, the connection kept alive), and counted
-  in ``vlfit_refused_total`` (not among ``vlfit_requests_total``, which counts what the app answered). Under
+  in ``vlfit_refused_total`` (not among ``vlfit_requests_total``, which counts what the app answered; the rules
+  are ``vlfit.serve.head_admission``'s). Under
   overload most requests are refused; a refusal here costs the event loop a fraction of one through the app, which
   leaves it to the admitted (the middlewares, which count requests once their body is whole, refuse the same way
   on any other protocol);
@@ -53,19 +54,17 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from vlfit.serve.admission import RETRY_AFTER_S, TICKET_KEY, Ticket, query_kind, refusal_message
-from vlfit.serve.clients import READY_KEY, ClientShares
+from vlfit.serve.admission import RETRY_AFTER_S, Ticket
+from vlfit.serve.clients import ClientShares
 from vlfit.serve.disconnects import CLIENT_GONE_KEY
+from vlfit.serve.head_admission import HeadAdmission
 from vlfit.serve.limits import (
     ADMISSION_KEY,
-    ADMITTED_PATHS,
     CLIENTS_KEY,
-    EXEMPT_PATHS,
     LIMITS_KEY,
     METRICS_KEY,
     ServerLimits,
 )
-from vlfit.serve.middleware import in_flight_refusal, share_refusal
 from vlfit.serve.pool import ConnectionRefusals
 from vlfit.serve.uvicorn_api import IMPORT_PROBLEM, STATUS_LINE, HttpToolsProtocol, httptools, protocol_api_problems
 
@@ -112,7 +111,7 @@ def http_protocol(protocol: type | None = None, status_line: Mapping[int, bytes]
     return FALLBACK_PROTOCOL
 
 
-class BoundedHttpToolsProtocol(HttpToolsProtocol):
+class BoundedHttpToolsProtocol(HeadAdmission, HttpToolsProtocol):
     """uvicorn's httptools protocol with a fair connection pool, a request-head timeout and a head size limit."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -323,25 +322,6 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         else:
             super()._start_asgi_task(cycle, app)
 
-    def _admitted_kind(self) -> str | None:
-        """This request's kind of query in the wait admission (``vlfit.serve.admission``); None where it is not
-        admitted by expected wait (no wait admission, or not a search)."""
-        route, content_type, _, _ = self._request
-        if self.admission is None or route not in ADMITTED_PATHS:
-            return None
-        return query_kind(content_type, route)
-
-    def _wait_budget(self) -> float | None:
-        """The wait budget of this request's kind; None where it has none."""
-        kind = self._admitted_kind()
-        return None if kind is None else self.admission.budget_for(kind)
-
-    def _expected_wait(self) -> float:
-        """Seconds this request, started now, would wait for those of its kind ahead of it (0 where nothing
-        measures it)."""
-        kind = self._admitted_kind()
-        return 0.0 if kind is None else self.admission.expected_wait(kind) or 0.0
-
     def try_admit(self) -> bool | None:
         """A slot was given back (``ClientShares.wait_for_room``): start the held request if it fits now and would
         still be answered within its wait budget of its arrival, the time held and the queue ahead of it together
@@ -385,34 +365,6 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         body = json.dumps({"error": message}).encode()
         self._answer(status, body, b"application/json", retry_after=RETRY_AFTER_S, close=not keep_alive)
 
-    def _request_of_head(self) -> tuple[str, bytes, str, bool]:
-        """The request's route, content type, client (``ClientShares.client_of``) and whether a body is to come."""
-        headers = dict(self.headers)
-        route = httptools.parse_url(self._target).path.decode("latin-1")
-        client = self._address
-        if self.shares is not None:
-            client = self.shares.client_of(self._address, headers.get(b"x-forwarded-for"))
-        uploading = headers.get(b"content-length", b"0").strip() not in (b"", b"0") or b"transfer-encoding" in headers
-        return route, headers.get(b"content-type", b""), client, uploading
-
-    def _refusal(self) -> tuple[int, str, str] | None:
-        """``(status, message, limit)`` when this request is refused here, before the app sees it: what is over a
-        limit already (the app's middlewares count the requests and bodies, ``vlfit.serve.middleware``); None: the
-        app takes it. Health and metrics are never refused."""
-        route, content_type, client, uploading = self._request
-        if route in EXEMPT_PATHS:
-            return None
-        limits, shares = self.limits, self.shares
-        if limits is not None and shares is not None and shares.slots_taken >= limits.max_concurrency:
-            return 503, in_flight_refusal(limits.max_concurrency), "requests"
-        if self.admission is not None and self.parser.get_method() == b"POST" and route in ADMITTED_PATHS:
-            kind = query_kind(content_type, route)
-            over = self.admission.over_budget(kind)
-            if over is not None:
-                return 503, refusal_message(kind, over), "wait"
-        over_share = None if shares is None else share_refusal(shares, client, uploading=uploading)
-        return None if over_share is None else (429, over_share[1], over_share[0])
-
     def on_body(self, body: bytes) -> None:
         if not self._dropping_body:
             super().on_body(body)
@@ -425,33 +377,6 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             return
         self._dropping_body = False
         self.on_response_complete()  # as after an answer from the app: keep-alive timer, the next request
-
-    def _hold_ready(self) -> None:
-        """The request passed to the app has its body whole: its slot is taken from now for the next heads' check,
-        until the app counts it in flight or it ends (``ClientShares.hold_ready``). A request behind another
-        unanswered one on the connection (pipelined, left to the app's own count) and health checks are not held."""
-        if self.shares is None or self._ready is not None:  # one there: the request ahead's, still unanswered
-            return
-        if self.cycle is None or self.cycle.response_complete:  # answered before its body was whole (a 413)
-            return
-        route, content_type, client, _ = self._request
-        if route in EXEMPT_PATHS:
-            return
-        self._ready = self.shares.hold_ready(client)
-        self.scope[READY_KEY] = self._ready
-        if self.admission is not None and route in ADMITTED_PATHS and self.parser.get_method() == b"POST":
-            self._ticket = self.admission.enter(query_kind(content_type, route))  # WaitLimit takes it on
-            self.scope[TICKET_KEY] = self._ticket
-
-    def _release_ready(self) -> None:
-        if self._ready is not None:
-            self._ready()
-            self._ready = None
-        if self._ticket is not None:
-            if not self._ticket.claimed and self.admission is not None:  # answered before the app's WaitLimit
-                self._ticket.answered = False
-                self.admission.leave(self._ticket)
-            self._ticket = None
 
     def on_response_complete(self) -> None:
         """An answer was sent (uvicorn's cycle calls this after the app's, the connection after its own): the next
