@@ -50,9 +50,17 @@ def torchrun_command(*args: str, nproc: int = 2) -> list[str]:
 
 def run_torchrun(*args: str, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
     """``torchrun_command(*args)`` run to its end, its output captured, with no stdin and in a session of its own:
-    nothing it reads or signals reaches the test's process (an xdist worker talks to its controller over stdin)."""
-    return subprocess.run(torchrun_command(*args), env=torchrun_env() if env is None else env, capture_output=True,
-                          text=True, timeout=timeout, stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    nothing it reads or signals reaches the test's process (an xdist worker talks to its controller over stdin).
+
+    A port free when picked can be taken before the launcher binds it (by another test's outgoing connection, from
+    the same range): the launcher then fails at its rendezvous, before any process starts, and is run again on
+    another port (at most twice more)."""
+    for _ in range(3):
+        done = subprocess.run(torchrun_command(*args), env=torchrun_env() if env is None else env, capture_output=True,
+                              text=True, timeout=timeout, stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+        if done.returncode == 0 or "EADDRINUSE" not in done.stderr:
+            return done
+    return done
 
 
 @contextlib.contextmanager
