@@ -20,6 +20,7 @@ from vlfit.data.batch import Batch
 from vlfit.models.family import LossScope
 from vlfit.training.gradient_cache import gradient_cached_backward
 
+# Where every gradient is a plain tensor of this process's whole model: one process, or DDP (after its all-reduce).
 PLAIN_GRADIENTS = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 LOMO_OPTIMIZERS = (OptimizerNames.LOMO, OptimizerNames.ADALOMO)  # their step takes the learning rate (the Trainer's)
 
@@ -51,7 +52,7 @@ class LeanStep:
 
     def _own_step(self, model: torch.nn.Module, inputs: Batch) -> torch.Tensor:
         """The Trainer's ``training_step`` where the step is plain (``_step_is_plain``), or gradient-cached
-        (``--gradient_cache_chunk_size``, ``vlfit.training.gradient_cache``).
+        (``--gradient_cache_chunk_size``, ``vlfit.training.gradient_cache``, for a batch with rows).
 
         The model is put in training mode only where it (or the model a wrapper of it holds) is not: ``train()``
         walks every module (0.39 ms of a 30 ms step of the tiny preset on one thread), and vlfit's evaluations give
@@ -63,7 +64,7 @@ class LeanStep:
             self.optimizer.train()
         batch = self._prepare_inputs(inputs)
         with self.compute_loss_context_manager():
-            if self._gradient_cache_chunk_size:
+            if self._gradient_cache_chunk_size and len(batch):  # a batch without rows: the plain loss
                 return gradient_cached_backward(
                     self.family,
                     model,

@@ -67,8 +67,6 @@ from vlfit.training.unfreeze import UnfreezeCallback
 
 logger = logging.getLogger(__name__)
 
-# Where every gradient is a plain tensor of this process's whole model: one process, or DDP (after its all-reduce).
-
 
 class VlfitTrainer(LeanStep, BadSampleAccounting, AtomicCheckpointSaving, Trainer):
     """A Trainer for contrastive image-text fine-tuning.
