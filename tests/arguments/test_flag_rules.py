@@ -74,3 +74,16 @@ def test_vqa_on_a_dual_encoder_is_refused_naming_the_task_and_the_model(tmp_path
     with pytest.raises(ConfigError, match=r"^--task vqa .*--model_name_or_path .*siglip is a dual encoder \(CLIP or"):
         check_flag_rules(ModelArguments(model_name_or_path=str(tmp_path / "siglip")), data, training, task="vqa")
     check_flag_rules(ModelArguments(model_preset="tiny"), data, training, task="vqa")  # BridgeTower answers
+
+
+def test_bf16_weights_without_bf16_or_with_lomo_is_refused(tmp_path) -> None:
+    model, data = ModelArguments(model_preset="tiny"), DataArguments(dataset_name=str(tmp_path))
+    fp32 = VlfitTrainingArguments(output_dir=str(tmp_path), bf16_weights=True, report_to="none")
+    with pytest.raises(ConfigError, match="^--bf16_weights keeps the weights of a --bf16 run in bf16 .*: add --bf16"):
+        check_flag_rules(model, data, fp32, task="retrieval")
+    lomo = VlfitTrainingArguments(output_dir=str(tmp_path), bf16=True, bf16_weights=True, optim="lomo",
+                                  report_to="none")  # fmt: skip
+    with pytest.raises(ConfigError, match="^--bf16_weights with --optim lomo or adalomo: .*no fp32 copy"):
+        check_flag_rules(model, data, lomo, task="retrieval")
+    check_flag_rules(model, data, VlfitTrainingArguments(output_dir=str(tmp_path), bf16=True, bf16_weights=True,
+                                                         report_to="none"), task="retrieval")  # fmt: skip

@@ -1,6 +1,7 @@
-"""Resume under the other objectives: a run of ``--objective contrastive+itm`` (whose negatives are drawn per step)
-and one of ``--task vqa`` (whose answer vocabulary is built from the data again) continued from a checkpoint log
-the losses of the run that never stopped."""
+"""Resume under the other objectives: a run of ``--objective contrastive+itm`` (whose negatives are drawn per step),
+one of ``--task vqa`` (whose answer vocabulary is built from the data again) and one with ``--bf16_weights`` (whose
+fp32 master weights are what the checkpoint holds) continued from a checkpoint log the losses of the run that never
+stopped."""
 
 from __future__ import annotations
 
@@ -34,12 +35,14 @@ def vqa_dataset_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(data)
 
 
-@pytest.mark.parametrize("objective", ["contrastive+itm", "vqa"])
+@pytest.mark.parametrize("objective", ["contrastive+itm", "vqa", "bf16_weights"])
 def test_a_resumed_run_logs_the_losses_of_the_uninterrupted_one(
     objective: str, tmp_path: Path, synthetic_dataset_dir: str, vqa_dataset_dir: str
 ) -> None:
     data, flags = (vqa_dataset_dir, ["--task", "vqa"]) if objective == "vqa" else (
         synthetic_dataset_dir, ["--objective", objective])  # fmt: skip
+    if objective == "bf16_weights":  # the bf16 weights come back from the checkpoint's fp32 ones, as they were
+        flags = ["--bf16", "--bf16_weights"]
     straight = tmp_path / "straight"
     saving = ["--save_strategy", "steps", "--save_steps", str(CHECKPOINT_STEP)]
     assert main(["train", *tiny_train_argv(data, straight, *flags, *saving, steps=STEPS)]) == 0

@@ -235,6 +235,30 @@ FLAG_RULES: tuple[FlagRule, ...] = (
         "--matryoshka_prefix_weight weighs the losses of --matryoshka_dims's prefix sizes; without sizes there are "
         "none: add --matryoshka_dims or drop it",
     ),
+    # --bf16_weights: a --bf16 run's weights in bf16, its optimizer over fp32 copies (vlfit.training.master_weights).
+    FlagRule(
+        ("bf16_weights", "bf16"),
+        lambda flags: bool(flags["bf16_weights"]) and not flags["bf16"],
+        "--bf16_weights keeps the weights of a --bf16 run in bf16 (the loss's logits in fp32 under --bf16's "
+        "autocast); this run is fp32: add --bf16, or drop the flag",
+    ),
+    FlagRule(
+        ("bf16_weights", "fsdp"),
+        lambda flags: bool(flags["bf16_weights"]) and bool(flags["fsdp"]),
+        "--bf16_weights with --fsdp is not supported (FSDP holds the weights in its own shards); drop --bf16_weights",
+    ),
+    FlagRule(
+        ("bf16_weights", "deepspeed"),
+        lambda flags: bool(flags["bf16_weights"]) and bool(flags["deepspeed"]),
+        '--bf16_weights with --deepspeed: DeepSpeed keeps fp32 master weights itself in its bf16 mode ("bf16": '
+        '{{"enabled": true}} in its config); drop --bf16_weights',
+    ),
+    FlagRule(
+        ("bf16_weights", "optim"),
+        lambda flags: bool(flags["bf16_weights"]) and flags["optim"] in ("lomo", "adalomo"),
+        "--bf16_weights with --optim lomo or adalomo: LOMO updates each weight inside backward, where there is no "
+        "fp32 copy to update; choose another --optim or drop --bf16_weights",
+    ),
     # Gradient caching re-runs each chunk of the contrastive batch with gradient: with nothing else.
     FlagRule(
         ("objective", "gradient_cache_chunk_size"),

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence, Sized
+from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
@@ -59,6 +60,7 @@ from vlfit.training.evaluation_metrics import evaluation_metrics
 from vlfit.training.fsdp import enable_fsdp_on_cpu, reshape_scalar_parameters, scalar_state_dict
 from vlfit.training.itm_objective import CONTRASTIVE, TrainingObjective
 from vlfit.training.lean_step import LeanStep
+from vlfit.training.master_weights import MasterWeights
 from vlfit.training.padded_patches import PaddedPatchMeter
 from vlfit.training.preemption import StreamSourceLost
 from vlfit.training.stream_epochs import StreamEpochs, agreed_batches, load_stream_state, save_stream_state
@@ -134,7 +136,11 @@ class VlfitTrainer(LeanStep, BadSampleAccounting, AtomicCheckpointSaving, Traine
     def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:
         # Parameters --unfreeze_after_steps trains later are in the optimizer from the start (vlfit.training.unfreeze).
         with temporarily_trainable(self.unfreeze.parameters if self.unfreeze is not None else ()):
-            return super().create_optimizer(*args, **kwargs)
+            optimizer = super().create_optimizer(*args, **kwargs)
+        if getattr(self.args, "bf16_weights", False) and self.master_weights is None:
+            # The model is still fp32 here (a resumed run's checkpoint loaded into it): the copies start from that.
+            self.master_weights = MasterWeights(self.model, optimizer)
+        return optimizer
 
     @property
     def _model_dtype(self) -> torch.dtype:
@@ -177,13 +183,17 @@ class VlfitTrainer(LeanStep, BadSampleAccounting, AtomicCheckpointSaving, Traine
             raise
         finally:
             self._close_feed()
+            if self.master_weights is not None:  # what comes after training (evaluation, saving) sees fp32 weights
+                self.master_weights.release()
+                self.master_weights = None
 
     def _save(self, output_dir: str | None = None, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         if self._scalar_parameters:
             if state_dict is None:
                 state_dict = self.accelerator.get_state_dict(self.model)
             state_dict = scalar_state_dict(state_dict, self._scalar_parameters)
-        super()._save(output_dir, state_dict=state_dict)
+        with self.master_weights.fp32() if self.master_weights is not None else nullcontext():  # --bf16_weights
+            super()._save(output_dir, state_dict=state_dict)
         # The inputs the run trains on, beside the final model and every checkpoint-N: what every door reads.
         save_input_settings(self.pipeline.inputs, output_dir or self.args.output_dir)
 
