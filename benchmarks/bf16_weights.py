@@ -13,7 +13,13 @@ first two what ``vlfit train --torch_compile [--bf16]`` runs), each with its own
 recompiles for another's autocast state or dtype. Their first step (graph capture and code generation, forward and
 backward) is timed separately, as ``compile_seconds``: it is left out of the rate, and a run pays it once.
 
+``--train_steps N`` times the same three ways as whole ``vlfit train`` runs instead: fp32, ``--bf16`` and ``--bf16
+--bf16_weights``, each N steps after two left out (``--throughput_warmup_steps``), on synthetic JPEGs already at the
+preset's input side (``--dataloader_num_workers`` 1, no evaluation, no saving), alternately ``--repeats`` times; the
+rate is the run's own ``train_samples_per_second``.
+
     python benchmarks/bf16_weights.py --preset base --batch_size 8 --repeats 3 [--compile] [--results FILE.json]
+    python benchmarks/bf16_weights.py --preset base --batch_size 8 --repeats 2 --train_steps 4
 """
 
 from __future__ import annotations
@@ -21,17 +27,58 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import io
 import json
 import os
 import statistics
+import sys
+import tempfile
 import time
 
 import torch
 
+from vlfit.cli import main as vlfit
 from vlfit.efficiency.cpu import cpu_info
 from vlfit.models.loading import load_model
+from vlfit.models.presets import get_preset
 
 CAPTIONS = ["a red circle on the left", "two blue squares at the top", "one green triangle"] * 40
+# --train_steps: each way's flags, and the steps each run leaves out of its rate.
+TRAIN_WAYS = {"fp32": [], "bf16 autocast (--bf16)": ["--bf16"],
+              "bf16 weights, fp32 master (--bf16 --bf16_weights)": ["--bf16", "--bf16_weights"]}  # fmt: skip
+TRAIN_WARMUP_STEPS = 2
+
+
+def _quiet(*argv: str) -> int:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return vlfit(list(argv))
+
+
+def train_rates(preset: str, batch_size: int, steps: int, repeats: int) -> dict[str, list[float]]:
+    """Each of ``TRAIN_WAYS`` as a whole ``vlfit train`` run, alternately ``repeats`` times: its samples/s."""
+    size = get_preset(preset).image_processor["size"]
+    side = str(size.get("shortest_edge") or size["height"])
+    rates: dict[str, list[float]] = {name: [] for name in TRAIN_WAYS}
+    with tempfile.TemporaryDirectory(prefix="vlfit-bf16-weights-") as folder:
+        data = os.path.join(folder, "data")
+        rows = str(int(1.25 * batch_size * (steps + TRAIN_WARMUP_STEPS)) + batch_size)  # one epoch: 80% train
+        if _quiet("make-data", "--output_dir", data, "--num_samples", rows, "--min_long_side", side,
+                  "--max_long_side", side):  # fmt: skip
+            sys.exit("vlfit make-data failed")
+        for repeat in range(repeats):
+            for name, flags in TRAIN_WAYS.items():
+                out = os.path.join(folder, f"run-{repeat}-{len(rates[name])}-{len(flags)}")
+                code = _quiet("train", "--model_preset", preset, "--dataset_name", data, "--output_dir", out,
+                              "--max_steps", str(steps + TRAIN_WARMUP_STEPS), "--throughput_warmup_steps",
+                              str(TRAIN_WARMUP_STEPS), "--per_device_train_batch_size", str(batch_size),
+                              "--dataloader_num_workers", "1", "--eval_strategy", "no", "--save_strategy", "no",
+                              "--report_to", "none", "--seed", "0", *flags)  # fmt: skip
+                if code:
+                    sys.exit(f"vlfit train {' '.join(flags)} exited {code}")
+                with open(os.path.join(out, "all_results.json"), encoding="utf-8") as f:
+                    rates[name].append(float(json.load(f)["train_samples_per_second"]))
+                print(f"{name}: {rates[name][-1]:.3f} samples/s", flush=True)
+    return rates
 
 
 def main() -> None:
@@ -42,8 +89,30 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="Also time fp32 and --bf16 under torch.compile.")
     parser.add_argument("--backend", default="inductor", help="The torch.compile backend of --compile.")
     parser.add_argument("--results", default=None, help="Write the figures here as JSON too.")
+    parser.add_argument(
+        "--train_steps",
+        type=int,
+        default=0,
+        help="Time whole vlfit train runs of this many steps instead of one step in process.",
+    )
     args = parser.parse_args()
     load_before = os.getloadavg()[0]
+    if args.train_steps:
+        rates = train_rates(args.preset, args.batch_size, args.train_steps, args.repeats)
+        fp32 = statistics.median(rates["fp32"])
+        rows = [{"way": name, "samples_per_s": round(statistics.median(values), 3),
+                 "over_fp32": round(statistics.median(values) / fp32, 3), "runs": [round(v, 3) for v in values]}
+                for name, values in rates.items()]  # fmt: skip
+        for row in rows:
+            print(f"{row['way']:<50} {row['samples_per_s']:8.2f} samples/s  {row['over_fp32']:5.2f}x fp32")
+        if args.results:
+            result = {**cpu_info().record(), "preset": args.preset, "batch_size": args.batch_size,
+                      "train_steps": args.train_steps, "warmup_steps": TRAIN_WARMUP_STEPS, "repeats": args.repeats,
+                      "torch_threads": torch.get_num_threads(),
+                      "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)], "rows": rows}  # fmt: skip
+            with open(args.results, "w", encoding="utf-8") as f:
+                json.dump(result, f, indent=1)
+        return
     torch.manual_seed(0)
     loaded = load_model(model_preset=args.preset, captions=lambda: CAPTIONS)
     model, family = loaded.model, loaded.spec.family

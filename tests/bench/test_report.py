@@ -144,6 +144,18 @@ def test_the_recommendation_takes_the_precision_measured_faster(fp32: float, bf1
     )
 
 
+@pytest.mark.parametrize(("bf16_weights", "flags"), [(30.0, ["--bf16", "--bf16_weights"]), (25.0, ["--bf16"])])
+def test_bf16_weights_are_recommended_where_they_beat_autocast_by_the_margin(bf16_weights: float, flags) -> None:
+    results = made_up_results(best=80.0, ceiling=100.0)
+    results["settings"]["precision"] = "fp32"
+    results["bf16_comparison"] = {"fp32_samples_per_second": 10.0, "bf16_samples_per_second": 24.0,
+                                  "bf16_weights_samples_per_second": bf16_weights, "fp32_over_bf16": 10 / 24,
+                                  "bf16_speedup": 2.4, "bf16_weights_speedup": bf16_weights / 10}  # fmt: skip
+    recommendation = finalize(results)["recommendation"]
+    assert [flag for flag in recommendation["flags"] if flag.startswith("--bf16")] == flags
+    assert f"bf16 weights with fp32 copies (--bf16_weights) {bf16_weights / 10:.2f}x" in recommendation["text"]
+
+
 @pytest.mark.parametrize(
     ("fp32_compiled", "bf16_compiled", "backend", "flags"),
     [

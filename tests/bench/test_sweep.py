@@ -76,6 +76,9 @@ def test_bench_json_has_every_field_with_consistent_values(bench_run) -> None:
     assert results["machine"]["cores"] >= 1 and results["machine"]["device"] == "cpu"
     comparison = results["bf16_comparison"]
     assert comparison["fp32_samples_per_second"] > 0 and comparison["bf16_samples_per_second"] > 0
+    assert comparison["bf16_weights_speedup"] == pytest.approx(
+        comparison["bf16_weights_samples_per_second"] / comparison["fp32_samples_per_second"]
+    )
     assert comparison["fp32_over_bf16"] == pytest.approx(
         comparison["fp32_samples_per_second"] / comparison["bf16_samples_per_second"]
     )

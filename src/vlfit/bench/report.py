@@ -236,6 +236,12 @@ def _summary_lines(results: dict[str, Any]) -> list[str]:
         lines.append(
             f"fp32 vs bf16 compute: fp32 {comparison['fp32_samples_per_second']:.1f}, bf16 "
             f"{comparison['bf16_samples_per_second']:.1f} samples/s, fp32/bf16 = {comparison['fp32_over_bf16']:.2f}"
+            + (
+                f"; bf16 weights with fp32 copies (--bf16_weights) {comparison['bf16_weights_samples_per_second']:.1f}"
+                " samples/s"
+                if "bf16_weights_samples_per_second" in comparison
+                else ""
+            )
         )
     for key, name in (("attention_comparison", "attention kernel"), ("compile_comparison", "torch.compile")):
         if results.get(key, {}).get("error"):

@@ -26,6 +26,8 @@ WORKERS_FLAG = "--dataloader_num_workers"
 # times faster than the sweep's own setting: two readings of one step on a shared machine differ by some percent,
 # and a precision (or minutes of compiling) is no reason to change for less.
 PRECISION_MARGIN = 1.1
+# The precision of vlfit train --bf16 --bf16_weights (bf16 weights, fp32 copies in the optimizer) in a recommendation.
+BF16_WEIGHTS = "bf16_weights"
 # The fields that name a configuration (and the measured rate), as the verdict and recommendation repeat them.
 CONFIG_FIELDS: tuple[str, ...] = ("mode", "pipeline", "workers", "prefetch_factor", "samples_per_second")
 
@@ -129,8 +131,10 @@ def train_flags(
     if row["workers"] and row.get("prefetch_factor"):
         flags += ["--dataloader_prefetch_factor", str(row["prefetch_factor"])]
     flags += ["--per_device_train_batch_size", str(batch_size)]
-    if precision == "bf16":
+    if precision in ("bf16", BF16_WEIGHTS):
         flags.append("--bf16")
+        if precision == BF16_WEIGHTS:
+            flags.append("--bf16_weights")
     elif precision == "fp16":
         flags.append("--fp16")
     if objective != CONTRASTIVE:
@@ -147,23 +151,28 @@ def fastest_compute(results: dict[str, Any]) -> tuple[str, str | None, str]:
     recommendation's line; empty without a comparison).
 
     The sweep's own precision, eager, unless its comparisons measured another setting at least
-    ``PRECISION_MARGIN`` times faster: first the other of fp32 and bf16 (``bf16_comparison``), then either under
-    ``torch.compile`` against that choice (``compile_comparison``, each precision's compiled speedup over its own
-    eager reading)."""
+    ``PRECISION_MARGIN`` times faster: first the other of fp32 and bf16 (``bf16_comparison``), then bf16 weights
+    with fp32 copies in the optimizer (``--bf16 --bf16_weights``, measured with the comparison) against that choice,
+    then fp32 or bf16 under ``torch.compile`` against that one (``compile_comparison``, each precision's compiled
+    speedup over its own eager reading)."""
     own = results["settings"]["precision"]
     relative: dict[tuple[str, str | None], float] = {(own, None): 1.0}  # rates relative to the sweep's own
     comparison = results.get("bf16_comparison")
     if comparison and own in ("fp32", "bf16"):
         speedup = comparison["bf16_speedup"]
         relative[("bf16" if own == "fp32" else "fp32", None)] = speedup if own == "fp32" else 1 / speedup
+        if "bf16_weights_speedup" in comparison:  # over fp32, as bf16_speedup
+            relative[(BF16_WEIGHTS, None)] = comparison["bf16_weights_speedup"] / (1.0 if own == "fp32" else speedup)
     compiled = results.get("compile_comparison") or {}
     backend = compiled.get("backend")
     for precision, figures in (compiled.get("by_precision") or {}).items():
         if (precision, None) in relative:
             relative[(precision, backend)] = relative[(precision, None)] * figures["compiled_speedup"]
     choice = (own, None)
-    for compiled_step in (False, True):  # each change (precision, then compiling) has to pay the margin
-        best = max((key for key in relative if (key[1] is not None) == compiled_step), key=relative.get, default=None)
+    # Each change (the precision, then bf16 weights, then compiling) has to pay the margin over the choice so far.
+    for tier in ("precision", BF16_WEIGHTS, "compiled"):
+        candidates = [key for key in relative if _tier(key) == tier]
+        best = max(candidates, key=relative.get, default=None)
         if best is not None and relative[best] >= PRECISION_MARGIN * relative[choice]:
             choice = best
     precision, chosen_backend = choice
@@ -172,6 +181,8 @@ def fastest_compute(results: dict[str, Any]) -> tuple[str, str | None, str]:
         cpu = results.get("machine", {}).get("cpu_features")
         on = f" on a CPU with {', '.join(cpu[:3])}" if cpu else ""
         why = f"; {precision}: bf16 ran {comparison['bf16_speedup']:.2f}x fp32's compute here{on}"
+        if "bf16_weights_speedup" in comparison:
+            why += f", bf16 weights with fp32 copies (--bf16_weights) {comparison['bf16_weights_speedup']:.2f}x"
     if backend is not None and (precision, backend) in relative:
         figures = compiled["by_precision"][precision]
         verdict = "torch.compile" if chosen_backend else "eager"
@@ -180,6 +191,13 @@ def fastest_compute(results: dict[str, Any]) -> tuple[str, str | None, str]:
             f"eager compute (after a first step of {figures['first_compiled_step_seconds']:.0f} s)"
         )
     return precision, chosen_backend, why
+
+
+def _tier(key: tuple[str, str | None]) -> str:
+    """Which change from the sweep's own setting a (precision, compile backend) pair is (``fastest_compute``)."""
+    if key[1] is not None:
+        return "compiled"
+    return BF16_WEIGHTS if key[0] == BF16_WEIGHTS else "precision"
 
 
 def recommend(results: dict[str, Any]) -> dict[str, Any] | None:

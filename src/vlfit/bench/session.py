@@ -12,6 +12,7 @@ host-to-device copy and the device stage; on CUDA both on the prefetcher's side 
 
 from __future__ import annotations
 
+import copy
 import gc
 import logging
 import time
@@ -42,6 +43,7 @@ from vlfit.data.pipeline import InputPipeline, LoaderSettings, PipelineOptions, 
 from vlfit.efficiency.flops import count_flops
 from vlfit.models.family import InputSpec, ModelFamily
 from vlfit.training.itm_objective import prepare_model_for_objective
+from vlfit.training.master_weights import MasterWeights
 
 logger = logging.getLogger(__name__)
 
@@ -227,6 +229,17 @@ class BenchSession:
         self._compiled_step(batch, precision)
         synchronize(self.device)
         return self._compiled_step, time.perf_counter() - started
+
+    def bf16_weights_step(self) -> TrainStep:
+        """The training step of ``vlfit train --bf16 --bf16_weights``: a bf16 copy of the model under bf16 autocast,
+        its optimizer over fp32 copies of the weights, which it clips (``vlfit.training.master_weights``). The
+        session's model is left as it is; the step holds the model a second time, so let go of it after use."""
+        step, _ = self._step_and_ready_batch("the bf16-weights compute ceiling")
+        model = copy.deepcopy(step.model)
+        weights_step = TrainStep(model, step.family, self.device, "bf16", objective=self.plan.objective,
+                                 seed=self.plan.seed)  # fmt: skip
+        weights_step.parameters = MasterWeights(model, weights_step.optimizer).trained
+        return weights_step
 
     def compute(
         self, precision: str | None = None, repeats: int | None = None, *, step: TrainStep | None = None
