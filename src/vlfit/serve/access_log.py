@@ -1,4 +1,5 @@
-"""Keeping secrets given in a URL's query string out of the server's access log.
+"""The server's access log: secrets given in a URL's query string kept out of it, and its lines written by a thread
+of their own.
 
 A client may put a key in the query string (``/api/search?api_key=...``, ``?token=...``), whatever the server
 asks for: uvicorn's access log writes each request's path with its query, so the value would land in every log the
@@ -6,14 +7,25 @@ server's output goes to. ``RedactQuerySecrets`` is a ``logging.Filter`` on the `
 replaces the value of each query parameter whose name holds ``key``, ``token``, ``secret``, ``password`` or
 ``auth`` (any case, percent-encoded names decoded first) with ``REDACTED``; ``log_config`` is uvicorn's logging
 configuration with it installed, which uvicorn applies in the server process and in each worker of ``--workers N``.
+
+uvicorn logs each request from its event loop: formatting the line and writing it to the output (a pipe, a
+terminal, a journal) took about a tenth of the loop's time under load, and a reader of the output that falls behind
+would stall the loop at its write, every connection's requests with it. ``BackgroundAccessLog`` takes each record
+off the loop onto a bounded queue, and a thread of its own formats and writes it: the loop pays for making the
+record only. When the queue is full (the output's reader has stopped keeping up) a record is dropped and counted,
+never waited for; the writer says how many in a line of the log once it writes again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+import logging.handlers
+import queue
 import re
-from typing import Any
+import threading
+from typing import IO, Any
 from urllib.parse import unquote_plus
 
 ACCESS_LOGGER = "uvicorn.access"
@@ -51,9 +63,69 @@ class RedactQuerySecrets(logging.Filter):
         return True
 
 
+# Access records waiting for the writer thread: about 2 MB of records, seconds of the server's busiest rate.
+QUEUE_RECORDS = 10_000
+# At the process's end, how long the writer gets to write what is queued (a stalled output cannot hold the exit).
+CLOSE_WAIT_S = 5.0
+
+
+class BackgroundAccessLog(logging.handlers.QueueHandler):
+    """A handler that hands each record to a thread of its own, which formats it and writes it to ``stream`` (see
+    the module docstring): a ``QueueHandler`` whose records are formatted by its writer, not by the caller.
+
+    Args:
+        stream: Where the lines go (uvicorn's access log: standard output).
+        maxsize: The most records waiting; more are dropped and counted (``dropped``).
+    """
+
+    def __init__(self, stream: IO[str] | None = None, maxsize: int = QUEUE_RECORDS) -> None:
+        super().__init__(queue.Queue(maxsize))
+        self.writer = logging.StreamHandler(stream)
+        self.dropped = 0
+        self._reported = 0
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="vlfit-access-log", daemon=True)
+        self._thread.start()
+
+    def setFormatter(self, fmt: logging.Formatter | None) -> None:  # noqa: N802 - logging's name
+        self.writer.setFormatter(fmt)  # the writer formats: dictConfig's "formatter" is its
+
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        return record  # formatted by the writer thread (QueueHandler's own would format it here, on the loop)
+
+    def enqueue(self, record: logging.LogRecord) -> None:
+        try:
+            self.queue.put_nowait(record)
+        except queue.Full:
+            with self._lock:
+                self.dropped += 1
+
+    def _run(self) -> None:
+        while (record := self.queue.get()) is not None:
+            with self._lock:
+                dropped, self._reported = self.dropped - self._reported, self.dropped
+            if dropped:
+                self.writer.handle(logging.makeLogRecord({
+                    "name": record.name, "levelno": logging.WARNING, "levelname": "WARNING",
+                    "msg": "%d access log lines were dropped: the reader of the server's output did not keep up",
+                    "args": (dropped,)}))  # fmt: skip
+            self.writer.handle(record)
+
+    def close(self) -> None:
+        # At the process's end (logging.shutdown) or a new logging configuration: what is queued is written first.
+        if self._thread.is_alive():
+            with contextlib.suppress(queue.Full):
+                self.queue.put(None, timeout=CLOSE_WAIT_S)
+            self._thread.join(CLOSE_WAIT_S)
+        if not self._thread.is_alive():  # a writer stalled on its output is left to end with the process
+            self.writer.flush()
+        super().close()
+
+
 def log_config(base: dict[str, Any] | None = None) -> dict[str, Any]:
     """uvicorn's logging configuration (``base``, default ``uvicorn.config.LOGGING_CONFIG``) with
-    ``RedactQuerySecrets`` on the ``uvicorn.access`` logger: what ``uvicorn.run(log_config=...)`` takes."""
+    ``RedactQuerySecrets`` on the ``uvicorn.access`` logger and its handler's lines written by
+    ``BackgroundAccessLog``: what ``uvicorn.run(log_config=...)`` takes."""
     if base is None:
         from uvicorn.config import LOGGING_CONFIG
 
@@ -62,4 +134,9 @@ def log_config(base: dict[str, Any] | None = None) -> dict[str, Any]:
     config.setdefault("filters", {})[_FILTER_NAME] = {"()": f"{__name__}.RedactQuerySecrets"}
     access = config.setdefault("loggers", {}).setdefault(ACCESS_LOGGER, {})
     access["filters"] = [*access.get("filters", []), _FILTER_NAME]
+    for name in access.get("handlers", []):
+        handler = config["handlers"][name]
+        if handler.get("class") == "logging.StreamHandler":
+            handler.pop("class")
+            handler["()"] = f"{__name__}.BackgroundAccessLog"
     return config

@@ -63,9 +63,9 @@ class MasterWeights:
 
     def _copy_back(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         with torch.no_grad():
-            for weight, master in self._trained:
-                weight.copy_(master)
-                master.grad = None
+            torch._foreach_copy_([weight for weight, _ in self._trained], self.trained)
+        for master in self.trained:
+            master.grad = None
 
     @contextmanager
     def fp32(self) -> Iterator[None]:
