@@ -53,7 +53,7 @@ def test_bf16_weights_train_within_a_hundredth_of_fp32_and_save_fp32(tmp_path, m
     fp32 = _train(monkeypatch, synthetic_dataset_dir, str(tmp_path / "fp32"))
     weights = _train(monkeypatch, synthetic_dataset_dir, str(tmp_path / "weights"), "--bf16", "--bf16_weights")
     assert weights.matmul_dtypes == {"torch.bfloat16"}
-    # The loss curve: every step within 0.01 of fp32's (measured: within 0.002 over 6 steps of this preset).
+    # The loss curve: every step within 0.01 of fp32's (measured: within 0.003 over 6 steps of this preset).
     assert len(weights.losses) == len(fp32.losses) == 3
     for step, (bf16_loss, fp32_loss) in enumerate(zip(weights.losses, fp32.losses, strict=True)):
         assert bf16_loss == pytest.approx(fp32_loss, abs=0.01), step
