@@ -71,3 +71,10 @@ def test_the_fp32_view_saves_the_copies_and_release_leaves_the_model_fp32() -> N
     assert torch.equal(model.state_dict()["0.weight"], saved["0.weight"])
     _loss(model, torch.randn(8, 16)).backward()
     assert model[0].weight.grad is not None  # no hook takes the gradient any more
+    # The optimizer is the model's again, with the copies' moments: a further step trains the model in fp32.
+    assert [p for group in optimizer.param_groups for p in group["params"]] == [
+        p for p in model.parameters() if p.requires_grad]  # fmt: skip
+    assert optimizer.state[model[0].weight]["step"] == 1
+    before = model[0].weight.detach().clone()
+    optimizer.step()
+    assert not torch.equal(model[0].weight.detach(), before)

@@ -37,6 +37,7 @@ class MasterWeights:
         if any(optimizer.state.values()):
             raise ValueError("MasterWeights takes an optimizer that has not stepped yet")
         self.model = model
+        self.optimizer = optimizer
         # Every floating parameter has a copy (a frozen one too: the run saves its fp32 value); tied ones share it.
         self._masters: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(weight): (weight, its fp32 copy)
         for parameter in model.parameters():
@@ -78,11 +79,19 @@ class MasterWeights:
                 tensor.data = data
 
     def release(self) -> None:
-        """Leave ``model`` in fp32 for good (its weights share the copies' storage) and stop taking gradients."""
+        """Leave ``model`` in fp32 for good (its weights share the copies' storage), stop taking gradients, and point
+        the optimizer back at the model's weights with the copies' state: training on with it is fp32 training."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
         self._swap_in_fp32()
+        weight_of = {id(master): weight for weight, master in self._trained}
+        for group in self.optimizer.param_groups:
+            group["params"] = [weight_of[id(master)] for master in group["params"]]
+        for weight, master in self._trained:
+            if master in self.optimizer.state:
+                self.optimizer.state[weight] = self.optimizer.state.pop(master)
+            weight.grad = master.grad
 
     def _swap_in_fp32(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         held = []
