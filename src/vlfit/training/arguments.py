@@ -85,8 +85,8 @@ class VlfitTrainingArguments(CompatTrainingFlags, TrainingArguments):
         "With --bf16: the model's weights in bf16 while it trains, with an fp32 copy of each that the optimizer "
         "updates and copies back after every step (gradients are summed and clipped in fp32), as DeepSpeed's bf16 "
         "mode does; checkpoints and the final model hold the fp32 weights. No casts of the weights at each matrix "
-        "product: on a CPU with AMX, the base preset at batch 16 trained 3.00x fp32 this way and 2.66x with --bf16 "
-        "alone (docs/training.md). One process; not with --fsdp, --deepspeed or LOMO.",
+        "product: on a CPU with AMX, the base preset's training step at batch 16 ran 3.00x fp32's this way and 2.66x "
+        "with --bf16 alone (docs/training.md). One process; not with --fsdp, --deepspeed or LOMO.",
     )
     throughput_warmup_steps: int = flag(
         0,
