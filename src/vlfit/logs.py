@@ -2,14 +2,19 @@
 
 Library modules only call ``logging.getLogger(__name__)``: a Python caller who configures logging (or does not)
 decides what is shown, as with any library. The CLI shows vlfit's INFO lines on stderr (``--log_level`` changes
-that), keeping stdout for results.
+that), keeping stdout for results. ``vlfit serve``'s access log is written by ``BackgroundAccessLog``
+(``vlfit.serve.access_log``), a thread of its own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import logging.handlers
+import queue
 import sys
+import threading
+from typing import IO
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 FORMAT = "%(asctime)s - %(levelname)s - %(name)s - %(message)s"
@@ -119,3 +124,62 @@ def quiet_replicas(process_log_level: int, should_log: bool) -> None:
     ``--log_level_replica``), so N processes do not log every line N times."""
     if not should_log:
         logging.getLogger("vlfit").setLevel(max(process_log_level, logging.WARNING))
+
+
+# Access records waiting for the writer thread: about 2 MB of records, seconds of the server's busiest rate.
+QUEUE_RECORDS = 10_000
+# At the process's end, how long the writer gets to write what is queued (a stalled output cannot hold the exit).
+CLOSE_WAIT_S = 5.0
+
+
+class BackgroundAccessLog(logging.handlers.QueueHandler):
+    """A handler that hands each record to a thread of its own, which formats it and writes it to ``stream`` (see
+    the module docstring): a ``QueueHandler`` whose records are formatted by its writer, not by the caller.
+
+    Args:
+        stream: Where the lines go (uvicorn's access log: standard output).
+        maxsize: The most records waiting; more are dropped and counted (``dropped``).
+    """
+
+    def __init__(self, stream: IO[str] | None = None, maxsize: int = QUEUE_RECORDS) -> None:
+        super().__init__(queue.Queue(maxsize))
+        self.writer = logging.StreamHandler(stream)
+        self.dropped = 0
+        self._reported = 0
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="vlfit-access-log", daemon=True)
+        self._thread.start()
+
+    def setFormatter(self, fmt: logging.Formatter | None) -> None:  # noqa: N802 - logging's name
+        self.writer.setFormatter(fmt)  # the writer formats: dictConfig's "formatter" is its
+
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        return record  # formatted by the writer thread (QueueHandler's own would format it here, on the loop)
+
+    def enqueue(self, record: logging.LogRecord) -> None:
+        try:
+            self.queue.put_nowait(record)
+        except queue.Full:
+            with self._lock:
+                self.dropped += 1
+
+    def _run(self) -> None:
+        while (record := self.queue.get()) is not None:
+            with self._lock:
+                dropped, self._reported = self.dropped - self._reported, self.dropped
+            if dropped:
+                self.writer.handle(logging.makeLogRecord({
+                    "name": record.name, "levelno": logging.WARNING, "levelname": "WARNING",
+                    "msg": "%d access log lines were dropped: the reader of the server's output did not keep up",
+                    "args": (dropped,)}))  # fmt: skip
+            self.writer.handle(record)
+
+    def close(self) -> None:
+        # At the process's end (logging.shutdown) or a new logging configuration: what is queued is written first.
+        if self._thread.is_alive():
+            with contextlib.suppress(queue.Full):
+                self.queue.put(None, timeout=CLOSE_WAIT_S)
+            self._thread.join(CLOSE_WAIT_S)
+        if not self._thread.is_alive():  # a writer stalled on its output is left to end with the process
+            self.writer.flush()
+        super().close()

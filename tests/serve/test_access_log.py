@@ -1,5 +1,6 @@
-"""The access log's lines are formatted and written by a thread of their own (``vlfit.serve.access_log``): in order,
-all of them at the end, and a stalled output never holds the caller: it drops and counts, and says so."""
+"""The access log's lines are formatted and written by a thread of their own (``vlfit.logs.BackgroundAccessLog``, on
+uvicorn's access logger by ``vlfit.serve.access_log``): in order, all of them at the end, and a stalled output never
+holds the caller: it drops and counts, and says so."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import logging.config
 import threading
 import time
 
-from vlfit.serve.access_log import ACCESS_LOGGER, BackgroundAccessLog, log_config
+from vlfit.logs import BackgroundAccessLog
+from vlfit.serve.access_log import ACCESS_LOGGER, log_config
 
 
 class StalledStream(io.StringIO):

@@ -10,23 +10,22 @@ configuration with it installed, which uvicorn applies in the server process and
 
 uvicorn logs each request from its event loop: formatting the line and writing it to the output (a pipe, a
 terminal, a journal) took about a tenth of the loop's time under load, and a reader of the output that falls behind
-would stall the loop at its write, every connection's requests with it. ``BackgroundAccessLog`` takes each record
-off the loop onto a bounded queue, and a thread of its own formats and writes it: the loop pays for making the
-record only. When the queue is full (the output's reader has stopped keeping up) a record is dropped and counted,
-never waited for; the writer says how many in a line of the log once it writes again.
+would stall the loop at its write, every connection's requests with it. ``log_config`` gives the access logger
+``vlfit.logs.BackgroundAccessLog``, which takes each record off the loop onto a bounded queue, and a thread of its
+own formats and writes it: the loop pays for making the record only. When the queue is full (the output's reader has
+stopped keeping up) a record is dropped and counted, never waited for; the writer says how many in a line of the log
+once it writes again.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
-import logging.handlers
-import queue
 import re
-import threading
-from typing import IO, Any
+from typing import Any
 from urllib.parse import unquote_plus
+
+from vlfit.logs import BackgroundAccessLog
 
 ACCESS_LOGGER = "uvicorn.access"
 REDACTED = "REDACTED"
@@ -63,65 +62,6 @@ class RedactQuerySecrets(logging.Filter):
         return True
 
 
-# Access records waiting for the writer thread: about 2 MB of records, seconds of the server's busiest rate.
-QUEUE_RECORDS = 10_000
-# At the process's end, how long the writer gets to write what is queued (a stalled output cannot hold the exit).
-CLOSE_WAIT_S = 5.0
-
-
-class BackgroundAccessLog(logging.handlers.QueueHandler):
-    """A handler that hands each record to a thread of its own, which formats it and writes it to ``stream`` (see
-    the module docstring): a ``QueueHandler`` whose records are formatted by its writer, not by the caller.
-
-    Args:
-        stream: Where the lines go (uvicorn's access log: standard output).
-        maxsize: The most records waiting; more are dropped and counted (``dropped``).
-    """
-
-    def __init__(self, stream: IO[str] | None = None, maxsize: int = QUEUE_RECORDS) -> None:
-        super().__init__(queue.Queue(maxsize))
-        self.writer = logging.StreamHandler(stream)
-        self.dropped = 0
-        self._reported = 0
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="vlfit-access-log", daemon=True)
-        self._thread.start()
-
-    def setFormatter(self, fmt: logging.Formatter | None) -> None:  # noqa: N802 - logging's name
-        self.writer.setFormatter(fmt)  # the writer formats: dictConfig's "formatter" is its
-
-    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
-        return record  # formatted by the writer thread (QueueHandler's own would format it here, on the loop)
-
-    def enqueue(self, record: logging.LogRecord) -> None:
-        try:
-            self.queue.put_nowait(record)
-        except queue.Full:
-            with self._lock:
-                self.dropped += 1
-
-    def _run(self) -> None:
-        while (record := self.queue.get()) is not None:
-            with self._lock:
-                dropped, self._reported = self.dropped - self._reported, self.dropped
-            if dropped:
-                self.writer.handle(logging.makeLogRecord({
-                    "name": record.name, "levelno": logging.WARNING, "levelname": "WARNING",
-                    "msg": "%d access log lines were dropped: the reader of the server's output did not keep up",
-                    "args": (dropped,)}))  # fmt: skip
-            self.writer.handle(record)
-
-    def close(self) -> None:
-        # At the process's end (logging.shutdown) or a new logging configuration: what is queued is written first.
-        if self._thread.is_alive():
-            with contextlib.suppress(queue.Full):
-                self.queue.put(None, timeout=CLOSE_WAIT_S)
-            self._thread.join(CLOSE_WAIT_S)
-        if not self._thread.is_alive():  # a writer stalled on its output is left to end with the process
-            self.writer.flush()
-        super().close()
-
-
 def log_config(base: dict[str, Any] | None = None) -> dict[str, Any]:
     """uvicorn's logging configuration (``base``, default ``uvicorn.config.LOGGING_CONFIG``) with
     ``RedactQuerySecrets`` on the ``uvicorn.access`` logger and its handler's lines written by
@@ -138,5 +78,5 @@ def log_config(base: dict[str, Any] | None = None) -> dict[str, Any]:
         handler = config["handlers"][name]
         if handler.get("class") == "logging.StreamHandler":
             handler.pop("class")
-            handler["()"] = f"{__name__}.BackgroundAccessLog"
+            handler["()"] = f"{BackgroundAccessLog.__module__}.BackgroundAccessLog"
     return config
