@@ -133,8 +133,8 @@ CLOSE_WAIT_S = 5.0
 
 
 class BackgroundAccessLog(logging.handlers.QueueHandler):
-    """A handler that hands each record to a thread of its own, which formats it and writes it to ``stream`` (see
-    the module docstring): a ``QueueHandler`` whose records are formatted by its writer, not by the caller.
+    """A handler that hands each record to a thread of its own, which formats it and writes it to ``stream`` (why:
+    ``vlfit.serve.access_log``): a ``QueueHandler`` whose records are formatted by its writer, not by the caller.
 
     Args:
         stream: Where the lines go (uvicorn's access log: standard output).

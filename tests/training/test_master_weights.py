@@ -78,3 +78,9 @@ def test_the_fp32_view_saves_the_copies_and_release_leaves_the_model_fp32() -> N
     before = model[0].weight.detach().clone()
     optimizer.step()
     assert not torch.equal(model[0].weight.detach(), before)
+    # Trained again (a second train() of one trainer): the copies take the weights and their state back.
+    again = MasterWeights(model, optimizer)
+    assert model[0].weight.dtype == torch.bfloat16 and optimizer.state[again.trained[0]]["step"] == 2
+    _loss(model, torch.randn(8, 16)).backward()
+    optimizer.step()
+    assert optimizer.state[again.trained[0]]["step"] == 3

@@ -29,13 +29,12 @@ class MasterWeights:
     copies (see the module docstring).
 
     Args:
-        model: The model, in fp32, with ``optimizer`` just built over its parameters (no step taken).
-        optimizer: A ``torch.optim.Optimizer``: its parameter groups are pointed at the fp32 copies.
+        model: The model, in fp32, with ``optimizer`` built over its parameters.
+        optimizer: A ``torch.optim.Optimizer``: its parameter groups are pointed at the fp32 copies, with the state
+            it holds for each weight (a trainer trained again after ``release``).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        if any(optimizer.state.values()):
-            raise ValueError("MasterWeights takes an optimizer that has not stepped yet")
         self.model = model
         self.optimizer = optimizer
         # Every floating parameter has a copy (a frozen one too: the run saves its fp32 value); tied ones share it.
@@ -49,6 +48,7 @@ class MasterWeights:
             group["params"] = [self._masters[id(parameter)][1] for parameter in group["params"]]
         optimized = {id(master) for group in optimizer.param_groups for master in group["params"]}
         self._trained = [(weight, master) for weight, master in self._masters.values() if id(master) in optimized]
+        _move_state(optimizer, self._trained)
         self.trained = [master for _, master in self._trained]  # their .grad is the step's gradient: clip these
         model.to(torch.bfloat16)
         self._hooks = [weight.register_post_accumulate_grad_hook(self._take_gradient) for weight, _ in self._trained]
@@ -88,9 +88,8 @@ class MasterWeights:
         weight_of = {id(master): weight for weight, master in self._trained}
         for group in self.optimizer.param_groups:
             group["params"] = [weight_of[id(master)] for master in group["params"]]
+        _move_state(self.optimizer, [(master, weight) for weight, master in self._trained])
         for weight, master in self._trained:
-            if master in self.optimizer.state:
-                self.optimizer.state[weight] = self.optimizer.state.pop(master)
             weight.grad = master.grad
 
     def _swap_in_fp32(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -103,3 +102,10 @@ class MasterWeights:
                 held.append((buffer, buffer.data))
                 buffer.data = self._buffers[name]
         return held
+
+
+def _move_state(optimizer: torch.optim.Optimizer, pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
+    """The optimizer's state of each ``(old, new)`` pair's old tensor, held for the new one instead."""
+    for old, new in pairs:
+        if old in optimizer.state:
+            optimizer.state[new] = optimizer.state.pop(old)
