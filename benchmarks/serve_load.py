@@ -68,6 +68,7 @@ from serve_pressure import LEVELS as PRESSURE_LEVELS
 from serve_pressure import OVERLOAD_S, on_server_cores, open_loop, serve_pressure
 
 from vlfit.cli import main as vlfit
+from vlfit.efficiency.cpu import cpu_info
 from vlfit.inference.runtime_settings import RuntimeSettings
 
 LEVELS = {1: 200, 8: 800, 32: 1600}  # concurrency -> requests sent at that level, per repeat
@@ -391,7 +392,8 @@ def main() -> int:
                                   tuple(args.pressure_levels))  # fmt: skip
     if not (args.pressure_only or args.server_only):
         built = structures(args.out, encoder.identity, [100_000, 1_000_000], args.hnsw_at_1m)
-    machine = {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+    machine = {**cpu_info().record(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
+               "python": platform.python_version()}  # fmt: skip
     results = {"machine": machine, "load_average": os.getloadavg(), "embedding_dim": dim,
                "text_tower": encoder.description, "server_flags": args.server_flags, "pinned": args.pin,
                "server": served, "pressure": pressure,
