@@ -44,11 +44,9 @@ class MasterWeights:
                 self._masters[id(parameter)] = (parameter, nn.Parameter(parameter.detach().float().clone()))
         self._buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()
                          if buffer.is_floating_point()}  # fmt: skip
-        for group in optimizer.param_groups:
-            group["params"] = [self._masters[id(parameter)][1] for parameter in group["params"]]
+        _switch_parameters(optimizer, {id(weight): master for weight, master in self._masters.values()})
         optimized = {id(master) for group in optimizer.param_groups for master in group["params"]}
         self._trained = [(weight, master) for weight, master in self._masters.values() if id(master) in optimized]
-        _move_state(optimizer, self._trained)
         self.trained = [master for _, master in self._trained]  # their .grad is the step's gradient: clip these
         model.to(torch.bfloat16)
         self._hooks = [weight.register_post_accumulate_grad_hook(self._take_gradient) for weight, _ in self._trained]
@@ -85,10 +83,7 @@ class MasterWeights:
             hook.remove()
         self._hooks = []
         self._swap_in_fp32()
-        weight_of = {id(master): weight for weight, master in self._trained}
-        for group in self.optimizer.param_groups:
-            group["params"] = [weight_of[id(master)] for master in group["params"]]
-        _move_state(self.optimizer, [(master, weight) for weight, master in self._trained])
+        _switch_parameters(self.optimizer, {id(master): weight for weight, master in self._trained})
         for weight, master in self._trained:
             weight.grad = master.grad
 
@@ -104,8 +99,10 @@ class MasterWeights:
         return held
 
 
-def _move_state(optimizer: torch.optim.Optimizer, pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
-    """The optimizer's state of each ``(old, new)`` pair's old tensor, held for the new one instead."""
-    for old, new in pairs:
-        if old in optimizer.state:
-            optimizer.state[new] = optimizer.state.pop(old)
+def _switch_parameters(optimizer: torch.optim.Optimizer, new_of: dict[int, nn.Parameter]) -> None:
+    """Each of ``optimizer``'s parameters replaced by ``new_of[id(parameter)]`` in its group, with its state."""
+    for group in optimizer.param_groups:
+        for index, old in enumerate(group["params"]):
+            new = group["params"][index] = new_of[id(old)]
+            if old in optimizer.state:
+                optimizer.state[new] = optimizer.state.pop(old)
