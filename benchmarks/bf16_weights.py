@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import io
 import json
 import os
 import statistics
@@ -36,11 +35,10 @@ import tempfile
 import time
 
 import torch
+from trainer_overhead import input_side, run_quietly
 
-from vlfit.cli import main as vlfit
 from vlfit.efficiency.cpu import cpu_info
 from vlfit.models.loading import load_model
-from vlfit.models.presets import get_preset
 
 CAPTIONS = ["a red circle on the left", "two blue squares at the top", "one green triangle"] * 40
 # --train_steps: each way's flags, and the steps each run leaves out of its rate.
@@ -49,30 +47,24 @@ TRAIN_WAYS = {"fp32": [], "bf16 autocast (--bf16)": ["--bf16"],
 TRAIN_WARMUP_STEPS = 2
 
 
-def _quiet(*argv: str) -> int:
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        return vlfit(list(argv))
-
-
 def train_rates(preset: str, batch_size: int, steps: int, repeats: int) -> dict[str, list[float]]:
     """Each of ``TRAIN_WAYS`` as a whole ``vlfit train`` run, alternately ``repeats`` times: its samples/s."""
-    size = get_preset(preset).image_processor["size"]
-    side = str(size.get("shortest_edge") or size["height"])
+    side = str(input_side(preset))
     rates: dict[str, list[float]] = {name: [] for name in TRAIN_WAYS}
     with tempfile.TemporaryDirectory(prefix="vlfit-bf16-weights-") as folder:
         data = os.path.join(folder, "data")
         rows = str(int(1.25 * batch_size * (steps + TRAIN_WARMUP_STEPS)) + batch_size)  # one epoch: 80% train
-        if _quiet("make-data", "--output_dir", data, "--num_samples", rows, "--min_long_side", side,
-                  "--max_long_side", side):  # fmt: skip
+        if run_quietly("make-data", "--output_dir", data, "--num_samples", rows, "--min_long_side", side,
+                       "--max_long_side", side):  # fmt: skip
             sys.exit("vlfit make-data failed")
         for repeat in range(repeats):
-            for name, flags in TRAIN_WAYS.items():
-                out = os.path.join(folder, f"run-{repeat}-{len(rates[name])}-{len(flags)}")
-                code = _quiet("train", "--model_preset", preset, "--dataset_name", data, "--output_dir", out,
-                              "--max_steps", str(steps + TRAIN_WARMUP_STEPS), "--throughput_warmup_steps",
-                              str(TRAIN_WARMUP_STEPS), "--per_device_train_batch_size", str(batch_size),
-                              "--dataloader_num_workers", "1", "--eval_strategy", "no", "--save_strategy", "no",
-                              "--report_to", "none", "--seed", "0", *flags)  # fmt: skip
+            for way, (name, flags) in enumerate(TRAIN_WAYS.items()):
+                out = os.path.join(folder, f"run-{repeat}-{way}")
+                code = run_quietly("train", "--model_preset", preset, "--dataset_name", data, "--output_dir", out,
+                                   "--max_steps", str(steps + TRAIN_WARMUP_STEPS), "--throughput_warmup_steps",
+                                   str(TRAIN_WARMUP_STEPS), "--per_device_train_batch_size", str(batch_size),
+                                   "--dataloader_num_workers", "1", "--eval_strategy", "no", "--save_strategy",
+                                   "no", "--report_to", "none", "--seed", "0", *flags)  # fmt: skip
                 if code:
                     sys.exit(f"vlfit train {' '.join(flags)} exited {code}")
                 with open(os.path.join(out, "all_results.json"), encoding="utf-8") as f:
@@ -106,12 +98,7 @@ def main() -> None:
         for row in rows:
             print(f"{row['way']:<50} {row['samples_per_s']:8.2f} samples/s  {row['over_fp32']:5.2f}x fp32")
         if args.results:
-            result = {**cpu_info().record(), "preset": args.preset, "batch_size": args.batch_size,
-                      "train_steps": args.train_steps, "warmup_steps": TRAIN_WARMUP_STEPS, "repeats": args.repeats,
-                      "torch_threads": torch.get_num_threads(),
-                      "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)], "rows": rows}  # fmt: skip
-            with open(args.results, "w", encoding="utf-8") as f:
-                json.dump(result, f, indent=1)
+            write_results(args, load_before, train_steps=args.train_steps, warmup_steps=TRAIN_WARMUP_STEPS, rows=rows)
         return
     torch.manual_seed(0)
     loaded = load_model(model_preset=args.preset, captions=lambda: CAPTIONS)
@@ -189,13 +176,17 @@ def main() -> None:
         compiled = f"  (first step {compile_seconds[name]:.0f} s)" if name in compile_seconds else ""
         print(f"{name:<28} {args.batch_size / median:8.2f} samples/s  {medians['fp32'] / median:5.2f}x fp32{compiled}")
     if args.results:
-        # Runnable processes (1-minute averages) at the start and the end: above the core count, the cores were shared.
-        result = {**cpu_info().record(), "preset": args.preset, "batch_size": args.batch_size,
-                  "repeats": args.repeats, "torch_threads": torch.get_num_threads(), "backend": args.backend,
-                  "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-                  "compile_seconds": compile_seconds, "rows": rows}  # fmt: skip
-        with open(args.results, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1)
+        write_results(args, load_before, backend=args.backend, compile_seconds=compile_seconds, rows=rows)
+
+
+def write_results(args: argparse.Namespace, load_before: float, **figures: object) -> None:
+    """The run's record at ``--results``: the CPU, the preset and batch, the torch threads and ``figures``."""
+    # Runnable processes (1-minute averages) at the start and the end: above the core count, the cores were shared.
+    result = {**cpu_info().record(), "preset": args.preset, "batch_size": args.batch_size, "repeats": args.repeats,
+              "torch_threads": torch.get_num_threads(),
+              "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)], **figures}  # fmt: skip
+    with open(args.results, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -65,17 +65,18 @@ PARTS = {
 LOOP = ("transformers/trainer.py", "_inner_training_loop")
 
 
-def _quiet(*argv: str) -> int:
+def run_quietly(*argv: str) -> int:
+    """``vlfit ARGV`` in this process with its output swallowed: its exit code."""
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         return vlfit(list(argv))
 
 
 def ready_batch_rate(data: str, preset: str, batch: int, steps: int, bf16: bool, out: str) -> float:
     """``vlfit bench``'s compute ceiling, samples/s."""
-    code = _quiet("bench", "--model_preset", preset, "--dataset_name", data, "--mode", "train", "--pipelines", "fast",
-                  "--workers", "0", "--per_device_train_batch_size", str(batch), "--profile_batches", "0",
-                  "--steps", str(steps), "--warmup_steps", str(WARMUP_STEPS), "--repeats", "1",
-                  "--output_dir", out, *(["--bf16"] if bf16 else []))  # fmt: skip
+    code = run_quietly("bench", "--model_preset", preset, "--dataset_name", data, "--mode", "train", "--pipelines",
+                       "fast", "--workers", "0", "--per_device_train_batch_size", str(batch), "--profile_batches", "0",
+                       "--steps", str(steps), "--warmup_steps", str(WARMUP_STEPS), "--repeats", "1",
+                       "--output_dir", out, *(["--bf16"] if bf16 else []))  # fmt: skip
     if code:
         sys.exit(f"vlfit bench exited {code}")
     with open(os.path.join(out, "bench.json"), encoding="utf-8") as f:
@@ -105,7 +106,7 @@ def trainer_rate(data: str, preset: str, batch: int, steps: int, bf16: bool, out
     """A ``vlfit train`` run's samples/s after its warm-up, and its loader worker's CPU milliseconds per batch
     (the worker is a child of this process, counted once it has exited)."""
     before = _children_cpu_seconds()
-    if _quiet(*train_argv(data, preset, batch, steps, bf16, out)):
+    if run_quietly(*train_argv(data, preset, batch, steps, bf16, out)):
         sys.exit("vlfit train failed")
     worker_ms = 1000 * (_children_cpu_seconds() - before) / (steps + WARMUP_STEPS)
     with open(os.path.join(out, "all_results.json"), encoding="utf-8") as f:
@@ -117,7 +118,7 @@ def profile_split(data: str, preset: str, batch: int, steps: int, bf16: bool, ou
     ``PARTS`` (cumulative times; the warm-up's steps included) and in none of them."""
     profiler = cProfile.Profile()
     profiler.enable()
-    _quiet(*train_argv(data, preset, batch, steps, bf16, out))
+    run_quietly(*train_argv(data, preset, batch, steps, bf16, out))
     profiler.disable()
     stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
 
@@ -151,8 +152,8 @@ def main() -> int:
                                        for p in presets}}  # fmt: skip
         for split, sides in splits.items():
             low, high = (str(side) for side in sides)
-            if _quiet("make-data", "--output_dir", split, "--num_samples", rows_needed, "--min_long_side", low,
-                      "--max_long_side", high):  # fmt: skip
+            if run_quietly("make-data", "--output_dir", split, "--num_samples", rows_needed, "--min_long_side", low,
+                           "--max_long_side", high):  # fmt: skip
                 sys.exit("vlfit make-data failed")
         for preset in presets:
             free_data = os.path.join(folder, f"free-data-{input_side(preset)}")
