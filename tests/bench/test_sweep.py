@@ -300,6 +300,23 @@ def test_a_compile_backend_that_fails_loses_its_reading_not_the_sweep(tmp_path: 
 
 
 @pytest.mark.slow
+def test_a_bf16_weights_step_that_fails_loses_its_reading_not_the_sweep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The step holds a second copy of the model: where that copy does not fit, the comparison keeps fp32 and bf16.
+    def out_of_memory(self: BenchSession) -> None:
+        raise RuntimeError("out of memory for a second copy of the model")
+
+    monkeypatch.setattr(BenchSession, "bf16_weights_step", out_of_memory)
+    code, results, stdout = run_bench(tmp_path, *QUICK, "--mode", "train", "--workers", "0", "--compare_bf16")
+    assert code == 0 and results["complete"] is True
+    comparison = results["bf16_comparison"]
+    assert comparison["fp32_samples_per_second"] > 0 and comparison["bf16_samples_per_second"] > 0
+    assert "bf16_weights_speedup" not in comparison and "out of memory" in comparison["bf16_weights_error"]
+    assert "(--bf16_weights) failed: " in stdout and "out of memory" in stdout
+
+
+@pytest.mark.slow
 def test_bench_with_an_itm_objective_measures_and_records_it(tmp_path: Path) -> None:
     code, results, stdout = run_bench(tmp_path, *QUICK, "--mode", "train", "--workers", "0",
                                       "--objective", "contrastive+itm")  # fmt: skip

@@ -233,16 +233,16 @@ def _summary_lines(results: dict[str, Any]) -> list[str]:
         )
     comparison = results.get("bf16_comparison")
     if comparison:
-        lines.append(
+        line = (
             f"fp32 vs bf16 compute: fp32 {comparison['fp32_samples_per_second']:.1f}, bf16 "
             f"{comparison['bf16_samples_per_second']:.1f} samples/s, fp32/bf16 = {comparison['fp32_over_bf16']:.2f}"
-            + (
-                f"; bf16 weights with fp32 copies (--bf16_weights) {comparison['bf16_weights_samples_per_second']:.1f}"
-                " samples/s"
-                if "bf16_weights_samples_per_second" in comparison
-                else ""
-            )
         )
+        if "bf16_weights_samples_per_second" in comparison:
+            weights = comparison["bf16_weights_samples_per_second"]
+            line += f"; bf16 weights with fp32 copies (--bf16_weights) {weights:.1f} samples/s"
+        elif "bf16_weights_error" in comparison:
+            line += f"; bf16 weights with fp32 copies (--bf16_weights) failed: {comparison['bf16_weights_error']}"
+        lines.append(line)
     for key, name in (("attention_comparison", "attention kernel"), ("compile_comparison", "torch.compile")):
         if results.get(key, {}).get("error"):
             lines.append(f"{name} comparison failed: {results[key]['error']}")
