@@ -25,7 +25,6 @@ rate is the run's own ``train_samples_per_second``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import os
@@ -33,12 +32,17 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from trainer_overhead import input_side, run_quietly
 
+from vlfit.bench.measure import TrainStep
+from vlfit.data.batch import Batch
 from vlfit.efficiency.cpu import cpu_info
 from vlfit.models.loading import load_model
+from vlfit.training.master_weights import MasterWeights
 
 CAPTIONS = ["a red circle on the left", "two blue squares at the top", "one green triangle"] * 40
 # --train_steps: each way's flags, and the steps each run leaves out of its rate.
@@ -111,48 +115,29 @@ def main() -> None:
     if "BridgeTower" in type(model).__name__:
         inputs["pixel_mask"] = torch.ones(args.batch_size, side, side, dtype=torch.long)
 
-    def batch_for(m: torch.nn.Module) -> dict[str, torch.Tensor]:
-        dtype = next(m.parameters()).dtype
-        return {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
+    batch = Batch(inputs, sample_ids=[str(i) for i in range(args.batch_size)], positions=list(range(args.batch_size)))
 
-    bf16_model = copy.deepcopy(model).to(torch.bfloat16)
-    master = [(p, p.detach().float().clone().requires_grad_(True)) for p in bf16_model.parameters() if p.requires_grad]
-    fp32_optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
-    master_optimizer = torch.optim.AdamW([q for _, q in master], lr=1e-5, fused=True)
-    model.train()
-    bf16_model.train()
+    def step_of(precision: str, bf16_weights: bool = False, compiled: bool = False) -> Callable[[], None]:
+        """vlfit bench's training step (loss, backward, clipping at 1.0, fused AdamW, ``TrainStep``) of the model,
+        under ``torch.compile`` with ``compiled`` (a wrapper of its own, so that no way recompiles for another's
+        autocast state or dtype); with ``bf16_weights``, of a bf16 copy of the model whose optimizer updates fp32
+        copies of its weights and clips their gradients, as ``vlfit train --bf16 --bf16_weights`` does."""
+        trained = copy.deepcopy(model) if bf16_weights else model
+        step = TrainStep(torch.compile(trained, backend=args.backend) if compiled else trained, family,
+                         torch.device("cpu"), precision)  # fmt: skip
+        if bf16_weights:
+            step.parameters = MasterWeights(trained, step.optimizer).trained
+        dtype = step.input_dtype
+        ready = replace(batch, inputs={k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()})
+        return lambda: step(ready)
 
-    def fp32_step(autocast: bool, run: torch.nn.Module = model) -> None:
-        context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-        with context:
-            loss = family.contrastive_loss(run, batch_for(model))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
-        fp32_optimizer.step()
-        fp32_optimizer.zero_grad(set_to_none=True)
-
-    def bf16_weights_step(run: torch.nn.Module = bf16_model) -> None:
-        loss = family.contrastive_loss(run, batch_for(bf16_model))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p, _ in master], 1.0)
-        for weight, copy_ in master:
-            copy_.grad = None if weight.grad is None else weight.grad.float()
-        master_optimizer.step()
-        master_optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for weight, copy_ in master:
-                weight.copy_(copy_)
-        bf16_model.zero_grad(set_to_none=True)
-
-    ways = {"fp32": lambda: fp32_step(False), "bf16 autocast (--bf16)": lambda: fp32_step(True),
-            "bf16 weights, fp32 master": bf16_weights_step}  # fmt: skip
-    compile_seconds: dict[str, float] = {}
+    ways = {"fp32": step_of("fp32"), "bf16 autocast (--bf16)": step_of("bf16"),
+            "bf16 weights, fp32 master": step_of("bf16", bf16_weights=True)}  # fmt: skip
     if args.compile:
-        compiled_fp32, compiled_bf16 = (torch.compile(model, backend=args.backend) for _ in range(2))
-        compiled_bf16_weights = torch.compile(bf16_model, backend=args.backend)
-        ways["fp32 compiled"] = lambda: fp32_step(False, compiled_fp32)
-        ways["bf16 autocast compiled"] = lambda: fp32_step(True, compiled_bf16)
-        ways["bf16 weights compiled"] = lambda: bf16_weights_step(compiled_bf16_weights)
+        ways["fp32 compiled"] = step_of("fp32", compiled=True)
+        ways["bf16 autocast compiled"] = step_of("bf16", compiled=True)
+        ways["bf16 weights compiled"] = step_of("bf16", bf16_weights=True, compiled=True)
+    compile_seconds: dict[str, float] = {}
     for name, step in ways.items():  # warm-up (a compiled way's first step compiles it, timed apart)
         started = time.perf_counter()
         step()
