@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import Trainer, TrainingArguments
 
@@ -98,3 +99,49 @@ def test_the_plain_step_is_the_trainers_and_sets_training_mode_only_where_it_is_
     assert modes == [True] and model.training and all(m.training for m in model.modules())
     trainer.args.optim = "lomo"
     assert not trainer._step_is_plain  # the Trainer's step, which hands LOMO its learning rate
+
+
+def test_within_an_epoch_the_models_zero_grad_sets_its_listed_gradients_to_none_without_walking_it(
+    tmp_path: Path, monkeypatch
+) -> None:
+    # The Trainer's loop calls model.zero_grad() after every optimizer step; nn.Module's walks every module for
+    # parameters(). Its loop is transformers' code: a stand-in for it calls zero_grad as it does.
+    bundle = load_model(model_preset="tiny", captions=lambda: ["a cat", "a dog"] * 20)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    pipeline = InputPipeline(bundle.inputs, PipelineOptions(), args.device)
+    trainer = VlfitTrainer(model=bundle.model, args=args, pipeline=pipeline, family=bundle.family)
+    model = trainer.model
+    parameters = list(model.parameters())
+    seen = []
+    walks = []
+    real_walk = torch.nn.Module.parameters
+
+    def counted_walk(*args, **kwargs):
+        walks.append(1)
+        return real_walk(*args, **kwargs)
+
+    def epoch(self, model, *args, **kwargs):
+        for _ in range(3):
+            for parameter in parameters:
+                parameter.grad = torch.ones_like(parameter)
+            walks.clear()
+            with monkeypatch.context() as patch:
+                patch.setattr(torch.nn.Module, "parameters", counted_walk)
+                model.zero_grad()
+            seen.append((len(walks), all(p.grad is None for p in parameters)))
+        for parameter in parameters:
+            parameter.grad = torch.ones_like(parameter)
+        model.zero_grad(set_to_none=False)  # in place, as nn.Module's
+        seen.append(all(p.grad is not None and not p.grad.any() for p in parameters))
+        raise RuntimeError("the epoch failed")
+
+    monkeypatch.setattr(Trainer, "_run_epoch", epoch)
+    with pytest.raises(RuntimeError, match="the epoch failed"):
+        trainer._run_epoch(model, 0)
+    assert seen == [(0, True)] * 3 + [True]
+    assert "zero_grad" not in vars(model)  # the model's own again, after the epoch as after a failed one
+    trainer.args.optim = "lomo"  # not the plain step: the model's zero_grad is left alone
+    seen.clear()
+    with pytest.raises(RuntimeError):
+        trainer._run_epoch(model, 0)
+    assert seen[0][0] == 1

@@ -86,6 +86,20 @@ class LeanStep:
         self.accelerator.backward(loss)
         return loss.detach()
 
+    def _run_epoch(self, model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        # The Trainer's loop calls model.zero_grad() after every optimizer step, which walks every module for
+        # parameters() (0.76 ms of a 36 ms step of the tiny preset on one thread, where the optimizer's zero_grad
+        # over its list takes 0.21 ms): for the epoch, the model's zero_grad sets the gradients of its parameters,
+        # listed once, to None, as nn.Module's does.
+        plain_zero_grad = type(model).zero_grad is torch.nn.Module.zero_grad and "zero_grad" not in vars(model)
+        if not (model is self.model and plain_zero_grad and self._step_is_plain):
+            return super()._run_epoch(model, *args, **kwargs)  # type: ignore[misc]
+        model.zero_grad = ListedZeroGrad(model)  # type: ignore[method-assign]
+        try:
+            return super()._run_epoch(model, *args, **kwargs)  # type: ignore[misc]
+        finally:
+            del model.zero_grad
+
     def floating_point_ops(self, inputs: Any) -> int:
         # The Trainer's count for total_flos (6 x the main input's elements x the parameters outside embeddings),
         # with the parameters counted once per model: counting walks every module and parameter, which the Trainer
@@ -114,3 +128,20 @@ class LeanStep:
         if self._clipped_parameters is None or self._clipped_parameters[0] is not model:
             self._clipped_parameters = (model, list(model.parameters()))
         return torch.nn.utils.clip_grad_norm_(self._clipped_parameters[1], self.args.max_grad_norm)
+
+
+class ListedZeroGrad:
+    """``model.zero_grad`` with ``model``'s parameters listed once: ``set_to_none`` (the default) sets their
+    gradients to None as ``nn.Module.zero_grad`` does, without its walk of every module; zeroing in place is left to
+    the module's own."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.parameters = list(model.parameters())
+
+    def __call__(self, set_to_none: bool = True) -> None:
+        if not set_to_none:
+            torch.nn.Module.zero_grad(self.model, set_to_none=False)
+            return
+        for parameter in self.parameters:
+            parameter.grad = None
