@@ -17,14 +17,17 @@ times in one process (so drifts of a shared machine hit all alike):
 Each split holds enough pairs for the whole run in one epoch: a loader's worker is started again at every epoch
 (the Trainer's default), which a real run's long epochs pay rarely. The worker's CPU seconds per batch (its user and
 system time, from ``RUSAGE_CHILDREN``) say what the data path costs. The ratios of the medians are the step's
-efficiency (goal: >= 0.9): ``ratio`` with the JPEG data, ``ratio_free_data`` without its cost. ``--profile`` also
-runs one ``vlfit train`` of each precision under cProfile and splits the Trainer's loop (``_inner_training_loop``)
-into ``PARTS``: fetching batches (data wait and the device stage), forward and loss, backward, clipping, the
-optimizer, zero_grad, logging and callbacks, and the rest of the loop. cProfile's own cost per Python call inflates
-the parts made of many small calls, so read the split as where to look, and the unprofiled ratios as the figures.
+efficiency (goal: >= 0.9): ``ratio`` with the JPEG data, ``ratio_free_data`` without its cost. ``--parts`` also
+runs one ``vlfit train`` of each precision with a clock around each part of the Trainer's step (``PARTS``: the
+methods its loop calls for the batches, the forward and backward, clipping, the optimizer and scheduler, zero_grad,
+callbacks and logging) and around the step as a whole (from one step's end to the next): the median milliseconds
+of each after the warm-up, and the rest of the loop (the step less its parts). A clock costs about a microsecond a
+call, so the split stands beside the unclocked ratios (a profiler's cost per Python call inflated the parts made of
+many small calls). ``ready_batch_parts`` times the same parts of the ready batch's step on that run's last batch
+and model: the difference, part by part, is what vlfit's step costs beyond it.
 
     python benchmarks/trainer_overhead.py [--presets tiny,clip-tiny] [--batch_size 16] [--steps 30] [--repeats 3]
-        [--profile] [--results FILE.json]
+        [--parts] [--results FILE.json]
 
 On 2 CPU cores the tiny presets take about two minutes per repeat (more on shared cores: two torch threads beside
 other work wait for each other at every operation).
@@ -34,35 +37,40 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import cProfile
+import functools
 import io
 import json
 import os
-import pstats
 import resource
 import statistics
 import sys
 import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
 
 import torch
+from accelerate.optimizer import AcceleratedOptimizer
+from transformers.trainer_callback import CallbackHandler
 
 from vlfit.cli import main as vlfit
 from vlfit.efficiency.cpu import cpu_info
 from vlfit.models.presets import get_preset
+from vlfit.training.lean_step import ListedZeroGrad
+from vlfit.training.trainer import VlfitTrainer
 
 WARMUP_STEPS = 5
-# Parts of the Trainer's loop, each the cumulative time of the functions named (file fragment, function name).
+# The parts of the Trainer's step (--parts): each the methods its loop calls for it, (owner, name).
 PARTS = {
-    "batches (data wait, device stage)": (("transformers/trainer.py", "get_batch_samples"),
-                                          ("vlfit/training/trainer.py", "get_batch_samples")),
-    "forward and loss": (("vlfit/training/trainer.py", "compute_loss"),),
-    "backward": (("accelerate/accelerator.py", "backward"),),
-    "gradient clipping": (("accelerate/accelerator.py", "clip_grad_norm_"),),
-    "optimizer": (("torch/optim/optimizer.py", "wrapper"),),
-    "zero_grad": (("torch/nn/modules/module.py", "zero_grad"), ("torch/optim/optimizer.py", "zero_grad")),
-    "logging and callbacks": (("transformers/trainer.py", "_maybe_log_save_evaluate"),),
+    "batches (data wait, device stage)": ((VlfitTrainer, "get_batch_samples"),),
+    "forward and backward": ((VlfitTrainer, "training_step"),),
+    "clipping": ((VlfitTrainer, "_clip_grad_norm"), (VlfitTrainer, "_get_grad_norm")),
+    "optimizer": ((AcceleratedOptimizer, "step"),),
+    "scheduler": ((torch.optim.lr_scheduler.LRScheduler, "step"),),
+    "zero_grad": ((torch.nn.Module, "zero_grad"), (ListedZeroGrad, "__call__")),
+    "callbacks and logging": tuple((CallbackHandler, name) for name in ("on_step_begin", "on_pre_optimizer_step",
+                                   "on_optimizer_step", "on_step_end")) + ((VlfitTrainer, "_maybe_log_save_evaluate"),),
 }  # fmt: skip
-LOOP = ("transformers/trainer.py", "_inner_training_loop")
 
 
 def run_quietly(*argv: str) -> int:
@@ -113,23 +121,96 @@ def trainer_rate(data: str, preset: str, batch: int, steps: int, bf16: bool, out
         return float(json.load(f)["train_samples_per_second"]), worker_ms
 
 
-def profile_split(data: str, preset: str, batch: int, steps: int, bf16: bool, out: str) -> dict[str, float]:
-    """One ``vlfit train`` under cProfile: the Trainer's loop's seconds per step, and the share of it in each of
-    ``PARTS`` (cumulative times; the warm-up's steps included) and in none of them."""
-    profiler = cProfile.Profile()
-    profiler.enable()
-    run_quietly(*train_argv(data, preset, batch, steps, bf16, out))
-    profiler.disable()
-    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+@contextlib.contextmanager
+def replaced(owner: type, name: str, replacement: Callable[..., object]) -> Iterator[None]:
+    """``owner.name`` replaced by ``replacement`` for the duration (an inherited one is inherited again after)."""
+    own = owner.__dict__.get(name)
+    setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        if own is None:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, own)
 
-    def cumulative(wanted: tuple[tuple[str, str], ...]) -> float:
-        return sum(entry[3] for (path, _, name), entry in stats.items()
-                   if any(part in path and name == function for part, function in wanted))  # fmt: skip
 
-    loop = cumulative((LOOP,)) or 1.0
-    split = {name: round(cumulative(wanted) / loop, 3) for name, wanted in PARTS.items()}
-    split["the rest of the loop"] = round(1.0 - sum(split.values()), 3)
-    return {"loop_seconds_per_step": round(loop / (steps + WARMUP_STEPS), 4), **split}
+def clocked(owner: type, name: str, seconds: list[float]) -> contextlib.AbstractContextManager[None]:
+    """``owner.name`` with each call's wall time appended to ``seconds``, for the duration."""
+    method = getattr(owner, name)
+
+    @functools.wraps(method)
+    def wrapper(*args: object, **kwargs: object) -> object:
+        started = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - started)
+
+    return replaced(owner, name, wrapper)
+
+
+def parts_split(data: str, preset: str, batch: int, steps: int, bf16: bool, out: str) -> dict[str, object]:
+    """One ``vlfit train`` with each of ``PARTS`` clocked: the median ms a step of the step and of each part after
+    the warm-up, and the rest; then the ready batch's step in parts on the run's last batch and model."""
+    calls: dict[str, list[float]] = defaultdict(list)
+    ends: list[float] = []
+    kept: dict[str, object] = {}
+    real_step_end = CallbackHandler.on_step_end
+    real_training_step = VlfitTrainer.training_step
+
+    def step_end(handler: CallbackHandler, *args: object, **kwargs: object) -> object:
+        ends.append(time.perf_counter())
+        return real_step_end(handler, *args, **kwargs)
+
+    def training_step(trainer: VlfitTrainer, model: torch.nn.Module, inputs: object, *args: object) -> object:
+        kept.update(trainer=trainer, model=model, batch=inputs)
+        return real_training_step(trainer, model, inputs, *args)
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(replaced(CallbackHandler, "on_step_end", step_end))
+        stack.enter_context(replaced(VlfitTrainer, "training_step", training_step))
+        for part, methods in PARTS.items():
+            for owner, name in methods:
+                stack.enter_context(clocked(owner, name, calls[f"{part}: {name}"]))
+        if run_quietly(*train_argv(data, preset, batch, steps, bf16, out)):
+            sys.exit("vlfit train failed")
+    steps_timed = [b - a for a, b in zip(ends, ends[1:], strict=False)][WARMUP_STEPS:]
+    split = {"step": round(1000 * statistics.median(steps_timed), 3)}
+    for part, methods in PARTS.items():
+        # Each method's calls after the warm-up's (the same count a step for all but the first step's extras).
+        split[part] = round(sum(1000 * statistics.median(calls[f"{part}: {name}"][WARMUP_STEPS:] or [0.0])
+                                for _, name in methods), 3)  # fmt: skip
+    split["the rest of the loop"] = round(split["step"] - sum(v for k, v in split.items() if k != "step"), 3)
+    return {"vlfit_train_ms": split, "ready_batch_ms": ready_batch_parts(kept)}
+
+
+def ready_batch_parts(kept: dict[str, object], steps: int = 30) -> dict[str, float]:
+    """The ready batch's step (``vlfit bench``'s: the loss under the run's autocast, backward, clipping at 1.0, fused
+    AdamW, zero_grad over the parameters listed) in parts, on the run's last batch and model: median ms."""
+    trainer, model, batch = kept["trainer"], kept["model"], kept["batch"]
+    assert isinstance(trainer, VlfitTrainer) and isinstance(model, torch.nn.Module)
+    model.train()
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(parameters, lr=1e-5, fused=True)
+    seconds: dict[str, list[float]] = defaultdict(list)
+    for _ in range(steps + WARMUP_STEPS):
+        marks = [time.perf_counter()]
+        with trainer.compute_loss_context_manager():
+            loss = trainer.compute_loss(model, batch)
+        loss.backward()
+        marks.append(time.perf_counter())
+        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+        marks.append(time.perf_counter())
+        optimizer.step()
+        marks.append(time.perf_counter())
+        optimizer.zero_grad(set_to_none=True)
+        marks.append(time.perf_counter())
+        for part, (start, end) in zip(("forward and backward", "clipping", "optimizer", "zero_grad"),
+                                      zip(marks, marks[1:], strict=False), strict=True):  # fmt: skip
+            seconds[part].append(end - start)
+        seconds["step"].append(marks[-1] - marks[0])
+    return {part: round(1000 * statistics.median(values[WARMUP_STEPS:]), 3) for part, values in seconds.items()}
 
 
 def main() -> int:
@@ -138,7 +219,7 @@ def main() -> int:
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=30, help="Measured steps (after the warm-up's).")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--profile", action="store_true", help="Also split one run of each precision by cProfile.")
+    parser.add_argument("--parts", action="store_true", help="Also time the step's parts in one run of each precision.")
     parser.add_argument("--results", default=None, help="Write the figures here as JSON too.")
     args = parser.parse_args()
     rows = []
@@ -179,8 +260,8 @@ def main() -> int:
                 row["ratio_free_data"] = round(
                     row["vlfit_train_free_data_samples_per_s"] / row["ready_batch_samples_per_s"], 3
                 )
-                if args.profile:
-                    row["profile"] = profile_split(data, preset, args.batch_size, args.steps, bf16, out + "-profile")
+                if args.parts:
+                    row["parts"] = parts_split(data, preset, args.batch_size, args.steps, bf16, out + "-parts")
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "runs"}), flush=True)
     # Runnable processes on the machine (1-minute averages) at the start and the end: above the core count, the
