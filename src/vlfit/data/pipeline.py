@@ -35,6 +35,7 @@ from vlfit.data.image_inputs import image_transform
 from vlfit.data.image_transforms import PassThroughEncoded, ReferenceImageTransform
 from vlfit.data.naflex import check_naflex_options
 from vlfit.data.records import EVAL_COLUMNS
+from vlfit.data.worker_pipes import loader_context
 from vlfit.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
@@ -322,7 +323,7 @@ class InputPipeline:
             worker_init_fn=worker_init_fn,
             prefetch_factor=settings.prefetch_factor if workers else None,
             persistent_workers=settings.persistent_workers and workers > 0,
-            multiprocessing_context=settings.multiprocessing_context if workers else None,
+            multiprocessing_context=loader_context(settings.multiprocessing_context) if workers else None,
             in_order=settings.in_order,
         )
 
