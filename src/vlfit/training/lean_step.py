@@ -30,7 +30,7 @@ class LeanStep:
     """The step, its FLOP count and its gradient clipping (see the module docstring)."""
 
     _counted_parameters: tuple[torch.nn.Module, int] | None = None  # floating_point_ops
-    _clipped_parameters: tuple[torch.nn.Module, list[torch.nn.Parameter]] | None = None  # _clip_grad_norm
+    _listed_parameters: tuple[torch.nn.Module, list[torch.nn.Parameter]] | None = None  # clipping, zero_grad
     master_weights: MasterWeights | None = None  # --bf16_weights, while training (the trainer sets it)
 
     @property
@@ -94,7 +94,7 @@ class LeanStep:
         plain_zero_grad = type(model).zero_grad is torch.nn.Module.zero_grad and "zero_grad" not in vars(model)
         if not (model is self.model and plain_zero_grad and self._step_is_plain):
             return super()._run_epoch(model, *args, **kwargs)  # type: ignore[misc]
-        model.zero_grad = ListedZeroGrad(model)  # type: ignore[method-assign]
+        model.zero_grad = ListedZeroGrad(model, self._parameters_of(model))  # type: ignore[method-assign]
         try:
             return super()._run_epoch(model, *args, **kwargs)  # type: ignore[misc]
         finally:
@@ -125,19 +125,23 @@ class LeanStep:
         plain = self.accelerator.distributed_type in PLAIN_GRADIENTS and self.accelerator.scaler is None
         if not plain or self._has_mixed_mesh_grads(model):
             return super()._clip_grad_norm(model)
-        if self._clipped_parameters is None or self._clipped_parameters[0] is not model:
-            self._clipped_parameters = (model, list(model.parameters()))
-        return torch.nn.utils.clip_grad_norm_(self._clipped_parameters[1], self.args.max_grad_norm)
+        return torch.nn.utils.clip_grad_norm_(self._parameters_of(model), self.args.max_grad_norm)
+
+    def _parameters_of(self, model: torch.nn.Module) -> list[torch.nn.Parameter]:
+        """``model.parameters()``, listed once per model (each listing walks every module)."""
+        if self._listed_parameters is None or self._listed_parameters[0] is not model:
+            self._listed_parameters = (model, list(model.parameters()))
+        return self._listed_parameters[1]
 
 
 class ListedZeroGrad:
-    """``model.zero_grad`` with ``model``'s parameters listed once: ``set_to_none`` (the default) sets their
+    """``model.zero_grad`` over ``parameters``, ``model``'s listed once: ``set_to_none`` (the default) sets their
     gradients to None as ``nn.Module.zero_grad`` does, without its walk of every module; zeroing in place is left to
     the module's own."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, parameters: list[torch.nn.Parameter]) -> None:
         self.model = model
-        self.parameters = list(model.parameters())
+        self.parameters = parameters
 
     def __call__(self, set_to_none: bool = True) -> None:
         if not set_to_none:
