@@ -53,7 +53,9 @@ import torch
 from accelerate.optimizer import AcceleratedOptimizer
 from transformers.trainer_callback import CallbackHandler
 
+from vlfit.bench.measure import TrainStep
 from vlfit.cli import main as vlfit
+from vlfit.data.batch import Batch
 from vlfit.efficiency.cpu import cpu_info
 from vlfit.models.presets import get_preset
 from vlfit.training.lean_step import ListedZeroGrad
@@ -182,29 +184,27 @@ def parts_split(data: str, preset: str, batch: int, steps: int, bf16: bool, out:
         split[part] = round(sum(1000 * statistics.median(calls[f"{part}: {name}"][WARMUP_STEPS:] or [0.0])
                                 for _, name in methods), 3)  # fmt: skip
     split["the rest of the loop"] = round(split["step"] - sum(v for k, v in split.items() if k != "step"), 3)
-    return {"vlfit_train_ms": split, "ready_batch_ms": ready_batch_parts(kept)}
+    return {"vlfit_train_ms": split, "ready_batch_ms": ready_batch_parts(kept, bf16)}
 
 
-def ready_batch_parts(kept: dict[str, object], steps: int = 30) -> dict[str, float]:
-    """The ready batch's step (``vlfit bench``'s: the loss under the run's autocast, backward, clipping at 1.0, fused
-    AdamW, zero_grad over the parameters listed) in parts, on the run's last batch and model: median ms."""
+def ready_batch_parts(kept: dict[str, object], bf16: bool, steps: int = 30) -> dict[str, float]:
+    """The ready batch's step (``vlfit bench``'s ``TrainStep``: the loss under autocast, backward, clipping at 1.0,
+    fused AdamW, zero_grad over the parameters it lists) in parts, on the run's last batch and model: median ms."""
     trainer, model, batch = kept["trainer"], kept["model"], kept["batch"]
-    assert isinstance(trainer, VlfitTrainer) and isinstance(model, torch.nn.Module)
-    model.train()
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(parameters, lr=1e-5, fused=True)
+    assert isinstance(trainer, VlfitTrainer) and isinstance(model, torch.nn.Module) and isinstance(batch, Batch)
+    step = TrainStep(model, trainer.family, trainer.args.device, "bf16" if bf16 else "fp32")
     seconds: dict[str, list[float]] = defaultdict(list)
     for _ in range(steps + WARMUP_STEPS):
         marks = [time.perf_counter()]
-        with trainer.compute_loss_context_manager():
-            loss = trainer.compute_loss(model, batch)
+        with step.autocast():
+            loss = step.loss(batch)
         loss.backward()
         marks.append(time.perf_counter())
-        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+        torch.nn.utils.clip_grad_norm_(step.parameters, 1.0)
         marks.append(time.perf_counter())
-        optimizer.step()
+        step.optimizer.step()
         marks.append(time.perf_counter())
-        optimizer.zero_grad(set_to_none=True)
+        step.optimizer.zero_grad(set_to_none=True)
         marks.append(time.perf_counter())
         for part, (start, end) in zip(("forward and backward", "clipping", "optimizer", "zero_grad"),
                                       zip(marks, marks[1:], strict=False), strict=True):  # fmt: skip
