@@ -3,6 +3,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.built_once import built_once
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -103,36 +105,40 @@ def weighted_itm_checkpoint(itm_checkpoint, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def onnx_export(tiny_checkpoint, synthetic_dataset_dir, tmp_path_factory) -> Path:
-    """``vlfit export --quantize int8`` of the tiny checkpoint, calibrated on the synthetic dataset."""
+    """``vlfit export --quantize int8`` of the tiny checkpoint, calibrated on the synthetic dataset (built once a
+    run: ``tests.built_once``)."""
     from vlfit.cli import main
 
-    out = tmp_path_factory.mktemp("export") / "onnx"
-    assert main(["export", "--model_name_or_path", str(tiny_checkpoint), "--output_dir", str(out), "--quantize",
-                 "int8", "--calibration_dataset", synthetic_dataset_dir, "--parity_samples", "13",
-                 "--calibration_samples", "16"]) == 0  # fmt: skip
-    return out
+    def export(folder: Path) -> None:
+        assert main(["export", "--model_name_or_path", str(tiny_checkpoint), "--output_dir", str(folder / "onnx"),
+                     "--quantize", "int8", "--calibration_dataset", synthetic_dataset_dir, "--parity_samples", "13",
+                     "--calibration_samples", "16"]) == 0  # fmt: skip
+
+    return built_once(tmp_path_factory, "onnx-export", export) / "onnx"
 
 
 @pytest.fixture(scope="session")
 def two_process_results(synthetic_dataset_dir, tmp_path_factory) -> dict[str, list[dict]]:
-    """The 2-process gloo checks of ``tests.two_processes.MODULES``, run together once; results by module."""
-    from tests.two_processes import run_two_processes
+    """The 2-process gloo checks of ``tests.two_processes.MODULES``, run together once a run; results by module."""
+    from tests.two_processes import read_results, run_two_processes
 
-    return run_two_processes(tmp_path_factory.mktemp("two-processes"), synthetic_dataset_dir)
+    return read_results(built_once(tmp_path_factory, "two-processes",
+                                   lambda folder: run_two_processes(folder, synthetic_dataset_dir)))  # fmt: skip
 
 
 @pytest.fixture(scope="session")
 def trained_clip(synthetic_dataset_dir, tmp_path_factory):
     """clip-tiny fine-tuned on the synthetic training split until it has learned it (200 steps, seconds): a model
-    whose text queries find their own images, for the retrieval and serving tests."""
+    whose text queries find their own images, for the retrieval and serving tests (trained once a run)."""
     from vlfit.cli import main
 
-    model = tmp_path_factory.mktemp("trained-clip") / "model"
-    assert main(["train", "--model_preset", "clip-tiny", "--dataset_name", synthetic_dataset_dir, "--output_dir",
-                 str(model), "--max_steps", "200", "--per_device_train_batch_size", "16", "--learning_rate",
-                 "1e-3", "--warmup_steps", "5", "--save_strategy", "no", "--report_to", "none", "--seed", "0",
-                 "--logging_steps", "1000", "--disable_tqdm", "true"]) == 0  # fmt: skip
-    return model
+    def train(folder: Path) -> None:
+        assert main(["train", "--model_preset", "clip-tiny", "--dataset_name", synthetic_dataset_dir, "--output_dir",
+                     str(folder / "model"), "--max_steps", "200", "--per_device_train_batch_size", "16",
+                     "--learning_rate", "1e-3", "--warmup_steps", "5", "--save_strategy", "no", "--report_to",
+                     "none", "--seed", "0", "--logging_steps", "1000", "--disable_tqdm", "true"]) == 0  # fmt: skip
+
+    return built_once(tmp_path_factory, "trained-clip", train) / "model"
 
 
 @pytest.fixture(scope="session")

@@ -32,8 +32,8 @@ def _run_jobs(rank: int, jobs: list[tuple[str, str]]) -> None:
         worker(rank, 2, str(Path(folder) / "init"), str(Path(folder) / "payload.pt"), folder)
 
 
-def run_two_processes(root: Path, dataset_dir: str) -> dict[str, list[dict]]:
-    """Every module's job in one 2-process spawn; its two ranks' results by module name."""
+def run_two_processes(root: Path, dataset_dir: str) -> None:
+    """Every module's job in one 2-process spawn, each writing its ranks' results into its folder under ``root``."""
     jobs = []
     for module_name in MODULES:
         folder = root / module_name.rpartition(".")[2]
@@ -44,6 +44,11 @@ def run_two_processes(root: Path, dataset_dir: str) -> dict[str, list[dict]]:
         torch.save(make_payload(**{name: context[name] for name in wanted}), folder / "payload.pt")
         jobs.append((module_name, str(folder)))
     mp.spawn(_run_jobs, args=(jobs,), nprocs=2, join=True)
+
+
+def read_results(root: Path) -> dict[str, list[dict]]:
+    """What ``run_two_processes`` wrote under ``root``: the two ranks' results by module name."""
     return {
-        module_name: [torch.load(Path(folder) / f"rank{rank}.pt") for rank in range(2)] for module_name, folder in jobs
+        module_name: [torch.load(root / module_name.rpartition(".")[2] / f"rank{rank}.pt") for rank in range(2)]
+        for module_name in MODULES
     }
