@@ -15,6 +15,7 @@ from vlfit.data.dataset import ImageTextCollator, ImageTextDataset
 from vlfit.data.decode import DecodeError
 from vlfit.data.image_transforms import EncodedImage, FastImageTransform, PassThroughEncoded, ReferenceImageTransform
 from vlfit.data.records import Record
+from vlfit.data.worker_memory import BY_VALUE_BYTES
 from vlfit.models.family import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from vlfit.models.tokenizer import train_caption_tokenizer
 
@@ -128,7 +129,9 @@ def test_a_substitute_takes_the_row_of_the_bad_sample_and_a_placeholder_is_left_
     assert torch.equal(batch["pixel_values"], torch.stack([samples[0].image, samples[2].image]))
 
 
-def test_a_batch_made_in_a_worker_is_in_shared_memory_with_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_batch_made_in_a_worker_is_in_shared_memory_when_large_with_one_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from vlfit.data import dataset as dataset_module
 
     class Info:
@@ -139,6 +142,9 @@ def test_a_batch_made_in_a_worker_is_in_shared_memory_with_one_thread(monkeypatc
     monkeypatch.setattr(dataset_module.torch, "set_num_threads", calls.append)
     samples = ImageTextDataset(FakeSource(2), _transform("fast")).__getitems__([0, 1])
     assert calls == [1]
+    assert not any(sample.image.is_shared() for sample in samples)  # a small batch crosses by value
+    side = 1 + int((BY_VALUE_BYTES / 6) ** 0.5)  # two images of this side: too large to cross by value
+    samples = ImageTextDataset(FakeSource(2), FastImageTransform(side)).__getitems__([0, 1])
     assert all(sample.image.is_shared() for sample in samples)  # crosses to the main process without a copy
 
 

@@ -29,6 +29,7 @@ from vlfit.data.image_transforms import (
     stack_images,
 )
 from vlfit.data.normalize import normalize_uint8
+from vlfit.data.worker_memory import BY_VALUE_BYTES
 from vlfit.models.family import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
 MEAN = torch.tensor(OPENAI_CLIP_MEAN)
@@ -198,7 +199,12 @@ def test_new_image_batch_layout_and_shared_memory() -> None:
     batch = new_image_batch(2, 8)
     assert batch.shape == (2, 3, 8, 8) and batch.dtype == torch.uint8
     assert batch.is_contiguous(memory_format=torch.channels_last) and not batch.is_shared()
-    assert new_image_batch(2, 8, shared=True).is_shared()
+    # A loader worker's batch (shared): in shared memory only when it is too large to cross by value.
+    assert not new_image_batch(2, 8, shared=True).is_shared()
+    side = 1 + int((BY_VALUE_BYTES / 6) ** 0.5)
+    large = new_image_batch(2, side, shared=True)
+    assert large.is_shared() and large.is_contiguous(memory_format=torch.channels_last)
+    assert not new_image_batch(2, side).is_shared()
 
 
 def test_hwc_to_chw_view_shares_memory() -> None:

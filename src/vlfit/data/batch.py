@@ -15,9 +15,7 @@ import numpy as np
 import torch
 
 from vlfit.data.image_transforms import EncodedImage
-
-# Tensors up to this size travel in a pickled batch by value (see Batch.__getstate__).
-BY_VALUE_BYTES = 256 * 1024
+from vlfit.data.worker_memory import BY_VALUE_BYTES
 
 # Where a bad sample was found: in a worker (replaced by a substitute in training, left out in evaluation), or at
 # device decode (dropped from its batch, which shrinks by one).

@@ -21,6 +21,7 @@ import torchvision.transforms.v2.functional as F
 from torchvision.transforms import InterpolationMode
 
 from vlfit.data.decode import check_image_header, decode_pil, decode_reduced
+from vlfit.data.worker_memory import new_uint8
 
 # The antialiased bicubic kernel ``interpolate`` calls on CPU, in its form that writes into a given tensor.
 _RESIZE_INTO = torch.ops.aten._upsample_bicubic2d_aa.out
@@ -35,16 +36,10 @@ def new_image_batch(count: int, size: int, *, shared: bool = False) -> torch.Ten
     Args:
         count: Images in the batch.
         size: Image side.
-        shared: Allocate it in shared memory, as a loader worker should: the batch then reaches the main process
-            without being copied there (torch's own ``default_collate`` does the same).
+        shared: A loader worker's batch: in shared memory where it crosses to the main process through it (larger
+            than what a batch carries by value, ``vlfit.data.worker_memory``), so it arrives there uncopied.
     """
-    shape = (count, size, size, 3)
-    if shared:
-        storage = torch.UntypedStorage._new_shared(count * size * size * 3)
-        hwc = torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
-    else:
-        hwc = torch.empty(shape, dtype=torch.uint8)
-    return hwc.permute(0, 3, 1, 2)
+    return new_uint8((count, size, size, 3), shared=shared).permute(0, 3, 1, 2)
 
 
 def center_resize_geometry(height: float, width: float, size: int) -> tuple[int, int, int, int]:

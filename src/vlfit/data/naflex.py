@@ -41,6 +41,7 @@ from vlfit.data.decode import (
     jpeg_exif_orientation,
 )
 from vlfit.data.image_transforms import hwc_to_chw_view, resize_box
+from vlfit.data.worker_memory import new_uint8
 from vlfit.errors import DataError
 
 PATCH_INPUTS = ("pixel_values", "pixel_attention_mask", "spatial_shapes")
@@ -201,18 +202,15 @@ def collate_patches(
 
     Args:
         images: The batch's images.
-        shared: Allocate the pixels in shared memory (a loader worker's batch reaches the main process uncopied).
+        shared: A loader worker's batch: its pixels in shared memory where they cross to the main process through it
+            (``vlfit.data.worker_memory``).
         multiple_of: Round the padded length up to a multiple of this.
     """
     longest = max(len(image.patches) for image in images)
     longest = math.ceil(longest / multiple_of) * multiple_of
     width = images[0].patches.shape[1]
     count = len(images)
-    if shared:
-        storage = torch.UntypedStorage._new_shared(count * longest * width)
-        pixels = torch.empty(0, dtype=torch.uint8).set_(storage).view(count, longest, width)
-    else:
-        pixels = torch.empty((count, longest, width), dtype=torch.uint8)
+    pixels = new_uint8((count, longest, width), shared=shared)
     mask = torch.zeros((count, longest), dtype=torch.int32)
     shapes = torch.empty((count, 2), dtype=torch.long)
     for row, image in enumerate(images):
