@@ -4,23 +4,18 @@ writes holds the numbers the docs quote (rates, ratios, padding waste) and the c
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.bench.scripts import run_benchmark_script
 
 pytestmark = pytest.mark.slow
 
 
-def test_the_naflex_loader_benchmark_measures_every_pipeline(tmp_path):
+def test_the_naflex_loader_benchmark_measures_every_pipeline(tmp_path, monkeypatch, capsys):
     results = tmp_path / "naflex_loader.json"
     argv = ["--images", "8", "--batch_size", "4", "--workers", "1", "--repeats", "1", "--max_num_patches", "16"]
-    done = subprocess.run([sys.executable, "benchmarks/naflex_loader.py", *argv, "--results", str(results)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_benchmark_script("naflex_loader.py", [*argv, "--results", str(results)], monkeypatch)
     record = json.loads(results.read_text())
     rates = {name: run["images_per_s"] for name, run in record["results"].items()}
     assert set(rates) == {"vlfit", "vlfit_uint8_batches", "vlfit_decode_margin_1", "processor", "floor"}
@@ -30,4 +25,4 @@ def test_the_naflex_loader_benchmark_measures_every_pipeline(tmp_path):
     for batching in record["padding_waste"].values():  # a batch padded to its longest image wastes no more
         assert 0 <= batching["padded_to_batch_longest"] <= batching["padded_to_budget"] < 1
     assert record["command"].startswith("python benchmarks/naflex_loader.py --images 8 ")
-    assert "vlfit / processor" in done.stdout
+    assert "vlfit / processor" in capsys.readouterr().out

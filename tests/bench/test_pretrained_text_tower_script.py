@@ -5,13 +5,11 @@ evaluates and is recorded with its recall curve and the command that reruns it."
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.bench.scripts import run_benchmark_script
 
 pytestmark = pytest.mark.slow
 
@@ -30,13 +28,11 @@ def tiny_bert(folder: Path) -> Path:
     return folder
 
 
-def test_the_text_tower_benchmark_records_three_runs(tmp_path):
+def test_the_text_tower_benchmark_records_three_runs(tmp_path, monkeypatch):
     text = tiny_bert(tmp_path / "bert")
     argv = ["--text_model", str(text), "--steps", "2", "--eval_steps", "1", "--num_samples", "40", "--batch_size",
             "4", "--eval_pool_size", "4", "--out", str(tmp_path / "runs"), "--results", str(tmp_path)]  # fmt: skip
-    done = subprocess.run([sys.executable, "benchmarks/pretrained_text_tower.py", *argv], cwd=REPO,
-                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_benchmark_script("pretrained_text_tower.py", argv, monkeypatch)
     record = json.loads((tmp_path / "pretrained_text_tower.json").read_text())
     assert [run["run"] for run in record["runs"]] == ["locked", "unlocked", "random"]
     for run in record["runs"]:
