@@ -50,7 +50,7 @@ def test_eval_of_the_saved_model_needs_no_task_flag(vqa_run, tmp_path):
     assert result.metrics["eval_vqa_accuracy"] == pytest.approx(metrics["eval_vqa_accuracy"])
 
 
-def test_answer_api_cli_and_plain_transformers_agree(vqa_run, tmp_path):
+def test_answer_api_cli_and_plain_transformers_agree(vqa_run, tmp_path, capsys):
     import datasets
     from PIL import Image
     from safetensors.torch import load_file
@@ -66,10 +66,11 @@ def test_answer_api_cli_and_plain_transformers_agree(vqa_run, tmp_path):
     answers = vlfit.load(str(run)).answer(str(image), question, top_k=2)
     assert len(answers) == 1 and len(answers[0]) == 2 and answers[0][0][1] >= answers[0][1][1]
 
-    printed = subprocess.run(
-        [sys.executable, "-m", "vlfit", "vqa", "--model", str(run), str(image), question, "--top_k", "2"],
-        capture_output=True, text=True, check=True,
-    ).stdout.splitlines()  # fmt: skip
+    from vlfit.cli import main
+
+    capsys.readouterr()
+    assert main(["vqa", "--model", str(run), str(image), question, "--top_k", "2"]) == 0
+    printed = capsys.readouterr().out.splitlines()
     assert printed[0].split("\t")[:2] == [question, answers[0][0][0]]
 
     # The model card's recipe: the backbone in plain transformers, the head rebuilt from the config.
