@@ -110,6 +110,7 @@ def test_answered_before_the_heavy_imports(argv, code, expected, tmp_path):
         assert done.stdout == flag_index._index()[f"vlfit {argv[0]}"]["help"]
 
 
+@pytest.mark.slow
 def test_a_value_the_index_cannot_judge_goes_on_to_the_command(tmp_path):
     done = _vlfit(
         "train", "--model_preset", "tiny", "--freeze", "vision", "--unfreeze_after_steps", "0", "--output_dir", "out",

@@ -12,6 +12,8 @@ import sys
 import traceback
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "vlfit"
 
@@ -113,6 +115,7 @@ def _vlfit_modules() -> list[str]:
     return [m for m in sys.modules if m == PACKAGE or m.startswith(PACKAGE + ".")]
 
 
+@pytest.mark.slow
 def test_every_module_imports_on_its_own() -> None:
     """Each module imported with no vlfit module loaded: a module that only imports when another was imported
     first fails here. Everything is imported once first and only vlfit's modules are dropped before each import,

@@ -88,6 +88,7 @@ for level in ("info", "debug"):
 """
 
 
+@pytest.mark.slow
 def test_loading_a_checkpoint_shows_transformers_bars_and_token_id_warnings_at_debug_only(tmp_path):
     """A SigLIP checkpoint's load drew a "Loading weights" bar and warned about its config's bos/eos ids, every
     time; the CLI hides both unless --log_level debug. A process of its own: transformers' handler and bars write

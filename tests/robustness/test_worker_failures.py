@@ -42,6 +42,7 @@ class DyingDataset(Dataset):
         return index
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("how", "message"),
     [

@@ -176,6 +176,7 @@ OVERWRITTEN_ANN = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_an_ann_file_overwritten_in_place_while_served_cannot_kill_the_process(tmp_path) -> None:
     done = subprocess.run([sys.executable, "-c", OVERWRITTEN_ANN, str(tmp_path / "index")], capture_output=True,
                           text=True, timeout=120)  # fmt: skip
