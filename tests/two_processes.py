@@ -36,7 +36,7 @@ def run_two_processes(root: Path, dataset_dir: str) -> None:
     """Every module's job in one 2-process spawn, each writing its ranks' results into its folder under ``root``."""
     jobs = []
     for module_name in MODULES:
-        folder = root / module_name.rpartition(".")[2]
+        folder = _job_folder(root, module_name)
         folder.mkdir(parents=True)
         make_payload = importlib.import_module(module_name).two_process_payload
         wanted = inspect.signature(make_payload).parameters
@@ -49,6 +49,11 @@ def run_two_processes(root: Path, dataset_dir: str) -> None:
 def read_results(root: Path) -> dict[str, list[dict]]:
     """What ``run_two_processes`` wrote under ``root``: the two ranks' results by module name."""
     return {
-        module_name: [torch.load(root / module_name.rpartition(".")[2] / f"rank{rank}.pt") for rank in range(2)]
+        module_name: [torch.load(_job_folder(root, module_name) / f"rank{rank}.pt") for rank in range(2)]
         for module_name in MODULES
     }
+
+
+def _job_folder(root: Path, module_name: str) -> Path:
+    """Where a module's job keeps its payload and its ranks' results under ``root``."""
+    return root / module_name.rpartition(".")[2]
