@@ -1,7 +1,7 @@
 """The pipe a loader's workers hand their batches over: large enough for a batch in one write.
 
 A DataLoader's worker sends each batch to the main process through a multiprocessing queue, which is a pipe. Linux
-gives a pipe 64 KiB, so a batch whose tensors travel by value (up to 256 KiB each: ``Batch.__reduce__``) crossed it
+gives a pipe 64 KiB, so a batch whose tensors travel by value (up to 256 KiB each: ``Batch.__getstate__``) crossed it
 in several writes, each waiting for the main process to read the one before: receiving a ``tiny`` batch of 16
 64-px images took 1.71 ms of the main process's time a step, and 0.85 ms through a 1 MiB pipe (median of 60
 batches, one worker kept ahead, three loaders of each alternated, on 2 cores). ``loader_context`` is the
